@@ -1,0 +1,136 @@
+"""Build what this rank needs for its roles: prompts, models, strategies, roles, weight sync."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from rlrun.config import Config
+from rlrun.data import PromptSampler, format_prompt, load_prompt_records, tokenize_prompts
+from rlrun.launch.fsdp import FSDPStrategy
+from rlrun.launch.groups import Groups
+from rlrun.launch.layout import Layout, Role
+from rlrun.launch.transfer import ParamSource, WeightSync
+from rlrun.models import load_causal_lm, load_critic, load_reward_model
+from rlrun.roles.actor import Actor, PolicyLossSettings
+from rlrun.roles.critic import Critic
+from rlrun.roles.engine import HFEngine, SamplingSettings
+from rlrun.roles.optim import make_optimizer, warmup_cosine
+from rlrun.roles.reference import Reference
+from rlrun.roles.reward_fn import RewardFunction, load_reward_function
+from rlrun.roles.reward_model import RewardModel
+from rlrun.roles.update import Updater
+
+
+@dataclass
+class Prompts:
+    """The prompt set after formatting and tokenising; index i is record i."""
+
+    texts: list[str]
+    ids: list[list[int]]
+    labels: list[str | None]
+    truncated: int
+    dropped: int
+
+
+@dataclass
+class RankRoles:
+    """The roles this rank plays (None where it plays none)."""
+
+    actor: Actor | None = None
+    critic: Critic | None = None
+    reference: Reference | None = None
+    reward_model: RewardModel | None = None
+    reward_fn: RewardFunction | None = None
+    engine: HFEngine | None = None
+    weight_sync: WeightSync | None = None
+
+
+def build_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Prompts:
+    d = cfg.data
+    records = load_prompt_records(d.prompt_data, d.input_key, d.label_key, cfg.train.max_samples)
+    texts = [format_prompt(r.text, tokenizer, d.input_template, d.apply_chat_template) for r in records]
+    labels = [r.label for r in records]
+    max_len = cfg.generation.prompt_max_len
+    if cfg.generation.prompt_overflow == "drop":
+        full, _ = tokenize_prompts(texts, tokenizer, 10**12)
+        keep = [i for i, ids in enumerate(full) if len(ids) <= max_len]
+        return Prompts([texts[i] for i in keep], [full[i] for i in keep], [labels[i] for i in keep], 0, len(texts) - len(keep))
+    ids, truncated = tokenize_prompts(texts, tokenizer, max_len)
+    return Prompts(texts, ids, labels, truncated, 0)
+
+
+def make_sampler(cfg: Config, prompts: Prompts) -> PromptSampler:
+    return PromptSampler(len(prompts.ids), cfg.train.rollout_batch_size, cfg.train.seed, cfg.train.num_episodes)
+
+
+def optimizer_steps(cfg: Config, total_steps: int) -> int:
+    return total_steps * cfg.train.max_epochs * (cfg.rollouts_per_step // cfg.train.train_batch_size)
+
+
+def engine_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if cfg.model.bf16 and device.type == "cuda" else torch.float32
+
+
+def _strategy(cfg: Config, groups: Groups, role: Role, device: torch.device) -> FSDPStrategy:
+    group = groups.role(role)
+    assert group is not None, role
+    return FSDPStrategy(group, device, bf16=cfg.model.bf16, zero_stage=cfg.train.zero_stage,
+                        offload=cfg.train.adam_offload, gradient_checkpointing=cfg.model.gradient_checkpointing)
+
+
+def _updater(cfg: Config, model: torch.nn.Module, strategy: FSDPStrategy, lr: float, total_opt_steps: int,
+             layout: Layout, role: Role, rank: int) -> Updater:
+    t = cfg.train
+    optimizer = make_optimizer(model, lr, t.adam_betas, t.l2)
+    scheduler = warmup_cosine(optimizer, total_opt_steps, t.lr_warmup_ratio)
+    ranks = layout.ranks_of(role)
+    return Updater(model, strategy, optimizer, scheduler, t.max_norm, t.micro_train_batch_size, ranks.index(rank), len(ranks))
+
+
+def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.device, total_steps: int) -> RankRoles:
+    rank = groups.rank
+    mine = set(layout.roles_of(rank))
+    out = RankRoles()
+    opt_steps = optimizer_steps(cfg, total_steps)
+    a, g = cfg.algo, cfg.generation
+    actor_strategy = None
+    if Role.ACTOR in mine:
+        actor_strategy = _strategy(cfg, groups, Role.ACTOR, device)
+        model = actor_strategy.wrap(load_causal_lm(cfg))
+        settings = PolicyLossSettings(a.eps_clip, a.dual_clip, a.loss_agg_mode, g.temperature, a.entropy_loss_coef,
+                                      a.use_kl_loss, a.kl_estimator)
+        updater = _updater(cfg, model, actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout, Role.ACTOR, rank)
+        out.actor = Actor(model, updater, settings, device)
+    if Role.REF in mine:
+        model = _strategy(cfg, groups, Role.REF, device).wrap(load_causal_lm(cfg), trainable=False)
+        out.reference = Reference(model, g.temperature, device)
+    if Role.CRITIC in mine:
+        strategy = _strategy(cfg, groups, Role.CRITIC, device)
+        model = strategy.wrap(load_critic(cfg))
+        updater = _updater(cfg, model, strategy, cfg.train.critic_learning_rate, opt_steps, layout, Role.CRITIC, rank)
+        out.critic = Critic(model, updater, a.value_clip, a.loss_agg_mode, device)
+    if Role.REWARD in mine:
+        model = _strategy(cfg, groups, Role.REWARD, device).wrap(load_reward_model(cfg), trainable=False)
+        out.reward_model = RewardModel(model, device)
+    if Role.ENGINE in mine:
+        from rlrun.models import load_tokenizer
+
+        tok = load_tokenizer(cfg)
+        sampling = SamplingSettings(g.temperature, g.top_p, g.generate_max_len, int(tok.pad_token_id), int(tok.eos_token_id))
+        out.engine = HFEngine(load_causal_lm(cfg, engine_dtype(cfg, device)).to(device), sampling, device)
+        if not cfg.needs_reward_model:
+            out.reward_fn = load_reward_function(cfg.model.remote_rm_url)
+    out.weight_sync = WeightSync(
+        actor_params=ParamSource(out.actor.model, actor_strategy.full_params) if out.actor and actor_strategy else None,
+        engine_model=out.engine.model if out.engine else None,
+        sync_group=groups.get("sync"),
+        actor_root=layout.ranks_of(Role.ACTOR)[0],
+        colocated=layout.engine_colocated_with_actor,
+        bucket_bytes=g.weight_sync_bucket_mb * 2**20,
+        wire_dtype=engine_dtype(cfg, device),
+        device=device,
+    )
+    return out

@@ -1,0 +1,238 @@
+"""Command line: defaults < YAML (--config) < flags, OpenRLHF flag names, grouped --help.
+
+The parser is generated from ``rlrun.config``; nothing here defines a setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence, get_args, get_origin, get_type_hints
+
+import yaml
+
+from rlrun.config import Config, FieldInfo, build_config, coerce, fields_of, suggest
+from rlrun.errors import ConfigError
+
+RAY_ONLY = "Ray-only: rlrun runs without Ray (torchrun/srun start the processes)"
+NOT_YET = "not implemented in rlrun yet; it has no effect"
+LAUNCHER = "set by the launcher: torchrun/srun give every process its rank"
+
+# OpenRLHF train_ppo_ray flags rlrun accepts but does not act on: name -> (values it takes, reason).
+IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
+    "vllm_sync_with_ray": (0, RAY_ONLY),
+    "async_train": (0, RAY_ONLY),
+    "async_queue_size": (1, RAY_ONLY),
+    "rollout_tasks_per_gpu": (1, RAY_ONLY),
+    "runtime_env": (1, RAY_ONLY),
+    "runtime-env": (1, RAY_ONLY),
+    "runtime-env-json": (1, RAY_ONLY),
+    "local_rank": (1, LAUNCHER),
+    "ref_reward_offload": (0, NOT_YET),
+    "enable_prefix_caching": (0, NOT_YET),
+    "enable_vllm_is_correction": (0, NOT_YET),
+    "vllm_is_truncated_threshold": (1, NOT_YET),
+    "vllm_generate_batch_size": (1, NOT_YET),
+    "packing_samples": (0, NOT_YET),
+    "deepspeed_enable_sleep": (0, NOT_YET),
+    "ds_tensor_parallel_size": (1, NOT_YET),
+    "deepcompile": (0, NOT_YET),
+    "disable_ds_ckpt": (0, NOT_YET),
+    "use_ds_universal_ckpt": (0, NOT_YET),
+    "max_ckpt_mem": (1, NOT_YET),
+    "enable_ema": (0, NOT_YET),
+    "ema_beta": (1, NOT_YET),
+    "zpg": (1, NOT_YET),
+    "actor_init_on_gpu": (0, NOT_YET),
+    "use_liger_kernel": (0, NOT_YET),
+    "grad_accum_dtype": (1, NOT_YET),
+    "overlap_comm": (0, NOT_YET),
+    "gradient_checkpointing_use_reentrant": (0, NOT_YET),
+    "disable_fast_tokenizer": (0, NOT_YET),
+    "use_dynamic_batch": (0, NOT_YET),
+    "rollout_max_tokens_per_gpu": (1, NOT_YET),
+    "train_max_tokens_per_gpu": (1, NOT_YET),
+    "load_in_4bit": (0, NOT_YET),
+    "lora_rank": (1, NOT_YET),
+    "lora_alpha": (1, NOT_YET),
+    "target_modules": ("*", NOT_YET),
+    "lora_dropout": (1, NOT_YET),
+    "max_len": (1, NOT_YET),
+    "ptx_coef": (1, NOT_YET),
+    "eps_clip_low_high": (2, NOT_YET),
+    "full_determinism": (0, "rlrun is deterministic on CPU by default"),
+    "freezing_actor_steps": (1, NOT_YET),
+    "lr_scheduler": (1, "rlrun always uses linear warmup + cosine decay"),
+    "policy_loss_type": (1, NOT_YET),
+    "aux_loss_coef": (1, NOT_YET),
+    "no_advantage_std_norm": (0, NOT_YET),
+    "overlong_buffer_len": (1, NOT_YET),
+    "overlong_penalty_factor": (1, NOT_YET),
+    "ring_attn_size": (1, NOT_YET),
+    "ring_head_stride": (1, NOT_YET),
+    "value_head_prefix": (1, NOT_YET),
+    "agent_func_path": (1, NOT_YET),
+    "prompt_data_probs": (1, NOT_YET),
+    "prompt_split": (1, NOT_YET),
+    "eval_dataset": (1, NOT_YET),
+    "eval_split": (1, NOT_YET),
+    "eval_temperature": (1, NOT_YET),
+    "eval_n_samples_per_prompt": (1, NOT_YET),
+    "dynamic_filtering": (0, NOT_YET),
+    "dynamic_filtering_reward_range": (2, NOT_YET),
+    "perf": (0, NOT_YET),
+    "use_ms": (0, "ModelScope hub: rlrun loads local paths only"),
+}
+
+
+@dataclass(frozen=True)
+class ParsedArgs:
+    config: Config
+    ignored: tuple[str, ...]  # one line per ignored flag, with the reason
+    explicit: frozenset[str]  # fields set by YAML or flags (not defaults)
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    args = get_args(tp)
+    if type(None) in args and len(args) == 2:
+        return next(a for a in args if a is not type(None))
+    return tp
+
+
+def _flag_kwargs(info: FieldInfo) -> dict[str, Any]:
+    tp = info.type
+    kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": info.name}
+    default_text = "" if info.default is None else f" (default: {info.default})"
+    kwargs["help"] = info.help.replace("%", "%%") + default_text.replace("%", "%%")
+    base = _unwrap_optional(tp)
+    if info.name == "use_wandb":  # OpenRLHF: --use_wandb KEY; rlrun also takes a bare --use_wandb
+        kwargs.update(nargs="?", const="", metavar=info.metavar)
+    elif base is bool:
+        kwargs.update(nargs="?", const="true", metavar="BOOL")
+    elif get_origin(base) is tuple:
+        kwargs.update(nargs=len(get_args(base)))
+    elif get_origin(base) is Literal:
+        kwargs["metavar"] = "{" + ",".join(map(str, get_args(base))) + "}"
+    return kwargs
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m rlrun.ppo",
+        description="Ray-free RLHF: one torchrun/srun SPMD program. OpenRLHF train_ppo_ray flag names work.",
+        epilog="Ray-only and not-yet-supported OpenRLHF flags are accepted and reported as ignored.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", default=None, help="YAML file setting fields (nested by section or flat by flag name).")
+    hints = get_type_hints(Config)
+    infos = fields_of()
+    for section in dataclasses.fields(Config):
+        doc = (hints[section.name].__doc__ or "").strip().splitlines()[0]
+        group = parser.add_argument_group(section.name, doc)
+        for info in infos.values():
+            if info.section == section.name:
+                group.add_argument(f"--{info.name}", **_flag_kwargs(info))
+    return parser
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Flat {field: value} from a YAML file; sections may nest. Unknown keys are errors."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    with open(path, encoding="utf-8") as fh:
+        try:
+            raw = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of keys to values")
+    infos = fields_of()
+    sections = {f.name for f in dataclasses.fields(Config)}
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in sections and isinstance(value, dict):
+            for sub, sub_value in value.items():
+                info = infos.get(sub)
+                if info is None or info.section != key:
+                    valid = [i.name for i in infos.values() if i.section == key]
+                    raise ConfigError(f"--config {path}: unknown key '{key}.{sub}'{suggest(str(sub), valid)}")
+                flat[sub] = sub_value
+        elif key in infos:
+            flat[key] = value
+        else:
+            raise ConfigError(f"--config {path}: unknown key '{key}'{suggest(str(key), list(infos) + list(sections))}")
+    return {k: coerce(infos[k], v, f"--config {path}") for k, v in flat.items()}
+
+
+def _strip_ignored(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Remove ignored OpenRLHF/Ray flags (and their values); return (rest, report lines)."""
+    rest: list[str] = []
+    report: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, _ = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        ignored = IGNORED_FLAGS.get(name) or ((0, RAY_ONLY) if name.startswith("ray_") else None)
+        if ignored is None:
+            rest.append(token)
+            i += 1
+            continue
+        nargs, reason = ignored
+        i += 1
+        if not eq:
+            want = 10**9 if nargs == "*" else int(nargs)
+            if name.startswith("ray_"):
+                want = 1  # --ray_* flags take a value unless the next token is a flag
+            while want and i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+                want -= 1
+        report.append(f"--{name}: ignored ({reason})")
+    return rest, report
+
+
+def _dotted_to_flat(argv: Sequence[str]) -> list[str]:
+    """Accept --section.field (e.g. --train.seed) as an alias of --field."""
+    infos = fields_of()
+    out = []
+    for token in argv:
+        if token.startswith("--") and "." in token.split("=", 1)[0]:
+            head, eq, value = token[2:].partition("=")
+            section, _, name = head.partition(".")
+            if name in infos and infos[name].section == section:
+                token = f"--{name}{eq}{value}"
+        out.append(token)
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ParsedArgs:
+    """Parse flags (and --config YAML) into a validated-type Config; raise ConfigError on bad input."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest, ignored = _strip_ignored(_dotted_to_flat(argv))
+    parser = build_parser()
+    known, unknown = parser.parse_known_args(rest)
+    infos = fields_of()
+    if unknown:
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
+        name = flag.lstrip("-").split("=", 1)[0]
+        raise ConfigError(f"unknown flag '{flag}'{suggest(name, infos, prefix='--')}" if flag.startswith("-")
+                          else f"unexpected argument '{flag}' (flags take the form --name value)")
+    values = load_yaml(known.config) if known.config else {}
+    for name, raw in vars(known).items():
+        if name == "config":
+            continue
+        if name == "use_wandb" and raw == "":
+            values[name] = ""  # bare flag: key from WANDB_API_KEY
+            continue
+        values[name] = coerce(infos[name], raw, f"--{name}")
+    return ParsedArgs(build_config(values), tuple(dict.fromkeys(ignored)), frozenset(values))

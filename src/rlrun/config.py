@@ -1,0 +1,315 @@
+"""The one typed configuration tree.
+
+Sources, later wins: dataclass defaults < YAML file (``--config x.yaml``) < CLI flags.
+Every field is a flag of the same name (OpenRLHF's ``train_ppo_ray`` names where one
+exists), so a field is defined exactly once: here. ``rlrun.cli`` builds the parser from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from rlrun.errors import ConfigError
+
+AdvantageEstimator = Literal["gae", "group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"]
+GROUP_ESTIMATORS = frozenset({"group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"})
+NEEDS_GROUPS = frozenset({"group_norm", "dr_grpo", "rloo", "reinforce_baseline"})
+
+
+def opt(default: Any, help: str, *, secret: bool = False, metavar: str | None = None) -> Any:
+    """A config field with its help text (every flag has one)."""
+    meta = {"help": help, "secret": secret, "metavar": metavar}
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """Models and reward sources."""
+
+    pretrain: str | None = opt(None, "Policy model: a local HF directory. Unset: the embedded tiny model (see --model_preset).")
+    model_preset: Literal["tiny", "100m", "0.5b"] = opt("tiny", "Random-init model shape used when --pretrain is unset (offline demo and benchmarks).")
+    reward_pretrain: str | None = opt(None, "Reward model directory (sequence-classification or value-head model scoring the last token).")
+    critic_pretrain: str | None = opt(None, "Critic initialisation. Unset: the reward model, else the policy.")
+    remote_rm_url: str | None = opt(None, "Reward from a local Python file defining reward_func(queries, prompts, labels), or an http(s):// endpoint. Unset and no --reward_pretrain: the built-in demo rule reward.")
+    bf16: bool = opt(False, "bf16 mixed precision (on GPU; CPU training stays fp32).")
+    flash_attn: bool = opt(False, "Use flash-attention 2 (needs the flash-attn extra and a GPU).")
+    attn_implementation: str | None = opt(None, "HF attn_implementation override (eager, sdpa, flash_attention_2).")
+    gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
+
+
+@dataclass
+class ResourceConfig:
+    """Role layout. 'gpus' in these OpenRLHF flags means ranks. No sizes given: every role on every rank."""
+
+    actor_num_nodes: int | None = opt(None, "Nodes for the actor (ranks = nodes x gpus_per_node).")
+    actor_num_gpus_per_node: int | None = opt(None, "Ranks per node for the actor.")
+    critic_num_nodes: int | None = opt(None, "Nodes for the critic.")
+    critic_num_gpus_per_node: int | None = opt(None, "Ranks per node for the critic.")
+    ref_num_nodes: int | None = opt(None, "Nodes for the reference model.")
+    ref_num_gpus_per_node: int | None = opt(None, "Ranks per node for the reference model.")
+    reward_num_nodes: int | None = opt(None, "Nodes for the reward model.")
+    reward_num_gpus_per_node: int | None = opt(None, "Ranks per node for the reward model.")
+    vllm_num_engines: int | None = opt(None, "Number of generation engines on their own ranks (whatever the backend). Unset: engines share the actor's ranks.")
+    vllm_tensor_parallel_size: int = opt(1, "Ranks per generation engine.")
+    colocate_actor_ref: bool = opt(False, "Reference model on the actor's ranks (same processes).")
+    colocate_critic_reward: bool = opt(False, "Reward model on the critic's ranks.")
+    colocate_all_models: bool = opt(False, "Every role, engines included, on the same ranks.")
+
+
+@dataclass
+class GenerationConfig:
+    """Rollout generation."""
+
+    generation_backend: Literal["auto", "hf", "vllm"] = opt("auto", "auto: vLLM when installed and a GPU is present, else HF generate.")
+    temperature: float = opt(1.0, "Sampling temperature.")
+    top_p: float = opt(1.0, "Nucleus sampling threshold.")
+    prompt_max_len: int = opt(1024, "Max prompt tokens.")
+    prompt_overflow: Literal["truncate", "drop"] = opt("truncate", "Prompts longer than --prompt_max_len: keep the last tokens, or drop the record (counted in the log either way).")
+    generate_max_len: int = opt(1024, "Max new tokens per response.")
+    vllm_gpu_memory_utilization: float = opt(0.95, "vLLM gpu_memory_utilization.")
+    vllm_enable_sleep: bool = opt(False, "Put vLLM to sleep during training (colocated mode).")
+    vllm_sync_backend: Literal["nccl", "gloo"] = opt("nccl", "Backend of the actor->engine weight-sync group on GPU.")
+    enforce_eager: bool = opt(False, "Disable CUDA graphs in vLLM.")
+    weight_sync_bucket_mb: int = opt(256, "Size of each actor->engine weight-sync bucket (MiB).")
+
+
+@dataclass
+class TrainConfig:
+    """Batch sizes, schedule, optimisation."""
+
+    rollout_batch_size: int = opt(1024, "Prompts per step (before n_samples_per_prompt).")
+    micro_rollout_batch_size: int = opt(8, "Sequences per forward pass when scoring rollouts, per rank.")
+    train_batch_size: int = opt(128, "Sequences per optimizer step, over all actor ranks.")
+    micro_train_batch_size: int = opt(4, "Sequences per forward/backward, per rank.")
+    n_samples_per_prompt: int = opt(1, "Responses sampled per prompt.")
+    max_epochs: int = opt(1, "Passes over each rollout batch.")
+    num_episodes: int = opt(1, "Passes over the prompt dataset.")
+    max_samples: int = opt(100_000_000, "Use at most this many prompts.")
+    max_steps: int | None = opt(None, "Stop after this many steps (rollout + update).")
+    actor_learning_rate: float = opt(1e-6, "Actor learning rate.")
+    critic_learning_rate: float = opt(9e-6, "Critic learning rate.")
+    lr_warmup_ratio: float = opt(0.03, "Fraction of optimizer steps spent in linear warmup (then cosine decay).")
+    adam_betas: tuple[float, float] = opt((0.9, 0.95), "Adam betas.")
+    max_norm: float = opt(1.0, "Gradient clipping norm.")
+    l2: float = opt(0.0, "Weight decay.")
+    zero_stage: int = opt(2, "Sharding stage: 3 reshards parameters after forward (ZeRO-3-like); 0-2 keep them gathered until backward.")
+    adam_offload: bool = opt(False, "Offload parameters, gradients and optimizer state to CPU (GPU only).")
+    strategy: Literal["fsdp"] = opt("fsdp", "Training strategy for actor and critic.")
+    seed: int = opt(42, "Seed for data order, initialisation and sampling.")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantages, KL and losses."""
+
+    advantage_estimator: AdvantageEstimator = opt("gae", "gae (PPO), group_norm (GRPO), dr_grpo, rloo, reinforce (REINFORCE++), reinforce_baseline.")
+    init_kl_coef: float = opt(0.01, "KL coefficient (reward penalty, or loss weight with --use_kl_loss).")
+    kl_target: float | None = opt(None, "Adaptive KL: target KL (unset: fixed coefficient).")
+    kl_horizon: int = opt(10000, "Adaptive KL horizon.")
+    kl_estimator: Literal["k1", "k2", "k3"] = opt("k1", "KL estimator.")
+    use_kl_loss: bool = opt(False, "KL as a loss term instead of a reward penalty (GRPO).")
+    gamma: float = opt(1.0, "Discount factor.")
+    lambd: float = opt(1.0, "GAE lambda.")
+    eps_clip: float = opt(0.2, "PPO clip range.")
+    dual_clip: float | None = opt(None, "Dual-clip constant (> 1).")
+    value_clip: float | None = opt(0.5, "Value clip range (unset: no clipping).")
+    normalize_reward: bool = opt(False, "Normalise scores with running mean/std.")
+    reward_clip_range: tuple[float, float] = opt((-10.0, 10.0), "Clip scores to this range.")
+    entropy_loss_coef: float | None = opt(None, "Entropy bonus coefficient (0 logs entropy only).")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = opt("token-mean", "How per-token losses are averaged.")
+
+
+@dataclass
+class DataConfig:
+    """Prompt data."""
+
+    prompt_data: str | None = opt(None, "Local .jsonl/.json/.parquet/.csv file or saved HF datasets directory. Unset: built-in prompts.")
+    input_key: str = opt("input", "Field holding the prompt.")
+    label_key: str | None = opt(None, "Field holding the label passed to the reward.")
+    input_template: str | None = opt(None, "Template with {} for the prompt.")
+    apply_chat_template: bool = opt(False, "Wrap prompts with the tokenizer's chat template.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save_path: str = opt("./ckpt", "Final policy (HF format) and default metrics file go here.")
+    ckpt_path: str = opt("./ckpt/checkpoints_ppo", "Directory of resumable checkpoints.")
+    save_steps: int = opt(-1, "Save a checkpoint every N steps (-1: never).")
+    load_checkpoint: bool = opt(False, "Resume from the newest complete checkpoint in --ckpt_path.")
+    save_hf_ckpt: bool = opt(False, "Also save the policy in HF format beside each checkpoint.")
+    max_ckpt_num: int = opt(3, "Keep the newest N checkpoints.")
+    save_value_network: bool = opt(False, "Also save the critic in HF format.")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics and trackers."""
+
+    logging_steps: int = opt(1, "Log metrics every N steps.")
+    eval_steps: int = opt(-1, "Evaluate every N steps (-1: never).")
+    metrics_file: str | None = opt(None, "JSONL metrics file (default: <save_path>/metrics.jsonl).")
+    use_wandb: str | None = opt(None, "Log to wandb. Optional value: the API key (else WANDB_API_KEY).", secret=True, metavar="[KEY]")
+    wandb_org: str | None = opt(None, "wandb entity.")
+    wandb_project: str = opt("rlrun_ppo", "wandb project.")
+    wandb_group: str | None = opt(None, "wandb group.")
+    wandb_run_name: str | None = opt(None, "wandb run name.")
+    use_tensorboard: str | None = opt(None, "TensorBoard log directory.")
+
+
+@dataclass
+class RuntimeConfig:
+    """Process groups and devices (rlrun's own)."""
+
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: cuda when available, else cpu.")
+    dist_backend: Literal["auto", "nccl", "gloo"] = opt("auto", "auto: nccl with cuda, else gloo.")
+    dist_timeout: float = opt(300.0, "Seconds any collective may wait before the job fails.")
+    dry_run: bool = opt(False, "Print the role layout and exit; loads no model or data.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    resources: ResourceConfig = field(default_factory=ResourceConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algo: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.algo.advantage_estimator not in GROUP_ESTIMATORS
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.algo.init_kl_coef > 0 or self.algo.use_kl_loss
+
+    @property
+    def needs_reward_model(self) -> bool:
+        return self.model.reward_pretrain is not None and self.model.remote_rm_url is None
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.train.rollout_batch_size * self.train.n_samples_per_prompt
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    section: str
+    name: str
+    type: Any
+    default: Any
+    help: str
+    secret: bool
+    metavar: str | None
+
+
+def fields_of(config_cls: type = Config) -> dict[str, FieldInfo]:
+    """Every leaf field by its (unique) flag name."""
+    out: dict[str, FieldInfo] = {}
+    hints = get_type_hints(config_cls)
+    for section in dataclasses.fields(config_cls):
+        section_cls = hints[section.name]
+        section_hints = get_type_hints(section_cls)
+        for f in dataclasses.fields(section_cls):
+            if f.name in out:
+                raise AssertionError(f"config field {f.name} defined twice")
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            out[f.name] = FieldInfo(section.name, f.name, section_hints[f.name], default,
+                                    f.metadata["help"], f.metadata["secret"], f.metadata["metavar"])
+    return out
+
+
+def suggest(name: str, candidates: typing.Iterable[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
+
+
+def coerce(info: FieldInfo, value: Any, source: str) -> Any:
+    """Convert a YAML/CLI value to the field's type, or raise ConfigError naming it."""
+    where = f"{info.name} (from {source})"
+    tp = info.type
+    optional = get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType")) and type(None) in get_args(tp)
+    if optional:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        tp = next(a for a in get_args(tp) if a is not type(None))
+    if get_origin(tp) is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where} must be one of {', '.join(map(str, choices))}, got {value!r}{suggest(str(value), map(str, choices))}")
+        return value
+    if get_origin(tp) is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        args = get_args(tp)
+        if not isinstance(items, (list, tuple)) or len(items) != len(args):
+            raise ConfigError(f"{where} needs {len(args)} values, got {value!r}")
+        return tuple(_scalar(a, v, where) for a, v in zip(args, items))
+    return _scalar(tp, value, where)
+
+
+def _scalar(tp: Any, value: Any, where: str) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value)) if not isinstance(value, int) else value
+        except ValueError:
+            try:  # OpenRLHF scripts pass e.g. --max_samples 1e8
+                as_float = float(str(value))
+            except ValueError:
+                as_float = None
+            if as_float is not None and as_float.is_integer():
+                return int(as_float)
+            raise ConfigError(f"{where} must be an integer, got {value!r}") from None
+    if tp is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return str(value)
+    raise AssertionError(f"unsupported config type {tp} for {where}")
+
+
+def build_config(values: dict[str, Any]) -> Config:
+    """Config from already-coerced flat values keyed by field name."""
+    infos = fields_of()
+    sections: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        sections.setdefault(infos[name].section, {})[name] = value
+    hints = get_type_hints(Config)
+    return Config(**{s: hints[s](**kw) for s, kw in sections.items()})
+
+
+def redacted(config: Config) -> dict[str, Any]:
+    """Nested dict of the config with secrets replaced: safe to log or save."""
+    infos = fields_of()
+    out = dataclasses.asdict(config)
+    for info in infos.values():
+        if info.secret and out[info.section][info.name] is not None:
+            out[info.section][info.name] = "<redacted>"
+    return out

@@ -1,0 +1,55 @@
+"""Process-group init and teardown: the only place the default group is created."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rlrun.launch.env import DistEnv
+
+
+def resolve_device(requested: str, local_rank: int) -> torch.device:
+    """'auto' -> this rank's GPU when CUDA is present, else CPU; sets the current CUDA device."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        from rlrun.errors import ConfigError
+
+        raise ConfigError("--device cuda was requested but torch sees no CUDA device; use --device cpu")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return requested
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(env: DistEnv, backend: str, timeout_s: float, device: torch.device) -> None:
+    """Create the default group with an explicit timeout.
+
+    Under elastic torchrun every attempt gets its own key prefix in the rendezvous store: restarted
+    workers otherwise read the previous attempt's gloo addresses from the shared store and fail to
+    connect, or hang."""
+    timeout = timedelta(seconds=timeout_s)
+    device_id = device if device.type == "cuda" else None
+    if env.world_size == 1 and env.launcher == "single":
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id)
+        return
+    if env.launcher == "torchrun":
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    else:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0, timeout=timeout)
+        rank, world = env.rank, env.world_size
+    store = dist.PrefixStore(f"rlrun/attempt{env.restart_count}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id)
+
+
+def teardown() -> None:
+    """Destroy the default group (idempotent). Called on every exit path of a normal run."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

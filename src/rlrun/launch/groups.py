@@ -1,0 +1,43 @@
+"""Create every process group of a layout: the one place `new_group` is called."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from rlrun.launch.layout import Layout, Role
+
+
+@dataclass
+class Groups:
+    """The groups this rank belongs to, by layout name ("world", "actor", "engine.0", "sync", ...)."""
+
+    rank: int
+    layout: Layout
+    member: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+
+    def get(self, name: str) -> dist.ProcessGroup | None:
+        return self.member.get(name)
+
+    def role(self, role: Role) -> dist.ProcessGroup | None:
+        return self.member.get(role.value)
+
+    @property
+    def world(self) -> dist.ProcessGroup:
+        return self.member["world"]
+
+
+def build_groups(layout: Layout, timeout_s: float, sync_backend: str | None = None) -> Groups:
+    """Every rank calls new_group for every group, in the layout's fixed order, even groups it is
+    not in: new_group is collective over the world and a skipped call deadlocks the others."""
+    rank = dist.get_rank()
+    timeout = timedelta(seconds=timeout_s)
+    groups = Groups(rank=rank, layout=layout)
+    for spec in layout.groups:
+        backend = sync_backend if spec.name == "sync" else None
+        group = dist.new_group(list(spec.ranks), timeout=timeout, backend=backend)
+        if rank in spec.ranks:
+            groups.member[spec.name] = group
+    return groups

@@ -1,0 +1,35 @@
+"""Console logging: rank 0 speaks for everyone; other ranks speak only about themselves."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class RankLogger:
+    rank: int
+
+    def _emit(self, level: str, message: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        print(f"[rlrun {stamp} {level}] {message}", file=sys.stderr if level != "info" else sys.stdout, flush=True)
+
+    def info_once(self, message: str) -> None:
+        if self.rank == 0:
+            self._emit("info", message)
+
+    def warning_once(self, message: str) -> None:
+        if self.rank == 0:
+            self._emit("warning", message)
+
+    def error_once(self, message: str) -> None:
+        if self.rank == 0:
+            self._emit("error", message)
+
+    def rank_error(self, message: str) -> None:
+        self._emit("error", f"rank {self.rank}: {message}")
+
+
+def get_logger(rank: int) -> RankLogger:
+    return RankLogger(rank)

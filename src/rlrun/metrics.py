@@ -1,0 +1,73 @@
+"""Metric sinks on rank 0: JSONL file, progress bar, wandb, TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from tqdm import tqdm
+
+from rlrun.config import Config, redacted
+from rlrun.errors import ConfigError, MissingExtraError
+
+BAR_KEYS = ("reward", "kl", "response_length", "actor/policy_loss", "critic/value_loss")
+
+
+class MetricsSink:
+    def __init__(self, cfg: Config, total_steps: int, start_step: int) -> None:
+        path = cfg.logging.metrics_file or os.path.join(cfg.checkpoint.save_path, "metrics.jsonl")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            # Resuming appends; a fresh run starts a fresh file.
+            self.file = open(path, "a" if start_step > 0 else "w", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot write the metrics file {path}: {exc.strerror}; check --save_path/--metrics_file") from None
+        self.path = path
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="rlrun", dynamic_ncols=True,
+                        disable=os.environ.get("RLRUN_NO_PROGRESS") == "1")
+        self.wandb = _init_wandb(cfg) if cfg.logging.use_wandb is not None else None
+        self.tb = _init_tensorboard(cfg.logging.use_tensorboard) if cfg.logging.use_tensorboard else None
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        self.file.write(json.dumps(clean) + "\n")
+        self.file.flush()
+        self.bar.update(1)
+        self.bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in BAR_KEYS if k in metrics})
+        step = int(metrics["step"])
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.wandb is not None:
+            self.wandb.log(numeric, step=step)
+        if self.tb is not None:
+            for k, v in numeric.items():
+                self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _init_wandb(cfg: Config) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise MissingExtraError("wandb", "wandb", "--use_wandb") from None
+    key = cfg.logging.use_wandb or os.environ.get("WANDB_API_KEY")
+    if key and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
+        wandb.login(key=key, relogin=True)
+    return wandb.init(entity=cfg.logging.wandb_org, project=cfg.logging.wandb_project, group=cfg.logging.wandb_group,
+                      name=cfg.logging.wandb_run_name, config=redacted(cfg), reinit=True)
+
+
+def _init_tensorboard(log_dir: str) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise MissingExtraError("tensorboard", "tensorboard", "--use_tensorboard") from None
+    return SummaryWriter(log_dir=log_dir)

@@ -1,0 +1,110 @@
+"""Model and tokenizer construction: HF directories, or the embedded tiny model when offline."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase)
+
+from rlrun.config import Config
+from rlrun.errors import ConfigError, MissingExtraError
+from rlrun.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config_for_size
+
+
+def _check_dir(flag: str, path: str) -> None:
+    if not os.path.isdir(path):
+        raise ConfigError(f"--{flag} {path}: not a local directory (rlrun loads models from local paths; "
+                          f"download the model first, e.g. with `huggingface-cli download`)")
+
+
+def _attn_kwargs(cfg: Config) -> dict[str, str]:
+    if cfg.model.flash_attn:
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            raise MissingExtraError("flash-attn", "flash-attn", "--flash_attn") from None
+        return {"attn_implementation": "flash_attention_2"}
+    if cfg.model.attn_implementation:
+        return {"attn_implementation": cfg.model.attn_implementation}
+    return {}
+
+
+def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
+    if cfg.model.pretrain is None:
+        return build_byte_tokenizer()
+    _check_dir("pretrain", cfg.model.pretrain)
+    tok = AutoTokenizer.from_pretrained(cfg.model.pretrain)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(cfg: Config, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The policy architecture with its initial weights (identical on every rank)."""
+    if cfg.model.pretrain is None:
+        vocab = len(build_byte_tokenizer())
+        model = build_causal_lm(tiny_model_config_for_size(cfg.model.model_preset), seed=cfg.train.seed)
+        assert model.config.vocab_size >= vocab
+        return model.to(dtype)
+    _check_dir("pretrain", cfg.model.pretrain)
+    return AutoModelForCausalLM.from_pretrained(cfg.model.pretrain, dtype=dtype, **_attn_kwargs(cfg))
+
+
+def _scalar_model_from(path: str | None, cfg: Config, dtype: torch.dtype) -> PreTrainedModel:
+    """A sequence-classification model with one output (score head over every position)."""
+    if path is not None:
+        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, **_attn_kwargs(cfg))
+    # Offline default: the tiny policy's body with a fresh scalar head.
+    policy = load_causal_lm(cfg, dtype)
+    config = AutoConfig.for_model(policy.config.model_type, **policy.config.to_dict())
+    config.num_labels = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed + 1)
+        model = AutoModelForSequenceClassification.from_config(config).to(dtype)
+    model.base_model.load_state_dict(policy.base_model.state_dict())
+    return model
+
+
+def load_critic(cfg: Config, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    path = cfg.model.critic_pretrain or cfg.model.reward_pretrain or cfg.model.pretrain
+    for flag in ("critic_pretrain", "reward_pretrain", "pretrain"):
+        if getattr(cfg.model, flag) == path and path is not None:
+            _check_dir(flag, path)
+            break
+    model = _scalar_model_from(path, cfg, dtype)
+    with torch.no_grad():  # a small head keeps early value estimates near zero
+        head = score_head(model)
+        head.weight.normal_(0.0, 1.0 / (model.config.hidden_size + 1), generator=torch.Generator().manual_seed(cfg.train.seed))
+    return model
+
+
+def load_reward_model(cfg: Config, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    assert cfg.model.reward_pretrain is not None
+    _check_dir("reward_pretrain", cfg.model.reward_pretrain)
+    return _scalar_model_from(cfg.model.reward_pretrain, cfg, dtype)
+
+
+def score_head(model: PreTrainedModel) -> nn.Linear:
+    for name in ("score", "classifier", "value_head"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Linear):
+            return head
+    raise ConfigError(f"{type(model).__name__} has no scalar head named score/classifier/value_head; "
+                      "use a sequence-classification model with num_labels=1")
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] -> [B, L]: positions count real tokens only, as HF generate does with left padding."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.masked_fill(attention_mask == 0, 1)
+
+
+def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Scalar head over every position: [B, L] ids -> [B, L] values."""
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids_from(attention_mask)).last_hidden_state
+    return score_head(model)(hidden).squeeze(-1).float()

@@ -1,0 +1,47 @@
+"""Entry point: `torchrun -m rlrun.ppo ...`, `srun python -m rlrun.ppo ...` or `python -m rlrun.ppo ...`.
+
+Parse and validate everything first (cheap, identical on every rank), then init, build, train,
+and always tear down.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from rlrun.cli import parse_args
+from rlrun.errors import RlrunError
+from rlrun.launch.env import read_env
+from rlrun.launch.layout import format_layout_table
+from rlrun.launch.planning import plan
+from rlrun.log import get_logger
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    env = read_env()
+    log = get_logger(env.rank)
+    try:
+        parsed = parse_args(argv)
+        cfg = parsed.config
+        the_plan = plan(cfg, env.world_size, env.local_world_size)
+    except RlrunError as exc:
+        # Every rank sees the same argv and fails the same way; one message is enough.
+        log.error_once(f"error: {exc}")
+        return 2
+    for line in parsed.ignored:
+        log.warning_once(line)
+    if cfg.runtime.dry_run:
+        log.info_once(f"layout for world size {env.world_size} ({env.local_world_size} ranks per node, launcher {env.launcher}):\n"
+                      + format_layout_table(the_plan.layout))
+        for line in the_plan.warnings:
+            log.warning_once(line)
+        return 0
+    for line in the_plan.warnings:
+        log.warning_once(line)
+    from rlrun.run import run
+
+    return run(cfg, env, the_plan.layout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

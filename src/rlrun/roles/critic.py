@@ -1,0 +1,54 @@
+"""Critic: per-token value estimates and their regression update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlrun.algorithms import LossAggMode, value_loss
+from rlrun.roles.forward import micro_batches, response_values
+from rlrun.roles.update import Updater
+from rlrun.rollout import RolloutBatch
+
+
+@dataclass
+class ValueData:
+    """Full-batch inputs, [B, R]."""
+
+    batch: RolloutBatch
+    old_values: torch.Tensor
+    returns: torch.Tensor
+
+
+class Critic:
+    def __init__(self, model: nn.Module, updater: Updater, value_clip: float | None, agg: LossAggMode,
+                 device: torch.device) -> None:
+        self.model = model
+        self.updater = updater
+        self.value_clip = value_clip
+        self.agg = agg
+        self.device = device
+
+    @torch.no_grad()
+    def values(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
+        """[b, L] rollouts -> [b, R] values."""
+        self.model.eval()
+        out = []
+        for rows in micro_batches(batch.sequences.shape[0], micro_batch):
+            part = batch.rows(rows).to(self.device)
+            out.append(response_values(self.model, part.sequences, part.attention_mask, batch.response_width).cpu())
+        return torch.cat(out)
+
+    def train(self, data: ValueData, minibatches: list[torch.Tensor]) -> dict[str, float]:
+        def micro_loss(rows: torch.Tensor, num_tokens: float, num_seqs: float):
+            part = data.batch.rows(rows).to(self.device)
+            values = response_values(self.model, part.sequences, part.attention_mask, data.batch.response_width)
+            loss, stats = value_loss(values, data.old_values[rows].to(self.device), data.returns[rows].to(self.device),
+                                     part.action_mask, value_clip=self.value_clip, agg=self.agg,
+                                     num_tokens=num_tokens, num_seqs=num_seqs)
+            return loss, {"value_loss": loss.detach(), **stats}
+
+        stats = self.updater.run(minibatches, data.batch.action_mask, micro_loss)
+        return {f"critic/{k}": v for k, v in stats.items()}

@@ -1,0 +1,69 @@
+"""The optimisation loop shared by the trainable roles (actor, critic).
+
+Each global mini-batch is split evenly over the role's data-parallel ranks and then into
+micro-batches; losses are normalised by the WHOLE mini-batch's token/sequence count (divided by
+the ranks, since the gradient reduction averages over them), so gradient accumulation and data
+parallelism give the same gradient as one big batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from rlrun.batching import shard
+
+# rows (global indices of one micro-batch), num_tokens, num_seqs -> (loss, stats)
+MicroLoss = Callable[[torch.Tensor, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class GradClipper(Protocol):
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float: ...
+
+
+@dataclass
+class Updater:
+    model: nn.Module
+    strategy: GradClipper
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    max_norm: float
+    micro_batch: int
+    dp_rank: int
+    dp_size: int
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient, over the run
+
+    def run(self, minibatches: list[torch.Tensor], token_mask: torch.Tensor, micro_loss: MicroLoss) -> dict[str, float]:
+        """token_mask: [B, R] response mask of the full batch. Returns stats averaged over steps."""
+        self.model.train()
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        for rows in minibatches:
+            num_tokens = float(token_mask[rows].sum()) / self.dp_size
+            num_seqs = len(rows) / self.dp_size
+            mine = rows[shard(len(rows), self.dp_size, self.dp_rank)]
+            self.optimizer.zero_grad(set_to_none=True)
+            for start in range(0, len(mine), self.micro_batch):
+                loss, stats = micro_loss(mine[start:start + self.micro_batch], num_tokens, num_seqs)
+                loss.backward()
+                for key, value in stats.items():
+                    sums[key] += float(value)
+                    counts[key] += 1
+            grad_norm = self.strategy.clip_grad_norm(self.model, self.max_norm)
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+            else:  # a NaN/inf gradient must never reach the weights
+                self.optimizer.zero_grad(set_to_none=True)
+                self.skipped_steps += 1
+            self.scheduler.step()
+            sums["grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
+            counts["grad_norm"] += 1
+        out = {k: sums[k] / counts[k] for k in sums}
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        out["skipped_steps"] = float(self.skipped_steps)
+        return out

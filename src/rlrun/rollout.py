@@ -1,0 +1,75 @@
+"""The rollout batch and how it is packed for the wire (pure tensor code, no collectives).
+
+On the wire every row has a fixed width: prompt left-padded to P = prompt_max_len, response
+right-padded to R = generate_max_len, plus two length columns. After the gather every rank trims
+to the longest real prompt and response of the step, so compute never pays for the fixed width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """Rows are ordered by (prompt, sample): rows i*n .. i*n+n-1 share prompt i.
+
+    sequences:      [B, p + r] long, prompt left-padded to p, response right-padded to r
+    attention_mask: [B, p + r] long, 1 on real tokens
+    action_mask:    [B, r] float, 1 on response tokens (EOS included)
+    prompt_len, response_len: [B] long
+    """
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    action_mask: torch.Tensor
+    prompt_len: torch.Tensor
+    response_len: torch.Tensor
+
+    @property
+    def response_width(self) -> int:
+        return self.action_mask.shape[1]
+
+    def rows(self, index: slice | torch.Tensor) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+    def to(self, device: torch.device) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def pack_rows(prompts: list[list[int]], responses: list[list[int]], prompt_width: int, response_width: int,
+              pad_id: int) -> torch.Tensor:
+    """Token lists -> [b, P + R + 2] long: left-padded prompt | right-padded response | lengths."""
+    b = len(prompts)
+    out = torch.full((b, prompt_width + response_width + 2), pad_id, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        if len(p) > prompt_width or len(r) > response_width:
+            raise ValueError(f"row {i}: prompt {len(p)} > {prompt_width} or response {len(r)} > {response_width}")
+        if p:
+            out[i, prompt_width - len(p):prompt_width] = torch.tensor(p)
+        if r:
+            out[i, prompt_width:prompt_width + len(r)] = torch.tensor(r)
+        out[i, -2] = len(p)
+        out[i, -1] = len(r)
+    return out
+
+
+def unpack_rows(packed: torch.Tensor, prompt_width: int) -> RolloutBatch:
+    """[B, P + R + 2] -> RolloutBatch trimmed to the longest real prompt and response."""
+    prompt_len, response_len = packed[:, -2], packed[:, -1]
+    p = int(prompt_len.max())
+    r = max(int(response_len.max()), 1)
+    sequences = torch.cat([packed[:, prompt_width - p:prompt_width], packed[:, prompt_width:prompt_width + r]], dim=1)
+    cols_p = torch.arange(p, device=packed.device)
+    cols_r = torch.arange(r, device=packed.device)
+    prompt_mask = cols_p[None, :] >= (p - prompt_len)[:, None]
+    action_mask = cols_r[None, :] < response_len[:, None]
+    attention_mask = torch.cat([prompt_mask, action_mask], dim=1).long()
+    return RolloutBatch(sequences.clone(), attention_mask, action_mask.float(), prompt_len.clone(), response_len.clone())
+
+
+def response_tokens(batch: RolloutBatch) -> list[list[int]]:
+    r = batch.response_width
+    return [row[-r:][: int(n)].tolist() for row, n in zip(batch.sequences, batch.response_len)]

@@ -1,0 +1,195 @@
+"""The RL loop: generate -> score -> advantages -> train -> sync weights -> log.
+
+Every rank runs this same code; what it does at each phase depends on the roles it holds.
+Tensors cross ranks only through rlrun.launch.transfer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from rlrun.algorithms import compute_advantages, compute_approx_kl, make_kl_controller, masked_mean
+from rlrun.batching import derive_seed, minibatch_order, shard
+from rlrun.build import Prompts, RankRoles
+from rlrun.config import Config
+from rlrun.data import PromptSampler
+from rlrun.launch.groups import Groups
+from rlrun.launch.layout import Layout, Role
+from rlrun.launch.transfer import all_gather_vectors, broadcast_json, gather_from
+from rlrun.metrics import MetricsSink
+from rlrun.results import pack_slots, slot_plan, unpack_slots
+from rlrun.roles.actor import PolicyData
+from rlrun.roles.critic import ValueData
+from rlrun.rollout import RolloutBatch, pack_rows, unpack_rows
+from rlrun.running import RunningMoments
+
+
+@dataclass
+class TrainState:
+    """Everything besides model/optimizer state that an exact resume needs."""
+
+    step: int = 0
+    kl_coef: float = 0.0
+    reward_moments: RunningMoments = field(default_factory=RunningMoments)
+
+
+@dataclass
+class StepOutputs:
+    batch: RolloutBatch
+    scores: torch.Tensor  # [B] raw scores (before normalisation/clipping)
+    extra_logs: dict[str, float]
+
+
+class Trainer:
+    def __init__(self, cfg: Config, layout: Layout, groups: Groups, roles: RankRoles, prompts: Prompts,
+                 sampler: PromptSampler, tokenizer: PreTrainedTokenizerBase, device: torch.device,
+                 total_steps: int) -> None:
+        self.cfg, self.layout, self.groups, self.roles = cfg, layout, groups, roles
+        self.prompts, self.sampler, self.tokenizer, self.device = prompts, sampler, tokenizer, device
+        self.total_steps = total_steps
+        self.rank = groups.rank
+        self.kl = make_kl_controller(cfg.algo.init_kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
+        self.state = TrainState(kl_coef=self.kl.value)
+        self.engine_ranks = layout.ranks_of(Role.ENGINE)
+        self.comm_device = device  # NCCL needs device tensors; gloo is happy with CPU ones
+
+    # ---- phases -------------------------------------------------------------------------------
+
+    def generate(self, step: int) -> StepOutputs:
+        """Engine ranks sample their share; every rank receives the whole batch (and function scores)."""
+        cfg, n = self.cfg, self.cfg.train.n_samples_per_prompt
+        records = [i for i in self.sampler.indices(step) for _ in range(n)]
+        share = len(records) // len(self.engine_ranks)
+        P, R = cfg.generation.prompt_max_len, cfg.generation.generate_max_len
+        packed = scores = None
+        extra: dict[str, float] = {}
+        if self.roles.engine is not None:
+            slot = self.engine_ranks.index(self.rank)
+            mine = records[shard(len(records), len(self.engine_ranks), slot)]
+            prompt_ids = [self.prompts.ids[i] for i in mine]
+            responses = self.roles.engine.generate(prompt_ids, derive_seed(cfg.train.seed, "generate", step, slot))
+            packed = pack_rows(prompt_ids, responses, P, R, int(self.tokenizer.pad_token_id))
+            if self.roles.reward_fn is not None:
+                texts = [self.prompts.texts[i] for i in mine]
+                queries = [t + self.tokenizer.decode(r, skip_special_tokens=True) for t, r in zip(texts, responses)]
+                result = self.roles.reward_fn(queries, texts, [self.prompts.labels[i] for i in mine])
+                scores, extra = result.rewards, result.extra_logs
+        world = self.groups.world
+        gathered = gather_from(self.engine_ranks, packed, (share, P + R + 2), torch.long, world, self.comm_device)
+        batch = unpack_rows(gathered.cpu(), P)
+        if self.cfg.needs_reward_model:
+            return StepOutputs(batch, torch.empty(0), extra)
+        all_scores = gather_from(self.engine_ranks, scores, (share,), torch.float32, world, self.comm_device).cpu()
+        return StepOutputs(batch, all_scores, extra)
+
+    def score(self, out: StepOutputs) -> dict[str, torch.Tensor]:
+        """Each role computes its shard at the same time as the others; one all-gather returns all."""
+        batch, B, R = out.batch, out.batch.sequences.shape[0], out.batch.response_width
+        micro = self.cfg.train.micro_rollout_batch_size
+        widths, ranks, mine = {}, {}, {}
+        jobs = [("old_log_probs", Role.ACTOR, R, self.roles.actor and self.roles.actor.log_probs),
+                ("ref_log_probs", Role.REF, R, self.roles.reference and self.roles.reference.log_probs),
+                ("values", Role.CRITIC, R, self.roles.critic and self.roles.critic.values),
+                ("scores", Role.REWARD, 1, self.roles.reward_model and self.roles.reward_model.score)]
+        for key, role, width, fn in jobs:
+            if not self.layout.has(role):
+                continue
+            widths[key], ranks[key] = width, self.layout.ranks_of(role)
+            if fn:
+                rows = shard(B, len(ranks[key]), ranks[key].index(self.rank))
+                mine[key] = fn(batch.rows(rows), micro)
+        plan = slot_plan(B, widths, ranks)
+        flat = pack_slots(plan, self.rank, mine).to(self.comm_device)
+        results = unpack_slots(plan, all_gather_vectors(flat, self.groups.world).cpu())
+        if "scores" not in results:
+            results["scores"] = out.scores
+        return results
+
+    def advantages(self, batch: RolloutBatch, results: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Pure and identical on every rank: KL, normalised scores, advantages and returns."""
+        a, mask = self.cfg.algo, batch.action_mask
+        ref = results.get("ref_log_probs")
+        kl = compute_approx_kl(results["old_log_probs"], ref, a.kl_estimator, mask) if ref is not None else torch.zeros_like(mask)
+        scores = results["scores"]
+        if a.normalize_reward:
+            self.state.reward_moments.update(scores)
+            scores = self.state.reward_moments.normalize(scores)
+        in_reward = 0.0 if a.use_kl_loss else self.kl.value
+        adv, ret = compute_advantages(
+            a.advantage_estimator, scores, mask, n_samples_per_prompt=self.cfg.train.n_samples_per_prompt, kl=kl,
+            kl_coef=in_reward, values=results.get("values"), gamma=a.gamma, lambd=a.lambd,
+            reward_clip_range=a.reward_clip_range)
+        return kl, adv, ret
+
+    def train(self, step: int, batch: RolloutBatch, results: dict[str, torch.Tensor], adv: torch.Tensor,
+              ret: torch.Tensor) -> dict[str, float]:
+        t = self.cfg.train
+        minibatches = [mb for epoch in range(t.max_epochs)
+                       for mb in minibatch_order(batch.sequences.shape[0], t.train_batch_size,
+                                                 derive_seed(t.seed, "minibatch", step, epoch))]
+        stats: dict[str, float] = {}
+        if self.roles.actor is not None:
+            data = PolicyData(batch, results["old_log_probs"], adv, results.get("ref_log_probs"))
+            stats.update(self.roles.actor.train(data, minibatches, self.kl.value))
+        if self.roles.critic is not None:
+            stats.update(self.roles.critic.train(ValueData(batch, results["values"], ret), minibatches))
+        if self.layout.has(Role.CRITIC):  # critic stats live on the critic's first rank; rank 0 logs
+            src = self.layout.ranks_of(Role.CRITIC)[0]
+            if src != 0:
+                critic = broadcast_json({k: v for k, v in stats.items() if k.startswith("critic/")} if self.rank == src else None,
+                                        src, self.groups.world, self.comm_device)
+                stats.update(critic)  # type: ignore[arg-type]
+        return stats
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def step(self, step: int) -> dict[str, float]:
+        times = {}
+        t0 = time.perf_counter()
+        out = self.generate(step)
+        times["time/generate"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        results = self.score(out)
+        kl, adv, ret = self.advantages(out.batch, results)
+        times["time/score"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        stats = self.train(step, out.batch, results, adv, ret)
+        times["time/train"] = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        self.roles.weight_sync.sync()  # type: ignore[union-attr]
+        times["time/sync"] = time.perf_counter() - t3
+        mask = out.batch.action_mask
+        mean_kl = float(masked_mean(kl, mask))
+        self.kl.update(mean_kl, out.batch.sequences.shape[0])
+        self.state.kl_coef = self.kl.value
+        step_time = time.perf_counter() - t0
+        generated = float(out.batch.response_len.sum())
+        return {
+            "step": step + 1,
+            "episode": self.sampler.episode_of(step),
+            "reward": float(results["scores"].float().mean()),
+            "kl": mean_kl,
+            "kl_coef": self.kl.value,
+            "response_length": float(out.batch.response_len.float().mean()),
+            "tokens_per_s": generated / step_time,
+            "advantage_mean": float(masked_mean(adv, mask)),
+            **{f"reward/{k}": v for k, v in out.extra_logs.items()},
+            **stats,
+            **times,
+            "time/step": step_time,
+        }
+
+    def fit(self, sink: MetricsSink | None) -> list[dict[str, float]]:
+        """Run from self.state.step to total_steps; rank 0 logs every logging_steps."""
+        history = []
+        for step in range(self.state.step, self.total_steps):
+            metrics = self.step(step)
+            self.state.step = step + 1
+            history.append(metrics)
+            if sink is not None and (step + 1) % self.cfg.logging.logging_steps == 0:
+                sink.log(metrics)
+        return history

@@ -1,0 +1,98 @@
+"""Value checks that run before any process group, model or dataset is touched.
+
+Every message names the offending flag, its value and what would fix it.
+"""
+
+from __future__ import annotations
+
+from rlrun.config import NEEDS_GROUPS, Config
+from rlrun.errors import ConfigError
+
+
+def _positive(name: str, value: int | float | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(f"--{name} must be > 0, got {value}")
+
+
+def check_values(cfg: Config) -> None:
+    """Ranges and cross-field rules that need no layout."""
+    t, a, g = cfg.train, cfg.algo, cfg.generation
+    for name in ("rollout_batch_size", "micro_rollout_batch_size", "train_batch_size",
+                 "micro_train_batch_size", "n_samples_per_prompt", "max_epochs", "num_episodes", "max_samples"):
+        _positive(name, getattr(t, name))
+    _positive("max_steps", t.max_steps, allow_none=True)
+    for name in ("prompt_max_len", "generate_max_len", "weight_sync_bucket_mb"):
+        _positive(name, getattr(g, name))
+    for name in ("actor_learning_rate", "critic_learning_rate"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"--{name} must be >= 0, got {getattr(t, name)}")
+    if not 0 <= t.lr_warmup_ratio <= 1:
+        raise ConfigError(f"--lr_warmup_ratio must be in [0, 1], got {t.lr_warmup_ratio}")
+    if t.max_norm < 0 or t.l2 < 0:
+        raise ConfigError(f"--max_norm and --l2 must be >= 0, got {t.max_norm} and {t.l2}")
+    if t.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero_stage must be 0, 1, 2 or 3, got {t.zero_stage}")
+    if g.temperature <= 0:
+        raise ConfigError(f"--temperature must be > 0, got {g.temperature}")
+    if not 0 < g.top_p <= 1:
+        raise ConfigError(f"--top_p must be in (0, 1], got {g.top_p}")
+    if not 0 < g.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {g.vllm_gpu_memory_utilization}")
+    _positive("eps_clip", a.eps_clip)
+    if a.dual_clip is not None and a.dual_clip <= 1:
+        raise ConfigError(f"--dual_clip must be > 1, got {a.dual_clip}")
+    if a.value_clip is not None and a.value_clip <= 0:
+        raise ConfigError(f"--value_clip must be > 0 (or unset), got {a.value_clip}")
+    if not 0 <= a.gamma <= 1 or not 0 <= a.lambd <= 1:
+        raise ConfigError(f"--gamma and --lambd must be in [0, 1], got {a.gamma} and {a.lambd}")
+    if a.init_kl_coef < 0:
+        raise ConfigError(f"--init_kl_coef must be >= 0, got {a.init_kl_coef}")
+    _positive("kl_target", a.kl_target, allow_none=True)
+    _positive("kl_horizon", a.kl_horizon)
+    low, high = a.reward_clip_range
+    if low >= high:
+        raise ConfigError(f"--reward_clip_range needs low < high, got {low} {high}")
+    if a.entropy_loss_coef is not None and a.entropy_loss_coef < 0:
+        raise ConfigError(f"--entropy_loss_coef must be >= 0, got {a.entropy_loss_coef}")
+    if a.advantage_estimator in NEEDS_GROUPS and t.n_samples_per_prompt < 2:
+        raise ConfigError(
+            f"--advantage_estimator {a.advantage_estimator} compares samples of the same prompt and needs "
+            f"--n_samples_per_prompt >= 2, got {t.n_samples_per_prompt}"
+        )
+    if cfg.data.input_template is not None and "{}" not in cfg.data.input_template:
+        raise ConfigError(f"--input_template must contain '{{}}' where the prompt goes, got {cfg.data.input_template!r}")
+    if cfg.checkpoint.save_steps == 0 or cfg.checkpoint.save_steps < -1:
+        raise ConfigError(f"--save_steps must be a positive number of steps or -1 (never), got {cfg.checkpoint.save_steps}")
+    _positive("max_ckpt_num", cfg.checkpoint.max_ckpt_num)
+    _positive("logging_steps", cfg.logging.logging_steps)
+    _positive("dist_timeout", cfg.runtime.dist_timeout)
+    if cfg.model.remote_rm_url and cfg.model.reward_pretrain:
+        raise ConfigError("--remote_rm_url and --reward_pretrain are both set; choose one reward source")
+
+
+def check_batches(cfg: Config, role_sizes: dict[str, int]) -> None:
+    """Batch sizes must split evenly over each role's ranks (FSDP ranks must run the same number
+    of forward passes, or the job hangs). role_sizes: role name -> number of ranks."""
+    t = cfg.train
+    rollouts = cfg.rollouts_per_step
+    for role, size in role_sizes.items():
+        if rollouts % size:
+            raise ConfigError(
+                f"{rollouts} rollouts per step (--rollout_batch_size {t.rollout_batch_size} x "
+                f"--n_samples_per_prompt {t.n_samples_per_prompt}) do not split evenly over the {size} {role} ranks; "
+                f"make the rollouts a multiple of {size}"
+            )
+    if rollouts % t.train_batch_size:
+        raise ConfigError(
+            f"--train_batch_size {t.train_batch_size} must divide the {rollouts} rollouts per step "
+            f"(--rollout_batch_size {t.rollout_batch_size} x --n_samples_per_prompt {t.n_samples_per_prompt})"
+        )
+    for role in ("actor", "critic"):
+        size = role_sizes.get(role)
+        if size and t.train_batch_size % (t.micro_train_batch_size * size):
+            raise ConfigError(
+                f"--train_batch_size {t.train_batch_size} must be a multiple of --micro_train_batch_size "
+                f"{t.micro_train_batch_size} x {size} {role} ranks = {t.micro_train_batch_size * size}"
+            )
