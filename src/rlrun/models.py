@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
 from torch import nn
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase)
 
 from rlrun.config import Config
@@ -60,7 +61,7 @@ def _scalar_model_from(path: str | None, cfg: Config, dtype: torch.dtype) -> Pre
         return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, **_attn_kwargs(cfg))
     # Offline default: the tiny policy's body with a fresh scalar head.
     policy = load_causal_lm(cfg, dtype)
-    config = AutoConfig.for_model(policy.config.model_type, **policy.config.to_dict())
+    config = copy.deepcopy(policy.config)
     config.num_labels = 1
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed + 1)
@@ -69,7 +70,28 @@ def _scalar_model_from(path: str | None, cfg: Config, dtype: torch.dtype) -> Pre
     return model
 
 
-def load_critic(cfg: Config, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+class ScalarHeadModel(nn.Module):
+    """A sequence-classification model read at EVERY position: [B, L] ids -> [B, L] values.
+
+    Its own forward (rather than calling the HF body and head separately) keeps FSDP's root
+    hooks in charge of gathering the embedding and head parameters."""
+
+    def __init__(self, hf_model: PreTrainedModel) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.head = score_head(hf_model)
+        self._no_split_modules = getattr(hf_model, "_no_split_modules", None)
+
+    def gradient_checkpointing_enable(self, **kwargs: object) -> None:
+        self.hf.gradient_checkpointing_enable(**kwargs)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                    position_ids=position_ids_from(attention_mask)).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()
+
+
+def load_critic(cfg: Config, dtype: torch.dtype = torch.float32) -> ScalarHeadModel:
     path = cfg.model.critic_pretrain or cfg.model.reward_pretrain or cfg.model.pretrain
     for flag in ("critic_pretrain", "reward_pretrain", "pretrain"):
         if getattr(cfg.model, flag) == path and path is not None:
@@ -79,13 +101,13 @@ def load_critic(cfg: Config, dtype: torch.dtype = torch.float32) -> PreTrainedMo
     with torch.no_grad():  # a small head keeps early value estimates near zero
         head = score_head(model)
         head.weight.normal_(0.0, 1.0 / (model.config.hidden_size + 1), generator=torch.Generator().manual_seed(cfg.train.seed))
-    return model
+    return ScalarHeadModel(model)
 
 
-def load_reward_model(cfg: Config, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def load_reward_model(cfg: Config, dtype: torch.dtype = torch.float32) -> ScalarHeadModel:
     assert cfg.model.reward_pretrain is not None
     _check_dir("reward_pretrain", cfg.model.reward_pretrain)
-    return _scalar_model_from(cfg.model.reward_pretrain, cfg, dtype)
+    return ScalarHeadModel(_scalar_model_from(cfg.model.reward_pretrain, cfg, dtype))
 
 
 def score_head(model: PreTrainedModel) -> nn.Linear:
@@ -101,10 +123,3 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, L] -> [B, L]: positions count real tokens only, as HF generate does with left padding."""
     pos = attention_mask.long().cumsum(-1) - 1
     return pos.masked_fill(attention_mask == 0, 1)
-
-
-def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Scalar head over every position: [B, L] ids -> [B, L] values."""
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids_from(attention_mask)).last_hidden_state
-    return score_head(model)(hidden).squeeze(-1).float()

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from rlrun.algorithms import entropy_from_logits, log_probs_from_logits
-from rlrun.models import position_ids_from, token_values
+from rlrun.models import position_ids_from
 
 
 def response_log_probs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
@@ -25,13 +25,13 @@ def response_log_probs(model: nn.Module, sequences: torch.Tensor, attention_mask
 def response_values(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
                     response_width: int) -> torch.Tensor:
     """[b, L] -> value of the state before each response token [b, R]."""
-    return token_values(model, sequences, attention_mask)[:, -response_width - 1:-1]
+    return model(sequences, attention_mask)[:, -response_width - 1:-1]
 
 
 def last_token_scores(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
                       response_len: torch.Tensor, response_width: int) -> torch.Tensor:
     """[b, L] -> the scalar head at each row's last real token [b]."""
-    values = token_values(model, sequences, attention_mask)
+    values = model(sequences, attention_mask)
     last = sequences.shape[1] - response_width + response_len - 1
     return values.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1)
 
