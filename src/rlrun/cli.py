@@ -162,14 +162,20 @@ def load_yaml(path: str) -> dict[str, Any]:
         if key in sections and isinstance(value, dict):
             for sub, sub_value in value.items():
                 info = infos.get(sub)
-                if info is None or info.section != key:
+                if info is not None and info.section != key:
+                    raise ConfigError(f"--config {path}: unknown key '{key}.{sub}'; '{sub}' belongs in section '{info.section}'")
+                if info is None:
                     valid = [i.name for i in infos.values() if i.section == key]
                     raise ConfigError(f"--config {path}: unknown key '{key}.{sub}'{suggest(str(sub), valid)}")
                 flat[sub] = sub_value
         elif key in infos:
             flat[key] = value
+        elif key in sections:
+            raise ConfigError(f"--config {path}: section '{key}' must be a mapping of field: value, got {value!r}")
         else:
             raise ConfigError(f"--config {path}: unknown key '{key}'{suggest(str(key), list(infos) + list(sections))}")
+    if isinstance(flat.get("use_wandb"), bool):  # YAML true/false: on (key from WANDB_API_KEY) / off, not a key
+        flat["use_wandb"] = "" if flat["use_wandb"] else None
     return {k: coerce(infos[k], v, f"--config {path}") for k, v in flat.items()}
 
 

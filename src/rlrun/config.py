@@ -285,9 +285,12 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be an integer, got {value!r}") from None
     if tp is float:
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{where} must be a number, got {value!r}") from None
+        if number != number:  # NaN slips through every range check
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{where} must be a string, got {value!r}")

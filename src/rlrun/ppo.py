@@ -18,7 +18,12 @@ from rlrun.log import get_logger
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    env = read_env()
+    try:
+        env = read_env()
+    except RlrunError as exc:
+        # The rank itself is unknown, so every process reports (a traceback would say no more).
+        get_logger(0).error_once(f"error: {exc}")
+        return 2
     log = get_logger(env.rank)
     try:
         parsed = parse_args(argv)

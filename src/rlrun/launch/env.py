@@ -30,21 +30,32 @@ class DistEnv:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Slurm's compressed host list -> host names: 'gpu[01-03,7],cpu5' -> gpu01 gpu02 gpu03 gpu7 cpu5."""
+    """Slurm's compressed host list -> host names: 'gpu[01-03,7],cpu5' -> gpu01 gpu02 gpu03 gpu7 cpu5;
+    text after or between brackets is kept: 'node[1-2]-ib' -> node1-ib node2-ib."""
     hosts: list[str] = []
-    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
-        prefix, ranges = match.group(1), match.group(2)
-        if ranges is None:
-            hosts.append(prefix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not hi:
-                hosts.append(prefix + lo)
-                continue
-            width = len(lo)
-            hosts.extend(f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
+    # One host expression per top-level comma (commas inside brackets separate ranges).
+    for expr in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
+        names = [""]
+        for i, part in enumerate(re.split(r"\[([^\]]*)\]", expr)):  # text, ranges, text, ranges, ..., text
+            items = _expand_ranges(part, nodelist) if i % 2 else [part]
+            names = [name + item for name in names for item in items]
+        hosts.extend(names)
     return hosts
+
+
+def _expand_ranges(ranges: str, nodelist: str) -> list[str]:
+    out: list[str] = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        if not hi:
+            out.append(lo)
+            continue
+        try:
+            start, stop = int(lo), int(hi)
+        except ValueError:
+            raise ConfigError(f"cannot expand Slurm node list {nodelist!r}: bad range {part!r}") from None
+        out.extend(f"{i:0{len(lo)}d}" for i in range(start, stop + 1))
+    return out
 
 
 def _int(environ: Mapping[str, str], key: str) -> int:
@@ -56,8 +67,12 @@ def _int(environ: Mapping[str, str], key: str) -> int:
 
 def _slurm_tasks_per_node(environ: Mapping[str, str]) -> int:
     # SLURM_STEP_TASKS_PER_NODE looks like "4(x2)" or "4,3"; the first node's count is ours to use.
-    raw = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or "1"
-    return int(re.match(r"\d+", raw).group(0))  # type: ignore[union-attr]
+    key = "SLURM_STEP_TASKS_PER_NODE" if environ.get("SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
+    raw = environ.get(key) or "1"
+    match = re.match(r"\d+", raw)
+    if match is None:
+        raise ConfigError(f"environment variable {key}={raw!r} does not start with a task count")
+    return int(match.group(0))
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -79,7 +94,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
         world = _int(env, "SLURM_STEP_NUM_TASKS") if "SLURM_STEP_NUM_TASKS" in env else _int(env, "SLURM_NTASKS")
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-        job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
+        job_id = _int(env, "SLURM_JOB_ID") if env.get("SLURM_JOB_ID") else 0
         return DistEnv(
             rank=_int(env, "SLURM_PROCID"),
             local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,

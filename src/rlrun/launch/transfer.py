@@ -134,7 +134,7 @@ class WeightSync:
         if mine != theirs:
             missing = sorted(set(theirs) - set(mine))[:3]
             extra = sorted(set(mine) - set(theirs))[:3]
-            shape = [n for n in set(mine) & set(theirs) if mine[n] != theirs[n]][:3]
+            shape = [f"{n} (engine {mine[n]}, actor {theirs[n]})" for n in theirs if n in mine and mine[n] != theirs[n]][:3]
             raise RlrunError(f"weight sync: the engine model does not match the actor (missing on engine: {missing}, "
                              f"only on engine: {extra}, shape differs: {shape}); both must load the same architecture")
 
@@ -154,7 +154,9 @@ class WeightSync:
     def sync(self) -> None:
         """Collective over the actor group and the sync group; every actor and engine rank calls it."""
         if self.colocated:
-            assert self.actor_params is not None and self.engine_model is not None
+            if self.actor_params is None:
+                return  # a rank outside the actor/engine block (e.g. critic-only ranks) has nothing to sync
+            assert self.engine_model is not None
             targets = dict(self.engine_model.named_parameters())
             with torch.no_grad():
                 for name, full in self.actor_params.full():

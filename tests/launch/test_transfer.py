@@ -1,0 +1,401 @@
+"""Tests for rlrun.launch.transfer: the bucket plan (pure) and, with real gloo process groups in
+separate processes, gather_from / broadcast_json and WeightSync (disaggregated, colocated, mismatch).
+
+Each multi-process test starts `world` copies of this file as a script (`python test_transfer.py
+SCENARIO RANK WORLD PORT OUTDIR`); every rank writes what it saw to OUTDIR/rank{r}.pt (or a
+traceback to rank{r}.err) and the test compares the files. Processes are joined with a deadline
+and killed past it, and the process groups use short timeouts, so a broken collective fails the
+test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlrun.errors import RlrunError
+from rlrun.launch.transfer import ALIGN, BucketEntry, WeightSync, bucket_size, entry_view, plan_buckets
+
+DIST_TIMEOUT_S = 30  # a collective that never completes raises after this long
+JOIN_TIMEOUT_S = 90  # the whole launch, after which every rank is killed
+BUCKET_BYTES = 2048  # small: several buckets, and some parameters larger than a bucket
+F32 = torch.float32
+
+
+# ---- plan_buckets / bucket_size / entry_view (pure) ---------------------------------------------
+
+
+def _params(*numels: int, dtype: torch.dtype = F32) -> list[tuple[str, torch.Size, torch.dtype]]:
+    return [(f"p{i}", torch.Size([n]), dtype) for i, n in enumerate(numels)]
+
+
+def test_plan_preserves_order_and_aligns_every_offset():
+    params = _params(3, 5, 1, 7, 2, 9) + [("scalar", torch.Size([]), torch.bfloat16), ("mat", torch.Size([3, 5]), torch.float16)]
+    buckets = plan_buckets(params, bucket_bytes=64)
+    flat = [e for b in buckets for e in b]
+    assert [e.name for e in flat] == [n for n, _, _ in params]
+    for bucket in buckets:
+        assert bucket[0].offset == 0
+        for prev, e in zip(bucket, bucket[1:]):
+            assert e.offset % ALIGN == 0
+            assert e.offset == -(-(prev.offset + prev.nbytes) // ALIGN) * ALIGN  # packed: only alignment padding
+        assert bucket_size(bucket) % ALIGN == 0
+        assert bucket_size(bucket) >= bucket[-1].offset + bucket[-1].nbytes
+        assert bucket[-1].offset + bucket[-1].nbytes <= 64 or len(bucket) == 1
+    assert flat[-2].shape == () and flat[-2].nbytes == 2
+    assert flat[-1].shape == (3, 5) and flat[-1].nbytes == 30
+
+
+def test_plan_oversize_parameter_gets_its_own_bucket():
+    buckets = plan_buckets(_params(4, 100, 4, 4), bucket_bytes=64)  # p1 is 400 bytes
+    assert [[e.name for e in b] for b in buckets] == [["p0"], ["p1"], ["p2", "p3"]]
+    assert bucket_size(buckets[1]) == 400
+    assert plan_buckets(_params(100), bucket_bytes=64)[0][0] == BucketEntry("p0", (100,), F32, 0, 400)
+
+
+def test_plan_bucket_count_for_a_given_size():
+    params = _params(*[256] * 10)  # ten 1 KiB tensors
+    assert len(plan_buckets(params, 1024)) == 10
+    assert len(plan_buckets(params, 2048)) == 5
+    assert len(plan_buckets(params, 3 * 1024)) == 4  # 3 + 3 + 3 + 1
+    assert len(plan_buckets(params, 1 << 30)) == 1
+    assert len(plan_buckets(_params(3, 3, 3), 32)) == 2  # 12 bytes padded to 16: two per 32-byte bucket
+    assert plan_buckets([], 1024) == []
+
+
+def test_entry_view_round_trips_every_dtype():
+    params = [("a", torch.Size([3]), F32), ("b", torch.Size([2, 3]), torch.bfloat16), ("c", torch.Size([5]), torch.int64),
+              ("d", torch.Size([]), torch.float16)]
+    (bucket,) = plan_buckets(params, 1 << 20)
+    buffer = torch.zeros(bucket_size(bucket), dtype=torch.uint8)
+    values = {"a": torch.randn(3), "b": torch.randn(2, 3).bfloat16(), "c": torch.arange(5) - 2, "d": torch.tensor(1.5).half()}
+    for e in bucket:
+        entry_view(buffer, e).copy_(values[e.name])
+    for e in bucket:
+        view = entry_view(buffer, e)
+        assert view.dtype == values[e.name].dtype and torch.equal(view, values[e.name])
+        assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # a view, not a copy
+
+
+# ---- multi-process harness ----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(scenario: str, world: int, outdir: Path) -> list[dict]:
+    """Run `scenario` on `world` ranks; return each rank's saved results (fails with the ranks' errors)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, scenario, str(r), str(world), str(port), str(outdir)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    outputs, timed_out = [], False
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            p.kill()
+            out, _ = p.communicate()
+        outputs.append(out)
+    errors = [(outdir / f"rank{r}.err").read_text() for r in range(world) if (outdir / f"rank{r}.err").exists()]
+    if timed_out or errors or any(p.returncode for p in procs):
+        tails = "\n".join(f"--- rank {r} (rc={p.returncode}) ---\n{out[-3000:]}" for r, (p, out) in enumerate(zip(procs, outputs)))
+        raise AssertionError(f"scenario {scenario!r} failed{' (timed out)' if timed_out else ''}:\n"
+                             + "\n".join(errors) + "\n" + tails)
+    return [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+# ---- models ---------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class TinyNet(nn.Module):
+    """Transformer-shaped: FSDPStrategy.wrap shards each Block, then the root. Odd widths so most
+    tensors are not a multiple of 16 bytes and the bucket views need alignment padding."""
+
+    _no_split_modules = ["Block"]
+
+    def __init__(self, vocab: int = 37, d: int = 16, hidden: int = 35, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _seeded(seed: int, **kwargs) -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet(**kwargs)
+
+
+TOKENS = torch.arange(12).view(2, 6) % 37
+
+
+# ---- worker side ----------------------------------------------------------------------------------
+
+
+def _actor(group: dist.ProcessGroup):
+    from rlrun.launch.fsdp import FSDPStrategy
+    from rlrun.launch.transfer import ParamSource
+
+    strategy = FSDPStrategy(group, torch.device("cpu"), bf16=False, zero_stage=3, offload=False, gradient_checkpointing=False)
+    model = strategy.wrap(_seeded(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+
+    def step(seed: int) -> None:  # every actor rank trains on its own data, FSDP reduces the grads
+        g = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
+        loss = model(torch.randint(0, 37, (4, 6), generator=g)).logsumexp(-1).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def full() -> dict[str, torch.Tensor]:  # collective over the actor group
+        return {n: t.clone() for n, t in strategy.full_params(model)}
+
+    return ParamSource(model, strategy.full_params), step, full
+
+
+def _reference_output(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    model = TinyNet()
+    model.load_state_dict(params)
+    with torch.no_grad():
+        return model(TOKENS)
+
+
+def _engine_snapshot(engine: nn.Module) -> dict:
+    with torch.no_grad():
+        return {"params": {n: p.detach().clone() for n, p in engine.named_parameters()},
+                "ptrs": {n: p.data_ptr() for n, p in engine.named_parameters()},
+                "output": engine(TOKENS)}
+
+
+def scenario_disaggregated(rank: int, world: int) -> dict:
+    """Actor = FSDP over [0, 1], engines = [2, 3] (different initial weights), sync = [0, 2, 3]."""
+    actor_group = dist.new_group([0, 1])
+    sync_group = dist.new_group([0, 2, 3])
+    is_actor, is_engine = rank in (0, 1), rank in (2, 3)
+    source, train_step, full = _actor(actor_group) if is_actor else (None, None, None)
+    engine = _seeded(100 + rank) if is_engine else None
+    out: dict = {}
+    if is_engine:
+        out["before"] = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    ws = WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group if rank in (0, 2, 3) else None,
+                    actor_root=0, colocated=False, bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
+    out["num_buckets"] = ws.num_buckets
+    out["plan"] = [[(e.name, e.offset, e.nbytes) for e in b] for b in ws.buckets]
+    buffer_ptrs = [b.data_ptr() for b in ws.buffers]
+    if is_engine:  # engine parameters live inside the receive buckets
+        out["bound"] = _engine_snapshot(engine)
+        lo, hi = min(buffer_ptrs), max(b.data_ptr() + b.numel() for b in ws.buffers)
+        out["params_in_buffers"] = all(any(b.data_ptr() <= p.data_ptr() < b.data_ptr() + b.numel() for b in ws.buffers)
+                                       for p in engine.parameters()) and lo < hi
+    out["syncs"] = []
+    for k in range(2):
+        if is_actor:
+            train_step(k)
+        ws.sync()
+        snap: dict = {"buffer_ptrs": [b.data_ptr() for b in ws.buffers]}
+        if is_actor:
+            actor_full = full()
+            if rank == 0:
+                snap["actor"] = actor_full
+                snap["reference_output"] = _reference_output(actor_full)
+        if is_engine:
+            snap["engine"] = _engine_snapshot(engine)
+        out["syncs"].append(snap)
+    out["buffer_ptrs_at_init"] = buffer_ptrs
+    return out
+
+
+def scenario_colocated(rank: int, world: int) -> dict:
+    """Actor FSDP over [0, 1] with an engine model on the same ranks; rank 2 holds neither (a
+    critic-only rank in a real layout) and must be able to call sync() too."""
+    actor_group = dist.new_group([0, 1])
+    on_block = rank in (0, 1)
+    source, train_step, full = _actor(actor_group) if on_block else (None, None, None)
+    engine = _seeded(100 + rank) if on_block else None
+    ws = WeightSync(actor_params=source, engine_model=engine, sync_group=None, actor_root=0, colocated=True,
+                    bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
+    out: dict = {"num_buckets": ws.num_buckets, "syncs": []}
+    if on_block:
+        out["before"] = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    for k in range(2):
+        if on_block:
+            train_step(k)
+        ws.sync()
+        if on_block:
+            out["syncs"].append({"actor": full(), "engine": _engine_snapshot(engine)})
+    return out
+
+
+def scenario_mismatch(rank: int, world: int) -> dict:
+    """Actor root 0 (plain model), engines [1, 2] with a different architecture: the engines raise
+    at construction, naming the parameters. Two cases: a shape differs, a layer is missing."""
+    from rlrun.launch.transfer import ParamSource
+
+    sync_group = dist.new_group([0, 1, 2])
+    out: dict = {}
+    for case, engine_kwargs in (("shape", {"hidden": 36}), ("missing", {"layers": 2})):
+        source = ParamSource(_seeded(1), lambda m: ((n, p.detach()) for n, p in m.named_parameters())) if rank == 0 else None
+        engine = _seeded(2, **engine_kwargs) if rank != 0 else None
+        try:
+            WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group, actor_root=0, colocated=False,
+                       bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
+            out[case] = None
+        except RlrunError as e:
+            out[case] = str(e)
+    return out
+
+
+def scenario_gather(rank: int, world: int) -> dict:
+    """gather_from on its all-gather path (ranks == the group) and its broadcast path (a subset or
+    another order), on the world and on a subgroup; plus all_gather_vectors and broadcast_json."""
+    from rlrun.launch.transfer import all_gather_vectors, broadcast_json, gather_from
+
+    cpu = torch.device("cpu")
+    sub = dist.new_group([1, 2])
+    world_group = dist.group.WORLD
+    local = torch.arange(6, dtype=F32).view(2, 3) + 100 * rank
+    everyone = list(range(world))
+    out = {
+        "all": gather_from(everyone, local, (2, 3), F32, world_group, cpu),  # all_gather path
+        "halves": [gather_from(everyone[:1], local if rank < 1 else None, (2, 3), F32, world_group, cpu),
+                   gather_from(everyone[1:], local if rank >= 1 else None, (2, 3), F32, world_group, cpu)],
+        "reversed": gather_from(everyone[::-1], local, (2, 3), F32, world_group, cpu),
+        "subset": gather_from([2, 0], local if rank in (0, 2) else None, (2, 3), F32, world_group, cpu),
+        "vectors": all_gather_vectors(torch.full((4,), float(rank)), world_group),
+        "json": broadcast_json({"from": rank, "names": ["a.b", "ü"]} if rank == 1 else None, 1, world_group, cpu),
+    }
+    if rank in (1, 2):
+        out["sub_all"] = gather_from([1, 2], local, (2, 3), F32, sub, cpu)
+        out["sub_one"] = gather_from([2], local if rank == 2 else None, (2, 3), F32, sub, cpu)
+    return out
+
+
+SCENARIOS = {f.__name__.removeprefix("scenario_"): f for f in
+             (scenario_disaggregated, scenario_colocated, scenario_mismatch, scenario_gather)}
+
+
+def _worker_main(scenario: str, rank: int, world: int, port: int, outdir: str) -> int:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=DIST_TIMEOUT_S))
+    try:
+        result = SCENARIOS[scenario](rank, world)
+        dist.barrier()  # everyone finished before anyone tears the groups down
+        torch.save(result, Path(outdir) / f"rank{rank}.pt")
+        return 0
+    except BaseException:
+        (Path(outdir) / f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
+        return 1
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the multi-process tests ----------------------------------------------------------------------
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+def test_disaggregated_sync_makes_engines_equal_to_actor_exactly(tmp_path):
+    r = _launch("disaggregated", 4, tmp_path)
+    root, other_actor, engines = r[0], r[1], r[2:]
+    assert root["num_buckets"] > 1
+    assert other_actor["num_buckets"] == 0  # non-root actor ranks only join FSDP's all-gathers
+    for e in engines:
+        assert e["plan"] == root["plan"]  # both sides derived the same bucket plan from the metadata
+        assert e["params_in_buffers"]
+        assert any(not torch.equal(e["before"][n], root["syncs"][0]["actor"][n]) for n in e["before"])
+        # binding copies the engine's own initial weights into the buckets
+        _assert_same(e["bound"]["params"], e["before"])
+    assert not torch.equal(root["syncs"][0]["actor"]["head.weight"], root["syncs"][1]["actor"]["head.weight"])
+    for k in range(2):
+        actor = root["syncs"][k]["actor"]
+        for e in engines:
+            snap = e["syncs"][k]
+            _assert_same(snap["engine"]["params"], actor)
+            assert torch.equal(snap["engine"]["output"], root["syncs"][k]["reference_output"])
+            assert snap["engine"]["ptrs"] == e["bound"]["ptrs"]  # received in place, parameters never moved
+    for rank in (0, 2, 3):  # buffers are allocated once and reused
+        assert r[rank]["syncs"][0]["buffer_ptrs"] == r[rank]["syncs"][1]["buffer_ptrs"] == r[rank]["buffer_ptrs_at_init"]
+        assert len(r[rank]["buffer_ptrs_at_init"]) == root["num_buckets"]
+
+
+def test_colocated_sync_copies_actor_into_both_engine_copies(tmp_path):
+    r = _launch("colocated", 3, tmp_path)
+    for rank in (0, 1):
+        assert r[rank]["num_buckets"] == 0  # nothing crosses the wire beyond FSDP's own all-gathers
+        assert any(not torch.equal(r[rank]["before"][n], r[0]["syncs"][0]["actor"][n]) for n in r[rank]["before"])
+        for k in range(2):
+            _assert_same(r[rank]["syncs"][k]["engine"]["params"], r[0]["syncs"][k]["actor"])
+            _assert_same(r[rank]["syncs"][k]["actor"], r[0]["syncs"][k]["actor"])
+            assert r[rank]["syncs"][k]["engine"]["ptrs"] == r[rank]["syncs"][0]["engine"]["ptrs"]
+    assert not torch.equal(r[0]["syncs"][0]["actor"]["head.weight"], r[0]["syncs"][1]["actor"]["head.weight"])
+    assert r[2] == {"num_buckets": 0, "syncs": []}
+
+
+def test_engine_architecture_mismatch_raises_on_engine_ranks(tmp_path):
+    r = _launch("mismatch", 3, tmp_path)
+    assert r[0] == {"shape": None, "missing": None}  # the root cannot know; the engines fail the run
+    for rank in (1, 2):
+        shape, missing = r[rank]["shape"], r[rank]["missing"]
+        assert shape is not None and "blocks.0.up.weight" in shape and "shape differs" in shape
+        assert missing is not None and "blocks.2." in missing and "missing on engine" in missing
+        assert "same architecture" in shape
+
+
+def test_gather_from_all_gather_and_broadcast_paths_agree(tmp_path):
+    world = 3
+    r = _launch("gather", world, tmp_path)
+    part = [torch.arange(6, dtype=F32).view(2, 3) + 100 * k for k in range(world)]
+    for rank in range(world):
+        out = r[rank]
+        assert torch.equal(out["all"], torch.cat(part))
+        assert torch.equal(torch.cat(out["halves"]), out["all"])  # broadcast path == all-gather path
+        assert torch.equal(out["reversed"], torch.cat(part[::-1]))
+        assert torch.equal(out["subset"], torch.cat([part[2], part[0]]))
+        assert torch.equal(out["vectors"], torch.arange(world, dtype=F32)[:, None].expand(world, 4))
+        assert out["json"] == {"from": 1, "names": ["a.b", "ü"]}
+    for rank in (1, 2):
+        assert torch.equal(r[rank]["sub_all"], torch.cat(part[1:]))
+        assert torch.equal(r[rank]["sub_one"], part[2])
+    assert "sub_all" not in r[0]
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]))

@@ -1,0 +1,397 @@
+"""Real clusters on one machine, for the launch-script tests.
+
+`SlurmCluster`: Debian's slurm-wlm (slurmctld + several slurmd on one host) with its own munged,
+all under one temporary directory, started without systemd. `NetnsHosts`: two "hosts" made of
+network namespaces joined by a veth pair, each with its own hostname and hosts file.
+
+Everything started here is stopped by `stop()`, which is safe to call more than once and after a
+partial start. Debugging by hand:  python tests/scripts/cluster.py slurm-up /tmp/slurm  (then
+`export SLURM_CONF=/tmp/slurm/slurm.conf`; `python tests/scripts/cluster.py slurm-down /tmp/slurm`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SBIN = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
+HOSTS_FILE = Path("/etc/hosts")
+HOSTS_MARK = "# rlrun-test-cluster"
+
+
+class Unavailable(Exception):
+    """The machine cannot host this cluster (missing tools or permissions): tests skip with this text."""
+
+
+def which(tool: str) -> str | None:
+    return shutil.which(tool) or shutil.which(tool, path=os.pathsep.join(SBIN))
+
+
+def run(cmd: list[str], timeout: float = 30, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {(proc.stdout + proc.stderr).strip()[-2000:]}")
+    return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_range(n: int, lo: int = 17000, hi: int = 29000) -> int:
+    """First port p with p..p+n-1 all free on 127.0.0.1 (slurmd ports must be consecutive)."""
+    for start in range(lo + os.getpid() % 997 * 7 % (hi - lo), hi, n):
+        ok = True
+        for port in range(start, start + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return start
+    raise RuntimeError("no free port range for slurmd")
+
+
+def ensure_cluster_deps() -> None:
+    """Run scripts/ci/install_cluster_deps.sh (idempotent); raise Unavailable when it cannot help."""
+    script = REPO / "scripts" / "ci" / "install_cluster_deps.sh"
+    if all(which(t) for t in ("slurmctld", "slurmd", "sbatch", "munged", "ip", "nsenter", "unshare")):
+        return
+    try:
+        proc = run(["bash", str(script)], timeout=600, check=False)
+    except subprocess.TimeoutExpired:
+        raise Unavailable("installing slurm/munge/iproute2 timed out (scripts/ci/install_cluster_deps.sh)") from None
+    if proc.returncode != 0:
+        raise Unavailable("slurm/munge/iproute2 are missing and could not be installed: "
+                          + (proc.stdout + proc.stderr).strip().splitlines()[-1])
+
+
+def _add_hosts_lines(lines: list[str]) -> None:
+    text = HOSTS_FILE.read_text()
+    add = "".join(f"{line}  {HOSTS_MARK}\n" for line in lines if f"{line}  {HOSTS_MARK}" not in text)
+    if add:
+        HOSTS_FILE.write_text(text + ("" if text.endswith("\n") or not text else "\n") + add)
+
+
+def _remove_hosts_lines() -> None:
+    # Only our marked lines go; anything others added meanwhile stays.
+    try:
+        text = HOSTS_FILE.read_text()
+    except OSError:
+        return
+    kept = [line for line in text.splitlines(keepends=True) if HOSTS_MARK not in line]
+    if len(kept) != len(text.splitlines()):
+        HOSTS_FILE.write_text("".join(kept))
+
+
+def _kill_pidfile(path: Path, sig: int = signal.SIGTERM) -> int | None:
+    try:
+        pid = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return None
+    return pid
+
+
+def _wait_gone(pid: int | None, timeout: float) -> bool:
+    if pid is None:
+        return True
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@dataclass
+class SlurmCluster:
+    """slurmctld + `nodes` slurmd daemons on this host, nodes named rlrunt1..rlruntN, `cpus` each."""
+
+    root: Path
+    nodes: int = 2
+    cpus: int = 2
+    gpus: int = 8  # count-only GPU gres (no devices): lets `--gres=gpu:N` and SLURM_GPUS_ON_NODE work
+    prefix: str = "rlrunt"
+    started: list[str] = field(default_factory=list)
+
+    @property
+    def conf(self) -> Path:
+        return self.root / "etc" / "slurm.conf"
+
+    @property
+    def node_names(self) -> list[str]:
+        return [f"{self.prefix}{i}" for i in range(1, self.nodes + 1)]
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["SLURM_CONF"] = str(self.conf)
+        env["PATH"] = os.pathsep.join([env.get("PATH", ""), *SBIN])
+        for key in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and k != "SLURM_CONF"]:
+            del env[key]  # a test run inside a Slurm job must not leak that job's settings into ours
+        env.update(extra)
+        return env
+
+    def _write_config(self) -> None:
+        for sub in ("etc", "state", "spool", "log", "run", "munge"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root / "munge", 0o755)
+        key = self.root / "munge" / "munge.key"
+        if not key.exists():
+            key.write_bytes(os.urandom(128))
+            os.chmod(key, 0o400)
+        ctld_port = free_port()
+        node_port = free_port_range(self.nodes)
+        r = self.root
+        names = f"{self.prefix}[1-{self.nodes}]" if self.nodes > 1 else f"{self.prefix}1"
+        ports = f"[{node_port}-{node_port + self.nodes - 1}]" if self.nodes > 1 else str(node_port)
+        self.conf.write_text(f"""\
+# Written by tests/scripts/cluster.py for one test session.
+ClusterName=rlruntest
+SlurmctldHost=localhost
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={r}/munge/munge.socket
+MailProg=/bin/true
+StateSaveLocation={r}/state
+SlurmdSpoolDir={r}/spool/%n
+SlurmctldPidFile={r}/run/slurmctld.pid
+SlurmdPidFile={r}/run/slurmd-%n.pid
+SlurmctldLogFile={r}/log/slurmctld.log
+SlurmdLogFile={r}/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+GresTypes=gpu
+ReturnToService=2
+MinJobAge=4
+KillWait=5
+InactiveLimit=0
+SlurmdTimeout=60
+NodeName={names} NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports} CPUs={self.cpus} Gres=gpu:{self.gpus} State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+""")
+        (self.root / "etc" / "gres.conf").write_text(f"AutoDetect=off\nName=gpu Count={self.gpus}\n")
+        for name in self.node_names:
+            (self.root / "spool" / name).mkdir(exist_ok=True)
+
+    def start(self, timeout: float = 60) -> None:
+        ensure_cluster_deps()
+        self._write_config()
+        env = self.env()
+        r = self.root
+        munge_sock = r / "munge" / "munge.socket"
+        run([which("munged") or "munged", f"--socket={munge_sock}", f"--key-file={r / 'munge' / 'munge.key'}",
+             f"--pid-file={r / 'run' / 'munged.pid'}", f"--log-file={r / 'log' / 'munged.log'}",
+             f"--seed-file={r / 'munge' / 'munged.seed'}"], env=env)
+        self.started.append("munged")
+        # Node names resolve through /etc/hosts (slurmctld and srun look them up).
+        _add_hosts_lines([f"127.0.0.1 {name}" for name in self.node_names])
+        self.started.append("hosts")
+        run([which("slurmctld") or "slurmctld", "-i"], env=env)  # -i: ignore state from an earlier session
+        self.started.append("slurmctld")
+        for name in self.node_names:
+            run([which("slurmd") or "slurmd", "-N", name], env=env)
+            self.started.append(f"slurmd:{name}")
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            proc = run(["sinfo", "-h", "-N", "-o", "%N %t"], env=env, check=False)
+            last = (proc.stdout + proc.stderr).strip()
+            states = dict(line.split() for line in proc.stdout.splitlines() if len(line.split()) == 2)
+            if proc.returncode == 0 and all(states.get(n) == "idle" for n in self.node_names):
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"slurm nodes did not become idle in {timeout:.0f} s: {last}\n{self.logs_tail()}")
+
+    def logs_tail(self, lines: int = 30) -> str:
+        out = []
+        for log in sorted((self.root / "log").glob("*.log")):
+            text = log.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {log.name}\n" + "\n".join(text))
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        """Cancel jobs, shut the daemons down (escalating to SIGKILL), stop munged, restore /etc/hosts."""
+        env = self.env()
+        r = self.root
+        try:
+            if "slurmctld" in self.started:
+                run(["scancel", "--full", "--user", "root"], env=env, check=False, timeout=15)
+                run(["scontrol", "shutdown"], env=env, check=False, timeout=15)
+        except (subprocess.TimeoutExpired, OSError):
+            pass
+        pids = [_kill_pidfile(r / "run" / f"slurmd-{n}.pid") for n in self.node_names]
+        pids.append(_kill_pidfile(r / "run" / "slurmctld.pid"))
+        for pid in pids:
+            if not _wait_gone(pid, 10) and pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        # Job steps (slurmstepd and their children) outlive slurmd if it dies first.
+        self._kill_leftover_steps()
+        if "munged" in self.started:
+            munge_sock = r / "munge" / "munge.socket"
+            try:
+                run([which("munged") or "munged", f"--socket={munge_sock}", "--stop"], env=env, check=False, timeout=15)
+            except (subprocess.TimeoutExpired, OSError):
+                pass
+            pid = _kill_pidfile(r / "run" / "munged.pid", signal.SIGKILL)
+            _wait_gone(pid, 5)
+        if "hosts" in self.started:
+            _remove_hosts_lines()
+        self.started.clear()
+
+    def _kill_leftover_steps(self) -> None:
+        spool = str(self.root / "spool")
+        for proc_dir in Path("/proc").iterdir():
+            if not proc_dir.name.isdigit():
+                continue
+            try:
+                cmdline = (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                environ = (proc_dir / "environ").read_bytes()
+            except OSError:
+                continue
+            # slurmstepd and every job process carry our SLURM_CONF in their environment.
+            if f"SLURM_CONF={self.conf}".encode() in environ.split(b"\0") or (
+                    "slurmstepd" in cmdline and spool in cmdline):
+                try:
+                    os.kill(int(proc_dir.name), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def sbatch_wait(self, args: list[str], timeout: float, env: dict[str, str] | None = None,
+                    cwd: Path | None = None) -> tuple[int, str, str]:
+        """`sbatch --parsable --wait ARGS`: (exit code, job id, sbatch output). Cancels the job on timeout."""
+        env = env or self.env()
+        cmd = ["sbatch", "--parsable", "--wait", *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                cwd=cwd, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            job_id = (out or "").strip().split(";")[0].splitlines()[0] if out and out.strip() else ""
+            if job_id:
+                run(["scancel", job_id], env=env, check=False, timeout=15)
+            raise TimeoutError(f"sbatch --wait did not finish in {timeout:.0f} s (job {job_id or '?'}): {out}")
+        first = out.strip().splitlines()[0] if out.strip() else ""
+        return proc.returncode, first.split(";")[0], out
+
+
+@dataclass
+class NetnsHosts:
+    """Two hosts as network namespaces on one veth link: name[0] = 10.77.0.1, name[1] = 10.77.0.2.
+
+    Commands run on a host through `nsenter --net` + `unshare --mount --uts`, with the host's own
+    hostname and a hosts file bind-mounted over /etc/hosts (so name lookups see only that file)."""
+
+    root: Path
+    names: tuple[str, ...] = ("rlrunh0", "rlrunh1")
+    hostnames: tuple[str, ...] = ("headpod", "workerpod")
+    hosts_lines: tuple[str, ...] = ()
+    created: list[str] = field(default_factory=list)
+
+    def address(self, i: int) -> str:
+        return f"10.77.0.{i + 1}"
+
+    def start(self) -> None:
+        ensure_cluster_deps()
+        ip = which("ip") or "ip"
+        for name in self.names:  # leftovers from a killed session
+            run([ip, "netns", "delete", name], check=False)
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            run([ip, "netns", "add", self.names[0]])
+        except RuntimeError as exc:
+            raise Unavailable(f"cannot create network namespaces (ip netns add): {exc}") from None
+        self.created.append(self.names[0])
+        run([ip, "netns", "add", self.names[1]])
+        self.created.append(self.names[1])
+        run([ip, "link", "add", "name", "eth0", "netns", self.names[0], "type", "veth",
+             "peer", "name", "eth0", "netns", self.names[1]])
+        base = "\n".join(["127.0.0.1 localhost", *self.hosts_lines]) + "\n"
+        for i, name in enumerate(self.names):
+            ns = ["nsenter", f"--net=/run/netns/{name}"]
+            run([*ns, ip, "addr", "add", f"{self.address(i)}/24", "dev", "eth0"])
+            run([*ns, ip, "link", "set", "lo", "up"])
+            run([*ns, ip, "link", "set", "eth0", "up"])
+            # A dead peer should fail fast, not after ~15 min of TCP retries.
+            run([*ns, "sysctl", "-q", "-w", "net.ipv4.tcp_retries2=5"], check=False)
+            hosts = self.root / f"hosts-{name}"
+            hosts.write_text(base + f"{self.address(i)} {self.hostnames[i]}\n")
+        # Wait until the link carries traffic both ways (veth comes up asynchronously).
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            probe = run(["nsenter", f"--net=/run/netns/{self.names[1]}", sys.executable, "-c",
+                         "import socket,sys; s=socket.socket(); s.settimeout(0.5);"
+                         f"r=s.connect_ex(('{self.address(0)}', 9)); sys.exit(0 if r in (0, 111) else 1)"],
+                        check=False)
+            if probe.returncode == 0:
+                return
+            time.sleep(0.2)
+        raise RuntimeError("veth link between the namespaces did not come up in 10 s")
+
+    def command(self, i: int, argv: list[str]) -> list[str]:
+        """argv wrapped to run on host i: own network, own mount + UTS namespace, hostname, hosts file."""
+        name, hosts = self.names[i], self.root / f"hosts-{self.names[i]}"
+        script = (f"mount --bind {hosts} /etc/hosts && hostname {self.hostnames[i]} && exec \"$@\"")
+        return ["nsenter", f"--net=/run/netns/{name}", "unshare", "--mount", "--uts", "--propagation", "private",
+                "bash", "-c", script, "netns-host", *argv]
+
+    def stop(self) -> None:
+        ip = which("ip") or "ip"
+        for name in reversed(self.created):
+            # Processes still inside keep the namespace alive; kill them first.
+            pids = run([ip, "netns", "pids", name], check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            run([ip, "netns", "delete", name], check=False)
+        self.created.clear()
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in ("slurm-up", "slurm-down"):
+        print(__doc__)
+        return 2
+    cluster = SlurmCluster(Path(argv[1]).resolve())
+    if argv[0] == "slurm-up":
+        cluster.start()
+        print(f"export SLURM_CONF={cluster.conf}")
+    else:
+        cluster.started = ["munged", "hosts", "slurmctld"]
+        cluster.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
