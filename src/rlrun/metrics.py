@@ -20,8 +20,10 @@ class MetricsSink:
         path = cfg.logging.metrics_file or os.path.join(cfg.checkpoint.save_path, "metrics.jsonl")
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            # Resuming appends; a fresh run starts a fresh file.
-            self.file = open(path, "a" if start_step > 0 else "w", encoding="utf-8")
+            kept = _lines_up_to(path, start_step) if start_step > 0 else []
+            # A resumed run keeps the lines of the steps it does not redo; a fresh run starts empty.
+            self.file = open(path, "w", encoding="utf-8")
+            self.file.writelines(kept)
         except OSError as exc:
             raise ConfigError(f"cannot write the metrics file {path}: {exc.strerror}; check --save_path/--metrics_file") from None
         self.path = path
@@ -51,6 +53,21 @@ class MetricsSink:
             self.wandb.finish()
         if self.tb is not None:
             self.tb.close()
+
+
+def _lines_up_to(path: str, step: int) -> list[str]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as fh:
+        lines = fh.readlines()
+    keep = []
+    for line in lines:
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a crash
+    return keep
 
 
 def _init_wandb(cfg: Config) -> Any:

@@ -79,7 +79,6 @@ class ScalarHeadModel(nn.Module):
     def __init__(self, hf_model: PreTrainedModel) -> None:
         super().__init__()
         self.hf = hf_model
-        self.head = score_head(hf_model)
         self._no_split_modules = getattr(hf_model, "_no_split_modules", None)
 
     def gradient_checkpointing_enable(self, **kwargs: object) -> None:
@@ -88,7 +87,7 @@ class ScalarHeadModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                     position_ids=position_ids_from(attention_mask)).last_hidden_state
-        return self.head(hidden).squeeze(-1).float()
+        return score_head(self.hf)(hidden).squeeze(-1).float()
 
 
 def load_critic(cfg: Config, dtype: torch.dtype = torch.float32) -> ScalarHeadModel:

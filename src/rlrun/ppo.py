@@ -7,6 +7,7 @@ and always tear down.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Sequence
 
 from rlrun.cli import parse_args
@@ -15,6 +16,10 @@ from rlrun.launch.env import read_env
 from rlrun.launch.layout import format_layout_table
 from rlrun.launch.planning import plan
 from rlrun.log import get_logger
+
+# After a config error, ranks other than 0 wait this long before exiting: torchrun stops all workers as soon as
+# one fails, so a rank 1 that exits first could kill rank 0 before it prints the one message.
+ERROR_GRACE_S = 10.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RlrunError as exc:
         # Every rank sees the same argv and fails the same way; one message is enough.
         log.error_once(f"error: {exc}")
+        if env.rank != 0:
+            time.sleep(ERROR_GRACE_S)  # normally cut short: the launcher stops us when rank 0 exits
         return 2
     for line in parsed.ignored:
         log.warning_once(line)

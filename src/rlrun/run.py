@@ -1,58 +1,101 @@
-"""One training run on this rank: init, build, train, save, always tear down."""
+"""One training run on this rank: init, build, train, save, always tear down.
+
+Failure policy: a rank that fails prints ONE line (rank, roles, phase, step, error) and leaves
+at once with os._exit — it must not wait in a collective or in process-group teardown for peers
+that may be gone. Peers then fail fast in their next collective (connection closed) or at the
+collective timeout, print a one-line note, and leave the same way; torchrun or srun stops the rest.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 
 from rlrun.build import build_prompts, build_roles, make_sampler
 from rlrun.config import Config
 from rlrun.errors import RlrunError
-from rlrun.launch.dist import init_distributed, resolve_backend, resolve_device, teardown
+from rlrun.faults import PhaseTracker
+from rlrun.launch.dist import init_distributed, is_peer_failure, resolve_backend, resolve_device, teardown
 from rlrun.launch.env import DistEnv
 from rlrun.launch.groups import build_groups
-from rlrun.launch.layout import Layout
+from rlrun.launch.layout import Layout, Role
 from rlrun.log import get_logger
 from rlrun.metrics import MetricsSink
 from rlrun.models import load_tokenizer
+from rlrun.resume import Checkpointer
 from rlrun.roles.engine import resolve_backend as resolve_generation_backend
-from rlrun.save import save_policy
+from rlrun.save import save_critic, save_policy
 from rlrun.trainer import Trainer
 
 
 def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
     log = get_logger(env.rank)
-    device = resolve_device(cfg.runtime.device, env.local_rank)
-    backend = resolve_backend(cfg.runtime.dist_backend, device)
-    generation = resolve_generation_backend(cfg.generation.generation_backend, device.type == "cuda")
-    # Everything that reads local files happens before the first collective, so a bad path fails
-    # every rank the same way instead of leaving some waiting.
-    tokenizer = load_tokenizer(cfg)
-    prompts = build_prompts(cfg, tokenizer)
-    sampler = make_sampler(cfg, prompts)
-    total_steps = min(sampler.total_steps, cfg.train.max_steps or sampler.total_steps)
-    log.info_once(f"{len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
-                  f"--prompt_max_len {cfg.generation.prompt_max_len}), {total_steps} steps, generation backend {generation}, "
-                  f"{backend} on {device.type}")
-    init_distributed(env, backend, cfg.runtime.dist_timeout, device)
+    roles_text = ",".join(r.value for r in layout.roles_of(env.rank))
+    # Collectives time out at dist_timeout; a phase stuck well past that is a hang: dump stacks, exit.
+    phase = PhaseTracker(env.rank, hang_after_s=cfg.runtime.dist_timeout * 1.5 + 10)
     sink = None
     try:
+        device = resolve_device(cfg.runtime.device, env.local_rank)
+        backend = resolve_backend(cfg.runtime.dist_backend, device)
+        generation = resolve_generation_backend(cfg.generation.generation_backend, device.type == "cuda")
+        # Everything that reads local files happens before the first collective, so a bad path fails
+        # every rank the same way instead of leaving some waiting.
+        tokenizer = load_tokenizer(cfg)
+        prompts = build_prompts(cfg, tokenizer)
+        sampler = make_sampler(cfg, prompts)
+        total_steps = min(sampler.total_steps, cfg.train.max_steps or sampler.total_steps)
+        log.info_once(f"{len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
+                      f"--prompt_max_len {cfg.generation.prompt_max_len}), {total_steps} steps, generation backend "
+                      f"{generation}, {backend} on {device.type}")
+        init_distributed(env, backend, cfg.runtime.dist_timeout, device)
+        phase.phase = "build"
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
         groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend)
         roles = build_roles(cfg, layout, groups, device, total_steps)
-        trainer = Trainer(cfg, layout, groups, roles, prompts, sampler, tokenizer, device, total_steps)
-        roles.weight_sync.sync()  # engines start from the actor's weights  # type: ignore[union-attr]
+        trainer = Trainer(cfg, layout, groups, roles, prompts, sampler, tokenizer, device, total_steps, phase)
+        checkpointer = Checkpointer(cfg, layout, groups, roles, trainer, tokenizer)
+        if cfg.checkpoint.load_checkpoint:
+            with phase("load", -1):
+                checkpointer.restore()
+        roles.weight_sync.sync()  # engines start from the actor's (possibly restored) weights  # type: ignore[union-attr]
         sink = MetricsSink(cfg, total_steps, trainer.state.step) if env.rank == 0 else None
-        history = trainer.fit(sink)
+
+        def after_step(steps_done: int) -> None:
+            if checkpointer.should_save(steps_done):
+                with phase("save", steps_done - 1):
+                    checkpointer.save(steps_done)
+
+        history = trainer.fit(sink, after_step)
         if history:
             log.info_once(f"reward: first step {history[0]['reward']:.3f}, last step {history[-1]['reward']:.3f} "
                           f"({len(history)} steps)")
-        save_policy(roles.actor, tokenizer, os.path.join(cfg.checkpoint.save_path), is_writer=env.rank == 0)
+        with phase("save", trainer.state.step):
+            save_policy(roles.actor, tokenizer, cfg.checkpoint.save_path, is_writer=env.rank == 0)
+            if cfg.checkpoint.save_value_network and roles.critic is not None:
+                first_critic = layout.ranks_of(Role.CRITIC)[0]
+                save_critic(roles.critic, os.path.join(cfg.checkpoint.save_path, "critic"), is_writer=env.rank == first_critic)
         log.info_once(f"saved the policy (Hugging Face format) to {cfg.checkpoint.save_path}")
-        return 0
-    except RlrunError as exc:
-        log.rank_error(str(exc))
-        return 1
-    finally:
+    except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
+        _report(log, env.rank, roles_text, phase, exc)
         if sink is not None:
             sink.close()
-        teardown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
+    if sink is not None:
+        sink.close()
+    teardown()
+    return 0
+
+
+def _report(log, rank: int, roles: str, phase: PhaseTracker, exc: BaseException) -> None:  # type: ignore[no-untyped-def]
+    where = f"phase {phase.phase}" + (f" at step {phase.step + 1}" if phase.step >= 0 else "")
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    if is_peer_failure(exc):
+        log.rank_error(f"({roles}) stopping in {where}: a collective failed ({type(exc).__name__}: {first_line[:160]}); "
+                       "another rank failed first — its message above names the cause")
+        return
+    log.rank_error(f"FAILED ({roles}) in {where}: {type(exc).__name__}: {exc}")
+    if not isinstance(exc, (RlrunError, KeyboardInterrupt)):
+        traceback.print_exception(exc, file=sys.stderr)  # an unexpected error: its traceback, from this rank only

@@ -6,8 +6,12 @@ Tensors cross ranks only through rlrun.launch.transfer.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -17,6 +21,7 @@ from rlrun.batching import derive_seed, minibatch_order, shard
 from rlrun.build import Prompts, RankRoles
 from rlrun.config import Config
 from rlrun.data import PromptSampler
+from rlrun.faults import PhaseTracker
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import all_gather_vectors, broadcast_json, gather_from
@@ -47,7 +52,8 @@ class StepOutputs:
 class Trainer:
     def __init__(self, cfg: Config, layout: Layout, groups: Groups, roles: RankRoles, prompts: Prompts,
                  sampler: PromptSampler, tokenizer: PreTrainedTokenizerBase, device: torch.device,
-                 total_steps: int) -> None:
+                 total_steps: int, phase: PhaseTracker) -> None:
+        self.phase = phase
         self.cfg, self.layout, self.groups, self.roles = cfg, layout, groups, roles
         self.prompts, self.sampler, self.tokenizer, self.device = prompts, sampler, tokenizer, device
         self.total_steps = total_steps
@@ -148,19 +154,25 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self, step: int) -> dict[str, float]:
+        # Every random draw of this step derives from (seed, step, rank): exact resume needs no RNG state.
+        seed_everything(derive_seed(self.cfg.train.seed, "step", step, self.rank))
         times = {}
         t0 = time.perf_counter()
-        out = self.generate(step)
+        with self.phase("generate", step):
+            out = self.generate(step)
         times["time/generate"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        results = self.score(out)
-        kl, adv, ret = self.advantages(out.batch, results)
+        with self.phase("score", step):
+            results = self.score(out)
+            kl, adv, ret = self.advantages(out.batch, results)
         times["time/score"] = time.perf_counter() - t1
         t2 = time.perf_counter()
-        stats = self.train(step, out.batch, results, adv, ret)
+        with self.phase("train", step):
+            stats = self.train(step, out.batch, results, adv, ret)
         times["time/train"] = time.perf_counter() - t2
         t3 = time.perf_counter()
-        self.roles.weight_sync.sync()  # type: ignore[union-attr]
+        with self.phase("sync", step):
+            self.roles.weight_sync.sync()  # type: ignore[union-attr]
         times["time/sync"] = time.perf_counter() - t3
         mask = out.batch.action_mask
         mean_kl = float(masked_mean(kl, mask))
@@ -183,8 +195,9 @@ class Trainer:
             "time/step": step_time,
         }
 
-    def fit(self, sink: MetricsSink | None) -> list[dict[str, float]]:
-        """Run from self.state.step to total_steps; rank 0 logs every logging_steps."""
+    def fit(self, sink: MetricsSink | None, on_step_end: Callable[[int], None] | None = None) -> list[dict[str, float]]:
+        """Run from self.state.step to total_steps; rank 0 logs every logging_steps; on_step_end(steps_done)
+        runs after each step (checkpointing)."""
         history = []
         for step in range(self.state.step, self.total_steps):
             metrics = self.step(step)
@@ -192,4 +205,12 @@ class Trainer:
             history.append(metrics)
             if sink is not None and (step + 1) % self.cfg.logging.logging_steps == 0:
                 sink.log(metrics)
+            if on_step_end is not None:
+                on_step_end(step + 1)
         return history
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device

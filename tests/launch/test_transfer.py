@@ -1,11 +1,12 @@
 """Tests for rlrun.launch.transfer: the bucket plan (pure) and, with real gloo process groups in
 separate processes, gather_from / broadcast_json and WeightSync (disaggregated, colocated, mismatch).
 
-Each multi-process test starts `world` copies of this file as a script (`python test_transfer.py
-SCENARIO RANK WORLD PORT OUTDIR`); every rank writes what it saw to OUTDIR/rank{r}.pt (or a
-traceback to rank{r}.err) and the test compares the files. Processes are joined with a deadline
-and killed past it, and the process groups use short timeouts, so a broken collective fails the
-test instead of hanging it.
+The multi-process scenarios share ONE launch (process start-up dominates on a small machine): four
+copies of this file run as a script (`python test_transfer.py SCENARIOS RANK WORLD PORT OUTDIR`,
+SCENARIOS comma-separated), every rank runs the scenarios in order and writes what it saw to
+OUTDIR/rank{r}.{scenario}.pt (or a traceback to rank{r}.{scenario}.err, then stops); each test
+then checks its scenario's files. Processes are joined with a deadline and killed past it, and the
+process groups use short timeouts, so a broken collective fails the tests instead of hanging them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from dataclasses import dataclass
+from typing import Sequence
+
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -96,11 +101,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(scenario: str, world: int, outdir: Path) -> list[dict]:
-    """Run `scenario` on `world` ranks; return each rank's saved results (fails with the ranks' errors)."""
+@dataclass
+class Launch:
+    outdir: Path
+    world: int
+    timed_out: bool
+    returncodes: list[int]
+    outputs: list[str]
+
+    def results(self, scenario: str) -> list[dict]:
+        """Every rank's result for `scenario`, or a failure carrying the ranks' errors and output."""
+        files = [self.outdir / f"rank{r}.{scenario}.pt" for r in range(self.world)]
+        if all(f.exists() for f in files):
+            return [torch.load(f, weights_only=False) for f in files]
+        errors = sorted(p.read_text() for p in self.outdir.glob("rank*.err"))
+        tails = "\n".join(f"--- rank {r} (rc={rc}) ---\n{out[-3000:]}"
+                          for r, (rc, out) in enumerate(zip(self.returncodes, self.outputs)))
+        raise AssertionError(f"scenario {scenario!r} has no result on every rank"
+                             f"{' (the launch timed out)' if self.timed_out else ''}:\n" + "\n".join(errors) + "\n" + tails)
+
+
+def _launch(scenarios: Sequence[str], world: int, outdir: Path) -> Launch:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, scenario, str(r), str(world), str(port), str(outdir)],
+    procs = [subprocess.Popen([sys.executable, __file__, ",".join(scenarios), str(r), str(world), str(port), str(outdir)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -113,12 +137,16 @@ def _launch(scenario: str, world: int, outdir: Path) -> list[dict]:
             p.kill()
             out, _ = p.communicate()
         outputs.append(out)
-    errors = [(outdir / f"rank{r}.err").read_text() for r in range(world) if (outdir / f"rank{r}.err").exists()]
-    if timed_out or errors or any(p.returncode for p in procs):
-        tails = "\n".join(f"--- rank {r} (rc={p.returncode}) ---\n{out[-3000:]}" for r, (p, out) in enumerate(zip(procs, outputs)))
-        raise AssertionError(f"scenario {scenario!r} failed{' (timed out)' if timed_out else ''}:\n"
-                             + "\n".join(errors) + "\n" + tails)
-    return [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return Launch(outdir, world, timed_out, [p.returncode for p in procs], outputs)
+
+
+WORLD = 4
+SCENARIO_ORDER = ("gather", "disaggregated", "colocated", "mismatch")
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> Launch:
+    return _launch(SCENARIO_ORDER, WORLD, tmp_path_factory.mktemp("transfer"))
 
 
 # ---- models ---------------------------------------------------------------------------------------
@@ -239,8 +267,8 @@ def scenario_disaggregated(rank: int, world: int) -> dict:
 
 
 def scenario_colocated(rank: int, world: int) -> dict:
-    """Actor FSDP over [0, 1] with an engine model on the same ranks; rank 2 holds neither (a
-    critic-only rank in a real layout) and must be able to call sync() too."""
+    """Actor FSDP over [0, 1] with an engine model on the same ranks; ranks 2 and 3 hold neither
+    (critic-only ranks in a real layout) and must be able to call sync() too."""
     actor_group = dist.new_group([0, 1])
     on_block = rank in (0, 1)
     source, train_step, full = _actor(actor_group) if on_block else (None, None, None)
@@ -260,17 +288,18 @@ def scenario_colocated(rank: int, world: int) -> dict:
 
 
 def scenario_mismatch(rank: int, world: int) -> dict:
-    """Actor root 0 (plain model), engines [1, 2] with a different architecture: the engines raise
-    at construction, naming the parameters. Two cases: a shape differs, a layer is missing."""
+    """Actor ranks [0, 1] (plain model), engines [2, 3] with a different architecture: the engines
+    raise at construction, naming the parameters. Two cases: a shape differs, a layer is missing."""
     from rlrun.launch.transfer import ParamSource
 
-    sync_group = dist.new_group([0, 1, 2])
+    sync_group = dist.new_group([0, 2, 3])
     out: dict = {}
     for case, engine_kwargs in (("shape", {"hidden": 36}), ("missing", {"layers": 2})):
-        source = ParamSource(_seeded(1), lambda m: ((n, p.detach()) for n, p in m.named_parameters())) if rank == 0 else None
-        engine = _seeded(2, **engine_kwargs) if rank != 0 else None
+        source = ParamSource(_seeded(1), lambda m: ((n, p.detach()) for n, p in m.named_parameters())) if rank < 2 else None
+        engine = _seeded(2, **engine_kwargs) if rank >= 2 else None
         try:
-            WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group, actor_root=0, colocated=False,
+            WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group if rank != 1 else None,
+                       actor_root=0, colocated=False,
                        bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
             out[case] = None
         except RlrunError as e:
@@ -280,7 +309,7 @@ def scenario_mismatch(rank: int, world: int) -> dict:
 
 def scenario_gather(rank: int, world: int) -> dict:
     """gather_from on its all-gather path (ranks == the group) and its broadcast path (a subset or
-    another order), on the world and on a subgroup; plus all_gather_vectors and broadcast_json."""
+    another order), on the world and on the subgroup [1, 2]; plus all_gather_vectors and broadcast_json."""
     from rlrun.launch.transfer import all_gather_vectors, broadcast_json, gather_from
 
     cpu = torch.device("cpu")
@@ -290,8 +319,8 @@ def scenario_gather(rank: int, world: int) -> dict:
     everyone = list(range(world))
     out = {
         "all": gather_from(everyone, local, (2, 3), F32, world_group, cpu),  # all_gather path
-        "halves": [gather_from(everyone[:1], local if rank < 1 else None, (2, 3), F32, world_group, cpu),
-                   gather_from(everyone[1:], local if rank >= 1 else None, (2, 3), F32, world_group, cpu)],
+        "halves": [gather_from(everyone[:2], local if rank < 2 else None, (2, 3), F32, world_group, cpu),
+                   gather_from(everyone[2:], local if rank >= 2 else None, (2, 3), F32, world_group, cpu)],
         "reversed": gather_from(everyone[::-1], local, (2, 3), F32, world_group, cpu),
         "subset": gather_from([2, 0], local if rank in (0, 2) else None, (2, 3), F32, world_group, cpu),
         "vectors": all_gather_vectors(torch.full((4,), float(rank)), world_group),
@@ -307,18 +336,20 @@ SCENARIOS = {f.__name__.removeprefix("scenario_"): f for f in
              (scenario_disaggregated, scenario_colocated, scenario_mismatch, scenario_gather)}
 
 
-def _worker_main(scenario: str, rank: int, world: int, port: int, outdir: str) -> int:
+def _worker_main(scenarios: str, rank: int, world: int, port: int, outdir: str) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=DIST_TIMEOUT_S))
     try:
-        result = SCENARIOS[scenario](rank, world)
-        dist.barrier()  # everyone finished before anyone tears the groups down
-        torch.save(result, Path(outdir) / f"rank{rank}.pt")
+        for scenario in scenarios.split(","):
+            try:
+                result = SCENARIOS[scenario](rank, world)
+                dist.barrier()  # everyone finished before the next scenario (or teardown)
+            except BaseException:  # the groups are in an unknown state: stop here
+                (Path(outdir) / f"rank{rank}.{scenario}.err").write_text(f"rank {rank}, {scenario}:\n{traceback.format_exc()}")
+                return 1
+            torch.save(result, Path(outdir) / f"rank{rank}.{scenario}.pt")
         return 0
-    except BaseException:
-        (Path(outdir) / f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
-        return 1
     finally:
         dist.destroy_process_group()
 
@@ -332,8 +363,8 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
 
 
-def test_disaggregated_sync_makes_engines_equal_to_actor_exactly(tmp_path):
-    r = _launch("disaggregated", 4, tmp_path)
+def test_disaggregated_sync_makes_engines_equal_to_actor_exactly(launched):
+    r = launched.results("disaggregated")
     root, other_actor, engines = r[0], r[1], r[2:]
     assert root["num_buckets"] > 1
     assert other_actor["num_buckets"] == 0  # non-root actor ranks only join FSDP's all-gathers
@@ -356,8 +387,8 @@ def test_disaggregated_sync_makes_engines_equal_to_actor_exactly(tmp_path):
         assert len(r[rank]["buffer_ptrs_at_init"]) == root["num_buckets"]
 
 
-def test_colocated_sync_copies_actor_into_both_engine_copies(tmp_path):
-    r = _launch("colocated", 3, tmp_path)
+def test_colocated_sync_copies_actor_into_both_engine_copies(launched):
+    r = launched.results("colocated")
     for rank in (0, 1):
         assert r[rank]["num_buckets"] == 0  # nothing crosses the wire beyond FSDP's own all-gathers
         assert any(not torch.equal(r[rank]["before"][n], r[0]["syncs"][0]["actor"][n]) for n in r[rank]["before"])
@@ -366,22 +397,22 @@ def test_colocated_sync_copies_actor_into_both_engine_copies(tmp_path):
             _assert_same(r[rank]["syncs"][k]["actor"], r[0]["syncs"][k]["actor"])
             assert r[rank]["syncs"][k]["engine"]["ptrs"] == r[rank]["syncs"][0]["engine"]["ptrs"]
     assert not torch.equal(r[0]["syncs"][0]["actor"]["head.weight"], r[0]["syncs"][1]["actor"]["head.weight"])
-    assert r[2] == {"num_buckets": 0, "syncs": []}
+    assert r[2] == r[3] == {"num_buckets": 0, "syncs": []}
 
 
-def test_engine_architecture_mismatch_raises_on_engine_ranks(tmp_path):
-    r = _launch("mismatch", 3, tmp_path)
-    assert r[0] == {"shape": None, "missing": None}  # the root cannot know; the engines fail the run
-    for rank in (1, 2):
+def test_engine_architecture_mismatch_raises_on_engine_ranks(launched):
+    r = launched.results("mismatch")
+    assert r[0] == r[1] == {"shape": None, "missing": None}  # the actor cannot know; the engines fail the run
+    for rank in (2, 3):
         shape, missing = r[rank]["shape"], r[rank]["missing"]
         assert shape is not None and "blocks.0.up.weight" in shape and "shape differs" in shape
         assert missing is not None and "blocks.2." in missing and "missing on engine" in missing
         assert "same architecture" in shape
 
 
-def test_gather_from_all_gather_and_broadcast_paths_agree(tmp_path):
-    world = 3
-    r = _launch("gather", world, tmp_path)
+def test_gather_from_all_gather_and_broadcast_paths_agree(launched):
+    world = WORLD
+    r = launched.results("gather")
     part = [torch.arange(6, dtype=F32).view(2, 3) + 100 * k for k in range(world)]
     for rank in range(world):
         out = r[rank]
@@ -392,7 +423,7 @@ def test_gather_from_all_gather_and_broadcast_paths_agree(tmp_path):
         assert torch.equal(out["vectors"], torch.arange(world, dtype=F32)[:, None].expand(world, 4))
         assert out["json"] == {"from": 1, "names": ["a.b", "ü"]}
     for rank in (1, 2):
-        assert torch.equal(r[rank]["sub_all"], torch.cat(part[1:]))
+        assert torch.equal(r[rank]["sub_all"], torch.cat(part[1:3]))
         assert torch.equal(r[rank]["sub_one"], part[2])
     assert "sub_all" not in r[0]
 

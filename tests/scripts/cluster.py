@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 import socket
 import subprocess
 import sys
@@ -195,7 +196,16 @@ SlurmdTimeout=60
 NodeName={names} NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports} CPUs={self.cpus} Gres=gpu:{self.gpus} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
-        (self.root / "etc" / "gres.conf").write_text(f"AutoDetect=off\nName=gpu Count={self.gpus}\n")
+        # Slurm 22.05 drops GPUs without a device file; stand-in character devices (same numbers
+        # as /dev/null) make a count-only gres that `--gres=gpu:N` and SLURM_GPUS_ON_NODE honour.
+        dev = self.root / "dev"
+        dev.mkdir(exist_ok=True)
+        for i in range(self.gpus):
+            path = dev / f"nvidia{i}"
+            if not path.exists():
+                os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        (self.root / "etc" / "gres.conf").write_text(
+            f"NodeName={names} Name=gpu File={dev}/nvidia[0-{self.gpus - 1}]\n")
         for name in self.node_names:
             (self.root / "spool" / name).mkdir(exist_ok=True)
 

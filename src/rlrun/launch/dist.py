@@ -53,3 +53,13 @@ def teardown() -> None:
     """Destroy the default group (idempotent). Called on every exit path of a normal run."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True when a collective failed because another rank died or timed out (not this rank's bug)."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in (
+        "Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe",
+        "NCCL", "gloo", "ProcessGroup", "Socket Timeout"))

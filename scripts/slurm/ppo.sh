@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# rlrun on a Slurm allocation: one torchrun per node (default), or one srun task per GPU.
+#
+#   sbatch scripts/slurm/ppo.sh --config configs/my_run.yaml [more rlrun.ppo flags]
+#   sbatch --nodes=4 --gres=gpu:8 --time=48:00:00 --partition=gpu scripts/slurm/ppo.sh ...
+#   RLRUN_LAUNCH=srun sbatch scripts/slurm/ppo.sh ...      # one task per GPU, no torchrun
+#
+# Everything after the script name goes to `python -m rlrun.ppo` unchanged (or set RLRUN_CONFIG to
+# a YAML file; it is passed as `--config FILE` before the other flags). Submit from the directory
+# the paths in your flags are relative to (or use `sbatch --chdir DIR`); when that directory is a
+# checkout of rlrun, its src/ is put on PYTHONPATH.
+#
+# The #SBATCH lines below are defaults: edit them, or override any of them on the sbatch command
+# line (flags there win). Partition and account are commented out: uncomment and fill in, or pass
+# --partition/--account. On a cluster without GPUs use `sbatch --gres=none` and set
+# RLRUN_PROCS_PER_NODE.
+#
+# Environment (all optional; sbatch passes your shell's environment to the job):
+#   RLRUN_LAUNCH           torchrun (default): one elastic torchrun per node (restarts on failure);
+#                          srun: one `python -m rlrun.ppo` task per GPU, rank = SLURM_PROCID.
+#   GPUS_PER_NODE          processes per node. Default: the job's GPUs per node (--gpus-per-node,
+#                          --gres=gpu:N, SLURM_GPUS_ON_NODE), else RLRUN_PROCS_PER_NODE, else 1.
+#   RLRUN_PROCS_PER_NODE   processes per node when the job has no GPUs (CPU clusters, tests).
+#   RLRUN_MAX_RESTARTS     torchrun --max-restarts (default 3): the whole job restarts together after
+#                          a failure; resume from checkpoints with --load_checkpoint.
+#   RLRUN_RDZV             c10d (default; elastic, restarts on any node restart all nodes) or static
+#                          (--node_rank = SLURM_NODEID, so node 0 holds rank 0).
+#   RLRUN_PORT             rendezvous / master port (default 20000 + job id % 20000).
+#   RLRUN_HEAD_ADDR        address of the rendezvous host (default: first host of the allocation).
+#   RLRUN_JOIN_TIMEOUT     seconds torchrun waits for all nodes to join (default 900).
+#   RLRUN_PYTHON           python with rlrun installed (default: python, else python3, on each node).
+#   RLRUN_TORCHRUN         torchrun command (default: "$RLRUN_PYTHON -m torch.distributed.run").
+#   RLRUN_LOG_DIR          per-node logs (default logs/<job name>-<job id>); the job log itself is
+#                          %x-%j.out (--output).
+#   RLRUN_IB               0: NCCL_IB_DISABLE=1 (no InfiniBand); 1: NCCL_IB_DISABLE=0. Unset: NCCL decides.
+#   RLRUN_SOCKET_IFNAME    network interface for NCCL and gloo (sets NCCL_SOCKET_IFNAME and
+#                          GLOO_SOCKET_IFNAME unless those are set), e.g. ib0 or eth0.
+#   NCCL_DEBUG             default WARN (INFO for connection debugging).
+#   RLRUN_CONTAINER_IMAGE  run on the nodes inside this image with pyxis/enroot (--container-image);
+#   RLRUN_CONTAINER_MOUNTS --container-mounts (default: the submit directory at the same path).
+#   RLRUN_PREFLIGHT        1 (default): check the flags and role layout for the job's world size
+#                          (rlrun.ppo --dry_run) on the first node before starting every node.
+#   RLRUN_SRUN_ARGS        extra srun flags for the training step (word-split).
+#
+#SBATCH --job-name=rlrun-ppo
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gres=gpu:8
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --output=%x-%j.out
+##SBATCH --partition=gpu
+##SBATCH --account=my-account
+
+set -euo pipefail
+
+say() { echo "rlrun: $*"; }
+die() { echo "rlrun: error: $*" >&2; exit 2; }
+
+if [[ -z "${SLURM_JOB_ID:-}" ]]; then
+    die "not inside a Slurm job; submit with: sbatch scripts/slurm/ppo.sh --config FILE [flags]"
+fi
+
+args=()
+[[ -n "${RLRUN_CONFIG:-}" ]] && args+=(--config "$RLRUN_CONFIG")
+args+=("$@")
+((${#args[@]})) || die "no arguments for rlrun.ppo; pass flags after the script (e.g. --config configs/demo.yaml) or set RLRUN_CONFIG"
+
+launch="${RLRUN_LAUNCH:-torchrun}"
+[[ "$launch" == torchrun || "$launch" == srun ]] || die "RLRUN_LAUNCH=$launch; use torchrun or srun"
+rdzv="${RLRUN_RDZV:-c10d}"
+[[ "$rdzv" == c10d || "$rdzv" == static ]] || die "RLRUN_RDZV=$rdzv; use c10d or static"
+
+nnodes="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
+nodelist="${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-$(hostname)}}"
+
+first_host() {
+    # scontrol knows Slurm's host-list syntax; the fallback handles the common "pfx[01-04,7],other".
+    local first
+    if first=$(scontrol show hostnames "$1" 2>/dev/null | head -n 1) && [[ -n "$first" ]]; then
+        echo "$first"
+        return
+    fi
+    first="${1%%,*}"
+    if [[ "$1" == *"["* ]]; then
+        local prefix="${1%%\[*}" inner="${1#*\[}"
+        inner="${inner%%[],-]*}"
+        first="$prefix$inner"
+    fi
+    echo "$first"
+}
+head_addr="${RLRUN_HEAD_ADDR:-$(first_host "$nodelist")}"
+port="${RLRUN_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
+
+gpus_of_job() {
+    # Per-node GPUs the job asked for. SLURM_GPUS_ON_NODE in the batch step can show the whole
+    # node (e.g. with --exclusive), so the job's own request (TresPerNode) comes first.
+    if [[ -n "${SLURM_GPUS_PER_NODE:-}" ]]; then
+        echo "${SLURM_GPUS_PER_NODE##*:}"
+        return
+    fi
+    local tres
+    tres=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n 's/^TresPerNode=//p' | head -n 1)
+    if [[ "$tres" =~ gpu(:[A-Za-z0-9_.-]+)?:([0-9]+) ]]; then
+        echo "${BASH_REMATCH[2]}"
+        return
+    fi
+    if [[ "${SLURM_GPUS_ON_NODE:-0}" =~ ^[0-9]+$ ]] && ((${SLURM_GPUS_ON_NODE:-0} > 0)); then
+        echo "$SLURM_GPUS_ON_NODE"
+    fi
+}
+if [[ -n "${GPUS_PER_NODE:-}" ]]; then
+    procs="$GPUS_PER_NODE"
+else
+    procs="$(gpus_of_job)"
+    procs="${procs:-${RLRUN_PROCS_PER_NODE:-1}}"
+fi
+[[ "$procs" =~ ^[1-9][0-9]*$ ]] || die "processes per node must be a positive integer, got '$procs' (GPUS_PER_NODE / RLRUN_PROCS_PER_NODE)"
+world=$((nnodes * procs))
+
+restarts="${RLRUN_MAX_RESTARTS:-3}"
+[[ "$restarts" =~ ^[0-9]+$ ]] || die "RLRUN_MAX_RESTARTS must be a non-negative integer, got '$restarts'"
+join_timeout="${RLRUN_JOIN_TIMEOUT:-900}"
+
+# Networking. Explicit NCCL_*/GLOO_* variables in the environment win over the RLRUN_* shortcuts.
+case "${RLRUN_IB:-}" in
+    "") ;;
+    0 | false | no | off) export NCCL_IB_DISABLE=1 ;;
+    1 | true | yes | on) export NCCL_IB_DISABLE=0 ;;
+    *) die "RLRUN_IB=$RLRUN_IB; use 0 (no InfiniBand) or 1" ;;
+esac
+if [[ -n "${RLRUN_SOCKET_IFNAME:-}" ]]; then
+    export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$RLRUN_SOCKET_IFNAME}"
+    export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$RLRUN_SOCKET_IFNAME}"
+fi
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+export PYTHONUNBUFFERED=1
+
+workdir="$PWD"
+if [[ -f "$workdir/src/rlrun/__init__.py" ]]; then
+    export PYTHONPATH="$workdir/src${PYTHONPATH:+:$PYTHONPATH}"
+fi
+log_dir="${RLRUN_LOG_DIR:-logs/${SLURM_JOB_NAME:-rlrun}-${SLURM_JOB_ID}}"
+mkdir -p "$log_dir"
+log_dir="$(cd "$log_dir" && pwd)"
+
+srun_args=(--nodes="$nnodes" --kill-on-bad-exit=1 --label)
+if [[ -n "${RLRUN_CONTAINER_IMAGE:-}" ]]; then
+    srun_args+=(--container-image="$RLRUN_CONTAINER_IMAGE"
+                --container-mounts="${RLRUN_CONTAINER_MOUNTS:-$workdir:$workdir}"
+                --container-workdir="$workdir")
+fi
+if [[ -n "${RLRUN_SRUN_ARGS:-}" ]]; then
+    read -r -a extra_srun <<<"$RLRUN_SRUN_ARGS"
+    srun_args+=("${extra_srun[@]}")
+fi
+cpus_on_node="${RLRUN_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-}}"
+
+export RLRUN_NODE_PYTHON="${RLRUN_PYTHON:-}" RLRUN_NODE_TORCHRUN="${RLRUN_TORCHRUN:-}"
+export RLRUN_NODE_LOG_DIR="$log_dir" RLRUN_NODE_HEAD="$head_addr" RLRUN_NODE_PORT="$port"
+export RLRUN_NODE_PROCS="$procs" RLRUN_NODE_NNODES="$nnodes" RLRUN_NODE_RESTARTS="$restarts"
+export RLRUN_NODE_RDZV="$rdzv" RLRUN_NODE_JOIN_TIMEOUT="$join_timeout" RLRUN_NODE_LAUNCH="$launch"
+
+say "job ${SLURM_JOB_ID} (${SLURM_JOB_NAME:-}): ${nnodes} node(s) ${nodelist}, ${procs} process(es) per node, world size ${world}"
+say "launch=${launch} head=${head_addr}:${port} max_restarts=${restarts} rdzv=${rdzv} workdir=${workdir}"
+say "logs: this file (all nodes, lines prefixed by node/task) and ${log_dir}/node-<N>.log"
+
+# Validate flags and the role layout for this world size before starting every node (cheap: no
+# torch.distributed, no model). Skipped inside containers: the batch host may have no python.
+if [[ "${RLRUN_PREFLIGHT:-1}" == 1 && -z "${RLRUN_CONTAINER_IMAGE:-}" ]]; then
+    py="${RLRUN_PYTHON:-$(command -v python || command -v python3 || true)}"
+    [[ -n "$py" ]] || die "no python on $(hostname); set RLRUN_PYTHON to the python that has rlrun installed"
+    if ! env -u SLURM_PROCID -u SLURM_STEP_ID RANK=0 LOCAL_RANK=0 WORLD_SIZE="$world" LOCAL_WORLD_SIZE="$procs" \
+            "$py" -m rlrun.ppo "${args[@]}" --dry_run 2>&1 | tee -a "$log_dir/preflight.log"; then
+        die "the flags do not validate for world size ${world} (${nnodes} x ${procs}); see above. Nothing was started."
+    fi
+fi
+
+# What runs on every node (torchrun mode) or for every task (srun mode). Passed as a string: the
+# batch script itself exists only on the first node.
+read -r -d '' node_script <<'NODE_SCRIPT' || true
+set -uo pipefail
+node="${SLURM_NODEID:-0}"
+log="$RLRUN_NODE_LOG_DIR/node-${node}.log"
+py="${RLRUN_NODE_PYTHON:-$(command -v python || command -v python3 || echo python)}"
+if [[ "$RLRUN_NODE_LAUNCH" == srun ]]; then
+    # One task per GPU: rlrun reads SLURM_PROCID / SLURM_STEP_* and MASTER_ADDR / MASTER_PORT.
+    if [[ "${SLURM_LOCALID:-0}" == 0 ]]; then
+        echo "rlrun: node ${node}/${RLRUN_NODE_NNODES} ($(hostname)) head=${MASTER_ADDR}:${MASTER_PORT}, starting ${RLRUN_NODE_PROCS} task(s): ${py} -m rlrun.ppo" | tee -a "$log"
+    fi
+    "$py" -m rlrun.ppo "$@" 2>&1 | tee -a "$log"
+    exit "${PIPESTATUS[0]}"
+fi
+if [[ -n "$RLRUN_NODE_TORCHRUN" ]]; then
+    read -r -a torchrun <<<"$RLRUN_NODE_TORCHRUN"
+else
+    torchrun=("$py" -m torch.distributed.run)
+fi
+rdzv_args=(--nnodes="$RLRUN_NODE_NNODES" --nproc_per_node="$RLRUN_NODE_PROCS" --max_restarts="$RLRUN_NODE_RESTARTS")
+if [[ "$RLRUN_NODE_RDZV" == static ]]; then
+    rdzv_args+=(--rdzv_backend=static --node_rank="$node" --master_addr="$RLRUN_NODE_HEAD" --master_port="$RLRUN_NODE_PORT")
+else
+    # Node 0 hosts the rendezvous store (explicitly: guessing from host names fails when nodes share
+    # an address); torchrun waits up to join_timeout for every node.
+    is_host=false
+    [[ "$node" == 0 ]] && is_host=true
+    rdzv_args+=(--rdzv_backend=c10d --rdzv_endpoint="$RLRUN_NODE_HEAD:$RLRUN_NODE_PORT" --rdzv_id="rlrun-${SLURM_JOB_ID}"
+                --rdzv_conf="is_host=${is_host},join_timeout=${RLRUN_NODE_JOIN_TIMEOUT}")
+fi
+echo "rlrun: node ${node}/${RLRUN_NODE_NNODES} ($(hostname)) head=${RLRUN_NODE_HEAD}:${RLRUN_NODE_PORT}, starting torchrun with ${RLRUN_NODE_PROCS} process(es)" | tee -a "$log"
+"${torchrun[@]}" "${rdzv_args[@]}" -m rlrun.ppo "$@" 2>&1 | tee -a "$log"
+exit "${PIPESTATUS[0]}"
+NODE_SCRIPT
+
+set +e
+if [[ "$launch" == srun ]]; then
+    export MASTER_ADDR="$head_addr" MASTER_PORT="$port"
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    step=(--ntasks="$world" --ntasks-per-node="$procs")
+    if [[ "$cpus_on_node" =~ ^[0-9]+$ ]] && ((cpus_on_node >= procs)); then
+        step+=(--cpus-per-task=$((cpus_on_node / procs)))
+    fi
+    say "starting ${world} task(s) with srun"
+else
+    step=(--ntasks="$nnodes" --ntasks-per-node=1)
+    [[ "$cpus_on_node" =~ ^[0-9]+$ ]] && step+=(--cpus-per-task="$cpus_on_node")
+    say "starting one torchrun per node with srun"
+fi
+srun "${srun_args[@]}" "${step[@]}" bash -c "$node_script" rlrun-node "${args[@]}"
+rc=$?
+set -e
+if ((rc == 0)); then
+    say "training finished (exit 0); per-node logs in ${log_dir}"
+else
+    say "training FAILED (exit ${rc}); per-node logs in ${log_dir}"
+fi
+exit "$rc"
