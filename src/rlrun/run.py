@@ -38,7 +38,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
     try:
         device = resolve_device(cfg.runtime.device, env.local_rank)
         backend = resolve_backend(cfg.runtime.dist_backend, device)
-        generation = resolve_generation_backend(cfg.generation.generation_backend, device.type == "cuda")
+        generation, why = resolve_generation_backend(cfg.generation.generation_backend, device.type == "cuda")
         # Everything that reads local files happens before the first collective, so a bad path fails
         # every rank the same way instead of leaving some waiting.
         tokenizer = load_tokenizer(cfg)
@@ -47,7 +47,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
         total_steps = min(sampler.total_steps, cfg.train.max_steps or sampler.total_steps)
         log.info_once(f"{len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
                       f"--prompt_max_len {cfg.generation.prompt_max_len}), {total_steps} steps, generation backend "
-                      f"{generation}, {backend} on {device.type}")
+                      f"{generation} ({why}), {backend} on {device.type}")
         init_distributed(env, backend, cfg.runtime.dist_timeout, device)
         phase.phase = "build"
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None

@@ -18,6 +18,8 @@ from torch import nn
 from rlrun.errors import RlrunError
 
 ALIGN = 16  # bytes: every tensor view into a bucket starts aligned for any dtype
+# torch >= 2.10 renamed all_gather_into_tensor (which now warns on every call).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def gather_from(ranks: Sequence[int], local: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype,
@@ -28,7 +30,7 @@ def gather_from(ranks: Sequence[int], local: torch.Tensor | None, shape: Sequenc
     if list(ranks) == list(group_ranks):
         assert local is not None
         out = torch.empty((len(ranks) * shape[0], *shape[1:]), dtype=dtype, device=device)
-        dist.all_gather_into_tensor(out, local.to(device).contiguous(), group=group)
+        _all_gather_single(out, local.to(device).contiguous(), group=group)
         return out
     parts = []
     me = dist.get_rank()
@@ -43,7 +45,7 @@ def all_gather_vectors(local: torch.Tensor, group: dist.ProcessGroup) -> torch.T
     """[S] from every rank of `group` -> [world, S] on every rank."""
     world = dist.get_world_size(group)
     out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+    _all_gather_single(out, local.contiguous(), group=group)
     return out.view(world, local.numel())
 
 

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from rlrun.errors import MissingExtraError
+from rlrun.errors import ConfigError, MissingExtraError
 
 
 @dataclass(frozen=True)
@@ -34,15 +34,19 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def resolve_backend(requested: str, cuda: bool) -> str:
-    """'auto' -> vllm when it is installed and a GPU is present, else hf."""
+def resolve_backend(requested: str, cuda: bool) -> tuple[str, str]:
+    """(backend, why) for --generation_backend. Only `hf` is implemented in this release: the vLLM
+    backend is a later issue, so asking for it is an error rather than a silent fallback."""
     if requested == "vllm":
         if not vllm_available():
             raise MissingExtraError("vllm", "vllm", "--generation_backend vllm")
-        raise MissingExtraError("rlrun's vllm backend (coming in a later release)", "vllm", "--generation_backend vllm")
-    if requested == "auto" and cuda and vllm_available():
-        return "hf"  # the vLLM backend is not wired yet; said once in the log by the caller
-    return "hf"
+        raise ConfigError("--generation_backend vllm: the vLLM engine backend is not implemented in this rlrun "
+                          "release yet; use --generation_backend hf (or auto)")
+    if requested == "hf":
+        return "hf", "requested"
+    if cuda and vllm_available():
+        return "hf", "auto: vLLM is installed but rlrun's vLLM backend is not implemented yet"
+    return "hf", "auto: " + ("vLLM is not installed" if cuda else "no GPU")
 
 
 class HFEngine:
