@@ -38,10 +38,35 @@ def test_disaggregated_ppo_four_ranks(tmp_path):
 @pytest.mark.timeout(300)
 def test_colocated_grpo_four_ranks(tmp_path):
     """Every role on every rank (FSDP over 4 ranks, 4 generation shards)."""
-    res = run_rlrun(4, DEMO + ["--max_steps", "3", "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", "k3"], tmp_path)
+    tb = tmp_path / "tb"
+    res = run_rlrun(4, DEMO + ["--max_steps", "3", "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", "k3",
+                               "--use_tensorboard", str(tb)], tmp_path)
     assert res.returncode == 0, res.output[-3000:]
     assert [m["step"] for m in res.metrics] == [1, 2, 3]
     assert "actor/kl_loss" in res.metrics[-1]
+    assert list(tb.glob("events.out.tfevents.*")), "TensorBoard wrote no event file"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reward_model_on_its_own_ranks(tmp_path):
+    """A sequence-classification reward model (saved locally) scores rollouts on ranks 2-3."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlrun.tiny import build_byte_tokenizer, tiny_model_config
+
+    cfg = tiny_model_config()
+    cfg.num_labels = 1
+    torch.manual_seed(0)
+    rm_dir = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(rm_dir)
+    build_byte_tokenizer().save_pretrained(rm_dir)
+    res = run_rlrun(4, DEMO + ["--max_steps", "2", "--reward_pretrain", str(rm_dir), "--reward_num_gpus_per_node", "2",
+                               "--actor_num_gpus_per_node", "2"], tmp_path / "out")
+    assert res.returncode == 0, res.output[-3000:]
+    # A random reward model gives small non-zero scores, unlike the demo rule's [0, 1] fractions.
+    assert all(m["reward"] != 0 for m in res.metrics) and len(res.metrics) == 2
+    assert "reward/response_chars" not in res.metrics[0]  # the rule reward did not run
 
 
 @pytest.mark.slow

@@ -97,7 +97,7 @@ def publish(root: str, step: int, meta: dict[str, Any], keep: int) -> str:
     os.rename(tmp, final)
     _fsync_dir(root)
     write_json_atomic(os.path.join(root, LATEST), {"step": step, "path": os.path.basename(final)})
-    prune(root, keep)
+    prune(root, keep, current=step)
     return final
 
 
@@ -111,9 +111,11 @@ def validate(path: str) -> dict[str, Any]:
         raise CheckpointError(f"{path}: no {COMPLETE} (the save did not finish)") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable {COMPLETE}: {exc}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict) or not isinstance(record.get("meta"), dict):
+        raise CheckpointError(f"{path}: {COMPLETE} is not a checkpoint manifest")
     if record.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format {record.get('format')} is not {FORMAT_VERSION}")
-    for rel, size in record.get("files", {}).items():
+    for rel, size in record["files"].items():
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
             raise CheckpointError(f"{path}: file {rel} is missing")
@@ -134,7 +136,11 @@ def find_latest(root: str) -> tuple[Found | None, list[str]]:
     warnings: list[str] = []
     if not os.path.isdir(root):
         return None, warnings
-    steps = sorted((int(m.group(1)), name) for name in os.listdir(root) if (m := _STEP_DIR.match(name)))
+    names = sorted(os.listdir(root))
+    for name in names:
+        if name.startswith(".tmp_step_"):
+            warnings.append(f"skipping checkpoint {os.path.join(root, name)}: a save that did not finish")
+    steps = sorted((int(m.group(1)), name) for name in names if (m := _STEP_DIR.match(name)))
     for step, name in reversed(steps):
         path = os.path.join(root, name)
         try:
@@ -146,14 +152,21 @@ def find_latest(root: str) -> tuple[Found | None, list[str]]:
     return None, warnings
 
 
-def prune(root: str, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints, and stale temporary directories."""
+def prune(root: str, keep: int, current: int | None = None) -> None:
+    """Delete all but the newest `keep` complete checkpoints, and stale temporary directories.
+
+    With `current` (the step just published), step directories numbered above it are deleted too:
+    they are from an abandoned run (or were skipped as corrupt when this run resumed), and left in
+    place they would push the new checkpoints out of the retention window and be picked on resume.
+    """
     complete = []
-    for name in sorted(os.listdir(root)):
+    for name in os.listdir(root):
         path = os.path.join(root, name)
-        if name.startswith(".tmp_step_"):
+        m = _STEP_DIR.match(name)
+        if name.startswith(".tmp_step_") or (m and current is not None and int(m.group(1)) > current):
             shutil.rmtree(path, ignore_errors=True)
-        elif _STEP_DIR.match(name) and os.path.exists(os.path.join(path, COMPLETE)):
-            complete.append(path)
-    for path in complete[:-keep] if keep > 0 else []:
+        elif m and os.path.exists(os.path.join(path, COMPLETE)):
+            complete.append((int(m.group(1)), path))
+    complete.sort()
+    for _, path in complete[:-keep] if keep > 0 else []:
         shutil.rmtree(path, ignore_errors=True)

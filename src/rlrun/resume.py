@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -68,6 +69,7 @@ class Checkpointer:
         """Collective over the world. Rank 0 prepares and seals; each role writes its own part."""
         world = self.groups.world
         path = ckpt.tmp_dir(self.root, steps_done)
+        start = time.perf_counter()
         error = None
         if self.rank == 0:
             try:
@@ -92,14 +94,17 @@ class Checkpointer:
                 save_critic(r.critic, os.path.join(path, "critic_hf"), is_writer=first)
         if self.rank == 0:
             ckpt.write_json_atomic(os.path.join(path, "trainer_state.json"), self._trainer_state())
-        maybe_inject("save", steps_done - 1, self.rank)  # a kill here leaves a half-written directory
+        # A kill here leaves a half-written directory. (Not "save": run.py's PhaseTracker already injects
+        # "save" faults on entering the save phase, before anything is written, so it would never get here.)
+        maybe_inject("save_shards", steps_done - 1, self.rank)
         barrier(world, self.timeout)  # every part is on disk before the checkpoint is sealed
         if self.rank == 0:
             assert r.actor is not None
             meta = {"step": steps_done, "actor": _fingerprint(r.actor.model), "world_size": self.layout.world_size,
                     "config": redacted(self.cfg)}
-            ckpt.publish(self.root, steps_done, meta, self.cfg.checkpoint.max_ckpt_num)
-            self.log.info_once(f"checkpoint saved: {ckpt.step_dir(self.root, steps_done)}")
+            final = ckpt.publish(self.root, steps_done, meta, self.cfg.checkpoint.max_ckpt_num)
+            size_mb = sum(ckpt.validate(final)["files"].values()) / 2**20
+            self.log.info_once(f"checkpoint saved: {final} ({size_mb:.1f} MB in {time.perf_counter() - start:.2f} s)")
         barrier(world, self.timeout)
 
     def _trainer_state(self) -> dict[str, Any]:
@@ -113,6 +118,7 @@ class Checkpointer:
     def restore(self) -> int:
         """Load the newest complete checkpoint (collective). Returns the step to continue from."""
         world = self.groups.world
+        start = time.perf_counter()
         choice: Any = None
         if self.rank == 0:
             found, warnings = ckpt.find_latest(self.root)
@@ -147,7 +153,7 @@ class Checkpointer:
         self.trainer.state.reward_moments = RunningMoments(**state["reward_moments"])
         if r.actor is not None:
             _load_updater_state(r.actor.updater, state["actor"])
-        self.log.info_once(f"resumed from {path} at step {self.trainer.state.step}")
+        self.log.info_once(f"resumed from {path} at step {self.trainer.state.step} ({time.perf_counter() - start:.2f} s)")
         return self.trainer.state.step
 
     def _compatibility_problem(self, meta: dict[str, Any]) -> str | None:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from rlrun.algorithms import LossAggMode, aggregate_loss, compute_approx_kl, policy_loss
-from rlrun.roles.forward import micro_batches, response_log_probs
+from rlrun.roles.forward import over_micro_batches, response_log_probs
 from rlrun.roles.update import Updater
 from rlrun.rollout import RolloutBatch
 
@@ -41,17 +41,11 @@ class Actor:
         self.settings = settings
         self.device = device
 
-    @torch.no_grad()
     def log_probs(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
         """[b, L] rollouts -> [b, R] log-probs under the current policy."""
-        self.model.eval()
-        out = []
-        for rows in micro_batches(batch.sequences.shape[0], micro_batch):
-            part = batch.rows(rows).to(self.device)
-            logp, _ = response_log_probs(self.model, part.sequences, part.attention_mask, batch.response_width,
-                                         self.settings.temperature)
-            out.append(logp.cpu())
-        return torch.cat(out)
+        R, temp = batch.response_width, self.settings.temperature
+        return over_micro_batches(self.model, batch, micro_batch, self.device,
+                                  lambda p: response_log_probs(self.model, p.sequences, p.attention_mask, R, temp)[0])
 
     def train(self, data: PolicyData, minibatches: list[torch.Tensor], kl_coef: float) -> dict[str, float]:
         s = self.settings

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from rlrun.algorithms import LossAggMode, value_loss
-from rlrun.roles.forward import micro_batches, response_values
+from rlrun.roles.forward import over_micro_batches, response_values
 from rlrun.roles.update import Updater
 from rlrun.rollout import RolloutBatch
 
@@ -31,15 +31,11 @@ class Critic:
         self.agg = agg
         self.device = device
 
-    @torch.no_grad()
     def values(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
         """[b, L] rollouts -> [b, R] values."""
-        self.model.eval()
-        out = []
-        for rows in micro_batches(batch.sequences.shape[0], micro_batch):
-            part = batch.rows(rows).to(self.device)
-            out.append(response_values(self.model, part.sequences, part.attention_mask, batch.response_width).cpu())
-        return torch.cat(out)
+        R = batch.response_width
+        return over_micro_batches(self.model, batch, micro_batch, self.device,
+                                  lambda p: response_values(self.model, p.sequences, p.attention_mask, R))
 
     def train(self, data: ValueData, minibatches: list[torch.Tensor]) -> dict[str, float]:
         def micro_loss(rows: torch.Tensor, num_tokens: float, num_seqs: float):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
 from rlrun.algorithms import entropy_from_logits, log_probs_from_logits
 from rlrun.models import position_ids_from
+from rlrun.rollout import RolloutBatch
 
 
 def response_log_probs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
@@ -38,3 +41,12 @@ def last_token_scores(model: nn.Module, sequences: torch.Tensor, attention_mask:
 
 def micro_batches(num_rows: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
+
+
+@torch.no_grad()
+def over_micro_batches(model: nn.Module, batch: RolloutBatch, micro_batch: int, device: torch.device,
+                       fn: Callable[[RolloutBatch], torch.Tensor]) -> torch.Tensor:
+    """Inference in micro-batches: fn(part on device) -> [b, ...]; results concatenated on CPU."""
+    model.eval()
+    out = [fn(batch.rows(rows).to(device)).float().cpu() for rows in micro_batches(batch.sequences.shape[0], micro_batch)]
+    return torch.cat(out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlrun.roles.forward import micro_batches, response_log_probs
+from rlrun.roles.forward import over_micro_batches, response_log_probs
 from rlrun.rollout import RolloutBatch
 
 
@@ -15,12 +15,8 @@ class Reference:
         self.temperature = temperature
         self.device = device
 
-    @torch.no_grad()
     def log_probs(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
         """[b, L] rollouts -> [b, R] reference log-probs."""
-        out = []
-        for rows in micro_batches(batch.sequences.shape[0], micro_batch):
-            part = batch.rows(rows).to(self.device)
-            logp, _ = response_log_probs(self.model, part.sequences, part.attention_mask, batch.response_width, self.temperature)
-            out.append(logp.cpu())
-        return torch.cat(out)
+        R, temp = batch.response_width, self.temperature
+        return over_micro_batches(self.model, batch, micro_batch, self.device,
+                                  lambda p: response_log_probs(self.model, p.sequences, p.attention_mask, R, temp)[0])
