@@ -93,8 +93,9 @@ def test_find_latest_on_missing_or_empty_root(tmp_path):
 
 def test_find_latest_picks_the_newest_valid_numerically(tmp_path):
     root = tmp_path / "ckpt"
-    for step in (9, 10, 2):  # 10 > 9 although "step_10" sorts first as text without padding
+    for step in (2, 9, 10):
         _save(root, step, keep=0)
+    os.rename(root / "step_00000009", root / "step_9")  # sorts after step_00000010 as text, not as a number
     found, warnings = ckpt.find_latest(str(root))
     assert (found.step, found.path, warnings) == (10, str(root / "step_00000010"), [])
     assert found.meta == {"step": 10, "actor": {"digest": "d"}}

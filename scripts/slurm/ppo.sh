@@ -136,6 +136,9 @@ fi
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export PYTHONUNBUFFERED=1
+# Each torchrun restart round gets a fresh store for the workers (no keys left from the failed
+# attempt), instead of sharing the rendezvous store across attempts.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 workdir="$PWD"
 if [[ -f "$workdir/src/rlrun/__init__.py" ]]; then

@@ -87,7 +87,8 @@ def _updater(cfg: Config, model: torch.nn.Module, strategy: FSDPStrategy, lr: fl
     optimizer = make_optimizer(model, lr, t.adam_betas, t.l2)
     scheduler = warmup_cosine(optimizer, total_opt_steps, t.lr_warmup_ratio)
     ranks = layout.ranks_of(role)
-    return Updater(model, strategy, optimizer, scheduler, t.max_norm, t.micro_train_batch_size, ranks.index(rank), len(ranks))
+    return Updater(model, strategy, optimizer, scheduler, t.max_norm, t.micro_train_batch_size, ranks.index(rank), len(ranks),
+                   max_nonfinite_in_a_row=t.max_skipped_steps)
 
 
 def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.device, total_steps: int) -> RankRoles:
@@ -122,7 +123,8 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         sampling = SamplingSettings(g.temperature, g.top_p, g.generate_max_len, int(tok.pad_token_id), int(tok.eos_token_id))
         out.engine = HFEngine(load_causal_lm(cfg, engine_dtype(cfg, device)).to(device), sampling, device)
         if not cfg.needs_reward_model:
-            out.reward_fn = load_reward_function(cfg.model.remote_rm_url)
+            out.reward_fn = load_reward_function(cfg.model.remote_rm_url, timeout_s=cfg.model.remote_rm_timeout,
+                                                 retries=cfg.model.remote_rm_retries)
     out.weight_sync = WeightSync(
         actor_params=ParamSource(out.actor.model, actor_strategy.full_params) if out.actor and actor_strategy else None,
         engine_model=out.engine.model if out.engine else None,

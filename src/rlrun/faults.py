@@ -2,9 +2,13 @@
 
 The watchdog: if one phase runs longer than the collective timeout allows, every thread's
 Python stack is written to stderr and the process exits non-zero (a hung rank never outlives
-its peers). Fault injection: RLRUN_FAULT="phase:step:rank[:kill|raise]" makes that rank SIGKILL
-itself (or raise) when it reaches the phase at that step (0-based), on the first attempt only,
-so an elastic restart can recover. Nothing happens when the variable is unset.
+its peers). A rank that has been in one phase for more than half the collective timeout also
+writes its stacks if the launcher stops it (SIGTERM) — usually because a peer's collective timed
+out waiting for it — so the rank that hung shows where.
+
+Fault injection: RLRUN_FAULT="phase:step:rank[:kill|raise]" makes that rank SIGKILL itself (or
+raise) when it reaches the phase at that step (0-based), on the first attempt only, so an elastic
+restart can recover. Nothing happens when the variable is unset.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
+import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 
@@ -28,16 +34,49 @@ class PhaseTracker:
     hang_after_s: float
     phase: str = "startup"
     step: int = -1
+    # After this long in one phase, SIGTERM dumps every thread's stack before the default action
+    # (None: never). The arming runs on a daemon thread; disarmed again when the phase ends.
+    dump_on_term_after_s: float | None = None
+    _entered: float | None = field(default=None, repr=False)
+    _armed: bool = field(default=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _watcher: threading.Thread | None = field(default=None, repr=False)
 
     @contextmanager
     def __call__(self, phase: str, step: int) -> Iterator[None]:
         self.phase, self.step = phase, step
         faulthandler.dump_traceback_later(self.hang_after_s, exit=True, file=sys.stderr)
+        with self._lock:
+            self._entered = time.monotonic()
+        self._start_watcher()
         try:
             maybe_inject(phase, step, self.rank)
             yield
         finally:
             faulthandler.cancel_dump_traceback_later()
+            with self._lock:
+                self._entered = None
+                if self._armed:
+                    faulthandler.unregister(signal.SIGTERM)
+                    self._armed = False
+
+    def _start_watcher(self) -> None:
+        if self.dump_on_term_after_s is None or self._watcher is not None:
+            return
+        self._watcher = threading.Thread(target=self._watch, name="rlrun-phase-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        assert self.dump_on_term_after_s is not None
+        poll = min(0.5, self.dump_on_term_after_s / 4)
+        while True:
+            time.sleep(poll)
+            with self._lock:
+                if (self._entered is not None and not self._armed
+                        and time.monotonic() - self._entered >= self.dump_on_term_after_s):
+                    # chain=True: after the dump the previous (default) action still ends the process.
+                    faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
+                    self._armed = True
 
 
 def maybe_inject(phase: str, step: int, rank: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 from rlrun.build import build_prompts, build_roles, make_sampler
@@ -23,6 +24,7 @@ from rlrun.launch.layout import Layout, Role
 from rlrun.log import get_logger
 from rlrun.metrics import MetricsSink
 from rlrun.models import load_tokenizer
+from rlrun.ppo import ERROR_GRACE_S
 from rlrun.resume import Checkpointer
 from rlrun.roles.engine import resolve_backend as resolve_generation_backend
 from rlrun.save import save_critic, save_policy
@@ -33,8 +35,11 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
     log = get_logger(env.rank)
     roles_text = ",".join(r.value for r in layout.roles_of(env.rank))
     # Collectives time out at dist_timeout; a phase stuck well past that is a hang: dump stacks, exit.
-    phase = PhaseTracker(env.rank, hang_after_s=cfg.runtime.dist_timeout * 1.5 + 10)
+    # A rank stopped by the launcher after half the timeout in one phase dumps its stacks: it is the likely hang.
+    phase = PhaseTracker(env.rank, hang_after_s=cfg.runtime.dist_timeout * 1.5 + 10,
+                         dump_on_term_after_s=cfg.runtime.dist_timeout * 0.5)
     sink = None
+    local_only = True  # until the first collective: a failure here is the same on every rank
     try:
         device = resolve_device(cfg.runtime.device, env.local_rank)
         backend = resolve_backend(cfg.runtime.dist_backend, device)
@@ -48,6 +53,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
         log.info_once(f"{len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
                       f"--prompt_max_len {cfg.generation.prompt_max_len}), {total_steps} steps, generation backend "
                       f"{generation} ({why}), {backend} on {device.type}")
+        local_only = False
         init_distributed(env, backend, cfg.runtime.dist_timeout, device)
         phase.phase = "build"
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
@@ -77,7 +83,11 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
                 save_critic(roles.critic, os.path.join(cfg.checkpoint.save_path, "critic"), is_writer=env.rank == first_critic)
         log.info_once(f"saved the policy (Hugging Face format) to {cfg.checkpoint.save_path}")
     except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
-        _report(log, env.rank, roles_text, phase, exc)
+        if local_only and env.rank != 0 and isinstance(exc, RlrunError):
+            # A bad path or dataset fails every rank alike: let rank 0 say it once (the launcher stops this rank
+            # when rank 0 exits). Only a rank that fails alone (a file missing on its node) speaks up after the wait.
+            time.sleep(ERROR_GRACE_S)
+        _report(log, env.rank, roles_text, phase, exc, cfg.runtime.dist_timeout)
         if sink is not None:
             sink.close()
         sys.stdout.flush()
@@ -89,9 +99,15 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
     return 0
 
 
-def _report(log, rank: int, roles: str, phase: PhaseTracker, exc: BaseException) -> None:  # type: ignore[no-untyped-def]
+def _report(log, rank: int, roles: str, phase: PhaseTracker, exc: BaseException,  # type: ignore[no-untyped-def]
+            dist_timeout: float) -> None:
     where = f"phase {phase.phase}" + (f" at step {phase.step + 1}" if phase.step >= 0 else "")
     first_line = (str(exc).strip().splitlines() or [""])[0]
+    if is_peer_failure(exc) and ("Timed out" in first_line or "timed out" in first_line):
+        log.rank_error(f"({roles}) stopping in {where}: a collective timed out after --dist_timeout {dist_timeout:g} s "
+                       f"({type(exc).__name__}: {first_line[:160]}); another rank never reached it — it is hung "
+                       "(its stack is dumped below when it is stopped) or slower than --dist_timeout allows")
+        return
     if is_peer_failure(exc):
         log.rank_error(f"({roles}) stopping in {where}: a collective failed ({type(exc).__name__}: {first_line[:160]}); "
                        "another rank failed first — its message above names the cause")

@@ -68,6 +68,9 @@ def check_values(cfg: Config) -> None:
     _positive("max_ckpt_num", cfg.checkpoint.max_ckpt_num)
     _positive("logging_steps", cfg.logging.logging_steps)
     _positive("dist_timeout", cfg.runtime.dist_timeout)
+    _positive("remote_rm_timeout", cfg.model.remote_rm_timeout)
+    _positive("remote_rm_retries", cfg.model.remote_rm_retries)
+    _positive("max_skipped_steps", t.max_skipped_steps)
     if cfg.model.remote_rm_url and cfg.model.reward_pretrain:
         raise ConfigError("--remote_rm_url and --reward_pretrain are both set; choose one reward source")
 

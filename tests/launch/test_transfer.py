@@ -31,8 +31,8 @@ from torch import nn
 from rlrun.errors import RlrunError
 from rlrun.launch.transfer import ALIGN, BucketEntry, WeightSync, bucket_size, entry_view, plan_buckets
 
-DIST_TIMEOUT_S = 30  # a collective that never completes raises after this long
-JOIN_TIMEOUT_S = 90  # the whole launch, after which every rank is killed
+DIST_TIMEOUT_S = 60  # a collective that never completes raises after this long (generous: shared CI boxes)
+JOIN_TIMEOUT_S = 240  # the whole launch (about 10 s on an idle 2-core box), after which every rank is killed
 BUCKET_BYTES = 2048  # small: several buckets, and some parameters larger than a bucket
 F32 = torch.float32
 

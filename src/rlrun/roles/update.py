@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from rlrun.batching import shard
+from rlrun.errors import RlrunError
 
 # rows (global indices of one micro-batch), num_tokens, num_seqs -> (loss, stats)
 MicroLoss = Callable[[torch.Tensor, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -36,7 +37,9 @@ class Updater:
     micro_batch: int
     dp_rank: int
     dp_size: int
+    max_nonfinite_in_a_row: int = 10  # --max_skipped_steps: this many skipped steps in a row fail the run
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient, over the run
+    nonfinite_in_a_row: int = 0  # consecutive skipped steps, reset by every finite one
 
     def run(self, minibatches: list[torch.Tensor], token_mask: torch.Tensor, micro_loss: MicroLoss) -> dict[str, float]:
         """token_mask: [B, R] response mask of the full batch. Returns stats averaged over steps."""
@@ -57,9 +60,17 @@ class Updater:
             grad_norm = self.strategy.clip_grad_norm(self.model, self.max_norm)
             if math.isfinite(grad_norm):
                 self.optimizer.step()
+                self.nonfinite_in_a_row = 0
             else:  # a NaN/inf gradient must never reach the weights
                 self.optimizer.zero_grad(set_to_none=True)
                 self.skipped_steps += 1
+                self.nonfinite_in_a_row += 1
+                # The norm is global over the role's ranks, so every rank of the role stops at the same step.
+                if self.nonfinite_in_a_row >= self.max_nonfinite_in_a_row:
+                    raise RlrunError(
+                        f"non-finite gradient for {self.nonfinite_in_a_row} optimizer steps in a row (gradient norm "
+                        f"{grad_norm}; {self.skipped_steps} skipped in total); the weights were not updated by them. "
+                        "Lower the learning rate, check the rewards and inputs, or raise --max_skipped_steps.")
             self.scheduler.step()
             sums["grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
             counts["grad_norm"] += 1
