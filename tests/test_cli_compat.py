@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from rlrun.cli import IGNORED_FLAGS, LAUNCHER, NOT_YET, RAY_ONLY, build_parser, parse_args
+from rlrun.cli import IGNORED_FLAGS, LAUNCHER, NOT_YET, RAY_ONLY, build_parser, parse_args, NO_EFFECT_YET
 from rlrun.config import Config, fields_of
 from rlrun.errors import ConfigError
 from rlrun.launch.layout import Role
@@ -160,7 +160,10 @@ def test_flag_lands_on_its_field(name, values, expected):
     assert value == expected
     assert type(value) is type(expected)
     assert parsed.explicit == {name}
-    assert parsed.ignored == ()
+    if name in NO_EFFECT_YET:  # kept in the config, but reported: nothing acts on it in this release
+        assert parsed.ignored == (f"--{name}: has no effect ({NO_EFFECT_YET[name]})",)
+    else:
+        assert parsed.ignored == ()
     _defaults_except(parsed.config, name)
 
 
@@ -363,7 +366,8 @@ def test_realistic_ppo_command_line():
     assert cfg.checkpoint.save_hf_ckpt and cfg.checkpoint.ckpt_path.endswith("ckpt/llama3-8b-rlhf")
     assert cfg.logging.use_wandb == "{wandb_token}"
     assert [line.split(":")[0] for line in parsed.ignored] == [
-        "--ray_address", "--packing_samples", "--vllm_sync_with_ray", "--deepspeed_enable_sleep", "--runtime-env-json"]
+        "--ray_address", "--packing_samples", "--vllm_sync_with_ray", "--deepspeed_enable_sleep", "--runtime-env-json",
+        "--vllm_gpu_memory_utilization", "--vllm_enable_sleep", "--enforce_eager"]
     # The same command on 8 ranks of one node: every model and 4 TP-2 engines on all 8 ranks.
     layout = plan(cfg, 8, 8).layout
     for role in (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD, Role.ENGINE):
@@ -382,7 +386,7 @@ def test_realistic_grpo_command_line():
     assert not cfg.needs_critic and cfg.needs_ref and not cfg.needs_reward_model
     assert {line.split(":")[0] for line in parsed.ignored} == {
         "--packing_samples", "--deepspeed_enable_sleep", "--async_train", "--async_queue_size", "--ray_namespace",
-        "--lr_scheduler", "--eps_clip_low_high"}
+        "--lr_scheduler", "--eps_clip_low_high", "--vllm_gpu_memory_utilization", "--vllm_enable_sleep", "--enforce_eager"}
     layout = plan(cfg, 8, 8).layout
     assert layout.ranks_of(Role.ACTOR) == layout.ranks_of(Role.REF) == layout.ranks_of(Role.ENGINE) == tuple(range(8))
     assert not layout.has(Role.CRITIC) and not layout.has(Role.REWARD)

@@ -255,12 +255,13 @@ def test_checkpoint_of_a_different_architecture_fails_fast_and_clearly(reference
                                      "--load_checkpoint"], tmp_path, timeout=120)
     assert run.returncode != 0
     lines = [line for line in run.output.splitlines() if "different policy architecture" in line]
-    # Each rank stops with the same message (no rank is left waiting in a collective) ...
-    assert sorted(line.split(":")[0].split()[-1] for line in lines) == ["0", "1"] or len(lines) >= 1, run.output[-3000:]
-    for rank in (0, 1):
-        assert any(f"rank {rank}: FAILED" in line and "CheckpointError" in line for line in lines), run.output[-3000:]
-    assert "collective failed" not in run.output and "Traceback" not in run.output
-    assert "model.layers.0.mlp.down_proj.weight: checkpoint [64, 128] vs model [32, 96]" in lines[0]
+    # Every rank stops at once with the same one-line reason (none is left waiting in a collective) ...
+    assert len(lines) == 2, run.output[-3000:]
+    for rank, line in enumerate(sorted(lines)):
+        assert f"rank {rank}: FAILED" in line and "in phase load: CheckpointError" in line, line
+        assert "lm_head.weight: checkpoint [259, 64] vs model [259, 32]" in line, line
+    assert run.output.count("exitcode  : 1 ") == 2, run.output[-3000:]
+    assert "collective failed" not in run.output and "SIGKILL" not in run.output
     # ... quickly: well before any collective timeout (--dist_timeout 30) could be involved.
-    assert run.wall_s < 60 + 30, run.wall_s
+    assert run.wall_s < 60, run.wall_s
     assert [m["step"] for m in run.metrics] == []

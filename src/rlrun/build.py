@@ -91,7 +91,15 @@ def _updater(cfg: Config, model: torch.nn.Module, strategy: FSDPStrategy, lr: fl
                    max_nonfinite_in_a_row=t.max_skipped_steps)
 
 
-def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.device, total_steps: int) -> RankRoles:
+def build_reward_fn(cfg: Config) -> RewardFunction:
+    """The rollout reward source of an engine rank (when no reward model scores). Imports a reward file but
+    contacts no server, so run() calls it before the first collective: a broken file fails every rank alike."""
+    return load_reward_function(cfg.model.remote_rm_url, timeout_s=cfg.model.remote_rm_timeout,
+                                retries=cfg.model.remote_rm_retries)
+
+
+def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.device, total_steps: int,
+                reward_fn: RewardFunction | None = None) -> RankRoles:
     rank = groups.rank
     mine = set(layout.roles_of(rank))
     out = RankRoles()
@@ -123,8 +131,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         sampling = SamplingSettings(g.temperature, g.top_p, g.generate_max_len, int(tok.pad_token_id), int(tok.eos_token_id))
         out.engine = HFEngine(load_causal_lm(cfg, engine_dtype(cfg, device)).to(device), sampling, device)
         if not cfg.needs_reward_model:
-            out.reward_fn = load_reward_function(cfg.model.remote_rm_url, timeout_s=cfg.model.remote_rm_timeout,
-                                                 retries=cfg.model.remote_rm_retries)
+            out.reward_fn = reward_fn if reward_fn is not None else build_reward_fn(cfg)
     out.weight_sync = WeightSync(
         actor_params=ParamSource(out.actor.model, actor_strategy.full_params) if out.actor and actor_strategy else None,
         engine_model=out.engine.model if out.engine else None,

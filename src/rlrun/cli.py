@@ -87,6 +87,15 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
 }
 
 
+# Config fields that parse and are kept (so configs stay valid) but act on nothing in this release.
+NO_EFFECT_YET: dict[str, str] = {
+    "vllm_gpu_memory_utilization": "only the vLLM backend uses it, and it is not implemented yet",
+    "vllm_enable_sleep": "only the vLLM backend uses it, and it is not implemented yet",
+    "enforce_eager": "only the vLLM backend uses it, and it is not implemented yet",
+    "eval_steps": "rlrun has no evaluation loop yet",
+}
+
+
 @dataclass(frozen=True)
 class ParsedArgs:
     config: Config
@@ -241,4 +250,5 @@ def parse_args(argv: Sequence[str] | None = None) -> ParsedArgs:
             values[name] = ""  # bare flag: key from WANDB_API_KEY
             continue
         values[name] = coerce(infos[name], raw, f"--{name}")
+    ignored += [f"--{name}: has no effect ({why})" for name, why in NO_EFFECT_YET.items() if name in values]
     return ParsedArgs(build_config(values), tuple(dict.fromkeys(ignored)), frozenset(values))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Any
 
 from tqdm import tqdm
@@ -78,8 +79,21 @@ def _init_wandb(cfg: Config) -> Any:
     key = cfg.logging.use_wandb or os.environ.get("WANDB_API_KEY")
     if key and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         wandb.login(key=key, relogin=True)
-    return wandb.init(entity=cfg.logging.wandb_org, project=cfg.logging.wandb_project, group=cfg.logging.wandb_group,
-                      name=cfg.logging.wandb_run_name, config=redacted(cfg), reinit=True)
+    # wandb records sys.argv in the run's metadata (uploaded on sync); a key passed as --use_wandb KEY must not be in it.
+    saved_argv = sys.argv
+    sys.argv = [_scrub(arg, [key] if key else []) for arg in saved_argv]
+    try:
+        return wandb.init(entity=cfg.logging.wandb_org, project=cfg.logging.wandb_project,
+                          group=cfg.logging.wandb_group, name=cfg.logging.wandb_run_name, config=redacted(cfg),
+                          reinit=True)
+    finally:
+        sys.argv = saved_argv
+
+
+def _scrub(text: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "<redacted>")
+    return text
 
 
 def _init_tensorboard(log_dir: str) -> Any:

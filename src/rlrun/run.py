@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 import traceback
 
-from rlrun.build import build_prompts, build_roles, make_sampler
+from rlrun.build import build_prompts, build_reward_fn, build_roles, make_sampler
 from rlrun.config import Config
-from rlrun.errors import RlrunError
+from rlrun.errors import ConfigError, RlrunError
 from rlrun.faults import PhaseTracker
 from rlrun.launch.dist import init_distributed, is_peer_failure, resolve_backend, resolve_device, teardown
 from rlrun.launch.env import DistEnv
@@ -53,12 +54,18 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
         log.info_once(f"{len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
                       f"--prompt_max_len {cfg.generation.prompt_max_len}), {total_steps} steps, generation backend "
                       f"{generation} ({why}), {backend} on {device.type}")
+        engine_rank = Role.ENGINE in layout.roles_of(env.rank)
+        reward_fn = build_reward_fn(cfg) if engine_rank and not cfg.needs_reward_model else None
+        if env.rank == 0:  # the writer: a bad output path must fail now, not at the end of training
+            _check_writable(cfg.checkpoint.save_path, "--save_path")
+            if cfg.checkpoint.save_steps > 0:
+                _check_writable(cfg.checkpoint.ckpt_path, "--ckpt_path")
         local_only = False
         init_distributed(env, backend, cfg.runtime.dist_timeout, device)
         phase.phase = "build"
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
         groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend)
-        roles = build_roles(cfg, layout, groups, device, total_steps)
+        roles = build_roles(cfg, layout, groups, device, total_steps, reward_fn)
         trainer = Trainer(cfg, layout, groups, roles, prompts, sampler, tokenizer, device, total_steps, phase)
         checkpointer = Checkpointer(cfg, layout, groups, roles, trainer, tokenizer)
         if cfg.checkpoint.load_checkpoint:
@@ -97,6 +104,16 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
         sink.close()
     teardown()
     return 0
+
+
+def _check_writable(path: str, flag: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".rlrun_write_test_"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path} is not a writable directory ({exc.strerror or exc}); "
+                          "choose a directory this user can create and write") from None
 
 
 def _report(log, rank: int, roles: str, phase: PhaseTracker, exc: BaseException,  # type: ignore[no-untyped-def]
