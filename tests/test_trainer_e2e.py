@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import run_rlrun
+from helpers import run_rlrun
 
 DEMO = ["--config", "configs/demo.yaml"]
 TIMING_KEYS = ("time/", "tokens_per_s")

@@ -18,9 +18,10 @@
 # Environment (all optional; sbatch passes your shell's environment to the job):
 #   RLRUN_LAUNCH           torchrun (default): one elastic torchrun per node (restarts on failure);
 #                          srun: one `python -m rlrun.ppo` task per GPU, rank = SLURM_PROCID.
-#   GPUS_PER_NODE          processes per node. Default: the job's GPUs per node (--gpus-per-node,
-#                          --gres=gpu:N, SLURM_GPUS_ON_NODE), else RLRUN_PROCS_PER_NODE, else 1.
-#   RLRUN_PROCS_PER_NODE   processes per node when the job has no GPUs (CPU clusters, tests).
+#   GPUS_PER_NODE          processes per node. Default: the GPUs per node the job requested
+#                          (--gpus-per-node or --gres=gpu:N), else RLRUN_PROCS_PER_NODE, else the
+#                          GPUs Slurm shows on the node (SLURM_GPUS_ON_NODE), else 1.
+#   RLRUN_PROCS_PER_NODE   processes per node when the job requests no GPUs (CPU clusters, tests).
 #   RLRUN_MAX_RESTARTS     torchrun --max-restarts (default 3): the whole job restarts together after
 #                          a failure; resume from checkpoints with --load_checkpoint.
 #   RLRUN_RDZV             c10d (default; elastic, restarts on any node restart all nodes) or static
@@ -81,39 +82,40 @@ first_host() {
         echo "$first"
         return
     fi
-    first="${1%%,*}"
-    if [[ "$1" == *"["* ]]; then
-        local prefix="${1%%\[*}" inner="${1#*\[}"
-        inner="${inner%%[],-]*}"
-        first="$prefix$inner"
+    local prefix="${1%%[,[]*}" rest inner
+    rest="${1:${#prefix}}"
+    if [[ "$rest" == "["* ]]; then
+        inner="${rest#\[}"
+        echo "$prefix${inner%%[],-]*}"
+    else
+        echo "$prefix"
     fi
-    echo "$first"
 }
 head_addr="${RLRUN_HEAD_ADDR:-$(first_host "$nodelist")}"
 port="${RLRUN_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
 
-gpus_of_job() {
-    # Per-node GPUs the job asked for. SLURM_GPUS_ON_NODE in the batch step can show the whole
-    # node (e.g. with --exclusive), so the job's own request (TresPerNode) comes first.
-    if [[ -n "${SLURM_GPUS_PER_NODE:-}" ]]; then
-        echo "${SLURM_GPUS_PER_NODE##*:}"
+gpus_requested() {
+    # Per-node GPUs the job asked for (--gpus-per-node, --gres=gpu[:type]:N). SLURM_GPUS_ON_NODE
+    # in the batch step can show the whole node (e.g. with --exclusive), so the request comes first.
+    if [[ "${SLURM_GPUS_PER_NODE:-}" =~ ([0-9]+)$ ]]; then
+        echo "${BASH_REMATCH[1]}"
         return
     fi
     local tres
     tres=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n 's/^TresPerNode=//p' | head -n 1)
     if [[ "$tres" =~ gpu(:[A-Za-z0-9_.-]+)?:([0-9]+) ]]; then
         echo "${BASH_REMATCH[2]}"
-        return
-    fi
-    if [[ "${SLURM_GPUS_ON_NODE:-0}" =~ ^[0-9]+$ ]] && ((${SLURM_GPUS_ON_NODE:-0} > 0)); then
-        echo "$SLURM_GPUS_ON_NODE"
     fi
 }
-if [[ -n "${GPUS_PER_NODE:-}" ]]; then
-    procs="$GPUS_PER_NODE"
-else
-    procs="$(gpus_of_job)"
-    procs="${procs:-${RLRUN_PROCS_PER_NODE:-1}}"
+procs="${GPUS_PER_NODE:-$(gpus_requested)}"
+if [[ -z "$procs" ]]; then
+    if [[ -n "${RLRUN_PROCS_PER_NODE:-}" ]]; then
+        procs="$RLRUN_PROCS_PER_NODE"
+    elif [[ "${SLURM_GPUS_ON_NODE:-}" =~ ^[1-9][0-9]*$ ]]; then
+        procs="$SLURM_GPUS_ON_NODE"
+    else
+        procs=1
+    fi
 fi
 [[ "$procs" =~ ^[1-9][0-9]*$ ]] || die "processes per node must be a positive integer, got '$procs' (GPUS_PER_NODE / RLRUN_PROCS_PER_NODE)"
 world=$((nnodes * procs))
@@ -122,11 +124,11 @@ restarts="${RLRUN_MAX_RESTARTS:-3}"
 [[ "$restarts" =~ ^[0-9]+$ ]] || die "RLRUN_MAX_RESTARTS must be a non-negative integer, got '$restarts'"
 join_timeout="${RLRUN_JOIN_TIMEOUT:-900}"
 
-# Networking. Explicit NCCL_*/GLOO_* variables in the environment win over the RLRUN_* shortcuts.
+# Networking. NCCL_*/GLOO_* variables already in the environment win over the RLRUN_* shortcuts.
 case "${RLRUN_IB:-}" in
     "") ;;
-    0 | false | no | off) export NCCL_IB_DISABLE=1 ;;
-    1 | true | yes | on) export NCCL_IB_DISABLE=0 ;;
+    0 | false | no | off) export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-1}" ;;
+    1 | true | yes | on) export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-0}" ;;
     *) die "RLRUN_IB=$RLRUN_IB; use 0 (no InfiniBand) or 1" ;;
 esac
 if [[ -n "${RLRUN_SOCKET_IFNAME:-}" ]]; then
@@ -166,7 +168,11 @@ export RLRUN_NODE_PROCS="$procs" RLRUN_NODE_NNODES="$nnodes" RLRUN_NODE_RESTARTS
 export RLRUN_NODE_RDZV="$rdzv" RLRUN_NODE_JOIN_TIMEOUT="$join_timeout" RLRUN_NODE_LAUNCH="$launch"
 
 say "job ${SLURM_JOB_ID} (${SLURM_JOB_NAME:-}): ${nnodes} node(s) ${nodelist}, ${procs} process(es) per node, world size ${world}"
-say "launch=${launch} head=${head_addr}:${port} max_restarts=${restarts} rdzv=${rdzv} workdir=${workdir}"
+if [[ "$launch" == torchrun ]]; then
+    say "launch=torchrun (rdzv ${rdzv}, max_restarts ${restarts}) head=${head_addr}:${port} workdir=${workdir}"
+else
+    say "launch=srun (one task per process, no restarts) head=${head_addr}:${port} workdir=${workdir}"
+fi
 say "logs: this file (all nodes, lines prefixed by node/task) and ${log_dir}/node-<N>.log"
 
 # Validate flags and the role layout for this world size before starting every node (cheap: no
@@ -202,14 +208,18 @@ else
 fi
 rdzv_args=(--nnodes="$RLRUN_NODE_NNODES" --nproc_per_node="$RLRUN_NODE_PROCS" --max_restarts="$RLRUN_NODE_RESTARTS")
 if [[ "$RLRUN_NODE_RDZV" == static ]]; then
-    rdzv_args+=(--rdzv_backend=static --node_rank="$node" --master_addr="$RLRUN_NODE_HEAD" --master_port="$RLRUN_NODE_PORT")
+    rdzv_args+=(--rdzv_backend=static --node_rank="$node" --master_addr="$RLRUN_NODE_HEAD" --master_port="$RLRUN_NODE_PORT"
+                --rdzv_conf="timeout=${RLRUN_NODE_JOIN_TIMEOUT}")
 else
     # Node 0 hosts the rendezvous store (explicitly: guessing from host names fails when nodes share
-    # an address); torchrun waits up to join_timeout for every node.
+    # an address); torchrun waits up to join_timeout for every node. Each node names itself as
+    # Slurm does (not by its FQDN, which may resolve to 127.0.1.1): with a fresh worker store per
+    # restart round, rank 0's node name is the workers' MASTER_ADDR.
     is_host=false
     [[ "$node" == 0 ]] && is_host=true
     rdzv_args+=(--rdzv_backend=c10d --rdzv_endpoint="$RLRUN_NODE_HEAD:$RLRUN_NODE_PORT" --rdzv_id="rlrun-${SLURM_JOB_ID}"
                 --rdzv_conf="is_host=${is_host},join_timeout=${RLRUN_NODE_JOIN_TIMEOUT}")
+    [[ -n "${SLURMD_NODENAME:-}" ]] && rdzv_args+=(--local_addr="$SLURMD_NODENAME")
 fi
 echo "rlrun: node ${node}/${RLRUN_NODE_NNODES} ($(hostname)) head=${RLRUN_NODE_HEAD}:${RLRUN_NODE_PORT}, starting torchrun with ${RLRUN_NODE_PROCS} process(es)" | tee -a "$log"
 "${torchrun[@]}" "${rdzv_args[@]}" -m rlrun.ppo "$@" 2>&1 | tee -a "$log"

@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlrun.config import Config
 from rlrun.data import PromptSampler, format_prompt, load_prompt_records, tokenize_prompts
+from rlrun.errors import DataError
 from rlrun.launch.fsdp import FSDPStrategy
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
@@ -63,6 +64,12 @@ def build_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Prompts:
 
 
 def make_sampler(cfg: Config, prompts: Prompts) -> PromptSampler:
+    kept, batch = len(prompts.ids), cfg.train.rollout_batch_size
+    if prompts.dropped and kept < batch:
+        raise DataError(f"{prompts.dropped} of {prompts.dropped + kept} prompts are longer than --prompt_max_len "
+                        f"{cfg.generation.prompt_max_len} and were dropped (--prompt_overflow drop); the {kept} left "
+                        f"do not fill one --rollout_batch_size {batch}. Raise --prompt_max_len, use --prompt_overflow "
+                        "truncate, or lower --rollout_batch_size.")
     return PromptSampler(len(prompts.ids), cfg.train.rollout_batch_size, cfg.train.seed, cfg.train.num_episodes)
 
 
@@ -87,8 +94,8 @@ def _updater(cfg: Config, model: torch.nn.Module, strategy: FSDPStrategy, lr: fl
     optimizer = make_optimizer(model, lr, t.adam_betas, t.l2)
     scheduler = warmup_cosine(optimizer, total_opt_steps, t.lr_warmup_ratio)
     ranks = layout.ranks_of(role)
-    return Updater(model, strategy, optimizer, scheduler, t.max_norm, t.micro_train_batch_size, ranks.index(rank), len(ranks),
-                   max_nonfinite_in_a_row=t.max_skipped_steps)
+    return Updater(model, strategy, optimizer, scheduler, t.max_norm, t.micro_train_batch_size, ranks.index(rank),
+                   len(ranks), max_nonfinite_in_a_row=t.max_skipped_steps)
 
 
 def build_reward_fn(cfg: Config) -> RewardFunction:

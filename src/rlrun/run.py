@@ -18,7 +18,7 @@ from rlrun.build import build_prompts, build_reward_fn, build_roles, make_sample
 from rlrun.config import Config
 from rlrun.errors import ConfigError, RlrunError
 from rlrun.faults import PhaseTracker
-from rlrun.launch.dist import init_distributed, is_peer_failure, resolve_backend, resolve_device, teardown
+from rlrun.launch.dist import init_distributed, is_peer_failure, restart_safety_warning, resolve_backend, resolve_device, teardown
 from rlrun.launch.env import DistEnv
 from rlrun.launch.groups import build_groups
 from rlrun.launch.layout import Layout, Role
@@ -61,6 +61,8 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
             if cfg.checkpoint.save_steps > 0:
                 _check_writable(cfg.checkpoint.ckpt_path, "--ckpt_path")
         local_only = False
+        if (warning := restart_safety_warning(env)) is not None:
+            log.warning_once(warning)
         init_distributed(env, backend, cfg.runtime.dist_timeout, device)
         phase.phase = "build"
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
@@ -120,14 +122,16 @@ def _report(log, rank: int, roles: str, phase: PhaseTracker, exc: BaseException,
             dist_timeout: float) -> None:
     where = f"phase {phase.phase}" + (f" at step {phase.step + 1}" if phase.step >= 0 else "")
     first_line = (str(exc).strip().splitlines() or [""])[0]
-    if is_peer_failure(exc) and ("Timed out" in first_line or "timed out" in first_line):
+    if is_peer_failure(exc) and any(word in first_line.lower() for word in ("timed out", "timeout", "timing out")):
         log.rank_error(f"({roles}) stopping in {where}: a collective timed out after --dist_timeout {dist_timeout:g} s "
                        f"({type(exc).__name__}: {first_line[:160]}); another rank never reached it — it is hung "
                        "(its stack is dumped below when it is stopped) or slower than --dist_timeout allows")
         return
     if is_peer_failure(exc):
-        log.rank_error(f"({roles}) stopping in {where}: a collective failed ({type(exc).__name__}: {first_line[:160]}); "
-                       "another rank failed first — its message above names the cause")
+        log.rank_error(f"({roles}) stopping in {where}: a collective failed "
+                       f"({type(exc).__name__}: {first_line[:160]}); "
+                       "another rank failed first — its failure line names the cause; a rank killed by a signal "
+                       "(out of memory, preemption) prints none: see the launcher's exit codes")
         return
     log.rank_error(f"FAILED ({roles}) in {where}: {type(exc).__name__}: {exc}")
     if not isinstance(exc, (RlrunError, KeyboardInterrupt)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -45,8 +46,22 @@ def init_distributed(env: DistEnv, backend: str, timeout_s: float, device: torch
     else:
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0, timeout=timeout)
         rank, world = env.rank, env.world_size
-    store = dist.PrefixStore(f"rlrun/attempt{env.restart_count}", store)
+    if env.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # One store shared by every attempt: key each attempt apart. (With
+        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every rendezvous round has a fresh store instead, which
+        # is the only safe way across nodes: each node's agent counts its own restarts.)
+        store = dist.PrefixStore(f"rlrun/attempt{env.restart_count}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id)
+
+
+def restart_safety_warning(env: DistEnv) -> str | None:
+    """Multi-node elastic torchrun sharing the agent's store cannot restart reliably (see init_distributed)."""
+    if (env.launcher == "torchrun" and env.world_size > env.local_world_size
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        return ("multi-node torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restart after a failure cannot "
+                "reconnect the nodes; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun on every node "
+                "(scripts/slurm and scripts/runpod do)")
+    return None
 
 
 def teardown() -> None:

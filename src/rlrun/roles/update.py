@@ -9,6 +9,7 @@ parallelism give the same gradient as one big batch.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -71,7 +72,9 @@ class Updater:
                         f"non-finite gradient for {self.nonfinite_in_a_row} optimizer steps in a row (gradient norm "
                         f"{grad_norm}; {self.skipped_steps} skipped in total); the weights were not updated by them. "
                         "Lower the learning rate, check the rewards and inputs, or raise --max_skipped_steps.")
-            self.scheduler.step()
+            with warnings.catch_warnings():  # after a skipped step torch warns that the schedule runs ahead; it should
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                self.scheduler.step()
             sums["grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
             counts["grad_norm"] += 1
         out = {k: sums[k] / counts[k] for k in sums}

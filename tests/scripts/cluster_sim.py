@@ -5,8 +5,8 @@ all under one temporary directory, started without systemd. `NetnsHosts`: two "h
 network namespaces joined by a veth pair, each with its own hostname and hosts file.
 
 Everything started here is stopped by `stop()`, which is safe to call more than once and after a
-partial start. Debugging by hand:  python tests/scripts/cluster.py slurm-up /tmp/slurm  (then
-`export SLURM_CONF=/tmp/slurm/slurm.conf`; `python tests/scripts/cluster.py slurm-down /tmp/slurm`).
+partial start. Debugging by hand:  python tests/scripts/cluster_sim.py slurm-up /tmp/slurm  (then
+the printed `export SLURM_CONF=...`; `python tests/scripts/cluster_sim.py slurm-down /tmp/slurm`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import stat
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,20 +80,46 @@ def ensure_cluster_deps() -> None:
                           + (proc.stdout + proc.stderr).strip().splitlines()[-1])
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _hosts_mark(pid: int) -> str:
+    return f"{HOSTS_MARK} pid={pid}"
+
+
 def _add_hosts_lines(lines: list[str]) -> None:
     text = HOSTS_FILE.read_text()
-    add = "".join(f"{line}  {HOSTS_MARK}\n" for line in lines if f"{line}  {HOSTS_MARK}" not in text)
+    mark = _hosts_mark(os.getpid())
+    add = "".join(f"{line}  {mark}\n" for line in lines if f"{line}  {mark}" not in text)
     if add:
         HOSTS_FILE.write_text(text + ("" if text.endswith("\n") or not text else "\n") + add)
 
 
-def _remove_hosts_lines() -> None:
-    # Only our marked lines go; anything others added meanwhile stays.
+def _remove_hosts_lines(also_dead: bool = True, owner_pid: int | None = None) -> None:
+    """Drop this process's marked lines (and those of test sessions that died without cleaning up);
+    lines anyone else added stay."""
+    me = os.getpid() if owner_pid is None else owner_pid
     try:
         text = HOSTS_FILE.read_text()
     except OSError:
         return
-    kept = [line for line in text.splitlines(keepends=True) if HOSTS_MARK not in line]
+    kept = []
+    for line in text.splitlines(keepends=True):
+        if HOSTS_MARK in line:
+            try:
+                owner = int(line.rsplit("pid=", 1)[1].split()[0])
+            except (IndexError, ValueError):
+                owner = -1
+            if owner == me or (also_dead and owner > 0 and not _pid_alive(owner)):
+                continue
+        kept.append(line)
     if len(kept) != len(text.splitlines()):
         HOSTS_FILE.write_text("".join(kept))
 
@@ -122,16 +149,86 @@ def _wait_gone(pid: int | None, timeout: float) -> bool:
     return False
 
 
+VENV_BIN = Path(sys.executable).parent
+
+
+def training_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """Environment for a training run launched by the scripts: the venv's python and torchrun,
+    one thread per process, offline; launcher variables of the calling shell removed."""
+    env = dict(os.environ if base is None else base)
+    for key in [k for k in env if k.startswith(("RLRUN_", "SLURM_", "SBATCH_", "SRUN_")) and k != "SLURM_CONF"
+                or k in ("NODE_RANK", "NNODES", "NPROC_PER_NODE", "HEAD_ADDR", "HEAD_POD_ID", "MASTER_ADDR",
+                         "MASTER_PORT", "PRIMARY_ADDR", "PRIMARY_PORT", "NUM_NODES", "NUM_TRAINERS", "WANDB_API_KEY",
+                         "RUNPOD_POD_ID", "NODE_ADDR", "CKPT_DIR", "GPUS_PER_NODE", "RANK", "WORLD_SIZE",
+                         "LOCAL_RANK", "LOCAL_WORLD_SIZE")]:
+        del env[key]
+    torchrun = VENV_BIN / "torchrun"
+    env.update({
+        "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RLRUN_NO_PROGRESS": "1", "DS_ACCELERATOR": "cpu",
+        "PYTHONUNBUFFERED": "1", "RLRUN_PYTHON": sys.executable,
+        "RLRUN_TORCHRUN": str(torchrun) if torchrun.exists() else f"{sys.executable} -m torch.distributed.run",
+    })
+    env.update(extra)
+    return env
+
+
+class Procs:
+    """Process groups started by a test; all killed at teardown if still running."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, argv: list[str], env: dict[str, str], log: Path, cwd: Path = REPO) -> subprocess.Popen:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def wait_all(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+                raise TimeoutError(f"{proc.args!r} still running after {timeout:.0f} s; killed") from None
+        return [proc.returncode for proc in self.procs]
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(timeout=10)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    proc.wait(timeout=10)
+
+
 @dataclass
 class SlurmCluster:
-    """slurmctld + `nodes` slurmd daemons on this host, nodes named rlrunt1..rlruntN, `cpus` each."""
+    """slurmctld + `nodes` slurmd daemons on this host, nodes named <prefix>1..N, `cpus` each."""
 
     root: Path
     nodes: int = 2
     cpus: int = 2
     gpus: int = 8  # count-only GPU gres (no devices): lets `--gres=gpu:N` and SLURM_GPUS_ON_NODE work
-    prefix: str = "rlrunt"
+    prefix: str = field(default_factory=lambda: f"rlrun{os.getpid()}n")  # unique: sessions may overlap
     started: list[str] = field(default_factory=list)
+    munge_dir: Path | None = None
+
+    @property
+    def munge_socket(self) -> Path:
+        # munged wants every directory above its socket world-searchable, which pytest's 0700 temp
+        # directories are not, and unix socket paths are short: a directory of its own in /tmp.
+        if self.munge_dir is None:
+            self.munge_dir = Path(tempfile.mkdtemp(prefix="rlrun-munge-"))
+            os.chmod(self.munge_dir, 0o755)
+        return self.munge_dir / "munge.socket"
 
     @property
     def conf(self) -> Path:
@@ -164,7 +261,7 @@ class SlurmCluster:
         names = f"{self.prefix}[1-{self.nodes}]" if self.nodes > 1 else f"{self.prefix}1"
         ports = f"[{node_port}-{node_port + self.nodes - 1}]" if self.nodes > 1 else str(node_port)
         self.conf.write_text(f"""\
-# Written by tests/scripts/cluster.py for one test session.
+# Written by tests/scripts/cluster_sim.py for one test session.
 ClusterName=rlruntest
 SlurmctldHost=localhost
 SlurmctldPort={ctld_port}
@@ -172,7 +269,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={r}/munge/munge.socket
+AuthInfo=socket={self.munge_socket}
 MailProg=/bin/true
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool/%n
@@ -214,12 +311,13 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         self._write_config()
         env = self.env()
         r = self.root
-        munge_sock = r / "munge" / "munge.socket"
+        munge_sock = self.munge_socket
         run([which("munged") or "munged", f"--socket={munge_sock}", f"--key-file={r / 'munge' / 'munge.key'}",
              f"--pid-file={r / 'run' / 'munged.pid'}", f"--log-file={r / 'log' / 'munged.log'}",
              f"--seed-file={r / 'munge' / 'munged.seed'}"], env=env)
         self.started.append("munged")
         # Node names resolve through /etc/hosts (slurmctld and srun look them up).
+        _remove_hosts_lines()  # leftovers of killed sessions
         _add_hosts_lines([f"127.0.0.1 {name}" for name in self.node_names])
         self.started.append("hosts")
         run([which("slurmctld") or "slurmctld", "-i"], env=env)  # -i: ignore state from an earlier session
@@ -266,15 +364,17 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         # Job steps (slurmstepd and their children) outlive slurmd if it dies first.
         self._kill_leftover_steps()
         if "munged" in self.started:
-            munge_sock = r / "munge" / "munge.socket"
+            munge_sock = self.munge_socket
             try:
                 run([which("munged") or "munged", f"--socket={munge_sock}", "--stop"], env=env, check=False, timeout=15)
             except (subprocess.TimeoutExpired, OSError):
                 pass
             pid = _kill_pidfile(r / "run" / "munged.pid", signal.SIGKILL)
             _wait_gone(pid, 5)
+        if self.munge_dir is not None:
+            shutil.rmtree(self.munge_dir, ignore_errors=True)
         if "hosts" in self.started:
-            _remove_hosts_lines()
+            _remove_hosts_lines(owner_pid=int(self.prefix[5:-1]) if self.prefix[5:-1].isdigit() else None)
         self.started.clear()
 
     def _kill_leftover_steps(self) -> None:
@@ -323,7 +423,7 @@ class NetnsHosts:
     hostname and a hosts file bind-mounted over /etc/hosts (so name lookups see only that file)."""
 
     root: Path
-    names: tuple[str, ...] = ("rlrunh0", "rlrunh1")
+    names: tuple[str, ...] = field(default_factory=lambda: (f"rlrun{os.getpid()}h0", f"rlrun{os.getpid()}h1"))
     hostnames: tuple[str, ...] = ("headpod", "workerpod")
     hosts_lines: tuple[str, ...] = ()
     created: list[str] = field(default_factory=list)
@@ -334,7 +434,8 @@ class NetnsHosts:
     def start(self) -> None:
         ensure_cluster_deps()
         ip = which("ip") or "ip"
-        for name in self.names:  # leftovers from a killed session
+        self._sweep_stale(ip)
+        for name in self.names:
             run([ip, "netns", "delete", name], check=False)
         self.root.mkdir(parents=True, exist_ok=True)
         try:
@@ -368,6 +469,20 @@ class NetnsHosts:
             time.sleep(0.2)
         raise RuntimeError("veth link between the namespaces did not come up in 10 s")
 
+    @staticmethod
+    def _sweep_stale(ip: str) -> None:
+        # Namespaces of test sessions that were killed before their finalizers ran.
+        listing = run([ip, "netns", "list"], check=False).stdout.split()
+        for name in listing:
+            if name.startswith("rlrun") and name[-2:] in ("h0", "h1") and name[5:-2].isdigit():
+                if not _pid_alive(int(name[5:-2])):
+                    for pid in run([ip, "netns", "pids", name], check=False).stdout.split():
+                        try:
+                            os.kill(int(pid), signal.SIGKILL)
+                        except (ProcessLookupError, ValueError):
+                            pass
+                    run([ip, "netns", "delete", name], check=False)
+
     def command(self, i: int, argv: list[str]) -> list[str]:
         """argv wrapped to run on host i: own network, own mount + UTS namespace, hostname, hosts file."""
         name, hosts = self.names[i], self.root / f"hosts-{self.names[i]}"
@@ -393,11 +508,14 @@ def _main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in ("slurm-up", "slurm-down"):
         print(__doc__)
         return 2
-    cluster = SlurmCluster(Path(argv[1]).resolve())
+    root = Path(argv[1]).resolve()
+    cluster = SlurmCluster(root)
     if argv[0] == "slurm-up":
         cluster.start()
-        print(f"export SLURM_CONF={cluster.conf}")
+        (root / "prefix").write_text(cluster.prefix)
+        print(f"export SLURM_CONF={cluster.conf}  # nodes {', '.join(cluster.node_names)}")
     else:
+        cluster.prefix = (root / "prefix").read_text().strip()
         cluster.started = ["munged", "hosts", "slurmctld"]
         cluster.stop()
     return 0
