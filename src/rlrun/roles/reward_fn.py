@@ -249,7 +249,7 @@ class _HttpRewardFn:
                                   f"starts with {snippet!r}); it must return JSON like "
                                   '{"rewards": [...]} or a list of numbers.') from None
         raise RewardError(f"reward server {self.source} failed after {self.retries} attempts: {last_error}; "
-                          "check that it is up and reachable from this node, or raise timeout_s/retries.")
+                          "check that it is up and reachable from this node, or raise --remote_rm_timeout / --remote_rm_retries.")
 
 
 def load_reward_function(remote_rm_url: str | None, *, timeout_s: float = 30.0, retries: int = 3,
