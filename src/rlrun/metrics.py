@@ -23,8 +23,12 @@ class MetricsSink:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             kept = _lines_up_to(path, start_step) if start_step > 0 else []
             # A resumed run keeps the lines of the steps it does not redo; a fresh run starts empty.
-            self.file = open(path, "w", encoding="utf-8")
-            self.file.writelines(kept)
+            # Replace-then-append: a kill at any moment leaves the old or the new file, never neither.
+            tmp = f"{path}.tmp"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.writelines(kept)
+            os.replace(tmp, path)
+            self.file = open(path, "a", encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot write the metrics file {path}: {exc.strerror}; check --save_path/--metrics_file") from None
         self.path = path
