@@ -8,7 +8,9 @@ out waiting for it — so the rank that hung shows where.
 
 Fault injection: RLRUN_FAULT="phase:step:rank[:kill|raise]" makes that rank SIGKILL itself (or
 raise) when it reaches the phase at that step (0-based), on the first attempt only, so an elastic
-restart can recover. Nothing happens when the variable is unset.
+restart can recover. Phases are those of the run (startup excepted) plus "save_shards": inside a
+checkpoint save, after this rank wrote its shards and before the checkpoint is sealed. Nothing
+happens when the variable is unset.
 """
 
 from __future__ import annotations
