@@ -170,7 +170,8 @@ def test_kill_mid_step_restarts_and_matches_the_uninterrupted_run(reference, tmp
     run = torchrun(2, SMALL + GAE + ["--max_steps", str(STEPS), "--save_steps", str(N), "--load_checkpoint"],
                    tmp_path, fault=f"train:{N}:1", max_restarts=2)
     _ok(run)
-    assert "failed (exitcode: -9) local_rank: 1" in run.output, run.output[-3000:]  # it did die, and was restarted
+    # A resume inside a run that was started fresh means the group died and torchrun restarted it.
+    # (Which rank torchrun names as failed is a race: rank 0 often exits first on the broken connection.)
     assert f"resumed from {ckpt.step_dir(str(run.ckpt), N)} at step {N}" in run.output
     assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))
     assert _no_timing(run.metrics) == _no_timing(reference.metrics)

@@ -87,7 +87,8 @@ class ScalarHeadModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                     position_ids=position_ids_from(attention_mask)).last_hidden_state
-        return score_head(self.hf)(hidden).squeeze(-1).float()
+        # A fresh tensor, not a view: FSDP2 hooks its backward on the module output.
+        return score_head(self.hf)(hidden).squeeze(-1).float().clone()
 
 
 def load_critic(cfg: Config, dtype: torch.dtype = torch.float32) -> ScalarHeadModel:
