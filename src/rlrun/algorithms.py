@@ -1,7 +1,7 @@
 """Pure tensor maths for PPO / GRPO / RLOO / REINFORCE++.
 
 Everything here is a stateless function of tensors (the KL controllers hold one
-float). Nothing talks to torch.distributed: anything that must be global (advantage
+float). Nothing here runs a collective: anything that must be global (advantage
 whitening across ranks, token counts for loss aggregation) is the caller's job, and
 the functions take the global numbers as arguments where that matters.
 
