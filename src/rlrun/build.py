@@ -106,7 +106,7 @@ def build_reward_fn(cfg: Config) -> RewardFunction:
 
 
 def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.device, total_steps: int,
-                reward_fn: RewardFunction | None = None) -> RankRoles:
+                tokenizer: PreTrainedTokenizerBase, reward_fn: RewardFunction | None = None) -> RankRoles:
     rank = groups.rank
     mine = set(layout.roles_of(rank))
     out = RankRoles()
@@ -132,10 +132,8 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         model = _strategy(cfg, groups, Role.REWARD, device).wrap(load_reward_model(cfg), trainable=False)
         out.reward_model = RewardModel(model, device)
     if Role.ENGINE in mine:
-        from rlrun.models import load_tokenizer
-
-        tok = load_tokenizer(cfg)
-        sampling = SamplingSettings(g.temperature, g.top_p, g.generate_max_len, int(tok.pad_token_id), int(tok.eos_token_id))
+        sampling = SamplingSettings(g.temperature, g.top_p, g.generate_max_len, int(tokenizer.pad_token_id),
+                                    int(tokenizer.eos_token_id))
         out.engine = HFEngine(load_causal_lm(cfg, engine_dtype(cfg, device)).to(device), sampling, device)
         if not cfg.needs_reward_model:
             out.reward_fn = reward_fn if reward_fn is not None else build_reward_fn(cfg)

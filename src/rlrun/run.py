@@ -67,7 +67,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
         phase.phase = "build"
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
         groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend)
-        roles = build_roles(cfg, layout, groups, device, total_steps, reward_fn)
+        roles = build_roles(cfg, layout, groups, device, total_steps, tokenizer, reward_fn)
         trainer = Trainer(cfg, layout, groups, roles, prompts, sampler, tokenizer, device, total_steps, phase)
         checkpointer = Checkpointer(cfg, layout, groups, roles, trainer, tokenizer)
         if cfg.checkpoint.load_checkpoint:
