@@ -93,3 +93,30 @@ def test_same_seed_same_metrics(tmp_path):
     assert _no_timing(a.metrics) == _no_timing(b.metrics)
     c = run_rlrun(2, args + ["--seed", "7"], tmp_path / "c")
     assert _no_timing(c.metrics) != _no_timing(a.metrics)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_readme_example_runs_as_written(tmp_path):
+    """README's prompt-file + reward-file example, taken from README itself so the two cannot drift."""
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    from helpers import REPO, subprocess_env
+
+    readme = (REPO / "README.md").read_text()
+    blocks = [part for b in re.findall(r"```bash\n(.*?)```", readme, re.S) for part in b.split("\n\n")]
+    block = next(b for b in blocks if "examples/prompts.jsonl" in b)
+    command = " ".join(line.rstrip("\\").strip() for line in block.splitlines()
+                       if line.strip() and not line.lstrip().startswith("#"))
+    command = command[command.index("torchrun"):]
+    argv = shlex.split(command)
+    assert argv[0] == "torchrun"
+    argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    argv[argv.index("--save_path") + 1] = str(tmp_path)
+    argv[argv.index("--max_steps") + 1] = "2"
+    proc = subprocess.run(argv, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
