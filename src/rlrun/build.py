@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -98,30 +100,45 @@ def _updater(cfg: Config, model: torch.nn.Module, strategy: FSDPStrategy, lr: fl
                    len(ranks), max_nonfinite_in_a_row=t.max_skipped_steps)
 
 
-def build_reward_fn(cfg: Config) -> RewardFunction:
-    """The rollout reward source of an engine rank (when no reward model scores). Imports a reward file but
-    contacts no server, so run() calls it before the first collective: a broken file fails every rank alike."""
+def build_reward_fn(cfg: Config, layout: Layout, rank: int) -> RewardFunction | None:
+    """The rollout reward source of an engine rank (None elsewhere, or when a reward model scores). Imports
+    a reward file but contacts no server, so run() calls it before the first collective: a broken file fails
+    every rank alike."""
+    if Role.ENGINE not in layout.roles_of(rank) or cfg.needs_reward_model:
+        return None
     return load_reward_function(cfg.model.remote_rm_url, timeout_s=cfg.model.remote_rm_timeout,
                                 retries=cfg.model.remote_rm_retries)
 
 
+def _policy_copies(cfg: Config, count: int) -> Iterator[torch.nn.Module]:
+    """The initial policy for each role of this rank that needs one: read from disk once, then copied
+    (wrapping for FSDP changes a model in place, so roles never share one)."""
+    if count == 0:
+        return
+    policy = load_causal_lm(cfg)
+    for _ in range(count - 1):
+        yield copy.deepcopy(policy)
+    yield policy
+
+
 def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.device, total_steps: int,
-                tokenizer: PreTrainedTokenizerBase, reward_fn: RewardFunction | None = None) -> RankRoles:
+                tokenizer: PreTrainedTokenizerBase, reward_fn: RewardFunction | None) -> RankRoles:
     rank = groups.rank
     mine = set(layout.roles_of(rank))
     out = RankRoles()
     opt_steps = optimizer_steps(cfg, total_steps)
     a, g = cfg.algo, cfg.generation
     actor_strategy = None
+    policies = _policy_copies(cfg, sum(r in mine for r in (Role.ACTOR, Role.REF, Role.ENGINE)))
     if Role.ACTOR in mine:
         actor_strategy = _strategy(cfg, groups, Role.ACTOR, device)
-        model = actor_strategy.wrap(load_causal_lm(cfg))
+        model = actor_strategy.wrap(next(policies))
         settings = PolicyLossSettings(a.eps_clip, a.dual_clip, a.loss_agg_mode, g.temperature, a.entropy_loss_coef,
                                       a.use_kl_loss, a.kl_estimator)
         updater = _updater(cfg, model, actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout, Role.ACTOR, rank)
         out.actor = Actor(model, updater, settings, device)
     if Role.REF in mine:
-        model = _strategy(cfg, groups, Role.REF, device).wrap(load_causal_lm(cfg), trainable=False)
+        model = _strategy(cfg, groups, Role.REF, device).wrap(next(policies), trainable=False)
         out.reference = Reference(model, g.temperature, device)
     if Role.CRITIC in mine:
         strategy = _strategy(cfg, groups, Role.CRITIC, device)
@@ -134,9 +151,8 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
     if Role.ENGINE in mine:
         sampling = SamplingSettings(g.temperature, g.top_p, g.generate_max_len, int(tokenizer.pad_token_id),
                                     int(tokenizer.eos_token_id))
-        out.engine = HFEngine(load_causal_lm(cfg, engine_dtype(cfg, device)).to(device), sampling, device)
-        if not cfg.needs_reward_model:
-            out.reward_fn = reward_fn if reward_fn is not None else build_reward_fn(cfg)
+        out.engine = HFEngine(next(policies).to(device=device, dtype=engine_dtype(cfg, device)), sampling, device)
+        out.reward_fn = reward_fn
     out.weight_sync = WeightSync(
         actor_params=ParamSource(out.actor.model, actor_strategy.full_params) if out.actor and actor_strategy else None,
         engine_model=out.engine.model if out.engine else None,

@@ -31,5 +31,16 @@ class RankLogger:
         self._emit("error", f"rank {self.rank}: {message}")
 
 
+# After an error every rank hits alike, ranks other than 0 wait this long before exiting: torchrun stops
+# all workers as soon as one fails, so a rank 1 that exits first could kill rank 0 before it prints.
+ERROR_GRACE_S = 10.0
+
+
+def let_rank0_report(rank: int) -> None:
+    """Wait (normally cut short: the launcher stops this rank once rank 0 has reported and exited)."""
+    if rank != 0:
+        time.sleep(ERROR_GRACE_S)
+
+
 def get_logger(rank: int) -> RankLogger:
     return RankLogger(rank)

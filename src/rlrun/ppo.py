@@ -7,7 +7,6 @@ and always tear down.
 from __future__ import annotations
 
 import sys
-import time
 from typing import Sequence
 
 from rlrun.cli import parse_args
@@ -15,12 +14,7 @@ from rlrun.errors import RlrunError
 from rlrun.launch.env import read_env
 from rlrun.launch.layout import format_layout_table
 from rlrun.launch.planning import plan
-from rlrun.log import get_logger
-
-# After a config error, ranks other than 0 wait this long before exiting: torchrun stops all workers as soon as
-# one fails, so a rank 1 that exits first could kill rank 0 before it prints the one message.
-ERROR_GRACE_S = 10.0
-
+from rlrun.log import get_logger, let_rank0_report
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
@@ -37,19 +31,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RlrunError as exc:
         # Every rank sees the same argv and fails the same way; one message is enough.
         log.error_once(f"error: {exc}")
-        if env.rank != 0:
-            time.sleep(ERROR_GRACE_S)  # normally cut short: the launcher stops us when rank 0 exits
+        let_rank0_report(env.rank)
         return 2
-    for line in parsed.ignored:
-        log.warning_once(line)
     if cfg.runtime.dry_run:
         log.info_once(f"layout for world size {env.world_size} ({env.local_world_size} ranks per node, launcher {env.launcher}):\n"
                       + format_layout_table(the_plan.layout))
-        for line in the_plan.warnings:
-            log.warning_once(line)
-        return 0
-    for line in the_plan.warnings:
+    for line in (*parsed.ignored, *the_plan.warnings):
         log.warning_once(line)
+    if cfg.runtime.dry_run:
+        return 0
     from rlrun.run import run
 
     return run(cfg, env, the_plan.layout)

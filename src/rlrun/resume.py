@@ -149,7 +149,6 @@ class Checkpointer:
             state = json.load(fh)
         self.trainer.state.step = int(state["step"])
         self.trainer.kl.value = float(state["kl_coef"])
-        self.trainer.state.kl_coef = self.trainer.kl.value
         self.trainer.state.reward_moments = RunningMoments(**state["reward_moments"])
         if r.actor is not None:
             _load_updater_state(r.actor.updater, state["actor"])

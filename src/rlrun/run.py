@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 import traceback
 
 from rlrun.build import build_prompts, build_reward_fn, build_roles, make_sampler
@@ -22,10 +21,9 @@ from rlrun.launch.dist import init_distributed, is_peer_failure, restart_safety_
 from rlrun.launch.env import DistEnv
 from rlrun.launch.groups import build_groups
 from rlrun.launch.layout import Layout, Role
-from rlrun.log import get_logger
+from rlrun.log import get_logger, let_rank0_report
 from rlrun.metrics import MetricsSink
 from rlrun.models import load_tokenizer
-from rlrun.ppo import ERROR_GRACE_S
 from rlrun.resume import Checkpointer
 from rlrun.roles.engine import resolve_backend as resolve_generation_backend
 from rlrun.save import save_critic, save_policy
@@ -54,8 +52,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
         log.info_once(f"{len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
                       f"--prompt_max_len {cfg.generation.prompt_max_len}), {total_steps} steps, generation backend "
                       f"{generation} ({why}), {backend} on {device.type}")
-        engine_rank = Role.ENGINE in layout.roles_of(env.rank)
-        reward_fn = build_reward_fn(cfg) if engine_rank and not cfg.needs_reward_model else None
+        reward_fn = build_reward_fn(cfg, layout, env.rank)
         if env.rank == 0:  # the writer: a bad output path must fail now, not at the end of training
             _check_writable(cfg.checkpoint.save_path, "--save_path")
             if cfg.checkpoint.save_steps > 0:
@@ -93,9 +90,9 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
         log.info_once(f"saved the policy (Hugging Face format) to {cfg.checkpoint.save_path}")
     except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
         if local_only and env.rank != 0 and isinstance(exc, RlrunError):
-            # A bad path or dataset fails every rank alike: let rank 0 say it once (the launcher stops this rank
-            # when rank 0 exits). Only a rank that fails alone (a file missing on its node) speaks up after the wait.
-            time.sleep(ERROR_GRACE_S)
+            # A bad path or dataset fails every rank alike: let rank 0 say it once. Only a rank that fails
+            # alone (a file missing on its node) speaks up after the wait.
+            let_rank0_report(env.rank)
         _report(log, env.rank, roles_text, phase, exc, cfg.runtime.dist_timeout)
         if sink is not None:
             sink.close()

@@ -35,10 +35,9 @@ from rlrun.running import RunningMoments
 
 @dataclass
 class TrainState:
-    """Everything besides model/optimizer state that an exact resume needs."""
+    """Loop state an exact resume needs besides the models, optimizers and the KL controller."""
 
     step: int = 0
-    kl_coef: float = 0.0
     reward_moments: RunningMoments = field(default_factory=RunningMoments)
 
 
@@ -59,7 +58,7 @@ class Trainer:
         self.total_steps = total_steps
         self.rank = groups.rank
         self.kl = make_kl_controller(cfg.algo.init_kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
-        self.state = TrainState(kl_coef=self.kl.value)
+        self.state = TrainState()  # the KL coefficient lives in self.kl
         self.engine_ranks = layout.ranks_of(Role.ENGINE)
         self.comm_device = device  # NCCL needs device tensors; gloo is happy with CPU ones
 
@@ -177,7 +176,6 @@ class Trainer:
         mask = out.batch.action_mask
         mean_kl = float(masked_mean(kl, mask))
         self.kl.update(mean_kl, out.batch.sequences.shape[0])
-        self.state.kl_coef = self.kl.value
         step_time = time.perf_counter() - t0
         generated = float(out.batch.response_len.sum())
         return {

@@ -24,19 +24,24 @@ def _require_root_linux() -> None:
         pytest.skip("cluster tests need root (Slurm daemons, /etc/hosts entries, network namespaces)")
 
 
+def _started(resource):
+    """Start a cluster resource for a fixture, skip the test if this machine cannot provide it, and
+    always stop it afterwards (also when the test fails)."""
+    try:
+        try:
+            resource.start()
+        except Unavailable as exc:
+            pytest.skip(str(exc))
+        yield resource
+    finally:
+        resource.stop()
+
+
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory: pytest.TempPathFactory):
     """A two-node Slurm cluster on this machine (slurmctld + two slurmd, own munged), for the session."""
     _require_root_linux()
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        try:
-            cluster.start()
-        except Unavailable as exc:
-            pytest.skip(str(exc))
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from _started(SlurmCluster(tmp_path_factory.mktemp("slurm")))
 
 
 @pytest.fixture
@@ -44,16 +49,8 @@ def netns(tmp_path: Path):
     """Two network-namespace hosts: headpod (10.77.0.1) and workerpod (10.77.0.2), each resolving
     headpod.runpod.internal and workerpod.runpod.internal like RunPod's global networking DNS."""
     _require_root_linux()
-    hosts = NetnsHosts(tmp_path / "netns", hosts_lines=("10.77.0.1 headpod.runpod.internal",
-                                                         "10.77.0.2 workerpod.runpod.internal"))
-    try:
-        try:
-            hosts.start()
-        except Unavailable as exc:
-            pytest.skip(str(exc))
-        yield hosts
-    finally:
-        hosts.stop()
+    yield from _started(NetnsHosts(tmp_path / "netns", hosts_lines=("10.77.0.1 headpod.runpod.internal",
+                                                                    "10.77.0.2 workerpod.runpod.internal")))
 
 
 @pytest.fixture

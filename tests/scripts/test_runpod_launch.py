@@ -71,11 +71,12 @@ def test_worker_first_c10d_with_reward_server(netns: NetnsHosts, procs: Procs, t
     reward = dict(RLRUN_RDZV="c10d", RLRUN_REWARD_SERVER="1", RLRUN_REWARD_TOKEN=TOKEN,
                   RLRUN_REWARD_FILE=str(REPO / "src" / "rlrun" / "demo_reward.py"), RLRUN_REWARD_PORT="5055")
     start_pod(netns, procs, tmp_path, 1, TRAIN, **reward)
+    # Start the head only once the worker has printed a progress line: a fixed sleep raced with the
+    # head's own start-up time (the head could answer at exactly 10 s, before the line was due).
     deadline = time.monotonic() + 60
-    while "waiting for head headpod.runpod.internal:29500" not in node_log(tmp_path, 1):
+    while "(10s/180s)" not in node_log(tmp_path, 1):
         assert time.monotonic() < deadline and procs.procs[0].poll() is None, read(tmp_path, "workerpod.out")
         time.sleep(0.5)
-    time.sleep(6)  # the worker keeps waiting, with progress lines
     start_pod(netns, procs, tmp_path, 0, TRAIN, **reward)
     rcs = procs.wait_all(240)
     head, worker = node_log(tmp_path, 0), node_log(tmp_path, 1)
