@@ -26,4 +26,7 @@ extras=""
 if [[ $want_test == 1 && -x scripts/ci/install_cluster_deps.sh ]]; then
   bash scripts/ci/install_cluster_deps.sh || echo "rlrun install: Slurm/netns tools unavailable; those tests will skip"
 fi
+if [[ $want_test == 1 ]]; then  # the vLLM lane (.venv-vllm): never fails the install, its tests skip loudly
+  bash scripts/ci/install_vllm_lane.sh || echo "rlrun install: !!! vLLM lane (.venv-vllm) NOT installed; tests/engines vLLM tests will SKIP !!!"
+fi
 echo "rlrun installed in .venv (torch $("$VPY" -c 'import torch; print(torch.__version__)'))"

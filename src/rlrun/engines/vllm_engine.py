@@ -1,0 +1,137 @@
+"""VLLMEngine: the engine surface of roles/engine.py backed by a vLLM child process (tensor parallel 1).
+
+The engine rank keeps an HF copy of the policy, `model`, as the weight receiver: WeightSync writes the
+actor's weights into its parameters (bucket views when disaggregated, in-place copies when colocated).
+Those parameters are moved into shared memory once; the child maps the same memory, so a sync costs
+no copy on the parent side and one vLLM `reload_weights` in the child. Weights are pushed before a
+generate whenever they may have changed (every call: the loop syncs once per step).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import random
+import shutil
+import tempfile
+import time
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from rlrun.engines.vllm_adapter import EngineSpec, Sampling, check_version
+from rlrun.engines.vllm_child import EngineChild
+from rlrun.log import get_logger
+from rlrun.roles.engine import Generation, SamplingSettings
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _visible_gpu(device: torch.device) -> str | None:
+    """The physical GPU behind `device`, as the child's CUDA_VISIBLE_DEVICES (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[index] if index < len(visible) else str(index)
+
+
+def write_model_dir(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str) -> None:
+    """The HF directory vLLM starts from: config and tokenizer only. The engine starts with dummy weights
+    and gets the real ones by the push before its first generate, so no model-sized file is written.
+    Not save_pretrained: under torch.distributed it writes on global rank 0 only."""
+    os.makedirs(path, exist_ok=True)
+    model.config.to_json_file(os.path.join(path, "config.json"))  # type: ignore[union-attr]
+    tokenizer.save_pretrained(path)
+
+
+def request_seeds(seed: int, count: int) -> list[int]:
+    """One vLLM seed per request, a pure function of (seed, row): samples do not depend on batching."""
+    rng = random.Random(seed)
+    return [rng.getrandbits(31) for _ in range(count)]
+
+
+class VLLMEngine:
+    """Sampling with vLLM in a child process. generate()/sample() as HFEngine; load_weights() pushes
+    the current `model` parameters to the child (done automatically before each sample())."""
+
+    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
+                 device: torch.device, *, seed: int, max_model_len: int, timeout_s: float,
+                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, rank: int = 0) -> None:
+        check_version()
+        self.model = model.eval()
+        self.model.requires_grad_(False)
+        self.sampling = sampling
+        self.device = device
+        self.workdir = tempfile.mkdtemp(prefix=f"rlrun_vllm_r{rank}_")
+        model_dir = os.path.join(self.workdir, "model")
+        write_model_dir(model, tokenizer, model_dir)
+        spec = EngineSpec(model_dir=model_dir, dtype=_DTYPES[next(model.parameters()).dtype], seed=seed,
+                          max_model_len=max_model_len, device=device.type, enforce_eager=enforce_eager,
+                          gpu_memory_utilization=gpu_memory_utilization, cuda_visible_devices=_visible_gpu(device))
+        self.child = EngineChild(spec, os.path.join(self.workdir, "engine.log"), timeout_s)
+        atexit.register(self.close)
+        # The tensors last sent to the child, kept alive so that new buffers can never reuse their addresses.
+        self._sent: list[torch.Tensor] = []
+        self._staging: list[torch.Tensor] | None = None  # host copies when the model lives on a GPU
+        self.last_sync_s = 0.0
+        get_logger(rank)._emit("info", f"rank {rank}: vLLM engine child started (pid {self.child.pid}, "
+                                        f"log {self.child.log_path})")
+
+    # ---- weights ------------------------------------------------------------------------------
+
+    def _shared_params(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) in shared CPU memory: the parameters themselves on CPU, host copies on GPU."""
+        named = list(self.model.named_parameters())
+        if self.device.type == "cpu":
+            for _, p in named:
+                if not p.data.is_shared():
+                    p.data.share_memory_()  # in place: bucket views and WeightSync's buffers follow
+            return [(n, p.data) for n, p in named]
+        if self._staging is None:
+            self._staging = [torch.empty(p.shape, dtype=p.dtype).share_memory_() for _, p in named]
+        with torch.no_grad():
+            for dst, (_, p) in zip(self._staging, named):
+                dst.copy_(p.data)
+        return [(n, t) for (n, _), t in zip(named, self._staging)]
+
+    def load_weights(self) -> None:
+        """Hand the current parameters to the child and wait for its ack (vLLM layerwise reload)."""
+        t0 = time.perf_counter()
+        named = self._shared_params()
+        # Tensors cross the pipe only when their memory changed (first push, or rebound buffers).
+        same = len(named) == len(self._sent) and all(
+            t.data_ptr() == old.data_ptr() and t.shape == old.shape for (_, t), old in zip(named, self._sent))
+        self.child.request("loading weights", "weights", None if same else named)
+        self._sent = [t for _, t in named]
+        self.last_sync_s = time.perf_counter() - t0
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def sample(self, prompts: list[list[int]], seed: int) -> Generation:
+        self.load_weights()
+        s = self.sampling
+        tokens, logprobs = self.child.request(  # type: ignore[misc]
+            "generating", "generate", prompts, request_seeds(seed, len(prompts)),
+            Sampling(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, eos_id=s.eos_id))
+        return Generation(tokens, logprobs)
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        return self.sample(prompts, seed).responses
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def start_s(self) -> float | None:
+        return self.child.start_s
+
+    def sleep(self) -> None:
+        """No-op: vLLM has no sleep mode on CPU; on GPU sleep is not wired yet (said once at start)."""
+
+    def wake(self) -> None:
+        """No-op, see sleep()."""
+
+    def close(self) -> None:
+        self.child.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)

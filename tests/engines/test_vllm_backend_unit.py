@@ -1,0 +1,121 @@
+"""The vLLM backend's pieces that need no vLLM: version gate, backend choice, child supervision,
+log-prob plumbing. Runs in the main venv (and in the lane)."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+import torch
+
+from rlrun.engines import vllm_adapter
+from rlrun.engines.vllm_adapter import EngineSpec, check_version
+from rlrun.engines.vllm_child import EngineChild, EngineChildError, scrub_torchrun_env
+from rlrun.engines.vllm_engine import request_seeds
+from rlrun.errors import ConfigError, MissingExtraError
+from rlrun.roles.engine import HFEngine, SamplingSettings, resolve_backend
+from rlrun.rollout import RolloutBatch, engine_logprob_diff, pack_log_probs
+from rlrun.tiny import EOS_ID, PAD_ID, build_causal_lm, tiny_model_config
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.2"])
+def test_supported_versions_pass(monkeypatch, version):
+    monkeypatch.setattr(vllm_adapter, "installed_version", lambda: version)
+    assert check_version() == version
+
+
+@pytest.mark.parametrize("version", ["0.31.1", "0.34.0", "1.0.0"])
+def test_unsupported_versions_name_installed_and_range(monkeypatch, version):
+    monkeypatch.setattr(vllm_adapter, "installed_version", lambda: version)
+    with pytest.raises(ConfigError, match=rf"vLLM {version} is installed, but rlrun supports .*>=0.32,<0.34"):
+        check_version()
+
+
+def test_missing_vllm_is_a_missing_extra(monkeypatch):
+    monkeypatch.setattr(vllm_adapter, "installed_version", lambda: None)
+    with pytest.raises(MissingExtraError, match=r"rlrun\[vllm\]"):
+        resolve_backend("vllm", cuda=False)
+
+
+def test_vllm_backend_layouts(monkeypatch):
+    monkeypatch.setattr(vllm_adapter, "installed_version", lambda: "0.32.0")
+    backend, why = resolve_backend("vllm", cuda=False, tensor_parallel_size=1)
+    assert backend == "vllm" and "child process" in why and "sleep" in why
+    with pytest.raises(ConfigError, match="--vllm_tensor_parallel_size 2.*tensor parallel 1 only"):
+        resolve_backend("vllm", cuda=False, tensor_parallel_size=2)
+    assert resolve_backend("auto", cuda=False) == ("hf", "auto: no GPU (vLLM on CPU is slower than HF generate)")
+
+
+def test_scrub_torchrun_env():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1",
+           "GROUP_RANK": "0", "ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": "x", "OMP_NUM_THREADS": "1",
+           "PATH": "/bin", "LOCAL_WORLD_SIZE": "2"}
+    scrub_torchrun_env(env)
+    assert env == {"OMP_NUM_THREADS": "1", "PATH": "/bin"}
+
+
+def test_request_seeds_do_not_depend_on_batch_size():
+    assert request_seeds(5, 8)[:3] == request_seeds(5, 3)  # a row's seed depends on (seed, row) only
+    assert request_seeds(5, 8) == request_seeds(5, 8)
+    assert len(set(request_seeds(5, 64))) == 64 and request_seeds(6, 4) != request_seeds(5, 4)
+    assert all(0 <= s < 2**31 for s in request_seeds(9, 16))
+
+
+def test_pack_log_probs_and_diff_by_hand():
+    packed = pack_log_probs([[-0.5, -1.0], [-2.0], []], 3)
+    assert torch.equal(packed, torch.tensor([[-0.5, -1.0, 0.0], [-2.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    batch = RolloutBatch(sequences=torch.zeros(3, 4, dtype=torch.long), attention_mask=torch.ones(3, 4, dtype=torch.long),
+                         action_mask=torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]]),
+                         prompt_len=torch.tensor([2, 2, 2]), response_len=torch.tensor([2, 1, 0]),
+                         engine_log_probs=packed[:, :2])
+    actor = torch.tensor([[-0.25, -1.5], [-2.0, -9.0], [-7.0, -7.0]])
+    # |−0.5+0.25| + |−1.0+1.5| + |−2.0+2.0| = 0.75 over 3 response tokens (padding ignored) = 0.25
+    assert engine_logprob_diff(batch, actor) == {"rollout/engine_vs_actor_logprob_diff": pytest.approx(0.25)}
+    sub = batch.rows(slice(0, 1))
+    assert torch.equal(sub.engine_log_probs, torch.tensor([[-0.5, -1.0]]))
+    no_engine = RolloutBatch(batch.sequences, batch.attention_mask, batch.action_mask, batch.prompt_len, batch.response_len)
+    assert no_engine.rows(slice(0, 2)).engine_log_probs is None and engine_logprob_diff(no_engine, actor) == {}
+
+
+def test_hf_engine_sample_is_generate_without_log_probs():
+    model = build_causal_lm(tiny_model_config(), seed=1)
+    engine = HFEngine(model, SamplingSettings(0.7, 1.0, 12, PAD_ID, EOS_ID), torch.device("cpu"))
+    prompts = [list(b"Write some digits:"), list(b"Say:")]
+    out = engine.sample(prompts, seed=3)
+    assert out.responses == engine.generate(prompts, seed=3) and out.log_probs is None
+    assert all(0 < len(r) <= 12 for r in out.responses)
+
+
+def _spec(tmp_path) -> EngineSpec:
+    return EngineSpec(model_dir=str(tmp_path / "nowhere"), dtype="float32", seed=0, max_model_len=64, device="cpu")
+
+
+def test_child_killed_while_starting_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLRUN_VLLM_CHILD_FAULT", "start:0:kill")
+    child = EngineChild(_spec(tmp_path), str(tmp_path / "engine.log"), timeout_s=120)
+    with pytest.raises(EngineChildError, match=r"died while starting vLLM \(killed by signal 9\); last lines of its "
+                                                r"log .*injected fault"):
+        child.wait_ready()
+    child.stop()
+
+
+def test_child_that_stops_answering_is_stopped_after_the_timeout(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLRUN_VLLM_CHILD_FAULT", "start:0:hang")
+    child = EngineChild(_spec(tmp_path), str(tmp_path / "engine.log"), timeout_s=8)
+    with pytest.raises(EngineChildError, match=r"did not answer within 8 s while starting vLLM"):
+        child.wait_ready()
+    assert child.proc.exitcode is not None  # killed, not left behind
+    child.stop()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here: start would succeed")
+def test_child_whose_start_fails_reports_the_error(tmp_path):
+    child = EngineChild(_spec(tmp_path), str(tmp_path / "engine.log"), timeout_s=120)
+    with pytest.raises(EngineChildError, match=r"failed while starting vLLM: ModuleNotFoundError: No module named 'vllm'"):
+        child.wait_ready()
+    deadline = time.monotonic() + 10
+    while child.proc.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not child.proc.is_alive()
+    child.stop()
