@@ -1,18 +1,28 @@
-"""Weight-sync benchmark: rlrun's bucketed WeightSync against the wire's own speed.
+"""Weight-sync benchmark: rlrun's WeightSync against the wire's own speed, both layouts.
 
-In ONE run, on the same process group (actor root = rank 0, engines = ranks 1..world-1), it times
-  ours   WeightSync.sync() in disaggregated mode (pack parameters into the reusable byte buckets on
-         the root, one broadcast per bucket, engine parameters are views into the receive buckets),
-         for --bucket_mb and a sweep of other bucket sizes;
-  raw    ONE broadcast of a single flat tensor with the same number of bytes (the floor);
-  naive  one broadcast per parameter (what a straightforward implementation does);
-  pack   the root's pack step alone (copying every parameter into the buckets, no wire),
-and prints the median of --repeats (after --warmup untimed runs) and each method's ratio to raw.
-Each timing is barrier -> op -> barrier on the sync group, the slowest rank's time; the methods are
-timed round-robin so background load hits them alike. Memory: each rank holds one model copy plus
-buckets per bucket size, so about (2 + 2 x bucket sizes) x size_mb.
+Disaggregated (engines on other ranks). In ONE run, on the same process group (actor root = rank 0,
+engines = ranks 1..world-1), timed round-robin:
+  raw       ONE broadcast of a single flat tensor with the same number of bytes (the floor);
+  raw, async the same flat bytes as async broadcasts of the first --chunk_mb each (the floor for a
+            chunked pipeline; on a loaded box two gloo worker threads can beat one broadcast);
+  naive     one broadcast per parameter (what a straightforward implementation does);
+  previous  the algorithm before the pipeline: pack a whole bucket, then a blocking broadcast of it;
+  ours      WeightSync.sync(): the root packs into two alternating staging buffers and puts each
+            ~chunk_mb chunk on the wire (async) as soon as it is packed, while it packs the next;
+            engine parameters are views into the receive buckets. For --bucket_mb and each of
+            --sweep_mb, for each --chunk_mb;
+  pack      the root's pack step alone (copying every parameter into the staging, no wire).
+Colocated (engine ranks == actor ranks, actor FSDP2-sharded over all ranks, --colocated_preset):
+  per parameter  one full_tensor() all-gather per parameter, then a copy (the code before);
+  per FSDP unit  WeightSync.sync(): one gather per fully_shard'ed module, written straight into the
+                 engine; with the number of collectives of one sync of each.
+Each timing is barrier -> op -> barrier, the slowest rank's time; medians of --repeats rounds after
+--warmup, and each method's ratio to raw (or to per-parameter); the load average is printed with
+each table. Both parts check that the engines end bit-identical to the actor.
 
-    python bench/weight_sync.py                                 # 300 MB in 400 tensors, 2 ranks
+    python bench/weight_sync.py --quick                         # ~1 min: 64 MiB, 16 MiB buckets, preset 3m
+    python bench/weight_sync.py                                 # 300 MiB in 400 tensors + colocated 100m, 2 ranks
+    python bench/weight_sync.py --only disaggregated --chunk_mb 4,16,64 --sweep_mb ''
     python bench/weight_sync.py --world 4 --size_mb 100 --bucket_mb 64 --sweep_mb 16,256
 
 --demo_phases instead runs the demo for a few steps and prints each phase's share of a step:
@@ -23,6 +33,7 @@ buckets per bucket size, so about (2 + 2 x bucket sizes) x size_mb.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -67,18 +78,55 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def _timed(group, fn) -> float:
+    """barrier -> fn -> barrier on `group`; the slowest rank's seconds."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier(group=group)
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+    return float(dt)
+
+
+def _run_rounds(group, methods: list[dict], warmup: int, repeats: int) -> None:
+    """Time every method round-robin so drifting background load hits them all alike."""
+    for m in methods:
+        m["times"] = []
+    for round_ in range(warmup + repeats):
+        for m in methods:
+            dt = _timed(group, m["fn"])
+            if round_ >= warmup:
+                m["times"].append(dt)
+
+
 def bench_worker(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
-    from torch import nn
-
-    from rlrun.launch.transfer import ParamSource, WeightSync, entry_view
 
     torch.set_num_threads(1)
-    world = args.world
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world,
                             timeout=timedelta(seconds=600))
+    if args.only in ("all", "disaggregated"):
+        disaggregated_bench(rank, args)
+    if args.only in ("all", "colocated"):
+        colocated_bench(rank, args)
+    dist.destroy_process_group()
+
+
+def disaggregated_bench(rank: int, args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from rlrun.launch.fsdp import param_blocks
+    from rlrun.launch.transfer import ParamSource, WeightSync, bucket_size, entry_view
+
+    world = args.world
     group = dist.new_group(list(range(world)))  # the "sync" group: actor root + engines
     dtype = getattr(torch, args.dtype)
     cpu = torch.device("cpu")
@@ -92,24 +140,8 @@ def bench_worker(rank: int, args: argparse.Namespace, port: int) -> None:
                                                             requires_grad=False))
         return m
 
-    def plain_full_params(model: nn.Module):  # FSDPStrategy.full_params on an unsharded model
-        for name, p in model.named_parameters():
-            yield name, p.detach()
-
     is_root = rank == 0
     total_bytes = sum(math.prod(s) for s in shapes) * torch.empty((), dtype=dtype).element_size()
-
-    def timed(fn) -> float:
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier(group=group)
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
-        return float(dt)
-
-    # Every method is built first, then timed round-robin (raw, naive, ours@each bucket size, raw,
-    # ...) so drifting background load hits them all alike.
     methods: list[dict] = []
 
     # (b) raw: one broadcast of a single flat tensor of the same byte count
@@ -117,39 +149,69 @@ def bench_worker(rank: int, args: argparse.Namespace, port: int) -> None:
     methods.append({"method": "raw: 1 flat broadcast", "bucket_mb": None, "broadcasts": 1,
                     "fn": lambda: dist.broadcast(flat, src=0, group=group)})
 
+    # (b') the same flat bytes as async broadcasts of one chunk size each, waited at the end: the floor
+    # for a chunked pipeline (on a loaded box, two gloo worker threads can beat one monolithic broadcast)
+    chunk_mbs = [float(x) for x in str(args.chunk_mb).split(",") if x]
+    if args.raw_chunked:
+        step = int(chunk_mbs[0] * 2**20)
+
+        def raw_chunked() -> None:
+            works = [dist.broadcast(flat[i:i + step], src=0, group=group, async_op=True) for i in range(0, total_bytes, step)]
+            for w in works:
+                w.wait()
+
+        methods.append({"method": f"raw: flat, async {chunk_mbs[0]:g} MiB", "bucket_mb": None,
+                        "broadcasts": -(-total_bytes // step), "fn": raw_chunked})
+
     # (c) naive: one broadcast per parameter, straight from / into the parameters
     naive_params = [p.data for p in make_model(1 if is_root else 2 + rank).parameters()]
-    methods.append({"method": "naive: 1 broadcast/param", "bucket_mb": None, "broadcasts": len(naive_params),
-                    "fn": lambda: [dist.broadcast(t, src=0, group=group) for t in naive_params]})
+    if not args.no_naive:
+        methods.append({"method": "naive: 1 broadcast/param", "bucket_mb": None, "broadcasts": len(naive_params),
+                        "fn": lambda: [dist.broadcast(t, src=0, group=group) for t in naive_params]})
 
-    # (a) ours, for each bucket size (each with its own model: engine parameters become bucket views)
+    # (a) ours, for each bucket size (each with its own model: engine parameters become bucket views),
+    # and the previous algorithm on the same plan: pack a whole bucket, then a blocking broadcast of it
     syncs = []
-    for bucket_mb in sorted({args.bucket_mb, *[float(x) for x in args.sweep_mb.split(",") if x]}):
+    bucket_mbs = sorted({args.bucket_mb, *[float(x) for x in args.sweep_mb.split(",") if x]})
+    for bucket_mb, chunk_mb in itertools.product(bucket_mbs, chunk_mbs):
         model = make_model(1 if is_root else 2 + rank)
-        ws = WeightSync(actor_params=ParamSource(model, plain_full_params) if is_root else None,
+        ws = WeightSync(actor_params=ParamSource(model, param_blocks) if is_root else None,
                         engine_model=None if is_root else model, sync_group=group, actor_root=0, colocated=False,
-                        bucket_bytes=int(bucket_mb * 2**20), wire_dtype=dtype, device=cpu)
+                        bucket_bytes=int(bucket_mb * 2**20), wire_dtype=dtype, device=cpu,
+                        chunk_bytes=int(chunk_mb * 2**20))
         syncs.append((ws, model, [b.data_ptr() for b in ws.buffers]))
-        methods.append({"method": "rlrun WeightSync.sync", "bucket_mb": bucket_mb, "broadcasts": ws.num_buckets,
+        chunks = sum(len(c) for c in ws.chunks)
+        if args.previous and chunk_mb == chunk_mbs[0]:
+            prev_buffers = [torch.empty(bucket_size(b), dtype=torch.uint8) for b in ws.buckets] if is_root else ws.buffers
+
+            def previous(ws=ws, model=model, prev_buffers=prev_buffers) -> None:
+                if is_root:
+                    params = dict(model.named_parameters())
+                    for bucket, buffer in zip(ws.buckets, prev_buffers):
+                        for e in bucket:
+                            entry_view(buffer, e).copy_(params[e.name].detach())
+                        dist.broadcast(buffer, src=0, group=group)
+                else:
+                    for buffer in ws.buffers:
+                        dist.broadcast(buffer, src=0, group=group)
+
+            methods.append({"method": "previous: pack, then bcast", "bucket_mb": bucket_mb,
+                            "broadcasts": ws.num_buckets, "fn": previous})
+        methods.append({"method": f"rlrun WeightSync, chunk {chunk_mb:g}", "bucket_mb": bucket_mb, "broadcasts": chunks,
                         "fn": ws.sync})
 
-    for m in methods:
-        m["times"] = []
-    for round_ in range(args.warmup + args.repeats):
-        for m in methods:
-            dt = timed(m["fn"])
-            if round_ >= args.warmup:
-                m["times"].append(dt)
+    _run_rounds(group, methods, args.warmup, args.repeats)
     raw = methods[0]["times"]
 
     rows: list[dict] = []
     checks = []
     for m in methods:
         rows.append(m)
-        if m["method"] != "rlrun WeightSync.sync":
+        if not m["method"].startswith("rlrun WeightSync"):
             continue
         ws, model, ptrs = syncs.pop(0)
         assert ptrs == [b.data_ptr() for b in ws.buffers], "bucket buffers were reallocated"
+        ws.sync()  # the last timed method may have been 'previous': end on ours before checking
         # correctness: every engine holds the root's parameters (checksum over sampled raw bytes)
         s = torch.zeros(1, dtype=torch.float64)
         for p in model.parameters():
@@ -157,31 +219,32 @@ def bench_worker(rank: int, args: argparse.Namespace, port: int) -> None:
         sums = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(sums, s, group=group)
         checks.append(all(float(x) == float(sums[0]) for x in sums))
-        if is_root:  # pack only: what the root spends copying parameters into the buckets (no wire)
+        if is_root and m["method"].endswith(f"chunk {chunk_mbs[0]:g}"):  # pack only: what the root spends copying parameters into the staging buffers (no wire)
             def pack(ws=ws, model=model) -> None:
-                it = plain_full_params(model)
-                for bucket, buffer in zip(ws.buckets, ws.buffers):
+                params = dict(model.named_parameters())
+                for k, bucket in enumerate(ws.buckets):
                     for e in bucket:
-                        entry_view(buffer, e).copy_(next(it)[1])
+                        entry_view(ws.buffers[k % 2], e).copy_(params[e.name].detach())
             pack_times = []
             for round_ in range(args.warmup + args.repeats):
                 t0 = time.perf_counter()
                 pack()
                 if round_ >= args.warmup:
                     pack_times.append(time.perf_counter() - t0)
-            rows.append({"method": "  of which root pack (memcpy)", "bucket_mb": m["bucket_mb"], "broadcasts": 0,
+            rows.append({"method": "  root pack alone (memcpy)", "bucket_mb": m["bucket_mb"], "broadcasts": 0,
                          "times": pack_times})
 
     if is_root:
         report(args, rows, total_bytes, raw, all(checks))
-    dist.destroy_process_group()
+    dist.barrier(group=group)
 
 
 def report(args: argparse.Namespace, rows: list[dict], total_bytes: int, raw: list[float], ok: bool) -> None:
     raw_med = _median(raw)
-    print(f"\nweight sync: {total_bytes / 2**20:.1f} MiB in {args.num_tensors} {args.dtype} tensors, "
+    print(f"\nweight sync, disaggregated: {total_bytes / 2**20:.1f} MiB in {args.num_tensors} {args.dtype} tensors, "
           f"world {args.world} (root 0 -> {args.world - 1} engine rank(s)), gloo, "
-          f"{os.cpu_count()} CPU cores, median of {args.repeats} rounds (methods interleaved) after {args.warmup} warm-up")
+          f"{os.cpu_count()} CPU cores, median of {args.repeats} rounds (methods interleaved) after {args.warmup} warm-up, "
+          f"load average {_load()}")
     print("'/ raw' = median / raw median (the ratio reported); 'min/min' = best / best, less sensitive to load")
     header = (f"{'method':<32}{'bucket MiB':>11}{'bcasts':>8}{'median s':>10}{'min s':>9}{'GB/s':>8}"
               f"{'/ raw':>8}{'min/min':>9}")
@@ -196,8 +259,86 @@ def report(args: argparse.Namespace, rows: list[dict], total_bytes: int, raw: li
     print(f"engines hold the root's parameters after every WeightSync: {'yes' if ok else 'NO'}")
     summary = {"size_mib": total_bytes / 2**20, "num_tensors": args.num_tensors, "world": args.world,
                "raw_s": raw_med, **{f"{r['method'].strip()}@{r['bucket_mb']}": _median(r["times"]) for r in rows}}
-    print("json:", json.dumps(summary))
+    print("json:", json.dumps(summary), flush=True)
     if not ok:
+        sys.exit(1)
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def colocated_bench(rank: int, args: argparse.Namespace) -> None:
+    """Colocated sync (engine ranks == actor ranks): the actor is FSDP2-sharded over all ranks, each rank
+    holds an engine copy. Per parameter (the previous code: one full_tensor() all-gather per parameter,
+    then a copy) against per FSDP unit (WeightSync: one all-gather per unit, written straight into the
+    engine), interleaved; also counts the collectives of one sync of each."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import rlrun.launch.fsdp as fsdp
+    from rlrun.launch.fsdp import FSDPStrategy
+    from rlrun.launch.transfer import ParamSource, WeightSync
+    from rlrun.tiny import build_causal_lm, tiny_model_config_for_size
+
+    group = dist.new_group(list(range(args.world)))
+    cpu = torch.device("cpu")
+    config = tiny_model_config_for_size(args.colocated_preset)
+    strategy = FSDPStrategy(group, cpu, bf16=False, zero_stage=3, offload=False, gradient_checkpointing=False)
+    actor = strategy.wrap(build_causal_lm(config, seed=1), trainable=False)
+    engine = build_causal_lm(config, seed=2)
+    targets = dict(engine.named_parameters())
+    ws = WeightSync(actor_params=ParamSource(actor, strategy.param_blocks), engine_model=engine, sync_group=None,
+                    actor_root=0, colocated=True, bucket_bytes=256 * 2**20, wire_dtype=torch.float32, device=cpu)
+
+    def per_param() -> None:
+        with torch.no_grad():
+            for name, full in strategy.full_params(actor):
+                targets[name].data.copy_(full)
+
+    counts = {}
+    for label, fn in (("per parameter (full_tensor)", per_param), ("per FSDP unit (WeightSync)", ws.sync)):
+        calls = {"n": 0}
+        saved = (fsdp._all_gather_single, DTensor.full_tensor)
+
+        def count(orig):
+            def wrapped(*a, **k):
+                calls["n"] += 1
+                return orig(*a, **k)
+            return wrapped
+
+        fsdp._all_gather_single, DTensor.full_tensor = count(saved[0]), count(saved[1])
+        try:
+            fn()
+        finally:
+            fsdp._all_gather_single, DTensor.full_tensor = saved
+        counts[label] = calls["n"]
+    methods = [{"method": "per parameter (full_tensor)", "fn": per_param},
+               {"method": "per FSDP unit (WeightSync)", "fn": ws.sync}]
+    _run_rounds(group, methods, args.warmup, args.repeats)
+    ws.sync()
+    full = dict(strategy.full_params(actor))
+    exact = torch.tensor([float(all(torch.equal(targets[n], full[n]) for n in full))])
+    dist.all_reduce(exact, op=dist.ReduceOp.MIN, group=group)
+    n_params = sum(p.numel() for p in actor.parameters())
+    if rank == 0:
+        base = _median(methods[0]["times"])
+        print(f"\nweight sync, colocated: preset {args.colocated_preset} ({n_params / 1e6:.1f}M params, "
+              f"{n_params * 4 / 2**20:.0f} MiB fp32, {len(full)} tensors, {len(strategy.param_blocks(actor))} FSDP units), "
+              f"FSDP2 over {args.world} ranks, gloo, median of {args.repeats} rounds (interleaved) after {args.warmup} "
+              f"warm-up, load average {_load()}")
+        header = f"{'method':<32}{'collectives':>12}{'median s':>10}{'min s':>9}{'/ per param':>13}"
+        print(header)
+        print("-" * len(header))
+        for m in methods:
+            med = _median(m["times"])
+            print(f"{m['method']:<32}{counts[m['method']]:>12}{med:>10.3f}{min(m['times']):>9.3f}{med / base:>13.2f}")
+        print(f"engine weights bit-identical to the actor's after WeightSync: {'yes' if exact.item() == 1 else 'NO'}")
+        print("json:", json.dumps({"preset": args.colocated_preset, "world": args.world,
+                                   **{m["method"]: _median(m["times"]) for m in methods},
+                                   **{f"collectives {k}": v for k, v in counts.items()}}), flush=True)
+    if exact.item() != 1:
         sys.exit(1)
 
 
@@ -259,14 +400,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--bucket_mb", type=float, default=256, help="WeightSync bucket size (MiB)")
     p.add_argument("--sweep_mb", default="32,1024", help="more bucket sizes to time, comma-separated ('' for none)")
+    p.add_argument("--chunk_mb", default="16", help="WeightSync wire chunk size(s) (MiB, comma-separated): the pipeline step")
     p.add_argument("--world", type=int, default=2, help="ranks: actor root + (world-1) engine ranks")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--only", default="all", choices=("all", "disaggregated", "colocated"))
+    p.add_argument("--colocated_preset", default="100m", choices=("tiny", "3m", "100m", "0.5b"),
+                   help="model for the colocated per-parameter vs per-FSDP-unit comparison")
+    p.add_argument("--no_naive", action="store_true", help="skip the slow one-broadcast-per-parameter row")
+    p.add_argument("--no_raw_chunked", dest="raw_chunked", action="store_false",
+                   help="skip the row timing the flat bytes as async broadcasts of the first --chunk_mb")
+    p.add_argument("--no_previous", dest="previous", action="store_false",
+                   help="skip the previous algorithm's row (pack a whole bucket, then a blocking broadcast)")
+    p.add_argument("--quick", action="store_true",
+                   help="small and fast: 64 MiB / 100 tensors, 16 MiB buckets in 4 MiB chunks, 5 rounds, colocated preset 3m")
     p.add_argument("--demo_phases", action="store_true", help="time the demo's phases instead")
     p.add_argument("--demo_steps", type=int, default=6)
     p.add_argument("--demo_nproc", type=int, default=0, help="0: plain python; N: torchrun with N ranks")
     p.add_argument("--demo_args", default="", help="extra rlrun.ppo flags, e.g. a disaggregated layout")
     args = p.parse_args(argv)
+    if args.quick:
+        args.size_mb, args.num_tensors, args.bucket_mb, args.sweep_mb, args.chunk_mb = 64, 100, 16, "", "4"
+        args.repeats, args.colocated_preset, args.no_naive = 5, "3m", True
     if args.demo_phases:
         run_demo_phases(args)
         return

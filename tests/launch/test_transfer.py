@@ -29,11 +29,13 @@ import torch.distributed as dist
 from torch import nn
 
 from rlrun.errors import RlrunError
-from rlrun.launch.transfer import ALIGN, BucketEntry, WeightSync, bucket_size, entry_view, plan_buckets
+from rlrun.launch.transfer import ALIGN, BucketEntry, WeightSync, bucket_size, entry_view, plan_buckets, plan_chunks
 
 DIST_TIMEOUT_S = 60  # a collective that never completes raises after this long (generous: shared CI boxes)
 JOIN_TIMEOUT_S = 240  # the whole launch (about 10 s on an idle 2-core box), after which every rank is killed
 BUCKET_BYTES = 2048  # small: several buckets, and some parameters larger than a bucket
+# (bucket bytes, chunk bytes) for scenario_pipelined; TinyNet is 20 tensors of 64 B to 2.4 KiB (18.6 KiB)
+PIPELINE_CASES = ((64, 1 << 20), (2048, 64), (1 << 30, 700), (1 << 30, 1 << 30))
 F32 = torch.float32
 
 
@@ -141,7 +143,7 @@ def _launch(scenarios: Sequence[str], world: int, outdir: Path) -> Launch:
 
 
 WORLD = 4
-SCENARIO_ORDER = ("gather", "disaggregated", "colocated", "mismatch")
+SCENARIO_ORDER = ("gather", "disaggregated", "colocated", "mismatch", "blocks", "pipelined", "timeout")  # timeout last
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +213,7 @@ def _actor(group: dist.ProcessGroup):
     def full() -> dict[str, torch.Tensor]:  # collective over the actor group
         return {n: t.clone() for n, t in strategy.full_params(model)}
 
-    return ParamSource(model, strategy.full_params), step, full
+    return ParamSource(model, strategy.param_blocks), step, full
 
 
 def _reference_output(params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -226,6 +228,37 @@ def _engine_snapshot(engine: nn.Module) -> dict:
         return {"params": {n: p.detach().clone() for n, p in engine.named_parameters()},
                 "ptrs": {n: p.data_ptr() for n, p in engine.named_parameters()},
                 "output": engine(TOKENS)}
+
+
+class _CollectiveCounter:
+    """Counts the collectives a block of code issues through the two gather entry points:
+    rlrun.launch.fsdp's byte all-gather ("block") and DTensor.full_tensor ("param")."""
+
+    def __enter__(self) -> "_CollectiveCounter":
+        from torch.distributed.tensor import DTensor
+
+        import rlrun.launch.fsdp as fsdp
+
+        self.calls = {"block": 0, "param": 0}
+        self._saved = (fsdp._all_gather_single, DTensor.full_tensor)
+
+        def block(*args, **kwargs):
+            self.calls["block"] += 1
+            return self._saved[0](*args, **kwargs)
+
+        def param(*args, **kwargs):
+            self.calls["param"] += 1
+            return self._saved[1](*args, **kwargs)
+
+        fsdp._all_gather_single, DTensor.full_tensor = block, param
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch.distributed.tensor import DTensor
+
+        import rlrun.launch.fsdp as fsdp
+
+        fsdp._all_gather_single, DTensor.full_tensor = self._saved
 
 
 def scenario_disaggregated(rank: int, world: int) -> dict:
@@ -280,21 +313,23 @@ def scenario_colocated(rank: int, world: int) -> dict:
     for k in range(2):
         if on_block:
             train_step(k)
-        ws.sync()
+        with _CollectiveCounter() as counted:
+            ws.sync()
         if on_block:
-            out["syncs"].append({"actor": full(), "engine": _engine_snapshot(engine)})
+            out["syncs"].append({"actor": full(), "engine": _engine_snapshot(engine), "collectives": counted.calls})
     return out
 
 
 def scenario_mismatch(rank: int, world: int) -> dict:
     """Actor ranks [0, 1] (plain model), engines [2, 3] with a different architecture: the engines
     raise at construction, naming the parameters. Two cases: a shape differs, a layer is missing."""
+    from rlrun.launch.fsdp import param_blocks
     from rlrun.launch.transfer import ParamSource
 
     sync_group = dist.new_group([0, 2, 3])
     out: dict = {}
     for case, engine_kwargs in (("shape", {"hidden": 36}), ("missing", {"layers": 2})):
-        source = ParamSource(_seeded(1), lambda m: ((n, p.detach()) for n, p in m.named_parameters())) if rank < 2 else None
+        source = ParamSource(_seeded(1), param_blocks) if rank < 2 else None
         engine = _seeded(2, **engine_kwargs) if rank >= 2 else None
         try:
             WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group if rank != 1 else None,
@@ -331,8 +366,147 @@ def scenario_gather(rank: int, world: int) -> dict:
     return out
 
 
+class Mixed(nn.Module):
+    """Hand-made DTensor parameters over a 4-rank mesh: uneven dim-0 splits (5 rows: 2+2+1+0; 1 row:
+    only rank 0 holds it), several dtypes in one gather buffer, a 0-dim parameter (not shardable:
+    gathered by full_tensor), a Replicate one (full_tensor) and a plain tensor (no collective)."""
+
+    SPECS = {"a": ((5, 3), torch.float32), "b": ((1, 7), torch.bfloat16), "c": ((8,), torch.float16),
+             "d": ((9, 2, 3), torch.int64), "e": ((4, 4), torch.float64)}
+
+    def __init__(self, mesh) -> None:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        super().__init__()
+        g = torch.Generator().manual_seed(7)  # the same full values on every rank
+        for name, (shape, dtype) in self.SPECS.items():
+            full = (torch.randn(shape, generator=g) * 100).to(dtype)
+            self.register_parameter(name, nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]), requires_grad=False))
+        self.scalar = nn.Parameter(distribute_tensor(torch.tensor(3.25), mesh, [Replicate()]), requires_grad=False)
+        self.rep = nn.Parameter(distribute_tensor(torch.arange(6.0).view(2, 3), mesh, [Replicate()]), requires_grad=False)
+        self.plain = nn.Parameter(torch.arange(4, dtype=torch.float32), requires_grad=False)
+
+
+def scenario_blocks(rank: int, world: int) -> dict:
+    """param_blocks / ParamBlock.gather on (1) hand-made DTensors (uneven shards, mixed dtypes) and
+    (2) the FSDP-wrapped TinyNet: full(), write() into fresh / strided / cast destinations, and the
+    number of collectives per block."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from rlrun.launch.fsdp import FSDPStrategy, param_blocks
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    mixed = Mixed(mesh)
+    out: dict = {"local_rows": {n: p.to_local().shape[0] for n, p in mixed.named_parameters() if n in Mixed.SPECS}}
+    blocks = param_blocks(mixed)
+    out["mixed_blocks"] = [[n for n, _ in b.named] for b in blocks]
+    with _CollectiveCounter() as counted:
+        fb = blocks[0].gather()
+    out["mixed_collectives"] = counted.calls
+    out["mixed_full"] = {n: fb.full(n) for n in fb.names}
+    out["mixed_expected"] = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+                             for n, p in mixed.named_parameters()}
+    strided = torch.zeros(3, 5, dtype=torch.float32).t()  # [5, 3], not contiguous
+    out["write_strided"] = fb.write("a", strided).clone()
+    out["write_cast"] = fb.write("c", torch.zeros(8, dtype=torch.float32))
+    try:
+        fb.write("a", torch.zeros(3, 5))
+        out["wrong_shape"] = None
+    except ValueError as e:
+        out["wrong_shape"] = str(e)
+
+    strategy = FSDPStrategy(dist.new_group([0, 1, 2, 3]), torch.device("cpu"), bf16=False, zero_stage=3, offload=False,
+                            gradient_checkpointing=False)
+    model = strategy.wrap(_seeded(5))
+    out["tiny_blocks"] = [[n for n, _ in b.named] for b in strategy.param_blocks(model)]
+    with _CollectiveCounter() as counted:
+        full = {n: fb.full(n) for b in strategy.param_blocks(model) for fb in [b.gather()] for n in fb.names}
+    out["tiny_collectives"] = counted.calls
+    out["tiny_full"] = full
+    out["tiny_expected"] = {n: t.clone() for n, t in strategy.full_params(model)}
+
+    import rlrun.launch.fsdp as fsdp
+
+    # FSDP over a one-rank group (an actor on one device): the shards are the full tensors, no collective
+    solo_groups = [dist.new_group([r]) for r in range(world)]
+    solo_strategy = FSDPStrategy(solo_groups[rank], torch.device("cpu"), bf16=False, zero_stage=3, offload=False,
+                                 gradient_checkpointing=False)
+    solo = solo_strategy.wrap(_seeded(5))
+    with _CollectiveCounter() as counted:
+        out["solo_full"] = {n: fb.full(n) for fb in fsdp.full_param_blocks(solo) for n in fb.names}
+    out["solo_collectives"] = counted.calls
+    out["solo_shares_memory"] = all(
+        fb._plain[n].data_ptr() == dict(solo.named_parameters())[n].to_local().data_ptr()
+        for fb in fsdp.full_param_blocks(solo) for n in fb.names)
+
+    saved, fsdp.CPU_GATHER_PART_BYTES = fsdp.CPU_GATHER_PART_BYTES, 64  # split every unit into several all-gathers
+    try:
+        with _CollectiveCounter() as counted:
+            scratch = fsdp.GatherScratch()  # shared by the blocks: each is read before the next gather
+            out["parts_full"] = {n: fb.full(n) for fb in fsdp.full_param_blocks(model, scratch) for n in fb.names}
+        out["parts_collectives"] = counted.calls
+    finally:
+        fsdp.CPU_GATHER_PART_BYTES = saved
+    return out
+
+
+def scenario_pipelined(rank: int, world: int) -> dict:
+    """Disaggregated sync (actor FSDP over [0, 1], engines [2, 3]) under several bucket / chunk
+    sizes: tiny buckets (most parameters larger than a bucket), many chunks per bucket, one bucket
+    cut into many chunks, one bucket in one chunk; a fresh engine model for each, the actor training
+    one step before each sync."""
+    actor_group = dist.new_group([0, 1])
+    sync_group = dist.new_group([0, 2, 3])
+    is_actor, is_engine = rank in (0, 1), rank in (2, 3)
+    source, train_step, full = _actor(actor_group) if is_actor else (None, None, None)
+    out: dict = {"cases": []}
+    for k, (bucket_bytes, chunk_bytes) in enumerate(PIPELINE_CASES):
+        engine = _seeded(200 + 10 * k + rank) if is_engine else None
+        ws = WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group if rank in (0, 2, 3) else None,
+                        actor_root=0, colocated=False, bucket_bytes=bucket_bytes, wire_dtype=F32,
+                        device=torch.device("cpu"), chunk_bytes=chunk_bytes)
+        if is_actor:
+            train_step(10 + k)
+        case: dict = {"num_buckets": ws.num_buckets, "chunks": [len(c) for c in ws.chunks],
+                      "buffers": [b.numel() for b in ws.buffers]}
+        ws.sync()
+        if is_actor:
+            actor_full = full()
+            if rank == 0:
+                case["actor"] = actor_full
+        if is_engine:
+            case["engine"] = _engine_snapshot(engine)
+        out["cases"].append(case)
+    return out
+
+
+def scenario_timeout(rank: int, world: int) -> dict:
+    """An engine whose root never sends: sync() must raise within the sync group's timeout (2 s),
+    not hang. The root builds its WeightSync (the metadata broadcast) and then skips sync()."""
+    from rlrun.launch.fsdp import param_blocks
+    from rlrun.launch.transfer import ParamSource
+
+    sync_group = dist.new_group([0, 2], timeout=timedelta(seconds=2))
+    out: dict = {}
+    if rank in (0, 2):
+        ws = WeightSync(actor_params=ParamSource(_seeded(1), param_blocks) if rank == 0 else None,
+                        engine_model=_seeded(2) if rank == 2 else None, sync_group=sync_group, actor_root=0,
+                        colocated=False, bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"),
+                        chunk_bytes=512)
+        if rank == 2:
+            t0 = time.monotonic()
+            try:
+                ws.sync()
+                out["error"] = None
+            except Exception as e:  # noqa: BLE001 - whatever the backend raises, it must raise
+                out["error"] = f"{type(e).__name__}: {e}"
+            out["waited_s"] = time.monotonic() - t0
+    return out
+
+
 SCENARIOS = {f.__name__.removeprefix("scenario_"): f for f in
-             (scenario_disaggregated, scenario_colocated, scenario_mismatch, scenario_gather)}
+             (scenario_disaggregated, scenario_colocated, scenario_mismatch, scenario_gather, scenario_blocks,
+              scenario_pipelined, scenario_timeout)}
 
 
 def _worker_main(scenarios: str, rank: int, world: int, port: int, outdir: str) -> int:
@@ -383,6 +557,8 @@ def test_disaggregated_sync_makes_engines_equal_to_actor_exactly(launched):
             assert snap["engine"]["ptrs"] == e["bound"]["ptrs"]  # received in place, parameters never moved
     for rank in (0, 2, 3):  # buffers are allocated once and reused
         assert r[rank]["syncs"][0]["buffer_ptrs"] == r[rank]["syncs"][1]["buffer_ptrs"] == r[rank]["buffer_ptrs_at_init"]
+    assert len(r[0]["buffer_ptrs_at_init"]) == 2  # the root double-buffers its send staging
+    for rank in (2, 3):  # engines keep one receive buffer per bucket (their parameters live there)
         assert len(r[rank]["buffer_ptrs_at_init"]) == root["num_buckets"]
 
 
@@ -397,6 +573,8 @@ def test_colocated_sync_copies_actor_into_both_engine_copies(launched):
             assert r[rank]["syncs"][k]["engine"]["ptrs"] == r[rank]["syncs"][0]["engine"]["ptrs"]
     assert not torch.equal(r[0]["syncs"][0]["actor"]["head.weight"], r[0]["syncs"][1]["actor"]["head.weight"])
     assert r[2] == r[3] == {"num_buckets": 0, "syncs": []}
+    for rank in (0, 1):  # one all-gather per FSDP unit (the root's embed+head, 3 blocks), none per parameter
+        assert [s["collectives"] for s in r[rank]["syncs"]] == [{"block": 4, "param": 0}] * 2
 
 
 def test_engine_architecture_mismatch_raises_on_engine_ranks(launched):
@@ -425,6 +603,77 @@ def test_gather_from_all_gather_and_broadcast_paths_agree(launched):
         assert torch.equal(r[rank]["sub_all"], torch.cat(part[1:3]))
         assert torch.equal(r[rank]["sub_one"], part[2])
     assert "sub_all" not in r[0]
+
+
+def test_block_gather_handles_uneven_shards_mixed_dtypes_and_non_sharded_params(launched):
+    r = launched.results("blocks")
+    # torch.chunk rows per rank: a 5 -> 2,2,1,0; b 1 -> 1,0,0,0; c 8 -> 2 each; d 9 -> 3,3,3,0; e 4 -> 1 each
+    assert [r[k]["local_rows"] for k in range(WORLD)] == [
+        {"a": 2, "b": 1, "c": 2, "d": 3, "e": 1}, {"a": 2, "b": 0, "c": 2, "d": 3, "e": 1},
+        {"a": 1, "b": 0, "c": 2, "d": 3, "e": 1}, {"a": 0, "b": 0, "c": 2, "d": 0, "e": 1}]
+    for rank in range(WORLD):
+        out = r[rank]
+        assert out["mixed_blocks"] == [["a", "b", "c", "d", "e", "scalar", "rep", "plain"]]  # no FSDP unit: one block
+        # the five Shard(0) tensors in ONE byte all-gather; the 0-dim and Replicate ones via full_tensor
+        assert out["mixed_collectives"] == {"block": 1, "param": 2}
+        _assert_same(out["mixed_full"], out["mixed_expected"])
+        assert torch.equal(out["mixed_full"]["plain"], torch.tensor([0.0, 1.0, 2.0, 3.0]))
+        assert torch.equal(out["mixed_full"]["rep"], torch.tensor([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]))
+        assert out["mixed_full"]["scalar"].shape == () and float(out["mixed_full"]["scalar"]) == 3.25
+        assert torch.equal(out["write_strided"], out["mixed_expected"]["a"])
+        assert out["write_cast"].dtype == F32 and torch.equal(out["write_cast"], out["mixed_expected"]["c"].float())
+        assert out["wrong_shape"] is not None and "(3, 5)" in out["wrong_shape"] and "(5, 3)" in out["wrong_shape"]
+        # FSDP-wrapped TinyNet over 4 ranks: the root unit (embed, head) first, then each Block
+        assert out["tiny_blocks"] == [["embed.weight", "head.weight"]] + [
+            [f"blocks.{i}.{n}" for n in ("norm.weight", "norm.bias", "up.weight", "up.bias", "down.weight", "down.bias")]
+            for i in range(3)]
+        assert out["tiny_collectives"] == {"block": 4, "param": 0}
+        # 64-byte parts, per-rank shard bytes (4 ranks, torch.chunk rows, 16-byte aligned): root unit
+        # embed 640 | head 640; each Block norm.w 16 + norm.b 16 | up.w 576 | up.b 48 | down.w 560 | down.b 16
+        assert out["parts_collectives"] == {"block": 2 + 3 * 5, "param": 0}
+        assert out["solo_collectives"] == {"block": 0, "param": 0} and out["solo_shares_memory"]
+        _assert_same({n: out["solo_full"][n] for n in out["tiny_expected"]}, out["tiny_expected"])  # same seed
+        _assert_same({n: out["parts_full"][n] for n in out["tiny_expected"]}, out["tiny_expected"])
+        assert sorted(out["tiny_full"]) == sorted(out["tiny_expected"])
+        _assert_same({n: out["tiny_full"][n] for n in out["tiny_expected"]}, out["tiny_expected"])
+
+
+def test_pipelined_sync_is_exact_for_every_bucket_and_chunk_size(launched):
+    r = launched.results("pipelined")
+    root, engines = r[0], (r[2], r[3])
+    # 64 B buckets: one per tensor; 2 KiB buckets: embed | head | b0.norm w+b | up.w | up.b | down.w |
+    # b0.down.b + b1.norm w+b | ... | b2.down.b; then one bucket cut into 700 B chunks; one bucket, one chunk
+    expected_buckets = [20, 15, 1, 1]
+    for k, case in enumerate(root["cases"]):
+        assert case["num_buckets"] == expected_buckets[k]
+        assert len(case["buffers"]) == min(2, case["num_buckets"])  # root: two staging buffers at most
+        for e in engines:
+            assert e["cases"][k]["chunks"] == case["chunks"]
+            assert len(e["cases"][k]["buffers"]) == case["num_buckets"]
+            _assert_same(e["cases"][k]["engine"]["params"], case["actor"])
+            assert torch.equal(e["cases"][k]["engine"]["output"], _reference_output(case["actor"]))
+    assert root["cases"][0]["chunks"] == [1] * 20
+    # 64 B chunks: the 64 B norm/bias tensors each get a chunk of their own inside their bucket
+    assert root["cases"][1]["chunks"] == [1, 1, 2, 1, 1, 1, 3, 1, 1, 1, 3, 1, 1, 1, 1]
+    assert root["cases"][2]["chunks"][0] > 4 and root["cases"][3]["chunks"] == [1]
+    for k in range(1, 4):  # the actor trained between syncs: every case moved new weights
+        assert not torch.equal(root["cases"][k - 1]["actor"]["head.weight"], root["cases"][k]["actor"]["head.weight"])
+
+
+def test_sync_raises_instead_of_hanging_when_the_root_never_sends(launched):
+    r = launched.results("timeout")
+    err = r[2]["error"]
+    assert err is not None and "timed out" in err.lower(), err
+    assert r[2]["waited_s"] < DIST_TIMEOUT_S  # the 2 s sync-group timeout, not the world's
+
+
+def test_plan_chunks_tile_each_bucket_at_entry_boundaries():
+    (bucket,) = plan_buckets(_params(3, 5, 100, 1, 2), bucket_bytes=1 << 20)  # offsets 0, 16, 48, 448, 464
+    assert [e.offset for e in bucket] == [0, 16, 48, 448, 464]
+    assert plan_chunks(bucket, 32) == [(0, 48, 1), (48, 448, 2), (448, 480, 4)]
+    assert plan_chunks(bucket, 1 << 20) == [(0, 480, 4)]
+    assert plan_chunks(bucket, 1) == [(0, 16, 0), (16, 48, 1), (48, 448, 2), (448, 464, 3), (464, 480, 4)]
+    assert plan_chunks(bucket, 1 << 20)[-1][1] == bucket_size(bucket)
 
 
 if __name__ == "__main__":

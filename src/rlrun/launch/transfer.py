@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from datetime import timedelta
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from rlrun.errors import RlrunError
+from rlrun.launch.fsdp import GatherScratch, ParamBlock
 
 ALIGN = 16  # bytes: every tensor view into a bucket starts aligned for any dtype
 # torch >= 2.10 renamed all_gather_into_tensor (which now warns on every call).
@@ -96,18 +98,56 @@ def entry_view(buffer: torch.Tensor, e: BucketEntry) -> torch.Tensor:
     return buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
 
 
+def plan_chunks(bucket: list[BucketEntry], chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """Split a bucket into wire chunks at entry boundaries: (start byte, end byte, entries up to and
+    including index) per chunk, each about chunk_bytes (an entry larger than that is one chunk). The
+    chunks tile [0, bucket_size(bucket)) exactly, so a receiver can take them into its bucket buffer."""
+    chunks: list[tuple[int, int, int]] = []
+    start = 0
+    for i, e in enumerate(bucket):
+        end = -(-(e.offset + e.nbytes) // ALIGN) * ALIGN
+        if end - start >= chunk_bytes or i == len(bucket) - 1:
+            chunks.append((start, end, i))
+            start = end
+    return chunks
+
+
+def group_timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta | None:
+    """The timeout the group's backend for `device` was created with (None when not exposed)."""
+    try:
+        return group._get_backend(device).options._timeout  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def wait_all(works: Sequence[dist.Work], group: dist.ProcessGroup, device: torch.device, what: str) -> None:
+    """Wait for async collectives in issue order, each bounded by the group's timeout: a peer that
+    never arrives raises (gloo raises on its own at the group timeout; the explicit timeout covers
+    backends that would otherwise return False or block)."""
+    timeout = group_timeout(group, device)
+    for work in works:
+        ok = work.wait(timeout) if timeout is not None else work.wait()
+        if ok is False:
+            raise RlrunError(f"weight sync: a {what} did not complete within the sync group's timeout ({timeout})")
+
+
 class WeightSync:
     """Push the actor's full weights to every engine rank after each update.
 
-    Colocated (engine ranks == actor ranks): each rank copies the gathered parameters into its
-    engine model; nothing crosses the wire beyond FSDP's own all-gather. Disaggregated: actor
-    rank 0 packs parameters into byte buckets and broadcasts each bucket on the "sync" group;
-    engine parameters ARE views into the receive buckets, so receiving needs no unpacking copy.
+    Colocated (engine ranks == actor ranks): each rank gathers the actor one FSDP unit at a time (one
+    all-gather per unit) and writes each parameter straight from the gathered bytes into its engine
+    model; nothing else crosses the wire. Disaggregated: actor rank 0 gathers unit by unit, writes
+    the parameters into byte buckets and broadcasts each bucket on the "sync" group in chunks of
+    about `chunk_bytes`, asynchronously, so the wire carries chunk k while the root gathers and packs
+    chunk k+1. The root double-buffers its send staging (two bucket-sized buffers, a buffer is
+    refilled only once its previous bucket's broadcasts completed); engine parameters ARE views into
+    one persistent receive buffer per bucket, so receiving needs no unpacking copy.
     """
 
     def __init__(self, *, actor_params: "ParamSource | None", engine_model: nn.Module | None,
                  sync_group: dist.ProcessGroup | None, actor_root: int, colocated: bool,
-                 bucket_bytes: int, wire_dtype: torch.dtype, device: torch.device) -> None:
+                 bucket_bytes: int, wire_dtype: torch.dtype, device: torch.device,
+                 chunk_bytes: int = 16 * 2**20) -> None:
         self.actor_params = actor_params
         self.engine_model = engine_model
         self.group = sync_group
@@ -115,20 +155,31 @@ class WeightSync:
         self.colocated = colocated
         self.device = device
         self.buckets: list[list[BucketEntry]] = []
-        self.buffers: list[torch.Tensor] = []
+        self.chunks: list[list[tuple[int, int, int]]] = []
+        self.buffers: list[torch.Tensor] = []  # engines: one receive buffer per bucket; root: the 2 staging buffers
+        # Actor ranks gather unit by unit through one scratch. On CPU it lives as long as this object
+        # (a fresh buffer per sync costs page faults); on an accelerator only for one sync (the
+        # caching allocator reuses the memory, and holding a unit's gather buffer through training
+        # would cost memory there).
+        self._scratch = GatherScratch() if device.type == "cpu" else None
         is_root = dist.get_rank() == actor_root
         if colocated or (not is_root and engine_model is None):
             return  # actor ranks other than the root only take part in the FSDP all-gathers
         assert sync_group is not None
-        # Metadata crosses the wire once; both sides then derive the same bucket plan from it.
+        # Metadata crosses the wire once, in the root's gather order; both sides derive the same plan.
         meta = [[n, list(s)] for n, s, _ in actor_params.shapes()] if is_root else None  # type: ignore[union-attr]
         meta = broadcast_json(meta, actor_root, sync_group, device)
         if engine_model is not None:
             self._check_engine_matches(meta)  # type: ignore[arg-type]
         self.buckets = plan_buckets([(n, torch.Size(s), wire_dtype) for n, s in meta], bucket_bytes)  # type: ignore[union-attr]
-        self.buffers = [torch.empty(bucket_size(b), dtype=torch.uint8, device=device) for b in self.buckets]
+        self.chunks = [plan_chunks(b, min(chunk_bytes, bucket_bytes)) for b in self.buckets]
         if engine_model is not None:
+            self.buffers = [torch.empty(bucket_size(b), dtype=torch.uint8, device=device) for b in self.buckets]
             self._bind_engine_views(engine_model)
+        else:
+            sizes = [bucket_size(b) for b in self.buckets]
+            self.buffers = [torch.empty(max(sizes[i::2]), dtype=torch.uint8, device=device)
+                            for i in range(min(2, len(sizes)))]
 
     def _check_engine_matches(self, meta: list) -> None:
         mine = {n: list(p.shape) for n, p in self.engine_model.named_parameters()}  # type: ignore[union-attr]
@@ -160,41 +211,70 @@ class WeightSync:
                 return  # a rank outside the actor/engine block (e.g. critic-only ranks) has nothing to sync
             assert self.engine_model is not None
             targets = dict(self.engine_model.named_parameters())
+            scratch = self._scratch or GatherScratch()
             with torch.no_grad():
-                for name, full in self.actor_params.full():
-                    targets[name].data.copy_(full)
+                for block in self.actor_params.blocks():
+                    full = block.gather(scratch)
+                    for name in full.names:
+                        full.write(name, targets[name].data)
             return
         if self.actor_params is not None and dist.get_rank() != self.root:
-            for _ in self.actor_params.full():  # take part in the all-gathers, send nothing
-                pass
+            scratch = self._scratch or GatherScratch()
+            for block in self.actor_params.blocks():  # take part in the all-gathers, send nothing
+                block.gather(scratch)
             return
-        if self.actor_params is not None:  # root: pack each bucket as its parameters arrive
-            it = self.actor_params.full()
-            with torch.no_grad():
-                for bucket, buffer in zip(self.buckets, self.buffers):
-                    for e in bucket:
-                        name, full = next(it)
-                        assert name == e.name, (name, e.name)
-                        entry_view(buffer, e).copy_(full)
-                    dist.broadcast(buffer, src=self.root, group=self.group)
+        if self.actor_params is not None:
+            self._send()
             return
-        for buffer in self.buffers:  # engine: the broadcast writes straight into the parameters
-            dist.broadcast(buffer, src=self.root, group=self.group)
+        works = [dist.broadcast(buffer[start:end], src=self.root, group=self.group, async_op=True)
+                 for buffer, chunks in zip(self.buffers, self.chunks) for start, end, _ in chunks]
+        wait_all(works, self.group, self.device, "bucket broadcast")  # type: ignore[arg-type]
+
+    def _send(self) -> None:
+        """Root: gather unit by unit, pack each entry into its bucket's staging buffer and put every
+        chunk on the wire (async) as soon as its last entry is packed."""
+        assert self.actor_params is not None and self.group is not None
+        entries = iter([(k, i, e) for k, bucket in enumerate(self.buckets) for i, e in enumerate(bucket)])
+        chunk_ending_at = [{last: (start, end) for start, end, last in chunks} for chunks in self.chunks]
+        in_flight: list[list[dist.Work]] = [[] for _ in self.buckets]
+        scratch = self._scratch or GatherScratch()
+        with torch.no_grad():
+            for block in self.actor_params.blocks():
+                full = block.gather(scratch)
+                for name in full.names:
+                    k, i, e = next(entries)
+                    assert name == e.name, (name, e.name)  # the plan follows the root's gather order
+                    staging = self.buffers[k % 2]
+                    if i == 0 and k >= 2:  # refill a staging buffer only after its last bucket left
+                        wait_all(in_flight[k - 2], self.group, self.device, "bucket broadcast")
+                    full.write(name, entry_view(staging, e))
+                    if i in chunk_ending_at[k]:
+                        start, end = chunk_ending_at[k][i]
+                        in_flight[k].append(dist.broadcast(staging[start:end], src=self.root, group=self.group,
+                                                           async_op=True))
+        assert next(entries, None) is None, "the actor yielded fewer parameters than the bucket plan"
+        wait_all([w for works in in_flight for w in works], self.group, self.device, "bucket broadcast")
 
 
 class ParamSource:
-    """The actor's parameters as full tensors, in a fixed order (a thin adapter over the strategy)."""
+    """The actor's parameters, grouped by FSDP unit in gather order (a thin adapter over the strategy)."""
 
-    def __init__(self, model: nn.Module, full_params: "callable") -> None:  # type: ignore[valid-type]
+    def __init__(self, model: nn.Module, param_blocks: "Callable[[nn.Module], list[ParamBlock]]") -> None:
         self.model = model
-        self._full_params = full_params
+        self._param_blocks = param_blocks
+
+    def blocks(self) -> list[ParamBlock]:
+        """Each block's gather() is collective over the actor group."""
+        return self._param_blocks(self.model)
 
     def shapes(self) -> list[tuple[str, torch.Size, torch.dtype]]:
-        out = []
-        for name, p in self.model.named_parameters():
-            shape = p.shape  # DTensor.shape is the full (global) shape
-            out.append((name, shape, p.dtype))
-        return out
+        """(name, full shape, dtype) in gather order (no collective)."""
+        return [s for block in self.blocks() for s in block.shapes()]
 
     def full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._full_params(self.model)
+        """(name, new full tensor) in gather order. Collective: every actor rank must iterate to the end."""
+        scratch = GatherScratch()
+        for block in self.blocks():
+            full = block.gather(scratch)
+            for name in full.names:
+                yield name, full.full(name)

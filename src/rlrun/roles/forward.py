@@ -1,4 +1,9 @@
-"""Forward passes shared by the roles: response log-probs and per-token values."""
+"""Forward passes shared by the roles: response log-probs, per-token values and last-token scores,
+on padded rows or (with --packing_samples) on packed rows (rlrun.packing).
+
+Every forward passes use_cache=False: without it HF builds a KV cache nobody reads, and a cache
+also turns off transformers' packed-sequence detection from position ids.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,13 @@ from torch import nn
 
 from rlrun.algorithms import entropy_from_logits, log_probs_from_logits
 from rlrun.models import position_ids_from
+from rlrun.packing import PackedBatch, pack_batch
 from rlrun.rollout import RolloutBatch
+
+# Attention kernels that take packed sequences as ONE row and run varlen attention on it (cost
+# sum(n_i^2)); every other kernel gets a dense block-diagonal mask per row, so rows stay as wide as
+# the padded batch (cost per row unchanged, fewer rows).
+_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 
 def response_log_probs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
@@ -17,9 +28,10 @@ def response_log_probs(model: nn.Module, sequences: torch.Tensor, attention_mask
     """[b, L] -> log-probs of the last `response_width` tokens [b, R] (and their entropy [b, R]).
 
     Logits are divided by the sampling temperature so the ratio is taken against the policy
-    that actually sampled the tokens."""
-    out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
-    logits = out.logits[:, -response_width - 1:-1, :].float()
+    that actually sampled the tokens. Only the R + 1 last positions go through the vocab projection."""
+    out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
+                use_cache=False, logits_to_keep=response_width + 1)
+    logits = out.logits[:, :-1, :].float()
     logp = log_probs_from_logits(logits, sequences[:, -response_width:], temperature)
     entropy = entropy_from_logits(logits / temperature) if with_entropy else None
     return logp, entropy
@@ -37,6 +49,73 @@ def last_token_scores(model: nn.Module, sequences: torch.Tensor, attention_mask:
     values = model(sequences, attention_mask)
     last = sequences.shape[1] - response_width + response_len - 1
     return values.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1)
+
+
+# ---- packed rows ------------------------------------------------------------------------------
+
+
+def _attn_implementation(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None) or getattr(getattr(model, "hf", None), "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def pack_for(model: nn.Module, part: RolloutBatch) -> PackedBatch:
+    """Pack `part` for `model`'s attention kernel: one row for varlen kernels, else rows no wider than
+    the padded batch (a dense block-diagonal mask over a wider row would cost more than padding)."""
+    one_row = _attn_implementation(model) in _VARLEN_ATTENTION
+    return pack_batch(part, None if one_row else part.sequences.shape[1])
+
+
+def packed_response_log_probs(model: nn.Module, part: RolloutBatch, temperature: float,
+                              with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same as response_log_probs on `part` ([b, L] -> [b, R], 0 where there is no response token),
+    computed on packed rows; the vocab projection runs on the N response positions only."""
+    packed = pack_for(model, part)
+    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                logits_to_keep=packed.keep_mask())
+    logits = out.logits.float()  # [N, V], in pred_index order
+    logp = log_probs_from_logits(logits.unsqueeze(0), packed.targets().unsqueeze(0), temperature)[0]
+    entropy = packed.scatter(entropy_from_logits(logits / temperature)) if with_entropy else None
+    return packed.scatter(logp), entropy
+
+
+def packed_response_values(model: nn.Module, part: RolloutBatch) -> torch.Tensor:
+    """Same as response_values on `part` ([b, R], 0 where there is no response token), on packed rows."""
+    packed = pack_for(model, part)
+    values = model(packed.input_ids, position_ids=packed.position_ids)  # [n, W]
+    return packed.scatter(values.reshape(-1)[packed.pred_index])
+
+
+def packed_last_token_scores(model: nn.Module, part: RolloutBatch) -> torch.Tensor:
+    """Same as last_token_scores on `part` ([b]), on packed rows."""
+    packed = pack_for(model, part)
+    values = model(packed.input_ids, position_ids=packed.position_ids)  # [n, W]
+    return values.reshape(-1)[packed.last_index]
+
+
+# ---- what the roles call ----------------------------------------------------------------------
+
+
+def policy_log_probs(model: nn.Module, part: RolloutBatch, temperature: float, *, with_entropy: bool = False,
+                     packing: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[b, L] rollouts -> response log-probs [b, R] (and entropy), padded or packed."""
+    if packing:
+        return packed_response_log_probs(model, part, temperature, with_entropy)
+    return response_log_probs(model, part.sequences, part.attention_mask, part.response_width, temperature, with_entropy)
+
+
+def token_values(model: nn.Module, part: RolloutBatch, *, packing: bool = False) -> torch.Tensor:
+    """[b, L] rollouts -> values before each response token [b, R], padded or packed."""
+    if packing:
+        return packed_response_values(model, part)
+    return response_values(model, part.sequences, part.attention_mask, part.response_width)
+
+
+def sequence_scores(model: nn.Module, part: RolloutBatch, *, packing: bool = False) -> torch.Tensor:
+    """[b, L] rollouts -> scalar head at each sequence's last real token [b], padded or packed."""
+    if packing:
+        return packed_last_token_scores(model, part)
+    return last_token_scores(model, part.sequences, part.attention_mask, part.response_len, part.response_width)
 
 
 def micro_batches(num_rows: int, size: int) -> list[slice]:
