@@ -82,6 +82,13 @@ OPENRLHF_FLAGS: list[tuple[str, list[str], object]] = [
     ("normalize_reward", [], T),
     ("reward_clip_range", ["-5", "5"], (-5.0, 5.0)),
     ("entropy_loss_coef", ["0.01"], 0.01),
+    ("eps_clip_low_high", ["0.2", "0.28"], (0.2, 0.28)),
+    ("policy_loss_type", ["gspo"], "gspo"),
+    ("no_advantage_std_norm", [], T),
+    ("overlong_buffer_len", ["64"], 64),
+    ("overlong_penalty_factor", ["0.5"], 0.5),
+    ("dynamic_filtering", [], T),
+    ("dynamic_filtering_reward_range", ["0.1", "0.9"], (0.1, 0.9)),
     # data
     ("prompt_data", ["OpenRLHF/prompt-collection-v0.1"], "OpenRLHF/prompt-collection-v0.1"),
     ("input_key", ["context_messages"], "context_messages"),
@@ -227,17 +234,17 @@ def test_ignored_flag_equals_form(name):
 
 
 def test_ignored_reasons():
-    assert IGNORED_FLAGS["packing_samples"][1] == NOT_YET
+    assert IGNORED_FLAGS["deepcompile"][1] == NOT_YET
     assert IGNORED_FLAGS["deepspeed_enable_sleep"][1] == NOT_YET
     assert IGNORED_FLAGS["vllm_sync_with_ray"][1] == RAY_ONLY
     assert IGNORED_FLAGS["local_rank"][1] == LAUNCHER
-    parsed = parse_args(["--packing_samples", "--deepspeed_enable_sleep"])
-    assert parsed.ignored == (f"--packing_samples: ignored ({NOT_YET})", f"--deepspeed_enable_sleep: ignored ({NOT_YET})")
+    parsed = parse_args(["--deepcompile", "--deepspeed_enable_sleep"])
+    assert parsed.ignored == (f"--deepcompile: ignored ({NOT_YET})", f"--deepspeed_enable_sleep: ignored ({NOT_YET})")
     assert parsed.config == Config()
 
 
 def test_ignored_flag_reported_once_when_repeated():
-    assert len(parse_args(["--packing_samples", "--packing_samples"]).ignored) == 1
+    assert len(parse_args(["--deepcompile", "--deepcompile"]).ignored) == 1
 
 
 @pytest.mark.parametrize("argv", [
@@ -366,7 +373,7 @@ def test_realistic_ppo_command_line():
     assert cfg.checkpoint.save_hf_ckpt and cfg.checkpoint.ckpt_path.endswith("ckpt/llama3-8b-rlhf")
     assert cfg.logging.use_wandb == "{wandb_token}"
     assert [line.split(":")[0] for line in parsed.ignored] == [
-        "--ray_address", "--packing_samples", "--vllm_sync_with_ray", "--deepspeed_enable_sleep", "--runtime-env-json",
+        "--ray_address", "--vllm_sync_with_ray", "--deepspeed_enable_sleep", "--runtime-env-json",
         "--vllm_gpu_memory_utilization", "--vllm_enable_sleep", "--enforce_eager"]
     # The same command on 8 ranks of one node: every model and 4 TP-2 engines on all 8 ranks.
     layout = plan(cfg, 8, 8).layout
@@ -385,8 +392,9 @@ def test_realistic_grpo_command_line():
     assert cfg.data.label_key == "label" and cfg.logging.use_tensorboard == "logs/grpo"
     assert not cfg.needs_critic and cfg.needs_ref and not cfg.needs_reward_model
     assert {line.split(":")[0] for line in parsed.ignored} == {
-        "--packing_samples", "--deepspeed_enable_sleep", "--async_train", "--async_queue_size", "--ray_namespace",
-        "--lr_scheduler", "--eps_clip_low_high", "--vllm_gpu_memory_utilization", "--vllm_enable_sleep", "--enforce_eager"}
+        "--deepspeed_enable_sleep", "--async_train", "--async_queue_size", "--ray_namespace",
+        "--lr_scheduler", "--vllm_gpu_memory_utilization", "--vllm_enable_sleep", "--enforce_eager"}
+    assert cfg.algo.eps_clip_low_high == (0.2, 0.28)
     layout = plan(cfg, 8, 8).layout
     assert layout.ranks_of(Role.ACTOR) == layout.ranks_of(Role.REF) == layout.ranks_of(Role.ENGINE) == tuple(range(8))
     assert not layout.has(Role.CRITIC) and not layout.has(Role.REWARD)

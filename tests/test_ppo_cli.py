@@ -118,7 +118,7 @@ def test_dry_run_creates_no_process_group(monkeypatch, capsys):
 def test_torchrun_dry_run_disaggregated_layout():
     rc, out, seconds = run_ppo(["--dry_run", "--actor_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "1",
                                 "--vllm_num_engines", "1", "--advantage_estimator", "group_norm",
-                                "--n_samples_per_prompt", "4", "--packing_samples"], nproc=4)
+                                "--n_samples_per_prompt", "4", "--deepcompile"], nproc=4)
     assert rc == 0, out
     assert "world size 4" in out and "launcher torchrun" in out
     rows = layout_rows(out)  # printed by rank 0 only
@@ -130,7 +130,7 @@ def test_torchrun_dry_run_disaggregated_layout():
     # The engine is disjoint from the actor: weights go over the sync group (actor rank 0 + the engine).
     assert "sync" in rows[0][1] and "sync" in rows[3][1] and "sync" not in rows[1][1]
     # An ignored OpenRLHF flag is reported once, not once per rank.
-    warnings = [w for w in WARNING_LINE.findall(out) if w.startswith("--packing_samples")]
+    warnings = [w for w in WARNING_LINE.findall(out) if w.startswith("--deepcompile")]
     assert len(warnings) == 1, out
     assert seconds < 60
 

@@ -9,16 +9,15 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence, get_args, get_origin, get_type_hints
+from typing import Any, Callable, Literal, Sequence, get_args, get_origin, get_type_hints
 
 import yaml
 
+from rlrun.compat import openrlhf_flags, verl_overrides
+from rlrun.compat.argv import Nargs
+from rlrun.compat.reasons import LAUNCHER, NOT_YET, RAY_ONLY
 from rlrun.config import Config, FieldInfo, build_config, coerce, fields_of, suggest
 from rlrun.errors import ConfigError
-
-RAY_ONLY = "Ray-only: rlrun runs without Ray (torchrun/srun start the processes)"
-NOT_YET = "not implemented in rlrun yet; it has no effect"
-LAUNCHER = "set by the launcher: torchrun/srun give every process its rank"
 
 # OpenRLHF train_ppo_ray flags rlrun accepts but does not act on: name -> (values it takes, reason).
 IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
@@ -35,7 +34,6 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
     "enable_vllm_is_correction": (0, NOT_YET),
     "vllm_is_truncated_threshold": (1, NOT_YET),
     "vllm_generate_batch_size": (1, NOT_YET),
-    "packing_samples": (0, NOT_YET),
     "deepspeed_enable_sleep": (0, NOT_YET),
     "ds_tensor_parallel_size": (1, NOT_YET),
     "deepcompile": (0, NOT_YET),
@@ -61,27 +59,17 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
     "lora_dropout": (1, NOT_YET),
     "max_len": (1, NOT_YET),
     "ptx_coef": (1, NOT_YET),
-    "eps_clip_low_high": (2, NOT_YET),
     "full_determinism": (0, "rlrun is deterministic on CPU by default"),
     "freezing_actor_steps": (1, NOT_YET),
     "lr_scheduler": (1, "rlrun always uses linear warmup + cosine decay"),
-    "policy_loss_type": (1, NOT_YET),
     "aux_loss_coef": (1, NOT_YET),
-    "no_advantage_std_norm": (0, NOT_YET),
-    "overlong_buffer_len": (1, NOT_YET),
-    "overlong_penalty_factor": (1, NOT_YET),
     "ring_attn_size": (1, NOT_YET),
     "ring_head_stride": (1, NOT_YET),
     "value_head_prefix": (1, NOT_YET),
     "agent_func_path": (1, NOT_YET),
     "prompt_data_probs": (1, NOT_YET),
     "prompt_split": (1, NOT_YET),
-    "eval_dataset": (1, NOT_YET),
-    "eval_split": (1, NOT_YET),
-    "eval_temperature": (1, NOT_YET),
-    "eval_n_samples_per_prompt": (1, NOT_YET),
-    "dynamic_filtering": (0, NOT_YET),
-    "dynamic_filtering_reward_range": (2, NOT_YET),
+    "eval_split": (1, "rlrun reads the 'train' split of a saved DatasetDict for --eval_dataset, as for --prompt_data"),
     "perf": (0, NOT_YET),
     "use_ms": (0, "ModelScope hub: rlrun loads local paths only"),
 }
@@ -89,11 +77,13 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
 
 # Config fields that parse and are kept (so configs stay valid) but act on nothing in this release.
 NO_EFFECT_YET: dict[str, str] = {
-    "vllm_gpu_memory_utilization": "only the vLLM backend uses it, and it is not implemented yet",
-    "vllm_enable_sleep": "only the vLLM backend uses it, and it is not implemented yet",
-    "enforce_eager": "only the vLLM backend uses it, and it is not implemented yet",
-    "eval_steps": "rlrun has no evaluation loop yet",
+    "vllm_gpu_memory_utilization": "only --generation_backend vllm uses it",
+    "vllm_enable_sleep": "rlrun's vLLM engine does not sleep yet (vLLM has no sleep mode on CPU)",
+    "enforce_eager": "only --generation_backend vllm uses it",
 }
+
+# NO_EFFECT_YET entries that do act when --generation_backend vllm is chosen.
+VLLM_BACKEND_FIELDS = frozenset({"vllm_gpu_memory_utilization", "enforce_eager"})
 
 
 @dataclass(frozen=True)
@@ -214,18 +204,32 @@ def _strip_ignored(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return rest, report
 
 
-def _dotted_to_flat(argv: Sequence[str]) -> list[str]:
-    """Accept --section.field (e.g. --train.seed) as an alias of --field."""
+def _arity(parser: argparse.ArgumentParser) -> Callable[[str], Nargs]:
+    """How many values each classic flag takes (so a flag's value is never read as a verl override)."""
+    by_flag: dict[str, Nargs] = {}
+    for action in parser._actions:
+        nargs = 1 if action.nargs is None else action.nargs
+        for option in action.option_strings:
+            by_flag[option[2:]] = nargs if isinstance(nargs, int) or nargs in ("*", "+", "?") else 1
+
+    def arity(name: str) -> Nargs:
+        if name in by_flag:
+            return by_flag[name]
+        if name in IGNORED_FLAGS:
+            return IGNORED_FLAGS[name][0]  # type: ignore[return-value]
+        return "?" if name.startswith("ray_") else 0  # an unknown flag fails in argparse
+    return arity
+
+
+def _translate_peer_spellings(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """OpenRLHF 0.11 dotted flags, rlrun's --section.field aliases and verl key=value overrides -> classic flags.
+
+    Returns (argv, report lines for the peer flags/keys that are ignored)."""
     infos = fields_of()
-    out = []
-    for token in argv:
-        if token.startswith("--") and "." in token.split("=", 1)[0]:
-            head, eq, value = token[2:].partition("=")
-            section, _, name = head.partition(".")
-            if name in infos and infos[name].section == section:
-                token = f"--{name}{eq}{value}"
-        out.append(token)
-    return out
+    dotted = openrlhf_flags.translate(argv, infos, IGNORED_FLAGS)
+    verl = verl_overrides.translate(dotted.argv, _arity(parser), infos, IGNORED_FLAGS,
+                                    verl_overrides.launched_world_size())
+    return verl.argv, dotted.ignored + verl.ignored
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ParsedArgs:
@@ -233,15 +237,18 @@ def parse_args(argv: Sequence[str] | None = None) -> ParsedArgs:
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    rest, ignored = _strip_ignored(_dotted_to_flat(argv))
     parser = build_parser()
+    translated, peer_ignored = _translate_peer_spellings(argv, parser)
+    rest, ignored = _strip_ignored(translated)
+    ignored = peer_ignored + ignored
     known, unknown = parser.parse_known_args(rest)
     infos = fields_of()
     if unknown:
         flag = next((u for u in unknown if u.startswith("-")), unknown[0])
         name = flag.lstrip("-").split("=", 1)[0]
-        raise ConfigError(f"unknown flag '{flag}'{suggest(name, infos, prefix='--')}" if flag.startswith("-")
-                          else f"unexpected argument '{flag}' (flags take the form --name value)")
+        spellings = openrlhf_flags.all_spellings(infos, IGNORED_FLAGS)
+        raise ConfigError(f"unknown flag '{flag}'{suggest(name, spellings, prefix='--')}" if flag.startswith("-")
+                          else f"unexpected argument '{flag}' (flags take the form --name value, or key=value for verl keys)")
     values = load_yaml(known.config) if known.config else {}
     for name, raw in vars(known).items():
         if name == "config":
@@ -250,5 +257,6 @@ def parse_args(argv: Sequence[str] | None = None) -> ParsedArgs:
             values[name] = ""  # bare flag: key from WANDB_API_KEY
             continue
         values[name] = coerce(infos[name], raw, f"--{name}")
-    ignored += [f"--{name}: has no effect ({why})" for name, why in NO_EFFECT_YET.items() if name in values]
+    ignored += [f"--{name}: has no effect ({why})" for name, why in NO_EFFECT_YET.items() if name in values
+                and not (name in VLLM_BACKEND_FIELDS and values.get("generation_backend") == "vllm")]
     return ParsedArgs(build_config(values), tuple(dict.fromkeys(ignored)), frozenset(values))

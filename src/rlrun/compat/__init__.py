@@ -1,0 +1,6 @@
+"""Peer command-line spellings mapped onto rlrun's config fields.
+
+``openrlhf_flags``: OpenRLHF 0.11 dotted flags (``--actor.num_nodes``); ``verl_overrides``: verl/Hydra
+``key=value`` overrides. Both rewrite argv into rlrun's own (OpenRLHF classic) flag names before parsing,
+so precedence stays positional: later on the command line wins.
+"""

@@ -1,0 +1,301 @@
+"""OpenRLHF 0.11 dotted flags (``--actor.num_nodes``, ``--algo.kl.init_coef``) -> rlrun's flags.
+
+OpenRLHF <= 0.9 spelled every ``train_ppo_ray`` flag with underscores; rlrun's fields carry those classic
+names. 0.11.2 renamed them all into dotted sections. ``OPENRLHF_DOTTED`` lists every dotted flag of
+0.11.2's ``openrlhf/cli/train_ppo_ray.py`` with what it means here, read from how OpenRLHF uses it:
+
+- ``Same(field, nargs)``: the rlrun field (= the classic flag) of the same meaning. If that field does not
+  exist (yet), the classic name's IGNORED_FLAGS entry, or else "not implemented yet", is reported instead.
+- ``ByValue(tokens, fix)``: a one-value flag whose accepted values stand for rlrun flag tokens.
+- ``Ignored(nargs, reason)``: accepted, consumed and reported with the reason.
+
+``translate`` rewrites argv accordingly, before argparse sees it, so later flags still win.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence, Union
+
+from rlrun.compat.argv import Nargs, take_values
+from rlrun.compat.reasons import NOT_YET, RAY_ONLY
+from rlrun.config import FieldInfo, coerce, suggest
+from rlrun.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Same:
+    """Means rlrun's field `field` (OpenRLHF's classic flag name); takes `nargs` values (0: store_true)."""
+
+    field: str
+    nargs: Nargs
+
+
+@dataclass(frozen=True)
+class ByValue:
+    """A one-value flag: each accepted value stands for these rlrun flag tokens; other values fail with `fix`."""
+
+    tokens: Mapping[str, tuple[str, ...]]
+    fix: str
+
+
+@dataclass(frozen=True)
+class Ignored:
+    nargs: Nargs
+    reason: str
+
+
+Meaning = Union[Same, ByValue, Ignored]
+
+SHARED = "rlrun uses one value for actor and critic; set it with the --actor.* flag"
+MUON = "only used with --{role}.optim muon; rlrun trains with AdamW only"
+VLM = "vision-language models are not implemented in rlrun yet; it has no effect"
+
+
+def _optimizer(role: str) -> dict[str, Meaning]:
+    """--{actor,critic}.{optim,muon.*,adam.*,lr_*,max_norm}: rlrun has one AdamW setting for both roles."""
+    actor = role == "actor"
+    muon = MUON.format(role=role)
+    return {
+        f"{role}.optim": ByValue({"adam": ()}, "rlrun trains with AdamW only: drop the flag or pass adam"),
+        f"{role}.muon.lr": Ignored(1, muon),
+        f"{role}.muon.momentum": Ignored(1, muon),
+        f"{role}.muon.ns_steps": Ignored(1, muon),
+        f"{role}.muon.nesterov": Ignored(0, muon),
+        f"{role}.muon.no_nesterov": Ignored(0, muon),
+        f"{role}.adam.lr": Same(f"{role}_learning_rate", 1),
+        f"{role}.adam.betas": Same("adam_betas", 2) if actor else Ignored(2, SHARED),
+        f"{role}.adam.eps": Ignored(1, "rlrun's AdamW uses eps 1e-8, OpenRLHF's default"),
+        f"{role}.adam.weight_decay": Same("l2", 1) if actor else Ignored(1, SHARED),
+        # OpenRLHF 0.9's single --lr_scheduler became one per role; rlrun's schedule is fixed.
+        f"{role}.lr_scheduler": Same("lr_scheduler", 1),
+        f"{role}.lr_warmup_ratio": Same("lr_warmup_ratio", 1) if actor else Ignored(1, SHARED),
+        f"{role}.min_lr_ratio": Ignored(1, "rlrun's cosine schedule decays to 0.1 x lr, OpenRLHF's default"),
+        f"{role}.max_norm": Same("max_norm", 1) if actor else Ignored(1, SHARED),
+    }
+
+
+OPENRLHF_DOTTED: dict[str, Meaning] = {
+    # role layout ('gpus' are ranks)
+    "actor.num_nodes": Same("actor_num_nodes", 1),
+    "actor.num_gpus_per_node": Same("actor_num_gpus_per_node", 1),
+    "critic.num_nodes": Same("critic_num_nodes", 1),
+    "critic.num_gpus_per_node": Same("critic_num_gpus_per_node", 1),
+    "ref.num_nodes": Same("ref_num_nodes", 1),
+    "ref.num_gpus_per_node": Same("ref_num_gpus_per_node", 1),
+    "reward.num_nodes": Same("reward_num_nodes", 1),
+    "reward.num_gpus_per_node": Same("reward_num_gpus_per_node", 1),
+    "train.colocate_actor_ref": Same("colocate_actor_ref", 0),
+    "train.colocate_critic_reward": Same("colocate_critic_reward", 0),
+    "train.colocate_all": Same("colocate_all_models", 0),
+    # generation engines
+    "vllm.num_engines": Same("vllm_num_engines", 1),
+    "vllm.tensor_parallel_size": Same("vllm_tensor_parallel_size", 1),
+    "vllm.sync_backend": Same("vllm_sync_backend", 1),
+    "vllm.sync_with_ray": Same("vllm_sync_with_ray", 0),
+    "vllm.enable_prefix_caching": Same("enable_prefix_caching", 0),
+    "vllm.enforce_eager": Same("enforce_eager", 0),
+    "vllm.enable_sleep": Same("vllm_enable_sleep", 0),
+    "vllm.gpu_memory_utilization": Same("vllm_gpu_memory_utilization", 1),
+    # train/rollout logprob-mismatch importance sampling (0.9: --enable_vllm_is_correction)
+    "algo.advantage.is_correction_level": Ignored(1, NOT_YET),
+    "algo.advantage.is_correction_mode": Ignored(1, NOT_YET),
+    "algo.advantage.is_correction_gating": Ignored(1, NOT_YET),
+    "algo.advantage.is_correction_threshold": Ignored("+", NOT_YET),
+    # async training
+    "train.async_enable": Same("async_train", 0),
+    "train.async_queue_size": Same("async_queue_size", 1),
+    "train.partial_rollout_enable": Ignored(0, RAY_ONLY),
+    # checkpoints and evaluation
+    "eval.steps": Same("eval_steps", 1),
+    "ckpt.save_steps": Same("save_steps", 1),
+    "logger.logging_steps": Same("logging_steps", 1),
+    "ckpt.path": Same("ckpt_path", 1),
+    "ckpt.save_hf": Same("save_hf_ckpt", 0),
+    "ckpt.disable_ds": Same("disable_ds_ckpt", 0),
+    "ckpt.max_num": Same("max_ckpt_num", 1),
+    "ckpt.max_mem": Same("max_ckpt_mem", 1),
+    "ckpt.load_enable": Same("load_checkpoint", 0),
+    "ckpt.best_metric_key": Ignored(1, NOT_YET),
+    "ckpt.output_dir": Same("save_path", 1),  # where the final HF model goes (0.9: --save_path)
+    "ds.use_universal_ckpt": Same("use_ds_universal_ckpt", 0),
+    # training strategy (DeepSpeed in OpenRLHF, FSDP2 in rlrun)
+    "ds.zero_stage": Same("zero_stage", 1),
+    "ds.deepcompile": Same("deepcompile", 0),
+    # 0.11 dropped --bf16 for --ds.param_dtype (default bf16); rlrun has bf16 or fp32, no fp16.
+    "ds.param_dtype": ByValue({"bf16": ("--bf16", "true")},
+                              "rlrun trains in bf16 (--ds.param_dtype bf16) or fp32 (drop the flag); fp16 is not supported"),
+    "ds.zpg": Same("zpg", 1),
+    "ds.adam_offload": Same("adam_offload", 0),
+    "ds.attn_implementation": Same("attn_implementation", 1),
+    "ds.experts_implementation": Ignored(1, NOT_YET),
+    "ds.use_liger_kernel": Same("use_liger_kernel", 0),
+    "ds.grad_accum_dtype": Same("grad_accum_dtype", 1),
+    "ds.overlap_comm": Same("overlap_comm", 0),
+    "ds.enable_sleep": Same("deepspeed_enable_sleep", 0),
+    "ds.tensor_parallel_size": Same("ds_tensor_parallel_size", 1),
+    "ds.packing_samples": Same("packing_samples", 0),
+    "ds.load_in_4bit": Same("load_in_4bit", 0),
+    "ds.lora.rank": Same("lora_rank", 1),
+    "ds.lora.alpha": Same("lora_alpha", 1),
+    "ds.lora.target_modules": Same("target_modules", "*"),
+    "ds.lora.dropout": Same("lora_dropout", 1),
+    "ds.ring_attn_size": Same("ring_attn_size", 1),
+    "ds.ring_attn_head_stride": Same("ring_head_stride", 1),
+    "ds.value_head_prefix": Same("value_head_prefix", 1),
+    "actor.gradient_checkpointing_enable": Same("gradient_checkpointing", 0),
+    "actor.gradient_checkpointing_reentrant": Same("gradient_checkpointing_use_reentrant", 0),
+    "train.enable_ema": Same("enable_ema", 0),
+    "train.ema_beta": Same("ema_beta", 1),
+    "train.dynamic_batch_enable": Same("use_dynamic_batch", 0),
+    "rollout.max_tokens_per_gpu": Same("rollout_max_tokens_per_gpu", 1),
+    "train.max_tokens_per_gpu": Same("train_max_tokens_per_gpu", 1),
+    "data.disable_fast_tokenizer": Same("disable_fast_tokenizer", 0),
+    "data.dataloader_num_workers": Ignored(1, "rlrun reads the prompt file once, in each process; no loader workers"),
+    # batches and schedule
+    "train.num_episodes": Same("num_episodes", 1),
+    "rollout.batch_size": Same("rollout_batch_size", 1),
+    "rollout.vllm_generate_batch_size": Same("vllm_generate_batch_size", 1),
+    "rollout.micro_batch_size": Same("micro_rollout_batch_size", 1),
+    "train.max_epochs": Same("max_epochs", 1),
+    "train.micro_batch_size": Same("micro_train_batch_size", 1),
+    "train.batch_size": Same("train_batch_size", 1),
+    "rollout.n_samples_per_prompt": Same("n_samples_per_prompt", 1),
+    "data.max_len": Same("max_len", 1),  # total prompt + response window (0.9: --max_len)
+    "rollout.max_new_tokens": Same("generate_max_len", 1),
+    "data.max_samples": Same("max_samples", 1),
+    "rollout.top_p": Same("top_p", 1),
+    "rollout.temperature": Same("temperature", 1),
+    "train.seed": Same("seed", 1),
+    "train.full_determinism_enable": Same("full_determinism", 0),
+    "critic.freezing_steps": Same("freezing_actor_steps", 1),  # steps that train only the critic
+    # policy and value losses
+    "actor.eps_clip": Same("eps_clip", 1),
+    "actor.eps_clip_low_high": Same("eps_clip_low_high", 2),
+    "actor.dual_clip": Same("dual_clip", 1),
+    "critic.value_clip": Same("value_clip", 1),
+    "actor.policy_loss_type": Same("policy_loss_type", 1),
+    "actor.loss_agg_mode": Same("loss_agg_mode", 1),
+    "actor.aux_loss_coef": Same("aux_loss_coef", 1),
+    "actor.entropy_coef": Same("entropy_loss_coef", 1),
+    "critic.save_value_network": Same("save_value_network", 0),
+    # advantages, KL, rewards
+    "algo.advantage.estimator": Same("advantage_estimator", 1),
+    "algo.advantage.lambd": Same("lambd", 1),
+    "algo.advantage.gamma": Same("gamma", 1),
+    "algo.advantage.no_std_norm": Same("no_advantage_std_norm", 0),
+    "algo.kl.use_loss": Same("use_kl_loss", 0),
+    "algo.kl.target": Same("kl_target", 1),
+    "algo.kl.horizon": Same("kl_horizon", 1),
+    "algo.kl.init_coef": Same("init_kl_coef", 1),
+    "algo.kl.estimator": Same("kl_estimator", 1),
+    "algo.kl.unbiased_gradient": Ignored(0, NOT_YET),
+    "algo.dynamic_filtering_enable": Same("dynamic_filtering", 0),
+    "algo.dynamic_filtering_range": Same("dynamic_filtering_reward_range", 2),
+    "reward.normalize_enable": Same("normalize_reward", 0),
+    "reward.clip_range": Same("reward_clip_range", 2),
+    "reward.overlong_buffer_len": Same("overlong_buffer_len", 1),
+    "reward.overlong_penalty_factor": Same("overlong_penalty_factor", 1),
+    "reward.stop_properly_penalty_coef": Same("stop_properly_penalty_coef", 1),
+    # models and reward sources
+    "actor.model_name_or_path": Same("pretrain", 1),
+    "reward.model_name_or_path": Same("reward_pretrain", 1),
+    "reward.remote_url": Same("remote_rm_url", 1),
+    "critic.model_name_or_path": Same("critic_pretrain", 1),
+    "ref.offload": Same("ref_reward_offload", 0),
+    "reward.offload": Same("ref_reward_offload", 0),
+    "train.agent_func_path": Same("agent_func_path", 1),
+    # data
+    "data.prompt_dataset": Same("prompt_data", 1),
+    "data.prompt_probs": Same("prompt_data_probs", 1),
+    "data.prompt_split": Same("prompt_split", 1),
+    "eval.dataset": Same("eval_dataset", 1),
+    "eval.split": Same("eval_split", 1),
+    "eval.temperature": Same("eval_temperature", 1),
+    "eval.n_samples_per_prompt": Same("eval_n_samples_per_prompt", 1),
+    "data.input_key": Same("input_key", 1),
+    "data.label_key": Same("label_key", 1),
+    "data.input_template": Same("input_template", 1),
+    "data.apply_chat_template": Same("apply_chat_template", 0),
+    # vision-language models
+    "data.image_key": Ignored(1, VLM),
+    "data.max_images_per_prompt": Ignored(1, VLM),
+    "actor.freeze_visual_encoder": Ignored(0, VLM),
+    # loggers
+    "logger.wandb.key": Same("use_wandb", 1),
+    "logger.wandb.org": Same("wandb_org", 1),
+    "logger.wandb.group": Same("wandb_group", 1),
+    "logger.wandb.project": Same("wandb_project", 1),
+    "logger.wandb.run_name": Same("wandb_run_name", 1),
+    "logger.tensorboard_dir": Same("use_tensorboard", 1),
+    **_optimizer("actor"),
+    **_optimizer("critic"),
+}
+
+# The two undotted flags 0.11.2 still has (--local_rank, --use_ms) are classic flags: rlrun.cli.IGNORED_FLAGS.
+
+
+@dataclass(frozen=True)
+class Translated:
+    argv: list[str]  # rlrun (classic) flags only
+    ignored: list[str]  # one report line per ignored dotted flag
+
+
+def resolve(dotted: str, fields: Mapping[str, FieldInfo],
+            classic_ignored: Mapping[str, tuple[int | str, str]]) -> Meaning:
+    """What a table entry means in this build: a Same whose field is missing becomes Ignored."""
+    meaning = OPENRLHF_DOTTED[dotted]
+    if isinstance(meaning, Same) and meaning.field not in fields:
+        # Another part of rlrun may not have implemented the field yet: say so, never fail.
+        reason = classic_ignored[meaning.field][1] if meaning.field in classic_ignored else NOT_YET
+        return Ignored(meaning.nargs, reason)
+    return meaning
+
+
+def all_spellings(fields: Mapping[str, FieldInfo], classic_ignored: Mapping[str, object]) -> list[str]:
+    """Every flag name rlrun accepts (without '--'): classic, rlrun's section.field aliases, OpenRLHF dotted."""
+    return [*fields, *classic_ignored, *(f"{i.section}.{n}" for n, i in fields.items()), *OPENRLHF_DOTTED]
+
+
+def translate(argv: Sequence[str], fields: Mapping[str, FieldInfo],
+              classic_ignored: Mapping[str, tuple[int | str, str]]) -> Translated:
+    """Rewrite dotted flags (OpenRLHF 0.11, and rlrun's own --section.field) into classic flags.
+
+    A dotted flag that is neither is a ConfigError with a suggestion over both spellings.
+    """
+    out: list[str] = []
+    ignored: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        head, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        if "." not in head:
+            out.append(token)
+            continue
+        flag = f"--{head}"
+        if head not in OPENRLHF_DOTTED:
+            section, _, name = head.partition(".")
+            if name in fields and fields[name].section == section:  # rlrun's own alias, e.g. --train.seed
+                out.append(f"--{name}{eq}{value}")
+                continue
+            raise ConfigError(f"unknown flag '{flag}'{suggest(head, all_spellings(fields, classic_ignored), prefix='--')}")
+        meaning = resolve(head, fields, classic_ignored)
+        nargs: Nargs = 1 if isinstance(meaning, ByValue) else meaning.nargs
+        if eq:
+            values = [value]
+        else:
+            values = take_values(argv, i, nargs, flag) if nargs != 0 else []
+            i += len(values)
+        if isinstance(meaning, Ignored):
+            ignored.append(f"{flag}: ignored ({meaning.reason})")
+        elif isinstance(meaning, ByValue):
+            if values[0] not in meaning.tokens:
+                raise ConfigError(f"{flag} {values[0]}: {meaning.fix}")
+            out.extend(meaning.tokens[values[0]])
+        else:
+            info = fields[meaning.field]
+            if values:  # check here so that a bad value is reported under the name the user typed
+                coerce(info, values if len(values) > 1 else values[0], flag)
+            out.extend([f"--{meaning.field}={values[0]}"] if eq else [f"--{meaning.field}", *values])
+    return Translated(out, ignored)

@@ -1,0 +1,85 @@
+"""The compatibility status table (docs/compat.md) generated from the flag tables: `python -m rlrun.compat.report`."""
+
+from __future__ import annotations
+
+import inspect
+
+from rlrun.cli import IGNORED_FLAGS, NO_EFFECT_YET
+from rlrun.compat import verl_overrides as verl
+from rlrun.compat.openrlhf_flags import OPENRLHF_DOTTED, ByValue, Ignored, Same, resolve
+from rlrun.config import fields_of
+
+GROUP_RULES = {"kl": verl._kl, "batch": verl._batch, "micro": verl._micro, "estimator": verl._estimator,
+               "reward_model": verl._reward_model, "clip": verl._clip}
+GROUP_FIELDS = {"kl": "use_kl_loss, init_kl_coef, kl_estimator, kl_target, kl_horizon",
+                "batch": "n_samples_per_prompt, train_batch_size", "micro": "micro_train_batch_size, micro_rollout_batch_size",
+                "estimator": "advantage_estimator", "reward_model": "reward_pretrain", "clip": "eps_clip, eps_clip_low_high"}
+
+
+def _field_status(field: str) -> str:
+    if field in NO_EFFECT_YET:
+        return f"accepted as `--{field}`, no effect yet ({NO_EFFECT_YET[field]})"
+    return f"supported: `--{field}`"
+
+
+def openrlhf_rows() -> list[tuple[str, str]]:
+    fields = fields_of()
+    rows = []
+    for name in OPENRLHF_DOTTED:
+        meaning = resolve(name, fields, IGNORED_FLAGS)
+        if isinstance(meaning, Same):
+            status = _field_status(meaning.field)
+        elif isinstance(meaning, ByValue):
+            accepted = "; ".join(f"`{v}` -> `{' '.join(t) or '(nothing: rlrun default)'}`" for v, t in meaning.tokens.items())
+            status = f"supported: {accepted}; other values rejected ({meaning.fix})"
+        else:
+            assert isinstance(meaning, Ignored)
+            original = OPENRLHF_DOTTED[name]
+            via = f"; classic flag `--{original.field}`" if isinstance(original, Same) else ""
+            status = f"ignored ({meaning.reason}){via}"
+        rows.append((f"`--{name}`", status))
+    return rows
+
+
+def _first_line(doc: str | None) -> str:
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
+def verl_rows() -> list[tuple[str, str]]:
+    fields = fields_of()
+    rows = []
+    for key, meaning in verl.VERL_KEYS.items():
+        if isinstance(meaning, verl.To):
+            if meaning.field in fields:
+                status = _field_status(meaning.field)
+                if meaning.convert is not None:
+                    status += f" ({_first_line(meaning.convert.__doc__)})"
+            else:
+                reason = IGNORED_FLAGS[meaning.field][1] if meaning.field in IGNORED_FLAGS else verl.NOT_YET
+                status = f"ignored ({reason}); would set `--{meaning.field}`"
+        elif isinstance(meaning, verl.Part):
+            rule = GROUP_RULES[meaning.group]
+            status = f"supported, with related keys -> {GROUP_FIELDS[meaning.group]}: {_first_line(inspect.getdoc(rule))}"
+        elif isinstance(meaning, verl.Expand):
+            status = f"supported: {_first_line(inspect.getdoc(meaning.rule))}"
+        elif isinstance(meaning, verl.Skip):
+            status = f"ignored ({meaning.reason.format(world_size='N')})"
+        else:
+            status = f"rejected: {meaning.fix}"
+        rows.append((f"`{key}`", status))
+    for segment, reason in verl.SKIPPED_SUBTREES.items():
+        rows.append((f"any key with a `{segment}` part", f"ignored ({reason})"))
+    return rows
+
+
+def markdown() -> str:
+    def table(rows: list[tuple[str, str]], head: str) -> str:
+        return "\n".join([f"| {head} | status |", "|---|---|", *(f"| {a} | {b.replace('|', '/')} |" for a, b in rows)])
+    return "\n\n".join([
+        "### OpenRLHF 0.11.2 dotted flags (`train_ppo_ray.py`)", table(openrlhf_rows(), "flag"),
+        "### verl / Search-R1 overrides (`key=value`)", table(verl_rows(), "key"),
+    ]) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
