@@ -40,6 +40,8 @@
 #                       on RLRUN_REWARD_PORT (default 5000), waits for its /health, and every pod
 #                       trains with --remote_rm_url http://HEAD_ADDR:PORT/reward. Set
 #                       RLRUN_REWARD_TOKEN (same value on every pod) to require a bearer token.
+#   RLRUN_NODE_LABEL    this pod's label, matched by --actor_node_label/--ref_node_label/... (default: the
+#                       pod's host name); the one variable that may differ per pod, e.g. h100 / a100
 #   RLRUN_PYTHON        python with rlrun installed (default: python, else python3)
 #   RLRUN_TORCHRUN      torchrun command (default: "$RLRUN_PYTHON -m torch.distributed.run")
 set -uo pipefail

@@ -42,6 +42,9 @@
 #   RLRUN_PREFLIGHT        1 (default): check the flags and role layout for the job's world size
 #                          (rlrun.ppo --dry_run) on the first node before starting every node.
 #   RLRUN_SRUN_ARGS        extra srun flags for the training step (word-split).
+#   RLRUN_NODE_LABEL       the node label --actor_node_label/--ref_node_label/... match (read by rlrun on
+#                          each node; default: the node's host name). A value exported here reaches every
+#                          node alike, so to pin roles to node kinds leave it unset and name host names.
 #
 #SBATCH --job-name=rlrun-ppo
 #SBATCH --nodes=2

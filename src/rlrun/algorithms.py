@@ -22,11 +22,13 @@ import torch
 from torch import Tensor
 
 KLEstimator = Literal["k1", "k2", "k3"]
+PolicyLossType = Literal["ppo", "gspo"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 AdvantageEstimator = Literal["gae", "group_norm", "dr_grpo", "rloo", "reinforce",
                              "reinforce_baseline"]
 
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+POLICY_LOSS_TYPES: tuple[str, ...] = get_args(PolicyLossType)
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 # Estimators whose baseline comes from the reward signal itself, so no critic is trained.
@@ -35,6 +37,15 @@ GROUP_ESTIMATORS: frozenset[str] = frozenset(ADVANTAGE_ESTIMATORS) - {"gae"}
 _NEEDS_GROUP: frozenset[str] = frozenset({"group_norm", "dr_grpo", "rloo", "reinforce_baseline"})
 # Estimators whose advantages get REINFORCE++-style global whitening.
 _WHITENED: frozenset[str] = frozenset({"gae", "reinforce", "reinforce_baseline"})
+# Estimators OpenRLHF runs with gamma = 1 whatever --gamma says (experience_maker.py,
+# compute_advantages_and_returns): the group baseline is a sequence-level quantity, and
+# discounting the terminal score per token would make it depend on the response length.
+GAMMA_ONE_ESTIMATORS: frozenset[str] = _NEEDS_GROUP
+
+# OpenRLHF bounds every KL estimate to [-KL_CLAMP, KL_CLAMP] and k3's log-ratio from below at
+# -KL_CLAMP (models/utils.py, compute_approx_kl): a policy far from the reference gets a
+# bounded penalty, and no gradient, instead of an exploding one.
+KL_CLAMP = 10.0
 
 # Bound on log-ratios fed to exp(): keeps exp() finite in fp32 so A=0 tokens cannot
 # produce 0*inf = NaN (verl uses the same bound); beyond it the sample is garbage anyway.
@@ -64,17 +75,21 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return xs.sum(dim) / m.sum(dim).clamp_min(1).to(x.dtype)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  divide_std: bool = True) -> Tensor:
     """Normalise ``x`` to zero mean / unit (biased) std over masked entries.
 
     x, mask: [B, T] -> [B, T]; masked-out positions are 0. With ``shift_mean=False``
-    the original mean is added back (only the scale changes), as in verl.
-    The biased variance matches OpenRLHF's advantage normalisation.
+    the original mean is added back (only the scale changes), as in verl. With
+    ``divide_std=False`` only the mean is subtracted (OpenRLHF --algo.advantage.no_std_norm).
+    As in OpenRLHF the scale is rsqrt(max(var, eps)) with the biased variance.
     """
     m = mask.bool()
     mean = masked_mean(x, m)
-    var = masked_mean((x - mean) ** 2, m)
-    out = (x - mean) * torch.rsqrt(var + eps)
+    out = x - mean
+    if divide_std:
+        var = masked_mean(out**2, m)
+        out = out * torch.rsqrt(var.clamp_min(eps))
     if not shift_mean:
         out = out + mean
     return torch.where(m, out, 0.0)
@@ -85,8 +100,10 @@ def compute_approx_kl(log_probs: Tensor, ref_log_probs: Tensor, estimator: KLEst
     """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1/k2/k3).
 
     log_probs, ref_log_probs, mask: [B, T] -> [B, T]; masked positions are 0.
-    k1 = logp - ref (unbiased, can be negative); k2 = 0.5 (logp - ref)^2;
-    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased and always >= 0).
+    With x = logp - ref: k1 = x (unbiased, can be negative); k2 = x^2 / 2;
+    k3 = exp(-x) - 1 + x (unbiased and >= 0), with x first clamped to >= -KL_CLAMP.
+    Every result is clamped to [-KL_CLAMP, KL_CLAMP] (OpenRLHF): beyond the bound the
+    penalty is constant and its gradient is exactly 0.
     """
     _check_choice("KL estimator", estimator, KL_ESTIMATORS)
     log_ratio = log_probs - ref_log_probs
@@ -95,11 +112,27 @@ def compute_approx_kl(log_probs: Tensor, ref_log_probs: Tensor, estimator: KLEst
     elif estimator == "k2":
         kl = 0.5 * log_ratio**2
     else:
-        # Only the upper side can overflow exp(); the lower side is linear and safe.
-        neg = (-log_ratio).clamp(max=_MAX_LOG_RATIO)
-        kl = neg.exp() - neg - 1
+        # Below -KL_CLAMP k3 already exceeds the final cap; bounding x first keeps exp()
+        # and its derivative finite, so the clamp's zero gradient is not 0 * inf = NaN.
+        x = log_ratio.clamp(min=-KL_CLAMP)
+        kl = (-x).exp() - 1 + x
+    kl = kl.clamp(-KL_CLAMP, KL_CLAMP)
     # where() rather than *mask: an inf at a padded position must become 0, not NaN.
     return kl if mask is None else torch.where(mask.bool(), kl, 0.0)
+
+
+def sequence_mean_kl(kl: Tensor, mask: Tensor) -> float:
+    """Mean over sequences of each sequence's token-mean KL: [B, T], [B, T] -> float.
+
+    This is the "kl" OpenRLHF logs and feeds its adaptive KL controller (experience_maker.py
+    info["kl"], averaged per sample). Rows without response tokens are left out (OpenRLHF's
+    masked_mean would make them NaN); 0 when no row has any.
+    """
+    m = mask.bool()
+    has_tokens = m.any(dim=-1)
+    if not bool(has_tokens.any()):
+        return 0.0
+    return float(masked_mean(kl, m, dim=-1)[has_tokens].mean())
 
 
 def compute_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
@@ -168,8 +201,8 @@ def shape_group_scores(scores: Tensor, n_samples_per_prompt: int,
     """Apply the estimator's per-prompt baseline to sequence scores.
 
     scores: [B] -> [B], rows grouped consecutively in groups of n = n_samples_per_prompt.
-    group_norm: (r - mean_g) / (std_g + 1e-6), std unbiased (torch default, as in
-    OpenRLHF and verl); a group of identical scores therefore maps to 0.
+    group_norm: (r - mean_g) / (std_g + 1e-9), std unbiased (torch default), exactly as in
+    OpenRLHF (verl uses 1e-6); a group of identical scores therefore maps to 0.
     dr_grpo, reinforce_baseline: r - mean_g.  rloo: r - mean of the other n-1 samples.
     reinforce, gae: unchanged.
     """
@@ -191,7 +224,7 @@ def shape_group_scores(scores: Tensor, n_samples_per_prompt: int,
                          "one sample per prompt")
     g = _as_float(scores).reshape(-1, n)
     if estimator == "group_norm":
-        out = (g - g.mean(-1, keepdim=True)) / (g.std(-1, keepdim=True) + 1e-6)
+        out = (g - g.mean(-1, keepdim=True)) / (g.std(-1, keepdim=True) + 1e-9)
     elif estimator == "rloo":
         # r - (sum - r)/(n-1) rearranged to avoid a second pass.
         out = (g * n - g.sum(-1, keepdim=True)) / (n - 1)
@@ -200,21 +233,36 @@ def shape_group_scores(scores: Tensor, n_samples_per_prompt: int,
     return out.reshape(-1)
 
 
+def effective_gamma(estimator: AdvantageEstimator, gamma: float) -> float:
+    """The discount actually used: 1.0 for the group-baseline estimators (OpenRLHF forces it)."""
+    return 1.0 if estimator in GAMMA_ONE_ESTIMATORS else gamma
+
+
+def gamma_override_warning(estimator: AdvantageEstimator, gamma: float) -> str | None:
+    """A one-line warning when --gamma is overridden for this estimator, else None."""
+    if effective_gamma(estimator, gamma) == gamma:
+        return None
+    return (f"--gamma {gamma} is ignored for --advantage_estimator {estimator}: group-baseline estimators "
+            "use gamma = 1.0 (as OpenRLHF does)")
+
+
 def compute_advantages(estimator: AdvantageEstimator, scores: Tensor, mask: Tensor, *,
                        n_samples_per_prompt: int, kl: Tensor | None = None, kl_coef: float = 0.0,
                        values: Tensor | None = None, gamma: float = 1.0, lambd: float = 1.0,
-                       reward_clip_range: tuple[float, float] | None = None
-                       ) -> tuple[Tensor, Tensor]:
+                       reward_clip_range: tuple[float, float] | None = None,
+                       std_norm: bool = True) -> tuple[Tensor, Tensor]:
     """Advantages and returns for one rollout batch.
 
     scores: [B]; mask, kl, values: [B, T]. Returns (advantages [B, T], returns [B, T]),
     both 0 at masked positions.
     gae: critic-based; advantages whitened over masked tokens, returns are GAE targets.
     group estimators: scores shaped per group, KL added per token, returns = discounted
-    reward-to-go and advantages = returns; reinforce / reinforce_baseline are then
-    whitened (REINFORCE++). reward_clip_range applies to the *shaped* scores, as in
-    OpenRLHF. Whitening is over this batch only: callers that shard a rollout across
-    ranks and want global statistics must whiten themselves.
+    reward-to-go and advantages = returns; gae / reinforce / reinforce_baseline are then
+    whitened (REINFORCE++), or only mean-centred with std_norm=False. group_norm, dr_grpo,
+    rloo and reinforce_baseline always use gamma = 1 (effective_gamma, as OpenRLHF).
+    reward_clip_range applies to the *shaped* scores, as in OpenRLHF. Whitening is over
+    this batch only: callers that shard a rollout across ranks and want global statistics
+    must whiten themselves.
     """
     _check_choice("advantage estimator", estimator, ADVANTAGE_ESTIMATORS)
     if estimator == "gae":
@@ -222,12 +270,71 @@ def compute_advantages(estimator: AdvantageEstimator, scores: Tensor, mask: Tens
             raise ValueError("advantage estimator 'gae' needs critic values, got values=None")
         rewards = token_level_rewards(scores, kl, mask, kl_coef, reward_clip_range)
         advantages, returns = compute_gae(rewards, values.to(rewards.dtype), mask, gamma, lambd)
-        return masked_whiten(advantages, mask), returns
+        return masked_whiten(advantages, mask, divide_std=std_norm), returns
     shaped = shape_group_scores(scores, n_samples_per_prompt, estimator)
     rewards = token_level_rewards(shaped, kl, mask, kl_coef, reward_clip_range)
-    returns = discounted_returns(rewards, mask, gamma)
-    advantages = masked_whiten(returns, mask) if estimator in _WHITENED else returns.clone()
+    returns = discounted_returns(rewards, mask, effective_gamma(estimator, gamma))
+    if estimator in _WHITENED:
+        advantages = masked_whiten(returns, mask, divide_std=std_norm)
+    else:
+        advantages = returns.clone()
     return advantages, returns
+
+
+def overlong_penalty(response_len: Tensor, max_new_tokens: int, buffer_len: int,
+                     penalty_factor: float) -> Tensor:
+    """DAPO overlong penalty to ADD to each sequence's reward: [B] lengths -> [B].
+
+    A response longer than max_new_tokens - buffer_len loses
+    min(len - (max_new_tokens - buffer_len), buffer_len) / buffer_len * penalty_factor,
+    i.e. a linear ramp from 0 to -penalty_factor over the last buffer_len tokens
+    (OpenRLHF length_penalty.py, apply_overlong_penalty). Shorter responses get 0.
+    """
+    if not 0 < buffer_len <= max_new_tokens:
+        raise ValueError(f"overlong buffer_len must be in (0, max_new_tokens={max_new_tokens}], got {buffer_len}")
+    exceed = (response_len.to(torch.float64) - (max_new_tokens - buffer_len)).clamp(max=float(buffer_len))
+    return torch.where(exceed > 0, -exceed / buffer_len * penalty_factor, 0.0)
+
+
+def stop_properly_penalty(rewards: Tensor, truncated: Tensor, coef: float) -> Tensor:
+    """ProRL penalty for responses cut off by the length limit: [B], [B] bool -> [B].
+
+    coef in [0, 1] scales a truncated response's reward by coef; coef < 0 replaces it by
+    coef (OpenRLHF length_penalty.py, apply_stop_properly_penalty). Others are unchanged.
+    """
+    if coef > 1:
+        raise ValueError(f"stop_properly_penalty_coef must be in [0, 1] or negative, got {coef}")
+    penalised = torch.full_like(rewards, coef) if coef < 0 else rewards * coef
+    return torch.where(truncated.bool(), penalised, rewards)
+
+
+def truncated_rows(responses: Tensor, response_len: Tensor, max_new_tokens: int, eos_token_id: int) -> Tensor:
+    """Which responses were cut off by the length limit: [B, r] ids, [B] lengths -> [B] bool.
+
+    responses are right-padded response ids (EOS kept). A response is truncated when it
+    reached max_new_tokens and its last token is not EOS: vLLM's finish_reason == "length",
+    which OpenRLHF's stop-properly penalty reads.
+    """
+    last = responses.gather(1, (response_len.long() - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
+    return (response_len >= max_new_tokens) & (last != eos_token_id)
+
+
+def dynamic_filter_keep(scores: Tensor, n_samples_per_prompt: int,
+                        reward_range: tuple[float, float]) -> Tensor:
+    """Which rows survive DAPO dynamic filtering: [B] scores -> [B] bool.
+
+    A prompt group (n consecutive rows) is kept when low < mean(scores of the group) < high,
+    strictly, as OpenRLHF's samples_generator does: with 0/1 rewards and the default range
+    (0, 1) this drops the groups that are all wrong or all right (zero group advantage).
+    """
+    n = n_samples_per_prompt
+    if scores.dim() != 1 or scores.numel() % n:
+        raise ValueError(f"scores must be [B] with B divisible by n_samples_per_prompt={n}, "
+                         f"got shape {tuple(scores.shape)}")
+    low, high = reward_range
+    group_mean = _as_float(scores).reshape(-1, n).mean(-1)
+    keep = (group_mean > low) & (group_mean < high)
+    return keep.repeat_interleave(n)
 
 
 @dataclass
@@ -308,31 +415,49 @@ def aggregate_loss(loss: Tensor, mask: Tensor, mode: LossAggMode, *,
         per_seq = masked.sum(-1)
     else:
         per_seq = masked.sum(-1) / m.sum(-1).clamp_min(1).to(loss.dtype)
-    # Rows with an empty response still count as sequences: they are samples the
-    # optimiser saw, and counting rows keeps the divisor known before the forward pass.
+    # Without num_seqs every row counts; the trainer passes the number of rows that still have
+    # response tokens (rows masked out entirely, e.g. by dynamic filtering, are not samples).
     seqs = float(loss.size(0)) if num_seqs is None else float(num_seqs)
     return per_seq.sum() / max(seqs, 1.0)
 
 
 def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, *,
-                eps_clip: float, dual_clip: float | None = None, agg: LossAggMode = "token-mean",
+                eps_clip: float, eps_clip_high: float | None = None, dual_clip: float | None = None,
+                loss_type: PolicyLossType = "ppo", agg: LossAggMode = "token-mean",
                 num_tokens: float | None = None, num_seqs: float | None = None
                 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate (optionally dual-clipped, Ye et al. 2020).
+    """PPO clipped surrogate (optionally asymmetric, dual-clipped, or sequence-level GSPO).
 
     log_probs, old_log_probs, advantages, mask: [b, T]. old_log_probs and advantages
-    are treated as constants by the caller. Returns (scalar loss, stats) with scalar,
-    detached stats over masked tokens: clip_frac (tokens whose clipped term is the
-    active one), approx_kl (mean of old - new, i.e. k1 of KL(old||new)), ratio (mean),
-    and dual_clip_frac when dual_clip is set.
+    are treated as constants by the caller. The ratio is clipped to
+    [1 - eps_clip, 1 + eps_clip_high] (eps_clip_high None: eps_clip; OpenRLHF
+    --actor.eps_clip_low_high). loss_type "ppo": per-token ratio exp(logp - old);
+    "gspo" (Zheng et al. 2025, OpenRLHF PolicyLoss): every token of a sequence uses the
+    sequence ratio exp(token-mean of logp - old), and the loss is always aggregated
+    seq-mean-token-mean whatever ``agg`` says (OpenRLHF forces per-sample loss for GSPO).
+    Dual clip (Ye et al. 2020) caps the loss of A < 0 tokens at -A * dual_clip.
+    Returns (scalar loss, stats) with scalar, detached stats over masked tokens:
+    clip_frac (tokens whose clipped term is the active one) = clip_frac_low (ratio below
+    1 - eps_clip) + clip_frac_high (ratio above 1 + eps_clip_high), approx_kl (mean of
+    old - new, i.e. k1 of KL(old||new)), ratio (mean), and dual_clip_frac when dual_clip is set.
     """
+    _check_choice("policy loss type", loss_type, POLICY_LOSS_TYPES)
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (the loss is capped at -A*dual_clip), "
                          f"got {dual_clip}")
-    log_ratio = (log_probs - old_log_probs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = log_ratio.exp()
+    eps_low = eps_clip
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    raw_log_ratio = log_probs - old_log_probs
+    if loss_type == "gspo":
+        # OpenRLHF exponentiates the sequence mean unbounded; the same +-20 bound as the
+        # token path only matters where it would overflow to inf (and A = 0 give NaN).
+        seq_log_ratio = masked_mean(raw_log_ratio, mask, dim=-1).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        ratio = seq_log_ratio.exp().unsqueeze(-1).expand_as(raw_log_ratio)
+        agg = "seq-mean-token-mean"
+    else:
+        ratio = raw_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
     surr_unclipped = -advantages * ratio
-    surr_clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)
+    surr_clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     per_token = torch.maximum(surr_unclipped, surr_clipped)
     dual_active: Tensor | None = None
     if dual_clip is not None:
@@ -344,10 +469,16 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
     loss = aggregate_loss(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs)
     with torch.no_grad():
         m = mask.bool()
-        stats = {"clip_frac": masked_mean((surr_clipped > surr_unclipped).to(ratio.dtype), m),
-                 "approx_kl": masked_mean(-log_ratio, m), "ratio": masked_mean(ratio, m)}
+        clipped = surr_clipped > surr_unclipped
+        below = clipped & (ratio < 1.0 - eps_low)
+        above = clipped & (ratio > 1.0 + eps_high)
+        as_float = ratio.dtype
+        stats = {"clip_frac": masked_mean(clipped.to(as_float), m),
+                 "clip_frac_low": masked_mean(below.to(as_float), m),
+                 "clip_frac_high": masked_mean(above.to(as_float), m),
+                 "approx_kl": masked_mean(-raw_log_ratio, m), "ratio": masked_mean(ratio, m)}
         if dual_active is not None:
-            stats["dual_clip_frac"] = masked_mean(dual_active.to(ratio.dtype), m)
+            stats["dual_clip_frac"] = masked_mean(dual_active.to(as_float), m)
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
@@ -359,8 +490,11 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
     values, old_values, returns, mask: [b, T]. With value_clip set the per-token loss
     is 0.5 * max((v - R)^2, (clip(v, old - vc, old + vc) - R)^2) (PPO2 / OpenRLHF).
-    Returns (scalar loss, {"value_clip_frac": fraction of masked tokens where the
-    clipped term is strictly larger}).
+    Returns (scalar loss, {"value_clip_frac": fraction of masked tokens where
+    |v - old| > value_clip AND the clipped term is the larger one, i.e. the clip really
+    cut the gradient}). Testing |v - old| directly matters: old + (v - old) is not
+    exactly v in floating point, and the rounding alone can make the "clipped" term
+    larger by one ulp for a token that was never clipped.
     """
     if value_clip is not None and value_clip < 0:
         raise ValueError(f"value_clip must be >= 0 or None, got {value_clip}")
@@ -373,7 +507,8 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         clipped = (v_clipped - returns) ** 2
         per_token = 0.5 * torch.maximum(unclipped, clipped)
         with torch.no_grad():
-            clip_frac = masked_mean((clipped > unclipped).to(values.dtype), mask)
+            active = ((values - old_values).abs() > value_clip) & (clipped > unclipped)
+            clip_frac = masked_mean(active.to(values.dtype), mask)
     loss = aggregate_loss(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs)
     return loss, {"value_clip_frac": clip_frac.detach()}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -25,6 +26,9 @@ from rlrun.roles.reference import Reference
 from rlrun.roles.reward_fn import RewardFunction, load_reward_function
 from rlrun.roles.reward_model import RewardModel
 from rlrun.roles.update import Updater
+
+if TYPE_CHECKING:
+    from rlrun.engines.vllm_engine import VLLMEngine
 
 
 @dataclass
@@ -47,13 +51,28 @@ class RankRoles:
     reference: Reference | None = None
     reward_model: RewardModel | None = None
     reward_fn: RewardFunction | None = None
-    engine: HFEngine | None = None
+    engine: "HFEngine | VLLMEngine | None" = None
     weight_sync: WeightSync | None = None
 
 
 def build_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Prompts:
+    return _prompt_set(cfg, tokenizer, cfg.data.prompt_data)
+
+
+def build_eval_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Prompts:
+    """--eval_dataset, read, formatted and cut like the training prompts (--max_samples too, as OpenRLHF does)."""
+    assert cfg.logging.eval_dataset is not None
+    prompts = _prompt_set(cfg, tokenizer, cfg.logging.eval_dataset)
+    if not prompts.ids:
+        raise DataError(f"every prompt of --eval_dataset {cfg.logging.eval_dataset} is longer than --prompt_max_len "
+                        f"{cfg.generation.prompt_max_len} and was dropped (--prompt_overflow drop); raise "
+                        "--prompt_max_len or use --prompt_overflow truncate")
+    return prompts
+
+
+def _prompt_set(cfg: Config, tokenizer: PreTrainedTokenizerBase, path: str | None) -> Prompts:
     d = cfg.data
-    records = load_prompt_records(d.prompt_data, d.input_key, d.label_key, cfg.train.max_samples)
+    records = load_prompt_records(path, d.input_key, d.label_key, cfg.train.max_samples)
     texts = [format_prompt(r.text, tokenizer, d.input_template, d.apply_chat_template) for r in records]
     labels = [r.label for r in records]
     max_len = cfg.generation.prompt_max_len
@@ -133,28 +152,39 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
     if Role.ACTOR in mine:
         actor_strategy = _strategy(cfg, groups, Role.ACTOR, device)
         model = actor_strategy.wrap(next(policies))
-        settings = PolicyLossSettings(a.eps_clip, a.dual_clip, a.loss_agg_mode, g.temperature, a.entropy_loss_coef,
-                                      a.use_kl_loss, a.kl_estimator)
+        eps_low, eps_high = a.eps_clip_low_high or (a.eps_clip, a.eps_clip)
+        settings = PolicyLossSettings(eps_low, a.dual_clip, a.loss_agg_mode, g.temperature, a.entropy_loss_coef,
+                                      a.use_kl_loss, a.kl_estimator, eps_clip_high=eps_high,
+                                      loss_type=a.policy_loss_type)
         updater = _updater(cfg, model, actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout, Role.ACTOR, rank)
-        out.actor = Actor(model, updater, settings, device)
+        out.actor = Actor(model, updater, settings, device, packing=cfg.train.packing_samples)
     if Role.REF in mine:
         model = _strategy(cfg, groups, Role.REF, device).wrap(next(policies), trainable=False)
-        out.reference = Reference(model, g.temperature, device)
+        out.reference = Reference(model, g.temperature, device, packing=cfg.train.packing_samples)
     if Role.CRITIC in mine:
         strategy = _strategy(cfg, groups, Role.CRITIC, device)
         model = strategy.wrap(load_critic(cfg))
         updater = _updater(cfg, model, strategy, cfg.train.critic_learning_rate, opt_steps, layout, Role.CRITIC, rank)
-        out.critic = Critic(model, updater, a.value_clip, a.loss_agg_mode, device)
+        out.critic = Critic(model, updater, a.value_clip, a.loss_agg_mode, device, packing=cfg.train.packing_samples)
     if Role.REWARD in mine:
         model = _strategy(cfg, groups, Role.REWARD, device).wrap(load_reward_model(cfg), trainable=False)
-        out.reward_model = RewardModel(model, device)
+        out.reward_model = RewardModel(model, device, packing=cfg.train.packing_samples)
     if Role.ENGINE in mine:
         sampling = SamplingSettings(g.temperature, g.top_p, g.generate_max_len, int(tokenizer.pad_token_id),
                                     int(tokenizer.eos_token_id))
-        out.engine = HFEngine(next(policies).to(device=device, dtype=engine_dtype(cfg, device)), sampling, device)
+        policy = next(policies).to(device=device, dtype=engine_dtype(cfg, device))
+        if g.generation_backend == "vllm":  # run.py's resolve_backend already checked version and layout
+            from rlrun.engines.vllm_engine import VLLMEngine  # noqa: PLC0415 - optional extra
+
+            out.engine = VLLMEngine(policy, tokenizer, sampling, device, seed=cfg.train.seed,
+                                    max_model_len=g.prompt_max_len + g.generate_max_len,
+                                    timeout_s=cfg.runtime.dist_timeout, enforce_eager=g.enforce_eager,
+                                    gpu_memory_utilization=g.vllm_gpu_memory_utilization, rank=rank)
+        else:
+            out.engine = HFEngine(policy, sampling, device)
         out.reward_fn = reward_fn
     out.weight_sync = WeightSync(
-        actor_params=ParamSource(out.actor.model, actor_strategy.full_params) if out.actor and actor_strategy else None,
+        actor_params=ParamSource(out.actor.model, actor_strategy.param_blocks) if out.actor and actor_strategy else None,
         engine_model=out.engine.model if out.engine else None,
         sync_group=groups.get("sync"),
         actor_root=layout.ranks_of(Role.ACTOR)[0],

@@ -33,7 +33,7 @@ class ModelConfig:
     """Models and reward sources."""
 
     pretrain: str | None = opt(None, "Policy model: a local HF directory. Unset: the embedded tiny model (see --model_preset).")
-    model_preset: Literal["tiny", "100m", "0.5b"] = opt("tiny", "Random-init model shape used when --pretrain is unset (offline demo and benchmarks).")
+    model_preset: Literal["tiny", "3m", "100m", "0.5b"] = opt("tiny", "Random-init model shape used when --pretrain is unset (offline demo and benchmarks).")
     reward_pretrain: str | None = opt(None, "Reward model directory (sequence-classification or value-head model scoring the last token).")
     critic_pretrain: str | None = opt(None, "Critic initialisation. Unset: the reward model, else the policy.")
     remote_rm_url: str | None = opt(None, "Reward from a local Python file defining reward_func(queries, prompts, labels), or an http(s):// endpoint. Unset and no --reward_pretrain: the built-in demo rule reward.")
@@ -62,6 +62,11 @@ class ResourceConfig:
     colocate_actor_ref: bool = opt(False, "Reference model on the actor's ranks (same processes).")
     colocate_critic_reward: bool = opt(False, "Reward model on the critic's ranks.")
     colocate_all_models: bool = opt(False, "Every role, engines included, on the same ranks.")
+    actor_node_label: str | None = opt(None, "Put the actor on nodes with this label (each node's RLRUN_NODE_LABEL, else its host name).")
+    critic_node_label: str | None = opt(None, "Put the critic on nodes with this label (RLRUN_NODE_LABEL, else the host name).")
+    ref_node_label: str | None = opt(None, "Put the reference model on nodes with this label (RLRUN_NODE_LABEL, else the host name).")
+    reward_node_label: str | None = opt(None, "Put the reward model on nodes with this label (RLRUN_NODE_LABEL, else the host name).")
+    engine_node_label: str | None = opt(None, "Put the generation engines on nodes with this label (RLRUN_NODE_LABEL, else the host name).")
 
 
 @dataclass
@@ -91,6 +96,8 @@ class TrainConfig:
     micro_train_batch_size: int = opt(4, "Sequences per forward/backward, per rank.")
     n_samples_per_prompt: int = opt(1, "Responses sampled per prompt.")
     max_epochs: int = opt(1, "Passes over each rollout batch.")
+    packing_samples: bool = opt(False, "Score and train on packed rows: the real tokens of several sequences share a row "
+                                "(per-sequence position ids, block-diagonal attention) instead of padded rows.")
     num_episodes: int = opt(1, "Passes over the prompt dataset.")
     max_samples: int = opt(100_000_000, "Use at most this many prompts.")
     max_steps: int | None = opt(None, "Stop after this many steps (rollout + update).")
@@ -115,16 +122,25 @@ class AlgorithmConfig:
     init_kl_coef: float = opt(0.01, "KL coefficient (reward penalty, or loss weight with --use_kl_loss).")
     kl_target: float | None = opt(None, "Adaptive KL: target KL (unset: fixed coefficient).")
     kl_horizon: int = opt(10000, "Adaptive KL horizon.")
-    kl_estimator: Literal["k1", "k2", "k3"] = opt("k1", "KL estimator.")
+    kl_estimator: Literal["k1", "k2", "k3"] = opt("k1", "KL estimator (Schulman's k1/k2/k3); every estimate is clamped to [-10, 10] as in OpenRLHF.")
     use_kl_loss: bool = opt(False, "KL as a loss term instead of a reward penalty (GRPO).")
-    gamma: float = opt(1.0, "Discount factor.")
+    gamma: float = opt(1.0, "Discount factor (gae, reinforce). group_norm, dr_grpo, rloo and reinforce_baseline always use 1.0, as in OpenRLHF.")
     lambd: float = opt(1.0, "GAE lambda.")
     eps_clip: float = opt(0.2, "PPO clip range.")
+    eps_clip_low_high: tuple[float, float] | None = opt(None, "Asymmetric PPO clip: the ratio is clipped to [1 - LOW, 1 + HIGH] (DAPO clip-higher). Unset: (eps_clip, eps_clip).")
+    policy_loss_type: Literal["ppo", "gspo"] = opt("ppo", "ppo: per-token importance ratio. gspo: one ratio per sequence, exp(token-mean log-ratio), with a per-sequence loss mean (GSPO; use a small --eps_clip_low_high, e.g. 3e-4 4e-4).")
     dual_clip: float | None = opt(None, "Dual-clip constant (> 1).")
     value_clip: float | None = opt(0.5, "Value clip range (unset: no clipping).")
-    normalize_reward: bool = opt(False, "Normalise scores with running mean/std.")
+    normalize_reward: bool = opt(False, "As OpenRLHF: (score - mean) / std with the mean/std stored in the reward model's config.json (absent: 0/1); critic values get their model config's mean/std too. Reward functions and HTTP rewards are untouched.")
+    running_reward_norm: bool = opt(False, "rlrun: standardise every score with a running mean/std over all steps so far (kept in checkpoints).")
+    overlong_buffer_len: int | None = opt(None, "DAPO overlong penalty: responses longer than generate_max_len - N tokens lose up to --overlong_penalty_factor, linearly over the last N tokens. Unset: off.")
+    overlong_penalty_factor: float = opt(1.0, "Largest overlong penalty (reached at generate_max_len tokens).")
+    stop_properly_penalty_coef: float | None = opt(None, "ProRL: rewards of responses cut off at generate_max_len without EOS are multiplied by this (in [0, 1]) or, if negative, replaced by it. Unset: off.")
+    dynamic_filtering: bool = opt(False, "DAPO dynamic sampling: prompt groups whose mean score is not strictly inside --dynamic_filtering_reward_range are left out of the update (rlrun keeps the batch shape and masks them out instead of re-sampling). Needs --n_samples_per_prompt > 1.")
+    dynamic_filtering_reward_range: tuple[float, float] = opt((0.0, 1.0), "Keep a prompt group when LOW < mean score < HIGH (--dynamic_filtering).")
     reward_clip_range: tuple[float, float] = opt((-10.0, 10.0), "Clip scores to this range.")
     entropy_loss_coef: float | None = opt(None, "Entropy bonus coefficient (0 logs entropy only).")
+    no_advantage_std_norm: bool = opt(False, "gae/reinforce/reinforce_baseline: only subtract the advantage mean, do not divide by its std.")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = opt("token-mean", "How per-token losses are averaged.")
 
 
@@ -157,7 +173,11 @@ class LoggingConfig:
     """Metrics and trackers."""
 
     logging_steps: int = opt(1, "Log metrics every N steps.")
-    eval_steps: int = opt(-1, "Evaluate every N steps (-1: never).")
+    eval_steps: int = opt(-1, "Evaluate on --eval_dataset every N steps (-1: never).")
+    eval_dataset: str | None = opt(None, "Evaluation prompts: a local file or saved HF datasets directory like --prompt_data (same --input_key/--label_key). Needs a reward function or URL, not --reward_pretrain.")
+    eval_temperature: float = opt(0.6, "Sampling temperature for evaluation.")
+    eval_n_samples_per_prompt: int = opt(4, "Responses per evaluation prompt (pass@N is logged when N > 1).")
+    eval_before_train: bool = opt(False, "Also evaluate before the first training step (logged as step 0), like verl's val_before_train.")
     metrics_file: str | None = opt(None, "JSONL metrics file (default: <save_path>/metrics.jsonl).")
     use_wandb: str | None = opt(None, "Log to wandb. Optional value: the API key (else WANDB_API_KEY).", secret=True, metavar="[KEY]")
     wandb_org: str | None = opt(None, "wandb entity.")

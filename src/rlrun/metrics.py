@@ -1,4 +1,7 @@
-"""Metric sinks on rank 0: JSONL file, progress bar, wandb, TensorBoard."""
+"""Metric sinks on rank 0: JSONL file, progress (bar or lines), wandb, TensorBoard.
+
+Evaluation results are separate records with the step they were taken at ({"step": N, "eval/...": ...}); step 0
+is the evaluation before training."""
 
 from __future__ import annotations
 
@@ -8,12 +11,9 @@ import os
 import sys
 from typing import Any
 
-from tqdm import tqdm
-
 from rlrun.config import Config, redacted
 from rlrun.errors import ConfigError, MissingExtraError
-
-BAR_KEYS = ("reward", "kl", "response_length", "actor/policy_loss", "critic/value_loss")
+from rlrun.progress import make_progress
 
 
 class MetricsSink:
@@ -32,17 +32,27 @@ class MetricsSink:
         except OSError as exc:
             raise ConfigError(f"cannot write the metrics file {path}: {exc.strerror}; check --save_path/--metrics_file") from None
         self.path = path
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="rlrun", dynamic_ncols=True,
-                        disable=os.environ.get("RLRUN_NO_PROGRESS") == "1")
+        self.progress = make_progress(total_steps, start_step)
         self.wandb = _init_wandb(cfg) if cfg.logging.use_wandb is not None else None
         self.tb = _init_tensorboard(cfg.logging.use_tensorboard) if cfg.logging.use_tensorboard else None
 
-    def log(self, metrics: dict[str, Any]) -> None:
+    def log(self, metrics: dict[str, Any], evals: dict[str, float] | None = None) -> None:
+        """One training step's record (and, when given, that step's evaluation record)."""
+        step = int(metrics["step"])
+        self._write(metrics)
+        if evals:
+            self._write({"step": step, **evals})
+        self.progress.step(step, metrics, evals)
+
+    def log_eval(self, step: int, evals: dict[str, float]) -> None:
+        """An evaluation at a step that logs no training record (step 0, or between logging steps)."""
+        self._write({"step": step, **evals})
+        self.progress.eval(step, evals)
+
+    def _write(self, metrics: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
         self.file.write(json.dumps(clean) + "\n")
         self.file.flush()
-        self.bar.update(1)
-        self.bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in BAR_KEYS if k in metrics})
         step = int(metrics["step"])
         numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
         if self.wandb is not None:
@@ -52,7 +62,7 @@ class MetricsSink:
                 self.tb.add_scalar(k, v, step)
 
     def close(self) -> None:
-        self.bar.close()
+        self.progress.close()
         self.file.close()
         if self.wandb is not None:
             self.wandb.finish()

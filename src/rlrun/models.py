@@ -76,19 +76,43 @@ class ScalarHeadModel(nn.Module):
     Its own forward (rather than calling the HF body and head separately) keeps FSDP's root
     hooks in charge of gathering the embedding and head parameters."""
 
-    def __init__(self, hf_model: PreTrainedModel) -> None:
+    def __init__(self, hf_model: PreTrainedModel, normalize: bool = False) -> None:
         super().__init__()
         self.hf = hf_model
         self._no_split_modules = getattr(hf_model, "_no_split_modules", None)
+        # OpenRLHF --normalize_reward: outputs become (x - mean) / std with the mean/std a reward-model
+        # trainer stored in config.json (models/model.py); a config without them leaves outputs as they are.
+        self.output_norm = config_mean_std(hf_model.config) if normalize else None
 
     def gradient_checkpointing_enable(self, **kwargs: object) -> None:
         self.hf.gradient_checkpointing_enable(**kwargs)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                    position_ids=position_ids_from(attention_mask)).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Padded rows: attention_mask (positions derived from it). Packed rows (rlrun.packing):
+        position_ids restarting per sequence and no mask. No KV cache: nothing reads it."""
+        if position_ids is None:
+            assert attention_mask is not None, "pass attention_mask (padded rows) or position_ids (packed rows)"
+            position_ids = position_ids_from(attention_mask)
+        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    use_cache=False).last_hidden_state
+        out = score_head(self.hf)(hidden).squeeze(-1).float()
+        if self.output_norm is not None:
+            mean, std = self.output_norm
+            return (out - mean) / std
         # A fresh tensor, not a view: FSDP2 hooks its backward on the module output.
-        return score_head(self.hf)(hidden).squeeze(-1).float().clone()
+        return out.clone()
+
+
+def config_mean_std(config: object) -> tuple[float, float] | None:
+    """(mean, std) stored in a reward model's config (OpenRLHF's `mean`/`std` keys), else None."""
+    if not hasattr(config, "mean"):
+        return None
+    mean, std = float(getattr(config, "mean")), float(getattr(config, "std", 1.0))
+    if not std > 0:
+        raise ConfigError(f"--normalize_reward: the model config stores std={std}; it must be > 0 "
+                          "(fix config.json or drop --normalize_reward)")
+    return mean, std
 
 
 def load_critic(cfg: Config, dtype: torch.dtype = torch.float32) -> ScalarHeadModel:
@@ -101,13 +125,13 @@ def load_critic(cfg: Config, dtype: torch.dtype = torch.float32) -> ScalarHeadMo
     with torch.no_grad():  # a small head keeps early value estimates near zero
         head = score_head(model)
         head.weight.normal_(0.0, 1.0 / (model.config.hidden_size + 1), generator=torch.Generator().manual_seed(cfg.train.seed))
-    return ScalarHeadModel(model)
+    return ScalarHeadModel(model, normalize=cfg.algo.normalize_reward)
 
 
 def load_reward_model(cfg: Config, dtype: torch.dtype = torch.float32) -> ScalarHeadModel:
     assert cfg.model.reward_pretrain is not None
     _check_dir("reward_pretrain", cfg.model.reward_pretrain)
-    return ScalarHeadModel(_scalar_model_from(cfg.model.reward_pretrain, cfg, dtype))
+    return ScalarHeadModel(_scalar_model_from(cfg.model.reward_pretrain, cfg, dtype), normalize=cfg.algo.normalize_reward)
 
 
 def score_head(model: PreTrainedModel) -> nn.Linear:

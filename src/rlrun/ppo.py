@@ -11,9 +11,9 @@ from typing import Sequence
 
 from rlrun.cli import parse_args
 from rlrun.errors import RlrunError
-from rlrun.launch.env import read_env
+from rlrun.launch.env import read_env, read_node_label
 from rlrun.launch.layout import format_layout_table
-from rlrun.launch.planning import plan
+from rlrun.launch.planning import asks_node_labels, plan
 from rlrun.log import get_logger, let_rank0_report
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,7 +27,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parsed = parse_args(argv)
         cfg = parsed.config
-        the_plan = plan(cfg, env.world_size, env.local_world_size)
+        # One node: its label is this process's own, so pinned roles are placed (and checked) now; with more
+        # nodes the labels are gathered at start-up (rlrun.run) and the placement is redone there.
+        one_node = env.world_size == env.local_world_size
+        labels = (read_node_label(),) if asks_node_labels(cfg) and one_node else None
+        the_plan = plan(cfg, env.world_size, env.local_world_size, labels)
     except RlrunError as exc:
         # Every rank sees the same argv and fails the same way; one message is enough.
         log.error_once(f"error: {exc}")
@@ -36,6 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.runtime.dry_run:
         log.info_once(f"layout for world size {env.world_size} ({env.local_world_size} ranks per node, launcher {env.launcher}):\n"
                       + format_layout_table(the_plan.layout))
+        if asks_node_labels(cfg) and not one_node:
+            log.info_once("roles pinned by --*_node_label are placed at start-up, once every node has reported its "
+                          "label (RLRUN_NODE_LABEL, else the host name); the table above ignores the labels")
     for line in (*parsed.ignored, *the_plan.warnings):
         log.warning_once(line)
     if cfg.runtime.dry_run:

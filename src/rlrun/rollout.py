@@ -20,6 +20,7 @@ class RolloutBatch:
     attention_mask: [B, p + r] long, 1 on real tokens
     action_mask:    [B, r] float, 1 on response tokens (EOS included)
     prompt_len, response_len: [B] long
+    engine_log_probs: [B, r] float or None, the engine's log-prob of each sampled response token (0 on padding)
     """
 
     sequences: torch.Tensor
@@ -27,16 +28,21 @@ class RolloutBatch:
     action_mask: torch.Tensor
     prompt_len: torch.Tensor
     response_len: torch.Tensor
+    engine_log_probs: torch.Tensor | None = None
 
     @property
     def response_width(self) -> int:
         return self.action_mask.shape[1]
 
     def rows(self, index: slice | torch.Tensor) -> "RolloutBatch":
-        return RolloutBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        return RolloutBatch(**{f.name: _opt(getattr(self, f.name), lambda t: t[index]) for f in fields(self)})
 
     def to(self, device: torch.device) -> "RolloutBatch":
-        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return RolloutBatch(**{f.name: _opt(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)})
+
+
+def _opt(t: torch.Tensor | None, fn) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
+    return None if t is None else fn(t)
 
 
 def pack_rows(prompts: list[list[int]], responses: list[list[int]], prompt_width: int, response_width: int,
@@ -73,3 +79,24 @@ def unpack_rows(packed: torch.Tensor, prompt_width: int) -> RolloutBatch:
 def response_tokens(batch: RolloutBatch) -> list[list[int]]:
     r = batch.response_width
     return [row[-r:][: int(n)].tolist() for row, n in zip(batch.sequences, batch.response_len)]
+
+
+def pack_log_probs(log_probs: list[list[float]], response_width: int) -> torch.Tensor:
+    """Per-row token log-probs -> [b, R] float32, right-padded with 0 (the wire twin of pack_rows)."""
+    out = torch.zeros((len(log_probs), response_width), dtype=torch.float32)
+    for i, row in enumerate(log_probs):
+        if len(row) > response_width:
+            raise ValueError(f"row {i}: {len(row)} log-probs > {response_width}")
+        if row:
+            out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
+
+
+def engine_logprob_diff(batch: RolloutBatch, actor_log_probs: torch.Tensor) -> dict[str, float]:
+    """{"rollout/engine_vs_actor_logprob_diff": mean |engine - actor| over response tokens}, or {} when
+    the batch carries no engine log-probs. actor_log_probs: [B, r], same temperature as sampling."""
+    if batch.engine_log_probs is None:
+        return {}
+    mask = batch.action_mask
+    diff = (batch.engine_log_probs.float() - actor_log_probs.float()).abs() * mask
+    return {"rollout/engine_vs_actor_logprob_diff": float(diff.sum() / mask.sum().clamp(min=1))}

@@ -13,14 +13,19 @@ import sys
 import tempfile
 import traceback
 
-from rlrun.build import build_prompts, build_reward_fn, build_roles, make_sampler
+import torch
+
+from rlrun.build import build_eval_prompts, build_prompts, build_reward_fn, build_roles, make_sampler
 from rlrun.config import Config
 from rlrun.errors import ConfigError, RlrunError
+from rlrun.evaluation import Evaluator
 from rlrun.faults import PhaseTracker
 from rlrun.launch.dist import init_distributed, is_peer_failure, restart_safety_warning, resolve_backend, resolve_device, teardown
-from rlrun.launch.env import DistEnv
+from rlrun.launch.env import DistEnv, read_node_label
 from rlrun.launch.groups import build_groups
-from rlrun.launch.layout import Layout, Role
+from rlrun.launch.labels import gather_node_labels
+from rlrun.launch.layout import Layout, Role, format_layout_table
+from rlrun.launch.planning import asks_node_labels, plan
 from rlrun.log import get_logger, let_rank0_report
 from rlrun.metrics import MetricsSink
 from rlrun.models import load_tokenizer
@@ -42,12 +47,16 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
     try:
         device = resolve_device(cfg.runtime.device, env.local_rank)
         backend = resolve_backend(cfg.runtime.dist_backend, device)
-        generation, why = resolve_generation_backend(cfg.generation.generation_backend, device.type == "cuda")
+        generation, why = resolve_generation_backend(cfg.generation.generation_backend, device.type == "cuda",
+                                                     cfg.resources.vllm_tensor_parallel_size)
         # Everything that reads local files happens before the first collective, so a bad path fails
         # every rank the same way instead of leaving some waiting.
         tokenizer = load_tokenizer(cfg)
         prompts = build_prompts(cfg, tokenizer)
         sampler = make_sampler(cfg, prompts)
+        lg = cfg.logging
+        evaluates = lg.eval_dataset is not None and (lg.eval_steps > 0 or lg.eval_before_train)
+        eval_prompts = build_eval_prompts(cfg, tokenizer) if evaluates else None
         total_steps = min(sampler.total_steps, cfg.train.max_steps or sampler.total_steps)
         log.info_once(f"{len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
                       f"--prompt_max_len {cfg.generation.prompt_max_len}), {total_steps} steps, generation backend "
@@ -57,10 +66,21 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
             _check_writable(cfg.checkpoint.save_path, "--save_path")
             if cfg.checkpoint.save_steps > 0:
                 _check_writable(cfg.checkpoint.ckpt_path, "--ckpt_path")
+        node_label = read_node_label() if asks_node_labels(cfg) else None
         local_only = False
         if (warning := restart_safety_warning(env)) is not None:
             log.warning_once(warning)
         init_distributed(env, backend, cfg.runtime.dist_timeout, device)
+        if node_label is not None:
+            # Other nodes' labels are known only now: place the pinned roles before any group or model exists.
+            # Every rank plans from the same gathered labels, so an impossible request fails alike everywhere.
+            labels = gather_node_labels(node_label, env.local_world_size, device if backend == "nccl" else torch.device("cpu"))
+            local_only = True
+            layout = plan(cfg, env.world_size, env.local_world_size, labels).layout
+            local_only = False
+            roles_text = ",".join(r.value for r in layout.roles_of(env.rank))
+            reward_fn = build_reward_fn(cfg, layout, env.rank)  # the engine ranks may have moved
+            log.info_once("layout by node label:\n" + format_layout_table(layout))
         phase.phase = "build"
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
         groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend)
@@ -78,7 +98,14 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
                 with phase("save", steps_done - 1):
                     checkpointer.save(steps_done)
 
-        history = trainer.fit(sink, after_step)
+        evaluator = None
+        if eval_prompts is not None:
+            evaluator = Evaluator(cfg, layout, groups, roles, eval_prompts, tokenizer, trainer.comm_device)
+            log.info_once(f"evaluating {len(eval_prompts.ids)} prompts x {lg.eval_n_samples_per_prompt} samples "
+                          f"(temperature {lg.eval_temperature:g})"
+                          + (f" every {lg.eval_steps} steps" if lg.eval_steps > 0 else "")
+                          + (" before training" if lg.eval_before_train else ""))
+        history = trainer.fit(sink, after_step, evaluator)
         if history:
             log.info_once(f"reward: first step {history[0]['reward']:.3f}, last step {history[-1]['reward']:.3f} "
                           f"({len(history)} steps)")

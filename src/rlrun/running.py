@@ -1,4 +1,4 @@
-"""Running mean/std of scores for --normalize_reward (state saved with checkpoints)."""
+"""Running mean/std of scores for --running_reward_norm (state saved with checkpoints)."""
 
 from __future__ import annotations
 

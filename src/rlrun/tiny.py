@@ -90,8 +90,10 @@ def tiny_model_config(vocab_size: int = BYTE_VOCAB_SIZE) -> PretrainedConfig:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        # head_dim 32 (not 4 x 16): vLLM's CPU attention needs head_dim >= 32; the projection shapes
+        # (64x64 q/o, 64x32 k/v) are the same as with 4 query / 2 KV heads of 16.
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         **_special_ids(),
@@ -101,6 +103,15 @@ def tiny_model_config(vocab_size: int = BYTE_VOCAB_SIZE) -> PretrainedConfig:
 # Larger presets for benchmarks. The byte vocab makes embeddings negligible, so "0.5b" keeps
 # Qwen2-0.5B's widths but uses 32 layers instead of 24 to land near 0.5B parameters.
 _PRESETS: dict[str, dict[str, int]] = {
+    # Benchmark-only: the ~3.1M-parameter shape of the issue-10 GRPO comparison with TRL.
+    "3m": {
+        "hidden_size": 256,
+        "intermediate_size": 704,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+    },
     "100m": {
         "hidden_size": 768,
         "intermediate_size": 3072,
@@ -122,7 +133,7 @@ MODEL_SIZES: tuple[str, ...] = ("tiny", *_PRESETS)
 
 
 def tiny_model_config_for_size(name: str) -> PretrainedConfig:
-    """Preset Qwen2 configs over the byte vocab: "tiny" (~110k), "100m" (~104M), "0.5b" (~0.48B)."""
+    """Preset Qwen2 configs over the byte vocab: "tiny" (~110k), "3m" (~3.1M), "100m" (~104M), "0.5b" (~0.48B)."""
     if name == "tiny":
         return tiny_model_config()
     if name not in _PRESETS:

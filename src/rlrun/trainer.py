@@ -16,11 +16,13 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.algorithms import compute_advantages, compute_approx_kl, make_kl_controller, masked_mean
+from rlrun.algorithms import (compute_advantages, compute_approx_kl, dynamic_filter_keep, make_kl_controller,
+                              masked_mean, overlong_penalty, sequence_mean_kl, stop_properly_penalty, truncated_rows)
 from rlrun.batching import derive_seed, minibatch_order, shard
 from rlrun.build import Prompts, RankRoles
 from rlrun.config import Config
 from rlrun.data import PromptSampler
+from rlrun.evaluation import Evaluator
 from rlrun.faults import PhaseTracker
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
@@ -29,7 +31,7 @@ from rlrun.metrics import MetricsSink
 from rlrun.results import pack_slots, slot_plan, unpack_slots
 from rlrun.roles.actor import PolicyData
 from rlrun.roles.critic import ValueData
-from rlrun.rollout import RolloutBatch, pack_rows, unpack_rows
+from rlrun.rollout import RolloutBatch, engine_logprob_diff, pack_log_probs, pack_rows, unpack_rows
 from rlrun.running import RunningMoments
 
 
@@ -70,14 +72,17 @@ class Trainer:
         records = [i for i in self.sampler.indices(step) for _ in range(n)]
         share = len(records) // len(self.engine_ranks)
         P, R = cfg.generation.prompt_max_len, cfg.generation.generate_max_len
-        packed = scores = None
+        packed = scores = log_probs = None
         extra: dict[str, float] = {}
         if self.roles.engine is not None:
             slot = self.engine_ranks.index(self.rank)
             mine = records[shard(len(records), len(self.engine_ranks), slot)]
             prompt_ids = [self.prompts.ids[i] for i in mine]
-            responses = self.roles.engine.generate(prompt_ids, derive_seed(cfg.train.seed, "generate", step, slot))
+            generation = self.roles.engine.sample(prompt_ids, derive_seed(cfg.train.seed, "generate", step, slot))
+            responses = generation.responses
             packed = pack_rows(prompt_ids, responses, P, R, int(self.tokenizer.pad_token_id))
+            if generation.log_probs is not None:
+                log_probs = pack_log_probs(generation.log_probs, R)
             if self.roles.reward_fn is not None:
                 texts = [self.prompts.texts[i] for i in mine]
                 queries = [t + self.tokenizer.decode(r, skip_special_tokens=True) for t, r in zip(texts, responses)]
@@ -86,6 +91,9 @@ class Trainer:
         world = self.groups.world
         gathered = gather_from(self.engine_ranks, packed, (share, P + R + 2), torch.long, world, self.comm_device)
         batch = unpack_rows(gathered.cpu(), P)
+        if cfg.generation.generation_backend == "vllm":  # the backend that reports log-probs (same on every rank)
+            engine_lp = gather_from(self.engine_ranks, log_probs, (share, R), torch.float32, world, self.comm_device)
+            batch.engine_log_probs = engine_lp.cpu()[:, :batch.response_width]
         if self.cfg.needs_reward_model:
             return StepOutputs(batch, torch.empty(0), extra)
         all_scores = gather_from(self.engine_ranks, scores, (share,), torch.float32, world, self.comm_device).cpu()
@@ -100,6 +108,8 @@ class Trainer:
                 ("ref_log_probs", Role.REF, R, self.roles.reference and self.roles.reference.log_probs),
                 ("values", Role.CRITIC, R, self.roles.critic and self.roles.critic.values),
                 ("scores", Role.REWARD, 1, self.roles.reward_model and self.roles.reward_model.score)]
+        if skips_old_log_probs(self.cfg):  # step() gathers them from the training forward instead
+            jobs = jobs[1:]
         for key, role, width, fn in jobs:
             if not self.layout.has(role):
                 continue
@@ -114,20 +124,55 @@ class Trainer:
             results["scores"] = out.scores
         return results
 
+    def gather_on_policy_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+        """[B, R] on every rank: the actor's log-probs from its on-policy training forward (before the update),
+        standing in for the scoring pass skipped by skips_old_log_probs. One all-gather."""
+        B, R = batch.sequences.shape[0], batch.response_width
+        ranks = self.layout.ranks_of(Role.ACTOR)
+        plan = slot_plan(B, {"old_log_probs": R + 1}, {"old_log_probs": ranks})
+        mine = {"old_log_probs": self.roles.actor.on_policy_log_probs()} if self.roles.actor is not None else {}
+        flat = pack_slots(plan, self.rank, mine).to(self.comm_device)
+        rows_and_logp = unpack_slots(plan, all_gather_vectors(flat, self.groups.world).cpu())["old_log_probs"]
+        out = torch.zeros(B, R)
+        out[rows_and_logp[:, 0].long()] = rows_and_logp[:, 1:]
+        return out
+
     def advantages(self, batch: RolloutBatch, results: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Pure and identical on every rank: KL, normalised scores, advantages and returns."""
-        a, mask = self.cfg.algo, batch.action_mask
+        """Pure and identical on every rank: KL, shaped scores, advantages and returns.
+
+        Order as in OpenRLHF: dynamic filtering on the raw scores, then length penalties, then the
+        estimator's group baseline and the reward clip. --dynamic_filtering zeroes the response mask
+        of filtered groups IN `batch`, so they drop out of every loss and token count downstream."""
+        a, n = self.cfg.algo, self.cfg.train.n_samples_per_prompt
+        scores = results["scores"].float()
+        self.advantage_logs: dict[str, float] = {}
+        if a.dynamic_filtering:
+            keep = dynamic_filter_keep(scores, n, a.dynamic_filtering_reward_range)
+            batch.action_mask = batch.action_mask * keep.unsqueeze(1).to(batch.action_mask.dtype)
+            self.advantage_logs["dynamic_filtering/kept_frac"] = float(keep.float().mean())
+        mask = batch.action_mask
         ref = results.get("ref_log_probs")
-        kl = compute_approx_kl(results["old_log_probs"], ref, a.kl_estimator, mask) if ref is not None else torch.zeros_like(mask)
-        scores = results["scores"]
-        if a.normalize_reward:
+        # No old log-probs (skips_old_log_probs): the KL is not in the reward; step() computes the logged one.
+        kl = (compute_approx_kl(results["old_log_probs"], ref, a.kl_estimator, mask)
+              if ref is not None and "old_log_probs" in results else torch.zeros_like(mask))
+        if a.running_reward_norm:
             self.state.reward_moments.update(scores)
             scores = self.state.reward_moments.normalize(scores)
+        R = self.cfg.generation.generate_max_len
+        if a.overlong_buffer_len is not None:
+            penalty = overlong_penalty(batch.response_len, R, a.overlong_buffer_len, a.overlong_penalty_factor)
+            scores = scores + penalty.to(scores.dtype)
+            self.advantage_logs["reward/overlong_frac"] = float((penalty < 0).float().mean())
+        if a.stop_properly_penalty_coef is not None:
+            cut = truncated_rows(batch.sequences[:, -batch.response_width:], batch.response_len, R,
+                                 int(self.tokenizer.eos_token_id))
+            scores = stop_properly_penalty(scores, cut, a.stop_properly_penalty_coef)
+            self.advantage_logs["reward/truncated_frac"] = float(cut.float().mean())
         in_reward = 0.0 if a.use_kl_loss else self.kl.value
         adv, ret = compute_advantages(
-            a.advantage_estimator, scores, mask, n_samples_per_prompt=self.cfg.train.n_samples_per_prompt, kl=kl,
+            a.advantage_estimator, scores, mask, n_samples_per_prompt=n, kl=kl,
             kl_coef=in_reward, values=results.get("values"), gamma=a.gamma, lambd=a.lambd,
-            reward_clip_range=a.reward_clip_range)
+            reward_clip_range=a.reward_clip_range, std_norm=not a.no_advantage_std_norm)
         return kl, adv, ret
 
     def train(self, step: int, batch: RolloutBatch, results: dict[str, torch.Tensor], adv: torch.Tensor,
@@ -138,7 +183,7 @@ class Trainer:
                                                  derive_seed(t.seed, "minibatch", step, epoch))]
         stats: dict[str, float] = {}
         if self.roles.actor is not None:
-            data = PolicyData(batch, results["old_log_probs"], adv, results.get("ref_log_probs"))
+            data = PolicyData(batch, results.get("old_log_probs"), adv, results.get("ref_log_probs"))
             stats.update(self.roles.actor.train(data, minibatches, self.kl.value))
         if self.roles.critic is not None:
             stats.update(self.roles.critic.train(ValueData(batch, results["values"], ret), minibatches))
@@ -168,14 +213,21 @@ class Trainer:
         t2 = time.perf_counter()
         with self.phase("train", step):
             stats = self.train(step, out.batch, results, adv, ret)
+            if "old_log_probs" not in results:  # skipped in score: the training forward's log-probs stand in
+                results["old_log_probs"] = self.gather_on_policy_log_probs(out.batch)
+                if "ref_log_probs" in results:
+                    kl = compute_approx_kl(results["old_log_probs"], results["ref_log_probs"], self.cfg.algo.kl_estimator,
+                                           out.batch.action_mask)
         times["time/train"] = time.perf_counter() - t2
         t3 = time.perf_counter()
         with self.phase("sync", step):
             self.roles.weight_sync.sync()  # type: ignore[union-attr]
         times["time/sync"] = time.perf_counter() - t3
         mask = out.batch.action_mask
-        mean_kl = float(masked_mean(kl, mask))
-        self.kl.update(mean_kl, out.batch.sequences.shape[0])
+        # OpenRLHF's "kl": the mean over sequences of each one's token-mean KL; it also drives the
+        # adaptive controller, with n_steps = rollout_batch_size * n_samples_per_prompt rows.
+        mean_kl = sequence_mean_kl(kl, mask)
+        self.kl.update(mean_kl, self.cfg.rollouts_per_step)
         step_time = time.perf_counter() - t0
         generated = float(out.batch.response_len.sum())
         return {
@@ -184,25 +236,40 @@ class Trainer:
             "reward": float(results["scores"].float().mean()),
             "kl": mean_kl,
             "kl_coef": self.kl.value,
+            **self.advantage_logs,
             "response_length": float(out.batch.response_len.float().mean()),
             "tokens_per_s": generated / step_time,
             "advantage_mean": float(masked_mean(adv, mask)),
             **{f"reward/{k}": v for k, v in out.extra_logs.items()},
+            **engine_logprob_diff(out.batch, results["old_log_probs"]),
             **stats,
             **times,
             "time/step": step_time,
         }
 
-    def fit(self, sink: MetricsSink | None, on_step_end: Callable[[int], None] | None = None) -> list[dict[str, float]]:
-        """Run from self.state.step to total_steps; rank 0 logs every logging_steps; on_step_end(steps_done)
-        runs after each step (checkpointing)."""
+    def fit(self, sink: MetricsSink | None, on_step_end: Callable[[int], None] | None = None,
+            evaluator: Evaluator | None = None) -> list[dict[str, float]]:
+        """Run from self.state.step to total_steps; rank 0 logs every logging_steps; the evaluator (every rank)
+        runs when due, before on_step_end(steps_done) (checkpointing), so a checkpoint's steps come with their
+        evaluations."""
         history = []
+        if evaluator is not None and evaluator.before_train and self.state.step == 0:
+            with self.phase("eval", -1):
+                before = evaluator.run(0)
+            if sink is not None:
+                sink.log_eval(0, before)
         for step in range(self.state.step, self.total_steps):
             metrics = self.step(step)
             self.state.step = step + 1
             history.append(metrics)
+            evals = None
+            if evaluator is not None and evaluator.due(step + 1):
+                with self.phase("eval", step):
+                    evals = evaluator.run(step + 1)
             if sink is not None and (step + 1) % self.cfg.logging.logging_steps == 0:
-                sink.log(metrics)
+                sink.log(metrics, evals)
+            elif sink is not None and evals is not None:
+                sink.log_eval(step + 1, evals)
             if on_step_end is not None:
                 on_step_end(step + 1)
         return history
@@ -212,3 +279,21 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def skips_old_log_probs(cfg: Config) -> bool:
+    """Whether Trainer.score skips the actor's "old log-probs" forward. True exactly when
+
+    * the update is on-policy: --max_epochs 1 and ONE mini-batch per rollout batch (--train_batch_size ==
+      --rollout_batch_size * --n_samples_per_prompt), so the training forward runs on the same weights the
+      scoring pass would and the PPO ratio can use its detached log-probs (ratio 1 in value, the same
+      gradient; TRL's GRPOTrainer does this), and
+    * nothing needs them before training: the KL is not a reward penalty (--use_kl_loss, or no reference
+      model, i.e. --init_kl_coef 0).
+
+    The logged `kl` (and the adaptive controller's input) and the engine-vs-actor log-prob diff are then
+    computed after training from the training forward's log-probs (Trainer.gather_on_policy_log_probs),
+    so they keep their meaning."""
+    t = cfg.train
+    on_policy = t.max_epochs == 1 and t.train_batch_size == cfg.rollouts_per_step
+    return on_policy and (cfg.algo.use_kl_loss or not cfg.needs_ref)

@@ -61,6 +61,7 @@ def check_values(cfg: Config) -> None:
             f"--advantage_estimator {a.advantage_estimator} compares samples of the same prompt and needs "
             f"--n_samples_per_prompt >= 2, got {t.n_samples_per_prompt}"
         )
+    _check_algorithm_extras(cfg)
     if cfg.data.input_template is not None and "{}" not in cfg.data.input_template:
         raise ConfigError(f"--input_template must contain '{{}}' where the prompt goes, got {cfg.data.input_template!r}")
     if cfg.checkpoint.save_steps == 0 or cfg.checkpoint.save_steps < -1:
@@ -73,6 +74,32 @@ def check_values(cfg: Config) -> None:
     _positive("max_skipped_steps", t.max_skipped_steps)
     if cfg.model.remote_rm_url and cfg.model.reward_pretrain:
         raise ConfigError("--remote_rm_url and --reward_pretrain are both set; choose one reward source")
+
+
+def _check_algorithm_extras(cfg: Config) -> None:
+    """Clip-higher, GSPO, DAPO dynamic filtering and length penalties (part of check_values)."""
+    a, t = cfg.algo, cfg.train
+    if a.eps_clip_low_high is not None:
+        low, high = a.eps_clip_low_high
+        if not 0 < low < 1 or high <= 0:
+            raise ConfigError(f"--eps_clip_low_high {low} {high}: needs 0 < LOW < 1 and HIGH > 0 "
+                              "(the ratio is clipped to [1 - LOW, 1 + HIGH]), e.g. --eps_clip_low_high 0.2 0.28")
+    if a.dynamic_filtering:
+        if t.n_samples_per_prompt < 2:
+            raise ConfigError(f"--dynamic_filtering drops prompt groups by their mean score and needs "
+                              f"--n_samples_per_prompt >= 2, got {t.n_samples_per_prompt}")
+        low, high = a.dynamic_filtering_reward_range
+        if low >= high:
+            raise ConfigError(f"--dynamic_filtering_reward_range needs LOW < HIGH, got {low} {high} "
+                              "(e.g. 0 1 for 0/1 rewards)")
+    if a.overlong_buffer_len is not None and not 0 < a.overlong_buffer_len <= cfg.generation.generate_max_len:
+        raise ConfigError(f"--overlong_buffer_len {a.overlong_buffer_len} must be in (0, --generate_max_len "
+                          f"{cfg.generation.generate_max_len}]; the penalty ramps over the last N tokens")
+    if a.overlong_penalty_factor < 0:
+        raise ConfigError(f"--overlong_penalty_factor must be >= 0, got {a.overlong_penalty_factor}")
+    if a.stop_properly_penalty_coef is not None and a.stop_properly_penalty_coef > 1:
+        raise ConfigError(f"--stop_properly_penalty_coef {a.stop_properly_penalty_coef}: use a value in [0, 1] "
+                          "(scales truncated rewards) or a negative one (replaces them)")
 
 
 def check_batches(cfg: Config, role_sizes: dict[str, int]) -> None:

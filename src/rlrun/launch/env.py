@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
@@ -11,6 +12,8 @@ from rlrun.errors import ConfigError
 
 Launcher = Literal["torchrun", "slurm", "single"]
 DEFAULT_PORT = 29500
+NODE_LABEL_VAR = "RLRUN_NODE_LABEL"
+MAX_NODE_LABEL_BYTES = 255  # labels cross ranks in a fixed-size buffer
 
 
 @dataclass(frozen=True)
@@ -107,3 +110,13 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             restart_count=_int(env, "SLURM_RESTART_COUNT") if "SLURM_RESTART_COUNT" in env else 0,
         )
     return DistEnv(0, 0, 1, 1, "127.0.0.1", DEFAULT_PORT, "single")
+
+
+def read_node_label(environ: Mapping[str, str] | None = None) -> str:
+    """This node's label for --X_node_label: RLRUN_NODE_LABEL (set by a launch script), else the host name."""
+    env = os.environ if environ is None else environ
+    label = env.get(NODE_LABEL_VAR) or socket.gethostname()
+    if len(label.encode()) > MAX_NODE_LABEL_BYTES:
+        raise ConfigError(f"{NODE_LABEL_VAR}={label[:40]!r}... is {len(label.encode())} bytes; node labels may have "
+                          f"at most {MAX_NODE_LABEL_BYTES}")
+    return label

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlrun.algorithms import LossAggMode, aggregate_loss, compute_approx_kl, policy_loss
-from rlrun.roles.forward import over_micro_batches, response_log_probs
+from rlrun.algorithms import LossAggMode, PolicyLossType, aggregate_loss, compute_approx_kl, policy_loss
+from rlrun.roles.forward import over_micro_batches, policy_log_probs
 from rlrun.roles.update import Updater
 from rlrun.rollout import RolloutBatch
 
@@ -22,6 +22,8 @@ class PolicyLossSettings:
     entropy_coef: float | None
     use_kl_loss: bool
     kl_estimator: str
+    eps_clip_high: float | None = None  # upper clip range; None: eps_clip (symmetric)
+    loss_type: PolicyLossType = "ppo"
 
 
 @dataclass
@@ -29,23 +31,28 @@ class PolicyData:
     """Full-batch training inputs (every actor rank holds all rows). [B, R] unless noted."""
 
     batch: RolloutBatch
-    old_log_probs: torch.Tensor
+    old_log_probs: torch.Tensor | None  # None: exactly on-policy, the ratio uses the detached training log-probs
     advantages: torch.Tensor
     ref_log_probs: torch.Tensor | None
 
 
 class Actor:
-    def __init__(self, model: nn.Module, updater: Updater, settings: PolicyLossSettings, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, updater: Updater, settings: PolicyLossSettings, device: torch.device,
+                 packing: bool = False) -> None:
         self.model = model
         self.updater = updater
         self.settings = settings
         self.device = device
+        self.packing = packing  # --packing_samples: forward on packed rows (rlrun.packing)
+        # (rows, [rows, R] detached log-probs) per micro-batch of the last on-policy train() (PolicyData.old_log_probs
+        # None): the trainer gathers them in place of the skipped scoring pass.
+        self._on_policy: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def log_probs(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
         """[b, L] rollouts -> [b, R] log-probs under the current policy."""
-        R, temp = batch.response_width, self.settings.temperature
+        temp = self.settings.temperature
         return over_micro_batches(self.model, batch, micro_batch, self.device,
-                                  lambda p: response_log_probs(self.model, p.sequences, p.attention_mask, R, temp)[0])
+                                  lambda p: policy_log_probs(self.model, p, temp, packing=self.packing)[0])
 
     def train(self, data: PolicyData, minibatches: list[torch.Tensor], kl_coef: float) -> dict[str, float]:
         s = self.settings
@@ -53,13 +60,18 @@ class Actor:
 
         def micro_loss(rows: torch.Tensor, num_tokens: float, num_seqs: float):
             part = data.batch.rows(rows).to(self.device)
-            logp, entropy = response_log_probs(self.model, part.sequences, part.attention_mask,
-                                               data.batch.response_width, s.temperature,
-                                               with_entropy=s.entropy_coef is not None)
+            logp, entropy = policy_log_probs(self.model, part, s.temperature, with_entropy=s.entropy_coef is not None,
+                                             packing=self.packing)
+            if data.old_log_probs is None:  # on-policy: ratio 1 in value, gradient d(logp) exactly (as TRL)
+                old_log_probs = logp.detach()
+                self._on_policy.append((rows, old_log_probs.float().cpu()))
+            else:
+                old_log_probs = data.old_log_probs[rows].to(self.device)
             m = part.action_mask
             norm = {"num_tokens": num_tokens, "num_seqs": num_seqs}
-            loss, stats = policy_loss(logp, data.old_log_probs[rows].to(self.device), data.advantages[rows].to(self.device),
-                                      m, eps_clip=s.eps_clip, dual_clip=s.dual_clip, agg=s.agg, **norm)
+            loss, stats = policy_loss(logp, old_log_probs, data.advantages[rows].to(self.device),
+                                      m, eps_clip=s.eps_clip, eps_clip_high=s.eps_clip_high, dual_clip=s.dual_clip,
+                                      loss_type=s.loss_type, agg=s.agg, **norm)
             stats = {"policy_loss": loss.detach(), **stats}
             if s.use_kl_loss and data.ref_log_probs is not None:
                 kl = compute_approx_kl(logp, data.ref_log_probs[rows].to(self.device), s.kl_estimator, m)  # type: ignore[arg-type]
@@ -72,5 +84,15 @@ class Actor:
                 stats["entropy"] = ent.detach()
             return loss, stats
 
+        if data.old_log_probs is None and len(minibatches) != 1:
+            raise ValueError(f"on-policy training (no old log-probs) needs exactly one mini-batch, got {len(minibatches)}")
+        self._on_policy = []
         stats = self.updater.run(minibatches, mask, micro_loss)
         return {f"actor/{k}": v for k, v in stats.items()}
+
+    def on_policy_log_probs(self) -> torch.Tensor:
+        """[b, 1 + R] float: for each row this rank trained on in the last on-policy train(), its global row
+        index, then its log-probs under the policy before the update (what the skipped scoring pass gives)."""
+        rows = torch.cat([r for r, _ in self._on_policy])
+        logp = torch.cat([lp for _, lp in self._on_policy])
+        return torch.cat([rows.float().unsqueeze(1), logp], dim=1)

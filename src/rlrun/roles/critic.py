@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from rlrun.algorithms import LossAggMode, value_loss
-from rlrun.roles.forward import over_micro_batches, response_values
+from rlrun.roles.forward import over_micro_batches, token_values
 from rlrun.roles.update import Updater
 from rlrun.rollout import RolloutBatch
 
@@ -24,8 +24,9 @@ class ValueData:
 
 class Critic:
     def __init__(self, model: nn.Module, updater: Updater, value_clip: float | None, agg: LossAggMode,
-                 device: torch.device) -> None:
+                 device: torch.device, packing: bool = False) -> None:
         self.model = model
+        self.packing = packing  # --packing_samples: forward on packed rows (rlrun.packing)
         self.updater = updater
         self.value_clip = value_clip
         self.agg = agg
@@ -33,14 +34,13 @@ class Critic:
 
     def values(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
         """[b, L] rollouts -> [b, R] values."""
-        R = batch.response_width
         return over_micro_batches(self.model, batch, micro_batch, self.device,
-                                  lambda p: response_values(self.model, p.sequences, p.attention_mask, R))
+                                  lambda p: token_values(self.model, p, packing=self.packing))
 
     def train(self, data: ValueData, minibatches: list[torch.Tensor]) -> dict[str, float]:
         def micro_loss(rows: torch.Tensor, num_tokens: float, num_seqs: float):
             part = data.batch.rows(rows).to(self.device)
-            values = response_values(self.model, part.sequences, part.attention_mask, data.batch.response_width)
+            values = token_values(self.model, part, packing=self.packing)
             loss, stats = value_loss(values, data.old_values[rows].to(self.device), data.returns[rows].to(self.device),
                                      part.action_mask, value_clip=self.value_clip, agg=self.agg,
                                      num_tokens=num_tokens, num_seqs=num_seqs)

@@ -1,5 +1,5 @@
-"""Engine: rollout generation. Backend `hf` (transformers generate) runs everywhere; `vllm` is a
-later backend behind the same two methods."""
+"""Engine: rollout generation. Backend `hf` (transformers generate) runs everywhere; `vllm`
+(rlrun.engines.vllm_engine, a vLLM child process per engine rank) sits behind the same surface."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from rlrun.errors import ConfigError, MissingExtraError
+from rlrun.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,16 @@ class SamplingSettings:
     eos_id: int
 
 
+@dataclass
+class Generation:
+    """responses[i]: response token ids of prompt i (EOS included when sampled); log_probs[i]: the
+    engine's log-probability of each of those tokens as sampled (after temperature / top-p), or None
+    when the backend does not report them (HF: its scores would cost batch x length x vocab memory)."""
+
+    responses: list[list[int]]
+    log_probs: list[list[float]] | None = None
+
+
 class Engine(Protocol):
     model: nn.Module
 
@@ -29,24 +39,36 @@ class Engine(Protocol):
         """Prompt token ids -> response token ids (EOS included when it was sampled)."""
         ...
 
+    def sample(self, prompts: list[list[int]], seed: int) -> Generation:
+        """generate() plus the sampled tokens' log-probabilities."""
+        ...
+
 
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def resolve_backend(requested: str, cuda: bool) -> tuple[str, str]:
-    """(backend, why) for --generation_backend. Only `hf` is implemented in this release: the vLLM
-    backend is a later issue, so asking for it is an error rather than a silent fallback."""
+def resolve_backend(requested: str, cuda: bool, tensor_parallel_size: int = 1) -> tuple[str, str]:
+    """(backend, why) for --generation_backend. `vllm` runs one vLLM child process per engine rank at
+    tensor parallel 1 (engines disjoint from the actor, or on the actor's ranks); other layouts are a
+    ConfigError here, before anything is built. `auto` picks HF: on CPU vLLM is slower than HF generate
+    on small models, and on GPU rlrun's vLLM path is not validated yet."""
     if requested == "vllm":
-        if not vllm_available():
-            raise MissingExtraError("vllm", "vllm", "--generation_backend vllm")
-        raise ConfigError("--generation_backend vllm: the vLLM engine backend is not implemented in this rlrun "
-                          "release yet; use --generation_backend hf (or auto)")
+        from rlrun.engines.vllm_adapter import check_version  # noqa: PLC0415 - no vllm import, metadata only
+
+        version = check_version()
+        if tensor_parallel_size != 1:
+            raise ConfigError(f"--generation_backend vllm with --vllm_tensor_parallel_size {tensor_parallel_size}: "
+                              "rlrun runs vLLM engines at tensor parallel 1 only (one vLLM child process per "
+                              "engine rank, engines on their own ranks or on the actor's ranks); use "
+                              "--vllm_tensor_parallel_size 1, or --generation_backend hf")
+        return "vllm", (f"requested: vLLM {version}, one child process per engine rank, tensor parallel 1"
+                        + ("; no sleep mode on CPU (sleep/wake do nothing)" if not cuda else ""))
     if requested == "hf":
         return "hf", "requested"
     if cuda and vllm_available():
-        return "hf", "auto: vLLM is installed but rlrun's vLLM backend is not implemented yet"
-    return "hf", "auto: " + ("vLLM is not installed" if cuda else "no GPU")
+        return "hf", "auto: vLLM is installed, but rlrun's vLLM backend is opt-in (--generation_backend vllm) until validated on GPU"
+    return "hf", "auto: " + ("vLLM is not installed" if cuda else "no GPU (vLLM on CPU is slower than HF generate)")
 
 
 class HFEngine:
@@ -58,8 +80,11 @@ class HFEngine:
         self.sampling = sampling
         self.device = device
 
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        return self.sample(prompts, seed).responses
+
+    @torch.no_grad()
+    def sample(self, prompts: list[list[int]], seed: int) -> Generation:
         s = self.sampling
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), s.pad_id, dtype=torch.long)
@@ -81,4 +106,4 @@ class HFEngine:
             if s.eos_id in row:
                 row = row[: row.index(s.eos_id) + 1]
             responses.append(row)
-        return responses
+        return Generation(responses)

@@ -49,7 +49,9 @@ class Updater:
         counts: dict[str, int] = defaultdict(int)
         for rows in minibatches:
             num_tokens = float(token_mask[rows].sum()) / self.dp_size
-            num_seqs = len(rows) / self.dp_size
+            # Sequences with no response token left (groups removed by --dynamic_filtering) are not samples
+            # of this update, as in OpenRLHF's loss normalisation; this keeps seq-mean modes exact too.
+            num_seqs = float((token_mask[rows].sum(-1) > 0).sum()) / self.dp_size
             mine = rows[shard(len(rows), self.dp_size, self.dp_rank)]
             self.optimizer.zero_grad(set_to_none=True)
             for start in range(0, len(mine), self.micro_batch):
