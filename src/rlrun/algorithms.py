@@ -21,6 +21,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from rlrun.is_correction import ISCorrection, correction_weights
+
 KLEstimator = Literal["k1", "k2", "k3"]
 PolicyLossType = Literal["ppo", "gspo"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
@@ -424,7 +426,8 @@ def aggregate_loss(loss: Tensor, mask: Tensor, mode: LossAggMode, *,
 def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, *,
                 eps_clip: float, eps_clip_high: float | None = None, dual_clip: float | None = None,
                 loss_type: PolicyLossType = "ppo", agg: LossAggMode = "token-mean",
-                num_tokens: float | None = None, num_seqs: float | None = None
+                num_tokens: float | None = None, num_seqs: float | None = None,
+                rollout_log_probs: Tensor | None = None, is_correction: ISCorrection | None = None
                 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (optionally asymmetric, dual-clipped, or sequence-level GSPO).
 
@@ -440,6 +443,10 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
     clip_frac (tokens whose clipped term is the active one) = clip_frac_low (ratio below
     1 - eps_clip) + clip_frac_high (ratio above 1 + eps_clip_high), approx_kl (mean of
     old - new, i.e. k1 of KL(old||new)), ratio (mean), and dual_clip_frac when dual_clip is set.
+    With ``is_correction`` (level not "off") and the engine's ``rollout_log_probs`` [b, T]: "ppo"
+    multiplies each token's loss by rlrun.is_correction's train/rollout weight (after the dual
+    clip, as OpenRLHF does; adds is_filter_frac and engine_kl to the stats); "gspo" takes its
+    sequence ratio against the rollout log-probs instead of the old ones.
     """
     _check_choice("policy loss type", loss_type, POLICY_LOSS_TYPES)
     if dual_clip is not None and dual_clip <= 1.0:
@@ -447,11 +454,15 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
                          f"got {dual_clip}")
     eps_low = eps_clip
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    correcting = is_correction is not None and is_correction.level != "off"
+    if correcting and rollout_log_probs is None:
+        raise ValueError("is_correction needs the engine's rollout_log_probs")
     raw_log_ratio = log_probs - old_log_probs
     if loss_type == "gspo":
         # OpenRLHF exponentiates the sequence mean unbounded; the same +-20 bound as the
         # token path only matters where it would overflow to inf (and A = 0 give NaN).
-        seq_log_ratio = masked_mean(raw_log_ratio, mask, dim=-1).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        gspo_log_ratio = log_probs - rollout_log_probs if correcting else raw_log_ratio  # type: ignore[operator]
+        seq_log_ratio = masked_mean(gspo_log_ratio, mask, dim=-1).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         ratio = seq_log_ratio.exp().unsqueeze(-1).expand_as(raw_log_ratio)
         agg = "seq-mean-token-mean"
     else:
@@ -466,6 +477,10 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
         cap = -advantages * dual_clip
         dual_active = (advantages < 0) & (per_token > cap)
         per_token = torch.where(dual_active, cap, per_token)
+    correction_stats: dict[str, Tensor] = {}
+    if correcting and loss_type == "ppo":
+        weights, correction_stats = correction_weights(old_log_probs, rollout_log_probs, mask, is_correction)  # type: ignore[arg-type]
+        per_token = weights * per_token
     loss = aggregate_loss(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs)
     with torch.no_grad():
         m = mask.bool()
@@ -479,6 +494,7 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
                  "approx_kl": masked_mean(-raw_log_ratio, m), "ratio": masked_mean(ratio, m)}
         if dual_active is not None:
             stats["dual_clip_frac"] = masked_mean(dual_active.to(as_float), m)
+        stats.update(correction_stats)
     return loss, {k: v.detach() for k, v in stats.items()}
 
 

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from rlrun.config import Config
 from rlrun.data import PromptSampler, format_prompt, load_prompt_records, tokenize_prompts
 from rlrun.errors import DataError
+from rlrun.is_correction import ISCorrection
 from rlrun.launch.fsdp import FSDPStrategy
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
@@ -155,7 +156,9 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         eps_low, eps_high = a.eps_clip_low_high or (a.eps_clip, a.eps_clip)
         settings = PolicyLossSettings(eps_low, a.dual_clip, a.loss_agg_mode, g.temperature, a.entropy_loss_coef,
                                       a.use_kl_loss, a.kl_estimator, eps_clip_high=eps_high,
-                                      loss_type=a.policy_loss_type)
+                                      loss_type=a.policy_loss_type,
+                                      is_correction=ISCorrection(a.is_correction_level, a.is_correction_mode,
+                                                                 a.is_correction_gating, *a.is_correction_threshold))
         updater = _updater(cfg, model, actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout, Role.ACTOR, rank)
         out.actor = Actor(model, updater, settings, device, packing=cfg.train.packing_samples)
     if Role.REF in mine:

@@ -31,8 +31,9 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
     "local_rank": (1, LAUNCHER),
     "ref_reward_offload": (0, NOT_YET),
     "enable_prefix_caching": (0, NOT_YET),
-    "enable_vllm_is_correction": (0, NOT_YET),
-    "vllm_is_truncated_threshold": (1, NOT_YET),
+    "enable_vllm_is_correction": (0, "OpenRLHF <= 0.10's spelling, whose meaning changed between releases; use "
+                                  "--is_correction_level token --is_correction_mode clip (TIS) or mask (ICEPOP)"),
+    "vllm_is_truncated_threshold": ("*", "OpenRLHF <= 0.10's spelling; use --is_correction_threshold LOW HIGH"),
     "vllm_generate_batch_size": (1, NOT_YET),
     "deepspeed_enable_sleep": (0, NOT_YET),
     "ds_tensor_parallel_size": (1, NOT_YET),

@@ -142,6 +142,10 @@ class AlgorithmConfig:
     entropy_loss_coef: float | None = opt(None, "Entropy bonus coefficient (0 logs entropy only).")
     no_advantage_std_norm: bool = opt(False, "gae/reinforce/reinforce_baseline: only subtract the advantage mean, do not divide by its std.")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = opt("token-mean", "How per-token losses are averaged.")
+    is_correction_level: Literal["off", "token", "seq"] = opt("off", "Correct the engine/actor log-prob mismatch (OpenRLHF 0.11 --algo.advantage.is_correction_level; needs --generation_backend vllm): gate each token, or each sequence's mean, on the statistic below.")
+    is_correction_mode: Literal["mask", "clip"] = opt("mask", "mask: drop units outside the threshold (survivors keep their weight pi_train/pi_rollout); clip: clamp the token weight into it (token level, ratio gating).")
+    is_correction_gating: Literal["ratio", "binary_kl", "tv"] = opt("ratio", "Statistic the gate reads: the weight pi_train/pi_rollout itself, or the sampled token's binary KL / total variation between the two.")
+    is_correction_threshold: tuple[float, float] = opt((0.5, 5.0), "LOW HIGH bounds of the gated statistic (0 HIGH for an upper bound only, required for binary_kl/tv).")
 
 
 @dataclass

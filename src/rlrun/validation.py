@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from rlrun.config import NEEDS_GROUPS, Config
 from rlrun.errors import ConfigError
+from rlrun.is_correction import ISCorrection
+from rlrun.is_correction import check_settings as check_is_settings
 
 
 def _positive(name: str, value: int | float | None, *, allow_none: bool = False) -> None:
@@ -97,6 +99,15 @@ def _check_algorithm_extras(cfg: Config) -> None:
                           f"{cfg.generation.generate_max_len}]; the penalty ramps over the last N tokens")
     if a.overlong_penalty_factor < 0:
         raise ConfigError(f"--overlong_penalty_factor must be >= 0, got {a.overlong_penalty_factor}")
+    correction = ISCorrection(a.is_correction_level, a.is_correction_mode, a.is_correction_gating,
+                              *a.is_correction_threshold)
+    if (problem := check_is_settings(correction)) is not None:
+        raise ConfigError(problem)
+    if a.is_correction_level != "off" and cfg.generation.generation_backend != "vllm":
+        raise ConfigError(f"--is_correction_level {a.is_correction_level} corrects the engine/actor log-prob mismatch "
+                          "with the engine's sampled-token log-probs, which only the vLLM backend reports; add "
+                          "--generation_backend vllm, or drop the flag (with HF generate there is no mismatch to correct "
+                          "when the engine holds the actor's weights)")
     if a.stop_properly_penalty_coef is not None and a.stop_properly_penalty_coef > 1:
         raise ConfigError(f"--stop_properly_penalty_coef {a.stop_properly_penalty_coef}: use a value in [0, 1] "
                           "(scales truncated rewards) or a negative one (replaces them)")

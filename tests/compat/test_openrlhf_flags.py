@@ -273,3 +273,15 @@ def test_openrlhf_0_11_command_line_equals_the_0_9_one():
 def test_docs_list_every_dotted_flag():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "compat.md").read_text()
     assert not [name for name in OPENRLHF_DOTTED if f"| `--{name}` |" not in doc]
+
+
+def test_is_correction_threshold_single_value_is_an_upper_bound() -> None:
+    """OpenRLHF 0.11 reads `--algo.advantage.is_correction_threshold HIGH` as LOW 0 (train_ppo_ray.py)."""
+    from rlrun.cli import parse_args
+
+    one = parse_args(["--algo.advantage.is_correction_threshold", "2.5", "--seed", "3"]).config
+    assert one.algo.is_correction_threshold == (0.0, 2.5) and one.train.seed == 3
+    assert parse_args(["--algo.advantage.is_correction_threshold=4"]).config.algo.is_correction_threshold == (0.0, 4.0)
+    two = parse_args(["--algo.advantage.is_correction_threshold", "0.5", "3", "--algo.advantage.is_correction_level",
+                      "seq"]).config
+    assert two.algo.is_correction_threshold == (0.5, 3.0) and two.algo.is_correction_level == "seq"

@@ -29,6 +29,8 @@ class Same:
 
     field: str
     nargs: Nargs
+    # OpenRLHF reads one value of a LOW HIGH pair as HIGH with LOW 0 (--algo.advantage.is_correction_threshold).
+    single_value_is_high: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,10 @@ OPENRLHF_DOTTED: dict[str, Meaning] = {
     "vllm.enable_sleep": Same("vllm_enable_sleep", 0),
     "vllm.gpu_memory_utilization": Same("vllm_gpu_memory_utilization", 1),
     # train/rollout logprob-mismatch importance sampling (0.9: --enable_vllm_is_correction)
-    "algo.advantage.is_correction_level": Ignored(1, NOT_YET),
-    "algo.advantage.is_correction_mode": Ignored(1, NOT_YET),
-    "algo.advantage.is_correction_gating": Ignored(1, NOT_YET),
-    "algo.advantage.is_correction_threshold": Ignored("+", NOT_YET),
+    "algo.advantage.is_correction_level": Same("is_correction_level", 1),
+    "algo.advantage.is_correction_mode": Same("is_correction_mode", 1),
+    "algo.advantage.is_correction_gating": Same("is_correction_gating", 1),
+    "algo.advantage.is_correction_threshold": Same("is_correction_threshold", "+", single_value_is_high=True),
     # async training
     "train.async_enable": Same("async_train", 0),
     "train.async_queue_size": Same("async_queue_size", 1),
@@ -295,6 +297,9 @@ def translate(argv: Sequence[str], fields: Mapping[str, FieldInfo],
             out.extend(meaning.tokens[values[0]])
         else:
             info = fields[meaning.field]
+            if meaning.single_value_is_high and len(values) == 1:
+                values = ["0", *values] if not eq else ["0", value]
+                eq = ""  # two values now: passed as separate tokens
             if values:  # check here so that a bad value is reported under the name the user typed
                 coerce(info, values if len(values) > 1 else values[0], flag)
             out.extend([f"--{meaning.field}={values[0]}"] if eq else [f"--{meaning.field}", *values])

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from rlrun.algorithms import LossAggMode, PolicyLossType, aggregate_loss, compute_approx_kl, policy_loss
+from rlrun.is_correction import ISCorrection
 from rlrun.roles.forward import over_micro_batches, policy_log_probs
 from rlrun.roles.update import Updater
 from rlrun.rollout import RolloutBatch
@@ -24,6 +25,7 @@ class PolicyLossSettings:
     kl_estimator: str
     eps_clip_high: float | None = None  # upper clip range; None: eps_clip (symmetric)
     loss_type: PolicyLossType = "ppo"
+    is_correction: ISCorrection | None = None  # engine/actor mismatch correction (needs engine log-probs)
 
 
 @dataclass
@@ -71,7 +73,8 @@ class Actor:
             norm = {"num_tokens": num_tokens, "num_seqs": num_seqs}
             loss, stats = policy_loss(logp, old_log_probs, data.advantages[rows].to(self.device),
                                       m, eps_clip=s.eps_clip, eps_clip_high=s.eps_clip_high, dual_clip=s.dual_clip,
-                                      loss_type=s.loss_type, agg=s.agg, **norm)
+                                      loss_type=s.loss_type, agg=s.agg, **norm,
+                                      rollout_log_probs=part.engine_log_probs, is_correction=s.is_correction)
             stats = {"policy_loss": loss.detach(), **stats}
             if s.use_kl_loss and data.ref_log_probs is not None:
                 kl = compute_approx_kl(logp, data.ref_log_probs[rows].to(self.device), s.kl_estimator, m)  # type: ignore[arg-type]
