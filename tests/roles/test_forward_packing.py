@@ -5,11 +5,7 @@ Run as a script (`python test_forward_packing.py RANK WORLD PORT OUTDIR`) it is 
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -153,12 +149,6 @@ def test_training_step_matches_padded():
 # ---- FSDP2 ---------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fsdp_rank(rank: int, world: int, port: int, outdir: Path) -> None:
     """Padded and packed on the same FSDP2-wrapped models; rank r scores and trains on its half of the rows."""
     import torch.distributed as dist
@@ -194,13 +184,9 @@ def strategy_full(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [1, 2])
 def test_fsdp2_packed_matches_padded(tmp_path, world):
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    deadline = time.monotonic() + 240
-    outputs = [p.communicate(timeout=max(1, deadline - time.monotonic()))[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    from helpers import run_file_as_ranks  # not at the top: the ranks run this file as __main__
+
+    run_file_as_ranks(__file__, world, tmp_path, timeout=240)
     for r in range(world):
         res = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         for key in ("logp", "values", "scores"):

@@ -5,11 +5,7 @@ Run as a script (`python test_optim.py RANK WORLD PORT OUTDIR`) it is one FSDP2 
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -94,23 +90,14 @@ def _fsdp_rank(rank: int, world: int, port: int, outdir: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_fused_adamw_on_fsdp2_dtensors(tmp_path):
-    world, port = 2, _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    deadline = time.monotonic() + 200
-    outputs = [p.communicate(timeout=max(1, deadline - time.monotonic()))[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    world = 2
+    from helpers import run_file_as_ranks  # not at the top: the ranks run this file as __main__
+
+    run_file_as_ranks(__file__, world, tmp_path, timeout=200)
     expected = _train(3)  # one process, whole batch, plain tensors
     for r in range(world):
         for got, want in zip(torch.load(tmp_path / f"rank{r}.pt"), expected):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
