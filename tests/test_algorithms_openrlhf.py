@@ -19,21 +19,18 @@ from rlrun.algorithms import (
     AdaptiveKLController,
     compute_advantages,
     compute_approx_kl,
-    dynamic_filter_keep,
     effective_gamma,
     gamma_override_warning,
     masked_whiten,
-    overlong_penalty,
     policy_loss,
     sequence_mean_kl,
     shape_group_scores,
-    stop_properly_penalty,
-    truncated_rows,
     value_loss,
 )
 from rlrun.cli import parse_args
 from rlrun.config import Config
 from rlrun.errors import ConfigError
+from rlrun.reward_shaping import dynamic_filter_keep, overlong_penalty, stop_properly_penalty, truncated_rows
 from rlrun.rollout import pack_rows, unpack_rows
 from rlrun.trainer import Trainer, TrainState
 from rlrun.validation import check_values

@@ -30,7 +30,9 @@ from rlrun.config import Config
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import all_gather_vectors
+from rlrun.reward_shaping import cut_by_length
 from rlrun.roles.engine import SamplingSettings
+from rlrun.roles.reward_fn import reward_responses
 
 # Per-rank sums, added over engine ranks: [sum of per-prompt mean rewards, sum of per-prompt max rewards,
 # prompts, sum of response lengths, samples, truncated samples].
@@ -101,22 +103,23 @@ class Evaluator:
         assert self.engine is not None and self.reward_fn is not None
         rows = [i for i in indices for _ in range(self.n)]  # each prompt's N samples stay adjacent
         per_chunk = max(self.n, self.chunk_rows // self.n * self.n)  # whole prompts per chunk
-        rewards, lengths, truncated = [], [], []
+        rewards, lengths, last = [], [], []
         max_len, eos = self.engine.sampling.max_new_tokens, self.engine.sampling.eos_id
         for chunk, begin in enumerate(range(0, len(rows), per_chunk)):
             part = rows[begin:begin + per_chunk]
             seed = derive_seed(self.cfg.train.seed, "eval", steps_done, slot, chunk)
             responses = self.engine.generate([self.prompts.ids[i] for i in part], seed)
-            texts = [self.prompts.texts[i] for i in part]
-            queries = [t + self.tokenizer.decode(r, skip_special_tokens=True) for t, r in zip(texts, responses)]
-            rewards.append(self.reward_fn(queries, texts, [self.prompts.labels[i] for i in part]).rewards.float())
+            result = reward_responses(self.reward_fn, [self.prompts.texts[i] for i in part],
+                                      [self.prompts.labels[i] for i in part], responses, self.tokenizer)
+            rewards.append(result.rewards.float())
             lengths += [len(r) for r in responses]
-            truncated += [len(r) >= max_len and (not r or r[-1] != eos) for r in responses]
+            last += [r[-1] if r else -1 for r in responses]
         if not rows:
             return local_totals(torch.zeros(0, self.n), torch.zeros(0, self.n), torch.zeros(0, self.n))
         shape = (len(indices), self.n)
-        return local_totals(torch.cat(rewards).view(shape), torch.tensor(lengths).view(shape),
-                            torch.tensor(truncated).view(shape))
+        length = torch.tensor(lengths)
+        truncated = cut_by_length(torch.tensor(last), length, max_len, eos)
+        return local_totals(torch.cat(rewards).view(shape), length.view(shape), truncated.view(shape))
 
 
 class _HasSampling(Protocol):

@@ -16,8 +16,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.algorithms import (compute_advantages, compute_approx_kl, dynamic_filter_keep, make_kl_controller,
-                              masked_mean, overlong_penalty, sequence_mean_kl, stop_properly_penalty, truncated_rows)
+from rlrun.algorithms import compute_advantages, compute_approx_kl, make_kl_controller, masked_mean, sequence_mean_kl
 from rlrun.batching import derive_seed, minibatch_order, shard
 from rlrun.build import Prompts, RankRoles
 from rlrun.config import Config
@@ -29,8 +28,10 @@ from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import all_gather_vectors, broadcast_json, gather_from
 from rlrun.metrics import MetricsSink
 from rlrun.results import pack_slots, slot_plan, unpack_slots
+from rlrun.reward_shaping import dynamic_filter_keep, overlong_penalty, stop_properly_penalty, truncated_rows
 from rlrun.roles.actor import PolicyData
 from rlrun.roles.critic import ValueData
+from rlrun.roles.reward_fn import reward_responses
 from rlrun.rollout import RolloutBatch, engine_logprob_diff, pack_log_probs, pack_rows, unpack_rows
 from rlrun.running import RunningMoments
 
@@ -84,9 +85,8 @@ class Trainer:
             if generation.log_probs is not None:
                 log_probs = pack_log_probs(generation.log_probs, R)
             if self.roles.reward_fn is not None:
-                texts = [self.prompts.texts[i] for i in mine]
-                queries = [t + self.tokenizer.decode(r, skip_special_tokens=True) for t, r in zip(texts, responses)]
-                result = self.roles.reward_fn(queries, texts, [self.prompts.labels[i] for i in mine])
+                result = reward_responses(self.roles.reward_fn, [self.prompts.texts[i] for i in mine],
+                                          [self.prompts.labels[i] for i in mine], responses, self.tokenizer)
                 scores, extra = result.rewards, result.extra_logs
         world = self.groups.world
         gathered = gather_from(self.engine_ranks, packed, (share, P + R + 2), torch.long, world, self.comm_device)

@@ -9,7 +9,8 @@ import pytest
 
 from helpers import run_rlrun, subprocess_env
 from rlrun.cli import IGNORED_FLAGS, parse_args
-from rlrun.compat.verl_overrides import AGENT, VERL_KEYS, Part, To, parse_value, translate
+from rlrun.compat.verl_keys import AGENT, VERL_KEYS, Part, To
+from rlrun.compat.verl_overrides import parse_value, translate
 from rlrun.config import Config, fields_of
 from rlrun.errors import ConfigError
 
@@ -501,7 +502,7 @@ def test_search_r1_grpo_command_line_runs(tmp_path):
 def test_docs_list_every_verl_key():
     from pathlib import Path
 
-    from rlrun.compat.verl_overrides import SKIPPED_SUBTREES
+    from rlrun.compat.verl_keys import SKIPPED_SUBTREES
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "compat.md").read_text()
     assert not [key for key in VERL_KEYS if f"| `{key}` |" not in doc]

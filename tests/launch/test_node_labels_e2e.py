@@ -5,27 +5,20 @@ Static rendezvous (--node_rank) fixes which agent is node 0, as scripts/runpod d
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from helpers import REPO, subprocess_env
+from helpers import REPO, free_port, subprocess_env
 
 DEMO = ["--config", "configs/demo.yaml", "--max_steps", "1", "--init_kl_coef", "0.01",
         "--actor_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "1", "--vllm_num_engines", "1"]
 LABELS = ("alpha", "beta")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_two_nodes(args: list[str], tmp_path, timeout: float = 300) -> tuple[list[int], str]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for node, label in enumerate(LABELS):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),

@@ -5,12 +5,12 @@ from __future__ import annotations
 import inspect
 
 from rlrun.cli import IGNORED_FLAGS, NO_EFFECT_YET
-from rlrun.compat import verl_overrides as verl
+from rlrun.compat import verl_keys as verl
+from rlrun.compat.reasons import NOT_YET
+from rlrun.compat.verl_overrides import GROUP_RULES
 from rlrun.compat.openrlhf_flags import OPENRLHF_DOTTED, ByValue, Ignored, Same, resolve
 from rlrun.config import fields_of
 
-GROUP_RULES = {"kl": verl._kl, "batch": verl._batch, "micro": verl._micro, "estimator": verl._estimator,
-               "reward_model": verl._reward_model, "clip": verl._clip}
 GROUP_FIELDS = {"kl": "use_kl_loss, init_kl_coef, kl_estimator, kl_target, kl_horizon",
                 "batch": "n_samples_per_prompt, train_batch_size", "micro": "micro_train_batch_size, micro_rollout_batch_size",
                 "estimator": "advantage_estimator", "reward_model": "reward_pretrain", "clip": "eps_clip, eps_clip_low_high"}
@@ -55,7 +55,7 @@ def verl_rows() -> list[tuple[str, str]]:
                 if meaning.convert is not None:
                     status += f" ({_first_line(meaning.convert.__doc__)})"
             else:
-                reason = IGNORED_FLAGS[meaning.field][1] if meaning.field in IGNORED_FLAGS else verl.NOT_YET
+                reason = IGNORED_FLAGS[meaning.field][1] if meaning.field in IGNORED_FLAGS else NOT_YET
                 status = f"ignored ({reason}); would set `--{meaning.field}`"
         elif isinstance(meaning, verl.Part):
             rule = GROUP_RULES[meaning.group]

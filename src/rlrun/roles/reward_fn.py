@@ -21,10 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Real
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlrun.errors import RewardError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TOKEN_ENV = "RLRUN_REWARD_TOKEN"
 BUILTIN_SOURCE = "builtin demo rule"
@@ -146,6 +150,14 @@ class RewardFunction:
     def _wrapped(self, exc: Exception, batch: int) -> RewardError:
         return RewardError(f"reward function {self.source} raised {_one_line(exc)} on a batch of {batch} "
                            "queries; fix the reward function (run it on a few samples by hand to reproduce).")
+
+
+def reward_responses(reward_fn: RewardFunction, prompt_texts: list[str], labels: list[str | None],
+                     responses: list[list[int]], tokenizer: "PreTrainedTokenizerBase") -> RewardResult:
+    """Reward sampled responses: queries[i] is prompt_texts[i] followed by response i decoded without special
+    tokens (what every reward source receives, OpenRLHF's convention)."""
+    queries = [text + tokenizer.decode(ids, skip_special_tokens=True) for text, ids in zip(prompt_texts, responses)]
+    return reward_fn(queries, prompt_texts, labels)
 
 
 def _load_builtin() -> RewardFunction:
