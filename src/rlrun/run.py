@@ -90,7 +90,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
         if cfg.checkpoint.load_checkpoint:
             with phase("load", -1):
                 checkpointer.restore()
-        roles.weight_sync.sync()  # engines start from the actor's (possibly restored) weights  # type: ignore[union-attr]
+        trainer.sync_weights()  # engines start from the actor's (possibly restored) weights
         sink = MetricsSink(cfg, total_steps, trainer.state.step) if env.rank == 0 else None
 
         def after_step(steps_done: int) -> None:

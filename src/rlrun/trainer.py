@@ -195,6 +195,13 @@ class Trainer:
                 stats.update(critic)  # type: ignore[arg-type]
         return stats
 
+    def sync_weights(self) -> None:
+        """Actor -> engines (collective over the actor and engine ranks), then the engine takes the new weights
+        up (vLLM: one reload in its child), once per sync rather than once per generate call."""
+        self.roles.weight_sync.sync()  # type: ignore[union-attr]
+        if self.roles.engine is not None:
+            self.roles.engine.load_weights()
+
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self, step: int) -> dict[str, float]:
@@ -221,7 +228,7 @@ class Trainer:
         times["time/train"] = time.perf_counter() - t2
         t3 = time.perf_counter()
         with self.phase("sync", step):
-            self.roles.weight_sync.sync()  # type: ignore[union-attr]
+            self.sync_weights()
         times["time/sync"] = time.perf_counter() - t3
         mask = out.batch.action_mask
         # OpenRLHF's "kl": the mean over sequences of each one's token-mean KL; it also drives the

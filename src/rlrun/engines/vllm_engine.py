@@ -54,7 +54,8 @@ def request_seeds(seed: int, count: int) -> list[int]:
 
 class VLLMEngine:
     """Sampling with vLLM in a child process. generate()/sample() as HFEngine; load_weights() pushes
-    the current `model` parameters to the child (done automatically before each sample())."""
+    the current `model` parameters to the child: the trainer calls it once after every weight sync, so
+    generation and evaluation calls in between reuse the weights the child already holds."""
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
                  device: torch.device, *, seed: int, max_model_len: int, timeout_s: float,
@@ -110,7 +111,6 @@ class VLLMEngine:
     # ---- generation ---------------------------------------------------------------------------
 
     def sample(self, prompts: list[list[int]], seed: int) -> Generation:
-        self.load_weights()
         s = self.sampling
         tokens, logprobs = self.child.request(  # type: ignore[misc]
             "generating", "generate", prompts, request_seeds(seed, len(prompts)),

@@ -43,6 +43,10 @@ class Engine(Protocol):
         """generate() plus the sampled tokens' log-probabilities."""
         ...
 
+    def load_weights(self) -> None:
+        """Take up the weights weight sync just wrote into `model` (called once after every sync)."""
+        ...
+
 
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
@@ -82,6 +86,9 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         return self.sample(prompts, seed).responses
+
+    def load_weights(self) -> None:
+        """Nothing to do: `model` is what generate() runs, and weight sync writes into it."""
 
     @torch.no_grad()
     def sample(self, prompts: list[list[int]], seed: int) -> Generation:
