@@ -123,7 +123,7 @@ def disaggregated_bench(rank: int, args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from rlrun.launch.fsdp import param_blocks
+    from rlrun.strategies.fsdp import param_blocks
     from rlrun.launch.transfer import ParamSource, WeightSync, bucket_size, entry_view
 
     world = args.world
@@ -277,8 +277,8 @@ def colocated_bench(rank: int, args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    import rlrun.launch.fsdp as fsdp
-    from rlrun.launch.fsdp import FSDPStrategy
+    import rlrun.strategies.fsdp as fsdp
+    from rlrun.strategies.fsdp import FSDPStrategy
     from rlrun.launch.transfer import ParamSource, WeightSync
     from rlrun.tiny import build_causal_lm, tiny_model_config_for_size
 

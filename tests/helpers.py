@@ -67,3 +67,53 @@ def run_file_as_ranks(path: str, world: int, outdir: Path, timeout: float) -> No
             if p.poll() is None:
                 p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 15) -> int | None:
+    """SIGTERM a server started with start_new_session=True; SIGKILL its process group if it lingers."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout)
+    return proc.returncode
+
+
+def teach_tiny_model(out: Path, trajectories: list[list[tuple[str, bool]]], *, max_positions: int = 512,
+                     steps: int = 150) -> None:
+    """The embedded tiny model, taught by teacher forcing (seconds on CPU) to reproduce each trajectory: a list
+    of (text, trained) pieces, loss on the `trained` ones, EOS after the last. Saved with its tokenizer to
+    `out`. For tests that need a policy that already writes a protocol (a random tiny model never writes
+    `<search>`); everything the trainer then does with it is real."""
+    import torch
+
+    from rlrun.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
+
+    tok = build_byte_tokenizer()
+    config = tiny_model_config()
+    config.max_position_embeddings = max_positions
+    model = build_causal_lm(config, seed=0)
+    rows = []
+    for pieces in trajectories:
+        ids: list[int] = []
+        mask: list[float] = []
+        for text, trained in pieces:
+            piece = tok.encode(text, add_special_tokens=False)
+            ids += piece
+            mask += [float(trained)] * len(piece)
+        rows.append((torch.tensor(ids + [tok.eos_token_id]), torch.tensor(mask + [1.0])))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        for ids, mask in rows:
+            logits = model(input_ids=ids[None, :-1]).logits[0]
+            loss = (torch.nn.functional.cross_entropy(logits, ids[1:], reduction="none") * mask[1:]).sum() / mask.sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert loss.item() < 0.05, loss.item()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)

@@ -392,7 +392,7 @@ def test_realistic_grpo_command_line():
     assert cfg.data.label_key == "label" and cfg.logging.use_tensorboard == "logs/grpo"
     assert not cfg.needs_critic and cfg.needs_ref and not cfg.needs_reward_model
     assert {line.split(":")[0] for line in parsed.ignored} == {
-        "--deepspeed_enable_sleep", "--async_train", "--async_queue_size", "--ray_namespace",
+        "--deepspeed_enable_sleep", "--ray_namespace",
         "--lr_scheduler", "--vllm_gpu_memory_utilization", "--vllm_enable_sleep", "--enforce_eager"}
     assert cfg.algo.eps_clip_low_high == (0.2, 0.28)
     layout = plan(cfg, 8, 8).layout

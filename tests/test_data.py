@@ -118,6 +118,14 @@ def test_missing_input_key_lists_keys_and_suggests(tmp_path: Path) -> None:
     assert "Did you mean 'question'?" in message
 
 
+def test_list_and_dict_labels_become_json_text(tmp_path: Path) -> None:
+    """Search-R1's golden_answers lists (and verl's {"target": [...]}) reach rewards and agents as JSON."""
+    path = _write_jsonl(tmp_path / "l.jsonl", [{"prompt": "q", "label": ["Paris", "paris, France"]},
+                                               {"prompt": "r", "label": {"target": ["1889"]}}])
+    labels = [r.label for r in load_prompt_records(str(path), label_key="label")]
+    assert labels == ['["Paris", "paris, France"]', '{"target": ["1889"]}']
+
+
 def test_missing_label_key(tmp_path: Path) -> None:
     path = str(_write(tmp_path, "csv", ROWS))
     with pytest.raises(DataError) as info:

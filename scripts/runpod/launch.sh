@@ -40,6 +40,13 @@
 #                       on RLRUN_REWARD_PORT (default 5000), waits for its /health, and every pod
 #                       trains with --remote_rm_url http://HEAD_ADDR:PORT/reward. Set
 #                       RLRUN_REWARD_TOKEN (same value on every pod) to require a bearer token.
+#   RLRUN_NODE_SERVICE  a command every pod starts in the background before training and stops after it
+#                       (e.g. "python -m rlrun.retriever_server --corpus_path corpus.jsonl --port 8000");
+#                       run by bash on the pod, logged to $CKPT_DIR/logs/node-service-<host name>.log.
+#                       Training starts only once it is up; if it exits or never answers, the pod fails.
+#   RLRUN_NODE_SERVICE_HEALTH  URL that answers 200 when the service is ready (e.g.
+#                       http://127.0.0.1:8000/health); unset: the service just has to stay alive for 1 s
+#   RLRUN_NODE_SERVICE_WAIT    seconds to wait for RLRUN_NODE_SERVICE_HEALTH (default 120)
 #   RLRUN_NODE_LABEL    this pod's label, matched by --actor_node_label/--ref_node_label/... (default: the
 #                       pod's host name); the one variable that may differ per pod, e.g. h100 / a100
 #   RLRUN_PYTHON        python with rlrun installed (default: python, else python3)
@@ -87,6 +94,13 @@ node_label="${NODE_RANK:-$(hostname)}"
 
 py="${RLRUN_PYTHON:-$(command -v python || command -v python3 || true)}"
 [[ -n "$py" ]] || die "no python found; set RLRUN_PYTHON to the python that has rlrun installed"
+if [[ -n "${RLRUN_NODE_SERVICE:-}${RLRUN_NODE_SERVICE_HEALTH:-}${RLRUN_NODE_SERVICE_WAIT:-}" || "${RLRUN_REWARD_SERVER:-0}" == 1 ]]; then
+    svc_lib="$(dirname "${BASH_SOURCE[0]}")/../lib/node_service.sh"
+    # shellcheck source=../lib/node_service.sh
+    [[ -f "$svc_lib" ]] && source "$svc_lib" || die "missing ${svc_lib} (start, await and stop of services); run launch.sh from an rlrun checkout"
+    problem="$(node_service_check)"
+    [[ -z "$problem" ]] || die "$problem"
+fi
 if [[ -n "${RLRUN_TORCHRUN:-}" ]]; then
     read -r -a torchrun <<<"$RLRUN_TORCHRUN"
 else
@@ -179,6 +193,8 @@ cleanup() {
     for pid in "${children[@]}"; do
         kill "$pid" 2>/dev/null
     done
+    # The reward server and the node service: after training, also on failure or a signal.
+    declare -F svc_stop_all >/dev/null && svc_stop_all
     # Give tee (up to 5 s) to write the last lines to the log before this script is gone.
     exec 1>&- 2>&-
 
@@ -260,19 +276,18 @@ if [[ "${RLRUN_REWARD_SERVER:-0}" == 1 ]]; then
             || die "RLRUN_REWARD_SERVER=1 needs RLRUN_REWARD_FILE, a .py file with reward_func (got '${RLRUN_REWARD_FILE:-}')"
         reward_log="$CKPT_DIR/logs/reward-server.log"
         say "starting the reward server on port ${reward_port} (${RLRUN_REWARD_FILE}); log ${reward_log}"
-        "$py" -m rlrun.reward_server --reward_file "$RLRUN_REWARD_FILE" --host 0.0.0.0 --port "$reward_port" \
-            >>"$reward_log" 2>&1 &
-        children+=($!)
-        reward_pid=$!
-        health="http://127.0.0.1:${reward_port}/health"
-        started=$SECONDS
-        until "$py" -c "import sys, urllib.request; sys.exit(urllib.request.urlopen(sys.argv[1], timeout=2).status != 200)" "$health" 2>/dev/null; do
-            kill -0 "$reward_pid" 2>/dev/null || die "the reward server exited; see ${reward_log}: $(tail -n 3 "$reward_log")"
-            ((SECONDS - started >= ${RLRUN_REWARD_WAIT:-120})) && die "the reward server did not answer ${health} in ${RLRUN_REWARD_WAIT:-120}s; see ${reward_log}"
-            sleep 0.5
-        done
+        svc_start "the reward server" "$reward_log" \
+            "$py" -m rlrun.reward_server --reward_file "$RLRUN_REWARD_FILE" --host 0.0.0.0 --port "$reward_port"
+        svc_await "the reward server" "$svc_pid" "$reward_log" "http://127.0.0.1:${reward_port}/health" \
+            "${RLRUN_REWARD_WAIT:-120}" || exit 2
         say "reward server is up: ${reward_url}"
     fi
+fi
+
+# The per-node service (e.g. a retrieval server): on every pod, up before this pod trains.
+if [[ -n "${RLRUN_NODE_SERVICE:-}" ]]; then
+    [[ -n "${NODE_RANK:-}" ]] && export NODE_RANK
+    node_service_up "$(hostname)" "$CKPT_DIR/logs/node-service-$(hostname).log" || exit 2
 fi
 
 # torchrun: one agent per pod.

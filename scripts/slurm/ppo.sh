@@ -45,6 +45,15 @@
 #   RLRUN_NODE_LABEL       the node label --actor_node_label/--ref_node_label/... match (read by rlrun on
 #                          each node; default: the node's host name). A value exported here reaches every
 #                          node alike, so to pin roles to node kinds leave it unset and name host names.
+#   RLRUN_NODE_SERVICE     a command started once per node before training and stopped after it (e.g.
+#                          "python -m rlrun.retriever_server --corpus_path corpus.jsonl --port 8000"); run
+#                          by bash on the node ($SLURM_NODEID expands there), logged to
+#                          <log dir>/node-service-<node name>.log. A node trains only once its service is up;
+#                          if it exits or never answers, the job fails. With RLRUN_LAUNCH=srun local task 0
+#                          starts it and the node's other tasks wait for it.
+#   RLRUN_NODE_SERVICE_HEALTH  URL that answers 200 when the service is ready (e.g.
+#                          http://127.0.0.1:8000/health); unset: the service just has to stay alive for 1 s.
+#   RLRUN_NODE_SERVICE_WAIT    seconds to wait for RLRUN_NODE_SERVICE_HEALTH (default 120).
 #
 #SBATCH --job-name=rlrun-ppo
 #SBATCH --nodes=2
@@ -165,6 +174,25 @@ if [[ -n "${RLRUN_SRUN_ARGS:-}" ]]; then
 fi
 cpus_on_node="${RLRUN_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-}}"
 
+# The per-node service's start/await/stop code goes to the nodes inside the node script (below).
+svc_lib_text=""
+if [[ -n "${RLRUN_NODE_SERVICE:-}${RLRUN_NODE_SERVICE_HEALTH:-}${RLRUN_NODE_SERVICE_WAIT:-}" ]]; then
+    # Slurm runs a copy of this script; scontrol knows the path it was submitted as (relative to
+    # the directory sbatch ran in).
+    submitted="$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n 's/^Command=//p' | head -n 1)"
+    [[ -z "$submitted" || "$submitted" == /* ]] || submitted="${SLURM_SUBMIT_DIR:-$workdir}/${submitted}"
+    for svc_lib in "$(dirname "${submitted:-.}")/../lib/node_service.sh" "$(dirname "$0")/../lib/node_service.sh" \
+                   "$workdir/scripts/lib/node_service.sh" "${SLURM_SUBMIT_DIR:-.}/scripts/lib/node_service.sh"; do
+        [[ -f "$svc_lib" ]] && break
+    done
+    [[ -f "$svc_lib" ]] || die "RLRUN_NODE_SERVICE needs scripts/lib/node_service.sh next to scripts/slurm/ppo.sh; submit the script from an rlrun checkout"
+    svc_lib_text="$(<"$svc_lib")"
+    # shellcheck source=../lib/node_service.sh
+    source "$svc_lib"
+    problem="$(node_service_check)"
+    [[ -z "$problem" ]] || die "$problem"
+fi
+
 export RLRUN_NODE_PYTHON="${RLRUN_PYTHON:-}" RLRUN_NODE_TORCHRUN="${RLRUN_TORCHRUN:-}"
 export RLRUN_NODE_LOG_DIR="$log_dir" RLRUN_NODE_HEAD="$head_addr" RLRUN_NODE_PORT="$port"
 export RLRUN_NODE_PROCS="$procs" RLRUN_NODE_NNODES="$nnodes" RLRUN_NODE_RESTARTS="$restarts"
@@ -196,6 +224,46 @@ set -uo pipefail
 node="${SLURM_NODEID:-0}"
 log="$RLRUN_NODE_LOG_DIR/node-${node}.log"
 py="${RLRUN_NODE_PYTHON:-$(command -v python || command -v python3 || echo python)}"
+say() { echo "rlrun: $*" | tee -a "$log"; }
+if [[ -n "${RLRUN_NODE_SERVICE:-}" ]]; then
+    # Once per node: by the node's torchrun task, or by local task 0 of the node's srun tasks. In
+    # srun mode the node's tasks hand off through files in hand_off: local task 0 writes "up" once
+    # the service is up, each other task writes "done-<local id>" when it ends, and local task 0
+    # stops the service only after those (a task that finishes early must not cut off the others).
+    host="${SLURMD_NODENAME:-$(hostname)}"
+    hand_off="$RLRUN_NODE_LOG_DIR/.node-service-${host}-${SLURM_JOB_ID}.${SLURM_STEP_ID:-0}"
+    if [[ "$RLRUN_NODE_LAUNCH" == torchrun || "${SLURM_LOCALID:-0}" == 0 ]]; then
+        others_done() {
+            local waited=0 done_files
+            shopt -s nullglob
+            done_files=("$hand_off"/done-*)
+            while ((${#done_files[@]} < RLRUN_NODE_PROCS - 1 && waited < 1200)); do
+                sleep 0.5
+                waited=$((waited + 1))
+                done_files=("$hand_off"/done-*)
+            done
+        }
+        # After a clean finish, wait (up to 10 min) for the node's other tasks; after a failure or a
+        # signal Slurm ends the whole step anyway.
+        trap 'rc=$?; [[ $rc == 0 && "$RLRUN_NODE_LAUNCH" == srun ]] && others_done; svc_stop_all; rm -rf "$hand_off"; exit $rc' EXIT
+        trap 'exit 143' TERM
+        trap 'exit 130' INT
+        node_service_up "$host" "$RLRUN_NODE_LOG_DIR/node-service-${host}.log" || exit 2
+        [[ "$RLRUN_NODE_LAUNCH" == srun ]] && mkdir -p "$hand_off" && touch "$hand_off/up"
+    else
+        trap 'touch "$hand_off/done-${SLURM_LOCALID}" 2>/dev/null' EXIT
+        waited=0
+        until [[ -f "$hand_off/up" ]]; do
+            # Local task 0 failing ends the step (--kill-on-bad-exit); this bound is a backstop.
+            if ((waited >= ${RLRUN_NODE_SERVICE_WAIT:-120} * 2 + 30)); then
+                echo "rlrun: error: task ${SLURM_PROCID:-?} on ${host}: the node service was not up after ${waited}s" | tee -a "$log"
+                exit 2
+            fi
+            sleep 1
+            waited=$((waited + 1))
+        done
+    fi
+fi
 if [[ "$RLRUN_NODE_LAUNCH" == srun ]]; then
     # One task per GPU: rlrun reads SLURM_PROCID / SLURM_STEP_* and MASTER_ADDR / MASTER_PORT.
     if [[ "${SLURM_LOCALID:-0}" == 0 ]]; then
@@ -228,6 +296,8 @@ echo "rlrun: node ${node}/${RLRUN_NODE_NNODES} ($(hostname)) head=${RLRUN_NODE_H
 "${torchrun[@]}" "${rdzv_args[@]}" -m rlrun.ppo "$@" 2>&1 | tee -a "$log"
 exit "${PIPESTATUS[0]}"
 NODE_SCRIPT
+
+[[ -n "$svc_lib_text" ]] && node_script="${svc_lib_text}"$'\n'"${node_script}"
 
 set +e
 if [[ "$launch" == srun ]]; then

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from rlrun.agents.episodes import EpisodeRunner
+from rlrun.agents.from_config import build_episode_runner
 from rlrun.config import Config
 from rlrun.data import PromptSampler, format_prompt, load_prompt_records, tokenize_prompts
 from rlrun.errors import DataError
 from rlrun.is_correction import ISCorrection
-from rlrun.launch.fsdp import FSDPStrategy
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import ParamSource, WeightSync
@@ -27,6 +28,8 @@ from rlrun.roles.reference import Reference
 from rlrun.roles.reward_fn import RewardFunction, load_reward_function
 from rlrun.roles.reward_model import RewardModel
 from rlrun.roles.update import Updater
+from rlrun.strategies.base import Strategy
+from rlrun.strategies.fsdp import FSDPStrategy
 
 if TYPE_CHECKING:
     from rlrun.engines.vllm_engine import VLLMEngine
@@ -52,8 +55,10 @@ class RankRoles:
     reference: Reference | None = None
     reward_model: RewardModel | None = None
     reward_fn: RewardFunction | None = None
+    agents: EpisodeRunner | None = None  # multi-turn episodes (their rewards replace reward_fn)
     engine: "HFEngine | VLLMEngine | None" = None
     weight_sync: WeightSync | None = None
+    strategies: dict[Role, Strategy] = field(default_factory=dict)  # of the roles above that hold a model
 
 
 def build_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Prompts:
@@ -103,31 +108,47 @@ def engine_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cfg.model.bf16 and device.type == "cuda" else torch.float32
 
 
-def _strategy(cfg: Config, groups: Groups, role: Role, device: torch.device) -> FSDPStrategy:
+def _strategy(cfg: Config, groups: Groups, role: Role, device: torch.device) -> Strategy:
     group = groups.role(role)
     assert group is not None, role
+    if cfg.train.strategy == "deepspeed":  # planning checked the install, version and stage
+        from rlrun.strategies.deepspeed_adapter import DeepSpeedStrategy  # noqa: PLC0415 - optional extra
+
+        return DeepSpeedStrategy(group, device, bf16=cfg.model.bf16, zero_stage=cfg.train.zero_stage,
+                                 offload=cfg.train.adam_offload, gradient_checkpointing=cfg.model.gradient_checkpointing,
+                                 micro_batch=cfg.train.micro_train_batch_size, max_norm=cfg.train.max_norm)
     return FSDPStrategy(group, device, bf16=cfg.model.bf16, zero_stage=cfg.train.zero_stage,
                         offload=cfg.train.adam_offload, gradient_checkpointing=cfg.model.gradient_checkpointing)
 
 
-def _updater(cfg: Config, model: torch.nn.Module, strategy: FSDPStrategy, lr: float, total_opt_steps: int,
-             layout: Layout, role: Role, rank: int) -> Updater:
+def _updater(cfg: Config, model: torch.nn.Module, strategy: Strategy, lr: float, total_opt_steps: int,
+             layout: Layout, role: Role, rank: int) -> tuple[torch.nn.Module, Updater]:
+    """Wrap a trainable model and build its optimizer, schedule and update loop; returns (wrapped model, updater)."""
     t = cfg.train
-    optimizer = make_optimizer(model, lr, t.adam_betas, t.l2)
+    model, optimizer = strategy.wrap_trainable(model, lambda m: make_optimizer(m, lr, t.adam_betas, t.l2))
     scheduler = warmup_cosine(optimizer, total_opt_steps, t.lr_warmup_ratio)
     ranks = layout.ranks_of(role)
-    return Updater(model, strategy, optimizer, scheduler, t.max_norm, t.micro_train_batch_size, ranks.index(rank),
-                   len(ranks), max_nonfinite_in_a_row=t.max_skipped_steps)
+    return model, Updater(model, strategy, optimizer, scheduler, t.max_norm, t.micro_train_batch_size, ranks.index(rank),
+                          len(ranks), max_nonfinite_in_a_row=t.max_skipped_steps, ops=strategy.step_ops(model))
 
 
-def build_reward_fn(cfg: Config, layout: Layout, rank: int) -> RewardFunction | None:
-    """The rollout reward source of an engine rank (None elsewhere, or when a reward model scores). Imports
-    a reward file but contacts no server, so run() calls it before the first collective: a broken file fails
-    every rank alike."""
+@dataclass
+class RewardSources:
+    """What rewards an engine rank's rollouts: a reward function, or agents whose episodes carry rewards."""
+
+    reward_fn: RewardFunction | None = None
+    agents: EpisodeRunner | None = None
+
+
+def build_reward_sources(cfg: Config, layout: Layout, rank: int, tokenizer: PreTrainedTokenizerBase) -> RewardSources:
+    """The rollout reward source of an engine rank (nothing elsewhere, or when a reward model scores). Imports
+    a reward or agent file but contacts no server, so run() calls it before the first collective."""
     if Role.ENGINE not in layout.roles_of(rank) or cfg.needs_reward_model:
-        return None
-    return load_reward_function(cfg.model.remote_rm_url, timeout_s=cfg.model.remote_rm_timeout,
-                                retries=cfg.model.remote_rm_retries)
+        return RewardSources()
+    if cfg.multi_turn:
+        return RewardSources(agents=build_episode_runner(cfg, tokenizer))
+    return RewardSources(reward_fn=load_reward_function(cfg.model.remote_rm_url, timeout_s=cfg.model.remote_rm_timeout,
+                                                        retries=cfg.model.remote_rm_retries))
 
 
 def _policy_copies(cfg: Config, count: int) -> Iterator[torch.nn.Module]:
@@ -142,7 +163,7 @@ def _policy_copies(cfg: Config, count: int) -> Iterator[torch.nn.Module]:
 
 
 def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.device, total_steps: int,
-                tokenizer: PreTrainedTokenizerBase, reward_fn: RewardFunction | None) -> RankRoles:
+                tokenizer: PreTrainedTokenizerBase, sources: RewardSources) -> RankRoles:
     rank = groups.rank
     mine = set(layout.roles_of(rank))
     out = RankRoles()
@@ -151,26 +172,28 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
     actor_strategy = None
     policies = _policy_copies(cfg, sum(r in mine for r in (Role.ACTOR, Role.REF, Role.ENGINE)))
     if Role.ACTOR in mine:
-        actor_strategy = _strategy(cfg, groups, Role.ACTOR, device)
-        model = actor_strategy.wrap(next(policies))
+        actor_strategy = out.strategies[Role.ACTOR] = _strategy(cfg, groups, Role.ACTOR, device)
         eps_low, eps_high = a.eps_clip_low_high or (a.eps_clip, a.eps_clip)
         settings = PolicyLossSettings(eps_low, a.dual_clip, a.loss_agg_mode, g.temperature, a.entropy_loss_coef,
                                       a.use_kl_loss, a.kl_estimator, eps_clip_high=eps_high,
                                       loss_type=a.policy_loss_type,
                                       is_correction=ISCorrection(a.is_correction_level, a.is_correction_mode,
                                                                  a.is_correction_gating, *a.is_correction_threshold))
-        updater = _updater(cfg, model, actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout, Role.ACTOR, rank)
+        model, updater = _updater(cfg, next(policies), actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout,
+                                  Role.ACTOR, rank)
         out.actor = Actor(model, updater, settings, device, packing=cfg.train.packing_samples)
     if Role.REF in mine:
-        model = _strategy(cfg, groups, Role.REF, device).wrap(next(policies), trainable=False)
+        out.strategies[Role.REF] = _strategy(cfg, groups, Role.REF, device)
+        model = out.strategies[Role.REF].wrap(next(policies), trainable=False)
         out.reference = Reference(model, g.temperature, device, packing=cfg.train.packing_samples)
     if Role.CRITIC in mine:
-        strategy = _strategy(cfg, groups, Role.CRITIC, device)
-        model = strategy.wrap(load_critic(cfg))
-        updater = _updater(cfg, model, strategy, cfg.train.critic_learning_rate, opt_steps, layout, Role.CRITIC, rank)
+        strategy = out.strategies[Role.CRITIC] = _strategy(cfg, groups, Role.CRITIC, device)
+        model, updater = _updater(cfg, load_critic(cfg), strategy, cfg.train.critic_learning_rate, opt_steps, layout,
+                                  Role.CRITIC, rank)
         out.critic = Critic(model, updater, a.value_clip, a.loss_agg_mode, device, packing=cfg.train.packing_samples)
     if Role.REWARD in mine:
-        model = _strategy(cfg, groups, Role.REWARD, device).wrap(load_reward_model(cfg), trainable=False)
+        out.strategies[Role.REWARD] = _strategy(cfg, groups, Role.REWARD, device)
+        model = out.strategies[Role.REWARD].wrap(load_reward_model(cfg), trainable=False)
         out.reward_model = RewardModel(model, device, packing=cfg.train.packing_samples)
     if Role.ENGINE in mine:
         sampling = SamplingSettings(g.temperature, g.top_p, g.generate_max_len, int(tokenizer.pad_token_id),
@@ -184,8 +207,8 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
                                     timeout_s=cfg.runtime.dist_timeout, enforce_eager=g.enforce_eager,
                                     gpu_memory_utilization=g.vllm_gpu_memory_utilization, rank=rank)
         else:
-            out.engine = HFEngine(policy, sampling, device)
-        out.reward_fn = reward_fn
+            out.engine = HFEngine(policy, sampling, device, tokenizer)
+        out.reward_fn, out.agents = sources.reward_fn, sources.agents
     out.weight_sync = WeightSync(
         actor_params=ParamSource(out.actor.model, actor_strategy.param_blocks) if out.actor and actor_strategy else None,
         engine_model=out.engine.model if out.engine else None,

@@ -22,8 +22,6 @@ from rlrun.errors import ConfigError
 # OpenRLHF train_ppo_ray flags rlrun accepts but does not act on: name -> (values it takes, reason).
 IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
     "vllm_sync_with_ray": (0, RAY_ONLY),
-    "async_train": (0, RAY_ONLY),
-    "async_queue_size": (1, RAY_ONLY),
     "rollout_tasks_per_gpu": (1, RAY_ONLY),
     "runtime_env": (1, RAY_ONLY),
     "runtime-env": (1, RAY_ONLY),
@@ -67,7 +65,6 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
     "ring_attn_size": (1, NOT_YET),
     "ring_head_stride": (1, NOT_YET),
     "value_head_prefix": (1, NOT_YET),
-    "agent_func_path": (1, NOT_YET),
     "prompt_data_probs": (1, NOT_YET),
     "prompt_split": (1, NOT_YET),
     "eval_split": (1, "rlrun reads the 'train' split of a saved DatasetDict for --eval_dataset, as for --prompt_data"),

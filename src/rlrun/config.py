@@ -98,6 +98,10 @@ class TrainConfig:
     max_epochs: int = opt(1, "Passes over each rollout batch.")
     packing_samples: bool = opt(False, "Score and train on packed rows: the real tokens of several sequences share a row "
                                 "(per-sequence position ids, block-diagonal attention) instead of padded rows.")
+    async_train: bool = opt(False, "Overlap generation with training (engines on ranks of their own): the engines generate step N+1 "
+                            "with the weights before step N's update while the other ranks train on step N, i.e. one step "
+                            "off-policy, always exactly one (deterministic and exactly resumable). Default: on-policy.")
+    async_queue_size: int = opt(1, "Rollout batches in flight with --async_train; rlrun always keeps exactly 1 (OpenRLHF's default); other values are reported and ignored.")
     num_episodes: int = opt(1, "Passes over the prompt dataset.")
     max_samples: int = opt(100_000_000, "Use at most this many prompts.")
     max_steps: int | None = opt(None, "Stop after this many steps (rollout + update).")
@@ -109,8 +113,11 @@ class TrainConfig:
     max_skipped_steps: int = opt(10, "Fail when this many optimizer steps in a row are skipped for a NaN/inf gradient (each one is skipped and counted).")
     l2: float = opt(0.0, "Weight decay.")
     zero_stage: int = opt(2, "Sharding stage: 3 reshards parameters after forward (ZeRO-3-like); 0-2 keep them gathered until backward.")
-    adam_offload: bool = opt(False, "Offload parameters, gradients and optimizer state to CPU (GPU only).")
-    strategy: Literal["fsdp"] = opt("fsdp", "Training strategy for actor and critic.")
+    adam_offload: bool = opt(False, "Offload to CPU (GPU only): with fsdp parameters, gradients and optimizer state; "
+                             "with deepspeed the optimizer state and fp32 master weights (ZeRO-Offload, DeepSpeedCPUAdam).")
+    strategy: Literal["fsdp", "deepspeed"] = opt(
+        "fsdp", "How actor, critic, reference and reward models are sharded and stepped on their role's ranks: fsdp "
+        "(FSDP2, --zero_stage 0-3) or deepspeed (DeepSpeed ZeRO, --zero_stage 0-2; pip install 'rlrun[deepspeed]').")
     seed: int = opt(42, "Seed for data order, initialisation and sampling.")
 
 
@@ -160,6 +167,22 @@ class DataConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Multi-turn agent rollouts: an environment answers each model turn (observation tokens are not actions)."""
+
+    agent_func_path: str | None = opt(None, "OpenRLHF agent file (.py) defining AgentInstance (reset/step, async) and usually AgentExecutor; its rewards replace any reward source. Turns: see --max_turns.")
+    retriever_url: str | None = opt(None, "Built-in Search-R1 agent: the retrieval server's POST URL (e.g. http://127.0.0.1:8000/retrieve, see python -m rlrun.retriever_server); reward = exact match of the last <answer> against the label's golden answers.")
+    retriever_topk: int = opt(3, "Search-R1 agent: passages per search.")
+    retriever_timeout: float = opt(10.0, "Search-R1 agent: seconds per retrieval request (tried --remote_rm_retries times with backoff, then the run fails naming the URL); all tries must fit in --agent_timeout.")
+    max_turns: int | None = opt(None, "Most model turns per episode (each turn generates, then the agent steps). Unset: until the agent says done or --generate_max_len is used up. Search-R1's max_turns=K is K search turns plus a final answer turn, i.e. --max_turns K+1.")
+    max_tokens_per_turn: int | None = opt(None, "Most tokens generated in one turn (Search-R1's per-turn max_response_length). Unset: what is left of --generate_max_len.")
+    max_obs_len: int | None = opt(None, "Most tokens of one observation (verl/Search-R1 max_obs_length); longer ones keep their first tokens and are counted in agent/obs_truncated.")
+    state_masking: bool = opt(True, "Observation tokens carry no loss, KL or advantage (Search-R1 state_masking). false: they are trained on like generated tokens.")
+    agent_timeout: float = opt(60.0, "Seconds one agent reset() or step() call may take before the run fails.")
+    agent_max_concurrency: int = opt(64, "Agent calls of one engine rank that run at once (asyncio).")
+
+
+@dataclass
 class CheckpointConfig:
     """Saving and resuming."""
 
@@ -178,7 +201,7 @@ class LoggingConfig:
 
     logging_steps: int = opt(1, "Log metrics every N steps.")
     eval_steps: int = opt(-1, "Evaluate on --eval_dataset every N steps (-1: never).")
-    eval_dataset: str | None = opt(None, "Evaluation prompts: a local file or saved HF datasets directory like --prompt_data (same --input_key/--label_key). Needs a reward function or URL, not --reward_pretrain.")
+    eval_dataset: str | None = opt(None, "Evaluation prompts: a local file or saved HF datasets directory like --prompt_data (same --input_key/--label_key). Needs a reward function or URL (or an agent), not --reward_pretrain.")
     eval_temperature: float = opt(0.6, "Sampling temperature for evaluation.")
     eval_n_samples_per_prompt: int = opt(4, "Responses per evaluation prompt (pass@N is logged when N > 1).")
     eval_before_train: bool = opt(False, "Also evaluate before the first training step (logged as step 0), like verl's val_before_train.")
@@ -209,6 +232,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -224,6 +248,11 @@ class Config:
     @property
     def needs_reward_model(self) -> bool:
         return self.model.reward_pretrain is not None and self.model.remote_rm_url is None
+
+    @property
+    def multi_turn(self) -> bool:
+        """Rollouts are agent episodes (their rewards are the reward)."""
+        return self.agent.agent_func_path is not None or self.agent.retriever_url is not None
 
     @property
     def rollouts_per_step(self) -> int:

@@ -120,9 +120,17 @@ def _label_text(value: Any, path: str, row: int, label_key: str) -> str:
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
+    # Lists and dicts (Search-R1's golden_answers, {"target": [...]}) reach the reward as JSON text;
+    # parquet hands lists over as numpy arrays.
+    plain = value.tolist() if hasattr(value, "tolist") else value
+    if isinstance(plain, (list, tuple, dict)):
+        try:
+            return json.dumps(plain, ensure_ascii=False)
+        except (TypeError, ValueError):
+            pass
     raise DataError(
         f"{path}: record {row} has label {label_key!r} = {str(value)[:80]!r} ({type(value).__name__}); "
-        "labels must be strings or numbers."
+        "labels must be strings, numbers, or JSON-serialisable lists/dicts."
     )
 
 

@@ -21,6 +21,10 @@ class RewardError(RlrunError):
     """A reward source failed: import error, exception, wrong length/type, NaN, HTTP failure."""
 
 
+class AgentError(RlrunError):
+    """A multi-turn agent failed: its file, an exception in reset()/step(), a malformed result, a timeout."""
+
+
 class MissingExtraError(RlrunError, ImportError):
     """An optional dependency (vllm, deepspeed, flash-attn, wandb, ...) is not installed."""
 

@@ -78,6 +78,7 @@ class Evaluator:
         self.every, self.before_train, self.n = lg.eval_steps, lg.eval_before_train, lg.eval_n_samples_per_prompt
         self.engine_ranks = layout.ranks_of(Role.ENGINE)
         self.reward_fn = roles.reward_fn
+        self.agents = roles.agents
         self.engine = roles.engine
         self.temperature = lg.eval_temperature
         # Rows per generate call: what one engine rank generates per training step, which is known to fit.
@@ -100,26 +101,40 @@ class Evaluator:
         return out
 
     def _sample_and_score(self, indices: list[int], steps_done: int, slot: int) -> torch.Tensor:
-        assert self.engine is not None and self.reward_fn is not None
+        assert self.engine is not None
         rows = [i for i in indices for _ in range(self.n)]  # each prompt's N samples stay adjacent
         per_chunk = max(self.n, self.chunk_rows // self.n * self.n)  # whole prompts per chunk
-        rewards, lengths, last = [], [], []
-        max_len, eos = self.engine.sampling.max_new_tokens, self.engine.sampling.eos_id
+        rewards, lengths, truncated = [], [], []
         for chunk, begin in enumerate(range(0, len(rows), per_chunk)):
             part = rows[begin:begin + per_chunk]
             seed = derive_seed(self.cfg.train.seed, "eval", steps_done, slot, chunk)
-            responses = self.engine.generate([self.prompts.ids[i] for i in part], seed)
-            result = reward_responses(self.reward_fn, [self.prompts.texts[i] for i in part],
-                                      [self.prompts.labels[i] for i in part], responses, self.tokenizer)
-            rewards.append(result.rewards.float())
-            lengths += [len(r) for r in responses]
-            last += [r[-1] if r else -1 for r in responses]
+            r, n, cut = self._chunk([self.prompts.texts[i] for i in part], [self.prompts.ids[i] for i in part],
+                                    [self.prompts.labels[i] for i in part], seed)
+            rewards.append(r)
+            lengths.append(n)
+            truncated.append(cut)
         if not rows:
             return local_totals(torch.zeros(0, self.n), torch.zeros(0, self.n), torch.zeros(0, self.n))
         shape = (len(indices), self.n)
-        length = torch.tensor(lengths)
-        truncated = cut_by_length(torch.tensor(last), length, max_len, eos)
-        return local_totals(torch.cat(rewards).view(shape), length.view(shape), truncated.view(shape))
+        return local_totals(torch.cat(rewards).view(shape), torch.cat(lengths).view(shape),
+                            torch.cat(truncated).view(shape))
+
+    def _chunk(self, texts: list[str], ids: list[list[int]], labels: list[str | None], seed: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rewards [b], response lengths [b], truncated [b]) of one generate call, or of one batch of agent
+        episodes (length = actions and observations; truncated = ended by the token budget)."""
+        assert self.engine is not None
+        if self.agents is not None:
+            episodes = self.agents.run(self.engine, texts, ids, labels, seed)
+            return (episodes.rewards.float(), torch.tensor([len(r) for r in episodes.responses]),
+                    torch.tensor(episodes.truncated))
+        assert self.reward_fn is not None
+        responses = self.engine.generate(ids, seed)
+        result = reward_responses(self.reward_fn, texts, labels, responses, self.tokenizer)
+        length = torch.tensor([len(r) for r in responses])
+        last = torch.tensor([r[-1] if r else -1 for r in responses])
+        s = self.engine.sampling
+        return result.rewards.float(), length, cut_by_length(last, length, s.max_new_tokens, s.eos_id)
 
 
 class _HasSampling(Protocol):

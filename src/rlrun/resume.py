@@ -1,7 +1,8 @@
 """Save and restore everything an exact resume needs, on any layout.
 
 What goes in: actor and critic weights + optimizer state (sharded DCP, resharded on load), LR
-scheduler state, step, KL controller and running reward statistics. What does not: frozen
+scheduler state, step, KL controller and running reward statistics, and with --async_train the rollout
+batch already generated for the next step (the weights that generated it are gone). What does not: frozen
 models (reference, reward: reloaded from their source) and RNG state — every random draw of a
 step (generation sampling, mini-batch order, the global Python/NumPy/torch RNGs) is derived from
 (seed, step, rank) at the start of the step, so a resumed run draws exactly what an
@@ -17,11 +18,13 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+import torch
+
 from rlrun import checkpoint as ckpt
 from rlrun.build import RankRoles
 from rlrun.config import Config, redacted
 from rlrun.faults import maybe_inject
-from rlrun.launch.dcp import barrier, load_role_state, save_role_state
+from rlrun.launch.dcp import barrier
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import broadcast_json
@@ -29,7 +32,10 @@ from rlrun.log import get_logger
 from rlrun.roles.update import Updater
 from rlrun.running import RunningMoments
 from rlrun.save import save_critic, save_policy
+from rlrun.rollout_source import StepOutputs
 from rlrun.trainer import Trainer
+
+PENDING_FILE = "pending_rollout.pt"  # --async_train: the next step's batch, generated before the save
 
 
 def _fingerprint(model: Any) -> dict[str, Any]:
@@ -82,18 +88,22 @@ class Checkpointer:
             raise ckpt.CheckpointError(error)
         r = self.roles
         if r.actor is not None:
-            save_role_state(r.actor.model, r.actor.updater.optimizer, os.path.join(path, "actor"), self.groups.role(Role.ACTOR))
+            actor_strategy = r.strategies[Role.ACTOR]
+            actor_strategy.save_state(r.actor.model, r.actor.updater.optimizer, os.path.join(path, "actor"))
             if self.cfg.checkpoint.save_hf_ckpt:
-                save_policy(r.actor, self.tokenizer, os.path.join(path, "hf"), is_writer=self.rank == 0)
+                save_policy(r.actor, self.tokenizer, os.path.join(path, "hf"), is_writer=self.rank == 0,
+                            strategy=actor_strategy)
         if r.critic is not None:
-            save_role_state(r.critic.model, r.critic.updater.optimizer, os.path.join(path, "critic"), self.groups.role(Role.CRITIC))
+            r.strategies[Role.CRITIC].save_state(r.critic.model, r.critic.updater.optimizer, os.path.join(path, "critic"))
             first = self.rank == self.layout.ranks_of(Role.CRITIC)[0]
             if first:
                 ckpt.write_json_atomic(os.path.join(path, "critic_state.json"), _updater_state(r.critic.updater))
             if self.cfg.checkpoint.save_value_network:
-                save_critic(r.critic, os.path.join(path, "critic_hf"), is_writer=first)
+                save_critic(r.critic, os.path.join(path, "critic_hf"), is_writer=first, strategy=r.strategies[Role.CRITIC])
         if self.rank == 0:
             ckpt.write_json_atomic(os.path.join(path, "trainer_state.json"), self._trainer_state())
+            if self.trainer.pending is not None:  # --async_train: the batch in flight, so that a resume is exact
+                torch.save(self.trainer.pending.state(), os.path.join(path, PENDING_FILE))
         # A kill here leaves a half-written directory. (Not "save": run.py's PhaseTracker already injects
         # "save" faults on entering the save phase, before anything is written, so it would never get here.)
         maybe_inject("save_shards", steps_done - 1, self.rank)
@@ -101,7 +111,7 @@ class Checkpointer:
         if self.rank == 0:
             assert r.actor is not None
             meta = {"step": steps_done, "actor": _fingerprint(r.actor.model), "world_size": self.layout.world_size,
-                    "config": redacted(self.cfg)}
+                    "strategy": self.cfg.train.strategy, "config": redacted(self.cfg)}
             final = ckpt.publish(self.root, steps_done, meta, self.cfg.checkpoint.max_ckpt_num)
             size_mb = sum(ckpt.validate(final)["files"].values()) / 2**20
             self.log.info_once(f"checkpoint saved: {final} ({size_mb:.1f} MB in {time.perf_counter() - start:.2f} s)")
@@ -136,13 +146,13 @@ class Checkpointer:
         path = choice["path"]
         r = self.roles
         if r.actor is not None:
-            load_role_state(r.actor.model, r.actor.updater.optimizer, os.path.join(path, "actor"), self.groups.role(Role.ACTOR))
+            r.strategies[Role.ACTOR].load_state(r.actor.model, r.actor.updater.optimizer, os.path.join(path, "actor"))
         if r.critic is not None:
             critic_dir = os.path.join(path, "critic")
             if not os.path.isdir(critic_dir):
                 raise ckpt.CheckpointError(f"{path} has no critic state, but this run trains a critic "
                                            f"(--advantage_estimator {self.cfg.algo.advantage_estimator})")
-            load_role_state(r.critic.model, r.critic.updater.optimizer, critic_dir, self.groups.role(Role.CRITIC))
+            r.strategies[Role.CRITIC].load_state(r.critic.model, r.critic.updater.optimizer, critic_dir)
             with open(os.path.join(path, "critic_state.json"), encoding="utf-8") as fh:
                 _load_updater_state(r.critic.updater, json.load(fh))
         with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as fh:
@@ -152,11 +162,22 @@ class Checkpointer:
         self.trainer.state.reward_moments = RunningMoments(**state["reward_moments"])
         if r.actor is not None:
             _load_updater_state(r.actor.updater, state["actor"])
+        pending = os.path.join(path, PENDING_FILE)
+        if self.trainer.asynchronous and os.path.exists(pending):
+            self.trainer.pending = StepOutputs.from_state(torch.load(pending, weights_only=True))
+        elif self.trainer.asynchronous:
+            self.log.info_once(f"{path} holds no rollout batch in flight (saved without --async_train): step "
+                               f"{self.trainer.state.step + 1} is generated with the restored weights")
         self.log.info_once(f"resumed from {path} at step {self.trainer.state.step} ({time.perf_counter() - start:.2f} s)")
         return self.trainer.state.step
 
     def _compatibility_problem(self, meta: dict[str, Any]) -> str | None:
         assert self.roles.actor is not None
+        written_with = meta.get("strategy", "fsdp")  # checkpoints from before --strategy existed are FSDP2's
+        if written_with != self.cfg.train.strategy:
+            return (f"checkpoint at step {meta.get('step')} in {self.root} was written with --strategy {written_with}, "
+                    f"this run uses --strategy {self.cfg.train.strategy}; resume with --strategy {written_with} or point "
+                    "--ckpt_path elsewhere")
         mine, theirs = _fingerprint(self.roles.actor.model), meta.get("actor", {})
         if mine["digest"] == theirs.get("digest"):
             return None

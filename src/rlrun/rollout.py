@@ -18,7 +18,8 @@ class RolloutBatch:
 
     sequences:      [B, p + r] long, prompt left-padded to p, response right-padded to r
     attention_mask: [B, p + r] long, 1 on real tokens
-    action_mask:    [B, r] float, 1 on response tokens (EOS included)
+    action_mask:    [B, r] float, 1 on response tokens the policy is trained on: every generated token (EOS
+                    included); in multi-turn episodes 0 on the environment's observation tokens
     prompt_len, response_len: [B] long
     engine_log_probs: [B, r] float or None, the engine's log-prob of each sampled response token (0 on padding)
     """
@@ -81,12 +82,13 @@ def response_tokens(batch: RolloutBatch) -> list[list[int]]:
     return [row[-r:][: int(n)].tolist() for row, n in zip(batch.sequences, batch.response_len)]
 
 
-def pack_log_probs(log_probs: list[list[float]], response_width: int) -> torch.Tensor:
-    """Per-row token log-probs -> [b, R] float32, right-padded with 0 (the wire twin of pack_rows)."""
+def pack_log_probs(log_probs: list[list[float]] | list[list[int]], response_width: int) -> torch.Tensor:
+    """Per-row token values (log-probs, action masks) -> [b, R] float32, right-padded with 0 (the wire twin
+    of pack_rows)."""
     out = torch.zeros((len(log_probs), response_width), dtype=torch.float32)
     for i, row in enumerate(log_probs):
         if len(row) > response_width:
-            raise ValueError(f"row {i}: {len(row)} log-probs > {response_width}")
+            raise ValueError(f"row {i}: {len(row)} values > {response_width}")
         if row:
             out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
     return out

@@ -15,7 +15,7 @@ import traceback
 
 import torch
 
-from rlrun.build import build_eval_prompts, build_prompts, build_reward_fn, build_roles, make_sampler
+from rlrun.build import build_eval_prompts, build_prompts, build_reward_sources, build_roles, make_sampler
 from rlrun.config import Config
 from rlrun.errors import ConfigError, RlrunError
 from rlrun.evaluation import Evaluator
@@ -61,7 +61,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
         log.info_once(f"{len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
                       f"--prompt_max_len {cfg.generation.prompt_max_len}), {total_steps} steps, generation backend "
                       f"{generation} ({why}), {backend} on {device.type}")
-        reward_fn = build_reward_fn(cfg, layout, env.rank)
+        sources = build_reward_sources(cfg, layout, env.rank, tokenizer)
         if env.rank == 0:  # the writer: a bad output path must fail now, not at the end of training
             _check_writable(cfg.checkpoint.save_path, "--save_path")
             if cfg.checkpoint.save_steps > 0:
@@ -79,12 +79,12 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
             layout = plan(cfg, env.world_size, env.local_world_size, labels).layout
             local_only = False
             roles_text = ",".join(r.value for r in layout.roles_of(env.rank))
-            reward_fn = build_reward_fn(cfg, layout, env.rank)  # the engine ranks may have moved
+            sources = build_reward_sources(cfg, layout, env.rank, tokenizer)  # the engine ranks may have moved
             log.info_once("layout by node label:\n" + format_layout_table(layout))
         phase.phase = "build"
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
         groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend)
-        roles = build_roles(cfg, layout, groups, device, total_steps, tokenizer, reward_fn)
+        roles = build_roles(cfg, layout, groups, device, total_steps, tokenizer, sources)
         trainer = Trainer(cfg, layout, groups, roles, prompts, sampler, tokenizer, device, total_steps, phase)
         checkpointer = Checkpointer(cfg, layout, groups, roles, trainer, tokenizer)
         if cfg.checkpoint.load_checkpoint:
@@ -110,10 +110,12 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
             log.info_once(f"reward: first step {history[0]['reward']:.3f}, last step {history[-1]['reward']:.3f} "
                           f"({len(history)} steps)")
         with phase("save", trainer.state.step):
-            save_policy(roles.actor, tokenizer, cfg.checkpoint.save_path, is_writer=env.rank == 0)
+            save_policy(roles.actor, tokenizer, cfg.checkpoint.save_path, is_writer=env.rank == 0,
+                        strategy=roles.strategies.get(Role.ACTOR))
             if cfg.checkpoint.save_value_network and roles.critic is not None:
                 first_critic = layout.ranks_of(Role.CRITIC)[0]
-                save_critic(roles.critic, os.path.join(cfg.checkpoint.save_path, "critic"), is_writer=env.rank == first_critic)
+                save_critic(roles.critic, os.path.join(cfg.checkpoint.save_path, "critic"), is_writer=env.rank == first_critic,
+                            strategy=roles.strategies[Role.CRITIC])
         log.info_once(f"saved the policy (Hugging Face format) to {cfg.checkpoint.save_path}")
     except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
         if local_only and env.rank != 0 and isinstance(exc, RlrunError):

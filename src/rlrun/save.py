@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 
+import torch.distributed as dist
+from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.errors import ConfigError
-from rlrun.launch.fsdp import full_state_dict
 from rlrun.roles.actor import Actor
 from rlrun.roles.critic import Critic
+from rlrun.strategies.base import Strategy
 
 
 def _make_dir(path: str, flag: str) -> None:
@@ -19,11 +21,14 @@ def _make_dir(path: str, flag: str) -> None:
         raise ConfigError(f"cannot create {path} ({flag}): {exc.strerror}") from None
 
 
-def save_policy(actor: Actor | None, tokenizer: PreTrainedTokenizerBase, path: str, *, is_writer: bool) -> None:
-    """Collective over the actor ranks; the writer (global rank 0, always an actor rank) writes."""
+def save_policy(actor: Actor | None, tokenizer: PreTrainedTokenizerBase, path: str, *, is_writer: bool,
+                strategy: Strategy | None) -> None:
+    """Collective over the actor ranks; the writer (global rank 0, always an actor rank) writes.
+    `strategy`: the actor's (RankRoles.strategies), which knows how to assemble its full weights."""
     if actor is None:
         return
-    state = full_state_dict(actor.model)
+    assert strategy is not None, "an actor rank always has the actor's strategy"
+    state = strategy.full_state_dict(actor.model)
     if not is_writer:
         return
     _make_dir(path, "--save_path")
@@ -31,11 +36,18 @@ def save_policy(actor: Actor | None, tokenizer: PreTrainedTokenizerBase, path: s
     tokenizer.save_pretrained(path)
 
 
-def save_critic(critic: Critic, path: str, *, is_writer: bool) -> None:
+def save_critic(critic: Critic, path: str, *, is_writer: bool, strategy: Strategy) -> None:
     """The critic as a sequence-classification model (num_labels 1). Collective over the critic ranks."""
-    state = full_state_dict(critic.model)
+    state = strategy.full_state_dict(critic.model)
     if not is_writer:
         return
     _make_dir(path, "--save_value_network")
     hf_state = {k.removeprefix("hf."): v for k, v in state.items()}
+    if dist.is_initialized() and dist.get_rank() != 0:
+        # transformers' save_pretrained writes on global rank 0 only (should_save_on_this_rank), and a critic on
+        # ranks of its own does not hold rank 0: write the same two files directly.
+        critic.model.hf.config.to_json_file(os.path.join(path, "config.json"))
+        save_file({k: v.contiguous() for k, v in hf_state.items()}, os.path.join(path, "model.safetensors"),
+                  metadata={"format": "pt"})
+        return
     critic.model.hf.save_pretrained(path, state_dict=hf_state, safe_serialization=True)

@@ -25,14 +25,14 @@ from rlrun.evaluation import Evaluator
 from rlrun.faults import PhaseTracker
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
-from rlrun.launch.transfer import all_gather_vectors, broadcast_json, gather_from
+from rlrun.launch.transfer import all_gather_vectors, broadcast_json
 from rlrun.metrics import MetricsSink
 from rlrun.results import pack_slots, slot_plan, unpack_slots
 from rlrun.reward_shaping import dynamic_filter_keep, overlong_penalty, stop_properly_penalty, truncated_rows
 from rlrun.roles.actor import PolicyData
 from rlrun.roles.critic import ValueData
-from rlrun.roles.reward_fn import reward_responses
-from rlrun.rollout import RolloutBatch, engine_logprob_diff, pack_log_probs, pack_rows, unpack_rows
+from rlrun.rollout import RolloutBatch, engine_logprob_diff
+from rlrun.rollout_source import RolloutSource, StepOutputs
 from rlrun.running import RunningMoments
 
 
@@ -45,10 +45,13 @@ class TrainState:
 
 
 @dataclass
-class StepOutputs:
-    batch: RolloutBatch
-    scores: torch.Tensor  # [B] raw scores (before normalisation/clipping)
-    extra_logs: dict[str, float]
+class Learned:
+    """What one update leaves for the step's metrics."""
+
+    results: dict[str, torch.Tensor]
+    mean_kl: float
+    advantages: torch.Tensor
+    stats: dict[str, float]
 
 
 class Trainer:
@@ -64,40 +67,13 @@ class Trainer:
         self.state = TrainState()  # the KL coefficient lives in self.kl
         self.engine_ranks = layout.ranks_of(Role.ENGINE)
         self.comm_device = device  # NCCL needs device tensors; gloo is happy with CPU ones
+        # Scoring and training collectives: every rank, or every rank but the engines when they generate meanwhile.
+        self.asynchronous = layout.asynchronous  # --async_train, when the layout gives the engines ranks of their own
+        self.learners = groups.get("learners") if self.asynchronous else groups.world
+        self.pending: StepOutputs | None = None  # --async_train: the next step's batch, already gathered
+        self.rollouts = RolloutSource(cfg, layout, groups, roles, prompts, sampler, tokenizer, self.comm_device)
 
     # ---- phases -------------------------------------------------------------------------------
-
-    def generate(self, step: int) -> StepOutputs:
-        """Engine ranks sample their share; every rank receives the whole batch (and function scores)."""
-        cfg, n = self.cfg, self.cfg.train.n_samples_per_prompt
-        records = [i for i in self.sampler.indices(step) for _ in range(n)]
-        share = len(records) // len(self.engine_ranks)
-        P, R = cfg.generation.prompt_max_len, cfg.generation.generate_max_len
-        packed = scores = log_probs = None
-        extra: dict[str, float] = {}
-        if self.roles.engine is not None:
-            slot = self.engine_ranks.index(self.rank)
-            mine = records[shard(len(records), len(self.engine_ranks), slot)]
-            prompt_ids = [self.prompts.ids[i] for i in mine]
-            generation = self.roles.engine.sample(prompt_ids, derive_seed(cfg.train.seed, "generate", step, slot))
-            responses = generation.responses
-            packed = pack_rows(prompt_ids, responses, P, R, int(self.tokenizer.pad_token_id))
-            if generation.log_probs is not None:
-                log_probs = pack_log_probs(generation.log_probs, R)
-            if self.roles.reward_fn is not None:
-                result = reward_responses(self.roles.reward_fn, [self.prompts.texts[i] for i in mine],
-                                          [self.prompts.labels[i] for i in mine], responses, self.tokenizer)
-                scores, extra = result.rewards, result.extra_logs
-        world = self.groups.world
-        gathered = gather_from(self.engine_ranks, packed, (share, P + R + 2), torch.long, world, self.comm_device)
-        batch = unpack_rows(gathered.cpu(), P)
-        if cfg.generation.generation_backend == "vllm":  # the backend that reports log-probs (same on every rank)
-            engine_lp = gather_from(self.engine_ranks, log_probs, (share, R), torch.float32, world, self.comm_device)
-            batch.engine_log_probs = engine_lp.cpu()[:, :batch.response_width]
-        if self.cfg.needs_reward_model:
-            return StepOutputs(batch, torch.empty(0), extra)
-        all_scores = gather_from(self.engine_ranks, scores, (share,), torch.float32, world, self.comm_device).cpu()
-        return StepOutputs(batch, all_scores, extra)
 
     def score(self, out: StepOutputs) -> dict[str, torch.Tensor]:
         """Each role computes its shard at the same time as the others; one all-gather returns all."""
@@ -119,10 +95,21 @@ class Trainer:
                 mine[key] = fn(batch.rows(rows), micro)
         plan = slot_plan(B, widths, ranks)
         flat = pack_slots(plan, self.rank, mine).to(self.comm_device)
-        results = unpack_slots(plan, all_gather_vectors(flat, self.groups.world).cpu())
+        results = unpack_slots(plan, self._gather_slots(flat))
         if "scores" not in results:
             results["scores"] = out.scores
         return results
+
+    def _gather_slots(self, flat: torch.Tensor) -> torch.Tensor:
+        """[total] from every learner -> [world, total] on CPU, row = global rank (what unpack_slots indexes).
+        Without --async_train the learners are the world; with it, engine rows stay zero (they hold no role
+        that scores)."""
+        gathered = all_gather_vectors(flat, self.learners).cpu()
+        if self.learners is self.groups.world:
+            return gathered
+        full = torch.zeros(self.layout.world_size, gathered.shape[1], dtype=gathered.dtype)
+        full[[r for r in range(self.layout.world_size) if r not in self.engine_ranks]] = gathered
+        return full
 
     def gather_on_policy_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         """[B, R] on every rank: the actor's log-probs from its on-policy training forward (before the update),
@@ -132,7 +119,7 @@ class Trainer:
         plan = slot_plan(B, {"old_log_probs": R + 1}, {"old_log_probs": ranks})
         mine = {"old_log_probs": self.roles.actor.on_policy_log_probs()} if self.roles.actor is not None else {}
         flat = pack_slots(plan, self.rank, mine).to(self.comm_device)
-        rows_and_logp = unpack_slots(plan, all_gather_vectors(flat, self.groups.world).cpu())["old_log_probs"]
+        rows_and_logp = unpack_slots(plan, self._gather_slots(flat))["old_log_probs"]
         out = torch.zeros(B, R)
         out[rows_and_logp[:, 0].long()] = rows_and_logp[:, 1:]
         return out
@@ -191,7 +178,7 @@ class Trainer:
             src = self.layout.ranks_of(Role.CRITIC)[0]
             if src != 0:
                 critic = broadcast_json({k: v for k, v in stats.items() if k.startswith("critic/")} if self.rank == src else None,
-                                        src, self.groups.world, self.comm_device)
+                                        src, self.learners, self.comm_device)
                 stats.update(critic)  # type: ignore[arg-type]
         return stats
 
@@ -207,11 +194,52 @@ class Trainer:
     def step(self, step: int) -> dict[str, float]:
         # Every random draw of this step derives from (seed, step, rank): exact resume needs no RNG state.
         seed_everything(derive_seed(self.cfg.train.seed, "step", step, self.rank))
-        times = {}
         t0 = time.perf_counter()
+        if self.asynchronous:
+            return self._async_step(step, t0)
         with self.phase("generate", step):
-            out = self.generate(step)
-        times["time/generate"] = time.perf_counter() - t0
+            out = self.rollouts.generate(step)
+        times = {"time/generate": time.perf_counter() - t0}
+        learned = self.learn(step, out, times)
+        t3 = time.perf_counter()
+        with self.phase("sync", step):
+            self.sync_weights()
+        times["time/sync"] = time.perf_counter() - t3
+        return self._metrics(step, out, learned, times, time.perf_counter() - t0)
+
+    def _async_step(self, step: int, t0: float) -> dict[str, float]:
+        """--async_train: the engines generate step+1 with the weights before this step's update while the
+        learners train on step `step` (generated a step earlier); weights sync at the step boundary, then
+        step+1's batch is gathered and held in `self.pending` (checkpointed, so a resume is exact)."""
+        out = self.pending
+        if out is None:  # the first step (or a resume from a checkpoint without a batch in flight)
+            with self.phase("generate", step):
+                out = self.rollouts.generate(step)
+        times: dict[str, float] = {}
+        ahead = None
+        if self.roles.engine is not None:
+            if step + 1 < self.total_steps:
+                with self.phase("generate", step + 1):
+                    ahead = self.rollouts.produce(step + 1)
+            learned = None
+        else:
+            learned = self.learn(step, out, times)
+        t3 = time.perf_counter()
+        with self.phase("sync", step):
+            self.sync_weights()
+        times["time/sync"] = time.perf_counter() - t3
+        t4 = time.perf_counter()
+        self.pending = None
+        if step + 1 < self.total_steps:
+            with self.phase("generate", step + 1):
+                self.pending = self.rollouts.exchange(step + 1, ahead)
+        times["time/wait_rollout"] = time.perf_counter() - t4
+        if learned is None:  # engine ranks train nothing and log nothing (rank 0 is a learner)
+            return {"step": step + 1, "reward": float(out.scores.float().mean()) if out.scores.numel() else float("nan")}
+        return {**self._metrics(step, out, learned, times, time.perf_counter() - t0), "async/policy_lag": 1.0}
+
+    def learn(self, step: int, out: StepOutputs, times: dict[str, float]) -> "Learned":
+        """Score, advantages and the update of one batch (every rank but async engines). Adds time/score, time/train."""
         t1 = time.perf_counter()
         with self.phase("score", step):
             results = self.score(out)
@@ -226,30 +254,29 @@ class Trainer:
                     kl = compute_approx_kl(results["old_log_probs"], results["ref_log_probs"], self.cfg.algo.kl_estimator,
                                            out.batch.action_mask)
         times["time/train"] = time.perf_counter() - t2
-        t3 = time.perf_counter()
-        with self.phase("sync", step):
-            self.sync_weights()
-        times["time/sync"] = time.perf_counter() - t3
-        mask = out.batch.action_mask
         # OpenRLHF's "kl": the mean over sequences of each one's token-mean KL; it also drives the
         # adaptive controller, with n_steps = rollout_batch_size * n_samples_per_prompt rows.
-        mean_kl = sequence_mean_kl(kl, mask)
+        mean_kl = sequence_mean_kl(kl, out.batch.action_mask)
         self.kl.update(mean_kl, self.cfg.rollouts_per_step)
-        step_time = time.perf_counter() - t0
+        return Learned(results, mean_kl, adv, stats)
+
+    def _metrics(self, step: int, out: StepOutputs, learned: "Learned", times: dict[str, float],
+                 step_time: float) -> dict[str, float]:
+        mask, results = out.batch.action_mask, learned.results
         generated = float(out.batch.response_len.sum())
         return {
             "step": step + 1,
             "episode": self.sampler.episode_of(step),
             "reward": float(results["scores"].float().mean()),
-            "kl": mean_kl,
+            "kl": learned.mean_kl,
             "kl_coef": self.kl.value,
             **self.advantage_logs,
             "response_length": float(out.batch.response_len.float().mean()),
             "tokens_per_s": generated / step_time,
-            "advantage_mean": float(masked_mean(adv, mask)),
-            **{f"reward/{k}": v for k, v in out.extra_logs.items()},
+            "advantage_mean": float(masked_mean(learned.advantages, mask)),
+            **out.extra_logs,
             **engine_logprob_diff(out.batch, results["old_log_probs"]),
-            **stats,
+            **learned.stats,
             **times,
             "time/step": step_time,
         }

@@ -6,6 +6,7 @@ Every message names the offending flag, its value and what would fix it.
 from __future__ import annotations
 
 from rlrun.config import NEEDS_GROUPS, Config
+from rlrun.agents.retriever_client import RETRY_BACKOFF_S
 from rlrun.errors import ConfigError
 from rlrun.is_correction import ISCorrection
 from rlrun.is_correction import check_settings as check_is_settings
@@ -64,6 +65,7 @@ def check_values(cfg: Config) -> None:
             f"--n_samples_per_prompt >= 2, got {t.n_samples_per_prompt}"
         )
     _check_algorithm_extras(cfg)
+    _check_agent(cfg)
     if cfg.data.input_template is not None and "{}" not in cfg.data.input_template:
         raise ConfigError(f"--input_template must contain '{{}}' where the prompt goes, got {cfg.data.input_template!r}")
     if cfg.checkpoint.save_steps == 0 or cfg.checkpoint.save_steps < -1:
@@ -111,6 +113,39 @@ def _check_algorithm_extras(cfg: Config) -> None:
     if a.stop_properly_penalty_coef is not None and a.stop_properly_penalty_coef > 1:
         raise ConfigError(f"--stop_properly_penalty_coef {a.stop_properly_penalty_coef}: use a value in [0, 1] "
                           "(scales truncated rewards) or a negative one (replaces them)")
+
+
+def _check_agent(cfg: Config) -> None:
+    ag, m = cfg.agent, cfg.model
+    for name in ("max_turns", "max_tokens_per_turn", "max_obs_len"):
+        _positive(name, getattr(ag, name), allow_none=True)
+    for name in ("retriever_topk", "retriever_timeout", "agent_timeout", "agent_max_concurrency"):
+        _positive(name, getattr(ag, name))
+    if ag.agent_func_path is not None and ag.retriever_url is not None:
+        raise ConfigError(f"--agent_func_path {ag.agent_func_path} and --retriever_url {ag.retriever_url} are both set; "
+                          "--retriever_url runs the built-in Search-R1 agent: choose one agent")
+    if not cfg.multi_turn:
+        turn_flags = [f"--{n}" for n in ("max_turns", "max_tokens_per_turn", "max_obs_len") if getattr(ag, n) is not None]
+        turn_flags += [] if ag.state_masking else ["--state_masking false"]
+        if turn_flags:
+            raise ConfigError(f"{', '.join(turn_flags)} shape multi-turn agent episodes; add --agent_func_path FILE.py "
+                              "or --retriever_url URL, or drop them")
+        return
+    if m.remote_rm_url is not None or m.reward_pretrain is not None:
+        source = f"--remote_rm_url {m.remote_rm_url}" if m.remote_rm_url is not None else f"--reward_pretrain {m.reward_pretrain}"
+        raise ConfigError(f"{source} with an agent: the agent's step rewards are the reward (as OpenRLHF's "
+                          "--agent_func_path); score inside the agent, or drop the agent")
+    if ag.retriever_url is not None:
+        tries = m.remote_rm_retries
+        worst = tries * ag.retriever_timeout + RETRY_BACKOFF_S * (2 ** (tries - 1) - 1)
+        if ag.agent_timeout <= worst:
+            raise ConfigError(f"--agent_timeout {ag.agent_timeout:g}s is shorter than the retriever's worst case "
+                              f"({tries} tries x --retriever_timeout {ag.retriever_timeout:g}s + backoff = {worst:g}s), "
+                              "so a retriever that is down would be reported as a slow agent; raise --agent_timeout "
+                              f"above {worst:g} or lower --retriever_timeout / --remote_rm_retries")
+    if not ag.state_masking and cfg.algo.is_correction_level != "off":
+        raise ConfigError("--state_masking false trains on observation tokens, which the engine did not sample and "
+                          "has no log-probs for; --is_correction_level needs those: drop one of the two")
 
 
 def check_batches(cfg: Config, role_sizes: dict[str, int]) -> None:

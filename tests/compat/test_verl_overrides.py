@@ -9,7 +9,7 @@ import pytest
 
 from helpers import run_rlrun, subprocess_env
 from rlrun.cli import IGNORED_FLAGS, parse_args
-from rlrun.compat.verl_keys import AGENT, VERL_KEYS, Part, To
+from rlrun.compat.verl_keys import BY_PROVENANCE, VERL_KEYS, Part, To
 from rlrun.compat.verl_overrides import parse_value, translate
 from rlrun.config import Config, fields_of
 from rlrun.errors import ConfigError
@@ -44,6 +44,10 @@ SIMPLE = [
     ("data.max_prompt_length=4096", "generation", "prompt_max_len", 4096),
     ("data.max_response_length=500", "generation", "generate_max_len", 500),
     ("data.filter_overlong_prompts=True", "generation", "prompt_overflow", "drop"),
+    ("data.max_obs_length=300", "agent", "max_obs_len", 300),
+    ("retriever.url=http://h:8000/retrieve", "agent", "retriever_url", "http://h:8000/retrieve"),
+    ("retriever.topk=5", "agent", "retriever_topk", 5),
+    ("actor_rollout_ref.actor.state_masking=false", "agent", "state_masking", False),
     ("data.train_data_num=1000", "train", "max_samples", 1000),
     ("actor_rollout_ref.model.path=/models/qwen", "model", "pretrain", "/models/qwen"),
     ("actor_rollout_ref.model.enable_gradient_checkpointing=true", "model", "gradient_checkpointing", True),
@@ -208,19 +212,19 @@ def test_null_keeps_rlrun_default_where_a_value_is_needed():
 
 
 def test_skipped_keys_are_reported():
-    parsed = parse_args(["max_turns=2", "retriever.url=http://127.0.0.1:8000/retrieve", "retriever.topk=3",
+    parsed = parse_args(["algorithm.state_masking.start_state_marker=<information>",
                          "actor_rollout_ref.actor.fsdp_config.param_offload=true",
                          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                          "+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True",
                          "trainer.n_gpus_per_node=8", "trainer.nnodes=1", "critic.ppo_micro_batch_size_per_gpu=8"])
     assert parsed.config == Config() and parsed.explicit == frozenset()
     keys = [line.split(":")[0] for line in parsed.ignored]
-    assert keys == ["max_turns", "retriever.url", "retriever.topk", "actor_rollout_ref.actor.fsdp_config.param_offload",
+    assert keys == ["algorithm.state_masking.start_state_marker", "actor_rollout_ref.actor.fsdp_config.param_offload",
                     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
                     "actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache",
                     "trainer.n_gpus_per_node", "trainer.nnodes", "critic.ppo_micro_batch_size_per_gpu"]
-    assert parsed.ignored[0] == f"max_turns: ignored ({AGENT})"
-    assert parsed.ignored[6] == "trainer.n_gpus_per_node: ignored (torchrun/srun set the world size; this run has 1 rank(s))"
+    assert parsed.ignored[0] == f"algorithm.state_masking.start_state_marker: ignored ({BY_PROVENANCE})"
+    assert parsed.ignored[4] == "trainer.n_gpus_per_node: ignored (torchrun/srun set the world size; this run has 1 rank(s))"
 
 
 @pytest.mark.parametrize("token, message", [
@@ -265,9 +269,21 @@ def test_translate_is_pure():
     assert out.argv == ["--seed", "a=b", "--rollout_batch_size=3"] and out.ignored == []
 
 
+def test_turn_lengths_plain_verl_and_search_r1():
+    """verl: max_response_length is the response cap. Search-R1: per turn, with K search turns + 1 answer turn."""
+    cfg = cfg_of("data.max_prompt_length=512", "data.max_response_length=100")
+    assert (cfg.generation.prompt_max_len, cfg.generation.generate_max_len, cfg.agent.max_turns) == (512, 100, None)
+    cfg = cfg_of("max_turns=4", "data.max_prompt_length=4096", "data.max_response_length=100",
+                 "data.max_obs_length=50", "retriever.url=http://h/retrieve")
+    assert (cfg.agent.max_turns, cfg.agent.max_tokens_per_turn, cfg.agent.max_obs_len) == (5, 100, 50)
+    assert (cfg.generation.generate_max_len, cfg.generation.prompt_max_len) == (5 * 100 + 4 * 50, 4096)
+    with pytest.raises(ConfigError, match="do_search=false"):
+        cfg_of("max_turns=2", "do_search=false")
+
+
 def test_every_group_member_is_listed():
     assert {m.group for m in VERL_KEYS.values() if isinstance(m, Part)} == {"kl", "batch", "micro", "estimator",
-                                                                            "reward_model", "clip"}
+                                                                            "reward_model", "clip", "turns"}
 
 
 # --- the seed scripts, as published -------------------------------------------------------------------------------
@@ -431,11 +447,15 @@ def test_search_r1_grpo_seed_script(world, monkeypatch):
     assert (cfg.train.max_steps, cfg.train.num_episodes, cfg.train.lr_warmup_ratio) == (1005, 15, 0.285)
     assert cfg.checkpoint.ckpt_path == "verl_checkpoints/nq-search-r1-grpo-qwen2.5-3b-em"
     assert cfg.logging.use_wandb == "" and cfg.logging.wandb_project == "Search-R1"
-    assert cfg.generation.temperature == 1.0 and cfg.generation.generate_max_len == 500
+    # Search-R1: max_turns=2 search turns + 1 answer turn of <= 500 tokens, 2 observations of <= 500.
+    assert cfg.generation.temperature == 1.0
+    assert (cfg.agent.max_turns, cfg.agent.max_tokens_per_turn, cfg.agent.max_obs_len) == (3, 500, 500)
+    assert (cfg.generation.generate_max_len, cfg.generation.prompt_max_len) == (500 * 3 + 500 * 2, 2048)
+    assert (cfg.agent.retriever_url, cfg.agent.retriever_topk) == ("http://127.0.0.1:8000/retrieve", 3)
+    assert cfg.agent.state_masking and cfg.multi_turn
     ignored = [line.split(":")[0] for line in parsed.ignored]
     assert len(ignored) == len(set(ignored))  # trainer.default_hdfs_dir appears twice, reported once
-    assert {"max_turns", "retriever.url", "retriever.topk", "actor_rollout_ref.actor.state_masking",
-            "algorithm.no_think_rl", "data.max_start_length", "data.max_obs_length", "trainer.default_hdfs_dir",
+    assert {"algorithm.no_think_rl", "trainer.default_hdfs_dir",
             "actor_rollout_ref.ref.log_prob_micro_batch_size", "actor_rollout_ref.actor.fsdp_config.grad_offload"} <= set(ignored)
 
 
@@ -480,23 +500,37 @@ def test_verl_ppo_command_line_runs(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_search_r1_grpo_command_line_runs(tmp_path):
-    argv = [t for t in _verl_argv(SEARCH_R1_GRPO, EXPERIMENT_NAME="tiny", WAND_PROJECT="Search-R1") if not t.startswith(
-        ("data.train_files", "data.val_files", "data.max_", "actor_rollout_ref.model.path", "trainer.logger",
-         "+trainer.val_before_train", "trainer.default_local_dir"))]
-    argv = [t.replace("data.train_batch_size=512", "data.train_batch_size=4")
-             .replace("rollout.n_agent=5", "rollout.n_agent=2")
-             .replace("ppo_mini_batch_size=256", "ppo_mini_batch_size=8")
-             .replace("ppo_micro_batch_size=64", "ppo_micro_batch_size=4")
-             .replace("log_prob_micro_batch_size=128", "log_prob_micro_batch_size=4")
-             .replace("total_training_steps=1005", "total_training_steps=2")
-             .replace("rollout.name=vllm", "rollout.name=hf") for t in argv]
-    argv += TINY + ["trainer.logger=[console]", "+trainer.val_before_train=false",
-                    f"trainer.default_local_dir={tmp_path / 'ckpt'}"]
-    res = run_rlrun(2, argv, tmp_path / "out", env=subprocess_env())
+    """Search-R1's own train_grpo.sh keys, trimmed to the tiny model and the offline example, against a live
+    retriever: multi-turn episodes of max_turns + 1 turns (a random model never answers, so every episode runs
+    all three, each invalid action answered by Search-R1's reminder)."""
+    from retriever_process import start_retriever, stop_retriever
+
+    server = start_retriever(tmp_path)
+    try:
+        argv = [t for t in _verl_argv(SEARCH_R1_GRPO, EXPERIMENT_NAME="tiny", WAND_PROJECT="Search-R1") if not t.startswith(
+            ("data.train_files", "data.val_files", "data.max_", "actor_rollout_ref.model.path", "trainer.logger",
+             "+trainer.val_before_train", "trainer.default_local_dir", "retriever.url"))]
+        argv = [t.replace("data.train_batch_size=512", "data.train_batch_size=4")
+                 .replace("rollout.n_agent=5", "rollout.n_agent=2")
+                 .replace("ppo_mini_batch_size=256", "ppo_mini_batch_size=8")
+                 .replace("ppo_micro_batch_size=64", "ppo_micro_batch_size=4")
+                 .replace("log_prob_micro_batch_size=128", "log_prob_micro_batch_size=4")
+                 .replace("total_training_steps=1005", "total_training_steps=2")
+                 .replace("rollout.name=vllm", "rollout.name=hf") for t in argv]
+        argv += ["data.train_files=examples/search_r1/train.jsonl", "data.prompt_key=prompt", "--label_key", "golden_answers",
+                 "data.max_prompt_length=4096", "data.max_start_length=512", "data.max_response_length=16",
+                 "data.max_obs_length=64", f"retriever.url={server.url}", "trainer.logger=[console]",
+                 "+trainer.val_before_train=false", f"trainer.default_local_dir={tmp_path / 'ckpt'}"]
+        res = run_rlrun(2, argv, tmp_path / "out", env=subprocess_env())
+    finally:
+        stop_retriever(server.proc)
     assert res.returncode == 0, res.output[-3000:]
     assert [m["step"] for m in res.metrics] == [1, 2]
     assert "actor/kl_loss" in res.metrics[-1]  # use_kl_loss=true
-    assert f"max_turns: ignored ({AGENT})" in res.output
+    for m in res.metrics:
+        assert m["agent/turns"] == 3.0 and m["agent/obs_truncated"] == 2.0, m  # 2 reminders cut to 64 tokens
+        assert m["agent/observation_tokens"] == 128.0 and m["response_length"] <= 16 * 3 + 64 * 2, m
+    assert "max_turns: ignored" not in res.output
 
 
 def test_docs_list_every_verl_key():

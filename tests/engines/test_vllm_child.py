@@ -27,4 +27,6 @@ def test_child_engine_matches_hf_after_each_weight_sync():
         assert c["lengths_match"] and c["repeat_same_samples"], c
     # the weights really changed between rounds (else parity would prove nothing)
     assert checks[0]["greedy_first"] != checks[1]["greedy_first"] != checks[2]["greedy_first"]
+    stop = report["stop"]  # multi-turn: per-call cap and stop strings end a row at the completing token
+    assert stop["found_in_row0"] and stop["max_len"] <= 10 and stop["rows_as_rule"] and stop["lengths_match"], stop
     assert report["child_exitcode"] == 0  # stop() ends the child cleanly

@@ -46,6 +46,27 @@ def test_disaggregated_engine_trains(tmp_path):
         assert abs(m["actor/engine_kl"]) < 1e-3 and m["actor/is_filter_frac"] == 0.0, m
 
 
+def test_multi_turn_agent_episodes_on_vllm(tmp_path):
+    # the two-turn example environment on a disaggregated vLLM engine: observation tokens carry engine
+    # log-prob 0 and mask 0, so the engine/actor diff (over action tokens) still shows exact weights
+    code, out, metrics = run(["--config", "configs/multiturn_demo.yaml", "--generation_backend", "vllm",
+                              "--dist_timeout", "240", "--max_steps", "3"] + DISAGG, tmp_path)
+    _check_trained(code, out, metrics, 3)
+    for m in metrics:
+        assert m["agent/turns"] == 2.0 and m["agent/observation_tokens"] > 10, m
+
+
+def test_async_train_lags_exactly_one_weight_version(tmp_path):
+    # --async_train with engine log-probs: step 1's batch comes from the weights the actor still has (diff ~0);
+    # every later batch was generated before the previous update, so the actor's old log-probs differ from
+    # the engine's by the size of one update (the lag is real), and the IS correction sees it.
+    code, out, metrics = run(DEMO + DISAGG + ["--max_steps", "4", "--async_train"], tmp_path)
+    assert code == 0, out[-4000:]
+    diffs = [m["rollout/engine_vs_actor_logprob_diff"] for m in metrics]
+    assert diffs[0] < 1e-3 and all(d > 1e-3 for d in diffs[1:]), diffs
+    assert all(m["async/policy_lag"] == 1.0 for m in metrics)
+
+
 def test_colocated_engines_train(tmp_path):
     # engine ranks == actor ranks: each rank owns a child engine, weights copied in place by WeightSync
     code, out, metrics = run(DEMO + ["--max_steps", "3"], tmp_path)

@@ -73,6 +73,21 @@ def main() -> None:
             "lengths_match": all(len(r) == len(l) for r, l in zip(sampled.responses, sampled.log_probs)),
             "repeat_same_samples": again.responses == sampled.responses and again.log_probs == sampled.log_probs,
         })
+    # Multi-turn agents: a per-call token cap and stop strings. Greedy, with a stop string taken from the greedy
+    # answer itself (its first printable ASCII byte), so vLLM must end that row exactly where rlrun's rule does.
+    from rlrun.agents.stops import cut_at_stop
+
+    engine.sampling = greedy
+    full = engine.sample(prompts, seed=5).responses
+    printable = [t for t in full[0] if 32 < t < 127]
+    stop = (chr(printable[0]),) if printable else ("\n",)
+    cut = engine.sample(prompts, seed=5, max_new_tokens=10, stop=stop)
+    report["stop"] = {
+        "stop": stop[0], "found_in_row0": bool(printable),
+        "max_len": max(map(len, cut.responses)),
+        "rows_as_rule": all(r == cut_at_stop(f[:10], stop, tok) for r, f in zip(cut.responses, full)),
+        "lengths_match": all(len(r) == len(l) for r, l in zip(cut.responses, cut.log_probs)),
+    }
     # Throughput on the same model: vLLM child vs HF generate, 32 prompts x 32 new tokens, EOS ignored by neither.
     many = [list(f"Say {i} letters:".encode()) for i in range(32)]
     engine.sampling = SamplingSettings(1.0, 1.0, 32, PAD_ID, EOS_ID)

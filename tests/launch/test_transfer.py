@@ -196,7 +196,7 @@ TOKENS = torch.arange(12).view(2, 6) % 37
 
 
 def _actor(group: dist.ProcessGroup):
-    from rlrun.launch.fsdp import FSDPStrategy
+    from rlrun.strategies.fsdp import FSDPStrategy
     from rlrun.launch.transfer import ParamSource
 
     strategy = FSDPStrategy(group, torch.device("cpu"), bf16=False, zero_stage=3, offload=False, gradient_checkpointing=False)
@@ -232,12 +232,12 @@ def _engine_snapshot(engine: nn.Module) -> dict:
 
 class _CollectiveCounter:
     """Counts the collectives a block of code issues through the two gather entry points:
-    rlrun.launch.fsdp's byte all-gather ("block") and DTensor.full_tensor ("param")."""
+    rlrun.strategies.fsdp's byte all-gather ("block") and DTensor.full_tensor ("param")."""
 
     def __enter__(self) -> "_CollectiveCounter":
         from torch.distributed.tensor import DTensor
 
-        import rlrun.launch.fsdp as fsdp
+        import rlrun.strategies.fsdp as fsdp
 
         self.calls = {"block": 0, "param": 0}
         self._saved = (fsdp._all_gather_single, DTensor.full_tensor)
@@ -256,7 +256,7 @@ class _CollectiveCounter:
     def __exit__(self, *exc) -> None:
         from torch.distributed.tensor import DTensor
 
-        import rlrun.launch.fsdp as fsdp
+        import rlrun.strategies.fsdp as fsdp
 
         fsdp._all_gather_single, DTensor.full_tensor = self._saved
 
@@ -323,7 +323,7 @@ def scenario_colocated(rank: int, world: int) -> dict:
 def scenario_mismatch(rank: int, world: int) -> dict:
     """Actor ranks [0, 1] (plain model), engines [2, 3] with a different architecture: the engines
     raise at construction, naming the parameters. Two cases: a shape differs, a layer is missing."""
-    from rlrun.launch.fsdp import param_blocks
+    from rlrun.strategies.fsdp import param_blocks
     from rlrun.launch.transfer import ParamSource
 
     sync_group = dist.new_group([0, 2, 3])
@@ -393,7 +393,7 @@ def scenario_blocks(rank: int, world: int) -> dict:
     number of collectives per block."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from rlrun.launch.fsdp import FSDPStrategy, param_blocks
+    from rlrun.strategies.fsdp import FSDPStrategy, param_blocks
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     mixed = Mixed(mesh)
@@ -425,7 +425,7 @@ def scenario_blocks(rank: int, world: int) -> dict:
     out["tiny_full"] = full
     out["tiny_expected"] = {n: t.clone() for n, t in strategy.full_params(model)}
 
-    import rlrun.launch.fsdp as fsdp
+    import rlrun.strategies.fsdp as fsdp
 
     # FSDP over a one-rank group (an actor on one device): the shards are the full tensors, no collective
     solo_groups = [dist.new_group([r]) for r in range(world)]
@@ -483,7 +483,7 @@ def scenario_pipelined(rank: int, world: int) -> dict:
 def scenario_timeout(rank: int, world: int) -> dict:
     """An engine whose root never sends: sync() must raise within the sync group's timeout (2 s),
     not hang. The root builds its WeightSync (the metadata broadcast) and then skips sync()."""
-    from rlrun.launch.fsdp import param_blocks
+    from rlrun.strategies.fsdp import param_blocks
     from rlrun.launch.transfer import ParamSource
 
     sync_group = dist.new_group([0, 2], timeout=timedelta(seconds=2))

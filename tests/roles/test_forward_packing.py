@@ -153,7 +153,7 @@ def _fsdp_rank(rank: int, world: int, port: int, outdir: Path) -> None:
     """Padded and packed on the same FSDP2-wrapped models; rank r scores and trains on its half of the rows."""
     import torch.distributed as dist
 
-    from rlrun.launch.fsdp import FSDPStrategy
+    from rlrun.strategies.fsdp import FSDPStrategy
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     batch = varied_batch(seed=5)

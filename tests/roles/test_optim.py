@@ -70,7 +70,7 @@ def _fsdp_rank(rank: int, world: int, port: int, outdir: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from rlrun.launch.fsdp import FSDPStrategy
+    from rlrun.strategies.fsdp import FSDPStrategy
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     strategy = FSDPStrategy(dist.group.WORLD, torch.device("cpu"), bf16=False, zero_stage=2, offload=False,

@@ -24,7 +24,7 @@ from rlrun.config import suggest
 from rlrun.errors import ConfigError
 
 Convert = Callable[[Any, str], Any]  # (verl value, key) -> rlrun value; raises ConfigError naming the key
-Group = Literal["kl", "batch", "micro", "estimator", "reward_model", "clip"]
+Group = Literal["kl", "batch", "micro", "estimator", "reward_model", "clip", "turns"]
 
 
 @dataclass(frozen=True)
@@ -57,14 +57,15 @@ class Reject:
 
 Meaning = Union[To, Part, Expand, Skip, Reject]
 
-AGENT = "Search-R1's multi-turn search agent is " + NOT_YET
+FORMAT_REWARD = "Search-R1's format-reward variant (qa_em_format) is " + NOT_YET + "; rlrun's Search-R1 agent scores exact match"
+BY_PROVENANCE = "rlrun masks observation tokens by where they came from (the agent), not by text markers"
 VLLM_ONLY = "a vLLM/SGLang engine setting rlrun's generation backends do not take"
 SHARED = "rlrun uses one value for actor and critic; set it with the actor_rollout_ref.actor key"
 SCHEDULE = "rlrun always uses linear warmup + cosine decay to 0.1 x lr"
 ONE_MICRO = "rlrun scores rollouts with one micro batch size: actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
 DYNAMIC = "dynamic (token-budget) batches are " + NOT_YET
 SEQ_PARALLEL = "sequence parallelism is " + NOT_YET
-FSDP2 = "rlrun always trains with FSDP2 (see --zero_stage, --adam_offload)"
+FSDP2 = "rlrun trains with FSDP2, the default, or DeepSpeed ZeRO-0/1/2 with --strategy deepspeed; see --zero_stage, --adam_offload"
 VLM = "vision-language models are " + NOT_YET
 WORLD = "torchrun/srun set the world size; this run has {world_size} rank(s)"  # filled in by translate
 
@@ -138,8 +139,8 @@ VERL_KEYS: dict[str, Meaning] = {
     "data.prompt_key": To("input_key"),
     "data.train_batch_size": To("rollout_batch_size"),  # prompts per step
     "data.val_batch_size": Skip("rlrun evaluates the whole eval set each time"),
-    "data.max_prompt_length": To("prompt_max_len"),
-    "data.max_response_length": To("generate_max_len"),
+    "data.max_prompt_length": Part("turns"),
+    "data.max_response_length": Part("turns"),
     "data.filter_overlong_prompts": To("prompt_overflow", _overflow),
     "data.truncation": Skip("rlrun drops overlong prompts (data.filter_overlong_prompts=True) or keeps their last tokens"),
     "data.shuffle": Skip("rlrun always shuffles prompts, seeded by --seed"),
@@ -147,8 +148,8 @@ VERL_KEYS: dict[str, Meaning] = {
     "data.seed": Skip("rlrun seeds the prompt order with --seed"),
     "data.train_data_num": To("max_samples"),  # Search-R1: cap on training prompts (null: all)
     "data.val_data_num": Skip(NOT_YET),
-    "data.max_start_length": Skip(AGENT),
-    "data.max_obs_length": Skip(AGENT),
+    "data.max_start_length": Part("turns"),
+    "data.max_obs_length": Part("turns"),
     "data.return_raw_chat": Skip("rlrun keeps the raw prompt text for the reward anyway"),
     "data.return_raw_input_ids": Skip("rlrun keeps the raw prompt text for the reward anyway"),
     "data.tokenizer": Skip("rlrun uses the policy's tokenizer"),
@@ -183,9 +184,9 @@ VERL_KEYS: dict[str, Meaning] = {
     "reward_model.reward_manager": Skip("verl's reward managers are not used; rlrun takes --remote_rm_url"),
     "reward_model.use_reward_loop": Skip("verl's reward managers are not used; rlrun takes --remote_rm_url"),
     "reward_model.num_workers": Skip("verl's reward managers are not used; rlrun takes --remote_rm_url"),
-    "reward_model.structure_format_score": Skip(AGENT),
-    "reward_model.final_format_score": Skip(AGENT),
-    "reward_model.retrieval_score": Skip(AGENT),
+    "reward_model.structure_format_score": Skip(FORMAT_REWARD),
+    "reward_model.final_format_score": Skip(FORMAT_REWARD),
+    "reward_model.retrieval_score": Skip(FORMAT_REWARD),
     "custom_reward_function.path": Reject("verl's compute_score(data_source, solution_str, ground_truth, extra_info) "
                                           "is not rlrun's reward: write reward_func(queries, prompts, labels) "
                                           "and pass --remote_rm_url FILE.py"),
@@ -223,7 +224,7 @@ VERL_KEYS: dict[str, Meaning] = {
     A + "use_torch_compile": Skip(NOT_YET),
     A + "strategy": Skip(FSDP2),
     A + "shuffle": Skip("rlrun always shuffles each rollout batch, seeded by --seed"),
-    A + "state_masking": Skip(AGENT),
+    A + "state_masking": To("state_masking", as_bool),
     A + "freeze_vision_tower": Skip(VLM),
     # reference model
     "actor_rollout_ref.ref.log_prob_micro_batch_size": Skip(ONE_MICRO),
@@ -292,10 +293,10 @@ VERL_KEYS: dict[str, Meaning] = {
     "algorithm.kl_ctrl.kl_coef": Part("kl"),
     "algorithm.kl_ctrl.target_kl": Part("kl"),
     "algorithm.kl_ctrl.horizon": Part("kl"),
-    "algorithm.no_think_rl": Skip(AGENT),
+    "algorithm.no_think_rl": Skip("Search-R1 itself refuses no_think_rl (its generation raises ValueError)"),
     "algorithm.use_pf_ppo": Skip(NOT_YET),
-    "algorithm.state_masking.start_state_marker": Skip(AGENT),
-    "algorithm.state_masking.end_state_marker": Skip(AGENT),
+    "algorithm.state_masking.start_state_marker": Skip(BY_PROVENANCE),
+    "algorithm.state_masking.end_state_marker": Skip(BY_PROVENANCE),
     # trainer
     "trainer.total_epochs": To("num_episodes"),
     "trainer.total_training_steps": To("max_steps"),
@@ -322,10 +323,10 @@ VERL_KEYS: dict[str, Meaning] = {
     "trainer.del_local_ckpt_after_load": Skip(NOT_YET),
     "trainer.ray_wait_register_center_timeout": Skip(RAY_ONLY),
     # Search-R1 top-level keys
-    "max_turns": Skip(AGENT),
-    "do_search": Skip(AGENT),
-    "retriever.url": Skip(AGENT),
-    "retriever.topk": Skip(AGENT),
+    "max_turns": Part("turns"),
+    "do_search": Part("turns"),
+    "retriever.url": To("retriever_url"),
+    "retriever.topk": To("retriever_topk"),
 }
 
 # Whole subtrees: a key with one of these path segments is skipped with the reason.

@@ -123,13 +123,43 @@ def _clip(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
     return out
 
 
+def _turns(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
+    """Lengths. verl: max_prompt_length and max_response_length are the prompt and response caps. Search-R1
+    (max_turns=K set): max_response_length is per turn and there are K search turns plus a final answer turn,
+    so the response region holds (K + 1) turns and K observations of at most max_obs_length; its first prompt
+    keeps its last max_start_length tokens (max_prompt_length caps Search-R1's rolling context, which rlrun
+    never cuts: prompt and response regions are separate)."""
+    out: list[Assignment] = []
+    if "data.max_obs_length" in v:
+        out.append(("max_obs_len", as_int(v["data.max_obs_length"], "data.max_obs_length")))
+    if "do_search" in v and not as_bool(v["do_search"], "do_search") and v.get("max_turns") is not None:
+        raise ConfigError("do_search=false: Search-R1 without search is a single-turn run; drop max_turns and "
+                          "retriever.url instead")
+    if "max_turns" not in v:
+        if "data.max_prompt_length" in v:
+            out.append(("prompt_max_len", as_int(v["data.max_prompt_length"], "data.max_prompt_length")))
+        if "data.max_response_length" in v:
+            out.append(("generate_max_len", as_int(v["data.max_response_length"], "data.max_response_length")))
+        return out
+    turns = as_int(v["max_turns"], "max_turns") + 1
+    out.append(("max_turns", turns))
+    start = v.get("data.max_start_length", v.get("data.max_prompt_length"))
+    if start is not None:
+        out.append(("prompt_max_len", as_int(start, "data.max_start_length")))
+    if "data.max_response_length" in v:
+        per_turn = as_int(v["data.max_response_length"], "data.max_response_length")
+        obs = as_int(v.get("data.max_obs_length", per_turn), "data.max_obs_length")
+        out += [("max_tokens_per_turn", per_turn), ("generate_max_len", per_turn * turns + obs * (turns - 1))]
+    return out
+
+
 # --- translation ---------------------------------------------------------------------------------------------------
 
 # Every rule gets the launched world size (only the global micro batches need it), so one mapping serves
 # translate() and the docs report.
 Rule = Callable[[Mapping[str, Any], int], list[Assignment]]
 GROUP_RULES: dict[Group, Rule] = {"kl": _kl, "batch": _batch, "micro": _micro, "estimator": _estimator,
-                                  "reward_model": _reward_model, "clip": _clip}
+                                  "reward_model": _reward_model, "clip": _clip, "turns": _turns}
 
 
 def parse_value(raw: str) -> Any:

@@ -74,6 +74,7 @@ class Sampling:
     top_p: float
     max_new_tokens: int
     eos_id: int
+    stop: tuple[str, ...] = ()  # strings that end a response (kept in it); needs detokenising
 
 
 def set_process_env(spec: EngineSpec) -> None:
@@ -126,7 +127,8 @@ class VLLMAdapter:
 
         params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                                  max_tokens=sampling.max_new_tokens, seed=seed, logprobs=0,
-                                 stop_token_ids=[sampling.eos_id], detokenize=False)
+                                 stop_token_ids=[sampling.eos_id], stop=list(sampling.stop) or None,
+                                 include_stop_str_in_output=True, detokenize=bool(sampling.stop))
                   for seed in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         tokens, logprobs = [], []

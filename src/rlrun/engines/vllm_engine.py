@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from rlrun.agents.stops import cut_at_stop
 from rlrun.engines.vllm_adapter import EngineSpec, Sampling, check_version
 from rlrun.engines.vllm_child import EngineChild
 from rlrun.log import get_logger
@@ -65,6 +66,7 @@ class VLLMEngine:
         self.model.requires_grad_(False)
         self.sampling = sampling
         self.device = device
+        self.tokenizer = tokenizer
         self.workdir = tempfile.mkdtemp(prefix=f"rlrun_vllm_r{rank}_")
         model_dir = os.path.join(self.workdir, "model")
         write_model_dir(model, tokenizer, model_dir)
@@ -110,11 +112,16 @@ class VLLMEngine:
 
     # ---- generation ---------------------------------------------------------------------------
 
-    def sample(self, prompts: list[list[int]], seed: int) -> Generation:
+    def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
+               stop: tuple[str, ...] = ()) -> Generation:
         s = self.sampling
         tokens, logprobs = self.child.request(  # type: ignore[misc]
             "generating", "generate", prompts, request_seeds(seed, len(prompts)),
-            Sampling(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, eos_id=s.eos_id))
+            Sampling(temperature=s.temperature, top_p=s.top_p, eos_id=s.eos_id, stop=stop,
+                     max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens))
+        if stop:  # vLLM stops at the token completing a stop string too; this only makes the rule explicit
+            tokens = [cut_at_stop(t, stop, self.tokenizer) for t in tokens]
+            logprobs = [lp[:len(t)] for lp, t in zip(logprobs, tokens)]
         return Generation(tokens, logprobs)
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:

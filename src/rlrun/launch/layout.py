@@ -97,6 +97,7 @@ class LayoutRequest:
     colocate_critic_reward: bool = False
     colocate_all_models: bool = False
     engine_node_label: str | None = None
+    async_train: bool = False  # engines generate the next batch while the other ranks train: adds "learners"
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,11 @@ class Layout:
     def engine_index_of(self, rank: int) -> int | None:
         self._check_rank(rank)
         return next((i for i, ranks in enumerate(self.engines) if rank in ranks), None)
+
+    @property
+    def asynchronous(self) -> bool:
+        """--async_train in effect: the engines have ranks of their own and a "learners" group exists."""
+        return any(g.name == "learners" for g in self.groups)
 
     @property
     def engine_colocated_with_actor(self) -> bool:
@@ -462,6 +468,16 @@ def plan_layout(
     if not set(roles[Role.ENGINE]) & set(roles[Role.ACTOR]):
         # Disjoint engines receive new weights by broadcast from actor rank 0, which gathers them first.
         groups.append(GroupSpec("sync", (roles[Role.ACTOR][0], *roles[Role.ENGINE])))
+    if request.async_train:
+        shared = sorted(role.value for role, ranks in roles.items()
+                        if role is not Role.ENGINE and set(roles[Role.ENGINE]) & set(ranks))
+        if shared:
+            warnings.append(f"--async_train ignored, this run is synchronous: the engines share ranks with the "
+                            f"{', '.join(shared)}, so they cannot generate while those train; give them ranks of their "
+                            "own with --vllm_num_engines N (and no --colocate_all_models)")
+        else:
+            # Scoring and training collectives of every rank but the engines', so those run while the engines generate.
+            groups.append(GroupSpec("learners", tuple(r for r in range(world_size) if r not in roles[Role.ENGINE])))
     labels = tuple(node_labels) if node_labels is not None else None
     return Layout(world_size, ranks_per_node, roles, engines, tuple(groups), tuple(warnings), labels)
 

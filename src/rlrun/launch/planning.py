@@ -10,6 +10,7 @@ from rlrun.algorithms import gamma_override_warning
 from rlrun.config import Config
 from rlrun.errors import ConfigError
 from rlrun.launch.layout import Layout, LayoutRequest, Role, RoleRequest, plan_layout
+from rlrun.strategies.checks import check_strategy
 from rlrun.validation import check_batches, check_values
 
 
@@ -29,6 +30,7 @@ def layout_request(cfg: Config) -> LayoutRequest:
         colocate_critic_reward=r.colocate_critic_reward,
         colocate_all_models=r.colocate_all_models,
         engine_node_label=r.engine_node_label,
+        async_train=cfg.train.async_train,
     )
 
 
@@ -55,8 +57,12 @@ def plan(cfg: Config, world_size: int, ranks_per_node: int, node_labels: Sequenc
     # The HF backend generates on every engine rank independently (TP needs vLLM).
     sizes["engine"] = len(layout.ranks_of(Role.ENGINE))
     check_batches(cfg, sizes)
+    check_strategy(cfg, layout)
     gamma = gamma_override_warning(cfg.algo.advantage_estimator, cfg.algo.gamma)
     algo_warnings = [gamma] if gamma is not None else []
+    if cfg.train.async_queue_size != 1:
+        algo_warnings.append(f"--async_queue_size {cfg.train.async_queue_size} ignored: rlrun's --async_train keeps exactly "
+                             "one rollout batch in flight (one step off-policy, deterministic)")
     return Plan(layout, tuple(layout.warnings) + tuple(eval_warnings) + tuple(algo_warnings)
                 + tuple(missing_path_warnings(cfg)))
 

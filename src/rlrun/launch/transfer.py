@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlrun.errors import RlrunError
-from rlrun.launch.fsdp import GatherScratch, ParamBlock
+from rlrun.strategies.fsdp import GatherScratch, ParamBlock
 
 ALIGN = 16  # bytes: every tensor view into a bucket starts aligned for any dtype
 # torch >= 2.10 renamed all_gather_into_tensor (which now warns on every call).

@@ -10,6 +10,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from transformers import PreTrainedTokenizerBase
+
+from rlrun.agents.stops import cut_at_stop
 from rlrun.errors import ConfigError
 
 
@@ -39,8 +42,11 @@ class Engine(Protocol):
         """Prompt token ids -> response token ids (EOS included when it was sampled)."""
         ...
 
-    def sample(self, prompts: list[list[int]], seed: int) -> Generation:
-        """generate() plus the sampled tokens' log-probabilities."""
+    def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
+               stop: tuple[str, ...] = ()) -> Generation:
+        """generate() plus the sampled tokens' log-probabilities. max_new_tokens: this call's cap (default the
+        settings'); stop: strings that end a response early (multi-turn agents). A response ends at the first
+        token that completes a stop string, that token included (rlrun.agents.stops.cut_at_stop)."""
         ...
 
     def load_weights(self) -> None:
@@ -78,7 +84,9 @@ def resolve_backend(requested: str, cuda: bool, tensor_parallel_size: int = 1) -
 class HFEngine:
     """Sampling with transformers `generate`: left-padded prompts, stop at EOS."""
 
-    def __init__(self, model: nn.Module, sampling: SamplingSettings, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, sampling: SamplingSettings, device: torch.device,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        self.tokenizer = tokenizer  # needed for stop strings only
         self.model = model.eval()
         self.model.requires_grad_(False)
         self.sampling = sampling
@@ -91,8 +99,14 @@ class HFEngine:
         """Nothing to do: `model` is what generate() runs, and weight sync writes into it."""
 
     @torch.no_grad()
-    def sample(self, prompts: list[list[int]], seed: int) -> Generation:
+    def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
+               stop: tuple[str, ...] = ()) -> Generation:
         s = self.sampling
+        stop_kwargs: dict = {}
+        if stop:
+            if self.tokenizer is None:
+                raise ValueError("HFEngine needs its tokenizer for stop strings")
+            stop_kwargs = {"stop_strings": list(stop), "tokenizer": self.tokenizer}
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), s.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -105,12 +119,15 @@ class HFEngine:
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
-                temperature=s.temperature, top_p=s.top_p, top_k=0, max_new_tokens=s.max_new_tokens,
-                pad_token_id=s.pad_id, eos_token_id=s.eos_id,
+                temperature=s.temperature, top_p=s.top_p, top_k=0,
+                max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                pad_token_id=s.pad_id, eos_token_id=s.eos_id, **stop_kwargs,
             )
         responses = []
         for row in out[:, width:].tolist():
             if s.eos_id in row:
                 row = row[: row.index(s.eos_id) + 1]
+            if stop:  # generate stops a row after its stop string but pads it; cut exactly there
+                row = cut_at_stop(row, stop, self.tokenizer)  # type: ignore[arg-type]
             responses.append(row)
         return Generation(responses)

@@ -7,25 +7,19 @@ deep inside the loss.
 
 from __future__ import annotations
 
-import http.client
-import importlib.util
-import itertools
 import json
 import os
 import sys
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Real
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from rlrun.errors import RewardError
+from rlrun.pyfile import import_file, one_line
+from rlrun.http_retry import RequestRejected, RetriesExhausted, display_url, post_once, with_retries
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -34,7 +28,6 @@ TOKEN_ENV = "RLRUN_REWARD_TOKEN"
 BUILTIN_SOURCE = "builtin demo rule"
 
 RawRewardFn = Callable[[list[str], list[str], list[str | None]], object]
-_module_counter = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -42,12 +35,6 @@ class RewardResult:
     rewards: torch.Tensor  # [b] float32, used for training
     scores: torch.Tensor  # [b] float32, logged (defaults to rewards)
     extra_logs: dict[str, float]  # means of any extra per-sample values, for metrics
-
-
-def _one_line(exc: BaseException) -> str:
-    # Multi-line tracebacks from user code would break the single-line error contract.
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _to_float_tensor(value: object, what: str, source: str, batch: int | None) -> torch.Tensor:
@@ -148,7 +135,7 @@ class RewardFunction:
         return _validate(raw, self.source, len(queries))
 
     def _wrapped(self, exc: Exception, batch: int) -> RewardError:
-        return RewardError(f"reward function {self.source} raised {_one_line(exc)} on a batch of {batch} "
+        return RewardError(f"reward function {self.source} raised {one_line(exc)} on a batch of {batch} "
                            "queries; fix the reward function (run it on a few samples by hand to reproduce).")
 
 
@@ -168,42 +155,14 @@ def _load_builtin() -> RewardFunction:
 
 
 def _load_file(path_text: str) -> RewardFunction:
-    path = Path(path_text).expanduser()
-    if not path.is_file():
-        raise RewardError(f"reward file {path_text} does not exist (resolved to {path.resolve()}); "
-                          "pass the path of a .py file that defines reward_func(queries, prompts, labels).")
-    # A unique name keeps two reward files (or a reload) from clobbering each other in sys.modules.
-    name = f"rlrun_reward_file_{next(_module_counter)}_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path.resolve())
-    if spec is None or spec.loader is None:
-        raise RewardError(f"reward file {path_text} cannot be loaded as a Python module; "
-                          "make sure it is a plain .py source file.")
-    module = importlib.util.module_from_spec(spec)
-    # Registered before exec because dataclasses and pickling look the module up by name.
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as exc:
-        sys.modules.pop(name, None)
-        if not isinstance(exc, Exception):
-            raise
-        raise RewardError(f"reward file {path_text} failed to import: {_one_line(exc)}; "
-                          f"fix the file (try: python {path_text}).") from exc
+    module = import_file(path_text, "reward file", RewardError, "reward_func(queries, prompts, labels)")
     fn = getattr(module, "reward_func", None)
     if not callable(fn):
-        sys.modules.pop(name, None)
+        sys.modules.pop(module.__name__, None)
         found = "is not callable" if hasattr(module, "reward_func") else "is missing"
         raise RewardError(f"reward file {path_text}: reward_func {found}; define "
                           "def reward_func(queries, prompts, labels) returning rewards (tensor/list or dict).")
     return RewardFunction(path_text, fn)
-
-
-def _display_url(url: str) -> str:
-    # User info and query strings can carry credentials; neither belongs in logs or errors.
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "..." if parts.query else "", ""))
 
 
 class _HttpRewardFn:
@@ -221,47 +180,31 @@ class _HttpRewardFn:
         try:
             body = json.dumps({"query": queries, "prompts": prompts, "labels": labels}).encode("utf-8")
         except (TypeError, ValueError) as exc:
-            raise RewardError(f"reward server {self.source}: batch is not JSON-serializable ({_one_line(exc)}); "
+            raise RewardError(f"reward server {self.source}: batch is not JSON-serializable ({one_line(exc)}); "
                               "queries, prompts and labels must be strings (labels may be None).") from exc
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        last_error = "no attempt made"
-        for attempt in range(self.retries):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    payload = response.read()
-                    status = response.status
-            except urllib.error.HTTPError as exc:
-                try:
-                    detail = self._scrub(" ".join(exc.read(300).decode("utf-8", "replace").split()), token)
-                except (OSError, http.client.HTTPException):
-                    detail = ""
-                last_error = f"HTTP {exc.code} {exc.reason}" + (f" ({detail})" if detail else "")
-                if exc.code < 500:
-                    raise RewardError(f"reward server {self.source} rejected the request: {last_error}; "
-                                      f"check the URL, the request format and {TOKEN_ENV}.") from None
-                continue
-            except (OSError, http.client.HTTPException) as exc:  # URLError and timeouts are OSErrors
-                reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-                if isinstance(reason, TimeoutError):
-                    last_error = f"timed out after {self.timeout_s:g} s"
-                else:
-                    last_error = self._scrub(_one_line(reason) if isinstance(reason, BaseException)
-                                             else str(reason), token)
-                continue
-            try:
-                return json.loads(payload.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                snippet = self._scrub(" ".join(payload[:200].decode("utf-8", "replace").split()), token)
-                raise RewardError(f"reward server {self.source} returned a non-JSON response (HTTP {status}, "
-                                  f"starts with {snippet!r}); it must return JSON like "
-                                  '{"rewards": [...]} or a list of numbers.') from None
-        raise RewardError(f"reward server {self.source} failed after {self.retries} attempts: {last_error}; "
-                          "check that it is up and reachable from this node, or raise --remote_rm_timeout / --remote_rm_retries.")
+
+        def scrub(text: str) -> str:
+            return self._scrub(text, token)
+
+        try:
+            status, payload = with_retries(lambda: post_once(self.url, body, headers, self.timeout_s, scrub),
+                                           retries=self.retries, backoff_s=self.backoff_s)
+        except RequestRejected as exc:
+            raise RewardError(f"reward server {self.source} rejected the request: {exc}; "
+                              f"check the URL, the request format and {TOKEN_ENV}.") from None
+        except RetriesExhausted as exc:
+            raise RewardError(f"reward server {self.source} failed after {self.retries} attempts: {exc.last_error}; "
+                              "check that it is up and reachable from this node, or raise --remote_rm_timeout / --remote_rm_retries.") from None
+        try:
+            return json.loads(payload.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            snippet = scrub(" ".join(payload[:200].decode("utf-8", "replace").split()))
+            raise RewardError(f"reward server {self.source} returned a non-JSON response (HTTP {status}, "
+                              f"starts with {snippet!r}); it must return JSON like "
+                              '{"rewards": [...]} or a list of numbers.') from None
 
 
 def load_reward_function(remote_rm_url: str | None, *, timeout_s: float = 30.0, retries: int = 3,
@@ -271,7 +214,7 @@ def load_reward_function(remote_rm_url: str | None, *, timeout_s: float = 30.0, 
         return _load_builtin()
     text = remote_rm_url.strip()
     if text.lower().startswith(("http://", "https://")):
-        source = _display_url(text)
+        source = display_url(text)
         if not timeout_s > 0 or retries < 1 or backoff_s < 0:
             raise RewardError(f"reward server {source}: need timeout_s > 0, retries >= 1 and backoff_s >= 0, "
                               f"got timeout_s={timeout_s}, retries={retries}, backoff_s={backoff_s}.")

@@ -11,21 +11,18 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
 
 from rlrun.batching import shard
 from rlrun.errors import RlrunError
+from rlrun.strategies.base import GradClipper, StepOps, TorchSteps
 
 # rows (global indices of one micro-batch), num_tokens, num_seqs -> (loss, stats)
 MicroLoss = Callable[[torch.Tensor, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-class GradClipper(Protocol):
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float: ...
 
 
 @dataclass
@@ -41,6 +38,8 @@ class Updater:
     max_nonfinite_in_a_row: int = 10  # --max_skipped_steps: this many skipped steps in a row fail the run
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient, over the run
     nonfinite_in_a_row: int = 0  # consecutive skipped steps, reset by every finite one
+    # backward / clip / step: plain autograd + optimizer (FSDP2), or the strategy's engine (DeepSpeed)
+    ops: StepOps = field(default_factory=TorchSteps)
 
     def run(self, minibatches: list[torch.Tensor], token_mask: torch.Tensor, micro_loss: MicroLoss) -> dict[str, float]:
         """token_mask: [B, R] response mask of the full batch. Returns stats averaged over steps."""
@@ -53,19 +52,17 @@ class Updater:
             # of this update, as in OpenRLHF's loss normalisation; this keeps seq-mean modes exact too.
             num_seqs = float((token_mask[rows].sum(-1) > 0).sum()) / self.dp_size
             mine = rows[shard(len(rows), self.dp_size, self.dp_rank)]
-            self.optimizer.zero_grad(set_to_none=True)
+            self.ops.zero_grad(self.optimizer)
             for start in range(0, len(mine), self.micro_batch):
                 loss, stats = micro_loss(mine[start:start + self.micro_batch], num_tokens, num_seqs)
-                loss.backward()
+                self.ops.backward(loss, last_micro=start + self.micro_batch >= len(mine))
                 for key, value in stats.items():
                     sums[key] += float(value)
                     counts[key] += 1
-            grad_norm = self.strategy.clip_grad_norm(self.model, self.max_norm)
+            grad_norm = self.ops.clip_and_step(self.model, self.optimizer, self.strategy, self.max_norm)
             if math.isfinite(grad_norm):
-                self.optimizer.step()
                 self.nonfinite_in_a_row = 0
-            else:  # a NaN/inf gradient must never reach the weights
-                self.optimizer.zero_grad(set_to_none=True)
+            else:  # clip_and_step left the weights untouched: a NaN/inf gradient must never reach them
                 self.skipped_steps += 1
                 self.nonfinite_in_a_row += 1
                 # The norm is global over the role's ranks, so every rank of the role stops at the same step.

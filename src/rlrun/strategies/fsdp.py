@@ -1,7 +1,7 @@
-"""FSDP2 training strategy on a role's process group (the only sharding code).
+"""FSDP2 training strategy on a role's process group.
 
-Kept behind the small `Strategy` surface (wrap, clip_grad_norm, full_params, state dicts) so a
-DeepSpeed strategy can sit next to it.
+Implements the `Strategy` surface of rlrun.strategies.base (wrap, step, clip_grad_norm, full
+parameters by FSDP unit, full/sharded state dicts); the DeepSpeed strategy sits next to it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+
+from rlrun.launch.dcp import load_role_state, save_role_state
+from rlrun.strategies.base import OptimizerFactory, StepOps, TorchSteps
 
 ALIGN = 16  # bytes: every parameter's piece of a gather buffer starts aligned for any dtype
 CPU_GATHER_PART_BYTES = 4 * 2**20  # per rank and all-gather, on CPU (gloo): see ParamBlock
@@ -58,6 +61,22 @@ class FSDPStrategy:
             model.requires_grad_(False)
         return model
 
+    def wrap_trainable(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = self.wrap(model)
+        return model, make_optimizer(model)
+
+    def step_ops(self, model: nn.Module) -> StepOps:
+        return TorchSteps()  # FSDP2 reduce-scatters gradients inside loss.backward()
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return full_state_dict(model, self.group)
+
+    def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        save_role_state(model, optimizer, path, self.group)
+
+    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        load_role_state(model, optimizer, path, self.group)
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
         """Clip over all shards; returns the total norm before clipping (inf/nan when non-finite)."""
         params = [p for p in model.parameters() if p.grad is not None]
@@ -76,11 +95,17 @@ class FSDPStrategy:
         return param_blocks(model)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full CPU tensors on the role's first rank ({} elsewhere). Collective over the role."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_state_dict(model: nn.Module, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """Full CPU tensors on the role's first rank ({} elsewhere). Collective over the role, one entry at a time.
+    (Not torch's get_model_state_dict(cpu_offload=True): it keeps the result on GLOBAL rank 0 only, so a role
+    on other ranks, e.g. a critic on ranks of its own, got nothing.)"""
+    keep = dist.get_rank(group) == 0
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        full = _full(tensor.detach())
+        if keep:
+            out[name] = full.cpu()
+    return out
 
 
 # ---- full parameters one FSDP unit at a time ---------------------------------------------------------

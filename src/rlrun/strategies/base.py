@@ -1,0 +1,93 @@
+"""The surface every training strategy offers (FSDP2 in `fsdp.py`, DeepSpeed in `deepspeed_adapter.py`).
+
+A strategy owns how ONE role's model is placed over that role's process group: wrapping, the optimizer
+step, full parameters for weight sync, full/sharded state for saving. Every collective it issues is on
+the role's group; nothing here touches the world group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from rlrun.strategies.fsdp import ParamBlock
+
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+
+
+class GradClipper(Protocol):
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float: ...
+
+
+class StepOps(Protocol):
+    """How the update loop (roles/update.py) runs one optimizer step over a role's micro-batches."""
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def backward(self, loss: torch.Tensor, *, last_micro: bool) -> None:
+        """Accumulate `loss`'s gradient unscaled (the loss already carries rlrun's global token/sequence
+        weighting); `last_micro` marks the final micro-batch before the step."""
+        ...
+
+    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, clipper: GradClipper,
+                      max_norm: float) -> float:
+        """Clip to `max_norm` (<= 0: no clipping) and step. Returns the gradient norm before clipping; when
+        it is not finite the weights are left untouched and the gradients dropped."""
+        ...
+
+
+class TorchSteps:
+    """Plain autograd + a torch optimizer: single-process models and FSDP2 (which reduces in backward)."""
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor, *, last_micro: bool) -> None:
+        loss.backward()
+
+    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, clipper: GradClipper,
+                      max_norm: float) -> float:
+        grad_norm = clipper.clip_grad_norm(model, max_norm)
+        if math.isfinite(grad_norm):
+            optimizer.step()
+        else:  # a NaN/inf gradient must never reach the weights
+            optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+
+class Strategy(GradClipper, Protocol):
+    """One role's sharding engine. `wrap`/`wrap_trainable` are called once per model; the others are
+    collective over the role's group where they say so (every rank of the role must call them)."""
+
+    group: torch.distributed.ProcessGroup
+
+    def wrap(self, model: nn.Module, *, trainable: bool = True) -> nn.Module:
+        """A frozen (trainable=False) model ready for forward passes on this role's ranks."""
+        ...
+
+    def wrap_trainable(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """(model to call forward on, the torch optimizer whose param_groups an LR scheduler drives)."""
+        ...
+
+    def step_ops(self, model: nn.Module) -> StepOps: ...
+
+    def param_blocks(self, model: nn.Module) -> list["ParamBlock"]:
+        """The parameters in gather order, grouped so each block is one collective (weight sync)."""
+        ...
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full CPU tensors under the model's own (HF) names on the role's first rank, {} elsewhere.
+        Collective over the role."""
+        ...
+
+    def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """Model + optimizer state into directory `path`, world-size independent. Collective over the role."""
+        ...
+
+    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """Inverse of save_state, on any number of role ranks. Collective over the role."""
+        ...

@@ -1,0 +1,65 @@
+"""Strategy rules that need the layout, checked in planning on every rank before any group or model exists."""
+
+from __future__ import annotations
+
+import importlib.util
+from importlib.metadata import PackageNotFoundError, version
+
+from rlrun.config import Config
+from rlrun.errors import ConfigError
+from rlrun.launch.layout import Layout, Role
+
+# The DeepSpeed releases rlrun's adapter was tested with (it relies on mpu, explicit accumulation boundaries,
+# safe_get/set_full_* and the ZeRO-1/2 optimizer's partition attributes). Same range as setup.cfg's extra.
+DEEPSPEED_TESTED = ((0, 19, 8), (0, 20, 0))
+SHARDED_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 1 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def check_strategy(cfg: Config, layout: Layout) -> None:
+    """--strategy deepspeed: installed in the tested range, ZeRO-0/1/2 only, and no feature not yet wired."""
+    t = cfg.train
+    if t.strategy != "deepspeed":
+        return
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("--strategy deepspeed needs DeepSpeed: pip install 'rlrun[deepspeed]' (deepspeed>=0.19.8,<0.20), "
+                          "or use --strategy fsdp")
+    try:
+        found = version("deepspeed")
+    except PackageNotFoundError:
+        found = "unknown"
+    low, high = DEEPSPEED_TESTED
+    if not low <= _version_tuple(found) < high:
+        raise ConfigError(f"--strategy deepspeed is tested with deepspeed>=0.19.8,<0.20, found {found}: "
+                          "pip install 'rlrun[deepspeed]', or use --strategy fsdp")
+    if t.zero_stage == 3:
+        roles = [r for r in SHARDED_ROLES if layout.has(r)]
+        narrow = [r for r in roles if len(layout.ranks_of(r)) < layout.world_size]
+        if narrow:
+            role = narrow[0]
+            raise ConfigError(
+                f"--strategy deepspeed --zero_stage 3 needs the role ({role.value}: {_ranks(layout.ranks_of(role))}) to "
+                f"span all {layout.world_size} ranks: DeepSpeed ZeRO-3 calls world-wide barriers at init and broadcasts "
+                "from global rank 0 in its forward hooks (deepspeed/runtime/zero/stage3.py:914, "
+                "partitioned_param_coordinator.py:260), which deadlock when other roles train on other ranks. "
+                "Use --strategy fsdp --zero_stage 3 (comparable memory profile, works on role groups).")
+        raise ConfigError("--strategy deepspeed --zero_stage 3 is not supported by rlrun yet, even with every role on "
+                          "every rank (weight sync and checkpoints need ZeRO-3 parameter gathers); "
+                          "use --strategy fsdp --zero_stage 3 (comparable memory profile)")
+    if t.zero_stage == 0 and cfg.model.bf16 and (cfg.checkpoint.save_steps > 0 or cfg.checkpoint.load_checkpoint):
+        raise ConfigError("--strategy deepspeed --zero_stage 0 --bf16 cannot save or load checkpoints yet (its fp32 master "
+                          "weights are not reachable by parameter); use --zero_stage 1 or 2, or drop --save_steps/"
+                          "--load_checkpoint")

@@ -1,0 +1,365 @@
+"""DeepSpeed ZeRO-0/1/2 on one role's process group. The only module that calls `deepspeed`.
+
+How it stays off the world group (../shared/DEEPSPEED.md §1, §4.1, measured with 0.19.8):
+- `mpu=RoleMPU` hands DeepSpeed the role's group as its data-parallel group, and a real one-rank
+  group as its model-parallel group (None would make ZeRO-0's norm all_reduce go to the world);
+- `dist_init_required=False`: DeepSpeed wraps rlrun's existing default group, it never re-inits;
+- models are built normally (full weights), never through HfDeepSpeedConfig/zero.Init;
+- rlrun never calls `engine.save_checkpoint`/`load_checkpoint` (hard-coded world barriers, `latest`
+  written only by global rank 0): checkpoints are full fp32 weights + Adam moments gathered over the
+  role's group (`safe_get_full_*`) and written with torch DCP, so they load on any role size.
+ZeRO-3 is refused before anything starts (rlrun.strategies.checks).
+
+Gradient accumulation: rlrun's losses already carry the global token/sequence weighting, so every
+micro-batch goes through `engine.backward(loss, scale_wrt_gas=False)` with an explicit
+accumulation boundary on the last one; DeepSpeed's own `gradient_accumulation_steps` stays 1.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from rlrun.errors import RlrunError
+from rlrun.log import get_logger
+from rlrun.strategies.base import GradClipper, OptimizerFactory, StepOps
+from rlrun.strategies.fsdp import ParamBlock
+
+import deepspeed  # noqa: E402  (after torch: an optional extra; rlrun.strategies.checks refuses the flag without it)
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import (lazy_init_hp_params_optimizer_state, safe_get_full_fp32_param,
+                             safe_get_full_optimizer_state, safe_set_full_fp32_param, safe_set_full_optimizer_state)
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+_NEVER = 2**31 - 1  # steps_per_print: DeepSpeed's own progress lines stay off; rlrun logs metrics
+
+
+class RoleMPU:
+    """DeepSpeed's view of the parallel layout: data parallel = the role's ranks, no model parallelism."""
+
+    def __init__(self, dp_group: dist.ProcessGroup, mp_group: dist.ProcessGroup) -> None:
+        self.dp, self.mp = dp_group, mp_group
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.dp
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.dp)
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.dp)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.dp)
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.mp  # a real 1-rank group, never None: None means the world to deepspeed.runtime.utils
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return 0
+
+
+_SOLO: dict[int, dist.ProcessGroup] = {}
+
+
+def _solo_group() -> dist.ProcessGroup:
+    """This rank alone. `use_local_synchronization` makes creating it a local act: no world collective,
+    no other rank has to call it, and the world's group counter (which names the groups every rank
+    creates in launch/groups.py) is left untouched."""
+    rank = dist.get_rank()
+    if rank not in _SOLO:
+        _SOLO[rank] = dist.new_group([rank], use_local_synchronization=True)
+    return _SOLO[rank]
+
+
+def _log_jit(what: str) -> None:
+    """DeepSpeed JIT-compiles C++ ops on first use (measured here: the CPU shared-memory comm op ~45 s,
+    DeepSpeedCPUAdam ~50 s). Said before it happens, so a silent minute does not look like a hang."""
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    get_logger(dist.get_rank()).info_once(
+        f"deepspeed {deepspeed.__version__}: loading {what}; the first run on a machine compiles it (30-70 s) into "
+        f"{cache} (TORCH_EXTENSIONS_DIR), later runs reuse it")
+
+
+@dataclass(frozen=True)
+class DSSettings:
+    zero_stage: int  # 0, 1 or 2 (3 is refused in planning)
+    bf16: bool  # effective (GPU only)
+    offload: bool  # effective: optimizer state + fp32 master on CPU, DeepSpeedCPUAdam (GPU only)
+    micro_batch: int
+    max_norm: float
+
+
+def ds_config(s: DSSettings, dp_size: int, *, trainable: bool) -> dict[str, Any]:
+    """The DeepSpeed config dict of one role's engine. Batch sizes are only DeepSpeed's bookkeeping (rlrun
+    feeds micro-batches and marks the accumulation boundary itself); they must satisfy its arithmetic."""
+    zero: dict[str, Any] = {"stage": s.zero_stage if trainable else 0}
+    if trainable and s.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": s.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": s.micro_batch * dp_size,
+        "steps_per_print": _NEVER,
+        "zero_optimization": zero,
+        # ZeRO-1/2 clip inside step (and report the pre-clip norm); ZeRO-0 is clipped by rlrun (see DeepSpeedSteps).
+        "gradient_clipping": s.max_norm if trainable and s.zero_stage > 0 and s.max_norm > 0 else 0.0,
+        # a non-finite gradient norm skips the step in bf16 too, as rlrun's FSDP path does
+        "bf16": {"enabled": s.bf16, "check_grad_overflow": True},
+        "zero_allow_untested_optimizer": False,
+        "checkpoint": {"tag_validation": "Ignore"},  # rlrun never calls save_checkpoint; belt and braces
+    }
+    return config
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside a DeepSpeed engine (the model itself otherwise)."""
+    return model.module if isinstance(model, DeepSpeedEngine) else model
+
+
+class DeepSpeedStrategy:
+    """One role's DeepSpeed engines (one per model this rank holds for the role)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, *, bf16: bool, zero_stage: int, offload: bool,
+                 gradient_checkpointing: bool, micro_batch: int, max_norm: float) -> None:
+        if zero_stage not in (0, 1, 2):  # planning refuses 3 with the full reason; this guards direct use
+            raise RlrunError(f"DeepSpeedStrategy supports ZeRO stages 0-2, got {zero_stage}")
+        self.group = group
+        self.device = device
+        self.settings = DSSettings(zero_stage, bf16 and device.type == "cuda", offload and device.type == "cuda",
+                                   micro_batch, max_norm)
+        self.gradient_checkpointing = gradient_checkpointing
+        self.mpu = RoleMPU(group, _solo_group())
+        # DeepSpeed insists on LOCAL_RANK (torchrun sets it; plain srun and single-process runs do not) and
+        # picks its device from it: this rank's device index, which rlrun chose from the launcher's local rank.
+        os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
+        if device.type == "cpu" and dist.get_rank(group) == 0:
+            _log_jit("its CPU shared-memory comm op")
+        deepspeed.init_distributed(dist_backend=dist.get_backend(group), dist_init_required=False)
+
+    # ---- wrapping ----------------------------------------------------------------------------
+
+    def _initialize(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainable: bool) -> DeepSpeedEngine:
+        config = ds_config(self.settings, dist.get_world_size(self.group), trainable=trainable)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=self.mpu,
+                                          dist_init_required=False)
+        return engine
+
+    def wrap(self, model: nn.Module, *, trainable: bool = True) -> nn.Module:
+        """A frozen model placed by a DeepSpeed inference engine (ZeRO-0: full weights on every rank, cast to bf16
+        on GPU, broadcast from the role's first rank). The model itself is returned: a ZeRO-0 engine's forward
+        adds nothing to it for inference, and the model keeps its own names and train()/eval() chaining."""
+        if trainable:
+            raise RlrunError("DeepSpeedStrategy.wrap is for frozen models; trainable ones go through wrap_trainable")
+        model.requires_grad_(False)
+        model.to(self.device)
+        return self._initialize(model, None, trainable=False).module
+
+    def wrap_trainable(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """(engine, the torch optimizer the engine steps). With --adam_offload on GPU the optimizer is
+        DeepSpeedCPUAdam with `make_optimizer`'s hyper-parameters (ZeRO-Offload refuses torch's)."""
+        if self.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.to(self.device)
+        optimizer = make_optimizer(model)
+        if self.settings.offload:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 - JIT-builds its op on first use
+
+            if dist.get_rank(self.group) == 0:
+                _log_jit("DeepSpeedCPUAdam (--adam_offload)")
+            d = optimizer.defaults
+            optimizer = DeepSpeedCPUAdam([p for p in model.parameters() if p.requires_grad], lr=d["lr"],
+                                         betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"], adamw_mode=True)
+        engine = self._initialize(model, optimizer, trainable=True)
+        return engine, optimizer
+
+    @staticmethod
+    def _engine(model: nn.Module) -> DeepSpeedEngine:
+        if not isinstance(model, DeepSpeedEngine):
+            raise RlrunError(f"expected a DeepSpeed engine from DeepSpeedStrategy.wrap_trainable, got {type(model).__name__}")
+        return model
+
+    def step_ops(self, model: nn.Module) -> StepOps:
+        return DeepSpeedSteps(self._engine(model), self.settings.zero_stage)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
+        """ZeRO-0 only (ZeRO-1/2 clip inside engine.step): the module's gradients are whole and identical on
+        every rank after engine.backward's all-reduce, so this is local. Returns the norm before clipping."""
+        engine = self._engine(model)
+        if self.settings.zero_stage != 0:
+            raise RlrunError("ZeRO-1/2 gradients live in the optimizer's partitions; they are clipped in engine.step")
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf")))
+
+    # ---- full parameters and state -------------------------------------------------------------
+
+    def param_blocks(self, model: nn.Module) -> list[ParamBlock]:
+        """ZeRO-0/1/2 keep whole (low-precision) parameters on every rank of the role: one block, no gather."""
+        return [ParamBlock(list(unwrap(model).named_parameters()))]
+
+    def full_params(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in unwrap(model).named_parameters():
+            yield name, p.detach()
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's own state dict (HF names), CPU copies, on the role's first rank; no collective."""
+        if dist.get_rank(self.group) != 0:
+            return {}
+        return {k: v.detach().to("cpu", copy=True) for k, v in unwrap(model).state_dict().items()}
+
+    def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """Full fp32 master weights + Adam moments + step + learning rate, by parameter name, into a DCP
+        directory (each tensor is whole on every rank; DCP de-duplicates them, so each is written once).
+        Collective over the role: the gathers all-reduce each parameter over the role's group, in
+        named_parameters order on every rank. Memory: three fp32 copies of the model on CPU per rank."""
+        engine = self._engine(model)
+        # The learning rate lives in the param groups: LR schedulers restore their counters, not the value they set.
+        meta = {"step": torch.tensor(_adam_step(optimizer), dtype=torch.float64),
+                "lr": torch.tensor([group["lr"] for group in optimizer.param_groups], dtype=torch.float64)}
+        state: dict[str, Any] = {"model": {}, "optim": {}, "meta": meta}
+        for name, p in engine.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            state["model"][name] = _full_fp32(engine, p).cpu()
+            state["optim"][name] = {key: _full_moment(engine, optimizer, p, key).cpu() for key in ADAM_MOMENTS}
+        dcp.save(state, checkpoint_id=path, process_group=self.group)
+
+    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """Read what save_state wrote (any role size) into the engine: master weights, the model's own
+        (possibly bf16) weights, Adam moments, step and learning rate. Collective over the role (DCP's planning)."""
+        engine = self._engine(model)
+        named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+        state = {"model": {n: torch.empty(p.shape, dtype=torch.float32) for n, p in named},
+                 "optim": {n: {key: torch.empty(p.shape, dtype=torch.float32) for key in ADAM_MOMENTS} for n, p in named},
+                 "meta": {"step": torch.zeros((), dtype=torch.float64),
+                          "lr": torch.zeros(len(optimizer.param_groups), dtype=torch.float64)}}
+        dcp.load(state, checkpoint_id=path, process_group=self.group)
+        _materialize_adam_state(engine, optimizer)
+        step = float(state["meta"]["step"])
+        with torch.no_grad():
+            for name, p in named:
+                full = state["model"][name].to(p.device)
+                if hasattr(p, "_hp_mapping"):  # ZeRO-1/2: this rank's fp32 partition, then moments
+                    safe_set_full_fp32_param(p, full)
+                    for key in ADAM_MOMENTS:
+                        safe_set_full_optimizer_state(p, state["optim"][name][key].to(p.device), key)
+                else:  # ZeRO-0 fp32: the torch optimizer holds the parameter itself
+                    for key in ADAM_MOMENTS:
+                        optimizer.state[p][key].copy_(state["optim"][name][key])
+                p.copy_(full)  # the model's own copy (every rank holds it whole under ZeRO-0/1/2)
+        _set_adam_step(optimizer, step)
+        for group, lr in zip(optimizer.param_groups, state["meta"]["lr"].tolist()):
+            group["lr"] = lr
+
+
+class DeepSpeedSteps:
+    """StepOps over a DeepSpeed engine. ZeRO-1/2 reduce, clip, skip non-finite steps and step inside
+    engine.step; ZeRO-0 is clipped here (its fp32 path has no non-finite check), then engine.step."""
+
+    def __init__(self, engine: DeepSpeedEngine, zero_stage: int) -> None:
+        self.engine = engine
+        self.zero_stage = zero_stage
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.zero_stage == 0:
+            self.engine.zero_grad()
+        else:
+            self.engine.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor, *, last_micro: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last_micro)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, clipper: GradClipper,
+                      max_norm: float) -> float:
+        if self.zero_stage == 0:
+            grad_norm = clipper.clip_grad_norm(model, max_norm)
+            if not math.isfinite(grad_norm):
+                self.engine.zero_grad()
+                return grad_norm
+            self.engine.step()
+            return grad_norm
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()  # before clipping; inf when the step was skipped
+        if norm is None:  # only with zero_optimization.compute_grad_norm=false, which ds_config never sets
+            raise RlrunError("DeepSpeed reported no gradient norm after its step; rlrun needs it to count skipped steps")
+        return float(norm)
+
+
+# ---- optimizer state by parameter -----------------------------------------------------------------
+
+
+def _full_fp32(engine: DeepSpeedEngine, p: nn.Parameter) -> torch.Tensor:
+    full = safe_get_full_fp32_param(p)  # ZeRO-1/2 (all-reduce over the role's group); None without a master copy
+    if full is not None:
+        return full
+    if engine.optimizer is not engine.basic_optimizer:
+        raise RlrunError("saving DeepSpeed ZeRO-0 with bf16 is not supported yet; use --zero_stage 1 or 2")
+    return p.detach().float()
+
+
+def _full_moment(engine: DeepSpeedEngine, optimizer: torch.optim.Optimizer, p: nn.Parameter, key: str) -> torch.Tensor:
+    if hasattr(p, "_hp_mapping"):
+        if not engine.optimizer.state:  # no step yet: Adam's moments are zero
+            return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        return safe_get_full_optimizer_state(p, key)
+    state = optimizer.state.get(p, {})
+    return state[key].detach().float() if key in state else torch.zeros(p.shape, dtype=torch.float32)
+
+
+def _adam_step(optimizer: torch.optim.Optimizer) -> float:
+    for state in optimizer.state.values():
+        if "step" in state:
+            return float(state["step"])
+    return 0.0
+
+
+def _set_adam_step(optimizer: torch.optim.Optimizer, step: float) -> None:
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"].fill_(step)
+        elif "step" in state:
+            state["step"] = int(step)
+
+
+def _materialize_adam_state(engine: DeepSpeedEngine, optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its (lazily created) Adam state so loaded moments have somewhere to go: one
+    step with zero gradients at lr 0 leaves every parameter exactly as it was (AdamW's decay is lr * wd),
+    then ZeRO-1/2 link each parameter's fragment of the state (DeepSpeed does this after its first step)."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p in params:
+        p.grad = None
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    zero = engine.optimizer
+    if zero is not optimizer:  # ZeRO-1/2: flat fp32 partitions per group
+        for lp_params, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
+            lazy_init_hp_params_optimizer_state(lp_params, flat, optimizer.state)
