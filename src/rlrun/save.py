@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-import torch.distributed as dist
+import torch
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
@@ -42,12 +42,21 @@ def save_critic(critic: Critic, path: str, *, is_writer: bool, strategy: Strateg
     if not is_writer:
         return
     _make_dir(path, "--save_value_network")
-    hf_state = {k.removeprefix("hf."): v for k, v in state.items()}
-    if dist.is_initialized() and dist.get_rank() != 0:
-        # transformers' save_pretrained writes on global rank 0 only (should_save_on_this_rank), and a critic on
-        # ranks of its own does not hold rank 0: write the same two files directly.
-        critic.model.hf.config.to_json_file(os.path.join(path, "config.json"))
-        save_file({k: v.contiguous() for k, v in hf_state.items()}, os.path.join(path, "model.safetensors"),
-                  metadata={"format": "pt"})
-        return
-    critic.model.hf.save_pretrained(path, state_dict=hf_state, safe_serialization=True)
+    # The writer writes the two files itself: transformers' save_pretrained writes on global rank 0 only
+    # (should_save_on_this_rank), and a critic on ranks of its own does not hold rank 0.
+    critic.model.hf.config.to_json_file(os.path.join(path, "config.json"))
+    save_file(_unshared({k.removeprefix("hf."): v for k, v in state.items()}), os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors, no two sharing memory (safetensors refuses shared storage, e.g. tied weights)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in state.items():
+        t = t.contiguous()
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
