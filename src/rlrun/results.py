@@ -3,6 +3,7 @@ role's outputs (old log-probs, ref log-probs, values, reward-model scores) to ev
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,11 +47,15 @@ def pack_slots(plan: SlotPlan, rank: int, values: dict[str, torch.Tensor]) -> to
     return flat
 
 
-def unpack_slots(plan: SlotPlan, gathered: torch.Tensor) -> dict[str, torch.Tensor]:
-    """[world, total] -> {key: [num_rows, width]} (scores come back as [num_rows])."""
+def unpack_slots(plan: SlotPlan, gathered: torch.Tensor, group_ranks: Sequence[int] | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """[group size, total] -> {key: [num_rows, width]} (scores come back as [num_rows]). Row i of `gathered`
+    is global rank group_ranks[i] (default: the world, row = rank)."""
+    row = {r: i for i, r in enumerate(group_ranks)} if group_ranks is not None else None
     out = {}
     for slot in plan.slots:
-        parts = [gathered[r, slot.offset:slot.offset + slot.size].view(slot.rows_per_rank, slot.width) for r in slot.ranks]
+        parts = [gathered[row[r] if row is not None else r, slot.offset:slot.offset + slot.size]
+                 .view(slot.rows_per_rank, slot.width) for r in slot.ranks]
         full = torch.cat(parts)
         out[slot.key] = full.squeeze(1) if slot.width == 1 else full
     return out

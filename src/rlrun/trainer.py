@@ -27,7 +27,7 @@ from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import all_gather_vectors, broadcast_json
 from rlrun.metrics import MetricsSink
-from rlrun.results import pack_slots, slot_plan, unpack_slots
+from rlrun.results import SlotPlan, pack_slots, slot_plan, unpack_slots
 from rlrun.reward_shaping import dynamic_filter_keep, overlong_penalty, stop_properly_penalty, truncated_rows
 from rlrun.roles.actor import PolicyData
 from rlrun.roles.critic import ValueData
@@ -70,6 +70,7 @@ class Trainer:
         # Scoring and training collectives: every rank, or every rank but the engines when they generate meanwhile.
         self.asynchronous = layout.asynchronous  # --async_train, when the layout gives the engines ranks of their own
         self.learners = groups.get("learners") if self.asynchronous else groups.world
+        self.learner_ranks = [r for r in range(layout.world_size) if not self.asynchronous or r not in self.engine_ranks]
         self.pending: StepOutputs | None = None  # --async_train: the next step's batch, already gathered
         self.rollouts = RolloutSource(cfg, layout, groups, roles, prompts, sampler, tokenizer, self.comm_device)
 
@@ -95,21 +96,15 @@ class Trainer:
                 mine[key] = fn(batch.rows(rows), micro)
         plan = slot_plan(B, widths, ranks)
         flat = pack_slots(plan, self.rank, mine).to(self.comm_device)
-        results = unpack_slots(plan, self._gather_slots(flat))
+        results = self._gather_slots(plan, flat)
         if "scores" not in results:
             results["scores"] = out.scores
         return results
 
-    def _gather_slots(self, flat: torch.Tensor) -> torch.Tensor:
-        """[total] from every learner -> [world, total] on CPU, row = global rank (what unpack_slots indexes).
-        Without --async_train the learners are the world; with it, engine rows stay zero (they hold no role
-        that scores)."""
-        gathered = all_gather_vectors(flat, self.learners).cpu()
-        if self.learners is self.groups.world:
-            return gathered
-        full = torch.zeros(self.layout.world_size, gathered.shape[1], dtype=gathered.dtype)
-        full[[r for r in range(self.layout.world_size) if r not in self.engine_ranks]] = gathered
-        return full
+    def _gather_slots(self, plan: SlotPlan, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every learner's packed results -> {key: all rows} on CPU (the learners: the world, or every rank but
+        the engines with --async_train)."""
+        return unpack_slots(plan, all_gather_vectors(flat, self.learners).cpu(), self.learner_ranks)
 
     def gather_on_policy_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         """[B, R] on every rank: the actor's log-probs from its on-policy training forward (before the update),
@@ -119,7 +114,7 @@ class Trainer:
         plan = slot_plan(B, {"old_log_probs": R + 1}, {"old_log_probs": ranks})
         mine = {"old_log_probs": self.roles.actor.on_policy_log_probs()} if self.roles.actor is not None else {}
         flat = pack_slots(plan, self.rank, mine).to(self.comm_device)
-        rows_and_logp = unpack_slots(plan, self._gather_slots(flat))["old_log_probs"]
+        rows_and_logp = self._gather_slots(plan, flat)["old_log_probs"]
         out = torch.zeros(B, R)
         out[rows_and_logp[:, 0].long()] = rows_and_logp[:, 1:]
         return out
