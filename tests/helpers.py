@@ -27,12 +27,14 @@ class RunResult:
     metrics: list[dict]
 
 
-def run_rlrun(nproc: int, args: list[str], save_path: Path, timeout: float = 240, env: dict | None = None) -> RunResult:
-    """`torchrun --standalone --nproc_per_node N -m rlrun.ppo ARGS` (or plain python for N=0)."""
+def run_rlrun(nproc: int, args: list[str], save_path: Path, timeout: float = 240, env: dict | None = None,
+              module: str = "rlrun.ppo", max_restarts: int = 0) -> RunResult:
+    """`torchrun --standalone --nproc_per_node N [--max-restarts R] -m MODULE ARGS` (or plain python for N=0)."""
     if nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "rlrun.ppo"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               f"--max-restarts={max_restarts}", "-m", module]
     else:
-        cmd = [sys.executable, "-m", "rlrun.ppo"]
+        cmd = [sys.executable, "-m", module]
     cmd += args + ["--save_path", str(save_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=env or subprocess_env(), capture_output=True, text=True, timeout=timeout)
     metrics_file = save_path / "metrics.jsonl"
@@ -117,3 +119,19 @@ def teach_tiny_model(out: Path, trajectories: list[list[tuple[str, bool]]], *, m
     assert loss.item() < 0.05, loss.item()
     model.save_pretrained(out)
     tok.save_pretrained(out)
+
+
+def value_tokens(info) -> list[str]:  # type: ignore[no-untyped-def]  - a rlrun.config.FieldInfo
+    """Values differing from the config field's default, as command-line tokens (flag-translation tests)."""
+    from typing import Literal, get_args, get_origin
+
+    tp = info.type
+    if type(None) in get_args(tp):
+        tp = next(a for a in get_args(tp) if a is not type(None))
+    if tp is bool:
+        return []
+    if get_origin(tp) is tuple:
+        return ["-3", "4"]
+    if get_origin(tp) is Literal:
+        return [next(str(c) for c in get_args(tp) if c != info.default)]
+    return {int: ["7"], float: ["0.25"], str: ["some/value"]}[tp]

@@ -336,10 +336,10 @@ def test_normalize_reward_no_longer_runs_the_running_norm() -> None:
 @pytest.fixture(scope="module")
 def reward_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny sequence-classification model saved with OpenRLHF's mean/std in its config.json."""
-    from rlrun.models import _scalar_model_from
+    from rlrun.models import scalar_model_from
 
     cfg = Config()
-    model = _scalar_model_from(None, cfg, torch.float32)
+    model = scalar_model_from(None, cfg.model, cfg.train.seed, torch.float32)
     model.config.mean, model.config.std = 2.0, 4.0
     path = tmp_path_factory.mktemp("rm")
     model.save_pretrained(path)

@@ -1,8 +1,8 @@
 # Start, await and stop background services on this node, for the launch scripts.
 #
-# scripts/runpod/launch.sh sources this file. scripts/slurm/ppo.sh reads it on the batch host and
-# puts it in front of the per-node script, because the batch script's directory need not exist on
-# the other nodes. The caller defines `say` (one progress line) and sets `py` (a python, used for
+# scripts/runpod/launch.sh sources this file. scripts/slurm/train.sh (which ppo.sh runs) reads it
+# on the batch host and puts it in front of the per-node script, because the batch script's
+# directory need not exist on the other nodes. The caller defines `say` (one progress line) and sets `py` (a python, used for
 # the HTTP health check). Bash only; every name here starts with svc_ or node_service_ (bash
 # locals are visible to the functions they call, such as the caller's `say`, which may read $log).
 #

@@ -29,7 +29,7 @@ from rlrun.roles.reward_fn import RewardFunction, load_reward_function
 from rlrun.roles.reward_model import RewardModel
 from rlrun.roles.update import Updater
 from rlrun.strategies.base import Strategy
-from rlrun.strategies.fsdp import FSDPStrategy
+from rlrun.strategies.choose import make_strategy
 
 if TYPE_CHECKING:
     from rlrun.engines.vllm_engine import VLLMEngine
@@ -111,14 +111,7 @@ def engine_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 def _strategy(cfg: Config, groups: Groups, role: Role, device: torch.device) -> Strategy:
     group = groups.role(role)
     assert group is not None, role
-    if cfg.train.strategy == "deepspeed":  # planning checked the install, version and stage
-        from rlrun.strategies.deepspeed_adapter import DeepSpeedStrategy  # noqa: PLC0415 - optional extra
-
-        return DeepSpeedStrategy(group, device, bf16=cfg.model.bf16, zero_stage=cfg.train.zero_stage,
-                                 offload=cfg.train.adam_offload, gradient_checkpointing=cfg.model.gradient_checkpointing,
-                                 micro_batch=cfg.train.micro_train_batch_size, max_norm=cfg.train.max_norm)
-    return FSDPStrategy(group, device, bf16=cfg.model.bf16, zero_stage=cfg.train.zero_stage,
-                        offload=cfg.train.adam_offload, gradient_checkpointing=cfg.model.gradient_checkpointing)
+    return make_strategy(group, device, cfg.model, cfg.train)
 
 
 def _updater(cfg: Config, model: torch.nn.Module, strategy: Strategy, lr: float, total_opt_steps: int,
@@ -156,7 +149,7 @@ def _policy_copies(cfg: Config, count: int) -> Iterator[torch.nn.Module]:
     (wrapping for FSDP changes a model in place, so roles never share one)."""
     if count == 0:
         return
-    policy = load_causal_lm(cfg)
+    policy = load_causal_lm(cfg.model, cfg.train.seed)
     for _ in range(count - 1):
         yield copy.deepcopy(policy)
     yield policy

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence, get_args, get_origin, get_type_hints
+from typing import Any, Callable, Literal, Mapping, Sequence, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -85,8 +85,29 @@ VLLM_BACKEND_FIELDS = frozenset({"vllm_gpu_memory_utilization", "enforce_eager"}
 
 
 @dataclass(frozen=True)
+class CliSpec:
+    """One entry point's command line: its config tree and the peer spellings it accepts."""
+
+    prog: str
+    description: str
+    config_cls: type
+    ignored: Mapping[str, tuple[int | str, str]]  # classic peer flags accepted without effect: name -> (nargs, reason)
+    dotted: Mapping[str, openrlhf_flags.Meaning]  # the peer trainer's OpenRLHF 0.11 dotted flags
+    no_effect: Mapping[str, str] = dataclasses.field(default_factory=dict)  # fields kept but not acted on yet
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # this trainer's defaults of shared fields
+    verl_overrides: bool = False  # verl key=value overrides (PPO only)
+
+
+PPO_CLI = CliSpec(
+    prog="python -m rlrun.ppo",
+    description="Ray-free RLHF: one torchrun/srun SPMD program. OpenRLHF train_ppo_ray flag names work.",
+    config_cls=Config, ignored=IGNORED_FLAGS, dotted=openrlhf_flags.OPENRLHF_DOTTED, no_effect=NO_EFFECT_YET,
+    verl_overrides=True)
+
+
+@dataclass(frozen=True)
 class ParsedArgs:
-    config: Config
+    config: Any  # an instance of the spec's config_cls (PPO: rlrun.config.Config)
     ignored: tuple[str, ...]  # one line per ignored flag, with the reason
     explicit: frozenset[str]  # fields set by YAML or flags (not defaults)
 
@@ -98,10 +119,11 @@ def _unwrap_optional(tp: Any) -> Any:
     return tp
 
 
-def _flag_kwargs(info: FieldInfo) -> dict[str, Any]:
+def _flag_kwargs(info: FieldInfo, default: Any) -> dict[str, Any]:
     tp = info.type
     kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": info.name}
-    default_text = "" if info.default is None else f" (default: {info.default})"
+    default_text = "" if default is None else f" (default: {default!r})" if isinstance(default, str) and "\n" in default \
+        else f" (default: {default})"
     kwargs["help"] = info.help.replace("%", "%%") + default_text.replace("%", "%%")
     base = _unwrap_optional(tp)
     if info.name == "use_wandb":  # OpenRLHF: --use_wandb KEY; rlrun also takes a bare --use_wandb
@@ -122,26 +144,26 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(spec: CliSpec = PPO_CLI) -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="python -m rlrun.ppo",
-        description="Ray-free RLHF: one torchrun/srun SPMD program. OpenRLHF train_ppo_ray flag names work.",
+        prog=spec.prog,
+        description=spec.description,
         epilog="Ray-only and not-yet-supported OpenRLHF flags are accepted and reported as ignored.",
         allow_abbrev=False,
     )
     parser.add_argument("--config", default=None, help="YAML file setting fields (nested by section or flat by flag name).")
-    hints = get_type_hints(Config)
-    infos = fields_of()
-    for section in dataclasses.fields(Config):
+    hints = get_type_hints(spec.config_cls)
+    infos = fields_of(spec.config_cls)
+    for section in dataclasses.fields(spec.config_cls):
         doc = (hints[section.name].__doc__ or "").strip().splitlines()[0]
         group = parser.add_argument_group(section.name, doc)
         for info in infos.values():
             if info.section == section.name:
-                group.add_argument(f"--{info.name}", **_flag_kwargs(info))
+                group.add_argument(f"--{info.name}", **_flag_kwargs(info, spec.defaults.get(info.name, info.default)))
     return parser
 
 
-def load_yaml(path: str) -> dict[str, Any]:
+def load_yaml(path: str, config_cls: type = Config) -> dict[str, Any]:
     """Flat {field: value} from a YAML file; sections may nest. Unknown keys are errors."""
     if not os.path.isfile(path):
         raise ConfigError(f"--config {path}: no such file")
@@ -152,8 +174,8 @@ def load_yaml(path: str) -> dict[str, Any]:
             raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: the top level must be a mapping of keys to values")
-    infos = fields_of()
-    sections = {f.name for f in dataclasses.fields(Config)}
+    infos = fields_of(config_cls)
+    sections = {f.name for f in dataclasses.fields(config_cls)}
     flat: dict[str, Any] = {}
     for key, value in raw.items():
         if key in sections and isinstance(value, dict):
@@ -176,7 +198,7 @@ def load_yaml(path: str) -> dict[str, Any]:
     return {k: coerce(infos[k], v, f"--config {path}") for k, v in flat.items()}
 
 
-def _strip_ignored(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+def _strip_ignored(argv: Sequence[str], ignored_flags: Mapping[str, tuple[int | str, str]]) -> tuple[list[str], list[str]]:
     """Remove ignored OpenRLHF/Ray flags (and their values); return (rest, report lines)."""
     rest: list[str] = []
     report: list[str] = []
@@ -184,7 +206,7 @@ def _strip_ignored(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         token = argv[i]
         name, eq, _ = token[2:].partition("=") if token.startswith("--") else ("", "", "")
-        ignored = IGNORED_FLAGS.get(name) or ((0, RAY_ONLY) if name.startswith("ray_") else None)
+        ignored = ignored_flags.get(name) or ((0, RAY_ONLY) if name.startswith("ray_") else None)
         if ignored is None:
             rest.append(token)
             i += 1
@@ -202,7 +224,7 @@ def _strip_ignored(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return rest, report
 
 
-def _arity(parser: argparse.ArgumentParser) -> Callable[[str], Nargs]:
+def _arity(parser: argparse.ArgumentParser, ignored_flags: Mapping[str, tuple[int | str, str]]) -> Callable[[str], Nargs]:
     """How many values each classic flag takes (so a flag's value is never read as a verl override)."""
     by_flag: dict[str, Nargs] = {}
     for action in parser._actions:
@@ -213,41 +235,46 @@ def _arity(parser: argparse.ArgumentParser) -> Callable[[str], Nargs]:
     def arity(name: str) -> Nargs:
         if name in by_flag:
             return by_flag[name]
-        if name in IGNORED_FLAGS:
-            return IGNORED_FLAGS[name][0]  # type: ignore[return-value]
+        if name in ignored_flags:
+            return ignored_flags[name][0]  # type: ignore[return-value]
         return "?" if name.startswith("ray_") else 0  # an unknown flag fails in argparse
     return arity
 
 
-def _translate_peer_spellings(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
-    """OpenRLHF 0.11 dotted flags, rlrun's --section.field aliases and verl key=value overrides -> classic flags.
+def _translate_peer_spellings(argv: Sequence[str], parser: argparse.ArgumentParser,
+                              spec: CliSpec) -> tuple[list[str], list[str]]:
+    """OpenRLHF 0.11 dotted flags, rlrun's --section.field aliases and (PPO) verl key=value overrides -> classic flags.
 
     Returns (argv, report lines for the peer flags/keys that are ignored)."""
-    infos = fields_of()
-    dotted = openrlhf_flags.translate(argv, infos, IGNORED_FLAGS)
-    verl = verl_overrides.translate(dotted.argv, _arity(parser), infos, IGNORED_FLAGS,
+    infos = fields_of(spec.config_cls)
+    dotted = openrlhf_flags.translate(argv, infos, spec.ignored, spec.dotted)
+    if not spec.verl_overrides:
+        return dotted.argv, dotted.ignored
+    verl = verl_overrides.translate(dotted.argv, _arity(parser, spec.ignored), infos, spec.ignored,
                                     verl_overrides.launched_world_size())
     return verl.argv, dotted.ignored + verl.ignored
 
 
-def parse_args(argv: Sequence[str] | None = None) -> ParsedArgs:
-    """Parse flags (and --config YAML) into a validated-type Config; raise ConfigError on bad input."""
+def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> ParsedArgs:
+    """Parse flags (and --config YAML) into a validated-type config of `spec`; raise ConfigError on bad input."""
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    translated, peer_ignored = _translate_peer_spellings(argv, parser)
-    rest, ignored = _strip_ignored(translated)
+    parser = build_parser(spec)
+    translated, peer_ignored = _translate_peer_spellings(argv, parser, spec)
+    rest, ignored = _strip_ignored(translated, spec.ignored)
     ignored = peer_ignored + ignored
     known, unknown = parser.parse_known_args(rest)
-    infos = fields_of()
+    infos = fields_of(spec.config_cls)
     if unknown:
         flag = next((u for u in unknown if u.startswith("-")), unknown[0])
         name = flag.lstrip("-").split("=", 1)[0]
-        spellings = openrlhf_flags.all_spellings(infos, IGNORED_FLAGS)
+        spellings = openrlhf_flags.all_spellings(infos, spec.ignored, spec.dotted)
         raise ConfigError(f"unknown flag '{flag}'{suggest(name, spellings, prefix='--')}" if flag.startswith("-")
-                          else f"unexpected argument '{flag}' (flags take the form --name value, or key=value for verl keys)")
-    values = load_yaml(known.config) if known.config else {}
+                          else f"unexpected argument '{flag}' (flags take the form --name value"
+                          + (", or key=value for verl keys)" if spec.verl_overrides else ")"))
+    values = load_yaml(known.config, spec.config_cls) if known.config else {}
+    defaults = {name: value for name, value in spec.defaults.items() if name not in values}
     for name, raw in vars(known).items():
         if name == "config":
             continue
@@ -255,6 +282,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ParsedArgs:
             values[name] = ""  # bare flag: key from WANDB_API_KEY
             continue
         values[name] = coerce(infos[name], raw, f"--{name}")
-    ignored += [f"--{name}: has no effect ({why})" for name, why in NO_EFFECT_YET.items() if name in values
+    ignored += [f"--{name}: has no effect ({why})" for name, why in spec.no_effect.items() if name in values
                 and not (name in VLLM_BACKEND_FIELDS and values.get("generation_backend") == "vllm")]
-    return ParsedArgs(build_config(values), tuple(dict.fromkeys(ignored)), frozenset(values))
+    return ParsedArgs(build_config({**defaults, **values}, spec.config_cls), tuple(dict.fromkeys(ignored)),
+                      frozenset(values))

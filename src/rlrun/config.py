@@ -11,13 +11,14 @@ import dataclasses
 import difflib
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from rlrun.errors import ConfigError
 
 AdvantageEstimator = Literal["gae", "group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"]
 GROUP_ESTIMATORS = frozenset({"group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"})
 NEEDS_GROUPS = frozenset({"group_norm", "dr_grpo", "rloo", "reinforce_baseline"})
+T = TypeVar("T")
 
 
 def opt(default: Any, help: str, *, secret: bool = False, metavar: str | None = None) -> Any:
@@ -29,20 +30,26 @@ def opt(default: Any, help: str, *, secret: bool = False, metavar: str | None = 
 
 
 @dataclass
-class ModelConfig:
+class PretrainedConfig:
+    """The model being trained: where it comes from and how it runs (every trainer)."""
+
+    pretrain: str | None = opt(None, "Model to train: a local HF directory. Unset: the embedded tiny model (see --model_preset).")
+    model_preset: Literal["tiny", "3m", "100m", "0.5b"] = opt("tiny", "Random-init model shape used when --pretrain is unset (offline demo and benchmarks).")
+    bf16: bool = opt(False, "bf16 mixed precision (on GPU; CPU training stays fp32).")
+    flash_attn: bool = opt(False, "Use flash-attention 2 (needs the flash-attn extra and a GPU).")
+    attn_implementation: str | None = opt(None, "HF attn_implementation override (eager, sdpa, flash_attention_2).")
+    gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
+
+
+@dataclass
+class ModelConfig(PretrainedConfig):
     """Models and reward sources."""
 
-    pretrain: str | None = opt(None, "Policy model: a local HF directory. Unset: the embedded tiny model (see --model_preset).")
-    model_preset: Literal["tiny", "3m", "100m", "0.5b"] = opt("tiny", "Random-init model shape used when --pretrain is unset (offline demo and benchmarks).")
     reward_pretrain: str | None = opt(None, "Reward model directory (sequence-classification or value-head model scoring the last token).")
     critic_pretrain: str | None = opt(None, "Critic initialisation. Unset: the reward model, else the policy.")
     remote_rm_url: str | None = opt(None, "Reward from a local Python file defining reward_func(queries, prompts, labels), or an http(s):// endpoint. Unset and no --reward_pretrain: the built-in demo rule reward.")
     remote_rm_timeout: float = opt(30.0, "Seconds to wait for each HTTP reward request (--remote_rm_url http(s)://...).")
     remote_rm_retries: int = opt(3, "Attempts per HTTP reward batch (connection errors, timeouts and 5xx are retried with backoff).")
-    bf16: bool = opt(False, "bf16 mixed precision (on GPU; CPU training stays fp32).")
-    flash_attn: bool = opt(False, "Use flash-attention 2 (needs the flash-attn extra and a GPU).")
-    attn_implementation: str | None = opt(None, "HF attn_implementation override (eager, sdpa, flash_attention_2).")
-    gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
 
 
 @dataclass
@@ -87,26 +94,16 @@ class GenerationConfig:
 
 
 @dataclass
-class TrainConfig:
-    """Batch sizes, schedule, optimisation."""
+class OptimConfig:
+    """Batch sizes, schedule, optimisation (every trainer)."""
 
-    rollout_batch_size: int = opt(1024, "Prompts per step (before n_samples_per_prompt).")
-    micro_rollout_batch_size: int = opt(8, "Sequences per forward pass when scoring rollouts, per rank.")
-    train_batch_size: int = opt(128, "Sequences per optimizer step, over all actor ranks.")
-    micro_train_batch_size: int = opt(4, "Sequences per forward/backward, per rank.")
-    n_samples_per_prompt: int = opt(1, "Responses sampled per prompt.")
-    max_epochs: int = opt(1, "Passes over each rollout batch.")
+    train_batch_size: int = opt(128, "Samples per optimizer step over all training ranks (PPO: sequences; rlrun.rm/rlrun.dpo: preference pairs).")
+    micro_train_batch_size: int = opt(4, "Samples per forward/backward, per rank.")
+    max_epochs: int = opt(1, "PPO: passes over each rollout batch; rlrun.sft/rm/dpo: passes over the dataset.")
     packing_samples: bool = opt(False, "Score and train on packed rows: the real tokens of several sequences share a row "
                                 "(per-sequence position ids, block-diagonal attention) instead of padded rows.")
-    async_train: bool = opt(False, "Overlap generation with training (engines on ranks of their own): the engines generate step N+1 "
-                            "with the weights before step N's update while the other ranks train on step N, i.e. one step "
-                            "off-policy, always exactly one (deterministic and exactly resumable). Default: on-policy.")
-    async_queue_size: int = opt(1, "Rollout batches in flight with --async_train; rlrun always keeps exactly 1 (OpenRLHF's default); other values are reported and ignored.")
-    num_episodes: int = opt(1, "Passes over the prompt dataset.")
-    max_samples: int = opt(100_000_000, "Use at most this many prompts.")
-    max_steps: int | None = opt(None, "Stop after this many steps (rollout + update).")
-    actor_learning_rate: float = opt(1e-6, "Actor learning rate.")
-    critic_learning_rate: float = opt(9e-6, "Critic learning rate.")
+    max_samples: int = opt(100_000_000, "Use at most this many records of the dataset (the first ones).")
+    max_steps: int | None = opt(None, "Stop after this many steps (PPO: rollout + update; rlrun.sft/rm/dpo: optimizer steps).")
     lr_warmup_ratio: float = opt(0.03, "Fraction of optimizer steps spent in linear warmup (then cosine decay).")
     adam_betas: tuple[float, float] = opt((0.9, 0.95), "Adam betas.")
     max_norm: float = opt(1.0, "Gradient clipping norm.")
@@ -116,9 +113,25 @@ class TrainConfig:
     adam_offload: bool = opt(False, "Offload to CPU (GPU only): with fsdp parameters, gradients and optimizer state; "
                              "with deepspeed the optimizer state and fp32 master weights (ZeRO-Offload, DeepSpeedCPUAdam).")
     strategy: Literal["fsdp", "deepspeed"] = opt(
-        "fsdp", "How actor, critic, reference and reward models are sharded and stepped on their role's ranks: fsdp "
+        "fsdp", "How the trained and frozen models are sharded and stepped on their ranks: fsdp "
         "(FSDP2, --zero_stage 0-3) or deepspeed (DeepSpeed ZeRO, --zero_stage 0-2; pip install 'rlrun[deepspeed]').")
     seed: int = opt(42, "Seed for data order, initialisation and sampling.")
+
+
+@dataclass
+class TrainConfig(OptimConfig):
+    """Rollout batches, the schedule of PPO-style training, learning rates."""
+
+    rollout_batch_size: int = opt(1024, "Prompts per step (before n_samples_per_prompt).")
+    micro_rollout_batch_size: int = opt(8, "Sequences per forward pass when scoring rollouts, per rank.")
+    n_samples_per_prompt: int = opt(1, "Responses sampled per prompt.")
+    async_train: bool = opt(False, "Overlap generation with training (engines on ranks of their own): the engines generate step N+1 "
+                            "with the weights before step N's update while the other ranks train on step N, i.e. one step "
+                            "off-policy, always exactly one (deterministic and exactly resumable). Default: on-policy.")
+    async_queue_size: int = opt(1, "Rollout batches in flight with --async_train; rlrun always keeps exactly 1 (OpenRLHF's default); other values are reported and ignored.")
+    num_episodes: int = opt(1, "Passes over the prompt dataset.")
+    actor_learning_rate: float = opt(1e-6, "Actor learning rate.")
+    critic_learning_rate: float = opt(9e-6, "Critic learning rate.")
 
 
 @dataclass
@@ -156,14 +169,20 @@ class AlgorithmConfig:
 
 
 @dataclass
-class DataConfig:
+class TemplateConfig:
+    """How a record's prompt text becomes model input (every trainer)."""
+
+    input_template: str | None = opt(None, "Template with {} for the prompt.")
+    apply_chat_template: bool = opt(False, "Wrap prompts with the tokenizer's chat template.")
+
+
+@dataclass
+class DataConfig(TemplateConfig):
     """Prompt data."""
 
     prompt_data: str | None = opt(None, "Local .jsonl/.json/.parquet/.csv file or saved HF datasets directory. Unset: built-in prompts.")
     input_key: str = opt("input", "Field holding the prompt.")
     label_key: str | None = opt(None, "Field holding the label passed to the reward.")
-    input_template: str | None = opt(None, "Template with {} for the prompt.")
-    apply_chat_template: bool = opt(False, "Wrap prompts with the tokenizer's chat template.")
 
 
 @dataclass
@@ -183,35 +202,47 @@ class AgentConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    """Saving and resuming."""
+class SavingConfig:
+    """Saving and resuming (every trainer)."""
 
-    save_path: str = opt("./ckpt", "Final policy (HF format) and default metrics file go here.")
-    ckpt_path: str = opt("./ckpt/checkpoints_ppo", "Directory of resumable checkpoints.")
+    save_path: str = opt("./ckpt", "The trained model (HF format) and the default metrics file go here.")
     save_steps: int = opt(-1, "Save a checkpoint every N steps (-1: never).")
     load_checkpoint: bool = opt(False, "Resume from the newest complete checkpoint in --ckpt_path.")
-    save_hf_ckpt: bool = opt(False, "Also save the policy in HF format beside each checkpoint.")
     max_ckpt_num: int = opt(3, "Keep the newest N checkpoints.")
+
+
+@dataclass
+class CheckpointConfig(SavingConfig):
+    """Saving and resuming."""
+
+    ckpt_path: str = opt("./ckpt/checkpoints_ppo", "Directory of resumable checkpoints.")
+    save_hf_ckpt: bool = opt(False, "Also save the policy in HF format beside each checkpoint.")
     save_value_network: bool = opt(False, "Also save the critic in HF format.")
 
 
 @dataclass
-class LoggingConfig:
-    """Metrics and trackers."""
+class TrackingConfig:
+    """Metrics and trackers (every trainer)."""
 
     logging_steps: int = opt(1, "Log metrics every N steps.")
-    eval_steps: int = opt(-1, "Evaluate on --eval_dataset every N steps (-1: never).")
-    eval_dataset: str | None = opt(None, "Evaluation prompts: a local file or saved HF datasets directory like --prompt_data (same --input_key/--label_key). Needs a reward function or URL (or an agent), not --reward_pretrain.")
-    eval_temperature: float = opt(0.6, "Sampling temperature for evaluation.")
-    eval_n_samples_per_prompt: int = opt(4, "Responses per evaluation prompt (pass@N is logged when N > 1).")
+    eval_steps: int = opt(-1, "Evaluate on --eval_dataset every N steps. -1: rlrun.ppo never; rlrun.sft/rm/dpo at the end of every epoch, as OpenRLHF.")
     eval_before_train: bool = opt(False, "Also evaluate before the first training step (logged as step 0), like verl's val_before_train.")
     metrics_file: str | None = opt(None, "JSONL metrics file (default: <save_path>/metrics.jsonl).")
     use_wandb: str | None = opt(None, "Log to wandb. Optional value: the API key (else WANDB_API_KEY).", secret=True, metavar="[KEY]")
     wandb_org: str | None = opt(None, "wandb entity.")
-    wandb_project: str = opt("rlrun_ppo", "wandb project.")
+    wandb_project: str | None = opt(None, "wandb project (default: rlrun_<trainer>, e.g. rlrun_ppo).")
     wandb_group: str | None = opt(None, "wandb group.")
     wandb_run_name: str | None = opt(None, "wandb run name.")
     use_tensorboard: str | None = opt(None, "TensorBoard log directory.")
+
+
+@dataclass
+class LoggingConfig(TrackingConfig):
+    """Metrics, trackers and evaluation."""
+
+    eval_dataset: str | None = opt(None, "Evaluation prompts: a local file or saved HF datasets directory like --prompt_data (same --input_key/--label_key). Needs a reward function or URL (or an agent), not --reward_pretrain.")
+    eval_temperature: float = opt(0.6, "Sampling temperature for evaluation.")
+    eval_n_samples_per_prompt: int = opt(4, "Responses per evaluation prompt (pass@N is logged when N > 1).")
 
 
 @dataclass
@@ -257,6 +288,14 @@ class Config:
     @property
     def rollouts_per_step(self) -> int:
         return self.train.rollout_batch_size * self.train.n_samples_per_prompt
+
+
+class RootConfig(typing.Protocol):
+    """What every trainer's root config has (PPO's Config, rlrun.supervised's configs)."""
+
+    checkpoint: SavingConfig
+    logging: TrackingConfig
+    runtime: RuntimeConfig
 
 
 @dataclass(frozen=True)
@@ -354,19 +393,19 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
     raise AssertionError(f"unsupported config type {tp} for {where}")
 
 
-def build_config(values: dict[str, Any]) -> Config:
-    """Config from already-coerced flat values keyed by field name."""
-    infos = fields_of()
+def build_config(values: dict[str, Any], config_cls: type[T] = Config) -> T:  # type: ignore[assignment]
+    """A root config (PPO's Config, or a supervised trainer's) from already-coerced flat values keyed by field name."""
+    infos = fields_of(config_cls)
     sections: dict[str, dict[str, Any]] = {}
     for name, value in values.items():
         sections.setdefault(infos[name].section, {})[name] = value
-    hints = get_type_hints(Config)
-    return Config(**{s: hints[s](**kw) for s, kw in sections.items()})
+    hints = get_type_hints(config_cls)
+    return config_cls(**{s: hints[s](**kw) for s, kw in sections.items()})
 
 
-def redacted(config: Config) -> dict[str, Any]:
-    """Nested dict of the config with secrets replaced: safe to log or save."""
-    infos = fields_of()
+def redacted(config: Any) -> dict[str, Any]:
+    """Nested dict of a root config with secrets replaced: safe to log or save."""
+    infos = fields_of(type(config))
     out = dataclasses.asdict(config)
     for info in infos.values():
         if info.secret and out[info.section][info.name] is not None:

@@ -89,7 +89,8 @@ def _read_saved_dataset(path: str) -> list[Any]:
     return loaded.to_list()
 
 
-def _read_rows(path: str) -> list[Any]:
+def read_rows(path: str) -> list[Any]:
+    """The records of a .jsonl/.json/.parquet/.csv file or a save_to_disk directory (its 'train' split)."""
     if not os.path.exists(path):
         raise DataError(
             f"Prompt data path {path!r} does not exist; check the path, or pass no path to use the built-in prompts."
@@ -174,7 +175,7 @@ def load_prompt_records(
 
         source, rows, input_key, label_key = "<built-in prompts>", list(BUILTIN_PROMPTS), "prompt", "label"
     else:
-        source, rows = path, _read_rows(path)
+        source, rows = path, read_rows(path)
     if not rows:
         raise DataError(f"Prompt data {source!r} is empty; it needs at least one record with key {input_key!r}.")
     rows = rows[:max_samples]

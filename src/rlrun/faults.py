@@ -26,6 +26,13 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 
+def run_phases(rank: int, dist_timeout: float) -> "PhaseTracker":
+    """The tracker of one training run. Collectives time out at dist_timeout; a phase stuck well past that is a
+    hang: dump stacks, exit. A rank stopped by the launcher after half the timeout in one phase dumps its stacks:
+    it is the likely hang."""
+    return PhaseTracker(rank, hang_after_s=dist_timeout * 1.5 + 10, dump_on_term_after_s=dist_timeout * 0.5)
+
+
 class InjectedFault(Exception):
     """Raised by RLRUN_FAULT=...:raise."""
 

@@ -11,13 +11,13 @@ import os
 import sys
 from typing import Any
 
-from rlrun.config import Config, redacted
+from rlrun.config import RootConfig, redacted
 from rlrun.errors import ConfigError, MissingExtraError
 from rlrun.progress import make_progress
 
 
 class MetricsSink:
-    def __init__(self, cfg: Config, total_steps: int, start_step: int) -> None:
+    def __init__(self, cfg: RootConfig, total_steps: int, start_step: int, trainer: str = "ppo") -> None:
         path = cfg.logging.metrics_file or os.path.join(cfg.checkpoint.save_path, "metrics.jsonl")
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -33,7 +33,7 @@ class MetricsSink:
             raise ConfigError(f"cannot write the metrics file {path}: {exc.strerror}; check --save_path/--metrics_file") from None
         self.path = path
         self.progress = make_progress(total_steps, start_step)
-        self.wandb = _init_wandb(cfg) if cfg.logging.use_wandb is not None else None
+        self.wandb = _init_wandb(cfg, trainer) if cfg.logging.use_wandb is not None else None
         self.tb = _init_tensorboard(cfg.logging.use_tensorboard) if cfg.logging.use_tensorboard else None
 
     def log(self, metrics: dict[str, Any], evals: dict[str, float] | None = None) -> None:
@@ -85,7 +85,7 @@ def _lines_up_to(path: str, step: int) -> list[str]:
     return keep
 
 
-def _init_wandb(cfg: Config) -> Any:
+def _init_wandb(cfg: RootConfig, trainer: str) -> Any:
     try:
         import wandb
     except ImportError:
@@ -97,7 +97,7 @@ def _init_wandb(cfg: Config) -> Any:
     saved_argv = sys.argv
     sys.argv = [_scrub(arg, [key] if key else []) for arg in saved_argv]
     try:
-        return wandb.init(entity=cfg.logging.wandb_org, project=cfg.logging.wandb_project,
+        return wandb.init(entity=cfg.logging.wandb_org, project=cfg.logging.wandb_project or f"rlrun_{trainer}",
                           group=cfg.logging.wandb_group, name=cfg.logging.wandb_run_name, config=redacted(cfg),
                           reinit=True)
     finally:

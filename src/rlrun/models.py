@@ -10,7 +10,7 @@ from torch import nn
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase)
 
-from rlrun.config import Config
+from rlrun.config import Config, PretrainedConfig
 from rlrun.errors import ConfigError, MissingExtraError
 from rlrun.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config_for_size
 
@@ -21,50 +21,51 @@ def _check_dir(flag: str, path: str) -> None:
                           f"download the model first, e.g. with `huggingface-cli download`)")
 
 
-def _attn_kwargs(cfg: Config) -> dict[str, str]:
-    if cfg.model.flash_attn:
+def _attn_kwargs(model: PretrainedConfig) -> dict[str, str]:
+    if model.flash_attn:
         try:
             import flash_attn  # noqa: F401
         except ImportError:
             raise MissingExtraError("flash-attn", "flash-attn", "--flash_attn") from None
         return {"attn_implementation": "flash_attention_2"}
-    if cfg.model.attn_implementation:
-        return {"attn_implementation": cfg.model.attn_implementation}
+    if model.attn_implementation:
+        return {"attn_implementation": model.attn_implementation}
     return {}
 
 
-def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
-    if cfg.model.pretrain is None:
+def load_tokenizer(model: PretrainedConfig) -> PreTrainedTokenizerBase:
+    if model.pretrain is None:
         return build_byte_tokenizer()
-    _check_dir("pretrain", cfg.model.pretrain)
-    tok = AutoTokenizer.from_pretrained(cfg.model.pretrain)
+    _check_dir("pretrain", model.pretrain)
+    tok = AutoTokenizer.from_pretrained(model.pretrain)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def load_causal_lm(cfg: Config, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def load_causal_lm(source: PretrainedConfig, seed: int, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The policy architecture with its initial weights (identical on every rank)."""
-    if cfg.model.pretrain is None:
+    if source.pretrain is None:
         vocab = len(build_byte_tokenizer())
-        model = build_causal_lm(tiny_model_config_for_size(cfg.model.model_preset), seed=cfg.train.seed)
+        model = build_causal_lm(tiny_model_config_for_size(source.model_preset), seed=seed)
         assert model.config.vocab_size >= vocab
         return model.to(dtype)
-    _check_dir("pretrain", cfg.model.pretrain)
-    return AutoModelForCausalLM.from_pretrained(cfg.model.pretrain, dtype=dtype, **_attn_kwargs(cfg))
+    _check_dir("pretrain", source.pretrain)
+    return AutoModelForCausalLM.from_pretrained(source.pretrain, dtype=dtype, **_attn_kwargs(source))
 
 
-def _scalar_model_from(path: str | None, cfg: Config, dtype: torch.dtype) -> PreTrainedModel:
-    """A sequence-classification model with one output (score head over every position)."""
+def scalar_model_from(path: str | None, source: PretrainedConfig, seed: int, dtype: torch.dtype) -> PreTrainedModel:
+    """A sequence-classification model with one output (score head over every position), from `path`
+    (a causal LM directory gets a fresh head), else the tiny policy's body with a fresh head."""
     if path is not None:
-        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, **_attn_kwargs(cfg))
+        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, **_attn_kwargs(source))
     # Offline default: the tiny policy's body with a fresh scalar head.
-    policy = load_causal_lm(cfg, dtype)
+    policy = load_causal_lm(source, seed, dtype)
     config = copy.deepcopy(policy.config)
     config.num_labels = 1
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.train.seed + 1)
+        torch.manual_seed(seed + 1)
         model = AutoModelForSequenceClassification.from_config(config).to(dtype)
     model.base_model.load_state_dict(policy.base_model.state_dict())
     return model
@@ -121,17 +122,23 @@ def load_critic(cfg: Config, dtype: torch.dtype = torch.float32) -> ScalarHeadMo
         if getattr(cfg.model, flag) == path and path is not None:
             _check_dir(flag, path)
             break
-    model = _scalar_model_from(path, cfg, dtype)
-    with torch.no_grad():  # a small head keeps early value estimates near zero
-        head = score_head(model)
-        head.weight.normal_(0.0, 1.0 / (model.config.hidden_size + 1), generator=torch.Generator().manual_seed(cfg.train.seed))
+    model = scalar_model_from(path, cfg.model, cfg.train.seed, dtype)
+    init_score_head(model, cfg.train.seed)
     return ScalarHeadModel(model, normalize=cfg.algo.normalize_reward)
+
+
+def init_score_head(model: PreTrainedModel, seed: int) -> None:
+    """A small seeded head (the same on every rank): early values/rewards start near zero."""
+    with torch.no_grad():
+        head = score_head(model)
+        head.weight.normal_(0.0, 1.0 / (model.config.hidden_size + 1), generator=torch.Generator().manual_seed(seed))
 
 
 def load_reward_model(cfg: Config, dtype: torch.dtype = torch.float32) -> ScalarHeadModel:
     assert cfg.model.reward_pretrain is not None
     _check_dir("reward_pretrain", cfg.model.reward_pretrain)
-    return ScalarHeadModel(_scalar_model_from(cfg.model.reward_pretrain, cfg, dtype), normalize=cfg.algo.normalize_reward)
+    return ScalarHeadModel(scalar_model_from(cfg.model.reward_pretrain, cfg.model, cfg.train.seed, dtype),
+                           normalize=cfg.algo.normalize_reward)
 
 
 def score_head(model: PreTrainedModel) -> nn.Linear:

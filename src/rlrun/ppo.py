@@ -9,34 +9,35 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from rlrun.cli import parse_args
-from rlrun.errors import RlrunError
-from rlrun.launch.env import read_env, read_node_label
+from rlrun.cli import ParsedArgs, parse_args
+from rlrun.failures import checked_on_every_rank, launch_environment
+from rlrun.launch.env import read_node_label
 from rlrun.launch.layout import format_layout_table
-from rlrun.launch.planning import asks_node_labels, plan
-from rlrun.log import get_logger, let_rank0_report
+from rlrun.launch.planning import Plan, asks_node_labels, plan
+from rlrun.log import get_logger
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        env = read_env()
-    except RlrunError as exc:
-        # The rank itself is unknown, so every process reports (a traceback would say no more).
-        get_logger(0).error_once(f"error: {exc}")
+    env = launch_environment()
+    if env is None:
         return 2
     log = get_logger(env.rank)
-    try:
+
+    def parse() -> tuple[ParsedArgs, Plan]:
         parsed = parse_args(argv)
         cfg = parsed.config
         # One node: its label is this process's own, so pinned roles are placed (and checked) now; with more
         # nodes the labels are gathered at start-up (rlrun.run) and the placement is redone there.
         one_node = env.world_size == env.local_world_size
         labels = (read_node_label(),) if asks_node_labels(cfg) and one_node else None
-        the_plan = plan(cfg, env.world_size, env.local_world_size, labels)
-    except RlrunError as exc:
-        # Every rank sees the same argv and fails the same way; one message is enough.
-        log.error_once(f"error: {exc}")
-        let_rank0_report(env.rank)
+        return parsed, plan(cfg, env.world_size, env.local_world_size, labels)
+
+    checked = checked_on_every_rank(env, parse)
+    if checked is None:
         return 2
+    parsed, the_plan = checked
+    cfg = parsed.config
+    one_node = env.world_size == env.local_world_size
     if cfg.runtime.dry_run:
         log.info_once(f"layout for world size {env.world_size} ({env.local_world_size} ranks per node, launcher {env.launcher}):\n"
                       + format_layout_table(the_plan.layout))

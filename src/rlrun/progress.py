@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 # (metric key, short name, format) shown on the bar and in each line, when present.
 SHOWN = (("reward", "reward", ".3f"), ("kl", "kl", ".4g"), ("response_length", "len", ".1f"),
-         ("actor/policy_loss", "policy_loss", ".4g"), ("critic/value_loss", "value_loss", ".4g"))
+         ("actor/policy_loss", "policy_loss", ".4g"), ("critic/value_loss", "value_loss", ".4g"),
+         ("loss", "loss", ".4f"), ("acc", "acc", ".3f"), ("margin", "margin", ".3f"))
 
 
 def format_duration(seconds: float) -> str:

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
-import traceback
 
 import torch
 
 from rlrun.build import build_eval_prompts, build_prompts, build_reward_sources, build_roles, make_sampler
 from rlrun.config import Config
-from rlrun.errors import ConfigError, RlrunError
+from rlrun.errors import RlrunError
 from rlrun.evaluation import Evaluator
-from rlrun.faults import PhaseTracker
-from rlrun.launch.dist import init_distributed, is_peer_failure, restart_safety_warning, resolve_backend, resolve_device, teardown
+from rlrun.failures import check_writable, fail_and_exit
+from rlrun.faults import run_phases
+from rlrun.launch.dist import init_distributed, restart_safety_warning, resolve_backend, resolve_device, teardown
 from rlrun.launch.env import DistEnv, read_node_label
 from rlrun.launch.groups import build_groups
 from rlrun.launch.labels import gather_node_labels
@@ -38,10 +37,7 @@ from rlrun.trainer import Trainer
 def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
     log = get_logger(env.rank)
     roles_text = ",".join(r.value for r in layout.roles_of(env.rank))
-    # Collectives time out at dist_timeout; a phase stuck well past that is a hang: dump stacks, exit.
-    # A rank stopped by the launcher after half the timeout in one phase dumps its stacks: it is the likely hang.
-    phase = PhaseTracker(env.rank, hang_after_s=cfg.runtime.dist_timeout * 1.5 + 10,
-                         dump_on_term_after_s=cfg.runtime.dist_timeout * 0.5)
+    phase = run_phases(env.rank, cfg.runtime.dist_timeout)
     sink = None
     local_only = True  # until the first collective: a failure here is the same on every rank
     try:
@@ -51,7 +47,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
                                                      cfg.resources.vllm_tensor_parallel_size)
         # Everything that reads local files happens before the first collective, so a bad path fails
         # every rank the same way instead of leaving some waiting.
-        tokenizer = load_tokenizer(cfg)
+        tokenizer = load_tokenizer(cfg.model)
         prompts = build_prompts(cfg, tokenizer)
         sampler = make_sampler(cfg, prompts)
         lg = cfg.logging
@@ -63,9 +59,9 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
                       f"{generation} ({why}), {backend} on {device.type}")
         sources = build_reward_sources(cfg, layout, env.rank, tokenizer)
         if env.rank == 0:  # the writer: a bad output path must fail now, not at the end of training
-            _check_writable(cfg.checkpoint.save_path, "--save_path")
+            check_writable(cfg.checkpoint.save_path, "--save_path")
             if cfg.checkpoint.save_steps > 0:
-                _check_writable(cfg.checkpoint.ckpt_path, "--ckpt_path")
+                check_writable(cfg.checkpoint.ckpt_path, "--ckpt_path")
         node_label = read_node_label() if asks_node_labels(cfg) else None
         local_only = False
         if (warning := restart_safety_warning(env)) is not None:
@@ -118,47 +114,8 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
                             strategy=roles.strategies[Role.CRITIC])
         log.info_once(f"saved the policy (Hugging Face format) to {cfg.checkpoint.save_path}")
     except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
-        if local_only and env.rank != 0 and isinstance(exc, RlrunError):
-            # A bad path or dataset fails every rank alike: let rank 0 say it once. Only a rank that fails
-            # alone (a file missing on its node) speaks up after the wait.
-            let_rank0_report(env.rank)
-        _report(log, env.rank, roles_text, phase, exc, cfg.runtime.dist_timeout)
-        if sink is not None:
-            sink.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
+        fail_and_exit(log, env.rank, roles_text, phase, exc, cfg.runtime.dist_timeout, local_only=local_only, sink=sink)
     if sink is not None:
         sink.close()
     teardown()
     return 0
-
-
-def _check_writable(path: str, flag: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path, prefix=".rlrun_write_test_"):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"{flag} {path} is not a writable directory ({exc.strerror or exc}); "
-                          "choose a directory this user can create and write") from None
-
-
-def _report(log, rank: int, roles: str, phase: PhaseTracker, exc: BaseException,  # type: ignore[no-untyped-def]
-            dist_timeout: float) -> None:
-    where = f"phase {phase.phase}" + (f" at step {phase.step + 1}" if phase.step >= 0 else "")
-    first_line = (str(exc).strip().splitlines() or [""])[0]
-    if is_peer_failure(exc) and any(word in first_line.lower() for word in ("timed out", "timeout", "timing out")):
-        log.rank_error(f"({roles}) stopping in {where}: a collective timed out after --dist_timeout {dist_timeout:g} s "
-                       f"({type(exc).__name__}: {first_line[:160]}); another rank never reached it — it is hung "
-                       "(its stack is dumped below when it is stopped) or slower than --dist_timeout allows")
-        return
-    if is_peer_failure(exc):
-        log.rank_error(f"({roles}) stopping in {where}: a collective failed "
-                       f"({type(exc).__name__}: {first_line[:160]}); "
-                       "another rank failed first — its failure line names the cause; a rank killed by a signal "
-                       "(out of memory, preemption) prints none: see the launcher's exit codes")
-        return
-    log.rank_error(f"FAILED ({roles}) in {where}: {type(exc).__name__}: {exc}")
-    if not isinstance(exc, (RlrunError, KeyboardInterrupt)):
-        traceback.print_exception(exc, file=sys.stderr)  # an unexpected error: its traceback, from this rank only

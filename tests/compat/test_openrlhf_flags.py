@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 import shlex
 from pathlib import Path
-from typing import Literal, get_args, get_origin
 
 import pytest
 
+from helpers import value_tokens
 from rlrun.cli import IGNORED_FLAGS, NOT_YET, RAY_ONLY, parse_args
 from rlrun.compat.openrlhf_flags import OPENRLHF_DOTTED, ByValue, Ignored, Same, resolve
 from rlrun.config import Config, FieldInfo, fields_of
@@ -52,24 +52,10 @@ def test_every_target_is_a_field_a_classic_ignored_flag_or_pending():
     assert not targets - set(FIELDS) - set(IGNORED_FLAGS) - PENDING
 
 
-def _value_tokens(info: FieldInfo) -> list[str]:
-    """Values differing from the field's default, as command-line tokens."""
-    tp = info.type
-    if type(None) in get_args(tp):
-        tp = next(a for a in get_args(tp) if a is not type(None))
-    if tp is bool:
-        return []
-    if get_origin(tp) is tuple:
-        return ["-3", "4"]
-    if get_origin(tp) is Literal:
-        return [next(str(c) for c in get_args(tp) if c != info.default)]
-    return {int: ["7"], float: ["0.25"], str: ["some/value"]}[tp]
-
-
 @pytest.mark.parametrize("dotted", SAME)
 def test_dotted_flag_equals_its_classic_flag(dotted):
     field = OPENRLHF_DOTTED[dotted].field  # type: ignore[union-attr]
-    values = _value_tokens(FIELDS[field])
+    values = value_tokens(FIELDS[field])
     # rlrun-only flags around it: a flag that swallowed too many or too few tokens breaks them.
     by_dotted = parse_args(["--device", "cpu", f"--{dotted}", *values, "--dry_run"])
     by_classic = parse_args(["--device", "cpu", f"--{field}", *values, "--dry_run"])
@@ -79,13 +65,13 @@ def test_dotted_flag_equals_its_classic_flag(dotted):
     assert by_dotted.config != parse_args(["--device", "cpu", "--dry_run"]).config  # the value landed
 
 
-ONE_VALUE = [n for n in SAME if len(_value_tokens(FIELDS[OPENRLHF_DOTTED[n].field])) == 1]  # type: ignore[union-attr]
+ONE_VALUE = [n for n in SAME if len(value_tokens(FIELDS[OPENRLHF_DOTTED[n].field])) == 1]  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("dotted", ONE_VALUE)
 def test_dotted_flag_equals_form(dotted):
     field = OPENRLHF_DOTTED[dotted].field  # type: ignore[union-attr]
-    value = _value_tokens(FIELDS[field])[0]
+    value = value_tokens(FIELDS[field])[0]
     assert parse_args([f"--{dotted}={value}"]).config == parse_args([f"--{field}={value}"]).config
 
 

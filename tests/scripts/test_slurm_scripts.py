@@ -1,12 +1,15 @@
-"""scripts/slurm/ppo.sh on a real Slurm cluster (two slurmd "nodes" on this machine).
+"""scripts/slurm/ppo.sh and scripts/slurm/train.sh on a real Slurm cluster (two slurmd "nodes" on
+this machine).
 
-Every test submits the script with `sbatch --wait` exactly as a user would (flags after the
-script go to rlrun.ppo) and trains the tiny demo for 3 steps to the end.
+Every test submits a script with `sbatch --wait` exactly as a user would (flags after ppo.sh, or
+after train.sh's trainer argument, go to that trainer); the training tests train the tiny demo for
+3 steps to the end.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -15,21 +18,27 @@ import pytest
 from cluster_sim import REPO, SlurmCluster, training_env
 
 SCRIPT = REPO / "scripts" / "slurm" / "ppo.sh"
+TRAIN_SH = REPO / "scripts" / "slurm" / "train.sh"
+PPO = [str(SCRIPT)]
+TRAIN_SH_PPO = [str(TRAIN_SH), "rlrun.ppo"]
 TRAIN = ["--config", "configs/demo.yaml", "--max_steps", "3"]
 
 pytestmark = [pytest.mark.slow]
 
 
 def submit(slurm: SlurmCluster, tmp_path: Path, sbatch_args: list[str], train_args: list[str],
-           timeout: float = 240, **env: str) -> tuple[int, str, Path]:
-    """sbatch --wait the script; returns (job exit code, job log text, per-node log dir)."""
+           timeout: float = 240, script: list[str] = PPO, job_name: str = "rlrun-ppo",
+           **env: str) -> tuple[int, str, Path]:
+    """sbatch --wait SCRIPT (the script and, for train.sh, its trainer argument); returns (job exit
+    code, job log text, per-node log dir). JOB_NAME is the script's #SBATCH --job-name, the %x of
+    the job log's name."""
     log_dir = tmp_path / "logs"
     job_env = training_env(slurm.env(), RLRUN_LOG_DIR=str(log_dir), **env)
     rc, job_id, sbatch_out = slurm.sbatch_wait(
         ["--output", str(tmp_path / "%x-%j.out"), "--chdir", str(REPO), "--time", "10", *sbatch_args,
-         str(SCRIPT), *train_args], timeout=timeout, env=job_env)
+         *script, *train_args], timeout=timeout, env=job_env)
     assert job_id.isdigit(), f"sbatch did not print a job id: {sbatch_out}\n{slurm.logs_tail()}"
-    job_log = tmp_path / f"rlrun-ppo-{job_id}.out"
+    job_log = tmp_path / f"{job_name}-{job_id}.out"
     text = job_log.read_text(errors="replace") if job_log.exists() else f"(no job log; sbatch said: {sbatch_out})"
     return rc, text, log_dir
 
@@ -40,13 +49,19 @@ def metrics_lines(save_path: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-def test_one_node_torchrun_cpu_procs(slurm: SlurmCluster, tmp_path: Path) -> None:
-    """No GPUs (--gres=none): RLRUN_PROCS_PER_NODE=2 processes under one torchrun on one node."""
+@pytest.mark.parametrize("script, job_log_name", [(PPO, "rlrun-ppo"), (TRAIN_SH_PPO, "rlrun")],
+                         ids=["ppo.sh", "train.sh-rlrun.ppo"])
+def test_one_node_torchrun_cpu_procs(slurm: SlurmCluster, tmp_path: Path, script: list[str],
+                                     job_log_name: str) -> None:
+    """No GPUs (--gres=none): RLRUN_PROCS_PER_NODE=2 processes under one torchrun on one node; the
+    same through ppo.sh and through `train.sh rlrun.ppo` (which names the running job rlrun-ppo)."""
     save = tmp_path / "out"
     rc, log, log_dir = submit(slurm, tmp_path, ["--nodes", "1", "--gres", "none"],
-                              [*TRAIN, "--save_path", str(save)], RLRUN_PROCS_PER_NODE="2")
+                              [*TRAIN, "--save_path", str(save)], script=script, job_name=job_log_name,
+                              RLRUN_PROCS_PER_NODE="2")
     assert rc == 0, log
-    assert "1 node(s)" in log and "2 process(es) per node, world size 2" in log, log
+    assert "(rlrun-ppo): python -m rlrun.ppo on 1 node(s)" in log, log
+    assert "2 process(es) per node, world size 2" in log, log
     assert "0: rlrun: node 0/1" in log and "starting torchrun with 2 process(es)" in log, log
     assert "saved the policy" in log and "training finished (exit 0)" in log, log
     assert len(metrics_lines(save)) == 3
@@ -122,3 +137,89 @@ def test_restart_after_a_worker_dies_on_one_node(slurm: SlurmCluster, tmp_path: 
     assert "crash-injector" in log, log
     assert rc == 0, log
     assert "saved the policy" in log and len(metrics_lines(save)) == 3
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("trainer", ["rlrun.grpo", "train", ""])
+def test_train_sh_unknown_trainer_fails_at_once(slurm: SlurmCluster, tmp_path: Path, trainer: str) -> None:
+    """train.sh's first argument must name a trainer; anything else is one error line listing them,
+    before any preflight or srun."""
+    rc, log, log_dir = submit(slurm, tmp_path, ["--nodes", "1", "--gres", "none"], TRAIN,
+                              script=[str(TRAIN_SH), trainer], job_name="rlrun")
+    assert rc == 2, log
+    expected = (f"rlrun: error: the first argument names the trainer: rlrun.ppo, rlrun.sft, rlrun.rm or "
+                f"rlrun.dpo (or ppo, sft, rm, dpo), got '{trainer}'")
+    assert log.startswith(expected) and len(log.strip().splitlines()) == 1, log
+    assert not log_dir.exists()
+
+
+@pytest.mark.timeout(180)
+def test_train_sh_submitted_itself_finds_the_node_service_lib(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """Submitted directly, train.sh runs as a spool copy: it finds scripts/lib/node_service.sh next to
+    the submitted file (also when submitted by a relative path from elsewhere) and its node service
+    runs on every node before training would. The service exits, so the job fails before training."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    log_dir = tmp_path / "logs"
+    env = training_env(slurm.env(), RLRUN_LOG_DIR=str(log_dir), RLRUN_PREFLIGHT="0",
+                       RLRUN_NODE_SERVICE='echo "no index at $SLURMD_NODENAME" >&2; exit 3')
+    relative = os.path.relpath(TRAIN_SH, elsewhere)
+    # --chdir elsewhere: neither the job's directory nor the submit directory is an rlrun checkout.
+    rc, job_id, out = slurm.sbatch_wait(
+        ["--output", str(tmp_path / "%x-%j.out"), "--chdir", str(elsewhere), "--time", "5",
+         "--nodes", "2", "--gres", "gpu:1", relative, "dpo", *TRAIN], timeout=150, env=env, cwd=elsewhere)
+    assert job_id.isdigit(), out
+    log = (tmp_path / f"rlrun-{job_id}.out").read_text(errors="replace")
+    assert rc != 0, log
+    assert "(rlrun-dpo): python -m rlrun.dpo on 2 node(s)" in log, log
+    assert "needs scripts/lib/node_service.sh" not in log, log
+    # The first node whose service fails ends the step (--kill-on-bad-exit), maybe before the other reports.
+    assert re.search(r"node service on \S+ exited \(code 3\) before it was up", log), log
+    assert re.search(r"  \| no index at \S+", log), log
+    assert "training FAILED" in log and "starting torchrun with" not in log, log
+    assert list(log_dir.glob("node-service-*.log")), "no node service log"
+
+
+@pytest.mark.timeout(300)
+def test_train_sh_sft_two_nodes(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """`train.sh sft` (bare trainer name): the preflight runs `python -m rlrun.sft --dry_run` for world
+    size 2, then one torchrun per node trains the tiny model with SFT for 2 steps; rank 0 saves it."""
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"input": f"what is {i} + 1?", "output": str(i + 1)}) + "\n" for i in range(16)))
+    save = tmp_path / "out"
+    rc, log, log_dir = submit(slurm, tmp_path, ["--nodes", "2", "--gres", "gpu:1"],
+                              ["--dataset", str(data), "--input_key", "input", "--output_key", "output",
+                               "--max_steps", "2", "--train_batch_size", "4", "--micro_train_batch_size", "2",
+                               "--save_path", str(save)],
+                              script=[str(TRAIN_SH), "sft"], job_name="rlrun")
+    assert rc == 0, log
+    assert "(rlrun-sft): python -m rlrun.sft on 2 node(s)" in log and "world size 2" in log, log
+    assert "python -m rlrun.sft: 2 ranks" in (log_dir / "preflight.log").read_text(), log
+    for node in (0, 1):
+        assert re.search(rf"^{node}: rlrun: node {node}/2 .*starting torchrun with 1 process", log, re.M), log
+    assert "saved the model" in log and "training finished (exit 0)" in log, log
+    assert [m["step"] for m in metrics_lines(save)] == [1, 2]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("in_checkout", [True, False], ids=["job-in-checkout", "job-elsewhere"])
+def test_copied_ppo_sh_finds_train_sh_or_says_so(slurm: SlurmCluster, tmp_path: Path, in_checkout: bool) -> None:
+    """A copy of ppo.sh (own #SBATCH edits) away from train.sh runs the checkout's train.sh when the
+    job runs in an rlrun checkout (here: its preflight rejects a bad flag), else fails in one line."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "ppo.sh").write_text(SCRIPT.read_text())
+    log_dir = tmp_path / "logs"
+    rc, job_id, out = slurm.sbatch_wait(
+        ["--output", str(tmp_path / "%x-%j.out"), "--chdir", str(REPO if in_checkout else mine), "--time", "5",
+         "--nodes", "1", "--gres", "none", "ppo.sh", *TRAIN, "--no_such_flag", "1"], timeout=150,
+        env=training_env(slurm.env(), RLRUN_LOG_DIR=str(log_dir)), cwd=mine)
+    assert job_id.isdigit(), out
+    log = (tmp_path / f"rlrun-ppo-{job_id}.out").read_text(errors="replace")
+    assert rc != 0, log
+    if in_checkout:
+        assert "(rlrun-ppo): python -m rlrun.ppo on 1 node(s)" in log, log
+        assert "unknown flag '--no_such_flag'" in log and "Nothing was started" in log, log
+    else:
+        assert log.strip() == (f"rlrun: error: ppo.sh runs train.sh, which is not next to {mine / 'ppo.sh'}; copy "
+                               "scripts/slurm/train.sh there too, or submit from an rlrun checkout"), log

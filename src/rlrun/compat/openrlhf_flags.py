@@ -50,29 +50,39 @@ class Ignored:
 Meaning = Union[Same, ByValue, Ignored]
 
 SHARED = "rlrun uses one value for actor and critic; set it with the --actor.* flag"
-MUON = "only used with --{role}.optim muon; rlrun trains with AdamW only"
+MUON = "only used with --{optim} muon; rlrun trains with AdamW only"
 VLM = "vision-language models are not implemented in rlrun yet; it has no effect"
+MIN_LR_RATIO = "rlrun's cosine schedule decays to 0.1 x lr, OpenRLHF's default"
+
+
+def adam_muon_flags(prefix: str, lr_field: str, *, critic_copy: bool = False) -> dict[str, Meaning]:
+    """--{prefix}muon.* and --{prefix}adam.*: prefix 'actor.'/'critic.' (train_ppo_ray), '' (train_sft/rm/dpo).
+
+    rlrun trains with AdamW only. critic_copy: the betas and weight decay are the actor's (PPO's critic)."""
+    muon = MUON.format(optim=f"{prefix}optim")
+    return {
+        f"{prefix}muon.lr": Ignored(1, muon),
+        f"{prefix}muon.momentum": Ignored(1, muon),
+        f"{prefix}muon.ns_steps": Ignored(1, muon),
+        f"{prefix}muon.nesterov": Ignored(0, muon),
+        f"{prefix}muon.no_nesterov": Ignored(0, muon),
+        f"{prefix}adam.lr": Same(lr_field, 1),
+        f"{prefix}adam.betas": Ignored(2, SHARED) if critic_copy else Same("adam_betas", 2),
+        f"{prefix}adam.eps": Ignored(1, "rlrun's AdamW uses eps 1e-8, OpenRLHF's default"),
+        f"{prefix}adam.weight_decay": Ignored(1, SHARED) if critic_copy else Same("l2", 1),
+    }
 
 
 def _optimizer(role: str) -> dict[str, Meaning]:
     """--{actor,critic}.{optim,muon.*,adam.*,lr_*,max_norm}: rlrun has one AdamW setting for both roles."""
     actor = role == "actor"
-    muon = MUON.format(role=role)
     return {
         f"{role}.optim": ByValue({"adam": ()}, "rlrun trains with AdamW only: drop the flag or pass adam"),
-        f"{role}.muon.lr": Ignored(1, muon),
-        f"{role}.muon.momentum": Ignored(1, muon),
-        f"{role}.muon.ns_steps": Ignored(1, muon),
-        f"{role}.muon.nesterov": Ignored(0, muon),
-        f"{role}.muon.no_nesterov": Ignored(0, muon),
-        f"{role}.adam.lr": Same(f"{role}_learning_rate", 1),
-        f"{role}.adam.betas": Same("adam_betas", 2) if actor else Ignored(2, SHARED),
-        f"{role}.adam.eps": Ignored(1, "rlrun's AdamW uses eps 1e-8, OpenRLHF's default"),
-        f"{role}.adam.weight_decay": Same("l2", 1) if actor else Ignored(1, SHARED),
+        **adam_muon_flags(f"{role}.", f"{role}_learning_rate", critic_copy=not actor),
         # OpenRLHF 0.9's single --lr_scheduler became one per role; rlrun's schedule is fixed.
         f"{role}.lr_scheduler": Same("lr_scheduler", 1),
         f"{role}.lr_warmup_ratio": Same("lr_warmup_ratio", 1) if actor else Ignored(1, SHARED),
-        f"{role}.min_lr_ratio": Ignored(1, "rlrun's cosine schedule decays to 0.1 x lr, OpenRLHF's default"),
+        f"{role}.min_lr_ratio": Ignored(1, MIN_LR_RATIO),
         f"{role}.max_norm": Same("max_norm", 1) if actor else Ignored(1, SHARED),
     }
 
@@ -244,9 +254,10 @@ class Translated:
 
 
 def resolve(dotted: str, fields: Mapping[str, FieldInfo],
-            classic_ignored: Mapping[str, tuple[int | str, str]]) -> Meaning:
+            classic_ignored: Mapping[str, tuple[int | str, str]],
+            table: Mapping[str, Meaning] = OPENRLHF_DOTTED) -> Meaning:
     """What a table entry means in this build: a Same whose field is missing becomes Ignored."""
-    meaning = OPENRLHF_DOTTED[dotted]
+    meaning = table[dotted]
     if isinstance(meaning, Same) and meaning.field not in fields:
         # Another part of rlrun may not have implemented the field yet: say so, never fail.
         reason = classic_ignored[meaning.field][1] if meaning.field in classic_ignored else NOT_YET
@@ -254,14 +265,17 @@ def resolve(dotted: str, fields: Mapping[str, FieldInfo],
     return meaning
 
 
-def all_spellings(fields: Mapping[str, FieldInfo], classic_ignored: Mapping[str, object]) -> list[str]:
+def all_spellings(fields: Mapping[str, FieldInfo], classic_ignored: Mapping[str, object],
+                  table: Mapping[str, Meaning] = OPENRLHF_DOTTED) -> list[str]:
     """Every flag name rlrun accepts (without '--'): classic, rlrun's section.field aliases, OpenRLHF dotted."""
-    return [*fields, *classic_ignored, *(f"{i.section}.{n}" for n, i in fields.items()), *OPENRLHF_DOTTED]
+    return [*fields, *classic_ignored, *(f"{i.section}.{n}" for n, i in fields.items()), *table]
 
 
 def translate(argv: Sequence[str], fields: Mapping[str, FieldInfo],
-              classic_ignored: Mapping[str, tuple[int | str, str]]) -> Translated:
-    """Rewrite dotted flags (OpenRLHF 0.11, and rlrun's own --section.field) into classic flags.
+              classic_ignored: Mapping[str, tuple[int | str, str]],
+              table: Mapping[str, Meaning] = OPENRLHF_DOTTED) -> Translated:
+    """Rewrite dotted flags (OpenRLHF 0.11's `table` for this trainer, and rlrun's own --section.field) into
+    classic flags.
 
     A dotted flag that is neither is a ConfigError with a suggestion over both spellings.
     """
@@ -276,13 +290,13 @@ def translate(argv: Sequence[str], fields: Mapping[str, FieldInfo],
             out.append(token)
             continue
         flag = f"--{head}"
-        if head not in OPENRLHF_DOTTED:
+        if head not in table:
             section, _, name = head.partition(".")
             if name in fields and fields[name].section == section:  # rlrun's own alias, e.g. --train.seed
                 out.append(f"--{name}{eq}{value}")
                 continue
-            raise ConfigError(f"unknown flag '{flag}'{suggest(head, all_spellings(fields, classic_ignored), prefix='--')}")
-        meaning = resolve(head, fields, classic_ignored)
+            raise ConfigError(f"unknown flag '{flag}'{suggest(head, all_spellings(fields, classic_ignored, table), prefix='--')}")
+        meaning = resolve(head, fields, classic_ignored, table)
         nargs: Nargs = 1 if isinstance(meaning, ByValue) else meaning.nargs
         if eq:
             values = [value]

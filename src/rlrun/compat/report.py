@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import inspect
 
-from rlrun.cli import IGNORED_FLAGS, NO_EFFECT_YET
+from typing import Mapping
+
+from rlrun.cli import IGNORED_FLAGS, NO_EFFECT_YET, PPO_CLI, CliSpec
 from rlrun.compat import verl_keys as verl
 from rlrun.compat.reasons import NOT_YET
 from rlrun.compat.verl_overrides import GROUP_RULES
-from rlrun.compat.openrlhf_flags import OPENRLHF_DOTTED, ByValue, Ignored, Same, resolve
+from rlrun.compat.openrlhf_flags import ByValue, Ignored, Same, resolve
 from rlrun.config import fields_of
 
 GROUP_FIELDS = {"kl": "use_kl_loss, init_kl_coef, kl_estimator, kl_target, kl_horizon",
@@ -17,25 +19,26 @@ GROUP_FIELDS = {"kl": "use_kl_loss, init_kl_coef, kl_estimator, kl_target, kl_ho
                 "turns": "prompt_max_len, generate_max_len, max_turns, max_tokens_per_turn, max_obs_len"}
 
 
-def _field_status(field: str) -> str:
-    if field in NO_EFFECT_YET:
-        return f"accepted as `--{field}`, no effect yet ({NO_EFFECT_YET[field]})"
+def _field_status(field: str, no_effect: Mapping[str, str] = NO_EFFECT_YET) -> str:
+    if field in no_effect:
+        return f"accepted as `--{field}`, no effect yet ({no_effect[field]})"
     return f"supported: `--{field}`"
 
 
-def openrlhf_rows() -> list[tuple[str, str]]:
-    fields = fields_of()
+def openrlhf_rows(spec: CliSpec = PPO_CLI) -> list[tuple[str, str]]:
+    """One row per OpenRLHF 0.11 dotted flag of the trainer `spec` stands for."""
+    fields = fields_of(spec.config_cls)
     rows = []
-    for name in OPENRLHF_DOTTED:
-        meaning = resolve(name, fields, IGNORED_FLAGS)
+    for name in spec.dotted:
+        meaning = resolve(name, fields, spec.ignored, spec.dotted)
         if isinstance(meaning, Same):
-            status = _field_status(meaning.field)
+            status = _field_status(meaning.field, spec.no_effect)
         elif isinstance(meaning, ByValue):
             accepted = "; ".join(f"`{v}` -> `{' '.join(t) or '(nothing: rlrun default)'}`" for v, t in meaning.tokens.items())
             status = f"supported: {accepted}; other values rejected ({meaning.fix})"
         else:
             assert isinstance(meaning, Ignored)
-            original = OPENRLHF_DOTTED[name]
+            original = spec.dotted[name]
             via = f"; classic flag `--{original.field}`" if isinstance(original, Same) else ""
             status = f"ignored ({meaning.reason}){via}"
         rows.append((f"`--{name}`", status))
@@ -76,9 +79,16 @@ def verl_rows() -> list[tuple[str, str]]:
 def markdown() -> str:
     def table(rows: list[tuple[str, str]], head: str) -> str:
         return "\n".join([f"| {head} | status |", "|---|---|", *(f"| {a} | {b.replace('|', '/')} |" for a, b in rows)])
+    from rlrun.dpo import CLI as DPO_CLI  # noqa: PLC0415 - the entry points import this package
+    from rlrun.rm import CLI as RM_CLI  # noqa: PLC0415
+    from rlrun.sft import CLI as SFT_CLI  # noqa: PLC0415
+
     return "\n\n".join([
         "### OpenRLHF 0.11.2 dotted flags (`train_ppo_ray.py`)", table(openrlhf_rows(), "flag"),
         "### verl / Search-R1 overrides (`key=value`)", table(verl_rows(), "key"),
+        *(part for title, spec in (("train_sft.py` -> `rlrun.sft", SFT_CLI), ("train_rm.py` -> `rlrun.rm", RM_CLI),
+                                   ("train_dpo.py` -> `rlrun.dpo", DPO_CLI))
+          for part in (f"### OpenRLHF 0.11.2 dotted flags (`{title}`)", table(openrlhf_rows(spec), "flag"))),
     ]) + "\n"
 
 

@@ -41,3 +41,8 @@ def build_groups(layout: Layout, timeout_s: float, sync_backend: str | None = No
         if rank in spec.ranks:
             groups.member[spec.name] = group
     return groups
+
+
+def all_ranks_group(timeout_s: float) -> dist.ProcessGroup:
+    """One group of every rank (the supervised trainers' data-parallel group): collective over the world."""
+    return dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout_s))

@@ -51,6 +51,13 @@ def all_gather_vectors(local: torch.Tensor, group: dist.ProcessGroup) -> torch.T
     return out.view(world, local.numel())
 
 
+def sum_over(values: Sequence[float], group: dist.ProcessGroup, device: torch.device) -> list[float]:
+    """Element-wise sum of `values` over the ranks of `group` (float64, so counts stay exact)."""
+    buf = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(buf, group=group)
+    return buf.cpu().tolist()
+
+
 def broadcast_json(obj: object, src: int, group: dist.ProcessGroup, device: torch.device) -> object:
     """Small metadata as JSON bytes (never pickle: nothing is unpickled from another host)."""
     if dist.get_rank() == src:

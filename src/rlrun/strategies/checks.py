@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from importlib.metadata import PackageNotFoundError, version
 
-from rlrun.config import Config
+from rlrun.config import Config, OptimConfig
 from rlrun.errors import ConfigError
 from rlrun.launch.layout import Layout, Role
 
@@ -34,17 +34,7 @@ def check_strategy(cfg: Config, layout: Layout) -> None:
     t = cfg.train
     if t.strategy != "deepspeed":
         return
-    if importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError("--strategy deepspeed needs DeepSpeed: pip install 'rlrun[deepspeed]' (deepspeed>=0.19.8,<0.20), "
-                          "or use --strategy fsdp")
-    try:
-        found = version("deepspeed")
-    except PackageNotFoundError:
-        found = "unknown"
-    low, high = DEEPSPEED_TESTED
-    if not low <= _version_tuple(found) < high:
-        raise ConfigError(f"--strategy deepspeed is tested with deepspeed>=0.19.8,<0.20, found {found}: "
-                          "pip install 'rlrun[deepspeed]', or use --strategy fsdp")
+    check_deepspeed_install()
     if t.zero_stage == 3:
         roles = [r for r in SHARDED_ROLES if layout.has(r)]
         narrow = [r for r in roles if len(layout.ranks_of(r)) < layout.world_size]
@@ -56,10 +46,30 @@ def check_strategy(cfg: Config, layout: Layout) -> None:
                 "from global rank 0 in its forward hooks (deepspeed/runtime/zero/stage3.py:914, "
                 "partitioned_param_coordinator.py:260), which deadlock when other roles train on other ranks. "
                 "Use --strategy fsdp --zero_stage 3 (comparable memory profile, works on role groups).")
+    check_deepspeed_settings(t, cfg.model.bf16, saves=cfg.checkpoint.save_steps > 0 or cfg.checkpoint.load_checkpoint)
+
+
+def check_deepspeed_install() -> None:
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("--strategy deepspeed needs DeepSpeed: pip install 'rlrun[deepspeed]' (deepspeed>=0.19.8,<0.20), "
+                          "or use --strategy fsdp")
+    try:
+        found = version("deepspeed")
+    except PackageNotFoundError:
+        found = "unknown"
+    low, high = DEEPSPEED_TESTED
+    if not low <= _version_tuple(found) < high:
+        raise ConfigError(f"--strategy deepspeed is tested with deepspeed>=0.19.8,<0.20, found {found}: "
+                          "pip install 'rlrun[deepspeed]', or use --strategy fsdp")
+
+
+def check_deepspeed_settings(train: OptimConfig, bf16: bool, *, saves: bool) -> None:
+    """The --strategy deepspeed rules that hold whatever the layout (every model on every rank included)."""
+    if train.zero_stage == 3:
         raise ConfigError("--strategy deepspeed --zero_stage 3 is not supported by rlrun yet, even with every role on "
                           "every rank (weight sync and checkpoints need ZeRO-3 parameter gathers); "
                           "use --strategy fsdp --zero_stage 3 (comparable memory profile)")
-    if t.zero_stage == 0 and cfg.model.bf16 and (cfg.checkpoint.save_steps > 0 or cfg.checkpoint.load_checkpoint):
+    if train.zero_stage == 0 and bf16 and saves:
         raise ConfigError("--strategy deepspeed --zero_stage 0 --bf16 cannot save or load checkpoints yet (its fp32 master "
                           "weights are not reachable by parameter); use --zero_stage 1 or 2, or drop --save_steps/"
                           "--load_checkpoint")

@@ -1,0 +1,35 @@
+"""Entry point: `torchrun -m rlrun.dpo ...` (or srun / python): DPO / IPO / cDPO on preference pairs with
+OpenRLHF's train_dpo flags, against a frozen reference model."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rlrun.cli import CliSpec
+from rlrun.compat.openrlhf_supervised_flags import DPO_DOTTED, DPO_IGNORED
+from rlrun.models import load_causal_lm
+from rlrun.rm import load_pairs
+from rlrun.supervised.build import dpo_reference, trainable
+from rlrun.supervised.config import DPOConfig
+from rlrun.supervised.dpo_task import DPOSettings, DPOTask
+from rlrun.supervised.run import BuildContext, SupervisedTrainer, main
+
+CLI = CliSpec(prog="python -m rlrun.dpo", description="DPO training (OpenRLHF train_dpo flag names work).",
+              config_cls=DPOConfig, ignored=DPO_IGNORED, dotted=DPO_DOTTED,
+              defaults={"ckpt_path": "./ckpt/checkpoints_dpo", "learning_rate": 1e-5, "max_len": 512, "max_epochs": 1, "micro_train_batch_size": 8})
+
+
+def _build(cfg: DPOConfig, ctx: BuildContext) -> DPOTask:
+    model, optimizer, strategy = trainable(load_causal_lm(cfg.model, cfg.train.seed), cfg.model, cfg.train,
+                                           ctx.group, ctx.device)
+    reference = dpo_reference(cfg, ctx.group, ctx.device)
+    loss = cfg.loss
+    return DPOTask(model, optimizer, strategy, reference, ctx.device, ctx.pad_id, cfg.train.packing_samples,
+                   DPOSettings(loss.beta, loss.label_smoothing, loss.ipo, loss.nll_loss_coef))
+
+
+TRAINER: SupervisedTrainer[Any] = SupervisedTrainer(CLI, lambda cfg, tok, path: load_pairs(cfg, tok, path, "dpo"), _build)
+
+if __name__ == "__main__":
+    sys.exit(main(TRAINER))

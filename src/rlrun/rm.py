@@ -1,0 +1,42 @@
+"""Entry point: `torchrun -m rlrun.rm ...` (or srun / python): reward-model training on preference pairs with
+OpenRLHF's train_rm flags; the saved model is what `rlrun.ppo --reward_pretrain` reads."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from rlrun.cli import CliSpec
+from rlrun.compat.openrlhf_supervised_flags import RM_DOTTED, RM_IGNORED
+from rlrun.supervised.build import reward_model, trainable
+from rlrun.supervised.config import RMConfig
+from rlrun.supervised.datasets import Loaded, PairTask, Preference, load_preferences
+from rlrun.supervised.rm_task import RewardModelTask
+from rlrun.supervised.run import BuildContext, SupervisedTrainer, main
+
+CLI = CliSpec(prog="python -m rlrun.rm", description="Reward-model training (OpenRLHF train_rm flag names work).",
+              config_cls=RMConfig, ignored=RM_IGNORED, dotted=RM_DOTTED,
+              defaults={"ckpt_path": "./ckpt/checkpoints_rm", "learning_rate": 9e-6, "max_len": 512, "max_epochs": 1, "micro_train_batch_size": 1})
+
+
+def load_pairs(cfg: Any, tokenizer: PreTrainedTokenizerBase, path: str, task: PairTask = "reward_model") -> Loaded[Preference]:
+    """Preference pairs with the trainer's keys (rlrun.rm, and rlrun.dpo with task "dpo")."""
+    d = cfg.data
+    return load_preferences(path, tokenizer, prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key,
+                            input_template=d.input_template, apply_chat_template=d.apply_chat_template,
+                            max_len=cfg.train.max_len, max_samples=cfg.train.max_samples, task=task)
+
+
+def _build(cfg: RMConfig, ctx: BuildContext) -> RewardModelTask:
+    model, optimizer, strategy = trainable(reward_model(cfg.model, cfg.train.seed), cfg.model, cfg.train,
+                                           ctx.group, ctx.device)
+    return RewardModelTask(model, optimizer, strategy, ctx.device, ctx.pad_id, cfg.train.packing_samples,  # type: ignore[arg-type]
+                           cfg.loss.loss, cfg.loss.margin_loss)
+
+
+TRAINER: SupervisedTrainer[Any] = SupervisedTrainer(CLI, load_pairs, _build, eval_from_train=0.01)
+
+if __name__ == "__main__":
+    sys.exit(main(TRAINER))

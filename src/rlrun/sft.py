@@ -1,0 +1,42 @@
+"""Entry point: `torchrun -m rlrun.sft ...` (or srun / python): supervised fine-tuning with OpenRLHF's
+train_sft flags. The loss is the NLL of the response tokens; see rlrun.supervised."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from rlrun.cli import CliSpec
+from rlrun.compat.openrlhf_supervised_flags import SFT_DOTTED, SFT_IGNORED
+from rlrun.supervised.build import trainable
+from rlrun.supervised.config import SFTConfig
+from rlrun.supervised.datasets import Completion, Loaded, load_completions
+from rlrun.supervised.run import BuildContext, SupervisedTrainer, main
+from rlrun.supervised.sft_task import SFTTask
+from rlrun.models import load_causal_lm
+
+CLI = CliSpec(prog="python -m rlrun.sft", description="Supervised fine-tuning (OpenRLHF train_sft flag names work).",
+              config_cls=SFTConfig, ignored=SFT_IGNORED, dotted=SFT_DOTTED,
+              defaults={"ckpt_path": "./ckpt/checkpoints_sft", "learning_rate": 5e-6, "max_len": 2048, "max_epochs": 2, "micro_train_batch_size": 8,
+                        "input_template": "User: {}\nAssistant: "})
+
+
+def _load(cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, path: str) -> Loaded[Completion]:
+    d = cfg.data
+    return load_completions(path, tokenizer, input_key=d.input_key, output_key=d.output_key,
+                            input_template=d.input_template, apply_chat_template=d.apply_chat_template,
+                            pretrain_mode=d.pretrain_mode, max_len=cfg.train.max_len, max_samples=cfg.train.max_samples)
+
+
+def _build(cfg: SFTConfig, ctx: BuildContext) -> SFTTask:
+    model, optimizer, strategy = trainable(load_causal_lm(cfg.model, cfg.train.seed), cfg.model, cfg.train,
+                                           ctx.group, ctx.device)
+    return SFTTask(model, optimizer, strategy, ctx.device, ctx.pad_id, cfg.train.packing_samples)
+
+
+TRAINER: SupervisedTrainer[Any] = SupervisedTrainer(CLI, _load, _build)
+
+if __name__ == "__main__":
+    sys.exit(main(TRAINER))

@@ -1,0 +1,23 @@
+"""Which strategy shards a model: the one place `--strategy` is read."""
+
+from __future__ import annotations
+
+import torch
+
+from rlrun.config import OptimConfig, PretrainedConfig
+from rlrun.strategies.base import Strategy
+from rlrun.strategies.fsdp import FSDPStrategy
+
+
+def make_strategy(group: torch.distributed.ProcessGroup, device: torch.device, model: PretrainedConfig,
+                  train: OptimConfig) -> Strategy:
+    """The strategy for one role's models on `group` (planning/validation already checked the install,
+    version and stage)."""
+    if train.strategy == "deepspeed":
+        from rlrun.strategies.deepspeed_adapter import DeepSpeedStrategy  # noqa: PLC0415 - optional extra
+
+        return DeepSpeedStrategy(group, device, bf16=model.bf16, zero_stage=train.zero_stage, offload=train.adam_offload,
+                                 gradient_checkpointing=model.gradient_checkpointing,
+                                 micro_batch=train.micro_train_batch_size, max_norm=train.max_norm)
+    return FSDPStrategy(group, device, bf16=model.bf16, zero_stage=train.zero_stage, offload=train.adam_offload,
+                        gradient_checkpointing=model.gradient_checkpointing)

@@ -1,0 +1,1 @@
+"""Supervised trainers (SFT, reward model, DPO) over the same launch, strategy and checkpoint machinery as PPO."""

@@ -1,0 +1,49 @@
+"""The models each supervised trainer trains, wrapped by the chosen strategy on the all-ranks group."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from rlrun.config import OptimConfig, PretrainedConfig
+from rlrun.log import get_logger
+from rlrun.models import ScalarHeadModel, init_score_head, load_causal_lm, scalar_model_from
+from rlrun.roles.optim import make_optimizer
+from rlrun.strategies.base import Strategy
+from rlrun.strategies.choose import make_strategy
+from rlrun.supervised.config import DPOConfig, SupervisedTrainConfig
+
+
+def trainable(model: nn.Module, source: PretrainedConfig, train: SupervisedTrainConfig, ctx_group: torch.distributed.ProcessGroup,
+              device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, Strategy]:
+    """(wrapped model, its optimizer, the strategy that steps it)."""
+    strategy = make_strategy(ctx_group, device, source, train)
+    wrapped, optimizer = strategy.wrap_trainable(
+        model, lambda m: make_optimizer(m, train.learning_rate, train.adam_betas, train.l2))
+    return wrapped, optimizer, strategy
+
+
+def reward_model(source: PretrainedConfig, seed: int) -> ScalarHeadModel:
+    """The model to train as a reward model: --pretrain's body (a causal LM or a classifier) with a fresh
+    scalar head, identical on every rank."""
+    hf = scalar_model_from(source.pretrain, source, seed, torch.float32)
+    init_score_head(hf, seed)
+    return ScalarHeadModel(hf)
+
+
+def dpo_reference(cfg: DPOConfig, group: torch.distributed.ProcessGroup, device: torch.device) -> nn.Module:
+    """The frozen reference: --ref_pretrain, else the initial policy; --ref_offload keeps its parameters in CPU
+    memory between forwards (FSDP2's CPU offload, GPU only)."""
+    source = dataclasses.replace(cfg.model, pretrain=cfg.loss.ref_pretrain or cfg.model.pretrain)
+    offload = cfg.loss.ref_offload
+    log = get_logger(torch.distributed.get_rank())
+    if offload and device.type != "cuda":
+        log.info_once("--ref_offload: parameters already live in CPU memory on CPU; nothing to offload")
+    if offload and cfg.train.strategy == "deepspeed":
+        log.warning_once("--ref_offload has no effect with --strategy deepspeed yet (its frozen models are ZeRO-0 "
+                         "inference engines); use --strategy fsdp to offload the reference")
+    ref_train: OptimConfig = dataclasses.replace(cfg.train, adam_offload=offload and cfg.train.strategy == "fsdp")
+    strategy = make_strategy(group, device, source, ref_train)
+    return strategy.wrap(load_causal_lm(source, cfg.train.seed), trainable=False)

@@ -1,0 +1,74 @@
+"""Resumable checkpoints of a supervised run: the trained model and optimizer (sharded, world-size independent),
+the LR schedule and step; atomic like PPO's (rlrun.checkpoint). The data order is a function of (seed, step),
+so the step is all a resume needs to continue with exactly the batches an uninterrupted run would see."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlrun import checkpoint as ckpt
+from rlrun.checkpoint_sync import find_checkpoint, save_checkpoint
+from rlrun.config import redacted
+from rlrun.log import get_logger
+from rlrun.roles.update import Updater
+from rlrun.supervised.config import SupervisedConfig
+from rlrun.supervised.task import Task
+from rlrun.train_state import architecture_problem, fingerprint, load_updater_state, strategy_problem, updater_state
+
+STATE_FILE = "trainer_state.json"
+
+
+class SupervisedCheckpoints:
+    def __init__(self, cfg: SupervisedConfig, task: Task[Any], updater: Updater, group: dist.ProcessGroup,
+                 comm_device: torch.device, total_steps: int) -> None:
+        self.cfg, self.task, self.updater, self.group, self.comm_device = cfg, task, updater, group, comm_device
+        self.total_steps = total_steps
+        self.root = cfg.checkpoint.ckpt_path
+        self.rank = dist.get_rank()
+
+    def should_save(self, steps_done: int) -> bool:
+        every = self.cfg.checkpoint.save_steps
+        return every > 0 and (steps_done % every == 0 or steps_done == self.total_steps)
+
+    def save(self, steps_done: int) -> None:
+        """Collective over every rank."""
+        def write(path: str) -> None:
+            self.task.strategy.save_state(self.task.model, self.task.optimizer, os.path.join(path, "model"))
+            if self.rank == 0:
+                ckpt.write_json_atomic(os.path.join(path, STATE_FILE),
+                                       {"step": steps_done, "updater": updater_state(self.updater)})
+
+        save_checkpoint(self.root, steps_done, group=self.group, device=self.comm_device,
+                        timeout_s=self.cfg.runtime.dist_timeout, keep=self.cfg.checkpoint.max_ckpt_num, write=write,
+                        meta=lambda: {"step": steps_done, "trainer": self.task.name, "model": fingerprint(self.task.model),
+                                      "world_size": dist.get_world_size(), "strategy": self.cfg.train.strategy,
+                                      "config": redacted(self.cfg)})
+
+    def _problem(self, meta: dict[str, Any]) -> str | None:
+        written_by = meta.get("trainer", "ppo")
+        if written_by != self.task.name:
+            return (f"checkpoint at step {meta.get('step')} in {self.root} was written by rlrun.{written_by}, this is "
+                    f"rlrun.{self.task.name}; point --ckpt_path at this trainer's checkpoints")
+        return (strategy_problem(meta, self.cfg.train.strategy, self.root)
+                or architecture_problem(meta, "model", self.task.model, self.root, what=self.task.name))
+
+    def restore(self) -> int:
+        """Load the newest complete checkpoint (collective). Returns the steps already done."""
+        start = time.perf_counter()
+        found = find_checkpoint(self.root, group=self.group, device=self.comm_device, problem=self._problem)
+        if found is None:
+            return 0
+        path, _ = found
+        self.task.strategy.load_state(self.task.model, self.task.optimizer, os.path.join(path, "model"))
+        with open(os.path.join(path, STATE_FILE), encoding="utf-8") as fh:
+            state = json.load(fh)
+        load_updater_state(self.updater, state["updater"])
+        step = int(state["step"])
+        get_logger(self.rank).info_once(f"resumed from {path} at step {step} ({time.perf_counter() - start:.2f} s)")
+        return step

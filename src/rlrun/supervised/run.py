@@ -1,0 +1,168 @@
+"""One supervised training run (rlrun.sft, rlrun.rm, rlrun.dpo): parse and check everything first, read the
+data before the first collective, then build, train, save; the same failure policy as rlrun.run (one line
+per failing rank, then os._exit)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Sequence, TypeVar
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from rlrun.cli import CliSpec, ParsedArgs, parse_args
+from rlrun.data import PromptSampler
+from rlrun.errors import DataError
+from rlrun.failures import check_writable, checked_on_every_rank, fail_and_exit, launch_environment
+from rlrun.faults import run_phases
+from rlrun.launch.dist import init_distributed, restart_safety_warning, resolve_backend, resolve_device, teardown
+from rlrun.launch.env import DistEnv
+from rlrun.launch.groups import all_ranks_group
+from rlrun.log import get_logger
+from rlrun.metrics import MetricsSink
+from rlrun.models import load_tokenizer
+from rlrun.roles.optim import warmup_cosine
+from rlrun.roles.update import Updater
+from rlrun.supervised.checkpointing import SupervisedCheckpoints
+from rlrun.supervised.config import SupervisedConfig
+from rlrun.supervised.datasets import Loaded
+from rlrun.supervised.loop import Loop
+from rlrun.supervised.task import Task
+from rlrun.supervised.validation import check_supervised
+from rlrun.trainer import seed_everything
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    group: torch.distributed.ProcessGroup
+    device: torch.device
+    pad_id: int
+    total_steps: int  # optimizer steps of the whole run (the LR schedule's length)
+
+
+@dataclass(frozen=True)
+class SupervisedTrainer(Generic[S]):
+    """What makes one entry point: its command line, how it reads a data file, and how it builds its task."""
+
+    cli: CliSpec
+    load: Callable[[Any, PreTrainedTokenizerBase, str], Loaded[S]]  # (config, tokenizer, path) -> samples
+    build: Callable[[Any, BuildContext], Task[S]]
+    # Without --eval_dataset, evaluate on this fraction of the first training samples (OpenRLHF's reward-model
+    # trainer does, with 1%, for the reward mean/std it saves); 0: no evaluation.
+    eval_from_train: float = 0.0
+
+
+def main(trainer: SupervisedTrainer[Any], argv: Sequence[str] | None = None) -> int:
+    env = launch_environment()
+    if env is None:
+        return 2
+    log = get_logger(env.rank)
+
+    def parse() -> ParsedArgs:
+        parsed = parse_args(argv, trainer.cli)
+        check_supervised(parsed.config, env.world_size, trainer.cli.prog)
+        return parsed
+
+    parsed = checked_on_every_rank(env, parse)
+    if parsed is None:
+        return 2
+    for line in parsed.ignored:
+        log.warning_once(line)
+    cfg = parsed.config
+    if cfg.runtime.dry_run:
+        t = cfg.train
+        log.info_once(f"{trainer.cli.prog}: {env.world_size} ranks (launcher {env.launcher}), every rank trains one "
+                      f"data-parallel shard: {t.train_batch_size // env.world_size} samples per rank and step in micro-"
+                      f"batches of {t.micro_train_batch_size}; --strategy {t.strategy} --zero_stage {t.zero_stage}")
+        return 0
+    return _run(trainer, cfg, env)
+
+
+def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -> int:
+    log = get_logger(env.rank)
+    name = trainer.cli.prog.split()[-1]
+    phase = run_phases(env.rank, cfg.runtime.dist_timeout)
+    sink = None
+    local_only = True  # until the first collective: a failure here is the same on every rank
+    try:
+        device = resolve_device(cfg.runtime.device, env.local_rank)
+        backend = resolve_backend(cfg.runtime.dist_backend, device)
+        tokenizer = load_tokenizer(cfg.model)
+        if cfg.data.tokenizer_chat_template is not None:
+            tokenizer.chat_template = cfg.data.tokenizer_chat_template
+        assert cfg.data.dataset is not None  # check_supervised
+        train = _load(trainer, cfg, tokenizer, cfg.data.dataset, "--dataset", log)
+        evals = _load(trainer, cfg, tokenizer, cfg.data.eval_dataset, "--eval_dataset", log) if cfg.data.eval_dataset else None
+        held = int(trainer.eval_from_train * len(train.samples))
+        if evals is None and held > 0:
+            evals = Loaded(train.samples[:held], 0, 0)
+            log.info_once(f"no --eval_dataset: evaluating on the first {held} training samples "
+                          f"({trainer.eval_from_train:.0%}, as OpenRLHF)")
+        t = cfg.train
+        if len(train.samples) < t.train_batch_size:
+            raise DataError(f"--dataset {cfg.data.dataset}: {len(train.samples)} usable samples do not fill one "
+                            f"--train_batch_size {t.train_batch_size}; lower --train_batch_size or add data")
+        sampler = PromptSampler(len(train.samples), t.train_batch_size, t.seed, t.max_epochs)
+        total_steps = min(sampler.total_steps, t.max_steps or sampler.total_steps)
+        log.info_once(f"{len(train.samples)} samples, {total_steps} steps of {t.train_batch_size} "
+                      f"({sampler.steps_per_episode} per epoch), {backend} on {device.type}")
+        if env.rank == 0:
+            check_writable(cfg.checkpoint.save_path, "--save_path")
+            if cfg.checkpoint.save_steps > 0:
+                check_writable(cfg.checkpoint.ckpt_path, "--ckpt_path")
+        seed_everything(t.seed)
+        local_only = False
+        if (warning := restart_safety_warning(env)) is not None:
+            log.warning_once(warning)
+        init_distributed(env, backend, cfg.runtime.dist_timeout, device)
+        phase.phase = "build"
+        group = all_ranks_group(cfg.runtime.dist_timeout)
+        comm_device = device if backend == "nccl" else torch.device("cpu")
+        task = trainer.build(cfg, BuildContext(group, device, int(tokenizer.pad_token_id), total_steps))
+        updater = Updater(task.model, task.strategy, task.optimizer,
+                          warmup_cosine(task.optimizer, total_steps, t.lr_warmup_ratio), t.max_norm,
+                          t.micro_train_batch_size, env.rank, env.world_size, max_nonfinite_in_a_row=t.max_skipped_steps,
+                          ops=task.strategy.step_ops(task.model))
+        loop = Loop(task, updater, train.samples, evals.samples if evals else None, sampler, total_steps, group,
+                    comm_device, t.micro_train_batch_size, cfg.logging.eval_steps, cfg.logging.logging_steps, phase,
+                    steps_per_epoch=sampler.steps_per_episode,
+                    eval_before_train=cfg.logging.eval_before_train)
+        checkpoints = SupervisedCheckpoints(cfg, task, updater, group, comm_device, total_steps)
+        if cfg.checkpoint.load_checkpoint:
+            with phase("load", -1):
+                loop.step_done = checkpoints.restore()
+        sink = MetricsSink(cfg, total_steps, loop.step_done, trainer=name.removeprefix("rlrun.")) if env.rank == 0 else None
+
+        def after_step(steps_done: int) -> None:
+            if checkpoints.should_save(steps_done):
+                with phase("save", steps_done - 1):
+                    checkpoints.save(steps_done)
+
+        history = loop.fit(sink, after_step)
+        if history:
+            first, last = history[0], history[-1]
+            log.info_once(f"loss: first step {first['loss']:.4f}, last step {last['loss']:.4f} ({len(history)} steps)")
+        with phase("save", loop.step_done):
+            task.save(cfg.checkpoint.save_path, tokenizer, is_writer=env.rank == 0)
+        log.info_once(f"saved the model (Hugging Face format) to {cfg.checkpoint.save_path}")
+    except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
+        fail_and_exit(log, env.rank, name, phase, exc, cfg.runtime.dist_timeout, local_only=local_only, sink=sink)
+    if sink is not None:
+        sink.close()
+    teardown()
+    return 0
+
+
+def _load(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, tokenizer: PreTrainedTokenizerBase, path: str,
+          flag: str, log: Any) -> Loaded[Any]:
+    if not os.path.exists(path):
+        raise DataError(f"{flag} {path}: no such file or directory; pass a local .jsonl/.json/.parquet/.csv file or a "
+                        "saved HF datasets directory (rlrun reads local paths only)")
+    loaded = trainer.load(cfg, tokenizer, path)
+    if loaded.dropped or loaded.truncated:
+        log.info_once(f"{flag} {path}: {len(loaded.samples)} samples; {loaded.dropped} records dropped and "
+                      f"{loaded.truncated} truncated at --max_len {cfg.train.max_len}")
+    return loaded

@@ -1,0 +1,100 @@
+"""The command lines of rlrun.sft, rlrun.rm and rlrun.dpo: generated from their config trees like rlrun.ppo's,
+each trainer's OpenRLHF defaults, OpenRLHF's classic and dotted spellings, and one clear error for bad input
+before anything starts (real processes for the exit codes)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, subprocess_env
+from rlrun.cli import parse_args
+from rlrun.dpo import CLI as DPO_CLI
+from rlrun.errors import ConfigError
+from rlrun.rm import CLI as RM_CLI
+from rlrun.sft import CLI as SFT_CLI
+from rlrun.supervised.config import DPOConfig, RMConfig, SFTConfig
+from rlrun.supervised.validation import check_supervised
+
+
+def test_each_trainer_has_openrlhf_defaults() -> None:
+    sft = parse_args([], SFT_CLI).config
+    rm = parse_args([], RM_CLI).config
+    dpo = parse_args([], DPO_CLI).config
+    assert isinstance(sft, SFTConfig) and isinstance(rm, RMConfig) and isinstance(dpo, DPOConfig)
+    assert (sft.train.learning_rate, rm.train.learning_rate, dpo.train.learning_rate) == (5e-6, 9e-6, 1e-5)
+    assert (sft.train.max_len, rm.train.max_len, dpo.train.max_len) == (2048, 512, 512)
+    assert (sft.train.max_epochs, rm.train.micro_train_batch_size, dpo.train.micro_train_batch_size) == (2, 1, 8)
+    assert sft.data.input_template == "User: {}\nAssistant: " and dpo.data.input_template is None
+    assert (sft.checkpoint.ckpt_path, rm.checkpoint.ckpt_path) == ("./ckpt/checkpoints_sft", "./ckpt/checkpoints_rm")
+    assert dpo.loss.beta == 0.1 and rm.loss.loss == "sigmoid"
+
+
+def test_classic_and_dotted_spellings_give_the_same_config() -> None:
+    classic = ["--pretrain", "m", "--dataset", "d.jsonl", "--beta", "0.2", "--ipo", "--label_smoothing", "0.1",
+               "--ref_offload", "--learning_rate", "5e-7", "--train_batch_size", "64", "--micro_train_batch_size", "2",
+               "--max_len", "1024", "--zero_stage", "3", "--save_path", "out", "--chosen_key", "c", "--rejected_key", "r",
+               "--nll_loss_coef", "0.2", "--ref_pretrain", "ref"]
+    dotted = ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl", "--model.beta", "0.2", "--model.ipo_enable",
+              "--model.label_smoothing", "0.1", "--ref.offload", "--adam.lr", "5e-7", "--train.batch_size", "64",
+              "--train.micro_batch_size", "2", "--data.max_len", "1024", "--ds.zero_stage", "3",
+              "--ckpt.output_dir", "out", "--data.chosen_key", "c", "--data.rejected_key", "r",
+              "--model.nll_loss_coef", "0.2", "--ref.model_name_or_path", "ref"]
+    assert parse_args(classic, DPO_CLI).config == parse_args(dotted, DPO_CLI).config
+
+
+def test_openrlhf_flags_rlrun_does_not_act_on_are_reported() -> None:
+    parsed = parse_args(["--lora_rank", "8", "--ds.lora.alpha", "16", "--model.aux_loss_coef", "0.1", "--multiturn",
+                         "--output_key", "o"], SFT_CLI)
+    assert parsed.config.data.output_key == "o"
+    text = "\n".join(parsed.ignored)
+    for flag in ("--lora_rank", "--ds.lora.alpha", "--model.aux_loss_coef", "--multiturn"):
+        assert f"{flag}: ignored (" in text, text
+
+
+def test_a_flag_of_another_trainer_is_an_error_with_a_suggestion() -> None:
+    with pytest.raises(ConfigError, match=r"unknown flag '--beta'"):
+        parse_args(["--beta", "0.1"], SFT_CLI)
+    with pytest.raises(ConfigError, match=r"did you mean '--chosen_key'"):
+        parse_args(["--chosen_kye", "c"], RM_CLI)
+    with pytest.raises(ConfigError, match=r"loss \(from --model.loss_type\) must be one of sigmoid, logexpsigmoid"):
+        parse_args(["--model.loss_type", "hinge"], RM_CLI)
+
+
+@pytest.mark.parametrize(("cli", "argv", "message"), [
+    (SFT_CLI, [], "needs --dataset"),
+    (SFT_CLI, ["--dataset", "d", "--train_batch_size", "3"], "must be a multiple of the 2 ranks"),
+    (DPO_CLI, ["--dataset", "d", "--beta", "0"], "--beta must be > 0"),
+    (DPO_CLI, ["--dataset", "d", "--label_smoothing", "0.5"], "--label_smoothing must be in [0, 0.5)"),
+    (RM_CLI, ["--dataset", "d", "--learning_rate", "0"], "--learning_rate must be > 0"),
+    (SFT_CLI, ["--dataset", "d", "--strategy", "deepspeed", "--zero_stage", "3"], "--zero_stage 3 is not supported"),
+])
+def test_bad_settings_fail_before_anything_starts(cli, argv, message) -> None:
+    with pytest.raises(ConfigError) as err:
+        check_supervised(parse_args(argv, cli).config, 2, cli.prog)
+    assert message in str(err.value)
+
+
+def test_bad_input_is_one_line_on_every_rank_and_a_nonzero_exit(tmp_path) -> None:
+    """A missing dataset file: one error line (from rank 0) naming the flag, exit status non-zero, no rlrun traceback
+    (torchrun prints its own ChildFailedError summary)."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                           "rlrun.rm", "--dataset", str(tmp_path / "missing.jsonl"), "--train_batch_size", "2",
+                           "--save_path", str(tmp_path / "out")], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"--dataset {tmp_path / 'missing.jsonl'}: no such file" in output, output[-3000:]
+    assert not re.search(r'File ".*[/\\]rlrun[/\\]', output), output[-3000:]
+    assert sum(line.startswith("[rlrun") and "FAILED" in line for line in output.splitlines()) == 1, output[-3000:]
+
+
+def test_dry_run_checks_and_describes_without_loading(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "rlrun.sft", "--dataset", str(tmp_path / "not_read.jsonl"),
+                           "--train_batch_size", "4", "--dry_run"], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "1 ranks" in proc.stdout + proc.stderr and "4 samples per rank" in proc.stdout + proc.stderr

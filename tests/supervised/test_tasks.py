@@ -1,0 +1,94 @@
+"""The supervised tasks on the real tiny model, in one process: batches shaped like rollouts, packed rows give
+the padded numbers, losses normalised by the global batch, reward statistics as OpenRLHF stores them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlrun.models import ScalarHeadModel, init_score_head, load_causal_lm, scalar_model_from
+from rlrun.config import PretrainedConfig
+from rlrun.supervised.batches import sequences_batch
+from rlrun.supervised.datasets import Completion, Preference
+from rlrun.supervised.dpo_task import DPOSettings, DPOTask
+from rlrun.supervised.rm_task import RewardModelTask
+from rlrun.supervised.sft_task import SFTTask
+
+CPU = torch.device("cpu")
+PAD = 0
+
+
+def _policy() -> torch.nn.Module:
+    return load_causal_lm(PretrainedConfig(attn_implementation="sdpa"), seed=3)
+
+
+COMPLETIONS = [Completion([5, 6, 7], [8, 9]), Completion([5], [10, 11, 12, 13]), Completion([], [14, 15, 16])]
+PAIRS = [Preference([5, 6], [7, 8, 9], [10]), Preference([11], [12], [13, 14, 15]), Preference([], [16, 17], [18, 19])]
+
+
+def test_rows_are_prompt_then_response_and_a_promptless_row_gives_its_first_token_as_context() -> None:
+    batch = sequences_batch([c.prompt for c in COMPLETIONS], [c.response for c in COMPLETIONS], PAD)
+    assert batch.sequences.tolist() == [[5, 6, 7, 8, 9, 0, 0], [0, 0, 5, 10, 11, 12, 13], [0, 0, 14, 15, 16, 0, 0]]
+    assert batch.action_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch.prompt_len.tolist() == [3, 1, 1] and batch.response_len.tolist() == [2, 4, 2]
+
+
+def test_sft_loss_is_the_token_mean_nll_and_packing_gives_the_same() -> None:
+    model = _policy()
+    padded = SFTTask(model, None, None, CPU, PAD, packing=False)  # type: ignore[arg-type]
+    packed = SFTTask(model, None, None, CPU, PAD, packing=True)  # type: ignore[arg-type]
+    tokens = sum(padded.loss_tokens(c) for c in COMPLETIONS)
+    assert tokens == 8
+    loss = padded.micro_loss(COMPLETIONS, num_tokens=tokens, num_seqs=3)
+    torch.testing.assert_close(packed.micro_loss(COMPLETIONS, num_tokens=tokens, num_seqs=3), loss, rtol=1e-5, atol=1e-6)
+    # By hand: the mean over the 8 response tokens of -log softmax(logits at the previous position)[token].
+    nll = []
+    for c in COMPLETIONS:
+        prompt, response = (c.prompt, c.response) if c.prompt else (c.response[:1], c.response[1:])
+        ids = torch.tensor([prompt + response])
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+        nll += [-logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(response)]
+    assert loss.item() == pytest.approx(sum(nll) / 8, rel=1e-5)
+    sums = padded.tally.take()
+    assert sums["tokens"] == 8 and padded.summary(sums, evaluation=False)["loss"] == pytest.approx(loss.item(), rel=1e-6)
+
+
+def test_dpo_at_the_reference_is_log2_per_pair_and_packing_gives_the_same() -> None:
+    settings = DPOSettings(beta=0.1, label_smoothing=0.0, ipo=False, nll_loss_coef=0.0)
+    padded = DPOTask(_policy(), None, None, _policy(), CPU, PAD, False, settings)  # type: ignore[arg-type]
+    loss = padded.micro_loss(PAIRS, num_tokens=3, num_seqs=3)
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-6)  # policy == reference: every log-ratio is 0
+    summary = padded.summary(padded.tally.take(), evaluation=False)
+    assert summary["margin"] == 0.0 and summary["acc"] == 0.0
+    trained = _policy()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01 * torch.randn_like(p, generator=None))
+    a = DPOTask(trained, None, None, _policy(), CPU, PAD, False, settings)  # type: ignore[arg-type]
+    b = DPOTask(trained, None, None, _policy(), CPU, PAD, True, settings)  # type: ignore[arg-type]
+    torch.testing.assert_close(b.micro_loss(PAIRS, 3, 3), a.micro_loss(PAIRS, 3, 3), rtol=1e-5, atol=1e-6)
+
+
+def test_reward_model_scores_the_last_token_and_saves_openrlhf_statistics() -> None:
+    source = PretrainedConfig(attn_implementation="sdpa")
+    hf = scalar_model_from(None, source, 3, torch.float32)
+    init_score_head(hf, 3)
+    model = ScalarHeadModel(hf)
+    task = RewardModelTask(model, None, None, CPU, PAD, False, "sigmoid", False)  # type: ignore[arg-type]
+    packed = RewardModelTask(model, None, None, CPU, PAD, True, "sigmoid", False)  # type: ignore[arg-type]
+    chosen, rejected = task._scores(PAIRS)
+    c2, r2 = packed._scores(PAIRS)
+    torch.testing.assert_close(c2, chosen, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r2, rejected, rtol=1e-5, atol=1e-6)
+    by_hand = model(torch.tensor([[5, 6, 7, 8, 9]]), torch.ones(1, 5, dtype=torch.long))[0, -1]
+    assert chosen[0].item() == pytest.approx(by_hand.item(), rel=1e-5)
+    task.score(PAIRS)
+    summary = task.summary(task.tally.take(), evaluation=True)
+    rewards = torch.cat([chosen, rejected]).double()
+    assert summary["reward_mean"] == pytest.approx(rewards.mean().item(), rel=1e-6)
+    assert summary["reward_std"] == pytest.approx(rewards.std(unbiased=True).item(), rel=1e-5)  # OpenRLHF: torch.std
+    assert task.reward_stats == (summary["reward_mean"], summary["reward_std"])
+    expected = torch.nn.functional.softplus(rejected - chosen).mean().item()
+    assert summary["loss"] == pytest.approx(expected, rel=1e-5)
