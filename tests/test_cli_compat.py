@@ -235,11 +235,11 @@ def test_ignored_flag_equals_form(name):
 
 def test_ignored_reasons():
     assert IGNORED_FLAGS["deepcompile"][1] == NOT_YET
-    assert IGNORED_FLAGS["deepspeed_enable_sleep"][1] == NOT_YET
+    assert "deepspeed_enable_sleep" not in IGNORED_FLAGS  # implemented: rlrun.sleep
     assert IGNORED_FLAGS["vllm_sync_with_ray"][1] == RAY_ONLY
     assert IGNORED_FLAGS["local_rank"][1] == LAUNCHER
-    parsed = parse_args(["--deepcompile", "--deepspeed_enable_sleep"])
-    assert parsed.ignored == (f"--deepcompile: ignored ({NOT_YET})", f"--deepspeed_enable_sleep: ignored ({NOT_YET})")
+    parsed = parse_args(["--deepcompile", "--ds_tensor_parallel_size", "2"])
+    assert parsed.ignored == (f"--deepcompile: ignored ({NOT_YET})", f"--ds_tensor_parallel_size: ignored ({NOT_YET})")
     assert parsed.config == Config()
 
 
@@ -367,13 +367,14 @@ def test_realistic_ppo_command_line():
     assert cfg.model.bf16 and cfg.model.gradient_checkpointing
     assert (cfg.train.rollout_batch_size, cfg.train.train_batch_size, cfg.train.micro_train_batch_size) == (1024, 128, 8)
     assert cfg.train.actor_learning_rate == 5e-7 and cfg.train.zero_stage == 3
+    assert cfg.train.deepspeed_enable_sleep  # with FSDP2 ZeRO-3, rlrun's default strategy: sleep works there too
     assert cfg.algo.init_kl_coef == 0.01 and cfg.algo.normalize_reward
     assert cfg.data.input_key == "context_messages" and cfg.data.apply_chat_template
     assert cfg.generation.vllm_gpu_memory_utilization == 0.5 and cfg.generation.enforce_eager
     assert cfg.checkpoint.save_hf_ckpt and cfg.checkpoint.ckpt_path.endswith("ckpt/llama3-8b-rlhf")
     assert cfg.logging.use_wandb == "{wandb_token}"
     assert [line.split(":")[0] for line in parsed.ignored] == [
-        "--ray_address", "--vllm_sync_with_ray", "--deepspeed_enable_sleep", "--runtime-env-json",
+        "--ray_address", "--vllm_sync_with_ray", "--runtime-env-json",
         "--vllm_gpu_memory_utilization", "--vllm_enable_sleep", "--enforce_eager"]
     # The same command on 8 ranks of one node: every model and 4 TP-2 engines on all 8 ranks.
     layout = plan(cfg, 8, 8).layout
@@ -392,7 +393,7 @@ def test_realistic_grpo_command_line():
     assert cfg.data.label_key == "label" and cfg.logging.use_tensorboard == "logs/grpo"
     assert not cfg.needs_critic and cfg.needs_ref and not cfg.needs_reward_model
     assert {line.split(":")[0] for line in parsed.ignored} == {
-        "--deepspeed_enable_sleep", "--ray_namespace",
+        "--ray_namespace",
         "--lr_scheduler", "--vllm_gpu_memory_utilization", "--vllm_enable_sleep", "--enforce_eager"}
     assert cfg.algo.eps_clip_low_high == (0.2, 0.28)
     layout = plan(cfg, 8, 8).layout

@@ -18,7 +18,7 @@ from rlrun.errors import DataError
 from rlrun.is_correction import ISCorrection
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
-from rlrun.launch.transfer import ParamSource, WeightSync
+from rlrun.launch.transfer import EngineRowExchange, ParamSource, WeightSync
 from rlrun.models import load_causal_lm, load_critic, load_reward_model
 from rlrun.roles.actor import Actor, PolicyLossSettings
 from rlrun.roles.critic import Critic
@@ -32,6 +32,7 @@ from rlrun.strategies.base import Strategy
 from rlrun.strategies.choose import make_strategy
 
 if TYPE_CHECKING:
+    from rlrun.engines.tensor_parallel import TensorParallelEngine
     from rlrun.engines.vllm_engine import VLLMEngine
 
 
@@ -56,7 +57,7 @@ class RankRoles:
     reward_model: RewardModel | None = None
     reward_fn: RewardFunction | None = None
     agents: EpisodeRunner | None = None  # multi-turn episodes (their rewards replace reward_fn)
-    engine: "HFEngine | VLLMEngine | None" = None
+    engine: "HFEngine | VLLMEngine | TensorParallelEngine | None" = None
     weight_sync: WeightSync | None = None
     strategies: dict[Role, Strategy] = field(default_factory=dict)  # of the roles above that hold a model
 
@@ -155,6 +156,32 @@ def _policy_copies(cfg: Config, count: int) -> Iterator[torch.nn.Module]:
     yield policy
 
 
+def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                 sampling: SamplingSettings, device: torch.device) -> "VLLMEngine | TensorParallelEngine":
+    """A vLLM child on this rank (tensor parallel 1), or this rank's part of a tensor-parallel engine whose child
+    runs on the engine's first rank."""
+    from rlrun.engines.tensor_parallel import TensorParallelEngine  # noqa: PLC0415 - optional extra
+    from rlrun.engines.vllm_engine import VLLMEngine  # noqa: PLC0415
+
+    g, rank = cfg.generation, groups.rank
+    tp = cfg.resources.vllm_tensor_parallel_size
+    index = layout.engine_index_of(rank)
+    assert index is not None
+    engine_group = groups.get(f"engine.{index}")
+    assert engine_group is not None
+    exchange = EngineRowExchange(engine_group, device)
+    leader = None
+    if exchange.is_leader:
+        leader = VLLMEngine(policy, tokenizer, sampling, device, seed=cfg.train.seed,
+                            max_model_len=g.prompt_max_len + g.generate_max_len, timeout_s=cfg.runtime.dist_timeout,
+                            enforce_eager=g.enforce_eager, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+                            rank=rank, tensor_parallel_size=tp)
+    if tp == 1:
+        assert leader is not None
+        return leader
+    return TensorParallelEngine(policy, sampling, exchange, leader)
+
+
 def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.device, total_steps: int,
                 tokenizer: PreTrainedTokenizerBase, sources: RewardSources) -> RankRoles:
     rank = groups.rank
@@ -193,12 +220,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
                                     int(tokenizer.eos_token_id))
         policy = next(policies).to(device=device, dtype=engine_dtype(cfg, device))
         if g.generation_backend == "vllm":  # run.py's resolve_backend already checked version and layout
-            from rlrun.engines.vllm_engine import VLLMEngine  # noqa: PLC0415 - optional extra
-
-            out.engine = VLLMEngine(policy, tokenizer, sampling, device, seed=cfg.train.seed,
-                                    max_model_len=g.prompt_max_len + g.generate_max_len,
-                                    timeout_s=cfg.runtime.dist_timeout, enforce_eager=g.enforce_eager,
-                                    gpu_memory_utilization=g.vllm_gpu_memory_utilization, rank=rank)
+            out.engine = _vllm_engine(cfg, layout, groups, policy, tokenizer, sampling, device)
         else:
             out.engine = HFEngine(policy, sampling, device, tokenizer)
         out.reward_fn, out.agents = sources.reward_fn, sources.agents

@@ -33,7 +33,6 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
                                   "--is_correction_level token --is_correction_mode clip (TIS) or mask (ICEPOP)"),
     "vllm_is_truncated_threshold": ("*", "OpenRLHF <= 0.10's spelling; use --is_correction_threshold LOW HIGH"),
     "vllm_generate_batch_size": (1, NOT_YET),
-    "deepspeed_enable_sleep": (0, NOT_YET),
     "ds_tensor_parallel_size": (1, NOT_YET),
     "deepcompile": (0, NOT_YET),
     "disable_ds_ckpt": (0, NOT_YET),

@@ -132,6 +132,10 @@ class TrainConfig(OptimConfig):
     num_episodes: int = opt(1, "Passes over the prompt dataset.")
     actor_learning_rate: float = opt(1e-6, "Actor learning rate.")
     critic_learning_rate: float = opt(9e-6, "Critic learning rate.")
+    deepspeed_enable_sleep: bool = opt(False, "Sleep, with either --strategy (OpenRLHF's name): each role's parameters and its "
+                                       "gradients/optimizer state move to CPU memory between the phases that use them and back "
+                                       "(bit-identical results), so colocated roles and engines fit one GPU; what --adam_offload "
+                                       "already keeps on the CPU stays there. Not with --strategy deepspeed --zero_stage 3.")
 
 
 @dataclass
@@ -218,6 +222,7 @@ class CheckpointConfig(SavingConfig):
     ckpt_path: str = opt("./ckpt/checkpoints_ppo", "Directory of resumable checkpoints.")
     save_hf_ckpt: bool = opt(False, "Also save the policy in HF format beside each checkpoint.")
     save_value_network: bool = opt(False, "Also save the critic in HF format.")
+    load_openrlhf_checkpoint: str | None = opt(None, "Start from an OpenRLHF DeepSpeed checkpoint: the --ckpt_path of an OpenRLHF PPO run (holding _actor/ and _critic/, tag from _actor/latest). Its fp32 weights replace the actor's (and the critic's, when this run has one and the checkpoint has _critic); the architecture still comes from --pretrain/--critic_pretrain and every tensor shape must match. Weights only: fresh optimizer and schedule, steps count from 0. --load_checkpoint still resumes from rlrun's own newer checkpoint when one exists. Offline alternative: python -m rlrun.compat.openrlhf_checkpoint.", metavar="DIR")
 
 
 @dataclass

@@ -123,7 +123,10 @@ def load_critic(cfg: Config, dtype: torch.dtype = torch.float32) -> ScalarHeadMo
             _check_dir(flag, path)
             break
     model = scalar_model_from(path, cfg.model, cfg.train.seed, dtype)
-    init_score_head(model, cfg.train.seed)
+    if path is None or path == cfg.model.pretrain:
+        # The policy's body has no value head yet. A reward model or a saved critic keeps its own (OpenRLHF
+        # initialises the head only when the critic starts from the actor's model).
+        init_score_head(model, cfg.train.seed)
     return ScalarHeadModel(model, normalize=cfg.algo.normalize_reward)
 
 

@@ -14,6 +14,8 @@ import sys
 import torch
 
 from rlrun.build import build_eval_prompts, build_prompts, build_reward_sources, build_roles, make_sampler
+from rlrun.compat.openrlhf_init import init_from_openrlhf
+from rlrun.compat.openrlhf_init import plan_init as plan_openrlhf_init
 from rlrun.config import Config
 from rlrun.errors import RlrunError
 from rlrun.evaluation import Evaluator
@@ -58,6 +60,8 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
                       f"--prompt_max_len {cfg.generation.prompt_max_len}), {total_steps} steps, generation backend "
                       f"{generation} ({why}), {backend} on {device.type}")
         sources = build_reward_sources(cfg, layout, env.rank, tokenizer)
+        openrlhf_init = (plan_openrlhf_init(cfg.checkpoint.load_openrlhf_checkpoint, run_has_critic=cfg.needs_critic)
+                         if cfg.checkpoint.load_openrlhf_checkpoint else None)
         if env.rank == 0:  # the writer: a bad output path must fail now, not at the end of training
             check_writable(cfg.checkpoint.save_path, "--save_path")
             if cfg.checkpoint.save_steps > 0:
@@ -83,6 +87,10 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
         roles = build_roles(cfg, layout, groups, device, total_steps, tokenizer, sources)
         trainer = Trainer(cfg, layout, groups, roles, prompts, sampler, tokenizer, device, total_steps, phase)
         checkpointer = Checkpointer(cfg, layout, groups, roles, trainer, tokenizer)
+        if openrlhf_init is not None:  # before --load_checkpoint: rlrun's own newer checkpoint wins
+            with phase("load", -1):
+                log.info_once(init_from_openrlhf(openrlhf_init, roles.actor.model if roles.actor else None,
+                                                 roles.critic.model if roles.critic else None))
         if cfg.checkpoint.load_checkpoint:
             with phase("load", -1):
                 checkpointer.restore()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 from torch import nn
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
@@ -14,6 +13,7 @@ from rlrun.roles.actor import Actor
 from rlrun.models import ScalarHeadModel
 from rlrun.roles.critic import Critic
 from rlrun.strategies.base import Strategy
+from rlrun.tensor_files import unshared
 
 
 def _make_dir(path: str, flag: str) -> None:
@@ -63,20 +63,8 @@ def save_scalar_model(model: ScalarHeadModel, path: str, *, is_writer: bool, str
     config = model.hf.config
     config.architectures = [type(model.hf).__name__.removeprefix("FSDP")]  # a policy's body keeps its causal-LM name
     config.to_json_file(os.path.join(path, "config.json"))
-    save_file(_unshared({k.removeprefix("hf."): v for k, v in state.items()}), os.path.join(path, "model.safetensors"),
+    save_file(unshared((k.removeprefix("hf."), v) for k, v in state.items()), os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
 
-
-def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous tensors, no two sharing memory (safetensors refuses shared storage, e.g. tied weights)."""
-    seen: set[int] = set()
-    out = {}
-    for name, t in state.items():
-        t = t.contiguous()
-        if t.untyped_storage().data_ptr() in seen:
-            t = t.clone()
-        seen.add(t.untyped_storage().data_ptr())
-        out[name] = t
-    return out

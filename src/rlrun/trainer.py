@@ -34,6 +34,7 @@ from rlrun.roles.critic import ValueData
 from rlrun.rollout import RolloutBatch, engine_logprob_diff
 from rlrun.rollout_source import RolloutSource, StepOutputs
 from rlrun.running import RunningMoments
+from rlrun.sleep import Phase, SleepSchedule
 
 
 @dataclass
@@ -73,6 +74,9 @@ class Trainer:
         self.learner_ranks = [r for r in range(layout.world_size) if not self.asynchronous or r not in self.engine_ranks]
         self.pending: StepOutputs | None = None  # --async_train: the next step's batch, already gathered
         self.rollouts = RolloutSource(cfg, layout, groups, roles, prompts, sampler, tokenizer, self.comm_device)
+        # --deepspeed_enable_sleep: models move off the device between the phases that use them (rlrun.sleep)
+        self.sleep = SleepSchedule.from_roles(cfg, layout, self.rank, roles, actor_scores=not skips_old_log_probs(cfg),
+                                              device=device)
 
     # ---- phases -------------------------------------------------------------------------------
 
@@ -164,9 +168,11 @@ class Trainer:
                        for mb in minibatch_order(batch.sequences.shape[0], t.train_batch_size,
                                                  derive_seed(t.seed, "minibatch", step, epoch))]
         stats: dict[str, float] = {}
+        self.sleep.enter(Phase.TRAIN_ACTOR)
         if self.roles.actor is not None:
             data = PolicyData(batch, results.get("old_log_probs"), adv, results.get("ref_log_probs"))
             stats.update(self.roles.actor.train(data, minibatches, self.kl.value))
+        self.sleep.enter(Phase.TRAIN_CRITIC)
         if self.roles.critic is not None:
             stats.update(self.roles.critic.train(ValueData(batch, results["values"], ret), minibatches))
         if self.layout.has(Role.CRITIC):  # critic stats live on the critic's first rank; rank 0 logs
@@ -180,6 +186,7 @@ class Trainer:
     def sync_weights(self) -> None:
         """Actor -> engines (collective over the actor and engine ranks), then the engine takes the new weights
         up (vLLM: one reload in its child), once per sync rather than once per generate call."""
+        self.sleep.enter(Phase.SYNC)
         self.roles.weight_sync.sync()  # type: ignore[union-attr]
         if self.roles.engine is not None:
             self.roles.engine.load_weights()
@@ -192,6 +199,7 @@ class Trainer:
         t0 = time.perf_counter()
         if self.asynchronous:
             return self._async_step(step, t0)
+        self.sleep.enter(Phase.GENERATE)
         with self.phase("generate", step):
             out = self.rollouts.generate(step)
         times = {"time/generate": time.perf_counter() - t0}
@@ -236,6 +244,7 @@ class Trainer:
     def learn(self, step: int, out: StepOutputs, times: dict[str, float]) -> "Learned":
         """Score, advantages and the update of one batch (every rank but async engines). Adds time/score, time/train."""
         t1 = time.perf_counter()
+        self.sleep.enter(Phase.SCORE)
         with self.phase("score", step):
             results = self.score(out)
             kl, adv, ret = self.advantages(out.batch, results)
@@ -284,6 +293,7 @@ class Trainer:
         history = []
         if evaluator is not None and evaluator.before_train and self.state.step == 0:
             with self.phase("eval", -1):
+                self.sleep.enter(Phase.GENERATE)
                 before = evaluator.run(0)
             if sink is not None:
                 sink.log_eval(0, before)
@@ -294,6 +304,7 @@ class Trainer:
             evals = None
             if evaluator is not None and evaluator.due(step + 1):
                 with self.phase("eval", step):
+                    self.sleep.enter(Phase.GENERATE)
                     evals = evaluator.run(step + 1)
             if sink is not None and (step + 1) % self.cfg.logging.logging_steps == 0:
                 sink.log(metrics, evals)
@@ -301,6 +312,7 @@ class Trainer:
                 sink.log_eval(step + 1, evals)
             if on_step_end is not None:
                 on_step_end(step + 1)
+        self.sleep.wake_all()
         return history
 
 

@@ -37,6 +37,10 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"--max_norm and --l2 must be >= 0, got {t.max_norm} and {t.l2}")
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"--zero_stage must be 0, 1, 2 or 3, got {t.zero_stage}")
+    if t.deepspeed_enable_sleep and t.strategy == "deepspeed" and t.zero_stage == 3:
+        raise ConfigError("--deepspeed_enable_sleep with --strategy deepspeed --zero_stage 3 is not supported (rlrun's "
+                          "DeepSpeed strategy runs ZeRO-0/1/2; DeepSpeed's own ZeRO-3 offload_states needs FusedAdam "
+                          "on CUDA); use --zero_stage 1 or 2, or --strategy fsdp --zero_stage 3")
     if g.temperature <= 0:
         raise ConfigError(f"--temperature must be > 0, got {g.temperature}")
     if not 0 < g.top_p <= 1:
@@ -124,6 +128,13 @@ def _check_agent(cfg: Config) -> None:
     if ag.agent_func_path is not None and ag.retriever_url is not None:
         raise ConfigError(f"--agent_func_path {ag.agent_func_path} and --retriever_url {ag.retriever_url} are both set; "
                           "--retriever_url runs the built-in Search-R1 agent: choose one agent")
+    tp = cfg.resources.vllm_tensor_parallel_size
+    if cfg.multi_turn and tp > 1 and cfg.generation.generation_backend == "vllm":
+        # The engine's ranks share one vLLM engine call by call; episodes end after different numbers of turns on
+        # different ranks, so those calls would not line up.
+        raise ConfigError(f"multi-turn agent episodes (--agent_func_path/--retriever_url) with --generation_backend vllm "
+                          f"--vllm_tensor_parallel_size {tp} are not supported yet; use --vllm_tensor_parallel_size 1 "
+                          "(more engines instead of wider ones), or --generation_backend hf")
     if not cfg.multi_turn:
         turn_flags = [f"--{n}" for n in ("max_turns", "max_tokens_per_turn", "max_obs_len") if getattr(ag, n) is not None]
         turn_flags += [] if ag.state_masking else ["--state_masking false"]

@@ -63,7 +63,9 @@ class EngineSpec:
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: int = 1
-    cuda_visible_devices: str | None = None  # the one GPU the child may see (device "cuda")
+    cuda_visible_devices: str | None = None  # the GPUs the child may see (device "cuda"): one per TP worker
+    tensor_parallel_size: int = 1  # > 1: vLLM's own "mp" workers in the child, weights through weights_dir
+    weights_dir: str | None = None  # tensor parallel > 1: where pushed weights are written for the workers to read
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,9 @@ class Sampling:
 
 def set_process_env(spec: EngineSpec) -> None:
     """Environment vLLM reads at import/build time; call before the first `import vllm`."""
-    # One process, one worker: no engine-core subprocess (and external_launcher-style env is absent).
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if spec.tensor_parallel_size == 1:
+        # One process, one worker: no engine-core subprocess (and external_launcher-style env is absent).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if spec.cuda_visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
     if spec.device == "cpu":
@@ -90,7 +93,8 @@ def set_process_env(spec: EngineSpec) -> None:
 
 
 class VLLMAdapter:
-    """One vLLM `LLM` (tensor parallel 1, in this process) with rlrun's four operations."""
+    """One vLLM `LLM` with rlrun's four operations: tensor parallel 1 in this process, or tensor parallel T with
+    vLLM's multiprocessing executor (T worker processes of this process)."""
 
     def __init__(self, spec: EngineSpec) -> None:
         set_process_env(spec)
@@ -100,6 +104,9 @@ class VLLMAdapter:
         kwargs: dict[str, object] = {}
         if spec.device == "cuda":
             kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
+        if spec.tensor_parallel_size > 1:
+            assert spec.weights_dir is not None, "tensor parallel > 1 reads pushed weights from weights_dir"
+            kwargs["distributed_executor_backend"] = "mp"
         self.llm = LLM(
             model=spec.model_dir,
             dtype=spec.dtype,
@@ -111,9 +118,11 @@ class VLLMAdapter:
             generation_config="vllm",
             # CPU has no CUDA graphs; compiling costs more than it saves on small models.
             enforce_eager=spec.enforce_eager or spec.device == "cpu",
-            tensor_parallel_size=1,
-            # Random weights at start: rlrun pushes the real ones before the first generate (reload_weights).
-            load_format="dummy",
+            tensor_parallel_size=spec.tensor_parallel_size,
+            # Tensor parallel 1: random weights at start, rlrun pushes the real ones before the first generate
+            # (reload_weights). Tensor parallel > 1 reloads from weights_dir, which needs a file-reading format; its
+            # model_dir is weights_dir, holding the initial weights.
+            load_format="dummy" if spec.tensor_parallel_size == 1 else "safetensors",
             **kwargs,
         )
 
@@ -142,9 +151,24 @@ class VLLMAdapter:
 
     def reload_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors through vLLM's layerwise reload (model.load_weights alone fails on
-        CPU and skips the post-load processing quantized models need), then drop cached prefixes."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named)})
+        CPU and skips the post-load processing quantized models need), then drop cached prefixes.
+
+        Tensor parallel > 1: the workers are other processes, and tensors do not cross vLLM's RPC (measured:
+        `'list' object has no attribute 'dtype'`), so the weights are written once as safetensors into
+        weights_dir (a /dev/shm directory: memory, not disk) and every worker reads and shards them."""
+        if self.spec.tensor_parallel_size == 1:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named)})
+        else:
+            assert self.spec.weights_dir is not None
+            write_weights(named, self.spec.weights_dir)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.spec.weights_dir})
         self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut vLLM's helper processes down (tensor parallel > 1: the engine core and its workers)."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
 
     def sleep(self) -> None:
         if self.spec.device == "cpu":
@@ -155,3 +179,15 @@ class VLLMAdapter:
         if self.spec.device == "cpu":
             return
         raise NotImplementedError("vLLM wake on GPU is not wired in rlrun yet")
+
+
+
+def write_weights(named: Iterable[tuple[str, torch.Tensor]], directory: str) -> None:
+    """HF-named tensors as `directory`/model.safetensors (replaced atomically), the file vLLM's workers read."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    from rlrun.tensor_files import unshared  # noqa: PLC0415
+
+    tmp = os.path.join(directory, ".model.safetensors.tmp")
+    save_file(unshared(named), tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(directory, "model.safetensors"))

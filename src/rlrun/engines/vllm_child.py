@@ -40,6 +40,7 @@ _SCRUB_PREFIXES = ("TORCHELASTIC_", "GROUP_", "ROLE_", "MASTER_")
 # child SIGKILL itself (as an out-of-memory kill would) or stop answering on its N-th (0-based) such request.
 FAULT_ENV = "RLRUN_VLLM_CHILD_FAULT"
 _PR_SET_PDEATHSIG = 1
+_DEATH_SIGNAL = signal.SIGUSR1  # not one vLLM handles itself
 
 
 class EngineChildError(RlrunError):
@@ -53,11 +54,16 @@ def scrub_torchrun_env(env: dict[str, str]) -> None:
 
 
 def _die_with_parent(parent_pid: int) -> None:
+    """The child leads a process group of its own, which vLLM's helper processes (tensor parallel: the engine core
+    and its workers) join. The parent's death (SIGKILL included: PR_SET_PDEATHSIG) and a "stop" end the whole
+    group, so no vLLM process outlives the rank that owns it."""
+    os.setpgrp()
+    signal.signal(_DEATH_SIGNAL, lambda *_: os.killpg(0, signal.SIGKILL))
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, _DEATH_SIGNAL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
+        os.killpg(0, signal.SIGKILL)
 
 
 def _redirect_output(log_path: str) -> None:
@@ -103,6 +109,8 @@ def child_main(conn: Connection, parent_pid: int, log_path: str) -> None:
                 assert adapter is not None
                 conn.send(("ok", adapter.generate(msg[1], msg[2], msg[3])))
             elif kind == "stop":
+                if adapter is not None:
+                    adapter.close()
                 conn.send(("ok", None))
                 return
             else:
@@ -200,8 +208,12 @@ class EngineChild:
                                f"log {self.log_path}: {_tail(self.log_path)}")
 
     def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
+        """The child and every process of its group (vLLM's engine core and workers with tensor parallel > 1)."""
+        if self.proc.pid is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass  # the group is gone already
         self.proc.join(timeout=10)
 
     def stop(self, timeout_s: float = 30.0) -> None:

@@ -1,4 +1,5 @@
-"""VLLMEngine: the engine surface of roles/engine.py backed by a vLLM child process (tensor parallel 1).
+"""VLLMEngine: the engine surface of roles/engine.py backed by a vLLM child process (tensor parallel T: the
+child runs vLLM's T workers; see tensor_parallel.py for how an engine's T ranks share it).
 
 The engine rank keeps an HF copy of the policy, `model`, as the weight receiver: WeightSync writes the
 actor's weights into its parameters (bucket views when disaggregated, in-place copies when colocated).
@@ -21,7 +22,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.agents.stops import cut_at_stop
-from rlrun.engines.vllm_adapter import EngineSpec, Sampling, check_version
+from rlrun.engines.vllm_adapter import EngineSpec, Sampling, check_version, write_weights
 from rlrun.engines.vllm_child import EngineChild
 from rlrun.log import get_logger
 from rlrun.roles.engine import Generation, SamplingSettings
@@ -29,13 +30,14 @@ from rlrun.roles.engine import Generation, SamplingSettings
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _visible_gpu(device: torch.device) -> str | None:
-    """The physical GPU behind `device`, as the child's CUDA_VISIBLE_DEVICES (None on CPU)."""
+def _visible_gpus(device: torch.device, count: int) -> str | None:
+    """The physical GPUs of `device` and the next count - 1 local devices (an engine's tensor-parallel ranks are
+    consecutive ranks of one node), as the child's CUDA_VISIBLE_DEVICES (None on CPU)."""
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    first = device.index if device.index is not None else torch.cuda.current_device()
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return visible[index] if index < len(visible) else str(index)
+    return ",".join(visible[i] if i < len(visible) else str(i) for i in range(first, first + count))
 
 
 def write_model_dir(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str) -> None:
@@ -60,7 +62,8 @@ class VLLMEngine:
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
                  device: torch.device, *, seed: int, max_model_len: int, timeout_s: float,
-                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, rank: int = 0) -> None:
+                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, rank: int = 0,
+                 tensor_parallel_size: int = 1) -> None:
         check_version()
         self.model = model.eval()
         self.model.requires_grad_(False)
@@ -70,17 +73,27 @@ class VLLMEngine:
         self.workdir = tempfile.mkdtemp(prefix=f"rlrun_vllm_r{rank}_")
         model_dir = os.path.join(self.workdir, "model")
         write_model_dir(model, tokenizer, model_dir)
+        self.weights_dir = None
+        if tensor_parallel_size > 1:
+            # Pushed weights go through a file the workers read (/dev/shm: memory, not disk); the engine starts
+            # from that directory, holding the initial weights.
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self.weights_dir = model_dir = tempfile.mkdtemp(prefix=f"rlrun_vllm_w{rank}_", dir=shm)
+            write_model_dir(model, tokenizer, model_dir)
+            write_weights(self.model.named_parameters(), model_dir)
         spec = EngineSpec(model_dir=model_dir, dtype=_DTYPES[next(model.parameters()).dtype], seed=seed,
                           max_model_len=max_model_len, device=device.type, enforce_eager=enforce_eager,
-                          gpu_memory_utilization=gpu_memory_utilization, cuda_visible_devices=_visible_gpu(device))
+                          gpu_memory_utilization=gpu_memory_utilization,
+                          cuda_visible_devices=_visible_gpus(device, tensor_parallel_size),
+                          tensor_parallel_size=tensor_parallel_size, weights_dir=self.weights_dir)
         self.child = EngineChild(spec, os.path.join(self.workdir, "engine.log"), timeout_s)
         atexit.register(self.close)
         # The tensors last sent to the child, kept alive so that new buffers can never reuse their addresses.
         self._sent: list[torch.Tensor] = []
         self._staging: list[torch.Tensor] | None = None  # host copies when the model lives on a GPU
         self.last_sync_s = 0.0
-        get_logger(rank)._emit("info", f"rank {rank}: vLLM engine child started (pid {self.child.pid}, "
-                                        f"log {self.child.log_path})")
+        get_logger(rank)._emit("info", f"rank {rank}: vLLM engine child started (pid {self.child.pid}, tensor parallel "
+                                        f"{tensor_parallel_size}, log {self.child.log_path})")
 
     # ---- weights ------------------------------------------------------------------------------
 
@@ -114,9 +127,14 @@ class VLLMEngine:
 
     def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
                stop: tuple[str, ...] = ()) -> Generation:
+        return self.sample_seeded(prompts, request_seeds(seed, len(prompts)), max_new_tokens=max_new_tokens, stop=stop)
+
+    def sample_seeded(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int | None = None,
+                      stop: tuple[str, ...] = ()) -> Generation:
+        """sample() with one given seed per row (the rows of several ranks sampled in one call)."""
         s = self.sampling
         tokens, logprobs = self.child.request(  # type: ignore[misc]
-            "generating", "generate", prompts, request_seeds(seed, len(prompts)),
+            "generating", "generate", prompts, seeds,
             Sampling(temperature=s.temperature, top_p=s.top_p, eos_id=s.eos_id, stop=stop,
                      max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens))
         if stop:  # vLLM stops at the token completing a stop string too; this only makes the rule explicit
@@ -142,3 +160,5 @@ class VLLMEngine:
     def close(self) -> None:
         self.child.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.weights_dir is not None:
+            shutil.rmtree(self.weights_dir, ignore_errors=True)

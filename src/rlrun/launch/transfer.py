@@ -72,6 +72,32 @@ def broadcast_json(obj: object, src: int, group: dist.ProcessGroup, device: torc
     return json.loads(bytes(payload.cpu().tolist()).decode())
 
 
+class EngineRowExchange:
+    """Rows (token lists, small) of an engine's tensor-parallel ranks to the engine's first rank, which hosts the
+    one vLLM engine they share, and its results back: JSON broadcasts on the engine's own group (T is small)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        self.ranks = dist.get_process_group_ranks(group)
+        self.index = self.ranks.index(dist.get_rank())
+
+    @property
+    def is_leader(self) -> bool:
+        return self.index == 0
+
+    def to_leader(self, mine: object) -> list[object] | None:
+        """Every rank's `mine`, in rank order, on the first rank (None elsewhere). Collective over the engine."""
+        parts = [broadcast_json(mine if i == self.index else None, src, self.group, self.device)
+                 for i, src in enumerate(self.ranks)]
+        return parts if self.is_leader else None
+
+    def from_leader(self, parts: list[object] | None) -> object:
+        """The first rank's parts[i] on the engine's i-th rank. Collective over the engine."""
+        every = broadcast_json(parts if self.is_leader else None, self.ranks[0], self.group, self.device)
+        return every[self.index]  # type: ignore[index]
+
+
 @dataclass(frozen=True)
 class BucketEntry:
     name: str

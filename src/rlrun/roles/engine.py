@@ -13,7 +13,6 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.agents.stops import cut_at_stop
-from rlrun.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -59,20 +58,17 @@ def vllm_available() -> bool:
 
 
 def resolve_backend(requested: str, cuda: bool, tensor_parallel_size: int = 1) -> tuple[str, str]:
-    """(backend, why) for --generation_backend. `vllm` runs one vLLM child process per engine rank at
-    tensor parallel 1 (engines disjoint from the actor, or on the actor's ranks); other layouts are a
-    ConfigError here, before anything is built. `auto` picks HF: on CPU vLLM is slower than HF generate
-    on small models, and on GPU rlrun's vLLM path is not validated yet."""
+    """(backend, why) for --generation_backend. `vllm` runs one vLLM child process per engine, on the engine's
+    first rank (tensor parallel T: the child's own T workers; the engine's other ranks hand it their prompts).
+    `auto` picks HF: on CPU vLLM is slower than HF generate on small models, and on GPU rlrun's vLLM path is
+    not validated yet."""
     if requested == "vllm":
         from rlrun.engines.vllm_adapter import check_version  # noqa: PLC0415 - no vllm import, metadata only
 
         version = check_version()
-        if tensor_parallel_size != 1:
-            raise ConfigError(f"--generation_backend vllm with --vllm_tensor_parallel_size {tensor_parallel_size}: "
-                              "rlrun runs vLLM engines at tensor parallel 1 only (one vLLM child process per "
-                              "engine rank, engines on their own ranks or on the actor's ranks); use "
-                              "--vllm_tensor_parallel_size 1, or --generation_backend hf")
-        return "vllm", (f"requested: vLLM {version}, one child process per engine rank, tensor parallel 1"
+        hosting = ("one child process per engine rank, tensor parallel 1" if tensor_parallel_size == 1 else
+                   f"one child process per engine on its first rank, tensor parallel {tensor_parallel_size}")
+        return "vllm", (f"requested: vLLM {version}, {hosting}"
                         + ("; no sleep mode on CPU (sleep/wake do nothing)" if not cuda else ""))
     if requested == "hf":
         return "hf", "requested"

@@ -7,6 +7,7 @@ the role's group; nothing here touches the world group.
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -17,6 +18,16 @@ if TYPE_CHECKING:
     from rlrun.strategies.fsdp import ParamBlock
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+
+
+class Part(enum.Enum):
+    """What of a role's model sleeps and wakes separately (--deepspeed_enable_sleep)."""
+
+    PARAMS = "parameters"  # weights and buffers: all a forward pass or a weight sync reads
+    STATES = "optimizer states"  # gradients, optimizer state, fp32 master weights: only training needs them
+
+
+ALL_PARTS = frozenset(Part)
 
 
 class GradClipper(Protocol):
@@ -90,4 +101,20 @@ class Strategy(GradClipper, Protocol):
 
     def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         """Inverse of save_state, on any number of role ranks. Collective over the role."""
+        ...
+
+    # Sleep (--deepspeed_enable_sleep): local to this rank, never collective. save_state, load_state and
+    # full_state_dict wake a sleeping model for their duration; forward passes and weight sync need it awake.
+
+    def sleep(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS) -> int:
+        """Move `parts` of `model` (and of its optimizer; None for a frozen model) off the compute device, freeing
+        their device memory. Returns the bytes moved (0 for parts already asleep)."""
+        ...
+
+    def wake(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS) -> int:
+        """Inverse of sleep: the same tensors hold the same bytes on the compute device again. Returns the bytes moved."""
+        ...
+
+    def asleep(self, model: nn.Module) -> frozenset[Part]:
+        """The parts of `model` asleep now."""
         ...

@@ -10,6 +10,12 @@ How it stays off the world group (../shared/DEEPSPEED.md §1, §4.1, measured wi
   role's group (`safe_get_full_*`) and written with torch DCP, so they load on any role size.
 ZeRO-3 is refused before anything starts (rlrun.strategies.checks).
 
+Sleep (--deepspeed_enable_sleep) parks storages itself (rlrun.strategies.parking) rather than calling
+`engine.offload_states()`: that refuses engines without an optimizer (the frozen reference and reward models),
+ZeRO-3 asserts FusedAdam (CUDA only), and on CPU it moves CPU tensors to the CPU and frees nothing, so it
+could not be tested here. Parking covers what offload_states moves (fp32 master partitions, optimizer state,
+gradient partitions and buffers, the bf16 flat parameters) plus the frozen models.
+
 Gradient accumulation: rlrun's losses already carry the global token/sequence weighting, so every
 micro-batch goes through `engine.backward(loss, scale_wrt_gas=False)` with an explicit
 accumulation boundary on the last one; DeepSpeed's own `gradient_accumulation_steps` stays 1.
@@ -20,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,8 +35,9 @@ from torch import nn
 
 from rlrun.errors import RlrunError
 from rlrun.log import get_logger
-from rlrun.strategies.base import GradClipper, OptimizerFactory, StepOps
+from rlrun.strategies.base import ALL_PARTS, GradClipper, OptimizerFactory, Part, StepOps
 from rlrun.strategies.fsdp import ParamBlock
+from rlrun.strategies.parking import SleepBook, awake_meanwhile
 
 import deepspeed  # noqa: E402  (after torch: an optional extra; rlrun.strategies.checks refuses the flag without it)
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -150,6 +157,7 @@ class DeepSpeedStrategy:
                                    micro_batch, max_norm)
         self.gradient_checkpointing = gradient_checkpointing
         self.mpu = RoleMPU(group, _solo_group())
+        self._sleep = SleepBook(device)
         # DeepSpeed insists on LOCAL_RANK (torchrun sets it; plain srun and single-process runs do not) and
         # picks its device from it: this rank's device index, which rlrun chose from the launcher's local rank.
         os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
@@ -215,9 +223,11 @@ class DeepSpeedStrategy:
 
     def param_blocks(self, model: nn.Module) -> list[ParamBlock]:
         """ZeRO-0/1/2 keep whole (low-precision) parameters on every rank of the role: one block, no gather."""
+        self._sleep.require_awake(model, Part.PARAMS, "weight sync")
         return [ParamBlock(list(unwrap(model).named_parameters()))]
 
     def full_params(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        self._sleep.require_awake(model, Part.PARAMS, "full_params")
         for name, p in unwrap(model).named_parameters():
             yield name, p.detach()
 
@@ -225,13 +235,18 @@ class DeepSpeedStrategy:
         """The model's own state dict (HF names), CPU copies, on the role's first rank; no collective."""
         if dist.get_rank(self.group) != 0:
             return {}
-        return {k: v.detach().to("cpu", copy=True) for k, v in unwrap(model).state_dict().items()}
+        with awake_meanwhile(self, model, None, frozenset({Part.PARAMS})):
+            return {k: v.detach().to("cpu", copy=True) for k, v in unwrap(model).state_dict().items()}
 
     def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         """Full fp32 master weights + Adam moments + step + learning rate, by parameter name, into a DCP
         directory (each tensor is whole on every rank; DCP de-duplicates them, so each is written once).
         Collective over the role: the gathers all-reduce each parameter over the role's group, in
         named_parameters order on every rank. Memory: three fp32 copies of the model on CPU per rank."""
+        with awake_meanwhile(self, model, optimizer):
+            self._save_state(model, optimizer, path)
+
+    def _save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         engine = self._engine(model)
         # The learning rate lives in the param groups: LR schedulers restore their counters, not the value they set.
         meta = {"step": torch.tensor(_adam_step(optimizer), dtype=torch.float64),
@@ -247,6 +262,10 @@ class DeepSpeedStrategy:
     def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         """Read what save_state wrote (any role size) into the engine: master weights, the model's own
         (possibly bf16) weights, Adam moments, step and learning rate. Collective over the role (DCP's planning)."""
+        with awake_meanwhile(self, model, optimizer):
+            self._load_state(model, optimizer, path)
+
+    def _load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         engine = self._engine(model)
         named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
         state = {"model": {n: torch.empty(p.shape, dtype=torch.float32) for n, p in named},
@@ -270,6 +289,52 @@ class DeepSpeedStrategy:
         _set_adam_step(optimizer, step)
         for group, lr in zip(optimizer.param_groups, state["meta"]["lr"].tolist()):
             group["lr"] = lr
+
+
+    # ---- sleep (--deepspeed_enable_sleep) ---------------------------------------------------------
+
+    @staticmethod
+    def _part(model: nn.Module, optimizer: torch.optim.Optimizer | None, part: Part) -> list[torch.Tensor]:
+        """PARAMS: the module's parameters (under ZeRO-1/2 views into DeepSpeed's flat low-precision buffers) and
+        buffers. STATES: gradients, the torch optimizer's state, and every tensor the ZeRO optimizer wrapper holds
+        (fp32 master partitions, gradient partitions and buffers; parameter views among them are left to PARAMS)."""
+        module = unwrap(model)
+        if part is Part.PARAMS:
+            return [*module.parameters(), *module.buffers()]
+        out = [p.grad for p in module.parameters() if p.grad is not None]
+        if optimizer is not None:
+            out += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        if isinstance(model, DeepSpeedEngine) and model.optimizer is not None and model.optimizer is not optimizer:
+            out += list(_tensors_in(vars(model.optimizer).values()))
+        return out
+
+    def sleep(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS) -> int:
+        moved = 0
+        for part in sorted(parts, key=lambda p: p.value):
+            keep = self._part(model, optimizer, Part.PARAMS) if part is Part.STATES else []
+            moved += self._sleep.sleep(model, part, self._part(model, optimizer, part), keep, unwrap(model), optimizer)
+        return moved
+
+    def wake(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS) -> int:
+        return sum(self._sleep.wake(model, part) for part in sorted(parts, key=lambda p: p.value))
+
+    def asleep(self, model: nn.Module) -> frozenset[Part]:
+        return self._sleep.asleep(model)
+
+
+def _tensors_in(values: Iterable[Any], depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors (and their .grad) among `values` and inside their lists, tuples and dicts, 3 levels deep: how
+    DeepSpeed's ZeRO optimizers keep their buffers (bit16_groups_flat, single_partition_of_fp32_groups,
+    averaged_gradients, ipg_buffer, ...), found without naming every attribute of every release."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+            if value.is_leaf and value.grad is not None:  # .grad of a view warns (and is None)
+                yield value.grad
+        elif depth < 3 and isinstance(value, (list, tuple)):
+            yield from _tensors_in(value, depth + 1)
+        elif depth < 3 and isinstance(value, dict):
+            yield from _tensors_in(value.values(), depth + 1)
 
 
 class DeepSpeedSteps:

@@ -1,7 +1,7 @@
 """FSDP2 training strategy on a role's process group.
 
 Implements the `Strategy` surface of rlrun.strategies.base (wrap, step, clip_grad_norm, full
-parameters by FSDP unit, full/sharded state dicts); the DeepSpeed strategy sits next to it.
+parameters by FSDP unit, full/sharded state dicts, sleep/wake); the DeepSpeed strategy sits next to it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from rlrun.launch.dcp import load_role_state, save_role_state
-from rlrun.strategies.base import OptimizerFactory, StepOps, TorchSteps
+from rlrun.strategies.base import ALL_PARTS, OptimizerFactory, Part, StepOps, TorchSteps
+from rlrun.strategies.parking import SleepBook, awake_meanwhile
 
 ALIGN = 16  # bytes: every parameter's piece of a gather buffer starts aligned for any dtype
 CPU_GATHER_PART_BYTES = 4 * 2**20  # per rank and all-gather, on CPU (gloo): see ParamBlock
@@ -40,6 +41,7 @@ class FSDPStrategy:
         self.reshard_after_forward = zero_stage >= 3
         self.offload = offload and device.type == "cuda"
         self.gradient_checkpointing = gradient_checkpointing
+        self._sleep = SleepBook(device)
 
     def wrap(self, model: nn.Module, *, trainable: bool = True) -> nn.Module:
         """Shard each transformer block, then the root, over this role's ranks."""
@@ -69,13 +71,49 @@ class FSDPStrategy:
         return TorchSteps()  # FSDP2 reduce-scatters gradients inside loss.backward()
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return full_state_dict(model, self.group)
+        with awake_meanwhile(self, model, None, frozenset({Part.PARAMS})):
+            return full_state_dict(model, self.group)
 
     def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-        save_role_state(model, optimizer, path, self.group)
+        with awake_meanwhile(self, model, optimizer):
+            save_role_state(model, optimizer, path, self.group)
 
     def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-        load_role_state(model, optimizer, path, self.group)
+        with awake_meanwhile(self, model, optimizer):
+            load_role_state(model, optimizer, path, self.group)
+
+    # ---- sleep (--deepspeed_enable_sleep) ---------------------------------------------------------
+
+    @staticmethod
+    def _part(model: nn.Module, optimizer: torch.optim.Optimizer | None, part: Part) -> list[torch.Tensor]:
+        """The tensors of one part: sharded parameters and buffers, or gradients and optimizer state
+        (DTensors: parking takes their local shards; with CPUOffloadPolicy they are on the CPU already and stay)."""
+        if part is Part.PARAMS:
+            return [*model.parameters(), *model.buffers()]
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()
+                                              if isinstance(v, torch.Tensor)]
+        return grads + state
+
+    def sleep(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS) -> int:
+        if Part.PARAMS in parts:
+            # A no-grad forward of a trainable model (reshard_after_forward=False) leaves its gathered parameters
+            # registered; reshard so the module holds only its shards, the gathered copies are freed and
+            # the next forward gathers again (the same values: nothing changed the shards meanwhile).
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        moved = 0
+        for part in sorted(parts, key=lambda p: p.value):
+            keep = self._part(model, optimizer, Part.PARAMS) if part is Part.STATES else []
+            moved += self._sleep.sleep(model, part, self._part(model, optimizer, part), keep, model, optimizer)
+        return moved
+
+    def wake(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS) -> int:
+        return sum(self._sleep.wake(model, part) for part in sorted(parts, key=lambda p: p.value))
+
+    def asleep(self, model: nn.Module) -> frozenset[Part]:
+        return self._sleep.asleep(model)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
         """Clip over all shards; returns the total norm before clipping (inf/nan when non-finite)."""
@@ -87,11 +125,13 @@ class FSDPStrategy:
         """(name, full tensor) for every parameter, one all-gather per parameter (tests and the
         benchmark's baseline; weight sync gathers per unit, `param_blocks`). Collective: every rank of
         the role must iterate."""
+        self._sleep.require_awake(model, Part.PARAMS, "full_params")
         for name, param in model.named_parameters():
             yield name, _full(param.detach())
 
     def param_blocks(self, model: nn.Module) -> list["ParamBlock"]:
         """The parameters grouped by FSDP unit, in gather order (see `param_blocks`)."""
+        self._sleep.require_awake(model, Part.PARAMS, "weight sync")
         return param_blocks(model)
 
 
