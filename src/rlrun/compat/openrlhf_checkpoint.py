@@ -143,12 +143,28 @@ def _read_text(path: str) -> str:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
 
 
+def _deepspeed_globals() -> list[Any]:
+    """The DeepSpeed classes a checkpoint's metadata pickles (0.19: loss scaler, ZeRO stage, bf16 fragment map)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler  # noqa: PLC0415 - DeepSpeed checkpoints need DeepSpeed
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: PLC0415
+    from deepspeed.utils.tensor_fragment import fragment_address  # noqa: PLC0415
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
 def _load(path: str) -> dict[str, Any]:
-    # DeepSpeed pickles its metadata (configs, shapes, OpenRLHF's dataloader state): weights_only cannot
-    # read it. Only load checkpoints you trust, as with DeepSpeed itself.
+    # weights_only, with DeepSpeed's own metadata classes allowed by name. (DeepSpeed's zero_to_fp32, which
+    # rebuilds ZeRO-1/2/3 weights from the optimizer files, unpickles those files fully, as DeepSpeed always
+    # does: load only checkpoints you trust.)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        with torch.serialization.safe_globals(_deepspeed_globals()):
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a damaged file
+        if "Unsupported global" in str(exc):
+            found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+            raise CheckpointError(f"cannot read {path}: it pickles {found.group(1) if found else 'a Python object'}, "
+                                  "which rlrun does not unpickle (torch.load weights_only); convert the tag with "
+                                  "DeepSpeed's zero_to_fp32.py into a state dict and load that with --pretrain") from None
         raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc} (a truncated or partly copied "
                               "checkpoint? copy the tag directory again)") from exc
     if not isinstance(state, dict):
