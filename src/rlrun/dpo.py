@@ -23,7 +23,7 @@ CLI = CliSpec(prog="python -m rlrun.dpo", description="DPO training (OpenRLHF tr
 def _build(cfg: DPOConfig, ctx: BuildContext) -> DPOTask:
     model, optimizer, strategy = trainable(load_causal_lm(cfg.model, cfg.train.seed), cfg.model, cfg.train,
                                            ctx.group, ctx.device)
-    reference = dpo_reference(cfg, ctx.group, ctx.device)
+    reference = dpo_reference(cfg, ctx.group, ctx.device, ctx.rank)
     loss = cfg.loss
     return DPOTask(model, optimizer, strategy, reference, ctx.device, ctx.pad_id, cfg.train.packing_samples,
                    DPOSettings(loss.beta, loss.label_smoothing, loss.ipo, loss.nll_loss_coef))

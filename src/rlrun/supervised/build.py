@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,11 +16,14 @@ from rlrun.strategies.base import Strategy
 from rlrun.strategies.choose import make_strategy
 from rlrun.supervised.config import DPOConfig, SupervisedTrainConfig
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
-def trainable(model: nn.Module, source: PretrainedConfig, train: SupervisedTrainConfig, ctx_group: torch.distributed.ProcessGroup,
+
+def trainable(model: nn.Module, source: PretrainedConfig, train: SupervisedTrainConfig, group: "ProcessGroup",
               device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, Strategy]:
     """(wrapped model, its optimizer, the strategy that steps it)."""
-    strategy = make_strategy(ctx_group, device, source, train)
+    strategy = make_strategy(group, device, source, train)
     wrapped, optimizer = strategy.wrap_trainable(
         model, lambda m: make_optimizer(m, train.learning_rate, train.adam_betas, train.l2))
     return wrapped, optimizer, strategy
@@ -33,12 +37,12 @@ def reward_model(source: PretrainedConfig, seed: int) -> ScalarHeadModel:
     return ScalarHeadModel(hf)
 
 
-def dpo_reference(cfg: DPOConfig, group: torch.distributed.ProcessGroup, device: torch.device) -> nn.Module:
+def dpo_reference(cfg: DPOConfig, group: "ProcessGroup", device: torch.device, rank: int) -> nn.Module:
     """The frozen reference: --ref_pretrain, else the initial policy; --ref_offload keeps its parameters in CPU
     memory between forwards (FSDP2's CPU offload, GPU only)."""
     source = dataclasses.replace(cfg.model, pretrain=cfg.loss.ref_pretrain or cfg.model.pretrain)
     offload = cfg.loss.ref_offload
-    log = get_logger(torch.distributed.get_rank())
+    log = get_logger(rank)
     if offload and device.type != "cuda":
         log.info_once("--ref_offload: parameters already live in CPU memory on CPU; nothing to offload")
     if offload and cfg.train.strategy == "deepspeed":

@@ -9,11 +9,12 @@ import os
 import time
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import torch
-import torch.distributed as dist
 
 from rlrun import checkpoint as ckpt
-from rlrun.checkpoint_sync import find_checkpoint, save_checkpoint
+from rlrun.launch.checkpoint_sync import find_checkpoint, save_checkpoint
 from rlrun.config import redacted
 from rlrun.log import get_logger
 from rlrun.roles.update import Updater
@@ -21,16 +22,19 @@ from rlrun.supervised.config import SupervisedConfig
 from rlrun.supervised.task import Task
 from rlrun.train_state import architecture_problem, fingerprint, load_updater_state, strategy_problem, updater_state
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 STATE_FILE = "trainer_state.json"
 
 
 class SupervisedCheckpoints:
-    def __init__(self, cfg: SupervisedConfig, task: Task[Any], updater: Updater, group: dist.ProcessGroup,
-                 comm_device: torch.device, total_steps: int) -> None:
+    def __init__(self, cfg: SupervisedConfig, task: Task[Any], updater: Updater, group: "ProcessGroup",
+                 comm_device: torch.device, total_steps: int, rank: int, world_size: int) -> None:
         self.cfg, self.task, self.updater, self.group, self.comm_device = cfg, task, updater, group, comm_device
         self.total_steps = total_steps
         self.root = cfg.checkpoint.ckpt_path
-        self.rank = dist.get_rank()
+        self.rank, self.world_size = rank, world_size
 
     def should_save(self, steps_done: int) -> bool:
         every = self.cfg.checkpoint.save_steps
@@ -47,7 +51,7 @@ class SupervisedCheckpoints:
         save_checkpoint(self.root, steps_done, group=self.group, device=self.comm_device,
                         timeout_s=self.cfg.runtime.dist_timeout, keep=self.cfg.checkpoint.max_ckpt_num, write=write,
                         meta=lambda: {"step": steps_done, "trainer": self.task.name, "model": fingerprint(self.task.model),
-                                      "world_size": dist.get_world_size(), "strategy": self.cfg.train.strategy,
+                                      "world_size": self.world_size, "strategy": self.cfg.train.strategy,
                                       "config": redacted(self.cfg)})
 
     def _problem(self, meta: dict[str, Any]) -> str | None:

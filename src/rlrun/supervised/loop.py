@@ -10,11 +10,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from rlrun.data import PromptSampler
 from rlrun.faults import PhaseTracker
-from rlrun.launch.transfer import sum_over
 from rlrun.metrics import MetricsSink
 from rlrun.roles.forward import micro_batches
 from rlrun.roles.update import Updater
@@ -31,8 +29,10 @@ class Loop(Generic[S]):
     eval_samples: Sequence[S] | None
     sampler: PromptSampler  # step -> sample indices (the record order of each epoch depends on the seed only)
     total_steps: int
-    group: dist.ProcessGroup
-    comm_device: torch.device
+    # element-wise sum over every rank (rlrun.launch.transfer.sum_over bound to the all-ranks group)
+    sum_over_ranks: Callable[[list[float]], list[float]]
+    rank: int
+    world_size: int
     micro_batch: int
     eval_steps: int
     logging_steps: int
@@ -58,8 +58,7 @@ class Loop(Generic[S]):
     def evaluate(self) -> dict[str, float]:
         """Every rank scores its share of the evaluation set; the sums are exact over the whole set."""
         assert self.eval_samples is not None
-        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        mine = list(self.eval_samples[rank::world])
+        mine = list(self.eval_samples[self.rank::self.world_size])
         self.task.model.eval()
         with torch.no_grad():
             for rows in micro_batches(len(mine), self.micro_batch):
@@ -69,7 +68,7 @@ class Loop(Generic[S]):
 
     def _summed(self, local: dict[str, float]) -> dict[str, float]:
         keys = self.task.tally_keys  # the same on every rank, also one that scored nothing
-        return dict(zip(keys, sum_over([local.get(k, 0.0) for k in keys], self.group, self.comm_device)))
+        return dict(zip(keys, self.sum_over_ranks([local.get(k, 0.0) for k in keys])))
 
     def due_eval(self, steps_done: int) -> bool:
         """Every --eval_steps (-1: at the end of every epoch, as OpenRLHF), and after the last step (the reward

@@ -4,9 +4,10 @@ per failing rank, then os._exit)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Sequence, TypeVar
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -19,6 +20,7 @@ from rlrun.faults import run_phases
 from rlrun.launch.dist import init_distributed, restart_safety_warning, resolve_backend, resolve_device, teardown
 from rlrun.launch.env import DistEnv
 from rlrun.launch.groups import all_ranks_group
+from rlrun.launch.transfer import sum_over
 from rlrun.log import get_logger
 from rlrun.metrics import MetricsSink
 from rlrun.models import load_tokenizer
@@ -32,15 +34,18 @@ from rlrun.supervised.task import Task
 from rlrun.supervised.validation import check_supervised
 from rlrun.trainer import seed_everything
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 S = TypeVar("S")
 
 
 @dataclass(frozen=True)
 class BuildContext:
-    group: torch.distributed.ProcessGroup
+    group: "ProcessGroup"  # every rank: the trained model's data-parallel group
     device: torch.device
+    rank: int
     pad_id: int
-    total_steps: int  # optimizer steps of the whole run (the LR schedule's length)
 
 
 @dataclass(frozen=True)
@@ -121,16 +126,17 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
         phase.phase = "build"
         group = all_ranks_group(cfg.runtime.dist_timeout)
         comm_device = device if backend == "nccl" else torch.device("cpu")
-        task = trainer.build(cfg, BuildContext(group, device, int(tokenizer.pad_token_id), total_steps))
+        task = trainer.build(cfg, BuildContext(group, device, env.rank, int(tokenizer.pad_token_id)))
         updater = Updater(task.model, task.strategy, task.optimizer,
                           warmup_cosine(task.optimizer, total_steps, t.lr_warmup_ratio), t.max_norm,
                           t.micro_train_batch_size, env.rank, env.world_size, max_nonfinite_in_a_row=t.max_skipped_steps,
                           ops=task.strategy.step_ops(task.model))
-        loop = Loop(task, updater, train.samples, evals.samples if evals else None, sampler, total_steps, group,
-                    comm_device, t.micro_train_batch_size, cfg.logging.eval_steps, cfg.logging.logging_steps, phase,
+        loop = Loop(task, updater, train.samples, evals.samples if evals else None, sampler, total_steps,
+                    functools.partial(sum_over, group=group, device=comm_device), env.rank, env.world_size,
+                    t.micro_train_batch_size, cfg.logging.eval_steps, cfg.logging.logging_steps, phase,
                     steps_per_epoch=sampler.steps_per_episode,
                     eval_before_train=cfg.logging.eval_before_train)
-        checkpoints = SupervisedCheckpoints(cfg, task, updater, group, comm_device, total_steps)
+        checkpoints = SupervisedCheckpoints(cfg, task, updater, group, comm_device, total_steps, env.rank, env.world_size)
         if cfg.checkpoint.load_checkpoint:
             with phase("load", -1):
                 loop.step_done = checkpoints.restore()
