@@ -91,10 +91,25 @@ class System:
     name: str
     kind: Literal["trl", "rlrun"]
     nproc: int
+    flags: tuple[str, ...] = ()  # rlrun layout/loop flags on top of the workload's
+    actor_ranks: int = 0  # data-parallel width of the actor; 0 = every rank
+
+    @property
+    def slug(self) -> str:
+        return "_".join(self.name.lower().split())
+
+    @property
+    def data_parallel(self) -> int:
+        return self.actor_ranks or self.nproc
 
 
-SYSTEMS: tuple[System, ...] = (System("TRL", "trl", 1), System("rlrun 1 rank", "rlrun", 1),
-                               System("rlrun 2 ranks", "rlrun", 2))
+# The async row: actor on rank 0, one HF engine on rank 1 generating step N+1 while the actor trains on
+# step N (one step off-policy; rlrun's --async_train). TRL has no such mode without vLLM.
+SYSTEMS: tuple[System, ...] = (
+    System("TRL", "trl", 1), System("rlrun 1 rank", "rlrun", 1), System("rlrun 2 ranks", "rlrun", 2),
+    System("rlrun 2 ranks async", "rlrun", 2,
+           ("--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1", "--async_train"), actor_ranks=1),
+)
 
 
 def model_config(wl: Workload) -> Any:
@@ -149,9 +164,9 @@ def build_workdir(work: Path, wl: Workload) -> WorkFiles:
     return WorkFiles(str(model_dir), str(prompts), str(reward), sum(p.numel() for p in model.parameters()))
 
 
-def rlrun_args(wl: Workload, files: WorkFiles, nproc: int, steps: int, run_dir: Path) -> list[str]:
+def rlrun_args(wl: Workload, files: WorkFiles, system: System, steps: int, run_dir: Path) -> list[str]:
     """rlrun.ppo flags for the workload: GRPO (group_norm), k3 KL loss, one optimizer step per rollout."""
-    batch = wl.rollouts_per_step
+    batch, nproc = wl.rollouts_per_step, system.data_parallel
     return [
         "--pretrain", files.model_dir, "--prompt_data", files.prompts_file, "--input_key", "prompt",
         "--remote_rm_url", files.reward_file, "--advantage_estimator", "group_norm",
@@ -165,7 +180,7 @@ def rlrun_args(wl: Workload, files: WorkFiles, nproc: int, steps: int, run_dir: 
         "--adam_betas", str(wl.adam_betas[0]), str(wl.adam_betas[1]), "--max_norm", str(wl.max_grad_norm), "--l2", "0",
         "--num_episodes", str(max(1, -(-steps * wl.prompts_per_step // wl.num_prompts))), "--max_steps", str(steps),
         "--seed", str(wl.seed), "--device", "cpu", "--save_path", str(run_dir / "model"),
-        "--metrics_file", str(run_dir / "metrics.jsonl"),
+        "--metrics_file", str(run_dir / "metrics.jsonl"), *system.flags,
     ]
 
 
@@ -323,8 +338,13 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def rlrun_steps(metrics_file: Path) -> list[dict[str, float]]:
     """Per step: step, time/step, time/<phase>, response_length, reward (from rlrun's metrics.jsonl)."""
-    keys = ("step", "time/step", *(f"time/{p}" for p in PHASES), "response_length", "reward")
-    return [{k: float(r[k]) for k in keys if k in r} for r in read_jsonl(metrics_file)]
+    keys = ("step", "time/step", *(f"time/{p}" for p in PHASES), "time/engine_generate", "response_length", "reward")
+    rows = [{k: float(r[k]) for k in keys if k in r} for r in read_jsonl(metrics_file)]
+    for row, record in zip(rows, read_jsonl(metrics_file)):
+        if "time/generate" not in row and "time/wait_rollout" in record:
+            # --async_train: the engine generated during the previous step; the step only waited for it
+            row["time/generate"] = float(record["time/wait_rollout"])
+    return rows
 
 
 def trl_steps(steps_file: Path) -> list[dict[str, float]]:
@@ -352,7 +372,7 @@ def summarize(steps: list[dict[str, float]], warmup: int = WARMUP_STEPS) -> dict
     """Medians over the steps after the warm-up ones (all steps when there are no others)."""
     kept = [s for s in steps if s["step"] > warmup] or steps
     out: dict[str, float | int | None] = {"steps_used": len(kept)}
-    for key in ("time/step", *(f"time/{p}" for p in PHASES), "response_length"):
+    for key in ("time/step", *(f"time/{p}" for p in PHASES), "time/engine_generate", "response_length"):
         values = [s[key] for s in kept if key in s]
         out[key] = statistics.median(values) if values else None
     return out
@@ -371,7 +391,7 @@ def run_system(system: System, wl: Workload, files: WorkFiles, steps: int, run_d
         env = child_env({"OMP_NUM_THREADS": str(threads)})
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(system.nproc),
-               "-m", "rlrun.ppo", *rlrun_args(wl, files, system.nproc, steps, run_dir)]
+               "-m", "rlrun.ppo", *rlrun_args(wl, files, system, steps, run_dir)]
         env = child_env({"OMP_NUM_THREADS": str(max(1, threads // system.nproc))})
     measured = run_measured(cmd, env, log, timeout_s)
     per_step = trl_steps(run_dir / "steps.jsonl") if system.kind == "trl" else rlrun_steps(run_dir / "metrics.jsonl")
@@ -396,6 +416,9 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             continue
         per_round = [r["summary"]["time/step"] for r in mine]
         phases = {p: statistics.median([r["summary"][f"time/{p}"] or 0.0 for r in mine]) for p in PHASES}
+        overlapped = [r["summary"].get("time/engine_generate") for r in mine]
+        if all(x is not None for x in overlapped):  # generation off the step's critical path (--async_train)
+            phases["generate_overlapped"] = statistics.median(overlapped)
         out[system.name] = {
             "per_round_s_per_step": per_round, "median_s_per_step": statistics.median(per_round), "phases_s": phases,
             "response_length": statistics.median([r["summary"]["response_length"] or 0.0 for r in mine]),
@@ -409,16 +432,21 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def format_table(summary: dict[str, dict[str, Any]]) -> str:
-    head = (f"{'system':<14} {'s/step per round':<22} {'median':>7} {'generate':>9} {'score':>7} {'train':>7} "
+    head = (f"{'system':<20} {'s/step per round':<22} {'median':>7} {'generate':>9} {'score':>7} {'train':>7} "
             f"{'sync':>6} {'resp len':>8} {'RSS tree MiB':>12} {'RSS proc MiB':>12} {'TRL/this':>8}")
     lines = [head, "-" * len(head)]
     for name, row in summary.items():
         rounds = " ".join(f"{x:.3f}" for x in row["per_round_s_per_step"])
         ph = row["phases_s"]
-        lines.append(f"{name:<14} {rounds:<22} {row['median_s_per_step']:>7.3f} {ph['generate']:>9.3f} "
+        ratio = f"{row['trl_over_this']:>8.2f}" if row["trl_over_this"] is not None else f"{'-':>8}"
+        lines.append(f"{name:<20} {rounds:<22} {row['median_s_per_step']:>7.3f} {ph['generate']:>9.3f} "
                      f"{ph['score']:>7.3f} {ph['train']:>7.3f} {ph['sync']:>6.3f} {row['response_length']:>8.1f} "
-                     f"{row['peak_rss_tree_mib']:>12.0f} {row['peak_rss_proc_mib']:>12.0f} "
-                     f"{row['trl_over_this']:>8.2f}")
+                     f"{row['peak_rss_tree_mib']:>12.0f} {row['peak_rss_proc_mib']:>12.0f} {ratio}")
+    overlapped = {name: row["phases_s"]["generate_overlapped"] for name, row in summary.items()
+                  if "generate_overlapped" in row["phases_s"]}
+    for name, seconds in overlapped.items():
+        lines.append(f"{name}: generate = the wait for the engine; the engine's own generate ({seconds:.3f} s) "
+                     "overlapped the previous step's training")
     return "\n".join(lines)
 
 
@@ -432,7 +460,7 @@ def load_average() -> list[float] | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2, help="round-robin rounds of TRL, rlrun 1 rank, rlrun 2 ranks")
+    parser.add_argument("--rounds", type=int, default=2, help="round-robin rounds of every system")
     parser.add_argument("--steps", type=int, default=12, help=f"steps per run (medians use steps {WARMUP_STEPS + 1}..N)")
     parser.add_argument("--skip-install", action="store_true", help="fail instead of creating the TRL venv")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where vs_trl.json and vs_trl.png go")
@@ -442,7 +470,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2,
                         help="CPU threads per system (2 ranks: threads/2 each, at least 1)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before one run is killed")
+    parser.add_argument("--systems", default=",".join(s.slug for s in SYSTEMS),
+                        help="comma-separated systems to run (default all: %(default)s)")
     args = parser.parse_args(argv)
+    by_slug = {s.slug: s for s in SYSTEMS}
+    unknown = [name for name in args.systems.split(",") if name not in by_slug]
+    if unknown:
+        parser.error(f"--systems: unknown {unknown}; choose from {sorted(by_slug)}")
+    systems = [by_slug[name] for name in args.systems.split(",")]
     if args.rounds < 1 or args.steps < 1 or args.threads < 1:
         parser.error("--rounds, --steps and --threads must be >= 1")
     if args.steps <= WARMUP_STEPS:
@@ -466,13 +501,13 @@ def main(argv: list[str] | None = None) -> int:
         load_before = load
         runs = []
         for round_ in range(args.rounds):
-            for system in SYSTEMS:
-                run_dir = work / f"r{round_}_{system.kind}{system.nproc}"
+            for system in systems:
+                run_dir = work / f"r{round_}_{system.slug}"
                 result = run_system(system, wl, files, args.steps, run_dir, args.threads, venv_python(args.venv),
                                     args.timeout)
                 runs.append({"round": round_, **result})
                 s = result["summary"]
-                print(f"round {round_ + 1}/{args.rounds} {system.name:<14} {s['time/step']:.3f} s/step "
+                print(f"round {round_ + 1}/{args.rounds} {system.name:<20} {s['time/step']:.3f} s/step "
                       f"(median of {s['steps_used']}), wall {result['wall_s']:.1f} s, "
                       f"peak RSS {result['peak_rss_tree_mib']:.0f} MiB", flush=True)
         summary = aggregate(runs)
@@ -492,9 +527,9 @@ def main(argv: list[str] | None = None) -> int:
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_before": load_before,
                         "load_after": load_average()},
             "trl_grpo_config": trl_config(wl, args.steps, Path("<run_dir>")),
-            "rlrun_args": {n: rlrun_args(wl, WorkFiles("<model>", "<prompts>", "<reward>", files.num_params), n,
-                                         args.steps, Path("<run_dir>"))
-                           for n in sorted({s.nproc for s in SYSTEMS if s.kind == "rlrun"})},
+            "rlrun_args": {s.name: rlrun_args(wl, WorkFiles("<model>", "<prompts>", "<reward>", files.num_params), s,
+                                              args.steps, Path("<run_dir>"))
+                           for s in systems if s.kind == "rlrun"},
             "summary": summary,
             "table": table,
             "runs": [{k: v for k, v in r.items() if k != "log"} for r in runs],

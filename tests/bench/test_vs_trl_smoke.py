@@ -79,11 +79,12 @@ def _flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_rlrun_and_trl_get_the_same_job(tmp_path, nproc):
+@pytest.mark.parametrize("system", [s for s in vs_trl.SYSTEMS if s.kind == "rlrun"], ids=lambda s: s.slug)
+def test_rlrun_and_trl_get_the_same_job(tmp_path, system):
     wl = vs_trl.Workload()
     files = vs_trl.WorkFiles("M", "P", "R", 3_086_080)
-    args = vs_trl.rlrun_args(wl, files, nproc, 12, tmp_path)
+    args = vs_trl.rlrun_args(wl, files, system, 12, tmp_path)
+    nproc = system.data_parallel
     trl = vs_trl.trl_config(wl, 12, tmp_path)
     # 8 prompts x 4 samples = 32 completions, one optimizer step over all 32, in both
     assert int(_flag(args, "--rollout_batch_size")) * int(_flag(args, "--n_samples_per_prompt")) == 32
@@ -110,12 +111,25 @@ def test_rlrun_args_parse_with_rlrun_cli(tmp_path):
     from rlrun.cli import parse_args
 
     files = vs_trl.WorkFiles("M", "P", "R", 3_086_080)
-    parsed = parse_args(vs_trl.rlrun_args(vs_trl.Workload(), files, 2, 12, tmp_path))
+    two_ranks = next(s for s in vs_trl.SYSTEMS if s.slug == "rlrun_2_ranks")
+    parsed = parse_args(vs_trl.rlrun_args(vs_trl.Workload(), files, two_ranks, 12, tmp_path))
     assert parsed.ignored == ()  # every flag the benchmark passes acts
     cfg = parsed.config
     assert cfg.train.rollout_batch_size == 8 and cfg.train.micro_train_batch_size == 16
     assert cfg.algo.use_kl_loss and cfg.algo.kl_estimator == "k3" and cfg.algo.init_kl_coef == 0.04
     assert cfg.train.adam_betas == (0.9, 0.95) and cfg.train.lr_warmup_ratio == 0.0
+
+
+def test_async_system_is_the_disaggregated_off_policy_layout(tmp_path):
+    """The async row: one actor rank training the whole batch, one engine rank generating a step ahead."""
+    from rlrun.cli import parse_args
+
+    system = next(s for s in vs_trl.SYSTEMS if s.slug == "rlrun_2_ranks_async")
+    parsed = parse_args(vs_trl.rlrun_args(vs_trl.Workload(), vs_trl.WorkFiles("M", "P", "R", 1), system, 12, tmp_path))
+    assert parsed.ignored == ()
+    cfg = parsed.config
+    assert cfg.train.async_train and cfg.resources.vllm_num_engines == 1 and cfg.resources.actor_num_gpus_per_node == 1
+    assert cfg.train.micro_train_batch_size == 32  # the one actor rank trains on all 32 rollouts
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
