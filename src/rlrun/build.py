@@ -16,9 +16,11 @@ from rlrun.config import Config
 from rlrun.data import PromptSampler, format_prompt, load_prompt_records, tokenize_prompts
 from rlrun.errors import DataError
 from rlrun.is_correction import ISCorrection
+from rlrun.launch.dist import before_teardown, world_size
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import EngineRowExchange, ParamSource, WeightSync
+from rlrun.log import get_logger
 from rlrun.models import load_causal_lm, load_critic, load_reward_model
 from rlrun.roles.actor import Actor, PolicyLossSettings
 from rlrun.roles.critic import Critic
@@ -32,6 +34,7 @@ from rlrun.strategies.base import Strategy
 from rlrun.strategies.choose import make_strategy
 
 if TYPE_CHECKING:
+    from rlrun.engines.in_process import InProcessEngine
     from rlrun.engines.tensor_parallel import TensorParallelEngine
     from rlrun.engines.vllm_engine import VLLMEngine
 
@@ -57,7 +60,7 @@ class RankRoles:
     reward_model: RewardModel | None = None
     reward_fn: RewardFunction | None = None
     agents: EpisodeRunner | None = None  # multi-turn episodes (their rewards replace reward_fn)
-    engine: "HFEngine | VLLMEngine | TensorParallelEngine | None" = None
+    engine: "HFEngine | VLLMEngine | TensorParallelEngine | InProcessEngine | None" = None
     weight_sync: WeightSync | None = None
     strategies: dict[Role, Strategy] = field(default_factory=dict)  # of the roles above that hold a model
 
@@ -157,10 +160,12 @@ def _policy_copies(cfg: Config, count: int) -> Iterator[torch.nn.Module]:
 
 
 def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
-                 sampling: SamplingSettings, device: torch.device) -> "VLLMEngine | TensorParallelEngine":
-    """A vLLM child on this rank (tensor parallel 1), or this rank's part of a tensor-parallel engine whose child
-    runs on the engine's first rank."""
-    from rlrun.engines.tensor_parallel import TensorParallelEngine  # noqa: PLC0415 - optional extra
+                 sampling: SamplingSettings, device: torch.device) -> "VLLMEngine | TensorParallelEngine | InProcessEngine":
+    """vLLM in this rank when the engine ranks are the whole world (engines/hosting.py); otherwise a vLLM child on
+    this rank (tensor parallel 1), or this rank's part of a tensor-parallel engine whose child runs on the engine's
+    first rank."""
+    from rlrun.engines.hosting import choose_host  # noqa: PLC0415 - optional extra
+    from rlrun.engines.tensor_parallel import TensorParallelEngine  # noqa: PLC0415
     from rlrun.engines.vllm_engine import VLLMEngine  # noqa: PLC0415
 
     g, rank = cfg.generation, groups.rank
@@ -170,12 +175,27 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.M
     engine_group = groups.get(f"engine.{index}")
     assert engine_group is not None
     exchange = EngineRowExchange(engine_group, device)
+    max_model_len = g.prompt_max_len + g.generate_max_len
+    if g.vllm_enable_sleep and device.type != "cuda" and rank == layout.ranks_of(Role.ENGINE)[0]:
+        get_logger(rank)._emit("info", "--vllm_enable_sleep: no effect on CPU (vLLM has no sleep mode there); the "
+                                       "engines stay awake")
+    if choose_host(g.vllm_engine_host, layout, tp) == "in_process":
+        from rlrun.engines.in_process import InProcessEngine  # noqa: PLC0415
+
+        engine = InProcessEngine(policy, tokenizer, sampling, device, layout=layout, world_size=world_size(), rank=rank,
+                                 exchange=exchange, seed=cfg.train.seed, max_model_len=max_model_len,
+                                 tensor_parallel_size=tp, enforce_eager=g.enforce_eager,
+                                 gpu_memory_utilization=g.vllm_gpu_memory_utilization, enable_sleep=g.vllm_enable_sleep,
+                                 kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes)
+        before_teardown(engine.close)  # vLLM's groups go before the default group
+        return engine
     leader = None
     if exchange.is_leader:
         leader = VLLMEngine(policy, tokenizer, sampling, device, seed=cfg.train.seed,
-                            max_model_len=g.prompt_max_len + g.generate_max_len, timeout_s=cfg.runtime.dist_timeout,
+                            max_model_len=max_model_len, timeout_s=cfg.runtime.dist_timeout,
                             enforce_eager=g.enforce_eager, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-                            rank=rank, tensor_parallel_size=tp)
+                            rank=rank, tensor_parallel_size=tp, enable_sleep=g.vllm_enable_sleep,
+                            kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes)
     if tp == 1:
         assert leader is not None
         return leader

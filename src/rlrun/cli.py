@@ -75,12 +75,15 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
 # Config fields that parse and are kept (so configs stay valid) but act on nothing in this release.
 NO_EFFECT_YET: dict[str, str] = {
     "vllm_gpu_memory_utilization": "only --generation_backend vllm uses it",
-    "vllm_enable_sleep": "rlrun's vLLM engine does not sleep yet (vLLM has no sleep mode on CPU)",
+    "vllm_enable_sleep": "only --generation_backend vllm uses it (and only on GPU: vLLM has no sleep mode on CPU)",
     "enforce_eager": "only --generation_backend vllm uses it",
+    "vllm_engine_host": "only --generation_backend vllm uses it",
+    "vllm_kv_cache_memory_bytes": "only --generation_backend vllm uses it (on GPU)",
 }
 
 # NO_EFFECT_YET entries that do act when --generation_backend vllm is chosen.
-VLLM_BACKEND_FIELDS = frozenset({"vllm_gpu_memory_utilization", "enforce_eager"})
+VLLM_BACKEND_FIELDS = frozenset({"vllm_gpu_memory_utilization", "enforce_eager", "vllm_enable_sleep", "vllm_engine_host",
+                                 "vllm_kv_cache_memory_bytes"})
 
 
 @dataclass(frozen=True)

@@ -86,10 +86,19 @@ class GenerationConfig:
     prompt_max_len: int = opt(1024, "Max prompt tokens.")
     prompt_overflow: Literal["truncate", "drop"] = opt("truncate", "Prompts longer than --prompt_max_len: keep the last tokens, or drop the record (counted in the log either way).")
     generate_max_len: int = opt(1024, "Max new tokens per response.")
-    vllm_gpu_memory_utilization: float = opt(0.95, "vLLM gpu_memory_utilization.")
-    vllm_enable_sleep: bool = opt(False, "Put vLLM to sleep during training (colocated mode).")
+    vllm_gpu_memory_utilization: float = opt(0.95, "vLLM gpu_memory_utilization (GPU: the fraction of the whole GPU one engine "
+                                             "rank may use; lower it when the actor shares the GPU, e.g. 0.3-0.5).")
+    vllm_kv_cache_memory_bytes: int | None = opt(None, "GPU: the KV cache size of each vLLM engine rank in bytes, instead of "
+                                                 "sizing it from --vllm_gpu_memory_utilization (more robust when trainer "
+                                                 "models share the GPU). CPU: no effect (VLLM_CPU_KVCACHE_SPACE sizes it).")
+    vllm_enable_sleep: bool = opt(False, "GPU: vLLM sleeps (level 1: weights to host memory, KV cache freed) after each "
+                                  "generate call and wakes for the next weight push; CPU: no effect (vLLM has no sleep mode there).")
     vllm_sync_backend: Literal["nccl", "gloo"] = opt("nccl", "Backend of the actor->engine weight-sync group on GPU.")
-    enforce_eager: bool = opt(False, "Disable CUDA graphs in vLLM.")
+    enforce_eager: bool = opt(False, "Disable CUDA graphs in vLLM (always eager on CPU).")
+    vllm_engine_host: Literal["auto", "child", "in_process"] = opt(
+        "auto", "Where each vLLM engine runs. in_process: inside the rank (vLLM's external_launcher), only when the "
+        "engine ranks are the whole world (colocate all, or 1 rank); child: a spawned child process per engine "
+        "(any layout); auto: in_process when the layout allows it, else child.")
     weight_sync_bucket_mb: int = opt(256, "Size of each actor->engine weight-sync bucket (MiB).")
 
 

@@ -9,7 +9,6 @@ collective timeout, print a one-line note, and leave the same way; torchrun or s
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
@@ -17,7 +16,8 @@ from rlrun.build import build_eval_prompts, build_prompts, build_reward_sources,
 from rlrun.compat.openrlhf_init import init_from_openrlhf
 from rlrun.compat.openrlhf_init import plan_init as plan_openrlhf_init
 from rlrun.config import Config
-from rlrun.errors import RlrunError
+from rlrun.engines.hosting import choose_host
+from rlrun.engines.hosting import describe as describe_host
 from rlrun.evaluation import Evaluator
 from rlrun.failures import check_writable, fail_and_exit
 from rlrun.faults import run_phases
@@ -27,7 +27,7 @@ from rlrun.launch.groups import build_groups
 from rlrun.launch.labels import gather_node_labels
 from rlrun.launch.layout import Layout, Role, format_layout_table
 from rlrun.launch.planning import asks_node_labels, plan
-from rlrun.log import get_logger, let_rank0_report
+from rlrun.log import get_logger
 from rlrun.metrics import MetricsSink
 from rlrun.models import load_tokenizer
 from rlrun.resume import Checkpointer
@@ -45,8 +45,9 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
     try:
         device = resolve_device(cfg.runtime.device, env.local_rank)
         backend = resolve_backend(cfg.runtime.dist_backend, device)
-        generation, why = resolve_generation_backend(cfg.generation.generation_backend, device.type == "cuda",
-                                                     cfg.resources.vllm_tensor_parallel_size)
+        tp = cfg.resources.vllm_tensor_parallel_size
+        hosting = describe_host(choose_host(cfg.generation.vllm_engine_host, layout, tp), tp)
+        generation, why = resolve_generation_backend(cfg.generation.generation_backend, device.type == "cuda", hosting)
         # Everything that reads local files happens before the first collective, so a bad path fails
         # every rank the same way instead of leaving some waiting.
         tokenizer = load_tokenizer(cfg.model)

@@ -47,6 +47,8 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"--top_p must be in (0, 1], got {g.top_p}")
     if not 0 < g.vllm_gpu_memory_utilization <= 1:
         raise ConfigError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {g.vllm_gpu_memory_utilization}")
+    if g.vllm_kv_cache_memory_bytes is not None and g.vllm_kv_cache_memory_bytes <= 0:
+        raise ConfigError(f"--vllm_kv_cache_memory_bytes must be > 0 bytes, got {g.vllm_kv_cache_memory_bytes}")
     _positive("eps_clip", a.eps_clip)
     if a.dual_clip is not None and a.dual_clip <= 1:
         raise ConfigError(f"--dual_clip must be > 1, got {a.dual_clip}")

@@ -40,10 +40,12 @@ def test_missing_vllm_is_a_missing_extra(monkeypatch):
 
 def test_vllm_backend_layouts(monkeypatch):
     monkeypatch.setattr(vllm_adapter, "installed_version", lambda: "0.32.0")
-    backend, why = resolve_backend("vllm", cuda=False, tensor_parallel_size=1)
+    from rlrun.engines.hosting import describe
+
+    backend, why = resolve_backend("vllm", cuda=False)
     assert backend == "vllm" and "child process" in why and "sleep" in why
-    backend, why = resolve_backend("vllm", cuda=False, tensor_parallel_size=2)
-    assert backend == "vllm" and "one child process per engine on its first rank, tensor parallel 2" in why
+    backend, why = resolve_backend("vllm", cuda=False, hosting=describe("in_process", 2))
+    assert backend == "vllm" and "in-process vLLM on every rank (external_launcher, tensor parallel 2)" in why
     assert resolve_backend("auto", cuda=False) == ("hf", "auto: no GPU (vLLM on CPU is slower than HF generate)")
 
 

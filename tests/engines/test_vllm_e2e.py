@@ -78,8 +78,9 @@ def test_tensor_parallel_engine_trains(tmp_path):
 
 
 def test_colocated_engines_train(tmp_path):
-    # engine ranks == actor ranks: each rank owns a child engine, weights copied in place by WeightSync
-    code, out, metrics = run(DEMO + ["--max_steps", "3"], tmp_path)
+    # engine ranks == actor ranks: each rank owns a child engine, weights copied in place by WeightSync (this layout
+    # gets the in-process host by default: test_vllm_in_process.py)
+    code, out, metrics = run(DEMO + ["--max_steps", "3", "--vllm_engine_host", "child"], tmp_path)
     _check_trained(code, out, metrics, 3)
 
 

@@ -32,9 +32,26 @@ def hf_greedy(model, prompts: list[list[int]], max_new: int, eos: int) -> list[l
     return out
 
 
+def tokens_per_s_vs_hf(engine, model, prompts: list[list[int]]) -> dict[str, float]:
+    """Generated tokens/s of `engine` and of HF generate on `model`, 32 new tokens per prompt, each timed on its
+    second call (the first warms up)."""
+    from rlrun.roles.engine import HFEngine, SamplingSettings
+    from rlrun.tiny import EOS_ID, PAD_ID
+
+    settings = SamplingSettings(1.0, 1.0, 32, PAD_ID, EOS_ID)
+    engine.sampling = settings
+    out = {}
+    for name, e in (("vllm", engine), ("hf", HFEngine(model, settings, torch.device("cpu")))):
+        e.sample(prompts, seed=1)
+        t0 = time.perf_counter()
+        rows = e.sample(prompts, seed=2).responses
+        out[f"{name}_tokens_per_s"] = sum(map(len, rows)) / (time.perf_counter() - t0)
+    return out
+
+
 def main() -> None:
     from rlrun.engines.vllm_engine import VLLMEngine
-    from rlrun.roles.engine import HFEngine, SamplingSettings
+    from rlrun.roles.engine import SamplingSettings
     from rlrun.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
 
     torch.set_num_threads(1)
@@ -89,19 +106,7 @@ def main() -> None:
         "lengths_match": all(len(r) == len(l) for r, l in zip(cut.responses, cut.log_probs)),
     }
     # Throughput on the same model: vLLM child vs HF generate, 32 prompts x 32 new tokens, EOS ignored by neither.
-    many = [list(f"Say {i} letters:".encode()) for i in range(32)]
-    engine.sampling = SamplingSettings(1.0, 1.0, 32, PAD_ID, EOS_ID)
-    engine.sample(many, seed=1)
-    t0 = time.perf_counter()
-    v = engine.sample(many, seed=2)
-    v_s = time.perf_counter() - t0
-    hf = HFEngine(model, SamplingSettings(1.0, 1.0, 32, PAD_ID, EOS_ID), torch.device("cpu"))
-    hf.sample(many, seed=1)
-    t0 = time.perf_counter()
-    h = hf.sample(many, seed=2)
-    h_s = time.perf_counter() - t0
-    report["vllm_tokens_per_s"] = sum(map(len, v.responses)) / v_s
-    report["hf_tokens_per_s"] = sum(map(len, h.responses)) / h_s
+    report.update(tokens_per_s_vs_hf(engine, model, [list(f"Say {i} letters:".encode()) for i in range(32)]))
     engine.close()
     report["child_exitcode"] = engine.child.proc.exitcode
     print("RESULT " + json.dumps(report), flush=True)

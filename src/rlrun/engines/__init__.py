@@ -1,5 +1,7 @@
-"""Generation engines beyond HF `generate`: vLLM in a child process (see vllm_engine.py).
+"""Generation engines beyond HF `generate`: vLLM inside the rank or in a child process.
 
-Every vLLM import and call lives in vllm_adapter.py; vllm_child.py hosts the adapter in a spawned
-process; vllm_engine.py is the engine surface the trainer sees.
+Every vLLM import and call lives in vllm_adapter.py. hosting.py chooses the host from the layout: in_process.py
+(vLLM's external_launcher, only when the engine ranks are the whole world) or vllm_engine.py (a spawned child
+per engine, vllm_child.py; tensor parallel > 1 through tensor_parallel.py). Both are the engine surface the
+trainer sees.
 """

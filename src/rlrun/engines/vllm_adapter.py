@@ -62,10 +62,15 @@ class EngineSpec:
     device: str  # "cpu" | "cuda"
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # GPU: overrides sizing the KV cache from gpu_memory_utilization
     cpu_kv_cache_gib: int = 1
     cuda_visible_devices: str | None = None  # the GPUs the child may see (device "cuda"): one per TP worker
     tensor_parallel_size: int = 1  # > 1: vLLM's own "mp" workers in the child, weights through weights_dir
-    weights_dir: str | None = None  # tensor parallel > 1: where pushed weights are written for the workers to read
+    weights_dir: str | None = None  # child host, tensor parallel > 1: where pushed weights are written for the workers
+    # In-process host: vLLM's external_launcher, one worker in this rank, its groups built over the whole
+    # torch.distributed world (which the caller has checked is exactly the engine ranks, see engines/hosting.py).
+    external_launcher: bool = False
+    enable_sleep: bool = False  # --vllm_enable_sleep; acts on GPU only (vLLM rejects sleep mode on CPU)
 
 
 @dataclass(frozen=True)
@@ -81,8 +86,8 @@ class Sampling:
 
 def set_process_env(spec: EngineSpec) -> None:
     """Environment vLLM reads at import/build time; call before the first `import vllm`."""
-    if spec.tensor_parallel_size == 1:
-        # One process, one worker: no engine-core subprocess (and external_launcher-style env is absent).
+    if spec.tensor_parallel_size == 1 or spec.external_launcher:
+        # One worker in this process, no engine-core subprocess (external_launcher asserts it).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if spec.cuda_visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
@@ -92,19 +97,32 @@ def set_process_env(spec: EngineSpec) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
+def sleeps(spec: EngineSpec) -> bool:
+    """Whether the engine really sleeps: --vllm_enable_sleep on a GPU (on CPU vLLM has no sleep mode)."""
+    return spec.enable_sleep and spec.device == "cuda"
+
+
 class VLLMAdapter:
-    """One vLLM `LLM` with rlrun's four operations: tensor parallel 1 in this process, or tensor parallel T with
-    vLLM's multiprocessing executor (T worker processes of this process)."""
+    """One vLLM `LLM` with rlrun's operations: tensor parallel 1 in this process, tensor parallel T with vLLM's
+    multiprocessing executor (T worker processes of this process), or (external_launcher) this rank's worker of
+    a tensor-parallel group made of torch.distributed ranks."""
 
     def __init__(self, spec: EngineSpec) -> None:
         set_process_env(spec)
         from vllm import LLM  # noqa: PLC0415 - the expensive import happens only here
 
         self.spec = spec
+        self.asleep = False
         kwargs: dict[str, object] = {}
         if spec.device == "cuda":
             kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
-        if spec.tensor_parallel_size > 1:
+            if spec.kv_cache_memory_bytes is not None:
+                kwargs["kv_cache_memory_bytes"] = spec.kv_cache_memory_bytes
+        if sleeps(spec):
+            kwargs["enable_sleep_mode"] = True
+        if spec.external_launcher:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        elif spec.tensor_parallel_size > 1:
             assert spec.weights_dir is not None, "tensor parallel > 1 reads pushed weights from weights_dir"
             kwargs["distributed_executor_backend"] = "mp"
         self.llm = LLM(
@@ -119,10 +137,10 @@ class VLLMAdapter:
             # CPU has no CUDA graphs; compiling costs more than it saves on small models.
             enforce_eager=spec.enforce_eager or spec.device == "cpu",
             tensor_parallel_size=spec.tensor_parallel_size,
-            # Tensor parallel 1: random weights at start, rlrun pushes the real ones before the first generate
-            # (reload_weights). Tensor parallel > 1 reloads from weights_dir, which needs a file-reading format; its
-            # model_dir is weights_dir, holding the initial weights.
-            load_format="dummy" if spec.tensor_parallel_size == 1 else "safetensors",
+            # Worker in this process (tensor parallel 1, external_launcher): random weights at start, rlrun pushes the
+            # real ones before the first generate (reload_weights). The child's tensor parallel > 1 reloads from
+            # weights_dir, which needs a file-reading format; its model_dir is weights_dir, holding the initial weights.
+            load_format="dummy" if self.reloads_from_memory else "safetensors",
             **kwargs,
         )
 
@@ -131,6 +149,8 @@ class VLLMAdapter:
         """Prompt ids [b][p_i] -> (response ids [b][r_i], sampled-token logprobs [b][r_i]); EOS kept.
 
         Each request carries its own seed, so a row's sample does not depend on the batch around it."""
+        if self.asleep:
+            self.wake(("weights", "kv_cache"))
         from vllm import SamplingParams  # noqa: PLC0415
         from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
@@ -156,13 +176,24 @@ class VLLMAdapter:
         Tensor parallel > 1: the workers are other processes, and tensors do not cross vLLM's RPC (measured:
         `'list' object has no attribute 'dtype'`), so the weights are written once as safetensors into
         weights_dir (a /dev/shm directory: memory, not disk) and every worker reads and shards them."""
-        if self.spec.tensor_parallel_size == 1:
+        asleep = self.asleep
+        if asleep:  # weights first: the push writes into them; the KV cache only after, when the push's memory is free
+            self.wake(("weights",))
+        if self.reloads_from_memory:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named)})
         else:
             assert self.spec.weights_dir is not None
             write_weights(named, self.spec.weights_dir)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.spec.weights_dir})
         self.llm.reset_prefix_cache()
+        if asleep:
+            self.wake(("kv_cache",))
+
+    @property
+    def reloads_from_memory(self) -> bool:
+        """Whether pushed tensors reach the worker by reference: its worker lives in this process (tensor parallel 1,
+        or external_launcher), so the engine also starts from dummy weights."""
+        return self.spec.tensor_parallel_size == 1 or self.spec.external_launcher
 
     def close(self) -> None:
         """Shut vLLM's helper processes down (tensor parallel > 1: the engine core and its workers)."""
@@ -171,15 +202,51 @@ class VLLMAdapter:
             core.shutdown()
 
     def sleep(self) -> None:
-        if self.spec.device == "cpu":
-            return  # vLLM has no sleep mode on CPU (LLM(enable_sleep_mode=True) is rejected there)
-        raise NotImplementedError("vLLM sleep on GPU is not wired in rlrun yet")
+        """Level 1 (weights to host memory, KV cache discarded) until the next push or generate; a no-op unless
+        sleeps(spec). Level 1, not 2: level 2 drops the weights, and rlrun's lazy wake keeps them for a generate
+        that comes before the next push (evaluation)."""
+        if sleeps(self.spec) and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
 
-    def wake(self) -> None:
-        if self.spec.device == "cpu":
+    def wake(self, tags: tuple[str, ...]) -> None:
+        """vLLM's wake_up for `tags` ("weights", "kv_cache"); awake again once the KV cache is back."""
+        if not self.asleep:
             return
-        raise NotImplementedError("vLLM wake on GPU is not wired in rlrun yet")
+        self.llm.wake_up(tags=list(tags))
+        if "kv_cache" in tags:
+            self.asleep = False
 
+    def close_in_process(self) -> None:
+        """external_launcher: shut the engine down and drop vLLM's groups, KEEPING the default group (the trainer's).
+
+        Not EngineCore.shutdown(), which vLLM's in-process client also registers as a finalizer: it ends with
+        cleanup_dist_env_and_memory(), which destroys the default process group (measured: the trainer's next
+        collective failed), and at interpreter exit, after rlrun destroyed that group, it raises "Invalid process
+        group specified". So: detach that finalizer, shut the executor and scheduler down, destroy vLLM's
+        tensor-parallel groups and its world group (sub-groups of the default group), leave the default group."""
+        import gc  # noqa: PLC0415
+
+        from vllm.distributed import parallel_state  # noqa: PLC0415
+
+        client = self.llm.llm_engine.engine_core
+        finalizer = getattr(client, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        core = getattr(client, "engine_core", None)
+        if core is not None:
+            if core.model_executor:
+                core.model_executor.shutdown()
+            if core.scheduler:
+                core.scheduler.shutdown()
+        del self.llm, client, core
+        gc.unfreeze()
+        gc.collect()
+        parallel_state.destroy_model_parallel()
+        if parallel_state._WORLD is not None:
+            parallel_state._WORLD.destroy()
+            parallel_state._WORLD = None
+            parallel_state._NODE_COUNT = None
 
 
 def write_weights(named: Iterable[tuple[str, torch.Tensor]], directory: str) -> None:

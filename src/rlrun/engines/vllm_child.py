@@ -5,7 +5,8 @@ world and hangs when only some ranks build an engine. A child has its own privat
 torchrun variables are removed from its environment), so any rank can own one.
 
 Protocol (parent -> child, one reply each): ("start", EngineSpec) -> ready; ("weights", tensors|None)
--> ack; ("generate", prompts, seeds, Sampling) -> (tokens, logprobs); ("stop",) -> bye. Replies are
+-> ack; ("generate", prompts, seeds, Sampling) -> (tokens, logprobs); ("sleep",) -> ack (GPU
+--vllm_enable_sleep); ("stop",) -> bye. Replies are
 ("ok", payload) or ("error", "Type: message"). Weights travel as shared-memory tensors (sent once;
 later syncs send None and the child re-reads the same memory), so the parent must not write them
 between sending "weights" and the ack.
@@ -24,6 +25,7 @@ import sys
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch
@@ -108,6 +110,10 @@ def child_main(conn: Connection, parent_pid: int, log_path: str) -> None:
             elif kind == "generate":
                 assert adapter is not None
                 conn.send(("ok", adapter.generate(msg[1], msg[2], msg[3])))
+            elif kind == "sleep":  # until the next weights or generate request, which wake it
+                assert adapter is not None
+                adapter.sleep()
+                conn.send(("ok", None))
             elif kind == "stop":
                 if adapter is not None:
                     adapter.close()
@@ -147,8 +153,10 @@ def _tail(path: str, lines: int = 3) -> str:
 class EngineChild:
     """Parent-side handle of one vLLM child. start() returns at once; requests block until the reply."""
 
-    def __init__(self, spec: EngineSpec, log_path: str, timeout_s: float) -> None:
+    def __init__(self, spec: EngineSpec, log_path: str, timeout_s: float,
+                 on_ready: Callable[[float], None] | None = None) -> None:
         self.spec, self.log_path, self.timeout_s = spec, log_path, timeout_s
+        self.on_ready = on_ready  # called once with the spawn -> ready seconds
         self.ready = False
         self.start_s: float | None = None  # spawn -> ready
         ctx = tmp.get_context("spawn")
@@ -170,6 +178,8 @@ class EngineChild:
         self._reply("starting vLLM")
         self.ready = True
         self.start_s = time.perf_counter() - self._t_spawn
+        if self.on_ready is not None:
+            self.on_ready(self.start_s)
 
     def request(self, doing: str, *msg: object) -> object:
         self.wait_ready()

@@ -22,7 +22,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.agents.stops import cut_at_stop
-from rlrun.engines.vllm_adapter import EngineSpec, Sampling, check_version, write_weights
+from rlrun.engines.vllm_adapter import EngineSpec, Sampling, check_version, sleeps, write_weights
 from rlrun.engines.vllm_child import EngineChild
 from rlrun.log import get_logger
 from rlrun.roles.engine import Generation, SamplingSettings
@@ -55,7 +55,58 @@ def request_seeds(seed: int, count: int) -> list[int]:
     return [rng.getrandbits(31) for _ in range(count)]
 
 
-class VLLMEngine:
+class VLLMEngineBase:
+    """What both vLLM hosts share: the HF copy of the policy that WeightSync writes into, the config-and-tokenizer
+    directory vLLM starts from, per-row seeds from one seed, and the stop-string cut. Hosts implement
+    sample_seeded(), load_weights() and close()."""
+
+    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
+                 device: torch.device, rank: int) -> None:
+        check_version()
+        self.model = model.eval()
+        self.model.requires_grad_(False)
+        self.sampling = sampling
+        self.device = device
+        self.tokenizer = tokenizer
+        self.last_sync_s = 0.0
+        self.workdir = tempfile.mkdtemp(prefix=f"rlrun_vllm_r{rank}_")
+        self.model_dir = os.path.join(self.workdir, "model")
+        write_model_dir(model, tokenizer, self.model_dir)
+
+    @property
+    def dtype_name(self) -> str:
+        return _DTYPES[next(self.model.parameters()).dtype]
+
+    def sampling_for(self, stop: tuple[str, ...], max_new_tokens: int | None) -> Sampling:
+        s = self.sampling
+        return Sampling(temperature=s.temperature, top_p=s.top_p, eos_id=s.eos_id, stop=stop,
+                        max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens)
+
+    def finish(self, tokens: list[list[int]], logprobs: list[list[float]], stop: tuple[str, ...]) -> Generation:
+        if stop:  # vLLM stops at the token completing a stop string too; this only makes the rule explicit
+            tokens = [cut_at_stop(t, stop, self.tokenizer) for t in tokens]
+            logprobs = [lp[:len(t)] for lp, t in zip(logprobs, tokens)]
+        return Generation(tokens, logprobs)
+
+    def sample_seeded(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int | None = None,
+                      stop: tuple[str, ...] = ()) -> Generation:
+        raise NotImplementedError
+
+    def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
+               stop: tuple[str, ...] = ()) -> Generation:
+        return self.sample_seeded(prompts, request_seeds(seed, len(prompts)), max_new_tokens=max_new_tokens, stop=stop)
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        return self.sample(prompts, seed).responses
+
+    def sleep(self) -> None:
+        """No-op: with --vllm_enable_sleep on GPU the engine sleeps after every generate call by itself."""
+
+    def wake(self) -> None:
+        """No-op: the engine wakes by itself for the next weight push or generate call."""
+
+
+class VLLMEngine(VLLMEngineBase):
     """Sampling with vLLM in a child process. generate()/sample() as HFEngine; load_weights() pushes
     the current `model` parameters to the child: the trainer calls it once after every weight sync, so
     generation and evaluation calls in between reuse the weights the child already holds."""
@@ -63,16 +114,10 @@ class VLLMEngine:
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
                  device: torch.device, *, seed: int, max_model_len: int, timeout_s: float,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, rank: int = 0,
-                 tensor_parallel_size: int = 1) -> None:
-        check_version()
-        self.model = model.eval()
-        self.model.requires_grad_(False)
-        self.sampling = sampling
-        self.device = device
-        self.tokenizer = tokenizer
-        self.workdir = tempfile.mkdtemp(prefix=f"rlrun_vllm_r{rank}_")
-        model_dir = os.path.join(self.workdir, "model")
-        write_model_dir(model, tokenizer, model_dir)
+                 tensor_parallel_size: int = 1, enable_sleep: bool = False,
+                 kv_cache_memory_bytes: int | None = None) -> None:
+        super().__init__(model, tokenizer, sampling, device, rank)
+        model_dir = self.model_dir
         self.weights_dir = None
         if tensor_parallel_size > 1:
             # Pushed weights go through a file the workers read (/dev/shm: memory, not disk); the engine starts
@@ -81,18 +126,23 @@ class VLLMEngine:
             self.weights_dir = model_dir = tempfile.mkdtemp(prefix=f"rlrun_vllm_w{rank}_", dir=shm)
             write_model_dir(model, tokenizer, model_dir)
             write_weights(self.model.named_parameters(), model_dir)
-        spec = EngineSpec(model_dir=model_dir, dtype=_DTYPES[next(model.parameters()).dtype], seed=seed,
+        spec = EngineSpec(model_dir=model_dir, dtype=self.dtype_name, seed=seed,
                           max_model_len=max_model_len, device=device.type, enforce_eager=enforce_eager,
                           gpu_memory_utilization=gpu_memory_utilization,
                           cuda_visible_devices=_visible_gpus(device, tensor_parallel_size),
-                          tensor_parallel_size=tensor_parallel_size, weights_dir=self.weights_dir)
-        self.child = EngineChild(spec, os.path.join(self.workdir, "engine.log"), timeout_s)
+                          tensor_parallel_size=tensor_parallel_size, weights_dir=self.weights_dir,
+                          enable_sleep=enable_sleep, kv_cache_memory_bytes=kv_cache_memory_bytes)
+        self.sleeps = sleeps(spec)
+        log = get_logger(rank)
+        self.child = EngineChild(
+            spec, os.path.join(self.workdir, "engine.log"), timeout_s,
+            on_ready=lambda s: log._emit("info", f"rank {rank}: vLLM engine child ready in {s:.1f} s (spawn -> ready, "
+                                                 "overlapped with the rest of start-up)"))
         atexit.register(self.close)
         # The tensors last sent to the child, kept alive so that new buffers can never reuse their addresses.
         self._sent: list[torch.Tensor] = []
         self._staging: list[torch.Tensor] | None = None  # host copies when the model lives on a GPU
-        self.last_sync_s = 0.0
-        get_logger(rank)._emit("info", f"rank {rank}: vLLM engine child started (pid {self.child.pid}, tensor parallel "
+        log._emit("info", f"rank {rank}: vLLM engine child started (pid {self.child.pid}, tensor parallel "
                                         f"{tensor_parallel_size}, log {self.child.log_path})")
 
     # ---- weights ------------------------------------------------------------------------------
@@ -125,37 +175,20 @@ class VLLMEngine:
 
     # ---- generation ---------------------------------------------------------------------------
 
-    def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
-               stop: tuple[str, ...] = ()) -> Generation:
-        return self.sample_seeded(prompts, request_seeds(seed, len(prompts)), max_new_tokens=max_new_tokens, stop=stop)
-
     def sample_seeded(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int | None = None,
                       stop: tuple[str, ...] = ()) -> Generation:
         """sample() with one given seed per row (the rows of several ranks sampled in one call)."""
-        s = self.sampling
         tokens, logprobs = self.child.request(  # type: ignore[misc]
-            "generating", "generate", prompts, seeds,
-            Sampling(temperature=s.temperature, top_p=s.top_p, eos_id=s.eos_id, stop=stop,
-                     max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens))
-        if stop:  # vLLM stops at the token completing a stop string too; this only makes the rule explicit
-            tokens = [cut_at_stop(t, stop, self.tokenizer) for t in tokens]
-            logprobs = [lp[:len(t)] for lp, t in zip(logprobs, tokens)]
-        return Generation(tokens, logprobs)
-
-    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
-        return self.sample(prompts, seed).responses
+            "generating", "generate", prompts, seeds, self.sampling_for(stop, max_new_tokens))
+        if self.sleeps:  # GPU --vllm_enable_sleep: asleep through scoring and training; the next push wakes it
+            self.child.request("sleeping", "sleep")
+        return self.finish(tokens, logprobs, stop)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
     @property
     def start_s(self) -> float | None:
         return self.child.start_s
-
-    def sleep(self) -> None:
-        """No-op: vLLM has no sleep mode on CPU; on GPU sleep is not wired yet (said once at start)."""
-
-    def wake(self) -> None:
-        """No-op, see sleep()."""
 
     def close(self) -> None:
         self.child.stop()

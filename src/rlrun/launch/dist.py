@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -64,8 +65,25 @@ def restart_safety_warning(env: DistEnv) -> str | None:
     return None
 
 
+# Run by teardown() before the default group goes: users of the default group that must let go first (the
+# in-process vLLM engine's tensor-parallel groups).
+_BEFORE_TEARDOWN: list[Callable[[], None]] = []
+
+
+def before_teardown(fn: Callable[[], None]) -> None:
+    _BEFORE_TEARDOWN.append(fn)
+
+
+def world_size() -> int:
+    """The default group's size (1 without torch.distributed)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def teardown() -> None:
-    """Destroy the default group (idempotent). Called on every exit path of a normal run."""
+    """Run the before_teardown callbacks (last registered first), then destroy the default group (idempotent).
+    Called on every exit path of a normal run."""
+    while _BEFORE_TEARDOWN:
+        _BEFORE_TEARDOWN.pop()()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from rlrun.algorithms import gamma_override_warning
 from rlrun.config import Config
+from rlrun.engines.hosting import choose_host
 from rlrun.errors import ConfigError
 from rlrun.launch.layout import Layout, LayoutRequest, Role, RoleRequest, plan_layout
 from rlrun.strategies.checks import check_strategy
@@ -58,6 +59,8 @@ def plan(cfg: Config, world_size: int, ranks_per_node: int, node_labels: Sequenc
     sizes["engine"] = len(layout.ranks_of(Role.ENGINE))
     check_batches(cfg, sizes)
     check_strategy(cfg, layout)
+    if cfg.generation.generation_backend == "vllm":  # in_process on a layout that would hang: refused here
+        choose_host(cfg.generation.vllm_engine_host, layout, cfg.resources.vllm_tensor_parallel_size)
     gamma = gamma_override_warning(cfg.algo.advantage_estimator, cfg.algo.gamma)
     algo_warnings = [gamma] if gamma is not None else []
     if cfg.train.async_queue_size != 1:

@@ -92,6 +92,12 @@ class EngineRowExchange:
                  for i, src in enumerate(self.ranks)]
         return parts if self.is_leader else None
 
+    def to_all(self, mine: object) -> list[object]:
+        """Every rank's `mine`, in rank order, on every rank of the engine (the in-process host: each tensor-parallel
+        peer submits the same requests). Collective over the engine."""
+        return [broadcast_json(mine if i == self.index else None, src, self.group, self.device)
+                for i, src in enumerate(self.ranks)]
+
     def from_leader(self, parts: list[object] | None) -> object:
         """The first rank's parts[i] on the engine's i-th rank. Collective over the engine."""
         every = broadcast_json(parts if self.is_leader else None, self.ranks[0], self.group, self.device)

@@ -57,17 +57,15 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def resolve_backend(requested: str, cuda: bool, tensor_parallel_size: int = 1) -> tuple[str, str]:
-    """(backend, why) for --generation_backend. `vllm` runs one vLLM child process per engine, on the engine's
-    first rank (tensor parallel T: the child's own T workers; the engine's other ranks hand it their prompts).
+def resolve_backend(requested: str, cuda: bool, hosting: str = "vLLM in a child process per engine") -> tuple[str, str]:
+    """(backend, why) for --generation_backend. `vllm` runs each engine where `hosting` says (in-process on every
+    rank when the engines span the world, a child process per engine otherwise: rlrun.engines.hosting).
     `auto` picks HF: on CPU vLLM is slower than HF generate on small models, and on GPU rlrun's vLLM path is
     not validated yet."""
     if requested == "vllm":
         from rlrun.engines.vllm_adapter import check_version  # noqa: PLC0415 - no vllm import, metadata only
 
         version = check_version()
-        hosting = ("one child process per engine rank, tensor parallel 1" if tensor_parallel_size == 1 else
-                   f"one child process per engine on its first rank, tensor parallel {tensor_parallel_size}")
         return "vllm", (f"requested: vLLM {version}, {hosting}"
                         + ("; no sleep mode on CPU (sleep/wake do nothing)" if not cuda else ""))
     if requested == "hf":

@@ -1,0 +1,169 @@
+"""InProcessEngine: the engine surface of roles/engine.py backed by vLLM inside this rank (external_launcher).
+
+Only for layouts whose engine ranks are the whole torch.distributed world, in consecutive tensor-parallel blocks
+from rank 0 (engines/hosting.py says why; the constructor refuses anything else). Every rank builds one `LLM`;
+the T ranks of an engine form vLLM's tensor-parallel group, and each of them submits the SAME requests: on every
+sample() call the engine's ranks swap their prompts and per-row seeds (transfer.EngineRowExchange.to_all), all
+run the whole batch, and each keeps its own rows. Every rank of an engine must therefore call sample() the same
+number of times (single-turn generation and evaluation do; multi-turn episodes with tensor parallel > 1 are
+refused before anything starts, as for the child host).
+
+Weights: like the child host, the rank keeps an HF copy of the policy, `model`, as WeightSync's receiver (in
+colocated layouts WeightSync writes the actor's gathered full parameters into it). load_weights() hands those
+tensors to vLLM's layerwise reload by reference (no copy, no second process); with tensor parallel T every
+rank holds the full tensors and vLLM keeps its shard.
+
+vLLM in the trainer's process has side effects rlrun undoes: it reseeds the host's global RNGs (python, numpy,
+torch, CUDA) to LLM(seed=...), so their states are saved and restored around construction and every call;
+on CPU its worker replaces torch.set_num_threads with a no-op, restored after construction; its engine core
+gc.freeze()s the heap, undone after construction. It must be closed before the default process group is
+destroyed, and without vLLM's own shutdown, which destroys that group (VLLMAdapter.close_in_process; build.py
+registers close() with launch.dist.before_teardown).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from rlrun.engines.hosting import whole_world_problem
+from rlrun.engines.vllm_adapter import EngineSpec, VLLMAdapter, sleeps
+from rlrun.engines.vllm_engine import VLLMEngineBase
+from rlrun.errors import ConfigError
+from rlrun.launch.layout import Layout
+from rlrun.log import get_logger
+from rlrun.roles.engine import Generation, SamplingSettings
+
+
+class PeerExchange(Protocol):
+    """Provided by rlrun.launch.transfer.EngineRowExchange (the engine's process group stays there)."""
+
+    index: int  # this rank's position in its engine
+
+    def to_all(self, mine: object) -> list[object]: ...
+
+
+@contextlib.contextmanager
+def kept_host_rng(device: torch.device) -> Iterator[None]:
+    """Restore the python, numpy, torch and (device cuda) CUDA global RNG states on exit: vLLM reseeds them."""
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+@contextlib.contextmanager
+def kept_set_num_threads() -> Iterator[None]:
+    """vLLM's CPU worker replaces torch.set_num_threads with a no-op (it guards its own thread binding, which rlrun
+    switches off: VLLM_CPU_OMP_THREADS_BIND=nobind); the trainer keeps the real one."""
+    real, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = real  # type: ignore[assignment]
+        torch.set_num_threads(threads)
+
+
+def _torchrun_env(rank: int, world_size: int, device: torch.device) -> None:
+    """external_launcher reads RANK and LOCAL_RANK from the environment (torchrun sets them; a single process or
+    srun may not). On a GPU its worker takes device cuda:LOCAL_RANK, which must be the rank's own device."""
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    if device.type == "cuda":
+        os.environ["LOCAL_RANK"] = str(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        os.environ.setdefault("LOCAL_RANK", "0" if world_size == 1 else str(rank))
+
+
+class InProcessEngine(VLLMEngineBase):
+    """Sampling with vLLM in this rank. generate()/sample() as HFEngine; load_weights() hands the current `model`
+    parameters to vLLM (the trainer calls it once after every weight sync)."""
+
+    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
+                 device: torch.device, *, layout: Layout, world_size: int, rank: int, exchange: PeerExchange,
+                 seed: int, max_model_len: int, tensor_parallel_size: int = 1, enforce_eager: bool = False,
+                 gpu_memory_utilization: float = 0.9, enable_sleep: bool = False,
+                 kv_cache_memory_bytes: int | None = None) -> None:
+        # A subset of the world would hang inside vLLM with no error: refuse it here too, not only in planning.
+        problem = whole_world_problem(layout, tensor_parallel_size)
+        if problem is None and world_size != layout.world_size:
+            problem = f"the layout is for {layout.world_size} ranks but torch.distributed has {world_size}"
+        if problem is not None:
+            raise ConfigError(f"the in-process vLLM engine (--vllm_engine_host in_process) cannot run here: {problem}; "
+                              "use --vllm_engine_host child")
+        super().__init__(model, tokenizer, sampling, device, rank)
+        self.exchange = exchange
+        self.tensor_parallel_size = tensor_parallel_size
+        # Every rank of a tensor-parallel group must build the same engine, seed included (per-request seeds
+        # decide the samples anyway).
+        self.spec = EngineSpec(model_dir=self.model_dir, dtype=self.dtype_name, seed=seed,
+                               max_model_len=max_model_len, device=device.type, enforce_eager=enforce_eager,
+                               gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                               external_launcher=True, enable_sleep=enable_sleep,
+                               kv_cache_memory_bytes=kv_cache_memory_bytes)
+        self.sleeps = sleeps(self.spec)
+        log = get_logger(rank)
+        t0 = time.perf_counter()
+        _torchrun_env(rank, world_size, device)
+        with kept_host_rng(device), kept_set_num_threads():
+            self.adapter: VLLMAdapter | None = VLLMAdapter(self.spec)
+        # vLLM's engine core gc.freeze()s the heap after start-up (a server's static objects); in the trainer that
+        # would pin everything alive now (models, optimizer, data) past its last use.
+        gc.unfreeze()
+        self.start_s: float | None = time.perf_counter() - t0
+        log._emit("info", f"rank {rank}: in-process vLLM engine ready in {self.start_s:.1f} s (external_launcher, "
+                          f"tensor parallel {tensor_parallel_size})")
+
+    # ---- weights ------------------------------------------------------------------------------
+
+    def load_weights(self) -> None:
+        """Hand the current parameters to vLLM's layerwise reload (by reference; every rank holds them in full)."""
+        assert self.adapter is not None, "the engine is closed"
+        t0 = time.perf_counter()
+        with kept_host_rng(self.device):
+            self.adapter.reload_weights((n, p.data) for n, p in self.model.named_parameters())
+        self.last_sync_s = time.perf_counter() - t0
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def sample_seeded(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int | None = None,
+                      stop: tuple[str, ...] = ()) -> Generation:
+        """sample() with one given seed per row. Tensor parallel > 1: collective over the engine's ranks."""
+        assert self.adapter is not None, "the engine is closed"
+        rows, row_seeds, first = prompts, seeds, 0
+        if self.tensor_parallel_size > 1:
+            shares: list[dict[str, list]] = self.exchange.to_all({"prompts": prompts, "seeds": seeds})  # type: ignore[assignment]
+            rows = [p for share in shares for p in share["prompts"]]
+            row_seeds = [s for share in shares for s in share["seeds"]]
+            first = sum(len(share["prompts"]) for share in shares[:self.exchange.index])
+        with kept_host_rng(self.device):
+            tokens, logprobs = self.adapter.generate(rows, row_seeds, self.sampling_for(stop, max_new_tokens))
+            if self.sleeps:  # GPU --vllm_enable_sleep: asleep through scoring and training; the next push wakes it
+                self.adapter.sleep()
+        return self.finish(tokens[first:first + len(prompts)], logprobs[first:first + len(prompts)], stop)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop the engine and vLLM's groups (idempotent); before the default group is destroyed."""
+        if self.adapter is not None:
+            adapter, self.adapter = self.adapter, None
+            adapter.close_in_process()
+        shutil.rmtree(self.workdir, ignore_errors=True)
