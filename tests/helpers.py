@@ -59,16 +59,25 @@ def run_file_as_ranks(path: str, world: int, outdir: Path, timeout: float) -> No
 
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    procs = [subprocess.Popen([sys.executable, path, str(r), str(world), str(port), str(outdir)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    # Each rank writes to a file, not a pipe: a rank blocked on a full pipe that nobody reads yet (while the
+    # test waits on another rank) would hang both in their next collective.
+    logs = [outdir / f"rank{r}.log" for r in range(world)]
+    procs = []
+    for r, log in enumerate(logs):
+        with open(log, "w") as sink:
+            procs.append(subprocess.Popen([sys.executable, path, str(r), str(world), str(port), str(outdir)], env=env,
+                                          stdout=sink, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     try:
-        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n".join(
+        f"rank {r} (exit {p.returncode}):\n{log.read_text()[-3000:]}" for r, (p, log) in enumerate(zip(procs, logs)))
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 15) -> int | None:

@@ -1,4 +1,4 @@
-"""Hand-checked tests for rlrun.algorithms.
+"""Hand-checked tests for rlrun.algorithms and rlrun.losses.
 
 Expected numbers are worked out in the comments, not by re-running the formula.
 """
@@ -17,21 +17,17 @@ from rlrun.algorithms import (
     AdaptiveKLController,
     FixedKLController,
     KLControllerState,
-    aggregate_loss,
     compute_advantages,
     compute_approx_kl,
     compute_gae,
     discounted_returns,
-    entropy_from_logits,
-    log_probs_from_logits,
     make_kl_controller,
     masked_mean,
     masked_whiten,
-    policy_loss,
     shape_group_scores,
     token_level_rewards,
-    value_loss,
 )
+from rlrun.losses import aggregate_loss, entropy_from_logits, log_probs_from_logits, policy_loss, value_loss
 
 
 def t(x: object) -> torch.Tensor:

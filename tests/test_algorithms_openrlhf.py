@@ -22,14 +22,13 @@ from rlrun.algorithms import (
     effective_gamma,
     gamma_override_warning,
     masked_whiten,
-    policy_loss,
     sequence_mean_kl,
     shape_group_scores,
-    value_loss,
 )
 from rlrun.cli import parse_args
 from rlrun.config import Config
 from rlrun.errors import ConfigError
+from rlrun.losses import policy_loss, value_loss
 from rlrun.reward_shaping import dynamic_filter_keep, overlong_penalty, stop_properly_penalty, truncated_rows
 from rlrun.rollout import pack_rows, unpack_rows
 from rlrun.trainer import Trainer, TrainState

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from rlrun.algorithms import policy_loss
 from rlrun.is_correction import ISCorrection, check_settings, correction_weights
+from rlrun.losses import policy_loss
 
 # One row, three tokens: log(pi_train / pi_rollout) = 0, -1.5, 0.1.
 OLD = torch.tensor([[-1.0, -2.0, -0.5]])

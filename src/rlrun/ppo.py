@@ -12,7 +12,7 @@ from typing import Sequence
 from rlrun.cli import ParsedArgs, parse_args
 from rlrun.failures import checked_on_every_rank, launch_environment
 from rlrun.launch.env import read_node_label
-from rlrun.launch.layout import format_layout_table
+from rlrun.launch.layout_text import format_layout_table
 from rlrun.launch.planning import Plan, asks_node_labels, plan
 from rlrun.log import get_logger
 

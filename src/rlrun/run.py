@@ -25,7 +25,8 @@ from rlrun.launch.dist import init_distributed, restart_safety_warning, resolve_
 from rlrun.launch.env import DistEnv, read_node_label
 from rlrun.launch.groups import build_groups
 from rlrun.launch.labels import gather_node_labels
-from rlrun.launch.layout import Layout, Role, format_layout_table
+from rlrun.launch.layout import Layout, Role
+from rlrun.launch.layout_text import format_layout_table
 from rlrun.launch.planning import asks_node_labels, plan
 from rlrun.log import get_logger
 from rlrun.metrics import MetricsSink

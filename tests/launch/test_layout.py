@@ -13,9 +13,9 @@ from rlrun.launch.layout import (
     LayoutRequest,
     Role,
     RoleRequest,
-    format_layout_table,
     plan_layout,
 )
+from rlrun.launch.layout_text import format_layout_table
 
 A, C, RF, RW, E = Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD, Role.ENGINE
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForSequenceClassification
 
-from rlrun.algorithms import policy_loss
+from rlrun.losses import policy_loss
 from rlrun.models import ScalarHeadModel
 from rlrun.roles.actor import Actor, PolicyData, PolicyLossSettings
 from rlrun.roles.critic import Critic, ValueData

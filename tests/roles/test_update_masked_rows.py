@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlrun.algorithms import aggregate_loss
+from rlrun.losses import aggregate_loss
 from rlrun.roles.update import Updater
 
 

@@ -1,5 +1,6 @@
 """`torchrun -m rlrun.ppo --strategy deepspeed` end to end on the embedded tiny model (real DeepSpeed, CPU, gloo):
-a short GAE run that finishes and checkpoints, an exact resume from its checkpoint, and the ZeRO-3 refusal.
+a short GAE run that finishes and checkpoints, an exact resume from its checkpoint, ZeRO-3 with every role on every
+rank (run and exact resume), and the ZeRO-3 refusal on role subgroups.
 Skipped (with the reason) when deepspeed is not installed."""
 
 from __future__ import annotations
@@ -136,8 +137,29 @@ def test_zero3_refusal_names_the_role_its_ranks_and_the_alternative():
     assert "(actor: ranks 0-1) to span all 4 ranks" in text
     assert "stage3.py:914" in text and "--strategy fsdp --zero_stage 3" in text
     cfg.resources.actor_num_gpus_per_node = cfg.resources.critic_num_gpus_per_node = None
-    cfg.resources.colocate_all_models = True  # every role on every rank: still not wired in rlrun, said so
-    with pytest.raises(ConfigError, match="not supported by rlrun yet, even with every role on every rank"):
-        plan(cfg, world_size=4, ranks_per_node=4)
-    cfg.train.zero_stage = 2
-    plan(cfg, world_size=4, ranks_per_node=4)  # ZeRO-2 plans on the same layout
+    cfg.resources.colocate_all_models = True  # every role on every rank: ZeRO-3 plans
+    plan(cfg, world_size=4, ranks_per_node=4)
+
+
+ZERO3 = ["--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--colocate_all_models", "--strategy", "deepspeed",
+         "--zero_stage", "3"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_zero3_with_every_role_on_every_rank_trains_and_resumes_exactly(tmp_path):
+    """Actor, critic, reference and engine on both ranks, the trained and frozen models ZeRO-3 partitioned: a run
+    of 2N steps that checkpoints at N, and a resume from N that reproduces steps N+1..2N and the final weights."""
+    full = run_rlrun(2, SMALL + ZERO3 + ["--max_steps", str(2 * N), "--save_steps", str(N), "--ckpt_path",
+                                         str(tmp_path / "full" / "ckpt")], tmp_path / "full", timeout=280)
+    assert full.returncode == 0, full.output[-4000:]
+    assert [m["step"] for m in full.metrics] == list(range(1, 2 * N + 1))
+    assert full.metrics[-1]["kl"] > 0 and all(torch.isfinite(torch.tensor(m["critic/value_loss"])) for m in full.metrics)
+    (tmp_path / "resumed" / "ckpt").mkdir(parents=True)
+    shutil.copytree(ckpt.step_dir(str(tmp_path / "full" / "ckpt"), N), ckpt.step_dir(str(tmp_path / "resumed" / "ckpt"), N))
+    res = run_rlrun(2, SMALL + ZERO3 + ["--max_steps", str(2 * N), "--save_steps", str(N), "--load_checkpoint",
+                                        "--ckpt_path", str(tmp_path / "resumed" / "ckpt")], tmp_path / "resumed", timeout=280)
+    assert res.returncode == 0, res.output[-4000:]
+    assert _no_timing(res.metrics) == _no_timing(full.metrics[N:])
+    _same_tensors(tmp_path / "resumed" / "model.safetensors", tmp_path / "full" / "model.safetensors")
+    AutoModelForCausalLM.from_pretrained(tmp_path / "full")

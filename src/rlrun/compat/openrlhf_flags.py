@@ -131,7 +131,7 @@ OPENRLHF_DOTTED: dict[str, Meaning] = {
     "ckpt.best_metric_key": Ignored(1, NOT_YET),
     "ckpt.output_dir": Same("save_path", 1),  # where the final HF model goes (0.9: --save_path)
     "ds.use_universal_ckpt": Same("use_ds_universal_ckpt", 0),
-    # training strategy (DeepSpeed in OpenRLHF; in rlrun FSDP2 by default, DeepSpeed ZeRO-0/1/2 with --strategy deepspeed)
+    # training strategy (DeepSpeed in OpenRLHF; in rlrun FSDP2 by default, DeepSpeed ZeRO-0/1/2/3 with --strategy deepspeed)
     "ds.zero_stage": Same("zero_stage", 1),
     "ds.deepcompile": Same("deepcompile", 0),
     # 0.11 dropped --bf16 for --ds.param_dtype (default bf16); rlrun has bf16 or fp32, no fp16.

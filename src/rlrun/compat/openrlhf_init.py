@@ -1,7 +1,7 @@
 """`rlrun.ppo --load_openrlhf_checkpoint ROOT`: start the actor (and critic) from an OpenRLHF DeepSpeed checkpoint.
 
 `plan_init` runs on every rank before the first collective (cheap checks of the layout, rlrun.compat.
-openrlhf_checkpoint reads it); `init_from_openrlhf` runs after the roles are built: every actor/critic rank
+openrlhf_reader reads it); `init_from_openrlhf` runs after the roles are built: every actor/critic rank
 reads the files itself and writes the full weights into its FSDP2 shard / DeepSpeed ZeRO-0/1/2 partition; no
 collective, no temp files.
 """
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from rlrun.checkpoint import CheckpointError
-from rlrun.compat.openrlhf_checkpoint import (OPTIMIZER_NOTE, TagFiles, list_tags, actor_names, apply_weights,
-                                              client_state_of, critic_names, inspect_tag, part_dir,
-                                              read_deepspeed_weights, resolve_tag)
+from rlrun.compat.openrlhf_checkpoint import apply_weights
+from rlrun.compat.openrlhf_reader import (OPTIMIZER_NOTE, TagFiles, list_tags, actor_names, client_state_of,
+                                          critic_names, inspect_tag, part_dir, read_deepspeed_weights, resolve_tag)
 
 
 @dataclass(frozen=True)

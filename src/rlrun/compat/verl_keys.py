@@ -65,7 +65,7 @@ SCHEDULE = "rlrun always uses linear warmup + cosine decay to 0.1 x lr"
 ONE_MICRO = "rlrun scores rollouts with one micro batch size: actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
 DYNAMIC = "dynamic (token-budget) batches are " + NOT_YET
 SEQ_PARALLEL = "sequence parallelism is " + NOT_YET
-FSDP2 = "rlrun trains with FSDP2, the default, or DeepSpeed ZeRO-0/1/2 with --strategy deepspeed; see --zero_stage, --adam_offload"
+FSDP2 = "rlrun trains with FSDP2, the default, or DeepSpeed ZeRO-0/1/2 (ZeRO-3 with every model on every rank) with --strategy deepspeed; see --zero_stage, --adam_offload"
 VLM = "vision-language models are " + NOT_YET
 WORLD = "torchrun/srun set the world size; this run has {world_size} rank(s)"  # filled in by translate
 

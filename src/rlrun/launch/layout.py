@@ -25,12 +25,7 @@ Semantics of ``plan_layout(request, world_size, ranks_per_node)``:
 * A role's ``gpus_per_node`` may not exceed ``ranks_per_node``, and an engine's tensor-parallel group may not
   cross a node boundary (errors). A role with ``num_nodes > 1`` whose ranks do not start on a node boundary or
   do not span exactly ``num_nodes`` nodes gets a warning: it works, only slower.
-* Node labels (``RoleRequest.node_label``, ``engine_node_label``; ``node_labels`` = one label per node): a
-  block whose roles ask for a label goes on ranks of nodes carrying it: labelled blocks first (block order), each
-  on the lowest free ranks of its nodes, then the other blocks on the lowest ranks left. Colocated
-  roles asking different labels, or a label whose nodes lack the ranks, are errors naming every node's label.
-  When the consecutive placement above already honours the labels (or none is asked, or ``node_labels=None``
-  before start-up) it is kept.
+* Node labels: see :mod:`rlrun.launch.label_placement` (``RoleRequest.node_label``, ``engine_node_label``).
 * The engine's ranks are either exactly the actor's ranks (weights are synced in place) or disjoint from them
   (weights are broadcast over ``sync``).
 * Groups, in this fixed order, skipping roles without ranks: ``world``; ``actor``, ``critic``, ``ref``,
@@ -49,6 +44,7 @@ from enum import Enum
 from types import MappingProxyType
 
 from rlrun.errors import LayoutError
+from rlrun.launch.label_placement import block_labels, place_blocks
 
 
 class Role(str, Enum):
@@ -353,70 +349,6 @@ def _asked_labels(request: LayoutRequest) -> dict[Role, str]:
     return {role: label for role in Role if (label := _role_label(request, role)) is not None}
 
 
-def _describe_nodes(node_labels: Sequence[str]) -> str:
-    """'nodes 0-1 'a', node 2 'b'': runs of equally labelled nodes, so 64 nodes stay one short line."""
-    runs: list[tuple[int, int, str]] = []
-    for node, label in enumerate(node_labels):
-        if runs and runs[-1][2] == label and runs[-1][1] == node - 1:
-            runs[-1] = (runs[-1][0], node, label)
-        else:
-            runs.append((node, node, label))
-    return ", ".join(f"node {a} {label!r}" if a == b else f"nodes {a}-{b} {label!r}" for a, b, label in runs)
-
-
-def _block_labels(request: LayoutRequest, blocks: Sequence[_Block], ctx: str) -> list[str | None]:
-    """The one node label each block asks for (None: any node); colocated roles must agree."""
-    out: list[str | None] = []
-    for roles, _ in blocks:
-        asked = {role: label for role in roles if (label := _role_label(request, role)) is not None}
-        if len(set(asked.values())) > 1:
-            wanted = ", ".join(f"--{role.value}_node_label {label!r}" for role, label in asked.items())
-            raise LayoutError(
-                f"{'/'.join(role.value for role in roles)} share the same ranks, but ask for different node labels "
-                f"({wanted}); give them the same label or label only one{ctx}"
-            )
-        out.append(next(iter(asked.values()), None))
-    return out
-
-
-def _place_blocks(
-    blocks: Sequence[_Block], labels: Sequence[str | None], world_size: int, rpn: int,
-    node_labels: Sequence[str] | None, ctx: str,
-) -> dict[Role, tuple[int, ...]]:
-    """Ranks for each block: consecutive from rank 0 in block order when that already honours every asked label
-    (or none is asked, or the labels are unknown). Otherwise the labelled blocks first, each on the lowest free
-    ranks of nodes carrying its label, then the others on the lowest free ranks left."""
-    placed: dict[Role, tuple[int, ...]] = {}
-    start = 0
-    for (block_roles, size), label in zip(blocks, labels):
-        ranks = tuple(range(start, start + size))
-        if node_labels is not None and label is not None and any(node_labels[r // rpn] != label for r in ranks):
-            break
-        placed.update((role, ranks) for role in block_roles)
-        start += size
-    else:
-        return placed
-    placed = {}
-    free = list(range(world_size))
-    order = [i for i, label in enumerate(labels) if label is not None] + [i for i, label in enumerate(labels) if label is None]
-    for i in order:
-        (block_roles, size), label = blocks[i], labels[i]
-        pool = [rank for rank in free if label is None or node_labels[rank // rpn] == label]
-        if len(pool) < size:
-            names = "/".join(role.value for role in block_roles)
-            carrying = sum(1 for node_label in node_labels if node_label == label)
-            have = (f"{carrying} node(s) carry that label ({carrying * rpn} ranks, {len(pool)} of them left after "
-                    "the other labelled blocks)") if carrying else "no node carries that label"
-            raise LayoutError(
-                f"the {names} block of {size} rank{'s' if size != 1 else ''} asks for nodes labelled {label!r}, but "
-                f"{have}; node labels: {_describe_nodes(node_labels)}; label more nodes {label!r} "
-                f"(RLRUN_NODE_LABEL, default the host name) or shrink the blocks that ask for it{ctx}"
-            )
-        take = pool[:size]
-        placed.update((role, tuple(take)) for role in block_roles)
-        taken = set(take)
-        free = [rank for rank in free if rank not in taken]
-    return placed
 
 
 def plan_layout(
@@ -456,8 +388,8 @@ def plan_layout(
         blocks = [_colocate_all_block(needed, sizes, world_size, ctx)]
     else:
         blocks = _explicit_blocks(request, needed, sizes, world_size, ctx)
-    placed = _place_blocks(blocks, _block_labels(request, blocks, ctx), world_size, ranks_per_node,
-                           node_labels, ctx)
+    placed = place_blocks(blocks, block_labels(blocks, _asked_labels(request), ctx), world_size, ranks_per_node,
+                          node_labels, ctx)
     roles = {role: placed[role] for role in Role if role in placed}
     engines = _split_engines(request, blocks, roles[Role.ENGINE], ranks_per_node, ctx)
     warnings += _node_warnings(request, roles, ranks_per_node)
@@ -480,18 +412,3 @@ def plan_layout(
             groups.append(GroupSpec("learners", tuple(r for r in range(world_size) if r not in roles[Role.ENGINE])))
     labels = tuple(node_labels) if node_labels is not None else None
     return Layout(world_size, ranks_per_node, roles, engines, tuple(groups), tuple(warnings), labels)
-
-
-def format_layout_table(layout: Layout) -> str:
-    """One row per rank (rank | node | local | roles | groups; with known node labels rank | node | label |
-    local | roles | groups), then the warnings."""
-    rpn, labels = layout.ranks_per_node, layout.node_labels
-    rows: list[tuple[str, ...]] = [("rank", "node", *(("label",) if labels else ()), "local", "roles", "groups")]
-    for rank in range(layout.world_size):
-        roles = ",".join(role.value for role in layout.roles_of(rank))
-        label = (labels[rank // rpn],) if labels else ()
-        rows.append((str(rank), str(rank // rpn), *label, str(rank % rpn), roles, ",".join(layout.group_names_of(rank))))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [" | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "-+-".join("-" * width for width in widths))
-    return "\n".join(lines + [f"warning: {warning}" for warning in layout.warnings])

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlrun.algorithms import LossAggMode, PolicyLossType, aggregate_loss, compute_approx_kl, policy_loss
+from rlrun.algorithms import compute_approx_kl
 from rlrun.is_correction import ISCorrection
+from rlrun.losses import LossAggMode, PolicyLossType, aggregate_loss, policy_loss
 from rlrun.roles.forward import over_micro_batches, policy_log_probs
 from rlrun.roles.update import Updater
 from rlrun.rollout import RolloutBatch

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlrun.algorithms import LossAggMode, value_loss
+from rlrun.losses import LossAggMode, value_loss
 from rlrun.roles.forward import over_micro_batches, token_values
 from rlrun.roles.update import Updater
 from rlrun.rollout import RolloutBatch

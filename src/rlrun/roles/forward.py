@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from rlrun.algorithms import entropy_from_logits, log_probs_from_logits
+from rlrun.losses import entropy_from_logits, log_probs_from_logits
 from rlrun.models import position_ids_from
 from rlrun.packing import PackedBatch, pack_batch
 from rlrun.rollout import RolloutBatch

@@ -10,7 +10,8 @@ from rlrun.errors import ConfigError
 from rlrun.launch.layout import Layout, Role
 
 # The DeepSpeed releases rlrun's adapter was tested with (it relies on mpu, explicit accumulation boundaries,
-# safe_get/set_full_* and the ZeRO-1/2 optimizer's partition attributes). Same range as setup.cfg's extra.
+# safe_get/set_full_*, the ZeRO-1/2 optimizer's partition attributes and ZeRO-3's flat fp32 sub-groups).
+# Same range as setup.cfg's extra.
 DEEPSPEED_TESTED = ((0, 19, 8), (0, 20, 0))
 SHARDED_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
 
@@ -30,7 +31,7 @@ def _ranks(ranks: tuple[int, ...]) -> str:
 
 
 def check_strategy(cfg: Config, layout: Layout) -> None:
-    """--strategy deepspeed: installed in the tested range, ZeRO-0/1/2 only, and no feature not yet wired."""
+    """--strategy deepspeed: installed in the tested range; ZeRO-3 only where every sharded role spans the world."""
     t = cfg.train
     if t.strategy != "deepspeed":
         return
@@ -65,10 +66,6 @@ def check_deepspeed_install() -> None:
 
 def check_deepspeed_settings(train: OptimConfig, bf16: bool, *, saves: bool) -> None:
     """The --strategy deepspeed rules that hold whatever the layout (every model on every rank included)."""
-    if train.zero_stage == 3:
-        raise ConfigError("--strategy deepspeed --zero_stage 3 is not supported by rlrun yet, even with every role on "
-                          "every rank (weight sync and checkpoints need ZeRO-3 parameter gathers); "
-                          "use --strategy fsdp --zero_stage 3 (comparable memory profile)")
     if train.zero_stage == 0 and bf16 and saves:
         raise ConfigError("--strategy deepspeed --zero_stage 0 --bf16 cannot save or load checkpoints yet (its fp32 master "
                           "weights are not reachable by parameter); use --zero_stage 1 or 2, or drop --save_steps/"

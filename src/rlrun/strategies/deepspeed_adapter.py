@@ -1,4 +1,6 @@
-"""DeepSpeed ZeRO-0/1/2 on one role's process group. The only module that calls `deepspeed`.
+"""DeepSpeed ZeRO-0/1/2 on one role's process group, ZeRO-3 on a role spanning the world. With
+`deepspeed_state.py` (checkpoint I/O) and `deepspeed_zero3.py` (ZeRO-3 gathers), the only modules that
+call `deepspeed`.
 
 How it stays off the world group (../shared/DEEPSPEED.md §1, §4.1, measured with 0.19.8):
 - `mpu=RoleMPU` hands DeepSpeed the role's group as its data-parallel group, and a real one-rank
@@ -8,7 +10,9 @@ How it stays off the world group (../shared/DEEPSPEED.md §1, §4.1, measured wi
 - rlrun never calls `engine.save_checkpoint`/`load_checkpoint` (hard-coded world barriers, `latest`
   written only by global rank 0): checkpoints are full fp32 weights + Adam moments gathered over the
   role's group (`safe_get_full_*`) and written with torch DCP, so they load on any role size.
-ZeRO-3 is refused before anything starts (rlrun.strategies.checks).
+ZeRO-3 keeps world barriers (init) and world broadcasts (its forward hooks' trace checks) that no mpu
+reroutes, so it runs only where the role IS the world (the supervised trainers, --colocate_all_models);
+planning refuses it elsewhere (rlrun.strategies.checks), and sleep with it (validation).
 
 Sleep (--deepspeed_enable_sleep) parks storages itself (rlrun.strategies.parking) rather than calling
 `engine.offload_states()`: that refuses engines without an optimizer (the frozen reference and reward models),
@@ -30,21 +34,18 @@ from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from rlrun.errors import RlrunError
 from rlrun.log import get_logger
 from rlrun.strategies.base import ALL_PARTS, GradClipper, OptimizerFactory, Part, StepOps
+from rlrun.strategies import deepspeed_zero3 as zero3
+from rlrun.strategies.deepspeed_state import load_engine_state, save_engine_state
 from rlrun.strategies.fsdp import ParamBlock
 from rlrun.strategies.parking import SleepBook, awake_meanwhile
 
 import deepspeed  # noqa: E402  (after torch: an optional extra; rlrun.strategies.checks refuses the flag without it)
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.utils import (lazy_init_hp_params_optimizer_state, safe_get_full_fp32_param,
-                             safe_get_full_optimizer_state, safe_set_full_fp32_param, safe_set_full_optimizer_state)
-
-ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 _NEVER = 2**31 - 1  # steps_per_print: DeepSpeed's own progress lines stay off; rlrun logs metrics
 
 
@@ -110,17 +111,22 @@ def _log_jit(what: str) -> None:
 
 @dataclass(frozen=True)
 class DSSettings:
-    zero_stage: int  # 0, 1 or 2 (3 is refused in planning)
+    zero_stage: int  # 0-3 (3 only on a role group spanning the world: planning refuses the rest)
     bf16: bool  # effective (GPU only)
     offload: bool  # effective: optimizer state + fp32 master on CPU, DeepSpeedCPUAdam (GPU only)
     micro_batch: int
     max_norm: float
 
 
-def ds_config(s: DSSettings, dp_size: int, *, trainable: bool) -> dict[str, Any]:
+def ds_config(s: DSSettings, dp_size: int, *, trainable: bool, hidden_size: int | None = None) -> dict[str, Any]:
     """The DeepSpeed config dict of one role's engine. Batch sizes are only DeepSpeed's bookkeeping (rlrun
-    feeds micro-batches and marks the accumulation boundary itself); they must satisfy its arithmetic."""
-    zero: dict[str, Any] = {"stage": s.zero_stage if trainable else 0}
+    feeds micro-batches and marks the accumulation boundary itself); they must satisfy its arithmetic.
+    Frozen models run ZeRO-0 (whole weights, no gathers), except under ZeRO-3 where they are partitioned
+    too (as OpenRLHF's eval config does): a ZeRO-3 user is short of memory for every model."""
+    stage = s.zero_stage if trainable or s.zero_stage == 3 else 0
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero.update(zero3_buckets(hidden_size))
     if trainable and s.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config: dict[str, Any] = {
@@ -139,6 +145,23 @@ def ds_config(s: DSSettings, dp_size: int, *, trainable: bool) -> dict[str, Any]
     return config
 
 
+def zero3_buckets(hidden_size: int | None) -> dict[str, Any]:
+    """The sizes transformers' DeepSpeed integration derives from the model for OpenRLHF's "auto" values
+    (integrations/deepspeed.py): parameters under 10 x hidden elements (norms, biases) stay whole on every
+    rank, prefetch 0.9 x hidden^2 elements ahead, reduce in hidden^2 buckets. Without a hidden size
+    DeepSpeed's own defaults apply."""
+    if not hidden_size:
+        return {}
+    return {"stage3_param_persistence_threshold": 10 * hidden_size,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+            "reduce_bucket_size": hidden_size * hidden_size}
+
+
+def _hidden_size(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None) or getattr(getattr(model, "hf", None), "config", None)
+    return getattr(config, "hidden_size", None)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's model inside a DeepSpeed engine (the model itself otherwise)."""
     return model.module if isinstance(model, DeepSpeedEngine) else model
@@ -149,8 +172,12 @@ class DeepSpeedStrategy:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, *, bf16: bool, zero_stage: int, offload: bool,
                  gradient_checkpointing: bool, micro_batch: int, max_norm: float) -> None:
-        if zero_stage not in (0, 1, 2):  # planning refuses 3 with the full reason; this guards direct use
-            raise RlrunError(f"DeepSpeedStrategy supports ZeRO stages 0-2, got {zero_stage}")
+        if zero_stage not in (0, 1, 2, 3):
+            raise RlrunError(f"DeepSpeedStrategy supports ZeRO stages 0-3, got {zero_stage}")
+        if zero_stage == 3 and dist.get_world_size(group) != dist.get_world_size():
+            # planning refuses this layout with the full reason (checks.py); this guards direct use
+            raise RlrunError(f"DeepSpeed ZeRO-3 needs the role to span the world ({dist.get_world_size()} ranks), "
+                             f"its group has {dist.get_world_size(group)}: ZeRO-3 calls world barriers and broadcasts")
         self.group = group
         self.device = device
         self.settings = DSSettings(zero_stage, bf16 and device.type == "cuda", offload and device.type == "cuda",
@@ -168,15 +195,17 @@ class DeepSpeedStrategy:
     # ---- wrapping ----------------------------------------------------------------------------
 
     def _initialize(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainable: bool) -> DeepSpeedEngine:
-        config = ds_config(self.settings, dist.get_world_size(self.group), trainable=trainable)
+        config = ds_config(self.settings, dist.get_world_size(self.group), trainable=trainable,
+                           hidden_size=_hidden_size(model))
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=self.mpu,
                                           dist_init_required=False)
         return engine
 
     def wrap(self, model: nn.Module, *, trainable: bool = True) -> nn.Module:
         """A frozen model placed by a DeepSpeed inference engine (ZeRO-0: full weights on every rank, cast to bf16
-        on GPU, broadcast from the role's first rank). The model itself is returned: a ZeRO-0 engine's forward
-        adds nothing to it for inference, and the model keeps its own names and train()/eval() chaining."""
+        on GPU, broadcast from the role's first rank; ZeRO-3: partitioned, gathered per module by the hooks the
+        engine installs on the model). The model itself is returned: the engine's forward adds nothing to it for
+        inference, and the model keeps its own names and train()/eval() chaining."""
         if trainable:
             raise RlrunError("DeepSpeedStrategy.wrap is for frozen models; trainable ones go through wrap_trainable")
         model.requires_grad_(False)
@@ -222,74 +251,34 @@ class DeepSpeedStrategy:
     # ---- full parameters and state -------------------------------------------------------------
 
     def param_blocks(self, model: nn.Module) -> list[ParamBlock]:
-        """ZeRO-0/1/2 keep whole (low-precision) parameters on every rank of the role: one block, no gather."""
+        """ZeRO-0/1/2 keep whole (low-precision) parameters on every rank of the role: one block, no gather.
+        ZeRO-3: one block per transformer block, each gather() collective over the role."""
         self._sleep.require_awake(model, Part.PARAMS, "weight sync")
+        if self.settings.zero_stage == 3:
+            return zero3.blocks(unwrap(model))  # type: ignore[return-value]  # the ParamBlock surface
         return [ParamBlock(list(unwrap(model).named_parameters()))]
 
-    def full_params(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        self._sleep.require_awake(model, Part.PARAMS, "full_params")
-        for name, p in unwrap(model).named_parameters():
-            yield name, p.detach()
-
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The model's own state dict (HF names), CPU copies, on the role's first rank; no collective."""
-        if dist.get_rank(self.group) != 0:
+        """The model's own state dict (HF names), CPU copies, on the role's first rank, {} elsewhere. ZeRO-0/1/2:
+        no collective; ZeRO-3: gathered block by block, collective over the role."""
+        keep = dist.get_rank(self.group) == 0
+        if self.settings.zero_stage == 3:
+            return zero3.full_tensors(unwrap(model), keep)
+        if not keep:
             return {}
         with awake_meanwhile(self, model, None, frozenset({Part.PARAMS})):
             return {k: v.detach().to("cpu", copy=True) for k, v in unwrap(model).state_dict().items()}
 
     def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-        """Full fp32 master weights + Adam moments + step + learning rate, by parameter name, into a DCP
-        directory (each tensor is whole on every rank; DCP de-duplicates them, so each is written once).
-        Collective over the role: the gathers all-reduce each parameter over the role's group, in
-        named_parameters order on every rank. Memory: three fp32 copies of the model on CPU per rank."""
+        """Full fp32 master weights + Adam moments + step + learning rate by parameter name, a DCP directory
+        (rlrun.strategies.deepspeed_state). Collective over the role."""
         with awake_meanwhile(self, model, optimizer):
-            self._save_state(model, optimizer, path)
-
-    def _save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-        engine = self._engine(model)
-        # The learning rate lives in the param groups: LR schedulers restore their counters, not the value they set.
-        meta = {"step": torch.tensor(_adam_step(optimizer), dtype=torch.float64),
-                "lr": torch.tensor([group["lr"] for group in optimizer.param_groups], dtype=torch.float64)}
-        state: dict[str, Any] = {"model": {}, "optim": {}, "meta": meta}
-        for name, p in engine.module.named_parameters():
-            if not p.requires_grad:
-                continue
-            state["model"][name] = _full_fp32(engine, p).cpu()
-            state["optim"][name] = {key: _full_moment(engine, optimizer, p, key).cpu() for key in ADAM_MOMENTS}
-        dcp.save(state, checkpoint_id=path, process_group=self.group)
+            save_engine_state(self._engine(model), optimizer, path, self.group)
 
     def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-        """Read what save_state wrote (any role size) into the engine: master weights, the model's own
-        (possibly bf16) weights, Adam moments, step and learning rate. Collective over the role (DCP's planning)."""
+        """Read what save_state wrote (any role size, any ZeRO stage) into the engine. Collective over the role."""
         with awake_meanwhile(self, model, optimizer):
-            self._load_state(model, optimizer, path)
-
-    def _load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-        engine = self._engine(model)
-        named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-        state = {"model": {n: torch.empty(p.shape, dtype=torch.float32) for n, p in named},
-                 "optim": {n: {key: torch.empty(p.shape, dtype=torch.float32) for key in ADAM_MOMENTS} for n, p in named},
-                 "meta": {"step": torch.zeros((), dtype=torch.float64),
-                          "lr": torch.zeros(len(optimizer.param_groups), dtype=torch.float64)}}
-        dcp.load(state, checkpoint_id=path, process_group=self.group)
-        _materialize_adam_state(engine, optimizer)
-        step = float(state["meta"]["step"])
-        with torch.no_grad():
-            for name, p in named:
-                full = state["model"][name].to(p.device)
-                if hasattr(p, "_hp_mapping"):  # ZeRO-1/2: this rank's fp32 partition, then moments
-                    safe_set_full_fp32_param(p, full)
-                    for key in ADAM_MOMENTS:
-                        safe_set_full_optimizer_state(p, state["optim"][name][key].to(p.device), key)
-                else:  # ZeRO-0 fp32: the torch optimizer holds the parameter itself
-                    for key in ADAM_MOMENTS:
-                        optimizer.state[p][key].copy_(state["optim"][name][key])
-                p.copy_(full)  # the model's own copy (every rank holds it whole under ZeRO-0/1/2)
-        _set_adam_step(optimizer, step)
-        for group, lr in zip(optimizer.param_groups, state["meta"]["lr"].tolist()):
-            group["lr"] = lr
-
+            load_engine_state(self._engine(model), optimizer, path, self.group)
 
     # ---- sleep (--deepspeed_enable_sleep) ---------------------------------------------------------
 
@@ -309,6 +298,8 @@ class DeepSpeedStrategy:
         return out
 
     def sleep(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS) -> int:
+        if self.settings.zero_stage == 3:  # validation refuses the flag with the reason; this guards direct use
+            raise RlrunError("sleep is not supported with DeepSpeed ZeRO-3 (its partitions live outside the parameters)")
         moved = 0
         for part in sorted(parts, key=lambda p: p.value):
             keep = self._part(model, optimizer, Part.PARAMS) if part is Part.STATES else []
@@ -369,62 +360,3 @@ class DeepSpeedSteps:
         if norm is None:  # only with zero_optimization.compute_grad_norm=false, which ds_config never sets
             raise RlrunError("DeepSpeed reported no gradient norm after its step; rlrun needs it to count skipped steps")
         return float(norm)
-
-
-# ---- optimizer state by parameter -----------------------------------------------------------------
-
-
-def _full_fp32(engine: DeepSpeedEngine, p: nn.Parameter) -> torch.Tensor:
-    full = safe_get_full_fp32_param(p)  # ZeRO-1/2 (all-reduce over the role's group); None without a master copy
-    if full is not None:
-        return full
-    if engine.optimizer is not engine.basic_optimizer:
-        raise RlrunError("saving DeepSpeed ZeRO-0 with bf16 is not supported yet; use --zero_stage 1 or 2")
-    return p.detach().float()
-
-
-def _full_moment(engine: DeepSpeedEngine, optimizer: torch.optim.Optimizer, p: nn.Parameter, key: str) -> torch.Tensor:
-    if hasattr(p, "_hp_mapping"):
-        if not engine.optimizer.state:  # no step yet: Adam's moments are zero
-            return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        return safe_get_full_optimizer_state(p, key)
-    state = optimizer.state.get(p, {})
-    return state[key].detach().float() if key in state else torch.zeros(p.shape, dtype=torch.float32)
-
-
-def _adam_step(optimizer: torch.optim.Optimizer) -> float:
-    for state in optimizer.state.values():
-        if "step" in state:
-            return float(state["step"])
-    return 0.0
-
-
-def _set_adam_step(optimizer: torch.optim.Optimizer, step: float) -> None:
-    for state in optimizer.state.values():
-        if isinstance(state.get("step"), torch.Tensor):
-            state["step"].fill_(step)
-        elif "step" in state:
-            state["step"] = int(step)
-
-
-def _materialize_adam_state(engine: DeepSpeedEngine, optimizer: torch.optim.Optimizer) -> None:
-    """Give a fresh optimizer its (lazily created) Adam state so loaded moments have somewhere to go: one
-    step with zero gradients at lr 0 leaves every parameter exactly as it was (AdamW's decay is lr * wd),
-    then ZeRO-1/2 link each parameter's fragment of the state (DeepSpeed does this after its first step)."""
-    if optimizer.state:
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for p in params:
-        p.grad = None
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
-    zero = engine.optimizer
-    if zero is not optimizer:  # ZeRO-1/2: flat fp32 partitions per group
-        for lp_params, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
-            lazy_init_hp_params_optimizer_state(lp_params, flat, optimizer.state)
