@@ -103,10 +103,12 @@ class System:
         return self.actor_ranks or self.nproc
 
 
-# The async row: actor on rank 0, one HF engine on rank 1 generating step N+1 while the actor trains on
-# step N (one step off-policy; rlrun's --async_train). TRL has no such mode without vLLM.
+# rlrun generates with its native engine (the default for this Qwen2); the "hf" row generates with transformers
+# `generate`, as TRL does. The async row: actor on rank 0, one engine on rank 1 generating step N+1 while the
+# actor trains on step N (one step off-policy; rlrun's --async_train). TRL has no such mode without vLLM.
 SYSTEMS: tuple[System, ...] = (
-    System("TRL", "trl", 1), System("rlrun 1 rank", "rlrun", 1), System("rlrun 2 ranks", "rlrun", 2),
+    System("TRL", "trl", 1), System("rlrun 1 rank", "rlrun", 1),
+    System("rlrun 1 rank hf", "rlrun", 1, ("--generation_backend", "hf")), System("rlrun 2 ranks", "rlrun", 2),
     System("rlrun 2 ranks async", "rlrun", 2,
            ("--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1", "--async_train"), actor_ranks=1),
 )

@@ -53,6 +53,7 @@ BAD_VALUES: list[tuple[list[str], list[str]]] = [
     (["--top_p", "0"], ["--top_p", "0.0"]),
     (["--top_p", "1.1"], ["--top_p", "1.1"]),
     (["--top_p", "-0.5"], ["--top_p", "-0.5"]),
+    (["--is_correction_level", "token", "--generation_backend", "hf"], ["--is_correction_level token", "hf"]),
     (["--vllm_gpu_memory_utilization", "0"], ["--vllm_gpu_memory_utilization", "0.0"]),
     (["--vllm_gpu_memory_utilization", "1.5"], ["--vllm_gpu_memory_utilization", "1.5"]),
     (["--eps_clip", "0"], ["--eps_clip", "0.0"]),

@@ -24,6 +24,7 @@ from rlrun.log import get_logger
 from rlrun.models import load_causal_lm, load_critic, load_reward_model
 from rlrun.roles.actor import Actor, PolicyLossSettings
 from rlrun.roles.critic import Critic
+from rlrun.engines.native import NativeEngine
 from rlrun.roles.engine import HFEngine, SamplingSettings
 from rlrun.roles.optim import make_optimizer, warmup_cosine
 from rlrun.roles.reference import Reference
@@ -60,7 +61,7 @@ class RankRoles:
     reward_model: RewardModel | None = None
     reward_fn: RewardFunction | None = None
     agents: EpisodeRunner | None = None  # multi-turn episodes (their rewards replace reward_fn)
-    engine: "HFEngine | VLLMEngine | TensorParallelEngine | InProcessEngine | None" = None
+    engine: "HFEngine | NativeEngine | VLLMEngine | TensorParallelEngine | InProcessEngine | None" = None
     weight_sync: WeightSync | None = None
     strategies: dict[Role, Strategy] = field(default_factory=dict)  # of the roles above that hold a model
 
@@ -241,6 +242,8 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         policy = next(policies).to(device=device, dtype=engine_dtype(cfg, device))
         if g.generation_backend == "vllm":  # run.py's resolve_backend already checked version and layout
             out.engine = _vllm_engine(cfg, layout, groups, policy, tokenizer, sampling, device)
+        elif g.generation_backend == "native":  # run.py resolved `auto` and checked the architecture
+            out.engine = NativeEngine(policy, sampling, device, tokenizer)
         else:
             out.engine = HFEngine(policy, sampling, device, tokenizer)
         out.reward_fn, out.agents = sources.reward_fn, sources.agents

@@ -80,7 +80,9 @@ class ResourceConfig:
 class GenerationConfig:
     """Rollout generation."""
 
-    generation_backend: Literal["auto", "hf", "vllm"] = opt("auto", "auto: vLLM when installed and a GPU is present, else HF generate.")
+    generation_backend: Literal["auto", "native", "hf", "vllm"] = opt(
+        "auto", "native: rlrun's own KV-cache decoder (Llama, Qwen2, Qwen3, Mistral; reports sampled-token log-probs); "
+        "hf: transformers generate; vllm: vLLM engines; auto: native when the model's architecture allows it, else hf.")
     temperature: float = opt(1.0, "Sampling temperature.")
     top_p: float = opt(1.0, "Nucleus sampling threshold.")
     prompt_max_len: int = opt(1024, "Max prompt tokens.")

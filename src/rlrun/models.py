@@ -7,7 +7,8 @@ import os
 
 import torch
 from torch import nn
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
+from transformers import PretrainedConfig as HFConfig
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase)
 
 from rlrun.config import Config, PretrainedConfig
@@ -42,6 +43,14 @@ def load_tokenizer(model: PretrainedConfig) -> PreTrainedTokenizerBase:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def load_model_config(source: PretrainedConfig) -> HFConfig:
+    """The policy's HF config (config.json only, no weights)."""
+    if source.pretrain is None:
+        return tiny_model_config_for_size(source.model_preset)
+    _check_dir("pretrain", source.pretrain)
+    return AutoConfig.from_pretrained(source.pretrain)
 
 
 def load_causal_lm(source: PretrainedConfig, seed: int, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

@@ -21,6 +21,7 @@ from rlrun.data import PromptSampler
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import broadcast_json, gather_from
+from rlrun.roles.engine import REPORTS_LOG_PROBS
 from rlrun.roles.reward_fn import reward_responses
 from rlrun.rollout import RolloutBatch, pack_log_probs, pack_rows, unpack_rows
 
@@ -112,7 +113,7 @@ class RolloutSource:
         gathered = gather_from(self.engine_ranks, mine.packed, (share, P + R + 2), torch.long, world, self.comm_device)
         batch = unpack_rows(gathered.cpu(), P)
         extra = dict(mine.extra)
-        if cfg.generation.generation_backend == "vllm":  # the backend that reports log-probs (same on every rank)
+        if cfg.generation.generation_backend in REPORTS_LOG_PROBS:  # resolved at start: the same on every rank
             engine_lp = gather_from(self.engine_ranks, mine.log_probs, (share, R), torch.float32, world, self.comm_device)
             batch.engine_log_probs = engine_lp.cpu()[:, :batch.response_width]
         if cfg.multi_turn:  # observation tokens are not actions: the agents' masks replace the length-based one

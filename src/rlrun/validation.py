@@ -111,11 +111,10 @@ def _check_algorithm_extras(cfg: Config) -> None:
                               *a.is_correction_threshold)
     if (problem := check_is_settings(correction)) is not None:
         raise ConfigError(problem)
-    if a.is_correction_level != "off" and cfg.generation.generation_backend != "vllm":
+    if a.is_correction_level != "off" and cfg.generation.generation_backend == "hf":
         raise ConfigError(f"--is_correction_level {a.is_correction_level} corrects the engine/actor log-prob mismatch "
-                          "with the engine's sampled-token log-probs, which only the vLLM backend reports; add "
-                          "--generation_backend vllm, or drop the flag (with HF generate there is no mismatch to correct "
-                          "when the engine holds the actor's weights)")
+                          "with the engine's sampled-token log-probs, which --generation_backend hf does not report; use "
+                          "--generation_backend vllm or native, or drop the flag")
     if a.stop_properly_penalty_coef is not None and a.stop_properly_penalty_coef > 1:
         raise ConfigError(f"--stop_properly_penalty_coef {a.stop_properly_penalty_coef}: use a value in [0, 1] "
                           "(scales truncated rewards) or a negative one (replaces them)")

@@ -1,5 +1,6 @@
-"""Engine: rollout generation. Backend `hf` (transformers generate) runs everywhere; `vllm`
-(rlrun.engines.vllm_engine, a vLLM child process per engine rank) sits behind the same surface."""
+"""Engine: rollout generation. Backend `hf` (transformers generate) runs every model; `native` (rlrun.engines.native,
+rlrun's own KV-cache decoder for Llama-family models) and `vllm` (rlrun.engines: in-process or a child process per
+engine) sit behind the same surface."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.agents.stops import cut_at_stop
+from rlrun.errors import ConfigError
+
+# The backends whose engines return each sampled token's log-probability (Generation.log_probs).
+REPORTS_LOG_PROBS = frozenset({"native", "vllm"})
 
 
 @dataclass(frozen=True)
@@ -57,11 +62,13 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def resolve_backend(requested: str, cuda: bool, hosting: str = "vLLM in a child process per engine") -> tuple[str, str]:
+def resolve_backend(requested: str, cuda: bool, hosting: str = "vLLM in a child process per engine",
+                    native_blocker: str | None = None) -> tuple[str, str]:
     """(backend, why) for --generation_backend. `vllm` runs each engine where `hosting` says (in-process on every
     rank when the engines span the world, a child process per engine otherwise: rlrun.engines.hosting).
-    `auto` picks HF: on CPU vLLM is slower than HF generate on small models, and on GPU rlrun's vLLM path is
-    not validated yet."""
+    `native_blocker`: why rlrun's decoder cannot run the policy (rlrun.engines.decoder.unsupported_reason), None
+    when it can. `auto` picks native when it can (on CPU 1.4-2x HF generate's speed, and it reports log-probs),
+    else HF; never vLLM, whose GPU path in rlrun is not validated yet."""
     if requested == "vllm":
         from rlrun.engines.vllm_adapter import check_version  # noqa: PLC0415 - no vllm import, metadata only
 
@@ -70,13 +77,20 @@ def resolve_backend(requested: str, cuda: bool, hosting: str = "vLLM in a child 
                         + ("; no sleep mode on CPU (sleep/wake do nothing)" if not cuda else ""))
     if requested == "hf":
         return "hf", "requested"
-    if cuda and vllm_available():
-        return "hf", "auto: vLLM is installed, but rlrun's vLLM backend is opt-in (--generation_backend vllm) until validated on GPU"
-    return "hf", "auto: " + ("vLLM is not installed" if cuda else "no GPU (vLLM on CPU is slower than HF generate)")
+    if requested == "native":
+        if native_blocker is not None:
+            raise ConfigError(f"--generation_backend native cannot run this policy: {native_blocker}; use "
+                              "--generation_backend hf (or auto)")
+        return "native", "requested"
+    if native_blocker is not None:
+        return "hf", f"auto: the native engine cannot run this policy ({native_blocker})"
+    vllm_note = ("; vLLM is installed: --generation_backend vllm to use it" if cuda and vllm_available() else "")
+    return "native", "auto: rlrun's KV-cache decoder runs this architecture" + vllm_note
 
 
-class HFEngine:
-    """Sampling with transformers `generate`: left-padded prompts, stop at EOS."""
+class InProcessModelEngine:
+    """What the engines that sample from `model` in this process share (HF generate, native): a frozen model in
+    eval mode that weight sync writes into, the sampling settings, and generate() over sample()."""
 
     def __init__(self, model: nn.Module, sampling: SamplingSettings, device: torch.device,
                  tokenizer: PreTrainedTokenizerBase | None = None) -> None:
@@ -88,6 +102,14 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         return self.sample(prompts, seed).responses
+
+    def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
+               stop: tuple[str, ...] = ()) -> Generation:
+        raise NotImplementedError
+
+
+class HFEngine(InProcessModelEngine):
+    """Sampling with transformers `generate`: left-padded prompts, stop at EOS."""
 
     def load_weights(self) -> None:
         """Nothing to do: `model` is what generate() runs, and weight sync writes into it."""
