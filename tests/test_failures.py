@@ -547,9 +547,10 @@ CASES: list[Case] = [
     Case("layout_does_not_fit", 4,
          lambda c: SMALL + ["--init_kl_coef", "0.01", "--actor_num_gpus_per_node", "3", "--ref_num_gpus_per_node", "3"],
          ["world size 4", "actor 3", "ref 3"], check=lambda o, c: _assert_exitcodes(o, 2)),
-    # -- files read before the first collective: every rank fails alike, rank 0 says it once -----------------
+    # The policy's config.json is read while parsing (it decides the generation backend): a configuration error.
     Case("missing_pretrain", 2, lambda c: SMALL + ["--pretrain", str(c.dir / "no_such_model")],
-         ["FAILED", "phase startup", "--pretrain", "no_such_model", "not a local directory"]),
+         ["error: --pretrain", "no_such_model", "not a local directory"], check=lambda o, c: _assert_exitcodes(o, 2)),
+    # -- files read before the first collective: every rank fails alike, rank 0 says it once -----------------
     Case("missing_prompt_data", 2, lambda c: SMALL + ["--prompt_data", str(c.dir / "nope.jsonl")],
          ["FAILED", "phase startup", "DataError", "nope.jsonl", "does not exist"]),
     Case("empty_dataset", 0, lambda c: SMALL + ["--prompt_data", c.file("empty.jsonl", "")],

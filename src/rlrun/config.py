@@ -82,7 +82,8 @@ class GenerationConfig:
 
     generation_backend: Literal["auto", "native", "hf", "vllm"] = opt(
         "auto", "native: rlrun's own KV-cache decoder (Llama, Qwen2, Qwen3, Mistral; reports sampled-token log-probs); "
-        "hf: transformers generate; vllm: vLLM engines; auto: native when the model's architecture allows it, else hf.")
+        "hf: transformers generate; vllm: vLLM engines; auto: vllm when it is installed and a GPU is present, else native "
+        "when the model's architecture allows it, else hf.")
     temperature: float = opt(1.0, "Sampling temperature.")
     top_p: float = opt(1.0, "Nucleus sampling threshold.")
     prompt_max_len: int = opt(1024, "Max prompt tokens.")
@@ -125,7 +126,8 @@ class OptimConfig:
                              "with deepspeed the optimizer state and fp32 master weights (ZeRO-Offload, DeepSpeedCPUAdam).")
     strategy: Literal["fsdp", "deepspeed"] = opt(
         "fsdp", "How the trained and frozen models are sharded and stepped on their ranks: fsdp "
-        "(FSDP2, --zero_stage 0-3) or deepspeed (DeepSpeed ZeRO, --zero_stage 0-2; pip install 'rlrun[deepspeed]').")
+        "(FSDP2, --zero_stage 0-3) or deepspeed (DeepSpeed ZeRO, --zero_stage 0-2 on any role group, 3 when every "
+        "model spans all ranks; pip install 'rlrun[deepspeed]').")
     seed: int = opt(42, "Seed for data order, initialisation and sampling.")
 
 

@@ -7,14 +7,18 @@ and always tear down.
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from rlrun.cli import ParsedArgs, parse_args
+from rlrun.cli import VLLM_BACKEND_FIELDS, ParsedArgs, parse_args
 from rlrun.failures import checked_on_every_rank, launch_environment
+from rlrun.launch.dist import uses_cuda
 from rlrun.launch.env import read_node_label
 from rlrun.launch.layout_text import format_layout_table
 from rlrun.launch.planning import Plan, asks_node_labels, plan
 from rlrun.log import get_logger
+
+if TYPE_CHECKING:
+    from rlrun.engines.choice import GenerationChoice
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -23,20 +27,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     log = get_logger(env.rank)
 
-    def parse() -> tuple[ParsedArgs, Plan]:
+    def parse() -> tuple[ParsedArgs, "GenerationChoice", Plan]:
         parsed = parse_args(argv)
-        cfg = parsed.config
         # One node: its label is this process's own, so pinned roles are placed (and checked) now; with more
         # nodes the labels are gathered at start-up (rlrun.run) and the placement is redone there.
         one_node = env.world_size == env.local_world_size
-        labels = (read_node_label(),) if asks_node_labels(cfg) and one_node else None
-        return parsed, plan(cfg, env.world_size, env.local_world_size, labels)
+        labels = (read_node_label(),) if asks_node_labels(parsed.config) and one_node else None
+        first = plan(parsed.config, env.world_size, env.local_world_size, labels)  # bad layouts fail before the import below
+        from rlrun.engines.choice import choose_generation  # noqa: PLC0415 - imports transformers (seconds)
+
+        choice = choose_generation(parsed.config, uses_cuda(parsed.config.runtime.device))
+        if choice.backend == parsed.config.generation.generation_backend:
+            return parsed, choice, first
+        return parsed, choice, plan(choice.config, env.world_size, env.local_world_size, labels)
 
     checked = checked_on_every_rank(env, parse)
     if checked is None:
         return 2
-    parsed, the_plan = checked
-    cfg = parsed.config
+    parsed, choice, the_plan = checked
+    cfg = choice.config
+    ignored = parsed.ignored
+    if choice.backend == "vllm":  # `auto` may pick vLLM, whose own flags then act
+        ignored = tuple(line for line in ignored if line.split(":")[0].lstrip("-") not in VLLM_BACKEND_FIELDS)
     one_node = env.world_size == env.local_world_size
     if cfg.runtime.dry_run:
         log.info_once(f"layout for world size {env.world_size} ({env.local_world_size} ranks per node, launcher {env.launcher}):\n"
@@ -44,13 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if asks_node_labels(cfg) and not one_node:
             log.info_once("roles pinned by --*_node_label are placed at start-up, once every node has reported its "
                           "label (RLRUN_NODE_LABEL, else the host name); the table above ignores the labels")
-    for line in (*parsed.ignored, *the_plan.warnings):
+    for line in (*ignored, *the_plan.warnings):
         log.warning_once(line)
     if cfg.runtime.dry_run:
         return 0
     from rlrun.run import run
 
-    return run(cfg, env, the_plan.layout)
+    return run(cfg, env, the_plan.layout, choice.why)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ collective timeout, print a one-line note, and leave the same way; torchrun or s
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import torch
 
@@ -17,8 +16,6 @@ from rlrun.build import build_eval_prompts, build_prompts, build_reward_sources,
 from rlrun.compat.openrlhf_init import init_from_openrlhf
 from rlrun.compat.openrlhf_init import plan_init as plan_openrlhf_init
 from rlrun.config import Config
-from rlrun.engines.decoder import unsupported_reason
-from rlrun.errors import ConfigError
 from rlrun.engines.hosting import choose_host
 from rlrun.engines.hosting import describe as describe_host
 from rlrun.evaluation import Evaluator
@@ -33,15 +30,13 @@ from rlrun.launch.layout_text import format_layout_table
 from rlrun.launch.planning import asks_node_labels, plan
 from rlrun.log import get_logger
 from rlrun.metrics import MetricsSink
-from rlrun.models import load_model_config, load_tokenizer
+from rlrun.models import load_tokenizer
 from rlrun.resume import Checkpointer
-from rlrun.roles.engine import REPORTS_LOG_PROBS
-from rlrun.roles.engine import resolve_backend as resolve_generation_backend
 from rlrun.save import save_critic, save_policy
 from rlrun.trainer import Trainer
 
 
-def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
+def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
     log = get_logger(env.rank)
     roles_text = ",".join(r.value for r in layout.roles_of(env.rank))
     phase = run_phases(env.rank, cfg.runtime.dist_timeout)
@@ -52,14 +47,8 @@ def run(cfg: Config, env: DistEnv, layout: Layout) -> int:
         backend = resolve_backend(cfg.runtime.dist_backend, device)
         tp = cfg.resources.vllm_tensor_parallel_size
         hosting = describe_host(choose_host(cfg.generation.vllm_engine_host, layout, tp), tp)
-        g = cfg.generation
-        native_blocker = unsupported_reason(load_model_config(cfg.model), g.prompt_max_len + g.generate_max_len)
-        generation, why = resolve_generation_backend(g.generation_backend, device.type == "cuda", hosting, native_blocker)
-        if cfg.algo.is_correction_level != "off" and generation not in REPORTS_LOG_PROBS:
-            raise ConfigError(f"--is_correction_level {cfg.algo.is_correction_level} needs the engine's sampled-token "
-                              f"log-probs, but generation resolved to {generation} ({why}); use --generation_backend "
-                              "vllm, or drop the flag")
-        cfg = replace(cfg, generation=replace(g, generation_backend=generation))  # `auto` resolved, once, here
+        generation = cfg.generation.generation_backend  # resolved before planning (rlrun.engines.choice)
+        why = generation_why + (f"; {hosting}" if generation == "vllm" else "")
         # Everything that reads local files happens before the first collective, so a bad path fails
         # every rank the same way instead of leaving some waiting.
         tokenizer = load_tokenizer(cfg.model)

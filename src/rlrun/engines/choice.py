@@ -1,0 +1,36 @@
+"""Which generation backend a run uses: --generation_backend resolved once, before planning, the same on every
+rank (a pure function of the config, the policy's config.json and whether a GPU and vLLM are present), so that
+planning, building and the rollout exchange all read one concrete backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from rlrun.config import Config
+from rlrun.engines.decoder import unsupported_reason
+from rlrun.errors import ConfigError
+from rlrun.models import load_model_config
+from rlrun.roles.engine import REPORTS_LOG_PROBS, resolve_backend
+
+
+@dataclass(frozen=True)
+class GenerationChoice:
+    config: Config  # the run's config with generation_backend set to the chosen backend
+    backend: str
+    why: str
+
+
+def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
+    g = cfg.generation
+    try:
+        blocker = unsupported_reason(load_model_config(cfg.model), g.prompt_max_len + g.generate_max_len)
+    except ConfigError:
+        if not cfg.runtime.dry_run:
+            raise
+        blocker = None  # --dry_run on a machine without the model (a login node): paths are only warnings there
+    backend, why = resolve_backend(g.generation_backend, cuda, blocker)
+    if cfg.algo.is_correction_level != "off" and backend not in REPORTS_LOG_PROBS:
+        raise ConfigError(f"--is_correction_level {cfg.algo.is_correction_level} needs the engine's sampled-token "
+                          f"log-probs, but generation resolved to {backend} ({why}); use --generation_backend vllm, "
+                          "or drop the flag")
+    return GenerationChoice(replace(cfg, generation=replace(g, generation_backend=backend)), backend, why)
