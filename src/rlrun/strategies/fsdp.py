@@ -44,10 +44,16 @@ class FSDPStrategy:
         self._sleep = SleepBook(device)
 
     def wrap(self, model: nn.Module, *, trainable: bool = True) -> nn.Module:
-        """Shard each transformer block, then the root, over this role's ranks."""
+        """Shard each transformer block, then the root, over this role's ranks. A frozen model below ZeRO-3 stays
+        whole on every rank (in bf16 on GPU with --bf16), as OpenRLHF's ZeRO-0 reference/reward engines: its
+        forwards then gather nothing; at ZeRO-3 it is sharded and gathered per block like the trained models."""
         if self.gradient_checkpointing and trainable and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.to(self.device)
+        if not trainable and not self.reshard_after_forward:
+            if self.bf16:
+                model.to(torch.bfloat16)
+            return model.requires_grad_(False)
         mesh = DeviceMesh.from_group(self.group, self.device.type)
         kwargs: dict = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward or not trainable}
         if self.bf16:
