@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from rlrun.agents.stops import cut_at_stop
 from rlrun.engines.decoder import Decoder, KVCache
 from rlrun.engines.sampling import sample
-from rlrun.roles.engine import Generation, InProcessModelEngine, SamplingSettings
+from rlrun.roles.engine import Generation, TorchEngine, SamplingSettings
 
 # Finished rows stay in the batch until they are at least this fraction of it: dropping them copies the cache.
 COMPACT_FRACTION = 0.125
@@ -23,7 +23,7 @@ COMPACT_FRACTION = 0.125
 _STOP_TAIL_SLACK = 4
 
 
-class NativeEngine(InProcessModelEngine):
+class NativeEngine(TorchEngine):
     """Sampling with rlrun's decoder: left-padded prompts, stop at EOS (and at stop strings when given)."""
 
     def __init__(self, model: nn.Module, sampling: SamplingSettings, device: torch.device,

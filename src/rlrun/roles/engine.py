@@ -95,9 +95,9 @@ def resolve_backend(requested: str, cuda: bool, native_blocker: str | None = Non
     return "native", "auto: rlrun's KV-cache decoder runs this architecture" + vllm_note
 
 
-class InProcessModelEngine:
-    """What the engines that sample from `model` in this process share (HF generate, native): a frozen model in
-    eval mode that weight sync writes into, the sampling settings, and generate() over sample()."""
+class TorchEngine:
+    """What the engines that run the policy with plain torch in this process share (HF generate, native; not vLLM):
+    a frozen model in eval mode that weight sync writes into, the sampling settings, generate() over sample()."""
 
     def __init__(self, model: nn.Module, sampling: SamplingSettings, device: torch.device,
                  tokenizer: PreTrainedTokenizerBase | None = None) -> None:
@@ -115,7 +115,7 @@ class InProcessModelEngine:
         raise NotImplementedError
 
 
-class HFEngine(InProcessModelEngine):
+class HFEngine(TorchEngine):
     """Sampling with transformers `generate`: left-padded prompts, stop at EOS."""
 
     def load_weights(self) -> None:
