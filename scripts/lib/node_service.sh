@@ -39,13 +39,18 @@ svc_healthy() {
 sys.exit(u.build_opener(u.ProxyHandler({})).open(sys.argv[1], timeout=2).status != 200)' "$1" >/dev/null 2>&1
 }
 
-# svc_error MESSAGE LOG: the error line, then the last lines of the service's log.
+# svc_error MESSAGE LOG: the error line, then the last lines of the service's log. Written to stdout
+# in one piece: when another node fails first, srun kills this task at any moment, and a report cut
+# after its first line would hide the one line that says why.
 svc_error() {
-    local svc_line
-    say "error: $1"
-    while IFS= read -r svc_line; do
-        say "  | ${svc_line}"
-    done < <(tail -n 12 "$2" 2>/dev/null)
+    local svc_line svc_block
+    svc_block=$(
+        say "error: $1"
+        while IFS= read -r svc_line; do
+            say "  | ${svc_line}"
+        done < <(tail -n 12 "$2" 2>/dev/null)
+    )
+    printf '%s\n' "$svc_block"
 }
 
 # svc_await NAME PID LOG HEALTH WAIT: returns 0 once HEALTH answers 200 (or, with HEALTH empty, once
