@@ -112,6 +112,11 @@ class ParsedArgs:
     config: Any  # an instance of the spec's config_cls (PPO: rlrun.config.Config)
     ignored: tuple[str, ...]  # one line per ignored flag, with the reason
     explicit: frozenset[str]  # fields set by YAML or flags (not defaults)
+    vllm_acts_on: tuple[str, ...] = ()  # the lines of `ignored` that a vLLM backend acts on (VLLM_BACKEND_FIELDS)
+
+    def ignored_under(self, backend: str | None) -> tuple[str, ...]:
+        """`ignored` once the generation backend is known: under vllm (asked for, or picked by `auto`) its flags act."""
+        return tuple(line for line in self.ignored if line not in self.vllm_acts_on) if backend == "vllm" else self.ignored
 
 
 def _unwrap_optional(tp: Any) -> Any:
@@ -284,7 +289,8 @@ def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> Pa
             values[name] = ""  # bare flag: key from WANDB_API_KEY
             continue
         values[name] = coerce(infos[name], raw, f"--{name}")
-    ignored += [f"--{name}: has no effect ({why})" for name, why in spec.no_effect.items() if name in values
-                and not (name in VLLM_BACKEND_FIELDS and values.get("generation_backend") == "vllm")]
-    return ParsedArgs(build_config({**defaults, **values}, spec.config_cls), tuple(dict.fromkeys(ignored)),
-                      frozenset(values))
+    no_effect = {name: f"--{name}: has no effect ({why})" for name, why in spec.no_effect.items() if name in values}
+    parsed = ParsedArgs(build_config({**defaults, **values}, spec.config_cls),
+                        tuple(dict.fromkeys([*ignored, *no_effect.values()])), frozenset(values),
+                        tuple(line for name, line in no_effect.items() if name in VLLM_BACKEND_FIELDS))
+    return dataclasses.replace(parsed, ignored=parsed.ignored_under(values.get("generation_backend")))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Sequence
 
-from rlrun.cli import VLLM_BACKEND_FIELDS, ParsedArgs, parse_args
+from rlrun.cli import ParsedArgs, parse_args
 from rlrun.failures import checked_on_every_rank, launch_environment
 from rlrun.launch.dist import uses_cuda
 from rlrun.launch.env import read_node_label
@@ -46,9 +46,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     parsed, choice, the_plan = checked
     cfg = choice.config
-    ignored = parsed.ignored
-    if choice.backend == "vllm":  # `auto` may pick vLLM, whose own flags then act
-        ignored = tuple(line for line in ignored if line.split(":")[0].lstrip("-") not in VLLM_BACKEND_FIELDS)
     one_node = env.world_size == env.local_world_size
     if cfg.runtime.dry_run:
         log.info_once(f"layout for world size {env.world_size} ({env.local_world_size} ranks per node, launcher {env.launcher}):\n"
@@ -56,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if asks_node_labels(cfg) and not one_node:
             log.info_once("roles pinned by --*_node_label are placed at start-up, once every node has reported its "
                           "label (RLRUN_NODE_LABEL, else the host name); the table above ignores the labels")
-    for line in (*ignored, *the_plan.warnings):
+    for line in (*parsed.ignored_under(choice.backend), *the_plan.warnings):
         log.warning_once(line)
     if cfg.runtime.dry_run:
         return 0

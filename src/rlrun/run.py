@@ -46,9 +46,9 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
         device = resolve_device(cfg.runtime.device, env.local_rank)
         backend = resolve_backend(cfg.runtime.dist_backend, device)
         tp = cfg.resources.vllm_tensor_parallel_size
-        hosting = describe_host(choose_host(cfg.generation.vllm_engine_host, layout, tp), tp)
         generation = cfg.generation.generation_backend  # resolved before planning (rlrun.engines.choice)
-        why = generation_why + (f"; {hosting}" if generation == "vllm" else "")
+        why = generation_why + (f"; {describe_host(choose_host(cfg.generation.vllm_engine_host, layout, tp), tp)}"
+                                if generation == "vllm" else "")
         # Everything that reads local files happens before the first collective, so a bad path fails
         # every rank the same way instead of leaving some waiting.
         tokenizer = load_tokenizer(cfg.model)

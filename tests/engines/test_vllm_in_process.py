@@ -115,6 +115,9 @@ def test_vllm_flags_are_reported_only_without_the_vllm_backend():
     assert {"--vllm_enable_sleep", "--vllm_engine_host"} <= hf
     vllm = {line.split(":")[0] for line in parse_args(flags + ["--generation_backend", "vllm"]).ignored}
     assert not {"--vllm_enable_sleep", "--vllm_engine_host"} & vllm
+    auto = parse_args(flags)  # `auto` resolves after parsing: vLLM's flags act if it picks vllm, are reported if not
+    assert auto.ignored_under("native") == auto.ignored
+    assert not {line.split(":")[0] for line in auto.ignored_under("vllm")} & {"--vllm_enable_sleep", "--vllm_engine_host"}
 
 
 # ---- the real engine (lane venv) -------------------------------------------------------------------

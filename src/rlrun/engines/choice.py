@@ -16,8 +16,11 @@ from rlrun.roles.engine import REPORTS_LOG_PROBS, resolve_backend
 @dataclass(frozen=True)
 class GenerationChoice:
     config: Config  # the run's config with generation_backend set to the chosen backend
-    backend: str
     why: str
+
+    @property
+    def backend(self) -> str:
+        return self.config.generation.generation_backend
 
 
 def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
@@ -33,4 +36,4 @@ def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
         raise ConfigError(f"--is_correction_level {cfg.algo.is_correction_level} needs the engine's sampled-token "
                           f"log-probs, but generation resolved to {backend} ({why}); use --generation_backend vllm, "
                           "or drop the flag")
-    return GenerationChoice(replace(cfg, generation=replace(g, generation_backend=backend)), backend, why)
+    return GenerationChoice(replace(cfg, generation=replace(g, generation_backend=backend)), why)

@@ -19,7 +19,7 @@ def uses_cuda(requested: str) -> bool:
 
 def resolve_device(requested: str, local_rank: int) -> torch.device:
     """'auto' -> this rank's GPU when CUDA is present, else CPU; sets the current CUDA device."""
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+    if not uses_cuda(requested):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         from rlrun.errors import ConfigError

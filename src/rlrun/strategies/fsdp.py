@@ -45,7 +45,7 @@ class FSDPStrategy:
 
     def wrap(self, model: nn.Module, *, trainable: bool = True) -> nn.Module:
         """Shard each transformer block, then the root, over this role's ranks. A frozen model below ZeRO-3 stays
-        whole on every rank (in bf16 on GPU with --bf16), as OpenRLHF's ZeRO-0 reference/reward engines: its
+        whole on every rank (in bf16 with --bf16), as OpenRLHF's ZeRO-0 reference/reward engines: its
         forwards then gather nothing; at ZeRO-3 it is sharded and gathered per block like the trained models."""
         if self.gradient_checkpointing and trainable and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
