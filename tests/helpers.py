@@ -130,7 +130,7 @@ def teach_tiny_model(out: Path, trajectories: list[list[tuple[str, bool]]], *, m
     tok.save_pretrained(out)
 
 
-def value_tokens(info) -> list[str]:  # type: ignore[no-untyped-def]  - a rlrun.config.FieldInfo
+def value_tokens(info) -> list[str]:  # type: ignore[no-untyped-def]  - a rlrun.config_fields.FieldInfo
     """Values differing from the config field's default, as command-line tokens (flag-translation tests)."""
     from typing import Literal, get_args, get_origin
 

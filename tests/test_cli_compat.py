@@ -9,7 +9,8 @@ import shlex
 import pytest
 
 from rlrun.cli import IGNORED_FLAGS, LAUNCHER, NOT_YET, RAY_ONLY, build_parser, parse_args, NO_EFFECT_YET
-from rlrun.config import Config, fields_of
+from rlrun.config import Config
+from rlrun.config_fields import fields_of
 from rlrun.errors import ConfigError
 from rlrun.launch.layout import Role
 from rlrun.launch.planning import plan

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from rlrun.cli import build_parser, load_yaml, parse_args
-from rlrun.config import Config, build_config, coerce, fields_of, redacted
+from rlrun.config import Config
+from rlrun.config_fields import build_config, coerce, fields_of, redacted
 from rlrun.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers import REPO, subprocess_env
-from rlrun.config import build_config
+from rlrun.config_fields import build_config
 from rlrun.roles.actor import Actor, PolicyData, PolicyLossSettings
 from rlrun.roles.optim import make_optimizer, warmup_cosine
 from rlrun.roles.update import Updater

@@ -16,7 +16,8 @@ import yaml
 from rlrun.compat import openrlhf_flags, verl_overrides
 from rlrun.compat.argv import Nargs
 from rlrun.compat.reasons import LAUNCHER, NOT_YET, RAY_ONLY
-from rlrun.config import Config, FieldInfo, build_config, coerce, fields_of, suggest
+from rlrun.config import Config
+from rlrun.config_fields import FieldInfo, build_config, coerce, fields_of, suggest
 from rlrun.errors import ConfigError
 
 # OpenRLHF train_ppo_ray flags rlrun accepts but does not act on: name -> (values it takes, reason).

@@ -11,7 +11,8 @@ import os
 import sys
 from typing import Any
 
-from rlrun.config import RootConfig, redacted
+from rlrun.config import RootConfig
+from rlrun.config_fields import redacted
 from rlrun.errors import ConfigError, MissingExtraError
 from rlrun.progress import make_progress
 

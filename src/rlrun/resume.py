@@ -21,7 +21,8 @@ import torch
 
 from rlrun import checkpoint as ckpt
 from rlrun.build import RankRoles
-from rlrun.config import Config, redacted
+from rlrun.config import Config
+from rlrun.config_fields import redacted
 from rlrun.launch.checkpoint_sync import find_checkpoint, save_checkpoint
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role

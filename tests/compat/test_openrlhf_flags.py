@@ -12,7 +12,8 @@ import pytest
 from helpers import value_tokens
 from rlrun.cli import IGNORED_FLAGS, NOT_YET, RAY_ONLY, parse_args
 from rlrun.compat.openrlhf_flags import OPENRLHF_DOTTED, ByValue, Ignored, Same, resolve
-from rlrun.config import Config, FieldInfo, fields_of
+from rlrun.config import Config
+from rlrun.config_fields import fields_of
 from rlrun.errors import ConfigError
 
 PEER_CLI = Path("/work/peers/openrlhf/cli/train_ppo_ray.py")

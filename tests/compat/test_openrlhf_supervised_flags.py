@@ -14,7 +14,7 @@ from rlrun.compat.openrlhf_flags import OPENRLHF_DOTTED, ByValue, Ignored, Meani
 from rlrun.compat.openrlhf_supervised_flags import (DPO_DOTTED, DPO_IGNORED, RM_DOTTED, RM_IGNORED, SFT_DOTTED,
                                                     SFT_IGNORED, SPLIT)
 from rlrun.compat.reasons import NOT_YET
-from rlrun.config import fields_of
+from rlrun.config_fields import fields_of
 from rlrun.errors import ConfigError
 
 PEER = Path("/work/peers/openrlhf/cli")

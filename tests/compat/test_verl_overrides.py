@@ -11,7 +11,8 @@ from helpers import run_rlrun, subprocess_env
 from rlrun.cli import IGNORED_FLAGS, parse_args
 from rlrun.compat.verl_keys import BY_PROVENANCE, VERL_KEYS, Part, To
 from rlrun.compat.verl_overrides import parse_value, translate
-from rlrun.config import Config, fields_of
+from rlrun.config import Config
+from rlrun.config_fields import fields_of
 from rlrun.errors import ConfigError
 
 FIELDS = fields_of()

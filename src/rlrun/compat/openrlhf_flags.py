@@ -19,7 +19,7 @@ from typing import Mapping, Sequence, Union
 
 from rlrun.compat.argv import Nargs, take_values
 from rlrun.compat.reasons import NOT_YET, RAY_ONLY
-from rlrun.config import FieldInfo, coerce, suggest
+from rlrun.config_fields import FieldInfo, coerce, suggest
 from rlrun.errors import ConfigError
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Union
 
 from rlrun.compat.reasons import NOT_YET, RAY_ONLY
-from rlrun.config import suggest
+from rlrun.config_fields import suggest
 from rlrun.errors import ConfigError
 
 Convert = Callable[[Any, str], Any]  # (verl value, key) -> rlrun value; raises ConfigError naming the key

@@ -15,7 +15,7 @@ import torch
 
 from rlrun import checkpoint as ckpt
 from rlrun.launch.checkpoint_sync import find_checkpoint, save_checkpoint
-from rlrun.config import redacted
+from rlrun.config_fields import redacted
 from rlrun.log import get_logger
 from rlrun.roles.update import Updater
 from rlrun.supervised.config import SupervisedConfig
