@@ -17,7 +17,8 @@ from rlrun.cli import parse_args
 from rlrun.engines.hosting import choose_host, whole_world_problem
 from rlrun.engines.in_process import InProcessEngine, kept_host_rng
 from rlrun.errors import ConfigError
-from rlrun.launch.layout import Layout, LayoutRequest, Role, plan_layout
+from rlrun.launch.layout import Layout, LayoutRequest, Role
+from rlrun.launch.layout_plan import plan_layout
 from rlrun.launch.planning import plan
 from rlrun.roles.engine import SamplingSettings
 from rlrun.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config

@@ -40,7 +40,8 @@ def train_step(actor: torch.nn.Module, rows: list[list[int]], lr: float) -> None
 def main() -> None:
     from rlrun.engines.in_process import InProcessEngine
     from rlrun.launch.groups import build_groups
-    from rlrun.launch.layout import LayoutRequest, plan_layout
+    from rlrun.launch.layout import LayoutRequest
+    from rlrun.launch.layout_plan import plan_layout
     from rlrun.launch.transfer import EngineRowExchange
     from rlrun.roles.engine import SamplingSettings
     from rlrun.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config

@@ -1,4 +1,4 @@
-"""Tests for rlrun.launch.layout: exact rank placement, groups, warnings and every error."""
+"""Tests for rlrun.launch.layout and layout_plan: exact rank placement, groups, warnings and every error."""
 
 from __future__ import annotations
 
@@ -7,14 +7,8 @@ import re
 import pytest
 
 from rlrun.errors import LayoutError
-from rlrun.launch.layout import (
-    GroupSpec,
-    Layout,
-    LayoutRequest,
-    Role,
-    RoleRequest,
-    plan_layout,
-)
+from rlrun.launch.layout import GroupSpec, Layout, LayoutRequest, Role, RoleRequest
+from rlrun.launch.layout_plan import plan_layout
 from rlrun.launch.layout_text import format_layout_table
 
 A, C, RF, RW, E = Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD, Role.ENGINE

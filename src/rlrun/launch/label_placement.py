@@ -6,7 +6,7 @@ ranks of its nodes, then the other blocks on the lowest ranks left. Colocated ro
 label whose nodes lack the ranks, are errors naming every node's label. When the consecutive placement already honours
 the labels (or none is asked, or ``node_labels=None`` before start-up) it is kept.
 
-Pure functions called by :func:`rlrun.launch.layout.plan_layout`, which builds the blocks; a block is
+Pure functions called by :func:`rlrun.launch.layout_plan.plan_layout`, which builds the blocks; a block is
 ``(roles sharing the same consecutive ranks, how many ranks)``.
 """
 

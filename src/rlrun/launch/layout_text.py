@@ -1,6 +1,6 @@
 """How a :class:`~rlrun.launch.layout.Layout` is described for humans: the per-rank table logged by ``--dry_run``
 and after the node-label placement at start-up, and the short run-length summary of node labels that placement errors
-quote. Pure string formatting; the planning itself is in rlrun.launch.layout.
+quote. Pure string formatting; the planning itself is in rlrun.launch.layout_plan.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ from rlrun.algorithms import gamma_override_warning
 from rlrun.config import Config
 from rlrun.engines.hosting import choose_host
 from rlrun.errors import ConfigError
-from rlrun.launch.layout import Layout, LayoutRequest, Role, RoleRequest, plan_layout
+from rlrun.launch.layout import Layout, LayoutRequest, Role, RoleRequest
+from rlrun.launch.layout_plan import plan_layout
 from rlrun.strategies.checks import check_strategy
 from rlrun.validation import check_batches, check_values
 
