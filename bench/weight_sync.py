@@ -11,6 +11,8 @@ engines = ranks 1..world-1), timed round-robin:
             ~chunk_mb chunk on the wire (async) as soon as it is packed, while it packs the next;
             engine parameters are views into the receive buckets. For --bucket_mb and each of
             --sweep_mb, for each --chunk_mb;
+  zero-copy WeightSync.sync() from a root that is a one-rank FSDP2 actor: its parameters live in
+            the send buckets, each bucket is one broadcast, nothing is packed;
   pack      the root's pack step alone (copying every parameter into the staging, no wire).
 Colocated (engine ranks == actor ranks, actor FSDP2-sharded over all ranks, --colocated_preset):
   per parameter  one full_tensor() all-gather per parameter, then a copy (the code before);
@@ -123,7 +125,9 @@ def disaggregated_bench(rank: int, args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from rlrun.strategies.fsdp import param_blocks
+    from torch.distributed.tensor import DTensor
+
+    from rlrun.strategies.fsdp import FSDPStrategy, param_blocks
     from rlrun.launch.transfer import ParamSource, WeightSync, bucket_size, entry_view
 
     world = args.world
@@ -172,6 +176,9 @@ def disaggregated_bench(rank: int, args: argparse.Namespace) -> None:
     # (a) ours, for each bucket size (each with its own model: engine parameters become bucket views),
     # and the previous algorithm on the same plan: pack a whole bucket, then a blocking broadcast of it
     syncs = []
+    root_group = dist.new_group([0])  # every rank takes part in creating it
+    root_strategy = FSDPStrategy(root_group, cpu, bf16=False, zero_stage=2, offload=False,
+                                 gradient_checkpointing=False) if is_root else None
     bucket_mbs = sorted({args.bucket_mb, *[float(x) for x in args.sweep_mb.split(",") if x]})
     for bucket_mb, chunk_mb in itertools.product(bucket_mbs, chunk_mbs):
         model = make_model(1 if is_root else 2 + rank)
@@ -199,6 +206,19 @@ def disaggregated_bench(rank: int, args: argparse.Namespace) -> None:
                             "broadcasts": ws.num_buckets, "fn": previous})
         methods.append({"method": f"rlrun WeightSync, chunk {chunk_mb:g}", "bucket_mb": bucket_mb, "broadcasts": chunks,
                         "fn": ws.sync})
+        if chunk_mb == chunk_mbs[0]:  # the root is a one-rank FSDP2 actor: its parameters live in the buckets
+            model = make_model(1 if is_root else 2 + rank)
+            source = None
+            if is_root:
+                model = root_strategy.wrap(model)
+                source = ParamSource(model, root_strategy.param_blocks, root_strategy)
+            ws = WeightSync(actor_params=source, engine_model=None if is_root else model, sync_group=group,
+                            actor_root=0, colocated=False, bucket_bytes=int(bucket_mb * 2**20), wire_dtype=dtype,
+                            device=cpu)
+            assert ws.zero_copy, "the one-rank FSDP2 root did not take the zero-copy send"
+            syncs.append((ws, model, [b.data_ptr() for b in ws.buffers]))
+            methods.append({"method": "rlrun WeightSync, zero-copy", "bucket_mb": bucket_mb,
+                            "broadcasts": ws.num_buckets, "fn": ws.sync})
 
     _run_rounds(group, methods, args.warmup, args.repeats)
     raw = methods[0]["times"]
@@ -215,7 +235,8 @@ def disaggregated_bench(rank: int, args: argparse.Namespace) -> None:
         # correctness: every engine holds the root's parameters (checksum over sampled raw bytes)
         s = torch.zeros(1, dtype=torch.float64)
         for p in model.parameters():
-            s += p.detach().reshape(-1).view(torch.uint8)[::4096].double().sum()
+            t = p.detach().to_local() if isinstance(p, DTensor) else p.detach()  # the zero-copy root is FSDP2
+            s += t.reshape(-1).view(torch.uint8)[::4096].double().sum()
         sums = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(sums, s, group=group)
         checks.append(all(float(x) == float(sums[0]) for x in sums))

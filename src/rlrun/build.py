@@ -248,7 +248,8 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
             out.engine = HFEngine(policy, sampling, device, tokenizer)
         out.reward_fn, out.agents = sources.reward_fn, sources.agents
     out.weight_sync = WeightSync(
-        actor_params=ParamSource(out.actor.model, actor_strategy.param_blocks) if out.actor and actor_strategy else None,
+        actor_params=ParamSource(out.actor.model, actor_strategy.param_blocks, actor_strategy)
+        if out.actor and actor_strategy else None,
         engine_model=out.engine.model if out.engine else None,
         sync_group=groups.get("sync"),
         actor_root=layout.ranks_of(Role.ACTOR)[0],

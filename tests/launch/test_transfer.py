@@ -143,7 +143,7 @@ def _launch(scenarios: Sequence[str], world: int, outdir: Path) -> Launch:
 
 
 WORLD = 4
-SCENARIO_ORDER = ("gather", "disaggregated", "colocated", "mismatch", "blocks", "pipelined", "timeout")  # timeout last
+SCENARIO_ORDER = ("gather", "disaggregated", "colocated", "mismatch", "blocks", "pipelined", "zero_copy", "timeout")  # timeout last
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +274,7 @@ def scenario_disaggregated(rank: int, world: int) -> dict:
     ws = WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group if rank in (0, 2, 3) else None,
                     actor_root=0, colocated=False, bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
     out["num_buckets"] = ws.num_buckets
+    out["zero_copy"] = ws.zero_copy
     out["plan"] = [[(e.name, e.offset, e.nbytes) for e in b] for b in ws.buckets]
     buffer_ptrs = [b.data_ptr() for b in ws.buffers]
     if is_engine:  # engine parameters live inside the receive buckets
@@ -480,6 +481,82 @@ def scenario_pipelined(rank: int, world: int) -> dict:
     return out
 
 
+def scenario_zero_copy(rank: int, world: int) -> dict:
+    """An actor on ONE rank (FSDP2 over [0]), engines [2, 3], sync [0, 2, 3]: the root's parameters move into its
+    send buckets and each bucket is one broadcast with nothing packed. Rank 1 trains the same actor (its own
+    one-rank group, same data) without a WeightSync, so the homed actor's training can be compared bit for bit.
+    Then a stray: one parameter is given fresh memory (as a load with assign would), and the next sync must
+    still deliver it and re-home it."""
+    from rlrun.strategies import fsdp
+    from rlrun.strategies.fsdp import FSDPStrategy
+    from rlrun.launch.transfer import ParamSource
+
+    groups = {r: dist.new_group([r]) for r in (0, 1)}
+    sync_group = dist.new_group([0, 2, 3])
+    out: dict = {}
+    model = opt = strategy = None
+    if rank in (0, 1):
+        strategy = FSDPStrategy(groups[rank], torch.device("cpu"), bf16=False, zero_stage=2, offload=False,
+                                gradient_checkpointing=False)
+        model = strategy.wrap(_seeded(1))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+
+    def train(seed: int) -> None:
+        loss = model(torch.randint(0, 37, (4, 6), generator=torch.Generator().manual_seed(seed))).logsumexp(-1).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def locals_in(buffers: list[torch.Tensor]) -> bool:
+        return all(any(b.data_ptr() <= p.to_local().data_ptr() < b.data_ptr() + b.numel() for b in buffers)
+                   for p in model.parameters())
+
+    ws = None
+    if rank != 1:
+        engine = _seeded(300 + rank) if rank in (2, 3) else None
+        source = ParamSource(model, strategy.param_blocks, strategy) if rank == 0 else None
+        ws = WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group, actor_root=0,
+                        colocated=False, bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
+        out.update(zero_copy=ws.zero_copy, chunks=[len(c) for c in ws.chunks], buffers=len(ws.buffers))
+        if rank == 0:
+            out["homed_at_start"] = locals_in(ws.buffers)
+    writes = []
+    saved_write = fsdp.FullBlock.write
+
+    def counting_write(self, name, dest):
+        writes.append(name)
+        return saved_write(self, name, dest)
+
+    out["syncs"] = []
+    for k in range(3):
+        if rank in (0, 1):
+            if k == 2:  # a stray: the parameter's local tensor moves to fresh memory (same values)
+                p = dict(model.named_parameters())["head.weight"]
+                by_param = {id(fp.sharded_param): fp for m in model.modules() if isinstance(m, fsdp.FSDPModule)
+                            for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params}
+                fresh = p.to_local().clone()
+                p._local_tensor = fresh
+                by_param[id(p)]._sharded_param_data = fresh.view(-1)
+            train(k)
+        snap: dict = {}
+        if ws is not None:
+            writes.clear()
+            fsdp.FullBlock.write = counting_write
+            try:
+                ws.sync()
+            finally:
+                fsdp.FullBlock.write = saved_write
+            snap["writes"] = list(writes)
+        if rank in (0, 1):
+            snap["actor"] = {n: t.clone() for n, t in strategy.full_params(model)}
+        if rank == 0:
+            snap["homed"] = locals_in(ws.buffers)
+        if rank in (2, 3):
+            snap["engine"] = _engine_snapshot(ws.engine_model)
+        out["syncs"].append(snap)
+    return out
+
+
 def scenario_timeout(rank: int, world: int) -> dict:
     """An engine whose root never sends: sync() must raise within the sync group's timeout (2 s),
     not hang. The root builds its WeightSync (the metadata broadcast) and then skips sync()."""
@@ -506,7 +583,7 @@ def scenario_timeout(rank: int, world: int) -> dict:
 
 SCENARIOS = {f.__name__.removeprefix("scenario_"): f for f in
              (scenario_disaggregated, scenario_colocated, scenario_mismatch, scenario_gather, scenario_blocks,
-              scenario_pipelined, scenario_timeout)}
+              scenario_pipelined, scenario_zero_copy, scenario_timeout)}
 
 
 def _worker_main(scenarios: str, rank: int, world: int, port: int, outdir: str) -> int:
@@ -658,6 +735,30 @@ def test_pipelined_sync_is_exact_for_every_bucket_and_chunk_size(launched):
     assert root["cases"][2]["chunks"][0] > 4 and root["cases"][3]["chunks"] == [1]
     for k in range(1, 4):  # the actor trained between syncs: every case moved new weights
         assert not torch.equal(root["cases"][k - 1]["actor"]["head.weight"], root["cases"][k]["actor"]["head.weight"])
+
+
+def test_zero_copy_sync_sends_a_one_rank_actors_own_memory_and_trains_identically(launched):
+    r = launched.results("zero_copy")
+    root, twin, engines = r[0], r[1], (r[2], r[3])
+    assert root["zero_copy"] and all(e["zero_copy"] for e in engines)
+    assert root["homed_at_start"]
+    assert root["buffers"] == root["chunks"].__len__() > 1  # a buffer per bucket (not two staging buffers)
+    assert root["chunks"] == [1] * len(root["chunks"])  # one broadcast per bucket
+    for k, snap in enumerate(root["syncs"]):
+        # the homed actor trained exactly as the same actor without a WeightSync
+        _assert_same(snap["actor"], twin["syncs"][k]["actor"])
+        for e in engines:
+            _assert_same(e["syncs"][k]["engine"]["params"], snap["actor"])
+        assert snap["homed"]
+    assert root["syncs"][0]["writes"] == [] and root["syncs"][1]["writes"] == []  # nothing packed
+    assert root["syncs"][2]["writes"] == ["head.weight"]  # the stray was copied once, then re-homed
+    assert not torch.equal(root["syncs"][0]["actor"]["head.weight"], root["syncs"][2]["actor"]["head.weight"])
+
+
+def test_sync_of_a_sharded_actor_packs(launched):
+    """A two-rank actor's parameters are shards: the root gathers and packs, and says why."""
+    r = launched.results("disaggregated")
+    assert not r[0]["zero_copy"] and not r[2]["zero_copy"]
 
 
 def test_sync_raises_instead_of_hanging_when_the_root_never_sends(launched):

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from rlrun.errors import RlrunError
+from rlrun.log import get_logger
 from rlrun.strategies.fsdp import GatherScratch, ParamBlock
 
 ALIGN = 16  # bytes: every tensor view into a bucket starts aligned for any dtype
@@ -180,7 +181,10 @@ class WeightSync:
     about `chunk_bytes`, asynchronously, so the wire carries chunk k while the root gathers and packs
     chunk k+1. The root double-buffers its send staging (two bucket-sized buffers, a buffer is
     refilled only once its previous bucket's broadcasts completed); engine parameters ARE views into
-    one persistent receive buffer per bucket, so receiving needs no unpacking copy.
+    one persistent receive buffer per bucket, so receiving needs no unpacking copy. Zero-copy send: when
+    the actor's strategy can move the root's parameters into buckets of their own (an actor on one rank,
+    parameters already in the wire dtype: see ParamSource.zero_copy_blocker), the root's parameters ARE
+    views into its send buckets too, and each bucket is one broadcast with nothing packed.
     """
 
     def __init__(self, *, actor_params: "ParamSource | None", engine_model: nn.Module | None,
@@ -202,23 +206,45 @@ class WeightSync:
         # would cost memory there).
         self._scratch = GatherScratch() if device.type == "cpu" else None
         is_root = dist.get_rank() == actor_root
+        self.wire_dtype = wire_dtype
+        self.zero_copy = False
         if colocated or (not is_root and engine_model is None):
             return  # actor ranks other than the root only take part in the FSDP all-gathers
         assert sync_group is not None
         # Metadata crosses the wire once, in the root's gather order; both sides derive the same plan.
-        meta = [[n, list(s)] for n, s, _ in actor_params.shapes()] if is_root else None  # type: ignore[union-attr]
+        meta = None
+        if is_root:
+            blocker = actor_params.zero_copy_blocker(wire_dtype, device)  # type: ignore[union-attr]
+            meta = {"params": [[n, list(s)] for n, s, _ in actor_params.shapes()],  # type: ignore[union-attr]
+                    "zero_copy": blocker is None}
+            get_logger(dist.get_rank()).info_once(
+                "weight sync: the actor's parameters live in the send buckets (zero-copy send)" if blocker is None
+                else f"weight sync: the root packs its parameters into the send buckets ({blocker})")
         meta = broadcast_json(meta, actor_root, sync_group, device)
+        self.zero_copy = bool(meta["zero_copy"])  # type: ignore[index]
+        params = meta["params"]  # type: ignore[index]
         if engine_model is not None:
-            self._check_engine_matches(meta)  # type: ignore[arg-type]
-        self.buckets = plan_buckets([(n, torch.Size(s), wire_dtype) for n, s in meta], bucket_bytes)  # type: ignore[union-attr]
-        self.chunks = [plan_chunks(b, min(chunk_bytes, bucket_bytes)) for b in self.buckets]
-        if engine_model is not None:
+            self._check_engine_matches(params)
+        self.buckets = plan_buckets([(n, torch.Size(s), wire_dtype) for n, s in params], bucket_bytes)
+        if self.zero_copy:  # nothing to pack, so nothing to overlap: one broadcast per bucket, the wire's floor
+            self.chunks = [[(0, bucket_size(b), len(b) - 1)] for b in self.buckets]
+        else:
+            self.chunks = [plan_chunks(b, min(chunk_bytes, bucket_bytes)) for b in self.buckets]
+        if engine_model is not None or self.zero_copy:
             self.buffers = [torch.empty(bucket_size(b), dtype=torch.uint8, device=device) for b in self.buckets]
+        if engine_model is not None:
             self._bind_engine_views(engine_model)
+        elif self.zero_copy:
+            actor_params.home(self._views())  # type: ignore[union-attr]
         else:
             sizes = [bucket_size(b) for b in self.buckets]
             self.buffers = [torch.empty(max(sizes[i::2]), dtype=torch.uint8, device=device)
                             for i in range(min(2, len(sizes)))]
+
+    def _views(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Parameter name -> its view into its bucket's buffer (one buffer per bucket), for `names` or all."""
+        views = {e.name: entry_view(buffer, e) for bucket, buffer in zip(self.buckets, self.buffers) for e in bucket}
+        return views if names is None else {n: views[n] for n in names}
 
     def _check_engine_matches(self, meta: list) -> None:
         mine = {n: list(p.shape) for n, p in self.engine_model.named_parameters()}  # type: ignore[union-attr]
@@ -233,11 +259,9 @@ class WeightSync:
     def _bind_engine_views(self, model: nn.Module) -> None:
         params = dict(model.named_parameters())
         with torch.no_grad():
-            for bucket, buffer in zip(self.buckets, self.buffers):
-                for e in bucket:
-                    view = entry_view(buffer, e)
-                    view.copy_(params[e.name].data)
-                    params[e.name].data = view
+            for name, view in self._views().items():
+                view.copy_(params[name].data)
+                params[name].data = view
 
     @property
     def num_buckets(self) -> int:
@@ -270,37 +294,68 @@ class WeightSync:
         wait_all(works, self.group, self.device, "bucket broadcast")  # type: ignore[arg-type]
 
     def _send(self) -> None:
-        """Root: gather unit by unit, pack each entry into its bucket's staging buffer and put every
-        chunk on the wire (async) as soon as its last entry is packed."""
+        """Root: gather unit by unit, put each parameter into its bucket and every chunk on the wire (async) as
+        soon as its last entry is there. Packing: into two alternating staging buffers, a chunk of bucket k on
+        the wire while chunk k+1 is packed. Zero-copy: the parameters already live in their buckets; one that
+        does not any more (woken from sleep into new memory, replaced by a load) is copied and re-homed."""
         assert self.actor_params is not None and self.group is not None
         entries = iter([(k, i, e) for k, bucket in enumerate(self.buckets) for i, e in enumerate(bucket)])
         chunk_ending_at = [{last: (start, end) for start, end, last in chunks} for chunks in self.chunks]
         in_flight: list[list[dist.Work]] = [[] for _ in self.buckets]
         scratch = self._scratch or GatherScratch()
+        strays: list[str] = []
         with torch.no_grad():
             for block in self.actor_params.blocks():
                 full = block.gather(scratch)
                 for name in full.names:
                     k, i, e = next(entries)
                     assert name == e.name, (name, e.name)  # the plan follows the root's gather order
-                    staging = self.buffers[k % 2]
-                    if i == 0 and k >= 2:  # refill a staging buffer only after its last bucket left
+                    staging = self.buffers[k] if self.zero_copy else self.buffers[k % 2]
+                    if not self.zero_copy and i == 0 and k >= 2:  # refill a staging buffer only after its last bucket left
                         wait_all(in_flight[k - 2], self.group, self.device, "bucket broadcast")
-                    full.write(name, entry_view(staging, e))
+                    view = entry_view(staging, e)
+                    if not (self.zero_copy and full.aliases(name, view)):
+                        full.write(name, view)
+                        if self.zero_copy:
+                            strays.append(name)
                     if i in chunk_ending_at[k]:
                         start, end = chunk_ending_at[k][i]
                         in_flight[k].append(dist.broadcast(staging[start:end], src=self.root, group=self.group,
                                                            async_op=True))
         assert next(entries, None) is None, "the actor yielded fewer parameters than the bucket plan"
         wait_all([w for works in in_flight for w in works], self.group, self.device, "bucket broadcast")
+        if self.zero_copy and strays and self.actor_params.zero_copy_blocker(self.wire_dtype, self.device) is None:
+            self.actor_params.home(self._views(strays))
+
+
+class ParamHoming(Protocol):
+    """What a strategy offers to let weight sync's root send its parameters' own memory (rlrun.strategies.base)."""
+
+    def zero_copy_blocker(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> str | None: ...
+
+    def home_params(self, model: nn.Module, views: Mapping[str, torch.Tensor]) -> None: ...
 
 
 class ParamSource:
-    """The actor's parameters, grouped by FSDP unit in gather order (a thin adapter over the strategy)."""
+    """The actor's parameters, grouped by FSDP unit in gather order (a thin adapter over the strategy), and,
+    when the strategy can (`homing`), moved into the sync's send buckets so the root sends them without a copy."""
 
-    def __init__(self, model: nn.Module, param_blocks: "Callable[[nn.Module], list[ParamBlock]]") -> None:
+    def __init__(self, model: nn.Module, param_blocks: "Callable[[nn.Module], list[ParamBlock]]",
+                 homing: ParamHoming | None = None) -> None:
         self.model = model
         self._param_blocks = param_blocks
+        self._homing = homing
+
+    def zero_copy_blocker(self, dtype: torch.dtype, device: torch.device) -> str | None:
+        """Why the root cannot send the parameters' own memory (None: it can, after `home`)."""
+        if self._homing is None:
+            return "the actor's strategy offers no re-homing"
+        return self._homing.zero_copy_blocker(self.model, dtype, device)
+
+    def home(self, views: Mapping[str, torch.Tensor]) -> None:
+        """Each named parameter takes its view's memory (keeping its value)."""
+        assert self._homing is not None
+        self._homing.home_params(self.model, views)
 
     def blocks(self) -> list[ParamBlock]:
         """Each block's gather() is collective over the actor group."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 import torch
 from torch import nn
@@ -88,6 +88,14 @@ class Strategy(GradClipper, Protocol):
 
     def param_blocks(self, model: nn.Module) -> list["ParamBlock"]:
         """The parameters in gather order, grouped so each block is one collective (weight sync)."""
+        ...
+
+    def zero_copy_blocker(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
+        """Why `home_params` cannot move this rank's parameters into weight sync's send buckets (None: it can)."""
+        ...
+
+    def home_params(self, model: nn.Module, views: "Mapping[str, torch.Tensor]") -> None:
+        """Make each named parameter live in its view (see rlrun.strategies.fsdp.home_params). Not collective."""
         ...
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -257,6 +257,14 @@ class DeepSpeedStrategy:
         if self.settings.zero_stage == 3:
             return zero3.blocks(unwrap(model))  # type: ignore[return-value]  # the ParamBlock surface
         return [ParamBlock(list(unwrap(model).named_parameters()))]
+
+    def zero_copy_blocker(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
+        # DeepSpeed's parameters are views into its own flat buffers, which its optimizer step writes; moving
+        # them elsewhere would leave the step updating memory the model no longer reads.
+        return "DeepSpeed owns its parameters' memory (views into its flat buffers)"
+
+    def home_params(self, model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
+        raise RlrunError(f"home_params: {self.zero_copy_blocker(model, torch.float32, torch.device('cpu'))}")
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's own state dict (HF names), CPU copies, on the role's first rank, {} elsewhere. ZeRO-0/1/2:

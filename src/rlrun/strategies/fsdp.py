@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from rlrun.launch.dcp import load_role_state, save_role_state
+from rlrun.strategies import fsdp_homing
 from rlrun.strategies.base import ALL_PARTS, OptimizerFactory, Part, StepOps, TorchSteps
 from rlrun.strategies.parking import SleepBook, awake_meanwhile
 
@@ -140,6 +141,13 @@ class FSDPStrategy:
         self._sleep.require_awake(model, Part.PARAMS, "weight sync")
         return param_blocks(model)
 
+    def zero_copy_blocker(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
+        return fsdp_homing.zero_copy_blocker(model, dtype, device)
+
+    def home_params(self, model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
+        self._sleep.require_awake(model, Part.PARAMS, "weight sync")
+        fsdp_homing.home_params(model, views)
+
 
 def full_state_dict(model: nn.Module, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
     """Full CPU tensors on the role's first rank ({} elsewhere). Collective over the role, one entry at a time.
@@ -214,6 +222,12 @@ class FullBlock:
             flat[full_ranks * chunk * inner:].copy_(
                 gathered[full_ranks, piece.offset:piece.offset + tail * src.element_size()].view(dtype))
         return dest
+
+    def aliases(self, name: str, dest: torch.Tensor) -> bool:
+        """Whether `dest` is parameter `name`'s own memory already (a write would copy it onto itself)."""
+        src = self._plain.get(name)
+        return (src is not None and src.data_ptr() == dest.data_ptr() and src.shape == dest.shape
+                and src.dtype == dest.dtype and src.is_contiguous())
 
     def full(self, name: str) -> torch.Tensor:
         shape, dtype = self._meta[name]
@@ -326,3 +340,4 @@ def full_param_blocks(model: nn.Module, scratch: GatherScratch | None = None) ->
     scratch = scratch or GatherScratch()
     for block in param_blocks(model):
         yield block.gather(scratch)
+
