@@ -487,7 +487,7 @@ def scenario_zero_copy(rank: int, world: int) -> dict:
     one-rank group, same data) without a WeightSync, so the homed actor's training can be compared bit for bit.
     Then a stray: one parameter is given fresh memory (as a load with assign would), and the next sync must
     still deliver it and re-home it."""
-    from rlrun.strategies import fsdp
+    from rlrun.strategies import fsdp, fsdp_homing
     from rlrun.strategies.fsdp import FSDPStrategy
     from rlrun.launch.transfer import ParamSource
 
@@ -532,8 +532,7 @@ def scenario_zero_copy(rank: int, world: int) -> dict:
         if rank in (0, 1):
             if k == 2:  # a stray: the parameter's local tensor moves to fresh memory (same values)
                 p = dict(model.named_parameters())["head.weight"]
-                by_param = {id(fp.sharded_param): fp for m in model.modules() if isinstance(m, fsdp.FSDPModule)
-                            for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params}
+                by_param = fsdp_homing._fsdp_params_by_param(model)
                 fresh = p.to_local().clone()
                 p._local_tensor = fresh
                 by_param[id(p)]._sharded_param_data = fresh.view(-1)

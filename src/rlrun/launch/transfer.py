@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator, Mapping, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from torch import nn
 
 from rlrun.errors import RlrunError
 from rlrun.log import get_logger
+from rlrun.strategies.base import ParamHoming
 from rlrun.strategies.fsdp import GatherScratch, ParamBlock
 
 ALIGN = 16  # bytes: every tensor view into a bucket starts aligned for any dtype
@@ -230,16 +231,16 @@ class WeightSync:
             self.chunks = [[(0, bucket_size(b), len(b) - 1)] for b in self.buckets]
         else:
             self.chunks = [plan_chunks(b, min(chunk_bytes, bucket_bytes)) for b in self.buckets]
-        if engine_model is not None or self.zero_copy:
-            self.buffers = [torch.empty(bucket_size(b), dtype=torch.uint8, device=device) for b in self.buckets]
-        if engine_model is not None:
-            self._bind_engine_views(engine_model)
-        elif self.zero_copy:
-            actor_params.home(self._views())  # type: ignore[union-attr]
-        else:
+        if engine_model is None and not self.zero_copy:  # a packing root: two alternating staging buffers
             sizes = [bucket_size(b) for b in self.buckets]
             self.buffers = [torch.empty(max(sizes[i::2]), dtype=torch.uint8, device=device)
                             for i in range(min(2, len(sizes)))]
+            return
+        self.buffers = [torch.empty(bucket_size(b), dtype=torch.uint8, device=device) for b in self.buckets]
+        if engine_model is not None:
+            self._bind_engine_views(engine_model)
+        else:
+            actor_params.home(self._views())  # type: ignore[union-attr]
 
     def _views(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """Parameter name -> its view into its bucket's buffer (one buffer per bucket), for `names` or all."""
@@ -326,14 +327,6 @@ class WeightSync:
         wait_all([w for works in in_flight for w in works], self.group, self.device, "bucket broadcast")
         if self.zero_copy and strays and self.actor_params.zero_copy_blocker(self.wire_dtype, self.device) is None:
             self.actor_params.home(self._views(strays))
-
-
-class ParamHoming(Protocol):
-    """What a strategy offers to let weight sync's root send its parameters' own memory (rlrun.strategies.base)."""
-
-    def zero_copy_blocker(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> str | None: ...
-
-    def home_params(self, model: nn.Module, views: Mapping[str, torch.Tensor]) -> None: ...
 
 
 class ParamSource:

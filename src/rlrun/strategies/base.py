@@ -70,7 +70,20 @@ class TorchSteps:
         return grad_norm
 
 
-class Strategy(GradClipper, Protocol):
+class ParamHoming(Protocol):
+    """Moving this rank's parameters into memory weight sync owns (its send buckets), so its root sends them
+    without a copy. Not collective."""
+
+    def zero_copy_blocker(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
+        """Why `home_params` cannot move the parameters into buffers of `dtype` on `device` (None: it can)."""
+        ...
+
+    def home_params(self, model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
+        """Make each named parameter live in its view, keeping its value (rlrun.strategies.fsdp_homing)."""
+        ...
+
+
+class Strategy(GradClipper, ParamHoming, Protocol):
     """One role's sharding engine. `wrap`/`wrap_trainable` are called once per model; the others are
     collective over the role's group where they say so (every rank of the role must call them)."""
 
@@ -88,14 +101,6 @@ class Strategy(GradClipper, Protocol):
 
     def param_blocks(self, model: nn.Module) -> list["ParamBlock"]:
         """The parameters in gather order, grouped so each block is one collective (weight sync)."""
-        ...
-
-    def zero_copy_blocker(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
-        """Why `home_params` cannot move this rank's parameters into weight sync's send buckets (None: it can)."""
-        ...
-
-    def home_params(self, model: nn.Module, views: "Mapping[str, torch.Tensor]") -> None:
-        """Make each named parameter live in its view (see rlrun.strategies.fsdp.home_params). Not collective."""
         ...
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

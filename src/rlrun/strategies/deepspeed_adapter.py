@@ -109,6 +109,11 @@ def _log_jit(what: str) -> None:
         f"{cache} (TORCH_EXTENSIONS_DIR), later runs reuse it")
 
 
+# DeepSpeed's parameters are views into its own flat buffers, which its optimizer step writes: moved elsewhere,
+# the step would update memory the model no longer reads. So weight sync's root packs them.
+_NO_HOMING = "DeepSpeed owns its parameters' memory (views into its flat buffers)"
+
+
 @dataclass(frozen=True)
 class DSSettings:
     zero_stage: int  # 0-3 (3 only on a role group spanning the world: planning refuses the rest)
@@ -259,12 +264,10 @@ class DeepSpeedStrategy:
         return [ParamBlock(list(unwrap(model).named_parameters()))]
 
     def zero_copy_blocker(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
-        # DeepSpeed's parameters are views into its own flat buffers, which its optimizer step writes; moving
-        # them elsewhere would leave the step updating memory the model no longer reads.
-        return "DeepSpeed owns its parameters' memory (views into its flat buffers)"
+        return _NO_HOMING
 
     def home_params(self, model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
-        raise RlrunError(f"home_params: {self.zero_copy_blocker(model, torch.float32, torch.device('cpu'))}")
+        raise RlrunError(f"home_params: {_NO_HOMING}")
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's own state dict (HF names), CPU copies, on the role's first rank, {} elsewhere. ZeRO-0/1/2:

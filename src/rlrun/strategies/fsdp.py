@@ -340,4 +340,3 @@ def full_param_blocks(model: nn.Module, scratch: GatherScratch | None = None) ->
     scratch = scratch or GatherScratch()
     for block in param_blocks(model):
         yield block.gather(scratch)
-
