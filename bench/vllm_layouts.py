@@ -115,7 +115,7 @@ def raw_broadcast_s(numel: int, receivers: list[int], repeats: int = 9) -> float
 
 
 def demo_param_count() -> int:
-    from rlrun.tiny import build_causal_lm, tiny_model_config
+    from rlrun.models.tiny import build_causal_lm, tiny_model_config
     return sum(p.numel() for p in build_causal_lm(tiny_model_config(), seed=0).parameters())
 
 

@@ -118,7 +118,7 @@ def model_config(wl: Workload) -> Any:
     """Qwen2 over rlrun's byte vocab (~3.1M parameters at the defaults)."""
     from transformers import Qwen2Config
 
-    from rlrun.tiny import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID
+    from rlrun.models.tiny import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID
 
     return Qwen2Config(vocab_size=BYTE_VOCAB_SIZE, hidden_size=wl.hidden_size, intermediate_size=wl.intermediate_size,
                        num_hidden_layers=wl.num_layers, num_attention_heads=wl.num_heads,
@@ -151,7 +151,7 @@ class WorkFiles:
 
 def build_workdir(work: Path, wl: Workload) -> WorkFiles:
     """Save the model, tokenizer, prompts and reward file both trainers load."""
-    from rlrun.tiny import build_byte_tokenizer, build_causal_lm
+    from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm
 
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / "model"

@@ -127,8 +127,9 @@ def disaggregated_bench(rank: int, args: argparse.Namespace) -> None:
 
     from torch.distributed.tensor import DTensor
 
-    from rlrun.strategies.fsdp import FSDPStrategy, param_blocks
+    from rlrun.launch.param_blocks import param_blocks
     from rlrun.launch.transfer import ParamSource, WeightSync, bucket_size, entry_view
+    from rlrun.strategies.fsdp import FSDPStrategy
 
     world = args.world
     group = dist.new_group(list(range(world)))  # the "sync" group: actor root + engines
@@ -298,10 +299,10 @@ def colocated_bench(rank: int, args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from rlrun.launch.transfer import ParamSource, WeightSync
+    from rlrun.models.tiny import build_causal_lm, tiny_model_config_for_size
     import rlrun.strategies.fsdp as fsdp
     from rlrun.strategies.fsdp import FSDPStrategy
-    from rlrun.launch.transfer import ParamSource, WeightSync
-    from rlrun.tiny import build_causal_lm, tiny_model_config_for_size
 
     group = dist.new_group(list(range(args.world)))
     cpu = torch.device("cpu")

@@ -102,7 +102,7 @@ def teach_tiny_model(out: Path, trajectories: list[list[tuple[str, bool]]], *, m
     `<search>`); everything the trainer then does with it is real."""
     import torch
 
-    from rlrun.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
+    from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
 
     tok = build_byte_tokenizer()
     config = tiny_model_config()
@@ -130,7 +130,7 @@ def teach_tiny_model(out: Path, trajectories: list[list[tuple[str, bool]]], *, m
     tok.save_pretrained(out)
 
 
-def value_tokens(info) -> list[str]:  # type: ignore[no-untyped-def]  - a rlrun.config_fields.FieldInfo
+def value_tokens(info) -> list[str]:  # type: ignore[no-untyped-def]  - a rlrun.config.fields.FieldInfo
     """Values differing from the config field's default, as command-line tokens (flag-translation tests)."""
     from typing import Literal, get_args, get_origin
 

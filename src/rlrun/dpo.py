@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from rlrun.cli import CliSpec
+from rlrun.cli.parser import CliSpec
 from rlrun.compat.openrlhf_supervised_flags import DPO_DOTTED, DPO_IGNORED
-from rlrun.models import load_causal_lm
+from rlrun.models.loading import load_causal_lm
 from rlrun.rm import load_pairs
 from rlrun.supervised.build import dpo_reference, trainable
 from rlrun.supervised.config import DPOConfig

@@ -9,13 +9,13 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Sequence
 
-from rlrun.cli import ParsedArgs, parse_args
-from rlrun.failures import checked_on_every_rank, launch_environment
+from rlrun.cli.parser import ParsedArgs, parse_args
 from rlrun.launch.dist import uses_cuda
 from rlrun.launch.env import read_node_label
+from rlrun.launch.failures import checked_on_every_rank, launch_environment
 from rlrun.launch.layout_text import format_layout_table
-from rlrun.launch.planning import Plan, asks_node_labels, plan
-from rlrun.log import get_logger
+from rlrun.rl.planning import Plan, asks_node_labels, plan
+from rlrun.runtime.log import get_logger
 
 if TYPE_CHECKING:
     from rlrun.engines.choice import GenerationChoice
@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def parse() -> tuple[ParsedArgs, "GenerationChoice", Plan]:
         parsed = parse_args(argv)
         # One node: its label is this process's own, so pinned roles are placed (and checked) now; with more
-        # nodes the labels are gathered at start-up (rlrun.run) and the placement is redone there.
+        # nodes the labels are gathered at start-up (rlrun.rl.run) and the placement is redone there.
         one_node = env.world_size == env.local_world_size
         labels = (read_node_label(),) if asks_node_labels(parsed.config) and one_node else None
         first = plan(parsed.config, env.world_size, env.local_world_size, labels)  # bad layouts fail before the import below
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning_once(line)
     if cfg.runtime.dry_run:
         return 0
-    from rlrun.run import run
+    from rlrun.rl.run import run
 
     return run(cfg, env, the_plan.layout, choice.why)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.cli import CliSpec
+from rlrun.cli.parser import CliSpec
 from rlrun.compat.openrlhf_supervised_flags import RM_DOTTED, RM_IGNORED
 from rlrun.supervised.build import reward_model, trainable
 from rlrun.supervised.config import RMConfig

@@ -8,14 +8,14 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.cli import CliSpec
+from rlrun.cli.parser import CliSpec
 from rlrun.compat.openrlhf_supervised_flags import SFT_DOTTED, SFT_IGNORED
+from rlrun.models.loading import load_causal_lm
 from rlrun.supervised.build import trainable
 from rlrun.supervised.config import SFTConfig
 from rlrun.supervised.datasets import Completion, Loaded, load_completions
 from rlrun.supervised.run import BuildContext, SupervisedTrainer, main
 from rlrun.supervised.sft_task import SFTTask
-from rlrun.models import load_causal_lm
 
 CLI = CliSpec(prog="python -m rlrun.sft", description="Supervised fine-tuning (OpenRLHF train_sft flag names work).",
               config_cls=SFTConfig, ignored=SFT_IGNORED, dotted=SFT_DOTTED,

@@ -13,9 +13,9 @@ import torch
 
 from rlrun.agents.calls import AgentCalls
 from rlrun.agents.episodes import EpisodeRunner, TurnLimits, mean_stats
-from rlrun.errors import AgentError
-from rlrun.roles.engine import Generation
-from rlrun.tiny import build_byte_tokenizer
+from rlrun.engines.base import Generation
+from rlrun.models.tiny import build_byte_tokenizer
+from rlrun.runtime.errors import AgentError
 
 TOK = build_byte_tokenizer()
 

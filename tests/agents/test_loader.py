@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlrun.agents.loader import load_agent_file
-from rlrun.errors import AgentError
+from rlrun.runtime.errors import AgentError
 
 REPO = Path(__file__).resolve().parents[2]
 

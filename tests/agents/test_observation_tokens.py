@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from rlrun.algorithms import compute_advantages, compute_approx_kl, sequence_mean_kl
+from rlrun.algo.algorithms import compute_advantages, compute_approx_kl, sequence_mean_kl
+from rlrun.data.rollout import pack_log_probs, pack_rows, unpack_rows
+from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
 from rlrun.roles.actor import Actor, PolicyData, PolicyLossSettings
 from rlrun.roles.update import Updater
-from rlrun.rollout import pack_log_probs, pack_rows, unpack_rows
-from rlrun.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
 
 TOK = build_byte_tokenizer()
 CPU = torch.device("cpu")

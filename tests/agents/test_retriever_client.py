@@ -18,7 +18,7 @@ from helpers import free_port
 from retriever_process import RetrieverProcess, start_retriever, stop_retriever
 
 from rlrun.agents.retriever_client import RetrieverClient, RetrieverError
-from rlrun.errors import ConfigError, RlrunError
+from rlrun.runtime.errors import ConfigError, RlrunError
 
 pytestmark = pytest.mark.timeout(60)
 

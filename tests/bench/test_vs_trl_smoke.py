@@ -108,7 +108,7 @@ def test_rlrun_and_trl_get_the_same_job(tmp_path, system):
 
 
 def test_rlrun_args_parse_with_rlrun_cli(tmp_path):
-    from rlrun.cli import parse_args
+    from rlrun.cli.parser import parse_args
 
     files = vs_trl.WorkFiles("M", "P", "R", 3_086_080)
     two_ranks = next(s for s in vs_trl.SYSTEMS if s.slug == "rlrun_2_ranks")
@@ -122,7 +122,7 @@ def test_rlrun_args_parse_with_rlrun_cli(tmp_path):
 
 def test_async_system_is_the_disaggregated_off_policy_layout(tmp_path):
     """The async row: one actor rank training the whole batch, one engine rank generating a step ahead."""
-    from rlrun.cli import parse_args
+    from rlrun.cli.parser import parse_args
 
     system = next(s for s in vs_trl.SYSTEMS if s.slug == "rlrun_2_ranks_async")
     parsed = parse_args(vs_trl.rlrun_args(vs_trl.Workload(), vs_trl.WorkFiles("M", "P", "R", 1), system, 12, tmp_path))

@@ -66,7 +66,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForSequenceClassification
 
-    from rlrun.tiny import build_causal_lm, tiny_model_config
+    from rlrun.models.tiny import build_causal_lm, tiny_model_config
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     spec = json.loads((outdir / "spec.json").read_text())
@@ -93,7 +93,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
 
 def _critic(cls):
     """OpenRLHF's CriticModel is the HF model itself (`model.*` + bias-free `score`), wrapped directly."""
-    from rlrun.tiny import tiny_model_config
+    from rlrun.models.tiny import tiny_model_config
 
     config = tiny_model_config()
     config.num_labels = 1
@@ -139,7 +139,7 @@ def two_ranks(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def pretrain_dir(tmp_path_factory) -> Path:
-    from rlrun.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
+    from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
 
     out = tmp_path_factory.mktemp("pretrain")
     build_causal_lm(tiny_model_config(), seed=5).save_pretrained(out)
@@ -176,7 +176,7 @@ def test_one_rank_checkpoints_read_bit_identical(one_rank, name, stage):
     _assert_same(ckpt.critic, expected["critic"], "")
     assert "score.weight" in ckpt.critic and ckpt.critic["score.weight"].shape == (1, 64)
     # The step moved the weights away from the seed-0 initialisation (so equality is not trivial).
-    from rlrun.tiny import build_causal_lm, tiny_model_config
+    from rlrun.models.tiny import build_causal_lm, tiny_model_config
 
     init = build_causal_lm(tiny_model_config(), seed=0).state_dict()
     assert not torch.equal(init["model.norm.weight"], ckpt.actor["model.norm.weight"])
@@ -277,7 +277,7 @@ def test_flag_errors_before_training(one_rank, pretrain_dir, tmp_path):
     assert f"--load_openrlhf_checkpoint: OpenRLHF checkpoint {tmp_path / 'nope'}: not a directory" in res.output
     # A --pretrain whose MLP is narrower than the checkpoint's: refused naming the first tensor, before training.
     wider = tmp_path / "wider"
-    from rlrun.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
+    from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
 
     config = tiny_model_config()
     config.intermediate_size = 96
@@ -309,7 +309,7 @@ def test_rlrun_checkpoint_wins_over_the_flag_on_restart(one_rank, pretrain_dir, 
 
 
 def test_apply_weights_names_the_first_mismatch():
-    from rlrun.checkpoint import CheckpointError
+    from rlrun.checkpoint.store import CheckpointError
     from rlrun.compat.openrlhf_checkpoint import apply_weights
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1, bias=False))
@@ -335,7 +335,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def test_not_a_directory(tmp_path):
-    from rlrun.checkpoint import CheckpointError
+    from rlrun.checkpoint.store import CheckpointError
     from rlrun.compat.openrlhf_reader import read_openrlhf_checkpoint
 
     with pytest.raises(CheckpointError, match=r"nope: not a directory \(pass the --ckpt_path of the OpenRLHF run"):
@@ -343,7 +343,7 @@ def test_not_a_directory(tmp_path):
 
 
 def test_no_actor_dir_and_tag_dir_hint(tmp_path):
-    from rlrun.checkpoint import CheckpointError
+    from rlrun.checkpoint.store import CheckpointError
     from rlrun.compat.openrlhf_reader import read_openrlhf_checkpoint
 
     (tmp_path / "_critic").mkdir()
@@ -357,7 +357,7 @@ def test_no_actor_dir_and_tag_dir_hint(tmp_path):
 
 
 def test_no_latest_and_no_tag(tmp_path):
-    from rlrun.checkpoint import CheckpointError
+    from rlrun.checkpoint.store import CheckpointError
     from rlrun.compat.openrlhf_reader import read_openrlhf_checkpoint
 
     (tmp_path / "_actor" / "global_step7").mkdir(parents=True)
@@ -366,7 +366,7 @@ def test_no_latest_and_no_tag(tmp_path):
 
 
 def test_tag_that_does_not_exist(tmp_path):
-    from rlrun.checkpoint import CheckpointError
+    from rlrun.checkpoint.store import CheckpointError
     from rlrun.compat.openrlhf_reader import read_openrlhf_checkpoint
 
     (tmp_path / "_actor" / "global_step7").mkdir(parents=True)
@@ -378,7 +378,7 @@ def test_tag_that_does_not_exist(tmp_path):
 
 
 def test_not_a_deepspeed_tag_dir(tmp_path):
-    from rlrun.checkpoint import CheckpointError
+    from rlrun.checkpoint.store import CheckpointError
     from rlrun.compat.openrlhf_reader import inspect_tag
 
     (tmp_path / "t").mkdir()
@@ -399,7 +399,7 @@ def test_not_a_deepspeed_tag_dir(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_missing_shards_and_unreadable_file(two_ranks, one_rank, tmp_path):
-    from rlrun.checkpoint import CheckpointError
+    from rlrun.checkpoint.store import CheckpointError
     from rlrun.compat.openrlhf_reader import read_openrlhf_checkpoint
 
     z2 = _copy(two_ranks / "z2", tmp_path / "z2")
@@ -428,7 +428,7 @@ def test_missing_shards_and_unreadable_file(two_ranks, one_rank, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_critic_without_the_actors_tag(one_rank, tmp_path):
-    from rlrun.checkpoint import CheckpointError
+    from rlrun.checkpoint.store import CheckpointError
     from rlrun.compat.openrlhf_reader import read_openrlhf_checkpoint
 
     root = _copy(one_rank / "z2", tmp_path / "z2")
@@ -442,7 +442,7 @@ def test_critic_without_the_actors_tag(one_rank, tmp_path):
 
 
 def test_name_mapping_and_refusals():
-    from rlrun.checkpoint import CheckpointError
+    from rlrun.checkpoint.store import CheckpointError
     from rlrun.compat.openrlhf_reader import actor_names, critic_names
 
     w = torch.zeros(2, 3)
@@ -468,7 +468,7 @@ def test_name_mapping_and_refusals():
 
 
 def test_load_weights_names_the_first_mismatch():
-    from rlrun.checkpoint import CheckpointError
+    from rlrun.checkpoint.store import CheckpointError
     from rlrun.compat.openrlhf_checkpoint import load_weights
 
     class Tied(torch.nn.Module):
@@ -496,9 +496,9 @@ def test_load_weights_names_the_first_mismatch():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_converter_errors(one_rank, pretrain_dir, tmp_path, capsys):
-    from rlrun.checkpoint import CheckpointError
+    from rlrun.checkpoint.store import CheckpointError
     from rlrun.compat.openrlhf_checkpoint import convert, main
-    from rlrun.tiny import build_causal_lm, tiny_model_config
+    from rlrun.models.tiny import build_causal_lm, tiny_model_config
 
     with pytest.raises(CheckpointError, match=r"--pretrain .*missing: not a local HF model directory"):
         convert(str(one_rank / "z2"), str(tmp_path / "o1"), str(tmp_path / "missing"))

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from helpers import value_tokens
-from rlrun.cli import IGNORED_FLAGS, NOT_YET, RAY_ONLY, parse_args
+from rlrun.cli.parser import IGNORED_FLAGS, NOT_YET, RAY_ONLY, parse_args
 from rlrun.compat.openrlhf_flags import OPENRLHF_DOTTED, ByValue, Ignored, Same, resolve
-from rlrun.config import Config
-from rlrun.config_fields import fields_of
-from rlrun.errors import ConfigError
+from rlrun.config.fields import fields_of
+from rlrun.config.schema import Config
+from rlrun.runtime.errors import ConfigError
 
 PEER_CLI = Path("/work/peers/openrlhf/cli/train_ppo_ray.py")
 
@@ -195,7 +195,7 @@ def test_bad_value_names_the_dotted_flag():
         parse_args(["--reward.clip_range", "-1", "--seed", "2"])
 
 
-# The GRPO command line of tests/test_cli_compat.py, spelled the OpenRLHF 0.11 way.
+# The GRPO command line of tests/cli/test_cli_compat.py, spelled the OpenRLHF 0.11 way.
 GRPO_0_11 = r"""
 python3 -m openrlhf.cli.train_ppo_ray \
    --ref.num_nodes 1 --ref.num_gpus_per_node 8 \
@@ -265,7 +265,7 @@ def test_docs_list_every_dotted_flag():
 
 def test_is_correction_threshold_single_value_is_an_upper_bound() -> None:
     """OpenRLHF 0.11 reads `--algo.advantage.is_correction_threshold HIGH` as LOW 0 (train_ppo_ray.py)."""
-    from rlrun.cli import parse_args
+    from rlrun.cli.parser import parse_args
 
     one = parse_args(["--algo.advantage.is_correction_threshold", "2.5", "--seed", "3"]).config
     assert one.algo.is_correction_threshold == (0.0, 2.5) and one.train.seed == 3

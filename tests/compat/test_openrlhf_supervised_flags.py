@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from helpers import value_tokens
-from rlrun.cli import IGNORED_FLAGS
+from rlrun.cli.parser import IGNORED_FLAGS
 from rlrun.compat.openrlhf_flags import OPENRLHF_DOTTED, ByValue, Ignored, Meaning, Same, resolve, translate
 from rlrun.compat.openrlhf_supervised_flags import (DPO_DOTTED, DPO_IGNORED, RM_DOTTED, RM_IGNORED, SFT_DOTTED,
                                                     SFT_IGNORED, SPLIT)
 from rlrun.compat.reasons import NOT_YET
-from rlrun.config_fields import fields_of
-from rlrun.errors import ConfigError
+from rlrun.config.fields import fields_of
+from rlrun.runtime.errors import ConfigError
 
 PEER = Path("/work/peers/openrlhf/cli")
 
@@ -222,7 +222,7 @@ def _spec(trainer: str):
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_each_dotted_flag_parses_as_its_classic_flag(trainer):
     """Through the trainer's real parser: rlrun-only flags around it catch a flag taking too many or too few values."""
-    from rlrun.cli import parse_args
+    from rlrun.cli.parser import parse_args
 
     spec = _spec(trainer)
     fields = fields_of(spec.config_cls)
@@ -246,7 +246,7 @@ _VALUES: dict[int | str, list[str]] = {"*": ["q_proj", "k_proj"], 0: [], 1: ["8"
 
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_each_ignored_flag_is_reported_and_its_values_consumed(trainer):
-    from rlrun.cli import parse_args
+    from rlrun.cli.parser import parse_args
 
     spec = _spec(trainer)
     fields = fields_of(spec.config_cls)

@@ -8,12 +8,12 @@ import shlex
 import pytest
 
 from helpers import run_rlrun, subprocess_env
-from rlrun.cli import IGNORED_FLAGS, parse_args
+from rlrun.cli.parser import IGNORED_FLAGS, parse_args
 from rlrun.compat.verl_keys import BY_PROVENANCE, VERL_KEYS, Part, To
 from rlrun.compat.verl_overrides import parse_value, translate
-from rlrun.config import Config
-from rlrun.config_fields import fields_of
-from rlrun.errors import ConfigError
+from rlrun.config.fields import fields_of
+from rlrun.config.schema import Config
+from rlrun.runtime.errors import ConfigError
 
 FIELDS = fields_of()
 PENDING = {"eval_dataset", "eval_steps", "eval_temperature", "eval_n_samples_per_prompt", "eval_before_train",

@@ -8,12 +8,12 @@ import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
+from rlrun.engines.base import SamplingSettings, resolve_backend
 from rlrun.engines.decoder import unsupported_reason
 from rlrun.engines.native import NativeEngine
 from rlrun.engines.sampling import processed_log_probs
-from rlrun.errors import ConfigError
-from rlrun.roles.engine import SamplingSettings, resolve_backend
-from rlrun.tiny import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm
+from rlrun.models.tiny import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm
+from rlrun.runtime.errors import ConfigError
 
 TOK = build_byte_tokenizer()
 CPU = torch.device("cpu")

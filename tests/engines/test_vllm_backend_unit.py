@@ -9,15 +9,15 @@ import time
 import pytest
 import torch
 
+from rlrun.data.rollout import RolloutBatch, engine_logprob_diff, pack_log_probs
 from rlrun.engines import vllm_adapter
+from rlrun.engines import base as engine_module
+from rlrun.engines.base import HFEngine, SamplingSettings, resolve_backend
 from rlrun.engines.vllm_adapter import EngineSpec, check_version
 from rlrun.engines.vllm_child import EngineChild, EngineChildError, scrub_torchrun_env
 from rlrun.engines.vllm_engine import request_seeds
-from rlrun.errors import ConfigError, MissingExtraError
-from rlrun.roles import engine as engine_module
-from rlrun.roles.engine import HFEngine, SamplingSettings, resolve_backend
-from rlrun.rollout import RolloutBatch, engine_logprob_diff, pack_log_probs
-from rlrun.tiny import EOS_ID, PAD_ID, build_causal_lm, tiny_model_config
+from rlrun.models.tiny import EOS_ID, PAD_ID, build_causal_lm, tiny_model_config
+from rlrun.runtime.errors import ConfigError, MissingExtraError
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.2"])

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from rlrun.cli import parse_args
+from rlrun.cli.parser import parse_args
+from rlrun.engines.base import SamplingSettings
 from rlrun.engines.hosting import choose_host, whole_world_problem
 from rlrun.engines.in_process import InProcessEngine, kept_host_rng
-from rlrun.errors import ConfigError
 from rlrun.launch.layout import Layout, LayoutRequest, Role
 from rlrun.launch.layout_plan import plan_layout
-from rlrun.launch.planning import plan
-from rlrun.roles.engine import SamplingSettings
-from rlrun.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
+from rlrun.models.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
+from rlrun.rl.planning import plan
+from rlrun.runtime.errors import ConfigError
 
 from vllm_lane import LANE_PYTHON, REPO, lane_env, needs_lane
 

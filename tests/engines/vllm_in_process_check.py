@@ -38,13 +38,13 @@ def train_step(actor: torch.nn.Module, rows: list[list[int]], lr: float) -> None
 
 
 def main() -> None:
+    from rlrun.engines.base import SamplingSettings
     from rlrun.engines.in_process import InProcessEngine
     from rlrun.launch.groups import build_groups
     from rlrun.launch.layout import LayoutRequest
     from rlrun.launch.layout_plan import plan_layout
     from rlrun.launch.transfer import EngineRowExchange
-    from rlrun.roles.engine import SamplingSettings
-    from rlrun.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
+    from rlrun.models.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
 
     tp = int(sys.argv[1])
     torch.set_num_threads(1)

@@ -35,8 +35,8 @@ def hf_greedy(model, prompts: list[list[int]], max_new: int, eos: int) -> list[l
 def tokens_per_s_vs_hf(engine, model, prompts: list[list[int]]) -> dict[str, float]:
     """Generated tokens/s of `engine` and of HF generate on `model`, 32 new tokens per prompt, each timed on its
     second call (the first warms up)."""
-    from rlrun.roles.engine import HFEngine, SamplingSettings
-    from rlrun.tiny import EOS_ID, PAD_ID
+    from rlrun.engines.base import HFEngine, SamplingSettings
+    from rlrun.models.tiny import EOS_ID, PAD_ID
 
     settings = SamplingSettings(1.0, 1.0, 32, PAD_ID, EOS_ID)
     engine.sampling = settings
@@ -50,9 +50,9 @@ def tokens_per_s_vs_hf(engine, model, prompts: list[list[int]]) -> dict[str, flo
 
 
 def main() -> None:
+    from rlrun.engines.base import SamplingSettings
     from rlrun.engines.vllm_engine import VLLMEngine
-    from rlrun.roles.engine import SamplingSettings
-    from rlrun.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
+    from rlrun.models.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
 
     torch.set_num_threads(1)
     tok = build_byte_tokenizer()
@@ -92,7 +92,7 @@ def main() -> None:
         })
     # Multi-turn agents: a per-call token cap and stop strings. Greedy, with a stop string taken from the greedy
     # answer itself (its first printable ASCII byte), so vLLM must end that row exactly where rlrun's rule does.
-    from rlrun.agents.stops import cut_at_stop
+    from rlrun.engines.stops import cut_at_stop
 
     engine.sampling = greedy
     full = engine.sample(prompts, seed=5).responses

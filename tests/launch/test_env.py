@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlrun.errors import ConfigError
 from rlrun.launch.env import DEFAULT_PORT, DistEnv, expand_nodelist, read_env
+from rlrun.runtime.errors import ConfigError
 
 TORCHRUN = {
     "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlrun.errors import RlrunError
 from rlrun.launch.transfer import ALIGN, BucketEntry, WeightSync, bucket_size, entry_view, plan_buckets, plan_chunks
+from rlrun.runtime.errors import RlrunError
 
 DIST_TIMEOUT_S = 60  # a collective that never completes raises after this long (generous: shared CI boxes)
 JOIN_TIMEOUT_S = 240  # the whole launch (about 10 s on an idle 2-core box), after which every rank is killed
@@ -196,8 +196,8 @@ TOKENS = torch.arange(12).view(2, 6) % 37
 
 
 def _actor(group: dist.ProcessGroup):
-    from rlrun.strategies.fsdp import FSDPStrategy
     from rlrun.launch.transfer import ParamSource
+    from rlrun.strategies.fsdp import FSDPStrategy
 
     strategy = FSDPStrategy(group, torch.device("cpu"), bf16=False, zero_stage=3, offload=False, gradient_checkpointing=False)
     model = strategy.wrap(_seeded(1))
@@ -232,15 +232,15 @@ def _engine_snapshot(engine: nn.Module) -> dict:
 
 class _CollectiveCounter:
     """Counts the collectives a block of code issues through the two gather entry points:
-    rlrun.strategies.fsdp's byte all-gather ("block") and DTensor.full_tensor ("param")."""
+    rlrun.launch.param_blocks' byte all-gather ("block") and DTensor.full_tensor ("param")."""
 
     def __enter__(self) -> "_CollectiveCounter":
         from torch.distributed.tensor import DTensor
 
-        import rlrun.strategies.fsdp as fsdp
+        import rlrun.launch.param_blocks as pb
 
         self.calls = {"block": 0, "param": 0}
-        self._saved = (fsdp._all_gather_single, DTensor.full_tensor)
+        self._saved = (pb._all_gather_single, DTensor.full_tensor)
 
         def block(*args, **kwargs):
             self.calls["block"] += 1
@@ -250,15 +250,15 @@ class _CollectiveCounter:
             self.calls["param"] += 1
             return self._saved[1](*args, **kwargs)
 
-        fsdp._all_gather_single, DTensor.full_tensor = block, param
+        pb._all_gather_single, DTensor.full_tensor = block, param
         return self
 
     def __exit__(self, *exc) -> None:
         from torch.distributed.tensor import DTensor
 
-        import rlrun.strategies.fsdp as fsdp
+        import rlrun.launch.param_blocks as pb
 
-        fsdp._all_gather_single, DTensor.full_tensor = self._saved
+        pb._all_gather_single, DTensor.full_tensor = self._saved
 
 
 def scenario_disaggregated(rank: int, world: int) -> dict:
@@ -324,7 +324,7 @@ def scenario_colocated(rank: int, world: int) -> dict:
 def scenario_mismatch(rank: int, world: int) -> dict:
     """Actor ranks [0, 1] (plain model), engines [2, 3] with a different architecture: the engines
     raise at construction, naming the parameters. Two cases: a shape differs, a layer is missing."""
-    from rlrun.strategies.fsdp import param_blocks
+    from rlrun.launch.param_blocks import param_blocks
     from rlrun.launch.transfer import ParamSource
 
     sync_group = dist.new_group([0, 2, 3])
@@ -394,7 +394,8 @@ def scenario_blocks(rank: int, world: int) -> dict:
     number of collectives per block."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from rlrun.strategies.fsdp import FSDPStrategy, param_blocks
+    from rlrun.launch.param_blocks import param_blocks
+    from rlrun.strategies.fsdp import FSDPStrategy
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     mixed = Mixed(mesh)
@@ -426,7 +427,7 @@ def scenario_blocks(rank: int, world: int) -> dict:
     out["tiny_full"] = full
     out["tiny_expected"] = {n: t.clone() for n, t in strategy.full_params(model)}
 
-    import rlrun.strategies.fsdp as fsdp
+    import rlrun.launch.param_blocks as pb
 
     # FSDP over a one-rank group (an actor on one device): the shards are the full tensors, no collective
     solo_groups = [dist.new_group([r]) for r in range(world)]
@@ -434,20 +435,20 @@ def scenario_blocks(rank: int, world: int) -> dict:
                                  gradient_checkpointing=False)
     solo = solo_strategy.wrap(_seeded(5))
     with _CollectiveCounter() as counted:
-        out["solo_full"] = {n: fb.full(n) for fb in fsdp.full_param_blocks(solo) for n in fb.names}
+        out["solo_full"] = {n: fb.full(n) for fb in pb.full_param_blocks(solo) for n in fb.names}
     out["solo_collectives"] = counted.calls
     out["solo_shares_memory"] = all(
         fb._plain[n].data_ptr() == dict(solo.named_parameters())[n].to_local().data_ptr()
-        for fb in fsdp.full_param_blocks(solo) for n in fb.names)
+        for fb in pb.full_param_blocks(solo) for n in fb.names)
 
-    saved, fsdp.CPU_GATHER_PART_BYTES = fsdp.CPU_GATHER_PART_BYTES, 64  # split every unit into several all-gathers
+    saved, pb.CPU_GATHER_PART_BYTES = pb.CPU_GATHER_PART_BYTES, 64  # split every unit into several all-gathers
     try:
         with _CollectiveCounter() as counted:
-            scratch = fsdp.GatherScratch()  # shared by the blocks: each is read before the next gather
-            out["parts_full"] = {n: fb.full(n) for fb in fsdp.full_param_blocks(model, scratch) for n in fb.names}
+            scratch = pb.GatherScratch()  # shared by the blocks: each is read before the next gather
+            out["parts_full"] = {n: fb.full(n) for fb in pb.full_param_blocks(model, scratch) for n in fb.names}
         out["parts_collectives"] = counted.calls
     finally:
-        fsdp.CPU_GATHER_PART_BYTES = saved
+        pb.CPU_GATHER_PART_BYTES = saved
     return out
 
 
@@ -487,9 +488,10 @@ def scenario_zero_copy(rank: int, world: int) -> dict:
     one-rank group, same data) without a WeightSync, so the homed actor's training can be compared bit for bit.
     Then a stray: one parameter is given fresh memory (as a load with assign would), and the next sync must
     still deliver it and re-home it."""
-    from rlrun.strategies import fsdp, fsdp_homing
-    from rlrun.strategies.fsdp import FSDPStrategy
+    from rlrun.launch import param_blocks as pb
     from rlrun.launch.transfer import ParamSource
+    from rlrun.strategies import fsdp_homing
+    from rlrun.strategies.fsdp import FSDPStrategy
 
     groups = {r: dist.new_group([r]) for r in (0, 1)}
     sync_group = dist.new_group([0, 2, 3])
@@ -521,7 +523,7 @@ def scenario_zero_copy(rank: int, world: int) -> dict:
         if rank == 0:
             out["homed_at_start"] = locals_in(ws.buffers)
     writes = []
-    saved_write = fsdp.FullBlock.write
+    saved_write = pb.FullBlock.write
 
     def counting_write(self, name, dest):
         writes.append(name)
@@ -540,11 +542,11 @@ def scenario_zero_copy(rank: int, world: int) -> dict:
         snap: dict = {}
         if ws is not None:
             writes.clear()
-            fsdp.FullBlock.write = counting_write
+            pb.FullBlock.write = counting_write
             try:
                 ws.sync()
             finally:
-                fsdp.FullBlock.write = saved_write
+                pb.FullBlock.write = saved_write
             snap["writes"] = list(writes)
         if rank in (0, 1):
             snap["actor"] = {n: t.clone() for n, t in strategy.full_params(model)}
@@ -559,7 +561,7 @@ def scenario_zero_copy(rank: int, world: int) -> dict:
 def scenario_timeout(rank: int, world: int) -> dict:
     """An engine whose root never sends: sync() must raise within the sync group's timeout (2 s),
     not hang. The root builds its WeightSync (the metadata broadcast) and then skips sync()."""
-    from rlrun.strategies.fsdp import param_blocks
+    from rlrun.launch.param_blocks import param_blocks
     from rlrun.launch.transfer import ParamSource
 
     sync_group = dist.new_group([0, 2], timeout=timedelta(seconds=2))

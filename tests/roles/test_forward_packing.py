@@ -13,8 +13,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForSequenceClassification
 
-from rlrun.losses import policy_loss
-from rlrun.models import ScalarHeadModel
+from rlrun.algo.losses import policy_loss
+from rlrun.data.rollout import RolloutBatch, pack_rows, unpack_rows
+from rlrun.models.loading import ScalarHeadModel
+from rlrun.models.tiny import PAD_ID, build_causal_lm, tiny_model_config
 from rlrun.roles.actor import Actor, PolicyData, PolicyLossSettings
 from rlrun.roles.critic import Critic, ValueData
 from rlrun.roles.forward import policy_log_probs, sequence_scores, token_values
@@ -22,8 +24,6 @@ from rlrun.roles.optim import warmup_cosine
 from rlrun.roles.reference import Reference
 from rlrun.roles.reward_model import RewardModel
 from rlrun.roles.update import Updater
-from rlrun.rollout import RolloutBatch, pack_rows, unpack_rows
-from rlrun.tiny import PAD_ID, build_causal_lm, tiny_model_config
 
 ATOL = 1e-5
 CPU = torch.device("cpu")

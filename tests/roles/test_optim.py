@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from rlrun.models.tiny import build_causal_lm, tiny_model_config
 from rlrun.roles.optim import adam_implementation, make_optimizer
-from rlrun.tiny import build_causal_lm, tiny_model_config
 
 TOKENS = torch.arange(4 * 6).view(4, 6) % 250
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlrun.losses import aggregate_loss
+from rlrun.algo.losses import aggregate_loss
 from rlrun.roles.update import Updater
 
 

@@ -60,7 +60,7 @@ exec "$REAL_PYTHON" "$@"
 
 def reward_service(port: int | str) -> str:
     """A real service with GET /health: the reward server, on 127.0.0.1 only."""
-    return (f"{sys.executable} -m rlrun.reward_server --reward_file src/rlrun/demo_reward.py "
+    return (f"{sys.executable} -m rlrun.reward_server --reward_file src/rlrun/rewards/demo.py "
             f"--host 127.0.0.1 --port {port}")
 
 
@@ -207,7 +207,7 @@ def test_pod_service_whose_health_url_already_answers_is_refused(procs: Procs, t
     port = free_port()
     leftover = Procs()
     try:
-        server = leftover.start([sys.executable, "-m", "rlrun.reward_server", "--reward_file", "src/rlrun/demo_reward.py",
+        server = leftover.start([sys.executable, "-m", "rlrun.reward_server", "--reward_file", "src/rlrun/rewards/demo.py",
                                  "--host", "127.0.0.1", "--port", str(port)], training_env(), tmp_path / "leftover.out")
         deadline = time.monotonic() + 30
         while not port_answers(port):

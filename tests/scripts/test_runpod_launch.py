@@ -70,7 +70,7 @@ def test_worker_first_c10d_with_reward_server(netns: NetnsHosts, procs: Procs, t
     """The worker starts well before the head and waits for it; c10d rendezvous; the head serves the
     reward over HTTP with a bearer token and every pod scores through it."""
     reward = dict(RLRUN_RDZV="c10d", RLRUN_REWARD_SERVER="1", RLRUN_REWARD_TOKEN=TOKEN,
-                  RLRUN_REWARD_FILE=str(REPO / "src" / "rlrun" / "demo_reward.py"), RLRUN_REWARD_PORT="5055")
+                  RLRUN_REWARD_FILE=str(REPO / "src" / "rlrun" / "rewards" / "demo.py"), RLRUN_REWARD_PORT="5055")
     start_pod(netns, procs, tmp_path, 1, TRAIN, **reward)
     # Start the head only once the worker has printed a progress line: a fixed sleep raced with the
     # head's own start-up time (the head could answer at exactly 10 s, before the line was due).

@@ -17,10 +17,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM
 
 from helpers import run_rlrun
-from rlrun import checkpoint as ckpt
-from rlrun.config import Config
-from rlrun.errors import ConfigError
-from rlrun.launch.planning import plan
+from rlrun.checkpoint import store as ckpt
+from rlrun.config.schema import Config
+from rlrun.rl.planning import plan
+from rlrun.runtime.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed is not installed (pip install 'rlrun[deepspeed]'): "

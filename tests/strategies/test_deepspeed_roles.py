@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlrun.models.tiny import build_causal_lm, tiny_model_config
 from rlrun.roles.optim import make_optimizer
 from rlrun.roles.update import Updater
-from rlrun.tiny import build_causal_lm, tiny_model_config
 
 TOKENS = (torch.arange(8 * 6).view(8, 6) * 7) % 250
 LENGTHS = torch.tensor([6, 4, 2, 5, 3, 6, 1, 4])
@@ -151,7 +151,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
         # A fresh engine from a different initialisation, loaded from the step-2 checkpoint, then step 3.
         strategy2, model2, opt2, upd2 = engine(stage, group, spec["micro"], seed=99)
         strategy2.load_state(model2, opt2, ckpt)
-        upd2.scheduler.load_state_dict({**sched_state, "lr_lambdas": [None]})  # as rlrun.resume does
+        upd2.scheduler.load_state_dict({**sched_state, "lr_lambdas": [None]})  # as rlrun.rl.resume does
         upd2.run([torch.arange(8)], MASK, _micro_loss(model2))
         resumed = [p.detach().clone() for p in model2.module.parameters()]
         if role == "actor" and stage == 2:

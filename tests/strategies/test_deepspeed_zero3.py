@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlrun.tiny import build_causal_lm, tiny_model_config
+from rlrun.models.tiny import build_causal_lm, tiny_model_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_deepspeed_roles import MASK, MAX_NORM, STEPS, TOKENS, _adamw, _micro_loss, _updater, reference  # noqa: E402

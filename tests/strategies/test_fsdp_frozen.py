@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from rlrun.tiny import build_causal_lm, tiny_model_config
+from rlrun.models.tiny import build_causal_lm, tiny_model_config
 
 TOKENS = torch.arange(40, 64).view(4, 6)
 

@@ -1,18 +1,18 @@
 """Sleep without processes: parking storages in place (rlrun.strategies.parking) and the per-rank schedule
-(rlrun.sleep), against hand-written tables."""
+(rlrun.rl.sleep), against hand-written tables."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlrun.errors import ConfigError, RlrunError
-from rlrun.config import Config
+from rlrun.config.schema import Config
+from rlrun.config.validation import check_values
 from rlrun.launch.layout import Role
-from rlrun.sleep import Phase, SleepSchedule, Sleeper, rank_plan
+from rlrun.rl.sleep import Phase, SleepSchedule, Sleeper, rank_plan
+from rlrun.runtime.errors import ConfigError, RlrunError
 from rlrun.strategies.base import Part
 from rlrun.strategies.parking import ParkedStorages, SleepBook, device_storages, held_bytes
-from rlrun.validation import check_values
 
 CPU = torch.device("cpu")
 P, S = Part.PARAMS, Part.STATES

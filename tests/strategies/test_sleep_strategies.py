@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlrun.models.tiny import build_causal_lm, tiny_model_config
 from rlrun.roles.optim import make_optimizer
 from rlrun.roles.update import Updater
-from rlrun.tiny import build_causal_lm, tiny_model_config
 
 TOKENS = (torch.arange(8 * 6).view(8, 6) * 7) % 250
 MASK = torch.ones(8, 6)
@@ -90,7 +90,7 @@ def _snapshot(model, optimizer) -> list[torch.Tensor]:
 def _case(kind: str, stage: int, rank: int, world: int, outdir: Path) -> dict:
     import torch.distributed as dist
 
-    from rlrun.errors import RlrunError
+    from rlrun.runtime.errors import RlrunError
     from rlrun.strategies.base import Part
 
     group, cpu = dist.group.WORLD, torch.device("cpu")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from rlrun.config import Config
-from rlrun.errors import ConfigError
-from rlrun.launch.planning import plan
+from rlrun.config.schema import Config
+from rlrun.rl.planning import plan
+from rlrun.runtime.errors import ConfigError
 from rlrun.strategies import checks
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from rlrun.errors import DataError
+from rlrun.models.tiny import CHAT_TEMPLATE, build_byte_tokenizer
+from rlrun.runtime.errors import DataError
 from rlrun.supervised.datasets import Completion, Loaded, Preference, load_completions, load_preferences
-from rlrun.tiny import CHAT_TEMPLATE, build_byte_tokenizer
 
 EOS = 258
 SPACE = 32

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import RunResult, run_rlrun, subprocess_env
-from rlrun import checkpoint as ckpt
+from rlrun.checkpoint import store as ckpt
 from rlrun.supervised.demo_data import write_all
 
 STEPS = 6

@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from helpers import REPO, subprocess_env
-from rlrun.cli import parse_args
+from rlrun.cli.parser import parse_args
 from rlrun.dpo import CLI as DPO_CLI
-from rlrun.errors import ConfigError
 from rlrun.rm import CLI as RM_CLI
+from rlrun.runtime.errors import ConfigError
 from rlrun.sft import CLI as SFT_CLI
 from rlrun.supervised.config import DPOConfig, RMConfig, SFTConfig
 from rlrun.supervised.validation import check_supervised

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from rlrun.models import ScalarHeadModel, init_score_head, load_causal_lm, scalar_model_from
-from rlrun.config import PretrainedConfig
+from rlrun.config.schema import PretrainedConfig
+from rlrun.models.loading import ScalarHeadModel, init_score_head, load_causal_lm, scalar_model_from
 from rlrun.supervised.batches import sequences_batch
 from rlrun.supervised.datasets import Completion, Preference
 from rlrun.supervised.dpo_task import DPOSettings, DPOTask

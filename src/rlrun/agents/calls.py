@@ -15,8 +15,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
-from rlrun.errors import AgentError
-from rlrun.pyfile import one_line
+from rlrun.runtime.errors import AgentError
+from rlrun.runtime.pyfile import one_line
 
 
 class Instance(Protocol):

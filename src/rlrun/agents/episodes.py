@@ -20,9 +20,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.agents.calls import AgentCalls, Instance
-from rlrun.batching import derive_seed
-from rlrun.errors import AgentError
-from rlrun.roles.engine import Generation
+from rlrun.data.batching import derive_seed
+from rlrun.engines.base import Generation
+from rlrun.runtime.errors import AgentError
 
 
 class _Sampler(Protocol):

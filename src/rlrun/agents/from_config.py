@@ -7,7 +7,7 @@ from transformers import PreTrainedTokenizerBase
 from rlrun.agents.calls import AgentCalls
 from rlrun.agents.episodes import EpisodeRunner, TurnLimits
 from rlrun.agents.loader import load_agent_file
-from rlrun.config import Config
+from rlrun.config.schema import Config
 
 
 def build_episode_runner(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> EpisodeRunner:

@@ -13,8 +13,8 @@ from typing import Callable
 
 from rlrun.agents import api
 from rlrun.agents.calls import Instance
-from rlrun.errors import AgentError
-from rlrun.pyfile import import_file, one_line
+from rlrun.runtime.errors import AgentError
+from rlrun.runtime.pyfile import import_file, one_line
 
 DEFINES = "class AgentInstance(AgentInstanceBase) with async reset()/step() (OpenRLHF's agent contract)"
 

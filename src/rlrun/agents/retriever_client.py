@@ -13,12 +13,10 @@ import json
 import os
 import threading
 
-from rlrun.errors import ConfigError, RlrunError
-from rlrun.http_retry import AttemptFailed, RequestRejected, RetriesExhausted, display_url, post_once, with_retries
-from rlrun.retriever_server import TOKEN_ENV
-
-
-RETRY_BACKOFF_S = 0.5  # before retry k: RETRY_BACKOFF_S * 2**(k-1)
+from rlrun.config.schema import RETRIEVER_RETRY_BACKOFF_S
+from rlrun.runtime.errors import ConfigError, RlrunError
+from rlrun.serving.http_retry import AttemptFailed, RequestRejected, RetriesExhausted, display_url, post_once, with_retries
+from rlrun.serving.retriever import TOKEN_ENV
 
 
 class RetrieverError(RlrunError):
@@ -48,7 +46,7 @@ def _check_result(payload: bytes, n: int) -> list[list[dict]]:
 class RetrieverClient:
     """Searches `url` for `topk` passages per query; one client may serve many agents and event loops."""
 
-    def __init__(self, url: str, topk: int, *, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = RETRY_BACKOFF_S,
+    def __init__(self, url: str, topk: int, *, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = RETRIEVER_RETRY_BACKOFF_S,
                  max_batch: int = 256) -> None:
         if not url.lower().startswith(("http://", "https://")):
             raise ConfigError(f"--retriever_url {url!r} is not an http(s):// URL; pass the server's POST URL, "

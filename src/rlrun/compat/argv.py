@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Literal, Sequence, Union
 
-from rlrun.errors import ConfigError
+from rlrun.runtime.errors import ConfigError
 
 # How many values a flag takes: a count, "*" (any number), "+" (at least one), "?" (an optional one).
 Nargs = Union[int, Literal["*", "+", "?"]]

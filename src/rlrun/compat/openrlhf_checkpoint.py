@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rlrun.checkpoint import CheckpointError
+from rlrun.checkpoint.store import CheckpointError
 from rlrun.compat.openrlhf_reader import OPTIMIZER_NOTE, OpenRLHFCheckpoint, read_openrlhf_checkpoint
 
 STATE_FILE = "openrlhf_state.json"  # beside OUT/actor and OUT/critic: the checkpoint's summary()

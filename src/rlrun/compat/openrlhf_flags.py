@@ -19,8 +19,8 @@ from typing import Mapping, Sequence, Union
 
 from rlrun.compat.argv import Nargs, take_values
 from rlrun.compat.reasons import NOT_YET, RAY_ONLY
-from rlrun.config_fields import FieldInfo, coerce, suggest
-from rlrun.errors import ConfigError
+from rlrun.config.fields import FieldInfo, coerce, suggest
+from rlrun.runtime.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,7 @@ OPENRLHF_DOTTED: dict[str, Meaning] = {
     **_optimizer("critic"),
 }
 
-# The two undotted flags 0.11.2 still has (--local_rank, --use_ms) are classic flags: rlrun.cli.IGNORED_FLAGS.
+# The two undotted flags 0.11.2 still has (--local_rank, --use_ms) are classic flags: rlrun.cli.parser.IGNORED_FLAGS.
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rlrun.checkpoint import CheckpointError
+from rlrun.checkpoint.store import CheckpointError
 from rlrun.compat.openrlhf_checkpoint import apply_weights
 from rlrun.compat.openrlhf_reader import (OPTIMIZER_NOTE, TagFiles, list_tags, actor_names, client_state_of,
                                           critic_names, inspect_tag, part_dir, read_deepspeed_weights, resolve_tag)

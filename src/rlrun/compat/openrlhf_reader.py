@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlrun.checkpoint import CheckpointError
+from rlrun.checkpoint.store import CheckpointError
 
 Part = Literal["actor", "critic"]
 PART_DIRS: dict[Part, str] = {"actor": "_actor", "critic": "_critic"}

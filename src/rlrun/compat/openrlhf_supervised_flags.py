@@ -24,7 +24,7 @@ from rlrun.compat.reasons import LAUNCHER, NOT_YET
 
 Classic = Mapping[str, tuple[int | str, str]]
 
-# rlrun's readers (rlrun.data) take local files, which have no splits, and the 'train' split of a saved DatasetDict.
+# rlrun's readers (rlrun.data.prompts) take local files, which have no splits, and the 'train' split of a saved DatasetDict.
 SPLIT = "rlrun reads local files and the 'train' split of a saved DatasetDict"
 _SPLIT_FIX = (f"{SPLIT}; save the split you want as its own dataset (or as 'train') and pass that path, "
               "with this flag at 'train' or dropped")

@@ -6,12 +6,12 @@ import inspect
 
 from typing import Mapping
 
-from rlrun.cli import IGNORED_FLAGS, NO_EFFECT_YET, PPO_CLI, CliSpec
+from rlrun.cli.parser import IGNORED_FLAGS, NO_EFFECT_YET, PPO_CLI, CliSpec
 from rlrun.compat import verl_keys as verl
+from rlrun.compat.openrlhf_flags import ByValue, Ignored, Same, resolve
 from rlrun.compat.reasons import NOT_YET
 from rlrun.compat.verl_overrides import GROUP_RULES
-from rlrun.compat.openrlhf_flags import ByValue, Ignored, Same, resolve
-from rlrun.config_fields import fields_of
+from rlrun.config.fields import fields_of
 
 GROUP_FIELDS = {"kl": "use_kl_loss, init_kl_coef, kl_estimator, kl_target, kl_horizon",
                 "batch": "n_samples_per_prompt, train_batch_size", "micro": "micro_train_batch_size, micro_rollout_batch_size",

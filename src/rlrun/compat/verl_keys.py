@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Union
 
 from rlrun.compat.reasons import NOT_YET, RAY_ONLY
-from rlrun.config_fields import suggest
-from rlrun.errors import ConfigError
+from rlrun.config.fields import suggest
+from rlrun.runtime.errors import ConfigError
 
 Convert = Callable[[Any, str], Any]  # (verl value, key) -> rlrun value; raises ConfigError naming the key
 Group = Literal["kl", "batch", "micro", "estimator", "reward_model", "clip", "turns"]

@@ -22,8 +22,8 @@ from rlrun.compat.argv import Nargs, split_override, take_values
 from rlrun.compat.reasons import NOT_YET
 from rlrun.compat.verl_keys import (ESTIMATORS, VERL_KEYS, A, Expand, Group, Part, R, Reject, Skip, as_bool, as_int,
                                     kl_type, meaning_of)
-from rlrun.config_fields import FieldInfo, coerce, suggest
-from rlrun.errors import ConfigError
+from rlrun.config.fields import FieldInfo, coerce, suggest
+from rlrun.runtime.errors import ConfigError
 
 
 # --- rules over several keys -------------------------------------------------------------------------------------

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from rlrun.config import Config
+from rlrun.config.schema import Config
+from rlrun.engines.base import REPORTS_LOG_PROBS, resolve_backend
 from rlrun.engines.decoder import unsupported_reason
-from rlrun.errors import ConfigError
-from rlrun.models import load_model_config
-from rlrun.roles.engine import REPORTS_LOG_PROBS, resolve_backend
+from rlrun.models.loading import load_model_config
+from rlrun.runtime.errors import ConfigError
 
 
 @dataclass(frozen=True)

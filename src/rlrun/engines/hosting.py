@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from rlrun.errors import ConfigError
 from rlrun.launch.layout import Layout, Role
+from rlrun.runtime.errors import ConfigError
 
 EngineHost = Literal["child", "in_process"]
 HostRequest = Literal["auto", "child", "in_process"]

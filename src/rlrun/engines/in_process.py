@@ -37,13 +37,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from rlrun.engines.base import Generation, SamplingSettings
 from rlrun.engines.hosting import whole_world_problem
 from rlrun.engines.vllm_adapter import EngineSpec, VLLMAdapter, sleeps
 from rlrun.engines.vllm_engine import VLLMEngineBase
-from rlrun.errors import ConfigError
 from rlrun.launch.layout import Layout
-from rlrun.log import get_logger
-from rlrun.roles.engine import Generation, SamplingSettings
+from rlrun.runtime.errors import ConfigError
+from rlrun.runtime.log import get_logger
 
 
 class PeerExchange(Protocol):

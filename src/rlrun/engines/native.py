@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.agents.stops import cut_at_stop
+from rlrun.engines.base import Generation, TorchEngine, SamplingSettings
 from rlrun.engines.decoder import Decoder, KVCache
 from rlrun.engines.sampling import sample
-from rlrun.roles.engine import Generation, TorchEngine, SamplingSettings
+from rlrun.engines.stops import cut_at_stop
 
 # Finished rows stay in the batch until they are at least this fraction of it: dropping them copies the cache.
 COMPACT_FRACTION = 0.125

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 from torch import nn
 
+from rlrun.engines.base import Generation, SamplingSettings
 from rlrun.engines.vllm_engine import VLLMEngine, request_seeds
-from rlrun.roles.engine import Generation, SamplingSettings
 
 
 class RowExchange(Protocol):

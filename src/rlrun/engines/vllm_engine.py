@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.agents.stops import cut_at_stop
+from rlrun.engines.base import Generation, SamplingSettings
+from rlrun.engines.stops import cut_at_stop
 from rlrun.engines.vllm_adapter import EngineSpec, Sampling, check_version, sleeps, write_weights
 from rlrun.engines.vllm_child import EngineChild
-from rlrun.log import get_logger
-from rlrun.roles.engine import Generation, SamplingSettings
+from rlrun.runtime.log import get_logger
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

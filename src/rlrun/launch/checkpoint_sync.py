@@ -1,6 +1,6 @@
 """The collective part of saving and finding checkpoints, shared by every trainer.
 
-Rank 0 of the world prepares the temporary directory and seals it (rlrun.checkpoint); every rank writes
+Rank 0 of the world prepares the temporary directory and seals it (rlrun.checkpoint.store); every rank writes
 its own part in between; a failure to prepare or a checkpoint that does not fit the run is one error on
 every rank (broadcast), never a rank waiting alone.
 """
@@ -13,11 +13,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from rlrun import checkpoint as ckpt
-from rlrun.faults import maybe_inject
+from rlrun.checkpoint import store as ckpt
 from rlrun.launch.dcp import barrier
 from rlrun.launch.transfer import broadcast_json
-from rlrun.log import get_logger
+from rlrun.runtime.faults import maybe_inject
+from rlrun.runtime.log import get_logger
 
 
 def save_checkpoint(root: str, steps_done: int, *, group: dist.ProcessGroup, device: torch.device, timeout_s: float,

@@ -22,7 +22,7 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
     if not uses_cuda(requested):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        from rlrun.errors import ConfigError
+        from rlrun.runtime.errors import ConfigError
 
         raise ConfigError("--device cuda was requested but torch sees no CUDA device; use --device cpu")
     index = local_rank % torch.cuda.device_count()

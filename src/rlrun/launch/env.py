@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
-from rlrun.errors import ConfigError
+from rlrun.runtime.errors import ConfigError
 
 Launcher = Literal["torchrun", "slurm", "single"]
 DEFAULT_PORT = 29500

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from rlrun.errors import LayoutError
 from rlrun.launch.layout_text import describe_nodes
+from rlrun.runtime.errors import LayoutError
 
 if TYPE_CHECKING:
     from rlrun.launch.layout import Role

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlrun.errors import LayoutError
 from rlrun.launch.env import MAX_NODE_LABEL_BYTES
 from rlrun.launch.transfer import all_gather_vectors
+from rlrun.runtime.errors import LayoutError
 
 _WIDTH = MAX_NODE_LABEL_BYTES + 1  # one length byte, then the UTF-8 bytes
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
 
-from rlrun.errors import LayoutError
+from rlrun.runtime.errors import LayoutError
 
 
 class Role(str, Enum):

@@ -32,7 +32,7 @@ Semantics of ``plan_layout(request, world_size, ranks_per_node)``:
   ``reward``, ``engine``; ``engine.0``, ``engine.1``, ... (each engine's TP ranks); ``sync`` = actor rank 0 +
   all engine ranks, only when the engine is disjoint from the actor.
 
-Every error is a :class:`~rlrun.errors.LayoutError` whose message names all the sizes involved, the world size
+Every error is a :class:`~rlrun.runtime.errors.LayoutError` whose message names all the sizes involved, the world size
 and the ranks per node, and says how to fix it.
 """
 
@@ -40,9 +40,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from rlrun.errors import LayoutError
 from rlrun.launch.label_placement import block_labels, place_blocks
 from rlrun.launch.layout import GroupSpec, Layout, LayoutRequest, Role, RoleRequest
+from rlrun.runtime.errors import LayoutError
 
 # Roles that hold a trained or frozen model and are sized by a RoleRequest; the engine is sized by vllm_*.
 _MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)

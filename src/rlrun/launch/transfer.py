@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlrun.errors import RlrunError
-from rlrun.log import get_logger
-from rlrun.strategies.base import ParamHoming
-from rlrun.strategies.fsdp import GatherScratch, ParamBlock
+from rlrun.launch.param_blocks import GatherScratch, ParamBlock, ParamHoming
+from rlrun.runtime.errors import RlrunError
+from rlrun.runtime.log import get_logger
 
 ALIGN = 16  # bytes: every tensor view into a bucket starts aligned for any dtype
 # torch >= 2.10 renamed all_gather_into_tensor (which now warns on every call).

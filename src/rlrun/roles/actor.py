@@ -7,12 +7,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlrun.algorithms import compute_approx_kl
-from rlrun.is_correction import ISCorrection
-from rlrun.losses import LossAggMode, PolicyLossType, aggregate_loss, policy_loss
+from rlrun.algo.algorithms import compute_approx_kl
+from rlrun.algo.is_correction import ISCorrection
+from rlrun.algo.losses import LossAggMode, PolicyLossType, aggregate_loss, policy_loss
+from rlrun.data.rollout import RolloutBatch
 from rlrun.roles.forward import over_micro_batches, policy_log_probs
 from rlrun.roles.update import Updater
-from rlrun.rollout import RolloutBatch
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Actor:
         self.updater = updater
         self.settings = settings
         self.device = device
-        self.packing = packing  # --packing_samples: forward on packed rows (rlrun.packing)
+        self.packing = packing  # --packing_samples: forward on packed rows (rlrun.data.packing)
         # (rows, [rows, R] detached log-probs) per micro-batch of the last on-policy train() (PolicyData.old_log_probs
         # None): the trainer gathers them in place of the skipped scoring pass.
         self._on_policy: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlrun.losses import LossAggMode, value_loss
+from rlrun.algo.losses import LossAggMode, value_loss
+from rlrun.data.rollout import RolloutBatch
 from rlrun.roles.forward import over_micro_batches, token_values
 from rlrun.roles.update import Updater
-from rlrun.rollout import RolloutBatch
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Critic:
     def __init__(self, model: nn.Module, updater: Updater, value_clip: float | None, agg: LossAggMode,
                  device: torch.device, packing: bool = False) -> None:
         self.model = model
-        self.packing = packing  # --packing_samples: forward on packed rows (rlrun.packing)
+        self.packing = packing  # --packing_samples: forward on packed rows (rlrun.data.packing)
         self.updater = updater
         self.value_clip = value_clip
         self.agg = agg

@@ -1,5 +1,5 @@
 """Forward passes shared by the roles: response log-probs, per-token values and last-token scores,
-on padded rows or (with --packing_samples) on packed rows (rlrun.packing).
+on padded rows or (with --packing_samples) on packed rows (rlrun.data.packing).
 
 Every forward passes use_cache=False: without it HF builds a KV cache nobody reads, and a cache
 also turns off transformers' packed-sequence detection from position ids.
@@ -12,10 +12,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from rlrun.losses import entropy_from_logits, log_probs_from_logits
-from rlrun.models import position_ids_from
-from rlrun.packing import PackedBatch, pack_batch
-from rlrun.rollout import RolloutBatch
+from rlrun.algo.losses import entropy_from_logits, log_probs_from_logits
+from rlrun.data.packing import PackedBatch, pack_batch
+from rlrun.data.rollout import RolloutBatch
+from rlrun.models.loading import position_ids_from
 
 # Attention kernels that take packed sequences as ONE row and run varlen attention on it (cost
 # sum(n_i^2)); every other kernel gets a dense block-diagonal mask per row, so rows stay as wide as

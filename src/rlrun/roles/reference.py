@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rlrun.data.rollout import RolloutBatch
 from rlrun.roles.forward import over_micro_batches, policy_log_probs
-from rlrun.rollout import RolloutBatch
 
 
 class Reference:
     def __init__(self, model: nn.Module, temperature: float, device: torch.device, packing: bool = False) -> None:
         self.model = model.eval()
-        self.packing = packing  # --packing_samples: forward on packed rows (rlrun.packing)
+        self.packing = packing  # --packing_samples: forward on packed rows (rlrun.data.packing)
         self.temperature = temperature
         self.device = device
 

@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from rlrun.batching import shard
-from rlrun.errors import RlrunError
+from rlrun.data.batching import shard
+from rlrun.runtime.errors import RlrunError
 from rlrun.strategies.base import GradClipper, StepOps, TorchSteps
 
 # rows (global indices of one micro-batch), num_tokens, num_seqs -> (loss, stats)

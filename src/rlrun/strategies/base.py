@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from rlrun.strategies.fsdp import ParamBlock
+from rlrun.launch.param_blocks import ParamBlock, ParamHoming
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -70,19 +69,6 @@ class TorchSteps:
         return grad_norm
 
 
-class ParamHoming(Protocol):
-    """Moving this rank's parameters into memory weight sync owns (its send buckets), so its root sends them
-    without a copy. Not collective."""
-
-    def zero_copy_blocker(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
-        """Why `home_params` cannot move the parameters into buffers of `dtype` on `device` (None: it can)."""
-        ...
-
-    def home_params(self, model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
-        """Make each named parameter live in its view, keeping its value (rlrun.strategies.fsdp_homing)."""
-        ...
-
-
 class Strategy(GradClipper, ParamHoming, Protocol):
     """One role's sharding engine. `wrap`/`wrap_trainable` are called once per model; the others are
     collective over the role's group where they say so (every rank of the role must call them)."""
@@ -99,7 +85,7 @@ class Strategy(GradClipper, ParamHoming, Protocol):
 
     def step_ops(self, model: nn.Module) -> StepOps: ...
 
-    def param_blocks(self, model: nn.Module) -> list["ParamBlock"]:
+    def param_blocks(self, model: nn.Module) -> list[ParamBlock]:
         """The parameters in gather order, grouped so each block is one collective (weight sync)."""
         ...
 

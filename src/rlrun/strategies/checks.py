@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib.util
 from importlib.metadata import PackageNotFoundError, version
 
-from rlrun.config import Config, OptimConfig
-from rlrun.errors import ConfigError
+from rlrun.config.schema import Config, OptimConfig
 from rlrun.launch.layout import Layout, Role
+from rlrun.runtime.errors import ConfigError
 
 # The DeepSpeed releases rlrun's adapter was tested with (it relies on mpu, explicit accumulation boundaries,
 # safe_get/set_full_*, the ZeRO-1/2 optimizer's partition attributes and ZeRO-3's flat fp32 sub-groups).

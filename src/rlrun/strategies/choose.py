@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlrun.config import OptimConfig, PretrainedConfig
+from rlrun.config.schema import OptimConfig, PretrainedConfig
 from rlrun.strategies.base import Strategy
 from rlrun.strategies.fsdp import FSDPStrategy
 

@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlrun.errors import RlrunError
-from rlrun.log import get_logger
-from rlrun.strategies.base import ALL_PARTS, GradClipper, OptimizerFactory, Part, StepOps
+from rlrun.launch.param_blocks import ParamBlock
+from rlrun.runtime.errors import RlrunError
+from rlrun.runtime.log import get_logger
 from rlrun.strategies import deepspeed_zero3 as zero3
+from rlrun.strategies.base import ALL_PARTS, GradClipper, OptimizerFactory, Part, StepOps
 from rlrun.strategies.deepspeed_state import load_engine_state, save_engine_state
-from rlrun.strategies.fsdp import ParamBlock
 from rlrun.strategies.parking import SleepBook, awake_meanwhile
 
 import deepspeed  # noqa: E402  (after torch: an optional extra; rlrun.strategies.checks refuses the flag without it)

@@ -20,7 +20,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402  (optional ex
 from deepspeed.utils import (lazy_init_hp_params_optimizer_state, safe_get_full_fp32_param,
                              safe_get_full_optimizer_state, safe_set_full_fp32_param, safe_set_full_optimizer_state)
 
-from rlrun.errors import RlrunError
+from rlrun.runtime.errors import RlrunError
 from rlrun.strategies import deepspeed_zero3 as zero3
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -18,7 +18,7 @@ from torch import nn
 
 import deepspeed  # noqa: E402  (an optional extra; rlrun.strategies.checks refuses --strategy deepspeed without it)
 
-from rlrun.strategies.fsdp import FullBlock
+from rlrun.launch.param_blocks import FullBlock
 
 
 def is_partitioned(p: torch.Tensor) -> bool:
@@ -45,7 +45,7 @@ def layer_groups(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
 
 class Zero3Block:
     """One group of ZeRO-3 parameters; `gather()` makes them whole for a moment and copies them out (the
-    same role as rlrun.strategies.fsdp.ParamBlock). Collective over the role."""
+    same role as rlrun.launch.param_blocks.ParamBlock). Collective over the role."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]]) -> None:
         self.named = named

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from rlrun.errors import RlrunError
+from rlrun.runtime.errors import RlrunError
 from rlrun.strategies.base import Part
 
 
@@ -135,12 +135,12 @@ class SleepBook:
     def require_awake(self, model: nn.Module, part: Part, what: str) -> None:
         if (id(model), part) in self._asleep:
             raise RlrunError(f"{what} needs the model's {part.value}, which are asleep (--deepspeed_enable_sleep); "
-                             "the sleep schedule (rlrun.sleep) must wake them first")
+                             "the sleep schedule (rlrun.rl.sleep) must wake them first")
 
 
 def _refuse(what: str):
     def hook(*_: object) -> None:
-        raise RlrunError(f"{what} (--deepspeed_enable_sleep); the sleep schedule (rlrun.sleep) must wake it first")
+        raise RlrunError(f"{what} (--deepspeed_enable_sleep); the sleep schedule (rlrun.rl.sleep) must wake it first")
     return hook
 
 

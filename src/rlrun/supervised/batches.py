@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from rlrun.rollout import RolloutBatch, pack_rows, unpack_rows
+from rlrun.data.rollout import RolloutBatch, pack_rows, unpack_rows
 
 
 def sequences_batch(prompts: Sequence[list[int]], responses: Sequence[list[int]], pad_id: int) -> RolloutBatch:

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from rlrun.config import OptimConfig, PretrainedConfig
-from rlrun.log import get_logger
-from rlrun.models import ScalarHeadModel, init_score_head, load_causal_lm, scalar_model_from
+from rlrun.config.schema import OptimConfig, PretrainedConfig
+from rlrun.models.loading import ScalarHeadModel, init_score_head, load_causal_lm, scalar_model_from
 from rlrun.roles.optim import make_optimizer
+from rlrun.runtime.log import get_logger
 from rlrun.strategies.base import Strategy
 from rlrun.strategies.choose import make_strategy
 from rlrun.supervised.config import DPOConfig, SupervisedTrainConfig

@@ -1,5 +1,5 @@
 """Resumable checkpoints of a supervised run: the trained model and optimizer (sharded, world-size independent),
-the LR schedule and step; atomic like PPO's (rlrun.checkpoint). The data order is a function of (seed, step),
+the LR schedule and step; atomic like PPO's (rlrun.checkpoint.store). The data order is a function of (seed, step),
 so the step is all a resume needs to continue with exactly the batches an uninterrupted run would see."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlrun import checkpoint as ckpt
+from rlrun.checkpoint import store as ckpt
+from rlrun.config.fields import redacted
 from rlrun.launch.checkpoint_sync import find_checkpoint, save_checkpoint
-from rlrun.config_fields import redacted
-from rlrun.log import get_logger
 from rlrun.roles.update import Updater
+from rlrun.roles.update_state import architecture_problem, fingerprint, load_updater_state, strategy_problem, updater_state
+from rlrun.runtime.log import get_logger
 from rlrun.supervised.config import SupervisedConfig
 from rlrun.supervised.task import Task
-from rlrun.train_state import architecture_problem, fingerprint, load_updater_state, strategy_problem, updater_state
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -1,8 +1,8 @@
 """The typed configuration trees of `rlrun.sft`, `rlrun.rm` and `rlrun.dpo`.
 
 Each trainer's root config is built from the sections every trainer shares (model, optimisation,
-templates, saving, tracking, runtime: defined once in rlrun.config) plus its own data and loss
-fields; the command line is generated from it exactly as for PPO (rlrun.cli).
+templates, saving, tracking, runtime: defined once in rlrun.config.schema) plus its own data and loss
+fields; the command line is generated from it exactly as for PPO (rlrun.cli.parser).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlrun.config import OptimConfig, PretrainedConfig, RuntimeConfig, SavingConfig, TemplateConfig, TrackingConfig, opt
+from rlrun.config.schema import OptimConfig, PretrainedConfig, RuntimeConfig, SavingConfig, TemplateConfig, TrackingConfig, opt
 
 
 @dataclass

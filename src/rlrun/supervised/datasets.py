@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from rlrun.data import format_prompt
-from rlrun.errors import DataError
+from rlrun.data.prompts import format_prompt
+from rlrun.runtime.errors import DataError
 from rlrun.supervised import records as rec
 from rlrun.supervised.records import Loaded
 

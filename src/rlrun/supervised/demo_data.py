@@ -1,5 +1,5 @@
 """Generated data for the offline pipeline on the embedded tiny model (SFT -> RM -> PPO, and DPO): the built-in
-demo task (rlrun.tiny.BUILTIN_PROMPTS: answer with digits, or with lowercase letters) as SFT records and
+demo task (rlrun.models.tiny.BUILTIN_PROMPTS: answer with digits, or with lowercase letters) as SFT records and
 preference pairs whose chosen answer keeps to the asked characters and whose rejected answer does not.
 
     python -m rlrun.supervised.demo_data OUT_DIR   # writes sft.jsonl, pairs.jsonl, pairs_eval.jsonl
@@ -13,8 +13,8 @@ import random
 import string
 import sys
 
-from rlrun.demo_reward import TARGET_CHARS
-from rlrun.tiny import BUILTIN_PROMPTS
+from rlrun.models.tiny import BUILTIN_PROMPTS
+from rlrun.rewards.demo import TARGET_CHARS
 
 # Characters of the wrong kind for each label: uppercase letters and punctuation, and the other label's set.
 _OFF_TARGET = {label: "".join(sorted(set(string.ascii_uppercase + string.punctuation + "".join(other))))

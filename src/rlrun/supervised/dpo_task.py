@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from rlrun.data.rollout import RolloutBatch
+from rlrun.roles.export import save_causal_lm
 from rlrun.roles.forward import policy_log_probs
-from rlrun.rollout import RolloutBatch
-from rlrun.save import save_causal_lm
 from rlrun.strategies.base import Strategy
 from rlrun.supervised.batches import sequences_batch
 from rlrun.supervised.datasets import Preference

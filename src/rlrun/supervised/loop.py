@@ -11,11 +11,11 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import torch
 
-from rlrun.data import PromptSampler
-from rlrun.faults import PhaseTracker
-from rlrun.metrics import MetricsSink
+from rlrun.data.prompts import PromptSampler
+from rlrun.reporting.metrics import MetricsSink
 from rlrun.roles.forward import micro_batches
 from rlrun.roles.update import Updater
+from rlrun.runtime.faults import PhaseTracker
 from rlrun.supervised.task import Task
 
 S = TypeVar("S")

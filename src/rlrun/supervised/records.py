@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from rlrun.data import read_rows
-from rlrun.errors import DataError
+from rlrun.data.prompts import read_rows
+from rlrun.runtime.errors import DataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

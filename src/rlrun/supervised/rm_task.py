@@ -11,9 +11,9 @@ from typing import Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.models import ScalarHeadModel
+from rlrun.models.loading import ScalarHeadModel
+from rlrun.roles.export import save_scalar_model
 from rlrun.roles.forward import sequence_scores
-from rlrun.save import save_scalar_model
 from rlrun.strategies.base import Strategy
 from rlrun.supervised.batches import sequences_batch
 from rlrun.supervised.datasets import Preference

@@ -1,5 +1,5 @@
 """One supervised training run (rlrun.sft, rlrun.rm, rlrun.dpo): parse and check everything first, read the
-data before the first collective, then build, train, save; the same failure policy as rlrun.run (one line
+data before the first collective, then build, train, save; the same failure policy as rlrun.rl.run (one line
 per failing rank, then os._exit)."""
 
 from __future__ import annotations
@@ -12,27 +12,27 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Sequence, TypeVar
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.cli import CliSpec, ParsedArgs, parse_args
-from rlrun.data import PromptSampler
-from rlrun.errors import DataError
-from rlrun.failures import check_writable, checked_on_every_rank, fail_and_exit, launch_environment
-from rlrun.faults import run_phases
+from rlrun.cli.parser import CliSpec, ParsedArgs, parse_args
+from rlrun.data.prompts import PromptSampler
 from rlrun.launch.dist import init_distributed, restart_safety_warning, resolve_backend, resolve_device, teardown
 from rlrun.launch.env import DistEnv
+from rlrun.launch.failures import check_writable, checked_on_every_rank, fail_and_exit, launch_environment
 from rlrun.launch.groups import all_ranks_group
 from rlrun.launch.transfer import sum_over
-from rlrun.log import get_logger
-from rlrun.metrics import MetricsSink
-from rlrun.models import load_tokenizer
+from rlrun.models.loading import load_tokenizer
+from rlrun.reporting.metrics import MetricsSink
 from rlrun.roles.optim import warmup_cosine
 from rlrun.roles.update import Updater
+from rlrun.runtime.errors import DataError
+from rlrun.runtime.faults import run_phases
+from rlrun.runtime.log import get_logger
+from rlrun.runtime.seeding import seed_everything
 from rlrun.supervised.checkpointing import SupervisedCheckpoints
 from rlrun.supervised.config import SupervisedConfig
 from rlrun.supervised.datasets import Loaded
 from rlrun.supervised.loop import Loop
 from rlrun.supervised.task import Task
 from rlrun.supervised.validation import check_supervised
-from rlrun.trainer import seed_everything
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlrun.errors import ConfigError
+from rlrun.runtime.errors import ConfigError
 from rlrun.strategies.checks import check_deepspeed_install, check_deepspeed_settings
 from rlrun.supervised.config import DPOConfig, SupervisedConfig
 

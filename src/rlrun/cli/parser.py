@@ -1,0 +1,297 @@
+"""Command line: defaults < YAML (--config) < flags, OpenRLHF flag names, grouped --help.
+
+The parser is generated from ``rlrun.config.schema``; nothing here defines a setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping, Sequence, get_args, get_origin, get_type_hints
+
+import yaml
+
+from rlrun.compat import openrlhf_flags, verl_overrides
+from rlrun.compat.argv import Nargs
+from rlrun.compat.reasons import LAUNCHER, NOT_YET, RAY_ONLY
+from rlrun.config.fields import FieldInfo, build_config, coerce, fields_of, suggest
+from rlrun.config.schema import Config
+from rlrun.runtime.errors import ConfigError
+
+# OpenRLHF train_ppo_ray flags rlrun accepts but does not act on: name -> (values it takes, reason).
+IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
+    "vllm_sync_with_ray": (0, RAY_ONLY),
+    "rollout_tasks_per_gpu": (1, RAY_ONLY),
+    "runtime_env": (1, RAY_ONLY),
+    "runtime-env": (1, RAY_ONLY),
+    "runtime-env-json": (1, RAY_ONLY),
+    "local_rank": (1, LAUNCHER),
+    "ref_reward_offload": (0, NOT_YET),
+    "enable_prefix_caching": (0, NOT_YET),
+    "enable_vllm_is_correction": (0, "OpenRLHF <= 0.10's spelling, whose meaning changed between releases; use "
+                                  "--is_correction_level token --is_correction_mode clip (TIS) or mask (ICEPOP)"),
+    "vllm_is_truncated_threshold": ("*", "OpenRLHF <= 0.10's spelling; use --is_correction_threshold LOW HIGH"),
+    "vllm_generate_batch_size": (1, NOT_YET),
+    "ds_tensor_parallel_size": (1, NOT_YET),
+    "deepcompile": (0, NOT_YET),
+    "disable_ds_ckpt": (0, NOT_YET),
+    "use_ds_universal_ckpt": (0, NOT_YET),
+    "max_ckpt_mem": (1, NOT_YET),
+    "enable_ema": (0, NOT_YET),
+    "ema_beta": (1, NOT_YET),
+    "zpg": (1, NOT_YET),
+    "actor_init_on_gpu": (0, NOT_YET),
+    "use_liger_kernel": (0, NOT_YET),
+    "grad_accum_dtype": (1, NOT_YET),
+    "overlap_comm": (0, NOT_YET),
+    "gradient_checkpointing_use_reentrant": (0, NOT_YET),
+    "disable_fast_tokenizer": (0, NOT_YET),
+    "use_dynamic_batch": (0, NOT_YET),
+    "rollout_max_tokens_per_gpu": (1, NOT_YET),
+    "train_max_tokens_per_gpu": (1, NOT_YET),
+    "load_in_4bit": (0, NOT_YET),
+    "lora_rank": (1, NOT_YET),
+    "lora_alpha": (1, NOT_YET),
+    "target_modules": ("*", NOT_YET),
+    "lora_dropout": (1, NOT_YET),
+    "max_len": (1, NOT_YET),
+    "ptx_coef": (1, NOT_YET),
+    "full_determinism": (0, "rlrun is deterministic on CPU by default"),
+    "freezing_actor_steps": (1, NOT_YET),
+    "lr_scheduler": (1, "rlrun always uses linear warmup + cosine decay"),
+    "aux_loss_coef": (1, NOT_YET),
+    "ring_attn_size": (1, NOT_YET),
+    "ring_head_stride": (1, NOT_YET),
+    "value_head_prefix": (1, NOT_YET),
+    "prompt_data_probs": (1, NOT_YET),
+    "prompt_split": (1, NOT_YET),
+    "eval_split": (1, "rlrun reads the 'train' split of a saved DatasetDict for --eval_dataset, as for --prompt_data"),
+    "perf": (0, NOT_YET),
+    "use_ms": (0, "ModelScope hub: rlrun loads local paths only"),
+}
+
+
+# Config fields that parse and are kept (so configs stay valid) but act on nothing in this release.
+NO_EFFECT_YET: dict[str, str] = {
+    "vllm_gpu_memory_utilization": "only --generation_backend vllm uses it",
+    "vllm_enable_sleep": "only --generation_backend vllm uses it (and only on GPU: vLLM has no sleep mode on CPU)",
+    "enforce_eager": "only --generation_backend vllm uses it",
+    "vllm_engine_host": "only --generation_backend vllm uses it",
+    "vllm_kv_cache_memory_bytes": "only --generation_backend vllm uses it (on GPU)",
+}
+
+# NO_EFFECT_YET entries that do act when --generation_backend vllm is chosen.
+VLLM_BACKEND_FIELDS = frozenset({"vllm_gpu_memory_utilization", "enforce_eager", "vllm_enable_sleep", "vllm_engine_host",
+                                 "vllm_kv_cache_memory_bytes"})
+
+
+@dataclass(frozen=True)
+class CliSpec:
+    """One entry point's command line: its config tree and the peer spellings it accepts."""
+
+    prog: str
+    description: str
+    config_cls: type
+    ignored: Mapping[str, tuple[int | str, str]]  # classic peer flags accepted without effect: name -> (nargs, reason)
+    dotted: Mapping[str, openrlhf_flags.Meaning]  # the peer trainer's OpenRLHF 0.11 dotted flags
+    no_effect: Mapping[str, str] = dataclasses.field(default_factory=dict)  # fields kept but not acted on yet
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # this trainer's defaults of shared fields
+    verl_overrides: bool = False  # verl key=value overrides (PPO only)
+
+
+PPO_CLI = CliSpec(
+    prog="python -m rlrun.ppo",
+    description="Ray-free RLHF: one torchrun/srun SPMD program. OpenRLHF train_ppo_ray flag names work.",
+    config_cls=Config, ignored=IGNORED_FLAGS, dotted=openrlhf_flags.OPENRLHF_DOTTED, no_effect=NO_EFFECT_YET,
+    verl_overrides=True)
+
+
+@dataclass(frozen=True)
+class ParsedArgs:
+    config: Any  # an instance of the spec's config_cls (PPO: rlrun.config.schema.Config)
+    ignored: tuple[str, ...]  # one line per ignored flag, with the reason
+    explicit: frozenset[str]  # fields set by YAML or flags (not defaults)
+    vllm_acts_on: tuple[str, ...] = ()  # the lines of `ignored` that a vLLM backend acts on (VLLM_BACKEND_FIELDS)
+
+    def ignored_under(self, backend: str | None) -> tuple[str, ...]:
+        """`ignored` once the generation backend is known: under vllm (asked for, or picked by `auto`) its flags act."""
+        return tuple(line for line in self.ignored if line not in self.vllm_acts_on) if backend == "vllm" else self.ignored
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    args = get_args(tp)
+    if type(None) in args and len(args) == 2:
+        return next(a for a in args if a is not type(None))
+    return tp
+
+
+def _flag_kwargs(info: FieldInfo, default: Any) -> dict[str, Any]:
+    tp = info.type
+    kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": info.name}
+    default_text = "" if default is None else f" (default: {default!r})" if isinstance(default, str) and "\n" in default \
+        else f" (default: {default})"
+    kwargs["help"] = info.help.replace("%", "%%") + default_text.replace("%", "%%")
+    base = _unwrap_optional(tp)
+    if info.name == "use_wandb":  # OpenRLHF: --use_wandb KEY; rlrun also takes a bare --use_wandb
+        kwargs.update(nargs="?", const="", metavar=info.metavar)
+    elif base is bool:
+        kwargs.update(nargs="?", const="true", metavar="BOOL")
+    elif get_origin(base) is tuple:
+        kwargs.update(nargs=len(get_args(base)))
+    elif get_origin(base) is Literal:
+        kwargs["metavar"] = "{" + ",".join(map(str, get_args(base))) + "}"
+    return kwargs
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def build_parser(spec: CliSpec = PPO_CLI) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=spec.prog,
+        description=spec.description,
+        epilog="Ray-only and not-yet-supported OpenRLHF flags are accepted and reported as ignored.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", default=None, help="YAML file setting fields (nested by section or flat by flag name).")
+    hints = get_type_hints(spec.config_cls)
+    infos = fields_of(spec.config_cls)
+    for section in dataclasses.fields(spec.config_cls):
+        doc = (hints[section.name].__doc__ or "").strip().splitlines()[0]
+        group = parser.add_argument_group(section.name, doc)
+        for info in infos.values():
+            if info.section == section.name:
+                group.add_argument(f"--{info.name}", **_flag_kwargs(info, spec.defaults.get(info.name, info.default)))
+    return parser
+
+
+def load_yaml(path: str, config_cls: type = Config) -> dict[str, Any]:
+    """Flat {field: value} from a YAML file; sections may nest. Unknown keys are errors."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    with open(path, encoding="utf-8") as fh:
+        try:
+            raw = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of keys to values")
+    infos = fields_of(config_cls)
+    sections = {f.name for f in dataclasses.fields(config_cls)}
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in sections and isinstance(value, dict):
+            for sub, sub_value in value.items():
+                info = infos.get(sub)
+                if info is not None and info.section != key:
+                    raise ConfigError(f"--config {path}: unknown key '{key}.{sub}'; '{sub}' belongs in section '{info.section}'")
+                if info is None:
+                    valid = [i.name for i in infos.values() if i.section == key]
+                    raise ConfigError(f"--config {path}: unknown key '{key}.{sub}'{suggest(str(sub), valid)}")
+                flat[sub] = sub_value
+        elif key in infos:
+            flat[key] = value
+        elif key in sections:
+            raise ConfigError(f"--config {path}: section '{key}' must be a mapping of field: value, got {value!r}")
+        else:
+            raise ConfigError(f"--config {path}: unknown key '{key}'{suggest(str(key), list(infos) + list(sections))}")
+    if isinstance(flat.get("use_wandb"), bool):  # YAML true/false: on (key from WANDB_API_KEY) / off, not a key
+        flat["use_wandb"] = "" if flat["use_wandb"] else None
+    return {k: coerce(infos[k], v, f"--config {path}") for k, v in flat.items()}
+
+
+def _strip_ignored(argv: Sequence[str], ignored_flags: Mapping[str, tuple[int | str, str]]) -> tuple[list[str], list[str]]:
+    """Remove ignored OpenRLHF/Ray flags (and their values); return (rest, report lines)."""
+    rest: list[str] = []
+    report: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, _ = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        ignored = ignored_flags.get(name) or ((0, RAY_ONLY) if name.startswith("ray_") else None)
+        if ignored is None:
+            rest.append(token)
+            i += 1
+            continue
+        nargs, reason = ignored
+        i += 1
+        if not eq:
+            want = 10**9 if nargs == "*" else int(nargs)
+            if name.startswith("ray_"):
+                want = 1  # --ray_* flags take a value unless the next token is a flag
+            while want and i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+                want -= 1
+        report.append(f"--{name}: ignored ({reason})")
+    return rest, report
+
+
+def _arity(parser: argparse.ArgumentParser, ignored_flags: Mapping[str, tuple[int | str, str]]) -> Callable[[str], Nargs]:
+    """How many values each classic flag takes (so a flag's value is never read as a verl override)."""
+    by_flag: dict[str, Nargs] = {}
+    for action in parser._actions:
+        nargs = 1 if action.nargs is None else action.nargs
+        for option in action.option_strings:
+            by_flag[option[2:]] = nargs if isinstance(nargs, int) or nargs in ("*", "+", "?") else 1
+
+    def arity(name: str) -> Nargs:
+        if name in by_flag:
+            return by_flag[name]
+        if name in ignored_flags:
+            return ignored_flags[name][0]  # type: ignore[return-value]
+        return "?" if name.startswith("ray_") else 0  # an unknown flag fails in argparse
+    return arity
+
+
+def _translate_peer_spellings(argv: Sequence[str], parser: argparse.ArgumentParser,
+                              spec: CliSpec) -> tuple[list[str], list[str]]:
+    """OpenRLHF 0.11 dotted flags, rlrun's --section.field aliases and (PPO) verl key=value overrides -> classic flags.
+
+    Returns (argv, report lines for the peer flags/keys that are ignored)."""
+    infos = fields_of(spec.config_cls)
+    dotted = openrlhf_flags.translate(argv, infos, spec.ignored, spec.dotted)
+    if not spec.verl_overrides:
+        return dotted.argv, dotted.ignored
+    verl = verl_overrides.translate(dotted.argv, _arity(parser, spec.ignored), infos, spec.ignored,
+                                    verl_overrides.launched_world_size())
+    return verl.argv, dotted.ignored + verl.ignored
+
+
+def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> ParsedArgs:
+    """Parse flags (and --config YAML) into a validated-type config of `spec`; raise ConfigError on bad input."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(spec)
+    translated, peer_ignored = _translate_peer_spellings(argv, parser, spec)
+    rest, ignored = _strip_ignored(translated, spec.ignored)
+    ignored = peer_ignored + ignored
+    known, unknown = parser.parse_known_args(rest)
+    infos = fields_of(spec.config_cls)
+    if unknown:
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
+        name = flag.lstrip("-").split("=", 1)[0]
+        spellings = openrlhf_flags.all_spellings(infos, spec.ignored, spec.dotted)
+        raise ConfigError(f"unknown flag '{flag}'{suggest(name, spellings, prefix='--')}" if flag.startswith("-")
+                          else f"unexpected argument '{flag}' (flags take the form --name value"
+                          + (", or key=value for verl keys)" if spec.verl_overrides else ")"))
+    values = load_yaml(known.config, spec.config_cls) if known.config else {}
+    defaults = {name: value for name, value in spec.defaults.items() if name not in values}
+    for name, raw in vars(known).items():
+        if name == "config":
+            continue
+        if name == "use_wandb" and raw == "":
+            values[name] = ""  # bare flag: key from WANDB_API_KEY
+            continue
+        values[name] = coerce(infos[name], raw, f"--{name}")
+    no_effect = {name: f"--{name}: has no effect ({why})" for name, why in spec.no_effect.items() if name in values}
+    parsed = ParsedArgs(build_config({**defaults, **values}, spec.config_cls),
+                        tuple(dict.fromkeys([*ignored, *no_effect.values()])), frozenset(values),
+                        tuple(line for name, line in no_effect.items() if name in VLLM_BACKEND_FIELDS))
+    return dataclasses.replace(parsed, ignored=parsed.ignored_under(values.get("generation_backend")))

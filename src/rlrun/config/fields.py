@@ -1,0 +1,130 @@
+"""The config tree's leaf fields by flag name, and what every front end does with them: coerce a YAML or CLI value
+to a field's type, build a root config from flat values, redact its secrets for logs and checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+from rlrun.config.schema import Config
+from rlrun.runtime.errors import ConfigError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    section: str
+    name: str
+    type: Any
+    default: Any
+    help: str
+    secret: bool
+    metavar: str | None
+
+
+def fields_of(config_cls: type = Config) -> dict[str, FieldInfo]:
+    """Every leaf field by its (unique) flag name."""
+    out: dict[str, FieldInfo] = {}
+    hints = get_type_hints(config_cls)
+    for section in dataclasses.fields(config_cls):
+        section_cls = hints[section.name]
+        section_hints = get_type_hints(section_cls)
+        for f in dataclasses.fields(section_cls):
+            if f.name in out:
+                raise AssertionError(f"config field {f.name} defined twice")
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            out[f.name] = FieldInfo(section.name, f.name, section_hints[f.name], default,
+                                    f.metadata["help"], f.metadata["secret"], f.metadata["metavar"])
+    return out
+
+
+def suggest(name: str, candidates: typing.Iterable[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
+
+
+def coerce(info: FieldInfo, value: Any, source: str) -> Any:
+    """Convert a YAML/CLI value to the field's type, or raise ConfigError naming it."""
+    where = f"{info.name} (from {source})"
+    tp = info.type
+    optional = get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType")) and type(None) in get_args(tp)
+    if optional:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        tp = next(a for a in get_args(tp) if a is not type(None))
+    if get_origin(tp) is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where} must be one of {', '.join(map(str, choices))}, got {value!r}{suggest(str(value), map(str, choices))}")
+        return value
+    if get_origin(tp) is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        args = get_args(tp)
+        if not isinstance(items, (list, tuple)) or len(items) != len(args):
+            raise ConfigError(f"{where} needs {len(args)} values, got {value!r}")
+        return tuple(_scalar(a, v, where) for a, v in zip(args, items))
+    return _scalar(tp, value, where)
+
+
+def _scalar(tp: Any, value: Any, where: str) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value)) if not isinstance(value, int) else value
+        except ValueError:
+            try:  # OpenRLHF scripts pass e.g. --max_samples 1e8
+                as_float = float(str(value))
+            except ValueError:
+                as_float = None
+            if as_float is not None and as_float.is_integer():
+                return int(as_float)
+            raise ConfigError(f"{where} must be an integer, got {value!r}") from None
+    if tp is float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+        if number != number:  # NaN slips through every range check
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return number
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return str(value)
+    raise AssertionError(f"unsupported config type {tp} for {where}")
+
+
+def build_config(values: dict[str, Any], config_cls: type[T] = Config) -> T:  # type: ignore[assignment]
+    """A root config (PPO's Config, or a supervised trainer's) from already-coerced flat values keyed by field name."""
+    infos = fields_of(config_cls)
+    sections: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        sections.setdefault(infos[name].section, {})[name] = value
+    hints = get_type_hints(config_cls)
+    return config_cls(**{s: hints[s](**kw) for s, kw in sections.items()})
+
+
+def redacted(config: Any) -> dict[str, Any]:
+    """Nested dict of a root config with secrets replaced: safe to log or save."""
+    infos = fields_of(type(config))
+    out = dataclasses.asdict(config)
+    for info in infos.values():
+        if info.secret and out[info.section][info.name] is not None:
+            out[info.section][info.name] = "<redacted>"
+    return out

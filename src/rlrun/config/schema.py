@@ -1,0 +1,315 @@
+"""The one typed configuration tree.
+
+Sources, later wins: dataclass defaults < YAML file (``--config x.yaml``) < CLI flags.
+Every field is a flag of the same name (OpenRLHF's ``train_ppo_ray`` names where one
+exists), so a field is defined exactly once: here. ``rlrun.cli.parser`` builds the parser from it, through
+``rlrun.config.fields`` (the fields by flag name, value coercion, building and redacting a config).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+AdvantageEstimator = Literal["gae", "group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"]
+GROUP_ESTIMATORS = frozenset({"group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"})
+NEEDS_GROUPS = frozenset({"group_norm", "dr_grpo", "rloo", "reinforce_baseline"})
+
+
+def opt(default: Any, help: str, *, secret: bool = False, metavar: str | None = None) -> Any:
+    """A config field with its help text (every flag has one)."""
+    meta = {"help": help, "secret": secret, "metavar": metavar}
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class PretrainedConfig:
+    """The model being trained: where it comes from and how it runs (every trainer)."""
+
+    pretrain: str | None = opt(None, "Model to train: a local HF directory. Unset: the embedded tiny model (see --model_preset).")
+    model_preset: Literal["tiny", "3m", "100m", "0.5b"] = opt("tiny", "Random-init model shape used when --pretrain is unset (offline demo and benchmarks).")
+    bf16: bool = opt(False, "bf16 mixed precision (on GPU; CPU training stays fp32).")
+    flash_attn: bool = opt(False, "Use flash-attention 2 (needs the flash-attn extra and a GPU).")
+    attn_implementation: str | None = opt(None, "HF attn_implementation override (eager, sdpa, flash_attention_2).")
+    gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
+
+
+@dataclass
+class ModelConfig(PretrainedConfig):
+    """Models and reward sources."""
+
+    reward_pretrain: str | None = opt(None, "Reward model directory (sequence-classification or value-head model scoring the last token).")
+    critic_pretrain: str | None = opt(None, "Critic initialisation. Unset: the reward model, else the policy.")
+    remote_rm_url: str | None = opt(None, "Reward from a local Python file defining reward_func(queries, prompts, labels), or an http(s):// endpoint. Unset and no --reward_pretrain: the built-in demo rule reward.")
+    remote_rm_timeout: float = opt(30.0, "Seconds to wait for each HTTP reward request (--remote_rm_url http(s)://...).")
+    remote_rm_retries: int = opt(3, "Attempts per HTTP reward batch (connection errors, timeouts and 5xx are retried with backoff).")
+
+
+@dataclass
+class ResourceConfig:
+    """Role layout. 'gpus' in these OpenRLHF flags means ranks. No sizes given: every role on every rank."""
+
+    actor_num_nodes: int | None = opt(None, "Nodes for the actor (ranks = nodes x gpus_per_node).")
+    actor_num_gpus_per_node: int | None = opt(None, "Ranks per node for the actor.")
+    critic_num_nodes: int | None = opt(None, "Nodes for the critic.")
+    critic_num_gpus_per_node: int | None = opt(None, "Ranks per node for the critic.")
+    ref_num_nodes: int | None = opt(None, "Nodes for the reference model.")
+    ref_num_gpus_per_node: int | None = opt(None, "Ranks per node for the reference model.")
+    reward_num_nodes: int | None = opt(None, "Nodes for the reward model.")
+    reward_num_gpus_per_node: int | None = opt(None, "Ranks per node for the reward model.")
+    vllm_num_engines: int | None = opt(None, "Number of generation engines on their own ranks (whatever the backend). Unset: engines share the actor's ranks.")
+    vllm_tensor_parallel_size: int = opt(1, "Ranks per generation engine.")
+    colocate_actor_ref: bool = opt(False, "Reference model on the actor's ranks (same processes).")
+    colocate_critic_reward: bool = opt(False, "Reward model on the critic's ranks.")
+    colocate_all_models: bool = opt(False, "Every role, engines included, on the same ranks.")
+    actor_node_label: str | None = opt(None, "Put the actor on nodes with this label (each node's RLRUN_NODE_LABEL, else its host name).")
+    critic_node_label: str | None = opt(None, "Put the critic on nodes with this label (RLRUN_NODE_LABEL, else the host name).")
+    ref_node_label: str | None = opt(None, "Put the reference model on nodes with this label (RLRUN_NODE_LABEL, else the host name).")
+    reward_node_label: str | None = opt(None, "Put the reward model on nodes with this label (RLRUN_NODE_LABEL, else the host name).")
+    engine_node_label: str | None = opt(None, "Put the generation engines on nodes with this label (RLRUN_NODE_LABEL, else the host name).")
+
+
+@dataclass
+class GenerationConfig:
+    """Rollout generation."""
+
+    generation_backend: Literal["auto", "native", "hf", "vllm"] = opt(
+        "auto", "native: rlrun's own KV-cache decoder (Llama, Qwen2, Qwen3, Mistral; reports sampled-token log-probs); "
+        "hf: transformers generate; vllm: vLLM engines; auto: vllm when it is installed and a GPU is present, else native "
+        "when the model's architecture allows it, else hf.")
+    temperature: float = opt(1.0, "Sampling temperature.")
+    top_p: float = opt(1.0, "Nucleus sampling threshold.")
+    prompt_max_len: int = opt(1024, "Max prompt tokens.")
+    prompt_overflow: Literal["truncate", "drop"] = opt("truncate", "Prompts longer than --prompt_max_len: keep the last tokens, or drop the record (counted in the log either way).")
+    generate_max_len: int = opt(1024, "Max new tokens per response.")
+    vllm_gpu_memory_utilization: float = opt(0.95, "vLLM gpu_memory_utilization (GPU: the fraction of the whole GPU one engine "
+                                             "rank may use; lower it when the actor shares the GPU, e.g. 0.3-0.5).")
+    vllm_kv_cache_memory_bytes: int | None = opt(None, "GPU: the KV cache size of each vLLM engine rank in bytes, instead of "
+                                                 "sizing it from --vllm_gpu_memory_utilization (more robust when trainer "
+                                                 "models share the GPU). CPU: no effect (VLLM_CPU_KVCACHE_SPACE sizes it).")
+    vllm_enable_sleep: bool = opt(False, "GPU: vLLM sleeps (level 1: weights to host memory, KV cache freed) after each "
+                                  "generate call and wakes for the next weight push; CPU: no effect (vLLM has no sleep mode there).")
+    vllm_sync_backend: Literal["nccl", "gloo"] = opt("nccl", "Backend of the actor->engine weight-sync group on GPU.")
+    enforce_eager: bool = opt(False, "Disable CUDA graphs in vLLM (always eager on CPU).")
+    vllm_engine_host: Literal["auto", "child", "in_process"] = opt(
+        "auto", "Where each vLLM engine runs. in_process: inside the rank (vLLM's external_launcher), only when the "
+        "engine ranks are the whole world (colocate all, or 1 rank); child: a spawned child process per engine "
+        "(any layout); auto: in_process when the layout allows it, else child.")
+    weight_sync_bucket_mb: int = opt(256, "Size of each actor->engine weight-sync bucket (MiB).")
+
+
+@dataclass
+class OptimConfig:
+    """Batch sizes, schedule, optimisation (every trainer)."""
+
+    train_batch_size: int = opt(128, "Samples per optimizer step over all training ranks (PPO: sequences; rlrun.rm/rlrun.dpo: preference pairs).")
+    micro_train_batch_size: int = opt(4, "Samples per forward/backward, per rank.")
+    max_epochs: int = opt(1, "PPO: passes over each rollout batch; rlrun.sft/rm/dpo: passes over the dataset.")
+    packing_samples: bool = opt(False, "Score and train on packed rows: the real tokens of several sequences share a row "
+                                "(per-sequence position ids, block-diagonal attention) instead of padded rows.")
+    max_samples: int = opt(100_000_000, "Use at most this many records of the dataset (the first ones).")
+    max_steps: int | None = opt(None, "Stop after this many steps (PPO: rollout + update; rlrun.sft/rm/dpo: optimizer steps).")
+    lr_warmup_ratio: float = opt(0.03, "Fraction of optimizer steps spent in linear warmup (then cosine decay).")
+    adam_betas: tuple[float, float] = opt((0.9, 0.95), "Adam betas.")
+    max_norm: float = opt(1.0, "Gradient clipping norm.")
+    max_skipped_steps: int = opt(10, "Fail when this many optimizer steps in a row are skipped for a NaN/inf gradient (each one is skipped and counted).")
+    l2: float = opt(0.0, "Weight decay.")
+    zero_stage: int = opt(2, "Sharding stage: 3 reshards parameters after forward (ZeRO-3-like); 0-2 keep them gathered until backward.")
+    adam_offload: bool = opt(False, "Offload to CPU (GPU only): with fsdp parameters, gradients and optimizer state; "
+                             "with deepspeed the optimizer state and fp32 master weights (ZeRO-Offload, DeepSpeedCPUAdam).")
+    strategy: Literal["fsdp", "deepspeed"] = opt(
+        "fsdp", "How the trained and frozen models are sharded and stepped on their ranks: fsdp "
+        "(FSDP2, --zero_stage 0-3) or deepspeed (DeepSpeed ZeRO, --zero_stage 0-2 on any role group, 3 when every "
+        "model spans all ranks; pip install 'rlrun[deepspeed]').")
+    seed: int = opt(42, "Seed for data order, initialisation and sampling.")
+
+
+@dataclass
+class TrainConfig(OptimConfig):
+    """Rollout batches, the schedule of PPO-style training, learning rates."""
+
+    rollout_batch_size: int = opt(1024, "Prompts per step (before n_samples_per_prompt).")
+    micro_rollout_batch_size: int = opt(8, "Sequences per forward pass when scoring rollouts, per rank.")
+    n_samples_per_prompt: int = opt(1, "Responses sampled per prompt.")
+    async_train: bool = opt(False, "Overlap generation with training (engines on ranks of their own): the engines generate step N+1 "
+                            "with the weights before step N's update while the other ranks train on step N, i.e. one step "
+                            "off-policy, always exactly one (deterministic and exactly resumable). Default: on-policy.")
+    async_queue_size: int = opt(1, "Rollout batches in flight with --async_train; rlrun always keeps exactly 1 (OpenRLHF's default); other values are reported and ignored.")
+    num_episodes: int = opt(1, "Passes over the prompt dataset.")
+    actor_learning_rate: float = opt(1e-6, "Actor learning rate.")
+    critic_learning_rate: float = opt(9e-6, "Critic learning rate.")
+    deepspeed_enable_sleep: bool = opt(False, "Sleep, with either --strategy (OpenRLHF's name): each role's parameters and its "
+                                       "gradients/optimizer state move to CPU memory between the phases that use them and back "
+                                       "(bit-identical results), so colocated roles and engines fit one GPU; what --adam_offload "
+                                       "already keeps on the CPU stays there. Not with --strategy deepspeed --zero_stage 3.")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantages, KL and losses."""
+
+    advantage_estimator: AdvantageEstimator = opt("gae", "gae (PPO), group_norm (GRPO), dr_grpo, rloo, reinforce (REINFORCE++), reinforce_baseline.")
+    init_kl_coef: float = opt(0.01, "KL coefficient (reward penalty, or loss weight with --use_kl_loss).")
+    kl_target: float | None = opt(None, "Adaptive KL: target KL (unset: fixed coefficient).")
+    kl_horizon: int = opt(10000, "Adaptive KL horizon.")
+    kl_estimator: Literal["k1", "k2", "k3"] = opt("k1", "KL estimator (Schulman's k1/k2/k3); every estimate is clamped to [-10, 10] as in OpenRLHF.")
+    use_kl_loss: bool = opt(False, "KL as a loss term instead of a reward penalty (GRPO).")
+    gamma: float = opt(1.0, "Discount factor (gae, reinforce). group_norm, dr_grpo, rloo and reinforce_baseline always use 1.0, as in OpenRLHF.")
+    lambd: float = opt(1.0, "GAE lambda.")
+    eps_clip: float = opt(0.2, "PPO clip range.")
+    eps_clip_low_high: tuple[float, float] | None = opt(None, "Asymmetric PPO clip: the ratio is clipped to [1 - LOW, 1 + HIGH] (DAPO clip-higher). Unset: (eps_clip, eps_clip).")
+    policy_loss_type: Literal["ppo", "gspo"] = opt("ppo", "ppo: per-token importance ratio. gspo: one ratio per sequence, exp(token-mean log-ratio), with a per-sequence loss mean (GSPO; use a small --eps_clip_low_high, e.g. 3e-4 4e-4).")
+    dual_clip: float | None = opt(None, "Dual-clip constant (> 1).")
+    value_clip: float | None = opt(0.5, "Value clip range (unset: no clipping).")
+    normalize_reward: bool = opt(False, "As OpenRLHF: (score - mean) / std with the mean/std stored in the reward model's config.json (absent: 0/1); critic values get their model config's mean/std too. Reward functions and HTTP rewards are untouched.")
+    running_reward_norm: bool = opt(False, "rlrun: standardise every score with a running mean/std over all steps so far (kept in checkpoints).")
+    overlong_buffer_len: int | None = opt(None, "DAPO overlong penalty: responses longer than generate_max_len - N tokens lose up to --overlong_penalty_factor, linearly over the last N tokens. Unset: off.")
+    overlong_penalty_factor: float = opt(1.0, "Largest overlong penalty (reached at generate_max_len tokens).")
+    stop_properly_penalty_coef: float | None = opt(None, "ProRL: rewards of responses cut off at generate_max_len without EOS are multiplied by this (in [0, 1]) or, if negative, replaced by it. Unset: off.")
+    dynamic_filtering: bool = opt(False, "DAPO dynamic sampling: prompt groups whose mean score is not strictly inside --dynamic_filtering_reward_range are left out of the update (rlrun keeps the batch shape and masks them out instead of re-sampling). Needs --n_samples_per_prompt > 1.")
+    dynamic_filtering_reward_range: tuple[float, float] = opt((0.0, 1.0), "Keep a prompt group when LOW < mean score < HIGH (--dynamic_filtering).")
+    reward_clip_range: tuple[float, float] = opt((-10.0, 10.0), "Clip scores to this range.")
+    entropy_loss_coef: float | None = opt(None, "Entropy bonus coefficient (0 logs entropy only).")
+    no_advantage_std_norm: bool = opt(False, "gae/reinforce/reinforce_baseline: only subtract the advantage mean, do not divide by its std.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = opt("token-mean", "How per-token losses are averaged.")
+    is_correction_level: Literal["off", "token", "seq"] = opt("off", "Correct the engine/actor log-prob mismatch (OpenRLHF 0.11 --algo.advantage.is_correction_level; needs --generation_backend vllm): gate each token, or each sequence's mean, on the statistic below.")
+    is_correction_mode: Literal["mask", "clip"] = opt("mask", "mask: drop units outside the threshold (survivors keep their weight pi_train/pi_rollout); clip: clamp the token weight into it (token level, ratio gating).")
+    is_correction_gating: Literal["ratio", "binary_kl", "tv"] = opt("ratio", "Statistic the gate reads: the weight pi_train/pi_rollout itself, or the sampled token's binary KL / total variation between the two.")
+    is_correction_threshold: tuple[float, float] = opt((0.5, 5.0), "LOW HIGH bounds of the gated statistic (0 HIGH for an upper bound only, required for binary_kl/tv).")
+
+
+@dataclass
+class TemplateConfig:
+    """How a record's prompt text becomes model input (every trainer)."""
+
+    input_template: str | None = opt(None, "Template with {} for the prompt.")
+    apply_chat_template: bool = opt(False, "Wrap prompts with the tokenizer's chat template.")
+
+
+@dataclass
+class DataConfig(TemplateConfig):
+    """Prompt data."""
+
+    prompt_data: str | None = opt(None, "Local .jsonl/.json/.parquet/.csv file or saved HF datasets directory. Unset: built-in prompts.")
+    input_key: str = opt("input", "Field holding the prompt.")
+    label_key: str | None = opt(None, "Field holding the label passed to the reward.")
+
+
+RETRIEVER_RETRY_BACKOFF_S = 0.5  # the retriever client sleeps this * 2**(k-1) before retry k
+
+
+@dataclass
+class AgentConfig:
+    """Multi-turn agent rollouts: an environment answers each model turn (observation tokens are not actions)."""
+
+    agent_func_path: str | None = opt(None, "OpenRLHF agent file (.py) defining AgentInstance (reset/step, async) and usually AgentExecutor; its rewards replace any reward source. Turns: see --max_turns.")
+    retriever_url: str | None = opt(None, "Built-in Search-R1 agent: the retrieval server's POST URL (e.g. http://127.0.0.1:8000/retrieve, see python -m rlrun.retriever_server); reward = exact match of the last <answer> against the label's golden answers.")
+    retriever_topk: int = opt(3, "Search-R1 agent: passages per search.")
+    retriever_timeout: float = opt(10.0, "Search-R1 agent: seconds per retrieval request (tried --remote_rm_retries times with backoff, then the run fails naming the URL); all tries must fit in --agent_timeout.")
+    max_turns: int | None = opt(None, "Most model turns per episode (each turn generates, then the agent steps). Unset: until the agent says done or --generate_max_len is used up. Search-R1's max_turns=K is K search turns plus a final answer turn, i.e. --max_turns K+1.")
+    max_tokens_per_turn: int | None = opt(None, "Most tokens generated in one turn (Search-R1's per-turn max_response_length). Unset: what is left of --generate_max_len.")
+    max_obs_len: int | None = opt(None, "Most tokens of one observation (verl/Search-R1 max_obs_length); longer ones keep their first tokens and are counted in agent/obs_truncated.")
+    state_masking: bool = opt(True, "Observation tokens carry no loss, KL or advantage (Search-R1 state_masking). false: they are trained on like generated tokens.")
+    agent_timeout: float = opt(60.0, "Seconds one agent reset() or step() call may take before the run fails.")
+    agent_max_concurrency: int = opt(64, "Agent calls of one engine rank that run at once (asyncio).")
+
+
+@dataclass
+class SavingConfig:
+    """Saving and resuming (every trainer)."""
+
+    save_path: str = opt("./ckpt", "The trained model (HF format) and the default metrics file go here.")
+    save_steps: int = opt(-1, "Save a checkpoint every N steps (-1: never).")
+    load_checkpoint: bool = opt(False, "Resume from the newest complete checkpoint in --ckpt_path.")
+    max_ckpt_num: int = opt(3, "Keep the newest N checkpoints.")
+
+
+@dataclass
+class CheckpointConfig(SavingConfig):
+    """Saving and resuming."""
+
+    ckpt_path: str = opt("./ckpt/checkpoints_ppo", "Directory of resumable checkpoints.")
+    save_hf_ckpt: bool = opt(False, "Also save the policy in HF format beside each checkpoint.")
+    save_value_network: bool = opt(False, "Also save the critic in HF format.")
+    load_openrlhf_checkpoint: str | None = opt(None, "Start from an OpenRLHF DeepSpeed checkpoint: the --ckpt_path of an OpenRLHF PPO run (holding _actor/ and _critic/, tag from _actor/latest). Its fp32 weights replace the actor's (and the critic's, when this run has one and the checkpoint has _critic); the architecture still comes from --pretrain/--critic_pretrain and every tensor shape must match. Weights only: fresh optimizer and schedule, steps count from 0. --load_checkpoint still resumes from rlrun's own newer checkpoint when one exists. Offline alternative: python -m rlrun.compat.openrlhf_checkpoint.", metavar="DIR")
+
+
+@dataclass
+class TrackingConfig:
+    """Metrics and trackers (every trainer)."""
+
+    logging_steps: int = opt(1, "Log metrics every N steps.")
+    eval_steps: int = opt(-1, "Evaluate on --eval_dataset every N steps. -1: rlrun.ppo never; rlrun.sft/rm/dpo at the end of every epoch, as OpenRLHF.")
+    eval_before_train: bool = opt(False, "Also evaluate before the first training step (logged as step 0), like verl's val_before_train.")
+    metrics_file: str | None = opt(None, "JSONL metrics file (default: <save_path>/metrics.jsonl).")
+    use_wandb: str | None = opt(None, "Log to wandb. Optional value: the API key (else WANDB_API_KEY).", secret=True, metavar="[KEY]")
+    wandb_org: str | None = opt(None, "wandb entity.")
+    wandb_project: str | None = opt(None, "wandb project (default: rlrun_<trainer>, e.g. rlrun_ppo).")
+    wandb_group: str | None = opt(None, "wandb group.")
+    wandb_run_name: str | None = opt(None, "wandb run name.")
+    use_tensorboard: str | None = opt(None, "TensorBoard log directory.")
+
+
+@dataclass
+class LoggingConfig(TrackingConfig):
+    """Metrics, trackers and evaluation."""
+
+    eval_dataset: str | None = opt(None, "Evaluation prompts: a local file or saved HF datasets directory like --prompt_data (same --input_key/--label_key). Needs a reward function or URL (or an agent), not --reward_pretrain.")
+    eval_temperature: float = opt(0.6, "Sampling temperature for evaluation.")
+    eval_n_samples_per_prompt: int = opt(4, "Responses per evaluation prompt (pass@N is logged when N > 1).")
+
+
+@dataclass
+class RuntimeConfig:
+    """Process groups and devices (rlrun's own)."""
+
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: cuda when available, else cpu.")
+    dist_backend: Literal["auto", "nccl", "gloo"] = opt("auto", "auto: nccl with cuda, else gloo.")
+    dist_timeout: float = opt(300.0, "Seconds any collective may wait before the job fails.")
+    dry_run: bool = opt(False, "Print the role layout and exit; loads no model or data.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    resources: ResourceConfig = field(default_factory=ResourceConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algo: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.algo.advantage_estimator not in GROUP_ESTIMATORS
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.algo.init_kl_coef > 0 or self.algo.use_kl_loss
+
+    @property
+    def needs_reward_model(self) -> bool:
+        return self.model.reward_pretrain is not None and self.model.remote_rm_url is None
+
+    @property
+    def multi_turn(self) -> bool:
+        """Rollouts are agent episodes (their rewards are the reward)."""
+        return self.agent.agent_func_path is not None or self.agent.retriever_url is not None
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.train.rollout_batch_size * self.train.n_samples_per_prompt
+
+
+class RootConfig(typing.Protocol):
+    """What every trainer's root config has (PPO's Config, rlrun.supervised's configs)."""
+
+    checkpoint: SavingConfig
+    logging: TrackingConfig
+    runtime: RuntimeConfig

@@ -1,0 +1,185 @@
+"""Value checks that run before any process group, model or dataset is touched.
+
+Every message names the offending flag, its value and what would fix it.
+"""
+
+from __future__ import annotations
+
+from rlrun.algo.is_correction import ISCorrection
+from rlrun.algo.is_correction import check_settings as check_is_settings
+from rlrun.config.schema import NEEDS_GROUPS, RETRIEVER_RETRY_BACKOFF_S, Config
+from rlrun.runtime.errors import ConfigError
+
+
+def _positive(name: str, value: int | float | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(f"--{name} must be > 0, got {value}")
+
+
+def check_values(cfg: Config) -> None:
+    """Ranges and cross-field rules that need no layout."""
+    t, a, g = cfg.train, cfg.algo, cfg.generation
+    for name in ("rollout_batch_size", "micro_rollout_batch_size", "train_batch_size",
+                 "micro_train_batch_size", "n_samples_per_prompt", "max_epochs", "num_episodes", "max_samples"):
+        _positive(name, getattr(t, name))
+    _positive("max_steps", t.max_steps, allow_none=True)
+    for name in ("prompt_max_len", "generate_max_len", "weight_sync_bucket_mb"):
+        _positive(name, getattr(g, name))
+    for name in ("actor_learning_rate", "critic_learning_rate"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"--{name} must be >= 0, got {getattr(t, name)}")
+    if not 0 <= t.lr_warmup_ratio <= 1:
+        raise ConfigError(f"--lr_warmup_ratio must be in [0, 1], got {t.lr_warmup_ratio}")
+    if t.max_norm < 0 or t.l2 < 0:
+        raise ConfigError(f"--max_norm and --l2 must be >= 0, got {t.max_norm} and {t.l2}")
+    if t.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero_stage must be 0, 1, 2 or 3, got {t.zero_stage}")
+    if t.deepspeed_enable_sleep and t.strategy == "deepspeed" and t.zero_stage == 3:
+        raise ConfigError("--deepspeed_enable_sleep with --strategy deepspeed --zero_stage 3 is not supported (rlrun's "
+                          "DeepSpeed strategy runs ZeRO-0/1/2; DeepSpeed's own ZeRO-3 offload_states needs FusedAdam "
+                          "on CUDA); use --zero_stage 1 or 2, or --strategy fsdp --zero_stage 3")
+    if g.temperature <= 0:
+        raise ConfigError(f"--temperature must be > 0, got {g.temperature}")
+    if not 0 < g.top_p <= 1:
+        raise ConfigError(f"--top_p must be in (0, 1], got {g.top_p}")
+    if not 0 < g.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {g.vllm_gpu_memory_utilization}")
+    if g.vllm_kv_cache_memory_bytes is not None and g.vllm_kv_cache_memory_bytes <= 0:
+        raise ConfigError(f"--vllm_kv_cache_memory_bytes must be > 0 bytes, got {g.vllm_kv_cache_memory_bytes}")
+    _positive("eps_clip", a.eps_clip)
+    if a.dual_clip is not None and a.dual_clip <= 1:
+        raise ConfigError(f"--dual_clip must be > 1, got {a.dual_clip}")
+    if a.value_clip is not None and a.value_clip <= 0:
+        raise ConfigError(f"--value_clip must be > 0 (or unset), got {a.value_clip}")
+    if not 0 <= a.gamma <= 1 or not 0 <= a.lambd <= 1:
+        raise ConfigError(f"--gamma and --lambd must be in [0, 1], got {a.gamma} and {a.lambd}")
+    if a.init_kl_coef < 0:
+        raise ConfigError(f"--init_kl_coef must be >= 0, got {a.init_kl_coef}")
+    _positive("kl_target", a.kl_target, allow_none=True)
+    _positive("kl_horizon", a.kl_horizon)
+    low, high = a.reward_clip_range
+    if low >= high:
+        raise ConfigError(f"--reward_clip_range needs low < high, got {low} {high}")
+    if a.entropy_loss_coef is not None and a.entropy_loss_coef < 0:
+        raise ConfigError(f"--entropy_loss_coef must be >= 0, got {a.entropy_loss_coef}")
+    if a.advantage_estimator in NEEDS_GROUPS and t.n_samples_per_prompt < 2:
+        raise ConfigError(
+            f"--advantage_estimator {a.advantage_estimator} compares samples of the same prompt and needs "
+            f"--n_samples_per_prompt >= 2, got {t.n_samples_per_prompt}"
+        )
+    _check_algorithm_extras(cfg)
+    _check_agent(cfg)
+    if cfg.data.input_template is not None and "{}" not in cfg.data.input_template:
+        raise ConfigError(f"--input_template must contain '{{}}' where the prompt goes, got {cfg.data.input_template!r}")
+    if cfg.checkpoint.save_steps == 0 or cfg.checkpoint.save_steps < -1:
+        raise ConfigError(f"--save_steps must be a positive number of steps or -1 (never), got {cfg.checkpoint.save_steps}")
+    _positive("max_ckpt_num", cfg.checkpoint.max_ckpt_num)
+    _positive("logging_steps", cfg.logging.logging_steps)
+    _positive("dist_timeout", cfg.runtime.dist_timeout)
+    _positive("remote_rm_timeout", cfg.model.remote_rm_timeout)
+    _positive("remote_rm_retries", cfg.model.remote_rm_retries)
+    _positive("max_skipped_steps", t.max_skipped_steps)
+    if cfg.model.remote_rm_url and cfg.model.reward_pretrain:
+        raise ConfigError("--remote_rm_url and --reward_pretrain are both set; choose one reward source")
+
+
+def _check_algorithm_extras(cfg: Config) -> None:
+    """Clip-higher, GSPO, DAPO dynamic filtering and length penalties (part of check_values)."""
+    a, t = cfg.algo, cfg.train
+    if a.eps_clip_low_high is not None:
+        low, high = a.eps_clip_low_high
+        if not 0 < low < 1 or high <= 0:
+            raise ConfigError(f"--eps_clip_low_high {low} {high}: needs 0 < LOW < 1 and HIGH > 0 "
+                              "(the ratio is clipped to [1 - LOW, 1 + HIGH]), e.g. --eps_clip_low_high 0.2 0.28")
+    if a.dynamic_filtering:
+        if t.n_samples_per_prompt < 2:
+            raise ConfigError(f"--dynamic_filtering drops prompt groups by their mean score and needs "
+                              f"--n_samples_per_prompt >= 2, got {t.n_samples_per_prompt}")
+        low, high = a.dynamic_filtering_reward_range
+        if low >= high:
+            raise ConfigError(f"--dynamic_filtering_reward_range needs LOW < HIGH, got {low} {high} "
+                              "(e.g. 0 1 for 0/1 rewards)")
+    if a.overlong_buffer_len is not None and not 0 < a.overlong_buffer_len <= cfg.generation.generate_max_len:
+        raise ConfigError(f"--overlong_buffer_len {a.overlong_buffer_len} must be in (0, --generate_max_len "
+                          f"{cfg.generation.generate_max_len}]; the penalty ramps over the last N tokens")
+    if a.overlong_penalty_factor < 0:
+        raise ConfigError(f"--overlong_penalty_factor must be >= 0, got {a.overlong_penalty_factor}")
+    correction = ISCorrection(a.is_correction_level, a.is_correction_mode, a.is_correction_gating,
+                              *a.is_correction_threshold)
+    if (problem := check_is_settings(correction)) is not None:
+        raise ConfigError(problem)
+    if a.is_correction_level != "off" and cfg.generation.generation_backend == "hf":
+        raise ConfigError(f"--is_correction_level {a.is_correction_level} corrects the engine/actor log-prob mismatch "
+                          "with the engine's sampled-token log-probs, which --generation_backend hf does not report; use "
+                          "--generation_backend vllm or native, or drop the flag")
+    if a.stop_properly_penalty_coef is not None and a.stop_properly_penalty_coef > 1:
+        raise ConfigError(f"--stop_properly_penalty_coef {a.stop_properly_penalty_coef}: use a value in [0, 1] "
+                          "(scales truncated rewards) or a negative one (replaces them)")
+
+
+def _check_agent(cfg: Config) -> None:
+    ag, m = cfg.agent, cfg.model
+    for name in ("max_turns", "max_tokens_per_turn", "max_obs_len"):
+        _positive(name, getattr(ag, name), allow_none=True)
+    for name in ("retriever_topk", "retriever_timeout", "agent_timeout", "agent_max_concurrency"):
+        _positive(name, getattr(ag, name))
+    if ag.agent_func_path is not None and ag.retriever_url is not None:
+        raise ConfigError(f"--agent_func_path {ag.agent_func_path} and --retriever_url {ag.retriever_url} are both set; "
+                          "--retriever_url runs the built-in Search-R1 agent: choose one agent")
+    tp = cfg.resources.vllm_tensor_parallel_size
+    if cfg.multi_turn and tp > 1 and cfg.generation.generation_backend == "vllm":
+        # The engine's ranks share one vLLM engine call by call; episodes end after different numbers of turns on
+        # different ranks, so those calls would not line up.
+        raise ConfigError(f"multi-turn agent episodes (--agent_func_path/--retriever_url) with --generation_backend vllm "
+                          f"--vllm_tensor_parallel_size {tp} are not supported yet; use --vllm_tensor_parallel_size 1 "
+                          "(more engines instead of wider ones), or --generation_backend hf")
+    if not cfg.multi_turn:
+        turn_flags = [f"--{n}" for n in ("max_turns", "max_tokens_per_turn", "max_obs_len") if getattr(ag, n) is not None]
+        turn_flags += [] if ag.state_masking else ["--state_masking false"]
+        if turn_flags:
+            raise ConfigError(f"{', '.join(turn_flags)} shape multi-turn agent episodes; add --agent_func_path FILE.py "
+                              "or --retriever_url URL, or drop them")
+        return
+    if m.remote_rm_url is not None or m.reward_pretrain is not None:
+        source = f"--remote_rm_url {m.remote_rm_url}" if m.remote_rm_url is not None else f"--reward_pretrain {m.reward_pretrain}"
+        raise ConfigError(f"{source} with an agent: the agent's step rewards are the reward (as OpenRLHF's "
+                          "--agent_func_path); score inside the agent, or drop the agent")
+    if ag.retriever_url is not None:
+        tries = m.remote_rm_retries
+        worst = tries * ag.retriever_timeout + RETRIEVER_RETRY_BACKOFF_S * (2 ** (tries - 1) - 1)
+        if ag.agent_timeout <= worst:
+            raise ConfigError(f"--agent_timeout {ag.agent_timeout:g}s is shorter than the retriever's worst case "
+                              f"({tries} tries x --retriever_timeout {ag.retriever_timeout:g}s + backoff = {worst:g}s), "
+                              "so a retriever that is down would be reported as a slow agent; raise --agent_timeout "
+                              f"above {worst:g} or lower --retriever_timeout / --remote_rm_retries")
+    if not ag.state_masking and cfg.algo.is_correction_level != "off":
+        raise ConfigError("--state_masking false trains on observation tokens, which the engine did not sample and "
+                          "has no log-probs for; --is_correction_level needs those: drop one of the two")
+
+
+def check_batches(cfg: Config, role_sizes: dict[str, int]) -> None:
+    """Batch sizes must split evenly over each role's ranks (FSDP ranks must run the same number
+    of forward passes, or the job hangs). role_sizes: role name -> number of ranks."""
+    t = cfg.train
+    rollouts = cfg.rollouts_per_step
+    for role, size in role_sizes.items():
+        if rollouts % size:
+            raise ConfigError(
+                f"{rollouts} rollouts per step (--rollout_batch_size {t.rollout_batch_size} x "
+                f"--n_samples_per_prompt {t.n_samples_per_prompt}) do not split evenly over the {size} {role} ranks; "
+                f"make the rollouts a multiple of {size}"
+            )
+    if rollouts % t.train_batch_size:
+        raise ConfigError(
+            f"--train_batch_size {t.train_batch_size} must divide the {rollouts} rollouts per step "
+            f"(--rollout_batch_size {t.rollout_batch_size} x --n_samples_per_prompt {t.n_samples_per_prompt})"
+        )
+    for role in ("actor", "critic"):
+        size = role_sizes.get(role)
+        if size and t.train_batch_size % (t.micro_train_batch_size * size):
+            raise ConfigError(
+                f"--train_batch_size {t.train_batch_size} must be a multiple of --micro_train_batch_size "
+                f"{t.micro_train_batch_size} x {size} {role} ranks = {t.micro_train_batch_size * size}"
+            )

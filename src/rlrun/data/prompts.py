@@ -1,0 +1,283 @@
+"""Prompt data: loading records, formatting prompts, deterministic order, tokenization."""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlrun.runtime.errors import DataError, MissingExtraError
+
+FILE_FORMATS: tuple[str, ...] = (".jsonl", ".json", ".parquet", ".csv")
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    text: str
+    label: str | None
+
+
+def _read_jsonl(path: str) -> list[Any]:
+    rows: list[Any] = []
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue  # trailing/blank lines are common in hand-written files
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise DataError(
+                    f"{path}:{line_number} is not valid JSON ({exc}); each line must be one JSON object."
+                ) from exc
+    return rows
+
+
+def _read_json(path: str) -> list[Any]:
+    with open(path, encoding="utf-8") as handle:
+        try:
+            rows = json.load(handle)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path} is not valid JSON ({exc}).") from exc
+    if not isinstance(rows, list):
+        raise DataError(
+            f"{path} holds a JSON {type(rows).__name__}; a .json prompt file must be a list of objects "
+            '(e.g. [{"prompt": "..."}]). Use .jsonl for one object per line.'
+        )
+    return rows
+
+
+def _read_parquet(path: str) -> list[Any]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise MissingExtraError("pyarrow", "data", "Loading a .parquet prompt file") from exc
+    return pq.read_table(path).to_pylist()
+
+
+def _read_csv(path: str) -> list[Any]:
+    # The stdlib reader is enough for prompt files and needs no optional dependency.
+    with open(path, encoding="utf-8", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _read_saved_dataset(path: str) -> list[Any]:
+    try:
+        import datasets
+    except ImportError as exc:
+        raise MissingExtraError("datasets", "data", "Loading a saved HF datasets directory") from exc
+    try:
+        loaded = datasets.load_from_disk(path)
+    except FileNotFoundError as exc:
+        raise DataError(
+            f"{path} is a directory but not one written by datasets' save_to_disk ({exc}); "
+            f"pass a directory from Dataset.save_to_disk or a file ending in one of {list(FILE_FORMATS)}."
+        ) from exc
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise DataError(
+                f"{path} is a DatasetDict without a 'train' split (splits: {sorted(loaded)}); "
+                "save the prompts as the 'train' split."
+            )
+        loaded = loaded["train"]
+    return loaded.to_list()
+
+
+def read_rows(path: str) -> list[Any]:
+    """The records of a .jsonl/.json/.parquet/.csv file or a save_to_disk directory (its 'train' split)."""
+    if not os.path.exists(path):
+        raise DataError(
+            f"Prompt data path {path!r} does not exist; check the path, or pass no path to use the built-in prompts."
+        )
+    if os.path.isdir(path):
+        return _read_saved_dataset(path)
+    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv}
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in readers:
+        raise DataError(
+            f"Prompt file {path!r} has unsupported extension {extension!r}; use one of {list(FILE_FORMATS)} "
+            "or a directory written by datasets' save_to_disk."
+        )
+    return readers[extension](path)
+
+
+def _missing_key_error(path: str, row: int, role: str, key: str, present: list[str]) -> DataError:
+    close = difflib.get_close_matches(key, present, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return DataError(
+        f"{path}: record {row} has no {role} {key!r}; keys present: {present}.{hint} Set {role} to one of them."
+    )
+
+
+def _label_text(value: Any, path: str, row: int, label_key: str) -> str:
+    # Numeric labels (e.g. math answers) are common; store them as text for the reward.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    # Lists and dicts (Search-R1's golden_answers, {"target": [...]}) reach the reward as JSON text;
+    # parquet hands lists over as numpy arrays.
+    plain = value.tolist() if hasattr(value, "tolist") else value
+    if isinstance(plain, (list, tuple, dict)):
+        try:
+            return json.dumps(plain, ensure_ascii=False)
+        except (TypeError, ValueError):
+            pass
+    raise DataError(
+        f"{path}: record {row} has label {label_key!r} = {str(value)[:80]!r} ({type(value).__name__}); "
+        "labels must be strings, numbers, or JSON-serialisable lists/dicts."
+    )
+
+
+def _to_record(row: Any, index: int, path: str, input_key: str, label_key: str | None) -> PromptRecord:
+    if not isinstance(row, Mapping):
+        raise DataError(
+            f"{path}: record {index} is a {type(row).__name__} ({str(row)[:80]!r}); "
+            f"each record must be an object with an {input_key!r} key."
+        )
+    present = [str(key) for key in row]
+    if input_key not in row:
+        raise _missing_key_error(path, index, "input_key", input_key, present)
+    text = row[input_key]
+    if not isinstance(text, str):
+        raise DataError(
+            f"{path}: record {index} has {input_key!r} = {str(text)[:80]!r} ({type(text).__name__}); "
+            "prompts must be strings."
+        )
+    if label_key is None:
+        return PromptRecord(text=text, label=None)
+    if label_key not in row:
+        raise _missing_key_error(path, index, "label_key", label_key, present)
+    return PromptRecord(text=text, label=_label_text(row[label_key], path, index, label_key))
+
+
+def load_prompt_records(
+    path: str | None,
+    input_key: str = "prompt",
+    label_key: str | None = None,
+    max_samples: int | None = None,
+) -> list[PromptRecord]:
+    """Prompt records from a .jsonl/.json (a list of objects)/.parquet/.csv file or a save_to_disk dir.
+
+    path=None gives rlrun.models.tiny.BUILTIN_PROMPTS, always read with keys "prompt" and "label".
+    max_samples keeps the first N records.
+    """
+    if max_samples is not None and max_samples < 1:
+        raise DataError(f"max_samples={max_samples} keeps no prompts; pass a positive number or None for all.")
+    if path is None:
+        from rlrun.models.tiny import BUILTIN_PROMPTS  # lazy: tiny imports transformers, which file loading never needs
+
+        source, rows, input_key, label_key = "<built-in prompts>", list(BUILTIN_PROMPTS), "prompt", "label"
+    else:
+        source, rows = path, read_rows(path)
+    if not rows:
+        raise DataError(f"Prompt data {source!r} is empty; it needs at least one record with key {input_key!r}.")
+    rows = rows[:max_samples]
+    return [_to_record(row, index, source, input_key, label_key) for index, row in enumerate(rows)]
+
+
+def format_prompt(text: str, tokenizer: Any, input_template: str | None, apply_chat_template: bool) -> str:
+    """OpenRLHF semantics: chat template as one user turn, else input_template.format(text), else text."""
+    if apply_chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                "apply_chat_template is set but the tokenizer has no chat_template; unset it or use input_template."
+            )
+        messages = [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if input_template is None:
+        return text
+    if "{}" not in input_template:
+        raise DataError(
+            f"input_template {input_template!r} has no '{{}}' placeholder for the prompt; add one, e.g. 'Q: {{}}\\nA:'."
+        )
+    try:
+        return input_template.format(text)
+    except (IndexError, KeyError, ValueError) as exc:
+        raise DataError(
+            f"input_template {input_template!r} cannot be formatted ({exc!r}); "
+            "escape literal braces as '{{' and '}}'."
+        ) from exc
+
+
+class PromptSampler:
+    """Deterministic prompt order: step -> record indices is a pure function, so resume needs only the step."""
+
+    def __init__(self, num_records: int, rollout_batch_size: int, seed: int, num_episodes: int) -> None:
+        if rollout_batch_size < 1 or num_episodes < 1:
+            raise DataError(
+                f"rollout_batch_size={rollout_batch_size} and num_episodes={num_episodes} must both be >= 1."
+            )
+        if num_records < rollout_batch_size:
+            raise DataError(
+                f"Only {num_records} prompt records for rollout_batch_size={rollout_batch_size}; "
+                "add prompts or lower rollout_batch_size so one full batch fits."
+            )
+        self.num_records = num_records
+        self.rollout_batch_size = rollout_batch_size
+        self.seed = seed
+        self.num_episodes = num_episodes
+        # The last partial batch is dropped so every step sees rollout_batch_size prompts.
+        self.steps_per_episode = num_records // rollout_batch_size
+        self.total_steps = self.steps_per_episode * num_episodes
+        self._cached: tuple[int, list[int]] | None = None
+
+    def _episode_seed(self, episode: int) -> int:
+        # Hashing (seed, episode) keeps nearby seeds from sharing permutations (seed+1 vs episode+1).
+        digest = hashlib.sha256(f"rlrun-prompts:{self.seed}:{episode}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+    def permutation(self, episode: int) -> list[int]:
+        """The record order of one episode; depends only on (seed, episode)."""
+        if self._cached is None or self._cached[0] != episode:
+            generator = torch.Generator().manual_seed(self._episode_seed(episode))
+            self._cached = (episode, torch.randperm(self.num_records, generator=generator).tolist())
+        return self._cached[1]
+
+    def _check_step(self, step: int) -> None:
+        if not 0 <= step < self.total_steps:
+            raise DataError(
+                f"step={step} is outside [0, {self.total_steps}) "
+                f"({self.num_episodes} episodes x {self.steps_per_episode} steps); resume from a step of this run."
+            )
+
+    def episode_of(self, step: int) -> int:
+        self._check_step(step)
+        return step // self.steps_per_episode
+
+    def indices(self, step: int) -> list[int]:
+        """Record indices of global step `step` (0-based)."""
+        episode = self.episode_of(step)
+        start = (step % self.steps_per_episode) * self.rollout_batch_size
+        return self.permutation(episode)[start : start + self.rollout_batch_size]
+
+
+def tokenize_prompts(texts: list[str], tokenizer: Any, prompt_max_len: int) -> tuple[list[list[int]], int]:
+    """Token ids without special tokens, and how many prompts were longer than prompt_max_len.
+
+    Long prompts keep their LAST prompt_max_len tokens: the end holds the generation prompt
+    (e.g. "Assistant: ") that the response must follow.
+    """
+    if prompt_max_len < 1:
+        raise DataError(f"prompt_max_len={prompt_max_len} must be >= 1.")
+    if not texts:
+        return [], 0
+    encoded: list[list[int]] = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    truncated = 0
+    result: list[list[int]] = []
+    for index, ids in enumerate(encoded):
+        if not ids:
+            raise DataError(
+                f"Prompt {index} ({texts[index][:80]!r}) tokenizes to no tokens; generation needs a non-empty prompt."
+            )
+        if len(ids) > prompt_max_len:
+            truncated += 1
+            ids = ids[-prompt_max_len:]
+        result.append(list(ids))
+    return result, truncated

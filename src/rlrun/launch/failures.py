@@ -1,0 +1,85 @@
+"""How a failing rank reports: ONE line (rank, roles, phase, step, error), then the caller leaves with os._exit
+(see rlrun.rl.run's failure policy); and the early output-path check every trainer makes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+from typing import Any, Callable, NoReturn, TypeVar
+
+from rlrun.launch.dist import is_peer_failure
+from rlrun.launch.env import DistEnv, read_env
+from rlrun.runtime.errors import ConfigError, RlrunError
+from rlrun.runtime.faults import PhaseTracker
+from rlrun.runtime.log import get_logger, let_rank0_report
+
+T = TypeVar("T")
+
+
+def launch_environment() -> DistEnv | None:
+    """This process's rank and world from the launcher, or None once the reason it is unusable is printed."""
+    try:
+        return read_env()
+    except RlrunError as exc:
+        # The rank itself is unknown, so every process reports (a traceback would say no more).
+        get_logger(0).error_once(f"error: {exc}")
+        return None
+
+
+def checked_on_every_rank(env: DistEnv, check: Callable[[], T]) -> T | None:
+    """`check()` (parse and validate: cheap, identical on every rank), or None once its error is printed.
+    Every rank sees the same argv and fails the same way; one message (rank 0's) is enough."""
+    try:
+        return check()
+    except RlrunError as exc:
+        get_logger(env.rank).error_once(f"error: {exc}")
+        let_rank0_report(env.rank)
+        return None
+
+
+def fail_and_exit(log: Any, rank: int, roles: str, phase: PhaseTracker, exc: BaseException, dist_timeout: float, *,
+                  local_only: bool, sink: Any) -> NoReturn:
+    """Report `exc` in one line and leave at once (never wait for peers in a collective or in teardown).
+    `local_only`: no collective was entered yet; `sink`: the metrics sink to close, or None."""
+    if local_only and rank != 0 and isinstance(exc, RlrunError):
+        # A bad path or dataset fails every rank alike: let rank 0 say it once. Only a rank that fails
+        # alone (a file missing on its node) speaks up after the wait.
+        let_rank0_report(rank)
+    report_failure(log, rank, roles, phase, exc, dist_timeout)
+    if sink is not None:
+        sink.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
+
+
+def check_writable(path: str, flag: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".rlrun_write_test_"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path} is not a writable directory ({exc.strerror or exc}); "
+                          "choose a directory this user can create and write") from None
+
+
+def report_failure(log, rank: int, roles: str, phase: PhaseTracker, exc: BaseException,  # type: ignore[no-untyped-def]
+            dist_timeout: float) -> None:
+    where = f"phase {phase.phase}" + (f" at step {phase.step + 1}" if phase.step >= 0 else "")
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    if is_peer_failure(exc) and any(word in first_line.lower() for word in ("timed out", "timeout", "timing out")):
+        log.rank_error(f"({roles}) stopping in {where}: a collective timed out after --dist_timeout {dist_timeout:g} s "
+                       f"({type(exc).__name__}: {first_line[:160]}); another rank never reached it — it is hung "
+                       "(its stack is dumped below when it is stopped) or slower than --dist_timeout allows")
+        return
+    if is_peer_failure(exc):
+        log.rank_error(f"({roles}) stopping in {where}: a collective failed "
+                       f"({type(exc).__name__}: {first_line[:160]}); "
+                       "another rank failed first — its failure line names the cause; a rank killed by a signal "
+                       "(out of memory, preemption) prints none: see the launcher's exit codes")
+        return
+    log.rank_error(f"FAILED ({roles}) in {where}: {type(exc).__name__}: {exc}")
+    if not isinstance(exc, (RlrunError, KeyboardInterrupt)):
+        traceback.print_exception(exc, file=sys.stderr)  # an unexpected error: its traceback, from this rank only

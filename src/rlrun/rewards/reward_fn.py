@@ -1,0 +1,225 @@
+"""Rollout rewards from a Python file, an HTTP endpoint (OpenRLHF's --remote_rm_url), or the demo rule.
+
+Every source's output goes through one validator, so a broken reward script or server fails
+with the same clear RewardError (source, what is wrong, how to fix) instead of a shape error
+deep inside the loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from numbers import Real
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlrun.runtime.errors import RewardError
+from rlrun.runtime.pyfile import import_file, one_line
+from rlrun.serving.http_retry import RequestRejected, RetriesExhausted, display_url, post_once, with_retries
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+TOKEN_ENV = "RLRUN_REWARD_TOKEN"
+BUILTIN_SOURCE = "builtin demo rule"
+
+RawRewardFn = Callable[[list[str], list[str], list[str | None]], object]
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    rewards: torch.Tensor  # [b] float32, used for training
+    scores: torch.Tensor  # [b] float32, logged (defaults to rewards)
+    extra_logs: dict[str, float]  # means of any extra per-sample values, for metrics
+
+
+def _to_float_tensor(value: object, what: str, source: str, batch: int | None) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            raise RewardError(f"reward source {source}: {what} is a tensor of dtype {value.dtype}, "
+                              "which is not a real number type; return float values.")
+        # Extras are only averaged, so any shape will do; [b, 1] is a common reward-model shape.
+        if batch is None or (value.dim() == 2 and value.shape[1] == 1):
+            value = value.reshape(-1)
+        if value.dim() != 1:
+            raise RewardError(f"reward source {source}: {what} has shape {tuple(value.shape)}, expected "
+                              f"[{batch if batch is not None else 'b'}]; return one number per query.")
+        tensor = value.detach().to(device="cpu", dtype=torch.float32)
+    else:
+        if not isinstance(value, (list, tuple)) and callable(getattr(value, "tolist", None)):
+            value = value.tolist()  # numpy arrays and the like, without importing numpy
+        if not isinstance(value, (list, tuple)):
+            raise RewardError(f"reward source {source}: {what} is a {type(value).__name__}, expected a "
+                              "tensor or list of numbers.")
+        bad = [i for i, v in enumerate(value) if not isinstance(v, Real)]
+        if bad:
+            shown = ", ".join(f"[{i}]={value[i]!r}" for i in bad[:5])
+            raise RewardError(f"reward source {source}: {what} has {len(bad)} non-numeric value(s): {shown}; "
+                              "return plain numbers.")
+        tensor = torch.tensor([float(v) for v in value], dtype=torch.float32)
+    if batch is not None and tensor.numel() != batch:
+        raise RewardError(f"reward source {source}: {what} has {tensor.numel()} values for {batch} queries; "
+                          "return exactly one value per query, in query order.")
+    return tensor
+
+
+def _check_finite(tensor: torch.Tensor, what: str, source: str) -> None:
+    bad = (~torch.isfinite(tensor)).nonzero().flatten().tolist()
+    if bad:
+        shown = ", ".join(f"[{i}]={tensor[i].item()}" for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        raise RewardError(f"reward source {source}: {what} has {len(bad)} NaN/inf value(s) at {shown}; "
+                          "make the reward function return finite numbers (e.g. clamp or default to 0).")
+
+
+def _validate(raw: object, source: str, batch: int) -> RewardResult:
+    extra_raw: object = {}
+    if isinstance(raw, dict):
+        if "rewards" not in raw:
+            raise RewardError(f"reward source {source}: returned a dict with keys {sorted(map(str, raw))} "
+                              "but no 'rewards'; return {'rewards': [...], 'scores': ..., 'extra_logs': ...}.")
+        rewards_raw, scores_raw, extra_raw = raw["rewards"], raw.get("scores"), raw.get("extra_logs") or {}
+    elif isinstance(raw, (torch.Tensor, list, tuple)) or callable(getattr(raw, "tolist", None)):
+        rewards_raw, scores_raw = raw, None
+    else:
+        raise RewardError(f"reward source {source}: returned a {type(raw).__name__}; expected a tensor or "
+                          "list of rewards, or a dict with key 'rewards'.")
+    rewards = _to_float_tensor(rewards_raw, "rewards", source, batch)
+    _check_finite(rewards, "rewards", source)
+    if scores_raw is None:
+        scores = rewards
+    else:
+        scores = _to_float_tensor(scores_raw, "scores", source, batch)
+        _check_finite(scores, "scores", source)
+    if not isinstance(extra_raw, dict):
+        raise RewardError(f"reward source {source}: extra_logs is a {type(extra_raw).__name__}, expected a "
+                          "dict of name -> tensor/list/number.")
+    extra_logs: dict[str, float] = {}
+    for name, value in extra_raw.items():
+        what = f"extra_logs[{name!r}]"
+        values = _to_float_tensor([value] if isinstance(value, Real) else value, what, source, None)
+        if values.numel():  # an empty list has no mean worth logging
+            extra_logs[str(name)] = float(values.mean().item())
+    return RewardResult(rewards=rewards, scores=scores, extra_logs=extra_logs)
+
+
+class RewardFunction:
+    """A validated reward source: call it with one rollout batch, get float32 CPU tensors back."""
+
+    def __init__(self, source: str, fn: RawRewardFn, *, wrap_errors: bool = True) -> None:
+        self.source = source
+        self._fn = fn
+        # User code's exceptions get wrapped with the source; the HTTP client already raises
+        # complete RewardErrors that wrapping would only make longer.
+        self._wrap_errors = wrap_errors
+
+    def __repr__(self) -> str:
+        return f"RewardFunction(source={self.source!r})"
+
+    def __call__(self, queries: list[str], prompts: list[str], labels: list[str | None]) -> RewardResult:
+        if not len(queries) == len(prompts) == len(labels):
+            raise RewardError(f"reward source {self.source}: got {len(queries)} queries, {len(prompts)} prompts "
+                              f"and {len(labels)} labels; pass one prompt and one label (or None) per query.")
+        if not queries:
+            empty = torch.zeros(0, dtype=torch.float32)
+            return RewardResult(rewards=empty, scores=empty, extra_logs={})
+        try:
+            raw = self._fn(list(queries), list(prompts), list(labels))
+        except Exception as exc:
+            if isinstance(exc, RewardError) and not self._wrap_errors:
+                raise
+            raise self._wrapped(exc, len(queries)) from exc
+        return _validate(raw, self.source, len(queries))
+
+    def _wrapped(self, exc: Exception, batch: int) -> RewardError:
+        return RewardError(f"reward function {self.source} raised {one_line(exc)} on a batch of {batch} "
+                           "queries; fix the reward function (run it on a few samples by hand to reproduce).")
+
+
+def reward_responses(reward_fn: RewardFunction, prompt_texts: list[str], labels: list[str | None],
+                     responses: list[list[int]], tokenizer: "PreTrainedTokenizerBase") -> RewardResult:
+    """Reward sampled responses: queries[i] is prompt_texts[i] followed by response i decoded without special
+    tokens (what every reward source receives, OpenRLHF's convention)."""
+    queries = [text + tokenizer.decode(ids, skip_special_tokens=True) for text, ids in zip(prompt_texts, responses)]
+    return reward_fn(queries, prompt_texts, labels)
+
+
+def _load_builtin() -> RewardFunction:
+    # Imported lazily so that a user-supplied source never depends on the demo module.
+    from rlrun.rewards.demo import reward_func
+
+    return RewardFunction(BUILTIN_SOURCE, reward_func)
+
+
+def _load_file(path_text: str) -> RewardFunction:
+    module = import_file(path_text, "reward file", RewardError, "reward_func(queries, prompts, labels)")
+    fn = getattr(module, "reward_func", None)
+    if not callable(fn):
+        sys.modules.pop(module.__name__, None)
+        found = "is not callable" if hasattr(module, "reward_func") else "is missing"
+        raise RewardError(f"reward file {path_text}: reward_func {found}; define "
+                          "def reward_func(queries, prompts, labels) returning rewards (tensor/list or dict).")
+    return RewardFunction(path_text, fn)
+
+
+class _HttpRewardFn:
+    """POSTs a batch to an OpenRLHF-style reward server, retrying only failures that can heal."""
+
+    def __init__(self, url: str, source: str, timeout_s: float, retries: int, backoff_s: float) -> None:
+        self.url, self.source = url, source
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+
+    def _scrub(self, text: str, token: str | None) -> str:
+        return text.replace(token, "<token>") if token else text
+
+    def __call__(self, queries: list[str], prompts: list[str], labels: list[str | None]) -> object:
+        token = os.environ.get(TOKEN_ENV) or None  # read per call so a rotated token is picked up
+        try:
+            body = json.dumps({"query": queries, "prompts": prompts, "labels": labels}).encode("utf-8")
+        except (TypeError, ValueError) as exc:
+            raise RewardError(f"reward server {self.source}: batch is not JSON-serializable ({one_line(exc)}); "
+                              "queries, prompts and labels must be strings (labels may be None).") from exc
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+
+        def scrub(text: str) -> str:
+            return self._scrub(text, token)
+
+        try:
+            status, payload = with_retries(lambda: post_once(self.url, body, headers, self.timeout_s, scrub),
+                                           retries=self.retries, backoff_s=self.backoff_s)
+        except RequestRejected as exc:
+            raise RewardError(f"reward server {self.source} rejected the request: {exc}; "
+                              f"check the URL, the request format and {TOKEN_ENV}.") from None
+        except RetriesExhausted as exc:
+            raise RewardError(f"reward server {self.source} failed after {self.retries} attempts: {exc.last_error}; "
+                              "check that it is up and reachable from this node, or raise --remote_rm_timeout / --remote_rm_retries.") from None
+        try:
+            return json.loads(payload.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            snippet = scrub(" ".join(payload[:200].decode("utf-8", "replace").split()))
+            raise RewardError(f"reward server {self.source} returned a non-JSON response (HTTP {status}, "
+                              f"starts with {snippet!r}); it must return JSON like "
+                              '{"rewards": [...]} or a list of numbers.') from None
+
+
+def load_reward_function(remote_rm_url: str | None, *, timeout_s: float = 30.0, retries: int = 3,
+                         backoff_s: float = 1.0) -> RewardFunction:
+    """Resolve `remote_rm_url` (None, a .py path, or an http(s) URL) to a validated RewardFunction."""
+    if remote_rm_url is None:
+        return _load_builtin()
+    text = remote_rm_url.strip()
+    if text.lower().startswith(("http://", "https://")):
+        source = display_url(text)
+        if not timeout_s > 0 or retries < 1 or backoff_s < 0:
+            raise RewardError(f"reward server {source}: need timeout_s > 0, retries >= 1 and backoff_s >= 0, "
+                              f"got timeout_s={timeout_s}, retries={retries}, backoff_s={backoff_s}.")
+        return RewardFunction(source, _HttpRewardFn(text, source, timeout_s, retries, backoff_s), wrap_errors=False)
+    if text.endswith(".py"):
+        return _load_file(text)
+    raise RewardError(f"remote_rm_url {text!r} is neither a .py file nor an http(s):// URL; pass a Python file "
+                      "defining reward_func, a reward server URL, or nothing for the builtin demo rule.")

@@ -1,0 +1,261 @@
+"""Build what this rank needs for its roles: prompts, models, strategies, roles, weight sync."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from rlrun.agents.episodes import EpisodeRunner
+from rlrun.agents.from_config import build_episode_runner
+from rlrun.algo.is_correction import ISCorrection
+from rlrun.config.schema import Config
+from rlrun.data.prompts import PromptSampler, format_prompt, load_prompt_records, tokenize_prompts
+from rlrun.engines.base import HFEngine, SamplingSettings
+from rlrun.engines.native import NativeEngine
+from rlrun.launch.dist import before_teardown, world_size
+from rlrun.launch.groups import Groups
+from rlrun.launch.layout import Layout, Role
+from rlrun.launch.transfer import EngineRowExchange, ParamSource, WeightSync
+from rlrun.models.loading import load_causal_lm, load_critic, load_reward_model
+from rlrun.rewards.reward_fn import RewardFunction, load_reward_function
+from rlrun.roles.actor import Actor, PolicyLossSettings
+from rlrun.roles.critic import Critic
+from rlrun.roles.optim import make_optimizer, warmup_cosine
+from rlrun.roles.reference import Reference
+from rlrun.roles.reward_model import RewardModel
+from rlrun.roles.update import Updater
+from rlrun.runtime.errors import DataError
+from rlrun.runtime.log import get_logger
+from rlrun.strategies.base import Strategy
+from rlrun.strategies.choose import make_strategy
+
+if TYPE_CHECKING:
+    from rlrun.engines.in_process import InProcessEngine
+    from rlrun.engines.tensor_parallel import TensorParallelEngine
+    from rlrun.engines.vllm_engine import VLLMEngine
+
+
+@dataclass
+class Prompts:
+    """The prompt set after formatting and tokenising; index i is record i."""
+
+    texts: list[str]
+    ids: list[list[int]]
+    labels: list[str | None]
+    truncated: int
+    dropped: int
+
+
+@dataclass
+class RankRoles:
+    """The roles this rank plays (None where it plays none)."""
+
+    actor: Actor | None = None
+    critic: Critic | None = None
+    reference: Reference | None = None
+    reward_model: RewardModel | None = None
+    reward_fn: RewardFunction | None = None
+    agents: EpisodeRunner | None = None  # multi-turn episodes (their rewards replace reward_fn)
+    engine: "HFEngine | NativeEngine | VLLMEngine | TensorParallelEngine | InProcessEngine | None" = None
+    weight_sync: WeightSync | None = None
+    strategies: dict[Role, Strategy] = field(default_factory=dict)  # of the roles above that hold a model
+
+
+def build_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Prompts:
+    return _prompt_set(cfg, tokenizer, cfg.data.prompt_data)
+
+
+def build_eval_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Prompts:
+    """--eval_dataset, read, formatted and cut like the training prompts (--max_samples too, as OpenRLHF does)."""
+    assert cfg.logging.eval_dataset is not None
+    prompts = _prompt_set(cfg, tokenizer, cfg.logging.eval_dataset)
+    if not prompts.ids:
+        raise DataError(f"every prompt of --eval_dataset {cfg.logging.eval_dataset} is longer than --prompt_max_len "
+                        f"{cfg.generation.prompt_max_len} and was dropped (--prompt_overflow drop); raise "
+                        "--prompt_max_len or use --prompt_overflow truncate")
+    return prompts
+
+
+def _prompt_set(cfg: Config, tokenizer: PreTrainedTokenizerBase, path: str | None) -> Prompts:
+    d = cfg.data
+    records = load_prompt_records(path, d.input_key, d.label_key, cfg.train.max_samples)
+    texts = [format_prompt(r.text, tokenizer, d.input_template, d.apply_chat_template) for r in records]
+    labels = [r.label for r in records]
+    max_len = cfg.generation.prompt_max_len
+    if cfg.generation.prompt_overflow == "drop":
+        full, _ = tokenize_prompts(texts, tokenizer, 10**12)
+        keep = [i for i, ids in enumerate(full) if len(ids) <= max_len]
+        return Prompts([texts[i] for i in keep], [full[i] for i in keep], [labels[i] for i in keep], 0, len(texts) - len(keep))
+    ids, truncated = tokenize_prompts(texts, tokenizer, max_len)
+    return Prompts(texts, ids, labels, truncated, 0)
+
+
+def make_sampler(cfg: Config, prompts: Prompts) -> PromptSampler:
+    kept, batch = len(prompts.ids), cfg.train.rollout_batch_size
+    if prompts.dropped and kept < batch:
+        raise DataError(f"{prompts.dropped} of {prompts.dropped + kept} prompts are longer than --prompt_max_len "
+                        f"{cfg.generation.prompt_max_len} and were dropped (--prompt_overflow drop); the {kept} left "
+                        f"do not fill one --rollout_batch_size {batch}. Raise --prompt_max_len, use --prompt_overflow "
+                        "truncate, or lower --rollout_batch_size.")
+    return PromptSampler(len(prompts.ids), cfg.train.rollout_batch_size, cfg.train.seed, cfg.train.num_episodes)
+
+
+def optimizer_steps(cfg: Config, total_steps: int) -> int:
+    return total_steps * cfg.train.max_epochs * (cfg.rollouts_per_step // cfg.train.train_batch_size)
+
+
+def engine_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if cfg.model.bf16 and device.type == "cuda" else torch.float32
+
+
+def _strategy(cfg: Config, groups: Groups, role: Role, device: torch.device) -> Strategy:
+    group = groups.role(role)
+    assert group is not None, role
+    return make_strategy(group, device, cfg.model, cfg.train)
+
+
+def _updater(cfg: Config, model: torch.nn.Module, strategy: Strategy, lr: float, total_opt_steps: int,
+             layout: Layout, role: Role, rank: int) -> tuple[torch.nn.Module, Updater]:
+    """Wrap a trainable model and build its optimizer, schedule and update loop; returns (wrapped model, updater)."""
+    t = cfg.train
+    model, optimizer = strategy.wrap_trainable(model, lambda m: make_optimizer(m, lr, t.adam_betas, t.l2))
+    scheduler = warmup_cosine(optimizer, total_opt_steps, t.lr_warmup_ratio)
+    ranks = layout.ranks_of(role)
+    return model, Updater(model, strategy, optimizer, scheduler, t.max_norm, t.micro_train_batch_size, ranks.index(rank),
+                          len(ranks), max_nonfinite_in_a_row=t.max_skipped_steps, ops=strategy.step_ops(model))
+
+
+@dataclass
+class RewardSources:
+    """What rewards an engine rank's rollouts: a reward function, or agents whose episodes carry rewards."""
+
+    reward_fn: RewardFunction | None = None
+    agents: EpisodeRunner | None = None
+
+
+def build_reward_sources(cfg: Config, layout: Layout, rank: int, tokenizer: PreTrainedTokenizerBase) -> RewardSources:
+    """The rollout reward source of an engine rank (nothing elsewhere, or when a reward model scores). Imports
+    a reward or agent file but contacts no server, so run() calls it before the first collective."""
+    if Role.ENGINE not in layout.roles_of(rank) or cfg.needs_reward_model:
+        return RewardSources()
+    if cfg.multi_turn:
+        return RewardSources(agents=build_episode_runner(cfg, tokenizer))
+    return RewardSources(reward_fn=load_reward_function(cfg.model.remote_rm_url, timeout_s=cfg.model.remote_rm_timeout,
+                                                        retries=cfg.model.remote_rm_retries))
+
+
+def _policy_copies(cfg: Config, count: int) -> Iterator[torch.nn.Module]:
+    """The initial policy for each role of this rank that needs one: read from disk once, then copied
+    (wrapping for FSDP changes a model in place, so roles never share one)."""
+    if count == 0:
+        return
+    policy = load_causal_lm(cfg.model, cfg.train.seed)
+    for _ in range(count - 1):
+        yield copy.deepcopy(policy)
+    yield policy
+
+
+def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                 sampling: SamplingSettings, device: torch.device) -> "VLLMEngine | TensorParallelEngine | InProcessEngine":
+    """vLLM in this rank when the engine ranks are the whole world (engines/hosting.py); otherwise a vLLM child on
+    this rank (tensor parallel 1), or this rank's part of a tensor-parallel engine whose child runs on the engine's
+    first rank."""
+    from rlrun.engines.hosting import choose_host  # noqa: PLC0415 - optional extra
+    from rlrun.engines.tensor_parallel import TensorParallelEngine  # noqa: PLC0415
+    from rlrun.engines.vllm_engine import VLLMEngine  # noqa: PLC0415
+
+    g, rank = cfg.generation, groups.rank
+    tp = cfg.resources.vllm_tensor_parallel_size
+    index = layout.engine_index_of(rank)
+    assert index is not None
+    engine_group = groups.get(f"engine.{index}")
+    assert engine_group is not None
+    exchange = EngineRowExchange(engine_group, device)
+    max_model_len = g.prompt_max_len + g.generate_max_len
+    if g.vllm_enable_sleep and device.type != "cuda" and rank == layout.ranks_of(Role.ENGINE)[0]:
+        get_logger(rank)._emit("info", "--vllm_enable_sleep: no effect on CPU (vLLM has no sleep mode there); the "
+                                       "engines stay awake")
+    if choose_host(g.vllm_engine_host, layout, tp) == "in_process":
+        from rlrun.engines.in_process import InProcessEngine  # noqa: PLC0415
+
+        engine = InProcessEngine(policy, tokenizer, sampling, device, layout=layout, world_size=world_size(), rank=rank,
+                                 exchange=exchange, seed=cfg.train.seed, max_model_len=max_model_len,
+                                 tensor_parallel_size=tp, enforce_eager=g.enforce_eager,
+                                 gpu_memory_utilization=g.vllm_gpu_memory_utilization, enable_sleep=g.vllm_enable_sleep,
+                                 kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes)
+        before_teardown(engine.close)  # vLLM's groups go before the default group
+        return engine
+    leader = None
+    if exchange.is_leader:
+        leader = VLLMEngine(policy, tokenizer, sampling, device, seed=cfg.train.seed,
+                            max_model_len=max_model_len, timeout_s=cfg.runtime.dist_timeout,
+                            enforce_eager=g.enforce_eager, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+                            rank=rank, tensor_parallel_size=tp, enable_sleep=g.vllm_enable_sleep,
+                            kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes)
+    if tp == 1:
+        assert leader is not None
+        return leader
+    return TensorParallelEngine(policy, sampling, exchange, leader)
+
+
+def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.device, total_steps: int,
+                tokenizer: PreTrainedTokenizerBase, sources: RewardSources) -> RankRoles:
+    rank = groups.rank
+    mine = set(layout.roles_of(rank))
+    out = RankRoles()
+    opt_steps = optimizer_steps(cfg, total_steps)
+    a, g = cfg.algo, cfg.generation
+    actor_strategy = None
+    policies = _policy_copies(cfg, sum(r in mine for r in (Role.ACTOR, Role.REF, Role.ENGINE)))
+    if Role.ACTOR in mine:
+        actor_strategy = out.strategies[Role.ACTOR] = _strategy(cfg, groups, Role.ACTOR, device)
+        eps_low, eps_high = a.eps_clip_low_high or (a.eps_clip, a.eps_clip)
+        settings = PolicyLossSettings(eps_low, a.dual_clip, a.loss_agg_mode, g.temperature, a.entropy_loss_coef,
+                                      a.use_kl_loss, a.kl_estimator, eps_clip_high=eps_high,
+                                      loss_type=a.policy_loss_type,
+                                      is_correction=ISCorrection(a.is_correction_level, a.is_correction_mode,
+                                                                 a.is_correction_gating, *a.is_correction_threshold))
+        model, updater = _updater(cfg, next(policies), actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout,
+                                  Role.ACTOR, rank)
+        out.actor = Actor(model, updater, settings, device, packing=cfg.train.packing_samples)
+    if Role.REF in mine:
+        out.strategies[Role.REF] = _strategy(cfg, groups, Role.REF, device)
+        model = out.strategies[Role.REF].wrap(next(policies), trainable=False)
+        out.reference = Reference(model, g.temperature, device, packing=cfg.train.packing_samples)
+    if Role.CRITIC in mine:
+        strategy = out.strategies[Role.CRITIC] = _strategy(cfg, groups, Role.CRITIC, device)
+        model, updater = _updater(cfg, load_critic(cfg), strategy, cfg.train.critic_learning_rate, opt_steps, layout,
+                                  Role.CRITIC, rank)
+        out.critic = Critic(model, updater, a.value_clip, a.loss_agg_mode, device, packing=cfg.train.packing_samples)
+    if Role.REWARD in mine:
+        out.strategies[Role.REWARD] = _strategy(cfg, groups, Role.REWARD, device)
+        model = out.strategies[Role.REWARD].wrap(load_reward_model(cfg), trainable=False)
+        out.reward_model = RewardModel(model, device, packing=cfg.train.packing_samples)
+    if Role.ENGINE in mine:
+        sampling = SamplingSettings(g.temperature, g.top_p, g.generate_max_len, int(tokenizer.pad_token_id),
+                                    int(tokenizer.eos_token_id))
+        policy = next(policies).to(device=device, dtype=engine_dtype(cfg, device))
+        if g.generation_backend == "vllm":  # run.py's resolve_backend already checked version and layout
+            out.engine = _vllm_engine(cfg, layout, groups, policy, tokenizer, sampling, device)
+        elif g.generation_backend == "native":  # run.py resolved `auto` and checked the architecture
+            out.engine = NativeEngine(policy, sampling, device, tokenizer)
+        else:
+            out.engine = HFEngine(policy, sampling, device, tokenizer)
+        out.reward_fn, out.agents = sources.reward_fn, sources.agents
+    out.weight_sync = WeightSync(
+        actor_params=ParamSource(out.actor.model, actor_strategy.param_blocks, actor_strategy)
+        if out.actor and actor_strategy else None,
+        engine_model=out.engine.model if out.engine else None,
+        sync_group=groups.get("sync"),
+        actor_root=layout.ranks_of(Role.ACTOR)[0],
+        colocated=layout.engine_colocated_with_actor,
+        bucket_bytes=g.weight_sync_bucket_mb * 2**20,
+        wire_dtype=engine_dtype(cfg, device),
+        device=device,
+    )
+    return out

@@ -1,0 +1,131 @@
+"""Rollouts from the engine ranks to every rank: an engine rank produces its share of a step (sampling,
+or agent episodes, and the reward function), then one exchange gathers the whole batch everywhere.
+
+Split in two so that --async_train can produce step N+1 while the learners train on step N and exchange
+it at the step boundary. Tensors cross ranks only through rlrun.launch.transfer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from rlrun.agents.episodes import mean_stats
+from rlrun.config.schema import Config
+from rlrun.data.batching import derive_seed, shard
+from rlrun.data.prompts import PromptSampler
+from rlrun.data.rollout import RolloutBatch, pack_log_probs, pack_rows, unpack_rows
+from rlrun.engines.base import REPORTS_LOG_PROBS
+from rlrun.launch.groups import Groups
+from rlrun.launch.layout import Layout, Role
+from rlrun.launch.transfer import broadcast_json, gather_from
+from rlrun.rewards.reward_fn import reward_responses
+from rlrun.rl.build import Prompts, RankRoles
+
+
+@dataclass
+class StepOutputs:
+    batch: RolloutBatch
+    scores: torch.Tensor  # [B] raw scores (before normalisation/clipping)
+    extra_logs: dict[str, float]  # named metrics: reward/<reward function extra>, agent/<episode stat>
+
+    def state(self) -> dict:
+        """Tensors and numbers only (checkpoints load it with weights_only=True)."""
+        return {"batch": {f.name: getattr(self.batch, f.name) for f in fields(self.batch)}, "scores": self.scores,
+                "extra_logs": dict(self.extra_logs)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "StepOutputs":
+        return cls(RolloutBatch(**state["batch"]), state["scores"], dict(state["extra_logs"]))
+
+
+@dataclass
+class LocalRollout:
+    """One engine rank's share of a step before the gather: packed rows [b, P + R + 2], raw scores [b] (None
+    when a reward model scores later), engine log-probs and action masks [b, R] (when the backend / agents
+    give them), metrics, and the seconds it took."""
+
+    packed: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    masks: torch.Tensor | None = None
+    agent_stats: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class RolloutSource:
+    """The generate phase. produce() on engine ranks only; exchange() and generate() on every rank."""
+
+    def __init__(self, cfg: Config, layout: Layout, groups: Groups, roles: RankRoles, prompts: Prompts,
+                 sampler: PromptSampler, tokenizer: PreTrainedTokenizerBase, comm_device: torch.device) -> None:
+        self.cfg, self.groups, self.roles = cfg, groups, roles
+        self.prompts, self.sampler, self.tokenizer, self.comm_device = prompts, sampler, tokenizer, comm_device
+        self.rank = groups.rank
+        self.engine_ranks = layout.ranks_of(Role.ENGINE)
+        self.asynchronous = layout.asynchronous
+
+    def generate(self, step: int) -> StepOutputs:
+        """Engine ranks sample their share (single responses, or agent episodes); every rank receives the
+        whole batch (and the function or agent scores)."""
+        return self.exchange(step, self.produce(step) if self.roles.engine is not None else None)
+
+    def produce(self, step: int) -> LocalRollout:
+        """An engine rank's share of step `step`'s rollouts, packed for the wire. Local work only (no collective),
+        so with --async_train it runs while the learners train."""
+        assert self.roles.engine is not None
+        t0 = time.perf_counter()
+        cfg, n = self.cfg, self.cfg.train.n_samples_per_prompt
+        records = [i for i in self.sampler.indices(step) for _ in range(n)]
+        P, R = cfg.generation.prompt_max_len, cfg.generation.generate_max_len
+        slot = self.engine_ranks.index(self.rank)
+        mine = records[shard(len(records), len(self.engine_ranks), slot)]
+        prompt_ids = [self.prompts.ids[i] for i in mine]
+        texts, labels = [self.prompts.texts[i] for i in mine], [self.prompts.labels[i] for i in mine]
+        seed = derive_seed(cfg.train.seed, "generate", step, slot)
+        out = LocalRollout()
+        if self.roles.agents is not None:
+            episodes = self.roles.agents.run(self.roles.engine, texts, prompt_ids, labels, seed)
+            prompt_ids, responses, engine_lp = episodes.prompts, episodes.responses, episodes.log_probs
+            out.scores, out.agent_stats = episodes.rewards, episodes.stats
+            out.masks = pack_log_probs(episodes.action_masks, R)
+        else:
+            generation = self.roles.engine.sample(prompt_ids, seed)
+            responses, engine_lp = generation.responses, generation.log_probs
+            if self.roles.reward_fn is not None:
+                result = reward_responses(self.roles.reward_fn, texts, labels, responses, self.tokenizer)
+                out.scores, out.extra = result.rewards, {f"reward/{k}": v for k, v in result.extra_logs.items()}
+        out.packed = pack_rows(prompt_ids, responses, P, R, int(self.tokenizer.pad_token_id))
+        if engine_lp is not None:
+            out.log_probs = pack_log_probs(engine_lp, R)
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def exchange(self, step: int, local: LocalRollout | None) -> StepOutputs:
+        """Collective over the world: every rank receives step `step`'s whole batch from the engine ranks."""
+        cfg, world = self.cfg, self.groups.world
+        share = cfg.rollouts_per_step // len(self.engine_ranks)
+        P, R = cfg.generation.prompt_max_len, cfg.generation.generate_max_len
+        mine = local or LocalRollout()
+        gathered = gather_from(self.engine_ranks, mine.packed, (share, P + R + 2), torch.long, world, self.comm_device)
+        batch = unpack_rows(gathered.cpu(), P)
+        extra = dict(mine.extra)
+        if cfg.generation.generation_backend in REPORTS_LOG_PROBS:  # resolved at start: the same on every rank
+            engine_lp = gather_from(self.engine_ranks, mine.log_probs, (share, R), torch.float32, world, self.comm_device)
+            batch.engine_log_probs = engine_lp.cpu()[:, :batch.response_width]
+        if cfg.multi_turn:  # observation tokens are not actions: the agents' masks replace the length-based one
+            all_masks = gather_from(self.engine_ranks, mine.masks, (share, R), torch.float32, world, self.comm_device)
+            batch.action_mask = all_masks.cpu()[:, :batch.response_width]
+            extra = mean_stats([broadcast_json(mine.agent_stats if self.rank == src else None, src, world, self.comm_device)
+                                for src in self.engine_ranks])  # type: ignore[misc]
+        if self.asynchronous:  # the learners did not see the engines generate: say how long it took
+            first = self.engine_ranks[0]
+            extra.update(broadcast_json({"time/engine_generate": mine.seconds} if self.rank == first else None,
+                                        first, world, self.comm_device))  # type: ignore[arg-type]
+        if self.cfg.needs_reward_model:
+            return StepOutputs(batch, torch.empty(0), extra)
+        all_scores = gather_from(self.engine_ranks, mine.scores, (share,), torch.float32, world, self.comm_device).cpu()
+        return StepOutputs(batch, all_scores, extra)

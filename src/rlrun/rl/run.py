@@ -1,0 +1,131 @@
+"""One training run on this rank: init, build, train, save, always tear down.
+
+Failure policy: a rank that fails prints ONE line (rank, roles, phase, step, error) and leaves
+at once with os._exit — it must not wait in a collective or in process-group teardown for peers
+that may be gone. Peers then fail fast in their next collective (connection closed) or at the
+collective timeout, print a one-line note, and leave the same way; torchrun or srun stops the rest.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rlrun.compat.openrlhf_init import init_from_openrlhf
+from rlrun.compat.openrlhf_init import plan_init as plan_openrlhf_init
+from rlrun.config.schema import Config
+from rlrun.engines.hosting import choose_host
+from rlrun.engines.hosting import describe as describe_host
+from rlrun.launch.dist import init_distributed, restart_safety_warning, resolve_backend, resolve_device, teardown
+from rlrun.launch.env import DistEnv, read_node_label
+from rlrun.launch.failures import check_writable, fail_and_exit
+from rlrun.launch.groups import build_groups
+from rlrun.launch.labels import gather_node_labels
+from rlrun.launch.layout import Layout, Role
+from rlrun.launch.layout_text import format_layout_table
+from rlrun.models.loading import load_tokenizer
+from rlrun.reporting.metrics import MetricsSink
+from rlrun.rl.build import build_eval_prompts, build_prompts, build_reward_sources, build_roles, make_sampler
+from rlrun.rl.evaluation import Evaluator
+from rlrun.rl.planning import asks_node_labels, plan
+from rlrun.rl.resume import Checkpointer
+from rlrun.rl.trainer import Trainer
+from rlrun.roles.export import save_critic, save_policy
+from rlrun.runtime.faults import run_phases
+from rlrun.runtime.log import get_logger
+
+
+def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
+    log = get_logger(env.rank)
+    roles_text = ",".join(r.value for r in layout.roles_of(env.rank))
+    phase = run_phases(env.rank, cfg.runtime.dist_timeout)
+    sink = None
+    local_only = True  # until the first collective: a failure here is the same on every rank
+    try:
+        device = resolve_device(cfg.runtime.device, env.local_rank)
+        backend = resolve_backend(cfg.runtime.dist_backend, device)
+        tp = cfg.resources.vllm_tensor_parallel_size
+        generation = cfg.generation.generation_backend  # resolved before planning (rlrun.engines.choice)
+        why = generation_why + (f"; {describe_host(choose_host(cfg.generation.vllm_engine_host, layout, tp), tp)}"
+                                if generation == "vllm" else "")
+        # Everything that reads local files happens before the first collective, so a bad path fails
+        # every rank the same way instead of leaving some waiting.
+        tokenizer = load_tokenizer(cfg.model)
+        prompts = build_prompts(cfg, tokenizer)
+        sampler = make_sampler(cfg, prompts)
+        lg = cfg.logging
+        evaluates = lg.eval_dataset is not None and (lg.eval_steps > 0 or lg.eval_before_train)
+        eval_prompts = build_eval_prompts(cfg, tokenizer) if evaluates else None
+        total_steps = min(sampler.total_steps, cfg.train.max_steps or sampler.total_steps)
+        log.info_once(f"{len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
+                      f"--prompt_max_len {cfg.generation.prompt_max_len}), {total_steps} steps, generation backend "
+                      f"{generation} ({why}), {backend} on {device.type}")
+        sources = build_reward_sources(cfg, layout, env.rank, tokenizer)
+        openrlhf_init = (plan_openrlhf_init(cfg.checkpoint.load_openrlhf_checkpoint, run_has_critic=cfg.needs_critic)
+                         if cfg.checkpoint.load_openrlhf_checkpoint else None)
+        if env.rank == 0:  # the writer: a bad output path must fail now, not at the end of training
+            check_writable(cfg.checkpoint.save_path, "--save_path")
+            if cfg.checkpoint.save_steps > 0:
+                check_writable(cfg.checkpoint.ckpt_path, "--ckpt_path")
+        node_label = read_node_label() if asks_node_labels(cfg) else None
+        local_only = False
+        if (warning := restart_safety_warning(env)) is not None:
+            log.warning_once(warning)
+        init_distributed(env, backend, cfg.runtime.dist_timeout, device)
+        if node_label is not None:
+            # Other nodes' labels are known only now: place the pinned roles before any group or model exists.
+            # Every rank plans from the same gathered labels, so an impossible request fails alike everywhere.
+            labels = gather_node_labels(node_label, env.local_world_size, device if backend == "nccl" else torch.device("cpu"))
+            local_only = True
+            layout = plan(cfg, env.world_size, env.local_world_size, labels).layout
+            local_only = False
+            roles_text = ",".join(r.value for r in layout.roles_of(env.rank))
+            sources = build_reward_sources(cfg, layout, env.rank, tokenizer)  # the engine ranks may have moved
+            log.info_once("layout by node label:\n" + format_layout_table(layout))
+        phase.phase = "build"
+        sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
+        groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend)
+        roles = build_roles(cfg, layout, groups, device, total_steps, tokenizer, sources)
+        trainer = Trainer(cfg, layout, groups, roles, prompts, sampler, tokenizer, device, total_steps, phase)
+        checkpointer = Checkpointer(cfg, layout, groups, roles, trainer, tokenizer)
+        if openrlhf_init is not None:  # before --load_checkpoint: rlrun's own newer checkpoint wins
+            with phase("load", -1):
+                log.info_once(init_from_openrlhf(openrlhf_init, roles.actor.model if roles.actor else None,
+                                                 roles.critic.model if roles.critic else None))
+        if cfg.checkpoint.load_checkpoint:
+            with phase("load", -1):
+                checkpointer.restore()
+        trainer.sync_weights()  # engines start from the actor's (possibly restored) weights
+        sink = MetricsSink(cfg, total_steps, trainer.state.step) if env.rank == 0 else None
+
+        def after_step(steps_done: int) -> None:
+            if checkpointer.should_save(steps_done):
+                with phase("save", steps_done - 1):
+                    checkpointer.save(steps_done)
+
+        evaluator = None
+        if eval_prompts is not None:
+            evaluator = Evaluator(cfg, layout, groups, roles, eval_prompts, tokenizer, trainer.comm_device)
+            log.info_once(f"evaluating {len(eval_prompts.ids)} prompts x {lg.eval_n_samples_per_prompt} samples "
+                          f"(temperature {lg.eval_temperature:g})"
+                          + (f" every {lg.eval_steps} steps" if lg.eval_steps > 0 else "")
+                          + (" before training" if lg.eval_before_train else ""))
+        history = trainer.fit(sink, after_step, evaluator)
+        if history:
+            log.info_once(f"reward: first step {history[0]['reward']:.3f}, last step {history[-1]['reward']:.3f} "
+                          f"({len(history)} steps)")
+        with phase("save", trainer.state.step):
+            save_policy(roles.actor, tokenizer, cfg.checkpoint.save_path, is_writer=env.rank == 0,
+                        strategy=roles.strategies.get(Role.ACTOR))
+            if cfg.checkpoint.save_value_network and roles.critic is not None:
+                first_critic = layout.ranks_of(Role.CRITIC)[0]
+                save_critic(roles.critic, os.path.join(cfg.checkpoint.save_path, "critic"), is_writer=env.rank == first_critic,
+                            strategy=roles.strategies[Role.CRITIC])
+        log.info_once(f"saved the policy (Hugging Face format) to {cfg.checkpoint.save_path}")
+    except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
+        fail_and_exit(log, env.rank, roles_text, phase, exc, cfg.runtime.dist_timeout, local_only=local_only, sink=sink)
+    if sink is not None:
+        sink.close()
+    teardown()
+    return 0

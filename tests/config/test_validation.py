@@ -1,0 +1,218 @@
+"""Tests for rlrun.config.validation: every value check and batch-divisibility rule, and what its message names."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from rlrun.cli.parser import parse_args
+from rlrun.config.schema import Config
+from rlrun.config.validation import check_batches, check_values
+from rlrun.rl.planning import plan
+from rlrun.runtime.errors import ConfigError
+
+
+def cfg_of(*argv: str) -> Config:
+    return parse_args(list(argv)).config
+
+
+def assert_names(message: str, *parts: str) -> None:
+    for part in parts:
+        if re.fullmatch(r"-?[\d.e+-]+", part):  # a number: a whole token, not a digit inside another number
+            assert re.search(rf"(?<![\w.]){re.escape(part)}(?![\w.])", message), (part, message)
+        else:
+            assert part in message, (part, message)
+
+
+# (flags that break exactly one rule, parts the message must name: the flag and the value)
+BAD_VALUES: list[tuple[list[str], list[str]]] = [
+    (["--rollout_batch_size", "0"], ["--rollout_batch_size", "0"]),
+    (["--rollout_batch_size", "-8"], ["--rollout_batch_size", "-8"]),
+    (["--micro_rollout_batch_size", "0"], ["--micro_rollout_batch_size", "0"]),
+    (["--train_batch_size", "-4"], ["--train_batch_size", "-4"]),
+    (["--micro_train_batch_size", "0"], ["--micro_train_batch_size", "0"]),
+    (["--n_samples_per_prompt", "0"], ["--n_samples_per_prompt", "0"]),
+    (["--max_epochs", "0"], ["--max_epochs", "0"]),
+    (["--num_episodes", "-1"], ["--num_episodes", "-1"]),
+    (["--max_samples", "0"], ["--max_samples", "0"]),
+    (["--max_steps", "0"], ["--max_steps", "0"]),
+    (["--prompt_max_len", "0"], ["--prompt_max_len", "0"]),
+    (["--generate_max_len", "-1"], ["--generate_max_len", "-1"]),
+    (["--weight_sync_bucket_mb", "0"], ["--weight_sync_bucket_mb", "0"]),
+    (["--actor_learning_rate=-1e-6"], ["--actor_learning_rate", "-1e-06"]),
+    (["--critic_learning_rate", "-0.5"], ["--critic_learning_rate", "-0.5"]),
+    (["--lr_warmup_ratio", "1.5"], ["--lr_warmup_ratio", "1.5"]),
+    (["--lr_warmup_ratio", "-0.1"], ["--lr_warmup_ratio", "-0.1"]),
+    (["--max_norm", "-1"], ["--max_norm", "-1.0"]),
+    (["--l2", "-0.1"], ["--l2", "-0.1"]),
+    (["--zero_stage", "4"], ["--zero_stage", "4"]),
+    (["--zero_stage", "-1"], ["--zero_stage", "-1"]),
+    (["--temperature", "0"], ["--temperature", "0.0"]),
+    (["--temperature", "-1"], ["--temperature", "-1.0"]),
+    (["--top_p", "0"], ["--top_p", "0.0"]),
+    (["--top_p", "1.1"], ["--top_p", "1.1"]),
+    (["--top_p", "-0.5"], ["--top_p", "-0.5"]),
+    (["--is_correction_level", "token", "--generation_backend", "hf"], ["--is_correction_level token", "hf"]),
+    (["--vllm_gpu_memory_utilization", "0"], ["--vllm_gpu_memory_utilization", "0.0"]),
+    (["--vllm_gpu_memory_utilization", "1.5"], ["--vllm_gpu_memory_utilization", "1.5"]),
+    (["--eps_clip", "0"], ["--eps_clip", "0.0"]),
+    (["--eps_clip", "-0.2"], ["--eps_clip", "-0.2"]),
+    (["--dual_clip", "1"], ["--dual_clip", "1.0"]),
+    (["--dual_clip", "0.5"], ["--dual_clip", "0.5"]),
+    (["--value_clip", "0"], ["--value_clip", "0.0"]),
+    (["--value_clip", "-0.5"], ["--value_clip", "-0.5"]),
+    (["--gamma", "1.1"], ["--gamma", "1.1"]),
+    (["--lambd", "-0.1"], ["--lambd", "-0.1"]),
+    (["--init_kl_coef", "-0.01"], ["--init_kl_coef", "-0.01"]),
+    (["--kl_target", "0"], ["--kl_target", "0.0"]),
+    (["--kl_target", "-1"], ["--kl_target", "-1.0"]),
+    (["--kl_horizon", "0"], ["--kl_horizon", "0"]),
+    (["--reward_clip_range", "5", "5"], ["--reward_clip_range", "5.0 5.0"]),
+    (["--reward_clip_range", "5", "-5"], ["--reward_clip_range", "5.0 -5.0"]),
+    (["--entropy_loss_coef", "-0.1"], ["--entropy_loss_coef", "-0.1"]),
+    (["--advantage_estimator", "group_norm"], ["--advantage_estimator group_norm", "--n_samples_per_prompt", "1"]),
+    (["--advantage_estimator", "dr_grpo"], ["--advantage_estimator dr_grpo", "--n_samples_per_prompt", "1"]),
+    (["--advantage_estimator", "rloo"], ["--advantage_estimator rloo", "--n_samples_per_prompt", "1"]),
+    (["--advantage_estimator", "reinforce_baseline"],
+     ["--advantage_estimator reinforce_baseline", "--n_samples_per_prompt", "1"]),
+    (["--input_template", "User: <prompt>"], ["--input_template", "'User: <prompt>'", "{}"]),
+    (["--input_template", ""], ["--input_template", "''"]),
+    (["--save_steps", "0"], ["--save_steps", "0"]),
+    (["--save_steps", "-2"], ["--save_steps", "-2"]),
+    (["--max_ckpt_num", "0"], ["--max_ckpt_num", "0"]),
+    (["--logging_steps", "0"], ["--logging_steps", "0"]),
+    (["--dist_timeout", "0"], ["--dist_timeout", "0.0"]),
+    (["--dist_timeout", "-5"], ["--dist_timeout", "-5.0"]),
+    (["--remote_rm_url", "reward.py", "--reward_pretrain", "/models/rm"], ["--remote_rm_url", "--reward_pretrain"]),
+]
+
+
+@pytest.mark.parametrize("argv, parts", BAD_VALUES, ids=[" ".join(a) for a, _ in BAD_VALUES])
+def test_check_values_rejects(argv, parts):
+    cfg = cfg_of(*argv)
+    with pytest.raises(ConfigError) as exc:
+        check_values(cfg)
+    assert_names(str(exc.value), *parts)
+
+
+@pytest.mark.parametrize("argv, parts", BAD_VALUES[:6], ids=[" ".join(a) for a, _ in BAD_VALUES[:6]])
+def test_plan_runs_check_values_first(argv, parts):
+    # plan() is what every rank calls before any process group exists.
+    with pytest.raises(ConfigError):
+        plan(cfg_of(*argv), 1, 1)
+
+
+GOOD_VALUES: list[list[str]] = [
+    [],
+    ["--top_p", "1"],
+    ["--top_p", "0.01"],
+    ["--lr_warmup_ratio", "0"],
+    ["--lr_warmup_ratio", "1"],
+    ["--temperature", "0.01"],
+    ["--actor_learning_rate", "0"],
+    ["--max_norm", "0", "--l2", "0"],
+    ["--zero_stage", "0"],
+    ["--zero_stage", "3"],
+    ["--vllm_gpu_memory_utilization", "1"],
+    ["--dual_clip", "3"],
+    ["--value_clip", "none"],
+    ["--gamma", "0", "--lambd", "1"],
+    ["--init_kl_coef", "0"],
+    ["--kl_target", "0.1"],
+    ["--reward_clip_range", "-1", "1"],
+    ["--entropy_loss_coef", "0"],
+    ["--advantage_estimator", "reinforce"],  # REINFORCE++ needs no groups
+    ["--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2"],
+    ["--advantage_estimator", "rloo", "--n_samples_per_prompt", "8"],
+    ["--input_template", "User: {}\nAssistant:"],
+    ["--save_steps", "-1"],
+    ["--save_steps", "1"],
+    ["--max_steps", "1"],
+    ["--remote_rm_url", "reward.py"],
+    ["--reward_pretrain", "/models/rm"],
+]
+
+
+@pytest.mark.parametrize("argv", GOOD_VALUES, ids=[" ".join(a) or "defaults" for a in GOOD_VALUES])
+def test_check_values_accepts(argv):
+    check_values(cfg_of(*argv))
+
+
+def test_demo_config_is_valid():
+    check_values(cfg_of("--config", "configs/demo.yaml"))
+
+
+# --- batch divisibility ----------------------------------------------------------------------------------------
+
+# (flags, role sizes, every number and name the message must contain)
+BAD_BATCHES: list[tuple[list[str], dict[str, int], list[str]]] = [
+    # rollouts per step do not split over a role's ranks
+    (["--rollout_batch_size", "10"], {"actor": 4},
+     ["10 rollouts", "--rollout_batch_size 10", "--n_samples_per_prompt 1", "4 actor ranks"]),
+    (["--rollout_batch_size", "5", "--n_samples_per_prompt", "3", "--train_batch_size", "15",
+      "--micro_train_batch_size", "1"], {"actor": 1, "critic": 2},
+     ["15 rollouts", "--rollout_batch_size 5", "--n_samples_per_prompt 3", "2 critic ranks", "multiple of 2"]),
+    (["--rollout_batch_size", "64"], {"actor": 4, "ref": 3},
+     ["64 rollouts", "--rollout_batch_size 64", "3 ref ranks"]),
+    (["--rollout_batch_size", "64"], {"actor": 4, "reward": 6}, ["64 rollouts", "6 reward ranks"]),
+    (["--rollout_batch_size", "64"], {"actor": 4, "engine": 5}, ["64 rollouts", "5 engine ranks"]),
+    # train_batch_size does not divide the rollouts
+    (["--rollout_batch_size", "64", "--train_batch_size", "48"], {"actor": 4},
+     ["--train_batch_size 48", "64 rollouts", "--rollout_batch_size 64", "--n_samples_per_prompt 1"]),
+    (["--rollout_batch_size", "16", "--n_samples_per_prompt", "4", "--train_batch_size", "256"], {"actor": 1},
+     ["--train_batch_size 256", "64 rollouts", "--rollout_batch_size 16", "--n_samples_per_prompt 4"]),
+    # micro_train_batch_size x ranks does not divide train_batch_size
+    (["--rollout_batch_size", "96", "--train_batch_size", "48", "--micro_train_batch_size", "5"], {"actor": 2},
+     ["--train_batch_size 48", "--micro_train_batch_size 5", "2 actor ranks", "= 10"]),
+    (["--rollout_batch_size", "96", "--train_batch_size", "48", "--micro_train_batch_size", "4"],
+     {"actor": 4, "critic": 8},
+     ["--train_batch_size 48", "--micro_train_batch_size 4", "8 critic ranks", "= 32"]),
+    (["--rollout_batch_size", "64", "--train_batch_size", "64", "--micro_train_batch_size", "32"], {"actor": 4},
+     ["--train_batch_size 64", "--micro_train_batch_size 32", "4 actor ranks", "= 128"]),
+]
+
+
+@pytest.mark.parametrize("argv, sizes, parts", BAD_BATCHES, ids=[str(i) for i in range(len(BAD_BATCHES))])
+def test_check_batches_rejects(argv, sizes, parts):
+    cfg = cfg_of(*argv)
+    check_values(cfg)  # each case breaks only a batch rule
+    with pytest.raises(ConfigError) as exc:
+        check_batches(cfg, sizes)
+    assert_names(str(exc.value), *parts)
+
+
+GOOD_BATCHES: list[tuple[list[str], dict[str, int]]] = [
+    ([], {"actor": 1, "critic": 1, "ref": 1, "engine": 1}),
+    ([], {"actor": 8, "critic": 8, "ref": 8, "reward": 8, "engine": 8}),
+    # ref/reward only score rollouts: the micro-batch rule is for trained roles
+    (["--rollout_batch_size", "96", "--train_batch_size", "48", "--micro_train_batch_size", "4"],
+     {"actor": 4, "ref": 3, "reward": 6, "engine": 2}),
+    (["--rollout_batch_size", "16", "--n_samples_per_prompt", "4", "--train_batch_size", "32",
+      "--micro_train_batch_size", "8"], {"actor": 2, "engine": 2}),
+    (["--rollout_batch_size", "8", "--train_batch_size", "8", "--micro_train_batch_size", "1"], {"actor": 8}),
+]
+
+
+@pytest.mark.parametrize("argv, sizes", GOOD_BATCHES, ids=[str(i) for i in range(len(GOOD_BATCHES))])
+def test_check_batches_accepts(argv, sizes):
+    check_batches(cfg_of(*argv), sizes)
+
+
+def test_plan_checks_batches_against_the_layout():
+    # Defaults on 3 ranks: 1024 rollouts do not split over 3 hybrid-engine ranks.
+    with pytest.raises(ConfigError) as exc:
+        plan(cfg_of(), 3, 3)
+    assert_names(str(exc.value), "1024 rollouts", "3 actor ranks")
+    # Disaggregated: the critic's 2 ranks x micro 4 = 8 must divide 12.
+    cfg = cfg_of("--rollout_batch_size", "24", "--train_batch_size", "12", "--micro_train_batch_size", "4",
+                 "--actor_num_gpus_per_node", "1", "--critic_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "1",
+                 "--vllm_num_engines", "1")
+    with pytest.raises(ConfigError) as exc:
+        plan(cfg, 5, 5)
+    assert_names(str(exc.value), "--train_batch_size 12", "--micro_train_batch_size 4", "2 critic ranks", "= 8")
+    # The same batch on a layout that fits.
+    the_plan = plan(cfg_of("--rollout_batch_size", "24", "--train_batch_size", "12", "--micro_train_batch_size", "4",
+                           "--actor_num_gpus_per_node", "1", "--critic_num_gpus_per_node", "1",
+                           "--ref_num_gpus_per_node", "1", "--vllm_num_engines", "1"), 4, 4)
+    assert the_plan.layout.world_size == 4

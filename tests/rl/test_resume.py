@@ -1,0 +1,263 @@
+"""Checkpoints with real processes: exact resume, elastic restarts after a SIGKILL, resizing the
+world, corrupt and incompatible checkpoints (torchrun + gloo on the embedded tiny model).
+
+One uninterrupted reference run (2 ranks, GAE: actor + critic + reference, 4 steps, a checkpoint
+every 2) is shared by the module; every interrupted or resumed run is compared with it. Batches
+are shrunk so that a run is mostly process start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from helpers import REPO, subprocess_env
+from rlrun.checkpoint import store as ckpt
+N = 2  # save every N steps; the reference runs 2N
+STEPS = 2 * N
+SMALL = ["--config", "configs/demo.yaml", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
+         "--train_batch_size", "8", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "2",
+         "--generate_max_len", "8", "--dist_timeout", "30"]
+GAE = ["--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--save_value_network"]
+TIMING_KEYS = ("time/", "tokens_per_s")
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    metrics: list[dict]
+    wall_s: float
+    save: Path
+
+    @property
+    def ckpt(self) -> Path:
+        return self.save / "ckpt"
+
+
+def torchrun(nproc: int, args: list[str], save: Path, *, fault: str | None = None, max_restarts: int = 0,
+             ckpt_path: Path | None = None, timeout: float = 200) -> Run:
+    """torchrun --standalone [--max-restarts R] -m rlrun.ppo ARGS --save_path SAVE --ckpt_path SAVE/ckpt."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           f"--max-restarts={max_restarts}", "-m", "rlrun.ppo", *args,
+           "--save_path", str(save), "--ckpt_path", str(ckpt_path or save / "ckpt")]
+    env = subprocess_env(**({"RLRUN_FAULT": fault} if fault else {}))
+    if not fault:
+        env.pop("RLRUN_FAULT", None)
+    start = time.monotonic()
+    # A session of its own, so a timeout takes the workers down with the launcher.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{output[-3000:]}")
+    metrics_file = save / "metrics.jsonl"
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    return Run(proc.returncode, output, metrics, time.monotonic() - start, save)
+
+
+def _ok(run: Run) -> None:
+    assert run.returncode == 0, run.output[-4000:]
+
+
+def _no_timing(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(TIMING_KEYS)} for m in metrics]
+
+
+def _assert_same_tensors(a: Path, b: Path) -> None:
+    ta, tb = load_file(a), load_file(b)
+    assert ta.keys() == tb.keys()
+    different = [k for k in ta if not torch.equal(ta[k], tb[k])]
+    assert not different, f"{len(different)} tensors differ between {a} and {b}, e.g. {different[:3]}"
+
+
+def _assert_same_final_models(run: Run, ref: Run) -> None:
+    _assert_same_tensors(run.save / "model.safetensors", ref.save / "model.safetensors")
+    _assert_same_tensors(run.save / "critic" / "model.safetensors", ref.save / "critic" / "model.safetensors")
+
+
+def _copy_checkpoints(src: Run, dst_root: Path, *steps: int) -> None:
+    dst_root.mkdir(parents=True)
+    for step in steps:
+        shutil.copytree(ckpt.step_dir(str(src.ckpt), step), ckpt.step_dir(str(dst_root), step))
+
+
+def _assert_clean_newest(root: Path, step: int) -> None:
+    """The newest checkpoint is `step`, validates, and nothing unfinished is left behind."""
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".tmp_step_")]
+    found, warnings = ckpt.find_latest(str(root))
+    assert warnings == []
+    assert found is not None and found.step == step
+    ckpt.validate(found.path)
+    assert json.loads((root / ckpt.LATEST).read_text())["step"] == step
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Run:
+    """Uninterrupted: 2 ranks, GAE with critic and reference, 2N steps, a checkpoint every N."""
+    run = torchrun(2, SMALL + GAE + ["--max_steps", str(STEPS), "--save_steps", str(N)],
+                   tmp_path_factory.mktemp("reference"))
+    _ok(run)
+    assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))
+    assert sorted(p.name for p in run.ckpt.iterdir()) == ["latest", "step_00000002", "step_00000004"]
+    return run
+
+
+# ---- exact resume --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_is_exact_and_skips_a_corrupt_newest_checkpoint(reference, tmp_path):
+    """Resuming from step N reproduces the uninterrupted run: metrics of steps N+1..2N (timings aside),
+    final policy and critic weights, bit for bit. The checkpoint directory also holds a step-2N
+    checkpoint with a truncated shard: it is skipped with a warning, and replaced by a good one."""
+    _copy_checkpoints(reference, tmp_path / "ckpt", N, STEPS)
+    shard = tmp_path / "ckpt" / "step_00000004" / "actor" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    run = torchrun(2, SMALL + GAE + ["--max_steps", str(STEPS), "--save_steps", str(N), "--load_checkpoint"], tmp_path)
+    _ok(run)
+    warnings = re.findall(r"warning\] skipping checkpoint (\S+): file (\S+) has", run.output)
+    assert warnings == [(ckpt.step_dir(str(run.ckpt), STEPS), "actor/__1_0.distcp")], run.output[-3000:]
+    assert f"resumed from {ckpt.step_dir(str(run.ckpt), N)} at step {N}" in run.output
+    assert [m["step"] for m in run.metrics] == list(range(N + 1, STEPS + 1))
+    assert _no_timing(run.metrics) == _no_timing(reference.metrics[N:])
+    _assert_same_final_models(run, reference)
+    _assert_clean_newest(run.ckpt, STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_all_checkpoints_corrupt_starts_fresh(reference, tmp_path):
+    _copy_checkpoints(reference, tmp_path / "ckpt", N, STEPS)
+    (tmp_path / "ckpt" / "step_00000002" / "actor" / "__0_0.distcp").unlink()
+    (tmp_path / "ckpt" / "step_00000004" / ckpt.COMPLETE).write_text("{garbage")
+    run = torchrun(1, SMALL + GAE + ["--max_steps", "1", "--save_steps", str(N), "--load_checkpoint"], tmp_path)
+    _ok(run)
+    assert "no complete checkpoint" in run.output and "starting fresh" in run.output
+    assert run.output.count("warning] skipping checkpoint") == 2, run.output[-3000:]
+    assert [m["step"] for m in run.metrics] == [1]
+    # The fresh run's final save (step 1) supersedes the corrupt leftovers of the abandoned run.
+    assert sorted(p.name for p in run.ckpt.iterdir()) == ["latest", "step_00000001"]
+    _assert_clean_newest(run.ckpt, 1)
+
+
+# ---- elastic restarts after a SIGKILL ------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_kill_mid_step_restarts_and_matches_the_uninterrupted_run(reference, tmp_path):
+    """Rank 1 is SIGKILLed in the train phase of step N+1; torchrun restarts the group, which resumes
+    from step N: one metrics line per step, and the same result as if nothing had happened."""
+    run = torchrun(2, SMALL + GAE + ["--max_steps", str(STEPS), "--save_steps", str(N), "--load_checkpoint"],
+                   tmp_path, fault=f"train:{N}:1", max_restarts=2)
+    _ok(run)
+    # A resume inside a run that was started fresh means the group died and torchrun restarted it.
+    # (Which rank torchrun names as failed is a race: rank 0 often exits first on the broken connection.)
+    assert f"resumed from {ckpt.step_dir(str(run.ckpt), N)} at step {N}" in run.output
+    assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))
+    assert _no_timing(run.metrics) == _no_timing(reference.metrics)
+    _assert_same_final_models(run, reference)
+    _assert_clean_newest(run.ckpt, STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("phase", ["save", "save_shards"])
+def test_kill_mid_save_restarts_and_leaves_a_loadable_checkpoint(reference, tmp_path, phase):
+    """Rank 1 is SIGKILLed while saving the step-2N checkpoint: on entering the save ("save", before
+    anything is written) or after writing its shards, before the checkpoint is sealed ("save_shards").
+    The restarted group resumes from step N, saves step 2N again and ends like the uninterrupted run."""
+    run = torchrun(2, SMALL + GAE + ["--max_steps", str(STEPS), "--save_steps", str(N), "--load_checkpoint"],
+                   tmp_path, fault=f"{phase}:{STEPS - 1}:1", max_restarts=2)
+    _ok(run)
+    # The group failed (whichever rank the agent saw first: the killed one, or a peer whose collective broke) ...
+    assert "failed (exitcode: " in run.output, run.output[-3000:]
+    # ... and the restarted one found the unfinished save, ignored it and resumed from the previous checkpoint.
+    assert f"skipping checkpoint {ckpt.tmp_dir(str(run.ckpt), STEPS)}: a save that did not finish" in run.output
+    assert f"resumed from {ckpt.step_dir(str(run.ckpt), N)} at step {N}" in run.output
+    assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))
+    assert _no_timing(run.metrics) == _no_timing(reference.metrics)
+    _assert_same_final_models(run, reference)
+    _assert_clean_newest(run.ckpt, STEPS)
+    if phase == "save_shards":
+        # The new checkpoint loads: one more step, on a single rank (a 2-rank checkpoint, resharded).
+        more = torchrun(1, SMALL + GAE + ["--max_steps", str(STEPS + 1), "--save_steps", str(N), "--load_checkpoint"],
+                        tmp_path)
+        _ok(more)
+        assert f"resumed from {ckpt.step_dir(str(run.ckpt), STEPS)} at step {STEPS}" in more.output
+        assert [m["step"] for m in more.metrics] == list(range(1, STEPS + 2))
+        _assert_clean_newest(more.ckpt, STEPS + 1)
+
+
+# ---- resizing the world --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_on_more_then_fewer_ranks(reference, tmp_path):
+    """The reference's 2-rank checkpoint continues on 4 ranks at the next step, and the checkpoint those
+    4 ranks write continues on 2 (DCP reshards actor and critic; GAE, so the critic is covered too)."""
+    _copy_checkpoints(reference, tmp_path / "ckpt", STEPS)
+    shutil.copy(reference.save / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    for nproc, step in ((4, STEPS + 1), (2, STEPS + 2)):
+        run = torchrun(nproc, SMALL + GAE + ["--max_steps", str(step), "--save_steps", str(N), "--load_checkpoint"],
+                       tmp_path)
+        _ok(run)
+        assert f"resumed from {ckpt.step_dir(str(run.ckpt), step - 1)} at step {step - 1}" in run.output
+        # The earlier lines are kept; the resumed run continues with the next step.
+        assert [m["step"] for m in run.metrics] == list(range(1, step + 1))
+        assert run.metrics[:STEPS] == reference.metrics
+        _assert_clean_newest(run.ckpt, step)
+        assert json.loads((run.ckpt / ckpt.step_dir("", step) / ckpt.COMPLETE).read_text())["meta"]["world_size"] == nproc
+        model = AutoModelForCausalLM.from_pretrained(run.save)
+        assert sum(p.numel() for p in model.parameters()) > 10_000
+
+
+# ---- incompatible checkpoint ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_checkpoint_of_a_different_architecture_fails_fast_and_clearly(reference, tmp_path):
+    from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
+
+    config = tiny_model_config()
+    config.hidden_size, config.intermediate_size = 32, 96  # same layer names, other shapes
+    model_dir = tmp_path / "narrow_model"
+    build_causal_lm(config, seed=0).save_pretrained(model_dir)
+    build_byte_tokenizer().save_pretrained(model_dir)
+    _copy_checkpoints(reference, tmp_path / "ckpt", N)
+
+    run = torchrun(2, SMALL + GAE + ["--pretrain", str(model_dir), "--max_steps", str(STEPS), "--save_steps", str(N),
+                                     "--load_checkpoint"], tmp_path, timeout=120)
+    assert run.returncode != 0
+    # Every rank stops at once with the same one-line reason (none is left waiting in a collective) ...
+    # (searched in the whole output: two processes' lines can end up glued together in the pipe.)
+    assert run.output.count("different policy architecture") == 2, run.output[-3000:]
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: FAILED \(actor,critic,ref,engine\) in phase load: CheckpointError: checkpoint at "
+                         rf"step {N} in \S+ was written for a different policy architecture", run.output), run.output[-3000:]
+    assert "lm_head.weight: checkpoint [259, 64] vs model [259, 32]" in run.output
+    assert "exitcode  : 1 " in run.output, run.output[-3000:]
+    assert "collective failed" not in run.output and "SIGKILL" not in run.output
+    # ... quickly: well before any collective timeout (--dist_timeout 30) could be involved.
+    assert run.wall_s < 60, run.wall_s
+    assert [m["step"] for m in run.metrics] == []

@@ -1,0 +1,132 @@
+"""The package's shape (issue 22): the root holds only entry points and folders, every folder says in its
+`__init__` what lives there, imports between folders point down the tiers README's "Code layout" fixes, and no
+module imports itself back through others. Read from the source with `ast` (lazy and type-only imports count:
+they are dependencies too), so nothing here imports rlrun."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from helpers import REPO
+
+PACKAGE = REPO / "src" / "rlrun"
+
+# What users start: `python -m rlrun.X` (and the compat report, which renders every entry point's flags).
+ENTRY_MODULES = {"rlrun.ppo", "rlrun.sft", "rlrun.rm", "rlrun.dpo", "rlrun.retriever_server", "rlrun.reward_server",
+                 "rlrun.compat.report"}
+
+# Bottom to top; a folder imports only folders of LOWER tiers (README.md, "Code layout", says the same).
+TIERS: list[set[str]] = [
+    {"runtime", "algo"},
+    {"config"},
+    {"checkpoint", "serving", "models"},
+    {"data", "rewards", "compat"},
+    {"cli", "reporting", "launch"},
+    {"strategies", "engines"},
+    {"roles", "agents"},
+    {"rl", "supervised"},
+]
+TIER = {folder: level for level, folders in enumerate(TIERS) for folder in folders}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        mods[name] = path
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Every rlrun module `name` imports, wherever the import statement sits."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in mods else base for alias in node.names]
+        for target in targets:
+            while target not in mods and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in mods and target.startswith("rlrun.") and target != name:
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(name, path, mods) for name, path in mods.items()}
+
+
+def _folder(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (PACKAGE / parts[-1]).is_dir() else None
+
+
+def test_root_holds_only_entry_points_and_folders():
+    loose = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert loose == {m.split(".")[1] for m in ENTRY_MODULES if m.count(".") == 1}
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(TIER), "a new folder needs its tier in TIERS and in README's Code layout"
+
+
+def test_every_folder_says_what_lives_there():
+    for folder in sorted(TIER):
+        init = PACKAGE / folder / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text())) if init.exists() else None
+        assert doc and len(doc.split()) >= 12, f"{init}: a docstring saying what lives here and what it may import"
+
+
+def test_imports_point_down_the_tiers():
+    upward = []
+    for module, targets in _graph().items():
+        source = _folder(module)
+        if module in ENTRY_MODULES or source is None:
+            continue
+        for target in targets:
+            dest = _folder(target)
+            if target in ENTRY_MODULES or dest is None:
+                upward.append(f"{module} -> {target} (an entry point)")
+            elif dest != source and TIER[dest] >= TIER[source]:
+                upward.append(f"{module} -> {target} ({source}/ is tier {TIER[source]}, {dest}/ tier {TIER[dest]})")
+    assert not upward, "imports against the tiers:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_circles():
+    graph = _graph()
+    state: dict[str, int] = {}
+    circles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            # A package's __init__ and its own modules may name each other (re-exports), not a circle of code.
+            if state.get(target) == 1 and not (module.startswith(target + ".") or target.startswith(module + ".")):
+                circles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_the_checker_sees_circles_and_upward_imports(tmp_path):
+    """The walk above must be able to fail: a planted upward import is caught by the same functions."""
+    mods = {"rlrun.algo.a": tmp_path / "a.py", "rlrun.rl.b": tmp_path / "b.py"}
+    mods["rlrun.algo.a"].write_text("def f():\n    from rlrun.rl.b import g  # lazy, still a dependency\n")
+    mods["rlrun.rl.b"].write_text("from rlrun.algo import a\n")
+    assert _imports("rlrun.algo.a", mods["rlrun.algo.a"], mods) == {"rlrun.rl.b"}
+    assert _imports("rlrun.rl.b", mods["rlrun.rl.b"], mods) == {"rlrun.algo.a"}
+    assert TIER["rl"] > TIER["algo"]
