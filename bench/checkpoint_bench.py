@@ -37,8 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TINY_BATCH = ["--rollout_batch_size", "2", "--n_samples_per_prompt", "2", "--train_batch_size", "4",
               "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "2", "--generate_max_len", "8"]
-SAVED = re.compile(r"checkpoint saved: (\S+) \(([\d.]+) MB in ([\d.]+) s\)")
-RESUMED = re.compile(r"resumed from (\S+) at step (\d+) \(([\d.]+) s\)")
+SAVED = re.compile(r"checkpoint saved: (\S+) \(([\d.]+) MB in ([\d.]+) s, checksums ([\d.]+) s\)")
+RESUMED = re.compile(r"resumed from (\S+) at step (\d+) \(([\d.]+) s, checksums verified in ([\d.]+) s\)")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -84,6 +84,7 @@ def save_and_load(model: str, nproc: int, root: Path, timeout: float) -> dict:
     shutil.rmtree(workdir, ignore_errors=True)
     return {"model": model, "world": nproc, "size_mb": float(saved.group(2)), "files": len(files),
             "save_s": float(saved.group(3)), "load_s": float(resumed.group(3)),
+            "checksum_save_s": float(saved.group(4)), "checksum_load_s": float(resumed.group(4)),
             "save_run_wall_s": round(save_run_s, 1), "load_run_wall_s": round(load_run_s, 1)}
 
 
@@ -172,12 +173,14 @@ def main() -> None:
     root = Path(args.workdir or tempfile.mkdtemp(prefix="rlrun_ckpt_bench_"))
     root.mkdir(parents=True, exist_ok=True)
     results: dict[str, list] = {"save_load": [], "restart": []}
-    print(f"{'model':>6} {'world':>5} {'size MB':>9} {'files':>5} {'save s':>7} {'load s':>7}   (wall of the save / load runs)")
+    print(f"{'model':>6} {'world':>5} {'size MB':>9} {'files':>5} {'save s':>7} {'crc s':>6} {'load s':>7} {'crc s':>6}"
+          "   (wall of the save / load runs; crc: the checksums' part of save and load)")
     for model in filter(None, args.models.split(",")):
         for nproc in (int(w) for w in args.worlds.split(",") if w):
             r = save_and_load(model, nproc, root, args.timeout)
             results["save_load"].append(r)
-            print(f"{model:>6} {nproc:>5} {r['size_mb']:>9.1f} {r['files']:>5} {r['save_s']:>7.2f} {r['load_s']:>7.2f}"
+            print(f"{model:>6} {nproc:>5} {r['size_mb']:>9.1f} {r['files']:>5} {r['save_s']:>7.2f} "
+                  f"{r['checksum_save_s']:>6.2f} {r['load_s']:>7.2f} {r['checksum_load_s']:>6.2f}"
                   f"   ({r['save_run_wall_s']} s / {r['load_run_wall_s']} s)", flush=True)
     for model in filter(None, args.restart_models.split(",")):
         r = restart(model, root, args.timeout)

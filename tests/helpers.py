@@ -94,6 +94,30 @@ def stop_process(proc: subprocess.Popen, timeout: float = 15) -> int | None:
     return proc.returncode
 
 
+def start_reward_server(reward_file: Path, log_dir: Path, extra_args: list[str] | None = None,
+                        env_extra: dict[str, str] | None = None, timeout: float = 60) -> tuple[subprocess.Popen, int]:
+    """`python -m rlrun.reward_server --reward_file FILE --port 0` on 127.0.0.1: (process, port) once it listens.
+    Its output goes to LOG_DIR/server.out and server.err; stop it with stop_process."""
+    import time
+
+    out_path, err_path = log_dir / "server.out", log_dir / "server.err"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "rlrun.reward_server", "--reward_file", str(reward_file),
+                                 "--host", "127.0.0.1", "--port", "0", *(extra_args or [])],
+                                stdout=out, stderr=err, env=env, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = out_path.read_text()
+        if "listening on http://127.0.0.1:" in text:
+            return proc, int(text.split("listening on http://127.0.0.1:", 1)[1].split()[0])
+        if proc.poll() is not None:
+            raise AssertionError(f"reward server exited {proc.returncode}: {err_path.read_text()}")
+        time.sleep(0.05)
+    stop_process(proc)
+    raise AssertionError(f"reward server did not start in {timeout} s: {err_path.read_text()}")
+
+
 def teach_tiny_model(out: Path, trajectories: list[list[tuple[str, bool]]], *, max_positions: int = 512,
                      steps: int = 150) -> None:
     """The embedded tiny model, taught by teacher forcing (seconds on CPU) to reproduce each trajectory: a list

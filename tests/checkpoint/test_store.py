@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,8 @@ def test_publish_creates_step_dir_manifest_and_latest_pointer(tmp_path):
     record = ckpt.validate(final)
     assert record["step"] == 2 and record["meta"]["step"] == 2
     assert set(record["files"]) == {"actor/__0_0.distcp", "actor/__1_0.distcp", "actor/.metadata", "trainer_state.json"}
-    assert record["files"]["actor/__0_0.distcp"] == 200
+    data = (root / "step_00000002" / "actor" / "__0_0.distcp").read_bytes()
+    assert record["files"]["actor/__0_0.distcp"] == {"bytes": 200, "crc32": f"{zlib.crc32(data):08x}"}
     assert json.loads((root / LATEST).read_text()) == {"step": 2, "path": "step_00000002"}
     # No stray temporary files from the atomic JSON writes.
     assert not [p for p in root.rglob("*.tmp")]
@@ -119,7 +121,7 @@ def _break_empty_shard(d: Path) -> None:
 
 
 def _break_garbage_json(d: Path) -> None:
-    (d / COMPLETE).write_text('{"format": 1, "step": 4, "files": {"actor/.meta')
+    (d / COMPLETE).write_text('{"format": 2, "step": 4, "files": {"actor/.meta')
 
 
 def _break_binary_json(d: Path) -> None:
@@ -131,7 +133,7 @@ def _break_json_not_a_manifest(d: Path) -> None:
 
 
 def _break_json_without_files(d: Path) -> None:
-    (d / COMPLETE).write_text(json.dumps({"format": 1, "step": 4, "meta": {}}))
+    (d / COMPLETE).write_text(json.dumps({"format": 2, "step": 4, "meta": {}}))
 
 
 def _break_future_format(d: Path) -> None:
@@ -261,7 +263,7 @@ def test_an_unfinished_save_never_costs_the_previous_checkpoint(tmp_path):
     _save(root, 2, keep=1)
     tmp = ckpt.prepare(str(root), 4)
     _write_parts(tmp, 4)
-    ckpt.prune(str(root), 1)  # an incomplete newer directory does not count ...
+    ckpt.prune(str(root), 1, None)  # an incomplete newer directory does not count ...
     assert (root / "step_00000002").is_dir()
     assert _latest(root)[0] == 2  # ... and is removed as stale
     assert not os.path.exists(tmp)
@@ -274,13 +276,13 @@ def test_prune_does_not_count_a_step_dir_without_manifest(tmp_path):
     root = tmp_path / "ckpt"
     _save(root, 2, keep=1)
     (root / "step_00000003").mkdir()  # e.g. copied in by hand, unsealed
-    ckpt.prune(str(root), 1)
+    ckpt.prune(str(root), 1, None)
     assert (root / "step_00000002").is_dir()
 
 
-def test_publish_removes_stale_newer_checkpoints(tmp_path):
-    """A run resumed from step 2 past a corrupt step 6 (or a fresh run into a used directory) must not
-    have its new checkpoints pruned in favour of the stale ones, nor resume into them later."""
+def test_publish_never_prunes_newer_checkpoints(tmp_path):
+    """A run resumed from step 2 past a corrupt step 6 must not delete it (nor the unreadable step 4): pruning only
+    removes this run's checkpoints older than the ones it keeps. The new step 3 is the resume point after it."""
     root = tmp_path / "ckpt"
     for step in (2, 4, 6):
         _save(root, step, keep=3)
@@ -288,8 +290,46 @@ def test_publish_removes_stale_newer_checkpoints(tmp_path):
     _break_no_manifest(root / "step_00000004")
     assert _latest(root)[0] == 2  # the resume point
     _save(root, 3, keep=1)
+    assert _steps_on_disk(root) == ["step_00000003", "step_00000004", "step_00000006"]
+    found, _ = ckpt.find_latest(str(root), exclude=[str(root / "step_00000006")])
+    assert found.step == 3
+
+
+def _save_as(root: Path, step: int, run: str | None, keep: int = 3, remove_foreign: bool = False) -> str:
+    tmp = ckpt.prepare(str(root), step)
+    _write_parts(tmp, step)
+    meta = {"step": step} | ({"run": {"id": run, "config_digest": "c"}} if run else {})
+    return ckpt.publish(str(root), step, meta, keep, remove_foreign=remove_foreign)
+
+
+def test_prune_keeps_other_runs_checkpoints_unless_told(tmp_path):
+    """Issue 23's first probe, at the file level: run A saved steps 1-3; run B (told to share the directory)
+    saves step 1 with keep 1: A's checkpoints stay. With remove_foreign (--overwrite_checkpoints) they go."""
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        _save_as(root, step, "run-a")
+    _save_as(root, 1, "run-b", keep=1)  # the same step number: run B's replaces it, A's 2 and 3 stay
+    assert _steps_on_disk(root) == ["step_00000001", "step_00000002", "step_00000003"]
+    _save_as(root, 2, "run-b", keep=1)
+    assert _steps_on_disk(root) == ["step_00000002", "step_00000003"]  # B's 2 replaced A's, B's 1 pruned, A's 3 kept
+    assert ckpt.find_latest(str(root))[0].run == "run-a"
+    _save_as(root, 3, "run-b", keep=1, remove_foreign=True)
     assert _steps_on_disk(root) == ["step_00000003"]
-    assert _latest(root) == (3, [])
+    assert ckpt.find_latest(str(root))[0].run == "run-b"
+
+
+def test_format_1_manifests_still_load(tmp_path):
+    """Checkpoints sealed before checksums (sizes only) validate by size."""
+    root = tmp_path / "ckpt"
+    final = Path(_save(root, 2))
+    record = json.loads((final / COMPLETE).read_text())
+    record["format"] = 1
+    record["files"] = {rel: entry["bytes"] for rel, entry in record["files"].items()}
+    (final / COMPLETE).write_text(json.dumps(record))
+    assert ckpt.find_latest(str(root))[0].step == 2
+    _break_truncated_shard(final)
+    with pytest.raises(CheckpointError, match="has 17 bytes, expected 200"):
+        ckpt.validate(str(final))
 
 
 # ---- errors --------------------------------------------------------------------------------------

@@ -147,8 +147,17 @@ def test_bad_json_shapes(tmp_path: Path) -> None:
         load_prompt_records(str(wrapped))
     broken = tmp_path / "b.jsonl"
     broken.write_text('{"prompt": "a"}\n{oops\n')
-    with pytest.raises(DataError, match=r"b\.jsonl:2 is not valid JSON"):
+    with pytest.raises(DataError, match=r"b\.jsonl: record 1 \(line 2\) is not valid JSON"):
         load_prompt_records(str(broken))
+    # Records count from 0 everywhere (as indexes), lines from 1 (as editors); a bad byte names its line.
+    latin1 = tmp_path / "l.jsonl"
+    latin1.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"l\.jsonl: line 2 is not UTF-8 text \(byte 0xe9 at offset 31\); save the file as UTF-8"):
+        load_prompt_records(str(latin1))
+    latin1_csv = tmp_path / "l.csv"
+    latin1_csv.write_bytes(b"prompt\nok\ncaf\xe9\n")
+    with pytest.raises(DataError, match=r"l\.csv: line 3 is not UTF-8"):
+        load_prompt_records(str(latin1_csv), input_key="prompt")
     scalars = _write_jsonl(tmp_path / "s.jsonl", ["just a string"])
     with pytest.raises(DataError, match="must be an object"):
         load_prompt_records(str(scalars))

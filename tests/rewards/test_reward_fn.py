@@ -310,7 +310,7 @@ def test_http_connection_refused() -> None:
 
 def test_url_credentials_hidden() -> None:
     fn = load_reward_function("https://user:pw@rm.example:8443/score?key=abc")
-    assert fn.source == "https://rm.example:8443/score?..."
+    assert fn.source == "https://<redacted>@rm.example:8443/score?<redacted>"
     with pytest.raises(RewardError, match="retries >= 1"):
         load_reward_function("http://127.0.0.1:1/r", retries=0)
 

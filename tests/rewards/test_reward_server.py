@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import start_reward_server, stop_process
 
 from rlrun.rewards.reward_fn import TOKEN_ENV, load_reward_function
 from rlrun.runtime.errors import RewardError
@@ -60,34 +59,8 @@ class Server:
 def start_server(tmp_path: Path, extra_args: list[str], env_extra: dict[str, str], timeout: float = 60) -> Server:
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REWARD_FILE)
-    out_path, err_path = tmp_path / "server.out", tmp_path / "server.err"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env_extra}
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "rlrun.reward_server", "--reward_file", str(reward_file),
-                                 "--host", "127.0.0.1", "--port", "0", *extra_args],
-                                stdout=out, stderr=err, env=env, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = out_path.read_text()
-        if "listening on http://127.0.0.1:" in text:
-            port = int(text.split("listening on http://127.0.0.1:", 1)[1].split()[0])
-            return Server(proc, port, err_path)
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}: {err_path.read_text()}")
-        time.sleep(0.05)
-    stop_server(proc)
-    raise AssertionError(f"server did not start in {timeout} s: {err_path.read_text()}")
-
-
-def stop_server(proc: subprocess.Popen) -> int | None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=15)
-    return proc.returncode
+    proc, port = start_reward_server(reward_file, tmp_path, extra_args, env_extra, timeout)
+    return Server(proc, port, tmp_path / "server.err")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +70,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     try:
         yield srv
     finally:
-        stop_server(srv.proc)
+        stop_process(srv.proc)
 
 
 def test_health_needs_no_token(server: Server) -> None:
@@ -225,7 +198,7 @@ def test_no_token_server_and_clean_sigterm(tmp_path: Path, monkeypatch: pytest.M
         result = load_reward_function(srv.url, retries=1)(["abc"], ["a"], ["l"])
         assert result.rewards.tolist() == [3.0]
     finally:
-        assert stop_server(srv.proc) == 0
+        assert stop_process(srv.proc) == 0
     assert "stopped" in (tmp_path / "server.out").read_text()
 
 

@@ -144,18 +144,23 @@ def test_resume_is_exact_and_skips_a_corrupt_newest_checkpoint(reference, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_all_checkpoints_corrupt_starts_fresh(reference, tmp_path):
+def test_all_checkpoints_corrupt_is_one_clear_error(reference, tmp_path):
+    """Checkpoints exist and none is intact: starting over silently would lose the run, so --load_checkpoint stops
+    with one line naming each damaged checkpoint and the way out, and deletes nothing."""
     _copy_checkpoints(reference, tmp_path / "ckpt", N, STEPS)
     (tmp_path / "ckpt" / "step_00000002" / "actor" / "__0_0.distcp").unlink()
     (tmp_path / "ckpt" / "step_00000004" / ckpt.COMPLETE).write_text("{garbage")
     run = torchrun(1, SMALL + GAE + ["--max_steps", "1", "--save_steps", str(N), "--load_checkpoint"], tmp_path)
-    _ok(run)
-    assert "no complete checkpoint" in run.output and "starting fresh" in run.output
+    assert run.returncode != 0
     assert run.output.count("warning] skipping checkpoint") == 2, run.output[-3000:]
-    assert [m["step"] for m in run.metrics] == [1]
-    # The fresh run's final save (step 1) supersedes the corrupt leftovers of the abandoned run.
-    assert sorted(p.name for p in run.ckpt.iterdir()) == ["latest", "step_00000001"]
-    _assert_clean_newest(run.ckpt, 1)
+    failed = [line for line in run.output.splitlines() if ": FAILED (" in line]
+    assert len(failed) == 1, run.output[-3000:]
+    assert (f"CheckpointError: --load_checkpoint: no intact checkpoint in {run.ckpt} ({run.ckpt}/step_00000004: "
+            "unreadable COMPLETE.json") in failed[0]
+    assert "step_00000002: file actor/__0_0.distcp is missing" in failed[0] and "fresh --ckpt_path" in failed[0]
+    assert run.output.count("Traceback") == 1 and "ChildFailedError" in run.output  # torchrun's own, nothing else
+    assert run.metrics == []
+    assert sorted(p.name for p in run.ckpt.iterdir()) == ["step_00000002", "step_00000004"]
 
 
 # ---- elastic restarts after a SIGKILL ------------------------------------------------------------

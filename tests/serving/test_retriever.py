@@ -85,7 +85,7 @@ def test_query_from_title_finds_that_document_first(server: RetrieverProcess, qu
 
 def test_topk_and_default_and_documents_without_scores(server: RetrieverProcess) -> None:
     broad = "capital largest highest mountain planet river"
-    for topk, expected in ((1, 1), (5, 5), (None, 3), (0, 3)):
+    for topk, expected in ((1, 1), (5, 5), (None, 3)):
         payload = {"queries": [broad], "return_scores": True} | ({} if topk is None else {"topk": topk})
         status, body = retrieve(server, payload)
         assert status == 200 and len(body["result"][0]) == expected, (topk, body)
@@ -110,8 +110,9 @@ def test_one_request_is_one_batch_in_the_log(server: RetrieverProcess) -> None:
     ({"queries": ["x" * 2100]}, 413, "over the limit of 2000 bytes"),
     ({"queries": "one string"}, 400, "'queries' must be a list of strings"),
     ({"query": ["a"]}, 400, "unknown key(s) ['query']"),
-    ({"queries": ["a"], "topk": "3"}, 400, "'topk' must be a non-negative integer"),
-    ({"queries": ["a"], "topk": -1}, 400, "'topk' must be a non-negative integer"),
+    ({"queries": ["a"], "topk": "3"}, 400, "'topk' must be a positive integer"),
+    ({"queries": ["a"], "topk": -1}, 400, "'topk' must be a positive integer"),
+    ({"queries": ["a"], "topk": 0}, 400, "'topk' must be a positive integer, got 0; omit it or send null"),
     ({"queries": ["a"], "return_scores": "yes"}, 400, "'return_scores' must be true or false"),
     ([1], 400, "must be a JSON object"),
 ])

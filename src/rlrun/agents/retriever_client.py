@@ -15,7 +15,8 @@ import threading
 
 from rlrun.config.schema import RETRIEVER_RETRY_BACKOFF_S
 from rlrun.runtime.errors import ConfigError, RlrunError
-from rlrun.serving.http_retry import AttemptFailed, RequestRejected, RetriesExhausted, display_url, post_once, with_retries
+from rlrun.runtime.secrets import redact_url
+from rlrun.serving.http_retry import AttemptFailed, RequestRejected, RetriesExhausted, post_once, with_retries
 from rlrun.serving.retriever import TOKEN_ENV
 
 
@@ -52,10 +53,10 @@ class RetrieverClient:
             raise ConfigError(f"--retriever_url {url!r} is not an http(s):// URL; pass the server's POST URL, "
                               "e.g. http://127.0.0.1:8000/retrieve")
         if topk < 1 or not timeout_s > 0 or retries < 1 or backoff_s < 0 or max_batch < 1:
-            raise ConfigError(f"retriever client for {display_url(url)}: need --retriever_topk >= 1, timeout > 0, "
+            raise ConfigError(f"retriever client for {redact_url(url)}: need --retriever_topk >= 1, timeout > 0, "
                               f"retries >= 1, backoff >= 0 and max_batch >= 1; got topk={topk}, timeout_s={timeout_s}, "
                               f"retries={retries}, backoff_s={backoff_s}, max_batch={max_batch}")
-        self.url, self.source = url, display_url(url)
+        self.url, self.source = url, redact_url(url)
         self.topk, self.timeout_s, self.retries, self.backoff_s, self.max_batch = (
             topk, timeout_s, retries, backoff_s, max_batch)
         # Queries waiting for their loop's next flush. Keyed by loop, never bound at construction:

@@ -1,10 +1,15 @@
 """Checkpoint directories on disk: atomic publication, validation, discovery, retention.
 
 A checkpoint is written into ``<root>/.tmp_step_N``; when every rank has written its part, rank 0
-records a manifest (every file and its size) in ``COMPLETE.json``, flushes, renames the
-directory to ``<root>/step_N`` and only then moves the ``latest`` pointer. A process killed at any
-moment leaves either the old or the new checkpoint usable: a directory without a valid manifest
-is never loaded, and old checkpoints are deleted only after the new one is complete.
+records a manifest (every file, its size and CRC-32: rlrun.checkpoint.manifest) in ``COMPLETE.json``,
+flushes, renames the directory to ``<root>/step_N`` and only then moves the ``latest`` pointer. A process
+killed at any moment leaves either the old or the new checkpoint usable: a directory without a valid
+manifest is never loaded, and old checkpoints are deleted only after the new one is complete.
+
+Every checkpoint records the run that wrote it (``meta["run"]``: an id and the config digest). Pruning
+removes only the writing run's own checkpoints older than the ones it keeps; another run's checkpoints,
+and any newer than the one just saved, are left alone unless the run was started with
+--overwrite_checkpoints (rlrun.checkpoint.ownership decides that before anything runs).
 """
 
 from __future__ import annotations
@@ -13,14 +18,17 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from rlrun.checkpoint.manifest import describe, list_files, size_problem
 from rlrun.runtime.errors import RlrunError
 
 COMPLETE = "COMPLETE.json"
 LATEST = "latest"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: files carry {"bytes", "crc32"}; 1: a size per file
+READABLE_FORMATS = (1, 2)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -66,17 +74,6 @@ def prepare(root: str, step: int) -> str:
     return path
 
 
-def _manifest(path: str) -> dict[str, int]:
-    files = {}
-    for dirpath, _, names in os.walk(path):
-        for name in names:
-            full = os.path.join(dirpath, name)
-            rel = os.path.relpath(full, path)
-            if rel != COMPLETE:
-                files[rel] = os.path.getsize(full)
-    return files
-
-
 def _fsync_tree(path: str) -> None:
     for dirpath, _, names in os.walk(path):
         for name in names:
@@ -85,24 +82,34 @@ def _fsync_tree(path: str) -> None:
         _fsync_dir(dirpath)
 
 
-def publish(root: str, step: int, meta: dict[str, Any], keep: int) -> str:
-    """Rank 0, after every rank has written its part: seal, rename, move the pointer, prune."""
+def publish(root: str, step: int, meta: dict[str, Any], keep: int, *, crcs: dict[str, str] | None = None,
+            remove_foreign: bool = False) -> str:
+    """Rank 0, after every rank has written its part: seal, rename, move the pointer, prune (`prune`).
+    `crcs`: the files' CRC-32s where the ranks computed them (the rest are computed here)."""
     tmp, final = tmp_dir(root, step), step_dir(root, step)
     _fsync_tree(tmp)
+    files = describe(tmp, list_files(tmp, skip=[COMPLETE]), crcs)
     write_json_atomic(os.path.join(tmp, COMPLETE), {"format": FORMAT_VERSION, "step": step, "meta": meta,
-                                                    "files": _manifest(tmp)})
+                                                    "files": files})
     _fsync_dir(tmp)
     if os.path.exists(final):  # the same step saved again after a restart
         shutil.rmtree(final)
     os.rename(tmp, final)
     _fsync_dir(root)
     write_json_atomic(os.path.join(root, LATEST), {"step": step, "path": os.path.basename(final)})
-    prune(root, keep, current=step)
+    prune(root, keep, run_of(meta), current=step, remove_foreign=remove_foreign)
     return final
 
 
+def run_of(meta: dict[str, Any]) -> str | None:
+    """The id of the run that wrote a checkpoint (None: written before runs were recorded)."""
+    run = meta.get("run")
+    return run.get("id") if isinstance(run, dict) else None
+
+
 def validate(path: str) -> dict[str, Any]:
-    """The sealed record of a checkpoint directory, or CheckpointError saying what is wrong."""
+    """The sealed record of a checkpoint directory, or CheckpointError saying what is wrong. Checks the
+    manifest and every file's presence and size; the bytes are checked by manifest.content_problem."""
     marker = os.path.join(path, COMPLETE)
     try:
         with open(marker, encoding="utf-8") as fh:
@@ -113,14 +120,13 @@ def validate(path: str) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable {COMPLETE}: {exc}") from None
     if not isinstance(record, dict) or not isinstance(record.get("files"), dict) or not isinstance(record.get("meta"), dict):
         raise CheckpointError(f"{path}: {COMPLETE} is not a checkpoint manifest")
-    if record.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format {record.get('format')} is not {FORMAT_VERSION}")
-    for rel, size in record["files"].items():
-        full = os.path.join(path, rel)
-        if not os.path.isfile(full):
-            raise CheckpointError(f"{path}: file {rel} is missing")
-        if os.path.getsize(full) != size:
-            raise CheckpointError(f"{path}: file {rel} has {os.path.getsize(full)} bytes, expected {size}")
+    if record.get("format") not in READABLE_FORMATS:
+        raise CheckpointError(f"{path}: checkpoint format {record.get('format')} is not one of {READABLE_FORMATS} "
+                              "(written by another rlrun version)")
+    for rel, entry in record["files"].items():
+        problem = size_problem(path, rel, entry)
+        if problem:
+            raise CheckpointError(f"{path}: {problem}")
     return record
 
 
@@ -129,44 +135,72 @@ class Found:
     path: str
     step: int
     meta: dict[str, Any]
+    files: dict[str, Any]
+
+    @property
+    def run(self) -> str | None:
+        return run_of(self.meta)
 
 
-def find_latest(root: str) -> tuple[Found | None, list[str]]:
-    """The newest valid checkpoint under root (None if there is none) and a warning per skipped one."""
-    warnings: list[str] = []
+def step_dirs(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every step_N entry under root, newest first (whatever its state)."""
     if not os.path.isdir(root):
-        return None, warnings
-    names = sorted(os.listdir(root))
-    for name in names:
-        if name.startswith(".tmp_step_"):
-            warnings.append(f"skipping checkpoint {os.path.join(root, name)}: a save that did not finish")
-    steps = sorted((int(m.group(1)), name) for name in names if (m := _STEP_DIR.match(name)))
-    for step, name in reversed(steps):
-        path = os.path.join(root, name)
+        return []
+    steps = sorted((int(m.group(1)), name) for name in os.listdir(root) if (m := _STEP_DIR.match(name)))
+    return [(step, os.path.join(root, name)) for step, name in reversed(steps)]
+
+
+def find_latest(root: str, exclude: Collection[str] = ()) -> tuple[Found | None, list[str]]:
+    """The newest checkpoint under root that passes `validate` and is not in `exclude` (None if there is
+    none), and a warning per unfinished save and per newer checkpoint skipped. Reads no file contents:
+    rlrun.launch.checkpoint_sync verifies the bytes before anything is loaded."""
+    warnings = [f"skipping checkpoint {os.path.join(root, name)}: a save that did not finish"
+                for name in (sorted(os.listdir(root)) if os.path.isdir(root) else []) if name.startswith(".tmp_step_")]
+    for step, path in step_dirs(root):
+        if path in exclude:
+            continue
         try:
             record = validate(path)
         except CheckpointError as exc:
             warnings.append(f"skipping checkpoint {exc}")
             continue
-        return Found(path, step, record["meta"]), warnings
+        return Found(path, step, record["meta"], record["files"]), warnings
     return None, warnings
 
 
-def prune(root: str, keep: int, current: int | None = None) -> None:
-    """Delete all but the newest `keep` complete checkpoints, and stale temporary directories.
-
-    With `current` (the step just published), step directories numbered above it are deleted too:
-    they are from an abandoned run (or were skipped as corrupt when this run resumed), and left in
-    place they would push the new checkpoints out of the retention window and be picked on resume.
-    """
-    complete = []
+def prune(root: str, keep: int, run: str | None, current: int | None = None, remove_foreign: bool = False) -> None:
+    """Delete stale temporary directories, and all but the newest `keep` complete checkpoints of run `run`
+    at or below step `current`. Never a newer checkpoint (one this run skipped when it resumed stays for a
+    person to look at) nor another run's, unless `remove_foreign` (--overwrite_checkpoints): then every
+    checkpoint of another run goes, now that this run has one of its own."""
+    own = []
     for name in os.listdir(root):
         path = os.path.join(root, name)
         m = _STEP_DIR.match(name)
-        if name.startswith(".tmp_step_") or (m and current is not None and int(m.group(1)) > current):
+        if name.startswith(".tmp_step_"):
             shutil.rmtree(path, ignore_errors=True)
-        elif m and os.path.exists(os.path.join(path, COMPLETE)):
-            complete.append((int(m.group(1)), path))
-    complete.sort()
-    for _, path in complete[:-keep] if keep > 0 else []:
+            continue
+        if not m or not os.path.isdir(path):
+            continue
+        step = int(m.group(1))
+        sealed, writer = writer_of(path)
+        if not sealed:
+            continue  # not a checkpoint (yet): never counted, never deleted
+        if writer == run:
+            if current is None or step <= current:
+                own.append((step, path))
+        elif remove_foreign:
+            shutil.rmtree(path, ignore_errors=True)
+    own.sort()
+    for _, path in own[:-keep] if keep > 0 else []:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def writer_of(path: str) -> tuple[bool, str | None]:
+    """(whether a step directory is sealed: a readable manifest, the id of the run that wrote it)."""
+    try:
+        with open(os.path.join(path, COMPLETE), encoding="utf-8") as fh:
+            meta = json.load(fh)["meta"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False, None
+    return True, run_of(meta) if isinstance(meta, dict) else None

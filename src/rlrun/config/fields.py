@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from rlrun.config.schema import Config
 from rlrun.runtime.errors import ConfigError
+from rlrun.runtime.secrets import MASK, redact_value
 
 T = TypeVar("T")
 
@@ -121,10 +122,14 @@ def build_config(values: dict[str, Any], config_cls: type[T] = Config) -> T:  # 
 
 
 def redacted(config: Any) -> dict[str, Any]:
-    """Nested dict of a root config with secrets replaced: safe to log or save."""
+    """Nested dict of a root config with secrets replaced (rlrun.runtime.secrets): safe to log or save. Fields
+    marked secret are masked whole; every other value goes through the one redaction of URLs and tokens."""
     infos = fields_of(type(config))
     out = dataclasses.asdict(config)
     for info in infos.values():
-        if info.secret and out[info.section][info.name] is not None:
-            out[info.section][info.name] = "<redacted>"
+        value = out[info.section][info.name]
+        if info.secret and value is not None:
+            out[info.section][info.name] = MASK
+        else:
+            out[info.section][info.name] = redact_value(info.name, value)
     return out

@@ -46,6 +46,7 @@ class ModelConfig(PretrainedConfig):
     remote_rm_url: str | None = opt(None, "Reward from a local Python file defining reward_func(queries, prompts, labels), or an http(s):// endpoint. Unset and no --reward_pretrain: the built-in demo rule reward.")
     remote_rm_timeout: float = opt(30.0, "Seconds to wait for each HTTP reward request (--remote_rm_url http(s)://...).")
     remote_rm_retries: int = opt(3, "Attempts per HTTP reward batch (connection errors, timeouts and 5xx are retried with backoff).")
+    reward_timeout: float | None = opt(None, "Seconds one call of a reward file's reward_func may take on one batch; past it the run fails naming the function and the batch. Unset: 0.8 x --dist_timeout (the other ranks wait that long at most).")
 
 
 @dataclass
@@ -224,7 +225,9 @@ class SavingConfig:
     save_path: str = opt("./ckpt", "The trained model (HF format) and the default metrics file go here.")
     save_steps: int = opt(-1, "Save a checkpoint every N steps (-1: never).")
     load_checkpoint: bool = opt(False, "Resume from the newest complete checkpoint in --ckpt_path.")
-    max_ckpt_num: int = opt(3, "Keep the newest N checkpoints.")
+    max_ckpt_num: int = opt(3, "Keep this run's newest N checkpoints (another run's are never pruned).")
+    overwrite_checkpoints: bool = opt(False, "Start a new run in a --ckpt_path that holds another run's checkpoints, deleting them once this run has saved its first one. Without it (and without --load_checkpoint) such a run stops at start-up.")
+    export_nonfinite: bool = opt(False, "Export the trained model even when a weight is NaN/inf (by default the export stops, naming the tensor).")
 
 
 @dataclass
@@ -269,6 +272,7 @@ class RuntimeConfig:
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: cuda when available, else cpu.")
     dist_backend: Literal["auto", "nccl", "gloo"] = opt("auto", "auto: nccl with cuda, else gloo.")
     dist_timeout: float = opt(300.0, "Seconds any collective may wait before the job fails.")
+    data_timeout: float = opt(1800.0, "Seconds loading the datasets may take (every rank loads them before the first collective); past it the run fails naming the dataset.")
     dry_run: bool = opt(False, "Print the role layout and exit; loads no model or data.")
 
 
@@ -301,6 +305,11 @@ class Config:
     def multi_turn(self) -> bool:
         """Rollouts are agent episodes (their rewards are the reward)."""
         return self.agent.agent_func_path is not None or self.agent.retriever_url is not None
+
+    @property
+    def reward_call_timeout(self) -> float:
+        """The bound on one reward-function call: --reward_timeout, or 0.8 x --dist_timeout."""
+        return self.model.reward_timeout if self.model.reward_timeout is not None else 0.8 * self.runtime.dist_timeout
 
     @property
     def rollouts_per_step(self) -> int:

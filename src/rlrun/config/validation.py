@@ -80,6 +80,14 @@ def check_values(cfg: Config) -> None:
     _positive("dist_timeout", cfg.runtime.dist_timeout)
     _positive("remote_rm_timeout", cfg.model.remote_rm_timeout)
     _positive("remote_rm_retries", cfg.model.remote_rm_retries)
+    _positive("data_timeout", cfg.runtime.data_timeout)
+    if cfg.model.reward_timeout is not None:
+        _positive("reward_timeout", cfg.model.reward_timeout)
+        if cfg.model.reward_timeout >= cfg.runtime.dist_timeout:
+            raise ConfigError(f"--reward_timeout {cfg.model.reward_timeout:g} must be below --dist_timeout "
+                              f"{cfg.runtime.dist_timeout:g}: the other ranks wait at most --dist_timeout for the "
+                              "rewards, so a slower reward function would end the run as a collective timeout instead "
+                              "of naming itself; raise --dist_timeout too, or lower --reward_timeout")
     _positive("max_skipped_steps", t.max_skipped_steps)
     if cfg.model.remote_rm_url and cfg.model.reward_pretrain:
         raise ConfigError("--remote_rm_url and --reward_pretrain are both set; choose one reward source")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import difflib
 import hashlib
 import json
@@ -24,27 +25,37 @@ class PromptRecord:
     label: str | None
 
 
+def _read_text(path: str) -> str:
+    """The file as UTF-8 text, or a DataError naming the first byte that is not UTF-8 and its line."""
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{path}: line {line} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                        "save the file as UTF-8") from None
+
+
 def _read_jsonl(path: str) -> list[Any]:
     rows: list[Any] = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue  # trailing/blank lines are common in hand-written files
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise DataError(
-                    f"{path}:{line_number} is not valid JSON ({exc}); each line must be one JSON object."
-                ) from exc
+    for line_number, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue  # trailing/blank lines are common in hand-written files
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            # Records count from 0 in every message (as indexes do); lines count from 1 (as editors do).
+            raise DataError(f"{path}: record {len(rows)} (line {line_number}) is not valid JSON ({exc}); each line "
+                            "must be one JSON object.") from None
     return rows
 
 
 def _read_json(path: str) -> list[Any]:
-    with open(path, encoding="utf-8") as handle:
-        try:
-            rows = json.load(handle)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path} is not valid JSON ({exc}).") from exc
+    try:
+        rows = json.loads(_read_text(path))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path} is not valid JSON ({exc}).") from None
     if not isinstance(rows, list):
         raise DataError(
             f"{path} holds a JSON {type(rows).__name__}; a .json prompt file must be a list of objects "
@@ -63,8 +74,7 @@ def _read_parquet(path: str) -> list[Any]:
 
 def _read_csv(path: str) -> list[Any]:
     # The stdlib reader is enough for prompt files and needs no optional dependency.
-    with open(path, encoding="utf-8", newline="") as handle:
-        return list(csv.DictReader(handle))
+    return list(csv.DictReader(io.StringIO(_read_text(path), newline="")))
 
 
 def _read_saved_dataset(path: str) -> list[Any]:

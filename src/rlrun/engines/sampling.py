@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from rlrun.runtime.errors import NonFiniteError
+
 
 def processed_log_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """logits [B, V] -> log-probabilities [B, V] of the sampling distribution: logits / temperature, then (top_p < 1)
@@ -26,5 +28,11 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float,
            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (tokens [B] long, their log-probabilities [B] fp32 under the processed distribution)."""
     log_probs = processed_log_probs(logits, temperature, top_p)
-    tokens = torch.multinomial(log_probs.exp(), 1, generator=generator)
+    try:
+        tokens = torch.multinomial(log_probs.exp(), 1, generator=generator)
+    except RuntimeError as exc:
+        if "probability tensor contains" not in str(exc):
+            raise
+        raise NonFiniteError("the policy's next-token probabilities are NaN/inf: its weights are no longer finite "
+                             "(the run diverged; lower the learning rate, and resume from the last checkpoint)") from None
     return tokens[:, 0], log_probs.gather(1, tokens)[:, 0]

@@ -9,6 +9,8 @@ import tempfile
 import traceback
 from typing import Any, Callable, NoReturn, TypeVar
 
+from rlrun.checkpoint.ownership import check_ownership, is_restart
+from rlrun.config.schema import SavingConfig
 from rlrun.launch.dist import is_peer_failure
 from rlrun.launch.env import DistEnv, read_env
 from rlrun.runtime.errors import ConfigError, RlrunError
@@ -53,6 +55,18 @@ def fail_and_exit(log: Any, rank: int, roles: str, phase: PhaseTracker, exc: Bas
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
+
+
+def check_outputs(saving: SavingConfig, ckpt_path: str, run_id: str, log: Any) -> None:
+    """Rank 0 (the writer), before anything expensive: the output paths are writable, and checkpoints will not
+    be written over another run's (rlrun.checkpoint.ownership)."""
+    check_writable(saving.save_path, "--save_path")
+    if saving.save_steps > 0:
+        check_writable(ckpt_path, "--ckpt_path")
+        replacing = check_ownership(ckpt_path, run_id, loads=saving.load_checkpoint,
+                                    overwrites=saving.overwrite_checkpoints, restarted=is_restart())
+        if replacing:
+            log.warning_once(replacing)
 
 
 def check_writable(path: str, flag: str) -> None:

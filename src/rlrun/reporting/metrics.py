@@ -15,6 +15,7 @@ from rlrun.config.fields import redacted
 from rlrun.config.schema import RootConfig
 from rlrun.reporting.progress import make_progress
 from rlrun.runtime.errors import ConfigError, MissingExtraError
+from rlrun.runtime.secrets import MASK, redact_text
 
 
 class MetricsSink:
@@ -96,7 +97,7 @@ def _init_wandb(cfg: RootConfig, trainer: str) -> Any:
         wandb.login(key=key, relogin=True)
     # wandb records sys.argv in the run's metadata (uploaded on sync); a key passed as --use_wandb KEY must not be in it.
     saved_argv = sys.argv
-    sys.argv = [_scrub(arg, [key] if key else []) for arg in saved_argv]
+    sys.argv = [redact_text(_scrub(arg, [key] if key else [])) for arg in saved_argv]
     try:
         return wandb.init(entity=cfg.logging.wandb_org, project=cfg.logging.wandb_project or f"rlrun_{trainer}",
                           group=cfg.logging.wandb_group, name=cfg.logging.wandb_run_name, config=redacted(cfg),
@@ -107,7 +108,7 @@ def _init_wandb(cfg: RootConfig, trainer: str) -> Any:
 
 def _scrub(text: str, secrets: list[str]) -> str:
     for secret in secrets:
-        text = text.replace(secret, "<redacted>")
+        text = text.replace(secret, MASK)
     return text
 
 

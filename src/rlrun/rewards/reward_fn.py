@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlrun.runtime.deadline import deadline
 from rlrun.runtime.errors import RewardError
 from rlrun.runtime.pyfile import import_file, one_line
-from rlrun.serving.http_retry import RequestRejected, RetriesExhausted, display_url, post_once, with_retries
+from rlrun.runtime.secrets import redact_url
+from rlrun.serving.http_retry import RequestRejected, RetriesExhausted, post_once, with_retries
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -109,12 +111,13 @@ def _validate(raw: object, source: str, batch: int) -> RewardResult:
 class RewardFunction:
     """A validated reward source: call it with one rollout batch, get float32 CPU tensors back."""
 
-    def __init__(self, source: str, fn: RawRewardFn, *, wrap_errors: bool = True) -> None:
+    def __init__(self, source: str, fn: RawRewardFn, *, wrap_errors: bool = True, timeout_s: float | None = None) -> None:
         self.source = source
         self._fn = fn
         # User code's exceptions get wrapped with the source; the HTTP client already raises
         # complete RewardErrors that wrapping would only make longer.
         self._wrap_errors = wrap_errors
+        self.timeout_s = timeout_s  # one call on one batch; past it the run fails (rlrun.runtime.deadline)
 
     def __repr__(self) -> str:
         return f"RewardFunction(source={self.source!r})"
@@ -127,12 +130,19 @@ class RewardFunction:
             empty = torch.zeros(0, dtype=torch.float32)
             return RewardResult(rewards=empty, scores=empty, extra_logs={})
         try:
-            raw = self._fn(list(queries), list(prompts), list(labels))
+            with deadline(self.timeout_s, lambda: self._timed_out(queries)):
+                raw = self._fn(list(queries), list(prompts), list(labels))
         except Exception as exc:
             if isinstance(exc, RewardError) and not self._wrap_errors:
                 raise
             raise self._wrapped(exc, len(queries)) from exc
         return _validate(raw, self.source, len(queries))
+
+    def _timed_out(self, queries: list[str]) -> RewardError:
+        first = " ".join(queries[0].split())[-120:]
+        return RewardError(f"reward function {self.source} did not return within --reward_timeout {self.timeout_s:g} s "
+                           f"on a batch of {len(queries)} queries (the first ends {first!r}); make it faster (or "
+                           "bound its own waits), or raise --reward_timeout below --dist_timeout")
 
     def _wrapped(self, exc: Exception, batch: int) -> RewardError:
         return RewardError(f"reward function {self.source} raised {one_line(exc)} on a batch of {batch} "
@@ -154,7 +164,7 @@ def _load_builtin() -> RewardFunction:
     return RewardFunction(BUILTIN_SOURCE, reward_func)
 
 
-def _load_file(path_text: str) -> RewardFunction:
+def _load_file(path_text: str, timeout_s: float | None) -> RewardFunction:
     module = import_file(path_text, "reward file", RewardError, "reward_func(queries, prompts, labels)")
     fn = getattr(module, "reward_func", None)
     if not callable(fn):
@@ -162,7 +172,7 @@ def _load_file(path_text: str) -> RewardFunction:
         found = "is not callable" if hasattr(module, "reward_func") else "is missing"
         raise RewardError(f"reward file {path_text}: reward_func {found}; define "
                           "def reward_func(queries, prompts, labels) returning rewards (tensor/list or dict).")
-    return RewardFunction(path_text, fn)
+    return RewardFunction(path_text, fn, timeout_s=timeout_s)
 
 
 class _HttpRewardFn:
@@ -208,18 +218,19 @@ class _HttpRewardFn:
 
 
 def load_reward_function(remote_rm_url: str | None, *, timeout_s: float = 30.0, retries: int = 3,
-                         backoff_s: float = 1.0) -> RewardFunction:
-    """Resolve `remote_rm_url` (None, a .py path, or an http(s) URL) to a validated RewardFunction."""
+                         backoff_s: float = 1.0, call_timeout_s: float | None = None) -> RewardFunction:
+    """Resolve `remote_rm_url` (None, a .py path, or an http(s) URL) to a validated RewardFunction. `timeout_s`
+    bounds each HTTP request; `call_timeout_s` one call of a reward file's function (None: unbounded)."""
     if remote_rm_url is None:
         return _load_builtin()
     text = remote_rm_url.strip()
     if text.lower().startswith(("http://", "https://")):
-        source = display_url(text)
+        source = redact_url(text)
         if not timeout_s > 0 or retries < 1 or backoff_s < 0:
             raise RewardError(f"reward server {source}: need timeout_s > 0, retries >= 1 and backoff_s >= 0, "
                               f"got timeout_s={timeout_s}, retries={retries}, backoff_s={backoff_s}.")
         return RewardFunction(source, _HttpRewardFn(text, source, timeout_s, retries, backoff_s), wrap_errors=False)
     if text.endswith(".py"):
-        return _load_file(text)
+        return _load_file(text, call_timeout_s)
     raise RewardError(f"remote_rm_url {text!r} is neither a .py file nor an http(s):// URL; pass a Python file "
                       "defining reward_func, a reward server URL, or nothing for the builtin demo rule.")

@@ -146,7 +146,8 @@ def build_reward_sources(cfg: Config, layout: Layout, rank: int, tokenizer: PreT
     if cfg.multi_turn:
         return RewardSources(agents=build_episode_runner(cfg, tokenizer))
     return RewardSources(reward_fn=load_reward_function(cfg.model.remote_rm_url, timeout_s=cfg.model.remote_rm_timeout,
-                                                        retries=cfg.model.remote_rm_retries))
+                                                        retries=cfg.model.remote_rm_retries,
+                                                        call_timeout_s=cfg.reward_call_timeout))
 
 
 def _policy_copies(cfg: Config, count: int) -> Iterator[torch.nn.Module]:

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from rlrun.checkpoint.ownership import run_identity
 from rlrun.compat.openrlhf_init import init_from_openrlhf
 from rlrun.compat.openrlhf_init import plan_init as plan_openrlhf_init
 from rlrun.config.schema import Config
@@ -19,7 +20,7 @@ from rlrun.engines.hosting import choose_host
 from rlrun.engines.hosting import describe as describe_host
 from rlrun.launch.dist import init_distributed, restart_safety_warning, resolve_backend, resolve_device, teardown
 from rlrun.launch.env import DistEnv, read_node_label
-from rlrun.launch.failures import check_writable, fail_and_exit
+from rlrun.launch.failures import check_outputs, fail_and_exit
 from rlrun.launch.groups import build_groups
 from rlrun.launch.labels import gather_node_labels
 from rlrun.launch.layout import Layout, Role
@@ -32,6 +33,8 @@ from rlrun.rl.planning import asks_node_labels, plan
 from rlrun.rl.resume import Checkpointer
 from rlrun.rl.trainer import Trainer
 from rlrun.roles.export import save_critic, save_policy
+from rlrun.runtime.deadline import deadline, set_reporter
+from rlrun.runtime.errors import DataError
 from rlrun.runtime.faults import run_phases
 from rlrun.runtime.log import get_logger
 
@@ -42,6 +45,9 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
     phase = run_phases(env.rank, cfg.runtime.dist_timeout)
     sink = None
     local_only = True  # until the first collective: a failure here is the same on every rank
+    # A bound that passes (a hung reward function, a dataset that never loads) ends the run the same way.
+    set_reporter(lambda exc: fail_and_exit(log, env.rank, roles_text, phase, exc, cfg.runtime.dist_timeout,
+                                           local_only=local_only, sink=sink))
     try:
         device = resolve_device(cfg.runtime.device, env.local_rank)
         backend = resolve_backend(cfg.runtime.dist_backend, device)
@@ -52,11 +58,15 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
         # Everything that reads local files happens before the first collective, so a bad path fails
         # every rank the same way instead of leaving some waiting.
         tokenizer = load_tokenizer(cfg.model)
-        prompts = build_prompts(cfg, tokenizer)
-        sampler = make_sampler(cfg, prompts)
         lg = cfg.logging
         evaluates = lg.eval_dataset is not None and (lg.eval_steps > 0 or lg.eval_before_train)
-        eval_prompts = build_eval_prompts(cfg, tokenizer) if evaluates else None
+        with deadline(cfg.runtime.data_timeout, lambda: DataError(
+                f"loading the prompts (--prompt_data {cfg.data.prompt_data}"
+                + (f", --eval_dataset {lg.eval_dataset}" if evaluates else "") + f") took over --data_timeout "
+                f"{cfg.runtime.data_timeout:g} s; check the filesystem or network it comes from, or raise --data_timeout")):
+            prompts = build_prompts(cfg, tokenizer)
+            eval_prompts = build_eval_prompts(cfg, tokenizer) if evaluates else None
+        sampler = make_sampler(cfg, prompts)
         total_steps = min(sampler.total_steps, cfg.train.max_steps or sampler.total_steps)
         log.info_once(f"{len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
                       f"--prompt_max_len {cfg.generation.prompt_max_len}), {total_steps} steps, generation backend "
@@ -64,10 +74,9 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
         sources = build_reward_sources(cfg, layout, env.rank, tokenizer)
         openrlhf_init = (plan_openrlhf_init(cfg.checkpoint.load_openrlhf_checkpoint, run_has_critic=cfg.needs_critic)
                          if cfg.checkpoint.load_openrlhf_checkpoint else None)
+        run_id = run_identity()
         if env.rank == 0:  # the writer: a bad output path must fail now, not at the end of training
-            check_writable(cfg.checkpoint.save_path, "--save_path")
-            if cfg.checkpoint.save_steps > 0:
-                check_writable(cfg.checkpoint.ckpt_path, "--ckpt_path")
+            check_outputs(cfg.checkpoint, cfg.checkpoint.ckpt_path, run_id, log)
         node_label = read_node_label() if asks_node_labels(cfg) else None
         local_only = False
         if (warning := restart_safety_warning(env)) is not None:
@@ -88,7 +97,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
         groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend)
         roles = build_roles(cfg, layout, groups, device, total_steps, tokenizer, sources)
         trainer = Trainer(cfg, layout, groups, roles, prompts, sampler, tokenizer, device, total_steps, phase)
-        checkpointer = Checkpointer(cfg, layout, groups, roles, trainer, tokenizer)
+        checkpointer = Checkpointer(cfg, layout, groups, roles, trainer, tokenizer, run_id)
         if openrlhf_init is not None:  # before --load_checkpoint: rlrun's own newer checkpoint wins
             with phase("load", -1):
                 log.info_once(init_from_openrlhf(openrlhf_init, roles.actor.model if roles.actor else None,
@@ -113,15 +122,18 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
                           + (" before training" if lg.eval_before_train else ""))
         history = trainer.fit(sink, after_step, evaluator)
         if history:
+            skipped = roles.actor.updater.skipped_steps if roles.actor is not None else 0
             log.info_once(f"reward: first step {history[0]['reward']:.3f}, last step {history[-1]['reward']:.3f} "
-                          f"({len(history)} steps)")
+                          f"({len(history)} steps" + (f"; {skipped} actor updates skipped for non-finite gradients"
+                                                      if skipped else "") + ")")
         with phase("save", trainer.state.step):
+            allow = cfg.checkpoint.export_nonfinite
             save_policy(roles.actor, tokenizer, cfg.checkpoint.save_path, is_writer=env.rank == 0,
-                        strategy=roles.strategies.get(Role.ACTOR))
+                        strategy=roles.strategies.get(Role.ACTOR), allow_nonfinite=allow)
             if cfg.checkpoint.save_value_network and roles.critic is not None:
                 first_critic = layout.ranks_of(Role.CRITIC)[0]
                 save_critic(roles.critic, os.path.join(cfg.checkpoint.save_path, "critic"), is_writer=env.rank == first_critic,
-                            strategy=roles.strategies[Role.CRITIC])
+                            strategy=roles.strategies[Role.CRITIC], allow_nonfinite=allow)
         log.info_once(f"saved the policy (Hugging Face format) to {cfg.checkpoint.save_path}")
     except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
         fail_and_exit(log, env.rank, roles_text, phase, exc, cfg.runtime.dist_timeout, local_only=local_only, sink=sink)

@@ -24,9 +24,21 @@ def updater_state(u: Updater) -> dict[str, Any]:
 
 
 def load_updater_state(u: Updater, state: dict[str, Any]) -> None:
+    """Continue the schedule where the checkpoint left it, at THIS run's learning rate: the stored schedule
+    carries the saving run's base rate, which would otherwise silently override a changed --learning_rate.
+    With an unchanged rate nothing is touched (an exact resume stays exact)."""
+    configured = list(u.scheduler.base_lrs)  # set from the config when the scheduler was built
     sched = dict(state["scheduler"])
     sched["lr_lambdas"] = [None] * len(u.optimizer.param_groups)
     u.scheduler.load_state_dict(sched)
+    if list(u.scheduler.base_lrs) != configured:
+        step = u.scheduler.last_epoch
+        factors = [fn(step) for fn in u.scheduler.lr_lambdas]  # type: ignore[attr-defined]
+        lrs = [base * factor for base, factor in zip(configured, factors)]
+        u.scheduler.base_lrs = configured
+        for group, base, lr in zip(u.optimizer.param_groups, configured, lrs):
+            group["initial_lr"], group["lr"] = base, lr
+        u.scheduler._last_lr = lrs  # what get_last_lr() reports (the logged lr)
     u.skipped_steps = int(state["skipped_steps"])
 
 

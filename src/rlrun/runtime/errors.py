@@ -35,3 +35,12 @@ class MissingExtraError(RlrunError, ImportError):
         )
         self.package = package
         self.extra = extra
+
+
+class StorageError(RlrunError):
+    """The disk refused a write: full, over quota, read-only, no permission. The message names the path, the
+    system's reason and the space needed."""
+
+
+class NonFiniteError(RlrunError):
+    """A model's weights or outputs are NaN/inf: the run diverged (or loaded damaged weights)."""

@@ -6,9 +6,9 @@ its peers). A rank that has been in one phase for more than half the collective 
 writes its stacks if the launcher stops it (SIGTERM) — usually because a peer's collective timed
 out waiting for it — so the rank that hung shows where.
 
-Fault injection: RLRUN_FAULT="phase:step:rank[:kill|raise]" makes that rank SIGKILL itself (or
-raise) when it reaches the phase at that step (0-based), on the first attempt only, so an elastic
-restart can recover. Phases are those of the run (startup excepted) plus "save_shards": inside a
+Fault injection: RLRUN_FAULT="phase:step:rank[:kill|raise|hang]" makes that rank SIGKILL itself (or
+raise, or never return) when it reaches the phase at that step (0-based), on the first attempt only, so an
+elastic restart can recover. Phases are those of the run (startup excepted) plus "save_shards": inside a
 checkpoint save, after this rank wrote its shards and before the checkpoint is sealed. Nothing
 happens when the variable is unset.
 """
@@ -95,7 +95,11 @@ def maybe_inject(phase: str, step: int, rank: int) -> None:
     parts = spec.split(":")
     if parts[:3] != [phase, str(step), str(rank)]:
         return
-    if (parts[3] if len(parts) > 3 else "kill") == "raise":
+    mode = parts[3] if len(parts) > 3 else "kill"
+    if mode == "raise":
         raise InjectedFault(f"injected fault (RLRUN_FAULT={spec})")
+    if mode == "hang":  # stuck where no bound of rlrun's reaches: only the watchdog ends it
+        while True:
+            time.sleep(3600)
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)

@@ -38,14 +38,6 @@ class RetriesExhausted(Exception):
         self.last_error = last_error
 
 
-def display_url(url: str) -> str:
-    """The URL without user info or query string: both can carry credentials, neither belongs in logs."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "..." if parts.query else "", ""))
-
-
 def post_once(url: str, body: bytes, headers: dict[str, str], timeout_s: float,
               scrub: Callable[[str], str] = lambda text: text) -> tuple[int, bytes]:
     """POST body once; return (status, response bytes) or raise AttemptFailed / RequestRejected.

@@ -10,7 +10,8 @@ POST /retrieve  {"queries": [...], "topk": 3, "return_scores": true}
                    (return_scores false or missing: {"result": [[{"id": ..., "contents": ...}, ...], ...]})
 GET  /health    -> 200 {"status": "ok", "documents": N}
 
-As Search-R1's server: a missing, null or 0 topk means --topk; "document" is the corpus record as
+As Search-R1's server: a missing or null topk means --topk (0, which Search-R1 also reads as the default,
+is a 400 here); "document" is the corpus record as
 read. As Lucene (Search-R1's BM25 backend), only documents sharing a term with the query are hits,
 so a query can get fewer than topk results (or none). All queries of one request are scored in one
 bm25s call. Limits: over --max_queries queries or --max_request_bytes bytes -> 413, a query over
@@ -136,13 +137,14 @@ def parse_request(payload: object, *, default_topk: int, max_queries: int, max_q
                          f"query [{long[0]}] has {len(queries[long[0]])} characters, over the limit of "
                          f"{max_query_chars} ({len(long)} such queries); shorten it or raise --max_query_chars")
     topk = payload.get("topk")
-    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 0):
-        raise BadRequest(HTTPStatus.BAD_REQUEST, f"'topk' must be a non-negative integer or null, got {topk!r}")
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+        # Search-R1's server reads 0 as "the default"; a client asking for zero passages has a bug worth seeing.
+        raise BadRequest(HTTPStatus.BAD_REQUEST, f"'topk' must be a positive integer, got {topk!r}; omit it or send "
+                                                 "null for the server's --topk")
     return_scores = payload.get("return_scores", False)
     if not isinstance(return_scores, bool):
         raise BadRequest(HTTPStatus.BAD_REQUEST, f"'return_scores' must be true or false, got {return_scores!r}")
-    # Search-R1: `if not request.topk: request.topk = default` (so 0 means the default too).
-    return RetrieveRequest(queries=queries, topk=topk or default_topk, return_scores=return_scores)
+    return RetrieveRequest(queries=queries, topk=default_topk if topk is None else topk, return_scores=return_scores)
 
 
 class RetrieverHTTPServer(JsonHTTPServer):

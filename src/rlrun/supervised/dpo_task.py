@@ -85,5 +85,6 @@ class DPOTask:
                 "reject_reward": rejected, "margin": chosen - rejected,
                 "nll_loss": sums["nll"] / pairs}
 
-    def save(self, path: str, tokenizer: PreTrainedTokenizerBase, *, is_writer: bool) -> None:
-        save_causal_lm(self.model, tokenizer, path, is_writer=is_writer, strategy=self.strategy)
+    def save(self, path: str, tokenizer: PreTrainedTokenizerBase, *, is_writer: bool, allow_nonfinite: bool = False) -> None:
+        save_causal_lm(self.model, tokenizer, path, is_writer=is_writer, strategy=self.strategy,
+                       allow_nonfinite=allow_nonfinite)

@@ -12,17 +12,19 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Sequence, TypeVar
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from rlrun.checkpoint.ownership import run_identity
 from rlrun.cli.parser import CliSpec, ParsedArgs, parse_args
 from rlrun.data.prompts import PromptSampler
 from rlrun.launch.dist import init_distributed, restart_safety_warning, resolve_backend, resolve_device, teardown
 from rlrun.launch.env import DistEnv
-from rlrun.launch.failures import check_writable, checked_on_every_rank, fail_and_exit, launch_environment
+from rlrun.launch.failures import check_outputs, checked_on_every_rank, fail_and_exit, launch_environment
 from rlrun.launch.groups import all_ranks_group
 from rlrun.launch.transfer import sum_over
 from rlrun.models.loading import load_tokenizer
 from rlrun.reporting.metrics import MetricsSink
 from rlrun.roles.optim import warmup_cosine
 from rlrun.roles.update import Updater
+from rlrun.runtime.deadline import deadline, set_reporter
 from rlrun.runtime.errors import DataError
 from rlrun.runtime.faults import run_phases
 from rlrun.runtime.log import get_logger
@@ -92,6 +94,9 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
     phase = run_phases(env.rank, cfg.runtime.dist_timeout)
     sink = None
     local_only = True  # until the first collective: a failure here is the same on every rank
+    # A bound that passes (a dataset that never loads) ends the run the same way.
+    set_reporter(lambda exc: fail_and_exit(log, env.rank, name, phase, exc, cfg.runtime.dist_timeout,
+                                           local_only=local_only, sink=sink))
     try:
         device = resolve_device(cfg.runtime.device, env.local_rank)
         backend = resolve_backend(cfg.runtime.dist_backend, device)
@@ -99,8 +104,13 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
         if cfg.data.tokenizer_chat_template is not None:
             tokenizer.chat_template = cfg.data.tokenizer_chat_template
         assert cfg.data.dataset is not None  # check_supervised
-        train = _load(trainer, cfg, tokenizer, cfg.data.dataset, "--dataset", log)
-        evals = _load(trainer, cfg, tokenizer, cfg.data.eval_dataset, "--eval_dataset", log) if cfg.data.eval_dataset else None
+        with deadline(cfg.runtime.data_timeout, lambda: DataError(
+                f"loading --dataset {cfg.data.dataset}" + (f" and --eval_dataset {cfg.data.eval_dataset}"
+                                                          if cfg.data.eval_dataset else "")
+                + f" took over --data_timeout {cfg.runtime.data_timeout:g} s; check the filesystem or network it "
+                "comes from, or raise --data_timeout")):
+            train = _load(trainer, cfg, tokenizer, cfg.data.dataset, "--dataset", log)
+            evals = _load(trainer, cfg, tokenizer, cfg.data.eval_dataset, "--eval_dataset", log) if cfg.data.eval_dataset else None
         held = int(trainer.eval_from_train * len(train.samples))
         if evals is None and held > 0:
             evals = Loaded(train.samples[:held], 0, 0)
@@ -114,10 +124,9 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
         total_steps = min(sampler.total_steps, t.max_steps or sampler.total_steps)
         log.info_once(f"{len(train.samples)} samples, {total_steps} steps of {t.train_batch_size} "
                       f"({sampler.steps_per_episode} per epoch), {backend} on {device.type}")
+        run_id = run_identity()
         if env.rank == 0:
-            check_writable(cfg.checkpoint.save_path, "--save_path")
-            if cfg.checkpoint.save_steps > 0:
-                check_writable(cfg.checkpoint.ckpt_path, "--ckpt_path")
+            check_outputs(cfg.checkpoint, cfg.checkpoint.ckpt_path, run_id, log)
         seed_everything(t.seed)
         local_only = False
         if (warning := restart_safety_warning(env)) is not None:
@@ -136,7 +145,8 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
                     t.micro_train_batch_size, cfg.logging.eval_steps, cfg.logging.logging_steps, phase,
                     steps_per_epoch=sampler.steps_per_episode,
                     eval_before_train=cfg.logging.eval_before_train)
-        checkpoints = SupervisedCheckpoints(cfg, task, updater, group, comm_device, total_steps, env.rank, env.world_size)
+        checkpoints = SupervisedCheckpoints(cfg, task, updater, group, comm_device, total_steps, env.rank, env.world_size,
+                                            run_id)
         if cfg.checkpoint.load_checkpoint:
             with phase("load", -1):
                 loop.step_done = checkpoints.restore()
@@ -150,9 +160,11 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
         history = loop.fit(sink, after_step)
         if history:
             first, last = history[0], history[-1]
-            log.info_once(f"loss: first step {first['loss']:.4f}, last step {last['loss']:.4f} ({len(history)} steps)")
+            skipped = f"; {updater.skipped_steps} updates skipped for non-finite gradients" if updater.skipped_steps else ""
+            log.info_once(f"loss: first step {first['loss']:.4f}, last step {last['loss']:.4f} ({len(history)} steps{skipped})")
         with phase("save", loop.step_done):
-            task.save(cfg.checkpoint.save_path, tokenizer, is_writer=env.rank == 0)
+            task.save(cfg.checkpoint.save_path, tokenizer, is_writer=env.rank == 0,
+                      allow_nonfinite=cfg.checkpoint.export_nonfinite)
         log.info_once(f"saved the model (Hugging Face format) to {cfg.checkpoint.save_path}")
     except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
         fail_and_exit(log, env.rank, name, phase, exc, cfg.runtime.dist_timeout, local_only=local_only, sink=sink)

@@ -1,0 +1,78 @@
+"""Which run a checkpoint directory belongs to, decided before anything runs.
+
+A run is identified by its launcher where the launcher keeps one across restarts (torchrun's rendezvous run
+id, which every restarted worker group of one `torchrun` shares; a Slurm job id, which a requeued job keeps),
+else by a fresh random id. Every checkpoint records its run id and the digest of its config
+(rlrun.checkpoint.store). A new run pointed at a directory that holds another run's checkpoints, without
+--load_checkpoint, stops at start-up instead of mixing its checkpoints with them: before this check a new run's
+first save pruned the older run's newer checkpoints away, silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from rlrun.checkpoint.store import CheckpointError, step_dirs, writer_of
+
+
+def is_restart(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process belongs to a worker group torchrun restarted after a failure."""
+    env = os.environ if environ is None else environ
+    return env.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+
+
+def run_identity(environ: Mapping[str, str] | None = None) -> str:
+    """This run's id: the same in every process of the run and across elastic restarts where the launcher allows."""
+    env = os.environ if environ is None else environ
+    elastic = env.get("TORCHELASTIC_RUN_ID", "")
+    if elastic and elastic.lower() != "none":  # torchrun's default rdzv id for non-standalone runs is "none"
+        return f"torchrun-{elastic}"
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}"
+    return f"run-{uuid.uuid4().hex[:16]}"
+
+
+def config_digest(config: Mapping[str, Any]) -> str:
+    """A short digest of a (redacted) config dict: equal configs, equal digests."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_record(run_id: str, config: Mapping[str, Any]) -> dict[str, str]:
+    """What a checkpoint's meta records about the run that wrote it."""
+    return {"id": run_id, "config_digest": config_digest(config)}
+
+
+def _sealed_runs(root: str) -> list[tuple[int, str, str | None]]:
+    """(step, directory name, run id) of every sealed checkpoint under root, newest first."""
+    return [(step, os.path.basename(path), run) for step, path in step_dirs(root)
+            for sealed, run in [writer_of(path)] if sealed]
+
+
+def check_ownership(root: str, run_id: str, *, loads: bool, overwrites: bool, restarted: bool) -> str | None:
+    """Before a run that saves checkpoints into `root` starts. Raises CheckpointError when `root` holds another
+    run's checkpoints and this run neither continues them (--load_checkpoint) nor was told to replace them
+    (--overwrite_checkpoints). Returns a line to log when it replaces them (None otherwise).
+
+    A run that is not an elastic restart (`restarted` False) has written nothing yet, so every checkpoint
+    there is another run's, whatever id it records (launchers reuse ids: RunPod's default rendezvous id);
+    a restarted worker group owns the checkpoints its earlier attempts wrote under the same id."""
+    if loads:
+        return None
+    others = [(step, name, run) for step, name, run in _sealed_runs(root) if not restarted or run != run_id]
+    if not others:
+        return None
+    newest_step, _, newest_run = others[0]
+    listing = ", ".join(name for _, name, _ in others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    if overwrites:
+        return (f"--overwrite_checkpoints: {len(others)} checkpoint(s) of another run in {root} ({listing}) will be "
+                "deleted when this run saves its first checkpoint")
+    raise CheckpointError(
+        f"--ckpt_path {root} holds checkpoints of another run ({listing}; newest step {newest_step}, written by "
+        f"{newest_run or 'an earlier rlrun'}); a new run there would mix its checkpoints with them. Pass "
+        "--load_checkpoint to continue that run, choose a fresh --ckpt_path, or pass --overwrite_checkpoints to "
+        "replace them (they are deleted at this run's first save)")
