@@ -175,7 +175,8 @@ def test_bad_launcher_env_exits_2_without_traceback():
 def test_dry_run_missing_paths_are_warnings(tmp_path):
     missing = tmp_path / "no" / "such" / "model"
     data = tmp_path / "prompts.jsonl"
-    rc, out, _ = run_ppo(["--dry_run", "--pretrain", str(missing), "--prompt_data", str(data)])
+    rc, out, _ = run_ppo(["--dry_run", "--pretrain", str(missing), "--prompt_data", str(data),
+                          "--remote_rm_url", "http://rm.example:5000/get_reward"])
     assert rc == 0, out
     warnings = WARNING_LINE.findall(out)
     pretrain = [w for w in warnings if w.startswith(f"--pretrain {missing}")]

@@ -56,6 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in (*parsed.ignored_under(choice.backend), *the_plan.warnings):
         log.warning_once(line)
     if cfg.runtime.dry_run:
+        from rlrun.rl.preflight import preflight  # noqa: PLC0415 - imports transformers and the reward code
+
+        lines = checked_on_every_rank(env, lambda: preflight(cfg))
+        if lines is None:
+            return 2
+        for line in lines:
+            log.info_once(line)
         return 0
     from rlrun.rl.run import run
 

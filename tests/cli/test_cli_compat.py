@@ -9,6 +9,7 @@ import shlex
 import pytest
 
 from rlrun.cli.parser import IGNORED_FLAGS, LAUNCHER, NOT_YET, RAY_ONLY, build_parser, parse_args, NO_EFFECT_YET
+from rlrun.compat.reasons import CHANGES_TRAINING
 from rlrun.config.fields import fields_of
 from rlrun.config.schema import Config
 from rlrun.launch.layout import Role
@@ -219,7 +220,7 @@ def _values_for(nargs: int | str) -> list[str]:
     return {"*": ["q_proj", "k_proj", "v_proj"], 0: [], 1: ["8"], 2: ["0.2", "0.28"]}[nargs]  # type: ignore[index]
 
 
-@pytest.mark.parametrize("name", sorted(IGNORED_FLAGS))
+@pytest.mark.parametrize("name", sorted(set(IGNORED_FLAGS) - set(CHANGES_TRAINING)))
 def test_ignored_flag_is_reported_and_its_values_consumed(name):
     nargs, reason = IGNORED_FLAGS[name]
     parsed = parse_args(["--seed", "3", f"--{name}", *_values_for(nargs), "--max_epochs", "2"])
@@ -228,10 +229,22 @@ def test_ignored_flag_is_reported_and_its_values_consumed(name):
     assert parsed.explicit == {"seed", "max_epochs"}
 
 
-@pytest.mark.parametrize("name", [n for n, (nargs, _) in IGNORED_FLAGS.items() if nargs == 1])
+@pytest.mark.parametrize("name", [n for n, (nargs, _) in IGNORED_FLAGS.items() if nargs == 1 and n not in CHANGES_TRAINING])
 def test_ignored_flag_equals_form(name):
     parsed = parse_args([f"--{name}=5", "--seed", "4"])
     assert len(parsed.ignored) == 1 and parsed.config.train.seed == 4
+
+
+@pytest.mark.parametrize("name", sorted(set(IGNORED_FLAGS) & set(CHANGES_TRAINING)))
+def test_flags_that_would_change_what_is_trained_are_refused(name):
+    """Issue 24 (7): ignoring them would silently train something else; a value that asks for nothing passes."""
+    nargs, _ = IGNORED_FLAGS[name]
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--seed", "3", f"--{name}", *_values_for(nargs)])
+    assert str(err.value).startswith(f"--{name}") and CHANGES_TRAINING[name] in str(err.value)
+    assert "\n" not in str(err.value)
+    if nargs == 1:
+        assert parse_args([f"--{name}", "0", "--seed", "3"]).ignored  # 0: the feature is off
 
 
 def test_ignored_reasons():

@@ -12,6 +12,7 @@ import pytest
 from helpers import value_tokens
 from rlrun.cli.parser import IGNORED_FLAGS, NOT_YET, RAY_ONLY, parse_args
 from rlrun.compat.openrlhf_flags import OPENRLHF_DOTTED, ByValue, Ignored, Same, resolve
+from rlrun.compat.reasons import refused
 from rlrun.config.fields import fields_of
 from rlrun.config.schema import Config
 from rlrun.runtime.errors import ConfigError
@@ -84,7 +85,14 @@ def _values_for(nargs: int | str) -> list[str]:
 def test_ignored_dotted_flag_is_reported_and_its_values_consumed(dotted):
     meaning = resolve(dotted, FIELDS, IGNORED_FLAGS)
     assert isinstance(meaning, Ignored)
-    parsed = parse_args(["--seed", "3", f"--{dotted}", *_values_for(meaning.nargs), "--max_epochs", "2"])
+    values = _values_for(meaning.nargs)
+    original = OPENRLHF_DOTTED[dotted]
+    classic = f"--{original.field}" if isinstance(original, Same) else f"--{dotted}"
+    if refused([(classic, values[0] if values else None)]):  # issue 24 (7): ignoring it would train something else
+        with pytest.raises(ConfigError, match=rf"^--{re.escape(dotted)}\b"):
+            parse_args(["--seed", "3", f"--{dotted}", *values])
+        return
+    parsed = parse_args(["--seed", "3", f"--{dotted}", *values, "--max_epochs", "2"])
     assert parsed.ignored == (f"--{dotted}: ignored ({meaning.reason})",)
     assert parsed.explicit == {"seed", "max_epochs"}
     assert parsed.config.train.seed == 3 and parsed.config.train.max_epochs == 2

@@ -4,6 +4,7 @@ entries shared with train_ppo_ray are PPO's own, not copies."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from rlrun.cli.parser import IGNORED_FLAGS
 from rlrun.compat.openrlhf_flags import OPENRLHF_DOTTED, ByValue, Ignored, Meaning, Same, resolve, translate
 from rlrun.compat.openrlhf_supervised_flags import (DPO_DOTTED, DPO_IGNORED, RM_DOTTED, RM_IGNORED, SFT_DOTTED,
                                                     SFT_IGNORED, SPLIT)
-from rlrun.compat.reasons import NOT_YET
+from rlrun.compat.reasons import NOT_YET, refused
 from rlrun.config.fields import fields_of
 from rlrun.runtime.errors import ConfigError
 
@@ -156,7 +157,7 @@ def test_dpo_command_line_of_0_11_translates_to_classic_flags():
             "--model.ipo_enable", "--model.label_smoothing", "0.05", "--data.dataset", "d.jsonl",
             "--data.chosen_key", "c", "--train.batch_size", "64", "--adam.lr", "5e-7", "--adam.betas", "0.9", "0.99",
             "--ds.param_dtype", "bf16", "--ref.offload", "--ckpt.output_dir", "/out", "--eval.split", "train",
-            "--ds.lora.rank", "8", "--model.nll_loss_coef", "0.2", "--muon.lr", "0.02", "--max_norm", "0.5",
+            "--ds.lora.rank", "0", "--model.nll_loss_coef", "0.2", "--muon.lr", "0.02", "--max_norm", "0.5",
             "--data.max_len", "1024", "--adam.weight_decay=0.1"]
     out = translate(argv, _fields("dpo"), DPO_IGNORED, DPO_DOTTED)
     assert out.argv == ["--pretrain", "/m", "--ref_pretrain", "/r", "--beta", "0.1", "--ipo", "--label_smoothing",
@@ -176,7 +177,7 @@ def test_sft_and_rm_command_lines_translate():
     assert sft.ignored == [f"--data.multiturn: ignored ({SFT_IGNORED['multiturn'][1]})",
                            f"--ds.use_liger_kernel: ignored ({NOT_YET})"]
     rm = translate(["--model.loss_type", "logexpsigmoid", "--data.prompt_key", "p", "--model.margin_loss_enable",
-                    "--ds.value_head_prefix", "score", "--model.compute_fp32_loss_enable"],
+                    "--ds.value_head_prefix", "value_head", "--model.compute_fp32_loss_enable"],
                    _fields("rm"), RM_IGNORED, RM_DOTTED)
     assert rm.argv == ["--loss", "logexpsigmoid", "--prompt_key", "p", "--margin_loss"]
     assert [line.split(":")[0] for line in rm.ignored] == ["--ds.value_head_prefix", "--model.compute_fp32_loss_enable"]
@@ -254,6 +255,12 @@ def test_each_ignored_flag_is_reported_and_its_values_consumed(trainer):
              if isinstance(m := resolve(name, fields, spec.ignored, spec.dotted), Ignored)]
     flags += [(f"--{name}", nargs, reason) for name, (nargs, reason) in spec.ignored.items()]
     for flag, nargs, reason in flags:
+        meaning = spec.dotted.get(flag[2:])
+        classic = f"--{meaning.field}" if isinstance(meaning, Same) else flag
+        if refused([(classic, _VALUES[nargs][0] if _VALUES[nargs] else None)]):  # issue 24 (7): refused instead
+            with pytest.raises(ConfigError, match=rf"^{re.escape(flag)}\b"):
+                parse_args(["--seed", "3", flag, *_VALUES[nargs]], spec)
+            continue
         parsed = parse_args(["--seed", "3", flag, *_VALUES[nargs], "--max_epochs", "2"], spec)
         assert parsed.ignored == (f"{flag}: ignored ({reason})",), flag
         assert (parsed.config.train.seed, parsed.config.train.max_epochs) == (3, 2), flag

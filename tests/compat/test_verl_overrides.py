@@ -3,7 +3,11 @@ with verl's meaning; keys rlrun has no use for are reported; unknown keys fail w
 
 from __future__ import annotations
 
+import json
+
 import shlex
+
+from pathlib import Path
 
 import pytest
 
@@ -233,7 +237,6 @@ def test_skipped_keys_are_reported():
     ("actor_rollout_ref.actor.optim.lrr=1e-6", "did you mean 'actor_rollout_ref.actor.optim.lr'?"),
     ("~trainer.logger", None),
     ("~trainer.logger=x", "rlrun has no key deletion"),
-    ("custom_reward_function.path=r.py", "write reward_func\\(queries, prompts, labels\\) and pass --remote_rm_url"),
     ("trainer.resume_mode=resume_path", "use trainer.resume_mode=auto"),
     ("actor_rollout_ref.rollout.name=sglang", "rlrun generates with vllm or hf"),
     ("data.train_files=[a.parquet,b.parquet]", "rlrun reads one prompt file"),
@@ -247,6 +250,25 @@ def test_rejected(token, message):
 
 def test_null_custom_reward_is_verl_default_not_an_error():
     assert parse_args(["custom_reward_function.path=null"]).config == Config()
+
+
+def test_verl_data_brings_verl_defaults_below_everything_the_user_says():
+    """data.train_files names verl's data: prompt column `prompt`, label reward_model.ground_truth, and verl's default
+    per-data-source scorer, unless the command line or YAML names something else (issue 24)."""
+    cfg = cfg_of("data.train_files=/d/train.parquet")
+    assert (cfg.data.input_key, cfg.data.label_key, cfg.model.compute_score) == ("prompt", "reward_model.ground_truth",
+                                                                             "builtin")
+    cfg = cfg_of("--label_key", "answer", "data.train_files=/d/t.parquet", "--remote_rm_url", "r.py")
+    assert (cfg.data.label_key, cfg.model.compute_score, cfg.model.remote_rm_url) == ("answer", None, "r.py")
+    cfg = cfg_of("data.train_files=/d/t.parquet", "custom_reward_function.path=/s.py", "custom_reward_function.name=f",
+                 "data.reward_fn_key=source")
+    assert (cfg.model.compute_score, cfg.model.compute_score_name, cfg.data.data_source_key) == ("/s.py", "f", "source")
+    cfg = cfg_of("data.train_files=/d/t.parquet", "reward_model.enable=True", "reward_model.model.path=/rm")
+    assert (cfg.model.compute_score, cfg.model.reward_pretrain) == (None, "/rm")  # the RM's score replaces the rules
+    cfg = cfg_of("data.train_files=/d/t.parquet", "retriever.url=http://h/retrieve", "max_turns=2")
+    assert cfg.model.compute_score is None  # Search-R1: the agent's exact match is the reward
+    assert cfg_of("data.apply_chat_template_kwargs={enable_thinking: false}").data.apply_chat_template_kwargs == {
+        "enable_thinking": False}
 
 
 def test_overrides_and_flags_later_wins():
@@ -284,7 +306,7 @@ def test_turn_lengths_plain_verl_and_search_r1():
 
 def test_every_group_member_is_listed():
     assert {m.group for m in VERL_KEYS.values() if isinstance(m, Part)} == {"kl", "batch", "micro", "estimator",
-                                                                            "reward_model", "clip", "turns"}
+                                                                            "data", "clip", "turns"}
 
 
 # --- the seed scripts, as published -------------------------------------------------------------------------------
@@ -501,10 +523,16 @@ def test_verl_ppo_command_line_runs(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_search_r1_grpo_command_line_runs(tmp_path):
-    """Search-R1's own train_grpo.sh keys, trimmed to the tiny model and the offline example, against a live
-    retriever: multi-turn episodes of max_turns + 1 turns (a random model never answers, so every episode runs
-    all three, each invalid action answered by Search-R1's reminder)."""
+    """Search-R1's own train_grpo.sh keys, trimmed to the tiny model and the offline example written as Search-R1's
+    nq_search parquet (message-list prompt, ground truth under reward_model.ground_truth.target: verl's defaults
+    find both, no rlrun flag needed), against a live retriever: multi-turn episodes of max_turns + 1 turns (a
+    random model never answers, so every episode runs all three, each invalid action answered by Search-R1's
+    reminder)."""
+    from peer_data import write_search_r1_nq
     from retriever_process import start_retriever, stop_retriever
+
+    records = [json.loads(line) for line in Path("examples/search_r1/train.jsonl").read_text().splitlines() if line.strip()]
+    parquet = write_search_r1_nq(tmp_path / "train.parquet", records)
 
     server = start_retriever(tmp_path)
     try:
@@ -518,8 +546,7 @@ def test_search_r1_grpo_command_line_runs(tmp_path):
                  .replace("log_prob_micro_batch_size=128", "log_prob_micro_batch_size=4")
                  .replace("total_training_steps=1005", "total_training_steps=2")
                  .replace("rollout.name=vllm", "rollout.name=hf") for t in argv]
-        argv += ["data.train_files=examples/search_r1/train.jsonl", "data.prompt_key=prompt", "--label_key", "golden_answers",
-                 "data.max_prompt_length=4096", "data.max_start_length=512", "data.max_response_length=16",
+        argv += [f"data.train_files={parquet}", "data.max_prompt_length=4096", "data.max_start_length=512", "data.max_response_length=16",
                  "data.max_obs_length=64", f"retriever.url={server.url}", "trainer.logger=[console]",
                  "+trainer.val_before_train=false", f"trainer.default_local_dir={tmp_path / 'ckpt'}"]
         res = run_rlrun(2, argv, tmp_path / "out", env=subprocess_env())

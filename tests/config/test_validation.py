@@ -216,3 +216,36 @@ def test_plan_checks_batches_against_the_layout():
                            "--actor_num_gpus_per_node", "1", "--critic_num_gpus_per_node", "1",
                            "--ref_num_gpus_per_node", "1", "--vllm_num_engines", "1"), 4, 4)
     assert the_plan.layout.world_size == 4
+
+
+# ---- a reward source is never guessed (issue 24) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, named", [
+    (["--prompt_data", "p.jsonl", "--label_key", "answer"], "--prompt_data p.jsonl"),
+    (["--pretrain", "Qwen/Qwen2.5-7B"], "--pretrain Qwen/Qwen2.5-7B"),
+])
+def test_real_data_or_model_without_a_reward_source_is_refused(argv, named):
+    with pytest.raises(ConfigError) as err:
+        check_values(cfg_of(*argv))
+    message = str(err.value)
+    assert message.startswith(f"no reward source for {named}: pass --reward_pretrain")
+    for way in ("--remote_rm_url", "--compute_score", "--agent_func_path", "--retriever_url", "--remote_rm_url demo"):
+        assert way in message
+
+
+@pytest.mark.parametrize("argv", [
+    [],  # the demo itself
+    ["--prompt_data", "p.jsonl", "--remote_rm_url", "demo"],  # named, so not guessed
+    ["--prompt_data", "p.jsonl", "--compute_score", "builtin"],
+    ["--pretrain", "/m", "--reward_pretrain", "/rm"],
+    ["--pretrain", "/m", "--retriever_url", "http://h/retrieve"],
+])
+def test_a_named_reward_source_passes(argv):
+    check_values(cfg_of(*argv))
+
+
+def test_two_reward_sources_are_refused():
+    with pytest.raises(ConfigError, match=r"--remote_rm_url r.py and --compute_score builtin are all reward sources"):
+        check_values(cfg_of("--remote_rm_url", "r.py", "--compute_score", "builtin"))
+    with pytest.raises(ConfigError, match=r"--compute_score builtin with an agent"):
+        check_values(cfg_of("--compute_score", "builtin", "--retriever_url", "http://h/retrieve"))

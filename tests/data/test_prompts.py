@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from rlrun.data.prompts import PromptRecord, PromptSampler, format_prompt, load_prompt_records, tokenize_prompts
+from rlrun.data.prompts import PromptKeys, PromptRecord, PromptSampler, format_prompt, load_prompt_records, tokenize_prompts
 from rlrun.models.tiny import BUILTIN_PROMPTS, build_byte_tokenizer
 from rlrun.runtime.errors import DataError, MissingExtraError
 
@@ -21,7 +21,7 @@ ROWS = [
     {"question": "Spell cat.", "answer": "cat", "other": "y"},
     {"question": "日本語?", "answer": "yes", "other": "z"},
 ]
-EXPECTED = [PromptRecord(text=r["question"], label=r["answer"]) for r in ROWS]
+EXPECTED = [PromptRecord(prompt=r["question"], label=r["answer"]) for r in ROWS]
 
 
 @pytest.fixture(scope="module")
@@ -68,21 +68,22 @@ def _write(tmp_path: Path, kind: str, rows: list) -> Path:
 @pytest.mark.parametrize("kind", ["jsonl", "json", "csv", "parquet", "dataset", "dataset_dict"])
 def test_load_every_format(tmp_path: Path, kind: str) -> None:
     path = str(_write(tmp_path, kind, ROWS))
-    assert load_prompt_records(path, input_key="question", label_key="answer") == EXPECTED
-    unlabeled = load_prompt_records(path, input_key="question", max_samples=2)
-    assert unlabeled == [PromptRecord(text=r["question"], label=None) for r in ROWS[:2]]
+    assert load_prompt_records(path, PromptKeys("question", "answer")) == EXPECTED
+    unlabeled = load_prompt_records(path, PromptKeys("question"), max_samples=2)
+    assert unlabeled == [PromptRecord(prompt=r["question"], label=None) for r in ROWS[:2]]
 
 
 def test_builtin_prompts_ignore_keys() -> None:
-    records = load_prompt_records(None, input_key="ignored", label_key=None)
+    records = load_prompt_records(None, PromptKeys("ignored"))
     assert len(records) == len(BUILTIN_PROMPTS)
-    assert records[0] == PromptRecord(text=BUILTIN_PROMPTS[0]["prompt"], label=BUILTIN_PROMPTS[0]["label"])
+    assert records[0] == PromptRecord(prompt=BUILTIN_PROMPTS[0]["prompt"], label=BUILTIN_PROMPTS[0]["label"])
     assert len(load_prompt_records(None, max_samples=5)) == 5
 
 
-def test_numeric_labels_become_text(tmp_path: Path) -> None:
+def test_labels_keep_their_type(tmp_path: Path) -> None:
+    """As OpenRLHF hands them to reward_func: the dataset's value, not text."""
     path = _write_jsonl(tmp_path / "n.jsonl", [{"prompt": "1+1", "label": 2}, {"prompt": "x", "label": 0.5}])
-    assert [r.label for r in load_prompt_records(str(path), label_key="label")] == ["2", "0.5"]
+    assert [r.label for r in load_prompt_records(str(path), PromptKeys(label_key="label"))] == [2, 0.5]
 
 
 def test_missing_path(tmp_path: Path) -> None:
@@ -111,32 +112,32 @@ def test_empty_dataset(tmp_path: Path, content: str) -> None:
 def test_missing_input_key_lists_keys_and_suggests(tmp_path: Path) -> None:
     path = str(_write(tmp_path, "jsonl", ROWS))
     with pytest.raises(DataError) as info:
-        load_prompt_records(path, input_key="questions")
+        load_prompt_records(path, PromptKeys("questions"))
     message = str(info.value)
     assert "'questions'" in message and path in message
     assert "['question', 'answer', 'other']" in message
     assert "Did you mean 'question'?" in message
 
 
-def test_list_and_dict_labels_become_json_text(tmp_path: Path) -> None:
-    """Search-R1's golden_answers lists (and verl's {"target": [...]}) reach rewards and agents as JSON."""
+def test_list_and_dict_labels_stay_objects(tmp_path: Path) -> None:
+    """Search-R1's golden_answers lists (and verl's {"target": [...]}) reach rewards and agents as the objects."""
     path = _write_jsonl(tmp_path / "l.jsonl", [{"prompt": "q", "label": ["Paris", "paris, France"]},
                                                {"prompt": "r", "label": {"target": ["1889"]}}])
-    labels = [r.label for r in load_prompt_records(str(path), label_key="label")]
-    assert labels == ['["Paris", "paris, France"]', '{"target": ["1889"]}']
+    labels = [r.label for r in load_prompt_records(str(path), PromptKeys(label_key="label"))]
+    assert labels == [["Paris", "paris, France"], {"target": ["1889"]}]
 
 
 def test_missing_label_key(tmp_path: Path) -> None:
     path = str(_write(tmp_path, "csv", ROWS))
     with pytest.raises(DataError) as info:
-        load_prompt_records(path, input_key="question", label_key="answers")
+        load_prompt_records(path, PromptKeys("question", "answers"))
     message = str(info.value)
     assert "label_key 'answers'" in message and "Did you mean 'answer'?" in message
 
 
 def test_non_string_prompt(tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"prompt": ["a", "list"]}])
-    with pytest.raises(DataError, match=r"record 1 has 'prompt' = .*\(list\); prompts must be strings"):
+    with pytest.raises(DataError, match=r"record 1 has 'prompt' = .*\(list\); a prompt must be a string or a list of "):
         load_prompt_records(str(path))
 
 
@@ -157,7 +158,7 @@ def test_bad_json_shapes(tmp_path: Path) -> None:
     latin1_csv = tmp_path / "l.csv"
     latin1_csv.write_bytes(b"prompt\nok\ncaf\xe9\n")
     with pytest.raises(DataError, match=r"l\.csv: line 3 is not UTF-8"):
-        load_prompt_records(str(latin1_csv), input_key="prompt")
+        load_prompt_records(str(latin1_csv), PromptKeys("prompt"))
     scalars = _write_jsonl(tmp_path / "s.jsonl", ["just a string"])
     with pytest.raises(DataError, match="must be an object"):
         load_prompt_records(str(scalars))
@@ -168,7 +169,7 @@ def test_dataset_dict_without_train_and_plain_dir(tmp_path: Path) -> None:
 
     datasets.DatasetDict({"test": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(DataError, match=r"without a 'train' split \(splits: \['test'\]\)"):
-        load_prompt_records(str(tmp_path / "dd"), input_key="question")
+        load_prompt_records(str(tmp_path / "dd"), PromptKeys("question"))
     (tmp_path / "plain").mkdir()
     with pytest.raises(DataError, match="not one written by datasets"):
         load_prompt_records(str(tmp_path / "plain"))
@@ -183,7 +184,7 @@ def test_missing_optional_package(
     path = str(_write(tmp_path, kind, ROWS))
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
     with pytest.raises(MissingExtraError, match=rf"'{package}'.*rlrun\[data\]") as info:
-        load_prompt_records(path, input_key="question")
+        load_prompt_records(path, PromptKeys("question"))
     assert info.value.extra == "data"
 
 

@@ -59,6 +59,7 @@ FIRST_FAILURE = re.compile(r"^\[rlrun [\d:]+ error\] |closing signal SIGTERM|fai
 SMALL = ["--config", "configs/demo.yaml", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
          "--train_batch_size", "8", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4",
          "--generate_max_len", "4", "--max_steps", "2", "--dist_timeout", DIST_TIMEOUT]
+DEMO_RM = ["--remote_rm_url", "demo"]  # the demo's rule, named: data or a model of one's own needs a reward source
 SPLIT = ["--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1"]  # 2 ranks: rank 0 actor, rank 1 engine
 
 # ---- running one case ----------------------------------------------------------------------------------------
@@ -549,26 +550,26 @@ CASES: list[Case] = [
          lambda c: SMALL + ["--init_kl_coef", "0.01", "--actor_num_gpus_per_node", "3", "--ref_num_gpus_per_node", "3"],
          ["world size 4", "actor 3", "ref 3"], check=lambda o, c: _assert_exitcodes(o, 2)),
     # The policy's config.json is read while parsing (it decides the generation backend): a configuration error.
-    Case("missing_pretrain", 2, lambda c: SMALL + ["--pretrain", str(c.dir / "no_such_model")],
+    Case("missing_pretrain", 2, lambda c: SMALL + DEMO_RM + ["--pretrain", str(c.dir / "no_such_model")],
          ["error: --pretrain", "no_such_model", "not a local directory"], check=lambda o, c: _assert_exitcodes(o, 2)),
     # -- files read before the first collective: every rank fails alike, rank 0 says it once -----------------
-    Case("missing_prompt_data", 2, lambda c: SMALL + ["--prompt_data", str(c.dir / "nope.jsonl")],
+    Case("missing_prompt_data", 2, lambda c: SMALL + DEMO_RM + ["--prompt_data", str(c.dir / "nope.jsonl")],
          ["FAILED", "phase startup", "DataError", "nope.jsonl", "does not exist"]),
-    Case("empty_dataset", 0, lambda c: SMALL + ["--prompt_data", c.file("empty.jsonl", "")],
+    Case("empty_dataset", 0, lambda c: SMALL + DEMO_RM + ["--prompt_data", c.file("empty.jsonl", "")],
          ["FAILED", "DataError", "empty.jsonl", "is empty"], rc=1),
     Case("missing_input_key", 2,
-         lambda c: SMALL + ["--prompt_data", _jsonl(c, "q.jsonl", [{"question": "2+2?"}] * 8), "--input_key", "prompt"],
+         lambda c: SMALL + DEMO_RM + ["--prompt_data", _jsonl(c, "q.jsonl", [{"question": "2+2?"}] * 8), "--input_key", "prompt"],
          ["FAILED", "DataError", "has no input_key 'prompt'", "['question']"]),
     Case("prompt_overflow_truncate", 0,
-         lambda c: SMALL + ["--max_steps", "1", "--prompt_data", _jsonl(c, "p.jsonl", _long_and_short(5, 7)),
+         lambda c: SMALL + DEMO_RM + ["--max_steps", "1", "--prompt_data", _jsonl(c, "p.jsonl", _long_and_short(5, 7)),
                             "--label_key", "label", "--prompt_overflow", "truncate"],
          [], success=True, check=_check_truncated),
     Case("prompt_overflow_drop", 0,
-         lambda c: SMALL + ["--max_steps", "1", "--prompt_data", _jsonl(c, "p.jsonl", _long_and_short(5, 7)),
+         lambda c: SMALL + DEMO_RM + ["--max_steps", "1", "--prompt_data", _jsonl(c, "p.jsonl", _long_and_short(5, 7)),
                             "--label_key", "label", "--prompt_overflow", "drop"],
          [], success=True, check=_check_dropped),
     Case("prompt_overflow_drop_all", 0,
-         lambda c: SMALL + ["--prompt_data", _jsonl(c, "p.jsonl", _long_and_short(6, 2)), "--prompt_overflow", "drop"],
+         lambda c: SMALL + DEMO_RM + ["--prompt_data", _jsonl(c, "p.jsonl", _long_and_short(6, 2)), "--prompt_overflow", "drop"],
          ["FAILED", "6 of 8 prompts are longer than --prompt_max_len 64", "--rollout_batch_size 4"], rc=1),
     Case("reward_file_import_error", 2, lambda c: SMALL + ["--remote_rm_url", _fx("reward_import_error.py")],
          ["FAILED", "phase startup", "RewardError", "reward_import_error.py failed to import",

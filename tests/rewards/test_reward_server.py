@@ -79,6 +79,8 @@ def test_health_needs_no_token(server: Server) -> None:
 
 def test_reward_roundtrip_raw_http(server: Server) -> None:
     status, body = server.post({"query": ["ab", "abcd"], "prompts": ["a", "abc"], "labels": ["x", None]})
+    # Any JSON label reaches the reward file as it is (Search-R1's {"target": [...]}, a number).
+    assert server.post({"query": ["ab", "c"], "labels": [{"target": ["ab"]}, 3]})[0] == 200
     assert status == 200
     assert body == {"rewards": [2.0, 4.0], "scores": [1.0, 3.0], "extra_logs": {"is_labelled": 0.5}}
     # OpenRLHF senders that omit prompts/labels still get an answer.
@@ -122,7 +124,7 @@ def test_missing_or_wrong_token_is_401_and_never_logged(server: Server, monkeypa
     (b'{"query": "one string"}', "'query' must be a list of strings"),
     (b'{"query": [1]}', "'query' must be a list of strings"),
     (b'{"query": ["a"], "prompts": ["a", "b"]}', "1 queries, 2 prompts"),
-    (b'{"query": ["a"], "labels": [3]}', "'labels' must be a list"),
+    (b'{"query": ["a"], "labels": "x"}', "'labels' must be a list"),
     (b'{"query": ["a"], "extra": 1}', "unknown key"),
 ])
 def test_bad_requests_are_400_with_a_message(server: Server, body: bytes, fragment: str) -> None:

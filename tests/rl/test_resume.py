@@ -251,8 +251,8 @@ def test_checkpoint_of_a_different_architecture_fails_fast_and_clearly(reference
     build_byte_tokenizer().save_pretrained(model_dir)
     _copy_checkpoints(reference, tmp_path / "ckpt", N)
 
-    run = torchrun(2, SMALL + GAE + ["--pretrain", str(model_dir), "--max_steps", str(STEPS), "--save_steps", str(N),
-                                     "--load_checkpoint"], tmp_path, timeout=120)
+    run = torchrun(2, SMALL + GAE + ["--pretrain", str(model_dir), "--remote_rm_url", "demo", "--max_steps", str(STEPS),
+                                     "--save_steps", str(N), "--load_checkpoint"], tmp_path, timeout=120)
     assert run.returncode != 0
     # Every rank stops at once with the same one-line reason (none is left waiting in a collective) ...
     # (searched in the whole output: two processes' lines can end up glued together in the pipe.)

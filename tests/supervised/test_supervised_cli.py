@@ -47,12 +47,20 @@ def test_classic_and_dotted_spellings_give_the_same_config() -> None:
 
 
 def test_openrlhf_flags_rlrun_does_not_act_on_are_reported() -> None:
-    parsed = parse_args(["--lora_rank", "8", "--ds.lora.alpha", "16", "--model.aux_loss_coef", "0.1", "--multiturn",
-                         "--output_key", "o"], SFT_CLI)
+    parsed = parse_args(["--lora_rank", "0", "--ds.lora.alpha", "16", "--model.aux_loss_coef", "0", "--multiturn",
+                         "--overlap_comm", "--output_key", "o"], SFT_CLI)
     assert parsed.config.data.output_key == "o"
     text = "\n".join(parsed.ignored)
-    for flag in ("--lora_rank", "--ds.lora.alpha", "--model.aux_loss_coef", "--multiturn"):
+    for flag in ("--lora_rank", "--ds.lora.alpha", "--model.aux_loss_coef", "--multiturn", "--overlap_comm"):
         assert f"{flag}: ignored (" in text, text
+
+
+@pytest.mark.parametrize("argv", [["--lora_rank", "8"], ["--ds.lora.rank", "16"], ["--model.aux_loss_coef", "0.1"],
+                                  ["--load_in_4bit"]])
+def test_openrlhf_flags_that_would_change_what_is_trained_are_refused(argv) -> None:
+    with pytest.raises(ConfigError, match="not implemented in rlrun yet: it would") as err:
+        parse_args([*argv, "--output_key", "o"], SFT_CLI)
+    assert str(err.value).startswith(argv[0])
 
 
 def test_a_flag_of_another_trainer_is_an_error_with_a_suggestion() -> None:

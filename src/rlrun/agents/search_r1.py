@@ -19,8 +19,8 @@ import re
 from collections.abc import Callable
 
 from rlrun.agents.api import AgentInstanceBase
-from rlrun.agents.exact_match import compute_score_em, golden_answers
 from rlrun.agents.retriever_client import RetrieverClient
+from rlrun.rewards.exact_match import compute_score_em, golden_answers
 
 SEARCH_R1_STOP = ("</search>", "</answer>")
 

@@ -15,7 +15,7 @@ import yaml
 
 from rlrun.compat import openrlhf_flags, verl_overrides
 from rlrun.compat.argv import Nargs
-from rlrun.compat.reasons import LAUNCHER, NOT_YET, RAY_ONLY
+from rlrun.compat.reasons import LAUNCHER, NOT_YET, RAY_ONLY, refused
 from rlrun.config.fields import FieldInfo, build_config, coerce, fields_of, suggest
 from rlrun.config.schema import Config
 from rlrun.runtime.errors import ConfigError
@@ -232,6 +232,17 @@ def _strip_ignored(argv: Sequence[str], ignored_flags: Mapping[str, tuple[int | 
     return rest, report
 
 
+def _flags_with_values(argv: Sequence[str]) -> list[tuple[str, str | None]]:
+    """(--flag, its first value or None) for every flag token."""
+    out = []
+    for i, token in enumerate(argv):
+        if token.startswith("--"):
+            name, eq, value = token.partition("=")
+            following = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
+            out.append((name, value if eq else following))
+    return out
+
+
 def _arity(parser: argparse.ArgumentParser, ignored_flags: Mapping[str, tuple[int | str, str]]) -> Callable[[str], Nargs]:
     """How many values each classic flag takes (so a flag's value is never read as a verl override)."""
     by_flag: dict[str, Nargs] = {}
@@ -250,17 +261,17 @@ def _arity(parser: argparse.ArgumentParser, ignored_flags: Mapping[str, tuple[in
 
 
 def _translate_peer_spellings(argv: Sequence[str], parser: argparse.ArgumentParser,
-                              spec: CliSpec) -> tuple[list[str], list[str]]:
+                              spec: CliSpec) -> tuple[list[str], list[str], list[verl_overrides.Default]]:
     """OpenRLHF 0.11 dotted flags, rlrun's --section.field aliases and (PPO) verl key=value overrides -> classic flags.
 
-    Returns (argv, report lines for the peer flags/keys that are ignored)."""
+    Returns (argv, report lines for the peer flags/keys that are ignored, verl's implied defaults)."""
     infos = fields_of(spec.config_cls)
     dotted = openrlhf_flags.translate(argv, infos, spec.ignored, spec.dotted)
     if not spec.verl_overrides:
-        return dotted.argv, dotted.ignored
+        return dotted.argv, dotted.ignored, []
     verl = verl_overrides.translate(dotted.argv, _arity(parser, spec.ignored), infos, spec.ignored,
                                     verl_overrides.launched_world_size())
-    return verl.argv, dotted.ignored + verl.ignored
+    return verl.argv, dotted.ignored + verl.ignored, verl.defaults
 
 
 def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> ParsedArgs:
@@ -269,7 +280,9 @@ def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> Pa
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(spec)
-    translated, peer_ignored = _translate_peer_spellings(argv, parser, spec)
+    translated, peer_ignored, implied = _translate_peer_spellings(argv, parser, spec)
+    if (stop := refused(_flags_with_values(translated))) is not None:
+        raise ConfigError(stop)
     rest, ignored = _strip_ignored(translated, spec.ignored)
     ignored = peer_ignored + ignored
     known, unknown = parser.parse_known_args(rest)
@@ -290,6 +303,7 @@ def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> Pa
             values[name] = ""  # bare flag: key from WANDB_API_KEY
             continue
         values[name] = coerce(infos[name], raw, f"--{name}")
+    defaults.update({d.field: d.value for d in implied if d.field not in values and not d.unless & values.keys()})
     no_effect = {name: f"--{name}: has no effect ({why})" for name, why in spec.no_effect.items() if name in values}
     parsed = ParsedArgs(build_config({**defaults, **values}, spec.config_cls),
                         tuple(dict.fromkeys([*ignored, *no_effect.values()])), frozenset(values),

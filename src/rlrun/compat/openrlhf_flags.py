@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
 
 from rlrun.compat.argv import Nargs, take_values
-from rlrun.compat.reasons import NOT_YET, RAY_ONLY
+from rlrun.compat.reasons import NOT_YET, RAY_ONLY, refused
 from rlrun.config.fields import FieldInfo, coerce, suggest
 from rlrun.runtime.errors import ConfigError
 
@@ -304,6 +304,10 @@ def translate(argv: Sequence[str], fields: Mapping[str, FieldInfo],
             values = take_values(argv, i, nargs, flag) if nargs != 0 else []
             i += len(values)
         if isinstance(meaning, Ignored):
+            original = table[head]
+            name = f"--{original.field}" if isinstance(original, Same) else flag
+            if (stop := refused([(name, values[0] if values else None)])) is not None:
+                raise ConfigError(stop.replace(name, flag, 1))
             ignored.append(f"{flag}: ignored ({meaning.reason})")
         elif isinstance(meaning, ByValue):
             if values[0] not in meaning.tokens:

@@ -5,3 +5,37 @@ from __future__ import annotations
 RAY_ONLY = "Ray-only: rlrun runs without Ray (torchrun/srun start the processes)"
 NOT_YET = "not implemented in rlrun yet; it has no effect"
 LAUNCHER = "set by the launcher: torchrun/srun give every process its rank"
+
+# Peer flags and keys whose absence changes WHAT is trained: acting as if they were not given would silently train
+# something else, so each is refused at start-up with the reason (until rlrun implements it), unless its value is
+# one that asks for nothing (OFF: 0, false, null, the peer's default). Keys are rlrun's classic flag names, OpenRLHF
+# 0.11's dotted names and verl keys; the value is what ignoring the flag would do.
+_LORA = "LoRA adapters are not implemented in rlrun yet: it would train every weight of the model instead"
+_VLM = "vision-language data is not implemented in rlrun yet: it would train on the text alone"
+CHANGES_TRAINING: dict[str, str] = {
+    "lora_rank": _LORA, "ds.lora.rank": _LORA, "actor_rollout_ref.model.lora_rank": _LORA,
+    "load_in_4bit": "4-bit (QLoRA) loading is not implemented in rlrun yet: it would load and train the full-precision "
+                    "model",
+    "data.image_key": _VLM, "image_key": _VLM,
+    "ptx_coef": "the pretraining (PTX) loss is not implemented in rlrun yet: it would train without it",
+    "aux_loss_coef": "the MoE auxiliary loss is not implemented in rlrun yet: it would train without it",
+    "freezing_actor_steps": "freezing the actor for the first steps is not implemented in rlrun yet: it would train "
+                            "the actor from step 1",
+    "enable_ema": "EMA weights are not implemented in rlrun yet: it would save the trained weights, not their average",
+    "prompt_data_probs": "blending several prompt datasets is not implemented in rlrun yet: it would train on other data",
+    "value_head_prefix": "a reward/critic value head under another name is not implemented in rlrun yet: it would "
+                         "score with a freshly initialised head",
+}
+OFF = frozenset({"0", "0.0", "false", "none", "null", "-1", "value_head", "train"})  # no LoRA, no EMA, the defaults
+
+
+def refused(given: list[tuple[str, str | None]]) -> str | None:
+    """The one error for the flags/keys as the user spelled them ("--lora_rank", "--data.image_key",
+    "data.image_key"), each with its value (None: a switch), that would change what is trained; None when none
+    would."""
+    hits = [(name, value) for name, value in given if name.removeprefix("--") in CHANGES_TRAINING
+            and (value is None or str(value).strip().lower() not in OFF)]
+    if not hits:
+        return None
+    return "; ".join(f"{name}{'' if value is None else ' ' + str(value)}: {CHANGES_TRAINING[name.removeprefix('--')]}"
+                     for name, value in dict.fromkeys(hits)) + ". Drop the flag(s) to train without them."

@@ -24,7 +24,7 @@ from rlrun.config.fields import suggest
 from rlrun.runtime.errors import ConfigError
 
 Convert = Callable[[Any, str], Any]  # (verl value, key) -> rlrun value; raises ConfigError naming the key
-Group = Literal["kl", "batch", "micro", "estimator", "reward_model", "clip", "turns"]
+Group = Literal["kl", "batch", "micro", "estimator", "data", "clip", "turns"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def _choice(table: Mapping[str, Any], fix: str) -> Convert:
     return convert
 
 
-def _one_path(value: Any, key: str) -> Any:
+def one_path(value: Any, key: str) -> Any:
     """verl takes a file or a list of files; rlrun reads one file."""
     if isinstance(value, list):
         if len(value) != 1:
@@ -134,9 +134,9 @@ A, R, C = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "critic."
 
 VERL_KEYS: dict[str, Meaning] = {
     # data
-    "data.train_files": To("prompt_data", _one_path),
-    "data.val_files": To("eval_dataset", _one_path),
-    "data.prompt_key": To("input_key"),
+    "data.train_files": Part("data"),
+    "data.val_files": To("eval_dataset", one_path),
+    "data.prompt_key": Part("data"),
     "data.train_batch_size": To("rollout_batch_size"),  # prompts per step
     "data.val_batch_size": Skip("rlrun evaluates the whole eval set each time"),
     "data.max_prompt_length": Part("turns"),
@@ -155,7 +155,8 @@ VERL_KEYS: dict[str, Meaning] = {
     "data.tokenizer": Skip("rlrun uses the policy's tokenizer"),
     "data.trust_remote_code": Skip(NOT_YET),
     "data.image_key": Skip(VLM),
-    "data.reward_fn_key": Skip("verl's per-data-source reward functions are not used; rlrun takes --remote_rm_url"),
+    "data.reward_fn_key": Part("data"),
+    "data.apply_chat_template_kwargs": To("apply_chat_template_kwargs"),
     "data.dataloader_num_workers": Skip("rlrun reads the prompt file once, in each process"),
     "data.filter_overlong_prompts_workers": Skip("rlrun reads the prompt file once, in each process"),
     # models
@@ -177,20 +178,18 @@ VERL_KEYS: dict[str, Meaning] = {
     "critic.model.use_remove_padding": To("packing_samples"),
     "critic.model.trust_remote_code": Skip(NOT_YET),
     "critic.model.tokenizer_path": Skip("rlrun uses the policy's tokenizer"),
-    "reward_model.enable": Part("reward_model"),
-    "reward_model.model.path": Part("reward_model"),
+    "reward_model.enable": Part("data"),
+    "reward_model.model.path": Part("data"),
     "reward_model.micro_batch_size": Skip(ONE_MICRO),
     "reward_model.micro_batch_size_per_gpu": Skip(ONE_MICRO),
-    "reward_model.reward_manager": Skip("verl's reward managers are not used; rlrun takes --remote_rm_url"),
+    "reward_model.reward_manager": Skip("rlrun scores samples as verl's naive reward manager does (--reward_workers processes)"),
     "reward_model.use_reward_loop": Skip("verl's reward managers are not used; rlrun takes --remote_rm_url"),
     "reward_model.num_workers": Skip("verl's reward managers are not used; rlrun takes --remote_rm_url"),
     "reward_model.structure_format_score": Skip(FORMAT_REWARD),
     "reward_model.final_format_score": Skip(FORMAT_REWARD),
     "reward_model.retrieval_score": Skip(FORMAT_REWARD),
-    "custom_reward_function.path": Reject("verl's compute_score(data_source, solution_str, ground_truth, extra_info) "
-                                          "is not rlrun's reward: write reward_func(queries, prompts, labels) "
-                                          "and pass --remote_rm_url FILE.py"),
-    "custom_reward_function.name": Reject("write reward_func(queries, prompts, labels) and pass --remote_rm_url FILE.py"),
+    "custom_reward_function.path": Part("data"),
+    "custom_reward_function.name": Part("data"),
     # actor optimisation
     A + "optim.lr": To("actor_learning_rate"),
     A + "optim.lr_warmup_steps_ratio": To("lr_warmup_ratio"),
@@ -325,7 +324,7 @@ VERL_KEYS: dict[str, Meaning] = {
     # Search-R1 top-level keys
     "max_turns": Part("turns"),
     "do_search": Part("turns"),
-    "retriever.url": To("retriever_url"),
+    "retriever.url": Part("data"),
     "retriever.topk": To("retriever_topk"),
 }
 

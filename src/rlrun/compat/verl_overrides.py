@@ -19,9 +19,9 @@ from typing import Any, Callable, Mapping, Sequence, get_args
 import yaml
 
 from rlrun.compat.argv import Nargs, split_override, take_values
-from rlrun.compat.reasons import NOT_YET
-from rlrun.compat.verl_keys import (ESTIMATORS, VERL_KEYS, A, Expand, Group, Part, R, Reject, Skip, as_bool, as_int,
-                                    kl_type, meaning_of)
+from rlrun.compat.reasons import NOT_YET, refused
+from rlrun.compat.verl_keys import (ESTIMATORS, VERL_KEYS, A, Expand, Group, Part, R, Reject, Skip, one_path, as_bool,
+                                    as_int, kl_type, meaning_of)
 from rlrun.config.fields import FieldInfo, coerce, suggest
 from rlrun.runtime.errors import ConfigError
 
@@ -29,6 +29,16 @@ from rlrun.runtime.errors import ConfigError
 # --- rules over several keys -------------------------------------------------------------------------------------
 
 Assignment = tuple[str, Any]  # (rlrun field, value)
+
+
+@dataclass(frozen=True)
+class Default:
+    """What verl assumes when a key is not given (its yaml defaults): applied below YAML and flags, and not at all
+    when any field of `unless` is set (a reward source the user named replaces verl's default scorer)."""
+
+    field: str
+    value: Any
+    unless: frozenset[str] = frozenset()
 
 
 def _kl(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
@@ -104,13 +114,38 @@ def _estimator(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
     return [("advantage_estimator", ESTIMATORS[name])]
 
 
-def _reward_model(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
-    """verl loads reward_model.model.path only when reward_model.enable is true."""
-    if as_bool(v.get("reward_model.enable", False), "reward_model.enable"):
+REWARD_SOURCE_FIELDS = frozenset({"reward_pretrain", "remote_rm_url", "compute_score", "agent_func_path", "retriever_url"})
+
+
+def _data(v: Mapping[str, Any], world_size: int) -> list[Assignment | Default]:
+    """verl's data and reward source, with verl's defaults whenever verl's data is named (data.train_files): the
+    prompt is the `prompt` column (data.prompt_key), the label `reward_model.ground_truth`, the data source
+    `data_source` (data.reward_fn_key), and the reward, in verl's order: a reward model when reward_model.enable
+    (its score replaces the rule scores), else custom_reward_function.path, else verl's default per-data-source
+    rule scores (--compute_score builtin). Search-R1's retriever.url makes the run an agent run, whose exact-match
+    reward replaces the others."""
+    out: list[Assignment | Default] = []
+    if "retriever.url" in v:
+        out.append(("retriever_url", v["retriever.url"]))
+    if "data.prompt_key" in v:
+        out.append(("input_key", v["data.prompt_key"]))
+    if "data.reward_fn_key" in v:
+        out.append(("data_source_key", v["data.reward_fn_key"]))
+    if "data.train_files" in v:
+        out += [("prompt_data", one_path(v["data.train_files"], "data.train_files")),
+                Default("input_key", "prompt"), Default("label_key", "reward_model.ground_truth")]
+    enabled = as_bool(v.get("reward_model.enable", False), "reward_model.enable")
+    if enabled:
         if "reward_model.model.path" not in v:
             raise ConfigError("reward_model.enable=True needs reward_model.model.path")
-        return [("reward_pretrain", v["reward_model.model.path"])]
-    return []
+        out.append(("reward_pretrain", v["reward_model.model.path"]))
+    elif "custom_reward_function.path" in v and v["custom_reward_function.path"] is not None:
+        out.append(("compute_score", v["custom_reward_function.path"]))
+    elif "data.train_files" in v:
+        out.append(Default("compute_score", "builtin", REWARD_SOURCE_FIELDS))
+    if "custom_reward_function.name" in v:
+        out.append(("compute_score_name", v["custom_reward_function.name"]))
+    return out
 
 
 def _clip(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
@@ -157,9 +192,9 @@ def _turns(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
 
 # Every rule gets the launched world size (only the global micro batches need it), so one mapping serves
 # translate() and the docs report.
-Rule = Callable[[Mapping[str, Any], int], list[Assignment]]
+Rule = Callable[[Mapping[str, Any], int], list[Assignment | Default]]
 GROUP_RULES: dict[Group, Rule] = {"kl": _kl, "batch": _batch, "micro": _micro, "estimator": _estimator,
-                                  "reward_model": _reward_model, "clip": _clip, "turns": _turns}
+                                  "data": _data, "clip": _clip, "turns": _turns}
 
 
 def parse_value(raw: str) -> Any:
@@ -169,7 +204,7 @@ def parse_value(raw: str) -> Any:
     except yaml.YAMLError:
         return raw
     # YAML 1.1 reads 1e-6 as text: coerce() turns it into the field's number type later.
-    return value if isinstance(value, (str, int, float, bool, list, type(None))) else raw
+    return value if isinstance(value, (str, int, float, bool, list, dict, type(None))) else raw
 
 
 def launched_world_size() -> int:
@@ -181,6 +216,7 @@ def launched_world_size() -> int:
 class Translated:
     argv: list[str]  # rlrun flags only
     ignored: list[str] = field(default_factory=list)  # one report line per ignored key
+    defaults: list[Default] = field(default_factory=list)  # verl's assumptions, coerced (see Default)
 
 
 def _tokens(assignments: list[Assignment], source: str, fields: Mapping[str, FieldInfo],
@@ -234,6 +270,8 @@ def translate(argv: Sequence[str], arity: Callable[[str], Nargs], fields: Mappin
         if meaning is None:
             raise ConfigError(f"unknown verl key '{key}'{suggest(key, VERL_KEYS)}")
         value = parse_value(raw)
+        if (stop := refused([(key, "null" if value is None else str(value))])) is not None:
+            raise ConfigError(stop)
         if isinstance(meaning, Skip):
             result.ignored.append(f"{key}: ignored ({meaning.reason.format(world_size=world_size)})")
         elif isinstance(meaning, Reject):
@@ -258,7 +296,11 @@ def translate(argv: Sequence[str], arity: Callable[[str], Nargs], fields: Mappin
         elif index in at:
             group = at[index]
             source = ", ".join(groups[group])
-            expanded += _tokens(GROUP_RULES[group](groups[group], world_size), source, fields, classic_ignored, result.ignored)
+            assigned = GROUP_RULES[group](groups[group], world_size)
+            expanded += _tokens([a for a in assigned if not isinstance(a, Default)], source, fields, classic_ignored,
+                                result.ignored)
+            result.defaults += [Default(d.field, coerce(fields[d.field], d.value, source), d.unless)
+                                for d in assigned if isinstance(d, Default)]
     result.argv = expanded
     return result
 

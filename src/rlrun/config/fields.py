@@ -9,6 +9,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
+import yaml
+
 from rlrun.config.schema import Config
 from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.secrets import MASK, redact_value
@@ -62,6 +64,15 @@ def coerce(info: FieldInfo, value: Any, source: str) -> Any:
         if value not in choices:
             raise ConfigError(f"{where} must be one of {', '.join(map(str, choices))}, got {value!r}{suggest(str(value), map(str, choices))}")
         return value
+    if tp is dict or get_origin(tp) is dict:  # a mapping flag takes JSON (or YAML flow) text: --x '{"a": false}'
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value) if value.strip() else {}
+            except yaml.YAMLError:
+                raise ConfigError(f"{where} must be a JSON object like '{{\"key\": value}}', got {value!r}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping (a JSON object on the command line), got {value!r}")
+        return dict(value)
     if get_origin(tp) is tuple:
         items = value.split(",") if isinstance(value, str) else value
         args = get_args(tp)

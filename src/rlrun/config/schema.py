@@ -43,9 +43,12 @@ class ModelConfig(PretrainedConfig):
 
     reward_pretrain: str | None = opt(None, "Reward model directory (sequence-classification or value-head model scoring the last token).")
     critic_pretrain: str | None = opt(None, "Critic initialisation. Unset: the reward model, else the policy.")
-    remote_rm_url: str | None = opt(None, "Reward from a local Python file defining reward_func(queries, prompts, labels), or an http(s):// endpoint. Unset and no --reward_pretrain: the built-in demo rule reward.")
+    remote_rm_url: str | None = opt(None, "Reward from a local Python file defining reward_func(queries, prompts, labels), or an http(s):// endpoint; 'demo' is the demo's rule. With no reward source at all only the demo runs (built-in prompts, embedded model); anything else must name one.")
     remote_rm_timeout: float = opt(30.0, "Seconds to wait for each HTTP reward request (--remote_rm_url http(s)://...).")
     remote_rm_retries: int = opt(3, "Attempts per HTTP reward batch (connection errors, timeouts and 5xx are retried with backoff).")
+    compute_score: str | None = opt(None, "verl's reward convention: a .py file defining compute_score(data_source, solution_str, ground_truth, extra_info) called per sample (a float, or a dict whose 'score' is the reward), or 'builtin' for rlrun's versions of verl's rule scores (GSM8K, MATH, Search-R1 QA), chosen per prompt by its data source. The label is --label_key (verl: reward_model.ground_truth).")
+    compute_score_name: str = opt("compute_score", "The function --compute_score calls in its file (verl's custom_reward_function.name).")
+    reward_workers: int | None = opt(None, "Processes scoring samples with --compute_score in parallel (1: in this process). Unset: min(8, CPU cores / processes on the node).")
     reward_timeout: float | None = opt(None, "Seconds one call of a reward file's reward_func may take on one batch; past it the run fails naming the function and the batch. Unset: 0.8 x --dist_timeout (the other ranks wait that long at most).")
 
 
@@ -195,8 +198,10 @@ class DataConfig(TemplateConfig):
     """Prompt data."""
 
     prompt_data: str | None = opt(None, "Local .jsonl/.json/.parquet/.csv file or saved HF datasets directory. Unset: built-in prompts.")
-    input_key: str = opt("input", "Field holding the prompt.")
-    label_key: str | None = opt(None, "Field holding the label passed to the reward.")
+    input_key: str = opt("input", "Field holding the prompt: a string, or a list of {role, content} chat messages (also as JSON text), which is always rendered with the tokenizer's chat template.")
+    label_key: str | None = opt(None, "Field holding the label passed to the reward, as the value it is (a dotted path reaches nested fields: reward_model.ground_truth).")
+    data_source_key: str = opt("data_source", "Field naming each prompt's data source (verl's data.reward_fn_key): it picks the built-in rule scorer and reaches compute_score.")
+    apply_chat_template_kwargs: dict[str, Any] = opt({}, "Extra arguments for the tokenizer's chat template as JSON, e.g. '{\"enable_thinking\": false}' (verl's data.apply_chat_template_kwargs).")
 
 
 RETRIEVER_RETRY_BACKOFF_S = 0.5  # the retriever client sleeps this * 2**(k-1) before retry k
@@ -273,7 +278,8 @@ class RuntimeConfig:
     dist_backend: Literal["auto", "nccl", "gloo"] = opt("auto", "auto: nccl with cuda, else gloo.")
     dist_timeout: float = opt(300.0, "Seconds any collective may wait before the job fails.")
     data_timeout: float = opt(1800.0, "Seconds loading the datasets may take (every rank loads them before the first collective); past it the run fails naming the dataset.")
-    dry_run: bool = opt(False, "Print the role layout and exit; loads no model or data.")
+    dry_run: bool = opt(False, "Preflight, then exit: print the role layout, read the prompt data and render its first "
+                        "prompt, import the reward source; loads no model weights, contacts no server.")
 
 
 @dataclass

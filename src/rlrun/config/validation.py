@@ -89,8 +89,7 @@ def check_values(cfg: Config) -> None:
                               "rewards, so a slower reward function would end the run as a collective timeout instead "
                               "of naming itself; raise --dist_timeout too, or lower --reward_timeout")
     _positive("max_skipped_steps", t.max_skipped_steps)
-    if cfg.model.remote_rm_url and cfg.model.reward_pretrain:
-        raise ConfigError("--remote_rm_url and --reward_pretrain are both set; choose one reward source")
+    _check_reward_source(cfg)
 
 
 def _check_algorithm_extras(cfg: Config) -> None:
@@ -127,6 +126,29 @@ def _check_algorithm_extras(cfg: Config) -> None:
                           "(scales truncated rewards) or a negative one (replaces them)")
 
 
+REWARD_SOURCES = ("--reward_pretrain DIR (a reward model), --remote_rm_url FILE.py or URL (OpenRLHF's reward_func), "
+                  "--compute_score FILE.py or builtin (verl's compute_score, or its rule scores by data_source), or an "
+                  "agent (--agent_func_path, --retriever_url)")
+
+
+def _check_reward_source(cfg: Config) -> None:
+    """Exactly one reward source, never a guessed one: the demo rule scores only the demo's own prompts and
+    model, so labelled data or a real model without a source is an error, not a run that learns nothing."""
+    m = cfg.model
+    given = [f"--{name} {value}" for name, value in (("reward_pretrain", m.reward_pretrain), ("remote_rm_url", m.remote_rm_url),
+                                                   ("compute_score", m.compute_score)) if value is not None]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)} are all reward sources; choose one")
+    _positive("reward_workers", m.reward_workers, allow_none=True)
+    if given or cfg.multi_turn:
+        return
+    if cfg.data.prompt_data is not None or m.pretrain is not None:
+        what = " and ".join(f"--{k} {v}" for k, v in (("pretrain", m.pretrain), ("prompt_data", cfg.data.prompt_data))
+                            if v is not None)
+        raise ConfigError(f"no reward source for {what}: pass {REWARD_SOURCES}. (rlrun does not guess one: its demo rule, "
+                          "--remote_rm_url demo, only fits the demo's built-in prompts.)")
+
+
 def _check_agent(cfg: Config) -> None:
     ag, m = cfg.agent, cfg.model
     for name in ("max_turns", "max_tokens_per_turn", "max_obs_len"):
@@ -150,8 +172,10 @@ def _check_agent(cfg: Config) -> None:
             raise ConfigError(f"{', '.join(turn_flags)} shape multi-turn agent episodes; add --agent_func_path FILE.py "
                               "or --retriever_url URL, or drop them")
         return
-    if m.remote_rm_url is not None or m.reward_pretrain is not None:
-        source = f"--remote_rm_url {m.remote_rm_url}" if m.remote_rm_url is not None else f"--reward_pretrain {m.reward_pretrain}"
+    if m.remote_rm_url is not None or m.reward_pretrain is not None or m.compute_score is not None:
+        source = (f"--remote_rm_url {m.remote_rm_url}" if m.remote_rm_url is not None else
+                  f"--reward_pretrain {m.reward_pretrain}" if m.reward_pretrain is not None else
+                  f"--compute_score {m.compute_score}")
         raise ConfigError(f"{source} with an agent: the agent's step rewards are the reward (as OpenRLHF's "
                           "--agent_func_path); score inside the agent, or drop the agent")
     if ag.retriever_url is not None:

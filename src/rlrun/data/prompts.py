@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import io
-import difflib
 import hashlib
 import json
 import os
@@ -14,6 +13,8 @@ from typing import Any
 
 import torch
 
+from rlrun.data import records
+from rlrun.data.records import Messages
 from rlrun.runtime.errors import DataError, MissingExtraError
 
 FILE_FORMATS: tuple[str, ...] = (".jsonl", ".json", ".parquet", ".csv")
@@ -21,8 +22,13 @@ FILE_FORMATS: tuple[str, ...] = (".jsonl", ".json", ".parquet", ".csv")
 
 @dataclass(frozen=True)
 class PromptRecord:
-    text: str
-    label: str | None
+    """One prompt as its dataset holds it: text or a chat (rendered later, with the tokenizer), and what the
+    reward receives about it."""
+
+    prompt: str | Messages
+    label: Any = None  # plain Python (a str, a number, {"target": [...]}, ...); None without --label_key
+    data_source: str | None = None  # verl's reward_fn_key field: picks the rule scorer
+    extra_info: dict[str, Any] | None = None  # verl's extra_info column, for compute_score
 
 
 def _read_text(path: str) -> str:
@@ -117,62 +123,39 @@ def read_rows(path: str) -> list[Any]:
     return readers[extension](path)
 
 
-def _missing_key_error(path: str, row: int, role: str, key: str, present: list[str]) -> DataError:
-    close = difflib.get_close_matches(key, present, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return DataError(
-        f"{path}: record {row} has no {role} {key!r}; keys present: {present}.{hint} Set {role} to one of them."
-    )
+@dataclass(frozen=True)
+class PromptKeys:
+    """Where a record keeps what a prompt needs (OpenRLHF's --input_key/--label_key, verl's data.prompt_key,
+    data.reward_fn_key); dotted paths reach nested fields."""
+
+    input_key: str = "prompt"
+    label_key: str | None = None
+    data_source_key: str = "data_source"
+    extra_info_key: str = "extra_info"
 
 
-def _label_text(value: Any, path: str, row: int, label_key: str) -> str:
-    # Numeric labels (e.g. math answers) are common; store them as text for the reward.
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    # Lists and dicts (Search-R1's golden_answers, {"target": [...]}) reach the reward as JSON text;
-    # parquet hands lists over as numpy arrays.
-    plain = value.tolist() if hasattr(value, "tolist") else value
-    if isinstance(plain, (list, tuple, dict)):
-        try:
-            return json.dumps(plain, ensure_ascii=False)
-        except (TypeError, ValueError):
-            pass
-    raise DataError(
-        f"{path}: record {row} has label {label_key!r} = {str(value)[:80]!r} ({type(value).__name__}); "
-        "labels must be strings, numbers, or JSON-serialisable lists/dicts."
-    )
-
-
-def _to_record(row: Any, index: int, path: str, input_key: str, label_key: str | None) -> PromptRecord:
+def _to_record(row: Any, index: int, path: str, keys: PromptKeys) -> PromptRecord:
+    at = records.where(path, index)
     if not isinstance(row, Mapping):
-        raise DataError(
-            f"{path}: record {index} is a {type(row).__name__} ({str(row)[:80]!r}); "
-            f"each record must be an object with an {input_key!r} key."
-        )
-    present = [str(key) for key in row]
-    if input_key not in row:
-        raise _missing_key_error(path, index, "input_key", input_key, present)
-    text = row[input_key]
-    if not isinstance(text, str):
-        raise DataError(
-            f"{path}: record {index} has {input_key!r} = {str(text)[:80]!r} ({type(text).__name__}); "
-            "prompts must be strings."
-        )
-    if label_key is None:
-        return PromptRecord(text=text, label=None)
-    if label_key not in row:
-        raise _missing_key_error(path, index, "label_key", label_key, present)
-    return PromptRecord(text=text, label=_label_text(row[label_key], path, index, label_key))
+        raise DataError(f"{at} is a {type(row).__name__} ({str(row)[:80]!r}); each record must be an object with an "
+                        f"{keys.input_key!r} key.")
+    value = records.parsed_messages(records.plain(records.field(row, keys.input_key, "input_key", at)))
+    if isinstance(value, list) and value and records.looks_like_messages(value):
+        prompt: str | Messages = records.messages(value, keys.input_key, at, text_role=None)
+    elif isinstance(value, str):
+        prompt = value
+    else:
+        raise DataError(f"{at} has {keys.input_key!r} = {records.shown(value)}; a prompt must be a string or a list "
+                        'of {"role": ..., "content": ...} chat messages.')
+    label = None if keys.label_key is None else records.plain(records.field(row, keys.label_key, "label_key", at))
+    source = records.lookup(row, keys.data_source_key)
+    extra = records.plain(records.lookup(row, keys.extra_info_key))
+    return PromptRecord(prompt, label, source if isinstance(source, str) else None,
+                        extra if isinstance(extra, dict) else None)
 
 
-def load_prompt_records(
-    path: str | None,
-    input_key: str = "prompt",
-    label_key: str | None = None,
-    max_samples: int | None = None,
-) -> list[PromptRecord]:
+def load_prompt_records(path: str | None, keys: PromptKeys = PromptKeys(), max_samples: int | None = None
+                        ) -> list[PromptRecord]:
     """Prompt records from a .jsonl/.json (a list of objects)/.parquet/.csv file or a save_to_disk dir.
 
     path=None gives rlrun.models.tiny.BUILTIN_PROMPTS, always read with keys "prompt" and "label".
@@ -183,32 +166,35 @@ def load_prompt_records(
     if path is None:
         from rlrun.models.tiny import BUILTIN_PROMPTS  # lazy: tiny imports transformers, which file loading never needs
 
-        source, rows, input_key, label_key = "<built-in prompts>", list(BUILTIN_PROMPTS), "prompt", "label"
+        source, rows, keys = "<built-in prompts>", list(BUILTIN_PROMPTS), PromptKeys("prompt", "label")
     else:
         source, rows = path, read_rows(path)
     if not rows:
-        raise DataError(f"Prompt data {source!r} is empty; it needs at least one record with key {input_key!r}.")
+        raise DataError(f"Prompt data {source!r} is empty; it needs at least one record with key {keys.input_key!r}.")
     rows = rows[:max_samples]
-    return [_to_record(row, index, source, input_key, label_key) for index, row in enumerate(rows)]
+    return [_to_record(row, index, source, keys) for index, row in enumerate(rows)]
 
 
-def format_prompt(text: str, tokenizer: Any, input_template: str | None, apply_chat_template: bool) -> str:
-    """OpenRLHF semantics: chat template as one user turn, else input_template.format(text), else text."""
-    if apply_chat_template:
+def format_prompt(prompt: str | Messages, tokenizer: Any, input_template: str | None, apply_chat_template: bool,
+                  template_kwargs: Mapping[str, Any] | None = None, where: str = "prompt") -> str:
+    """The text the policy continues, as OpenRLHF's PromptDataset and verl's RLHFDataset build it: a chat (a message
+    list, always; a string with --apply_chat_template, as one user turn) through the tokenizer's chat template
+    with the generation prompt; otherwise the string through --input_template (`{}` is the prompt) or as it is."""
+    if isinstance(prompt, list) or apply_chat_template:
         if not getattr(tokenizer, "chat_template", None):
-            raise DataError(
-                "apply_chat_template is set but the tokenizer has no chat_template; unset it or use input_template."
-            )
-        messages = [{"role": "user", "content": text}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            raise DataError(f"{where} is a chat (a message list, or --apply_chat_template) but the tokenizer has no "
+                            "chat_template; use a model whose tokenizer has one, or pass plain-text prompts without "
+                            "--apply_chat_template (--input_template formats them)")
+        chat = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        return records.render(tokenizer, chat, True, where, template_kwargs)
     if input_template is None:
-        return text
+        return prompt
     if "{}" not in input_template:
         raise DataError(
             f"input_template {input_template!r} has no '{{}}' placeholder for the prompt; add one, e.g. 'Q: {{}}\\nA:'."
         )
     try:
-        return input_template.format(text)
+        return input_template.format(prompt)
     except (IndexError, KeyError, ValueError) as exc:
         raise DataError(
             f"input_template {input_template!r} cannot be formatted ({exc!r}); "

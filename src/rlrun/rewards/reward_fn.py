@@ -1,4 +1,5 @@
-"""Rollout rewards from a Python file, an HTTP endpoint (OpenRLHF's --remote_rm_url), or the demo rule.
+"""Rollout rewards from a Python file or an HTTP endpoint (OpenRLHF's --remote_rm_url), verl's compute_score
+(rlrun.rewards.compute_score), or the demo rule.
 
 Every source's output goes through one validator, so a broken reward script or server fails
 with the same clear RewardError (source, what is wrong, how to fix) instead of a shape error
@@ -13,7 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Real
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,8 +29,28 @@ if TYPE_CHECKING:
 
 TOKEN_ENV = "RLRUN_REWARD_TOKEN"
 BUILTIN_SOURCE = "builtin demo rule"
+DEMO = "demo"  # --remote_rm_url demo: the demo's rule, named (implied only for the built-in demo data and model)
 
-RawRewardFn = Callable[[list[str], list[str], list[str | None]], object]
+RawRewardFn = Callable[[list[str], list[str], list[Any]], object]  # OpenRLHF's reward_func(queries, prompts, labels)
+
+
+@dataclass(frozen=True)
+class RewardBatch:
+    """One batch as every kind of reward source reads it; index i is sample i."""
+
+    queries: list[str]  # prompt text + response (OpenRLHF's query)
+    prompts: list[str]
+    labels: list[Any]  # as the dataset holds them (None without --label_key)
+    responses: list[str]  # the response alone, decoded without special tokens (verl's solution_str)
+    data_sources: list[str | None]
+    extra_infos: list[dict[str, Any] | None]
+
+
+BatchFn = Callable[[RewardBatch], object]
+
+
+def openrlhf_style(fn: RawRewardFn) -> BatchFn:
+    return lambda batch: fn(batch.queries, batch.prompts, batch.labels)
 
 
 @dataclass(frozen=True)
@@ -111,7 +132,7 @@ def _validate(raw: object, source: str, batch: int) -> RewardResult:
 class RewardFunction:
     """A validated reward source: call it with one rollout batch, get float32 CPU tensors back."""
 
-    def __init__(self, source: str, fn: RawRewardFn, *, wrap_errors: bool = True, timeout_s: float | None = None) -> None:
+    def __init__(self, source: str, fn: BatchFn, *, wrap_errors: bool = True, timeout_s: float | None = None) -> None:
         self.source = source
         self._fn = fn
         # User code's exceptions get wrapped with the source; the HTTP client already raises
@@ -122,16 +143,26 @@ class RewardFunction:
     def __repr__(self) -> str:
         return f"RewardFunction(source={self.source!r})"
 
-    def __call__(self, queries: list[str], prompts: list[str], labels: list[str | None]) -> RewardResult:
+    def __call__(self, queries: list[str], prompts: list[str], labels: list[Any], *, responses: list[str] | None = None,
+                 data_sources: list[str | None] | None = None, extra_infos: list[dict[str, Any] | None] | None = None
+                 ) -> RewardResult:
+        """Score one batch. `responses` default to each query after its prompt; `data_sources` and `extra_infos`
+        (verl's) to None."""
         if not len(queries) == len(prompts) == len(labels):
             raise RewardError(f"reward source {self.source}: got {len(queries)} queries, {len(prompts)} prompts "
                               f"and {len(labels)} labels; pass one prompt and one label (or None) per query.")
         if not queries:
             empty = torch.zeros(0, dtype=torch.float32)
             return RewardResult(rewards=empty, scores=empty, extra_logs={})
+        n = len(queries)
+        batch = RewardBatch(list(queries), list(prompts), list(labels),
+                            responses if responses is not None else
+                            [q[len(p):] if q.startswith(p) else q for q, p in zip(queries, prompts)],
+                            data_sources if data_sources is not None else [None] * n,
+                            extra_infos if extra_infos is not None else [None] * n)
         try:
             with deadline(self.timeout_s, lambda: self._timed_out(queries)):
-                raw = self._fn(list(queries), list(prompts), list(labels))
+                raw = self._fn(batch)
         except Exception as exc:
             if isinstance(exc, RewardError) and not self._wrap_errors:
                 raise
@@ -149,19 +180,29 @@ class RewardFunction:
                            "queries; fix the reward function (run it on a few samples by hand to reproduce).")
 
 
-def reward_responses(reward_fn: RewardFunction, prompt_texts: list[str], labels: list[str | None],
+@dataclass(frozen=True)
+class PromptMeta:
+    """What a reward source knows of the prompts of a batch besides their text (index i is sample i)."""
+
+    labels: list[Any]
+    data_sources: list[str | None]
+    extra_infos: list[dict[str, Any] | None]
+
+
+def reward_responses(reward_fn: RewardFunction, prompt_texts: list[str], meta: PromptMeta,
                      responses: list[list[int]], tokenizer: "PreTrainedTokenizerBase") -> RewardResult:
     """Reward sampled responses: queries[i] is prompt_texts[i] followed by response i decoded without special
-    tokens (what every reward source receives, OpenRLHF's convention)."""
-    queries = [text + tokenizer.decode(ids, skip_special_tokens=True) for text, ids in zip(prompt_texts, responses)]
-    return reward_fn(queries, prompt_texts, labels)
+    tokens (what every reward source receives, OpenRLHF's convention); verl's scorers get the response alone."""
+    decoded = [tokenizer.decode(ids, skip_special_tokens=True) for ids in responses]
+    return reward_fn([text + r for text, r in zip(prompt_texts, decoded)], prompt_texts, meta.labels, responses=decoded,
+                     data_sources=meta.data_sources, extra_infos=meta.extra_infos)
 
 
 def _load_builtin() -> RewardFunction:
     # Imported lazily so that a user-supplied source never depends on the demo module.
     from rlrun.rewards.demo import reward_func
 
-    return RewardFunction(BUILTIN_SOURCE, reward_func)
+    return RewardFunction(BUILTIN_SOURCE, openrlhf_style(reward_func))
 
 
 def _load_file(path_text: str, timeout_s: float | None) -> RewardFunction:
@@ -172,7 +213,7 @@ def _load_file(path_text: str, timeout_s: float | None) -> RewardFunction:
         found = "is not callable" if hasattr(module, "reward_func") else "is missing"
         raise RewardError(f"reward file {path_text}: reward_func {found}; define "
                           "def reward_func(queries, prompts, labels) returning rewards (tensor/list or dict).")
-    return RewardFunction(path_text, fn, timeout_s=timeout_s)
+    return RewardFunction(path_text, openrlhf_style(fn), timeout_s=timeout_s)
 
 
 class _HttpRewardFn:
@@ -185,7 +226,7 @@ class _HttpRewardFn:
     def _scrub(self, text: str, token: str | None) -> str:
         return text.replace(token, "<token>") if token else text
 
-    def __call__(self, queries: list[str], prompts: list[str], labels: list[str | None]) -> object:
+    def __call__(self, queries: list[str], prompts: list[str], labels: list[Any]) -> object:
         token = os.environ.get(TOKEN_ENV) or None  # read per call so a rotated token is picked up
         try:
             body = json.dumps({"query": queries, "prompts": prompts, "labels": labels}).encode("utf-8")
@@ -219,9 +260,9 @@ class _HttpRewardFn:
 
 def load_reward_function(remote_rm_url: str | None, *, timeout_s: float = 30.0, retries: int = 3,
                          backoff_s: float = 1.0, call_timeout_s: float | None = None) -> RewardFunction:
-    """Resolve `remote_rm_url` (None, a .py path, or an http(s) URL) to a validated RewardFunction. `timeout_s`
+    """Resolve `remote_rm_url` (None or "demo", a .py path, or an http(s) URL) to a validated RewardFunction. `timeout_s`
     bounds each HTTP request; `call_timeout_s` one call of a reward file's function (None: unbounded)."""
-    if remote_rm_url is None:
+    if remote_rm_url is None or remote_rm_url.strip() == DEMO:
         return _load_builtin()
     text = remote_rm_url.strip()
     if text.lower().startswith(("http://", "https://")):
@@ -229,7 +270,8 @@ def load_reward_function(remote_rm_url: str | None, *, timeout_s: float = 30.0, 
         if not timeout_s > 0 or retries < 1 or backoff_s < 0:
             raise RewardError(f"reward server {source}: need timeout_s > 0, retries >= 1 and backoff_s >= 0, "
                               f"got timeout_s={timeout_s}, retries={retries}, backoff_s={backoff_s}.")
-        return RewardFunction(source, _HttpRewardFn(text, source, timeout_s, retries, backoff_s), wrap_errors=False)
+        return RewardFunction(source, openrlhf_style(_HttpRewardFn(text, source, timeout_s, retries, backoff_s)),
+                              wrap_errors=False)
     if text.endswith(".py"):
         return _load_file(text, call_timeout_s)
     raise RewardError(f"remote_rm_url {text!r} is neither a .py file nor an http(s):// URL; pass a Python file "

@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 from http import HTTPStatus
-from typing import Sequence
+from typing import Any, Sequence
 
 from rlrun.runtime.errors import RewardError
 from rlrun.serving.http_service import (BadRequest, JsonHandler, JsonHTTPServer, add_server_arguments, serve,
@@ -30,8 +30,9 @@ from rlrun.serving.http_service import (BadRequest, JsonHandler, JsonHTTPServer,
 from rlrun.rewards.reward_fn import TOKEN_ENV, RewardFunction, load_reward_function
 
 
-def parse_batch(payload: object) -> tuple[list[str], list[str], list[str | None]]:
-    """Validate an OpenRLHF reward request; missing prompts default to "" and labels to None."""
+def parse_batch(payload: object) -> tuple[list[str], list[str], list[Any]]:
+    """Validate an OpenRLHF reward request; missing prompts default to "" and labels to None. A label is any JSON
+    value (a string, a number, a list of answers, {"target": [...]}): the reward file receives it as it is."""
     if not isinstance(payload, dict):
         raise BadRequest(HTTPStatus.BAD_REQUEST, f"request body must be a JSON object, got {type(payload).__name__}")
     unknown = sorted(set(payload) - {"query", "queries", "prompts", "labels"})
@@ -49,8 +50,8 @@ def parse_batch(payload: object) -> tuple[list[str], list[str], list[str | None]
     labels = payload.get("labels")
     if labels is None:
         labels = [None] * n
-    if not isinstance(labels, list) or not all(label is None or isinstance(label, str) for label in labels):
-        raise BadRequest(HTTPStatus.BAD_REQUEST, "'labels' must be a list of strings or nulls")
+    if not isinstance(labels, list):
+        raise BadRequest(HTTPStatus.BAD_REQUEST, "'labels' must be a list (one JSON value or null per query)")
     if not len(prompts) == len(labels) == n:
         raise BadRequest(HTTPStatus.BAD_REQUEST, f"got {n} queries, {len(prompts)} prompts and {len(labels)} labels; "
                                                  "send one prompt and one label (or null) per query")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -14,7 +15,8 @@ from rlrun.agents.episodes import EpisodeRunner
 from rlrun.agents.from_config import build_episode_runner
 from rlrun.algo.is_correction import ISCorrection
 from rlrun.config.schema import Config
-from rlrun.data.prompts import PromptSampler, format_prompt, load_prompt_records, tokenize_prompts
+from rlrun.data.prompts import (PromptKeys, PromptRecord, PromptSampler, format_prompt, load_prompt_records,
+                                tokenize_prompts)
 from rlrun.engines.base import HFEngine, SamplingSettings
 from rlrun.engines.native import NativeEngine
 from rlrun.launch.dist import before_teardown, world_size
@@ -22,7 +24,8 @@ from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import EngineRowExchange, ParamSource, WeightSync
 from rlrun.models.loading import load_causal_lm, load_critic, load_reward_model
-from rlrun.rewards.reward_fn import RewardFunction, load_reward_function
+from rlrun.rewards.compute_score import load_compute_score_function
+from rlrun.rewards.reward_fn import PromptMeta, RewardFunction, load_reward_function
 from rlrun.roles.actor import Actor, PolicyLossSettings
 from rlrun.roles.critic import Critic
 from rlrun.roles.optim import make_optimizer, warmup_cosine
@@ -46,9 +49,17 @@ class Prompts:
 
     texts: list[str]
     ids: list[list[int]]
-    labels: list[str | None]
+    records: list[PromptRecord]  # the label, data source and extra info each reward source may read
     truncated: int
     dropped: int
+
+    @property
+    def labels(self) -> list[Any]:
+        return [r.label for r in self.records]
+
+    def meta(self, indices: list[int]) -> PromptMeta:
+        rows = [self.records[i] for i in indices]
+        return PromptMeta([r.label for r in rows], [r.data_source for r in rows], [r.extra_info for r in rows])
 
 
 @dataclass
@@ -67,13 +78,13 @@ class RankRoles:
 
 
 def build_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Prompts:
-    return _prompt_set(cfg, tokenizer, cfg.data.prompt_data)
+    return prompt_set(cfg, tokenizer, cfg.data.prompt_data)
 
 
 def build_eval_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Prompts:
     """--eval_dataset, read, formatted and cut like the training prompts (--max_samples too, as OpenRLHF does)."""
     assert cfg.logging.eval_dataset is not None
-    prompts = _prompt_set(cfg, tokenizer, cfg.logging.eval_dataset)
+    prompts = prompt_set(cfg, tokenizer, cfg.logging.eval_dataset)
     if not prompts.ids:
         raise DataError(f"every prompt of --eval_dataset {cfg.logging.eval_dataset} is longer than --prompt_max_len "
                         f"{cfg.generation.prompt_max_len} and was dropped (--prompt_overflow drop); raise "
@@ -81,18 +92,25 @@ def build_eval_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Promp
     return prompts
 
 
-def _prompt_set(cfg: Config, tokenizer: PreTrainedTokenizerBase, path: str | None) -> Prompts:
+def prompt_keys(cfg: Config) -> PromptKeys:
     d = cfg.data
-    records = load_prompt_records(path, d.input_key, d.label_key, cfg.train.max_samples)
-    texts = [format_prompt(r.text, tokenizer, d.input_template, d.apply_chat_template) for r in records]
-    labels = [r.label for r in records]
+    return PromptKeys(d.input_key, d.label_key, d.data_source_key)
+
+
+def prompt_set(cfg: Config, tokenizer: PreTrainedTokenizerBase, path: str | None) -> Prompts:
+    d = cfg.data
+    records = load_prompt_records(path, prompt_keys(cfg), cfg.train.max_samples)
+    source = path or "<built-in prompts>"
+    texts = [format_prompt(r.prompt, tokenizer, d.input_template, d.apply_chat_template, d.apply_chat_template_kwargs,
+                           where=f"{source}: record {i}") for i, r in enumerate(records)]
     max_len = cfg.generation.prompt_max_len
     if cfg.generation.prompt_overflow == "drop":
         full, _ = tokenize_prompts(texts, tokenizer, 10**12)
         keep = [i for i, ids in enumerate(full) if len(ids) <= max_len]
-        return Prompts([texts[i] for i in keep], [full[i] for i in keep], [labels[i] for i in keep], 0, len(texts) - len(keep))
+        return Prompts([texts[i] for i in keep], [full[i] for i in keep], [records[i] for i in keep], 0,
+                       len(texts) - len(keep))
     ids, truncated = tokenize_prompts(texts, tokenizer, max_len)
-    return Prompts(texts, ids, labels, truncated, 0)
+    return Prompts(texts, ids, records, truncated, 0)
 
 
 def make_sampler(cfg: Config, prompts: Prompts) -> PromptSampler:
@@ -145,9 +163,19 @@ def build_reward_sources(cfg: Config, layout: Layout, rank: int, tokenizer: PreT
         return RewardSources()
     if cfg.multi_turn:
         return RewardSources(agents=build_episode_runner(cfg, tokenizer))
-    return RewardSources(reward_fn=load_reward_function(cfg.model.remote_rm_url, timeout_s=cfg.model.remote_rm_timeout,
-                                                        retries=cfg.model.remote_rm_retries,
-                                                        call_timeout_s=cfg.reward_call_timeout))
+    m = cfg.model
+    if m.compute_score is not None:
+        return RewardSources(reward_fn=load_compute_score_function(
+            m.compute_score, m.compute_score_name, workers=reward_workers(cfg, layout), call_timeout_s=cfg.reward_call_timeout))
+    return RewardSources(reward_fn=load_reward_function(m.remote_rm_url, timeout_s=m.remote_rm_timeout,
+                                                        retries=m.remote_rm_retries, call_timeout_s=cfg.reward_call_timeout))
+
+
+def reward_workers(cfg: Config, layout: Layout) -> int:
+    """--reward_workers, or up to 8 processes per rank sharing the node's cores with its other ranks."""
+    if cfg.model.reward_workers is not None:
+        return cfg.model.reward_workers
+    return max(1, min(8, (os.cpu_count() or 1) // max(1, layout.ranks_per_node)))
 
 
 def _policy_copies(cfg: Config, count: int) -> Iterator[torch.nn.Module]:

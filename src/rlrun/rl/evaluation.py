@@ -30,7 +30,7 @@ from rlrun.engines.base import SamplingSettings
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import all_gather_vectors
-from rlrun.rewards.reward_fn import reward_responses
+from rlrun.rewards.reward_fn import PromptMeta, reward_responses
 from rlrun.rewards.shaping import cut_by_length
 from rlrun.rl.build import Prompts, RankRoles
 
@@ -109,7 +109,7 @@ class Evaluator:
             part = rows[begin:begin + per_chunk]
             seed = derive_seed(self.cfg.train.seed, "eval", steps_done, slot, chunk)
             r, n, cut = self._chunk([self.prompts.texts[i] for i in part], [self.prompts.ids[i] for i in part],
-                                    [self.prompts.labels[i] for i in part], seed)
+                                    self.prompts.meta(part), seed)
             rewards.append(r)
             lengths.append(n)
             truncated.append(cut)
@@ -119,18 +119,18 @@ class Evaluator:
         return local_totals(torch.cat(rewards).view(shape), torch.cat(lengths).view(shape),
                             torch.cat(truncated).view(shape))
 
-    def _chunk(self, texts: list[str], ids: list[list[int]], labels: list[str | None], seed: int
+    def _chunk(self, texts: list[str], ids: list[list[int]], meta: PromptMeta, seed: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rewards [b], response lengths [b], truncated [b]) of one generate call, or of one batch of agent
         episodes (length = actions and observations; truncated = ended by the token budget)."""
         assert self.engine is not None
         if self.agents is not None:
-            episodes = self.agents.run(self.engine, texts, ids, labels, seed)
+            episodes = self.agents.run(self.engine, texts, ids, meta.labels, seed)
             return (episodes.rewards.float(), torch.tensor([len(r) for r in episodes.responses]),
                     torch.tensor(episodes.truncated))
         assert self.reward_fn is not None
         responses = self.engine.generate(ids, seed)
-        result = reward_responses(self.reward_fn, texts, labels, responses, self.tokenizer)
+        result = reward_responses(self.reward_fn, texts, meta, responses, self.tokenizer)
         length = torch.tensor([len(r) for r in responses])
         last = torch.tensor([r[-1] if r else -1 for r in responses])
         s = self.engine.sampling

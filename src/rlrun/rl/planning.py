@@ -12,6 +12,7 @@ from rlrun.config.validation import check_batches, check_values
 from rlrun.engines.hosting import choose_host
 from rlrun.launch.layout import Layout, LayoutRequest, Role, RoleRequest
 from rlrun.launch.layout_plan import plan_layout
+from rlrun.rewards.reward_fn import DEMO
 from rlrun.runtime.errors import ConfigError
 from rlrun.strategies.checks import check_strategy
 
@@ -109,7 +110,7 @@ def missing_path_warnings(cfg: Config) -> list[str]:
         "prompt_data": cfg.data.prompt_data,
         "eval_dataset": cfg.logging.eval_dataset,
     }
-    if cfg.model.remote_rm_url and not cfg.model.remote_rm_url.startswith(("http://", "https://")):
+    if cfg.model.remote_rm_url not in (None, DEMO) and not cfg.model.remote_rm_url.startswith(("http://", "https://")):
         candidates["remote_rm_url"] = cfg.model.remote_rm_url
     for flag, path in candidates.items():
         if path is not None and not os.path.exists(path):

@@ -84,11 +84,11 @@ class RolloutSource:
         slot = self.engine_ranks.index(self.rank)
         mine = records[shard(len(records), len(self.engine_ranks), slot)]
         prompt_ids = [self.prompts.ids[i] for i in mine]
-        texts, labels = [self.prompts.texts[i] for i in mine], [self.prompts.labels[i] for i in mine]
+        texts, meta = [self.prompts.texts[i] for i in mine], self.prompts.meta(mine)
         seed = derive_seed(cfg.train.seed, "generate", step, slot)
         out = LocalRollout()
         if self.roles.agents is not None:
-            episodes = self.roles.agents.run(self.roles.engine, texts, prompt_ids, labels, seed)
+            episodes = self.roles.agents.run(self.roles.engine, texts, prompt_ids, meta.labels, seed)
             prompt_ids, responses, engine_lp = episodes.prompts, episodes.responses, episodes.log_probs
             out.scores, out.agent_stats = episodes.rewards, episodes.stats
             out.masks = pack_log_probs(episodes.action_masks, R)
@@ -96,7 +96,7 @@ class RolloutSource:
             generation = self.roles.engine.sample(prompt_ids, seed)
             responses, engine_lp = generation.responses, generation.log_probs
             if self.roles.reward_fn is not None:
-                result = reward_responses(self.roles.reward_fn, texts, labels, responses, self.tokenizer)
+                result = reward_responses(self.roles.reward_fn, texts, meta, responses, self.tokenizer)
                 out.scores, out.extra = result.rewards, {f"reward/{k}": v for k, v in result.extra_logs.items()}
         out.packed = pack_rows(prompt_ids, responses, P, R, int(self.tokenizer.pad_token_id))
         if engine_lp is not None:

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from rlrun.data import records as fields
 from rlrun.data.prompts import format_prompt
 from rlrun.runtime.errors import DataError
 from rlrun.supervised import records as rec
@@ -73,20 +74,20 @@ def _sft_texts(
     input_template: str | None,
     apply_chat_template: bool,
 ) -> _Texts:
-    value = rec.field(row, input_key, "input_key", where)
+    value = fields.field(row, input_key, "input_key", where)
     if apply_chat_template:
         if output_key is None:
             # The whole conversation in one field; the answer is its last message.
-            messages = rec.messages(value, input_key, where, text_role=None)
+            messages = fields.messages(value, input_key, where, text_role=None)
             prompt, response = rec.chat_pair(tokenizer, messages[:-1], messages[-1:], where, "conversation")
         else:
-            answer = rec.messages(rec.field(row, output_key, "output_key", where), output_key, where, "assistant")
+            answer = fields.messages(fields.field(row, output_key, "output_key", where), output_key, where, "assistant")
             prompt, response = rec.chat_pair(
-                tokenizer, rec.messages(value, input_key, where, "user"), answer, where, "prompt + response"
+                tokenizer, fields.messages(value, input_key, where, "user"), answer, where, "prompt + response"
             )
         return _Texts(prompt, response)
-    prompt = format_prompt(rec.string(value, input_key, where), tokenizer, input_template, apply_chat_template=False)
-    response = "" if output_key is None else rec.string(rec.field(row, output_key, "output_key", where), output_key, where)
+    prompt = format_prompt(fields.string(value, input_key, where), tokenizer, input_template, apply_chat_template=False)
+    response = "" if output_key is None else fields.string(fields.field(row, output_key, "output_key", where), output_key, where)
     return _Texts(prompt, response)
 
 
@@ -96,8 +97,8 @@ def _pretrain_samples(
     """OpenRLHF pretrain_mode: the input_key text as is, cut to max_len; no template, no EOS, nothing masked."""
     texts = []
     for index, row in enumerate(rows):
-        where = rec.where(path, index)
-        texts.append(rec.string(rec.field(row, input_key, "input_key", where), input_key, where))
+        where = fields.where(path, index)
+        texts.append(fields.string(fields.field(row, input_key, "input_key", where), input_key, where))
     reasons: Counter[str] = Counter()
     samples: list[Completion] = []
     truncated = 0
@@ -141,7 +142,7 @@ def load_completions(
     kept: list[_Texts] = []
     for index, row in enumerate(rows):
         texts_of_row = _sft_texts(
-            row, rec.where(path, index), tokenizer, input_key, output_key, input_template, apply_chat_template
+            row, fields.where(path, index), tokenizer, input_key, output_key, input_template, apply_chat_template
         )
         if not texts_of_row.prompt:
             reasons["with an empty prompt"] += 1
@@ -186,31 +187,31 @@ def _pair_texts(
     apply_chat_template: bool,
     task: PairTask,
 ) -> _PairTexts:
-    chosen_value = rec.field(row, chosen_key, "chosen_key", where)
-    rejected_value = rec.field(row, rejected_key, "rejected_key", where)
+    chosen_value = fields.field(row, chosen_key, "chosen_key", where)
+    rejected_value = fields.field(row, rejected_key, "rejected_key", where)
     margin = rec.margin(row, where) if task == "reward_model" else 0.0
     if not apply_chat_template:
         prompt = ""
         if prompt_key is not None:
-            text = rec.string(rec.field(row, prompt_key, "prompt_key", where), prompt_key, where)
+            text = fields.string(fields.field(row, prompt_key, "prompt_key", where), prompt_key, where)
             prompt = format_prompt(text, tokenizer, input_template, apply_chat_template=False)
-        chosen = rec.string(chosen_value, chosen_key, where)
-        return _PairTexts(prompt, chosen, rec.string(rejected_value, rejected_key, where), margin)
-    chosen_messages = rec.messages(chosen_value, chosen_key, where, "assistant")
-    rejected_messages = rec.messages(rejected_value, rejected_key, where, "assistant")
+        chosen = fields.string(chosen_value, chosen_key, where)
+        return _PairTexts(prompt, chosen, fields.string(rejected_value, rejected_key, where), margin)
+    chosen_messages = fields.messages(chosen_value, chosen_key, where, "assistant")
+    rejected_messages = fields.messages(rejected_value, rejected_key, where, "assistant")
     if prompt_key is not None:
-        prompt_messages = rec.messages(rec.field(row, prompt_key, "prompt_key", where), prompt_key, where, "user")
+        prompt_messages = fields.messages(fields.field(row, prompt_key, "prompt_key", where), prompt_key, where, "user")
         prompt, chosen = rec.chat_pair(tokenizer, prompt_messages, chosen_messages, where, "prompt + chosen")
         rejected = rec.after(
-            rec.render(tokenizer, prompt_messages + rejected_messages, False, where), prompt, where, "prompt + rejected"
+            fields.render(tokenizer, prompt_messages + rejected_messages, False, where), prompt, where, "prompt + rejected"
         )
         return _PairTexts(prompt, chosen, rejected, margin)
-    chosen_full = rec.render(tokenizer, chosen_messages, False, where)
-    rejected_full = rec.render(tokenizer, rejected_messages, False, where)
+    chosen_full = fields.render(tokenizer, chosen_messages, False, where)
+    rejected_full = fields.render(tokenizer, rejected_messages, False, where)
     if task == "reward_model":
         return _PairTexts("", chosen_full, rejected_full, margin)
     # DPO: the prompt is the chosen conversation before its last message, shared with the rejected one.
-    prompt = rec.render(tokenizer, chosen_messages[:-1], True, where)
+    prompt = fields.render(tokenizer, chosen_messages[:-1], True, where)
     return _PairTexts(
         prompt,
         rec.after(chosen_full, prompt, where, "chosen conversation"),
@@ -242,7 +243,7 @@ def load_preferences(
     rec.check_tokenizer(tokenizer, apply_chat_template, needs_eos=True)
     pairs = [
         _pair_texts(
-            row, rec.where(path, index), tokenizer, prompt_key, chosen_key, rejected_key,
+            row, fields.where(path, index), tokenizer, prompt_key, chosen_key, rejected_key,
             input_template, apply_chat_template, task,
         )
         for index, row in enumerate(rows)

@@ -1,17 +1,17 @@
-"""Record-level helpers shared by the SFT and preference loaders (rlrun.supervised.datasets): field access that
-names the offending record, chat-message checks and rendering, OpenRLHF 0.11.2's EOS and truncation rules, and
-the accounting of dropped records.
+"""Record-level helpers of the SFT and preference loaders (rlrun.supervised.datasets): cutting a rendered
+conversation into prompt and answer, OpenRLHF 0.11.2's EOS and truncation rules, and the accounting of dropped
+records. Field access and chat rendering shared with PPO's prompts live in rlrun.data.records.
 """
 
 from __future__ import annotations
 
-import difflib
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rlrun.data.prompts import read_rows
+from rlrun.data.records import render, shown, where
 from rlrun.runtime.errors import DataError
 
 if TYPE_CHECKING:
@@ -33,55 +33,6 @@ class Loaded(Generic[T]):
 # Record fields
 
 
-def where(path: str, index: int) -> str:
-    return f"{path}: record {index}"
-
-
-def field(row: Mapping[str, Any], key: str, flag: str, where: str) -> Any:
-    if key not in row:
-        present = [str(name) for name in row]
-        close = difflib.get_close_matches(key, present, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise DataError(f"{where} has no {flag} {key!r}; keys present: {present}.{hint} Set --{flag} to one of them.")
-    return row[key]
-
-
-def shown(value: Any) -> str:
-    return f"{str(value)[:80]!r} ({type(value).__name__})"
-
-
-def looks_like_messages(value: Any) -> bool:
-    return isinstance(value, Sequence) and not isinstance(value, str) and all(isinstance(m, Mapping) for m in value)
-
-
-def string(value: Any, key: str, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    hint = (
-        " It looks like chat messages: pass --apply_chat_template to render them with the tokenizer's chat template."
-        if looks_like_messages(value) and value
-        else ""
-    )
-    raise DataError(f"{where} has {key!r} = {shown(value)}; without --apply_chat_template it must be a string.{hint}")
-
-
-def messages(value: Any, key: str, where: str, text_role: str | None) -> Messages:
-    """A chat message list; a plain string becomes one `text_role` message when text_role is given."""
-    if isinstance(value, str) and text_role is not None:
-        return [{"role": text_role, "content": value}]
-    expected = 'a list of {"role": ..., "content": ...} messages' + (" or a string" if text_role else "")
-    if not looks_like_messages(value) or not value:
-        raise DataError(f"{where} has {key!r} = {shown(value)}; with --apply_chat_template it must be {expected}.")
-    messages = [dict(message) for message in value]
-    for position, message in enumerate(messages):
-        if not isinstance(message.get("role"), str) or "content" not in message:
-            raise DataError(
-                f"{where} has {key!r} whose message {position} is {shown(message)}; "
-                f'each message needs a string "role" and a "content" (OpenRLHF\'s chat format).'
-            )
-    return messages
-
-
 def margin(row: Mapping[str, Any], where: str) -> float:
     value = row.get("margin")
     if value is None:
@@ -93,18 +44,6 @@ def margin(row: Mapping[str, Any], where: str) -> float:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Text assembly
-
-
-def render(tokenizer: PreTrainedTokenizerBase, messages: Messages, generation_prompt: bool, where: str) -> str:
-    from jinja2 import TemplateError  # lazy: transformers' own dependency, needed only with a chat template
-
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    except TemplateError as exc:
-        raise DataError(f"{where}: the chat template failed on {str(messages)[:120]!r}: {exc}") from exc
-    if not isinstance(text, str):
-        raise DataError(f"{where}: the chat template returned {type(text).__name__}, not text; check the template.")
-    return text
 
 
 def after(full: str, prompt: str, where: str, what: str) -> str:

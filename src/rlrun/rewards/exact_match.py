@@ -1,8 +1,9 @@
-"""Search-R1's exact-match reward (verl/utils/reward_score/qa_em.py), with rlrun's label decoding.
+"""Search-R1's exact-match reward (its verl/utils/reward_score/qa_em.py), with rlrun's label decoding.
 
-The scored text is the whole decoded sequence, prompt included, and Search-R1's prompt shows one
-example answer (`<answer> Beijing </answer>`); so a sequence with 0 or 1 `<answer>` blocks has no
-answer of the model's, and with 2 or more the last one counts.
+Search-R1's agent scores the whole decoded sequence, prompt included, and Search-R1's prompt shows one
+example answer (`<answer> Beijing </answer>`); so there a sequence with 0 or 1 `<answer>` blocks has no
+answer of the model's, and with 2 or more the last one counts (`min_answers=2`, the default). Scoring the
+response alone (verl's convention, rlrun.rewards.rules) one block is enough (`min_answers=1`).
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ def em_check(prediction: str, golden_answers: str | list[str]) -> int:
     return int(any(normalize_answer(golden) == predicted for golden in golden_answers))
 
 
-def extract_solution(solution_str: str) -> str | None:
-    """The last `<answer>...</answer>` content, stripped; None when there are fewer than two (the
-    prompt's example answer is always one of them)."""
+def extract_solution(solution_str: str, min_answers: int = 2) -> str | None:
+    """The last `<answer>...</answer>` content, stripped; None when there are fewer than `min_answers` (with
+    the prompt in the text, its example answer is always one of them)."""
     matches = _ANSWER.findall(solution_str)
-    if len(matches) <= 1:
+    if len(matches) < min_answers:
         return None
     return matches[-1].strip()
 
@@ -64,10 +65,11 @@ def golden_answers(label: object) -> list[str]:
     raise ValueError(f"golden answers must be a string or a list of strings, got {label!r:.200}")
 
 
-def compute_score_em(solution_str: str, golden: object, format_score: float = 0.0, score: float = 1.0) -> float:
+def compute_score_em(solution_str: str, golden: object, format_score: float = 0.0, score: float = 1.0,
+                     min_answers: int = 2) -> float:
     """Search-R1's compute_score_em: 0 without a (second) answer, `score` on an exact match, else
     `format_score`. `golden` is anything golden_answers() accepts."""
-    answer = extract_solution(solution_str)
+    answer = extract_solution(solution_str, min_answers)
     if answer is None:
         return 0.0
     return score if em_check(answer, golden_answers(golden)) else format_score

@@ -1,0 +1,63 @@
+"""--dry_run's preflight: what a job reads and calls first, read and resolved now, so that a bad data file, key,
+chat template or reward file fails on the login node (`--dry_run` is the Slurm scripts' preflight) instead of after
+the nodes are allocated. Loads no model weights and contacts no server; paths this machine cannot see are left
+to planning's warnings."""
+
+from __future__ import annotations
+
+import os
+
+from rlrun.config.schema import Config
+from rlrun.data.prompts import load_prompt_records
+from rlrun.models.loading import load_tokenizer
+from rlrun.rewards.compute_score import load_compute_score_function
+from rlrun.rewards.reward_fn import load_reward_function
+from rlrun.rl.build import prompt_keys, prompt_set
+
+SHOWN_CHARS = 400  # of the first rendered prompt
+
+
+def _here(path: str | None) -> bool:
+    return path is None or os.path.exists(path)
+
+
+def preflight(cfg: Config) -> list[str]:
+    """One line per thing checked (raises the run's own DataError/ConfigError/RewardError on what would fail)."""
+    lines = []
+    tokenizer = load_tokenizer(cfg.model) if _here(cfg.model.pretrain) else None
+    sets = [("prompt_data", cfg.data.prompt_data)]
+    if cfg.logging.eval_dataset is not None:
+        sets.append(("eval_dataset", cfg.logging.eval_dataset))
+    for flag, path in sets:
+        if not _here(path):
+            continue
+        name = f"--{flag} {path}" if path else "built-in prompts"
+        if tokenizer is None:
+            records = load_prompt_records(path, prompt_keys(cfg), cfg.train.max_samples)
+            lines.append(f"{name}: {len(records)} records read (not rendered: --pretrain {cfg.model.pretrain} is not "
+                         "on this machine, so neither is its chat template)")
+            continue
+        prompts = prompt_set(cfg, tokenizer, path)
+        first = prompts.texts[0] if prompts.texts else ""
+        shown = first if len(first) <= SHOWN_CHARS else first[:SHOWN_CHARS] + f"... ({len(first)} chars)"
+        lines.append(f"{name}: {len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
+                     f"--prompt_max_len {cfg.generation.prompt_max_len}); the first as the policy sees it: {shown!r}; "
+                     f"its label: {prompts.labels[0]!r}" if prompts.ids else f"{name}: no prompt left")
+    lines.append(_reward_line(cfg))
+    return lines
+
+
+def _reward_line(cfg: Config) -> str:
+    m = cfg.model
+    if cfg.needs_reward_model:
+        return f"reward: the reward model --reward_pretrain {m.reward_pretrain}"
+    if cfg.multi_turn:
+        return "reward: from the agent's episodes (the agent file is imported at start-up)"
+    path = m.compute_score if m.compute_score is not None else m.remote_rm_url
+    if path is not None and path.endswith(".py") and not os.path.exists(path):
+        return f"reward: {path} is not on this machine (imported at start-up)"
+    if m.compute_score is not None:
+        fn = load_compute_score_function(m.compute_score, m.compute_score_name, workers=1)
+    else:
+        fn = load_reward_function(m.remote_rm_url, timeout_s=m.remote_rm_timeout, retries=m.remote_rm_retries)
+    return f"reward: {fn.source} (imported; a server is not contacted by --dry_run)"

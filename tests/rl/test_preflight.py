@@ -1,0 +1,70 @@
+"""--dry_run as the Slurm scripts' preflight: it reads the prompt data in the peers' schemas, renders the first prompt
+as the policy will see it, and imports the reward source, so what would fail at step 0 on allocated nodes fails on
+the login node, with one error line and a non-zero exit (real files, the embedded tokenizer, in-process)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from helpers import REPO
+from peer_data import write_verl_gsm8k
+
+import rlrun.ppo
+from rlrun.cli.parser import parse_args
+from rlrun.rl.preflight import preflight
+from rlrun.runtime.errors import RlrunError
+
+LAUNCH_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|SLURM_\w+)$")
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    for key in list(os.environ):
+        if LAUNCH_VARS.match(key):
+            monkeypatch.delenv(key)
+
+
+def test_verl_parquet_is_read_rendered_and_scored_by_name(tmp_path):
+    data = write_verl_gsm8k(tmp_path / "train.parquet", [("Tom has 9 apples and eats 2. How many are left?", "7")] * 4)
+    cfg = parse_args([f"data.train_files={data}", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+                      "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]).config
+    data_line, reward_line = preflight(cfg)
+    assert f"--prompt_data {data}: 4 prompts" in data_line
+    # the message list went through the (byte tokenizer's) chat template, with the generation prompt
+    assert "sees it: 'User: Tom has 9 apples" in data_line and "Assistant: '; its label: '7'" in data_line
+    assert reward_line.startswith("reward: built-in rule scores (verl's default_compute_score)")
+
+
+def test_the_main_entry_point_prints_the_preflight_and_exits_zero(tmp_path, single_process, capsys):
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"question": "What is 2+3?", "answer": "5"}\n' * 2)
+    rc = rlrun.ppo.main(["--dry_run", "--prompt_data", str(data), "--input_key", "question", "--label_key", "answer",
+                         "--remote_rm_url", str(REPO / "examples" / "reward.py"), "--rollout_batch_size", "2",
+                         "--micro_rollout_batch_size", "2", "--train_batch_size", "2", "--micro_train_batch_size", "2"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "the first as the policy sees it: 'What is 2+3?'; its label: '5'" in out.out + out.err
+    assert f"reward: {REPO / 'examples' / 'reward.py'}" in out.out + out.err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--input_key", "prompt", "--remote_rm_url", "demo"], "has no input_key 'prompt'; keys present: ['question', 'answer']"),
+    (["--input_key", "question", "--remote_rm_url", str(REPO / "tests" / "fixtures" / "reward_import_error.py")],
+     "reward_import_error.py"),
+    (["--input_key", "question", "--compute_score", "scorer.py"], "compute_score"),
+])
+def test_what_would_fail_at_step_0_fails_the_dry_run(tmp_path, single_process, capsys, monkeypatch, flags, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "scorer.py").write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                        "    return 0.0\n")  # verl's signature under another name
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"question": "What is 2+3?", "answer": "5"}\n')
+    with pytest.raises(RlrunError, match=re.escape(message)):
+        preflight(parse_args(["--prompt_data", str(data), *flags]).config)
+    rc = rlrun.ppo.main(["--dry_run", "--prompt_data", str(data), *flags])
+    err = capsys.readouterr()
+    assert rc == 2
+    errors = [line for line in (err.out + err.err).splitlines() if "error" in line]
+    assert len(errors) == 1 and message in errors[0], errors
