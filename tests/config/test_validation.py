@@ -85,6 +85,7 @@ BAD_VALUES: list[tuple[list[str], list[str]]] = [
     (["--dist_timeout", "0"], ["--dist_timeout", "0.0"]),
     (["--dist_timeout", "-5"], ["--dist_timeout", "-5.0"]),
     (["--remote_rm_url", "reward.py", "--reward_pretrain", "/models/rm"], ["--remote_rm_url", "--reward_pretrain"]),
+    (["--flash_attn"], ["--flash_attn needs --bf16"]),
 ]
 
 

@@ -57,6 +57,25 @@ def _masked(x: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
     return x * batch.action_mask
 
 
+def test_packed_log_probs_never_pass_a_tensor_logits_to_keep(monkeypatch):
+    """transformers before 5.2x indexes `hidden[:, logits_to_keep]`, so a 2-D mask fails there (seen on an H200 with
+    transformers 5.17): the packed path trims the vocab projection's input itself and works on any version."""
+    batch = varied_batch()
+    policy = build_causal_lm(tiny_model_config(), seed=3).eval()
+    forward = policy.forward
+
+    def old_transformers_forward(*args, **kwargs):
+        assert not isinstance(kwargs.get("logits_to_keep", 0), torch.Tensor), "a tensor logits_to_keep"
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(policy, "forward", old_transformers_forward)
+    with torch.no_grad():
+        packed, _ = policy_log_probs(policy, batch, 0.7, packing=True)
+        padded, _ = policy_log_probs(policy, batch, 0.7)
+    torch.testing.assert_close(packed, _masked(padded, batch), atol=ATOL, rtol=0)
+    assert not policy.get_output_embeddings()._forward_pre_hooks  # the trimming hook is gone afterwards
+
+
 def test_log_probs_values_and_scores_match_padded():
     batch = varied_batch()
     assert batch.response_len.tolist().count(0) == 1 and len(set(batch.prompt_len.tolist())) > 3

@@ -80,6 +80,9 @@ def test_a_flag_of_another_trainer_is_an_error_with_a_suggestion() -> None:
     (RM_CLI, ["--dataset", "d", "--learning_rate", "0"], "--learning_rate must be > 0"),
     (SFT_CLI, ["--dataset", "d", "--strategy", "deepspeed", "--zero_stage", "0", "--bf16", "--save_steps", "5"],
      "--zero_stage 0 --bf16 cannot save or load checkpoints yet"),
+    (SFT_CLI, ["--dataset", "d", "--strategy", "deepspeed", "--zero_stage", "0", "--adam_offload"],
+     "DeepSpeed offloads the optimizer only at ZeRO stages 1-3"),
+    (DPO_CLI, ["--dataset", "d", "--flash_attn"], "--flash_attn needs --bf16"),
 ])
 def test_bad_settings_fail_before_anything_starts(cli, argv, message) -> None:
     with pytest.raises(ConfigError) as err:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from rlrun.algo.is_correction import ISCorrection
 from rlrun.algo.is_correction import check_settings as check_is_settings
-from rlrun.config.schema import NEEDS_GROUPS, RETRIEVER_RETRY_BACKOFF_S, Config
+from rlrun.config.schema import NEEDS_GROUPS, RETRIEVER_RETRY_BACKOFF_S, Config, PretrainedConfig
 from rlrun.runtime.errors import ConfigError
 
 
@@ -18,9 +18,17 @@ def _positive(name: str, value: int | float | None, *, allow_none: bool = False)
         raise ConfigError(f"--{name} must be > 0, got {value}")
 
 
+def check_model_settings(model: PretrainedConfig) -> None:
+    """The model section's rules, shared by rlrun.ppo and the supervised trainers."""
+    if model.flash_attn and not model.bf16:
+        raise ConfigError("--flash_attn needs --bf16: flash-attention 2 runs only in half precision (its kernel "
+                          "refuses fp32 inputs); add --bf16, or drop --flash_attn for PyTorch's SDPA")
+
+
 def check_values(cfg: Config) -> None:
     """Ranges and cross-field rules that need no layout."""
     t, a, g = cfg.train, cfg.algo, cfg.generation
+    check_model_settings(cfg.model)
     for name in ("rollout_batch_size", "micro_rollout_batch_size", "train_batch_size",
                  "micro_train_batch_size", "n_samples_per_prompt", "max_epochs", "num_episodes", "max_samples"):
         _positive(name, getattr(t, name))

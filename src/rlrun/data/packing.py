@@ -43,7 +43,7 @@ class PackedBatch:
     response_width: int
 
     def keep_mask(self) -> torch.Tensor:
-        """[n, W] bool, True at pred_index: HF `logits_to_keep` then returns exactly those N logits, in
+        """[n, W] bool, True at pred_index: the vocab projection then runs on exactly those N positions, in
         pred_index order (row-major), so the vocab projection runs only where a log-prob is needed."""
         mask = torch.zeros(self.input_ids.numel(), dtype=torch.bool, device=self.input_ids.device)
         mask[self.pred_index] = True

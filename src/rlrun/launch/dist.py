@@ -36,16 +36,19 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(env: DistEnv, backend: str, timeout_s: float, device: torch.device) -> None:
+def init_distributed(env: DistEnv, backend: str, timeout_s: float) -> None:
     """Create the default group with an explicit timeout.
 
     Under elastic torchrun every attempt gets its own key prefix in the rendezvous store: restarted
     workers otherwise read the previous attempt's gloo addresses from the shared store and fail to
     connect, or hang."""
     timeout = timedelta(seconds=timeout_s)
-    device_id = device if device.type == "cuda" else None
+    # No device_id: binding one makes every later new_group an eager communicator split over the whole world,
+    # which hangs when a group is made by only some ranks, and fails outright on gloo ("ProcessGroupGloo has no
+    # attribute perform_nocolor_split", seen on an H200 with --dist_backend gloo --device cuda). Unbound, NCCL
+    # communicators are created at a group's first collective; resolve_device already set the current device.
     if env.world_size == 1 and env.launcher == "single":
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     if env.launcher == "torchrun":
         store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
@@ -57,7 +60,7 @@ def init_distributed(env: DistEnv, backend: str, timeout_s: float, device: torch
         # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every rendezvous round has a fresh store instead, which
         # is the only safe way across nodes: each node's agent counts its own restarts.)
         store = dist.PrefixStore(f"rlrun/attempt{env.restart_count}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def restart_safety_warning(env: DistEnv) -> str | None:

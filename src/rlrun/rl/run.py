@@ -81,7 +81,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
         local_only = False
         if (warning := restart_safety_warning(env)) is not None:
             log.warning_once(warning)
-        init_distributed(env, backend, cfg.runtime.dist_timeout, device)
+        init_distributed(env, backend, cfg.runtime.dist_timeout)
         if node_label is not None:
             # Other nodes' labels are known only now: place the pinned roles before any group or model exists.
             # Every rank plans from the same gathered labels, so an impossible request fails alike everywhere.

@@ -7,6 +7,8 @@ also turns off transformers' packed-sequence detection from position ids.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -59,6 +61,25 @@ def _attn_implementation(model: nn.Module) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
+@contextmanager
+def projected_only(model: nn.Module, keep: torch.Tensor) -> Iterator[None]:
+    """While open, `model`'s vocab projection sees only the hidden states at `keep` ([n, W] bool): logits come
+    out as [1, N, V] in row-major order of `keep`. A pre-hook on the output embedding rather than HF's
+    `logits_to_keep`, which takes a 2-D mask only from transformers 5.2x on (5.17 indexes `hidden[:, mask]` and
+    fails: seen on an H200 with --packing_samples); the hook works on every version and under FSDP2 and
+    DeepSpeed, whose wrappers hand the call through to the same module."""
+    head = model.get_output_embeddings()
+
+    def trim(_module: nn.Module, args: tuple) -> tuple:
+        return (args[0][keep].unsqueeze(0), *args[1:])
+
+    handle = head.register_forward_pre_hook(trim)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def pack_for(model: nn.Module, part: RolloutBatch) -> PackedBatch:
     """Pack `part` for `model`'s attention kernel: one row for varlen kernels, else rows no wider than
     the padded batch (a dense block-diagonal mask over a wider row would cost more than padding)."""
@@ -71,9 +92,9 @@ def packed_response_log_probs(model: nn.Module, part: RolloutBatch, temperature:
     """Same as response_log_probs on `part` ([b, L] -> [b, R], 0 where there is no response token),
     computed on packed rows; the vocab projection runs on the N response positions only."""
     packed = pack_for(model, part)
-    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                logits_to_keep=packed.keep_mask())
-    logits = out.logits.float()  # [N, V], in pred_index order
+    with projected_only(model, packed.keep_mask()):
+        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+    logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # [N, V], in pred_index order
     logp = log_probs_from_logits(logits.unsqueeze(0), packed.targets().unsqueeze(0), temperature)[0]
     entropy = packed.scatter(entropy_from_logits(logits / temperature)) if with_entropy else None
     return packed.scatter(logp), entropy

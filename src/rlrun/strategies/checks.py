@@ -66,6 +66,10 @@ def check_deepspeed_install() -> None:
 
 def check_deepspeed_settings(train: OptimConfig, bf16: bool, *, saves: bool) -> None:
     """The --strategy deepspeed rules that hold whatever the layout (every model on every rank included)."""
+    if train.zero_stage == 0 and train.adam_offload:
+        raise ConfigError("--strategy deepspeed --zero_stage 0 --adam_offload: DeepSpeed offloads the optimizer only at "
+                          "ZeRO stages 1-3 (at stage 0 DeepSpeedCPUAdam would receive GPU parameters and assert); use "
+                          "--zero_stage 1 or 2 with --adam_offload, or drop --adam_offload")
     if train.zero_stage == 0 and bf16 and saves:
         raise ConfigError("--strategy deepspeed --zero_stage 0 --bf16 cannot save or load checkpoints yet (its fp32 master "
                           "weights are not reachable by parameter); use --zero_stage 1 or 2, or drop --save_steps/"

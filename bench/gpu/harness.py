@@ -1,0 +1,534 @@
+"""One command that checks rlrun's CUDA path on any GPU box, and (with --cpu, tiny shapes) on CI's CPUs.
+
+    PYTHONPATH=src python bench/gpu/harness.py --out /tmp/gpu_check            # on a GPU box
+    PYTHONPATH=src python bench/gpu/harness.py --cpu --out /tmp/gpu_check      # CI: the same code paths, tiny
+
+Unit checks run in this process (native engine vs HF on a Qwen2.5-0.5B-shaped random model, the log-prob
+forward's peak memory); end-to-end checks are real `torchrun -m rlrun.ppo` runs, several at a time (one GPU
+holds them all: each is small), each with its own time limit. One table at the end (check, pass/fail,
+numbers) and `results.json` (+ `logs.tar.gz` with every run's log) in --out.
+
+Timings of unit checks are taken while end-to-end runs share the GPU: read them as ratios (native vs HF in the
+same process, alternating), not as absolute speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import traceback
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Result:
+    name: str
+    status: str  # "pass", "FAIL", "info" (a measurement), "skip"
+    numbers: dict = field(default_factory=dict)
+    note: str = ""
+    seconds: float = 0.0
+
+
+# ---- end-to-end runs -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """One `torchrun -m rlrun.ppo` job: demo config plus `flags`; `steps` (GPU) or `cpu_steps`."""
+
+    name: str
+    flags: tuple[str, ...]
+    steps: int
+    cpu_steps: int = 2
+    ranks: int = 1
+    learns: bool = False  # GPU only: the last steps' reward beats the first steps' by LEARN_MARGIN
+    expect_fail: str = ""  # a defect not fixed yet: the run is expected to fail with this text in its log
+    needs: str = ""  # an importable module the run needs (skipped without it)
+    alone: bool = False  # a timing to compare: runs after the others, with the GPU to itself
+
+
+LEARN_MARGIN = 0.1
+
+RUNS: tuple[Run, ...] = (
+    Run("grpo_native_fp32", (), steps=30, learns=True),
+    Run("grpo_native_bf16", ("--bf16",), steps=30, learns=True),
+    Run("grpo_hf_engine", ("--generation_backend", "hf"), steps=8),
+    Run("grpo_packing", ("--packing_samples",), steps=8),
+    Run("grpo_gradckpt_bf16", ("--gradient_checkpointing", "--bf16"), steps=8),
+    Run("grpo_zero3_bf16", ("--zero_stage", "3", "--bf16"), steps=8),
+    Run("gae_colocated_sleep", ("--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--deepspeed_enable_sleep",
+                                "--critic_learning_rate", "1e-3"), steps=8),
+    Run("gae_colocated", ("--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--critic_learning_rate", "1e-3"),
+        steps=8),
+    Run("fsdp_adam_offload", ("--adam_offload",), steps=4),
+    # Two ranks on one GPU: NCCL refuses two ranks of a group on one device, so every group is gloo here.
+    Run("disagg_gloo_async", ("--dist_backend", "gloo", "--vllm_sync_backend", "gloo", "--vllm_num_engines", "1",
+                              "--actor_num_gpus_per_node", "1", "--async_train"), steps=10, ranks=2),
+    Run("disagg_gloo_sync", ("--dist_backend", "gloo", "--vllm_sync_backend", "gloo", "--vllm_num_engines", "1",
+                             "--actor_num_gpus_per_node", "1"), steps=10, ranks=2),
+    Run("deepspeed_disagg_gloo", ("--strategy", "deepspeed", "--zero_stage", "2", "--dist_backend", "gloo",
+                                  "--vllm_sync_backend", "gloo", "--vllm_num_engines", "1", "--actor_num_gpus_per_node",
+                                  "1"), steps=6, ranks=2, needs="deepspeed"),
+    Run("deepspeed_zero2_bf16", ("--strategy", "deepspeed", "--zero_stage", "2", "--bf16"), steps=6,
+        needs="deepspeed"),
+    Run("deepspeed_zero0_bf16", ("--strategy", "deepspeed", "--zero_stage", "0", "--bf16"), steps=6,
+        needs="deepspeed"),
+    Run("deepspeed_zero2_offload", ("--strategy", "deepspeed", "--zero_stage", "2", "--adam_offload"), steps=4,
+        needs="deepspeed"),
+    Run("throughput_0.5b_bf16", ("--model_preset", "0.5b", "--bf16", "--generate_max_len", "256",
+                                 "--rollout_batch_size", "32", "--micro_rollout_batch_size", "32",
+                                 "--train_batch_size", "128", "--micro_train_batch_size", "8",
+                                 "--actor_learning_rate", "1e-6"), steps=3, cpu_steps=0, alone=True),
+    Run("throughput_0.5b_bf16_hf", ("--model_preset", "0.5b", "--bf16", "--generate_max_len", "256",
+                                    "--rollout_batch_size", "32", "--micro_rollout_batch_size", "32",
+                                    "--train_batch_size", "128", "--micro_train_batch_size", "8",
+                                    "--actor_learning_rate", "1e-6", "--generation_backend", "hf"), steps=3, cpu_steps=0,
+        alone=True),
+    Run("throughput_0.5b_pack_gc", ("--model_preset", "0.5b", "--bf16", "--generate_max_len", "256",
+                                    "--rollout_batch_size", "32", "--micro_rollout_batch_size", "32",
+                                    "--train_batch_size", "128", "--micro_train_batch_size", "8",
+                                    "--actor_learning_rate", "1e-6", "--packing_samples", "--gradient_checkpointing"),
+        steps=3, cpu_steps=0),
+)
+
+
+def _metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _tail(log: Path, lines: int = 4) -> str:
+    text = log.read_text(errors="replace").splitlines() if log.exists() else []
+    keep = [t.strip() for t in text if t.strip() and "Warning" not in t and "warn(" not in t]
+    return " | ".join(keep[-lines:])[-600:]
+
+
+def _summarise(rows: list[dict]) -> dict:
+    if not rows:
+        return {}
+    rewards = [r["reward"] for r in rows]
+    later = rows[1:] or rows  # the first step carries warm-up (allocator, kernels, compilation)
+    out = {
+        "steps": len(rows),
+        "reward_first": round(statistics.mean(rewards[:5]), 3),
+        "reward_last": round(statistics.mean(rewards[-5:]), 3),
+        "s_per_step": round(statistics.median(r["time/step"] for r in later), 3),
+        "generate_s": round(statistics.median(r.get("time/generate", 0.0) for r in later), 3),
+        "train_s": round(statistics.median(r.get("time/train", 0.0) for r in later), 3),
+        "tokens_per_s": round(statistics.median(r.get("tokens_per_s", 0.0) for r in later), 1),
+    }
+    diff = [r["rollout/engine_vs_actor_logprob_diff"] for r in rows if "rollout/engine_vs_actor_logprob_diff" in r]
+    if diff:
+        out["engine_vs_actor_lp_diff_max"] = float(f"{max(diff):.3g}")
+    return out
+
+
+def _torchrun(run: Run, steps: int, workdir: Path, device: str, extra: tuple[str, ...], log: Path,
+              timeout: float) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(run.ranks),
+           "-m", "rlrun.ppo", "--config", str(ROOT / "configs" / "demo.yaml"), "--device", device,
+           "--max_steps", str(steps), "--save_path", str(workdir), "--ckpt_path", str(workdir / "ckpt"),
+           *run.flags, *extra]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+    with log.open("a") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        try:
+            return subprocess.run(cmd, cwd=workdir, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout, check=False).returncode
+        except subprocess.TimeoutExpired:
+            f.write(f"\nharness: killed after {timeout:.0f} s\n")
+            return 124
+
+
+def run_e2e(run: Run, out: Path, cpu: bool, timeout: float) -> Result:
+    steps = run.cpu_steps if cpu else run.steps
+    if steps == 0:
+        return Result(run.name, "skip", note="GPU only")
+    if run.needs:
+        try:
+            __import__(run.needs)
+        except Exception as exc:  # noqa: BLE001 - any import failure means "not installed here"
+            return Result(run.name, "skip", note=f"{run.needs} not importable: {type(exc).__name__}: {exc}"[:200])
+    workdir = out / "runs" / run.name
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = out / "logs" / f"{run.name}.log"
+    start = time.perf_counter()
+    rc = _torchrun(run, steps, workdir, "cpu" if cpu else "cuda", (), log, timeout)
+    seconds = time.perf_counter() - start
+    numbers = _summarise(_metrics(workdir / "metrics.jsonl"))
+    numbers["rc"] = rc
+    if run.expect_fail:
+        found = run.expect_fail in (log.read_text(errors="replace") if log.exists() else "")
+        status = "pass" if rc != 0 and found else "FAIL"
+        note = f"expected failure ({run.expect_fail!r}) " + ("seen" if found else "NOT seen: " + _tail(log))
+        return Result(run.name, status, numbers, note, seconds)
+    if rc != 0:
+        return Result(run.name, "FAIL", numbers, _tail(log), seconds)
+    if numbers.get("steps", 0) != steps:
+        return Result(run.name, "FAIL", numbers, f"{numbers.get('steps', 0)} metric rows for {steps} steps", seconds)
+    if run.learns and not cpu and numbers["reward_last"] < numbers["reward_first"] + LEARN_MARGIN:
+        return Result(run.name, "FAIL", numbers, f"reward did not rise by {LEARN_MARGIN}", seconds)
+    return Result(run.name, "pass", numbers, "", seconds)
+
+
+def run_resume(out: Path, cpu: bool, timeout: float) -> Result:
+    """4 steps saving every 2; then step_4 removed and the run resumed from step 2: steps 3-4 must repeat exactly."""
+    run = Run("resume_exact", ("--save_steps", "2"), steps=4)
+    device = "cpu" if cpu else "cuda"
+    base = out / "runs" / run.name
+    log = out / "logs" / f"{run.name}.log"
+    base.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    rc = _torchrun(run, 4, base, device, (), log, timeout)
+    first = _metrics(base / "metrics.jsonl")
+    steps = sorted((base / "ckpt").glob("step_*")) if (base / "ckpt").exists() else []
+    if rc != 0 or len(first) != 4 or len(steps) < 2:
+        return Result(run.name, "FAIL", {"rc": rc, "checkpoints": len(steps)}, _tail(log), time.perf_counter() - start)
+    import shutil
+    shutil.rmtree(steps[-1])
+    (base / "metrics.jsonl").rename(base / "metrics_first.jsonl")
+    rc = _torchrun(run, 4, base, device, ("--load_checkpoint",), log, timeout)
+    second = _metrics(base / "metrics.jsonl")
+    seconds = time.perf_counter() - start
+    if rc != 0 or [r["step"] for r in second] != [3, 4]:
+        return Result(run.name, "FAIL", {"rc": rc, "resumed_steps": [r["step"] for r in second]}, _tail(log), seconds)
+    diffs = {k: abs(a[k] - b[k]) for a, b in zip(first[2:], second) for k in ("reward", "actor/policy_loss")}
+    worst = max(diffs.values())
+    status = "pass" if worst == 0.0 else "FAIL"
+    return Result(run.name, status, {"max_abs_diff_steps_3_4": worst}, "" if worst == 0 else "resume is not exact",
+                  seconds)
+
+
+def run_pipeline(out: Path, cpu: bool, timeout: float) -> Result:
+    """examples/pipeline/run.sh on one rank: SFT -> RM -> PPO under that RM, and DPO (each stage on this device)."""
+    base = out / "runs" / "pipeline"
+    log = out / "logs" / "pipeline.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1", "RLRUN_PYTHON": sys.executable}
+    start = time.perf_counter()
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run(["bash", str(ROOT / "examples" / "pipeline" / "run.sh"), str(base), "1"], cwd=ROOT,
+                                env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    numbers: dict = {"rc": rc}
+    for stage in ("sft", "rm", "ppo", "dpo"):
+        rows = _metrics(base / stage / "metrics.jsonl")
+        evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+        if stage == "ppo" and rows:
+            numbers["ppo_reward"] = f"{rows[0]['reward']:.2f}->{rows[-1]['reward']:.2f}"
+        elif stage == "sft" and rows:
+            losses = [r["loss"] for r in rows if "loss" in r]
+            numbers["sft_loss"] = f"{losses[0]:.2f}->{losses[-1]:.2f}" if losses else None
+        elif evals:
+            acc = [v for k, v in evals[-1].items() if k.endswith("acc")]
+            numbers[f"{stage}_eval_acc"] = round(acc[0], 3) if acc else None
+    ok = rc == 0
+    return Result("pipeline", "pass" if ok else "FAIL", numbers, "" if ok else _tail(log), time.perf_counter() - start)
+
+
+# ---- unit checks (in this process) -----------------------------------------------------------------------------
+
+
+def check_env(cpu: bool) -> Result:
+    import torch
+    import transformers
+    numbers = {"torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0]}
+    if not cpu:
+        if not torch.cuda.is_available():
+            return Result("env", "FAIL", numbers, "torch.cuda.is_available() is False (run with --cpu on a CPU box)")
+        props = torch.cuda.get_device_properties(0)
+        numbers |= {"gpu": props.name, "gpu_gib": round(props.total_memory / 2**30, 1),
+                    "cuda": torch.version.cuda, "bf16": torch.cuda.is_bf16_supported()}
+    for module in ("deepspeed", "flash_attn", "vllm", "peft"):
+        try:
+            mod = __import__(module)
+            numbers[module] = getattr(mod, "__version__", "?")
+        except Exception:  # noqa: BLE001 - optional extras
+            numbers[module] = None
+    return Result("env", "pass", numbers)
+
+
+def _qwen_05b_config(cpu: bool):
+    """Qwen2.5-0.5B's shape (vocab 151936, tied embeddings) on GPU; a tiny one with the same structure on CPU."""
+    from transformers import Qwen2Config
+    if cpu:
+        return Qwen2Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                           max_position_embeddings=1024)
+    return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                       max_position_embeddings=32768, rope_theta=1000000.0)
+
+
+def _model(cpu: bool):
+    import torch
+    from rlrun.models.tiny import build_causal_lm
+    dtype = torch.float32 if cpu else torch.bfloat16
+    model = build_causal_lm(_qwen_05b_config(cpu), seed=0, dtype=dtype)
+    return model.to("cpu" if cpu else "cuda").eval()
+
+
+def check_engine_vs_hf(cpu: bool) -> Result:
+    """Native engine vs HF on the same random model: prefill logits, teacher-forced log-probs of the engine's samples,
+    tokens/s of both (alternating, median of 3), host syncs per decoded token."""
+    import torch
+    from rlrun.engines.base import HFEngine, SamplingSettings
+    from rlrun.engines.native import NativeEngine
+    from rlrun.roles.forward import response_log_probs
+
+    device = torch.device("cpu" if cpu else "cuda")
+    model = _model(cpu)
+    vocab = model.config.vocab_size
+    rows, new = (4, 8) if cpu else (64, 128)
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(8 if cpu else 32, 16 if cpu else 256, (rows,), generator=gen).tolist()
+    prompts = [torch.randint(10, vocab - 1, (n,), generator=gen).tolist() for n in lengths]
+    settings = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=new, pad_id=0, eos_id=vocab - 1)
+    native = NativeEngine(model, settings, device)
+    hf = HFEngine(model, settings, device)
+
+    # prefill logits vs HF's forward of the left-padded batch
+    width = max(lengths)
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    valid = torch.zeros(rows, width, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        valid[i, width - len(p):] = True
+    ids, valid = ids.to(device), valid.to(device)
+    with torch.no_grad():
+        mine = native.decoder.prefill(ids, valid, native.decoder.new_cache(rows, width + 1))
+        from rlrun.models.loading import position_ids_from
+        ref = model(input_ids=ids, attention_mask=valid.long(), position_ids=position_ids_from(valid.long()),
+                    use_cache=False, logits_to_keep=1).logits[:, -1].float()
+    prefill_rel = float((mine - ref).norm() / ref.norm())
+
+    out = native.sample(prompts, seed=3)
+    # teacher-forced log-probs of those samples through the HF forward the actor uses
+    diffs = []
+    for p, r, lp in zip(prompts, out.responses, out.log_probs):
+        seq = torch.tensor([p + r], device=device)
+        mask = torch.ones_like(seq)
+        with torch.no_grad():
+            actor, _ = response_log_probs(model, seq, mask, len(r), 1.0)
+        diffs.append(float((actor[0].float().cpu() - torch.tensor(lp)).abs().max()))
+
+    syncs = 0
+    if not cpu:
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            native.sample(prompts, seed=4)
+        torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+
+    def timed(engine) -> tuple[float, int]:
+        if not cpu:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        g = engine.sample(prompts, seed=5)
+        if not cpu:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t, sum(len(r) for r in g.responses)
+
+    times: dict[str, list[float]] = {"native": [], "hf": []}
+    tokens: dict[str, int] = {}
+    for _ in range(3):
+        for name, engine in (("native", native), ("hf", hf)):
+            s, n = timed(engine)
+            times[name].append(s)
+            tokens[name] = n
+    native_tps = tokens["native"] / statistics.median(times["native"])
+    hf_tps = tokens["hf"] / statistics.median(times["hf"])
+    numbers = {"prefill_logits_rel_err": float(f"{prefill_rel:.3g}"),
+               "lp_diff_max": float(f"{max(diffs):.3g}"), "lp_diff_mean": float(f"{statistics.mean(diffs):.3g}"),
+               "native_tok_s": round(native_tps), "hf_tok_s": round(hf_tps),
+               "native_over_hf": round(native_tps / hf_tps, 2), "rows": rows, "new_tokens": new,
+               "host_syncs_per_token": round(syncs / new, 2) if not cpu else None}
+    tolerance = 1e-3 if cpu else 0.05  # bf16 on GPU: the two forwards round differently
+    ok = prefill_rel < tolerance * 10 and max(diffs) < (1e-3 if cpu else 0.5)
+    return Result("engine_vs_hf", "pass" if ok else "FAIL", numbers,
+                  "" if ok else "native engine disagrees with HF beyond tolerance")
+
+
+def check_logprob_memory(cpu: bool) -> Result:
+    """Peak memory of the actor's log-prob + entropy forward and backward at a long response, next to the size of
+    the full fp32 [b, R, vocab] logits it would hold unchunked."""
+    import torch
+    from rlrun.roles.forward import response_log_probs
+    if cpu:
+        return Result("logprob_memory", "skip", note="GPU only (peak memory from the CUDA allocator)")
+    model = _model(cpu).train()
+    b, prompt, resp = 2, 1024, 3072
+    vocab = model.config.vocab_size
+    seq = torch.randint(10, vocab - 1, (b, prompt + resp), device="cuda")
+    mask = torch.ones_like(seq)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    logp, ent = response_log_probs(model, seq, mask, resp, 1.0, with_entropy=True)
+    (logp.sum() + ent.sum()).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    full = b * (resp + 1) * vocab * 4
+    return Result("logprob_memory", "info", {"peak_gib": round(peak / 2**30, 2),
+                                             "full_fp32_logits_gib": round(full / 2**30, 2),
+                                             "shape": f"[{b}, {prompt}+{resp}] vocab {vocab}"},
+                  "measurement for the memory issue (chunked logits); not a pass/fail")
+
+
+def check_prefill_memory(cpu: bool) -> Result:
+    """Peak memory and time of the native engine's prefill of long left-padded prompts (a math-kernel fallback would
+    materialise [B, H, W, W] fp32 scores, B*H*W*W*4 bytes), and one layer's attention both ways: SDPA's enable_gqa
+    with the boolean mask (what the engine does) against K/V repeated per query head."""
+    import torch
+    from rlrun.engines.decoder import Decoder
+    if cpu:
+        return Result("prefill_memory", "skip", note="GPU only (peak memory from the CUDA allocator)")
+    model = _model(cpu)
+    decoder = Decoder(model)
+    rows, width = 16, 2048
+    ids = torch.randint(10, model.config.vocab_size - 1, (rows, width), device="cuda")
+    valid = torch.ones(rows, width, dtype=torch.bool, device="cuda")
+    valid[::2, : width // 2] = False  # half the rows left-padded to half the width
+    decoder.prefill(ids, valid, decoder.new_cache(rows, width))  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    decoder.prefill(ids, valid, decoder.new_cache(rows, width))
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() - base
+    scores = rows * model.config.num_attention_heads * width * width * 4
+    numbers = {"peak_gib": round(peak / 2**30, 2), "materialised_scores_gib": round(scores / 2**30, 2),
+               "prefill_s": round(seconds, 3), "shape": f"[{rows}, {width}]"}
+    heads, kv, dim = decoder.heads, decoder.kv_heads, decoder.head_dim
+    q = torch.randn(rows, heads, width, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(rows, kv, width, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = (torch.ones(width, width, dtype=torch.bool, device="cuda").tril() & valid[:, None, :])[:, None]
+    mask |= torch.eye(width, dtype=torch.bool, device="cuda")
+    F = torch.nn.functional
+    for name, call in (("gqa_flag", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)),
+                       ("repeated_kv", lambda: F.scaled_dot_product_attention(
+                           q, k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1), attn_mask=mask))):
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        numbers[f"layer_{name}_ms"] = round(1000 * (time.perf_counter() - start), 2)
+        numbers[f"layer_{name}_peak_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
+    return Result("prefill_memory", "info", numbers)
+
+
+UNIT_CHECKS: tuple[Callable[[bool], Result], ...] = (check_engine_vs_hf, check_prefill_memory, check_logprob_memory)
+
+
+def _guarded(name: str, fn: Callable[[], Result]) -> Result:
+    start = time.perf_counter()
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check, reported in the table
+        traceback.print_exc()
+        result = Result(name, "FAIL", note=f"{type(exc).__name__}: {exc}"[:600])
+    result.seconds = round(time.perf_counter() - start, 1)
+    return result
+
+
+def _print_table(results: list[Result]) -> None:
+    print(f"\n{'check':28} {'result':6} {'s':>6}  numbers / note")
+    for r in results:
+        nums = ", ".join(f"{k}={v}" for k, v in r.numbers.items())
+        print(f"{r.name:28} {r.status:6} {r.seconds:6.0f}  {nums}" + (f"  -- {r.note}" if r.note else ""))
+
+
+# DeepSpeed's checks need these on a GPU box with no package registry (pure Python but pydantic-core).
+WHEELS = ("hjson", "annotated-types", "typing-inspection", "pydantic>=2,<3", "pydantic-core", "typing_extensions>=4.16")
+
+
+def fetch_wheels(folder: Path, python: str) -> int:
+    """On a machine with a package registry: the wheels DeepSpeed's checks need, for CPython `python` on x86-64
+    Linux, into `folder` (carry it to the GPU box; README says how to install it there)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip"]
+    steps = [pip + ["wheel", "--no-deps", "-w", str(folder), "deepspeed>=0.19.8,<0.20"],  # an sdist: built here
+             pip + ["download", "--no-deps", "--only-binary=:all:", "--python-version", python, "--implementation",
+                    "cp", "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64", "-d",
+                    str(folder), *WHEELS]]
+    for cmd in steps:
+        if (rc := subprocess.run(cmd, check=False).returncode) != 0:
+            print(f"harness: {' '.join(cmd[:4])} ... failed with exit code {rc}", file=sys.stderr)
+            return rc
+    print(f"harness: wheels in {folder}: " + ", ".join(sorted(p.name for p in folder.glob("*.whl"))))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="CPU, tiny shapes (CI): the same code paths, no GPU.")
+    parser.add_argument("--out", type=Path, default=Path("gpu_check"), help="Results, logs and run folders go here.")
+    parser.add_argument("--only", nargs="*", default=None, help="Run only these checks (names from the table).")
+    parser.add_argument("--jobs", type=int, default=6, help="End-to-end runs at a time.")
+    parser.add_argument("--run_timeout", type=float, default=300, help="Seconds one end-to-end run may take.")
+    parser.add_argument("--fetch_wheels", type=Path, default=None, metavar="DIR",
+                        help="Only fetch the wheels DeepSpeed's checks need into DIR (on a machine with a registry).")
+    parser.add_argument("--wheel_python", default="3.12", help="Python version of the GPU box, for --fetch_wheels.")
+    args = parser.parse_args(argv)
+    if args.fetch_wheels is not None:
+        return fetch_wheels(args.fetch_wheels, args.wheel_python)
+    out: Path = args.out.resolve()
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+
+    def wanted(name: str) -> bool:
+        return args.only is None or name in args.only
+
+    results = [_guarded("env", lambda: check_env(args.cpu))]
+    if results[0].status == "FAIL":
+        _print_table(results)
+        return 1
+    runs = [r for r in RUNS if wanted(r.name) and not r.alone]
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = [pool.submit(_guarded, r.name, lambda r=r: run_e2e(r, out, args.cpu, args.run_timeout))
+                   for r in runs]
+        if wanted("pipeline"):
+            futures.append(pool.submit(_guarded, "pipeline", lambda: run_pipeline(out, args.cpu, 2 * args.run_timeout)))
+        if wanted("resume_exact"):
+            futures.append(pool.submit(_guarded, "resume_exact",
+                                       lambda: run_resume(out, args.cpu, args.run_timeout)))
+        for check in UNIT_CHECKS:
+            name = check.__name__.removeprefix("check_")
+            if wanted(name):
+                results.append(_guarded(name, lambda c=check: c(args.cpu)))
+        results.extend(f.result() for f in futures)
+    for run in (r for r in RUNS if r.alone and wanted(r.name)):
+        results.append(_guarded(run.name, lambda r=run: run_e2e(r, out, args.cpu, args.run_timeout)))
+    (out / "results.json").write_text(json.dumps([r.__dict__ for r in results], indent=1))
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+        tar.add(out / "logs", arcname="logs")
+    _print_table(results)
+    failed = [r.name for r in results if r.status == "FAIL"]
+    print(f"\n{len(results)} checks: {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

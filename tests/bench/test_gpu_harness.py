@@ -1,0 +1,42 @@
+"""bench/gpu/harness.py in --cpu mode, so the GPU harness never rots between the rare sessions with a GPU: every run
+it knows is a valid rlrun job (parsed and planned as on its GPU, at its world size), and a real subset runs end to end
+(the in-process native-vs-HF check and one torchrun job), writing its table, results.json and logs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, subprocess_env
+
+sys.path.insert(0, str(REPO / "bench" / "gpu"))
+import harness  # noqa: E402
+
+from rlrun.cli.parser import parse_args  # noqa: E402
+from rlrun.rl.planning import plan  # noqa: E402
+
+
+@pytest.mark.parametrize("run", harness.RUNS, ids=lambda r: r.name)
+def test_every_run_is_a_valid_job_at_its_world_size(run: harness.Run) -> None:
+    cfg = parse_args(["--config", str(REPO / "configs" / "demo.yaml"), "--device", "cuda",
+                      "--max_steps", str(run.steps), *run.flags]).config
+    layout = plan(cfg, world_size=run.ranks, ranks_per_node=run.ranks).layout
+    assert layout.world_size == run.ranks
+
+
+def test_cpu_mode_runs_checks_and_writes_results(tmp_path) -> None:
+    out = tmp_path / "gpu_check"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "harness.py"), "--cpu", "--out", str(out),
+                           "--only", "engine_vs_hf", "grpo_packing", "--jobs", "1"],
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    results = {r["name"]: r for r in json.loads((out / "results.json").read_text())}
+    assert {name: r["status"] for name, r in results.items()} == {"env": "pass", "engine_vs_hf": "pass",
+                                                                  "grpo_packing": "pass"}
+    assert results["engine_vs_hf"]["numbers"]["lp_diff_max"] < 1e-3
+    assert results["grpo_packing"]["numbers"]["steps"] == 2
+    assert (out / "logs.tar.gz").stat().st_size > 0
+    assert "grpo_packing" in proc.stdout and "0 failed" in proc.stdout
