@@ -10,11 +10,16 @@
   "content": Search-R1's "base" instruction + question}], `ability` "fact-reasoning", `reward_model`
   {"style": "rule", "ground_truth": {"target": [answers]}}, `extra_info` {"split", "index"}, plus FlashRAG's own
   columns `id`, `question`, `golden_answers` (not popped by the script).
+- The Hugging Face hub cache as `huggingface_hub` lays it out (`hf download`): `{repo_type}s--{owner}--{name}/`
+  with `refs/main` (the commit), `blobs/<sha256>` (the bytes) and `snapshots/<commit>/<path>` relative symlinks to
+  the blobs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -31,7 +36,7 @@ def write_openrlhf_prompt_collection(path: Path, prompts: list[dict[str, str]], 
     return path
 
 
-def _write_parquet(path: Path, rows: list[dict]) -> Path:
+def write_parquet(path: Path, rows: list[dict]) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -46,7 +51,7 @@ def write_verl_gsm8k(path: Path, questions: list[tuple[str, str]], split: str = 
              "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer},
              "extra_info": {"split": split, "index": i, "answer": f"... #### {answer}", "question": question}}
             for i, (question, answer) in enumerate(questions)]
-    return _write_parquet(path, rows)
+    return write_parquet(path, rows)
 
 
 def write_search_r1_nq(path: Path, records: list[dict], split: str = "train") -> Path:
@@ -57,4 +62,22 @@ def write_search_r1_nq(path: Path, records: list[dict], split: str = "train") ->
              "reward_model": {"style": "rule", "ground_truth": {"target": r["golden_answers"]}},
              "extra_info": {"split": split, "index": i}}
             for i, r in enumerate(records)]
-    return _write_parquet(path, rows)
+    return write_parquet(path, rows)
+
+
+def lay_out_hub_cache(cache: Path, repo_id: str, files_from: Path, repo_type: str = "model",
+                      commit: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """Put the files under `files_from` into the hub cache at `cache` as repo `repo_id`; returns the snapshot."""
+    repo = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for path in sorted(p for p in files_from.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snapshot / path.relative_to(files_from)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return snapshot

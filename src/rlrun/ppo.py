@@ -6,6 +6,7 @@ and always tear down.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import TYPE_CHECKING, Sequence
 
@@ -14,6 +15,7 @@ from rlrun.launch.dist import uses_cuda
 from rlrun.launch.env import read_node_label
 from rlrun.launch.failures import checked_on_every_rank, launch_environment
 from rlrun.launch.layout_text import format_layout_table
+from rlrun.models.hub import resolve_models
 from rlrun.rl.planning import Plan, asks_node_labels, plan
 from rlrun.runtime.log import get_logger
 
@@ -29,6 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def parse() -> tuple[ParsedArgs, "GenerationChoice", Plan]:
         parsed = parse_args(argv)
+        cfg = parsed.config
+        # Hub ids become their cached snapshots (downloaded now, unless this is a dry run or HF_HUB_OFFLINE=1).
+        cfg = dataclasses.replace(cfg, model=resolve_models(cfg.model, download=not cfg.runtime.dry_run))
+        parsed = dataclasses.replace(parsed, config=cfg)
         # One node: its label is this process's own, so pinned roles are placed (and checked) now; with more
         # nodes the labels are gathered at start-up (rlrun.rl.run) and the placement is redone there.
         one_node = env.world_size == env.local_world_size

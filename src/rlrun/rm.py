@@ -9,6 +9,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.cli.parser import CliSpec
+from rlrun.data.sources import DataSpec
 from rlrun.compat.openrlhf_supervised_flags import RM_DOTTED, RM_IGNORED
 from rlrun.supervised.build import reward_model, trainable
 from rlrun.supervised.config import RMConfig
@@ -21,7 +22,8 @@ CLI = CliSpec(prog="python -m rlrun.rm", description="Reward-model training (Ope
               defaults={"ckpt_path": "./ckpt/checkpoints_rm", "learning_rate": 9e-6, "max_len": 512, "max_epochs": 1, "micro_train_batch_size": 1})
 
 
-def load_pairs(cfg: Any, tokenizer: PreTrainedTokenizerBase, path: str, task: PairTask = "reward_model") -> Loaded[Preference]:
+def load_pairs(cfg: Any, tokenizer: PreTrainedTokenizerBase, path: str | DataSpec,
+               task: PairTask = "reward_model") -> Loaded[Preference]:
     """Preference pairs with the trainer's keys (rlrun.rm, and rlrun.dpo with task "dpo")."""
     d = cfg.data
     return load_preferences(path, tokenizer, prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key,

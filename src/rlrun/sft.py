@@ -9,6 +9,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.cli.parser import CliSpec
+from rlrun.data.sources import DataSpec
 from rlrun.compat.openrlhf_supervised_flags import SFT_DOTTED, SFT_IGNORED
 from rlrun.models.loading import load_causal_lm
 from rlrun.supervised.build import trainable
@@ -23,7 +24,7 @@ CLI = CliSpec(prog="python -m rlrun.sft", description="Supervised fine-tuning (O
                         "input_template": "User: {}\nAssistant: "})
 
 
-def _load(cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, path: str) -> Loaded[Completion]:
+def _load(cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, path: str | DataSpec) -> Loaded[Completion]:
     d = cfg.data
     return load_completions(path, tokenizer, input_key=d.input_key, output_key=d.output_key,
                             input_template=d.input_template, apply_chat_template=d.apply_chat_template,

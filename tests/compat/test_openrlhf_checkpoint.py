@@ -218,8 +218,8 @@ def test_converter_writes_hf_dirs_that_rlrun_trains_from(one_rank, pretrain_dir,
     assert state["client_state"]["global_step"] == 3 and state["tag"] == TAG and state["zero_stage"] == 2
     assert (out / "actor" / "tokenizer.json").exists()
 
-    res = run_rlrun(1, ["--config", "configs/demo.yaml", "--pretrain", str(out / "actor"), "--critic_pretrain",
-                        str(out / "critic"), "--advantage_estimator", "gae", "--max_steps", "2",
+    res = run_rlrun(1, ["--config", "configs/demo.yaml", "--remote_rm_url", "demo", "--pretrain", str(out / "actor"),
+                        "--critic_pretrain", str(out / "critic"), "--advantage_estimator", "gae", "--max_steps", "2",
                         "--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
                         "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "4",
                         "--generate_max_len", "8"], tmp_path / "run", timeout=300)
@@ -230,8 +230,8 @@ def test_converter_writes_hf_dirs_that_rlrun_trains_from(one_rank, pretrain_dir,
 
 # ---- --load_openrlhf_checkpoint on rlrun.ppo ----------------------------------------------------------------
 
-FLAG_RUN = ["--config", "configs/demo.yaml", "--advantage_estimator", "gae", "--max_steps", "1",
-            "--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
+FLAG_RUN = ["--config", "configs/demo.yaml", "--remote_rm_url", "demo", "--advantage_estimator", "gae",
+            "--max_steps", "1", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
             "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "4", "--generate_max_len", "8",
             # learning rate 0: the saved models must then be exactly what the checkpoint held
             "--actor_learning_rate", "0", "--critic_learning_rate", "0", "--save_value_network"]

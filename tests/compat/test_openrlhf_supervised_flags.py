@@ -13,7 +13,7 @@ from helpers import value_tokens
 from rlrun.cli.parser import IGNORED_FLAGS
 from rlrun.compat.openrlhf_flags import OPENRLHF_DOTTED, ByValue, Ignored, Meaning, Same, resolve, translate
 from rlrun.compat.openrlhf_supervised_flags import (DPO_DOTTED, DPO_IGNORED, RM_DOTTED, RM_IGNORED, SFT_DOTTED,
-                                                    SFT_IGNORED, SPLIT)
+                                                    SFT_IGNORED)
 from rlrun.compat.reasons import NOT_YET, refused
 from rlrun.config.fields import fields_of
 from rlrun.runtime.errors import ConfigError
@@ -25,7 +25,8 @@ COMMON_FIELDS = {
     "pretrain", "model_preset", "bf16", "flash_attn", "attn_implementation", "gradient_checkpointing",
     "train_batch_size", "micro_train_batch_size", "max_epochs", "packing_samples", "max_samples", "max_steps",
     "learning_rate", "lr_warmup_ratio", "adam_betas", "max_norm", "max_skipped_steps", "l2", "zero_stage",
-    "adam_offload", "strategy", "seed", "max_len", "dataset", "eval_dataset", "input_template",
+    "adam_offload", "strategy", "seed", "max_len", "dataset", "dataset_probs", "dataset_split", "eval_dataset",
+    "eval_split", "input_template",
     "apply_chat_template", "tokenizer_chat_template", "save_path", "ckpt_path", "save_steps", "load_checkpoint",
     "max_ckpt_num", "logging_steps", "eval_steps", "metrics_file", "use_wandb", "wandb_org", "wandb_project",
     "wandb_group", "wandb_run_name", "use_tensorboard", "device", "dist_backend", "dist_timeout", "dry_run",
@@ -44,7 +45,6 @@ TRAINERS = sorted(TABLES)
 # Flags train_ppo_ray also has, with another meaning in these trainers.
 OVERRIDES = {
     "ref.offload": "PPO's --ref.offload is ref_reward_offload; DPO's is ref_offload",
-    "eval.split": "an error for any split but 'train' here (PPO: reported as ignored)",
     "data.dataloader_num_workers": "PPO's reason names the prompt file",
 }
 
@@ -163,7 +163,7 @@ def test_dpo_command_line_of_0_11_translates_to_classic_flags():
     assert out.argv == ["--pretrain", "/m", "--ref_pretrain", "/r", "--beta", "0.1", "--ipo", "--label_smoothing",
                         "0.05", "--dataset", "d.jsonl", "--chosen_key", "c", "--train_batch_size", "64",
                         "--learning_rate", "5e-7", "--adam_betas", "0.9", "0.99", "--bf16", "true", "--ref_offload",
-                        "--save_path", "/out", "--nll_loss_coef", "0.2", "--max_norm", "0.5", "--max_len", "1024",
+                        "--save_path", "/out", "--eval_split", "train", "--nll_loss_coef", "0.2", "--max_norm", "0.5", "--max_len", "1024",
                         "--l2=0.1"]
     assert out.ignored == [f"--ds.lora.rank: ignored ({NOT_YET})",
                            "--muon.lr: ignored (only used with --optim muon; rlrun trains with AdamW only)"]
@@ -187,10 +187,6 @@ def test_sft_and_rm_command_lines_translate():
 def test_bad_values_fail_under_the_dotted_name():
     with pytest.raises(ConfigError, match=r"--model\.loss_type"):
         translate(["--model.loss_type", "hinge"], _fields("rm"), RM_IGNORED, RM_DOTTED)
-    with pytest.raises(ConfigError, match=r"--eval\.split test: rlrun reads local files and the 'train' split"):
-        translate(["--eval.split", "test"], _fields("dpo"), DPO_IGNORED, DPO_DOTTED)
-    with pytest.raises(ConfigError, match=r"--data\.dataset_split validation: .*save the split you want"):
-        translate(["--data.dataset_split", "validation"], _fields("sft"), SFT_IGNORED, SFT_DOTTED)
     with pytest.raises(ConfigError, match="unknown flag '--model.bta'; did you mean '--model.beta'"):
         translate(["--model.bta", "0.1"], _fields("dpo"), DPO_IGNORED, DPO_DOTTED)
     with pytest.raises(ConfigError, match=r"--ds\.param_dtype fp16: .*fp16 is not supported"):
@@ -202,9 +198,9 @@ def test_missing_fields_report_the_trainers_reason(trainer):
     table, ignored = TABLES[trainer]
     fields = _fields(trainer)
     assert resolve("ckpt.save_hf", fields, ignored, table) == Ignored(0, NOT_YET)
-    assert resolve("data.dataset_probs", fields, ignored, table) == Ignored(1, ignored["dataset_probs"][1])
+    assert resolve("data.dataset_probs", fields, ignored, table) == Same("dataset_probs", 1)
+    assert resolve("data.dataset_split", fields, ignored, table) == Same("dataset_split", 1)
     assert resolve("model.aux_loss_coef", fields, ignored, table).reason.startswith("the MoE load-balancing loss")
-    assert ignored["eval_split"] == (1, SPLIT)
     # A reported flag never resolves to a field the trainer lacks.
     for name in table:
         meaning = resolve(name, fields, ignored, table)

@@ -239,7 +239,7 @@ def test_skipped_keys_are_reported():
     ("~trainer.logger=x", "rlrun has no key deletion"),
     ("trainer.resume_mode=resume_path", "use trainer.resume_mode=auto"),
     ("actor_rollout_ref.rollout.name=sglang", "rlrun generates with vllm or hf"),
-    ("data.train_files=[a.parquet,b.parquet]", "rlrun reads one prompt file"),
+    ("data.train_files=[]", "give one or more files"),
     ("data.train_batch_size=many", r"rollout_batch_size \(from data.train_batch_size\) must be an integer"),
     ("actor_rollout_ref.actor.ppo_mini_batch_size=many", "ppo_mini_batch_size must be an integer, got 'many'"),
 ])

@@ -171,7 +171,7 @@ def test_dataset_dict_without_train_and_plain_dir(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"without a 'train' split \(splits: \['test'\]\)"):
         load_prompt_records(str(tmp_path / "dd"), PromptKeys("question"))
     (tmp_path / "plain").mkdir()
-    with pytest.raises(DataError, match="not one written by datasets"):
+    with pytest.raises(DataError, match="holds no data files .* and was not written by save_to_disk"):
         load_prompt_records(str(tmp_path / "plain"))
 
 

@@ -551,7 +551,7 @@ CASES: list[Case] = [
          ["world size 4", "actor 3", "ref 3"], check=lambda o, c: _assert_exitcodes(o, 2)),
     # The policy's config.json is read while parsing (it decides the generation backend): a configuration error.
     Case("missing_pretrain", 2, lambda c: SMALL + DEMO_RM + ["--pretrain", str(c.dir / "no_such_model")],
-         ["error: --pretrain", "no_such_model", "not a local directory"], check=lambda o, c: _assert_exitcodes(o, 2)),
+         ["error: --pretrain", "no_such_model", "no such file or directory, and not a Hugging Face Hub id"], check=lambda o, c: _assert_exitcodes(o, 2)),
     # -- files read before the first collective: every rank fails alike, rank 0 says it once -----------------
     Case("missing_prompt_data", 2, lambda c: SMALL + DEMO_RM + ["--prompt_data", str(c.dir / "nope.jsonl")],
          ["FAILED", "phase startup", "DataError", "nope.jsonl", "does not exist"]),

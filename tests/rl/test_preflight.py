@@ -9,10 +9,12 @@ import re
 
 import pytest
 from helpers import REPO
-from peer_data import write_verl_gsm8k
+from peer_data import lay_out_hub_cache, write_verl_gsm8k
 
 import rlrun.ppo
 from rlrun.cli.parser import parse_args
+from rlrun.models import hub
+from rlrun.models.tiny import build_byte_tokenizer, tiny_model_config
 from rlrun.rl.preflight import preflight
 from rlrun.runtime.errors import RlrunError
 
@@ -68,3 +70,27 @@ def test_what_would_fail_at_step_0_fails_the_dry_run(tmp_path, single_process, c
     assert rc == 2
     errors = [line for line in (err.out + err.err).splitlines() if "error" in line]
     assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_hub_ids_resolve_from_the_cache_and_an_offline_miss_fails_the_dry_run(tmp_path, single_process, capsys,
+                                                                             monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub.resolve.cache_clear()
+    model = tmp_path / "model"
+    build_byte_tokenizer().save_pretrained(model)
+    (model / "config.json").write_text(tiny_model_config().to_json_string())
+    lay_out_hub_cache(tmp_path / "hub", "tiny-org/policy", model)
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "train.jsonl").write_text('{"question": "What is 2+3?", "answer": "5"}\n')
+    lay_out_hub_cache(tmp_path / "hub", "tiny-org/questions", files, repo_type="dataset")
+    argv = ["--dry_run", "--pretrain", "tiny-org/policy", "--prompt_data", "tiny-org/questions", "--input_key",
+            "question", "--label_key", "answer", "--apply_chat_template", "--remote_rm_url", "demo"]
+    assert rlrun.ppo.main(argv) == 0
+    out = capsys.readouterr()
+    assert "the first as the policy sees it: 'User: What is 2+3?\\nAssistant: '; its label: '5'" in out.out + out.err
+    assert rlrun.ppo.main([*argv[:2], "tiny-org/missing", *argv[3:]]) == 2
+    err = capsys.readouterr()
+    assert "--pretrain tiny-org/missing: tiny-org/missing is not in the Hugging Face cache" in err.out + err.err
+    hub.resolve.cache_clear()

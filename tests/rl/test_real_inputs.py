@@ -6,7 +6,8 @@
   the reward rises from ~0.1 as it learns. A custom compute_score (verl's custom_reward_function) then receives
   verl's arguments as verl passes them.
 - OpenRLHF's Slurm PPO job's data (job 2): prompt-collection rows whose `context_messages` are chat messages
-  (some with a system turn), `--input_key context_messages --apply_chat_template`: the demo task learns on them.
+  (some with a system turn), `--input_key context_messages --apply_chat_template`: the demo task learns on them,
+  with the dataset and the model named by hub id and read from a hub cache offline.
 Search-R1's nq_search parquet runs in tests/compat/test_verl_overrides.py (test_search_r1_grpo_command_line_runs).
 """
 
@@ -17,10 +18,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import run_rlrun, teach_tiny_model
-from peer_data import write_openrlhf_prompt_collection, write_verl_gsm8k
+from helpers import run_rlrun, subprocess_env, teach_tiny_model
+from peer_data import lay_out_hub_cache, write_openrlhf_prompt_collection, write_parquet, write_verl_gsm8k
 
-from rlrun.models.tiny import BUILTIN_PROMPTS, build_byte_tokenizer
+from rlrun.models.tiny import BUILTIN_PROMPTS, build_byte_tokenizer, build_causal_lm, tiny_model_config
 
 QUESTIONS = [(f"Tom has {i + 7} apples and eats {i} of them. How many are left?", "7") for i in range(16)]
 # lr 2e-3: at 3e-3 some sample streams collapse to 2-token answers and never recover within 16 steps.
@@ -78,15 +79,26 @@ def test_verl_gsm8k_job_learns_with_verls_default_scorer_and_a_custom_compute_sc
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_openrlhf_chat_message_prompts_learn(tmp_path):
-    data = write_openrlhf_prompt_collection(tmp_path / "prompts.jsonl", BUILTIN_PROMPTS, system="Answer briefly.")
-    run = run_rlrun(2, ["--config", "configs/demo.yaml", "--prompt_data", str(data), "--input_key", "context_messages",
+def test_openrlhf_chat_message_prompts_learn_with_model_and_data_named_by_hub_id(tmp_path):
+    """OpenRLHF's Slurm job names both by hub id; here they come from a hub cache laid out as `hf download` leaves
+    it, with HF_HUB_OFFLINE=1. The model is the embedded demo model's exact weights (seed 42), saved."""
+    cache, files, model = tmp_path / "hub", tmp_path / "files", tmp_path / "model"
+    rows = write_openrlhf_prompt_collection(tmp_path / "rows.jsonl", BUILTIN_PROMPTS, system="Answer briefly.")
+    (files / "data").mkdir(parents=True)
+    write_parquet(files / "data" / "train-00000-of-00001.parquet", [json.loads(r) for r in rows.read_text().splitlines()])
+    lay_out_hub_cache(cache, "OpenRLHF/prompt-collection-v0.1", files, repo_type="dataset")
+    build_causal_lm(tiny_model_config(), seed=42).save_pretrained(model)
+    build_byte_tokenizer().save_pretrained(model)
+    lay_out_hub_cache(cache, "tiny-org/demo-policy", model)
+    run = run_rlrun(2, ["--config", "configs/demo.yaml", "--pretrain", "tiny-org/demo-policy",
+                        "--prompt_data", "OpenRLHF/prompt-collection-v0.1", "--input_key", "context_messages",
                         "--apply_chat_template", "--label_key", "label", "--remote_rm_url", "demo", "--max_steps", "16",
                         "--rollout_batch_size", "8", "--train_batch_size", "16", "--micro_rollout_batch_size", "8",
-                        "--micro_train_batch_size", "8"], tmp_path / "out")
+                        "--micro_train_batch_size", "8"], tmp_path / "out", env=subprocess_env(HF_HUB_CACHE=str(cache)))
     assert run.returncode == 0, run.output[-3000:]
     rewards = [m["reward"] for m in run.metrics]
     assert len(rewards) == 16 and sum(rewards[-3:]) / 3 > rewards[0] + 0.1, rewards
     assert f"{len(BUILTIN_PROMPTS)} prompts" in run.output
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     # The system turn (rendered by the tokenizer's template as its own line) is in every second prompt.
-    assert json.loads(data.read_text().splitlines()[0])["context_messages"][0]["role"] == "system"
+    assert json.loads(rows.read_text().splitlines()[0])["context_messages"][0]["role"] == "system"

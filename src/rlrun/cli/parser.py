@@ -65,11 +65,8 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
     "ring_attn_size": (1, NOT_YET),
     "ring_head_stride": (1, NOT_YET),
     "value_head_prefix": (1, NOT_YET),
-    "prompt_data_probs": (1, NOT_YET),
-    "prompt_split": (1, NOT_YET),
-    "eval_split": (1, "rlrun reads the 'train' split of a saved DatasetDict for --eval_dataset, as for --prompt_data"),
     "perf": (0, NOT_YET),
-    "use_ms": (0, "ModelScope hub: rlrun loads local paths only"),
+    "use_ms": (0, "ModelScope hub: rlrun reads local paths and Hugging Face Hub ids"),
 }
 
 

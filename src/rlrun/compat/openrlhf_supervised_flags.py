@@ -18,16 +18,11 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from rlrun.compat.openrlhf_flags import (MIN_LR_RATIO, OPENRLHF_DOTTED, ByValue, Ignored, Meaning, Same,
+from rlrun.compat.openrlhf_flags import (MIN_LR_RATIO, OPENRLHF_DOTTED, Ignored, Meaning, Same,
                                          adam_muon_flags)
 from rlrun.compat.reasons import LAUNCHER, NOT_YET
 
 Classic = Mapping[str, tuple[int | str, str]]
-
-# rlrun's readers (rlrun.data.prompts) take local files, which have no splits, and the 'train' split of a saved DatasetDict.
-SPLIT = "rlrun reads local files and the 'train' split of a saved DatasetDict"
-_SPLIT_FIX = (f"{SPLIT}; save the split you want as its own dataset (or as 'train') and pass that path, "
-              "with this flag at 'train' or dropped")
 
 
 def _ppo(*names: str) -> dict[str, Meaning]:
@@ -42,7 +37,7 @@ _COMMON: dict[str, Meaning] = {
         "ckpt.output_dir", "ckpt.save_steps", "ckpt.save_hf", "ckpt.disable_ds", "ckpt.path", "ckpt.max_num",
         "ckpt.max_mem", "ckpt.load_enable", "ds.use_universal_ckpt", "logger.logging_steps", "logger.wandb.key",
         "logger.wandb.org", "logger.wandb.group", "logger.wandb.project", "logger.wandb.run_name",
-        "logger.tensorboard_dir", "eval.steps", "eval.dataset",
+        "logger.tensorboard_dir", "eval.steps", "eval.dataset", "eval.split",
         # batches, schedule, strategy
         "train.micro_batch_size", "train.batch_size", "train.max_epochs", "train.seed",
         "train.full_determinism_enable", "ds.zero_stage", "ds.param_dtype", "ds.zpg", "ds.adam_offload",
@@ -63,8 +58,7 @@ _COMMON: dict[str, Meaning] = {
     "data.tokenizer_chat_template": Same("tokenizer_chat_template", 1),
     # OpenRLHF picks the split of a DatasetDict; reading another split than asked would train or evaluate on
     # the wrong records, so any other value is an error rather than a report.
-    "data.dataset_split": ByValue({"train": ()}, _SPLIT_FIX),
-    "eval.split": ByValue({"train": ()}, _SPLIT_FIX),
+    "data.dataset_split": Same("dataset_split", 1),
     "data.dataloader_num_workers": Ignored(1, "rlrun reads the dataset once, in each process; no loader workers"),
     **adam_muon_flags("", "learning_rate"),
 }
@@ -108,15 +102,11 @@ DPO_DOTTED: dict[str, Meaning] = {
 # Classic flags of all three trainers (OpenRLHF <= 0.10 spellings, and the undotted flags 0.11.2 kept).
 _COMMON_IGNORED: dict[str, tuple[int | str, str]] = {
     "local_rank": (1, LAUNCHER),
-    "use_ms": (0, "ModelScope hub: rlrun loads local paths only"),
     "optim": (1, "rlrun trains with AdamW only (OpenRLHF's default --optim adam); Muon is not implemented"),
     "lr_scheduler": (1, "rlrun always uses linear warmup + cosine decay"),
     "min_lr_ratio": (1, MIN_LR_RATIO),
     "full_determinism": (0, "rlrun is deterministic on CPU by default"),
-    "dataset_split": (1, SPLIT),
-    "train_split": (1, SPLIT),  # an older OpenRLHF name of --dataset_split
-    "eval_split": (1, SPLIT),
-    "dataset_probs": (1, "blending several datasets by probability is not implemented in rlrun yet; it has no effect"),
+    "use_ms": (0, "ModelScope hub: rlrun reads local paths and Hugging Face Hub ids"),
     "aux_loss_coef": (1, "the MoE load-balancing loss is not implemented in rlrun yet; it has no effect"),
     "save_hf_ckpt": (0, NOT_YET),
     "disable_ds_ckpt": (0, NOT_YET),

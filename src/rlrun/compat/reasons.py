@@ -22,7 +22,6 @@ CHANGES_TRAINING: dict[str, str] = {
     "freezing_actor_steps": "freezing the actor for the first steps is not implemented in rlrun yet: it would train "
                             "the actor from step 1",
     "enable_ema": "EMA weights are not implemented in rlrun yet: it would save the trained weights, not their average",
-    "prompt_data_probs": "blending several prompt datasets is not implemented in rlrun yet: it would train on other data",
     "value_head_prefix": "a reward/critic value head under another name is not implemented in rlrun yet: it would "
                          "score with a freshly initialised head",
 }

@@ -81,12 +81,12 @@ def _choice(table: Mapping[str, Any], fix: str) -> Convert:
     return convert
 
 
-def one_path(value: Any, key: str) -> Any:
-    """verl takes a file or a list of files; rlrun reads one file."""
+def source_list(value: Any, key: str) -> Any:
+    """A file or a list of files (verl concatenates them): comma-separated sources, which rlrun concatenates too."""
     if isinstance(value, list):
-        if len(value) != 1:
-            raise ConfigError(f"{key}={value}: rlrun reads one prompt file; merge the files or pass one")
-        return value[0]
+        if not value or any("," in str(v) for v in value):
+            raise ConfigError(f"{key}={value}: give one or more files, none with a comma in its path")
+        return ",".join(str(v) for v in value)
     return value
 
 
@@ -135,7 +135,7 @@ A, R, C = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "critic."
 VERL_KEYS: dict[str, Meaning] = {
     # data
     "data.train_files": Part("data"),
-    "data.val_files": To("eval_dataset", one_path),
+    "data.val_files": To("eval_dataset", source_list),
     "data.prompt_key": Part("data"),
     "data.train_batch_size": To("rollout_batch_size"),  # prompts per step
     "data.val_batch_size": Skip("rlrun evaluates the whole eval set each time"),

@@ -20,8 +20,8 @@ import yaml
 
 from rlrun.compat.argv import Nargs, split_override, take_values
 from rlrun.compat.reasons import NOT_YET, refused
-from rlrun.compat.verl_keys import (ESTIMATORS, VERL_KEYS, A, Expand, Group, Part, R, Reject, Skip, one_path, as_bool,
-                                    as_int, kl_type, meaning_of)
+from rlrun.compat.verl_keys import (ESTIMATORS, VERL_KEYS, A, Expand, Group, Part, R, Reject, Skip, as_bool, as_int,
+                                    kl_type, meaning_of, source_list)
 from rlrun.config.fields import FieldInfo, coerce, suggest
 from rlrun.runtime.errors import ConfigError
 
@@ -132,7 +132,7 @@ def _data(v: Mapping[str, Any], world_size: int) -> list[Assignment | Default]:
     if "data.reward_fn_key" in v:
         out.append(("data_source_key", v["data.reward_fn_key"]))
     if "data.train_files" in v:
-        out += [("prompt_data", one_path(v["data.train_files"], "data.train_files")),
+        out += [("prompt_data", source_list(v["data.train_files"], "data.train_files")),
                 Default("input_key", "prompt"), Default("label_key", "reward_model.ground_truth")]
     enabled = as_bool(v.get("reward_model.enable", False), "reward_model.enable")
     if enabled:

@@ -197,7 +197,13 @@ class TemplateConfig:
 class DataConfig(TemplateConfig):
     """Prompt data."""
 
-    prompt_data: str | None = opt(None, "Local .jsonl/.json/.parquet/.csv file or saved HF datasets directory. Unset: built-in prompts.")
+    prompt_data: str | None = opt(None, "Prompt sources, comma-separated (OpenRLHF's blending): each a .jsonl/.json/.parquet/.csv "
+                                  "file, a directory (save_to_disk, or data files), or a Hugging Face Hub dataset id, "
+                                  "optionally SOURCE@DATA_DIR. Unset: built-in prompts.")
+    prompt_data_probs: str | None = opt(None, "Comma-separated sampling weights, one per --prompt_data source: interleave "
+                                        "them (datasets' interleave_datasets, seeded by --seed, until every source is "
+                                        "exhausted) instead of concatenating.")
+    prompt_split: str = opt("train", "Split of each --prompt_data source (a DatasetDict's split, or data files named after it).")
     input_key: str = opt("input", "Field holding the prompt: a string, or a list of {role, content} chat messages (also as JSON text), which is always rendered with the tokenizer's chat template.")
     label_key: str | None = opt(None, "Field holding the label passed to the reward, as the value it is (a dotted path reaches nested fields: reward_model.ground_truth).")
     data_source_key: str = opt("data_source", "Field naming each prompt's data source (verl's data.reward_fn_key): it picks the built-in rule scorer and reaches compute_score.")
@@ -265,7 +271,8 @@ class TrackingConfig:
 class LoggingConfig(TrackingConfig):
     """Metrics, trackers and evaluation."""
 
-    eval_dataset: str | None = opt(None, "Evaluation prompts: a local file or saved HF datasets directory like --prompt_data (same --input_key/--label_key). Needs a reward function or URL (or an agent), not --reward_pretrain.")
+    eval_dataset: str | None = opt(None, "Evaluation prompts, sources as for --prompt_data (same --input_key/--label_key). Needs a reward function or URL (or an agent), not --reward_pretrain.")
+    eval_split: str = opt("train", "Split of each --eval_dataset source (OpenRLHF's default: train).")
     eval_temperature: float = opt(0.6, "Sampling temperature for evaluation.")
     eval_n_samples_per_prompt: int = opt(4, "Responses per evaluation prompt (pass@N is logged when N > 1).")
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import csv
-import io
+import dataclasses
 import hashlib
-import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,10 +12,8 @@ import torch
 
 from rlrun.data import records
 from rlrun.data.records import Messages
-from rlrun.runtime.errors import DataError, MissingExtraError
-
-FILE_FORMATS: tuple[str, ...] = (".jsonl", ".json", ".parquet", ".csv")
-
+from rlrun.data.sources import DataSpec, read_sources
+from rlrun.runtime.errors import DataError
 
 @dataclass(frozen=True)
 class PromptRecord:
@@ -29,98 +24,6 @@ class PromptRecord:
     label: Any = None  # plain Python (a str, a number, {"target": [...]}, ...); None without --label_key
     data_source: str | None = None  # verl's reward_fn_key field: picks the rule scorer
     extra_info: dict[str, Any] | None = None  # verl's extra_info column, for compute_score
-
-
-def _read_text(path: str) -> str:
-    """The file as UTF-8 text, or a DataError naming the first byte that is not UTF-8 and its line."""
-    with open(path, "rb") as handle:
-        raw = handle.read()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise DataError(f"{path}: line {line} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
-                        "save the file as UTF-8") from None
-
-
-def _read_jsonl(path: str) -> list[Any]:
-    rows: list[Any] = []
-    for line_number, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue  # trailing/blank lines are common in hand-written files
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            # Records count from 0 in every message (as indexes do); lines count from 1 (as editors do).
-            raise DataError(f"{path}: record {len(rows)} (line {line_number}) is not valid JSON ({exc}); each line "
-                            "must be one JSON object.") from None
-    return rows
-
-
-def _read_json(path: str) -> list[Any]:
-    try:
-        rows = json.loads(_read_text(path))
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path} is not valid JSON ({exc}).") from None
-    if not isinstance(rows, list):
-        raise DataError(
-            f"{path} holds a JSON {type(rows).__name__}; a .json prompt file must be a list of objects "
-            '(e.g. [{"prompt": "..."}]). Use .jsonl for one object per line.'
-        )
-    return rows
-
-
-def _read_parquet(path: str) -> list[Any]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as exc:
-        raise MissingExtraError("pyarrow", "data", "Loading a .parquet prompt file") from exc
-    return pq.read_table(path).to_pylist()
-
-
-def _read_csv(path: str) -> list[Any]:
-    # The stdlib reader is enough for prompt files and needs no optional dependency.
-    return list(csv.DictReader(io.StringIO(_read_text(path), newline="")))
-
-
-def _read_saved_dataset(path: str) -> list[Any]:
-    try:
-        import datasets
-    except ImportError as exc:
-        raise MissingExtraError("datasets", "data", "Loading a saved HF datasets directory") from exc
-    try:
-        loaded = datasets.load_from_disk(path)
-    except FileNotFoundError as exc:
-        raise DataError(
-            f"{path} is a directory but not one written by datasets' save_to_disk ({exc}); "
-            f"pass a directory from Dataset.save_to_disk or a file ending in one of {list(FILE_FORMATS)}."
-        ) from exc
-    if isinstance(loaded, datasets.DatasetDict):
-        if "train" not in loaded:
-            raise DataError(
-                f"{path} is a DatasetDict without a 'train' split (splits: {sorted(loaded)}); "
-                "save the prompts as the 'train' split."
-            )
-        loaded = loaded["train"]
-    return loaded.to_list()
-
-
-def read_rows(path: str) -> list[Any]:
-    """The records of a .jsonl/.json/.parquet/.csv file or a save_to_disk directory (its 'train' split)."""
-    if not os.path.exists(path):
-        raise DataError(
-            f"Prompt data path {path!r} does not exist; check the path, or pass no path to use the built-in prompts."
-        )
-    if os.path.isdir(path):
-        return _read_saved_dataset(path)
-    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv}
-    extension = os.path.splitext(path)[1].lower()
-    if extension not in readers:
-        raise DataError(
-            f"Prompt file {path!r} has unsupported extension {extension!r}; use one of {list(FILE_FORMATS)} "
-            "or a directory written by datasets' save_to_disk."
-        )
-    return readers[extension](path)
 
 
 @dataclass(frozen=True)
@@ -154,21 +57,23 @@ def _to_record(row: Any, index: int, path: str, keys: PromptKeys) -> PromptRecor
                         extra if isinstance(extra, dict) else None)
 
 
-def load_prompt_records(path: str | None, keys: PromptKeys = PromptKeys(), max_samples: int | None = None
+def load_prompt_records(spec: DataSpec | str | None, keys: PromptKeys = PromptKeys(), max_samples: int | None = None
                         ) -> list[PromptRecord]:
-    """Prompt records from a .jsonl/.json (a list of objects)/.parquet/.csv file or a save_to_disk dir.
+    """Prompt records from `spec`'s sources (rlrun.data.sources: files, directories, hub ids, blended).
 
-    path=None gives rlrun.models.tiny.BUILTIN_PROMPTS, always read with keys "prompt" and "label".
-    max_samples keeps the first N records.
+    spec=None gives rlrun.models.tiny.BUILTIN_PROMPTS, always read with keys "prompt" and "label".
+    max_samples keeps the first N records (of each source, and of the blend, as OpenRLHF does).
     """
     if max_samples is not None and max_samples < 1:
         raise DataError(f"max_samples={max_samples} keeps no prompts; pass a positive number or None for all.")
-    if path is None:
+    if isinstance(spec, str):
+        spec = DataSpec(spec)
+    if spec is None:
         from rlrun.models.tiny import BUILTIN_PROMPTS  # lazy: tiny imports transformers, which file loading never needs
 
         source, rows, keys = "<built-in prompts>", list(BUILTIN_PROMPTS), PromptKeys("prompt", "label")
     else:
-        source, rows = path, read_rows(path)
+        source, rows = spec.sources, read_sources(dataclasses.replace(spec, max_count=max_samples))
     if not rows:
         raise DataError(f"Prompt data {source!r} is empty; it needs at least one record with key {keys.input_key!r}.")
     rows = rows[:max_samples]

@@ -17,6 +17,7 @@ from rlrun.algo.is_correction import ISCorrection
 from rlrun.config.schema import Config
 from rlrun.data.prompts import (PromptKeys, PromptRecord, PromptSampler, format_prompt, load_prompt_records,
                                 tokenize_prompts)
+from rlrun.data.sources import DataSpec
 from rlrun.engines.base import HFEngine, SamplingSettings
 from rlrun.engines.native import NativeEngine
 from rlrun.launch.dist import before_teardown, world_size
@@ -78,13 +79,13 @@ class RankRoles:
 
 
 def build_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Prompts:
-    return prompt_set(cfg, tokenizer, cfg.data.prompt_data)
+    return prompt_set(cfg, tokenizer, prompt_spec(cfg))
 
 
 def build_eval_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Prompts:
     """--eval_dataset, read, formatted and cut like the training prompts (--max_samples too, as OpenRLHF does)."""
     assert cfg.logging.eval_dataset is not None
-    prompts = prompt_set(cfg, tokenizer, cfg.logging.eval_dataset)
+    prompts = prompt_set(cfg, tokenizer, eval_spec(cfg))
     if not prompts.ids:
         raise DataError(f"every prompt of --eval_dataset {cfg.logging.eval_dataset} is longer than --prompt_max_len "
                         f"{cfg.generation.prompt_max_len} and was dropped (--prompt_overflow drop); raise "
@@ -97,10 +98,22 @@ def prompt_keys(cfg: Config) -> PromptKeys:
     return PromptKeys(d.input_key, d.label_key, d.data_source_key)
 
 
-def prompt_set(cfg: Config, tokenizer: PreTrainedTokenizerBase, path: str | None) -> Prompts:
+def prompt_spec(cfg: Config) -> DataSpec | None:
+    """--prompt_data's sources (None: the built-in prompts)."""
     d = cfg.data
-    records = load_prompt_records(path, prompt_keys(cfg), cfg.train.max_samples)
-    source = path or "<built-in prompts>"
+    return None if d.prompt_data is None else DataSpec(d.prompt_data, "prompt_data", d.prompt_split, d.prompt_data_probs,
+                                                       cfg.train.seed)
+
+
+def eval_spec(cfg: Config) -> DataSpec | None:
+    e = cfg.logging
+    return None if e.eval_dataset is None else DataSpec(e.eval_dataset, "eval_dataset", e.eval_split, seed=cfg.train.seed)
+
+
+def prompt_set(cfg: Config, tokenizer: PreTrainedTokenizerBase, spec: DataSpec | None) -> Prompts:
+    d = cfg.data
+    records = load_prompt_records(spec, prompt_keys(cfg), cfg.train.max_samples)
+    source = spec.sources if spec is not None else "<built-in prompts>"
     texts = [format_prompt(r.prompt, tokenizer, d.input_template, d.apply_chat_template, d.apply_chat_template_kwargs,
                            where=f"{source}: record {i}") for i, r in enumerate(records)]
     max_len = cfg.generation.prompt_max_len

@@ -12,6 +12,7 @@ from rlrun.config.validation import check_batches, check_values
 from rlrun.engines.hosting import choose_host
 from rlrun.launch.layout import Layout, LayoutRequest, Role, RoleRequest
 from rlrun.launch.layout_plan import plan_layout
+from rlrun.models.hub import parse_repo_id
 from rlrun.rewards.reward_fn import DEMO
 from rlrun.runtime.errors import ConfigError
 from rlrun.strategies.checks import check_strategy
@@ -113,6 +114,13 @@ def missing_path_warnings(cfg: Config) -> list[str]:
     if cfg.model.remote_rm_url not in (None, DEMO) and not cfg.model.remote_rm_url.startswith(("http://", "https://")):
         candidates["remote_rm_url"] = cfg.model.remote_rm_url
     for flag, path in candidates.items():
-        if path is not None and not os.path.exists(path):
-            out.append(f"--{flag} {path}: not found on this machine (a hub name or another host's path?)")
+        for name in ([] if path is None else path.split(",") if flag in ("prompt_data", "eval_dataset") else [path]):
+            name = name.strip()
+            if os.path.exists(name) or os.path.exists(name.partition("@")[0]):
+                continue
+            if parse_repo_id(name.partition("@")[0] if flag in ("prompt_data", "eval_dataset") else name):
+                out.append(f"--{flag} {name}: a Hugging Face Hub id not in this machine's cache; it is downloaded at "
+                           "start-up (HF_HUB_OFFLINE=1 there: download it first)")
+            else:
+                out.append(f"--{flag} {name}: not found on this machine (another host's path?)")
     return out

@@ -9,10 +9,11 @@ import os
 
 from rlrun.config.schema import Config
 from rlrun.data.prompts import load_prompt_records
+from rlrun.models.hub import parse_repo_id
 from rlrun.models.loading import load_tokenizer
 from rlrun.rewards.compute_score import load_compute_score_function
 from rlrun.rewards.reward_fn import load_reward_function
-from rlrun.rl.build import prompt_keys, prompt_set
+from rlrun.rl.build import eval_spec, prompt_keys, prompt_set, prompt_spec
 
 SHOWN_CHARS = 400  # of the first rendered prompt
 
@@ -25,19 +26,20 @@ def preflight(cfg: Config) -> list[str]:
     """One line per thing checked (raises the run's own DataError/ConfigError/RewardError on what would fail)."""
     lines = []
     tokenizer = load_tokenizer(cfg.model) if _here(cfg.model.pretrain) else None
-    sets = [("prompt_data", cfg.data.prompt_data)]
-    if cfg.logging.eval_dataset is not None:
-        sets.append(("eval_dataset", cfg.logging.eval_dataset))
-    for flag, path in sets:
-        if not _here(path):
+    for spec in (prompt_spec(cfg), eval_spec(cfg) if cfg.logging.eval_dataset is not None else False):
+        if spec is False:
             continue
-        name = f"--{flag} {path}" if path else "built-in prompts"
+        name = f"--{spec.flag} {spec.sources}" if spec is not None else "built-in prompts"
+        if spec is not None and (elsewhere := [n for n in spec.names() if not os.path.exists(n)
+                                               and parse_repo_id(n.partition("@")[0]) is None]):
+            lines.append(f"{name}: not read ({', '.join(elsewhere)} is not on this machine)")
+            continue
         if tokenizer is None:
-            records = load_prompt_records(path, prompt_keys(cfg), cfg.train.max_samples)
+            records = load_prompt_records(spec, prompt_keys(cfg), cfg.train.max_samples)
             lines.append(f"{name}: {len(records)} records read (not rendered: --pretrain {cfg.model.pretrain} is not "
                          "on this machine, so neither is its chat template)")
             continue
-        prompts = prompt_set(cfg, tokenizer, path)
+        prompts = prompt_set(cfg, tokenizer, spec)
         first = prompts.texts[0] if prompts.texts else ""
         shown = first if len(first) <= SHOWN_CHARS else first[:SHOWN_CHARS] + f"... ({len(first)} chars)"
         lines.append(f"{name}: {len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "

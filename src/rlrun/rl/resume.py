@@ -47,6 +47,7 @@ FIXED_ON_RESUME = {
     "advantage_estimator": "the checkpoint's critic, optimizer and statistics belong to that estimator",
     "prompt_data": "the checkpoint's step counts positions in that data",
     "prompt_split": "the checkpoint's step counts positions in that data",
+    "prompt_data_probs": "the checkpoint's step counts positions in that blend",
     "max_samples": "the checkpoint's step counts positions in that many prompts",
     "rollout_batch_size": "the checkpoint's step counts positions in the prompt order in batches of that size",
     "seed": "the prompt order and every random draw of a step derive from it",

@@ -30,10 +30,16 @@ class SupervisedCheckpointConfig(SavingConfig):
 
 @dataclass
 class DatasetConfig(TemplateConfig):
-    """Training and evaluation data (local .jsonl/.json/.parquet/.csv files or saved HF datasets directories)."""
+    """Training and evaluation data: sources as rlrun.ppo's --prompt_data (files, directories, hub ids, blends)."""
 
-    dataset: str | None = opt(None, "Training data. Unset: rlrun's built-in demo data for this trainer (offline runs and tests).")
+    dataset: str | None = opt(None, "Training data sources, comma-separated: each a .jsonl/.json/.parquet/.csv file, a "
+                              "directory (save_to_disk, or data files) or a Hugging Face Hub dataset id, optionally "
+                              "SOURCE@DATA_DIR. Unset: rlrun's built-in demo data for this trainer (offline runs and tests).")
+    dataset_probs: str | None = opt(None, "Comma-separated sampling weights, one per --dataset source: interleave them "
+                                    "(seeded by --seed, until every source is exhausted) instead of concatenating.")
+    dataset_split: str = opt("train", "Split of each --dataset source.")
     eval_dataset: str | None = opt(None, "Evaluation data, same format and keys as --dataset (metrics logged as eval/*).")
+    eval_split: str = opt("train", "Split of each --eval_dataset source.")
     tokenizer_chat_template: str | None = opt(None, "A Jinja chat template replacing the tokenizer's own (with --apply_chat_template).")
 
 

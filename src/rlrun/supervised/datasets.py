@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rlrun.data import records as fields
 from rlrun.data.prompts import format_prompt
+from rlrun.data.sources import DataSpec
 from rlrun.runtime.errors import DataError
 from rlrun.supervised import records as rec
 from rlrun.supervised.records import Loaded
@@ -112,7 +113,7 @@ def _pretrain_samples(
 
 
 def load_completions(
-    path: str,
+    path: str | DataSpec,
     tokenizer: PreTrainedTokenizerBase,
     *,
     input_key: str,
@@ -221,7 +222,7 @@ def _pair_texts(
 
 
 def load_preferences(
-    path: str,
+    path: str | DataSpec,
     tokenizer: PreTrainedTokenizerBase,
     *,
     prompt_key: str | None,

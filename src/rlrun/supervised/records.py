@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from rlrun.data.prompts import read_rows
+from rlrun.data.sources import DataSpec, read_sources
 from rlrun.data.records import render, shown, where
 from rlrun.runtime.errors import DataError
 
@@ -102,12 +103,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 # Loading
 
 
-def records(path: str, max_samples: int, max_len: int) -> list[Mapping[str, Any]]:
+def records(path: str | DataSpec, max_samples: int, max_len: int) -> list[Mapping[str, Any]]:
+    """The first max_samples records of `path` (a DataSpec: sources, split and blend; a str: one source)."""
     if max_samples < 1:
         raise DataError(f"max_samples={max_samples} keeps no records; pass a positive number.")
     if max_len < 1:
         raise DataError(f"max_len={max_len} must be >= 1.")
-    rows = read_rows(path)
+    spec = path if isinstance(path, DataSpec) else DataSpec(path, flag="dataset")
+    rows = read_sources(dataclasses.replace(spec, max_count=max_samples))
     if not rows:
         raise DataError(f"Dataset {path!r} is empty; it needs at least one record.")
     rows = rows[:max_samples]  # OpenRLHF: select(range(min(max_samples, len)))

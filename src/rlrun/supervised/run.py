@@ -4,8 +4,8 @@ per failing rank, then os._exit)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generic, Sequence, TypeVar
 
@@ -15,11 +15,13 @@ from transformers import PreTrainedTokenizerBase
 from rlrun.checkpoint.ownership import run_identity
 from rlrun.cli.parser import CliSpec, ParsedArgs, parse_args
 from rlrun.data.prompts import PromptSampler
+from rlrun.data.sources import DataSpec
 from rlrun.launch.dist import init_distributed, restart_safety_warning, resolve_backend, resolve_device, teardown
 from rlrun.launch.env import DistEnv
 from rlrun.launch.failures import check_outputs, checked_on_every_rank, fail_and_exit, launch_environment
 from rlrun.launch.groups import all_ranks_group
 from rlrun.launch.transfer import sum_over
+from rlrun.models.hub import resolve, resolve_models
 from rlrun.models.loading import load_tokenizer
 from rlrun.reporting.metrics import MetricsSink
 from rlrun.roles.optim import warmup_cosine
@@ -30,7 +32,7 @@ from rlrun.runtime.faults import run_phases
 from rlrun.runtime.log import get_logger
 from rlrun.runtime.seeding import seed_everything
 from rlrun.supervised.checkpointing import SupervisedCheckpoints
-from rlrun.supervised.config import SupervisedConfig
+from rlrun.supervised.config import DPOConfig, SupervisedConfig
 from rlrun.supervised.datasets import Loaded
 from rlrun.supervised.loop import Loop
 from rlrun.supervised.task import Task
@@ -55,7 +57,7 @@ class SupervisedTrainer(Generic[S]):
     """What makes one entry point: its command line, how it reads a data file, and how it builds its task."""
 
     cli: CliSpec
-    load: Callable[[Any, PreTrainedTokenizerBase, str], Loaded[S]]  # (config, tokenizer, path) -> samples
+    load: Callable[[Any, PreTrainedTokenizerBase, DataSpec], Loaded[S]]  # (config, tokenizer, sources) -> samples
     build: Callable[[Any, BuildContext], Task[S]]
     # Without --eval_dataset, evaluate on this fraction of the first training samples (OpenRLHF's reward-model
     # trainer does, with 1%, for the reward mean/std it saves); 0: no evaluation.
@@ -71,7 +73,7 @@ def main(trainer: SupervisedTrainer[Any], argv: Sequence[str] | None = None) -> 
     def parse() -> ParsedArgs:
         parsed = parse_args(argv, trainer.cli)
         check_supervised(parsed.config, env.world_size, trainer.cli.prog)
-        return parsed
+        return dataclasses.replace(parsed, config=resolved_models(parsed.config))
 
     parsed = checked_on_every_rank(env, parse)
     if parsed is None:
@@ -86,6 +88,17 @@ def main(trainer: SupervisedTrainer[Any], argv: Sequence[str] | None = None) -> 
                       f"batches of {t.micro_train_batch_size}; --strategy {t.strategy} --zero_stage {t.zero_stage}")
         return 0
     return _run(trainer, cfg, env)
+
+
+def resolved_models(cfg: SupervisedConfig) -> SupervisedConfig:
+    """Hub ids of --pretrain (and DPO's --ref_pretrain) as their cached snapshots (downloaded unless a dry run or
+    HF_HUB_OFFLINE=1)."""
+    download = not cfg.runtime.dry_run
+    cfg = dataclasses.replace(cfg, model=resolve_models(cfg.model, download=download))
+    if isinstance(cfg, DPOConfig) and cfg.loss.ref_pretrain is not None:
+        ref = resolve(cfg.loss.ref_pretrain, "model", "ref_pretrain", download=download)
+        cfg = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, ref_pretrain=ref))
+    return cfg
 
 
 def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -> int:
@@ -176,10 +189,10 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
 
 def _load(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, tokenizer: PreTrainedTokenizerBase, path: str,
           flag: str, log: Any) -> Loaded[Any]:
-    if not os.path.exists(path):
-        raise DataError(f"{flag} {path}: no such file or directory; pass a local .jsonl/.json/.parquet/.csv file or a "
-                        "saved HF datasets directory (rlrun reads local paths only)")
-    loaded = trainer.load(cfg, tokenizer, path)
+    d = cfg.data
+    spec = (DataSpec(path, "dataset", d.dataset_split, d.dataset_probs, cfg.train.seed) if flag == "--dataset" else
+            DataSpec(path, "eval_dataset", d.eval_split, seed=cfg.train.seed))
+    loaded = trainer.load(cfg, tokenizer, spec)
     if loaded.dropped or loaded.truncated:
         log.info_once(f"{flag} {path}: {len(loaded.samples)} samples; {loaded.dropped} records dropped and "
                       f"{loaded.truncated} truncated at --max_len {cfg.train.max_len}")

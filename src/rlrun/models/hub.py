@@ -1,0 +1,104 @@
+"""Hugging Face Hub names (`Qwen/Qwen2.5-7B`, `OpenRLHF/prompt-collection-v0.1`) resolved to local folders through the
+hub cache: the one adapter over huggingface_hub.
+
+A name that is not a local path and has the shape of a repo id is looked up in the cache (`HF_HUB_CACHE`, else
+`HF_HOME/hub`) and, unless `HF_HUB_OFFLINE=1`, downloaded into it. Every rank resolves the same names; the hub client's
+per-file locks make one process download each file while the others on that machine wait for it, so a node fetches a
+model once. Weights in formats rlrun never loads (GGUF, ONNX, TF/Flax, consolidated `original/` checkpoints) are not
+downloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from functools import lru_cache
+from typing import Any, Literal
+
+from rlrun.runtime.errors import ConfigError
+
+RepoType = Literal["model", "dataset"]
+# owner/name (or a bare name), optionally @revision; hub ids never start with '.', '/' or '~'.
+_REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?)(?:@(?P<revision>[\w./-]+))?$")
+_NOT_LOADED = ["*.gguf", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.tflite", "*.ot", "original/*", "onnx/*",
+               "coreml/*", "openvino/*"]
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+
+
+def parse_repo_id(name: str) -> tuple[str, str | None] | None:
+    """(repo id, revision or None) when `name` has a hub id's shape and is not a local path, else None."""
+    if os.path.exists(name) or name.endswith((".jsonl", ".json", ".parquet", ".csv", ".py")):
+        return None
+    match = _REPO_ID.match(name)
+    return (match["repo"], match["revision"]) if match else None
+
+
+@lru_cache(maxsize=None)
+def resolve(name: str, repo_type: RepoType, flag: str, *, download: bool = True) -> str:
+    """The local folder of `name`: itself when it is a local path, else the hub snapshot (downloaded when allowed).
+
+    download=False (a dry run): the cached snapshot, or `name` itself once the hub has confirmed the repo exists
+    (it is downloaded at start-up). Raises ConfigError naming the cache and the way out."""
+    if os.path.exists(name):
+        return name
+    parsed = parse_repo_id(name)
+    if parsed is None and not download:
+        return name  # a dry run on a machine without this path (a login node): planning warns about it
+    if parsed is None:
+        raise ConfigError(f"--{flag} {name}: no such file or directory, and not a Hugging Face Hub id "
+                          f"(owner/name); check the path")
+    repo, revision = parsed
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    kind = "dataset " if repo_type == "dataset" else ""
+    where = f"the Hugging Face cache ({cache_dir()})"
+    try:
+        return snapshot_download(repo, repo_type=repo_type, revision=revision, cache_dir=cache_dir(),
+                                 local_files_only=offline() or not download,
+                                 ignore_patterns=_NOT_LOADED if repo_type == "model" else None)
+    except LocalEntryNotFoundError:
+        if offline():
+            raise ConfigError(f"--{flag} {name}: {kind}{repo} is not in {where} and HF_HUB_OFFLINE=1 forbids "
+                              f"downloading it; fetch it where there is network, with the same HF_HOME: "
+                              f"`hf download {'--repo-type dataset ' if kind else ''}{repo}`, or unset "
+                              "HF_HUB_OFFLINE") from None
+        if download:
+            raise ConfigError(f"--{flag} {name}: {kind}{repo} is not in {where} and the hub could not be reached; "
+                              "check the network (or HF_ENDPOINT), or download it beforehand") from None
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as exc:
+        raise ConfigError(f"--{flag} {name}: the hub has no {kind}repo {repo}{'@' + revision if revision else ''} "
+                          f"that this machine may read ({type(exc).__name__}); check the name, or for a private or "
+                          "gated repo log in (`hf auth login` or HF_TOKEN)") from None
+    except HfHubHTTPError as exc:
+        raise ConfigError(f"--{flag} {name}: downloading {kind}{repo} failed: {str(exc).splitlines()[0]}") from None
+    try:  # a dry run and not cached: say now whether start-up will find it
+        HfApi().repo_info(repo, repo_type=repo_type, revision=revision)
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as exc:
+        raise ConfigError(f"--{flag} {name}: the hub has no {kind}repo {repo} that this machine may read "
+                          f"({type(exc).__name__}); check the name, or log in (`hf auth login` or HF_TOKEN)") from None
+    except HfHubHTTPError as exc:
+        raise ConfigError(f"--{flag} {name}: not in {where}, and the hub could not be asked about it: "
+                          f"{str(exc).splitlines()[0]}") from None
+    return name
+
+
+MODEL_FLAGS = ("pretrain", "reward_pretrain", "critic_pretrain")
+
+
+def resolve_models(model: Any, *, download: bool = True) -> Any:
+    """A config's model section with every hub id among MODEL_FLAGS replaced by its local snapshot folder."""
+    found = {flag: getattr(model, flag) for flag in MODEL_FLAGS if getattr(model, flag, None) is not None}
+    return dataclasses.replace(model, **{flag: resolve(name, "model", flag, download=download)
+                                         for flag, name in found.items()})

@@ -1,0 +1,62 @@
+"""Hub ids resolved through a real hub cache laid out as `hf download` leaves it (blobs, refs, snapshot symlinks),
+with HF_HUB_OFFLINE=1 (nothing is downloaded here): models load from it, and what cannot resolve says where it looked
+and what to do."""
+
+from __future__ import annotations
+
+import pytest
+from peer_data import lay_out_hub_cache
+from transformers import AutoModelForCausalLM
+
+from rlrun.config.schema import PretrainedConfig
+from rlrun.models import hub
+from rlrun.models.loading import load_causal_lm, load_tokenizer
+from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
+from rlrun.runtime.errors import ConfigError
+
+
+@pytest.fixture
+def offline_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub.resolve.cache_clear()
+    yield cache
+    hub.resolve.cache_clear()
+
+
+def test_a_cached_model_id_resolves_to_its_snapshot_and_loads(tmp_path, offline_cache):
+    saved = tmp_path / "saved"
+    build_causal_lm(tiny_model_config(), seed=5).save_pretrained(saved)
+    build_byte_tokenizer().save_pretrained(saved)
+    snapshot = lay_out_hub_cache(offline_cache, "tiny-org/Tiny-Qwen2", saved)
+    section = hub.resolve_models(PretrainedConfig(pretrain="tiny-org/Tiny-Qwen2"))
+    assert section.pretrain == str(snapshot)
+    model = load_causal_lm(section, seed=0)
+    expected = AutoModelForCausalLM.from_pretrained(saved)
+    assert all((a == b).all() for a, b in zip(model.state_dict().values(), expected.state_dict().values()))
+    assert load_tokenizer(section).encode("hi") == build_byte_tokenizer().encode("hi")
+    assert hub.resolve(str(saved), "model", "pretrain") == str(saved)  # a local path is itself
+
+
+def test_offline_and_not_cached_names_the_cache_and_the_way_out(offline_cache):
+    with pytest.raises(ConfigError) as err:
+        hub.resolve("Qwen/Qwen2.5-7B", "model", "pretrain")
+    text = str(err.value)
+    assert text.startswith("--pretrain Qwen/Qwen2.5-7B: Qwen/Qwen2.5-7B is not in the Hugging Face cache")
+    assert str(offline_cache) in text and "HF_HUB_OFFLINE=1" in text and "hf download Qwen/Qwen2.5-7B" in text
+    with pytest.raises(ConfigError, match="hf download --repo-type dataset OpenRLHF/prompt-collection-v0.1"):
+        hub.resolve("OpenRLHF/prompt-collection-v0.1", "dataset", "prompt_data")
+
+
+@pytest.mark.parametrize("name", ["./models/qwen", "/no/such/dir", "~/model"])
+def test_a_missing_path_is_not_taken_for_a_hub_id(name, offline_cache):
+    with pytest.raises(ConfigError, match="no such file or directory, and not a Hugging Face Hub id"):
+        hub.resolve(name, "model", "pretrain")
+
+
+def test_repo_id_shapes():
+    assert hub.parse_repo_id("Qwen/Qwen2.5-7B-Instruct") == ("Qwen/Qwen2.5-7B-Instruct", None)
+    assert hub.parse_repo_id("gpt2") == ("gpt2", None)
+    assert hub.parse_repo_id("org/name@v1.0") == ("org/name", "v1.0")
+    assert hub.parse_repo_id("data/train.parquet") is None and hub.parse_repo_id("a/b/c") is None
