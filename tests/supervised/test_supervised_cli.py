@@ -4,6 +4,7 @@ before anything starts (real processes for the exit codes)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -104,9 +105,23 @@ def test_bad_input_is_one_line_on_every_rank_and_a_nonzero_exit(tmp_path) -> Non
     assert sum(line.startswith("[rlrun") and "FAILED" in line for line in output.splitlines()) == 1, output[-3000:]
 
 
-def test_dry_run_checks_and_describes_without_loading(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "rlrun.sft", "--dataset", str(tmp_path / "not_read.jsonl"),
-                           "--train_batch_size", "4", "--dry_run"], cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "1 ranks" in proc.stdout + proc.stderr and "4 samples per rank" in proc.stdout + proc.stderr
+def test_dry_run_reads_the_data_as_training_will(tmp_path) -> None:
+    """--dry_run is the Slurm scripts' preflight: the dataset is read and tokenized, its first sample shown as the
+    model sees it; a path this machine lacks is named, not an error; a bad key fails with one line, exit 2."""
+    def dry(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rlrun.dpo", "--train_batch_size", "4", "--dry_run", *args],
+                              cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "2+3?", "chosen": "5", "rejected": "6"}) + "\n")
+    proc = dry("--dataset", str(pairs), "--prompt_key", "prompt")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-2000:]
+    assert "1 ranks" in out and "4 samples per rank" in out
+    assert f"--dataset {pairs}: 1 samples (0 dropped, 0 truncated at --max_len 512); the first as the model sees " \
+           "it: {'prompt': '2+3?', 'chosen': '5 <|eos|>', 'rejected': '6 <|eos|>', 'margin': 0.0}" in out
+    proc = dry("--dataset", str(tmp_path / "elsewhere.jsonl"))
+    assert proc.returncode == 0 and "is not on this machine" in proc.stdout + proc.stderr
+    proc = dry("--dataset", str(pairs), "--chosen_key", "better")
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and "better" in errors[0], errors

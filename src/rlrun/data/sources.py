@@ -118,6 +118,14 @@ def _interleave(parts: list[list[Any]], weights: list[float], seed: int) -> list
     return mixed.to_list()
 
 
+def not_here(sources: str) -> list[str]:
+    """The entries of a comma-separated source list that are neither a path here nor a hub id (another machine's
+    paths: a dry run on a login node names them instead of failing)."""
+    names = [n.strip() for n in sources.split(",")]
+    return [n for n in names if not os.path.exists(n) and not os.path.exists(n.partition("@")[0])
+            and parse_repo_id(n.partition("@")[0]) is None]
+
+
 def read_sources(spec: DataSpec) -> list[Any]:
     """The records of every source of `spec`, blended as OpenRLHF does."""
     names = spec.names()

@@ -9,7 +9,7 @@ import os
 
 from rlrun.config.schema import Config
 from rlrun.data.prompts import load_prompt_records
-from rlrun.models.hub import parse_repo_id
+from rlrun.data.sources import not_here
 from rlrun.models.loading import load_tokenizer
 from rlrun.rewards.compute_score import load_compute_score_function
 from rlrun.rewards.reward_fn import load_reward_function
@@ -30,8 +30,7 @@ def preflight(cfg: Config) -> list[str]:
         if spec is False:
             continue
         name = f"--{spec.flag} {spec.sources}" if spec is not None else "built-in prompts"
-        if spec is not None and (elsewhere := [n for n in spec.names() if not os.path.exists(n)
-                                               and parse_repo_id(n.partition("@")[0]) is None]):
+        if spec is not None and (elsewhere := not_here(spec.sources)):
             lines.append(f"{name}: not read ({', '.join(elsewhere)} is not on this machine)")
             continue
         if tokenizer is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generic, Sequence, TypeVar
 
@@ -15,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from rlrun.checkpoint.ownership import run_identity
 from rlrun.cli.parser import CliSpec, ParsedArgs, parse_args
 from rlrun.data.prompts import PromptSampler
-from rlrun.data.sources import DataSpec
+from rlrun.data.sources import DataSpec, not_here
 from rlrun.launch.dist import init_distributed, restart_safety_warning, resolve_backend, resolve_device, teardown
 from rlrun.launch.env import DistEnv
 from rlrun.launch.failures import check_outputs, checked_on_every_rank, fail_and_exit, launch_environment
@@ -86,7 +87,10 @@ def main(trainer: SupervisedTrainer[Any], argv: Sequence[str] | None = None) -> 
         log.info_once(f"{trainer.cli.prog}: {env.world_size} ranks (launcher {env.launcher}), every rank trains one "
                       f"data-parallel shard: {t.train_batch_size // env.world_size} samples per rank and step in micro-"
                       f"batches of {t.micro_train_batch_size}; --strategy {t.strategy} --zero_stage {t.zero_stage}")
-        return 0
+        lines = checked_on_every_rank(env, lambda: _preflight(trainer, cfg, log))
+        for line in lines or ():
+            log.info_once(line)
+        return 0 if lines is not None else 2
     return _run(trainer, cfg, env)
 
 
@@ -185,6 +189,29 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
         sink.close()
     teardown()
     return 0
+
+
+def _preflight(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, log: Any) -> list[str]:
+    """--dry_run: each dataset read and tokenized as training will, its first sample shown as the model sees it
+    (as rlrun.ppo's preflight); no model weights, no process group. Paths this machine lacks are only named."""
+    if cfg.model.pretrain is not None and not os.path.isdir(cfg.model.pretrain):
+        return [f"data not read: --pretrain {cfg.model.pretrain} (its tokenizer) is not on this machine"]
+    tokenizer = load_tokenizer(cfg.model)
+    if cfg.data.tokenizer_chat_template is not None:
+        tokenizer.chat_template = cfg.data.tokenizer_chat_template
+    lines = []
+    for flag, path in (("--dataset", cfg.data.dataset), ("--eval_dataset", cfg.data.eval_dataset)):
+        if path is None:
+            continue
+        if elsewhere := not_here(path):
+            lines.append(f"{flag} {path}: not read ({', '.join(elsewhere)} is not on this machine)")
+            continue
+        loaded = _load(trainer, cfg, tokenizer, path, flag, log)
+        first = {k: tokenizer.decode(v) if isinstance(v, list) else v
+                 for k, v in dataclasses.asdict(loaded.samples[0]).items()} if loaded.samples else {}
+        lines.append(f"{flag} {path}: {len(loaded.samples)} samples ({loaded.dropped} dropped, {loaded.truncated} "
+                     f"truncated at --max_len {cfg.train.max_len}); the first as the model sees it: {first}")
+    return lines
 
 
 def _load(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, tokenizer: PreTrainedTokenizerBase, path: str,
