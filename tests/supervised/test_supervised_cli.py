@@ -84,6 +84,7 @@ def test_a_flag_of_another_trainer_is_an_error_with_a_suggestion() -> None:
     (SFT_CLI, ["--dataset", "d", "--strategy", "deepspeed", "--zero_stage", "0", "--adam_offload"],
      "DeepSpeed offloads the optimizer only at ZeRO stages 1-3"),
     (DPO_CLI, ["--dataset", "d", "--flash_attn"], "--flash_attn needs --bf16"),
+    (DPO_CLI, ["--dataset", "d", "--ref_offload"], "--ref_offload needs --zero_stage 3 with --strategy fsdp"),
 ])
 def test_bad_settings_fail_before_anything_starts(cli, argv, message) -> None:
     with pytest.raises(ConfigError) as err:

@@ -284,6 +284,9 @@ class RuntimeConfig:
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: cuda when available, else cpu.")
     dist_backend: Literal["auto", "nccl", "gloo"] = opt("auto", "auto: nccl with cuda, else gloo.")
     dist_timeout: float = opt(300.0, "Seconds any collective may wait before the job fails.")
+    tf32: bool = opt(True, "GPU: fp32 matmuls and convolutions on TF32 tensor cores (Ampere and newer: several times "
+                     "faster, ~1e-3 relative error; PyTorch's own default for convolutions). false: exact fp32 "
+                     "matmuls. No effect on CPU or on bf16 math.")
     data_timeout: float = opt(1800.0, "Seconds loading the datasets may take (every rank loads them before the first collective); past it the run fails naming the dataset.")
     dry_run: bool = opt(False, "Preflight, then exit: print the role layout, read the prompt data and render its first "
                         "prompt, import the reward source; loads no model weights, contacts no server.")

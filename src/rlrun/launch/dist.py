@@ -30,6 +30,15 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+def resolve_device_and_precision(requested: str, local_rank: int, tf32: bool) -> torch.device:
+    """resolve_device, then --tf32 on a GPU (process-wide backend flags; the CPU is left as it is)."""
+    device = resolve_device(requested, local_rank)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+    return device
+
+
 def resolve_backend(requested: str, device: torch.device) -> str:
     if requested != "auto":
         return requested

@@ -18,7 +18,8 @@ from rlrun.compat.openrlhf_init import plan_init as plan_openrlhf_init
 from rlrun.config.schema import Config
 from rlrun.engines.hosting import choose_host
 from rlrun.engines.hosting import describe as describe_host
-from rlrun.launch.dist import init_distributed, restart_safety_warning, resolve_backend, resolve_device, teardown
+from rlrun.launch.dist import (init_distributed, resolve_backend, resolve_device_and_precision, restart_safety_warning,
+                               teardown)
 from rlrun.launch.env import DistEnv, read_node_label
 from rlrun.launch.failures import check_outputs, fail_and_exit
 from rlrun.launch.groups import build_groups
@@ -49,7 +50,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
     set_reporter(lambda exc: fail_and_exit(log, env.rank, roles_text, phase, exc, cfg.runtime.dist_timeout,
                                            local_only=local_only, sink=sink))
     try:
-        device = resolve_device(cfg.runtime.device, env.local_rank)
+        device = resolve_device_and_precision(cfg.runtime.device, env.local_rank, cfg.runtime.tf32)
         backend = resolve_backend(cfg.runtime.dist_backend, device)
         tp = cfg.resources.vllm_tensor_parallel_size
         generation = cfg.generation.generation_backend  # resolved before planning (rlrun.engines.choice)

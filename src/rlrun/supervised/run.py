@@ -17,7 +17,8 @@ from rlrun.checkpoint.ownership import run_identity
 from rlrun.cli.parser import CliSpec, ParsedArgs, parse_args
 from rlrun.data.prompts import PromptSampler
 from rlrun.data.sources import DataSpec, not_here
-from rlrun.launch.dist import init_distributed, restart_safety_warning, resolve_backend, resolve_device, teardown
+from rlrun.launch.dist import (init_distributed, resolve_backend, resolve_device_and_precision, restart_safety_warning,
+                               teardown)
 from rlrun.launch.env import DistEnv
 from rlrun.launch.failures import check_outputs, checked_on_every_rank, fail_and_exit, launch_environment
 from rlrun.launch.groups import all_ranks_group
@@ -115,7 +116,7 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
     set_reporter(lambda exc: fail_and_exit(log, env.rank, name, phase, exc, cfg.runtime.dist_timeout,
                                            local_only=local_only, sink=sink))
     try:
-        device = resolve_device(cfg.runtime.device, env.local_rank)
+        device = resolve_device_and_precision(cfg.runtime.device, env.local_rank, cfg.runtime.tf32)
         backend = resolve_backend(cfg.runtime.dist_backend, device)
         tokenizer = load_tokenizer(cfg.model)
         if cfg.data.tokenizer_chat_template is not None:

@@ -37,3 +37,9 @@ def check_supervised(cfg: SupervisedConfig, world_size: int, prog: str) -> None:
             raise ConfigError(f"--label_smoothing must be in [0, 0.5) (the assumed label-flip probability), got {loss.label_smoothing}")
         if loss.nll_loss_coef < 0:
             raise ConfigError(f"--nll_loss_coef must be >= 0, got {loss.nll_loss_coef}")
+        if loss.ref_offload and t.strategy == "fsdp" and t.zero_stage < 3:
+            # Below ZeRO-3 the frozen reference is kept whole on every GPU (rlrun.strategies.fsdp), so there is no
+            # sharded copy for FSDP2's CPU offload to hold: the flag would do nothing.
+            raise ConfigError(f"--ref_offload needs --zero_stage 3 with --strategy fsdp (at --zero_stage {t.zero_stage} "
+                              "the reference stays whole on each GPU, so nothing would be offloaded); add --zero_stage 3 "
+                              "or drop --ref_offload")

@@ -1,0 +1,35 @@
+"""Process-group and device set-up that needs no second process: the default group binds no device (an eager
+communicator split on every new_group hangs groups made by only some ranks and fails on gloo, as seen on an H200),
+and --tf32 sets the GPU's fp32 matmul mode while leaving the CPU alone."""
+
+from __future__ import annotations
+
+import torch
+
+from rlrun.cli.parser import parse_args
+from rlrun.launch import dist
+from rlrun.launch.env import DistEnv
+
+
+def test_the_default_group_binds_no_device(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(dist.dist, "init_process_group", lambda *args, **kwargs: calls.append(kwargs))
+    dist.init_distributed(DistEnv(0, 0, 1, 1, "127.0.0.1", 1, "single"), "nccl", 60.0)
+    assert len(calls) == 1 and calls[0].get("device_id") is None
+
+
+def test_tf32_is_set_on_a_gpu_only(monkeypatch) -> None:
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert dist.resolve_device_and_precision("cpu", 0, tf32=True).type == "cpu"
+        assert torch.backends.cuda.matmul.allow_tf32 is False  # the CPU run is left as it was
+        monkeypatch.setattr(dist, "resolve_device", lambda requested, local_rank: torch.device("cuda", 0))
+        dist.resolve_device_and_precision("cuda", 0, tf32=True)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        dist.resolve_device_and_precision("cuda", 0, tf32=False)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    assert parse_args([]).config.runtime.tf32 is True
+    assert parse_args(["--tf32", "false"]).config.runtime.tf32 is False
