@@ -1,8 +1,11 @@
 """Process-group and device set-up that needs no second process: the default group binds no device (an eager
 communicator split on every new_group hangs groups made by only some ranks and fails on gloo, as seen on an H200),
-and --tf32 sets the GPU's fp32 matmul mode while leaving the CPU alone."""
+--tf32 sets the GPU's fp32 matmul mode while leaving the CPU alone, and NCCL runs record their last collectives
+(PyTorch's flight recorder) for a timeout to dump."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -33,3 +36,18 @@ def test_tf32_is_set_on_a_gpu_only(monkeypatch) -> None:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
     assert parse_args([]).config.runtime.tf32 is True
     assert parse_args(["--tf32", "false"]).config.runtime.tf32 is False
+
+
+def test_nccl_runs_turn_the_flight_recorder_on_without_overriding_the_user(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(dist.dist, "init_process_group", lambda *args, **kwargs: None)
+    for name in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.setenv(name, "")  # recorded by monkeypatch, so what the code sets is undone after the test
+        monkeypatch.delenv(name)
+    single = DistEnv(0, 0, 1, 1, "127.0.0.1", 1, "single")
+    dist.init_distributed(single, "gloo", 60.0, str(tmp_path / "gloo"))
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ and not (tmp_path / "gloo").exists()
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's own setting stays
+    dist.init_distributed(single, "nccl", 60.0, str(tmp_path / "trace"))
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "trace" / "nccl_trace_rank_")
+    assert (tmp_path / "trace").is_dir()

@@ -45,13 +45,29 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(env: DistEnv, backend: str, timeout_s: float) -> None:
-    """Create the default group with an explicit timeout.
+# PyTorch's NCCL flight recorder: the last collectives of every group, dumped per rank when the watchdog sees a
+# timeout, so a hang can be traced to the collective and group that never completed.
+NCCL_TRACE_ENTRIES = 2000
+
+
+def nccl_flight_recorder(trace_dir: str) -> dict[str, str]:
+    """Turn on the NCCL flight recorder with its dumps in `trace_dir` (what the user set already is kept); the
+    variables in effect. Must run before the first NCCL communicator exists."""
+    os.makedirs(trace_dir, exist_ok=True)
+    wanted = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(trace_dir, "nccl_trace_rank_")}
+    return {name: os.environ.setdefault(name, value) for name, value in wanted.items()}
+
+
+def init_distributed(env: DistEnv, backend: str, timeout_s: float, trace_dir: str | None = None) -> None:
+    """Create the default group with an explicit timeout (with NCCL and a `trace_dir`, the flight recorder on).
 
     Under elastic torchrun every attempt gets its own key prefix in the rendezvous store: restarted
     workers otherwise read the previous attempt's gloo addresses from the shared store and fail to
     connect, or hang."""
     timeout = timedelta(seconds=timeout_s)
+    if "nccl" in backend and trace_dir is not None:
+        nccl_flight_recorder(trace_dir)
     # No device_id: binding one makes every later new_group an eager communicator split over the whole world,
     # which hangs when a group is made by only some ranks, and fails outright on gloo ("ProcessGroupGloo has no
     # attribute perform_nocolor_split", seen on an H200 with --dist_backend gloo --device cuda). Unbound, NCCL

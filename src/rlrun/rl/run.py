@@ -82,7 +82,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
         local_only = False
         if (warning := restart_safety_warning(env)) is not None:
             log.warning_once(warning)
-        init_distributed(env, backend, cfg.runtime.dist_timeout)
+        init_distributed(env, backend, cfg.runtime.dist_timeout, os.path.join(cfg.checkpoint.save_path, "nccl_trace"))
         if node_label is not None:
             # Other nodes' labels are known only now: place the pinned roles before any group or model exists.
             # Every rank plans from the same gathered labels, so an impossible request fails alike everywhere.

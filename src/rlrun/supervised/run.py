@@ -149,7 +149,7 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
         local_only = False
         if (warning := restart_safety_warning(env)) is not None:
             log.warning_once(warning)
-        init_distributed(env, backend, cfg.runtime.dist_timeout)
+        init_distributed(env, backend, cfg.runtime.dist_timeout, os.path.join(cfg.checkpoint.save_path, "nccl_trace"))
         phase.phase = "build"
         group = all_ranks_group(cfg.runtime.dist_timeout)
         comm_device = device if backend == "nccl" else torch.device("cpu")
