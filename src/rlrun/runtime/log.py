@@ -13,7 +13,12 @@ class RankLogger:
 
     def _emit(self, level: str, message: str) -> None:
         stamp = time.strftime("%H:%M:%S")
-        print(f"[rlrun {stamp} {level}] {message}", file=sys.stderr if level != "info" else sys.stdout, flush=True)
+        stream = sys.stderr if level != "info" else sys.stdout
+        # One write, newline included: print() writes the text and the newline separately, and on an unbuffered
+        # stream shared by several ranks (torchrun's, Slurm's) another rank's line could land between the two,
+        # gluing two ranks' lines into one (seen in CI).
+        stream.write(f"[rlrun {stamp} {level}] {message}\n")
+        stream.flush()
 
     def info_once(self, message: str) -> None:
         if self.rank == 0:
