@@ -64,6 +64,13 @@ def resolve(name: str, repo_type: RepoType, flag: str, *, download: bool = True)
 
     kind = "dataset " if repo_type == "dataset" else ""
     where = f"the Hugging Face cache ({cache_dir()})"
+    unreadable = (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError)
+
+    def refused(exc: Exception) -> ConfigError:
+        return ConfigError(f"--{flag} {name}: the hub has no {kind}repo {repo}{'@' + revision if revision else ''} "
+                           f"that this machine may read ({type(exc).__name__}); check the name, or for a private or "
+                           "gated repo log in (`hf auth login` or HF_TOKEN)")
+
     try:
         return snapshot_download(repo, repo_type=repo_type, revision=revision, cache_dir=cache_dir(),
                                  local_files_only=offline() or not download,
@@ -77,17 +84,14 @@ def resolve(name: str, repo_type: RepoType, flag: str, *, download: bool = True)
         if download:
             raise ConfigError(f"--{flag} {name}: {kind}{repo} is not in {where} and the hub could not be reached; "
                               "check the network (or HF_ENDPOINT), or download it beforehand") from None
-    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as exc:
-        raise ConfigError(f"--{flag} {name}: the hub has no {kind}repo {repo}{'@' + revision if revision else ''} "
-                          f"that this machine may read ({type(exc).__name__}); check the name, or for a private or "
-                          "gated repo log in (`hf auth login` or HF_TOKEN)") from None
+    except unreadable as exc:
+        raise refused(exc) from None
     except HfHubHTTPError as exc:
         raise ConfigError(f"--{flag} {name}: downloading {kind}{repo} failed: {str(exc).splitlines()[0]}") from None
     try:  # a dry run and not cached: say now whether start-up will find it
         HfApi().repo_info(repo, repo_type=repo_type, revision=revision)
-    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as exc:
-        raise ConfigError(f"--{flag} {name}: the hub has no {kind}repo {repo} that this machine may read "
-                          f"({type(exc).__name__}); check the name, or log in (`hf auth login` or HF_TOKEN)") from None
+    except unreadable as exc:
+        raise refused(exc) from None
     except HfHubHTTPError as exc:
         raise ConfigError(f"--{flag} {name}: not in {where}, and the hub could not be asked about it: "
                           f"{str(exc).splitlines()[0]}") from None

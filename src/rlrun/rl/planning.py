@@ -103,24 +103,21 @@ def check_eval(cfg: Config) -> list[str]:
 def missing_path_warnings(cfg: Config) -> list[str]:
     """Paths this machine cannot see (hub names, other hosts' disks): warnings, not errors, in a
     dry run; loading them later fails with a clear error."""
+    m = cfg.model
+    names = [(flag, path) for flag, path in (("pretrain", m.pretrain), ("reward_pretrain", m.reward_pretrain),
+                                             ("critic_pretrain", m.critic_pretrain)) if path is not None]
+    if m.remote_rm_url not in (None, DEMO) and not m.remote_rm_url.startswith(("http://", "https://")):
+        names.append(("remote_rm_url", m.remote_rm_url))
+    for flag, sources in (("prompt_data", cfg.data.prompt_data), ("eval_dataset", cfg.logging.eval_dataset)):
+        # a data source is a path or a hub id, each optionally @DATA_DIR (rlrun.data.sources)
+        names += [(flag, n.strip().partition("@")[0]) for n in (sources or "").split(",") if n.strip()]
     out = []
-    candidates = {
-        "pretrain": cfg.model.pretrain,
-        "reward_pretrain": cfg.model.reward_pretrain,
-        "critic_pretrain": cfg.model.critic_pretrain,
-        "prompt_data": cfg.data.prompt_data,
-        "eval_dataset": cfg.logging.eval_dataset,
-    }
-    if cfg.model.remote_rm_url not in (None, DEMO) and not cfg.model.remote_rm_url.startswith(("http://", "https://")):
-        candidates["remote_rm_url"] = cfg.model.remote_rm_url
-    for flag, path in candidates.items():
-        for name in ([] if path is None else path.split(",") if flag in ("prompt_data", "eval_dataset") else [path]):
-            name = name.strip()
-            if os.path.exists(name) or os.path.exists(name.partition("@")[0]):
-                continue
-            if parse_repo_id(name.partition("@")[0] if flag in ("prompt_data", "eval_dataset") else name):
-                out.append(f"--{flag} {name}: a Hugging Face Hub id not in this machine's cache; it is downloaded at "
-                           "start-up (HF_HUB_OFFLINE=1 there: download it first)")
-            else:
-                out.append(f"--{flag} {name}: not found on this machine (another host's path?)")
+    for flag, name in names:
+        if os.path.exists(name):
+            continue
+        if parse_repo_id(name):
+            out.append(f"--{flag} {name}: a Hugging Face Hub id not in this machine's cache; it is downloaded at "
+                       "start-up (HF_HUB_OFFLINE=1 there: download it first)")
+        else:
+            out.append(f"--{flag} {name}: not found on this machine (another host's path?)")
     return out

@@ -26,9 +26,8 @@ def preflight(cfg: Config) -> list[str]:
     """One line per thing checked (raises the run's own DataError/ConfigError/RewardError on what would fail)."""
     lines = []
     tokenizer = load_tokenizer(cfg.model) if _here(cfg.model.pretrain) else None
-    for spec in (prompt_spec(cfg), eval_spec(cfg) if cfg.logging.eval_dataset is not None else False):
-        if spec is False:
-            continue
+    sets = [prompt_spec(cfg)] + ([eval_spec(cfg)] if cfg.logging.eval_dataset is not None else [])
+    for spec in sets:
         name = f"--{spec.flag} {spec.sources}" if spec is not None else "built-in prompts"
         if spec is not None and (elsewhere := not_here(spec.sources)):
             lines.append(f"{name}: not read ({', '.join(elsewhere)} is not on this machine)")
