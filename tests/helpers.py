@@ -9,6 +9,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -169,3 +172,20 @@ def value_tokens(info) -> list[str]:  # type: ignore[no-untyped-def]  - a rlrun.
     if get_origin(tp) is Literal:
         return [next(str(c) for c in get_args(tp) if c != info.default)]
     return {int: ["7"], float: ["0.25"], str: ["some/value"]}[tp]
+
+
+class LargestRows(TorchDispatchMode):
+    """The largest number of rows of any new tensor whose last dimension is the vocabulary."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out  # a view (weight.t()) or an in-place op: nothing new allocated
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab:
+                self.rows = max(self.rows, t.numel() // self.vocab)
+        return out

@@ -89,6 +89,10 @@ class GenerationConfig:
     prompt_max_len: int = opt(1024, "Max prompt tokens.")
     prompt_overflow: Literal["truncate", "drop"] = opt("truncate", "Prompts longer than --prompt_max_len: keep the last tokens, or drop the record (counted in the log either way).")
     generate_max_len: int = opt(1024, "Max new tokens per response.")
+    native_kv_cache_mb: int | None = opt(None, "--generation_backend native: the KV cache budget of each engine rank in "
+                                         "MiB; a rank's rollouts are generated in batches whose cache fits it. Default: "
+                                         "on GPU from the memory free when generation starts (less the activations), "
+                                         "on CPU unbounded (one batch).")
     vllm_gpu_memory_utilization: float = opt(0.95, "vLLM gpu_memory_utilization (GPU: the fraction of the whole GPU one engine "
                                              "rank may use; lower it when the actor shares the GPU, e.g. 0.3-0.5).")
     vllm_kv_cache_memory_bytes: int | None = opt(None, "GPU: the KV cache size of each vLLM engine rank in bytes, instead of "
@@ -137,6 +141,10 @@ class TrainConfig(OptimConfig):
 
     rollout_batch_size: int = opt(1024, "Prompts per step (before n_samples_per_prompt).")
     micro_rollout_batch_size: int = opt(8, "Sequences per forward pass when scoring rollouts, per rank.")
+    logits_chunk_size: int = opt(1024, "rlrun: positions per chunk of the vocabulary projection when computing "
+                                 "log-probs/entropy (actor and reference); bounds the logits' memory to chunk x vocab x "
+                                 "4 bytes; 0 = whole sequences (more memory, same numbers). Models whose forward "
+                                 "transforms the logits (Gemma-2/3 soft-capping, Cohere, Granite) always use 0.")
     n_samples_per_prompt: int = opt(1, "Responses sampled per prompt.")
     async_train: bool = opt(False, "Overlap generation with training (engines on ranks of their own): the engines generate step N+1 "
                             "with the weights before step N's update while the other ranks train on step N, i.e. one step "
@@ -288,8 +296,13 @@ class RuntimeConfig:
                      "faster, ~1e-3 relative error; PyTorch's own default for convolutions). false: exact fp32 "
                      "matmuls. No effect on CPU or on bf16 math.")
     data_timeout: float = opt(1800.0, "Seconds loading the datasets may take (every rank loads them before the first collective); past it the run fails naming the dataset.")
-    dry_run: bool = opt(False, "Preflight, then exit: print the role layout, read the prompt data and render its first "
-                        "prompt, import the reward source; loads no model weights, contacts no server.")
+    dry_run: bool = opt(False, "Preflight, then exit: print the role layout and its memory plan, read the prompt data "
+                        "and render its first prompt, import the reward source; loads no model weights, contacts no server.")
+    gpu_memory_gb: float | None = opt(None, "Per-GPU memory in GiB that --dry_run's memory plan checks every rank against "
+                                      "(given, the plan is for GPUs even on a machine without one). Unset: the GPU's "
+                                      "here (detected); none here: a CPU run's plan, or 80 with --device cuda.")
+    plan_json: str | None = opt(None, "--dry_run: also write the memory plan (per rank: GPU and host bytes by component; "
+                                "what does not fit and what would) to this JSON file.", metavar="PATH")
 
 
 @dataclass

@@ -11,7 +11,7 @@ from rlrun.algo.algorithms import compute_approx_kl
 from rlrun.algo.is_correction import ISCorrection
 from rlrun.algo.losses import LossAggMode, PolicyLossType, aggregate_loss, policy_loss
 from rlrun.data.rollout import RolloutBatch
-from rlrun.roles.forward import over_micro_batches, policy_log_probs
+from rlrun.roles.forward import LOGITS_CHUNK, over_micro_batches, policy_log_probs
 from rlrun.roles.update import Updater
 
 
@@ -41,12 +41,13 @@ class PolicyData:
 
 class Actor:
     def __init__(self, model: nn.Module, updater: Updater, settings: PolicyLossSettings, device: torch.device,
-                 packing: bool = False) -> None:
+                 packing: bool = False, logits_chunk: int = LOGITS_CHUNK) -> None:
         self.model = model
         self.updater = updater
         self.settings = settings
         self.device = device
         self.packing = packing  # --packing_samples: forward on packed rows (rlrun.data.packing)
+        self.logits_chunk = logits_chunk  # --logits_chunk_size: positions per chunk of the vocab projection
         # (rows, [rows, R] detached log-probs) per micro-batch of the last on-policy train() (PolicyData.old_log_probs
         # None): the trainer gathers them in place of the skipped scoring pass.
         self._on_policy: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -55,7 +56,8 @@ class Actor:
         """[b, L] rollouts -> [b, R] log-probs under the current policy."""
         temp = self.settings.temperature
         return over_micro_batches(self.model, batch, micro_batch, self.device,
-                                  lambda p: policy_log_probs(self.model, p, temp, packing=self.packing)[0])
+                                  lambda p: policy_log_probs(self.model, p, temp, packing=self.packing,
+                                                             logits_chunk=self.logits_chunk)[0])
 
     def train(self, data: PolicyData, minibatches: list[torch.Tensor], kl_coef: float) -> dict[str, float]:
         s = self.settings
@@ -64,7 +66,7 @@ class Actor:
         def micro_loss(rows: torch.Tensor, num_tokens: float, num_seqs: float):
             part = data.batch.rows(rows).to(self.device)
             logp, entropy = policy_log_probs(self.model, part, s.temperature, with_entropy=s.entropy_coef is not None,
-                                             packing=self.packing)
+                                             packing=self.packing, logits_chunk=self.logits_chunk)
             if data.old_log_probs is None:  # on-policy: ratio 1 in value, gradient d(logp) exactly (as TRL)
                 old_log_probs = logp.detach()
                 self._on_policy.append((rows, old_log_probs.float().cpu()))

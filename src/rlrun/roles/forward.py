@@ -12,9 +12,12 @@ from contextlib import contextmanager
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 
 from rlrun.algo.losses import entropy_from_logits, log_probs_from_logits
+from rlrun.algo.vocab_chunks import chunked_log_probs
 from rlrun.data.packing import PackedBatch, pack_batch
 from rlrun.data.rollout import RolloutBatch
 from rlrun.models.loading import position_ids_from
@@ -24,17 +27,91 @@ from rlrun.models.loading import position_ids_from
 # the padded batch (cost per row unchanged, fewer rows).
 _VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
+# Positions per chunk of the vocab projection for log-probs/entropy (--logits_chunk_size): the logits then take at most
+# LOGITS_CHUNK x V x 4 bytes at a time instead of response x V. <= 0: the whole micro-batch's logits at once.
+LOGITS_CHUNK = 1024
+
+# Config attributes with which a model's forward transforms the head's logits before returning them (Gemma-2/3
+# soft-capping, Cohere's logit_scale, Granite's logits_scaling, and the like): the chunked path would skip the
+# transform, so such models keep the full-logits path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
+                     "unpadded_vocab_size")
+
+
+def _hf_config(model: nn.Module) -> PretrainedConfig | None:
+    """The HF config of `model` or of the model a DeepSpeed engine wraps (whose own `config` is DeepSpeed's)."""
+    for m in (model, getattr(model, "module", None)):
+        config = getattr(m, "config", None)
+        if isinstance(config, PretrainedConfig):
+            return config
+    return None
+
+
+def chunkable_head(model: nn.Module) -> bool:
+    """Whether the chunked vocab projection gives `model`'s own log-probs: its output embedding is a plain nn.Linear
+    (FSDP2's FSDPLinear included), whose forward nobody replaced (accelerate's hooks do), and its config sets no
+    transform its forward applies to the logits after it."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or "forward" in vars(head):
+        return False
+    config = _hf_config(model)
+    if config is None:
+        return False
+    for c in (config, config.get_text_config()):
+        if any(getattr(c, name, None) not in (None, 1) for name in _LOGIT_TRANSFORMS):
+            return False
+    return True
+
+
+@contextmanager
+def vocab_log_probs(model: nn.Module, targets: torch.Tensor, temperature: float, chunk: int,
+                    with_entropy: bool) -> Iterator[None]:
+    """While open, `model`'s output embedding maps hidden states [*, n, H] to the log-prob of `targets` [*, n] and the
+    entropy under softmax(logits / temperature), stacked as [*, n, 2] fp32 ([*, n, 1]: log-prob only), computed
+    `chunk` positions at a time (rlrun.algo.vocab_chunks); the model's forward hands that through as `out.logits`.
+
+    The head's forward is replaced (an instance attribute) rather than the head bypassed, so the call still goes
+    through nn.Module.__call__: the hooks of FSDP2 (root parameters gathered) and DeepSpeed ZeRO-3 (the head's weight
+    gathered) run as for the logits, and their backward hooks fire on the returned tensor. Combine with
+    `projected_only` (open it first) to feed the head only some positions."""
+    head = model.get_output_embeddings()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[:-1] != targets.shape:
+            raise ValueError(f"the vocab projection got hidden states {tuple(hidden.shape)} for targets "
+                             f"{tuple(targets.shape)}")
+        logp, entropy = chunked_log_probs(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias,
+                                          targets.reshape(-1), temperature, chunk, with_entropy)
+        parts = (logp,) if entropy is None else (logp, entropy)
+        return torch.stack(parts, dim=-1).view(*targets.shape, len(parts))
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
 
 def response_log_probs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
-                       temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       temperature: float, with_entropy: bool = False,
+                       logits_chunk: int = LOGITS_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, L] -> log-probs of the last `response_width` tokens [b, R] (and their entropy [b, R]).
 
     Logits are divided by the sampling temperature so the ratio is taken against the policy
-    that actually sampled the tokens. Only the R + 1 last positions go through the vocab projection."""
-    out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                use_cache=False, logits_to_keep=response_width + 1)
+    that actually sampled the tokens. Only the R + 1 last positions go through the vocab projection,
+    `logits_chunk` positions at a time where the model allows it (chunkable_head; <= 0: all at once)."""
+    kwargs = {"input_ids": sequences, "attention_mask": attention_mask, "use_cache": False,
+              "position_ids": position_ids_from(attention_mask), "logits_to_keep": response_width + 1}
+    targets = sequences[:, -response_width:]
+    if logits_chunk > 0 and chunkable_head(model):
+        # The last of the R + 1 positions predicts past the sequence: a dummy target (0) keeps the head's input and
+        # the targets aligned; that one extra row per sequence is dropped below.
+        with vocab_log_probs(model, F.pad(targets, (0, 1)), temperature, logits_chunk, with_entropy):
+            per_token = model(**kwargs).logits[:, :-1]  # [b, R, 1 or 2]
+        return per_token[..., 0], per_token[..., 1] if with_entropy else None
+    out = model(**kwargs)
     logits = out.logits[:, :-1, :].float()
-    logp = log_probs_from_logits(logits, sequences[:, -response_width:], temperature)
+    logp = log_probs_from_logits(logits, targets, temperature)
     entropy = entropy_from_logits(logits / temperature) if with_entropy else None
     return logp, entropy
 
@@ -87,11 +164,16 @@ def pack_for(model: nn.Module, part: RolloutBatch) -> PackedBatch:
     return pack_batch(part, None if one_row else part.sequences.shape[1])
 
 
-def packed_response_log_probs(model: nn.Module, part: RolloutBatch, temperature: float,
-                              with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def packed_response_log_probs(model: nn.Module, part: RolloutBatch, temperature: float, with_entropy: bool = False,
+                              logits_chunk: int = LOGITS_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same as response_log_probs on `part` ([b, L] -> [b, R], 0 where there is no response token),
     computed on packed rows; the vocab projection runs on the N response positions only."""
     packed = pack_for(model, part)
+    if logits_chunk > 0 and chunkable_head(model):
+        with projected_only(model, packed.keep_mask()), \
+                vocab_log_probs(model, packed.targets().unsqueeze(0), temperature, logits_chunk, with_entropy):
+            per_token = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0]
+        return packed.scatter(per_token[:, 0]), packed.scatter(per_token[:, 1]) if with_entropy else None
     with projected_only(model, packed.keep_mask()):
         out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
     logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # [N, V], in pred_index order
@@ -118,11 +200,14 @@ def packed_last_token_scores(model: nn.Module, part: RolloutBatch) -> torch.Tens
 
 
 def policy_log_probs(model: nn.Module, part: RolloutBatch, temperature: float, *, with_entropy: bool = False,
-                     packing: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[b, L] rollouts -> response log-probs [b, R] (and entropy), padded or packed."""
+                     packing: bool = False,
+                     logits_chunk: int = LOGITS_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[b, L] rollouts -> response log-probs [b, R] (and entropy), padded or packed; the vocab projection runs
+    `logits_chunk` positions at a time (<= 0: whole micro-batch, the same numbers with more memory)."""
     if packing:
-        return packed_response_log_probs(model, part, temperature, with_entropy)
-    return response_log_probs(model, part.sequences, part.attention_mask, part.response_width, temperature, with_entropy)
+        return packed_response_log_probs(model, part, temperature, with_entropy, logits_chunk)
+    return response_log_probs(model, part.sequences, part.attention_mask, part.response_width, temperature,
+                              with_entropy, logits_chunk)
 
 
 def token_values(model: nn.Module, part: RolloutBatch, *, packing: bool = False) -> torch.Tensor:
