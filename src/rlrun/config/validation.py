@@ -33,6 +33,7 @@ def check_values(cfg: Config) -> None:
                  "micro_train_batch_size", "n_samples_per_prompt", "max_epochs", "num_episodes", "max_samples"):
         _positive(name, getattr(t, name))
     _positive("max_steps", t.max_steps, allow_none=True)
+    _positive("native_kv_cache_mb", g.native_kv_cache_mb, allow_none=True)
     for name in ("prompt_max_len", "generate_max_len", "weight_sync_bucket_mb"):
         _positive(name, getattr(g, name))
     for name in ("actor_learning_rate", "critic_learning_rate"):

@@ -2,11 +2,17 @@
 
 Behind the same surface as HFEngine (generate / sample / load_weights, a `model` that weight sync writes into), and
 like vLLM it reports the log-probability of every sampled token and drops finished rows from the batch instead of
-decoding padding until the longest row ends. Same seed, same prompts, same weights: same samples (a generator of
-its own, seeded per call; the global RNG is untouched).
+decoding padding until the longest row ends. Same seed, same prompts, same weights (and same KV-cache budget): same
+samples (a generator of its own, seeded per call; the global RNG is untouched).
+
+Memory: the KV cache of a call's rows must fit a budget (`kv_cache_bytes`; by default on GPU what the memory free at
+the call allows, on CPU unbounded). When it cannot hold every row at once, the rows are decoded in batches, one after
+another, longest prompts first; the results come back in the prompts' order.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import nn
@@ -16,6 +22,7 @@ from rlrun.engines.base import Generation, TorchEngine, SamplingSettings
 from rlrun.engines.decoder import Decoder, KVCache
 from rlrun.engines.sampling import sample
 from rlrun.engines.stops import cut_at_stop
+from rlrun.runtime.errors import ConfigError
 
 # Finished rows stay in the batch until they are at least this fraction of it: dropping them copies the cache.
 COMPACT_FRACTION = 0.125
@@ -24,15 +31,33 @@ COMPACT_FRACTION = 0.125
 SYNC_EVERY = 8
 # Bytes of the longest stop string's UTF-8 text that a token can span at most (a byte-level token is >= 1 byte).
 _STOP_TAIL_SLACK = 4
+# GPU default budget: the share of the memory free at a call that its batches may plan to fill (KV cache plus the
+# activations that `peak_row_bytes` estimates). The other 10% is for what the estimate leaves out: the caching
+# allocator's fragmentation (dropping finished rows frees cache blocks that later requests may not fit), workspaces
+# that cuBLAS and attention kernels allocate on a shape's first use, and other processes on the GPU allocating
+# meanwhile (a second engine, NCCL buffers).
+GPU_FREE_FRACTION = 0.9
+# Dropping finished rows (KVCache.keep) builds the kept keys of every layer before the old ones go: at most half the
+# cache again while it copies.
+_KEEP_EXTRA = 0.5
+# fp32 [B, V] tensors a decode step holds at once: the logits, and sampling's temperature-scaled copy, top-p's
+# sorted values, order (int64: two), probabilities, cumulative sums and mask, the log-softmax and its exp.
+_LOGIT_COPIES = 10
 
 
 class NativeEngine(TorchEngine):
     """Sampling with rlrun's decoder: left-padded prompts, stop at EOS (and at stop strings when given)."""
 
     def __init__(self, model: nn.Module, sampling: SamplingSettings, device: torch.device,
-                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+                 tokenizer: PreTrainedTokenizerBase | None = None, *, kv_cache_bytes: int | None = None) -> None:
+        """kv_cache_bytes: the KV cache budget of one call (--native_kv_cache_mb); None: on GPU derived at each call
+        from the memory free then (GPU_FREE_FRACTION of it, less each row's activations), on CPU unbounded."""
         super().__init__(model, sampling, device, tokenizer)
+        if kv_cache_bytes is not None and kv_cache_bytes <= 0:
+            raise ConfigError(f"NativeEngine: the KV cache budget must be > 0 bytes, got {kv_cache_bytes}")
         self.decoder = Decoder(self.model)
+        self.kv_cache_bytes = kv_cache_bytes
+        self.last_batches = 0  # batches the last sample() call decoded one after another (tests, metrics)
 
     def load_weights(self) -> None:
         """Weight sync wrote into `model`: re-read the decoder's fused projections from it."""
@@ -47,21 +72,100 @@ class NativeEngine(TorchEngine):
             raise ValueError("NativeEngine got an empty prompt; every prompt needs at least one token")
         s = self.sampling
         new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
+        responses: list[list[int]] = [[] for _ in prompts]
+        lps: list[list[float]] = [[] for _ in prompts]
+        self.last_batches = 0
         if not prompts or new <= 0:
-            return Generation([[] for _ in prompts], [[] for _ in prompts])
-        tokens, log_probs, lengths = self._decode(prompts, new, seed, stop)
-        responses, lps = [], []
-        for row, lp, n in zip(tokens.tolist(), log_probs.tolist(), lengths.tolist()):
-            kept = row[:n]
-            if stop:  # a row stops at the token that completes a stop string; cut exactly there
-                kept = cut_at_stop(kept, stop, self.tokenizer)  # type: ignore[arg-type]
-            responses.append(kept)
-            lps.append(lp[:len(kept)])
+            return Generation(responses, lps)
+        batches = self._batches(prompts, new)
+        self.last_batches = len(batches)
+        # One generator for the call, drawn from batch after batch: a single batch samples exactly as one call always
+        # did, and the draws each row gets depend only on the seed, the prompts and the batches (the budget).
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        for batch in batches:
+            tokens, log_probs, lengths = self._decode([prompts[i] for i in batch], new, generator, stop)
+            for i, row, lp, n in zip(batch, tokens.tolist(), log_probs.tolist(), lengths.tolist()):
+                kept = row[:n]
+                if stop:  # a row stops at the token that completes a stop string; cut exactly there
+                    kept = cut_at_stop(kept, stop, self.tokenizer)  # type: ignore[arg-type]
+                responses[i], lps[i] = kept, lp[:len(kept)]
         return Generation(responses, lps)
 
-    def _decode(self, prompts: list[list[int]], new: int, seed: int,
+    def kv_row_bytes(self, width: int, new: int) -> int:
+        """KV-cache bytes of one row of a batch whose longest prompt has `width` tokens, with `new` new tokens: keys
+        and values [K, width + new, D] in every layer (all that Decoder.new_cache allocates per row)."""
+        d = self.decoder
+        return len(d.layers) * 2 * d.kv_heads * d.head_dim * d.dtype.itemsize * (width + new)
+
+    def peak_row_bytes(self, width: int, new: int) -> int:
+        """Estimated peak device bytes of one such row: its KV cache plus the larger of the prefill's activations and
+        a decode step's (logits, sampling, attention scores, and the copy that dropping finished rows makes).
+        Prefill, per position: the residual, norm output and block output (3E), the MLP's gate/up and its two
+        products (4I), the fused q/k/v and rotated q/k still referenced during the MLP (2 (H + 2K) D), the
+        attention's output and its reshaped copy (2 H D), in the model's dtype; the fp32 rotary products (8 (H + K) D
+        bytes); the row's [W, W] mask as bool plus SDPA's bias copy of it (3 W bytes). Measured on an H200
+        (bench/gpu prefill_memory, Qwen2.5-0.5B bf16 at [16, 2048]): 51 KB a position outside the cache; this
+        formula gives 67 KB."""
+        d = self.decoder
+        vocab, hidden = d.body.embed_tokens.weight.shape
+        H, K, D, size = d.heads, d.kv_heads, d.head_dim, d.dtype.itemsize
+        kv = self.kv_row_bytes(width, new)
+        position = (size * (3 * hidden + 4 * d.intermediate + 2 * (H + 2 * K) * D + 2 * H * D) + 8 * (H + K) * D
+                    + 3 * width)
+        step = 4 * _LOGIT_COPIES * vocab + (2 * size + 4) * H * (width + new)
+        return max(kv + width * position, int((1 + _KEEP_EXTRA) * kv) + step)
+
+    def _batches(self, prompts: list[list[int]], new: int) -> list[list[int]]:
+        """Indices into `prompts`, one list per batch to decode. Every row in one batch, in the prompts' order, when
+        the budget holds them all at the longest prompt's width (always on CPU without a budget); else longest
+        prompts first (similar widths share a batch: less padding), each batch as many rows as the budget holds at
+        the width of its own longest prompt."""
+        free = None
+        if self.kv_cache_bytes is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # blocks this process's caching allocator holds unused count as used for the driver, yet are ours to use
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            free = int(free * GPU_FREE_FRACTION)
+
+        def rows_that_fit(width: int) -> int:
+            if self.kv_cache_bytes is not None:
+                return self.kv_cache_bytes // self.kv_row_bytes(width, new)
+            return sys.maxsize if free is None else free // self.peak_row_bytes(width, new)
+
+        if rows_that_fit(max(map(len, prompts))) >= len(prompts):
+            return [list(range(len(prompts)))]
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: ties keep the prompts' order
+        batches: list[list[int]] = []
+        while len(order) > 0:
+            width = len(prompts[order[0]])
+            rows = rows_that_fit(width)
+            if rows < 1:
+                raise ConfigError(self._too_long(width, new, free))
+            batches.append(order[:rows])
+            order = order[rows:]
+        return batches
+
+    def _too_long(self, width: int, new: int, free: int | None) -> str:
+        """The message for a prompt of `width` tokens whose row alone does not fit the budget."""
+        mib = 2 ** 20
+        kv = self.kv_row_bytes(width, new)
+        row = (f"one row of a {width}-token prompt and {new} new tokens needs {kv} bytes ({kv / mib:.1f} MiB) of "
+               "KV cache")
+        shorter = "or lower --prompt_max_len / --generate_max_len"
+        if free is None:
+            budget = self.kv_cache_bytes
+            return (f"NativeEngine: {row}, over the budget of {budget} bytes ({budget / mib:.1f} MiB, "
+                    f"--native_kv_cache_mb); raise --native_kv_cache_mb {shorter}")
+        peak = self.peak_row_bytes(width, new)
+        return (f"NativeEngine: {row} and about {peak} bytes ({peak / mib:.1f} MiB) of GPU memory with its "
+                f"activations, over the {free} bytes ({free / mib:.1f} MiB) the budget takes from the GPU memory free "
+                f"now ({GPU_FREE_FRACTION:.0%} of it, no --native_kv_cache_mb given); free GPU memory (offload or "
+                f"sleep the training models), set --native_kv_cache_mb, {shorter}")
+
+    def _decode(self, prompts: list[list[int]], new: int, generator: torch.Generator,
                 stop: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens [B, new], log-probs [B, new], lengths [B]) on the CPU; row i's response is tokens[i, :lengths[i]]."""
+        """One batch: (tokens [B, new], log-probs [B, new], lengths [B]) on the CPU; row i's response is
+        tokens[i, :lengths[i]]. Sampling draws from `generator`."""
         s, dev = self.sampling, self.device
         rows, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((rows, width), s.pad_id, dtype=torch.long)
@@ -73,7 +177,6 @@ class NativeEngine(TorchEngine):
         cache: KVCache = self.decoder.new_cache(rows, width + new)
         logits = self.decoder.prefill(ids, valid[:, :width], cache)
         positions = torch.tensor([len(p) for p in prompts], device=dev)
-        generator = torch.Generator(device=dev).manual_seed(seed)
         out = torch.full((rows, new), s.pad_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros(rows, new, dtype=torch.float32, device=dev)
         # rows still running at the end used every step; on the device, so a finished row costs no host sync

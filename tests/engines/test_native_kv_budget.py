@@ -1,0 +1,175 @@
+"""The native engine within a KV-cache budget: rows decoded in batches that fit it, results in the prompts' order,
+today's samples whenever one batch holds every row, a clear error for a row that cannot fit alone."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from rlrun.engines.base import SamplingSettings
+from rlrun.engines.native import GPU_FREE_FRACTION, NativeEngine
+from rlrun.models.tiny import EOS_ID, PAD_ID
+from rlrun.runtime.errors import ConfigError
+from test_native import ARCHS, PROMPTS, TOK, _hf_log_probs, _model  # tests/engines/test_native.py's tiny models
+
+CPU = torch.device("cpu")
+NEW = 24
+WIDTH = max(map(len, PROMPTS))
+SAME_LENGTH = [list(range(40 + i, 50 + i)) for i in range(7)]  # 7 distinct prompts of 10 tokens
+
+
+def _engine(model: torch.nn.Module, kv_cache_bytes: int | None, temperature: float = 0.7,
+            eos: int = EOS_ID) -> NativeEngine:
+    return NativeEngine(model, SamplingSettings(temperature, 1.0, NEW, PAD_ID, eos), CPU, TOK,
+                        kv_cache_bytes=kv_cache_bytes)
+
+
+def _assert_hf_log_probs(model: torch.nn.Module, prompts: list[list[int]], out, temperature: float = 0.7) -> None:
+    """Each row's log-probs are HF's teacher-forced ones for *its own* prompt: a row landing at another prompt's
+    index (or a batch decoded with a stale cache or wrong positions) fails."""
+    for prompt, response, lps in zip(prompts, out.responses, out.log_probs):
+        assert len(response) >= 1 and len(lps) == len(response)
+        torch.testing.assert_close(torch.tensor(lps), _hf_log_probs(model, prompt, response, temperature),
+                                   rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7])
+def test_a_budget_of_k_rows_decodes_ceil_b_over_k_batches_in_the_prompts_order(k: int) -> None:
+    model = _model("qwen2")
+    engine = _engine(model, None)
+    engine.kv_cache_bytes = k * engine.kv_row_bytes(10, NEW)
+    out = engine.sample(SAME_LENGTH, seed=4)
+    assert engine.last_batches == math.ceil(len(SAME_LENGTH) / k)
+    _assert_hf_log_probs(model, SAME_LENGTH, out)
+
+
+def test_a_one_row_budget_at_the_longest_prompt_decodes_one_row_at_a_time() -> None:
+    model = _model("qwen2")
+    engine = _engine(model, None)
+    engine.kv_cache_bytes = engine.kv_row_bytes(WIDTH, NEW)
+    out = engine.sample(PROMPTS, seed=1)
+    assert engine.last_batches == len(PROMPTS)
+    _assert_hf_log_probs(model, PROMPTS, out)
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS, [list(range(40, 100))] + [[41, 42]] * 7], ids=["mixed", "one_long"])
+def test_batches_go_longest_first_each_within_the_budget_at_its_own_width(prompts: list[list[int]]) -> None:
+    model = _model("qwen2")
+    engine = _engine(model, None)
+    width = max(map(len, prompts))
+    budget = engine.kv_cache_bytes = 2 * engine.kv_row_bytes(width, NEW)
+    batches = engine._batches(prompts, NEW)
+    assert sorted(i for b in batches for i in b) == list(range(len(prompts)))
+    order = [len(prompts[i]) for b in batches for i in b]
+    assert order == sorted(order, reverse=True)
+    for batch in batches:
+        assert len(batch) * engine.kv_row_bytes(max(len(prompts[i]) for i in batch), NEW) <= budget
+    if len(prompts[0]) == 60:  # one long prompt: the short ones share a batch of six, not three batches of two
+        assert [len(b) for b in batches] == [2, 6]
+        out = engine.sample(prompts, seed=0)
+        assert engine.last_batches == 2
+        _assert_hf_log_probs(model, prompts, out)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_a_budget_holding_every_row_gives_today_s_samples_bit_for_bit(arch: str) -> None:
+    model = _model(arch)
+    unbounded = _engine(model, None).sample(PROMPTS, seed=7)  # CPU without a budget: one batch, as always
+    engine = _engine(model, len(PROMPTS) * _engine(model, None).kv_row_bytes(WIDTH, NEW))  # exactly enough
+    exact = engine.sample(PROMPTS, seed=7)
+    assert engine.last_batches == 1
+    assert exact.responses == unbounded.responses
+    assert exact.log_probs == unbounded.log_probs
+
+
+def test_a_small_budget_is_deterministic_and_every_row_is_the_model_s() -> None:
+    model = _model("llama")
+    engine = _engine(model, 2 * _engine(model, None).kv_row_bytes(WIDTH, NEW))
+    a = engine.sample(PROMPTS, seed=5)
+    assert engine.last_batches > 1
+    assert engine.sample(PROMPTS, seed=5) == a
+    assert engine.sample(PROMPTS, seed=6).responses != a.responses
+    assert _engine(model, engine.kv_cache_bytes).sample(PROMPTS, seed=5) == a  # a fresh engine: the same samples
+    _assert_hf_log_probs(model, PROMPTS, a)
+
+
+def test_stop_strings_end_rows_in_every_batch() -> None:
+    model = _model("qwen2")
+    prompts = [TOK.encode(t, add_special_tokens=False) for t in ("hello", "x", "say:", "q")] * 4
+    engine = _engine(model, None, temperature=1.0, eos=10**6)
+    engine.kv_cache_bytes = 3 * engine.kv_row_bytes(max(map(len, prompts)), 40)
+    stop = ("a", "e", "o")
+    out = engine.sample(prompts, seed=3, stop=stop, max_new_tokens=40)
+    assert engine.last_batches >= 4
+    stopped = 0
+    for row in out.responses:
+        assert 1 <= len(row) <= 40
+        assert not any(s in TOK.decode(row[:-1]) for s in stop)  # nothing before the last token completes a stop
+        hit = any(s in TOK.decode(row) for s in stop)
+        stopped += hit
+        assert hit or len(row) == 40
+    assert stopped >= 4
+    _assert_hf_log_probs(model, prompts, out, temperature=1.0)
+
+
+def test_a_prompt_too_long_for_the_budget_is_named() -> None:
+    engine = _engine(_model("qwen2"), None)
+    need = engine.kv_row_bytes(WIDTH, NEW)
+    engine.kv_cache_bytes = need - 1  # holds every shorter prompt's row, not the longest one's
+    with pytest.raises(ValueError, match=rf"needs {need} bytes .* budget of {need - 1} bytes .*--native_kv_cache_mb"):
+        engine.sample(PROMPTS, seed=0)  # a ConfigError: a ValueError that rlrun reports as one line
+    with pytest.raises(ConfigError, match="must be > 0 bytes"):
+        _engine(_model("qwen2"), 0)
+
+
+def test_the_gpu_default_fits_the_rows_the_free_memory_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On GPU without a budget, the batches fit GPU_FREE_FRACTION of the free memory (the driver's free memory
+    plus what this process's allocator holds unused) at each row's estimated peak; too little is a named error."""
+    engine = _engine(_model("qwen2"), None)
+    engine.device = torch.device("cuda")  # _batches only: nothing is allocated there
+    peak = engine.peak_row_bytes(WIDTH, NEW)
+    free = {"driver": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["driver"], 10**12))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * peak)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * peak)
+    free["driver"] = math.ceil(3 * peak / GPU_FREE_FRACTION) - peak  # with the allocator's spare row: three rows
+    batches = engine._batches(PROMPTS, NEW)
+    assert len(batches[0]) == 3 and sum(map(len, batches)) == len(PROMPTS)
+    free["driver"] = math.ceil(8 * peak / GPU_FREE_FRACTION)
+    assert engine._batches(PROMPTS, NEW) == [list(range(len(PROMPTS)))]  # all eight in order: today's one batch
+    free["driver"] = 0
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * peak + 100)
+    with pytest.raises(ConfigError, match=r"GPU memory free now .*--native_kv_cache_mb"):
+        engine._batches(PROMPTS, NEW)
+
+
+def test_the_peak_estimate_covers_the_measured_prefill() -> None:
+    """Qwen2.5-0.5B's shape in bf16 (built on the meta device): the [16, 2048] prefill peaked at 1.94 GiB on an
+    H200 (bench/gpu prefill_memory), the cache included. The estimate must not be below that, nor far above."""
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                         max_position_embeddings=32768)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    engine = NativeEngine(model, SamplingSettings(1.0, 1.0, 0, 0, 1), torch.device("meta"))
+    assert engine.kv_row_bytes(2048, 0) == 24 * 2 * 2 * 64 * 2 * 2048
+    estimate = 16 * engine.peak_row_bytes(2048, 0) / 2**30
+    assert 1.94 <= estimate <= 1.5 * 1.94, estimate
+
+
+def test_other_architectures_batch_alike() -> None:
+    """GQA with q/k norms (qwen3) and a single KV head (mistral): the row bytes follow each decoder's cache layout."""
+    for arch in ("qwen3", "mistral"):
+        model = _model(arch)
+        engine = _engine(model, None)
+        cfg = ARCHS[arch]()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        assert engine.kv_row_bytes(WIDTH, NEW) == (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
+                                                   * (WIDTH + NEW))
+        engine.kv_cache_bytes = 3 * engine.kv_row_bytes(WIDTH, NEW)
+        out = engine.sample(PROMPTS, seed=2)
+        assert engine.last_batches > 1
+        _assert_hf_log_probs(model, PROMPTS, out)
