@@ -59,6 +59,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if asks_node_labels(cfg) and not one_node:
             log.info_once("roles pinned by --*_node_label are placed at start-up, once every node has reported its "
                           "label (RLRUN_NODE_LABEL, else the host name); the table above ignores the labels")
+        from rlrun.rl.memory_text import dry_run_memory  # noqa: PLC0415 - imports transformers
+
+        memory = checked_on_every_rank(env, lambda: dry_run_memory(cfg, the_plan.layout, write_json=env.rank == 0))
+        if memory is None:
+            return 2
+        for line in memory[0]:
+            log.info_once(line)
+        for line in memory[1]:
+            log.warning_once(line)
     for line in (*parsed.ignored_under(choice.backend), *the_plan.warnings):
         log.warning_once(line)
     if cfg.runtime.dry_run:

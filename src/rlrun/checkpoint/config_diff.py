@@ -17,7 +17,8 @@ from typing import Any
 
 
 # How the run is started, not what it trains: never worth a line.
-NOT_A_CHANGE = frozenset({"load_checkpoint", "overwrite_checkpoints", "ckpt_path", "dry_run", "plan_json"})
+NOT_A_CHANGE = frozenset({"load_checkpoint", "overwrite_checkpoints", "ckpt_path", "dry_run", "plan_json",
+                          "gpu_memory_gb"})
 
 
 @dataclass(frozen=True)

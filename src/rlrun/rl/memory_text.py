@@ -1,0 +1,225 @@
+"""--dry_run's memory plan as people and tools read it: the models' config.json files read (no weights), the GPU
+size found, the plan (rlrun.rl.memory_plan) printed as a compact table with one line per problem and its fixes,
+and written as JSON with --plan_json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import torch
+
+from rlrun.config.schema import Config, RuntimeConfig
+from rlrun.launch.layout import Layout, Role
+from rlrun.models.loading import load_model_config
+from rlrun.rl.memory_estimate import (COMPONENTS, DEFAULT_GPU_GIB, GIB, RankMemory, Target, groups_of,
+                                      kv_cache_bytes)
+from rlrun.rl.memory_plan import MemoryPlan, plan_memory
+from rlrun.rl.model_shapes import ModelShape, model_shape, role_shapes
+from rlrun.runtime.errors import ConfigError
+
+
+def target_for(runtime: RuntimeConfig) -> Target:
+    """GPUs of --gpu_memory_gb, else of the GPU here; --device cuda with neither: of DEFAULT_GPU_GIB. Otherwise
+    (--device cpu, or auto on a machine without a GPU) a CPU run, which is what auto resolves to here."""
+    if runtime.device != "cpu" and runtime.gpu_memory_gb is not None:
+        return Target(True, int(runtime.gpu_memory_gb * GIB), "--gpu_memory_gb")
+    if runtime.device != "cpu" and torch.cuda.is_available():
+        return Target(True, torch.cuda.mem_get_info(0)[1], f"detected: {torch.cuda.get_device_name(0)}")
+    if runtime.device == "cuda":
+        return Target(True, int(DEFAULT_GPU_GIB * GIB), "no GPU here, assumed; set --gpu_memory_gb")
+    return Target(False, 0, "--device cpu" if runtime.device == "cpu" else "no GPU here")
+
+
+def _shape_at(cfg: Config, path: str | None) -> ModelShape:
+    return model_shape(load_model_config(dataclasses.replace(cfg.model, pretrain=path)))
+
+
+def read_shapes(cfg: Config, layout: Layout) -> tuple[dict[Role, ModelShape] | None, list[str]]:
+    """Each role's model shape from config.json, and notes; (None, [why]) when the policy's is not readable here."""
+    m = cfg.model
+    if m.pretrain is not None and not os.path.isdir(m.pretrain):
+        return None, [f"memory plan skipped: --pretrain {m.pretrain} is not on this machine (the plan reads its "
+                      "config.json)"]
+    try:
+        policy = _shape_at(cfg, m.pretrain)
+    except (OSError, ValueError) as exc:  # no or unreadable config.json, an architecture transformers does not know
+        return None, [f"memory plan skipped: --pretrain {m.pretrain}'s config.json: {exc}".splitlines()[0]]
+    except ConfigError as exc:
+        return None, [f"memory plan skipped: {exc}"]
+    # The critic starts from --critic_pretrain, else the reward model, else the policy (rlrun.models.loading).
+    critic = ("critic_pretrain", m.critic_pretrain) if m.critic_pretrain else ("reward_pretrain", m.reward_pretrain)
+    sources = {Role.REWARD: ("reward_pretrain", m.reward_pretrain), Role.CRITIC: critic}
+    shapes: dict[Role, ModelShape | None] = {Role.CRITIC: None, Role.REWARD: None}
+    elsewhere: dict[str, list[str]] = {}
+    notes: list[str] = []
+    for role, (flag, path) in sources.items():
+        if not layout.has(role) or path is None or path == m.pretrain:
+            continue
+        if not os.path.isdir(path):
+            elsewhere.setdefault(f"--{flag} {path}", []).append(role.value)
+            continue
+        try:
+            shapes[role] = _shape_at(cfg, path)
+        except (OSError, ValueError, ConfigError) as exc:
+            notes.append(f"the {role.value} model's config.json ({path}) is unreadable ({str(exc).splitlines()[0]}): "
+                         "planned with the policy's shape")
+    notes += [f"{' and '.join(roles)} ({where}): not on this machine, planned with the policy's shape"
+              for where, roles in elsewhere.items()]
+    return role_shapes(policy, shapes[Role.CRITIC], shapes[Role.REWARD]), notes
+
+
+def _gib(value: int, digits: int = 1) -> str:
+    return f"{value / GIB:.{digits}f}"
+
+
+def _span(values: list[int]) -> str:
+    return str(values[0]) if values[0] == values[-1] else f"{values[0]}-{values[-1]}"
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """A table (one row per run of ranks with the same roles and numbers), host memory per node, the models."""
+    t = plan.target
+    parts = (lambda r: r.gpu) if t.gpu else (lambda r: r.host)
+    used = [c for c in COMPONENTS if any(c in parts(r) for r in plan.ranks)]
+    digits = 1 if max((r.gpu_total if t.gpu else r.host_total) for r in plan.ranks) >= 10 * GIB else 2  # small models
+    header = ("ranks", "nodes", "roles", "phase", *used, "total", *(("fits", "host") if t.gpu else ()))
+    rows: list[tuple[str, ...]] = [header]
+    for group in groups_of(plan.ranks):
+        r = group[0]
+        fit = ("yes" if r.fits else "NO", _gib(r.host_total, digits)) if t.gpu else ()
+        numbers = [_gib(parts(r)[c], digits) if c in parts(r) else "-" for c in used]
+        rows.append((_span([g.rank for g in group]), _span([group[0].node, group[-1].node]),
+                     ",".join(role.value for role in r.roles), r.phase, *numbers,
+                     _gib(r.gpu_total if t.gpu else r.host_total, digits), *fit))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    # names left-aligned, numbers right-aligned
+    lines = [" | ".join(cell.rjust(w) if i > 3 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             .rstrip() for row in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    title = (f"memory plan, GiB per rank at its peak phase, for GPUs of {_gib(t.gpu_bytes)} GiB ({t.source}); a rank "
+             f"fits in {_gib(t.usable)} GiB; host = host memory per rank:") if t.gpu else \
+        (f"memory plan of a CPU run ({t.source}: every byte is host memory; --gpu_memory_gb N plans for GPUs), "
+         "GiB per rank at its peak phase:")
+    return "\n".join([title, *lines, _nodes_line(plan), _models_line(plan)])
+
+
+def _nodes_line(plan: MemoryPlan) -> str:
+    nodes = plan.node_host()
+    runs: list[tuple[list[int], dict[str, int]]] = []
+    for node, host in enumerate(nodes):
+        if runs and runs[-1][1] == host:
+            runs[-1][0].append(node)
+        else:
+            runs.append(([node], host))
+    digits = 1 if max(sum(host.values()) for host in nodes) >= 10 * GIB else 2
+    shown = []
+    for members, host in runs:
+        what = ", ".join(f"{key} {_gib(host[key], digits)}" for key in COMPONENTS if key in host)
+        total = _gib(sum(host.values()), digits)
+        shown.append(f"node{'s' if len(members) > 1 else ''} {_span(members)}: {total} GiB ({what})")
+    return "host memory per node: " + "; ".join(shown)
+
+
+def _models_line(plan: MemoryPlan) -> str:
+    s = plan.shapes[Role.ACTOR]
+    line = (f"policy: {_billions(s.parameters)} parameters ({s.layers} layers, hidden {s.hidden}, {s.heads} heads, "
+            f"{s.kv_heads} KV heads, vocab {s.vocab})")
+    for role in (Role.CRITIC, Role.REWARD):
+        if any(role in r.roles for r in plan.ranks):
+            line += f"; {role.value}: {_billions(plan.shapes[role].parameters)}"
+    return line
+
+
+def problem_lines(plan: MemoryPlan) -> list[str]:
+    """One line per run of ranks that does not fit, naming the changes that would make it fit."""
+    lines = []
+    for p in plan.problems:
+        where = f"{','.join(r.value for r in p.roles)} on rank{'s' if len(p.ranks) > 1 else ''} {_span(list(p.ranks))}"
+        fixes = ", or ".join(f"{flags} ({_gib(b)} GiB)" for flags, b in p.fixes)
+        if p.why:
+            lines.append(f"does not fit: {where}: {p.why}; " + (f"fix: {fixes}" if fixes else "use a larger GPU"))
+            continue
+        text = f"does not fit: {where}: {_gib(p.gpu_bytes)} GiB per GPU > {_gib(plan.target.usable)} GiB usable; "
+        tried = f" (tried, alone and together: {'; '.join(p.tried)})" if p.tried else ""
+        lines.append(text + (f"fits with {fixes}" if fixes else f"no change fits{tried}: use larger GPUs"))
+    return lines
+
+
+def note_lines(plan: MemoryPlan) -> list[str]:
+    """What the numbers assume that a reader would not guess: the native engine batches its generation; engines
+    planned without vLLM on a machine without a GPU."""
+    k, lines = plan.knobs, []
+    engines = [r for r in plan.ranks if Role.ENGINE in r.roles]
+    if engines and k.backend == "native":
+        rows = -(-k.rollouts // len(engines))
+        need = kv_cache_bytes(plan.shapes[Role.ENGINE], k, rows)
+        got = min((r.gpu if k.gpu else r.host).get("kv_cache", 0) for r in engines)
+        if 0 < got < need:
+            budget = "--native_kv_cache_mb" if k.kv_budget else "the GPU's free memory"
+            lines.append(f"engine ranks: the KV cache of a rank's {rows} rollouts would take {_gib(need)} GiB; the native "
+                         f"engine generates them in ~{-(-need // got)} batches of {_gib(got)} GiB ({budget})")
+    if engines and k.gpu and k.backend != "vllm" and not plan.target.source.startswith("detected"):
+        lines.append(f"engines: planned as --generation_backend {k.backend}, what auto resolves to without a GPU; on GPU "
+                     "nodes with vLLM installed auto picks vllm: pass --generation_backend vllm (vllm installed here) "
+                     "to plan that")
+    return lines
+
+
+def _component_json(parts: dict[str, int], total: int) -> dict[str, int]:
+    return {"total": total, **parts}
+
+
+def plan_json(plan: MemoryPlan, notes: list[str]) -> dict[str, Any]:
+    """The plan as --plan_json writes it (bytes throughout)."""
+    t, s = plan.target, plan.shapes
+
+    def rank_json(r: RankMemory) -> dict[str, Any]:
+        return {"rank": r.rank, "node": r.node, "roles": [role.value for role in r.roles], "phase": r.phase,
+                "phases": dict(r.phases), "fits": r.fits, "memory": {"gpu_bytes": _component_json(r.gpu, r.gpu_total),
+                                           "host_bytes": _component_json(r.host, r.host_total)}}
+
+    return {
+        "device": "cuda" if t.gpu else "cpu", "gpu_memory_bytes": t.gpu_bytes,
+        "gpu_usable_bytes": t.usable if t.gpu else 0, "gpu_memory_source": t.source, "fits": plan.fits,
+        "model": {"parameters": s[Role.ACTOR].parameters, "critic_parameters": s[Role.CRITIC].parameters,
+                  "reward_parameters": s[Role.REWARD].parameters, "hidden_size": s[Role.ACTOR].hidden,
+                  "num_hidden_layers": s[Role.ACTOR].layers, "vocab_size": s[Role.ACTOR].vocab},
+        "settings": dataclasses.asdict(plan.knobs),
+        "ranks": [rank_json(r) for r in plan.ranks],
+        "nodes": [{"node": i, "host_bytes": _component_json(h, sum(h.values()))}
+                  for i, h in enumerate(plan.node_host())],
+        "problems": [{"ranks": list(p.ranks), "roles": [r.value for r in p.roles], "gpu_bytes": p.gpu_bytes,
+                      "why": p.why, "fixes": [{"flags": f, "gpu_bytes": b} for f, b in p.fixes]} for p in plan.problems],
+        "advice": problem_lines(plan),
+        "notes": notes + note_lines(plan),
+    }
+
+
+def dry_run_memory(cfg: Config, layout: Layout, *, write_json: bool) -> tuple[list[str], list[str]]:
+    """The plan's printed lines and its problems (warnings); with --plan_json (and `write_json`, rank 0) the JSON
+    file too. A plan that cannot be made (the model is elsewhere) is one line saying why; so is the JSON file."""
+    shapes, notes = read_shapes(cfg, layout)
+    if shapes is None:
+        _write(cfg.runtime.plan_json if write_json else None, {"skipped": notes[0], "ranks": []})
+        return notes, []
+    plan = plan_memory(cfg, layout, shapes, target_for(cfg.runtime))
+    _write(cfg.runtime.plan_json if write_json else None, plan_json(plan, notes))
+    return [format_plan(plan), *notes, *note_lines(plan)], problem_lines(plan)
+
+
+def _write(path: str | None, document: dict[str, Any]) -> None:
+    if path is None:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump(document, f, indent=1)
+            f.write("\n")
+    except OSError as exc:
+        raise ConfigError(f"--plan_json {path}: cannot write it ({exc.strerror}); pass a writable path") from None

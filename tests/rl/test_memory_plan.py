@@ -1,0 +1,223 @@
+"""--dry_run's memory plan: exact parameter counts against real HF models built from config, ZeRO's accounting on
+the 70B PPO job of USER_COMMANDS (job 1) and what it says would make it fit, a 7B job that fits, the CPU plan, and
+--plan_json written by a real `python -m rlrun.ppo --dry_run` for a 40-rank world."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from helpers import REPO, subprocess_env
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from rlrun.cli.parser import parse_args
+from rlrun.launch.layout import Role
+from rlrun.models.tiny import build_byte_tokenizer, tiny_model_config_for_size
+from rlrun.rl.memory_estimate import GIB, Target, knobs_of, kv_cache_bytes
+from rlrun.rl.memory_plan import plan_memory
+from rlrun.rl.memory_text import dry_run_memory, format_plan, problem_lines, read_shapes, target_for
+from rlrun.rl.model_shapes import model_shape
+from rlrun.rl.planning import plan
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=300)
+LLAMA_2_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+               "num_hidden_layers": 80, "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+               "vocab_size": 32000, "tie_word_embeddings": False, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+LLAMA_2_7B = {**LLAMA_2_70B, "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 11008,
+              "num_attention_heads": 32, "num_key_value_heads": 32}
+GPU_80 = Target(True, 80 * GIB, "test")
+# Job 1 of ../shared/USER_COMMANDS.md (OpenRLHF's 70B PPO), roles on separate nodes of 8; engines as vLLM (what auto
+# picks on GPU nodes with vLLM installed).
+JOB_1 = ["--ref_num_nodes", "1", "--ref_num_gpus_per_node", "8", "--reward_num_nodes", "1", "--reward_num_gpus_per_node",
+         "8", "--critic_num_nodes", "1", "--critic_num_gpus_per_node", "8", "--actor_num_nodes", "1",
+         "--actor_num_gpus_per_node", "8", "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "4",
+         "--reward_pretrain", "./reward-model-70b", "--save_steps", "100", "--logging_steps", "1",
+         "--micro_train_batch_size", "2", "--train_batch_size", "128", "--micro_rollout_batch_size", "4",
+         "--rollout_batch_size", "1024", "--max_epochs", "1", "--prompt_max_len", "1024", "--generate_max_len", "1024",
+         "--zero_stage", "3", "--bf16", "--actor_learning_rate", "5e-7", "--critic_learning_rate", "9e-6",
+         "--init_kl_coef", "0.01", "--normalize_reward", "--gradient_checkpointing", "--flash_attn"]
+
+
+def _model_dir(path, config: dict):
+    path.mkdir(exist_ok=True)
+    build_byte_tokenizer().save_pretrained(path)  # the dry run's preflight renders a prompt with it
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _counts(config) -> tuple[int, int]:
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config)
+        config.num_labels = 1
+        scalar = AutoModelForSequenceClassification.from_config(config)
+    return sum(p.numel() for p in lm.parameters()), sum(p.numel() for p in scalar.parameters())
+
+
+@pytest.mark.parametrize("config", [
+    transformers.LlamaConfig(**SMALL),
+    transformers.LlamaConfig(**SMALL, tie_word_embeddings=True, attention_bias=True, mlp_bias=True, head_dim=24),
+    transformers.Qwen2Config(**SMALL),
+    transformers.Qwen3Config(**SMALL, head_dim=32),
+    transformers.MistralConfig(**SMALL),
+    transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
+    transformers.Qwen2MoeConfig(**SMALL, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                decoder_sparse_step=2, mlp_only_layers=[0]),
+    transformers.Qwen3MoeConfig(**SMALL, num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2,
+                                mlp_only_layers=[1]),
+    tiny_model_config_for_size("tiny"),
+    tiny_model_config_for_size("3m"),
+], ids=lambda c: c.model_type)
+def test_parameter_counts_are_exact_for_the_causal_lm_and_its_score_head_body(config):
+    shape = model_shape(config)
+    causal, scalar = _counts(config)
+    assert shape.parameters == causal
+    assert shape.scalar().parameters == scalar  # critic / reward model: the body and a [hidden, 1] head
+
+
+def _job(tmp_path, *flags: str, world: int = 40, config: dict = LLAMA_2_70B):
+    model = _model_dir(tmp_path / "model", config)
+    cfg = parse_args(["--pretrain", str(model), "--generation_backend", "vllm", *flags]).config
+    layout = plan(cfg, world, 8).layout
+    shapes, notes = read_shapes(cfg, layout)
+    assert shapes is not None
+    return cfg, layout, plan_memory(cfg, layout, shapes, GPU_80), notes
+
+
+def test_the_70b_actor_at_zero3_needs_zeros_16_bytes_per_parameter_and_fits_with_adam_offload(tmp_path):
+    cfg, layout, memory, notes = _job(tmp_path, *JOB_1)
+    actor = memory.ranks[layout.ranks_of(Role.ACTOR)[0]]
+    n = memory.shapes[Role.ACTOR].parameters
+    assert n == 68_976_648_192  # Llama-2-70b's sum(p.numel())
+    assert actor.gpu["params"] + actor.gpu["grads"] + actor.gpu["optimizer"] == 16 * n // 8  # 128.5 GiB
+    assert 120 * GIB < actor.gpu_total < 140 * GIB and actor.fits is False
+    assert {"gathered", "activations", "logits"} <= set(actor.gpu)
+    # the HF export gathers the policy's fp32 state dict into global rank 0's host memory
+    assert actor.host["export"] == 4 * n and "export" not in memory.ranks[1].host
+    assert any("not on this machine, planned with the policy's shape" in note for note in notes)  # ./reward-model-70b
+    lines = problem_lines(memory)
+    actor_line = next(line for line in lines if "actor on ranks 0-7" in line)
+    assert "--adam_offload" in actor_line and "16 actor ranks (--actor_num_nodes 2" in actor_line
+    engines = [memory.ranks[r] for r in layout.ranks_of(Role.ENGINE)]
+    assert all(r.fits and r.gpu == {"vllm": int(0.95 * 80 * GIB)} for r in engines)  # 1/4 of the weights inside
+
+    _, _, offloaded, _ = _job(tmp_path, *JOB_1, "--adam_offload")
+    actor = offloaded.ranks[0]
+    assert actor.gpu_total < 80 * GIB and actor.fits
+    assert actor.host["optimizer"] == 8 * n // 8 and actor.host["params"] == 4 * n // 8  # FSDP2's CPUOffloadPolicy
+    assert offloaded.node_host()[0]["optimizer"] == 8 * n  # the actor's node holds every rank's share
+
+
+def test_deepspeed_accounting_per_stage(tmp_path):
+    """ZeRO's bytes per parameter with --bf16: params 2, grads 2, fp32 master + Adam 12; stage 1 shards the
+    optimizer, 2 also the grads, 3 everything (8 ranks)."""
+    model = _model_dir(tmp_path / "model", LLAMA_2_7B)
+    cfg = parse_args(["--pretrain", str(model), "--actor_num_nodes", "1", "--actor_num_gpus_per_node", "8",
+                      "--remote_rm_url", "demo", "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
+                      "--n_samples_per_prompt", "8", "--bf16", "--train_batch_size", "128", "--rollout_batch_size",
+                      "128", "--vllm_num_engines", "8"]).config
+    layout = plan(cfg, 16, 8).layout  # planned as fsdp: the deepspeed extra need not be installed for the estimate
+    shapes, _ = read_shapes(cfg, layout)
+    n = shapes[Role.ACTOR].parameters
+    for stage, per_param in {0: (2, 2, 12), 1: (2, 2, 12 / 8), 2: (2, 2 / 8, 12 / 8), 3: (2 / 8, 2 / 8, 12 / 8)}.items():
+        train = dataclasses.replace(cfg.train, strategy="deepspeed", zero_stage=stage)
+        actor = plan_memory(dataclasses.replace(cfg, train=train), layout, shapes, GPU_80).ranks[0].gpu
+        assert (actor["params"], actor["grads"], actor["optimizer"]) == tuple(int(b * n) for b in per_param), stage
+    # --adam_offload: the optimizer (fp32 master included) moves to host memory (ZeRO-Offload)
+    train = dataclasses.replace(cfg.train, strategy="deepspeed", zero_stage=3, adam_offload=True)
+    actor = plan_memory(dataclasses.replace(cfg, train=train), layout, shapes, GPU_80).ranks[0]
+    assert "optimizer" not in actor.gpu and actor.host["optimizer"] == 12 * n // 8
+
+
+def test_a_7b_grpo_job_on_8_gpus_fits_and_colocated_vllm_at_095_does_not(tmp_path):
+    grpo = ["--actor_num_nodes", "1", "--actor_num_gpus_per_node", "8", "--ref_num_nodes", "1", "--ref_num_gpus_per_node",
+            "8", "--colocate_actor_ref", "--remote_rm_url", "demo", "--advantage_estimator", "group_norm",
+            "--n_samples_per_prompt", "8", "--rollout_batch_size", "128", "--train_batch_size", "128",
+            "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "8", "--bf16", "--zero_stage", "3",
+            "--gradient_checkpointing", "--prompt_max_len", "1024", "--generate_max_len", "2048"]
+    _, _, memory, _ = _job(tmp_path, *grpo, "--vllm_num_engines", "8", world=16, config=LLAMA_2_7B)
+    assert memory.fits and not memory.problems
+    assert all(r.gpu_total < 40 * GIB for r in memory.ranks[:8])  # 6.7B: 16 B x n / 8 ~ 12.6 GiB + work
+    # vLLM on the actor's ranks at its default 0.95 of the GPU: the rank overflows; the plan says how to fit it
+    _, _, colocated, _ = _job(tmp_path, *grpo, world=8, config=LLAMA_2_7B)
+    assert colocated.fits is False
+    advice = " ".join(problem_lines(colocated))
+    assert re.search(r"fits with --vllm_gpu_memory_utilization 0\.[3-8]\d \(", advice), advice
+    assert "actor,ref,engine" in format_plan(colocated)
+    # OpenRLHF's colocated recipe: vLLM frees its memory outside generation, the models park theirs during it
+    _, _, asleep, _ = _job(tmp_path, *grpo, "--vllm_enable_sleep", "--deepspeed_enable_sleep", world=8, config=LLAMA_2_7B)
+    assert asleep.fits and asleep.ranks[0].phase == "generate" and asleep.ranks[0].host["params"] > 0
+
+
+def test_a_cpu_plan_puts_every_byte_in_host_memory(tmp_path):
+    cfg = parse_args(["--remote_rm_url", "demo", "--model_preset", "3m", "--device", "cpu", "--zero_stage", "3",
+                      "--actor_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "2", "--colocate_actor_ref",
+                      "--rollout_batch_size", "4", "--train_batch_size", "4", "--micro_train_batch_size", "2",
+                      "--micro_rollout_batch_size", "2", "--critic_num_gpus_per_node", "2",
+                      "--colocate_all_models"]).config
+    layout = plan(cfg, 2, 2).layout
+    shapes, _ = read_shapes(cfg, layout)
+    memory = plan_memory(cfg, layout, shapes, Target(False, 0, "--device cpu"))
+    n = shapes[Role.ACTOR].parameters
+    rank = memory.ranks[0]
+    assert rank.gpu == {} and rank.fits is None and memory.fits is None
+    assert rank.host["optimizer"] >= 8 * n // 2 and rank.host["runtime"] > 0  # fp32 Adam moments, sharded over 2
+    assert "every byte is host memory" in format_plan(memory)
+    # the native engine's KV budget caps its cache (generation in batches); unchunked logits cost a whole response
+    native = dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, generation_backend="native"))
+    capped = dataclasses.replace(native, generation=dataclasses.replace(native.generation, native_kv_cache_mb=1),
+                                 train=dataclasses.replace(cfg.train, logits_chunk_size=0))
+    before = plan_memory(native, layout, shapes, Target(False, 0, "--device cpu")).ranks[0].phases
+    after = plan_memory(capped, layout, shapes, Target(False, 0, "--device cpu")).ranks[0].phases
+    kv = kv_cache_bytes(shapes[Role.ACTOR], knobs_of(native, Target(False, 0, "")), 2)  # 4 rollouts over 2 engine ranks
+    assert before["generate"] - after["generate"] == kv - (1 << 20)
+    rows, response, vocab = 2, cfg.generation.generate_max_len, shapes[Role.ACTOR].vocab
+    assert after["train_actor"] - before["train_actor"] == (rows * response - 1024) * vocab * 4 * 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the plan's target on a machine without a GPU")
+def test_without_a_gpu_here_the_plan_is_a_cpu_runs_unless_gpus_are_named():
+    def target(*flags: str) -> Target:
+        return target_for(parse_args(["--remote_rm_url", "demo", *flags]).config.runtime)
+
+    assert not target().gpu and not target("--device", "cpu", "--gpu_memory_gb", "80").gpu  # what auto runs here
+    assert target("--gpu_memory_gb", "141").gpu_bytes == 141 * GIB
+    assert target("--device", "cuda").gpu_bytes == 80 * GIB
+
+
+def test_a_model_on_another_machine_skips_the_plan_and_says_why(tmp_path):
+    cfg = parse_args(["--pretrain", "/nonexistent/llama", "--remote_rm_url", "demo", "--plan_json",
+                      str(tmp_path / "plan.json")]).config
+    lines, problems = dry_run_memory(cfg, plan(cfg, 1, 1).layout, write_json=True)
+    assert lines == ["memory plan skipped: --pretrain /nonexistent/llama is not on this machine (the plan reads its "
+                     "config.json)"] and problems == []
+    assert json.loads((tmp_path / "plan.json").read_text())["skipped"] == lines[0]
+
+
+def test_plan_json_from_a_real_dry_run_of_the_70b_job(tmp_path):
+    model = _model_dir(tmp_path / "llama-2-70b", LLAMA_2_70B)
+    out = tmp_path / "plan.json"
+    env = subprocess_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="40", LOCAL_WORLD_SIZE="8")
+    cmd = [sys.executable, "-m", "rlrun.ppo", "--dry_run", "--pretrain", str(model), *JOB_1, "--save_path",
+           str(tmp_path / "save"), "--ckpt_path", str(tmp_path / "ckpt"), "--plan_json", str(out), "--gpu_memory_gb", "80"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    assert "memory plan, GiB per rank" in log and "does not fit: actor on ranks 0-7" in log
+    plan_doc = json.loads(out.read_text())
+    assert len(plan_doc["ranks"]) == 40 and plan_doc["fits"] is False
+    first = plan_doc["ranks"][0]
+    assert (first["rank"], first["node"], first["roles"]) == (0, 0, ["actor"])
+    gpu = first["memory"]["gpu_bytes"]
+    assert gpu["total"] == sum(v for k, v in gpu.items() if k != "total")
+    assert 120 * GIB < gpu["total"] < 140 * GIB and {"params", "grads", "optimizer"} <= set(gpu)
+    assert first["memory"]["host_bytes"]["total"] > 0
+    assert plan_doc["model"]["parameters"] == 68_976_648_192
+    assert any("--adam_offload" in line for line in plan_doc["advice"])
+    assert [n["node"] for n in plan_doc["nodes"]] == [0, 1, 2, 3, 4]
