@@ -8,7 +8,7 @@ from typing import Any
 
 from rlrun.cli.parser import CliSpec
 from rlrun.compat.openrlhf_supervised_flags import DPO_DOTTED, DPO_IGNORED
-from rlrun.models.loading import load_causal_lm
+from rlrun.models.loading import unfilled_policy
 from rlrun.rm import load_pairs
 from rlrun.supervised.build import dpo_reference, trainable
 from rlrun.supervised.config import DPOConfig
@@ -21,7 +21,7 @@ CLI = CliSpec(prog="python -m rlrun.dpo", description="DPO training (OpenRLHF tr
 
 
 def _build(cfg: DPOConfig, ctx: BuildContext) -> DPOTask:
-    model, optimizer, strategy = trainable(load_causal_lm(cfg.model, cfg.train.seed), cfg.model, cfg.train,
+    model, optimizer, strategy = trainable(unfilled_policy(cfg.model, cfg.train.seed), cfg.model, cfg.train,
                                            ctx.group, ctx.device)
     reference = dpo_reference(cfg, ctx.group, ctx.device, ctx.rank)
     loss = cfg.loss

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from rlrun.cli.parser import CliSpec
 from rlrun.data.sources import DataSpec
 from rlrun.compat.openrlhf_supervised_flags import SFT_DOTTED, SFT_IGNORED
-from rlrun.models.loading import load_causal_lm
+from rlrun.models.loading import unfilled_policy
 from rlrun.supervised.build import trainable
 from rlrun.supervised.config import SFTConfig
 from rlrun.supervised.datasets import Completion, Loaded, load_completions
@@ -32,7 +32,7 @@ def _load(cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, path: str | DataSp
 
 
 def _build(cfg: SFTConfig, ctx: BuildContext) -> SFTTask:
-    model, optimizer, strategy = trainable(load_causal_lm(cfg.model, cfg.train.seed), cfg.model, cfg.train,
+    model, optimizer, strategy = trainable(unfilled_policy(cfg.model, cfg.train.seed), cfg.model, cfg.train,
                                            ctx.group, ctx.device)
     return SFTTask(model, optimizer, strategy, ctx.device, ctx.pad_id, cfg.train.packing_samples)
 

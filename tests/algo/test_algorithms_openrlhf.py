@@ -355,7 +355,7 @@ def test_normalize_reward_uses_config_mean_std(reward_dir: Path, role: str) -> N
     for normalize, expected in ((False, 0.0), (True, (0.0 - 2.0) / 4.0)):
         flag = f"--{role}_pretrain"
         cfg = parse_args([flag, str(reward_dir), *(["--normalize_reward"] if normalize else [])]).config
-        model = load_reward_model(cfg) if role == "reward" else load_critic(cfg)
+        model = (load_reward_model(cfg) if role == "reward" else load_critic(cfg)).fill(torch.device("cpu"))
         with torch.no_grad():
             score_head(model.hf).weight.zero_()  # raw output 0 at every position
             out = model(ids, attn)

@@ -16,12 +16,14 @@ from rlrun.launch.env import DistEnv, read_env
 from rlrun.runtime.errors import ConfigError, RlrunError
 from rlrun.runtime.faults import PhaseTracker
 from rlrun.runtime.log import get_logger, let_rank0_report
+from rlrun.runtime.memory import return_freed_memory
 
 T = TypeVar("T")
 
 
 def launch_environment() -> DistEnv | None:
     """This process's rank and world from the launcher, or None once the reason it is unusable is printed."""
+    return_freed_memory()  # before any model exists: large blocks freed from now on go back to the system
     try:
         return read_env()
     except RlrunError as exc:

@@ -13,6 +13,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 
 from rlrun.config.schema import Config, PretrainedConfig
 from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config_for_size
+from rlrun.models.weights import (Chained, MemoryWeights, Unfilled, WeightSource, missing, open_weights, params_on_meta,
+                                  state_dict_weights)
 from rlrun.runtime.errors import ConfigError, MissingExtraError
 
 
@@ -53,22 +55,58 @@ def load_model_config(source: PretrainedConfig) -> HFConfig:
     return AutoConfig.from_pretrained(source.pretrain)
 
 
-def load_causal_lm(source: PretrainedConfig, seed: int, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """The policy architecture with its initial weights (identical on every rank)."""
+def policy_weights(source: PretrainedConfig, seed: int) -> WeightSource | None:
+    """The policy's initial weights, opened once per rank and shared by its roles (the embedded tiny model is built
+    here, small by construction). None: a checkpoint only `from_pretrained` reads."""
     if source.pretrain is None:
-        vocab = len(build_byte_tokenizer())
-        model = build_causal_lm(tiny_model_config_for_size(source.model_preset), seed=seed)
-        assert model.config.vocab_size >= vocab
-        return model.to(dtype)
+        return state_dict_weights(_tiny_policy(source, seed))
     _check_dir("pretrain", source.pretrain)
-    return AutoModelForCausalLM.from_pretrained(source.pretrain, dtype=dtype, **_attn_kwargs(source))
+    return open_weights(source.pretrain)
+
+
+def _tiny_policy(source: PretrainedConfig, seed: int) -> PreTrainedModel:
+    vocab = len(build_byte_tokenizer())
+    model = build_causal_lm(tiny_model_config_for_size(source.model_preset), seed=seed)
+    assert model.config.vocab_size >= vocab
+    return model
+
+
+def _skeleton(auto: type, config: HFConfig, source: PretrainedConfig, attn: bool) -> PreTrainedModel:
+    """The architecture with its parameters on the meta device, in eval mode as `from_pretrained` leaves it."""
+    with params_on_meta():
+        model = auto.from_config(config, dtype=torch.float32, **(_attn_kwargs(source) if attn else {}))
+    return model.eval()
+
+
+def unfilled_causal_lm(source: PretrainedConfig, seed: int, weights: WeightSource | None) -> Unfilled:
+    """The policy, unallocated, with where its weights are (`policy_weights`): a strategy places it, whole or
+    sharded, then fills it. A checkpoint whose names are not the model's (transformers converts some, e.g. fused
+    MoE experts) is loaded whole by `from_pretrained` first (today's cost) and `note` says so."""
+    model = _skeleton(AutoModelForCausalLM, load_model_config(source), source, attn=source.pretrain is not None)
+    if weights is not None and not missing(model, weights):
+        return Unfilled(model, weights)
+    assert source.pretrain is not None
+    lacking = "" if weights is None else f" ({', '.join(missing(model, weights)[:3])} not found under these names)"
+    full = AutoModelForCausalLM.from_pretrained(source.pretrain, dtype=torch.float32, **_attn_kwargs(source))
+    return Unfilled(model, state_dict_weights(full),
+                    note=f"{source.pretrain}: its weights are read whole on every rank before sharding{lacking}")
+
+
+def unfilled_policy(source: PretrainedConfig, seed: int) -> Unfilled:
+    """`unfilled_causal_lm` with its own weight source (a rank that builds one policy)."""
+    return unfilled_causal_lm(source, seed, policy_weights(source, seed))
+
+
+def load_causal_lm(source: PretrainedConfig, seed: int, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The policy architecture with its initial weights (identical on every rank), whole on the CPU."""
+    return unfilled_policy(source, seed).fill(torch.device("cpu")).to(dtype)
 
 
 def scalar_model_from(path: str | None, source: PretrainedConfig, seed: int, dtype: torch.dtype) -> PreTrainedModel:
     """A sequence-classification model with one output (score head over every position), from `path`
     (a causal LM directory gets a fresh head), else the tiny policy's body with a fresh head."""
     if path is not None:
-        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, **_attn_kwargs(source))
+        return unfilled_scalar_model(path, source, seed).fill(torch.device("cpu")).to(dtype)
     # Offline default: the tiny policy's body with a fresh scalar head.
     policy = load_causal_lm(source, seed, dtype)
     config = copy.deepcopy(policy.config)
@@ -78,6 +116,33 @@ def scalar_model_from(path: str | None, source: PretrainedConfig, seed: int, dty
         model = AutoModelForSequenceClassification.from_config(config).to(dtype)
     model.base_model.load_state_dict(policy.base_model.state_dict())
     return model
+
+
+def unfilled_scalar_model(path: str | None, source: PretrainedConfig, seed: int, *,
+                          fresh_head: bool = False) -> Unfilled:
+    """A one-output sequence-classification model, unallocated: the body from `path` (a causal LM or a
+    classifier), the head from `path` unless `fresh_head` or it has none (then seeded, `init_score_head`'s values).
+    None: the tiny policy's body (built whole: it is small)."""
+    if path is None:
+        model = scalar_model_from(None, source, seed, torch.float32)
+        if fresh_head:
+            init_score_head(model, seed)
+        return Unfilled(_skeleton(AutoModelForSequenceClassification, model.config, source, attn=False),
+                        state_dict_weights(model))
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    model = _skeleton(AutoModelForSequenceClassification, config, source, attn=True)
+    head_name = next(n for n, p in model.named_parameters() if p is score_head(model).weight)
+    weights = open_weights(path)
+    if weights is None:
+        full = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
+                                                                  **_attn_kwargs(source))
+        weights = state_dict_weights(full)
+    if fresh_head or weights.shape(head_name) is None:
+        weights = Chained(MemoryWeights({head_name: seeded_head(config.hidden_size, seed)}), weights)
+    if lacking := missing(model, weights):
+        raise ConfigError(f"{path}: the checkpoint lacks {', '.join(lacking[:5])} (or holds them in another shape) "
+                          f"for a {type(model).__name__}; pass a causal LM or a one-output classifier")
+    return Unfilled(model, weights)
 
 
 class ScalarHeadModel(nn.Module):
@@ -125,32 +190,38 @@ def config_mean_std(config: object) -> tuple[float, float] | None:
     return mean, std
 
 
-def load_critic(cfg: Config, dtype: torch.dtype = torch.float32) -> ScalarHeadModel:
+def load_critic(cfg: Config) -> Unfilled:
+    """The critic, unallocated: --critic_pretrain, else --reward_pretrain, else the policy's body. A body that is
+    the policy's gets a fresh seeded head (OpenRLHF initialises the head only when the critic starts from the
+    actor's model); a reward model or a saved critic keeps its own."""
     path = cfg.model.critic_pretrain or cfg.model.reward_pretrain or cfg.model.pretrain
     for flag in ("critic_pretrain", "reward_pretrain", "pretrain"):
         if getattr(cfg.model, flag) == path and path is not None:
             _check_dir(flag, path)
             break
-    model = scalar_model_from(path, cfg.model, cfg.train.seed, dtype)
-    if path is None or path == cfg.model.pretrain:
-        # The policy's body has no value head yet. A reward model or a saved critic keeps its own (OpenRLHF
-        # initialises the head only when the critic starts from the actor's model).
-        init_score_head(model, cfg.train.seed)
-    return ScalarHeadModel(model, normalize=cfg.algo.normalize_reward)
+    fresh = path is None or path == cfg.model.pretrain
+    hf = unfilled_scalar_model(path, cfg.model, cfg.train.seed, fresh_head=fresh)
+    return Unfilled(ScalarHeadModel(hf.model, normalize=cfg.algo.normalize_reward), hf.weights, prefix="hf.")
+
+
+def seeded_head(hidden_size: int, seed: int) -> torch.Tensor:
+    """[1, hidden] fp32: a small seeded head (the same on every rank): early values/rewards start near zero."""
+    head = torch.empty(1, hidden_size)
+    return head.normal_(0.0, 1.0 / (hidden_size + 1), generator=torch.Generator().manual_seed(seed))
 
 
 def init_score_head(model: PreTrainedModel, seed: int) -> None:
-    """A small seeded head (the same on every rank): early values/rewards start near zero."""
+    """`seeded_head` written into a built model's head."""
     with torch.no_grad():
         head = score_head(model)
-        head.weight.normal_(0.0, 1.0 / (model.config.hidden_size + 1), generator=torch.Generator().manual_seed(seed))
+        head.weight.copy_(seeded_head(model.config.hidden_size, seed).expand_as(head.weight))
 
 
-def load_reward_model(cfg: Config, dtype: torch.dtype = torch.float32) -> ScalarHeadModel:
+def load_reward_model(cfg: Config) -> Unfilled:
     assert cfg.model.reward_pretrain is not None
     _check_dir("reward_pretrain", cfg.model.reward_pretrain)
-    return ScalarHeadModel(scalar_model_from(cfg.model.reward_pretrain, cfg.model, cfg.train.seed, dtype),
-                           normalize=cfg.algo.normalize_reward)
+    hf = unfilled_scalar_model(cfg.model.reward_pretrain, cfg.model, cfg.train.seed)
+    return Unfilled(ScalarHeadModel(hf.model, normalize=cfg.algo.normalize_reward), hf.weights, prefix="hf.")
 
 
 def score_head(model: PreTrainedModel) -> nn.Linear:

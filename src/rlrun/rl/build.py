@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,7 +23,8 @@ from rlrun.launch.dist import before_teardown, world_size
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import EngineRowExchange, ParamSource, WeightSync
-from rlrun.models.loading import load_causal_lm, load_critic, load_reward_model
+from rlrun.models.loading import load_critic, load_reward_model, policy_weights, unfilled_causal_lm
+from rlrun.models.weights import Unfilled
 from rlrun.rewards.compute_score import load_compute_score_function
 from rlrun.rewards.reward_fn import PromptMeta, RewardFunction, load_reward_function
 from rlrun.roles.actor import Actor, PolicyLossSettings
@@ -191,15 +191,17 @@ def reward_workers(cfg: Config, layout: Layout) -> int:
     return max(1, min(8, (os.cpu_count() or 1) // max(1, layout.ranks_per_node)))
 
 
-def _policy_copies(cfg: Config, count: int) -> Iterator[torch.nn.Module]:
-    """The initial policy for each role of this rank that needs one: read from disk once, then copied
-    (wrapping for FSDP changes a model in place, so roles never share one)."""
+def _policies(cfg: Config, count: int, rank: int) -> Iterator[Unfilled]:
+    """The initial policy, unallocated, for each role of this rank that needs one: the weight files are opened once
+    and each role's strategy reads only what that role keeps (no full copy per role, none at all when sharded)."""
     if count == 0:
         return
-    policy = load_causal_lm(cfg.model, cfg.train.seed)
-    for _ in range(count - 1):
-        yield copy.deepcopy(policy)
-    yield policy
+    weights = policy_weights(cfg.model, cfg.train.seed)
+    for _ in range(count):
+        unfilled = unfilled_causal_lm(cfg.model, cfg.train.seed, weights)
+        if unfilled.note:
+            get_logger(rank).warning_once(unfilled.note)
+        yield unfilled
 
 
 def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
@@ -253,7 +255,24 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
     opt_steps = optimizer_steps(cfg, total_steps)
     a, g = cfg.algo, cfg.generation
     actor_strategy = None
-    policies = _policy_copies(cfg, sum(r in mine for r in (Role.ACTOR, Role.REF, Role.ENGINE)))
+    policies = _policies(cfg, sum(r in mine for r in (Role.ACTOR, Role.REF, Role.ENGINE)), rank)
+    if Role.ENGINE in mine:
+        # Engines first: vLLM sizes its KV cache from the device memory free when it starts (and refuses a
+        # --vllm_gpu_memory_utilization share that is not free), so it must start before the training models
+        # claim theirs. Every rank builds in this same role order, so the groups' collectives cannot interleave.
+        sampling = SamplingSettings(g.temperature, g.top_p, g.generate_max_len, int(tokenizer.pad_token_id),
+                                    int(tokenizer.eos_token_id))
+        unfilled = next(policies)
+        unfilled.model.to(engine_dtype(cfg, device))  # on the meta device: the weights are read in this dtype
+        policy = unfilled.fill(device)
+        if g.generation_backend == "vllm":  # run.py's resolve_backend already checked version and layout
+            out.engine = _vllm_engine(cfg, layout, groups, policy, tokenizer, sampling, device)
+        elif g.generation_backend == "native":  # run.py resolved `auto` and checked the architecture
+            budget = None if g.native_kv_cache_mb is None else g.native_kv_cache_mb * 2**20
+            out.engine = NativeEngine(policy, sampling, device, tokenizer, kv_cache_bytes=budget)
+        else:
+            out.engine = HFEngine(policy, sampling, device, tokenizer)
+        out.reward_fn, out.agents = sources.reward_fn, sources.agents
     if Role.ACTOR in mine:
         actor_strategy = out.strategies[Role.ACTOR] = _strategy(cfg, groups, Role.ACTOR, device)
         eps_low, eps_high = a.eps_clip_low_high or (a.eps_clip, a.eps_clip)
@@ -264,11 +283,13 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
                                                                  a.is_correction_gating, *a.is_correction_threshold))
         model, updater = _updater(cfg, next(policies), actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout,
                                   Role.ACTOR, rank)
-        out.actor = Actor(model, updater, settings, device, packing=cfg.train.packing_samples)
+        out.actor = Actor(model, updater, settings, device, packing=cfg.train.packing_samples,
+                          logits_chunk=cfg.train.logits_chunk_size)
     if Role.REF in mine:
         out.strategies[Role.REF] = _strategy(cfg, groups, Role.REF, device)
         model = out.strategies[Role.REF].wrap(next(policies), trainable=False)
-        out.reference = Reference(model, g.temperature, device, packing=cfg.train.packing_samples)
+        out.reference = Reference(model, g.temperature, device, packing=cfg.train.packing_samples,
+                                  logits_chunk=cfg.train.logits_chunk_size)
     if Role.CRITIC in mine:
         strategy = out.strategies[Role.CRITIC] = _strategy(cfg, groups, Role.CRITIC, device)
         model, updater = _updater(cfg, load_critic(cfg), strategy, cfg.train.critic_learning_rate, opt_steps, layout,
@@ -278,17 +299,6 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         out.strategies[Role.REWARD] = _strategy(cfg, groups, Role.REWARD, device)
         model = out.strategies[Role.REWARD].wrap(load_reward_model(cfg), trainable=False)
         out.reward_model = RewardModel(model, device, packing=cfg.train.packing_samples)
-    if Role.ENGINE in mine:
-        sampling = SamplingSettings(g.temperature, g.top_p, g.generate_max_len, int(tokenizer.pad_token_id),
-                                    int(tokenizer.eos_token_id))
-        policy = next(policies).to(device=device, dtype=engine_dtype(cfg, device))
-        if g.generation_backend == "vllm":  # run.py's resolve_backend already checked version and layout
-            out.engine = _vllm_engine(cfg, layout, groups, policy, tokenizer, sampling, device)
-        elif g.generation_backend == "native":  # run.py resolved `auto` and checked the architecture
-            out.engine = NativeEngine(policy, sampling, device, tokenizer)
-        else:
-            out.engine = HFEngine(policy, sampling, device, tokenizer)
-        out.reward_fn, out.agents = sources.reward_fn, sources.agents
     out.weight_sync = WeightSync(
         actor_params=ParamSource(out.actor.model, actor_strategy.param_blocks, actor_strategy)
         if out.actor and actor_strategy else None,

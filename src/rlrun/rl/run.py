@@ -38,6 +38,7 @@ from rlrun.runtime.deadline import deadline, set_reporter
 from rlrun.runtime.errors import DataError
 from rlrun.runtime.faults import run_phases
 from rlrun.runtime.log import get_logger
+from rlrun.runtime.memory import report_memory
 
 
 def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
@@ -107,6 +108,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
             with phase("load", -1):
                 checkpointer.restore()
         trainer.sync_weights()  # engines start from the actor's (possibly restored) weights
+        report_memory(log, "start-up")
         sink = MetricsSink(cfg, total_steps, trainer.state.step) if env.rank == 0 else None
 
         def after_step(steps_done: int) -> None:
@@ -122,6 +124,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
                           + (f" every {lg.eval_steps} steps" if lg.eval_steps > 0 else "")
                           + (" before training" if lg.eval_before_train else ""))
         history = trainer.fit(sink, after_step, evaluator)
+        report_memory(log, "training")
         if history:
             skipped = roles.actor.updater.skipped_steps if roles.actor is not None else 0
             log.info_once(f"reward: first step {history[0]['reward']:.3f}, last step {history[-1]['reward']:.3f} "

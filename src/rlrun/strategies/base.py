@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from rlrun.launch.param_blocks import ParamBlock, ParamHoming
+from rlrun.models.weights import Unfilled
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -75,11 +76,13 @@ class Strategy(GradClipper, ParamHoming, Protocol):
 
     group: torch.distributed.ProcessGroup
 
-    def wrap(self, model: nn.Module, *, trainable: bool = True) -> nn.Module:
-        """A frozen (trainable=False) model ready for forward passes on this role's ranks."""
+    def wrap(self, model: nn.Module | Unfilled, *, trainable: bool = True) -> nn.Module:
+        """A frozen (trainable=False) model ready for forward passes on this role's ranks. An `Unfilled` model is
+        placed first and filled after: a rank reads only what it keeps."""
         ...
 
-    def wrap_trainable(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def wrap_trainable(self, model: nn.Module | Unfilled,
+                       make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
         """(model to call forward on, the torch optimizer whose param_groups an LR scheduler drives)."""
         ...
 

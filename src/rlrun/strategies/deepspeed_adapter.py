@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlrun.launch.param_blocks import ParamBlock
+from rlrun.models.weights import Unfilled
 from rlrun.runtime.errors import RlrunError
 from rlrun.runtime.log import get_logger
 from rlrun.strategies import deepspeed_zero3 as zero3
@@ -206,23 +207,27 @@ class DeepSpeedStrategy:
                                           dist_init_required=False)
         return engine
 
-    def wrap(self, model: nn.Module, *, trainable: bool = True) -> nn.Module:
+    def _placed(self, model: nn.Module | Unfilled) -> nn.Module:
+        """The model whole on this rank's device (DeepSpeed partitions it from there, ZeRO-3 too)."""
+        return model.fill(self.device) if isinstance(model, Unfilled) else model.to(self.device)
+
+    def wrap(self, model: nn.Module | Unfilled, *, trainable: bool = True) -> nn.Module:
         """A frozen model placed by a DeepSpeed inference engine (ZeRO-0: full weights on every rank, cast to bf16
         on GPU, broadcast from the role's first rank; ZeRO-3: partitioned, gathered per module by the hooks the
         engine installs on the model). The model itself is returned: the engine's forward adds nothing to it for
         inference, and the model keeps its own names and train()/eval() chaining."""
         if trainable:
             raise RlrunError("DeepSpeedStrategy.wrap is for frozen models; trainable ones go through wrap_trainable")
-        model.requires_grad_(False)
-        model.to(self.device)
+        model = self._placed(model).requires_grad_(False)
         return self._initialize(model, None, trainable=False).module
 
-    def wrap_trainable(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def wrap_trainable(self, model: nn.Module | Unfilled,
+                       make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
         """(engine, the torch optimizer the engine steps). With --adam_offload on GPU the optimizer is
         DeepSpeedCPUAdam with `make_optimizer`'s hyper-parameters (ZeRO-Offload refuses torch's)."""
+        model = self._placed(model)
         if self.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.to(self.device)
         optimizer = make_optimizer(model)
         if self.settings.offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 - JIT-builds its op on first use

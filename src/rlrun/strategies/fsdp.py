@@ -16,6 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from rlrun.launch.dcp import load_role_state, save_role_state
 from rlrun.launch.param_blocks import ParamBlock, full_tensor, param_blocks
+from rlrun.models.weights import Unfilled
 from rlrun.strategies import fsdp_homing
 from rlrun.strategies.base import ALL_PARTS, OptimizerFactory, Part, StepOps, TorchSteps
 from rlrun.strategies.parking import SleepBook, awake_meanwhile
@@ -34,35 +35,44 @@ class FSDPStrategy:
         self.gradient_checkpointing = gradient_checkpointing
         self._sleep = SleepBook(device)
 
-    def wrap(self, model: nn.Module, *, trainable: bool = True) -> nn.Module:
+    def wrap(self, model: nn.Module | Unfilled, *, trainable: bool = True) -> nn.Module:
         """Shard each transformer block, then the root, over this role's ranks. A frozen model below ZeRO-3 stays
         whole on every rank (in bf16 with --bf16), as OpenRLHF's ZeRO-0 reference/reward engines: its
-        forwards then gather nothing; at ZeRO-3 it is sharded and gathered per block like the trained models."""
-        if self.gradient_checkpointing and trainable and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.to(self.device)
+        forwards then gather nothing; at ZeRO-3 it is sharded and gathered per block like the trained models.
+        An `Unfilled` model is sharded on the meta device, then each rank reads only the rows it keeps."""
+        unfilled = model if isinstance(model, Unfilled) else None
+        module = unfilled.model if unfilled is not None else model
+        assert isinstance(module, nn.Module)
+        if self.gradient_checkpointing and trainable and hasattr(module, "gradient_checkpointing_enable"):
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not trainable and not self.reshard_after_forward:
             if self.bf16:
-                model.to(torch.bfloat16)
-            return model.requires_grad_(False)
+                module.to(torch.bfloat16)  # on the meta device this costs nothing: no fp32 detour
+            module = unfilled.fill(self.device) if unfilled is not None else module.to(self.device)
+            return module.requires_grad_(False)
+        if unfilled is None:
+            module.to(self.device)
         mesh = DeviceMesh.from_group(self.group, self.device.type)
         kwargs: dict = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward or not trainable}
         if self.bf16:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if self.offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        block_names = set(getattr(model, "_no_split_modules", None) or [])
-        for module in model.modules():
-            if type(module).__name__ in block_names:
-                fully_shard(module, **kwargs)
-        fully_shard(model, **kwargs)
+        block_names = set(getattr(module, "_no_split_modules", None) or [])
+        for sub in module.modules():
+            if type(sub).__name__ in block_names:
+                fully_shard(sub, **kwargs)
+        fully_shard(module, **kwargs)
+        if unfilled is not None:
+            unfilled.fill(self.device, param_device=torch.device("cpu") if self.offload else self.device)
         if not trainable:
-            model.requires_grad_(False)
-        return model
+            module.requires_grad_(False)
+        return module
 
-    def wrap_trainable(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = self.wrap(model)
-        return model, make_optimizer(model)
+    def wrap_trainable(self, model: nn.Module | Unfilled,
+                       make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+        module = self.wrap(model)
+        return module, make_optimizer(module)
 
     def step_ops(self, model: nn.Module) -> StepOps:
         return TorchSteps()  # FSDP2 reduce-scatters gradients inside loss.backward()

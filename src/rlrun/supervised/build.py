@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from rlrun.config.schema import OptimConfig, PretrainedConfig
-from rlrun.models.loading import ScalarHeadModel, init_score_head, load_causal_lm, scalar_model_from
+from rlrun.models.loading import ScalarHeadModel, unfilled_policy, unfilled_scalar_model
+from rlrun.models.weights import Unfilled
 from rlrun.roles.optim import make_optimizer
 from rlrun.runtime.log import get_logger
 from rlrun.strategies.base import Strategy
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 
-def trainable(model: nn.Module, source: PretrainedConfig, train: SupervisedTrainConfig, group: "ProcessGroup",
+def trainable(model: nn.Module | Unfilled, source: PretrainedConfig, train: SupervisedTrainConfig, group: "ProcessGroup",
               device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, Strategy]:
     """(wrapped model, its optimizer, the strategy that steps it)."""
     strategy = make_strategy(group, device, source, train)
@@ -29,12 +30,11 @@ def trainable(model: nn.Module, source: PretrainedConfig, train: SupervisedTrain
     return wrapped, optimizer, strategy
 
 
-def reward_model(source: PretrainedConfig, seed: int) -> ScalarHeadModel:
-    """The model to train as a reward model: --pretrain's body (a causal LM or a classifier) with a fresh
-    scalar head, identical on every rank."""
-    hf = scalar_model_from(source.pretrain, source, seed, torch.float32)
-    init_score_head(hf, seed)
-    return ScalarHeadModel(hf)
+def reward_model(source: PretrainedConfig, seed: int) -> Unfilled:
+    """The model to train as a reward model, unallocated: --pretrain's body (a causal LM or a classifier) with a
+    fresh scalar head, identical on every rank."""
+    hf = unfilled_scalar_model(source.pretrain, source, seed, fresh_head=True)
+    return Unfilled(ScalarHeadModel(hf.model), hf.weights, prefix="hf.")
 
 
 def dpo_reference(cfg: DPOConfig, group: "ProcessGroup", device: torch.device, rank: int) -> nn.Module:
@@ -50,4 +50,4 @@ def dpo_reference(cfg: DPOConfig, group: "ProcessGroup", device: torch.device, r
                          "inference engines); use --strategy fsdp to offload the reference")
     ref_train: OptimConfig = dataclasses.replace(cfg.train, adam_offload=offload and cfg.train.strategy == "fsdp")
     strategy = make_strategy(group, device, source, ref_train)
-    return strategy.wrap(load_causal_lm(source, cfg.train.seed), trainable=False)
+    return strategy.wrap(unfilled_policy(source, cfg.train.seed), trainable=False)

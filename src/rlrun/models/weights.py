@@ -1,0 +1,211 @@
+"""Where a model's initial weights come from, read a slice at a time, and how a model built on the meta device is
+filled from them: whole on one device, or as this rank's FSDP2 shards (DTensors) without ever holding the rest.
+
+A sharded rank reads only the rows of each tensor it keeps (safetensors slices of a memory-mapped file), so no
+rank, not even the first, holds a whole sharded model; a whole model is read straight into its device and dtype,
+one tensor at a time. Sources: an HF directory (`FileWeights`: safetensors, or zip-format `.bin` memory-mapped,
+single file or index), a state dict in memory (`MemoryWeights`: the embedded tiny model, seeded score heads), or
+several in order (`Chained`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from rlrun.runtime.errors import ConfigError
+
+Rows = tuple[int, int]  # [begin, end) along dim 0
+
+
+class WeightSource(Protocol):
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The tensor's full shape, None when the source does not have it."""
+        ...
+
+    def read(self, name: str, rows: Rows | None) -> torch.Tensor:
+        """Rows [begin, end) of `name` (all of it for None), in the stored dtype, on the CPU."""
+        ...
+
+
+class MemoryWeights:
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        t = self.tensors.get(name)
+        return None if t is None else tuple(t.shape)
+
+    def read(self, name: str, rows: Rows | None) -> torch.Tensor:
+        t = self.tensors[name]
+        return t if rows is None else t[rows[0]:rows[1]]
+
+
+class Chained:
+    """The first source that has a name answers for it (overrides first, the checkpoint last)."""
+
+    def __init__(self, *sources: WeightSource) -> None:
+        self.sources = sources
+
+    def _owner(self, name: str) -> WeightSource | None:
+        return next((s for s in self.sources if s.shape(name) is not None), None)
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        owner = self._owner(name)
+        return None if owner is None else owner.shape(name)
+
+    def read(self, name: str, rows: Rows | None) -> torch.Tensor:
+        owner = self._owner(name)
+        assert owner is not None, name
+        return owner.read(name, rows)
+
+
+_INDEXES = (("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model.bin"))
+
+
+class FileWeights:
+    """An HF model directory's weight files, opened once (memory-mapped) and read a slice at a time."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file_of: dict[str, str] = {}
+        self._open: dict[str, object] = {}
+        for index, single in _INDEXES:
+            if os.path.isfile(os.path.join(path, index)):
+                with open(os.path.join(path, index)) as f:
+                    self._file_of = dict(json.load(f)["weight_map"])
+                break
+            if os.path.isfile(os.path.join(path, single)):
+                self._file_of = {name: single for name in self._names_in(single)}
+                break
+        if not self._file_of:
+            raise ConfigError(f"{path}: no model.safetensors, pytorch_model.bin or their .index.json; save the model "
+                              "with save_pretrained")
+
+    def _handle(self, file: str) -> object:
+        if file not in self._open:
+            full = os.path.join(self.path, file)
+            if file.endswith(".safetensors"):
+                from safetensors import safe_open  # noqa: PLC0415 - transformers' own dependency
+
+                self._open[file] = safe_open(full, framework="pt", device="cpu")
+            else:  # zip-format .bin (torch >= 1.6): memory-mapped, so a slice reads only its pages
+                self._open[file] = torch.load(full, map_location="cpu", mmap=True, weights_only=True)
+        return self._open[file]
+
+    def _names_in(self, file: str) -> list[str]:
+        handle = self._handle(file)
+        return list(handle.keys())  # type: ignore[attr-defined]
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        file = self._file_of.get(name)
+        if file is None:
+            return None
+        handle = self._handle(file)
+        if isinstance(handle, dict):
+            return tuple(handle[name].shape)
+        return tuple(handle.get_slice(name).get_shape())  # type: ignore[attr-defined]
+
+    def read(self, name: str, rows: Rows | None) -> torch.Tensor:
+        handle = self._handle(self._file_of[name])
+        if isinstance(handle, dict):
+            t = handle[name]
+            return t.clone() if rows is None else t[rows[0]:rows[1]].clone()
+        if rows is None:
+            return handle.get_tensor(name)  # type: ignore[attr-defined]
+        return handle.get_slice(name)[rows[0]:rows[1]]  # type: ignore[attr-defined]
+
+
+def open_weights(path: str) -> FileWeights | None:
+    """The directory's weights, None when they are in a form only `from_pretrained` reads (old pickled .bin)."""
+    try:
+        return FileWeights(path)
+    except (RuntimeError, ValueError, OSError):  # torch.load(mmap=True) refuses the pre-1.6 pickle format
+        return None
+
+
+# ---- building without memory --------------------------------------------------------------------------------
+
+
+@contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory, no init cost) and their buffers
+    real: rotary frequencies and the like are computed, not stored in checkpoints, so they must survive."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def missing(model: nn.Module, weights: WeightSource) -> list[str]:
+    """The model's parameters (tied ones once) that `weights` lacks or holds in another shape."""
+    return [name for name, p in model.named_parameters() if weights.shape(name) != tuple(p.shape)]
+
+
+@dataclass
+class Unfilled:
+    """A model whose parameters are on the meta device, and where its weights are. A strategy places it (whole or
+    sharded) and then fills it (`fill`)."""
+
+    model: nn.Module
+    weights: WeightSource
+    prefix: str = ""  # the weights' names are the model's parameter names after this prefix
+    note: str | None = None  # why this model costs more to load than its shard (said once in the log)
+
+    def fill(self, device: torch.device, *, param_device: torch.device | None = None) -> nn.Module:
+        """Allocate the parameters (on `param_device`, default `device`; FSDP2 shards stay DTensors) and read each
+        from the weights, this rank's rows only for a shard; the buffers built with the model move to `device`."""
+        fill(self.model, self.weights, device, param_device=param_device, prefix=self.prefix)
+        return self.model
+
+
+def fill(model: nn.Module, weights: WeightSource, device: torch.device, *, param_device: torch.device | None = None,
+         prefix: str = "") -> None:
+    buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
+               if b is not None and b.device.type != "meta"]
+    slots = [(m, name, id(p)) for m in model.modules() for name, p in m._parameters.items() if p is not None]
+    model.to_empty(device=param_device or device)
+    for module, name, buffer in buffers:  # to_empty left them uninitialised
+        module._buffers[name] = buffer.to(device)
+    first: dict[int, nn.Parameter] = {}
+    for module, name, key in slots:  # to_empty gave each slot its own tensor: tied weights (lm_head) tie again
+        module._parameters[name] = first.setdefault(key, module._parameters[name])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            key = name[len(prefix):] if name.startswith(prefix) else name
+            if isinstance(param, DTensor):
+                _fill_shard(param, weights, key)
+            else:
+                param.copy_(weights.read(key, None))
+
+
+def _fill_shard(param: DTensor, weights: WeightSource, name: str) -> None:
+    if any(not isinstance(p, Shard) or p.dim != 0 for p in param.placements):
+        raise NotImplementedError(f"{name}: placements {param.placements}; rlrun shards parameters on dim 0 only")
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local = param._local_tensor  # the storage FSDP2 re-pads from at its lazy init
+    if local.numel():
+        local.copy_(weights.read(name, (offset[0], offset[0] + shape[0])))
+
+
+def state_dict_weights(model: nn.Module, names: Sequence[str] | None = None) -> MemoryWeights:
+    """A built model's parameters as a weight source (the embedded tiny model)."""
+    state = dict(model.named_parameters())
+    return MemoryWeights({k: v.detach() for k, v in state.items() if names is None or k in names})

@@ -1,0 +1,55 @@
+"""This process's own memory, as the kernel counts it (Linux /proc; None elsewhere)."""
+
+from __future__ import annotations
+
+import os
+
+from rlrun.runtime.log import RankLogger
+
+import ctypes
+import ctypes.util
+
+REPORT_ENV = "RLRUN_REPORT_MEMORY"  # set to 1: every rank logs its peak RSS after start-up and at the end
+
+
+def peak_rss_bytes() -> int | None:
+    """VmHWM: the largest resident set this process has had (its peak host memory, file-backed pages included)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def report_memory(log: RankLogger, phase: str) -> None:
+    """With RLRUN_REPORT_MEMORY=1, one line per rank: its peak RSS so far (bench/memory.py reads these lines)."""
+    peak = peak_rss_bytes()
+    if os.environ.get(REPORT_ENV) == "1" and peak is not None:
+        log._emit("info", f"memory: rank {log.rank} peak RSS after {phase} {peak / 2**20:.0f} MiB")
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+MMAP_THRESHOLD_BYTES = 2**20
+
+
+def return_freed_memory() -> bool:
+    """Have glibc serve every allocation of 1 MiB or more by its own mmap, so that freeing it returns it to the system.
+
+    By default glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), after which
+    blocks of that size come from the heap, where freed memory stays resident: a ZeRO-3 rank that gathers and frees
+    one transformer block at a time then keeps growing (measured, 65M-parameter model on 8 CPU ranks: actor ranks
+    peaked at 1.5 GiB instead of 0.79 GiB). A fixed threshold turns the dynamic raise off. The user's own
+    MALLOC_MMAP_THRESHOLD_ wins; no effect off glibc. Returns whether the setting was applied."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
