@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-3 on a role group spanning the world, with real DeepSpeed on CPU (2 gloo ranks).
 
-The role's group holds both ranks (the supervised trainers' and --colocate_all_models' layout). Checked:
+The role's group holds both ranks (the supervised trainers' and --colocate_all_models' layout); the trained model
+starts on the meta device and is partitioned one parameter at a time as it is read (rlrun's loading). Checked:
 - micro-batches of 1 over 2 ranks give the gradient norms and parameters of one full-batch step in one
   process (the same reference as the ZeRO-0/1/2 test in test_deepspeed_roles.py);
 - each rank holds about half of the partitioned parameters (the model is really sharded);
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from rlrun.models.tiny import build_causal_lm, tiny_model_config
+from rlrun.models.weights import Unfilled, params_on_meta, state_dict_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_deepspeed_roles import MASK, MAX_NORM, STEPS, TOKENS, _adamw, _micro_loss, _updater, reference  # noqa: E402
@@ -53,6 +55,16 @@ def _odd_loss(model: torch.nn.Module):
     return loss
 
 
+def _unfilled(cfg) -> Unfilled:
+    """The tiny model on the meta device with its seeded weights as the source (what rlrun.models.loading hands
+    the strategies): ZeRO-3 partitions it parameter by parameter as it is read."""
+    from transformers import AutoModelForCausalLM
+
+    with params_on_meta():
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    return Unfilled(skeleton, state_dict_weights(build_causal_lm(cfg, seed=SEED)))
+
+
 def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     os.environ["DS_ACCELERATOR"] = "cpu"
     import torch.distributed as dist
@@ -74,7 +86,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
 
     cfg = tiny_model_config()
     out: dict = {}
-    s, model, opt, upd = engine(3, role, 1, build_causal_lm(cfg, seed=SEED))
+    s, model, opt, upd = engine(3, role, 1, _unfilled(cfg))  # partitioned as read: never whole on a rank
     out["held"] = sum(p.ds_tensor.numel() for p in model.module.parameters())
     out["total"] = sum(p.ds_numel for p in model.module.parameters())
     ckpt = str(outdir / "zero3")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -168,6 +168,34 @@ class Unfilled:
     weights: WeightSource
     prefix: str = ""  # the weights' names are the model's parameter names after this prefix
     note: str | None = None  # why this model costs more to load than its shard (said once in the log)
+
+    def fill_each(self, device: torch.device, dtype: torch.dtype, take: Callable[[nn.Parameter], None], *,
+                  read: bool = True) -> nn.Module:
+        """One parameter at a time: allocate it whole on `device` in `dtype`, read it (left uninitialised when not
+        `read`: another rank's copy overwrites it), hand it to `take` (which may shrink it to a partition) before
+        the next is allocated. Buffers move to `device`. Peak: the model as `take` leaves it plus one parameter."""
+        for module in self.model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device.type != "meta":
+                    module._buffers[name] = buffer.to(device)
+        done: dict[int, nn.Parameter] = {}
+        for module_name, module in self.model.named_modules():
+            for name, meta in list(module._parameters.items()):
+                if meta is None:
+                    continue
+                if id(meta) not in done:  # a tied parameter is allocated once and set in every slot
+                    full = f"{module_name}.{name}" if module_name else name
+                    key = full[len(self.prefix):] if full.startswith(self.prefix) else full
+                    param = nn.Parameter(torch.empty(meta.shape, dtype=dtype, device=device),
+                                         requires_grad=meta.requires_grad)
+                    if read:
+                        with torch.no_grad():
+                            param.copy_(self.weights.read(key, None))
+                    done[id(meta)] = param
+                    module._parameters[name] = param
+                    take(param)
+                module._parameters[name] = done[id(meta)]
+        return self.model
 
     def fill(self, device: torch.device, *, param_device: torch.device | None = None) -> nn.Module:
         """Allocate the parameters (on `param_device`, default `device`; FSDP2 shards stay DTensors) and read each

@@ -200,16 +200,27 @@ class DeepSpeedStrategy:
 
     # ---- wrapping ----------------------------------------------------------------------------
 
+    def _config(self, model: nn.Module, trainable: bool) -> dict[str, Any]:
+        return ds_config(self.settings, dist.get_world_size(self.group), trainable=trainable,
+                         hidden_size=_hidden_size(model))
+
     def _initialize(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainable: bool) -> DeepSpeedEngine:
-        config = ds_config(self.settings, dist.get_world_size(self.group), trainable=trainable,
-                           hidden_size=_hidden_size(model))
+        config = self._config(model, trainable)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=self.mpu,
                                           dist_init_required=False)
         return engine
 
-    def _placed(self, model: nn.Module | Unfilled) -> nn.Module:
-        """The model whole on this rank's device (DeepSpeed partitions it from there, ZeRO-3 too)."""
-        return model.fill(self.device) if isinstance(model, Unfilled) else model.to(self.device)
+    def _placed(self, model: nn.Module | Unfilled, trainable: bool) -> nn.Module:
+        """The model on this rank's device: at ZeRO-3 an `Unfilled` one is partitioned parameter by parameter as
+        it is read (deepspeed_zero3.fill_partitioned: never whole on a rank), below it whole (DeepSpeed's ZeRO-1/2
+        keep whole parameters on every rank anyway)."""
+        if not isinstance(model, Unfilled):
+            return model.to(self.device)
+        if self.settings.zero_stage == 3:
+            dtype = torch.bfloat16 if self.settings.bf16 else torch.float32  # what zero.Init would have built
+            return zero3.fill_partitioned(model, self.group, self.device, dtype, self._config(model.model, trainable),
+                                          self.mpu)
+        return model.fill(self.device)
 
     def wrap(self, model: nn.Module | Unfilled, *, trainable: bool = True) -> nn.Module:
         """A frozen model placed by a DeepSpeed inference engine (ZeRO-0: full weights on every rank, cast to bf16
@@ -218,14 +229,14 @@ class DeepSpeedStrategy:
         inference, and the model keeps its own names and train()/eval() chaining."""
         if trainable:
             raise RlrunError("DeepSpeedStrategy.wrap is for frozen models; trainable ones go through wrap_trainable")
-        model = self._placed(model).requires_grad_(False)
+        model = self._placed(model, trainable=False).requires_grad_(False)
         return self._initialize(model, None, trainable=False).module
 
     def wrap_trainable(self, model: nn.Module | Unfilled,
                        make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
         """(engine, the torch optimizer the engine steps). With --adam_offload on GPU the optimizer is
         DeepSpeedCPUAdam with `make_optimizer`'s hyper-parameters (ZeRO-Offload refuses torch's)."""
-        model = self._placed(model)
+        model = self._placed(model, trainable=True)
         if self.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         optimizer = make_optimizer(model)

@@ -14,11 +14,34 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import deepspeed  # noqa: E402  (an optional extra; rlrun.strategies.checks refuses --strategy deepspeed without it)
 
 from rlrun.launch.param_blocks import FullBlock
+from rlrun.models.weights import Unfilled
+
+
+def fill_partitioned(unfilled: Unfilled, group: "dist.ProcessGroup", device: torch.device, dtype: torch.dtype,
+                     config: dict, mpu: object) -> nn.Module:
+    """A meta-device model partitioned one parameter at a time, as `deepspeed.zero.Init` partitions a model built
+    inside it: the role's first rank reads a parameter whole, ZeRO's init broadcasts it over the role's group and
+    every rank keeps its partition before the next parameter exists. No rank ever holds more than the partitions
+    plus one whole parameter. `deepspeed.initialize` then finds the parameters partitioned and leaves them."""
+    first: list[nn.Parameter] = []
+
+    def partition(param: nn.Parameter) -> None:
+        if first:
+            first[0].convert_to_zero_parameters(param_list=[param])
+            return
+        holder = nn.Module()
+        holder.register_parameter("p", param)
+        deepspeed.zero.Init(module=holder, data_parallel_group=group, config_dict_or_path=config, dtype=dtype,
+                            mpu=mpu)
+        first.append(param)
+
+    return unfilled.fill_each(device, dtype, partition, read=dist.get_rank(group) == 0)
 
 
 def is_partitioned(p: torch.Tensor) -> bool:
