@@ -1,6 +1,7 @@
 """Models built on the meta device and filled from the files `save_pretrained` writes (safetensors single and
 sharded with an index, zip `.bin`), in bf16 and fp32: the same weights as `from_pretrained`'s load, and under FSDP2
-on 3 real gloo ranks each rank reads only the rows it keeps and trains the same as a whole-model start.
+on 3 real gloo ranks each rank reads only the rows it keeps and trains the same as a whole-model start (the
+embeddings and the head are FSDP units of their own).
 Run as a script (`python test_weights.py RANK WORLD PORT OUTDIR`) it is one rank of the sharded test."""
 
 from __future__ import annotations
@@ -125,7 +126,10 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+        from torch.distributed.fsdp import FSDPModule
+
         out[stage] = {"read": counting.read_elements, "local": local,
+                      "vocab_units": [isinstance(m, FSDPModule) for m in (model.model.embed_tokens, model.lm_head)],
                       "full": {n: full_tensor(p.detach()) for n, p in model.named_parameters()}}
     torch.save(out, outdir / f"rank{rank}.pt")
     dist.barrier()
@@ -154,6 +158,7 @@ def test_fsdp_ranks_read_only_their_rows_and_train_like_a_whole_start(tmp_path):
         for res in results:
             read = res[stage]["read"]
             assert read == {n: k for n, k in res[stage]["local"].items() if k}  # its rows, nothing more
+            assert res[stage]["vocab_units"] == [True, True]  # not gathered with the root through a whole step
             assert sum(read.values()) < 0.5 * total
             for name, p in want.named_parameters():
                 torch.testing.assert_close(res[stage]["full"][name], p.detach(), rtol=2e-4, atol=2e-5)

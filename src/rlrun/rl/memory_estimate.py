@@ -9,8 +9,9 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
   ``FSDPStrategy.wrap`` calls ``fully_shard`` at every ``--zero_stage``, so the fp32 parameters, fp32 gradients and
   Adam's two fp32 moments are always sharded: 16 B/param / R (with --bf16 the fp32 parameters are the master copy;
   compute gathers bf16). The stage only decides what stays gathered: below 3 the whole model (bf16 with --bf16)
-  from forward to backward; at 3 the root unit (embeddings, final norm, head) and two blocks (the one computing,
-  the one prefetched; their transient unsharded gradients are folded in). ``--adam_offload`` (CPUOffloadPolicy)
+  from forward to backward; at 3 the root unit (final norm; embeddings when tied to the head) and two units (the
+  one computing, the one prefetched: blocks, or the untied embedding or head, which are units of their own; their
+  transient unsharded gradients are folded in). ``--adam_offload`` (CPUOffloadPolicy)
   moves all 16 B/param / R to host memory. ``--strategy deepspeed``: ZeRO's accounting, bf16 parameters 2 B,
   gradients 2 B, fp32 master + m + v 12 B (without --bf16: 4 + 4 + 8 B); stage 1 shards the optimizer, 2 also
   the gradients, 3 everything (gathered as FSDP's stage 3 above: an upper bound, DeepSpeed gathers per
@@ -28,7 +29,8 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
   responses, b * generate_max_len): chunk * vocab * 4 B, three times when training (logits, log-softmax, their
   gradient), twice when scoring.
 - Engines: vLLM takes --vllm_gpu_memory_utilization x the GPU (its weights, 1/TP of them, inside), or its
-  weights' share + --vllm_kv_cache_memory_bytes; native/hf: the whole model (bf16 with --bf16) plus the KV cache of
+  weights' share + --vllm_kv_cache_memory_bytes; native/hf: the whole model (bf16 with --bf16; native: plus its
+  decoder's fused projection copies, `native_fused_parameters`) plus the KV cache of
   the rank's rollout share (rollouts per step / engine ranks rows of L tokens). The native engine generates in
   batches whose cache fits --native_kv_cache_mb, or without it on a GPU what is free then (so its KV cache
   fills the GPU up to the usable bytes); on CPU without it, in one batch.
@@ -174,7 +176,7 @@ def _logits(s: ModelShape, k: Knobs, rows: int, train: bool) -> int:
 def _gathered(s: ModelShape, k: Knobs, trainable: bool) -> int:
     compute = 2 if k.bf16 else 4
     if k.zero_stage == 3:
-        return compute * (s.root + 2 * s.largest_block)
+        return compute * (s.root + 2 * s.largest_unit)
     if trainable and k.strategy == "fsdp":
         return compute * s.parameters  # reshard_after_forward=False: gathered from forward to backward
     return 0  # whole already (DeepSpeed ZeRO-0-2, frozen models below ZeRO-3)
@@ -212,6 +214,16 @@ def kv_cache_bytes(s: ModelShape, k: Knobs, rows: int) -> int:
     return rows * k.seq * s.layers * 2 * s.kv_heads * s.head_dim * (2 if k.bf16 else 4)
 
 
+def native_fused_parameters(s: ModelShape) -> int:
+    """The native decoder's fused copies (rlrun.engines.decoder: q/k/v and gate/up concatenated, beside the HF
+    weights that weight sync writes into): per layer the q/k/v projections plus two thirds of a gated MLP (gate and
+    up of gate/up/down; the norms and the output projection are not copied)."""
+    per_layer = s.blocks // max(1, s.layers)
+    qkv = s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim
+    mlp = max(0, per_layer - qkv - s.heads * s.head_dim * s.hidden - 2 * s.hidden)
+    return s.layers * (qkv + 2 * mlp // 3)
+
+
 def _engine(s: ModelShape, k: Knobs, tp: int, rows: int, target: Target) -> RoleMemory:
     weights = (2 if k.bf16 else 4) * s.parameters
     if k.backend == "vllm":
@@ -225,6 +237,8 @@ def _engine(s: ModelShape, k: Knobs, tp: int, rows: int, target: Target) -> Role
     kv = kv_cache_bytes(s, k, rows)
     if k.backend == "native" and k.kv_budget:
         kv = min(kv, k.kv_budget)
+    if k.backend == "native":
+        weights += (2 if k.bf16 else 4) * native_fused_parameters(s)
     return RoleMemory(Role.ENGINE, {"params": weights}, {}, {"generate": {"kv_cache": kv}}, {},
                       kv_fills_gpu=k.backend == "native" and k.gpu and not k.kv_budget)
 

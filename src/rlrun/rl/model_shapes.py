@@ -39,8 +39,14 @@ class ModelShape:
 
     @property
     def root(self) -> int:
-        """Parameters outside the blocks: FSDP's root unit, gathered for a whole forward and backward."""
-        return self.embedding + self.final_norm + self.head
+        """FSDP's root unit, gathered for a whole forward and backward: the final norm, and the embedding and head
+        when they are tied (an untied embedding and head are units of their own, rlrun.strategies.fsdp.vocab_units)."""
+        return self.final_norm + (self.embedding if not self.head else 0)
+
+    @property
+    def largest_unit(self) -> int:
+        """The largest FSDP unit gathered one at a time: a block, or the untied embedding or head."""
+        return max(self.largest_block, self.embedding if self.head else 0, self.head)
 
     def scalar(self) -> ModelShape:
         """The same body with a [hidden, 1] score head instead of the LM head (AutoModelForSequenceClassification)."""

@@ -50,6 +50,8 @@ class FSDPStrategy:
                 module.to(torch.bfloat16)  # on the meta device this costs nothing: no fp32 detour
             module = unfilled.fill(self.device) if unfilled is not None else module.to(self.device)
             return module.requires_grad_(False)
+        if not trainable and self.bf16:
+            module.to(torch.bfloat16)  # a frozen model needs no fp32 master: its shards are bf16 too
         if unfilled is None:
             module.to(self.device)
         mesh = DeviceMesh.from_group(self.group, self.device.type)
@@ -62,6 +64,8 @@ class FSDPStrategy:
         for sub in module.modules():
             if type(sub).__name__ in block_names:
                 fully_shard(sub, **kwargs)
+        for sub in vocab_units(module):
+            fully_shard(sub, **kwargs)
         fully_shard(module, **kwargs)
         if unfilled is not None:
             unfilled.fill(self.device, param_device=torch.device("cpu") if self.offload else self.device)
@@ -147,6 +151,20 @@ class FSDPStrategy:
     def home_params(self, model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
         self._sleep.require_awake(model, Part.PARAMS, "weight sync")
         fsdp_homing.home_params(model, views)
+
+
+def vocab_units(model: nn.Module) -> list[nn.Module]:
+    """The input embedding and the output head as FSDP units of their own, as torchtitan shards them: left in the
+    root unit they would stay gathered from the first forward to the end of backward (FSDP2 never reshards its root
+    after forward), with their gradients: ~9 GiB per GPU of fp32 for Qwen2.5-7B's 1.1B vocabulary parameters. Tied
+    embeddings (one parameter in both) stay in the root: a parameter belongs to one unit."""
+    hf = getattr(model, "hf", model)  # a ScalarHeadModel's HF model
+    get_in, get_out = getattr(hf, "get_input_embeddings", None), getattr(hf, "get_output_embeddings", None)
+    embed = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    if embed is None or (head is not None and head.weight is embed.weight):
+        return []
+    return [m for m in (embed, head) if m is not None]
 
 
 def full_state_dict(model: nn.Module, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
