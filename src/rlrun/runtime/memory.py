@@ -25,10 +25,17 @@ def peak_rss_bytes() -> int | None:
 
 
 def report_memory(log: RankLogger, phase: str) -> None:
-    """With RLRUN_REPORT_MEMORY=1, one line per rank: its peak RSS so far (bench/memory.py reads these lines)."""
+    """With RLRUN_REPORT_MEMORY=1, one line per rank: its peak RSS so far, and on a GPU the CUDA allocator's peak
+    (bench/memory.py and bench/gpu/harness.py read these lines)."""
     peak = peak_rss_bytes()
-    if os.environ.get(REPORT_ENV) == "1" and peak is not None:
-        log._emit("info", f"memory: rank {log.rank} peak RSS after {phase} {peak / 2**20:.0f} MiB")
+    if os.environ.get(REPORT_ENV) != "1" or peak is None:
+        return
+    import torch  # noqa: PLC0415 - runtime/ stays importable without torch for the launch checks
+
+    gpu = ""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gpu = f", peak GPU allocated {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB"
+    log._emit("info", f"memory: rank {log.rank} peak RSS after {phase} {peak / 2**20:.0f} MiB{gpu}")
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
