@@ -22,8 +22,8 @@ CLI = CliSpec(prog="python -m rlrun.dpo", description="DPO training (OpenRLHF tr
 
 def _build(cfg: DPOConfig, ctx: BuildContext) -> DPOTask:
     model, optimizer, strategy = trainable(unfilled_policy(cfg.model, cfg.train.seed), cfg.model, cfg.train,
-                                           ctx.group, ctx.device)
-    reference = dpo_reference(cfg, ctx.group, ctx.device, ctx.rank)
+                                           ctx.group, ctx.device, solo=ctx.solo)
+    reference = dpo_reference(cfg, ctx.group, ctx.device, ctx.rank, solo=ctx.solo)
     loss = cfg.loss
     return DPOTask(model, optimizer, strategy, reference, ctx.device, ctx.pad_id, cfg.train.packing_samples,
                    DPOSettings(loss.beta, loss.label_smoothing, loss.ipo, loss.nll_loss_coef))

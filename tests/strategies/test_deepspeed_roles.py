@@ -115,6 +115,9 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     groups = {name: dist.new_group(spec["ranks"]) for name, spec in ROLES.items()}
     solo0 = dist.new_group([0])
+    from rlrun.launch.groups import solo_group  # noqa: PLC0415
+
+    solo = solo_group(120)
     from rlrun.strategies.deepspeed_adapter import DeepSpeedStrategy  # noqa: PLC0415 - after the audit is in place
 
     role = "actor" if rank in ROLES["actor"]["ranks"] else "critic"
@@ -124,7 +127,8 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
 
     def engine(stage: int, grp, micro: int, seed: int):
         strategy = DeepSpeedStrategy(grp, torch.device("cpu"), bf16=False, zero_stage=stage, offload=False,
-                                     gradient_checkpointing=False, micro_batch=micro, max_norm=MAX_NORM)
+                                     gradient_checkpointing=False, micro_batch=micro, max_norm=MAX_NORM,
+                                     solo_group=solo)
         model, opt = strategy.wrap_trainable(build_causal_lm(cfg, seed=seed), _adamw)
         upd = _updater(model, strategy, opt, micro, dist.get_rank(grp), dist.get_world_size(grp),
                        strategy.step_ops(model))

@@ -72,11 +72,14 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     role = dist.new_group([0, 1])
     solo0 = dist.new_group([0])
+    from rlrun.launch.groups import solo_group  # noqa: PLC0415
+
+    solo = solo_group(120)
     from rlrun.strategies.deepspeed_adapter import DeepSpeedStrategy  # noqa: PLC0415
 
     def strategy(stage: int, grp, micro: int) -> DeepSpeedStrategy:
         return DeepSpeedStrategy(grp, torch.device("cpu"), bf16=False, zero_stage=stage, offload=False,
-                                 gradient_checkpointing=False, micro_batch=micro, max_norm=MAX_NORM)
+                                 gradient_checkpointing=False, micro_batch=micro, max_norm=MAX_NORM, solo_group=solo)
 
     def engine(stage: int, grp, micro: int, model: torch.nn.Module):
         s = strategy(stage, grp, micro)

@@ -94,6 +94,9 @@ def _case(kind: str, stage: int, rank: int, world: int, outdir: Path) -> dict:
     from rlrun.strategies.base import Part
 
     group, cpu = dist.group.WORLD, torch.device("cpu")
+    from rlrun.launch.groups import solo_group
+
+    solo = solo_group(120) if kind == "deepspeed" else None
 
     def strategy():
         if kind == "fsdp":
@@ -103,7 +106,7 @@ def _case(kind: str, stage: int, rank: int, world: int, outdir: Path) -> dict:
         from rlrun.strategies.deepspeed_adapter import DeepSpeedStrategy
 
         return DeepSpeedStrategy(group, cpu, bf16=False, zero_stage=stage, offload=False, gradient_checkpointing=False,
-                                 micro_batch=2, max_norm=1.0)
+                                 micro_batch=2, max_norm=1.0, solo_group=solo)
 
     def trained():
         s = strategy()

@@ -28,10 +28,16 @@ class Groups:
     def world(self) -> dist.ProcessGroup:
         return self.member["world"]
 
+    @property
+    def solo(self) -> dist.ProcessGroup | None:
+        """This rank alone (DeepSpeed's model-parallel group), when the run asked for it."""
+        return self.member.get("solo")
 
-def build_groups(layout: Layout, timeout_s: float, sync_backend: str | None = None) -> Groups:
+
+def build_groups(layout: Layout, timeout_s: float, sync_backend: str | None = None, *, solo: bool = False) -> Groups:
     """Every rank calls new_group for every group, in the layout's fixed order, even groups it is
-    not in: new_group is collective over the world and a skipped call deadlocks the others."""
+    not in: new_group is collective over the world and a skipped call deadlocks the others.
+    `solo` (DeepSpeed runs): then every rank's one-rank group (`solo_group`)."""
     rank = dist.get_rank()
     timeout = timedelta(seconds=timeout_s)
     groups = Groups(rank=rank, layout=layout)
@@ -40,7 +46,24 @@ def build_groups(layout: Layout, timeout_s: float, sync_backend: str | None = No
         group = dist.new_group(list(spec.ranks), timeout=timeout, backend=backend)
         if rank in spec.ranks:
             groups.member[spec.name] = group
+    if solo:
+        groups.member["solo"] = solo_group(timeout_s)
     return groups
+
+
+def solo_group(timeout_s: float) -> dist.ProcessGroup:
+    """This rank alone, for DeepSpeed's model-parallel group (a real one-rank group: None would send its
+    gradient-norm all_reduce to the world). Every rank makes every rank's one-rank group, in rank order, like every
+    other group here: a group made by some ranks only hangs a world whose groups are created eagerly (NCCL with a
+    bound device splits its communicator over the whole world at each new_group, pytorch issue 145376)."""
+    rank, timeout = dist.get_rank(), timedelta(seconds=timeout_s)
+    mine = None
+    for r in range(dist.get_world_size()):
+        group = dist.new_group([r], timeout=timeout)
+        if r == rank:
+            mine = group
+    assert mine is not None
+    return mine
 
 
 def all_ranks_group(timeout_s: float) -> dist.ProcessGroup:

@@ -147,7 +147,7 @@ def engine_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 def _strategy(cfg: Config, groups: Groups, role: Role, device: torch.device) -> Strategy:
     group = groups.role(role)
     assert group is not None, role
-    return make_strategy(group, device, cfg.model, cfg.train)
+    return make_strategy(group, device, cfg.model, cfg.train, groups.solo)
 
 
 def _updater(cfg: Config, model: torch.nn.Module, strategy: Strategy, lr: float, total_opt_steps: int,

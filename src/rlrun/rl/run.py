@@ -96,7 +96,8 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
             log.info_once("layout by node label:\n" + format_layout_table(layout))
         phase.phase = "build"
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
-        groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend)
+        groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend,
+                              solo=cfg.train.strategy == "deepspeed")
         roles = build_roles(cfg, layout, groups, device, total_steps, tokenizer, sources)
         trainer = Trainer(cfg, layout, groups, roles, prompts, sampler, tokenizer, device, total_steps, phase)
         checkpointer = Checkpointer(cfg, layout, groups, roles, trainer, tokenizer, run_id)

@@ -88,19 +88,6 @@ class RoleMPU:
         return 0
 
 
-_SOLO: dict[int, dist.ProcessGroup] = {}
-
-
-def _solo_group() -> dist.ProcessGroup:
-    """This rank alone. `use_local_synchronization` makes creating it a local act: no world collective,
-    no other rank has to call it, and the world's group counter (which names the groups every rank
-    creates in launch/groups.py) is left untouched."""
-    rank = dist.get_rank()
-    if rank not in _SOLO:
-        _SOLO[rank] = dist.new_group([rank], use_local_synchronization=True)
-    return _SOLO[rank]
-
-
 def _log_jit(what: str) -> None:
     """DeepSpeed JIT-compiles C++ ops on first use (measured here: the CPU shared-memory comm op ~45 s,
     DeepSpeedCPUAdam ~50 s). Said before it happens, so a silent minute does not look like a hang."""
@@ -177,7 +164,9 @@ class DeepSpeedStrategy:
     """One role's DeepSpeed engines (one per model this rank holds for the role)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, *, bf16: bool, zero_stage: int, offload: bool,
-                 gradient_checkpointing: bool, micro_batch: int, max_norm: float) -> None:
+                 gradient_checkpointing: bool, micro_batch: int, max_norm: float,
+                 solo_group: dist.ProcessGroup) -> None:
+        """`solo_group`: this rank alone (rlrun.launch.groups.solo_group), DeepSpeed's model-parallel group."""
         if zero_stage not in (0, 1, 2, 3):
             raise RlrunError(f"DeepSpeedStrategy supports ZeRO stages 0-3, got {zero_stage}")
         if zero_stage == 3 and dist.get_world_size(group) != dist.get_world_size():
@@ -189,7 +178,7 @@ class DeepSpeedStrategy:
         self.settings = DSSettings(zero_stage, bf16 and device.type == "cuda", offload and device.type == "cuda",
                                    micro_batch, max_norm)
         self.gradient_checkpointing = gradient_checkpointing
-        self.mpu = RoleMPU(group, _solo_group())
+        self.mpu = RoleMPU(group, solo_group)
         self._sleep = SleepBook(device)
         # DeepSpeed insists on LOCAL_RANK (torchrun sets it; plain srun and single-process runs do not) and
         # picks its device from it: this rank's device index, which rlrun chose from the launcher's local rank.

@@ -22,9 +22,10 @@ if TYPE_CHECKING:
 
 
 def trainable(model: nn.Module | Unfilled, source: PretrainedConfig, train: SupervisedTrainConfig, group: "ProcessGroup",
-              device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, Strategy]:
+              device: torch.device, *,
+              solo: "ProcessGroup | None" = None) -> tuple[nn.Module, torch.optim.Optimizer, Strategy]:
     """(wrapped model, its optimizer, the strategy that steps it)."""
-    strategy = make_strategy(group, device, source, train)
+    strategy = make_strategy(group, device, source, train, solo)
     wrapped, optimizer = strategy.wrap_trainable(
         model, lambda m: make_optimizer(m, train.learning_rate, train.adam_betas, train.l2))
     return wrapped, optimizer, strategy
@@ -37,7 +38,8 @@ def reward_model(source: PretrainedConfig, seed: int) -> Unfilled:
     return Unfilled(ScalarHeadModel(hf.model), hf.weights, prefix="hf.")
 
 
-def dpo_reference(cfg: DPOConfig, group: "ProcessGroup", device: torch.device, rank: int) -> nn.Module:
+def dpo_reference(cfg: DPOConfig, group: "ProcessGroup", device: torch.device, rank: int, *,
+                  solo: "ProcessGroup | None" = None) -> nn.Module:
     """The frozen reference: --ref_pretrain, else the initial policy; --ref_offload keeps its parameters in CPU
     memory between forwards (FSDP2's CPU offload, GPU only)."""
     source = dataclasses.replace(cfg.model, pretrain=cfg.loss.ref_pretrain or cfg.model.pretrain)
@@ -49,5 +51,5 @@ def dpo_reference(cfg: DPOConfig, group: "ProcessGroup", device: torch.device, r
         log.warning_once("--ref_offload has no effect with --strategy deepspeed yet (its frozen models are ZeRO-0 "
                          "inference engines); use --strategy fsdp to offload the reference")
     ref_train: OptimConfig = dataclasses.replace(cfg.train, adam_offload=offload and cfg.train.strategy == "fsdp")
-    strategy = make_strategy(group, device, source, ref_train)
+    strategy = make_strategy(group, device, source, ref_train, solo)
     return strategy.wrap(unfilled_policy(source, cfg.train.seed), trainable=False)

@@ -21,7 +21,7 @@ from rlrun.launch.dist import (init_distributed, resolve_backend, resolve_device
                                teardown)
 from rlrun.launch.env import DistEnv
 from rlrun.launch.failures import check_outputs, checked_on_every_rank, fail_and_exit, launch_environment
-from rlrun.launch.groups import all_ranks_group
+from rlrun.launch.groups import all_ranks_group, solo_group
 from rlrun.launch.transfer import sum_over
 from rlrun.models.hub import resolve, resolve_models
 from rlrun.models.loading import load_tokenizer
@@ -52,6 +52,7 @@ class BuildContext:
     device: torch.device
     rank: int
     pad_id: int
+    solo: "ProcessGroup | None" = None  # this rank alone: DeepSpeed's model-parallel group (--strategy deepspeed)
 
 
 @dataclass(frozen=True)
@@ -152,8 +153,9 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
         init_distributed(env, backend, cfg.runtime.dist_timeout, os.path.join(cfg.checkpoint.save_path, "nccl_trace"))
         phase.phase = "build"
         group = all_ranks_group(cfg.runtime.dist_timeout)
+        solo = solo_group(cfg.runtime.dist_timeout) if t.strategy == "deepspeed" else None
         comm_device = device if backend == "nccl" else torch.device("cpu")
-        task = trainer.build(cfg, BuildContext(group, device, env.rank, int(tokenizer.pad_token_id)))
+        task = trainer.build(cfg, BuildContext(group, device, env.rank, int(tokenizer.pad_token_id), solo))
         updater = Updater(task.model, task.strategy, task.optimizer,
                           warmup_cosine(task.optimizer, total_steps, t.lr_warmup_ratio), t.max_norm,
                           t.micro_train_batch_size, env.rank, env.world_size, max_nonfinite_in_a_row=t.max_skipped_steps,
