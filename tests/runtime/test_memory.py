@@ -9,24 +9,30 @@ import sys
 from rlrun.runtime.log import RankLogger
 from rlrun.runtime.memory import REPORT_ENV, peak_rss_bytes, report_memory
 
-# Frees one 8 MiB block first (glibc's default then serves 8 MiB blocks from its heap), then allocates 40 such
-# blocks with a small tensor after each (pinning the heap top), frees the big ones, and prints the resident MiB kept.
+# glibc's own malloc, not torch's tensors (whose allocation pattern varies with the build and environment): frees one
+# 8 MiB block first (glibc's default then serves 8 MiB blocks from its heap), then allocates 40 such blocks, touching
+# every page, with a 256 KiB block after each (from the heap under either setting: it pins the heap above it), frees the big ones, and prints the resident
+# MiB kept.
 _PROBE = """
-import sys, torch
+import ctypes, ctypes.util, sys
 from rlrun.runtime.memory import return_freed_memory
 if sys.argv[1] == "fixed":
     assert return_freed_memory()
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) / 1024
-n = 2 * 2**20  # float32 elements: 8 MiB
-x = torch.ones(n)
-del x
+n = 8 * 2**20
+libc.free(libc.malloc(n))
 base = rss()
 big, small = [], []
 for _ in range(40):
-    big.append(torch.ones(n))
-    small.append(torch.ones(64))
-del big
+    big.append(libc.malloc(n))
+    ctypes.memset(big[-1], 1, n)
+    small.append(libc.malloc(2**18))
+for p in big:
+    libc.free(p)
 print(rss() - base)
 """
 
