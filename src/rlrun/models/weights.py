@@ -1,5 +1,5 @@
 """Where a model's initial weights come from, read a slice at a time, and how a model built on the meta device is
-filled from them: whole on one device, or as this rank's FSDP2 shards (DTensors) without ever holding the rest.
+filled from them: whole on one device, or (with the FSDP strategy's reader) as this rank's shards only.
 
 A sharded rank reads only the rows of each tensor it keeps (safetensors slices of a memory-mapped file), so no
 rank, not even the first, holds a whole sharded model; a whole model is read straight into its device and dtype,
@@ -19,8 +19,6 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rlrun.runtime.errors import ConfigError
 
@@ -190,22 +188,32 @@ class Unfilled:
                                          requires_grad=meta.requires_grad)
                     if read:
                         with torch.no_grad():
-                            param.copy_(self.weights.read(key, None))
+                            read_whole(param, self.weights, key)
                     done[id(meta)] = param
                     module._parameters[name] = param
                     take(param)
                 module._parameters[name] = done[id(meta)]
         return self.model
 
-    def fill(self, device: torch.device, *, param_device: torch.device | None = None) -> nn.Module:
-        """Allocate the parameters (on `param_device`, default `device`; FSDP2 shards stay DTensors) and read each
-        from the weights, this rank's rows only for a shard; the buffers built with the model move to `device`."""
-        fill(self.model, self.weights, device, param_device=param_device, prefix=self.prefix)
+    def fill(self, device: torch.device, *, param_device: torch.device | None = None,
+             read_into: "ReadInto | None" = None) -> nn.Module:
+        """Allocate the parameters (on `param_device`, default `device`) and read each from the weights with
+        `read_into` (default: the whole tensor; a sharding strategy passes one that reads its rows only); the buffers
+        built with the model move to `device`."""
+        fill(self.model, self.weights, device, param_device=param_device, prefix=self.prefix,
+             read_into=read_into or read_whole)
         return self.model
 
 
+ReadInto = Callable[[nn.Parameter, WeightSource, str], None]  # (parameter, source, name in the source)
+
+
+def read_whole(param: nn.Parameter, weights: WeightSource, name: str) -> None:
+    param.copy_(weights.read(name, None))
+
+
 def fill(model: nn.Module, weights: WeightSource, device: torch.device, *, param_device: torch.device | None = None,
-         prefix: str = "") -> None:
+         prefix: str = "", read_into: ReadInto = read_whole) -> None:
     buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
                if b is not None and b.device.type != "meta"]
     slots = [(m, name, id(p)) for m in model.modules() for name, p in m._parameters.items() if p is not None]
@@ -217,20 +225,7 @@ def fill(model: nn.Module, weights: WeightSource, device: torch.device, *, param
         module._parameters[name] = first.setdefault(key, module._parameters[name])
     with torch.no_grad():
         for name, param in model.named_parameters():
-            key = name[len(prefix):] if name.startswith(prefix) else name
-            if isinstance(param, DTensor):
-                _fill_shard(param, weights, key)
-            else:
-                param.copy_(weights.read(key, None))
-
-
-def _fill_shard(param: DTensor, weights: WeightSource, name: str) -> None:
-    if any(not isinstance(p, Shard) or p.dim != 0 for p in param.placements):
-        raise NotImplementedError(f"{name}: placements {param.placements}; rlrun shards parameters on dim 0 only")
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    local = param._local_tensor  # the storage FSDP2 re-pads from at its lazy init
-    if local.numel():
-        local.copy_(weights.read(name, (offset[0], offset[0] + shape[0])))
+            read_into(param, weights, name[len(prefix):] if name.startswith(prefix) else name)
 
 
 def state_dict_weights(model: nn.Module, names: Sequence[str] | None = None) -> MemoryWeights:

@@ -13,10 +13,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rlrun.launch.dcp import load_role_state, save_role_state
 from rlrun.launch.param_blocks import ParamBlock, full_tensor, param_blocks
-from rlrun.models.weights import Unfilled
+from rlrun.models.weights import Unfilled, WeightSource
 from rlrun.strategies import fsdp_homing
 from rlrun.strategies.base import ALL_PARTS, OptimizerFactory, Part, StepOps, TorchSteps
 from rlrun.strategies.parking import SleepBook, awake_meanwhile
@@ -68,7 +70,8 @@ class FSDPStrategy:
             fully_shard(sub, **kwargs)
         fully_shard(module, **kwargs)
         if unfilled is not None:
-            unfilled.fill(self.device, param_device=torch.device("cpu") if self.offload else self.device)
+            unfilled.fill(self.device, param_device=torch.device("cpu") if self.offload else self.device,
+                          read_into=read_shard)
         if not trainable:
             module.requires_grad_(False)
         return module
@@ -151,6 +154,19 @@ class FSDPStrategy:
     def home_params(self, model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
         self._sleep.require_awake(model, Part.PARAMS, "weight sync")
         fsdp_homing.home_params(model, views)
+
+
+def read_shard(param: nn.Parameter, weights: WeightSource, name: str) -> None:
+    """Fill this rank's dim-0 shard of an FSDP2 parameter with only its rows of `name` (plain tensors whole)."""
+    if not isinstance(param, DTensor):
+        param.copy_(weights.read(name, None))
+        return
+    if any(not isinstance(p, Shard) or p.dim != 0 for p in param.placements):
+        raise NotImplementedError(f"{name}: placements {param.placements}; rlrun shards parameters on dim 0 only")
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local = param._local_tensor  # the storage FSDP2 re-pads from at its lazy init
+    if local.numel():
+        local.copy_(weights.read(name, (offset[0], offset[0] + shape[0])))
 
 
 def vocab_units(model: nn.Module) -> list[nn.Module]:
