@@ -95,6 +95,7 @@ RUNS: tuple[Run, ...] = (
         needs="deepspeed"),
     Run("throughput_0.5b_bf16", THROUGHPUT, steps=3, cpu_steps=0, alone=True),
     Run("throughput_0.5b_bf16_hf", (*THROUGHPUT, "--generation_backend", "hf"), steps=3, cpu_steps=0, alone=True),
+    Run("throughput_0.5b_bf16_graph", (*THROUGHPUT, "--native_cuda_graph"), steps=3, cpu_steps=0, alone=True),
     Run("throughput_0.5b_pack_gc", (*THROUGHPUT, "--packing_samples", "--gradient_checkpointing"), steps=3,
         cpu_steps=0),
 )
@@ -281,6 +282,33 @@ def _model(cpu: bool):
     return model.to("cpu" if cpu else "cuda").eval()
 
 
+def _engine_workload(cpu: bool) -> tuple:
+    """(device, the random 0.5B-shaped model, its vocabulary, new tokens per row, left-unpadded prompts of mixed
+    lengths): what the native engine checks decode."""
+    import torch
+
+    device = torch.device("cpu" if cpu else "cuda")
+    model = _model(cpu)
+    vocab = model.config.vocab_size
+    rows, new = (4, 8) if cpu else (64, 128)
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(8 if cpu else 32, 16 if cpu else 256, (rows,), generator=gen).tolist()
+    return device, model, vocab, new, [torch.randint(10, vocab - 1, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _timed_sample(engine, prompts: list[list[int]]) -> tuple[float, int]:
+    """(seconds, tokens generated) of one engine.sample call (seed 5), the GPU synchronised around it."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    g = engine.sample(prompts, seed=5)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t, sum(len(r) for r in g.responses)
+
+
 def check_engine_vs_hf(cpu: bool) -> Result:
     """Native engine vs HF on the same random model: prefill logits, teacher-forced log-probs of the engine's samples,
     tokens/s of both (alternating, median of 3), host syncs per decoded token."""
@@ -289,19 +317,14 @@ def check_engine_vs_hf(cpu: bool) -> Result:
     from rlrun.engines.native import NativeEngine
     from rlrun.roles.forward import response_log_probs
 
-    device = torch.device("cpu" if cpu else "cuda")
-    model = _model(cpu)
-    vocab = model.config.vocab_size
-    rows, new = (4, 8) if cpu else (64, 128)
-    gen = torch.Generator().manual_seed(1)
-    lengths = torch.randint(8 if cpu else 32, 16 if cpu else 256, (rows,), generator=gen).tolist()
-    prompts = [torch.randint(10, vocab - 1, (n,), generator=gen).tolist() for n in lengths]
+    device, model, vocab, new, prompts = _engine_workload(cpu)
+    rows = len(prompts)
     settings = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=new, pad_id=0, eos_id=vocab - 1)
     native = NativeEngine(model, settings, device)
     hf = HFEngine(model, settings, device)
 
     # prefill logits vs HF's forward of the left-padded batch
-    width = max(lengths)
+    width = max(len(p) for p in prompts)
     ids = torch.zeros(rows, width, dtype=torch.long)
     valid = torch.zeros(rows, width, dtype=torch.bool)
     for i, p in enumerate(prompts):
@@ -334,20 +357,11 @@ def check_engine_vs_hf(cpu: bool) -> Result:
         torch.cuda.set_sync_debug_mode("default")
         syncs = sum("synchroniz" in str(w.message) for w in caught)
 
-    def timed(engine) -> tuple[float, int]:
-        if not cpu:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        g = engine.sample(prompts, seed=5)
-        if not cpu:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t, sum(len(r) for r in g.responses)
-
     times: dict[str, list[float]] = {"native": [], "hf": []}
     tokens: dict[str, int] = {}
     for _ in range(3):
         for name, engine in (("native", native), ("hf", hf)):
-            s, n = timed(engine)
+            s, n = _timed_sample(engine, prompts)
             times[name].append(s)
             tokens[name] = n
     native_tps = tokens["native"] / statistics.median(times["native"])
@@ -361,6 +375,77 @@ def check_engine_vs_hf(cpu: bool) -> Result:
     ok = prefill_rel < tolerance * 10 and max(diffs) < (1e-3 if cpu else 0.5)
     return Result("engine_vs_hf", "pass" if ok else "FAIL", numbers,
                   "" if ok else "native engine disagrees with HF beyond tolerance")
+
+
+def check_native_cuda_graph(cpu: bool) -> Result:
+    """The native engine with its decode step captured as a CUDA graph (--native_cuda_graph) against the same static
+    step run without capture (identical tokens asserted: greedy, and sampled from one seed with rows ending early,
+    so finished rows are dropped and the step captured again) and against the default step (rows whose greedy
+    tokens agree, reported); engine-vs-actor log-prob difference of the graph's samples; tokens/s with and without
+    the graph (alternating, median of 3). On CPU (no capture): the static step uncaptured against the default one."""
+    import torch
+    from rlrun.engines.base import SamplingSettings
+    from rlrun.engines.native import NativeEngine
+    from rlrun.roles.forward import response_log_probs
+
+    device, model, vocab, new, prompts = _engine_workload(cpu)
+    rows = len(prompts)
+    graphed = "static" if cpu else "graph"
+
+    def engine(mode: str, top_p: float = 1.0, eos: int = vocab - 1) -> NativeEngine:
+        e = NativeEngine(model, SamplingSettings(1.0, top_p, new, 0, eos), device)
+        e.step_mode = mode
+        return e
+
+    greedy = {m: engine(m, top_p=1e-9).sample(prompts, seed=0).responses for m in ("eager", "static", graphed)}
+    numbers: dict = {"greedy_equal_uncaptured": greedy[graphed] == greedy["static"],
+                     "greedy_rows_equal_default_step": sum(a == b for a, b in zip(greedy[graphed], greedy["eager"])),
+                     "rows": rows, "new_tokens": new}
+    # sampled, the token in most rows as EOS: rows end at different steps, and (any finished row dropped at the next
+    # host read) the step is rebuilt and captured again
+    counts: dict[int, int] = {}
+    for r in engine("eager").sample(prompts, seed=2).responses:
+        for t in set(r):
+            counts[t] = counts.get(t, 0) + 1
+    eos = max(counts, key=counts.__getitem__)
+    sampled = {}
+    import rlrun.engines.native as native_module
+    fraction, native_module.GRAPH_COMPACT_FRACTION = native_module.GRAPH_COMPACT_FRACTION, 1e-9
+    try:
+        for m in ("static", graphed):
+            e = engine(m, eos=eos)
+            sampled[m] = e.sample(prompts, seed=2)
+            numbers[f"steps_built_{m}"] = e.last_steps_built
+    finally:
+        native_module.GRAPH_COMPACT_FRACTION = fraction
+    numbers["sampled_equal_uncaptured"] = sampled[graphed].responses == sampled["static"].responses
+    lens = [len(r) for r in sampled[graphed].responses]
+    numbers["sampled_lengths"] = f"{min(lens)}-{max(lens)}"
+    diffs = []
+    for p, r, lp in zip(prompts, sampled[graphed].responses, sampled[graphed].log_probs):
+        seq = torch.tensor([p + r], device=device)
+        with torch.no_grad():
+            actor, _ = response_log_probs(model, seq, torch.ones_like(seq), len(r), 1.0)
+        diffs.append(float((actor[0].float().cpu() - torch.tensor(lp)).abs().max()))
+    numbers["lp_diff_max"] = float(f"{max(diffs):.3g}")
+    numbers["lp_diff_mean"] = float(f"{statistics.mean(diffs):.3g}")
+
+    timed = {"eager": engine("eager"), graphed: engine(graphed)}
+    times: dict[str, list[float]] = {m: [] for m in timed}
+    tokens: dict[str, int] = {}
+    for _ in range(3):
+        for m, e in timed.items():
+            seconds, tokens[m] = _timed_sample(e, prompts)
+            times[m].append(seconds)
+    tps = {m: tokens[m] / statistics.median(times[m]) for m in times}
+    numbers |= {"default_tok_s": round(tps["eager"]), f"{graphed}_tok_s": round(tps[graphed]),
+                f"{graphed}_over_default": round(tps[graphed] / tps["eager"], 2)}
+    ok = (numbers["greedy_equal_uncaptured"] and numbers["sampled_equal_uncaptured"]
+          and max(diffs) < (1e-3 if cpu else 0.5))
+    if cpu:  # fp32, no capture: the static step must decode what the default one does
+        ok = ok and greedy["static"] == greedy["eager"]
+    return Result("native_cuda_graph", "pass" if ok else "FAIL", numbers,
+                  "" if ok else "captured decode step disagrees with the uncaptured one (or with the actor)")
 
 
 def check_logprob_memory(cpu: bool) -> Result:
@@ -466,7 +551,138 @@ def check_prefill_memory(cpu: bool) -> Result:
     return Result("prefill_memory", "info", numbers)
 
 
-UNIT_CHECKS: tuple[Callable[[bool], Result], ...] = (check_engine_vs_hf, check_prefill_memory, check_logprob_memory)
+def _ipc_child(conn) -> None:
+    """check_cuda_ipc's second process: rebuilds the views from the first hand-off, then on every request reports
+    each view's checksum, where it lies, and (GPU) what its own allocator holds (0: the memory is the sender's)."""
+    import torch
+    from rlrun.engines.vllm_handoff import unpack
+    named: list = []
+    conn.send("ready")
+    while (msg := conn.recv())[0] != "stop":
+        if msg[1] is not None:
+            named = unpack(msg[1])
+        cuda = named[0][1].is_cuda
+        allocated = torch.cuda.memory_allocated() if cuda else 0
+        sums = {n: float(t.double().sum()) for n, t in named}
+        conn.send((sums, {n: t.data_ptr() for n, t in named}, allocated))
+
+
+def check_cuda_ipc(cpu: bool) -> Result:
+    """The vLLM child host's weight hand-off (rlrun.engines.vllm_handoff, no vLLM needed): bucket views sent to a
+    spawned process once, each bucket's storage once (CUDA IPC handles on GPU, shared memory with --cpu); the
+    process reads them (checksums); the sender rewrites the buckets in place and the process re-reads them with
+    nothing sent again: zero-copy."""
+    import torch
+    import torch.multiprocessing as tmp
+    from rlrun.engines.vllm_handoff import pack
+    device = torch.device("cpu" if cpu else "cuda")
+    bucket = 2**16 if cpu else 64 * 2**20
+    buckets = [torch.empty(bucket, dtype=torch.uint8, device=device) for _ in range(3)]
+    named = []
+    for i, buf in enumerate(buckets):  # two parameters per bucket, 16-byte aligned like WeightSync's
+        rows = bucket // 4 // 64
+        named.append((f"b{i}.matrix", buf[:rows * 64 * 2].view(torch.bfloat16).view(rows, 64)))
+        named.append((f"b{i}.vector", buf[rows * 64 * 2:rows * 64 * 2 + 4 * 1024].view(torch.float32)))
+    named.append(("own", torch.empty(1000, device=device)))  # a parameter with a storage of its own (colocated)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for _, t in named:
+        t.copy_(torch.randn(t.shape, generator=gen, device=device))
+
+    def sums() -> dict:
+        if not cpu:
+            torch.cuda.synchronize()
+        return {n: float(t.double().sum()) for n, t in named}
+
+    ctx = tmp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_ipc_child, args=(child_conn,), daemon=True)
+    proc.start()
+    child_conn.close()
+
+    def ask(payload) -> tuple:
+        conn.send(("read", payload))
+        if not conn.poll(60):
+            raise TimeoutError("the receiving process did not answer within 60 s")
+        return conn.recv()
+
+    try:
+        if not conn.poll(120):
+            raise TimeoutError("the receiving process did not start within 120 s")
+        conn.recv()
+        handoff = pack(named)
+        start = time.perf_counter()
+        first, ptrs, allocated = ask(handoff)
+        first_s = time.perf_counter() - start
+        want_first = sums()
+        with torch.no_grad():  # a weight sync: written in place, nothing re-sent
+            for _, t in named:
+                t.mul_(-0.5).add_(1.0)
+        want_again = sums()
+        start = time.perf_counter()
+        again, ptrs_again, _ = ask(None)
+        reread_s = time.perf_counter() - start
+        conn.send(("stop", None))
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+    def close(a: dict, b: dict) -> bool:
+        return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(b[k])) for k in a)
+
+    changed = all(want_first[k] != want_again[k] for k in want_first)
+    ok = (close(first, want_first) and close(again, want_again) and changed and ptrs == ptrs_again
+          and len(handoff.storages) == len(buckets) + 1 and allocated == 0)
+    numbers = {"device": str(device), "views": len(named), "storages_sent": len(handoff.storages),
+               "bytes": sum(b.numel() for b in buckets) + 4000, "first_read_s": round(first_s, 3),
+               "reread_s": round(reread_s, 3), "receiver_allocated_bytes": allocated,
+               "transport": "shared memory (fd)" if cpu else "CUDA IPC"}
+    return Result("cuda_ipc", "pass" if ok else "FAIL", numbers,
+                  "" if ok else f"sums first {close(first, want_first)}, after in-place write {close(again, want_again)}, "
+                                f"same memory {ptrs == ptrs_again}, storages {len(handoff.storages)}")
+
+
+_STUCK_NCCL = """
+import sys, torch, torch.distributed as dist
+from datetime import timedelta
+from rlrun.launch.dist import init_distributed
+from rlrun.launch.env import DistEnv
+torch.cuda.set_device(0)
+init_distributed(DistEnv(0, 0, 1, 1, "127.0.0.1", 1, "single"), "nccl", 8.0, sys.argv[1])
+group = dist.new_group([0], timeout=timedelta(seconds=8), group_desc="actor")
+x = torch.ones(4, device="cuda")
+dist.all_reduce(x, group=group)
+torch.cuda.synchronize()
+torch.cuda._sleep(int(2e11))  # the stream stays busy far past the timeout: collective #2 cannot complete
+dist.all_reduce(x, group=group)
+torch.cuda.synchronize()
+print("NOT STOPPED")
+"""
+
+
+def check_nccl_timeout(cpu: bool) -> Result:
+    """An NCCL collective stuck past its group's timeout ends the rank with rlrun's one line naming the collective
+    and group (rlrun.launch.collective_watch), not NCCL's watchdog SIGABRT."""
+    if cpu:
+        return Result("nccl_timeout", "skip", note="GPU only (CPU: tests/launch/test_collective_watch.py over gloo)")
+    import tempfile
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as trace:
+        env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        done = subprocess.run([sys.executable, "-c", _STUCK_NCCL, trace], env=env, capture_output=True, text=True,
+                              timeout=120, check=False)
+        dumped = sorted(p.name for p in Path(trace).iterdir())
+    seconds = time.perf_counter() - start
+    out = done.stdout + done.stderr
+    line = next((x for x in out.splitlines() if "CollectiveTimeout" in x), "")
+    numbers = {"rc": done.returncode, "dumps": dumped, "stopped_after_s": round(seconds, 1)}
+    ok = done.returncode == 1 and "nccl:all_reduce #2 on group actor" in line
+    return Result("nccl_timeout", "pass" if ok else "FAIL", numbers, line[:300] if ok else out[-600:], seconds)
+
+
+UNIT_CHECKS: tuple[Callable[[bool], Result], ...] = (check_engine_vs_hf, check_prefill_memory, check_logprob_memory,
+                                                     check_nccl_timeout, check_cuda_ipc)
+UNIT_CHECKS += (check_native_cuda_graph,)
 
 
 def _guarded(name: str, fn: Callable[[], Result]) -> Result:

@@ -1,4 +1,5 @@
-"""The vLLM child engine on its own (lane venv): weight pushes, greedy parity with HF, log-probs."""
+"""The vLLM child engine on its own (lane venv): weight pushes (the shared-memory hand-off), greedy parity with HF,
+log-probs, per-request seeds (--vllm_seeded_requests) against one seed per call."""
 
 from __future__ import annotations
 
@@ -29,4 +30,9 @@ def test_child_engine_matches_hf_after_each_weight_sync():
     assert checks[0]["greedy_first"] != checks[1]["greedy_first"] != checks[2]["greedy_first"]
     stop = report["stop"]  # multi-turn: per-call cap and stop strings end a row at the completing token
     assert stop["found_in_row0"] and stop["max_len"] <= 10 and stop["rows_as_rule"] and stop["lengths_match"], stop
+    seeded = report["seeded"]
+    # --vllm_seeded_requests: a row alone or in a reversed batch samples the same; without: one seed per call,
+    # repeatable (the sampler is seeded for the call), and rows sampled alone come out otherwise
+    assert seeded["solo_equal"] and seeded["reversed_equal"] and seeded["unseeded_repeat_equal"], seeded
+    assert seeded["unseeded_solo_rows_equal"] < 8, seeded
     assert report["child_exitcode"] == 0  # stop() ends the child cleanly

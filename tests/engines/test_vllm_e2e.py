@@ -79,8 +79,10 @@ def test_tensor_parallel_engine_trains(tmp_path):
 
 def test_colocated_engines_train(tmp_path):
     # engine ranks == actor ranks: each rank owns a child engine, weights copied in place by WeightSync (this layout
-    # gets the in-process host by default: test_vllm_in_process.py)
-    code, out, metrics = run(DEMO + ["--max_steps", "3", "--vllm_engine_host", "child"], tmp_path)
+    # gets the in-process host by default: test_vllm_in_process.py); with per-request seeds (the other tests: one
+    # seed per generate call)
+    code, out, metrics = run(DEMO + ["--max_steps", "3", "--vllm_engine_host", "child", "--vllm_seeded_requests"],
+                             tmp_path)
     _check_trained(code, out, metrics, 3)
 
 

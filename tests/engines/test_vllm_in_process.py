@@ -148,7 +148,7 @@ def test_in_process_engine_matches_the_actor_after_each_training_step(tp):
             assert c["greedy_equal"], c  # engine greedy == actor (HF) greedy on the synced weights
             assert c["max_logprob_diff"] < 1e-4, c  # sampled-token log-probs == actor teacher forcing
             assert c["rows"] == 6 and c["lengths_match"], c  # each rank gets exactly its own rows back
-            assert c["repeat_same_samples"] and c["other_seed_differs"], c  # per-request seeds decide the samples
+            assert c["repeat_same_samples"] and c["other_seed_differs"], c  # the seeds decide the samples (one per call)
         assert checks[0]["greedy_first"] != checks[1]["greedy_first"] != checks[2]["greedy_first"]  # weights changed
         assert report["all_reduce_after_close"] == 2.0  # the trainer's default group survives the engine's close
     # the ranks asked different prompts and got different rows (with tensor parallel 2 both ran all 12)
@@ -179,14 +179,17 @@ def test_in_process_host_learns_and_samples_exactly_as_the_child_host(tmp_path):
     assert np.mean(rewards[-4:]) > np.mean(rewards[:3]) + 0.15, [round(r, 3) for r in rewards]  # it learns
     out, child = _train(steps + ["--vllm_engine_host", "child"], tmp_path / "child")
     assert out.count("vLLM engine child started") == 2 and "in-process vLLM" not in out, out[-3000:]
-    # same seed, same per-request seeds, same weights: the two hosts give the same run, step for step
+    # same seed, same weights, and the same seed per generate call (no --vllm_seeded_requests: the sampler is seeded
+    # once per call from the rows' seeds): the two hosts give the same run, step for step
     assert [m["reward"] for m in child] == rewards
 
 
 @needs_lane
 @pytest.mark.slow
 def test_in_process_tensor_parallel_2_with_colocate_all_models_trains(tmp_path):
-    out, metrics = _train(["--colocate_all_models", "--vllm_tensor_parallel_size", "2", "--max_steps", "3"], tmp_path)
+    # with per-request seeds: every peer submits the same seeded requests (without: test_in_process_engine_matches...)
+    out, metrics = _train(["--colocate_all_models", "--vllm_tensor_parallel_size", "2", "--max_steps", "3",
+                           "--vllm_seeded_requests"], tmp_path)
     assert out.count("in-process vLLM engine ready") == 2 and "tensor parallel 2)" in out, out[-3000:]
     assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["response_length"] > 0 for m in metrics)
     assert "Invalid process group" not in out

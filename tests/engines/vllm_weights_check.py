@@ -51,7 +51,7 @@ def tokens_per_s_vs_hf(engine, model, prompts: list[list[int]]) -> dict[str, flo
 
 def main() -> None:
     from rlrun.engines.base import SamplingSettings
-    from rlrun.engines.vllm_engine import VLLMEngine
+    from rlrun.engines.vllm_engine import VLLMEngine, request_seeds
     from rlrun.models.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
 
     torch.set_num_threads(1)
@@ -105,6 +105,22 @@ def main() -> None:
         "rows_as_rule": all(r == cut_at_stop(f[:10], stop, tok) for r, f in zip(cut.responses, full)),
         "lengths_match": all(len(r) == len(l) for r, l in zip(cut.responses, cut.log_probs)),
     }
+    # --vllm_seeded_requests: each row's sample depends on its own seed only (alone, or in a reversed batch, it comes
+    # out the same); without it, one seed per call: repeatable, but a row alone is sampled from other noise.
+    engine.sampling = SamplingSettings(1.0, 1.0, max_new, PAD_ID, EOS_ID)
+    seeds = request_seeds(21, len(prompts))
+    unseeded = engine.sample_seeded(prompts, seeds).responses
+    unseeded_again = engine.sample_seeded(prompts, seeds).responses
+    unseeded_solo = [engine.sample_seeded([p], [s]).responses[0] for p, s in zip(prompts, seeds)]
+    engine.seeded_requests = True
+    batched = engine.sample_seeded(prompts, seeds).responses
+    report["seeded"] = {
+        "solo_equal": [engine.sample_seeded([p], [s]).responses[0] for p, s in zip(prompts, seeds)] == batched,
+        "reversed_equal": engine.sample_seeded(prompts[::-1], seeds[::-1]).responses[::-1] == batched,
+        "unseeded_repeat_equal": unseeded_again == unseeded,
+        "unseeded_solo_rows_equal": sum(a == b for a, b in zip(unseeded_solo, unseeded)),
+    }
+    engine.seeded_requests = False
     # Throughput on the same model: vLLM child vs HF generate, 32 prompts x 32 new tokens, EOS ignored by neither.
     report.update(tokens_per_s_vs_hf(engine, model, [list(f"Say {i} letters:".encode()) for i in range(32)]))
     engine.close()

@@ -40,14 +40,35 @@ def test_tf32_is_set_on_a_gpu_only(monkeypatch) -> None:
 
 def test_nccl_runs_turn_the_flight_recorder_on_without_overriding_the_user(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(dist.dist, "init_process_group", lambda *args, **kwargs: None)
-    for name in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+    for name in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                 "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
         monkeypatch.setenv(name, "")  # recorded by monkeypatch, so what the code sets is undone after the test
         monkeypatch.delenv(name)
     single = DistEnv(0, 0, 1, 1, "127.0.0.1", 1, "single")
     dist.init_distributed(single, "gloo", 60.0, str(tmp_path / "gloo"))
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ and not (tmp_path / "gloo").exists()
-    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's own setting stays
+    dist.init_distributed(single, "nccl", 60.0, str(tmp_path / "first"))
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == str(dist.NCCL_TRACE_ENTRIES)  # torch 2.11's name
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE")
+    monkeypatch.delenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's own setting stays, under either name
     dist.init_distributed(single, "nccl", 60.0, str(tmp_path / "trace"))
-    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and "TORCH_FR_BUFFER_SIZE" not in os.environ
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "trace" / "nccl_trace_rank_")
     assert (tmp_path / "trace").is_dir()
+
+
+def test_cpu_offload_gets_gloo_beside_nccl_and_tensors_go_where_nccl_is() -> None:
+    """FSDP2 --adam_offload reduces its CPU gradients' norm over the role's group: an NCCL-only world refuses CPU
+    tensors, so the world gets gloo beside NCCL (only then); group tensors still live on the GPU where NCCL is."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    offload = parse_args(["--adam_offload"]).config.train
+    assert offload.reduces_on_cpu and not parse_args([]).config.train.reduces_on_cpu
+    assert not parse_args(["--adam_offload", "--strategy", "deepspeed"]).config.train.reduces_on_cpu  # its own comm
+    assert dist.resolve_backend("auto", cuda, cpu_collectives=True) == "cpu:gloo,cuda:nccl"
+    assert dist.resolve_backend("nccl", cuda, cpu_collectives=True) == "cpu:gloo,cuda:nccl"
+    assert dist.resolve_backend("auto", cuda) == "nccl" and dist.resolve_backend("auto", cpu, True) == "gloo"
+    assert dist.resolve_backend("gloo", cuda, cpu_collectives=True) == "gloo"
+    assert dist.collective_device("cpu:gloo,cuda:nccl", cuda) == cuda and dist.collective_device("nccl", cuda) == cuda
+    assert dist.collective_device("gloo", cuda) == cpu and dist.collective_device("gloo", cpu) == cpu

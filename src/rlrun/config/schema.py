@@ -93,6 +93,9 @@ class GenerationConfig:
                                          "MiB; a rank's rollouts are generated in batches whose cache fits it. Default: "
                                          "on GPU from the memory free when generation starts (less the activations), "
                                          "on CPU unbounded (one batch).")
+    native_cuda_graph: bool = opt(False, "--generation_backend native on GPU: capture each decode step as a CUDA graph "
+                                  "and replay it per token (fewer kernel launches; the step attends over the whole "
+                                  "cache capacity). No effect on CPU.")
     vllm_gpu_memory_utilization: float = opt(0.95, "vLLM gpu_memory_utilization (GPU: the fraction of the whole GPU one engine "
                                              "rank may use; lower it when the actor shares the GPU, e.g. 0.3-0.5).")
     vllm_kv_cache_memory_bytes: int | None = opt(None, "GPU: the KV cache size of each vLLM engine rank in bytes, instead of "
@@ -106,6 +109,11 @@ class GenerationConfig:
         "auto", "Where each vLLM engine runs. in_process: inside the rank (vLLM's external_launcher), only when the "
         "engine ranks are the whole world (colocate all, or 1 rank); child: a spawned child process per engine "
         "(any layout); auto: in_process when the layout allows it, else child.")
+    vllm_seeded_requests: bool = opt(False, "Give every vLLM request its own seed: a row's sample then does not depend "
+                                     "on the other rows of its generate call (batch size, order, host), but vLLM draws "
+                                     "seeded rows' noise one row at a time, which is slower on big batches. Off: requests "
+                                     "carry no seed and vLLM samples the whole batch at once, from one seed per call (a run "
+                                     "repeated on the same hardware samples alike; a row's sample depends on its batch).")
     weight_sync_bucket_mb: int = opt(256, "Size of each actor->engine weight-sync bucket (MiB).")
 
 
@@ -133,6 +141,11 @@ class OptimConfig:
         "(FSDP2, --zero_stage 0-3) or deepspeed (DeepSpeed ZeRO, --zero_stage 0-2 on any role group, 3 when every "
         "model spans all ranks; pip install 'rlrun[deepspeed]').")
     seed: int = opt(42, "Seed for data order, initialisation and sampling.")
+
+    @property
+    def reduces_on_cpu(self) -> bool:
+        """FSDP2 with --adam_offload keeps gradients on the CPU, so the gradient norm is reduced over CPU tensors."""
+        return self.adam_offload and self.strategy == "fsdp"
 
 
 @dataclass

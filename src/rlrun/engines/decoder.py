@@ -9,8 +9,10 @@ it can:
 - inside each head the query/key features are stored pair-interleaved (feature j next to feature j + D/2), so
   HF's rotate-half rotary embedding becomes one complex multiply; queries and keys are permuted alike, so every
   attention score is the same dot product (summed in another order);
-- one decode step's attention is a baddbmm + softmax + bmm over the cache, with the padding mask built once per
-  step for all layers.
+- one decode step's attention is a baddbmm + softmax + bmm over the cache (scores and softmax in fp32, as the
+  fused attention kernels compute them), with the padding mask built once per step for all layers;
+- a decode step can also run with static shapes (`decode(..., slot=)`: the cache written at a position given as a
+  tensor, attention over the whole capacity under the mask), the step a CUDA graph captures (rlrun.engines.native).
 The HF model stays the source of truth: nothing here is trained or saved.
 
 Shapes: B rows, W prompt width (left-padded), S new positions, T cached positions (after the new ones), C cache
@@ -58,6 +60,20 @@ def _interleave(head_dim: int) -> torch.Tensor:
     return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
 
 
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One decode step's attention per (row, key/value head) N: q [N, G, D], keys and values [N, T, D] in the model's
+    dtype, bias [N, 1, T] fp32 (0 or -inf) -> [N, G, D] in the model's dtype.
+
+    Scores and softmax in fp32 whatever the model's dtype, as the fused kernels behind the actor's forward (SDPA,
+    flash-attn) keep them: a bf16 score keeps 8 significant bits (steps of 1/16 at magnitudes 8-16), which would
+    move each attention probability by up to ~3%, and the log-probs the engine reports with them. (HF's eager
+    attention rounds the scores to bf16 as the matmul's output; SDPA and flash-attn do not.) The probabilities are
+    then cast to the model's dtype for the value product, summed in fp32 by the matmul, as flash-attn does."""
+    scores = torch.baddbmm(bias, q.float(), keys.float().transpose(1, 2), alpha=scale)
+    return torch.bmm(torch.softmax(scores, dim=-1).to(q.dtype), values)
+
+
 @dataclass
 class _Layer:
     """One decoder block: the HF modules (weight sync may re-point their parameters' storage, never the objects)
@@ -77,9 +93,10 @@ class KVCache:
     dropped (`keep`)."""
 
     def __init__(self, layers: int, rows: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.keys = [torch.empty(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.empty_like(k) for k in self.keys]
+                 device: torch.device, zeroed: bool = False) -> None:
+        new = torch.zeros if zeroed else torch.empty
+        self.keys = [new(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros_like(k) if zeroed else torch.empty_like(k) for k in self.keys]
         self.length = 0
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -145,8 +162,10 @@ class Decoder:
                 if mine is not None:
                     mine.copy_(getattr(fresh, name))
 
-    def new_cache(self, rows: int, capacity: int) -> KVCache:
-        return KVCache(len(self.layers), rows, self.kv_heads, capacity, self.head_dim, self.dtype, self.device)
+    def new_cache(self, rows: int, capacity: int, zeroed: bool = False) -> KVCache:
+        """zeroed: positions not written yet hold zeros, not whatever the memory held (a NaN there would survive the
+        mask: NaN * 0); needed by decode(slot=), which reads the whole capacity."""
+        return KVCache(len(self.layers), rows, self.kv_heads, capacity, self.head_dim, self.dtype, self.device, zeroed)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, valid: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -170,23 +189,25 @@ class Decoder:
         return self._logits(hidden[:, -1])
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: KVCache,
+               slot: torch.Tensor | None = None) -> torch.Tensor:
         """One new token per row: tokens [B], positions [B], valid [B, T] (the cached positions and this one);
-        appends to the cache, returns logits [B, V] (fp32)."""
+        appends to the cache, returns logits [B, V] (fp32).
+        slot ([1] long): static shapes instead, for a CUDA graph: this step's keys/values go to cache position
+        `slot` (read on the device, not the host), valid is [B, C] (the whole capacity; False on positions not
+        written yet, which a zeroed cache holds as zeros) and attention runs over all C positions; cache.length
+        is left alone."""
         rows, T = valid.shape
-        K, G, D = self.kv_heads, self.heads // self.kv_heads, self.head_dim
-        # [B K, 1, T]: 0 where a row may attend, -inf on its padding; shared by every layer of this step.
-        bias = torch.zeros(rows, T, dtype=self.dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
-        bias = bias.repeat_interleave(K, dim=0)[:, None]
+        K = self.kv_heads
+        # [B K, 1, T] fp32: 0 where a row may attend, -inf on its padding; shared by every layer of this step.
+        bias = torch.zeros(rows, T, dtype=torch.float32, device=valid.device).masked_fill_(~valid, float("-inf"))
+        bias = bias[:, None, None].expand(rows, K, 1, T).reshape(rows * K, 1, T)
 
         def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-            scores = torch.baddbmm(bias, q.reshape(rows * K, G, D), keys.reshape(rows * K, T, D).transpose(1, 2),
-                                   alpha=self.scale)
-            out = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype),
-                            values.reshape(rows * K, T, D))
-            return out.view(rows, 1, -1)
+            return decode_attention(q.reshape(rows * K, -1, self.head_dim), keys.reshape(rows * K, T, -1),
+                                    values.reshape(rows * K, T, -1), bias, self.scale).view(rows, 1, -1)
 
-        hidden = self._blocks(self.body.embed_tokens(tokens[:, None]), positions[:, None], cache, attend)
+        hidden = self._blocks(self.body.embed_tokens(tokens[:, None]), positions[:, None], cache, attend, slot)
         return self._logits(hidden[:, 0])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -200,9 +221,11 @@ class Decoder:
         half = self.head_dim // 2
         return torch.complex(cos[..., :half].float(), sin[..., :half].float())[:, :, None]
 
-    def _blocks(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, attend) -> torch.Tensor:
-        """x [B, S, E] at positions [B, S] (S new positions after cache.length); `attend(q [B, S, H, D], keys
-        [B, K, T, D], values [B, K, T, D]) -> [B, S, H D]`."""
+    def _blocks(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, attend,
+                slot: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, E] at positions [B, S] (S new positions after cache.length; with `slot`, S = 1 at cache
+        position slot, attending over the whole capacity: see decode); `attend(q [B, S, H, D], keys [B, K, T, D],
+        values [B, K, T, D]) -> [B, S, H D]`."""
         rows, new = x.shape[:2]
         H, K, D = self.heads, self.kv_heads, self.head_dim
         rotation = self._rotary(x, positions)
@@ -218,14 +241,22 @@ class Decoder:
             qk = qk.float() if qk.dtype != torch.float32 else qk
             qk = torch.view_as_real(torch.view_as_complex(qk.unflatten(-1, (D // 2, 2))) * rotation).flatten(-2)
             qk = qk.to(x.dtype)
-            cache.keys[i][:, :, start:end] = qk[:, :, H:].transpose(1, 2)
-            cache.values[i][:, :, start:end] = qkv[..., (H + K) * D:].view(rows, new, K, D).transpose(1, 2)
-            out = attend(qk[:, :, :H], cache.keys[i][:, :, :end], cache.values[i][:, :, :end])
+            new_keys = qk[:, :, H:].transpose(1, 2)
+            new_values = qkv[..., (H + K) * D:].view(rows, new, K, D).transpose(1, 2)
+            if slot is None:
+                cache.keys[i][:, :, start:end] = new_keys
+                cache.values[i][:, :, start:end] = new_values
+                keys, values = cache.keys[i][:, :, :end], cache.values[i][:, :, :end]
+            else:
+                keys = cache.keys[i].index_copy_(2, slot, new_keys)
+                values = cache.values[i].index_copy_(2, slot, new_values)
+            out = attend(qk[:, :, :H], keys, values)
             o_proj = block.self_attn.o_proj
             x = x + F.linear(out, o_proj.weight, o_proj.bias)
             h = _rms_norm(x, block.post_attention_layernorm.weight, self.eps)
             gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).split([self.intermediate, self.intermediate], dim=-1)
             down = block.mlp.down_proj
             x = x + F.linear(F.silu(gate) * up, down.weight, down.bias)
-        cache.length = end
+        if slot is None:
+            cache.length = end
         return x

@@ -100,7 +100,7 @@ class InProcessEngine(VLLMEngineBase):
                  device: torch.device, *, layout: Layout, world_size: int, rank: int, exchange: PeerExchange,
                  seed: int, max_model_len: int, tensor_parallel_size: int = 1, enforce_eager: bool = False,
                  gpu_memory_utilization: float = 0.9, enable_sleep: bool = False,
-                 kv_cache_memory_bytes: int | None = None) -> None:
+                 kv_cache_memory_bytes: int | None = None, seeded_requests: bool = False) -> None:
         # A subset of the world would hang inside vLLM with no error: refuse it here too, not only in planning.
         problem = whole_world_problem(layout, tensor_parallel_size)
         if problem is None and world_size != layout.world_size:
@@ -108,11 +108,11 @@ class InProcessEngine(VLLMEngineBase):
         if problem is not None:
             raise ConfigError(f"the in-process vLLM engine (--vllm_engine_host in_process) cannot run here: {problem}; "
                               "use --vllm_engine_host child")
-        super().__init__(model, tokenizer, sampling, device, rank)
+        super().__init__(model, tokenizer, sampling, device, rank, seeded_requests)
         self.exchange = exchange
         self.tensor_parallel_size = tensor_parallel_size
-        # Every rank of a tensor-parallel group must build the same engine, seed included (per-request seeds
-        # decide the samples anyway).
+        # Every rank of a tensor-parallel group must build the same engine, seed included (each call reseeds it
+        # from the rows' seeds, or each request carries its own with --vllm_seeded_requests).
         self.spec = EngineSpec(model_dir=self.model_dir, dtype=self.dtype_name, seed=seed,
                                max_model_len=max_model_len, device=device.type, enforce_eager=enforce_eager,
                                gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,

@@ -8,6 +8,16 @@ samples (a generator of its own, seeded per call; the global RNG is untouched).
 Memory: the KV cache of a call's rows must fit a budget (`kv_cache_bytes`; by default on GPU what the memory free at
 the call allows, on CPU unbounded). When it cannot hold every row at once, the rows are decoded in batches, one after
 another, longest prompts first; the results come back in the prompts' order.
+
+CUDA graphs (`cuda_graph`, --native_cuda_graph): on a GPU each decode step can be captured once as a CUDA graph and
+replayed per token, instead of launching its few hundred kernels one by one from Python (at small models and
+batches a step is bound by those launches, not by the GPU). A graph needs static shapes, so that step attends over
+the whole cache capacity (prompt width + new tokens) under the mask rather than over the positions filled so far,
+writes its keys/values at a position held in a device tensor, and runs on a zeroed cache; dropping finished rows
+changes the batch, so it happens less often (GRAPH_COMPACT_FRACTION) and the step is captured again after it.
+Sampling stays outside the graph. The captured step gives the same logits, bit for bit, as that static step run
+without capture (what `step_mode = "static"` runs, on any device); against the default step (attention over the
+filled positions) its sums run over more (masked, zero) terms, so its logits may differ in the last bits.
 """
 
 from __future__ import annotations
@@ -23,9 +33,13 @@ from rlrun.engines.decoder import Decoder, KVCache
 from rlrun.engines.sampling import sample
 from rlrun.engines.stops import cut_at_stop
 from rlrun.runtime.errors import ConfigError
+from rlrun.runtime.log import get_logger
 
 # Finished rows stay in the batch until they are at least this fraction of it: dropping them copies the cache.
 COMPACT_FRACTION = 0.125
+# With a captured decode step dropping finished rows also means capturing the step again (a warm-up step and a
+# capture, a few steps' time): only once at least half the rows finished, so at most log2(rows) captures a batch.
+GRAPH_COMPACT_FRACTION = 0.5
 # Steps between host reads of which rows finished (measured on an H200: reading every step cost 3 host syncs per
 # token; with stop strings the host decodes text every step anyway).
 SYNC_EVERY = 8
@@ -49,15 +63,32 @@ class NativeEngine(TorchEngine):
     """Sampling with rlrun's decoder: left-padded prompts, stop at EOS (and at stop strings when given)."""
 
     def __init__(self, model: nn.Module, sampling: SamplingSettings, device: torch.device,
-                 tokenizer: PreTrainedTokenizerBase | None = None, *, kv_cache_bytes: int | None = None) -> None:
+                 tokenizer: PreTrainedTokenizerBase | None = None, *, kv_cache_bytes: int | None = None,
+                 cuda_graph: bool = False) -> None:
         """kv_cache_bytes: the KV cache budget of one call (--native_kv_cache_mb); None: on GPU derived at each call
-        from the memory free then (GPU_FREE_FRACTION of it, less each row's activations), on CPU unbounded."""
+        from the memory free then (GPU_FREE_FRACTION of it, less each row's activations), on CPU unbounded.
+        cuda_graph: replay each decode step as a captured CUDA graph (--native_cuda_graph); on a device other than
+        CUDA it says so once and decodes as without it."""
         super().__init__(model, sampling, device, tokenizer)
         if kv_cache_bytes is not None and kv_cache_bytes <= 0:
             raise ConfigError(f"NativeEngine: the KV cache budget must be > 0 bytes, got {kv_cache_bytes}")
         self.decoder = Decoder(self.model)
         self.kv_cache_bytes = kv_cache_bytes
+        # "eager": the default step (attention over the filled positions); "graph": the static-shape step captured
+        # as a CUDA graph; "static": that same static step run without capture (the graph's reference; any device)
+        self.step_mode = "eager"
+        # HF's dynamic and longrope rotary embeddings read the positions on the host each forward: no capture
+        rope = str(getattr(self.decoder.body.rotary_emb, "rope_type", "default"))
+        blocker = (f"CUDA graphs need a CUDA device, not {self.device.type}" if self.device.type != "cuda" else
+                   f"rope type {rope!r} reads positions on the host" if "dynamic" in rope or "longrope" in rope
+                   else None)
+        if cuda_graph and blocker is None:
+            self.step_mode = "graph"
+        elif cuda_graph:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            get_logger(rank).info_once(f"--native_cuda_graph: {blocker}; the native engine decodes without a graph")
         self.last_batches = 0  # batches the last sample() call decoded one after another (tests, metrics)
+        self.last_steps_built = 0  # static/graph mode: decode steps the last call built (captured), one per batch+drop
 
     def load_weights(self) -> None:
         """Weight sync wrote into `model`: re-read the decoder's fused projections from it."""
@@ -74,7 +105,7 @@ class NativeEngine(TorchEngine):
         new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
         responses: list[list[int]] = [[] for _ in prompts]
         lps: list[list[float]] = [[] for _ in prompts]
-        self.last_batches = 0
+        self.last_batches = self.last_steps_built = 0
         if not prompts or new <= 0:
             return Generation(responses, lps)
         batches = self._batches(prompts, new)
@@ -99,7 +130,8 @@ class NativeEngine(TorchEngine):
 
     def peak_row_bytes(self, width: int, new: int) -> int:
         """Estimated peak device bytes of one such row: its KV cache plus the larger of the prefill's activations and
-        a decode step's (logits, sampling, attention scores, and the copy that dropping finished rows makes).
+        a decode step's (logits, sampling, one layer's fp32 attention scores and probabilities, their cast and the
+        fp32 copy of its keys, and the copy that dropping finished rows makes).
         Prefill, per position: the residual, norm output and block output (3E), the MLP's gate/up and its two
         products (4I), the fused q/k/v and rotated q/k still referenced during the MLP (2 (H + 2K) D), the
         attention's output and its reshaped copy (2 H D), in the model's dtype; the fp32 rotary products (8 (H + K) D
@@ -112,7 +144,7 @@ class NativeEngine(TorchEngine):
         kv = self.kv_row_bytes(width, new)
         position = (size * (3 * hidden + 4 * d.intermediate + 2 * (H + 2 * K) * D + 2 * H * D) + 8 * (H + K) * D
                     + 3 * width)
-        step = 4 * _LOGIT_COPIES * vocab + (2 * size + 4) * H * (width + new)
+        step = 4 * _LOGIT_COPIES * vocab + ((8 + size) * H + 4 * K * D) * (width + new)
         return max(kv + width * position, int((1 + _KEEP_EXTRA) * kv) + step)
 
     def _batches(self, prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -174,7 +206,8 @@ class NativeEngine(TorchEngine):
             ids[i, width - len(p):] = torch.tensor(p)
             valid[i, width - len(p):width] = True
         ids, valid = ids.to(dev), valid.to(dev)
-        cache: KVCache = self.decoder.new_cache(rows, width + new)
+        static = self.step_mode != "eager"
+        cache: KVCache = self.decoder.new_cache(rows, width + new, zeroed=static)
         logits = self.decoder.prefill(ids, valid[:, :width], cache)
         positions = torch.tensor([len(p) for p in prompts], device=dev)
         out = torch.full((rows, new), s.pad_id, dtype=torch.long, device=dev)
@@ -184,6 +217,8 @@ class NativeEngine(TorchEngine):
         active = torch.arange(rows, device=dev)  # the original row of each batch row
         done = torch.zeros(rows, dtype=torch.bool, device=dev)  # finished, not yet dropped
         stop_bytes = max((len(x.encode()) for x in stop), default=0) + _STOP_TAIL_SLACK
+        step: _StaticStep | None = None  # static mode: the step over this cache and these rows (None: build it)
+        compact = GRAPH_COMPACT_FRACTION if static else COMPACT_FRACTION
         for t in range(new):
             token, lp = sample(logits, s.temperature, s.top_p, generator)
             out[active, t], out_lp[active, t] = token, lp
@@ -200,13 +235,20 @@ class NativeEngine(TorchEngine):
                 running = int((~done).sum())
                 if running == 0:
                     break
-                if len(active) - running >= max(1, int(COMPACT_FRACTION * len(active))):
+                if len(active) - running >= max(1, int(compact * len(active))):
                     keep = (~done).nonzero()[:, 0]
                     active, token, positions, valid = active[keep], token[keep], positions[keep], valid[keep]
                     done = done[keep]
                     cache.keep(keep)
+                    step = None  # new cache and mask tensors: a captured step would read the old ones
             valid[:, width + t] = True
-            logits = self.decoder.decode(token, positions, valid[:, :width + t + 1], cache)
+            if not static:
+                logits = self.decoder.decode(token, positions, valid[:, :width + t + 1], cache)
+            else:
+                if step is None:
+                    step = _StaticStep(self.decoder, cache, valid, capture=self.step_mode == "graph")
+                    self.last_steps_built += 1
+                logits = step(token, positions, width + t)
             positions = positions + 1
         return out.cpu(), out_lp.cpu(), lengths.cpu()
 
@@ -218,3 +260,43 @@ class NativeEngine(TorchEngine):
         hits = [running[i] and any(x in self.tokenizer.decode(row, skip_special_tokens=False) for x in stop)  # type: ignore[union-attr]
                 for i, row in enumerate(tail)]
         return torch.tensor(hits, dtype=torch.bool, device=out.device)
+
+
+class _StaticStep:
+    """One decode step of fixed shapes over a zeroed cache and its [B, C] mask `valid` (both the caller's, updated
+    in place between steps): the token and position of each row and the cache position to write are copied into
+    buffers of its own, so the step reads the same addresses every time. capture: the first call captures it as a
+    CUDA graph (after a warm-up run of the same step: its writes are the ones the replay repeats), every call
+    replays it; else every call runs it eagerly (the same kernels: the graph's reference)."""
+
+    def __init__(self, decoder: Decoder, cache: KVCache, valid: torch.Tensor, *, capture: bool) -> None:
+        rows, device = valid.shape[0], valid.device
+        self.decoder, self.cache, self.valid, self.capture = decoder, cache, valid, capture
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None  # the graph's output buffer, rewritten by each replay
+
+    def _run(self) -> torch.Tensor:
+        return self.decoder.decode(self.tokens, self.positions, self.valid, self.cache, slot=self.slot)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
+        """logits [B, V] of the step that writes cache position `slot` (valid[:, slot] must already be True)."""
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.slot.fill_(slot)
+        if not self.capture:
+            return self._run()
+        if self.graph is None:
+            device = self.valid.device
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                self._run()  # warm-up outside capture (lazy cuBLAS state): writes what the replay writes again
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # other threads may use CUDA
+                self.logits = self._run()
+        self.graph.replay()
+        return self.logits  # type: ignore[return-value]

@@ -7,9 +7,11 @@ cheap; `vllm` itself is imported (~11 s on CPU) only when an engine is built, in
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import re
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -66,7 +68,7 @@ class EngineSpec:
     cpu_kv_cache_gib: int = 1
     cuda_visible_devices: str | None = None  # the GPUs the child may see (device "cuda"): one per TP worker
     tensor_parallel_size: int = 1  # > 1: vLLM's own "mp" workers in the child, weights through weights_dir
-    weights_dir: str | None = None  # child host, tensor parallel > 1: where pushed weights are written for the workers
+    weights_dir: str | None = None  # child host, tensor parallel > 1: where the engine rank writes pushed weights
     # In-process host: vLLM's external_launcher, one worker in this rank, its groups built over the whole
     # torch.distributed world (which the caller has checked is exactly the engine ranks, see engines/hosting.py).
     external_launcher: bool = False
@@ -82,6 +84,41 @@ class Sampling:
     max_new_tokens: int
     eos_id: int
     stop: tuple[str, ...] = ()  # strings that end a response (kept in it); needs detokenising
+    # --vllm_seeded_requests: every request carries its own seed, so a row's sample does not depend on the batch
+    # around it; vLLM then draws each seeded row's noise one row at a time (slower on big batches). Off: requests
+    # carry no seed, the sampler draws the whole batch at once, after being seeded once per call (batch_seed).
+    seeded: bool = False
+
+
+def request_kwargs(sampling: Sampling, seeds: list[int]) -> list[dict[str, object]]:
+    """The keyword arguments of each request's vLLM SamplingParams (one per row of seeds; a seed only when
+    sampling.seeded)."""
+    out = []
+    for seed in seeds:
+        kwargs: dict[str, object] = dict(
+            temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens, logprobs=0,
+            stop_token_ids=[sampling.eos_id], stop=list(sampling.stop) or None, include_stop_str_in_output=True,
+            detokenize=bool(sampling.stop))
+        if sampling.seeded:
+            kwargs["seed"] = seed
+        out.append(kwargs)
+    return out
+
+
+def batch_seed(seeds: list[int]) -> int:
+    """Without per-request seeds: the one seed of a generate call, from its rows' seeds. The sampler's RNG is seeded
+    with it before the call, so a call's samples are a function of its rows, their seeds and the weights (the same
+    across hosts and repeats, and not of the calls before it), and every tensor-parallel peer draws the same noise."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(seeds)}q", *seeds), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class SeedWorkerExtension:
+    """Mixed into vLLM's worker processes (tensor parallel > 1 in the child: LLM(worker_extension_cls=...)), so that
+    collective_rpc can reach them by a method name (vLLM's engine core refuses to serialize a function)."""
+
+    def rlrun_seed_sampler(self, seed: int) -> None:
+        torch.manual_seed(seed)  # the generators vLLM's sampler draws unseeded rows from
 
 
 def set_process_env(spec: EngineSpec) -> None:
@@ -125,6 +162,7 @@ class VLLMAdapter:
         elif spec.tensor_parallel_size > 1:
             assert spec.weights_dir is not None, "tensor parallel > 1 reads pushed weights from weights_dir"
             kwargs["distributed_executor_backend"] = "mp"
+            kwargs["worker_extension_cls"] = f"{__name__}.{SeedWorkerExtension.__qualname__}"
         self.llm = LLM(
             model=spec.model_dir,
             dtype=spec.dtype,
@@ -148,17 +186,17 @@ class VLLMAdapter:
                  ) -> tuple[list[list[int]], list[list[float]]]:
         """Prompt ids [b][p_i] -> (response ids [b][r_i], sampled-token logprobs [b][r_i]); EOS kept.
 
-        Each request carries its own seed, so a row's sample does not depend on the batch around it."""
+        sampling.seeded: each request carries its own seed, so a row's sample does not depend on the batch around
+        it. Otherwise the sampler's RNG is seeded once for the call (batch_seed) and the batch is sampled at once.
+        The in-process host runs this inside in_process.kept_host_rng, which restores the trainer's RNG after."""
         if self.asleep:
             self.wake(("weights", "kv_cache"))
         from vllm import SamplingParams  # noqa: PLC0415
         from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
-        params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                 max_tokens=sampling.max_new_tokens, seed=seed, logprobs=0,
-                                 stop_token_ids=[sampling.eos_id], stop=list(sampling.stop) or None,
-                                 include_stop_str_in_output=True, detokenize=bool(sampling.stop))
-                  for seed in seeds]
+        params = [SamplingParams(**kwargs) for kwargs in request_kwargs(sampling, seeds)]  # type: ignore[arg-type]
+        if not sampling.seeded:
+            self.seed_sampler(batch_seed(seeds))
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         tokens, logprobs = [], []
         for out in outputs:
@@ -169,21 +207,31 @@ class VLLMAdapter:
             logprobs.append([float(step[tok].logprob) for tok, step in zip(ids, per_token)])
         return tokens, logprobs
 
-    def reload_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def seed_sampler(self, seed: int) -> None:
+        """Seed the RNG vLLM's sampler draws unseeded rows from (torch's default generators) in every worker."""
+        if self.reloads_from_memory:  # the worker runs in this process
+            torch.manual_seed(seed)
+        else:
+            self.llm.collective_rpc("rlrun_seed_sampler", args=(seed,))
+
+    def reload_weights(self, named: Iterable[tuple[str, torch.Tensor]] | None) -> None:
         """Load HF-named full tensors through vLLM's layerwise reload (model.load_weights alone fails on
         CPU and skips the post-load processing quantized models need), then drop cached prefixes.
 
         Tensor parallel > 1: the workers are other processes, and tensors do not cross vLLM's RPC (measured:
-        `'list' object has no attribute 'dtype'`), so the weights are written once as safetensors into
-        weights_dir (a /dev/shm directory: memory, not disk) and every worker reads and shards them."""
+        `'list' object has no attribute 'dtype'`), so the weights go through a safetensors file in weights_dir
+        (a /dev/shm directory: memory, not disk) that every worker reads and shards: written here from `named`,
+        or, with named None, already written by the caller (the child host's engine rank writes it)."""
         asleep = self.asleep
         if asleep:  # weights first: the push writes into them; the KV cache only after, when the push's memory is free
             self.wake(("weights",))
         if self.reloads_from_memory:
+            assert named is not None, "tensor parallel 1 reloads from tensors in memory"
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named)})
         else:
             assert self.spec.weights_dir is not None
-            write_weights(named, self.spec.weights_dir)
+            if named is not None:
+                write_weights(named, self.spec.weights_dir)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.spec.weights_dir})
         self.llm.reset_prefix_cache()
         if asleep:
@@ -250,11 +298,19 @@ class VLLMAdapter:
 
 
 def write_weights(named: Iterable[tuple[str, torch.Tensor]], directory: str) -> None:
-    """HF-named tensors as `directory`/model.safetensors (replaced atomically), the file vLLM's workers read."""
+    """HF-named tensors as `directory`/model.safetensors, the file vLLM's workers read (only between pushes, so
+    the previous file is removed first rather than replaced atomically: /dev/shm never holds two). Bucket views
+    are written as they are, not copied first (tensor_files.unshared); tensors on a GPU pass through host memory.
+    SharedMemoryError, before writing, when the directory's filesystem cannot hold the file."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
     from rlrun.data.tensor_files import unshared  # noqa: PLC0415
+    from rlrun.engines.vllm_handoff import check_shm, file_bytes  # noqa: PLC0415
 
-    tmp = os.path.join(directory, ".model.safetensors.tmp")
-    save_file(unshared(named), tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(directory, "model.safetensors"))
+    tensors = unshared(named)
+    path = os.path.join(directory, "model.safetensors")
+    if os.path.exists(path):
+        os.unlink(path)
+    check_shm(file_bytes(tensors.values()), "the vLLM engine's weights file (its tensor-parallel workers read every "
+                                            "weight push from it)", directory)
+    save_file(tensors, path, metadata={"format": "pt"})

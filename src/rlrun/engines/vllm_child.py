@@ -4,12 +4,14 @@ Why a child: vLLM's in-process `external_launcher` builds its groups over the wh
 world and hangs when only some ranks build an engine. A child has its own private vLLM world (the
 torchrun variables are removed from its environment), so any rank can own one.
 
-Protocol (parent -> child, one reply each): ("start", EngineSpec) -> ready; ("weights", tensors|None)
+Protocol (parent -> child, one reply each): ("start", EngineSpec) -> ready; ("weights", Handoff|None)
 -> ack; ("generate", prompts, seeds, Sampling) -> (tokens, logprobs); ("sleep",) -> ack (GPU
 --vllm_enable_sleep); ("stop",) -> bye. Replies are
-("ok", payload) or ("error", "Type: message"). Weights travel as shared-memory tensors (sent once;
-later syncs send None and the child re-reads the same memory), so the parent must not write them
-between sending "weights" and the ack.
+("ok", payload) or ("error", "Type: message"). Tensor parallel 1: weights travel as a vllm_handoff.Handoff
+(shared memory on CPU, CUDA IPC handles on a GPU, each bucket once), sent when their memory changed; later
+syncs send None and the child re-reads the same memory, so the parent must not write it between sending
+"weights" and the ack (the child waits for its GPU reads before acking). Tensor parallel > 1: always None; the
+parent wrote the weights file the workers read.
 
 Every read on the parent side has a deadline and checks that the child is alive, so a child that
 dies, hangs or fails to start becomes one EngineChildError line, never a hang. The child dies with
@@ -32,6 +34,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from rlrun.engines.vllm_adapter import EngineSpec
+from rlrun.engines.vllm_handoff import unpack
 from rlrun.runtime.errors import RlrunError
 
 # torchrun / elastic variables: a child that sees them would think it is a rank of the trainer's world.
@@ -104,8 +107,11 @@ def child_main(conn: Connection, parent_pid: int, log_path: str) -> None:
             elif kind == "weights":
                 assert adapter is not None
                 if msg[1] is not None:
-                    weights = msg[1]
-                adapter.reload_weights(weights)
+                    weights = unpack(msg[1])
+                adapter.reload_weights(weights if adapter.reloads_from_memory else None)
+                if weights and weights[0][1].is_cuda:  # the copies out of the parent's memory are done before it
+                    torch.cuda.synchronize()  # may write it again (vLLM's device, then the weights' if another)
+                    torch.cuda.synchronize(weights[0][1].device)
                 conn.send(("ok", None))
             elif kind == "generate":
                 assert adapter is not None

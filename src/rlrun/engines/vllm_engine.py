@@ -3,9 +3,11 @@ child runs vLLM's T workers; see tensor_parallel.py for how an engine's T ranks 
 
 The engine rank keeps an HF copy of the policy, `model`, as the weight receiver: WeightSync writes the
 actor's weights into its parameters (bucket views when disaggregated, in-place copies when colocated).
-Those parameters are moved into shared memory once; the child maps the same memory, so a sync costs
-no copy on the parent side and one vLLM `reload_weights` in the child. Weights are pushed before a
-generate whenever they may have changed (every call: the loop syncs once per step).
+Tensor parallel 1: the child is handed that memory once (vllm_handoff.py: shared memory on CPU, CUDA IPC handles
+on a GPU, each bucket once) and re-reads it on every later sync, so a sync costs no copy on the parent side and
+one vLLM `reload_weights` in the child. Tensor parallel > 1: vLLM's workers are processes of the child, which
+take weights only from a file, so the parent writes one safetensors file to /dev/shm per sync (no copy of the
+buckets first) and the workers read it. Free space on /dev/shm is checked before anything is put there.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from rlrun.engines.base import Generation, SamplingSettings
 from rlrun.engines.stops import cut_at_stop
 from rlrun.engines.vllm_adapter import EngineSpec, Sampling, check_version, sleeps, write_weights
 from rlrun.engines.vllm_child import EngineChild
+from rlrun.engines.vllm_handoff import SHM_DIR, check_shm, file_bytes, memory_key, pack, tensor_bytes, unshared_bytes
 from rlrun.runtime.log import get_logger
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -50,7 +53,8 @@ def write_model_dir(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: 
 
 
 def request_seeds(seed: int, count: int) -> list[int]:
-    """One vLLM seed per request, a pure function of (seed, row): samples do not depend on batching."""
+    """One seed per row, a pure function of (seed, row). With --vllm_seeded_requests each request carries its own
+    (samples do not depend on batching); without, the adapter seeds the whole call from them (vllm_adapter.batch_seed)."""
     rng = random.Random(seed)
     return [rng.getrandbits(31) for _ in range(count)]
 
@@ -58,11 +62,12 @@ def request_seeds(seed: int, count: int) -> list[int]:
 class VLLMEngineBase:
     """What both vLLM hosts share: the HF copy of the policy that WeightSync writes into, the config-and-tokenizer
     directory vLLM starts from, per-row seeds from one seed, and the stop-string cut. Hosts implement
-    sample_seeded(), load_weights() and close()."""
+    sample_seeded(), load_weights() and close(). seeded_requests (--vllm_seeded_requests) is read on every call."""
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
-                 device: torch.device, rank: int) -> None:
+                 device: torch.device, rank: int, seeded_requests: bool = False) -> None:
         check_version()
+        self.seeded_requests = seeded_requests
         self.model = model.eval()
         self.model.requires_grad_(False)
         self.sampling = sampling
@@ -80,7 +85,8 @@ class VLLMEngineBase:
     def sampling_for(self, stop: tuple[str, ...], max_new_tokens: int | None) -> Sampling:
         s = self.sampling
         return Sampling(temperature=s.temperature, top_p=s.top_p, eos_id=s.eos_id, stop=stop,
-                        max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens)
+                        max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                        seeded=self.seeded_requests)
 
     def finish(self, tokens: list[list[int]], logprobs: list[list[float]], stop: tuple[str, ...]) -> Generation:
         if stop:  # vLLM stops at the token completing a stop string too; this only makes the rule explicit
@@ -115,14 +121,25 @@ class VLLMEngine(VLLMEngineBase):
                  device: torch.device, *, seed: int, max_model_len: int, timeout_s: float,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, rank: int = 0,
                  tensor_parallel_size: int = 1, enable_sleep: bool = False,
-                 kv_cache_memory_bytes: int | None = None) -> None:
-        super().__init__(model, tokenizer, sampling, device, rank)
+                 kv_cache_memory_bytes: int | None = None, seeded_requests: bool = False) -> None:
+        check_version()
+        shm = SHM_DIR if os.path.isdir(SHM_DIR) else None
+        params = [p.data for p in model.parameters()]
+        # Before anything is written or the child is spawned: what the hand-off will put in /dev/shm. Tensor
+        # parallel > 1: one weights file (the previous one is removed before the next is written). CPU, tensor
+        # parallel 1: the parameters (or the buckets WeightSync binds them to, the same bytes) in shared memory.
+        # CUDA, tensor parallel 1: nothing (IPC handles).
+        if tensor_parallel_size > 1 and shm is not None:
+            check_shm(file_bytes(params), f"the vLLM engine's weights file (tensor parallel {tensor_parallel_size}: "
+                                          "its workers read every weight push from a file in shared memory)")
+        elif tensor_parallel_size == 1 and device.type == "cpu":
+            check_shm(tensor_bytes(params), "handing the vLLM engine child its weights on CPU (shared memory)")
+        super().__init__(model, tokenizer, sampling, device, rank, seeded_requests)
         model_dir = self.model_dir
         self.weights_dir = None
         if tensor_parallel_size > 1:
             # Pushed weights go through a file the workers read (/dev/shm: memory, not disk); the engine starts
             # from that directory, holding the initial weights.
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self.weights_dir = model_dir = tempfile.mkdtemp(prefix=f"rlrun_vllm_w{rank}_", dir=shm)
             write_model_dir(model, tokenizer, model_dir)
             write_weights(self.model.named_parameters(), model_dir)
@@ -139,38 +156,32 @@ class VLLMEngine(VLLMEngineBase):
             on_ready=lambda s: log._emit("info", f"rank {rank}: vLLM engine child ready in {s:.1f} s (spawn -> ready, "
                                                  "overlapped with the rest of start-up)"))
         atexit.register(self.close)
-        # The tensors last sent to the child, kept alive so that new buffers can never reuse their addresses.
+        # The tensors last handed to the child (kept alive: the child reads their memory, and new buffers must never
+        # reuse their addresses) and where they lay (memory_key: a change means a new hand-off).
         self._sent: list[torch.Tensor] = []
-        self._staging: list[torch.Tensor] | None = None  # host copies when the model lives on a GPU
+        self._sent_key: tuple | None = None
         log._emit("info", f"rank {rank}: vLLM engine child started (pid {self.child.pid}, tensor parallel "
                                         f"{tensor_parallel_size}, log {self.child.log_path})")
 
     # ---- weights ------------------------------------------------------------------------------
 
-    def _shared_params(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor) in shared CPU memory: the parameters themselves on CPU, host copies on GPU."""
-        named = list(self.model.named_parameters())
-        if self.device.type == "cpu":
-            for _, p in named:
-                if not p.data.is_shared():
-                    p.data.share_memory_()  # in place: bucket views and WeightSync's buffers follow
-            return [(n, p.data) for n, p in named]
-        if self._staging is None:
-            self._staging = [torch.empty(p.shape, dtype=p.dtype).share_memory_() for _, p in named]
-        with torch.no_grad():
-            for dst, (_, p) in zip(self._staging, named):
-                dst.copy_(p.data)
-        return [(n, t) for (n, _), t in zip(named, self._staging)]
-
     def load_weights(self) -> None:
         """Hand the current parameters to the child and wait for its ack (vLLM layerwise reload)."""
         t0 = time.perf_counter()
-        named = self._shared_params()
-        # Tensors cross the pipe only when their memory changed (first push, or rebound buffers).
-        same = len(named) == len(self._sent) and all(
-            t.data_ptr() == old.data_ptr() and t.shape == old.shape for (_, t), old in zip(named, self._sent))
-        self.child.request("loading weights", "weights", None if same else named)
-        self._sent = [t for _, t in named]
+        named = [(n, p.data) for n, p in self.model.named_parameters()]
+        payload = None
+        if self.weights_dir is not None:  # tensor parallel > 1: the workers read the file written here
+            self.child.wait_ready()  # the engine's start reads the initial file: not rewritten under it
+            write_weights(named, self.weights_dir)
+        elif memory_key(named) != self._sent_key:  # the first push, or parameters rebound to other memory
+            if self.device.type == "cpu":
+                check_shm(unshared_bytes(t for _, t in named), "handing the vLLM engine child its weights on CPU "
+                                                                "(shared memory)")
+            payload = pack(named)  # CPU: moves the storages into shared memory, in place
+            self._sent_key, self._sent = memory_key(named), [t for _, t in named]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the sync's writes are done before another process reads them
+        self.child.request("loading weights", "weights", payload)
         self.last_sync_s = time.perf_counter() - t0
 
     # ---- generation ---------------------------------------------------------------------------

@@ -9,7 +9,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rlrun.launch.collective_watch import CollectiveWatch, flight_recorder_dump
 from rlrun.launch.env import DistEnv
+from rlrun.runtime.deadline import report_fatal
 
 
 def uses_cuda(requested: str) -> bool:
@@ -39,10 +41,23 @@ def resolve_device_and_precision(requested: str, local_rank: int, tf32: bool) ->
     return device
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
-    if requested != "auto":
-        return requested
-    return "nccl" if device.type == "cuda" else "gloo"
+# NCCL for CUDA tensors with gloo beside it for CPU tensors, in every group (torch's own multi-backend groups).
+NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"
+
+
+def resolve_backend(requested: str, device: torch.device, cpu_collectives: bool = False) -> str:
+    """The default group's backend: 'auto' is nccl on a GPU, else gloo. `cpu_collectives`: some role reduces CPU
+    tensors over its group (FSDP2 with --adam_offload: the norm of its CPU-offloaded gradients), which an NCCL-only
+    group refuses at the first clip ("No backend type associated with device type cpu"): nccl then becomes
+    NCCL_WITH_CPU. Only then: a gloo backend per group costs a TCP mesh per group at start-up."""
+    backend = requested if requested != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    return NCCL_WITH_CPU if backend == "nccl" and cpu_collectives else backend
+
+
+def collective_device(backend: str, device: torch.device) -> torch.device:
+    """Where tensors for a group with `backend` (dist.get_backend's string) must live: this rank's GPU when NCCL
+    carries the group, else the CPU (gloo). A multi-backend group prefers NCCL for speed."""
+    return device if "nccl" in backend and device.type == "cuda" else torch.device("cpu")
 
 
 # PyTorch's NCCL flight recorder: the last collectives of every group, dumped per rank when the watchdog sees a
@@ -54,8 +69,11 @@ def nccl_flight_recorder(trace_dir: str) -> dict[str, str]:
     """Turn on the NCCL flight recorder with its dumps in `trace_dir` (what the user set already is kept); the
     variables in effect. Must run before the first NCCL communicator exists."""
     os.makedirs(trace_dir, exist_ok=True)
-    wanted = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    wanted = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
               "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(trace_dir, "nccl_trace_rank_")}
+    # The buffer's name since torch 2.11 (the old one still works, with a warning per group: a user's stays).
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+        wanted["TORCH_FR_BUFFER_SIZE"] = str(NCCL_TRACE_ENTRIES)
     return {name: os.environ.setdefault(name, value) for name, value in wanted.items()}
 
 
@@ -74,7 +92,13 @@ def init_distributed(env: DistEnv, backend: str, timeout_s: float, trace_dir: st
     # communicators are created at a group's first collective; resolve_device already set the current device.
     if env.world_size == 1 and env.launcher == "single":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return
+    else:
+        _init_from_launcher(env, backend, timeout)
+    if "nccl" in backend:
+        watch_collectives(backend, timeout_s, os.path.join(trace_dir, f"stuck_rank_{env.rank}.json") if trace_dir else None)
+
+
+def _init_from_launcher(env: DistEnv, backend: str, timeout: timedelta) -> None:
     if env.launcher == "torchrun":
         store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     else:
@@ -86,6 +110,18 @@ def init_distributed(env: DistEnv, backend: str, timeout_s: float, trace_dir: st
         # is the only safe way across nodes: each node's agent counts its own restarts.)
         store = dist.PrefixStore(f"rlrun/attempt{env.restart_count}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+# The collective watch of this process (NCCL runs): stopped before the groups go, so teardown never trips it.
+_WATCH: list[CollectiveWatch] = []
+
+
+def watch_collectives(backend: str, timeout_s: float, dump_path: str | None) -> None:
+    """Start the thread that turns a collective stuck for nearly `timeout_s` into the run's one failure line (see
+    rlrun.launch.collective_watch); nothing when torch has no flight recorder for `backend`."""
+    dump = flight_recorder_dump(backend)
+    if dump is not None:
+        _WATCH.append(CollectiveWatch(dump, timeout_s, dump_path, report_fatal).start())
 
 
 def restart_safety_warning(env: DistEnv) -> str | None:
@@ -115,6 +151,8 @@ def world_size() -> int:
 def teardown() -> None:
     """Run the before_teardown callbacks (last registered first), then destroy the default group (idempotent).
     Called on every exit path of a normal run."""
+    while _WATCH:
+        _WATCH.pop().stop()
     while _BEFORE_TEARDOWN:
         _BEFORE_TEARDOWN.pop()()
     if dist.is_available() and dist.is_initialized():

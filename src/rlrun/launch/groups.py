@@ -43,7 +43,7 @@ def build_groups(layout: Layout, timeout_s: float, sync_backend: str | None = No
     groups = Groups(rank=rank, layout=layout)
     for spec in layout.groups:
         backend = sync_backend if spec.name == "sync" else None
-        group = dist.new_group(list(spec.ranks), timeout=timeout, backend=backend)
+        group = dist.new_group(list(spec.ranks), timeout=timeout, backend=backend, group_desc=spec.name)
         if rank in spec.ranks:
             groups.member[spec.name] = group
     if solo:
@@ -59,7 +59,7 @@ def solo_group(timeout_s: float) -> dist.ProcessGroup:
     rank, timeout = dist.get_rank(), timedelta(seconds=timeout_s)
     mine = None
     for r in range(dist.get_world_size()):
-        group = dist.new_group([r], timeout=timeout)
+        group = dist.new_group([r], timeout=timeout, group_desc=f"solo{r}")
         if r == rank:
             mine = group
     assert mine is not None
@@ -68,4 +68,5 @@ def solo_group(timeout_s: float) -> dist.ProcessGroup:
 
 def all_ranks_group(timeout_s: float) -> dist.ProcessGroup:
     """One group of every rank (the supervised trainers' data-parallel group): collective over the world."""
-    return dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout_s))
+    return dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout_s),
+                          group_desc="data_parallel")

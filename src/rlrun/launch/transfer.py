@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlrun.launch.dist import collective_device
 from rlrun.launch.param_blocks import GatherScratch, ParamBlock, ParamHoming
 from rlrun.runtime.errors import RlrunError
 from rlrun.runtime.log import get_logger
@@ -79,7 +80,7 @@ class EngineRowExchange:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group = group
-        self.device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        self.device = collective_device(dist.get_backend(group), device)
         self.ranks = dist.get_process_group_ranks(group)
         self.index = self.ranks.index(dist.get_rank())
 

@@ -231,7 +231,8 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.M
                                  exchange=exchange, seed=cfg.train.seed, max_model_len=max_model_len,
                                  tensor_parallel_size=tp, enforce_eager=g.enforce_eager,
                                  gpu_memory_utilization=g.vllm_gpu_memory_utilization, enable_sleep=g.vllm_enable_sleep,
-                                 kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes)
+                                 kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes,
+                                 seeded_requests=g.vllm_seeded_requests)
         before_teardown(engine.close)  # vLLM's groups go before the default group
         return engine
     leader = None
@@ -240,7 +241,7 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.M
                             max_model_len=max_model_len, timeout_s=cfg.runtime.dist_timeout,
                             enforce_eager=g.enforce_eager, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
                             rank=rank, tensor_parallel_size=tp, enable_sleep=g.vllm_enable_sleep,
-                            kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes)
+                            kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes, seeded_requests=g.vllm_seeded_requests)
     if tp == 1:
         assert leader is not None
         return leader
@@ -269,7 +270,8 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
             out.engine = _vllm_engine(cfg, layout, groups, policy, tokenizer, sampling, device)
         elif g.generation_backend == "native":  # run.py resolved `auto` and checked the architecture
             budget = None if g.native_kv_cache_mb is None else g.native_kv_cache_mb * 2**20
-            out.engine = NativeEngine(policy, sampling, device, tokenizer, kv_cache_bytes=budget)
+            out.engine = NativeEngine(policy, sampling, device, tokenizer, kv_cache_bytes=budget,
+                                      cuda_graph=g.native_cuda_graph)
         else:
             out.engine = HFEngine(policy, sampling, device, tokenizer)
         out.reward_fn, out.agents = sources.reward_fn, sources.agents

@@ -65,7 +65,9 @@ class Trainer:
         self.kl = make_kl_controller(cfg.algo.init_kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
         self.state = TrainState()  # the KL coefficient lives in self.kl
         self.engine_ranks = layout.ranks_of(Role.ENGINE)
-        self.comm_device = device  # NCCL needs device tensors; gloo is happy with CPU ones
+        # NCCL needs device tensors; gloo takes them too (staged through host memory by its CUDA collectives: ran on
+        # an H200 with --dist_backend gloo --device cuda), so the rollout exchange never moves them by hand.
+        self.comm_device = device
         # Scoring and training collectives: every rank, or every rank but the engines when they generate meanwhile.
         self.asynchronous = layout.asynchronous  # --async_train, when the layout gives the engines ranks of their own
         self.learners = groups.get("learners") if self.asynchronous else groups.world

@@ -31,6 +31,11 @@ def set_reporter(report: Callable[[BaseException], None]) -> None:
     _reporter = report
 
 
+def report_fatal(exc: BaseException) -> None:
+    """Hand `exc` to the failure reporter and end the process (from any thread: the watchdogs' way out)."""
+    _expire(lambda: exc)
+
+
 def _expire(error: Callable[[], BaseException]) -> None:
     try:
         exc = error()

@@ -111,6 +111,14 @@ class DSSettings:
     max_norm: float
 
 
+def clipped_by_rlrun(s: DSSettings) -> bool:
+    """ZeRO-0 in fp32 steps the module's own parameters with their own .grad, and its step has no non-finite check,
+    so rlrun clips and skips. Everywhere else the gradients DeepSpeed steps with are its own buffers: ZeRO-1/2
+    partitions, and at ZeRO-0 with bf16 the BF16_Optimizer's fp32 copies (the bf16 .grad is folded into them
+    during backward and released), so DeepSpeed must clip them and report the norm itself."""
+    return s.zero_stage == 0 and not s.bf16
+
+
 def ds_config(s: DSSettings, dp_size: int, *, trainable: bool, hidden_size: int | None = None) -> dict[str, Any]:
     """The DeepSpeed config dict of one role's engine. Batch sizes are only DeepSpeed's bookkeeping (rlrun
     feeds micro-batches and marks the accumulation boundary itself); they must satisfy its arithmetic.
@@ -128,8 +136,9 @@ def ds_config(s: DSSettings, dp_size: int, *, trainable: bool, hidden_size: int 
         "train_batch_size": s.micro_batch * dp_size,
         "steps_per_print": _NEVER,
         "zero_optimization": zero,
-        # ZeRO-1/2 clip inside step (and report the pre-clip norm); ZeRO-0 is clipped by rlrun (see DeepSpeedSteps).
-        "gradient_clipping": s.max_norm if trainable and s.zero_stage > 0 and s.max_norm > 0 else 0.0,
+        # DeepSpeed clips inside step (and reports the pre-clip norm) wherever its optimizer holds the gradients;
+        # only ZeRO-0 fp32 is clipped by rlrun (see DeepSpeedSteps).
+        "gradient_clipping": s.max_norm if trainable and not clipped_by_rlrun(s) and s.max_norm > 0 else 0.0,
         # a non-finite gradient norm skips the step in bf16 too, as rlrun's FSDP path does
         "bf16": {"enabled": s.bf16, "check_grad_overflow": True},
         "zero_allow_untested_optimizer": False,
@@ -247,7 +256,7 @@ class DeepSpeedStrategy:
         return model
 
     def step_ops(self, model: nn.Module) -> StepOps:
-        return DeepSpeedSteps(self._engine(model), self.settings.zero_stage)
+        return DeepSpeedSteps(self._engine(model), clipped_by_rlrun(self.settings))
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
         """ZeRO-0 only (ZeRO-1/2 clip inside engine.step): the module's gradients are whole and identical on
@@ -345,15 +354,15 @@ def _tensors_in(values: Iterable[Any], depth: int = 0) -> Iterator[torch.Tensor]
 
 
 class DeepSpeedSteps:
-    """StepOps over a DeepSpeed engine. ZeRO-1/2 reduce, clip, skip non-finite steps and step inside
-    engine.step; ZeRO-0 is clipped here (its fp32 path has no non-finite check), then engine.step."""
+    """StepOps over a DeepSpeed engine. ZeRO-1/2 and ZeRO-0 with bf16 reduce, clip, skip non-finite steps and
+    step inside engine.step; ZeRO-0 fp32 is clipped here (its path has no non-finite check), then engine.step."""
 
-    def __init__(self, engine: DeepSpeedEngine, zero_stage: int) -> None:
+    def __init__(self, engine: DeepSpeedEngine, rlrun_clips: bool) -> None:
         self.engine = engine
-        self.zero_stage = zero_stage
+        self.rlrun_clips = rlrun_clips
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.zero_stage == 0:
+        if self.rlrun_clips:
             self.engine.zero_grad()
         else:
             self.engine.optimizer.zero_grad(set_to_none=True)
@@ -364,7 +373,7 @@ class DeepSpeedSteps:
 
     def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, clipper: GradClipper,
                       max_norm: float) -> float:
-        if self.zero_stage == 0:
+        if self.rlrun_clips:
             grad_norm = clipper.clip_grad_norm(model, max_norm)
             if not math.isfinite(grad_norm):
                 self.engine.zero_grad()
