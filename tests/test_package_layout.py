@@ -14,7 +14,7 @@ PACKAGE = REPO / "src" / "rlrun"
 
 # What users start: `python -m rlrun.X` (and the compat report, which renders every entry point's flags).
 ENTRY_MODULES = {"rlrun.ppo", "rlrun.sft", "rlrun.rm", "rlrun.dpo", "rlrun.retriever_server", "rlrun.reward_server",
-                 "rlrun.compat.report"}
+                 "rlrun.report", "rlrun.compat.report"}
 
 # Bottom to top; a folder imports only folders of LOWER tiers (README.md, "Code layout", says the same).
 TIERS: list[set[str]] = [

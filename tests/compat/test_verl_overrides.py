@@ -569,3 +569,16 @@ def test_docs_list_every_verl_key():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "compat.md").read_text()
     assert not [key for key in VERL_KEYS if f"| `{key}` |" not in doc]
     assert not [part for part in SKIPPED_SUBTREES if f"| any key with a `{part}` part |" not in doc]
+
+
+def test_a_key_standing_for_a_refused_flag_is_refused_and_the_status_table_says_so():
+    """trainer.critic_warmup is --freezing_actor_steps, which rlrun refuses (ignoring it would train the actor from
+    step 1): refused under the verl spelling too, its off value accepted, and docs/compat.md's generated row agrees."""
+    from rlrun.compat.report import verl_rows
+
+    with pytest.raises(ConfigError, match=r"^trainer.critic_warmup 5: freezing the actor"):
+        parse_args(["trainer.critic_warmup=5", "--remote_rm_url", "demo"])
+    parse_args(["trainer.critic_warmup=0", "--remote_rm_url", "demo"])
+    rows = dict(verl_rows())
+    for key in ("`trainer.critic_warmup`", "`data.image_key`", "`actor_rollout_ref.model.lora_rank`"):
+        assert rows[key].startswith("refused at start-up"), (key, rows[key])

@@ -1,4 +1,5 @@
-"""Command line: defaults < YAML (--config) < flags, OpenRLHF flag names, grouped --help.
+"""Command line: defaults < YAML (--config) < flags, OpenRLHF flag names, --help (a short usage, then every flag
+grouped by section).
 
 The parser is generated from ``rlrun.config.schema``; nothing here defines a setting.
 """
@@ -8,7 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
+import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence, get_args, get_origin, get_type_hints
 
 import yaml
@@ -77,11 +81,12 @@ NO_EFFECT_YET: dict[str, str] = {
     "enforce_eager": "only --generation_backend vllm uses it",
     "vllm_engine_host": "only --generation_backend vllm uses it",
     "vllm_kv_cache_memory_bytes": "only --generation_backend vllm uses it (on GPU)",
+    "vllm_seeded_requests": "only --generation_backend vllm uses it",
 }
 
 # NO_EFFECT_YET entries that do act when --generation_backend vllm is chosen.
 VLLM_BACKEND_FIELDS = frozenset({"vllm_gpu_memory_utilization", "enforce_eager", "vllm_enable_sleep", "vllm_engine_host",
-                                 "vllm_kv_cache_memory_bytes"})
+                                 "vllm_kv_cache_memory_bytes", "vllm_seeded_requests"})
 
 
 @dataclass(frozen=True)
@@ -96,13 +101,43 @@ class CliSpec:
     no_effect: Mapping[str, str] = dataclasses.field(default_factory=dict)  # fields kept but not acted on yet
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # this trainer's defaults of shared fields
     verl_overrides: bool = False  # verl key=value overrides (PPO only)
+    start: tuple[tuple[str, str], ...] = ()  # --help's first examples: (what it does, the command line)
+    bare: str | None = None  # the one line answering a command line without any argument (None: parse the defaults)
+
+
+def _demo_config() -> str:
+    """configs/demo.yaml as the user can type it: relative to here when the checkout holding rlrun is below."""
+    path = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
+    if not path.is_file():
+        return "configs/demo.yaml (in the rlrun repository)"
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 PPO_CLI = CliSpec(
     prog="python -m rlrun.ppo",
     description="Ray-free RLHF: one torchrun/srun SPMD program. OpenRLHF train_ppo_ray flag names work.",
     config_cls=Config, ignored=IGNORED_FLAGS, dotted=openrlhf_flags.OPENRLHF_DOTTED, no_effect=NO_EFFECT_YET,
-    verl_overrides=True)
+    verl_overrides=True,
+    start=(("the offline demo (embedded tiny model, built-in prompts, rule reward; about 20 s on a CPU)",
+            f"python -m rlrun.ppo --config {_demo_config()}"),
+           ("GRPO on your model and prompts with a reward function, 8 ranks",
+            "torchrun --nproc_per_node 8 -m rlrun.ppo --pretrain MODEL --prompt_data FILE --input_key prompt \\\n"
+            "    --remote_rm_url reward.py --advantage_estimator group_norm --n_samples_per_prompt 8")),
+    bare=("nothing to train: pass a model, prompts and their reward (e.g. --pretrain MODEL --prompt_data FILE "
+          f"--remote_rm_url reward.py; --help lists every flag), or run the offline demo: python -m rlrun.ppo --config "
+          f"{_demo_config()}"))
+
+# --help's "common flags", those of them an entry point has, in this order.
+COMMON_FLAGS = ("pretrain", "prompt_data", "dataset", "input_key", "label_key", "output_key", "remote_rm_url",
+                "compute_score", "reward_pretrain", "advantage_estimator", "n_samples_per_prompt", "rollout_batch_size",
+                "train_batch_size", "max_epochs", "max_steps", "save_path", "save_steps", "dry_run")
+# The same two settings in each spelling --help shows: (field, value); verl's keys for PPO's pair.
+SPELLING_EXAMPLES = {"ppo": (("n_samples_per_prompt", "8"), ("actor_learning_rate", "1e-6")),
+                     "supervised": (("max_epochs", "2"), ("learning_rate", "1e-6"))}
+VERL_EXAMPLE = "actor_rollout_ref.rollout.n=8 actor_rollout_ref.actor.optim.lr=1e-6"
 
 
 @dataclass(frozen=True)
@@ -149,14 +184,53 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+def spelling_examples(spec: CliSpec) -> dict[str, str]:
+    """The same settings in each spelling the entry point accepts: {'classic': '--a 1 ...', 'dotted': ..., 'verl': ...}."""
+    pairs = SPELLING_EXAMPLES["ppo" if spec.verl_overrides else "supervised"]
+    infos = fields_of(spec.config_cls)
+    dotted = {m.field: name for name, m in reversed(spec.dotted.items()) if isinstance(m, openrlhf_flags.Same)}
+    out = {"classic": " ".join(f"--{name} {value}" for name, value in pairs),
+           "dotted": " ".join(f"--{dotted.get(name, f'{infos[name].section}.{name}')} {value}" for name, value in pairs)}
+    if spec.verl_overrides:
+        out["verl"] = VERL_EXAMPLE
+    return out
+
+
+def quick_help(spec: CliSpec) -> str:
+    """What --help opens with: how to start, the common flags, the spellings, where the rest is."""
+    infos = fields_of(spec.config_cls)
+    lines = [spec.description, "", "start here:"]
+    for what, command in spec.start:
+        lines += [f"  {what}:", *(f"    {line}" for line in command.splitlines())]
+    lines += ["  add --dry_run to check a job before it starts: it reads the data, shows the first sample, loads no "
+              "weights", f"  every run writes SAVE_PATH/config.yaml; {spec.prog} --config SAVE_PATH/config.yaml reruns it",
+              "", "common flags:",
+              textwrap.fill(", ".join(f"--{name}" for name in COMMON_FLAGS if name in infos), width=110,
+                            initial_indent="  ", subsequent_indent="  "), ""]
+    examples = spelling_examples(spec)
+    where = {"classic": "OpenRLHF's classic flags", "dotted": "OpenRLHF 0.11, and rlrun's --section.field",
+             "verl": "verl's Hydra overrides, key=value"}
+    lines.append(f"{'three' if len(examples) == 3 else 'two'} spellings, mixed freely (later wins; --config YAML sits "
+                 "under all of them):")
+    width = max(len(text) for text in examples.values())
+    lines += [f"  {name:<8} {text:<{width}}  ({where[name]})" for name, text in examples.items()]
+    lines += ["", "Every flag follows, by section. docs/compat.md (in the repository) says what each OpenRLHF"
+              + (" and verl" if spec.verl_overrides else "") + " name does here."]
+    return "\n".join(lines)
+
+
 def build_parser(spec: CliSpec = PPO_CLI) -> argparse.ArgumentParser:
     parser = _Parser(
         prog=spec.prog,
-        description=spec.description,
+        usage="%(prog)s [--config FILE] [--FLAG VALUE ...]" + (" [key=value ...]" if spec.verl_overrides else ""),
+        description=quick_help(spec),
         epilog="Ray-only and not-yet-supported OpenRLHF flags are accepted and reported as ignored.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    parser.add_argument("--config", default=None, help="YAML file setting fields (nested by section or flat by flag name).")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="YAML file setting fields (nested by section or flat by flag name); a run's "
+                        "SAVE_PATH/config.yaml reruns it.")
     hints = get_type_hints(spec.config_cls)
     infos = fields_of(spec.config_cls)
     for section in dataclasses.fields(spec.config_cls):
@@ -272,9 +346,10 @@ def _translate_peer_spellings(argv: Sequence[str], parser: argparse.ArgumentPars
 
 
 def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> ParsedArgs:
-    """Parse flags (and --config YAML) into a validated-type config of `spec`; raise ConfigError on bad input."""
-    import sys
-
+    """Parse flags (and --config YAML) into a validated-type config of `spec`; raise ConfigError on bad input.
+    `argv` None: the command line, where no argument at all is answered by `spec.bare` when the spec has one."""
+    if argv is None and not sys.argv[1:] and spec.bare is not None:
+        raise ConfigError(spec.bare)
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(spec)
     translated, peer_ignored, implied = _translate_peer_spellings(argv, parser, spec)

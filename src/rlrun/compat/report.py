@@ -9,7 +9,7 @@ from typing import Mapping
 from rlrun.cli.parser import IGNORED_FLAGS, NO_EFFECT_YET, PPO_CLI, CliSpec
 from rlrun.compat import verl_keys as verl
 from rlrun.compat.openrlhf_flags import ByValue, Ignored, Same, resolve
-from rlrun.compat.reasons import NOT_YET
+from rlrun.compat.reasons import CHANGES_TRAINING, NOT_YET
 from rlrun.compat.verl_overrides import GROUP_RULES
 from rlrun.config.fields import fields_of
 
@@ -23,6 +23,12 @@ def _field_status(field: str, no_effect: Mapping[str, str] = NO_EFFECT_YET) -> s
     if field in no_effect:
         return f"accepted as `--{field}`, no effect yet ({no_effect[field]})"
     return f"supported: `--{field}`"
+
+
+def _refusal(*names: str) -> str | None:
+    """The status of a flag/key rlrun refuses (reasons.CHANGES_TRAINING) under any of its spellings, else None."""
+    why = next((CHANGES_TRAINING[n] for n in names if n in CHANGES_TRAINING), None)
+    return None if why is None else f"refused at start-up unless its value asks for nothing ({why})"
 
 
 def openrlhf_rows(spec: CliSpec = PPO_CLI) -> list[tuple[str, str]]:
@@ -40,7 +46,8 @@ def openrlhf_rows(spec: CliSpec = PPO_CLI) -> list[tuple[str, str]]:
             assert isinstance(meaning, Ignored)
             original = spec.dotted[name]
             via = f"; classic flag `--{original.field}`" if isinstance(original, Same) else ""
-            status = f"ignored ({meaning.reason}){via}"
+            classic = original.field if isinstance(original, Same) else name
+            status = (_refusal(name, classic) or f"ignored ({meaning.reason})") + via
         rows.append((f"`--{name}`", status))
     return rows
 
@@ -60,14 +67,14 @@ def verl_rows() -> list[tuple[str, str]]:
                     status += f" ({_first_line(meaning.convert.__doc__)})"
             else:
                 reason = IGNORED_FLAGS[meaning.field][1] if meaning.field in IGNORED_FLAGS else NOT_YET
-                status = f"ignored ({reason}); would set `--{meaning.field}`"
+                status = (_refusal(key, meaning.field) or f"ignored ({reason})") + f"; would set `--{meaning.field}`"
         elif isinstance(meaning, verl.Part):
             rule = GROUP_RULES[meaning.group]
             status = f"supported, with related keys -> {GROUP_FIELDS[meaning.group]}: {_first_line(inspect.getdoc(rule))}"
         elif isinstance(meaning, verl.Expand):
             status = f"supported: {_first_line(inspect.getdoc(meaning.rule))}"
         elif isinstance(meaning, verl.Skip):
-            status = f"ignored ({meaning.reason.format(world_size='N')})"
+            status = _refusal(key) or f"ignored ({meaning.reason.format(world_size='N')})"
         else:
             status = f"rejected: {meaning.fix}"
         rows.append((f"`{key}`", status))

@@ -20,8 +20,8 @@ import yaml
 
 from rlrun.compat.argv import Nargs, split_override, take_values
 from rlrun.compat.reasons import NOT_YET, refused
-from rlrun.compat.verl_keys import (ESTIMATORS, VERL_KEYS, A, Expand, Group, Part, R, Reject, Skip, as_bool, as_int,
-                                    kl_type, meaning_of, source_list)
+from rlrun.compat.verl_keys import (ESTIMATORS, VERL_KEYS, A, Expand, Group, Part, R, Reject, Skip, To, as_bool,
+                                    as_int, kl_type, meaning_of, source_list)
 from rlrun.config.fields import FieldInfo, coerce, suggest
 from rlrun.runtime.errors import ConfigError
 
@@ -270,8 +270,13 @@ def translate(argv: Sequence[str], arity: Callable[[str], Nargs], fields: Mappin
         if meaning is None:
             raise ConfigError(f"unknown verl key '{key}'{suggest(key, VERL_KEYS)}")
         value = parse_value(raw)
-        if (stop := refused([(key, "null" if value is None else str(value))])) is not None:
+        shown = "null" if value is None else str(value)
+        # The key itself, or the rlrun flag it stands for (trainer.critic_warmup is --freezing_actor_steps).
+        stands_for = meaning.field if isinstance(meaning, To) else None
+        if (stop := refused([(key, shown)])) is not None:
             raise ConfigError(stop)
+        if stands_for is not None and (stop := refused([(stands_for, shown)])) is not None:
+            raise ConfigError(stop.replace(stands_for, key, 1))
         if isinstance(meaning, Skip):
             result.ignored.append(f"{key}: ignored ({meaning.reason.format(world_size=world_size)})")
         elif isinstance(meaning, Reject):

@@ -36,6 +36,23 @@ def _attn_kwargs(model: PretrainedConfig) -> dict[str, str]:
     return {}
 
 
+# What any saved HF tokenizer has at least one of (fast: tokenizer.json; slow: vocab files, sentencepiece models).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def tokenizer_missing(model: PretrainedConfig) -> str | None:
+    """Why the policy's tokenizer cannot be read on this machine, or None when it can. A --dry_run on a login node
+    may see no folder at all, or one with config.json alone (enough to plan layout and memory)."""
+    if model.pretrain is None:
+        return None
+    if not os.path.isdir(model.pretrain):
+        return f"--pretrain {model.pretrain} is not on this machine"
+    if not any(os.path.exists(os.path.join(model.pretrain, name)) for name in TOKENIZER_FILES):
+        return f"--pretrain {model.pretrain} holds no tokenizer files (a config-only copy)"
+    return None
+
+
 def load_tokenizer(model: PretrainedConfig) -> PreTrainedTokenizerBase:
     if model.pretrain is None:
         return build_byte_tokenizer()

@@ -1,4 +1,5 @@
-"""Metric sinks on rank 0: JSONL file, progress (bar or lines), wandb, TensorBoard.
+"""Metric sinks on rank 0: JSONL file, progress (bar or lines), wandb, TensorBoard; and, when the sink closes, the
+run's summary and curves beside the JSONL file (rlrun.reporting.run_report).
 
 Evaluation results are separate records with the step they were taken at ({"step": N, "eval/...": ...}); step 0
 is the evaluation before training."""
@@ -9,18 +10,21 @@ import json
 import math
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from rlrun.config.fields import redacted
 from rlrun.config.schema import RootConfig
 from rlrun.reporting.progress import make_progress
+from rlrun.reporting.run_report import metrics_path, write_report
 from rlrun.runtime.errors import ConfigError, MissingExtraError
+from rlrun.runtime.log import RankLogger
 from rlrun.runtime.secrets import MASK, redact_text
 
 
 class MetricsSink:
     def __init__(self, cfg: RootConfig, total_steps: int, start_step: int, trainer: str = "ppo") -> None:
-        path = cfg.logging.metrics_file or os.path.join(cfg.checkpoint.save_path, "metrics.jsonl")
+        path = metrics_path(cfg)
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             kept = _lines_up_to(path, start_step) if start_step > 0 else []
@@ -37,6 +41,7 @@ class MetricsSink:
         self.progress = make_progress(total_steps, start_step)
         self.wandb = _init_wandb(cfg, trainer) if cfg.logging.use_wandb is not None else None
         self.tb = _init_tensorboard(cfg.logging.use_tensorboard) if cfg.logging.use_tensorboard else None
+        self.closed = False
 
     def log(self, metrics: dict[str, Any], evals: dict[str, float] | None = None) -> None:
         """One training step's record (and, when given, that step's evaluation record)."""
@@ -63,13 +68,39 @@ class MetricsSink:
             for k, v in numeric.items():
                 self.tb.add_scalar(k, v, step)
 
-    def close(self) -> None:
+    def finish(self, log: RankLogger, saved: Mapping[str, str], wall_s: float) -> None:
+        """The normal end: close, then write and print the run's summary and curves (`saved`: {what: path} of
+        the trainer's outputs; `wall_s`: the run's time from start-up). A report that cannot be written is one
+        warning line, never a failed run."""
+        self.close(report=False)
+        try:
+            lines, why = write_report(self.path, {"outcome": "finished", "wall_s": wall_s, "saved": dict(saved)})
+        except Exception as exc:  # noqa: BLE001 - the training is done and saved; the report is a bonus
+            log.warning_once(f"no run summary written beside {self.path}: {type(exc).__name__}: {exc}")
+            return
+        for line in lines:
+            log.info_once(line)
+        if why is not None:
+            log.warning_once(f"no curves plotted: {why}; the summary is written (python -m rlrun.report "
+                             f"{os.path.dirname(self.path) or '.'} draws them later)")
+
+    def close(self, report: bool = True) -> None:
+        """Close every sink. `report`: after a run that stopped early (the failure path closes the sink), also
+        write its summary and curves so far, quietly and only if that works."""
+        if self.closed:
+            return
+        self.closed = True
         self.progress.close()
         self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
         if self.tb is not None:
             self.tb.close()
+        if report:
+            try:
+                write_report(self.path, {"outcome": "stopped before the end"})
+            except Exception:  # noqa: BLE001 - a failing run is already reporting its own error
+                pass
 
 
 def _lines_up_to(path: str, step: int) -> list[str]:

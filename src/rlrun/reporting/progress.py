@@ -16,6 +16,8 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from rlrun.runtime.log import is_terminal
+
 # (metric key, short name, format) shown on the bar and in each line, when present.
 SHOWN = (("reward", "reward", ".3f"), ("kl", "kl", ".4g"), ("response_length", "len", ".1f"),
          ("actor/policy_loss", "policy_loss", ".4g"), ("critic/value_loss", "value_loss", ".4g"),
@@ -35,11 +37,14 @@ def format_duration(seconds: float) -> str:
 
 
 def format_eval(evals: Mapping[str, Any]) -> str:
-    """'eval reward 0.500 pass@4 0.750 len 12.0' from the eval/ metrics (other eval/ keys stay in the sinks)."""
+    """'eval reward 0.500 pass@4 0.750 len 12.0' (PPO) or 'eval loss 0.6930 acc 0.500' (rlrun.sft/rm/dpo) from the
+    eval/ metrics (other eval/ keys stay in the sinks)."""
     parts = []
     if "eval/reward" in evals:
         parts.append(f"reward {evals['eval/reward']:.3f}")
     parts += [f"{key.removeprefix('eval/')} {evals[key]:.3f}" for key in sorted(evals) if key.startswith("eval/pass@")]
+    parts += [f"{name} {evals[f'eval/{name}']:{fmt}}" for name, fmt in (("loss", ".4f"), ("acc", ".3f"))
+              if f"eval/{name}" in evals]  # rlrun.sft/rm/dpo's
     if "eval/response_length" in evals:
         parts.append(f"len {evals['eval/response_length']:.1f}")
     return "eval " + " ".join(parts)
@@ -109,13 +114,6 @@ def make_progress(total: int, start_step: int, stdout: TextIO | None = None, std
     """A bar when both stdout and stderr are terminals (the bar draws on stderr), else lines on stdout."""
     out, err = stdout or sys.stdout, stderr or sys.stderr
     env = os.environ if environ is None else environ
-    if _isatty(out) and _isatty(err):
+    if is_terminal(out) and is_terminal(err):
         return BarProgress(total, start_step, enabled=env.get("RLRUN_NO_PROGRESS") != "1")
     return LineProgress(total, start_step, out)
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # closed or not a real stream
-        return False

@@ -10,7 +10,7 @@ import os
 from rlrun.config.schema import Config
 from rlrun.data.prompts import load_prompt_records
 from rlrun.data.sources import not_here
-from rlrun.models.loading import load_tokenizer
+from rlrun.models.loading import load_tokenizer, tokenizer_missing
 from rlrun.rewards.compute_score import load_compute_score_function
 from rlrun.rewards.reward_fn import load_reward_function
 from rlrun.rl.build import eval_spec, prompt_keys, prompt_set, prompt_spec
@@ -18,14 +18,11 @@ from rlrun.rl.build import eval_spec, prompt_keys, prompt_set, prompt_spec
 SHOWN_CHARS = 400  # of the first rendered prompt
 
 
-def _here(path: str | None) -> bool:
-    return path is None or os.path.exists(path)
-
-
 def preflight(cfg: Config) -> list[str]:
     """One line per thing checked (raises the run's own DataError/ConfigError/RewardError on what would fail)."""
     lines = []
-    tokenizer = load_tokenizer(cfg.model) if _here(cfg.model.pretrain) else None
+    missing = tokenizer_missing(cfg.model)
+    tokenizer = load_tokenizer(cfg.model) if missing is None else None
     sets = [prompt_spec(cfg)] + ([eval_spec(cfg)] if cfg.logging.eval_dataset is not None else [])
     for spec in sets:
         name = f"--{spec.flag} {spec.sources}" if spec is not None else "built-in prompts"
@@ -34,8 +31,8 @@ def preflight(cfg: Config) -> list[str]:
             continue
         if tokenizer is None:
             records = load_prompt_records(spec, prompt_keys(cfg), cfg.train.max_samples)
-            lines.append(f"{name}: {len(records)} records read (not rendered: --pretrain {cfg.model.pretrain} is not "
-                         "on this machine, so neither is its chat template)")
+            lines.append(f"{name}: {len(records)} records read (not rendered: {missing}, so neither is its tokenizer "
+                         "or chat template)")
             continue
         prompts = prompt_set(cfg, tokenizer, spec)
         first = prompts.texts[0] if prompts.texts else ""

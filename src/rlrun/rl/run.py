@@ -9,17 +9,17 @@ collective timeout, print a one-line note, and leave the same way; torchrun or s
 from __future__ import annotations
 
 import os
-
-import torch
+import time
 
 from rlrun.checkpoint.ownership import run_identity
+from rlrun.cli.parser import PPO_CLI
 from rlrun.compat.openrlhf_init import init_from_openrlhf
 from rlrun.compat.openrlhf_init import plan_init as plan_openrlhf_init
 from rlrun.config.schema import Config
 from rlrun.engines.hosting import choose_host
 from rlrun.engines.hosting import describe as describe_host
-from rlrun.launch.dist import (init_distributed, resolve_backend, resolve_device_and_precision, restart_safety_warning,
-                               teardown)
+from rlrun.launch.dist import (collective_device, init_distributed, resolve_backend, resolve_device_and_precision,
+                               restart_safety_warning, teardown)
 from rlrun.launch.env import DistEnv, read_node_label
 from rlrun.launch.failures import check_outputs, fail_and_exit
 from rlrun.launch.groups import build_groups
@@ -28,6 +28,7 @@ from rlrun.launch.layout import Layout, Role
 from rlrun.launch.layout_text import format_layout_table
 from rlrun.models.loading import load_tokenizer
 from rlrun.reporting.metrics import MetricsSink
+from rlrun.reporting.run_report import announce, describe_reward, describe_roles, saved_outputs
 from rlrun.rl.build import build_eval_prompts, build_prompts, build_reward_sources, build_roles, make_sampler
 from rlrun.rl.evaluation import Evaluator
 from rlrun.rl.planning import asks_node_labels, plan
@@ -37,12 +38,16 @@ from rlrun.roles.export import save_critic, save_policy
 from rlrun.runtime.deadline import deadline, set_reporter
 from rlrun.runtime.errors import DataError
 from rlrun.runtime.faults import run_phases
-from rlrun.runtime.log import get_logger
+from rlrun.runtime.log import get_logger, quiet_third_party
 from rlrun.runtime.memory import report_memory
+
+TABLE_RANKS = 16  # a larger world's layout is one line at start-up (--dry_run prints its table)
 
 
 def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
+    started = time.monotonic()
     log = get_logger(env.rank)
+    quiet_third_party(env.rank)
     roles_text = ",".join(r.value for r in layout.roles_of(env.rank))
     phase = run_phases(env.rank, cfg.runtime.dist_timeout)
     sink = None
@@ -52,7 +57,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
                                            local_only=local_only, sink=sink))
     try:
         device = resolve_device_and_precision(cfg.runtime.device, env.local_rank, cfg.runtime.tf32)
-        backend = resolve_backend(cfg.runtime.dist_backend, device)
+        backend = resolve_backend(cfg.runtime.dist_backend, device, cpu_collectives=cfg.train.reduces_on_cpu)
         tp = cfg.resources.vllm_tensor_parallel_size
         generation = cfg.generation.generation_backend  # resolved before planning (rlrun.engines.choice)
         why = generation_why + (f"; {describe_host(choose_host(cfg.generation.vllm_engine_host, layout, tp), tp)}"
@@ -79,6 +84,12 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
         run_id = run_identity()
         if env.rank == 0:  # the writer: a bad output path must fail now, not at the end of training
             check_outputs(cfg.checkpoint, cfg.checkpoint.ckpt_path, run_id, log)
+            if not asks_node_labels(cfg):  # else the table follows the labels' placement, below
+                log.info_once(_layout_text(layout, env))
+            launched = f"world size {env.world_size}, launcher {env.launcher}"
+            for line in (describe_reward(cfg),
+                         *announce(cfg, PPO_CLI.defaults, PPO_CLI.prog, launched, cfg.checkpoint.ckpt_path)):
+                log.info_once(line)
         node_label = read_node_label() if asks_node_labels(cfg) else None
         local_only = False
         if (warning := restart_safety_warning(env)) is not None:
@@ -87,7 +98,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
         if node_label is not None:
             # Other nodes' labels are known only now: place the pinned roles before any group or model exists.
             # Every rank plans from the same gathered labels, so an impossible request fails alike everywhere.
-            labels = gather_node_labels(node_label, env.local_world_size, device if backend == "nccl" else torch.device("cpu"))
+            labels = gather_node_labels(node_label, env.local_world_size, collective_device(backend, device))
             local_only = True
             layout = plan(cfg, env.world_size, env.local_world_size, labels).layout
             local_only = False
@@ -124,13 +135,8 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
                           f"(temperature {lg.eval_temperature:g})"
                           + (f" every {lg.eval_steps} steps" if lg.eval_steps > 0 else "")
                           + (" before training" if lg.eval_before_train else ""))
-        history = trainer.fit(sink, after_step, evaluator)
+        trainer.fit(sink, after_step, evaluator)  # rank 0's summary (sink.finish, below) reads the metrics it logged
         report_memory(log, "training")
-        if history:
-            skipped = roles.actor.updater.skipped_steps if roles.actor is not None else 0
-            log.info_once(f"reward: first step {history[0]['reward']:.3f}, last step {history[-1]['reward']:.3f} "
-                          f"({len(history)} steps" + (f"; {skipped} actor updates skipped for non-finite gradients"
-                                                      if skipped else "") + ")")
         with phase("save", trainer.state.step):
             allow = cfg.checkpoint.export_nonfinite
             save_policy(roles.actor, tokenizer, cfg.checkpoint.save_path, is_writer=env.rank == 0,
@@ -140,9 +146,21 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
                 save_critic(roles.critic, os.path.join(cfg.checkpoint.save_path, "critic"), is_writer=env.rank == first_critic,
                             strategy=roles.strategies[Role.CRITIC], allow_nonfinite=allow)
         log.info_once(f"saved the policy (Hugging Face format) to {cfg.checkpoint.save_path}")
+        critic = cfg.checkpoint.save_value_network and roles.critic is not None
+        saved = saved_outputs(cfg, cfg.checkpoint.ckpt_path,
+                              **({"critic": os.path.join(cfg.checkpoint.save_path, "critic")} if critic else {}))
     except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
         fail_and_exit(log, env.rank, roles_text, phase, exc, cfg.runtime.dist_timeout, local_only=local_only, sink=sink)
     if sink is not None:
-        sink.close()
+        sink.finish(log, saved, time.monotonic() - started)
     teardown()
     return 0
+
+
+def _layout_text(layout: Layout, env: DistEnv) -> str:
+    head = (f"layout: {env.world_size} rank{'s' if env.world_size > 1 else ''} ({env.local_world_size} per node, "
+            f"launcher {env.launcher})")
+    if env.world_size <= TABLE_RANKS:
+        return f"{head}\n{format_layout_table(layout)}"
+    return (f"{head}: {describe_roles({role.value: layout.ranks_of(role) for role in Role if layout.has(role)})}; "
+            "--dry_run prints the per-rank table")

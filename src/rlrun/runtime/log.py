@@ -1,10 +1,15 @@
-"""Console logging: rank 0 speaks for everyone; other ranks speak only about themselves."""
+"""Console logging: rank 0 speaks for everyone; other ranks speak only about themselves. Third-party progress bars
+and Hugging Face load reports are silenced or made one line where nobody watches a terminal (quiet_third_party)."""
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import sys
 import time
 from dataclasses import dataclass
+from typing import TextIO
 
 
 @dataclass
@@ -49,3 +54,62 @@ def let_rank0_report(rank: int) -> None:
 
 def get_logger(rank: int) -> RankLogger:
     return RankLogger(rank)
+
+
+def is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # closed or not a real stream
+        return False
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_REPORT_ROW = re.compile(r"^(\S+)\s*\|\s*(UNEXPECTED|MISSING|MISMATCH|CONVERSION)\b", re.M)
+
+
+def one_line_load_report(text: str, shown: int = 3) -> str:
+    """transformers' multi-line `LOAD REPORT` table (keys missing from or unexpected in a checkpoint) as one line:
+    'Qwen2ForSequenceClassification LOAD REPORT from: /m: 1 unexpected (lm_head.weight); 1 missing (score.weight)
+    (missing weights are newly initialised)'. Any other text is returned unchanged."""
+    plain = _ANSI.sub("", text)
+    if "LOAD REPORT" not in plain:
+        return text
+    by_status: dict[str, list[str]] = {}
+    for key, status in _REPORT_ROW.findall(plain):
+        by_status.setdefault(status.lower(), []).append(key)
+    parts = [f"{len(keys)} {status} ({', '.join(keys[:shown])}{', ...' if len(keys) > shown else ''})"
+             for status, keys in by_status.items()]
+    head = plain.strip().splitlines()[0].strip()
+    found = "; ".join(parts) if parts else "the table is shown on a terminal"
+    return f"{head}: {found} (missing weights are newly initialised)"
+
+
+class _OneLineLoadReports(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        short = one_line_load_report(message)
+        if short is not message:
+            record.msg, record.args = short, None
+        return True
+
+
+def quiet_third_party(rank: int, stream: TextIO | None = None) -> bool:
+    """Off a terminal (`stream`, default stderr, is not a TTY) and on every rank but 0: no Hugging Face Hub or
+    transformers progress bars (loading shards, writing shards, downloads: under Slurm they become endless
+    carriage-return lines, one per rank), and transformers' LOAD REPORT table as one line. Also for the processes
+    this one starts (HF_HUB_DISABLE_PROGRESS_BARS). HF_HUB_DISABLE_PROGRESS_BARS=0 keeps the bars. Returns
+    whether it quietened anything."""
+    if is_terminal(stream or sys.stderr) and rank == 0:
+        return False
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").strip().lower() not in ("0", "false", "no", "off"):
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when huggingface_hub is imported (here or in a child)
+        # Already imported (every trainer has by now): switch them off in place. Looked up, not imported: this tier
+        # depends on the standard library only.
+        if (hub := sys.modules.get("huggingface_hub.utils")) is not None:
+            hub.disable_progress_bars()
+        if (hf_logging := sys.modules.get("transformers.utils.logging")) is not None:
+            hf_logging.disable_progress_bar()  # transformers keeps its own switch beside the Hub's
+    for handler in logging.getLogger("transformers").handlers:  # transformers' handler, once it is imported
+        if not any(isinstance(f, _OneLineLoadReports) for f in handler.filters):
+            handler.addFilter(_OneLineLoadReports())
+    return True

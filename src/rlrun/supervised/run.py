@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generic, Sequence, TypeVar
 
@@ -17,21 +18,22 @@ from rlrun.checkpoint.ownership import run_identity
 from rlrun.cli.parser import CliSpec, ParsedArgs, parse_args
 from rlrun.data.prompts import PromptSampler
 from rlrun.data.sources import DataSpec, not_here
-from rlrun.launch.dist import (init_distributed, resolve_backend, resolve_device_and_precision, restart_safety_warning,
-                               teardown)
+from rlrun.launch.dist import (collective_device, init_distributed, resolve_backend, resolve_device_and_precision,
+                               restart_safety_warning, teardown)
 from rlrun.launch.env import DistEnv
 from rlrun.launch.failures import check_outputs, checked_on_every_rank, fail_and_exit, launch_environment
 from rlrun.launch.groups import all_ranks_group, solo_group
 from rlrun.launch.transfer import sum_over
 from rlrun.models.hub import resolve, resolve_models
-from rlrun.models.loading import load_tokenizer
+from rlrun.models.loading import load_tokenizer, tokenizer_missing
 from rlrun.reporting.metrics import MetricsSink
+from rlrun.reporting.run_report import announce, saved_outputs
 from rlrun.roles.optim import warmup_cosine
 from rlrun.roles.update import Updater
 from rlrun.runtime.deadline import deadline, set_reporter
 from rlrun.runtime.errors import DataError
 from rlrun.runtime.faults import run_phases
-from rlrun.runtime.log import get_logger
+from rlrun.runtime.log import get_logger, quiet_third_party
 from rlrun.runtime.seeding import seed_everything
 from rlrun.supervised.checkpointing import SupervisedCheckpoints
 from rlrun.supervised.config import DPOConfig, SupervisedConfig
@@ -72,6 +74,7 @@ def main(trainer: SupervisedTrainer[Any], argv: Sequence[str] | None = None) -> 
     if env is None:
         return 2
     log = get_logger(env.rank)
+    quiet_third_party(env.rank)  # before the hub downloads of parse()
 
     def parse() -> ParsedArgs:
         parsed = parse_args(argv, trainer.cli)
@@ -108,6 +111,7 @@ def resolved_models(cfg: SupervisedConfig) -> SupervisedConfig:
 
 
 def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -> int:
+    started = time.monotonic()
     log = get_logger(env.rank)
     name = trainer.cli.prog.split()[-1]
     phase = run_phases(env.rank, cfg.runtime.dist_timeout)
@@ -118,7 +122,7 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
                                            local_only=local_only, sink=sink))
     try:
         device = resolve_device_and_precision(cfg.runtime.device, env.local_rank, cfg.runtime.tf32)
-        backend = resolve_backend(cfg.runtime.dist_backend, device)
+        backend = resolve_backend(cfg.runtime.dist_backend, device, cpu_collectives=cfg.train.reduces_on_cpu)
         tokenizer = load_tokenizer(cfg.model)
         if cfg.data.tokenizer_chat_template is not None:
             tokenizer.chat_template = cfg.data.tokenizer_chat_template
@@ -146,6 +150,9 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
         run_id = run_identity()
         if env.rank == 0:
             check_outputs(cfg.checkpoint, cfg.checkpoint.ckpt_path, run_id, log)
+            launched = f"world size {env.world_size}, launcher {env.launcher}"
+            for line in announce(cfg, trainer.cli.defaults, trainer.cli.prog, launched, cfg.checkpoint.ckpt_path):
+                log.info_once(line)
         seed_everything(t.seed)
         local_only = False
         if (warning := restart_safety_warning(env)) is not None:
@@ -154,7 +161,7 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
         phase.phase = "build"
         group = all_ranks_group(cfg.runtime.dist_timeout)
         solo = solo_group(cfg.runtime.dist_timeout) if t.strategy == "deepspeed" else None
-        comm_device = device if backend == "nccl" else torch.device("cpu")
+        comm_device = collective_device(backend, device)
         task = trainer.build(cfg, BuildContext(group, device, env.rank, int(tokenizer.pad_token_id), solo))
         updater = Updater(task.model, task.strategy, task.optimizer,
                           warmup_cosine(task.optimizer, total_steps, t.lr_warmup_ratio), t.max_norm,
@@ -177,19 +184,16 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
                 with phase("save", steps_done - 1):
                     checkpoints.save(steps_done)
 
-        history = loop.fit(sink, after_step)
-        if history:
-            first, last = history[0], history[-1]
-            skipped = f"; {updater.skipped_steps} updates skipped for non-finite gradients" if updater.skipped_steps else ""
-            log.info_once(f"loss: first step {first['loss']:.4f}, last step {last['loss']:.4f} ({len(history)} steps{skipped})")
+        loop.fit(sink, after_step)  # rank 0's summary (sink.finish, below) reads the metrics it logged
         with phase("save", loop.step_done):
             task.save(cfg.checkpoint.save_path, tokenizer, is_writer=env.rank == 0,
                       allow_nonfinite=cfg.checkpoint.export_nonfinite)
         log.info_once(f"saved the model (Hugging Face format) to {cfg.checkpoint.save_path}")
+        saved = saved_outputs(cfg, cfg.checkpoint.ckpt_path)
     except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
         fail_and_exit(log, env.rank, name, phase, exc, cfg.runtime.dist_timeout, local_only=local_only, sink=sink)
     if sink is not None:
-        sink.close()
+        sink.finish(log, saved, time.monotonic() - started)
     teardown()
     return 0
 
@@ -197,8 +201,8 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
 def _preflight(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, log: Any) -> list[str]:
     """--dry_run: each dataset read and tokenized as training will, its first sample shown as the model sees it
     (as rlrun.ppo's preflight); no model weights, no process group. Paths this machine lacks are only named."""
-    if cfg.model.pretrain is not None and not os.path.isdir(cfg.model.pretrain):
-        return [f"data not read: --pretrain {cfg.model.pretrain} (its tokenizer) is not on this machine"]
+    if (missing := tokenizer_missing(cfg.model)) is not None:
+        return [f"data not read: {missing}, so neither is its tokenizer"]
     tokenizer = load_tokenizer(cfg.model)
     if cfg.data.tokenizer_chat_template is not None:
         tokenizer.chat_template = cfg.data.tokenizer_chat_template

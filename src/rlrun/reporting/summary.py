@@ -1,0 +1,139 @@
+"""A run's summary from its metrics file: steps, time per phase, tokens/s, first/last/best of the main curves.
+
+Read from metrics.jsonl alone (rlrun.reporting.metrics writes it), so the end of a run and
+``python -m rlrun.report RUN_DIR`` compute the same thing; what only the run knows (its wall time, where it
+saved what, how it ended) is kept under ``"run"`` and carried over when the summary is computed again.
+Training records carry ``time/step``; evaluation records are those with ``eval/`` keys.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rlrun.reporting.progress import format_duration
+
+METRICS_FILE = "metrics.jsonl"
+# The curves summarised, when logged: training's, then evaluation's (eval/pass@N too). Lower is better for losses.
+CURVES = ("reward", "loss", "acc")
+EVAL_CURVES = ("eval/reward", "eval/loss", "eval/acc")
+PHASES = ("generate", "score", "train", "sync", "wait_rollout")  # time/<phase> of a PPO step
+
+
+def outputs_beside(metrics_path: str) -> tuple[str, str]:
+    """(summary JSON, curves PNG) paths beside a metrics file: summary.json and curves.png for metrics.jsonl,
+    <stem>_summary.json and <stem>_curves.png for another name (a --metrics_file shared folder stays unambiguous)."""
+    folder, name = os.path.split(metrics_path)
+    prefix = "" if name == METRICS_FILE else os.path.splitext(name)[0] + "_"
+    return os.path.join(folder, f"{prefix}summary.json"), os.path.join(folder, f"{prefix}curves.png")
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics JSONL file, skipping a line cut short by a crash."""
+    records = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
+                records.append(record)
+    return records
+
+
+def is_eval(record: Mapping[str, Any]) -> bool:
+    return any(key.startswith("eval/") for key in record)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
+
+
+def _curve(records: Sequence[Mapping[str, Any]], key: str) -> dict[str, float] | None:
+    points = [(int(r["step"]), v) for r in records if (v := _number(r.get(key))) is not None]
+    if not points:
+        return None
+    pick = min if key.endswith("loss") else max
+    best = pick(points, key=lambda p: p[1])  # the earliest step of the best value
+    return {"first": points[0][1], "first_step": points[0][0], "last": points[-1][1], "last_step": points[-1][0],
+            "best": best[1], "best_step": best[0], "points": len(points)}
+
+
+def summarize(records: Sequence[Mapping[str, Any]], metrics_path: str = "") -> dict[str, Any]:
+    """The summary of a run's metric records (see the module docstring)."""
+    train = [r for r in records if not is_eval(r)]
+    evals = [r for r in records if is_eval(r)]
+    timed = [r for r in train if _number(r.get("time/step")) is not None]
+    step_s = sum(float(r["time/step"]) for r in timed)
+    phases = {p: sum(_number(r.get(f"time/{p}")) or 0.0 for r in timed) for p in PHASES}
+    with_tokens = [r for r in timed if _number(r.get("tokens_per_s")) is not None]
+    tokens = sum(float(r["tokens_per_s"]) * float(r["time/step"]) for r in with_tokens)
+    token_s = sum(float(r["time/step"]) for r in with_tokens)
+    eval_keys = list(EVAL_CURVES) + sorted({k for r in evals for k in r if k.startswith("eval/pass@")})
+    curves = {key: c for key in CURVES if (c := _curve(train, key)) is not None}
+    curves.update({key: c for key in eval_keys if (c := _curve(evals, key)) is not None})
+    skipped = max((_number(v) or 0.0 for r in train for k, v in r.items() if k.endswith("skipped_steps")), default=0.0)
+    return {
+        "metrics_file": metrics_path,
+        "steps": int(max((r["step"] for r in train), default=0)),
+        "logged_steps": len(train),
+        "evaluations": len(evals),
+        "time": {"steps_s": step_s, "per_step_s": step_s / len(timed) if timed else None,
+                 "phases_s": {p: s for p, s in phases.items() if s > 0}},
+        "tokens_per_s": tokens / token_s if token_s > 0 else None,
+        "curves": curves,
+        "skipped_updates": int(skipped),
+    }
+
+
+def _seconds(seconds: float) -> str:
+    """'4.2s' under a minute, else format_duration's '1m05s'."""
+    return f"{seconds:.1f}s" if seconds < 59.95 else format_duration(seconds)
+
+
+def _value(key: str, value: float) -> str:
+    return f"{value:.4f}" if key.endswith("loss") else f"{value:.3f}"
+
+
+def format_summary(summary: Mapping[str, Any]) -> list[str]:
+    """The lines printed at the end of a run (and by python -m rlrun.report)."""
+    t = summary["time"]
+    head = f"summary: {summary['steps']} steps"
+    if t["per_step_s"] is not None:
+        total = t["steps_s"]
+        shares = ", ".join(f"{p} {s / total:.0%}" for p, s in t["phases_s"].items()) if total > 0 else ""
+        head += f", {_seconds(total)} in steps ({t['per_step_s']:.2f} s/step{': ' + shares if shares else ''})"
+    if summary.get("tokens_per_s") is not None:
+        head += f", {summary['tokens_per_s']:.0f} generated tokens/s"
+    run = summary.get("run", {})
+    if run.get("wall_s") is not None:
+        head += f"; {_seconds(run['wall_s'])} from start-up to the end"
+    if run.get("outcome") not in (None, "finished"):
+        head += f" ({run['outcome']})"
+    lines = [head]
+    skipped = summary.get("skipped_updates") or 0
+    for key, c in summary["curves"].items():
+        first, last, best = (_value(key, c[k]) for k in ("first", "last", "best"))
+        if key.startswith("eval/"):
+            lines.append(f"{key}: first {first} at step {c['first_step']}, last {last} at step {c['last_step']}, "
+                         f"best {best} at step {c['best_step']}")
+        else:
+            note = f"; {skipped} updates skipped for non-finite gradients" if skipped else ""
+            lines.append(f"{key}: first step {first}, last step {last}, best {best} at step {c['best_step']} "
+                         f"({c['points']} steps{note})")
+    saved = run.get("saved") or {}
+    if saved:
+        lines.append("saved: " + ", ".join(f"{what} {where}" for what, where in saved.items()))
+    return lines
+
+
+def write_summary(summary: Mapping[str, Any], path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(summary, fh, indent=1)
+        fh.write("\n")
+    os.replace(tmp, path)
