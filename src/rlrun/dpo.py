@@ -3,12 +3,14 @@ OpenRLHF's train_dpo flags, against a frozen reference model."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from rlrun.cli.parser import CliSpec
 from rlrun.compat.openrlhf_supervised_flags import DPO_DOTTED, DPO_IGNORED
+from rlrun.launch.failures import leave
 from rlrun.models.loading import unfilled_policy
+from rlrun.rl.memory_estimate import SupervisedJob
+from rlrun.rl.memory_text import supervised_memory
 from rlrun.rm import load_pairs
 from rlrun.supervised.build import dpo_reference, trainable
 from rlrun.supervised.config import DPOConfig
@@ -29,7 +31,9 @@ def _build(cfg: DPOConfig, ctx: BuildContext) -> DPOTask:
                    DPOSettings(loss.beta, loss.label_smoothing, loss.ipo, loss.nll_loss_coef))
 
 
-TRAINER: SupervisedTrainer[Any] = SupervisedTrainer(CLI, lambda cfg, tok, path: load_pairs(cfg, tok, path, "dpo"), _build)
+TRAINER: SupervisedTrainer[Any] = SupervisedTrainer(
+    CLI, lambda cfg, tok, path: load_pairs(cfg, tok, path, "dpo"), _build,
+    memory_plan=supervised_memory(SupervisedJob(pairs=True, reference=True)))
 
 if __name__ == "__main__":
-    sys.exit(main(TRAINER))
+    leave(main(TRAINER))

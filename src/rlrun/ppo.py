@@ -7,13 +7,12 @@ and always tear down.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import TYPE_CHECKING, Sequence
 
 from rlrun.cli.parser import ParsedArgs, parse_args
 from rlrun.launch.dist import uses_cuda
 from rlrun.launch.env import read_node_label
-from rlrun.launch.failures import checked_on_every_rank, launch_environment
+from rlrun.launch.failures import checked_on_every_rank, launch_environment, leave
 from rlrun.launch.layout_text import format_layout_table
 from rlrun.models.hub import resolve_models
 from rlrun.rl.planning import Plan, asks_node_labels, plan
@@ -54,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = choice.config
     one_node = env.world_size == env.local_world_size
     if cfg.runtime.dry_run:
+        if choice.assumed is not None:
+            log.info_once(choice.assumed)
         log.info_once(f"layout for world size {env.world_size} ({env.local_world_size} ranks per node, launcher {env.launcher}):\n"
                       + format_layout_table(the_plan.layout))
         if asks_node_labels(cfg) and not one_node:
@@ -85,4 +86,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

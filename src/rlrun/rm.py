@@ -3,7 +3,6 @@ OpenRLHF's train_rm flags; the saved model is what `rlrun.ppo --reward_pretrain`
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -11,6 +10,9 @@ from transformers import PreTrainedTokenizerBase
 from rlrun.cli.parser import CliSpec
 from rlrun.data.sources import DataSpec
 from rlrun.compat.openrlhf_supervised_flags import RM_DOTTED, RM_IGNORED
+from rlrun.launch.failures import leave
+from rlrun.rl.memory_estimate import SupervisedJob
+from rlrun.rl.memory_text import supervised_memory
 from rlrun.supervised.build import reward_model, trainable
 from rlrun.supervised.config import RMConfig
 from rlrun.supervised.datasets import Loaded, PairTask, Preference, load_preferences
@@ -38,7 +40,8 @@ def _build(cfg: RMConfig, ctx: BuildContext) -> RewardModelTask:
                            cfg.loss.loss, cfg.loss.margin_loss)
 
 
-TRAINER: SupervisedTrainer[Any] = SupervisedTrainer(CLI, load_pairs, _build, eval_from_train=0.01)
+TRAINER: SupervisedTrainer[Any] = SupervisedTrainer(
+    CLI, load_pairs, _build, eval_from_train=0.01, memory_plan=supervised_memory(SupervisedJob(pairs=True, scalar=True)))
 
 if __name__ == "__main__":
-    sys.exit(main(TRAINER))
+    leave(main(TRAINER))

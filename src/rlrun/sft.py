@@ -3,7 +3,6 @@ train_sft flags. The loss is the NLL of the response tokens; see rlrun.supervise
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -11,7 +10,10 @@ from transformers import PreTrainedTokenizerBase
 from rlrun.cli.parser import CliSpec
 from rlrun.data.sources import DataSpec
 from rlrun.compat.openrlhf_supervised_flags import SFT_DOTTED, SFT_IGNORED
+from rlrun.launch.failures import leave
 from rlrun.models.loading import unfilled_policy
+from rlrun.rl.memory_estimate import SupervisedJob
+from rlrun.rl.memory_text import supervised_memory
 from rlrun.supervised.build import trainable
 from rlrun.supervised.config import SFTConfig
 from rlrun.supervised.datasets import Completion, Loaded, load_completions
@@ -37,7 +39,7 @@ def _build(cfg: SFTConfig, ctx: BuildContext) -> SFTTask:
     return SFTTask(model, optimizer, strategy, ctx.device, ctx.pad_id, cfg.train.packing_samples)
 
 
-TRAINER: SupervisedTrainer[Any] = SupervisedTrainer(CLI, _load, _build)
+TRAINER: SupervisedTrainer[Any] = SupervisedTrainer(CLI, _load, _build, memory_plan=supervised_memory(SupervisedJob()))
 
 if __name__ == "__main__":
-    sys.exit(main(TRAINER))
+    leave(main(TRAINER))

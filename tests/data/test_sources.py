@@ -12,7 +12,7 @@ import pytest
 from peer_data import lay_out_hub_cache, write_parquet, write_openrlhf_prompt_collection
 
 from rlrun.data.prompts import PromptKeys, load_prompt_records
-from rlrun.data.sources import DataSpec, read_sources
+from rlrun.data.sources import DataSpec, missing_paths, not_here, read_sources
 from rlrun.models import hub
 from rlrun.runtime.errors import ConfigError, DataError
 
@@ -98,4 +98,28 @@ def test_a_hub_dataset_id_reads_from_the_cache_offline(tmp_path, monkeypatch):
     assert records[0].label == "d"
     with pytest.raises(ConfigError, match="OpenRLHF/other is not in the Hugging Face cache"):
         load_prompt_records(DataSpec("OpenRLHF/other"))
+    hub.resolve.cache_clear()
+
+
+def test_dry_runs_find_hub_datasets_in_the_cache_and_name_the_rest(tmp_path, monkeypatch):
+    """A hub dataset in this machine's hub cache (HF_HOME/hub here) is here: no warning, and the preflight reads it; a
+    hub id not in the cache, an earlier stage's output (`out/pairs`) and another host's file are named instead."""
+    files = tmp_path / "files"
+    _jsonl(files / "train.jsonl", "p", 2)
+    lay_out_hub_cache(tmp_path / "home" / "hub", "OpenRLHF/pairs", files, repo_type="dataset")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    local = _jsonl(tmp_path / "local.jsonl", "l", 1)
+    sources = f"OpenRLHF/pairs@.,{local},out/pairs,/other/host.jsonl,OpenRLHF/uncached"
+    assert not_here(sources) == ["out/pairs", "/other/host.jsonl", "OpenRLHF/uncached"]
+    warnings = missing_paths([("pretrain", str(tmp_path)), ("ref_pretrain", None)], [("dataset", sources),
+                                                                                    ("eval_dataset", None)])
+    assert [w.split(":")[0] for w in warnings] == ["--dataset out/pairs", "--dataset /other/host.jsonl",
+                                                   "--dataset OpenRLHF/uncached"]
+    assert "a path not written yet (an earlier stage's output?), or a Hugging Face Hub dataset id" in warnings[0]
+    assert warnings[1].endswith("not found on this machine (another host's path?)")
+    hub.resolve.cache_clear()
+    assert _prompts(read_sources(DataSpec("OpenRLHF/pairs"))) == ["p0", "p1"]
     hub.resolve.cache_clear()

@@ -700,3 +700,21 @@ def test_failure_case(case_id, started):
         codes = _rank_exitcodes(out.output)
         assert sorted(codes) == list(range(case.nproc)) and 0 not in codes.values(), \
             f"every rank must exit non-zero: {codes}\n{out.output[-3000:]}"
+
+
+def test_a_finished_trainer_leaves_with_its_exit_handlers_run_and_no_finalization(tmp_path):
+    """rlrun.ppo/sft/rm/dpo end through launch.failures.leave: atexit handlers (engines, worker pools, wandb) still
+    run and the exit status is kept, but interpreter finalization does not (it tore down process groups that outlive
+    destroy_process_group while their gloo threads ran, aborting a successful DeepSpeed rank now and then): an
+    object whose finaliser would print is never finalised."""
+    script = ("import atexit, sys\n"
+              "class Late:\n    def __del__(self):\n        print('finalized', flush=True)\n"
+              "keep = Late()\n"
+              "atexit.register(lambda: print('atexit ran', flush=True))\n"
+              "from rlrun.launch.failures import leave\n"
+              "print('done', end=' ')\n"
+              "leave(3)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 3 and proc.stdout.split() == ["done", "atexit", "ran"], proc.stdout + proc.stderr
+    for module in ("ppo", "sft", "rm", "dpo"):
+        assert "    leave(main(" in (REPO / "src" / "rlrun" / f"{module}.py").read_text(), module

@@ -60,3 +60,60 @@ def test_repo_id_shapes():
     assert hub.parse_repo_id("gpt2") == ("gpt2", None)
     assert hub.parse_repo_id("org/name@v1.0") == ("org/name", "v1.0")
     assert hub.parse_repo_id("data/train.parquet") is None and hub.parse_repo_id("a/b/c") is None
+
+
+def test_a_dry_run_names_an_uncached_owner_name_instead_of_failing(offline_cache):
+    """`out/sft` (an earlier stage's output, not written yet) has a hub id's shape: a dry run keeps the name (planning
+    says it is a path not written yet or a hub id not cached here); a real run still fails, naming the cache."""
+    assert hub.resolve("out/sft", "model", "pretrain", download=False) == "out/sft"
+    note = hub.missing_note("pretrain", "out/sft", "model")
+    assert note is not None and note.startswith("--pretrain out/sft: not on this machine: a path not written yet")
+    assert "Hugging Face Hub id not in this machine's cache" in note
+    hub.resolve.cache_clear()
+    with pytest.raises(ConfigError, match="out/sft is not in the Hugging Face cache"):
+        hub.resolve("out/sft", "model", "pretrain")
+    assert hub.missing_note("pretrain", "/elsewhere/sft", "model") == \
+        "--pretrain /elsewhere/sft: not found on this machine (another host's path?)"
+
+
+def test_an_online_dry_run_keeps_a_name_the_hub_does_not_know(offline_cache, monkeypatch):
+    import httpx2
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    response = httpx2.Response(404, request=httpx2.Request("GET", "https://huggingface.co/api/models/out/sft"))
+
+    def unknown(self, repo_id, **kwargs):
+        raise RepositoryNotFoundError(f"404: {repo_id}", response=response)
+
+    monkeypatch.setattr(HfApi, "repo_info", unknown)
+    assert hub.resolve("out/sft", "model", "pretrain", download=False) == "out/sft"
+
+    def gated(self, repo_id, **kwargs):
+        raise GatedRepoError(f"403: {repo_id}", response=response)
+
+    monkeypatch.setattr(HfApi, "repo_info", gated)
+    with pytest.raises(ConfigError, match="that this machine may read \\(GatedRepoError\\)"):
+        hub.resolve("meta-llama/Meta-Llama-3-8B", "model", "pretrain", download=False)
+
+
+def test_cached_reads_the_hub_cache_layout_under_hf_hub_cache_or_hf_home(tmp_path, monkeypatch):
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "train.jsonl").write_text("{}\n")
+    home = tmp_path / "home"
+    snapshot = lay_out_hub_cache(home / "hub", "org/pairs", files, repo_type="dataset")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(home))  # read now, not when huggingface_hub was imported
+    assert hub.cache_dir() == str(home / "hub")
+    assert hub.cached("org/pairs", "dataset") == str(snapshot)
+    assert hub.cached("org/pairs@0123456789abcdef0123456789abcdef01234567", "dataset") == str(snapshot)
+    assert hub.cached("org/pairs", "model") is None  # a dataset repo is not a model repo
+    assert hub.cached("org/pairs@v2", "dataset") is None and hub.cached("org/other", "dataset") is None
+    assert hub.cached("data/train.parquet", "dataset") is None  # not a hub id's shape
+    assert hub.missing_note("dataset", "org/pairs", "dataset") is None
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))  # HF_HUB_CACHE wins over HF_HOME
+    assert hub.cached("org/pairs", "dataset") is None
+    assert "Hub dataset id not in this machine's cache" in hub.missing_note("dataset", "org/pairs", "dataset")

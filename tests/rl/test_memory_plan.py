@@ -19,9 +19,10 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlrun.cli.parser import parse_args
 from rlrun.launch.layout import Role
 from rlrun.models.tiny import build_byte_tokenizer, tiny_model_config_for_size
-from rlrun.rl.memory_estimate import GIB, Target, knobs_of, kv_cache_bytes
+from rlrun.rl.memory_estimate import GIB, SupervisedJob, Target, knobs_of, kv_cache_bytes
 from rlrun.rl.memory_plan import plan_memory
-from rlrun.rl.memory_text import dry_run_memory, format_plan, problem_lines, read_shapes, target_for
+from rlrun.rl.memory_text import (dry_run_memory, format_plan, problem_lines, read_shapes, supervised_memory,
+                                  target_for)
 from rlrun.rl.model_shapes import model_shape
 from rlrun.rl.planning import plan
 
@@ -221,3 +222,97 @@ def test_plan_json_from_a_real_dry_run_of_the_70b_job(tmp_path):
     assert plan_doc["model"]["parameters"] == 68_976_648_192
     assert any("--adam_offload" in line for line in plan_doc["advice"])
     assert [n["node"] for n in plan_doc["nodes"]] == [0, 1, 2, 3, 4]
+
+
+def _supervised(module: str, argv: list[str]):
+    import importlib
+
+    return parse_args(argv, importlib.import_module(module).TRAINER.cli).config
+
+
+DPO_7B = ["--dataset", "pairs.jsonl", "--bf16", "--zero_stage", "3", "--gradient_checkpointing", "--flash_attn",
+          "--micro_train_batch_size", "1", "--max_len", "4096"]
+
+
+def test_dpo_scores_its_reference_inside_the_training_step_and_ref_offload_moves_it_to_host(tmp_path):
+    model = _model_dir(tmp_path / "llama-2-7b", LLAMA_2_7B)
+    cfg = _supervised("rlrun.dpo", ["--pretrain", str(model), *DPO_7B])
+    job = SupervisedJob(pairs=True, reference=True)
+    layout = job.layout(8, 8)
+    shapes, notes = read_shapes(cfg, layout, job)
+    assert notes == [] and shapes[Role.REF] == shapes[Role.ACTOR]
+    memory = plan_memory(cfg, layout, shapes, GPU_80, job)
+    n, rank = shapes[Role.ACTOR].parameters, memory.ranks[1]
+    assert rank.roles == (Role.ACTOR, Role.REF) and rank.phase == "train_actor" and memory.fits
+    assert memory.knobs.micro_train == 2 and memory.knobs.seq == 4096  # a pair is two rows of up to --max_len
+    assert rank.gpu["params"] == 4 * n // 8 + 2 * n // 8  # fp32 policy shards + the bf16 reference's (ZeRO-3)
+    # the reference's no-grad forward (one layer's activations, its logits) comes on top of the policy's training
+    alone = SupervisedJob(pairs=True)
+    sft = plan_memory(cfg, alone.layout(8, 8), shapes, GPU_80, alone).ranks[1]
+    extra = {k: rank.gpu.get(k, 0) - sft.gpu.get(k, 0) for k in rank.gpu}
+    assert extra["params"] == 2 * n // 8 and extra["activations"] == 2 * 4096 * 4096 * 34
+    assert extra["logits"] == 1024 * 32000 * 4 * 2
+    offloaded = plan_memory(dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, ref_offload=True)), layout,
+                            shapes, GPU_80, job).ranks[1]
+    assert offloaded.gpu["params"] == 4 * n // 8 and offloaded.host["params"] == 2 * n // 8
+    text = format_plan(memory)
+    assert re.search(r"^1-7 +\| 0 +\| policy,ref \| train +\|", text, re.M), text
+    assert "policy: 6.74B parameters (32 layers, hidden 4096, 32 heads, 32 KV heads, vocab 32000)" in text
+    assert "ref:" not in text  # the reference is the policy's shape
+
+
+def test_a_dpo_rank_that_does_not_fit_is_told_the_flags_that_would_fit_it(tmp_path):
+    model = _model_dir(tmp_path / "llama-2-7b", LLAMA_2_7B)
+    job = SupervisedJob(pairs=True, reference=True)
+    layout = job.layout(8, 8)
+
+    def advice(micro: str) -> str:
+        cfg = _supervised("rlrun.dpo", ["--pretrain", str(model), *DPO_7B, "--zero_stage", "2", "--max_len", "8192",
+                                        "--micro_train_batch_size", micro])
+        [line] = problem_lines(plan_memory(cfg, layout, read_shapes(cfg, layout, job)[0], GPU_80, job))
+        assert line.startswith("does not fit: policy,ref on ranks 0-7: "), line
+        return line
+
+    line = advice("5")
+    assert re.search(r"fits with --adam_offload \([\d.]+ GiB\), or --zero_stage 3 \([\d.]+ GiB\), or --zero_stage 3 "
+                     r"--ref_offload \([\d.]+ GiB\), or a world of 16 ranks \([\d.]+ GiB\)$", line), line
+    # no single change is enough: all together, each flag once
+    assert re.search(r"fits with --adam_offload --zero_stage 3 --ref_offload \([\d.]+ GiB\)$", advice("8")), advice("8")
+
+
+def test_rm_trains_a_score_head_model_without_logits(tmp_path):
+    model = _model_dir(tmp_path / "llama-2-7b", LLAMA_2_7B)
+    cfg = _supervised("rlrun.rm", ["--pretrain", str(model), "--dataset", "pairs.jsonl", "--bf16", "--zero_stage", "3",
+                                   "--micro_train_batch_size", "2"])
+    job = SupervisedJob(pairs=True, scalar=True)
+    layout = job.layout(8, 8)
+    shapes, _ = read_shapes(cfg, layout, job)
+    memory = plan_memory(cfg, layout, shapes, GPU_80, job)
+    scalar = shapes[Role.CRITIC].parameters
+    assert scalar == shapes[Role.ACTOR].parameters - 32000 * 4096 + 4096  # the LM head becomes [hidden, 1]
+    first = memory.ranks[0]
+    assert first.roles == (Role.CRITIC,) and "logits" not in first.gpu and memory.knobs.micro_train == 4
+    assert first.host["export"] == 4 * scalar and "export" not in memory.ranks[1].host  # the writer, rank 0
+    text = format_plan(memory)
+    assert re.search(r"^0 +\| 0 +\| model \| train +\|", text, re.M), text
+    assert "model: 6.61B parameters (32 layers, hidden 4096, 32 heads, 32 KV heads, vocab 32000; a [hidden, 1] score " \
+           "head in place of the LM head)" in text
+
+
+def test_supervised_dry_run_memory_prints_writes_json_and_skips_what_is_not_here(tmp_path):
+    model = _model_dir(tmp_path / "llama-2-7b", LLAMA_2_7B)
+    plan_file = tmp_path / "plan.json"
+    cfg = _supervised("rlrun.sft", ["--pretrain", str(model), "--dataset", "sft.jsonl", "--bf16", "--gpu_memory_gb", "80",
+                                    "--plan_json", str(plan_file)])
+    lines, problems = supervised_memory(SupervisedJob())(cfg, 4, 2, True)
+    assert lines[0].startswith("memory plan, GiB per rank at its peak phase, for GPUs of 80.0 GiB (--gpu_memory_gb)")
+    assert "| model | train |" in lines[0] and "model: 6.74B parameters" in lines[0]
+    assert problems == [] or all(p.startswith("does not fit: model on rank") for p in problems)
+    doc = json.loads(plan_file.read_text())
+    assert [r["roles"] for r in doc["ranks"]] == [["actor"]] * 4 and [n["node"] for n in doc["nodes"]] == [0, 1]
+    cfg = _supervised("rlrun.dpo", ["--pretrain", "out/sft", "--dataset", "pairs.jsonl"])
+    assert supervised_memory(SupervisedJob(pairs=True, reference=True))(cfg, 8, 8, False) == (
+        ["memory plan skipped: --pretrain out/sft is not on this machine (the plan reads its config.json)"], [])
+    cfg = _supervised("rlrun.dpo", ["--pretrain", str(model), "--ref_pretrain", "/elsewhere/ref", "--dataset", "p.jsonl"])
+    lines, _ = supervised_memory(SupervisedJob(pairs=True, reference=True))(cfg, 8, 8, False)
+    assert "ref (--ref_pretrain /elsewhere/ref): not on this machine, planned with the policy's shape" in lines

@@ -72,8 +72,11 @@ def test_what_would_fail_at_step_0_fails_the_dry_run(tmp_path, single_process, c
     assert len(errors) == 1 and message in errors[0], errors
 
 
-def test_hub_ids_resolve_from_the_cache_and_an_offline_miss_fails_the_dry_run(tmp_path, single_process, capsys,
-                                                                             monkeypatch):
+def test_hub_ids_resolve_from_the_cache_and_an_offline_miss_is_named_not_failed(tmp_path, single_process, capsys,
+                                                                                monkeypatch):
+    """Cached hub ids (model and dataset) are read, with no warning; an id not cached here with HF_HUB_OFFLINE=1 may
+    as well be a path an earlier stage writes (`out/sft`): the dry run names it, plans without it and passes (the
+    job itself still fails on it, naming the cache: tests/models/test_hub.py)."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hub.resolve.cache_clear()
@@ -90,7 +93,28 @@ def test_hub_ids_resolve_from_the_cache_and_an_offline_miss_fails_the_dry_run(tm
     assert rlrun.ppo.main(argv) == 0
     out = capsys.readouterr()
     assert "the first as the policy sees it: 'User: What is 2+3?\\nAssistant: '; its label: '5'" in out.out + out.err
-    assert rlrun.ppo.main([*argv[:2], "tiny-org/missing", *argv[3:]]) == 2
-    err = capsys.readouterr()
-    assert "--pretrain tiny-org/missing: tiny-org/missing is not in the Hugging Face cache" in err.out + err.err
+    assert "not on this machine" not in out.out + out.err and "not in this machine's cache" not in out.out + out.err
+    assert rlrun.ppo.main([*argv[:2], "out/sft", *argv[3:]]) == 0
+    out = "".join(capsys.readouterr())
+    assert "--pretrain out/sft: not on this machine: a path not written yet (an earlier stage's output?), or a " \
+           "Hugging Face Hub id not in this machine's cache" in out, out
+    assert "memory plan skipped: --pretrain out/sft is not on this machine" in out, out
+    assert "--prompt_data tiny-org/questions: 1 records read (not rendered: --pretrain out/sft is not on this " \
+           "machine" in out, out
     hub.resolve.cache_clear()
+
+
+def test_a_dry_run_plans_vllm_engines_where_vllm_is_not_installed(single_process, capsys, monkeypatch):
+    from rlrun.engines import vllm_adapter
+
+    monkeypatch.setattr(vllm_adapter, "installed_version", lambda: None)  # as on a login node, or CI
+    argv = ["--generation_backend", "vllm", "--remote_rm_url", "demo", "--gpu_memory_gb", "80"]
+    assert rlrun.ppo.main([*argv, "--dry_run"]) == 0
+    out = "".join(capsys.readouterr())
+    assert out.count("vLLM is not installed here: the plan assumes it is on the nodes that run the job") == 1, out
+    assert re.search(r"^ranks .*\| vllm \|", out, re.M) and re.search(r"^0 +\| 0 +\| actor,critic,ref,engine \|", out,
+                                                                       re.M), out  # vLLM's memory on the engine rank
+    assert rlrun.ppo.main(argv) == 2  # the job itself refuses, in one line, before anything starts
+    errors = [line for line in "".join(capsys.readouterr()).splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].endswith("--generation_backend vllm needs the optional package 'vllm', which "
+                                                   "is not installed. Install it with: pip install 'rlrun[vllm]'"), errors

@@ -4,6 +4,9 @@ before anything starts (real processes for the exit codes)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
 import re
 import subprocess
@@ -121,8 +124,39 @@ def test_dry_run_reads_the_data_as_training_will(tmp_path) -> None:
     assert "1 ranks" in out and "4 samples per rank" in out
     assert f"--dataset {pairs}: 1 samples (0 dropped, 0 truncated at --max_len 512); the first as the model sees " \
            "it: {'prompt': '2+3?', 'chosen': '5 <|eos|>', 'rejected': '6 <|eos|>', 'margin': 0.0}" in out
+    assert "memory plan of a CPU run" in out and re.search(r"^0 +\| 0 +\| policy,ref \| train +\|", out, re.M), out
     proc = dry("--dataset", str(tmp_path / "elsewhere.jsonl"))
     assert proc.returncode == 0 and "is not on this machine" in proc.stdout + proc.stderr
     proc = dry("--dataset", str(pairs), "--chosen_key", "better")
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line]
     assert proc.returncode == 2 and len(errors) == 1 and "better" in errors[0], errors
+
+
+
+@pytest.mark.parametrize("module, roles", [("rlrun.sft", "model"), ("rlrun.rm", "model"), ("rlrun.dpo", "policy,ref")])
+def test_dry_run_prints_a_memory_plan_per_rank(module, roles, tmp_path, monkeypatch) -> None:
+    """In process, for a world of 16 ranks on nodes of 8 (as scripts/slurm/train.sh plans one): the plan for GPUs of
+    --gpu_memory_gb, in rlrun.ppo's format; a --pretrain of a hub id's shape that is not here (an earlier stage's
+    `out/sft`) is named, and the plan says it is skipped, without failing the dry run."""
+    from rlrun.models import hub
+    from rlrun.supervised.run import main
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8",
+                       "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"chosen": "5", "rejected": "6", "input": "2+3?", "output": "5"}) + "\n")
+    argv = ["--dataset", str(pairs), "--train_batch_size", "16", "--dry_run",
+            *(["--output_key", "output"] if module == "rlrun.sft" else [])]
+    trainer = importlib.import_module(module).TRAINER
+    text = io.StringIO()
+    hub.resolve.cache_clear()
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        assert main(trainer, [*argv, "--gpu_memory_gb", "80"]) == 0
+        assert main(trainer, [*argv, "--pretrain", "out/sft"]) == 0
+    hub.resolve.cache_clear()
+    out = text.getvalue()
+    assert "memory plan, GiB per rank at its peak phase, for GPUs of 80.0 GiB (--gpu_memory_gb)" in out, out
+    assert re.search(rf"^1-15 +\| 0-1 +\| {roles} +\| train +\|", out, re.M), out  # rank 0 also writes the export
+    assert "memory plan skipped: --pretrain out/sft is not on this machine" in out, out
+    assert "--pretrain out/sft: not on this machine: a path not written yet (an earlier stage's output?)" in out, out

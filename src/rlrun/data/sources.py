@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from rlrun.data.files import FILE_FORMATS, read_rows
-from rlrun.models.hub import parse_repo_id, resolve
+from rlrun.models.hub import RepoType, cached, missing_note, parse_repo_id, resolve
 from rlrun.runtime.errors import DataError, MissingExtraError
 
 KNOWN_SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
@@ -119,11 +119,21 @@ def _interleave(parts: list[list[Any]], weights: list[float], seed: int) -> list
 
 
 def not_here(sources: str) -> list[str]:
-    """The entries of a comma-separated source list that are neither a path here nor a hub id (another machine's
-    paths: a dry run on a login node names them instead of failing)."""
+    """The entries of a comma-separated source list that are neither a path here nor a hub dataset in this machine's
+    hub cache (another machine's paths, an earlier stage's output, a dataset downloaded at start-up): a dry run on a
+    login node names them instead of failing or downloading."""
     names = [n.strip() for n in sources.split(",")]
     return [n for n in names if not os.path.exists(n) and not os.path.exists(n.partition("@")[0])
-            and parse_repo_id(n.partition("@")[0]) is None]
+            and cached(n.partition("@")[0], "dataset") is None]
+
+
+def missing_paths(models: Sequence[tuple[str, str | None]], data: Sequence[tuple[str, str | None]]) -> list[str]:
+    """A dry run's warning per value this machine cannot read: (flag, path or hub id) of model flags, (flag, source
+    list) of data flags (each source without its @DATA_DIR); unset flags are skipped."""
+    named: list[tuple[str, str, RepoType]] = [(flag, path, "model") for flag, path in models if path is not None]
+    named += [(flag, n.strip().partition("@")[0], "dataset") for flag, sources in data
+              for n in (sources or "").split(",") if n.strip()]
+    return [note for flag, name, kind in named if (note := missing_note(flag, name, kind)) is not None]
 
 
 def read_sources(spec: DataSpec) -> list[Any]:

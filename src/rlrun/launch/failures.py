@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import sys
 import tempfile
@@ -30,6 +32,22 @@ def launch_environment() -> DistEnv | None:
         # The rank itself is unknown, so every process reports (a traceback would say no more).
         get_logger(0).error_once(f"error: {exc}")
         return None
+
+
+def leave(rc: int) -> NoReturn:
+    """End a trainer process with `rc` once its run has closed what it opened. The atexit handlers run (engines,
+    worker pools, wandb), then the process ends without interpreter finalization: process groups that outlive
+    destroy_process_group (DeepSpeed keeps references to its groups; their gloo threads still run, seen as
+    pt_gloo_runloop/gloo_tcp_loop threads at exit) were otherwise torn down by finalization and static destructors,
+    which aborted a rank after a successful run now and then ("terminate called without an active exception",
+    SIGABRT; a CI run failed so). Failing ranks already leave with os._exit."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
 
 
 def checked_on_every_rank(env: DistEnv, check: Callable[[], T]) -> T | None:

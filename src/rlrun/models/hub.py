@@ -30,9 +30,14 @@ def offline() -> bool:
 
 
 def cache_dir() -> str:
+    """The hub cache as huggingface_hub finds it, read now (not at its import): HF_HUB_CACHE, else HF_HOME/hub."""
     from huggingface_hub import constants
 
-    return os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    if home := os.environ.get("HF_HOME"):
+        default = os.path.join(os.path.expanduser(home), "hub")
+    else:
+        default = constants.HF_HUB_CACHE
+    return os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or default
 
 
 def parse_repo_id(name: str) -> tuple[str, str | None] | None:
@@ -43,12 +48,42 @@ def parse_repo_id(name: str) -> tuple[str, str | None] | None:
     return (match["repo"], match["revision"]) if match else None
 
 
+def cached(name: str, repo_type: RepoType) -> str | None:
+    """The snapshot folder of hub id `name` (`owner/name[@revision]`) in this machine's hub cache, else None; reads
+    the cache alone (refs/REVISION -> snapshots/COMMIT, as huggingface_hub lays it out), never the network."""
+    parsed = parse_repo_id(name)
+    if parsed is None:
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(parsed[0], repo_type=repo_type, revision=parsed[1], cache_dir=cache_dir(),
+                                 local_files_only=True)
+    except (LocalEntryNotFoundError, ValueError):  # not cached; or a name the hub client rejects (HFValidationError)
+        return None
+
+
+def missing_note(flag: str, name: str, repo_type: RepoType) -> str | None:
+    """A dry run's line for a value this machine cannot read: None for a path here or a hub id in its cache. A name
+    of a hub id's shape (`out/sft`) may equally be a relative path an earlier stage writes: both are said."""
+    if os.path.exists(name) or cached(name, repo_type) is not None:
+        return None
+    if parse_repo_id(name) is None:
+        return f"--{flag} {name}: not found on this machine (another host's path?)"
+    kind = "dataset " if repo_type == "dataset" else ""
+    return (f"--{flag} {name}: not on this machine: a path not written yet (an earlier stage's output?), or a Hugging "
+            f"Face Hub {kind}id not in this machine's cache, downloaded at start-up (HF_HUB_OFFLINE=1 there: download "
+            "it first)")
+
+
 @lru_cache(maxsize=None)
 def resolve(name: str, repo_type: RepoType, flag: str, *, download: bool = True) -> str:
     """The local folder of `name`: itself when it is a local path, else the hub snapshot (downloaded when allowed).
 
-    download=False (a dry run): the cached snapshot, or `name` itself once the hub has confirmed the repo exists
-    (it is downloaded at start-up). Raises ConfigError naming the cache and the way out."""
+    download=False (a dry run): the cached snapshot, else `name` itself (downloaded at start-up, or a path an earlier
+    stage writes: missing_note says so), unless the hub, when it may be asked, names a repo this machine may not read
+    or a revision it lacks. Raises ConfigError naming the cache and the way out."""
     if os.path.exists(name):
         return name
     parsed = parse_repo_id(name)
@@ -76,6 +111,8 @@ def resolve(name: str, repo_type: RepoType, flag: str, *, download: bool = True)
                                  local_files_only=offline() or not download,
                                  ignore_patterns=_NOT_LOADED if repo_type == "model" else None)
     except LocalEntryNotFoundError:
+        if not download and offline():
+            return name  # a dry run with HF_HUB_OFFLINE=1: a hub id not cached here, or a path not written yet
         if offline():
             raise ConfigError(f"--{flag} {name}: {kind}{repo} is not in {where} and HF_HUB_OFFLINE=1 forbids "
                               f"downloading it; fetch it where there is network, with the same HF_HOME: "
@@ -90,8 +127,10 @@ def resolve(name: str, repo_type: RepoType, flag: str, *, download: bool = True)
         raise ConfigError(f"--{flag} {name}: downloading {kind}{repo} failed: {str(exc).splitlines()[0]}") from None
     try:  # a dry run and not cached: say now whether start-up will find it
         HfApi().repo_info(repo, repo_type=repo_type, revision=revision)
-    except unreadable as exc:
+    except (GatedRepoError, RevisionNotFoundError) as exc:  # the repo exists: this machine may not read it as named
         raise refused(exc) from None
+    except RepositoryNotFoundError:
+        return name  # no such repo: a relative path an earlier stage writes (`out/sft`), or a misspelt id
     except HfHubHTTPError as exc:
         raise ConfigError(f"--{flag} {name}: not in {where}, and the hub could not be asked about it: "
                           f"{str(exc).splitlines()[0]}") from None

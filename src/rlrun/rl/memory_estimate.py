@@ -40,6 +40,12 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
 - Host memory: offloaded and parked parts, the HF export's full fp32 state dict on its writer (global rank 0; the
   critic's first rank with --save_value_network), plus HOST_RUNTIME_* per rank (and a second process per vLLM
   engine rank: the child that runs vLLM). On CPU everything is host memory, in fp32.
+- Supervised trainers (rlrun.sft, rlrun.rm, rlrun.dpo; SupervisedJob): every rank trains a data-parallel share, the
+  trained model accounted as the actor above (rlrun.rm's scalar-head model as the critic: no logits), micro-batches
+  of --micro_train_batch_size samples of L = --max_len tokens (two rows per preference pair), logits over up to L
+  positions. rlrun.dpo's frozen reference is accounted as PPO's, its no-grad forward inside the policy's training
+  step (the policy's activations held meanwhile); ``--ref_offload`` (FSDP2's CPU offload, ZeRO-3 only) keeps its
+  shards in host memory.
 The CUDA context and the allocator's slack are not counted (the estimate compares with
 ``torch.cuda.max_memory_allocated``); a GPU fits when the estimate is within GPU_USABLE_FRACTION of it.
 """
@@ -50,6 +56,7 @@ import dataclasses
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from rlrun.config.schema import Config
 from rlrun.launch.layout import Layout, Role
@@ -110,6 +117,33 @@ class Knobs:
     kv_budget: int | None
     export_critic: bool = False  # --save_value_network
     engine_tp: int | None = None  # ranks per engine instead of the layout's (advice only)
+    ref_offload: bool | None = None  # rlrun.dpo's --ref_offload (None: the trainer has no such flag)
+    ref_in_train: bool = False  # rlrun.dpo: the reference scores inside the policy's training step
+
+
+@dataclass(frozen=True)
+class SupervisedJob:
+    """What every rank of rlrun.sft / rlrun.rm / rlrun.dpo holds: the trained model as PPO's actor, or with `scalar`
+    its critic (a score head: rlrun.rm); with `reference` a frozen reference (rlrun.dpo); `pairs`: a sample is two
+    rows (chosen and rejected)."""
+
+    pairs: bool = False
+    scalar: bool = False
+    reference: bool = False
+
+    @property
+    def trained(self) -> Role:
+        return Role.CRITIC if self.scalar else Role.ACTOR
+
+    def layout(self, world_size: int, ranks_per_node: int) -> Layout:
+        everyone = tuple(range(world_size))
+        roles = {self.trained: everyone, **({Role.REF: everyone} if self.reference else {})}
+        return Layout(world_size, ranks_per_node, roles, (), ())
+
+    def labels(self) -> dict[str, str]:
+        """How the printed plan names the roles and phases."""
+        return {self.trained.value: "policy" if self.reference else "model", f"train_{self.trained.value}": "train",
+                "score": "eval"}
 
 
 def native_kv_budget(cfg: Config) -> int | None:
@@ -118,21 +152,35 @@ def native_kv_budget(cfg: Config) -> int | None:
     return int(mib * MIB) if mib else None
 
 
+def _training_knobs(cfg: Any, target: Target) -> dict[str, Any]:
+    """The settings every trainer shares (its model and optimisation sections)."""
+    t, m = cfg.train, cfg.model
+    return dict(gpu=target.gpu, bf16=m.bf16 and target.gpu, strategy=t.strategy, zero_stage=t.zero_stage,
+                adam_offload=t.adam_offload and target.gpu, checkpointing=m.gradient_checkpointing,
+                attention_scores=m.attn_implementation == "eager" and not m.flash_attn,
+                logits_chunk=int(getattr(t, "logits_chunk_size", 1024)))
+
+
 def knobs_of(cfg: Config, target: Target) -> Knobs:
     """`cfg`'s generation_backend must be the resolved one (rlrun.engines.choice), not auto."""
-    t, g, m = cfg.train, cfg.generation, cfg.model
+    t, g = cfg.train, cfg.generation
     return Knobs(
-        gpu=target.gpu, bf16=m.bf16 and target.gpu, strategy=t.strategy, zero_stage=t.zero_stage,
-        adam_offload=t.adam_offload and target.gpu, checkpointing=m.gradient_checkpointing,
-        attention_scores=m.attn_implementation == "eager" and not m.flash_attn,
-        micro_train=t.micro_train_batch_size, micro_rollout=t.micro_rollout_batch_size,
+        **_training_knobs(cfg, target), micro_train=t.micro_train_batch_size, micro_rollout=t.micro_rollout_batch_size,
         seq=g.prompt_max_len + g.generate_max_len, response=g.generate_max_len,
-        logits_chunk=int(getattr(t, "logits_chunk_size", 1024)),
         model_sleep=t.deepspeed_enable_sleep and target.gpu, engine_sleep=g.vllm_enable_sleep and target.gpu,
         backend=g.generation_backend, vllm_util=g.vllm_gpu_memory_utilization,
         vllm_kv_bytes=g.vllm_kv_cache_memory_bytes,
         rollouts=cfg.rollouts_per_step, kv_budget=native_kv_budget(cfg),
         export_critic=cfg.checkpoint.save_value_network)
+
+
+def supervised_knobs(cfg: Any, target: Target, job: SupervisedJob) -> Knobs:
+    """The settings of a supervised trainer's config (rlrun.supervised.config)."""
+    rows = cfg.train.micro_train_batch_size * (2 if job.pairs else 1)
+    return Knobs(**_training_knobs(cfg, target), micro_train=rows, micro_rollout=rows, seq=cfg.train.max_len,
+                 response=cfg.train.max_len, model_sleep=False, engine_sleep=False, backend="none", vllm_util=0.0,
+                 vllm_kv_bytes=None, rollouts=0, kv_budget=None, export_critic=job.scalar,
+                 ref_offload=cfg.loss.ref_offload and target.gpu if job.reference else None, ref_in_train=job.reference)
 
 
 @dataclass(frozen=True)
@@ -189,8 +237,10 @@ def _model_role(role: Role, s: ModelShape, ranks: int, k: Knobs) -> RoleMemory:
              "logits": _logits(s, k, k.micro_rollout, False) if logits else 0}
     if role not in TRAINED:
         whole = (2 if k.bf16 else 4) * n
-        params = whole // ranks if k.zero_stage == 3 else whole
-        return RoleMemory(role, add_bytes({"params": params}), {}, {"score": add_bytes(score)}, {})
+        params = add_bytes({"params": whole // ranks if k.zero_stage == 3 else whole})
+        offload = bool(k.ref_offload) and role is Role.REF and k.zero_stage == 3 and k.strategy == "fsdp"
+        phase = f"train_{Role.ACTOR.value}" if k.ref_in_train and role is Role.REF else "score"
+        return RoleMemory(role, {} if offload else params, {}, {phase: add_bytes(score)}, params if offload else {})
     if k.strategy == "fsdp":
         parts = {"params": 4 * n // ranks, "grads": 4 * n // ranks, "optimizer": 8 * n // ranks}
         device = {} if k.adam_offload else parts

@@ -1,19 +1,21 @@
-"""The memory plan of a PPO job: per rank, its peak GPU bytes and the host bytes it holds, by component,
-estimated from the models' config.json alone (no weights; rlrun.rl.memory_estimate over rlrun.rl.model_shapes),
-and what would make a rank that does not fit its GPU fit.
+"""The memory plan of a PPO job (or of rlrun.sft / rlrun.rm / rlrun.dpo: a SupervisedJob): per rank, its peak GPU
+bytes and the host bytes it holds, by component, estimated from the models' config.json alone (no weights;
+rlrun.rl.memory_estimate over rlrun.rl.model_shapes), and what would make a rank that does not fit its GPU fit.
 
 For each run of ranks (same roles, same numbers) that does not fit, the advice estimates the rank again under each
 single change worth trying (--adam_offload, --zero_stage 3, --gradient_checkpointing, --deepspeed_enable_sleep,
---vllm_enable_sleep, vLLM in place of a native/hf engine, a lower --vllm_gpu_memory_utilization) and keeps those
-under which it fits, then more ranks for its models (up to 8x); when no single change is enough, all of them
-together, then with more ranks. Apart from the totals, a vLLM engine whose weights leave under a tenth of its
-memory to the KV cache is a problem too, with the tensor-parallel size or utilization that gives it room.
+--vllm_enable_sleep, vLLM in place of a native/hf engine, a lower --vllm_gpu_memory_utilization, rlrun.dpo's
+--ref_offload) and keeps those under which it fits, then more ranks for its models (up to 8x); when no single
+change is enough, all of them together, then with more ranks. Apart from the totals, a vLLM engine whose weights
+leave under a tenth of its memory to the KV cache is a problem too, with the tensor-parallel size or utilization
+that gives it room.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +23,8 @@ from typing import Any
 from rlrun.config.schema import Config
 from rlrun.launch.layout import Layout, Role
 from rlrun.rl.memory_estimate import (GIB, GPU_USABLE_FRACTION, MODEL_ROLES, TRAINED, Bytes, Knobs, RankMemory,
-                                      Target, add_bytes, estimate, groups_of, knobs_of, rank_memory)
+                                      SupervisedJob, Target, add_bytes, estimate, groups_of, knobs_of, rank_memory,
+                                      supervised_knobs)
 from rlrun.rl.model_shapes import ModelShape
 
 
@@ -46,6 +49,10 @@ class MemoryPlan:
     ranks: list[RankMemory]
     problems: list[Problem]
     ranks_per_node: int
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)  # printed names of roles and phases
+
+    def label(self, name: str) -> str:
+        return self.labels.get(name, name)
 
     @property
     def fits(self) -> bool | None:
@@ -64,8 +71,8 @@ def _more_ranks(roles: tuple[Role, ...], cfg: Config, layout: Layout, factor: in
     sizes = {r: len(layout.ranks_of(r)) * factor for r in models}
     role = next((r for r in models if r in TRAINED), models[0])
     n = sizes[role]
-    per_node = getattr(cfg.resources, f"{role.value}_num_gpus_per_node", None)
-    if per_node is None:  # unsized roles take every rank
+    per_node = getattr(getattr(cfg, "resources", None), f"{role.value}_num_gpus_per_node", None)
+    if per_node is None:  # unsized roles take every rank (and every rank of a supervised trainer)
         return f"a world of {n} ranks", sizes
     if n % per_node:
         return f"{n} {role.value} ranks", sizes
@@ -89,6 +96,9 @@ def _candidates(roles: tuple[Role, ...], k: Knobs, layout: Layout, target: Targe
             out.append(("--zero_stage 3", {"zero_stage": 3}))
     if trained and not k.checkpointing:
         out.append(("--gradient_checkpointing", {"checkpointing": True}))
+    if Role.REF in roles and k.ref_offload is False and k.strategy == "fsdp":  # rlrun.dpo: FSDP2 offloads at ZeRO-3
+        out.append(("--ref_offload" if k.zero_stage == 3 else "--zero_stage 3 --ref_offload",
+                    {"ref_offload": True, "zero_stage": 3}))
     if Role.ENGINE in roles and models and not k.model_sleep:
         out.append(("--deepspeed_enable_sleep", {"model_sleep": True}))
     if Role.ENGINE in roles and k.backend == "vllm" and not k.engine_sleep:
@@ -149,7 +159,8 @@ def _problem(group: list[RankMemory], cfg: Config, layout: Layout, shapes: Mappi
                 break
     if not fixes and candidates:  # no single change is enough: all of them together, then with more ranks
         changes = {key: value for _, c in candidates for key, value in c.items()}
-        together = " ".join(flags for flags, _ in candidates)
+        # each flag once ("--zero_stage 3" and "--zero_stage 3 --ref_offload" ask the same stage)
+        together = " ".join(dict.fromkeys(flag for flags, _ in candidates for flag in re.split(r" (?=--)", flags)))
         for factor in range(1, 9 if more else 2):
             text, sizes = _more_ranks(first.roles, cfg, layout, factor) if factor > 1 else ("", {})
             if (r := tried(changes, sizes)).fits:
@@ -159,9 +170,11 @@ def _problem(group: list[RankMemory], cfg: Config, layout: Layout, shapes: Mappi
     return Problem(tuple(r.rank for r in group), first.roles, first.gpu_total, tuple(fixes), tried=tried_all)
 
 
-def plan_memory(cfg: Config, layout: Layout, shapes: Mapping[Role, ModelShape], target: Target) -> MemoryPlan:
-    """Every rank's estimate, and a Problem per run of ranks that does not fit (GPU only)."""
-    k = knobs_of(cfg, target)
+def plan_memory(cfg: Config, layout: Layout, shapes: Mapping[Role, ModelShape], target: Target,
+                job: SupervisedJob | None = None) -> MemoryPlan:
+    """Every rank's estimate, and a Problem per run of ranks that does not fit (GPU only). With `job`, `cfg` is a
+    supervised trainer's config and `layout` the job's."""
+    k = knobs_of(cfg, target) if job is None else supervised_knobs(cfg, target, job)
     ranks = estimate(layout, shapes, k, target)
     problems = [_problem(g, cfg, layout, shapes, k, target)
                 for g in groups_of((r for r in ranks if r.fits is False), host=False)]
@@ -171,4 +184,4 @@ def plan_memory(cfg: Config, layout: Layout, shapes: Mapping[Role, ModelShape], 
             if starved is not None:
                 why, fixes = starved
                 problems.append(Problem(engine, (Role.ENGINE,), ranks[engine[0]].gpu_total, fixes, why))
-    return MemoryPlan(target, k, shapes, ranks, problems, layout.ranks_per_node)
+    return MemoryPlan(target, k, shapes, ranks, problems, layout.ranks_per_node, job.labels() if job else {})

@@ -1,20 +1,20 @@
 """--dry_run's memory plan as people and tools read it: the models' config.json files read (no weights), the GPU
 size found, the plan (rlrun.rl.memory_plan) printed as a compact table with one line per problem and its fixes,
-and written as JSON with --plan_json."""
+and written as JSON with --plan_json. rlrun.ppo's, and rlrun.sft / rlrun.rm / rlrun.dpo's (supervised_memory)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from rlrun.config.schema import Config, RuntimeConfig
 from rlrun.launch.layout import Layout, Role
 from rlrun.models.loading import load_model_config
-from rlrun.rl.memory_estimate import (COMPONENTS, DEFAULT_GPU_GIB, GIB, RankMemory, Target, groups_of,
+from rlrun.rl.memory_estimate import (COMPONENTS, DEFAULT_GPU_GIB, GIB, RankMemory, SupervisedJob, Target, groups_of,
                                       kv_cache_bytes)
 from rlrun.rl.memory_plan import MemoryPlan, plan_memory
 from rlrun.rl.model_shapes import ModelShape, model_shape, role_shapes
@@ -37,8 +37,11 @@ def _shape_at(cfg: Config, path: str | None) -> ModelShape:
     return model_shape(load_model_config(dataclasses.replace(cfg.model, pretrain=path)))
 
 
-def read_shapes(cfg: Config, layout: Layout) -> tuple[dict[Role, ModelShape] | None, list[str]]:
-    """Each role's model shape from config.json, and notes; (None, [why]) when the policy's is not readable here."""
+def read_shapes(cfg: Config, layout: Layout,
+                job: SupervisedJob | None = None) -> tuple[dict[Role, ModelShape] | None, list[str]]:
+    """Each role's model shape from config.json, and notes; (None, [why]) when the policy's is not readable here.
+    With `job`, `cfg` is that supervised trainer's (its --pretrain is the trained model; rlrun.dpo's reference
+    comes from --ref_pretrain, else the policy)."""
     m = cfg.model
     if m.pretrain is not None and not os.path.isdir(m.pretrain):
         return None, [f"memory plan skipped: --pretrain {m.pretrain} is not on this machine (the plan reads its "
@@ -49,10 +52,12 @@ def read_shapes(cfg: Config, layout: Layout) -> tuple[dict[Role, ModelShape] | N
         return None, [f"memory plan skipped: --pretrain {m.pretrain}'s config.json: {exc}".splitlines()[0]]
     except ConfigError as exc:
         return None, [f"memory plan skipped: {exc}"]
-    # The critic starts from --critic_pretrain, else the reward model, else the policy (rlrun.models.loading).
-    critic = ("critic_pretrain", m.critic_pretrain) if m.critic_pretrain else ("reward_pretrain", m.reward_pretrain)
-    sources = {Role.REWARD: ("reward_pretrain", m.reward_pretrain), Role.CRITIC: critic}
-    shapes: dict[Role, ModelShape | None] = {Role.CRITIC: None, Role.REWARD: None}
+    if job is not None:  # cfg.loss: rlrun.dpo's DPOLossConfig
+        sources = {Role.REF: ("ref_pretrain", cfg.loss.ref_pretrain)} if job.reference else {}  # type: ignore
+    else:  # the critic starts from --critic_pretrain, else the reward model, else the policy (rlrun.models.loading)
+        critic = ("critic_pretrain", m.critic_pretrain) if m.critic_pretrain else ("reward_pretrain", m.reward_pretrain)
+        sources = {Role.REWARD: ("reward_pretrain", m.reward_pretrain), Role.CRITIC: critic}
+    shapes: dict[Role, ModelShape | None] = {role: None for role in sources}
     elsewhere: dict[str, list[str]] = {}
     notes: list[str] = []
     for role, (flag, path) in sources.items():
@@ -68,7 +73,7 @@ def read_shapes(cfg: Config, layout: Layout) -> tuple[dict[Role, ModelShape] | N
                          "planned with the policy's shape")
     notes += [f"{' and '.join(roles)} ({where}): not on this machine, planned with the policy's shape"
               for where, roles in elsewhere.items()]
-    return role_shapes(policy, shapes[Role.CRITIC], shapes[Role.REWARD]), notes
+    return role_shapes(policy, shapes.get(Role.CRITIC), shapes.get(Role.REWARD), shapes.get(Role.REF)), notes
 
 
 def _gib(value: int, digits: int = 1) -> str:
@@ -96,7 +101,7 @@ def format_plan(plan: MemoryPlan) -> str:
         fit = ("yes" if r.fits else "NO", _gib(r.host_total, digits)) if t.gpu else ()
         numbers = [_gib(parts(r)[c], digits) if c in parts(r) else "-" for c in used]
         rows.append((_span([g.rank for g in group]), _span([group[0].node, group[-1].node]),
-                     ",".join(role.value for role in r.roles), r.phase, *numbers,
+                     ",".join(plan.label(role.value) for role in r.roles), plan.label(r.phase), *numbers,
                      _gib(r.gpu_total if t.gpu else r.host_total, digits), *fit))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     # names left-aligned, numbers right-aligned
@@ -128,12 +133,17 @@ def _nodes_line(plan: MemoryPlan) -> str:
 
 
 def _models_line(plan: MemoryPlan) -> str:
-    s = plan.shapes[Role.ACTOR]
-    line = (f"policy: {_billions(s.parameters)} parameters ({s.layers} layers, hidden {s.hidden}, {s.heads} heads, "
-            f"{s.kv_heads} KV heads, vocab {s.vocab})")
-    for role in (Role.CRITIC, Role.REWARD):
-        if any(role in r.roles for r in plan.ranks):
-            line += f"; {role.value}: {_billions(plan.shapes[role].parameters)}"
+    """The first trained model's shape (the policy; rlrun.rm's scalar-head model), then the other models' sizes
+    (a reference only when its shape is not the policy's)."""
+    present = {role for r in plan.ranks for role in r.roles}
+    first = Role.CRITIC if Role.ACTOR not in present and Role.CRITIC in present else Role.ACTOR
+    s = plan.shapes[first]
+    head = "; a [hidden, 1] score head in place of the LM head" if first is not Role.ACTOR else ""
+    line = (f"{plan.labels.get(first.value, 'policy')}: {_billions(s.parameters)} parameters ({s.layers} layers, "
+            f"hidden {s.hidden}, {s.heads} heads, {s.kv_heads} KV heads, vocab {s.vocab}{head})")
+    for role in (Role.CRITIC, Role.REWARD, Role.REF):
+        if role is not first and role in present and (role is not Role.REF or s != plan.shapes[role]):
+            line += f"; {plan.label(role.value)}: {_billions(plan.shapes[role].parameters)}"
     return line
 
 
@@ -141,7 +151,8 @@ def problem_lines(plan: MemoryPlan) -> list[str]:
     """One line per run of ranks that does not fit, naming the changes that would make it fit."""
     lines = []
     for p in plan.problems:
-        where = f"{','.join(r.value for r in p.roles)} on rank{'s' if len(p.ranks) > 1 else ''} {_span(list(p.ranks))}"
+        where = (f"{','.join(plan.label(r.value) for r in p.roles)} on rank{'s' if len(p.ranks) > 1 else ''} "
+                 f"{_span(list(p.ranks))}")
         fixes = ", or ".join(f"{flags} ({_gib(b)} GiB)" for flags, b in p.fixes)
         if p.why:
             lines.append(f"does not fit: {where}: {p.why}; " + (f"fix: {fixes}" if fixes else "use a larger GPU"))
@@ -167,8 +178,8 @@ def note_lines(plan: MemoryPlan) -> list[str]:
                          f"engine generates them in ~{-(-need // got)} batches of {_gib(got)} GiB ({budget})")
     if engines and k.gpu and k.backend != "vllm" and not plan.target.source.startswith("detected"):
         lines.append(f"engines: planned as --generation_backend {k.backend}, what auto resolves to without a GPU; on GPU "
-                     "nodes with vLLM installed auto picks vllm: pass --generation_backend vllm (vllm installed here) "
-                     "to plan that")
+                     "nodes with vLLM installed auto picks vllm: pass --generation_backend vllm (vLLM need not be "
+                     "installed here) to plan that")
     return lines
 
 
@@ -202,16 +213,28 @@ def plan_json(plan: MemoryPlan, notes: list[str]) -> dict[str, Any]:
     }
 
 
-def dry_run_memory(cfg: Config, layout: Layout, *, write_json: bool) -> tuple[list[str], list[str]]:
+def dry_run_memory(cfg: Config, layout: Layout, *, write_json: bool,
+                   job: SupervisedJob | None = None) -> tuple[list[str], list[str]]:
     """The plan's printed lines and its problems (warnings); with --plan_json (and `write_json`, rank 0) the JSON
-    file too. A plan that cannot be made (the model is elsewhere) is one line saying why; so is the JSON file."""
-    shapes, notes = read_shapes(cfg, layout)
+    file too. A plan that cannot be made (the model is elsewhere) is one line saying why; so is the JSON file.
+    With `job`, a supervised trainer's plan (`cfg` its config, `layout` the job's)."""
+    shapes, notes = read_shapes(cfg, layout, job)
     if shapes is None:
         _write(cfg.runtime.plan_json if write_json else None, {"skipped": notes[0], "ranks": []})
         return notes, []
-    plan = plan_memory(cfg, layout, shapes, target_for(cfg.runtime))
+    plan = plan_memory(cfg, layout, shapes, target_for(cfg.runtime), job)
     _write(cfg.runtime.plan_json if write_json else None, plan_json(plan, notes))
     return [format_plan(plan), *notes, *note_lines(plan)], problem_lines(plan)
+
+
+SupervisedMemory = Callable[[Any, int, int, bool], tuple[list[str], list[str]]]
+
+
+def supervised_memory(job: SupervisedJob) -> SupervisedMemory:
+    """rlrun.sft / rlrun.rm / rlrun.dpo's --dry_run memory plan, for rlrun.supervised.run (which may not import this
+    tier): (its config, world size, ranks per node, write --plan_json) -> dry_run_memory's (lines, problems)."""
+    return lambda cfg, world_size, ranks_per_node, write_json: dry_run_memory(
+        cfg, job.layout(world_size, ranks_per_node), write_json=write_json, job=job)
 
 
 def _write(path: str | None, document: dict[str, Any]) -> None:

@@ -102,9 +102,9 @@ def model_shape(config: Any) -> ModelShape:
                       hidden, head)
 
 
-def role_shapes(policy: ModelShape, critic: ModelShape | None = None,
-                reward: ModelShape | None = None) -> dict[Role, ModelShape]:
-    """Each role's shape: the policy's for actor/ref/engines, a score-head body for critic/reward
-    (their own config when given, else the policy's body)."""
-    return {Role.ACTOR: policy, Role.REF: policy, Role.ENGINE: policy,
+def role_shapes(policy: ModelShape, critic: ModelShape | None = None, reward: ModelShape | None = None,
+                ref: ModelShape | None = None) -> dict[Role, ModelShape]:
+    """Each role's shape: the policy's for actor/engines, and for the reference unless it has its own (rlrun.dpo's
+    --ref_pretrain); a score-head body for critic/reward (their own config when given, else the policy's body)."""
+    return {Role.ACTOR: policy, Role.REF: ref or policy, Role.ENGINE: policy,
             Role.CRITIC: (critic or policy).scalar(), Role.REWARD: (reward or policy).scalar()}

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rlrun.algo.algorithms import gamma_override_warning
 from rlrun.config.schema import Config
 from rlrun.config.validation import check_batches, check_values
+from rlrun.data.sources import missing_paths
 from rlrun.engines.hosting import choose_host
 from rlrun.launch.layout import Layout, LayoutRequest, Role, RoleRequest
 from rlrun.launch.layout_plan import plan_layout
-from rlrun.models.hub import parse_repo_id
 from rlrun.rewards.reward_fn import DEMO
 from rlrun.runtime.errors import ConfigError
 from rlrun.strategies.checks import check_strategy
@@ -101,23 +100,11 @@ def check_eval(cfg: Config) -> list[str]:
 
 
 def missing_path_warnings(cfg: Config) -> list[str]:
-    """Paths this machine cannot see (hub names, other hosts' disks): warnings, not errors, in a
-    dry run; loading them later fails with a clear error."""
+    """Paths this machine cannot see (hub ids not in its cache, other hosts' disks, an earlier stage's output):
+    warnings, not errors, in a dry run; loading them later fails with a clear error."""
     m = cfg.model
-    names = [(flag, path) for flag, path in (("pretrain", m.pretrain), ("reward_pretrain", m.reward_pretrain),
-                                             ("critic_pretrain", m.critic_pretrain)) if path is not None]
+    models = [("pretrain", m.pretrain), ("reward_pretrain", m.reward_pretrain), ("critic_pretrain", m.critic_pretrain)]
     if m.remote_rm_url not in (None, DEMO) and not m.remote_rm_url.startswith(("http://", "https://")):
-        names.append(("remote_rm_url", m.remote_rm_url))
-    for flag, sources in (("prompt_data", cfg.data.prompt_data), ("eval_dataset", cfg.logging.eval_dataset)):
-        # a data source is a path or a hub id, each optionally @DATA_DIR (rlrun.data.sources)
-        names += [(flag, n.strip().partition("@")[0]) for n in (sources or "").split(",") if n.strip()]
-    out = []
-    for flag, name in names:
-        if os.path.exists(name):
-            continue
-        if parse_repo_id(name):
-            out.append(f"--{flag} {name}: a Hugging Face Hub id not in this machine's cache; it is downloaded at "
-                       "start-up (HF_HUB_OFFLINE=1 there: download it first)")
-        else:
-            out.append(f"--{flag} {name}: not found on this machine (another host's path?)")
-    return out
+        models.append(("remote_rm_url", m.remote_rm_url))
+    # a data source is a path or a hub id, each optionally @DATA_DIR (rlrun.data.sources)
+    return missing_paths(models, [("prompt_data", cfg.data.prompt_data), ("eval_dataset", cfg.logging.eval_dataset)])

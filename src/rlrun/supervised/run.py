@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from rlrun.checkpoint.ownership import run_identity
 from rlrun.cli.parser import CliSpec, ParsedArgs, parse_args
 from rlrun.data.prompts import PromptSampler
-from rlrun.data.sources import DataSpec, not_here
+from rlrun.data.sources import DataSpec, missing_paths, not_here
 from rlrun.launch.dist import (collective_device, init_distributed, resolve_backend, resolve_device_and_precision,
                                restart_safety_warning, teardown)
 from rlrun.launch.env import DistEnv
@@ -67,6 +67,9 @@ class SupervisedTrainer(Generic[S]):
     # Without --eval_dataset, evaluate on this fraction of the first training samples (OpenRLHF's reward-model
     # trainer does, with 1%, for the reward mean/std it saves); 0: no evaluation.
     eval_from_train: float = 0.0
+    # --dry_run's memory plan, given by the entry point (rlrun.rl.memory_text.supervised_memory, a tier this package
+    # may not import): (config, world size, ranks per node, write --plan_json) -> (printed lines, problems)
+    memory_plan: Callable[[Any, int, int, bool], tuple[list[str], list[str]]] | None = None
 
 
 def main(trainer: SupervisedTrainer[Any], argv: Sequence[str] | None = None) -> int:
@@ -88,15 +91,34 @@ def main(trainer: SupervisedTrainer[Any], argv: Sequence[str] | None = None) -> 
         log.warning_once(line)
     cfg = parsed.config
     if cfg.runtime.dry_run:
-        t = cfg.train
-        log.info_once(f"{trainer.cli.prog}: {env.world_size} ranks (launcher {env.launcher}), every rank trains one "
-                      f"data-parallel shard: {t.train_batch_size // env.world_size} samples per rank and step in micro-"
-                      f"batches of {t.micro_train_batch_size}; --strategy {t.strategy} --zero_stage {t.zero_stage}")
-        lines = checked_on_every_rank(env, lambda: _preflight(trainer, cfg, log))
-        for line in lines or ():
-            log.info_once(line)
-        return 0 if lines is not None else 2
+        return _dry_run(trainer, cfg, env, log)
     return _run(trainer, cfg, env)
+
+
+def _dry_run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv, log: Any) -> int:
+    """--dry_run: the data-parallel split, the memory plan per rank, what this machine cannot read, the preflight."""
+    t = cfg.train
+    log.info_once(f"{trainer.cli.prog}: {env.world_size} ranks (launcher {env.launcher}), every rank trains one "
+                  f"data-parallel shard: {t.train_batch_size // env.world_size} samples per rank and step in micro-"
+                  f"batches of {t.micro_train_batch_size}; --strategy {t.strategy} --zero_stage {t.zero_stage}")
+    memory = trainer.memory_plan
+    planned = checked_on_every_rank(env, lambda: memory(cfg, env.world_size, env.local_world_size, env.rank == 0)
+                                    if memory is not None else ([], []))
+    if planned is None:
+        return 2
+    plan_lines, problems = planned
+    models = [("pretrain", cfg.model.pretrain)]
+    if isinstance(cfg, DPOConfig):
+        models.append(("ref_pretrain", cfg.loss.ref_pretrain))
+    for line in plan_lines:
+        log.info_once(line)
+    for line in (*problems, *missing_paths(models, [("dataset", cfg.data.dataset),
+                                                    ("eval_dataset", cfg.data.eval_dataset)])):
+        log.warning_once(line)
+    lines = checked_on_every_rank(env, lambda: _preflight(trainer, cfg, log))
+    for line in lines or ():
+        log.info_once(line)
+    return 0 if lines is not None else 2
 
 
 def resolved_models(cfg: SupervisedConfig) -> SupervisedConfig:
