@@ -95,3 +95,23 @@ def _rank_main(rank: int, port: int, outdir: Path) -> None:
 
 if __name__ == "__main__":
     _rank_main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+
+
+def test_a_recorder_that_cannot_be_read_is_said_once_and_never_fatal() -> None:
+    import threading
+
+    from rlrun.launch.collective_watch import CollectiveWatch
+
+    warned, reported, polls = [], [], threading.Event()
+    calls = [0]
+
+    def broken() -> str:
+        calls[0] += 1
+        if calls[0] >= 4:
+            polls.set()
+        raise TypeError("_dump_nccl_trace_json() takes 3 arguments")
+
+    watch = CollectiveWatch(broken, 3.0, None, reported.append, warn=warned.append).start()
+    assert polls.wait(10)
+    watch.stop()
+    assert len(warned) == 1 and "cannot read torch's flight recorder (TypeError" in warned[0] and not reported

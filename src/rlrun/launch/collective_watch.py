@@ -75,11 +75,12 @@ def warning_margin(timeout_s: float) -> tuple[float, float]:
 
 class CollectiveWatch:
     """A daemon thread polling `dump()` (the flight recorder as JSON) every `poll_s`; the first stuck collective
-    is written to `dump_path` and goes to `report` (which must end the process)."""
+    is written to `dump_path` and goes to `report` (which must end the process). A recorder that cannot be read
+    is said once through `warn` (NCCL's own watchdog then stays the only bound), never fatal."""
 
     def __init__(self, dump: Callable[[], str | bytes], timeout_s: float, dump_path: str | None,
-                 report: Callable[[BaseException], None]) -> None:
-        self.dump, self.dump_path, self.report = dump, dump_path, report
+                 report: Callable[[BaseException], None], warn: Callable[[str], None] | None = None) -> None:
+        self.dump, self.dump_path, self.report, self.warn = dump, dump_path, report, warn
         self.early_s, self.poll_s = warning_margin(timeout_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rlrun-collective-watch", daemon=True)
@@ -96,7 +97,11 @@ class CollectiveWatch:
             try:
                 raw = self.dump()
                 found = stuck(json.loads(raw), time.time_ns(), self.early_s)
-            except Exception:  # noqa: BLE001 - a recorder that cannot be read must not end a healthy run
+            except Exception as exc:  # noqa: BLE001 - a recorder that cannot be read must not end a healthy run
+                if self.warn is not None:
+                    self.warn(f"the collective watch cannot read torch's flight recorder ({type(exc).__name__}: "
+                              f"{str(exc)[:160]}); a stuck collective ends in NCCL's own watchdog abort instead")
+                    self.warn = None
                 continue
             if found is not None and not self._stop.is_set():
                 self.report(CollectiveTimeout(found.describe() + self._save(raw)))

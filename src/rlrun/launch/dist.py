@@ -12,6 +12,7 @@ import torch.distributed as dist
 from rlrun.launch.collective_watch import CollectiveWatch, flight_recorder_dump
 from rlrun.launch.env import DistEnv
 from rlrun.runtime.deadline import report_fatal
+from rlrun.runtime.log import get_logger
 
 
 def uses_cuda(requested: str) -> bool:
@@ -121,7 +122,8 @@ def watch_collectives(backend: str, timeout_s: float, dump_path: str | None) -> 
     rlrun.launch.collective_watch); nothing when torch has no flight recorder for `backend`."""
     dump = flight_recorder_dump(backend)
     if dump is not None:
-        _WATCH.append(CollectiveWatch(dump, timeout_s, dump_path, report_fatal).start())
+        _WATCH.append(CollectiveWatch(dump, timeout_s, dump_path, report_fatal,
+                                      warn=get_logger(dist.get_rank()).warning_once).start())
 
 
 def restart_safety_warning(env: DistEnv) -> str | None:
