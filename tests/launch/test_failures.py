@@ -707,7 +707,8 @@ def test_a_finished_trainer_leaves_with_its_exit_handlers_run_and_no_finalizatio
     run and the exit status is kept, but interpreter finalization does not (it tore down process groups that outlive
     destroy_process_group while their gloo threads ran, aborting a successful DeepSpeed rank now and then): an
     object whose finaliser would print is never finalised."""
-    script = ("import atexit, sys\n"
+    script = ("import atexit, sys, types\n"
+              "sys.modules['deepspeed'] = types.ModuleType('deepspeed')  # a run that used DeepSpeed\n"
               "class Late:\n    def __del__(self):\n        print('finalized', flush=True)\n"
               "keep = Late()\n"
               "atexit.register(lambda: print('atexit ran', flush=True))\n"
@@ -716,5 +717,8 @@ def test_a_finished_trainer_leaves_with_its_exit_handlers_run_and_no_finalizatio
               "leave(3)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 3 and proc.stdout.split() == ["done", "atexit", "ran"], proc.stdout + proc.stderr
+    plain = script.replace("sys.modules['deepspeed']", "unused")  # no DeepSpeed: a normal exit, finalization too
+    proc = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 3 and proc.stdout.split() == ["done", "atexit", "ran", "finalized"], proc.stdout
     for module in ("ppo", "sft", "rm", "dpo"):
         assert "    leave(main(" in (REPO / "src" / "rlrun" / f"{module}.py").read_text(), module

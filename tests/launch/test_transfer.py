@@ -765,7 +765,9 @@ def test_sync_of_a_sharded_actor_packs(launched):
 def test_sync_raises_instead_of_hanging_when_the_root_never_sends(launched):
     r = launched.results("timeout")
     err = r[2]["error"]
-    assert err is not None and "timed out" in err.lower(), err
+    # gloo words it either way: its own "Timed out", or "Application timeout caused pair closure" when the peer's
+    # end of the pair timed out first (seen in CI); what matters is the bound below.
+    assert err is not None and ("timed out" in err.lower() or "timeout" in err.lower()), err
     assert r[2]["waited_s"] < DIST_TIMEOUT_S  # the 2 s sync-group timeout, not the world's
 
 

@@ -40,7 +40,11 @@ def leave(rc: int) -> NoReturn:
     destroy_process_group (DeepSpeed keeps references to its groups; their gloo threads still run, seen as
     pt_gloo_runloop/gloo_tcp_loop threads at exit) were otherwise torn down by finalization and static destructors,
     which aborted a rank after a successful run now and then ("terminate called without an active exception",
-    SIGABRT; a CI run failed so). Failing ranks already leave with os._exit."""
+    SIGABRT; a CI run failed so). Failing ranks already leave with os._exit. Only after DeepSpeed was used: other
+    runs exit normally, since finalization is what unlinks vLLM's CPU shared-memory segments (its tensor-parallel
+    comm), which os._exit leaves behind in /dev/shm for the next run to collide with."""
+    if "deepspeed" not in sys.modules:
+        sys.exit(rc)
     try:
         atexit._run_exitfuncs()
     finally:
