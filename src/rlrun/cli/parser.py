@@ -171,7 +171,8 @@ def _flag_kwargs(info: FieldInfo, default: Any) -> dict[str, Any]:
     elif base is bool:
         kwargs.update(nargs="?", const="true", metavar="BOOL")
     elif get_origin(base) is tuple:
-        kwargs.update(nargs=len(get_args(base)))
+        args = get_args(base)
+        kwargs.update(nargs="+" if args[-1] is Ellipsis else len(args))
     elif get_origin(base) is Literal:
         kwargs["metavar"] = "{" + ",".join(map(str, get_args(base))) + "}"
     return kwargs

@@ -76,6 +76,10 @@ def coerce(info: FieldInfo, value: Any, source: str) -> Any:
     if get_origin(tp) is tuple:
         items = value.split(",") if isinstance(value, str) else value
         args = get_args(tp)
+        if args[-1] is Ellipsis:  # any number of one type: a list, or one comma-separated string (verl's spelling)
+            if not isinstance(items, (list, tuple)) or not items:
+                raise ConfigError(f"{where} needs at least one value, got {value!r}")
+            return tuple(_scalar(args[0], str(v).strip() if isinstance(v, str) else v, where) for v in items)
         if not isinstance(items, (list, tuple)) or len(items) != len(args):
             raise ConfigError(f"{where} needs {len(args)} values, got {value!r}")
         return tuple(_scalar(a, v, where) for a, v in zip(args, items))

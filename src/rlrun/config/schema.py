@@ -35,6 +35,10 @@ class PretrainedConfig:
     flash_attn: bool = opt(False, "Use flash-attention 2 (needs the flash-attn extra and a GPU).")
     attn_implementation: str | None = opt(None, "HF attn_implementation override (eager, sdpa, flash_attention_2).")
     gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
+    lora_rank: int = opt(0, "LoRA rank (PEFT adapters on the trained models; the base weights stay frozen). 0: train every weight.")
+    lora_alpha: int = opt(16, "LoRA alpha: the adapter's update is scaled by alpha / rank.")
+    target_modules: tuple[str, ...] = opt(("all-linear",), "Modules that get LoRA adapters: module names (q_proj v_proj ...) or all-linear (every linear layer but the output head), as PEFT's target_modules.")
+    lora_dropout: float = opt(0.0, "Dropout on the LoRA adapters' input during training.")
 
 
 @dataclass
@@ -259,6 +263,7 @@ class SavingConfig:
     load_checkpoint: bool = opt(False, "Resume from the newest complete checkpoint in --ckpt_path.")
     max_ckpt_num: int = opt(3, "Keep this run's newest N checkpoints (another run's are never pruned).")
     overwrite_checkpoints: bool = opt(False, "Start a new run in a --ckpt_path that holds another run's checkpoints, deleting them once this run has saved its first one. Without it (and without --load_checkpoint) such a run stops at start-up.")
+    save_merged: bool = opt(False, "With --lora_rank: besides the adapter (PEFT's layout) in --save_path, write the merged model (base + adapter, plain HF format) to <save_path>/merged.")
     export_nonfinite: bool = opt(False, "Export the trained model even when a weight is NaN/inf (by default the export stops, naming the tensor).")
 
 
@@ -337,7 +342,14 @@ class Config:
 
     @property
     def needs_ref(self) -> bool:
+        """A KL term needs reference log-probs (from a reference model, or from the LoRA actor's base)."""
         return self.algo.init_kl_coef > 0 or self.algo.use_kl_loss
+
+    @property
+    def ref_is_actor_base(self) -> bool:
+        """LoRA with a KL term: the actor's own weights with the adapters disabled are the reference (verl does this),
+        so the layout has no reference role and no copy of the model is held for it."""
+        return self.needs_ref and self.model.lora_rank > 0
 
     @property
     def needs_reward_model(self) -> bool:

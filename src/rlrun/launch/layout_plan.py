@@ -53,6 +53,12 @@ _WHY_NOT_NEEDED = {
 }
 
 
+def _why_not_needed(request: LayoutRequest, role: Role) -> str:
+    if role is Role.REF and request.ref_is_actor_base:
+        return "with --lora_rank the actor scores the reference log-probs itself, with its adapters disabled"
+    return _WHY_NOT_NEEDED[role]
+
+
 # Roles sharing the same consecutive ranks, and how many ranks that is.
 _Block = tuple[tuple[Role, ...], int]
 
@@ -269,14 +275,14 @@ def plan_layout(
         if role not in needed and req.size is not None:
             warnings.append(
                 f"{role.value}: {req.size} rank{'s' if req.size != 1 else ''} requested but the {role.value} is "
-                f"not needed ({_WHY_NOT_NEEDED[role]}); ignored"
+                f"not needed ({_why_not_needed(request, role)}); ignored"
             )
         if req.gpus_per_node is None and (req.num_nodes or 1) > 1:
             warnings.append(f"{role.value}: num_nodes {req.num_nodes} without gpus_per_node; ignored")
         if role not in needed and req.node_label is not None:
             warnings.append(
                 f"{role.value}: node label {req.node_label!r} requested but the {role.value} is not needed "
-                f"({_WHY_NOT_NEEDED[role]}); ignored"
+                f"({_why_not_needed(request, role)}); ignored"
             )
 
     if all(size is None for size in sizes.values()) and request.vllm_num_engines is None:

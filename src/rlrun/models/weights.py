@@ -67,7 +67,8 @@ class Chained:
         return owner.read(name, rows)
 
 
-_INDEXES = (("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model.bin"))
+_INDEXES = (("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+            (None, "adapter_model.safetensors"), (None, "adapter_model.bin"))  # a PEFT adapter directory
 
 
 class FileWeights:
@@ -78,7 +79,7 @@ class FileWeights:
         self._file_of: dict[str, str] = {}
         self._open: dict[str, object] = {}
         for index, single in _INDEXES:
-            if os.path.isfile(os.path.join(path, index)):
+            if index is not None and os.path.isfile(os.path.join(path, index)):
                 with open(os.path.join(path, index)) as f:
                     self._file_of = dict(json.load(f)["weight_map"])
                 break

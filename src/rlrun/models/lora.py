@@ -1,0 +1,262 @@
+"""LoRA adapters (--lora_rank): the one module that talks to PEFT.
+
+A trained model gets PEFT LoRA layers while it is still on the meta device (`add_adapters`), so the strategy shards
+and fills it like any other model: `LoraWeights` answers for every parameter of the PEFT model, base weights from
+the checkpoint under their HF names (PEFT adds `base_model.model.` and `.base_layer`), adapter weights from an
+adapter directory or from PEFT's own initialisation (A: kaiming-uniform, B: zeros, so the model starts equal to its
+base), seeded per tensor so that every rank draws the same values.
+
+Names: PEFT's in-memory names (`...q_proj.lora_A.default.weight`) are `peft names`; the base model's are `hf names`
+(`...q_proj.weight`); PEFT's saved adapter files drop the adapter name (`...q_proj.lora_A.weight`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+import zlib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlrun.config.schema import PretrainedConfig
+from rlrun.models.weights import Unfilled, WeightSource, open_weights
+from rlrun.runtime.errors import ConfigError, MissingExtraError
+
+ADAPTER = "default"  # PEFT's adapter name; rlrun trains one adapter per model
+PEFT_PREFIX = "base_model.model."
+_A, _B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _peft():  # noqa: ANN202 - the module
+    try:
+        import peft  # noqa: PLC0415 - install_requires, imported only when LoRA is asked for
+    except ImportError:
+        raise MissingExtraError("peft", "peft", "--lora_rank") from None
+    return peft
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    dropout: float = 0.0
+
+    @classmethod
+    def of(cls, model: PretrainedConfig) -> "LoraSettings | None":
+        """The settings --lora_rank and its companions ask for; None without --lora_rank."""
+        if model.lora_rank <= 0:
+            return None
+        return cls(model.lora_rank, float(model.lora_alpha), tuple(model.target_modules), model.lora_dropout)
+
+    @property
+    def scaling(self) -> float:
+        """PEFT's: the adapter's product B @ A is scaled by alpha / rank."""
+        return self.alpha / self.rank
+
+    def peft_config(self):  # noqa: ANN201 - peft.LoraConfig
+        targets: str | list[str] = "all-linear" if self.target_modules == ("all-linear",) else list(self.target_modules)
+        return _peft().LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets,
+                                  lora_dropout=self.dropout, bias="none")
+
+
+# ---- names ---------------------------------------------------------------------------------------------------
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def hf_name(peft_name: str) -> str:
+    """`base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight` -> `model.layers.0.self_attn.q_proj.weight`
+    (a name inside an outer module keeps its outer prefix: `hf.base_model.model.x` -> `hf.x`)."""
+    head, sep, tail = peft_name.partition(PEFT_PREFIX)
+    name = head + tail if sep else peft_name
+    return name.replace(".base_layer.", ".")
+
+
+def saved_adapter_name(peft_name: str) -> str:
+    """The name PEFT's save_pretrained gives an adapter tensor (the adapter name dropped)."""
+    return peft_name.replace(f".{ADAPTER}.", ".")
+
+
+def lora_pairs(names: list[str]) -> dict[str, tuple[str, str]]:
+    """base-layer weight (peft name) -> its (lora_A, lora_B) peft names, for every adapted linear layer in `names`."""
+    present = set(names)
+    out = {}
+    for name in names:
+        if name.endswith(_A):
+            module = name[: -len(_A)]
+            if module + _B in present:
+                out[module + ".base_layer.weight"] = (name, module + _B)
+    return out
+
+
+# ---- building ------------------------------------------------------------------------------------------------
+
+
+def lora_init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """PEFT's default initialisation, the same on every rank: A [r, in] uniform in +-1/sqrt(in) (kaiming-uniform with
+    a=sqrt(5)), B zeros (so the adapted model starts as its base)."""
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    bound = 1.0 / math.sqrt(shape[1])
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.empty(shape).uniform_(-bound, bound, generator=gen)
+
+
+class LoraWeights:
+    """A weight source for a PEFT-wrapped model: base tensors from `base` under their HF names, adapters from
+    `adapter` (a saved adapter directory, PEFT's saved names) or freshly initialised (`lora_init`)."""
+
+    def __init__(self, base: WeightSource, adapter_shapes: Mapping[str, tuple[int, ...]], seed: int,
+                 adapter: WeightSource | None = None) -> None:
+        self.base, self.adapter_shapes, self.seed, self.adapter = base, dict(adapter_shapes), seed, adapter
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        if is_adapter(name):
+            return self.adapter_shapes.get(name)
+        return self.base.shape(hf_name(name))
+
+    def read(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        if not is_adapter(name):
+            return self.base.read(hf_name(name), rows)
+        if self.adapter is not None:
+            full = self.adapter.read(saved_adapter_name(name), None)
+        else:
+            full = lora_init(name, self.adapter_shapes[name], self.seed)
+        return full if rows is None else full[rows[0]:rows[1]]
+
+
+def add_adapters(unfilled: Unfilled, settings: LoraSettings, seed: int, *, inner: str = "",
+                 adapter: WeightSource | None = None, trainable: tuple[str, ...] = ()) -> Unfilled:
+    """`unfilled`'s model with LoRA layers on `settings.target_modules`, still on the meta device, and a weight
+    source that fills it. `inner`: the attribute holding the HF model when `unfilled.model` wraps one (a critic's
+    `hf`). `trainable`: names of modules that stay trained whole (a critic's value head). Only adapter parameters
+    (and those) require grad afterwards."""
+    peft = _peft()
+    outer = unfilled.model
+    hf = getattr(outer, inner) if inner else outer
+    try:
+        with warnings.catch_warnings():  # PEFT asks transformers a deprecated question; not the user's concern
+            warnings.simplefilter("ignore", FutureWarning)
+            wrapped = peft.get_peft_model(hf, settings.peft_config())
+    except ValueError as exc:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in hf.named_modules() if isinstance(m, nn.Linear)})
+        raise ConfigError(f"--target_modules {' '.join(settings.target_modules)}: {exc} (this model's linear "
+                          f"layers: {', '.join(linear)}; or use all-linear)") from None
+    if inner:
+        setattr(outer, inner, wrapped)
+    else:
+        outer = wrapped
+    for name, module in outer.named_modules():
+        if any(name == t or name.endswith("." + t) for t in trainable):
+            module.requires_grad_(True)
+    shapes = {n: tuple(p.shape) for n, p in outer.named_parameters() if is_adapter(n)}
+    if unfilled.prefix:
+        shapes = {n.removeprefix(unfilled.prefix): s for n, s in shapes.items()}
+    return Unfilled(outer, LoraWeights(unfilled.weights, shapes, seed, adapter), prefix=unfilled.prefix,
+                    note=unfilled.note)
+
+
+def peft_model_of(model: nn.Module) -> nn.Module | None:
+    """The PEFT model in `model` (itself, a DeepSpeed engine's module, or a submodule), None when it has none."""
+    peft_model_cls = _peft().PeftModel
+    return next((m for m in model.modules() if isinstance(m, peft_model_cls)), None)
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """While open, `model` computes as its base model (PEFT's disable_adapter): the LoRA actor's reference."""
+    peft_model = peft_model_of(model)
+    assert peft_model is not None, "adapters_disabled needs a model with LoRA adapters"
+    with peft_model.disable_adapter():
+        yield
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return any(is_adapter(n) for n, _ in model.named_parameters())
+
+
+# ---- merging -------------------------------------------------------------------------------------------------
+
+
+def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """[out, in] base + scaling * (B [out, r] @ A [r, in]), computed in fp32, returned in base's dtype."""
+    return (base.float() + scaling * (b.float() @ a.float())).to(base.dtype)
+
+
+def merged_state_dict(state: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A PEFT model's full state (peft names) -> the merged base model's (hf names, adapters folded in)."""
+    pairs = lora_pairs(list(state))
+    out = {}
+    for name, tensor in state.items():
+        if is_adapter(name):
+            continue
+        if name in pairs:
+            a, b = pairs[name]
+            tensor = merged_weight(tensor, state[a], state[b], scaling)
+        out[hf_name(name)] = tensor
+    return out
+
+
+def adapter_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a PEFT model's full state, under the names PEFT saves them with."""
+    return {saved_adapter_name(n): t for n, t in state.items() if is_adapter(n)}
+
+
+def save_adapter(directory: str, state: Mapping[str, torch.Tensor], settings: LoraSettings,
+                 base_model: str | None) -> None:
+    """Write PEFT's adapter layout (adapter_model.safetensors + adapter_config.json), which PEFT's
+    PeftModel.from_pretrained and transformers' from_pretrained (with peft installed) load onto the base model."""
+    from safetensors.torch import save_file  # noqa: PLC0415 - transformers' own dependency
+
+    os.makedirs(directory, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_state_dict(state).items()}
+    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = settings.peft_config()
+    config.base_model_name_or_path = base_model
+    config.save_pretrained(directory)
+
+
+# ---- adapter directories as --pretrain ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdapterDir:
+    path: str
+    base: str  # the base model the adapter was trained on (PEFT's base_model_name_or_path)
+    settings: LoraSettings
+
+
+def adapter_dir(path: str | None) -> AdapterDir | None:
+    """A saved PEFT LoRA adapter at `path` (its adapter_config.json), None when `path` is not one."""
+    if path is None or not os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
+        return None
+    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+        config = json.load(f)
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise ConfigError(f"{path}: a {config.get('peft_type')} adapter; rlrun trains LoRA adapters only")
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(f"{path}/{ADAPTER_CONFIG} names no base_model_name_or_path; set it to the base model's "
+                          "directory or hub id")
+    targets = config.get("target_modules") or ["all-linear"]
+    targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets))
+    settings = LoraSettings(int(config["r"]), float(config.get("lora_alpha", config["r"])), targets,
+                            float(config.get("lora_dropout") or 0.0))
+    return AdapterDir(path, str(base), settings)
+
+
+def adapter_weights(path: str) -> WeightSource:
+    weights = open_weights(path)
+    if weights is None:
+        raise ConfigError(f"{path}: no adapter_model.safetensors or adapter_model.bin readable")
+    return weights
