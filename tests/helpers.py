@@ -189,3 +189,19 @@ class LargestRows(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab:
                 self.rows = max(self.rows, t.numel() // self.vocab)
         return out
+
+
+class WholeStrategy:
+    """One rank holding the whole model: its full state is its state dict (export tests without a process group)."""
+
+    def full_state_dict(self, model):  # type: ignore[no-untyped-def]
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def save_tiny_base(path: Path, seed: int = 5) -> str:
+    """A tiny causal LM and the byte tokenizer saved with save_pretrained to `path` (a base model directory)."""
+    from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
+
+    build_causal_lm(tiny_model_config(), seed=seed).save_pretrained(path)
+    build_byte_tokenizer().save_pretrained(path)
+    return str(path)

@@ -79,6 +79,11 @@ RUNS: tuple[Run, ...] = (
     Run("gae_colocated", ("--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--critic_learning_rate", "1e-3"),
         steps=8),
     Run("fsdp_adam_offload", ("--adam_offload",), steps=4),
+    # LoRA: frozen base in bf16 beside fp32 adapters in one FSDP2 unit; the reference is the base (adapters off).
+    Run("grpo_lora_bf16", ("--lora_rank", "8", "--lora_alpha", "16", "--init_kl_coef", "0.01", "--bf16"), steps=30,
+        learns=True, needs="peft"),
+    Run("deepspeed_lora_zero2_bf16", ("--strategy", "deepspeed", "--zero_stage", "2", "--bf16", "--lora_rank", "8",
+                                      "--init_kl_coef", "0.01"), steps=6, needs="deepspeed"),
     # Two ranks on one GPU: NCCL refuses two ranks of a group on one device, so every group is gloo here.
     Run("disagg_gloo_async", ("--dist_backend", "gloo", "--vllm_sync_backend", "gloo", "--vllm_num_engines", "1",
                               "--actor_num_gpus_per_node", "1", "--async_train"), steps=10, ranks=2),

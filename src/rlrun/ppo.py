@@ -14,7 +14,9 @@ from rlrun.launch.dist import uses_cuda
 from rlrun.launch.env import read_node_label
 from rlrun.launch.failures import checked_on_every_rank, launch_environment, leave
 from rlrun.launch.layout_text import format_layout_table
+from rlrun.models.adapter_pretrain import resolve_adapter_pretrain
 from rlrun.models.hub import resolve_models
+from rlrun.rl.planning import check_adapter_reference
 from rlrun.rl.planning import Plan, asks_node_labels, plan
 from rlrun.runtime.log import get_logger
 
@@ -33,6 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = parsed.config
         # Hub ids become their cached snapshots (downloaded now, unless this is a dry run or HF_HUB_OFFLINE=1).
         cfg = dataclasses.replace(cfg, model=resolve_models(cfg.model, download=not cfg.runtime.dry_run))
+        # An adapter directory as --pretrain: its base resolved, its LoRA settings in the config (the layout and the
+        # memory plan follow them).
+        cfg = dataclasses.replace(cfg, model=resolve_adapter_pretrain(cfg.model, download=not cfg.runtime.dry_run))
+        check_adapter_reference(cfg)
         parsed = dataclasses.replace(parsed, config=cfg)
         # One node: its label is this process's own, so pinned roles are placed (and checked) now; with more
         # nodes the labels are gathered at start-up (rlrun.rl.run) and the placement is redone there.

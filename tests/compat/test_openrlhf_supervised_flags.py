@@ -30,6 +30,7 @@ COMMON_FIELDS = {
     "apply_chat_template", "tokenizer_chat_template", "save_path", "ckpt_path", "save_steps", "load_checkpoint",
     "max_ckpt_num", "logging_steps", "eval_steps", "metrics_file", "use_wandb", "wandb_org", "wandb_project",
     "wandb_group", "wandb_run_name", "use_tensorboard", "device", "dist_backend", "dist_timeout", "dry_run",
+    "lora_rank", "lora_alpha", "target_modules", "lora_dropout", "save_merged",
 }
 PAIR_FIELDS = {"prompt_key", "chosen_key", "rejected_key"}
 FIELDS = {
@@ -163,10 +164,9 @@ def test_dpo_command_line_of_0_11_translates_to_classic_flags():
     assert out.argv == ["--pretrain", "/m", "--ref_pretrain", "/r", "--beta", "0.1", "--ipo", "--label_smoothing",
                         "0.05", "--dataset", "d.jsonl", "--chosen_key", "c", "--train_batch_size", "64",
                         "--learning_rate", "5e-7", "--adam_betas", "0.9", "0.99", "--bf16", "true", "--ref_offload",
-                        "--save_path", "/out", "--eval_split", "train", "--nll_loss_coef", "0.2", "--max_norm", "0.5", "--max_len", "1024",
-                        "--l2=0.1"]
-    assert out.ignored == [f"--ds.lora.rank: ignored ({NOT_YET})",
-                           "--muon.lr: ignored (only used with --optim muon; rlrun trains with AdamW only)"]
+                        "--save_path", "/out", "--eval_split", "train", "--lora_rank", "0", "--nll_loss_coef", "0.2",
+                        "--max_norm", "0.5", "--max_len", "1024", "--l2=0.1"]
+    assert out.ignored == ["--muon.lr: ignored (only used with --optim muon; rlrun trains with AdamW only)"]
 
 
 def test_sft_and_rm_command_lines_translate():

@@ -306,7 +306,7 @@ def test_turn_lengths_plain_verl_and_search_r1():
 
 def test_every_group_member_is_listed():
     assert {m.group for m in VERL_KEYS.values() if isinstance(m, Part)} == {"kl", "batch", "micro", "estimator",
-                                                                            "data", "clip", "turns"}
+                                                                            "data", "clip", "turns", "lora"}
 
 
 # --- the seed scripts, as published -------------------------------------------------------------------------------
@@ -580,5 +580,5 @@ def test_a_key_standing_for_a_refused_flag_is_refused_and_the_status_table_says_
         parse_args(["trainer.critic_warmup=5", "--remote_rm_url", "demo"])
     parse_args(["trainer.critic_warmup=0", "--remote_rm_url", "demo"])
     rows = dict(verl_rows())
-    for key in ("`trainer.critic_warmup`", "`data.image_key`", "`actor_rollout_ref.model.lora_rank`"):
+    for key in ("`trainer.critic_warmup`", "`data.image_key`"):
         assert rows[key].startswith("refused at start-up"), (key, rows[key])

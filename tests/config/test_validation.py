@@ -250,3 +250,52 @@ def test_two_reward_sources_are_refused():
         check_values(cfg_of("--remote_rm_url", "r.py", "--compute_score", "builtin"))
     with pytest.raises(ConfigError, match=r"--compute_score builtin with an agent"):
         check_values(cfg_of("--compute_score", "builtin", "--retriever_url", "http://h/retrieve"))
+
+
+# --- LoRA (issue 28): rlrun.ppo and the supervised trainers share the checks ------------------------------------
+
+LORA_BAD: list[tuple[list[str], list[str]]] = [
+    (["--lora_rank=-1"], ["--lora_rank must be >= 0", "-1"]),
+    (["--lora_rank", "8", "--lora_alpha", "0"], ["--lora_alpha must be > 0", "--lora_rank 8", "0"]),
+    (["--lora_rank", "8", "--lora_alpha=-16"], ["--lora_alpha must be > 0", "-16"]),
+    (["--lora_dropout", "1"], ["--lora_dropout must be in [0, 1)", "1.0"]),
+    (["--lora_dropout=-0.1"], ["--lora_dropout must be in [0, 1)", "-0.1"]),
+    (["--target_modules", "q_proj,"], ["--target_modules", "'q_proj', ''", "empty module name"]),
+    (["--target_modules", "q_proj", ""], ["--target_modules", "empty module name"]),
+    (["--target_modules", "all-linear", "q_proj"], ["--target_modules all-linear q_proj", "stands alone"]),
+    (["--save_merged"], ["--save_merged", "add --lora_rank N"]),
+]
+
+
+@pytest.mark.parametrize("argv, parts", LORA_BAD, ids=[" ".join(a) for a, _ in LORA_BAD])
+def test_lora_values_are_checked_in_one_line(argv, parts):
+    with pytest.raises(ConfigError) as exc:
+        check_values(cfg_of(*argv, "--remote_rm_url", "demo"))
+    assert "\n" not in str(exc.value)
+    assert_names(str(exc.value), *parts)
+
+
+@pytest.mark.parametrize("argv, parts", LORA_BAD, ids=[" ".join(a) for a, _ in LORA_BAD])
+def test_lora_values_are_checked_for_the_supervised_trainers(argv, parts):
+    from rlrun.sft import CLI as SFT_CLI
+    from rlrun.supervised.validation import check_supervised
+
+    with pytest.raises(ConfigError) as exc:
+        check_supervised(parse_args([*argv, "--dataset", "d.jsonl"], SFT_CLI).config, 1, SFT_CLI.prog)
+    assert_names(str(exc.value), *parts)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--lora_rank", "8", "--lora_alpha", "16", "--target_modules", "q_proj", "v_proj", "--lora_dropout", "0.05"],
+    ["--lora_rank", "8", "--save_merged"],
+    ["--lora_alpha", "0"],  # no adapters: alpha means nothing
+    ["--lora_rank", "64", "--lora_alpha", "32", "--target_modules", "all-linear", "--lora_dropout", "0"],
+])
+def test_good_lora_values_pass(argv):
+    check_values(cfg_of(*argv, "--remote_rm_url", "demo"))
+
+
+def test_save_merged_with_an_adapter_directory_as_pretrain_passes(tmp_path):
+    """A saved PEFT adapter as --pretrain trains LoRA without --lora_rank (its adapter_config.json has the rank)."""
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "base_model_name_or_path": "/base"}')
+    check_values(cfg_of("--pretrain", str(tmp_path), "--save_merged", "--remote_rm_url", "demo"))

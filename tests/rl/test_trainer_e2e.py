@@ -71,10 +71,10 @@ def test_reward_model_on_its_own_ranks(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("ranks", "claimed_last"), [(1, 0.4), (2, 0.95)])
+@pytest.mark.parametrize(("ranks", "claimed_last"), [(1, 0.8), (2, 0.8)])
 def test_demo_learns_as_the_readme_claims(tmp_path, ranks, claimed_last):
-    """README's quick start, exactly: "the reward starts near 0.08 and ends above 0.4 on one rank and at about 1.0
-    with --nproc_per_node 2" (the whole 60-step demo; CPU runs are deterministic, so this is the printed line)."""
+    """README's quick start, exactly: "the reward starts near 0.08 and ends above 0.8 on one rank and with
+    --nproc_per_node 2" (the whole 60-step demo; CPU runs are deterministic, so this is the printed line)."""
     res = run_rlrun(ranks, DEMO, tmp_path)
     assert res.returncode == 0, res.output[-3000:]
     rewards = [m["reward"] for m in res.metrics]

@@ -51,20 +51,31 @@ def test_classic_and_dotted_spellings_give_the_same_config() -> None:
 
 
 def test_openrlhf_flags_rlrun_does_not_act_on_are_reported() -> None:
-    parsed = parse_args(["--lora_rank", "0", "--ds.lora.alpha", "16", "--model.aux_loss_coef", "0", "--multiturn",
-                         "--overlap_comm", "--output_key", "o"], SFT_CLI)
+    parsed = parse_args(["--model.aux_loss_coef", "0", "--multiturn", "--overlap_comm", "--output_key", "o"], SFT_CLI)
     assert parsed.config.data.output_key == "o"
     text = "\n".join(parsed.ignored)
-    for flag in ("--lora_rank", "--ds.lora.alpha", "--model.aux_loss_coef", "--multiturn", "--overlap_comm"):
+    for flag in ("--model.aux_loss_coef", "--multiturn", "--overlap_comm"):
         assert f"{flag}: ignored (" in text, text
 
 
-@pytest.mark.parametrize("argv", [["--lora_rank", "8"], ["--ds.lora.rank", "16"], ["--model.aux_loss_coef", "0.1"],
-                                  ["--load_in_4bit"]])
-def test_openrlhf_flags_that_would_change_what_is_trained_are_refused(argv) -> None:
-    with pytest.raises(ConfigError, match="not implemented in rlrun yet: it would") as err:
+@pytest.mark.parametrize("cli", [SFT_CLI, RM_CLI, DPO_CLI])
+def test_lora_flags_in_classic_and_dotted_spellings_set_the_lora_fields(cli) -> None:
+    classic = parse_args(["--lora_rank", "8", "--lora_alpha", "32", "--target_modules", "q_proj", "v_proj",
+                          "--lora_dropout", "0.05", "--save_merged"], cli)
+    dotted = parse_args(["--ds.lora.rank", "8", "--ds.lora.alpha", "32", "--ds.lora.target_modules", "q_proj", "v_proj",
+                         "--ds.lora.dropout", "0.05", "--save_merged"], cli)
+    model = classic.config.model
+    assert (model.lora_rank, model.lora_alpha, model.target_modules, model.lora_dropout) == (8, 32, ("q_proj", "v_proj"), 0.05)
+    assert classic.config.checkpoint.save_merged and not classic.ignored
+    assert dotted.config == classic.config
+
+
+@pytest.mark.parametrize(("argv", "message"), [(["--model.aux_loss_coef", "0.1"], "not implemented in rlrun yet: it would"),
+                                               (["--load_in_4bit"], "QLoRA")])
+def test_openrlhf_flags_that_would_change_what_is_trained_are_refused(argv, message) -> None:
+    with pytest.raises(ConfigError) as err:
         parse_args([*argv, "--output_key", "o"], SFT_CLI)
-    assert str(err.value).startswith(argv[0])
+    assert str(err.value).startswith(argv[0]) and message in str(err.value), err.value
 
 
 def test_a_flag_of_another_trainer_is_an_error_with_a_suggestion() -> None:

@@ -19,7 +19,7 @@ import yaml
 
 from rlrun.compat import openrlhf_flags, verl_overrides
 from rlrun.compat.argv import Nargs
-from rlrun.compat.reasons import LAUNCHER, NOT_YET, RAY_ONLY, refused
+from rlrun.compat.reasons import LAUNCHER, NOT_YET, QLORA, RAY_ONLY, refused
 from rlrun.config.fields import FieldInfo, build_config, coerce, fields_of, suggest
 from rlrun.config.schema import Config
 from rlrun.runtime.errors import ConfigError
@@ -55,11 +55,7 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
     "use_dynamic_batch": (0, NOT_YET),
     "rollout_max_tokens_per_gpu": (1, NOT_YET),
     "train_max_tokens_per_gpu": (1, NOT_YET),
-    "load_in_4bit": (0, NOT_YET),
-    "lora_rank": (1, NOT_YET),
-    "lora_alpha": (1, NOT_YET),
-    "target_modules": ("*", NOT_YET),
-    "lora_dropout": (1, NOT_YET),
+    "load_in_4bit": (0, QLORA),  # refused (reasons.CHANGES_TRAINING); the LoRA flags are fields
     "max_len": (1, NOT_YET),
     "ptx_coef": (1, NOT_YET),
     "full_determinism": (0, "rlrun is deterministic on CPU by default"),
@@ -333,17 +329,18 @@ def _arity(parser: argparse.ArgumentParser, ignored_flags: Mapping[str, tuple[in
 
 
 def _translate_peer_spellings(argv: Sequence[str], parser: argparse.ArgumentParser,
-                              spec: CliSpec) -> tuple[list[str], list[str], list[verl_overrides.Default]]:
+                              spec: CliSpec) -> tuple[list[str], list[str], verl_overrides.Translated]:
     """OpenRLHF 0.11 dotted flags, rlrun's --section.field aliases and (PPO) verl key=value overrides -> classic flags.
 
-    Returns (argv, report lines for the peer flags/keys that are ignored, verl's implied defaults)."""
+    Returns (argv, report lines for the peer flags/keys that are ignored, the verl translation: its implied defaults
+    and the LoRA keys checked on the built config)."""
     infos = fields_of(spec.config_cls)
     dotted = openrlhf_flags.translate(argv, infos, spec.ignored, spec.dotted)
     if not spec.verl_overrides:
-        return dotted.argv, dotted.ignored, []
+        return dotted.argv, dotted.ignored, verl_overrides.Translated([])
     verl = verl_overrides.translate(dotted.argv, _arity(parser, spec.ignored), infos, spec.ignored,
                                     verl_overrides.launched_world_size())
-    return verl.argv, dotted.ignored + verl.ignored, verl.defaults
+    return verl.argv, dotted.ignored + verl.ignored, verl
 
 
 def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> ParsedArgs:
@@ -353,7 +350,7 @@ def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> Pa
         raise ConfigError(spec.bare)
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(spec)
-    translated, peer_ignored, implied = _translate_peer_spellings(argv, parser, spec)
+    translated, peer_ignored, verl = _translate_peer_spellings(argv, parser, spec)
     if (stop := refused(_flags_with_values(translated))) is not None:
         raise ConfigError(stop)
     rest, ignored = _strip_ignored(translated, spec.ignored)
@@ -376,9 +373,13 @@ def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> Pa
             values[name] = ""  # bare flag: key from WANDB_API_KEY
             continue
         values[name] = coerce(infos[name], raw, f"--{name}")
-    defaults.update({d.field: d.value for d in implied if d.field not in values and not d.unless & values.keys()})
+    defaults.update({d.field: d.value for d in verl.defaults if d.field not in values and not d.unless & values.keys()})
     no_effect = {name: f"--{name}: has no effect ({why})" for name, why in spec.no_effect.items() if name in values}
-    parsed = ParsedArgs(build_config({**defaults, **values}, spec.config_cls),
+    config = build_config({**defaults, **values}, spec.config_cls)
+    if verl.lora:  # PPO's Config: verl's critic keys matter only in a run that trains a critic
+        verl_overrides.check_lora(verl.lora, config.model,
+                                  config.algo.advantage_estimator if config.needs_critic else None)
+    parsed = ParsedArgs(config,
                         tuple(dict.fromkeys([*ignored, *no_effect.values()])), frozenset(values),
                         tuple(line for name, line in no_effect.items() if name in VLLM_BACKEND_FIELDS))
     return dataclasses.replace(parsed, ignored=parsed.ignored_under(values.get("generation_backend")))

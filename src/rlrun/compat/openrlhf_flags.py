@@ -315,6 +315,9 @@ def translate(argv: Sequence[str], fields: Mapping[str, FieldInfo],
             out.extend(meaning.tokens[values[0]])
         else:
             info = fields[meaning.field]
+            if not values and meaning.nargs == "*":
+                # OpenRLHF's nargs="*" reads a bare --ds.lora.target_modules as an empty list, which PEFT cannot adapt.
+                raise ConfigError(f"{flag} needs at least one value (module names like q_proj v_proj, or all-linear)")
             if meaning.single_value_is_high and len(values) == 1:
                 values = ["0", *values] if not eq else ["0", value]
                 eq = ""  # two values now: passed as separate tokens

@@ -20,7 +20,7 @@ from typing import Mapping
 
 from rlrun.compat.openrlhf_flags import (MIN_LR_RATIO, OPENRLHF_DOTTED, Ignored, Meaning, Same,
                                          adam_muon_flags)
-from rlrun.compat.reasons import LAUNCHER, NOT_YET
+from rlrun.compat.reasons import LAUNCHER, NOT_YET, QLORA
 
 Classic = Mapping[str, tuple[int | str, str]]
 
@@ -121,11 +121,7 @@ _COMMON_IGNORED: dict[str, tuple[int | str, str]] = {
     "disable_fast_tokenizer": (0, NOT_YET),
     "ring_attn_size": (1, NOT_YET),
     "ring_head_stride": (1, NOT_YET),
-    "load_in_4bit": (0, NOT_YET),
-    "lora_rank": (1, NOT_YET),
-    "lora_alpha": (1, NOT_YET),
-    "lora_dropout": (1, NOT_YET),
-    "target_modules": ("*", NOT_YET),
+    "load_in_4bit": (0, QLORA),  # refused (reasons.CHANGES_TRAINING); the LoRA flags are fields
 }
 
 SFT_IGNORED: dict[str, tuple[int | str, str]] = {

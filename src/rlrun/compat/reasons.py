@@ -10,12 +10,18 @@ LAUNCHER = "set by the launcher: torchrun/srun give every process its rank"
 # something else, so each is refused at start-up with the reason (until rlrun implements it), unless its value is
 # one that asks for nothing (OFF: 0, false, null, the peer's default). Keys are rlrun's classic flag names, OpenRLHF
 # 0.11's dotted names and verl keys; the value is what ignoring the flag would do.
-_LORA = "LoRA adapters are not implemented in rlrun yet: it would train every weight of the model instead"
 _VLM = "vision-language data is not implemented in rlrun yet: it would train on the text alone"
+# bitsandbytes' 4-bit kernels exist on CUDA only, and the adapters on a 4-bit base (QLoRA) need their own dtype and
+# weight-sync handling that rlrun does not have; refused everywhere rather than on CPU alone.
+QLORA = ("bitsandbytes 4-bit loading is CUDA-only and rlrun does not implement QLoRA: it would load and train the "
+         "full-precision model; use --lora_rank on a bf16 base model")
+# verl's Megatron backend has its own LoRA block (model.lora.rank, Megatron-Core module names); rlrun's LoRA is PEFT
+# on the Hugging Face model, set by verl's FSDP keys.
+_MEGATRON_LORA = ("verl's Megatron-backend LoRA (model.lora.*) is not read by rlrun: it would train every weight; use "
+                  "actor_rollout_ref.model.lora_rank, lora_alpha and target_modules (PEFT, Hugging Face module names)")
 CHANGES_TRAINING: dict[str, str] = {
-    "lora_rank": _LORA, "ds.lora.rank": _LORA, "actor_rollout_ref.model.lora_rank": _LORA,
-    "load_in_4bit": "4-bit (QLoRA) loading is not implemented in rlrun yet: it would load and train the full-precision "
-                    "model",
+    "load_in_4bit": QLORA,
+    "actor_rollout_ref.model.lora.rank": _MEGATRON_LORA, "critic.model.lora.rank": _MEGATRON_LORA,
     "data.image_key": _VLM, "image_key": _VLM,
     "ptx_coef": "the pretraining (PTX) loss is not implemented in rlrun yet: it would train without it",
     "aux_loss_coef": "the MoE auxiliary loss is not implemented in rlrun yet: it would train without it",
@@ -25,11 +31,11 @@ CHANGES_TRAINING: dict[str, str] = {
     "value_head_prefix": "a reward/critic value head under another name is not implemented in rlrun yet: it would "
                          "score with a freshly initialised head",
 }
-OFF = frozenset({"0", "0.0", "false", "none", "null", "-1", "value_head", "train"})  # no LoRA, no EMA, the defaults
+OFF = frozenset({"0", "0.0", "false", "none", "null", "-1", "value_head", "train"})  # no EMA, no LoRA, the defaults
 
 
 def refused(given: list[tuple[str, str | None]]) -> str | None:
-    """The one error for the flags/keys as the user spelled them ("--lora_rank", "--data.image_key",
+    """The one error for the flags/keys as the user spelled them ("--load_in_4bit", "--data.image_key",
     "data.image_key"), each with its value (None: a switch), that would change what is trained; None when none
     would."""
     hits = [(name, value) for name, value in given if name.removeprefix("--") in CHANGES_TRAINING

@@ -16,7 +16,8 @@ from rlrun.config.fields import fields_of
 GROUP_FIELDS = {"kl": "use_kl_loss, init_kl_coef, kl_estimator, kl_target, kl_horizon",
                 "batch": "n_samples_per_prompt, train_batch_size", "micro": "micro_train_batch_size, micro_rollout_batch_size",
                 "estimator": "advantage_estimator", "data": "prompt_data, input_key, label_key, data_source_key, reward_pretrain, compute_score, compute_score_name, retriever_url", "clip": "eps_clip, eps_clip_low_high",
-                "turns": "prompt_max_len, generate_max_len, max_turns, max_tokens_per_turn, max_obs_len"}
+                "turns": "prompt_max_len, generate_max_len, max_turns, max_tokens_per_turn, max_obs_len",
+                "lora": "lora_rank, lora_alpha, target_modules"}
 
 
 def _field_status(field: str, no_effect: Mapping[str, str] = NO_EFFECT_YET) -> str:

@@ -24,7 +24,7 @@ from rlrun.config.fields import suggest
 from rlrun.runtime.errors import ConfigError
 
 Convert = Callable[[Any, str], Any]  # (verl value, key) -> rlrun value; raises ConfigError naming the key
-Group = Literal["kl", "batch", "micro", "estimator", "data", "clip", "turns"]
+Group = Literal["kl", "batch", "micro", "estimator", "data", "clip", "turns", "lora"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,9 @@ SEQ_PARALLEL = "sequence parallelism is " + NOT_YET
 FSDP2 = "rlrun trains with FSDP2, the default, or DeepSpeed ZeRO-0/1/2 (ZeRO-3 with every model on every rank) with --strategy deepspeed; see --zero_stage, --adam_offload"
 VLM = "vision-language models are " + NOT_YET
 WORLD = "torchrun/srun set the world size; this run has {world_size} rank(s)"  # filled in by translate
+SHM = "verl copies the model to /dev/shm before loading it, a loading-speed setting; rlrun reads it where it is"
+ADAPTER_PATH = ("rlrun starts from a saved LoRA adapter when the model path is the adapter directory: pass it as "
+                "actor_rollout_ref.model.path (or --pretrain); its adapter_config.json names the base model")
 
 
 # --- value converters ------------------------------------------------------------------------------------------
@@ -165,11 +168,14 @@ VERL_KEYS: dict[str, Meaning] = {
     "actor_rollout_ref.model.use_remove_padding": To("packing_samples"),
     "actor_rollout_ref.model.trust_remote_code": Skip(NOT_YET),
     "actor_rollout_ref.model.use_fused_kernels": Skip(NOT_YET),
-    "actor_rollout_ref.model.use_shm": Skip(NOT_YET),
+    "actor_rollout_ref.model.use_shm": Skip(SHM),
     "actor_rollout_ref.model.external_lib": Skip(NOT_YET),
-    "actor_rollout_ref.model.lora_rank": To("lora_rank"),
-    "actor_rollout_ref.model.lora_alpha": To("lora_alpha"),
-    "actor_rollout_ref.model.target_modules": Skip(NOT_YET),
+    # LoRA (verl's FSDP workers, PEFT): one rule, as rlrun has one adapter setting for actor and critic
+    "actor_rollout_ref.model.lora_rank": Part("lora"),
+    "actor_rollout_ref.model.lora_alpha": Part("lora"),
+    "actor_rollout_ref.model.target_modules": Part("lora"),
+    "actor_rollout_ref.model.exclude_modules": Part("lora"),
+    "actor_rollout_ref.model.lora_adapter_path": Reject(ADAPTER_PATH),
     "actor_rollout_ref.hybrid_engine": Skip("rlrun places engines by --vllm_num_engines "
                                             "(unset: on the actor's ranks, like verl's hybrid engine)"),
     "actor_rollout_ref.nccl_timeout": To("dist_timeout"),
@@ -178,6 +184,12 @@ VERL_KEYS: dict[str, Meaning] = {
     "critic.model.use_remove_padding": To("packing_samples"),
     "critic.model.trust_remote_code": Skip(NOT_YET),
     "critic.model.tokenizer_path": Skip("rlrun uses the policy's tokenizer"),
+    "critic.model.use_shm": Skip(SHM),
+    "critic.model.lora_rank": Part("lora"),
+    "critic.model.lora_alpha": Part("lora"),
+    "critic.model.target_modules": Part("lora"),
+    "critic.model.lora_adapter_path": Reject("rlrun starts the critic from a model directory (critic.model.path), not "
+                                             "from a saved LoRA adapter"),
     "reward_model.enable": Part("data"),
     "reward_model.model.path": Part("data"),
     "reward_model.micro_batch_size": Skip(ONE_MICRO),
@@ -245,6 +257,9 @@ VERL_KEYS: dict[str, Meaning] = {
     R + "gpu_memory_utilization": To("vllm_gpu_memory_utilization"),
     R + "enforce_eager": To("enforce_eager"),
     R + "free_cache_engine": Skip(VLLM_ONLY),
+    # A memory knob of verl's LoRA weight sync (gather and merge the adapters layer by layer).
+    R + "layered_summon": Skip("rlrun merges the LoRA actor's adapters and sends the weights one FSDP unit at a time "
+                               "already"),
     R + "log_prob_micro_batch_size": Part("micro"),
     R + "log_prob_micro_batch_size_per_gpu": To("micro_rollout_batch_size"),
     R + "log_prob_use_dynamic_bsz": Skip(DYNAMIC),
@@ -258,7 +273,7 @@ VERL_KEYS: dict[str, Meaning] = {
     R + "val_kwargs.do_sample": Skip(NOT_YET),
     **{R + k: Skip(VLLM_ONLY) for k in (
         "mode", "dtype", "load_format", "enable_chunked_prefill", "max_num_batched_tokens", "max_num_seqs",
-        "max_model_len", "ignore_eos", "calculate_log_probs", "multi_stage_wake_up", "layered_summon",
+        "max_model_len", "ignore_eos", "calculate_log_probs", "multi_stage_wake_up",
         "data_parallel_size", "expert_parallel_size", "disable_log_stats", "enable_prefix_caching")},
     # critic
     C + "optim.lr": To("critic_learning_rate"),
@@ -338,7 +353,9 @@ SKIPPED_SUBTREES: dict[str, str] = {
     "multi_turn": "verl's multi-turn rollout is " + NOT_YET,
     "checkpoint_engine": "rlrun syncs weights with bucketed broadcasts (--weight_sync_bucket_mb)",
     "override_config": NOT_YET,
-    "lora": NOT_YET,
+    # verl's Megatron backend's LoRA block (model.lora.rank is refused: reasons.CHANGES_TRAINING)
+    "lora": "verl's Megatron-backend LoRA settings; rlrun's LoRA: actor_rollout_ref.model.lora_rank, lora_alpha, "
+            "target_modules",
     "ray_kwargs": RAY_ONLY,
     "ray_init": RAY_ONLY,
     "sandbox_fusion": "verl's reward managers are not used; rlrun takes --remote_rm_url",

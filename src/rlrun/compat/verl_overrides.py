@@ -188,13 +188,63 @@ def _turns(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
     return out
 
 
+M, CM = "actor_rollout_ref.model.", "critic.model."
+VERL_LORA_DEFAULTS: dict[str, Any] = {"lora_rank": 0, "lora_alpha": 16, "target_modules": "all-linear"}  # both yamls
+
+
+def _lora(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
+    """actor_rollout_ref.model.lora_rank, lora_alpha, target_modules (all-linear or a list like [q_proj,v_proj]) are
+    --lora_rank, --lora_alpha, --target_modules; in a run with a critic, critic.model.* must equal them;
+    exclude_modules must be null with LoRA on.
+
+    rlrun gives a critic the actor's adapters (as OpenRLHF), verl by its critic.model keys (default: none). Both
+    rules are checked once the config is built (check_lora), as a later --lora_rank wins over the keys."""
+    return [(name, v[M + name]) for name in VERL_LORA_DEFAULTS if M + name in v]
+
+
+def _module_names(value: Any) -> tuple[str, ...]:
+    """verl's target_modules (a name, a comma-separated string or a list) as rlrun's --target_modules tuple (the
+    same reading as config.fields.coerce)."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(part.strip() for item in items for part in str(item).split(","))
+
+
+def check_lora(given: Mapping[str, Any], model: Any, critic: str | None) -> None:
+    """The verl LoRA keys of `given` (the "lora" group as typed) against the built config's model section `model`
+    (a later --lora_rank wins over the keys). `critic`: the run's --advantage_estimator when it trains a critic,
+    else None. Raises ConfigError where rlrun would train something other than verl."""
+    if not given:
+        return
+    exclude = given.get(M + "exclude_modules")
+    if model.lora_rank > 0 and exclude not in (None, "", []):
+        raise ConfigError(f"{M}exclude_modules={exclude}: rlrun has no list of modules to leave out of LoRA; name "
+                          f"the modules to adapt with {M}target_modules=[...] (or --target_modules), or drop the key")
+    if critic is None:
+        return  # verl builds no critic either: its critic.model.* keys ask for nothing
+    actor = {"lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha, "target_modules": model.target_modules}
+    # Without adapters, alpha and target modules mean nothing.
+    for name in ("lora_rank",) if model.lora_rank == 0 else tuple(VERL_LORA_DEFAULTS):
+        raw = given.get(CM + name, VERL_LORA_DEFAULTS[name])
+        value = _module_names(raw) if name == "target_modules" else as_int(raw, CM + name)
+        if value != actor[name]:
+            shown = ",".join(value) if isinstance(value, tuple) else value
+            mine = " ".join(actor[name]) if name == "target_modules" else actor[name]
+            trained = "whole" if name == "lora_rank" and value == 0 else "with adapters of its own"
+            raise ConfigError(
+                f"{CM}{name}={shown}{'' if CM + name in given else ' (verl default)'} with the actor's --{name} {mine}: "
+                f"rlrun gives the critic (--advantage_estimator {critic}) the actor's LoRA settings (one --lora_rank, "
+                f"--lora_alpha and --target_modules for both, as OpenRLHF) where verl would train it {trained}; set "
+                f"{CM}{name} to the actor's value to train it so, or use an estimator without a critic "
+                "(algorithm.adv_estimator=grpo)")
+
+
 # --- translation ---------------------------------------------------------------------------------------------------
 
 # Every rule gets the launched world size (only the global micro batches need it), so one mapping serves
 # translate() and the docs report.
 Rule = Callable[[Mapping[str, Any], int], list[Assignment | Default]]
 GROUP_RULES: dict[Group, Rule] = {"kl": _kl, "batch": _batch, "micro": _micro, "estimator": _estimator,
-                                  "data": _data, "clip": _clip, "turns": _turns}
+                                  "data": _data, "clip": _clip, "turns": _turns, "lora": _lora}
 
 
 def parse_value(raw: str) -> Any:
@@ -217,6 +267,7 @@ class Translated:
     argv: list[str]  # rlrun flags only
     ignored: list[str] = field(default_factory=list)  # one report line per ignored key
     defaults: list[Default] = field(default_factory=list)  # verl's assumptions, coerced (see Default)
+    lora: dict[str, Any] = field(default_factory=dict)  # the verl LoRA keys given, for check_lora on the built config
 
 
 def _tokens(assignments: list[Assignment], source: str, fields: Mapping[str, FieldInfo],
@@ -307,5 +358,6 @@ def translate(argv: Sequence[str], arity: Callable[[str], Nargs], fields: Mappin
             result.defaults += [Default(d.field, coerce(fields[d.field], d.value, source), d.unless)
                                 for d in assigned if isinstance(d, Default)]
     result.argv = expanded
+    result.lora = groups.get("lora", {})
     return result
 

@@ -77,6 +77,8 @@ def coerce(info: FieldInfo, value: Any, source: str) -> Any:
         items = value.split(",") if isinstance(value, str) else value
         args = get_args(tp)
         if args[-1] is Ellipsis:  # any number of one type: a list, or one comma-separated string (verl's spelling)
+            if isinstance(items, (list, tuple)):  # each item may be comma-separated too: --target_modules q_proj,v_proj
+                items = [part for v in items for part in (v.split(",") if isinstance(v, str) else [v])]
             if not isinstance(items, (list, tuple)) or not items:
                 raise ConfigError(f"{where} needs at least one value, got {value!r}")
             return tuple(_scalar(args[0], str(v).strip() if isinstance(v, str) else v, where) for v in items)

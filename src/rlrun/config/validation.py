@@ -5,11 +5,16 @@ Every message names the offending flag, its value and what would fix it.
 
 from __future__ import annotations
 
+import os
+
 from rlrun.algo.is_correction import ISCorrection
 from rlrun.algo.is_correction import check_settings as check_is_settings
-from rlrun.config.schema import NEEDS_GROUPS, RETRIEVER_RETRY_BACKOFF_S, Config, PretrainedConfig
+from rlrun.config.schema import NEEDS_GROUPS, RETRIEVER_RETRY_BACKOFF_S, Config, PretrainedConfig, SavingConfig
 from rlrun.runtime.errors import ConfigError
 
+
+# The file that marks a PEFT adapter directory (models/lora.py reads it; here: --pretrain may be one).
+ADAPTER_CONFIG = "adapter_config.json"
 
 def _positive(name: str, value: int | float | None, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
@@ -25,10 +30,38 @@ def check_model_settings(model: PretrainedConfig) -> None:
                           "refuses fp32 inputs); add --bf16, or drop --flash_attn for PyTorch's SDPA")
 
 
+def check_lora_settings(model: PretrainedConfig, saving: SavingConfig) -> None:
+    """--lora_rank and its companions, shared by rlrun.ppo and the supervised trainers: caught here rather than by
+    PEFT mid-build, or (all-linear beside module names, which PEFT reads as one more name) never."""
+    rank = model.lora_rank
+    if rank < 0:
+        raise ConfigError(f"--lora_rank must be >= 0 (0: train every weight; LoRA: e.g. 8, 16 or 64), got {rank}")
+    if rank > 0 and model.lora_alpha <= 0:
+        raise ConfigError(f"--lora_alpha must be > 0 with --lora_rank {rank} (the adapters' update is scaled by alpha "
+                          f"/ rank; OpenRLHF's and verl's default is 16), got {model.lora_alpha}")
+    if not 0 <= model.lora_dropout < 1:
+        raise ConfigError(f"--lora_dropout must be in [0, 1) (the chance of zeroing an adapter input), got "
+                          f"{model.lora_dropout}")
+    targets = list(model.target_modules)
+    if any(not name.strip() for name in targets):
+        raise ConfigError(f"--target_modules {targets} has an empty module name (a stray comma?); give names like "
+                          "q_proj v_proj, or all-linear")
+    if "all-linear" in targets and len(targets) > 1:
+        raise ConfigError(f"--target_modules {' '.join(targets)}: all-linear (every linear layer but the output head) "
+                          "stands alone; give it alone, or only module names")
+    # A saved adapter directory as --pretrain trains LoRA without --lora_rank (its adapter_config.json says the rank).
+    adapter = model.pretrain is not None and os.path.isfile(os.path.join(model.pretrain, ADAPTER_CONFIG))
+    if saving.save_merged and rank == 0 and not adapter:
+        raise ConfigError("--save_merged writes the base model with the LoRA adapters merged in, and this run has no "
+                          "adapters: add --lora_rank N (e.g. 16), or drop --save_merged (without LoRA --save_path "
+                          "holds the full model already)")
+
+
 def check_values(cfg: Config) -> None:
     """Ranges and cross-field rules that need no layout."""
     t, a, g = cfg.train, cfg.algo, cfg.generation
     check_model_settings(cfg.model)
+    check_lora_settings(cfg.model, cfg.checkpoint)
     for name in ("rollout_batch_size", "micro_rollout_batch_size", "train_batch_size",
                  "micro_train_batch_size", "n_samples_per_prompt", "max_epochs", "num_episodes", "max_samples"):
         _positive(name, getattr(t, name))

@@ -8,6 +8,7 @@ plan agreed once at start and the buffers reused.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
@@ -191,8 +192,11 @@ class WeightSync:
     def __init__(self, *, actor_params: "ParamSource | None", engine_model: nn.Module | None,
                  sync_group: dist.ProcessGroup | None, actor_root: int, colocated: bool,
                  bucket_bytes: int, wire_dtype: torch.dtype, device: torch.device,
-                 chunk_bytes: int = 16 * 2**20) -> None:
+                 chunk_bytes: int = 16 * 2**20, check_names: Sequence[str] = ()) -> None:
         self.actor_params = actor_params
+        # Parameters whose sums the engines compare with the actor's after every sync (LoRA: merged weights a
+        # sync that skipped the adapters would leave unchanged); the root's list travels with the metadata.
+        self.check_names = list(check_names)
         self.engine_model = engine_model
         self.group = sync_group
         self.root = actor_root
@@ -217,12 +221,13 @@ class WeightSync:
         if is_root:
             blocker = actor_params.zero_copy_blocker(wire_dtype, device)  # type: ignore[union-attr]
             meta = {"params": [[n, list(s)] for n, s, _ in actor_params.shapes()],  # type: ignore[union-attr]
-                    "zero_copy": blocker is None}
+                    "zero_copy": blocker is None, "check": self.check_names}
             get_logger(dist.get_rank()).info_once(
                 "weight sync: the actor's parameters live in the send buckets (zero-copy send)" if blocker is None
                 else f"weight sync: the root packs its parameters into the send buckets ({blocker})")
         meta = broadcast_json(meta, actor_root, sync_group, device)
         self.zero_copy = bool(meta["zero_copy"])  # type: ignore[index]
+        self.check_names = list(meta["check"])  # type: ignore[index]
         params = meta["params"]  # type: ignore[index]
         if engine_model is not None:
             self._check_engine_matches(params)
@@ -276,11 +281,15 @@ class WeightSync:
             assert self.engine_model is not None
             targets = dict(self.engine_model.named_parameters())
             scratch = self._scratch or GatherScratch()
+            sent: dict[str, float] = {}
             with torch.no_grad():
                 for block in self.actor_params.blocks():
                     full = block.gather(scratch)
                     for name in full.names:
                         full.write(name, targets[name].data)
+                        if name in self.check_names:
+                            sent[name] = _checksum(full.full(name).to(targets[name].dtype))
+            self._verify(sent, targets)
             return
         if self.actor_params is not None and dist.get_rank() != self.root:
             scratch = self._scratch or GatherScratch()
@@ -293,6 +302,17 @@ class WeightSync:
         works = [dist.broadcast(buffer[start:end], src=self.root, group=self.group, async_op=True)
                  for buffer, chunks in zip(self.buffers, self.chunks) for start, end, _ in chunks]
         wait_all(works, self.group, self.device, "bucket broadcast")  # type: ignore[arg-type]
+        if self.check_names:
+            sent = broadcast_json(None, self.root, self.group, self.device)
+            self._verify(sent, dict(self.engine_model.named_parameters()))  # type: ignore[union-attr,arg-type]
+
+    def _verify(self, sent: dict[str, float], targets: Mapping[str, torch.Tensor]) -> None:
+        """The engine's copies of the checked parameters sum as the actor's sent tensors did."""
+        for name, expected in sent.items():
+            got = _checksum(targets[name].data)
+            if not math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-6):
+                raise RlrunError(f"weight sync: after the sync the engine's {name} sums to {got:.6g} but the actor "
+                                 f"sent {expected:.6g}: the engine did not receive the actor's weights")
 
     def _send(self) -> None:
         """Root: gather unit by unit, put each parameter into its bucket and every chunk on the wire (async) as
@@ -305,6 +325,7 @@ class WeightSync:
         in_flight: list[list[dist.Work]] = [[] for _ in self.buckets]
         scratch = self._scratch or GatherScratch()
         strays: list[str] = []
+        checks: dict[str, float] = {}
         with torch.no_grad():
             for block in self.actor_params.blocks():
                 full = block.gather(scratch)
@@ -319,14 +340,22 @@ class WeightSync:
                         full.write(name, view)
                         if self.zero_copy:
                             strays.append(name)
+                    if name in self.check_names:  # computed apart from the bucket it was packed into
+                        checks[name] = _checksum(full.full(name).to(self.wire_dtype))
                     if i in chunk_ending_at[k]:
                         start, end = chunk_ending_at[k][i]
                         in_flight[k].append(dist.broadcast(staging[start:end], src=self.root, group=self.group,
                                                            async_op=True))
         assert next(entries, None) is None, "the actor yielded fewer parameters than the bucket plan"
         wait_all([w for works in in_flight for w in works], self.group, self.device, "bucket broadcast")
+        if self.check_names:
+            broadcast_json(checks, self.root, self.group, self.device)
         if self.zero_copy and strays and self.actor_params.zero_copy_blocker(self.wire_dtype, self.device) is None:
             self.actor_params.home(self._views(strays))
+
+
+def _checksum(t: torch.Tensor) -> float:
+    return float(t.detach().double().sum())
 
 
 class ParamSource:

@@ -145,3 +145,18 @@ def resolve_models(model: Any, *, download: bool = True) -> Any:
     found = {flag: getattr(model, flag) for flag in MODEL_FLAGS if getattr(model, flag, None) is not None}
     return dataclasses.replace(model, **{flag: resolve(name, "model", flag, download=download)
                                          for flag, name in found.items()})
+
+
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def snapshot_repo(path: str) -> tuple[str, str] | None:
+    """(repo id, commit) when `path` is a model snapshot folder of a hub cache (`<cache>/models--owner--name/snapshots/
+    COMMIT`, what `resolve` turns a hub id into), else None. A saved LoRA adapter names its base by hub id: the id holds
+    on other machines, the cache folder does not."""
+    snapshots, commit = os.path.split(os.path.realpath(path))
+    repo_folder, leaf = os.path.split(snapshots)
+    name = os.path.basename(repo_folder)
+    if leaf != "snapshots" or not name.startswith("models--") or not _COMMIT.match(commit):
+        return None
+    return name.removeprefix("models--").replace("--", "/"), commit  # the hub forbids "--" inside names

@@ -1,8 +1,14 @@
-"""Model and tokenizer construction: HF directories, or the embedded tiny model when offline."""
+"""Model and tokenizer construction: HF directories, or the embedded tiny model when offline.
+
+A saved PEFT LoRA adapter directory stands for its base wherever a model path is read (models/adapter_pretrain.py):
+the config, weights and (lacking its own) tokenizer are the base's, the frozen copies read base + adapter merged, and
+the trained policy (`trained_policy`) gets the saved adapters back on the unmerged base.
+"""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import torch
@@ -12,10 +18,23 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase)
 
 from rlrun.config.schema import Config, PretrainedConfig
+from rlrun.models.adapter_pretrain import (REWARD_NORM_FILE, AdapterMerged, base_folder, base_here, base_source,
+                                           check_fits, checked_adapter, lora_settings, model_folder,
+                                           resolve_adapter_pretrain, saved_mean_std, saved_shapes)
+from rlrun.models.lora import adapter_dir, adapter_weights, add_adapters, is_adapter, saved_adapter_name
 from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config_for_size
 from rlrun.models.weights import (Chained, MemoryWeights, Unfilled, WeightSource, missing, open_weights, params_on_meta,
                                   state_dict_weights)
 from rlrun.runtime.errors import ConfigError, MissingExtraError
+
+__all__ = [
+    "TOKENIZER_FILES", "tokenizer_missing", "load_tokenizer", "load_model_config", "policy_weights",
+    "unfilled_causal_lm", "trained_policy", "unfilled_trained_policy", "unfilled_policy", "load_causal_lm",
+    "scalar_model_from", "unfilled_scalar_model", "ScalarHeadModel", "config_mean_std", "load_critic", "seeded_head",
+    "init_score_head", "load_reward_model", "score_head", "position_ids_from",
+    # the adapter-directory part (models/adapter_pretrain.py), importable from here with the loaders that use it
+    "REWARD_NORM_FILE", "AdapterMerged", "base_source", "lora_settings", "resolve_adapter_pretrain",
+]
 
 
 def _check_dir(flag: str, path: str) -> None:
@@ -41,15 +60,28 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "spiece.model")
 
 
+def _has_tokenizer(folder: str) -> bool:
+    return any(os.path.exists(os.path.join(folder, name)) for name in TOKENIZER_FILES)
+
+
 def tokenizer_missing(model: PretrainedConfig) -> str | None:
     """Why the policy's tokenizer cannot be read on this machine, or None when it can. A --dry_run on a login node
-    may see no folder at all, or one with config.json alone (enough to plan layout and memory)."""
+    may see no folder at all, or one with config.json alone (enough to plan layout and memory). An adapter
+    directory's own tokenizer files win (a fine-tune may add tokens); lacking them, its base's are read."""
     if model.pretrain is None:
         return None
     if not os.path.isdir(model.pretrain):
         return f"--pretrain {model.pretrain} is not on this machine"
-    if not any(os.path.exists(os.path.join(model.pretrain, name)) for name in TOKENIZER_FILES):
+    if _has_tokenizer(model.pretrain):
+        return None
+    if (adapter := adapter_dir(model.pretrain)) is None:
         return f"--pretrain {model.pretrain} holds no tokenizer files (a config-only copy)"
+    if (base := base_here(adapter)) is None:
+        return (f"--pretrain {model.pretrain} is a LoRA adapter without tokenizer files, and its base {adapter.base} is "
+                "not on this machine")
+    if not _has_tokenizer(base):
+        return (f"--pretrain {model.pretrain} is a LoRA adapter without tokenizer files, and its base {base} holds none "
+                "(a config-only copy)")
     return None
 
 
@@ -57,7 +89,8 @@ def load_tokenizer(model: PretrainedConfig) -> PreTrainedTokenizerBase:
     if model.pretrain is None:
         return build_byte_tokenizer()
     _check_dir("pretrain", model.pretrain)
-    tok = AutoTokenizer.from_pretrained(model.pretrain)
+    folder = model.pretrain if _has_tokenizer(model.pretrain) else model_folder(model.pretrain, "pretrain")
+    tok = AutoTokenizer.from_pretrained(folder)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -65,20 +98,24 @@ def load_tokenizer(model: PretrainedConfig) -> PreTrainedTokenizerBase:
 
 
 def load_model_config(source: PretrainedConfig) -> HFConfig:
-    """The policy's HF config (config.json only, no weights)."""
+    """The policy's HF config (config.json only, no weights; an adapter directory's base's)."""
     if source.pretrain is None:
         return tiny_model_config_for_size(source.model_preset)
     _check_dir("pretrain", source.pretrain)
-    return AutoConfig.from_pretrained(source.pretrain)
+    return AutoConfig.from_pretrained(model_folder(source.pretrain, "pretrain"))
 
 
 def policy_weights(source: PretrainedConfig, seed: int) -> WeightSource | None:
     """The policy's initial weights, opened once per rank and shared by its roles (the embedded tiny model is built
-    here, small by construction). None: a checkpoint only `from_pretrained` reads."""
+    here, small by construction); an adapter directory's base with the adapter merged on read (what the engines and
+    the reference start from). None: a checkpoint only `from_pretrained` reads."""
     if source.pretrain is None:
         return state_dict_weights(_tiny_policy(source, seed))
     _check_dir("pretrain", source.pretrain)
-    return open_weights(source.pretrain)
+    if (adapter := checked_adapter(source.pretrain, "pretrain", policy=True)) is None:
+        return open_weights(source.pretrain)
+    base = open_weights(base_folder(adapter, "pretrain"))
+    return None if base is None else AdapterMerged(base, adapter)
 
 
 def _tiny_policy(source: PretrainedConfig, seed: int) -> PreTrainedModel:
@@ -95,18 +132,55 @@ def _skeleton(auto: type, config: HFConfig, source: PretrainedConfig, attn: bool
     return model.eval()
 
 
+def _name_base(model: PreTrainedModel, folder: str) -> None:
+    """The folder holding `model`'s base weights, as PEFT records it (base_model_name_or_path) when adapters are
+    added and export names it; "" for a body merged from an adapter, which no folder holds (export then writes it
+    beside the adapters rather than naming the unmerged base)."""
+    model.config.name_or_path = folder
+    model.name_or_path = folder
+
+
 def unfilled_causal_lm(source: PretrainedConfig, seed: int, weights: WeightSource | None) -> Unfilled:
     """The policy, unallocated, with where its weights are (`policy_weights`): a strategy places it, whole or
     sharded, then fills it. A checkpoint whose names are not the model's (transformers converts some, e.g. fused
     MoE experts) is loaded whole by `from_pretrained` first (today's cost) and `note` says so."""
     model = _skeleton(AutoModelForCausalLM, load_model_config(source), source, attn=source.pretrain is not None)
-    if weights is not None and not missing(model, weights):
-        return Unfilled(model, weights)
-    assert source.pretrain is not None
-    lacking = "" if weights is None else f" ({', '.join(missing(model, weights)[:3])} not found under these names)"
-    full = AutoModelForCausalLM.from_pretrained(source.pretrain, dtype=torch.float32, **_attn_kwargs(source))
-    return Unfilled(model, state_dict_weights(full),
-                    note=f"{source.pretrain}: its weights are read whole on every rank before sharding{lacking}")
+    note = None
+    if weights is None or missing(model, weights):
+        assert source.pretrain is not None
+        adapter = checked_adapter(source.pretrain, "pretrain", policy=True)
+        folder = source.pretrain if adapter is None else base_folder(adapter, "pretrain")
+        lacking = "" if weights is None else f" ({', '.join(missing(model, weights)[:3])} not found under these names)"
+        full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **_attn_kwargs(source))
+        weights = state_dict_weights(full) if adapter is None else AdapterMerged(state_dict_weights(full), adapter)
+        note = f"{folder}: its weights are read whole on every rank before sharding{lacking}"
+    if isinstance(weights, AdapterMerged):
+        _name_base(model, "")
+    return Unfilled(model, weights, note=note)
+
+
+def trained_policy(unfilled: Unfilled, source: PretrainedConfig, seed: int) -> Unfilled:
+    """The policy as the actor trains it: `unfilled` itself without LoRA, with fresh adapters for --lora_rank, and
+    with an adapter directory as --pretrain its saved adapters on the unmerged base (training goes on from the
+    model that was saved; its export names that base), after checking they are exactly the adapters this model
+    gets (an adapter of another model would otherwise load partly)."""
+    if (settings := lora_settings(source)) is None:
+        return unfilled
+    if (adapter := checked_adapter(source.pretrain, "pretrain", policy=True)) is None:
+        return add_adapters(unfilled, settings, seed)
+    _name_base(unfilled.model, base_folder(adapter, "pretrain"))
+    saved = adapter_weights(adapter.path)
+    policy = add_adapters(dataclasses.replace(unfilled, weights=base_source(unfilled.weights)), settings, seed,
+                          adapter=saved)
+    expected = {saved_adapter_name(name.removeprefix(policy.prefix)): tuple(p.shape)
+                for name, p in policy.model.named_parameters() if is_adapter(name)}
+    check_fits(adapter, "pretrain", expected, saved_shapes(adapter.path, saved))
+    return policy
+
+
+def unfilled_trained_policy(source: PretrainedConfig, seed: int, weights: WeightSource | None) -> Unfilled:
+    """`trained_policy` of the policy from `policy_weights`."""
+    return trained_policy(unfilled_causal_lm(source, seed, weights), source, seed)
 
 
 def unfilled_policy(source: PretrainedConfig, seed: int) -> Unfilled:
@@ -136,24 +210,32 @@ def scalar_model_from(path: str | None, source: PretrainedConfig, seed: int, dty
 
 
 def unfilled_scalar_model(path: str | None, source: PretrainedConfig, seed: int, *,
-                          fresh_head: bool = False) -> Unfilled:
+                          fresh_head: bool = False, flag: str = "pretrain") -> Unfilled:
     """A one-output sequence-classification model, unallocated: the body from `path` (a causal LM or a
     classifier), the head from `path` unless `fresh_head` or it has none (then seeded, `init_score_head`'s values).
-    None: the tiny policy's body (built whole: it is small)."""
+    None: the tiny policy's body (built whole: it is small). An adapter directory (`flag` names it in errors): its
+    base with the adapter merged on read, and the head and --normalize_reward mean/std it saved, if any."""
     if path is None:
         model = scalar_model_from(None, source, seed, torch.float32)
         if fresh_head:
             init_score_head(model, seed)
         return Unfilled(_skeleton(AutoModelForSequenceClassification, model.config, source, attn=False),
                         state_dict_weights(model))
-    config = AutoConfig.from_pretrained(path, num_labels=1)
+    adapter = checked_adapter(path, flag, policy=False)
+    folder = path if adapter is None else base_folder(adapter, flag)
+    config = AutoConfig.from_pretrained(folder, num_labels=1)
+    if adapter is not None and (norm := saved_mean_std(path)) is not None:
+        config.mean, config.std = norm  # where ScalarHeadModel reads a reward model's mean/std (config_mean_std)
     model = _skeleton(AutoModelForSequenceClassification, config, source, attn=True)
     head_name = next(n for n, p in model.named_parameters() if p is score_head(model).weight)
-    weights = open_weights(path)
+    weights = open_weights(folder)
     if weights is None:
-        full = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
+        full = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, dtype=torch.float32,
                                                                   **_attn_kwargs(source))
         weights = state_dict_weights(full)
+    if adapter is not None:
+        weights = AdapterMerged(weights, adapter, whole_modules=True, flag=flag)
+        _name_base(model, "")
     if fresh_head or weights.shape(head_name) is None:
         weights = Chained(MemoryWeights({head_name: seeded_head(config.hidden_size, seed)}), weights)
     if lacking := missing(model, weights):
@@ -212,12 +294,11 @@ def load_critic(cfg: Config) -> Unfilled:
     the policy's gets a fresh seeded head (OpenRLHF initialises the head only when the critic starts from the
     actor's model); a reward model or a saved critic keeps its own."""
     path = cfg.model.critic_pretrain or cfg.model.reward_pretrain or cfg.model.pretrain
-    for flag in ("critic_pretrain", "reward_pretrain", "pretrain"):
-        if getattr(cfg.model, flag) == path and path is not None:
-            _check_dir(flag, path)
-            break
+    flag = next(f for f in ("critic_pretrain", "reward_pretrain", "pretrain") if getattr(cfg.model, f) == path)
+    if path is not None:
+        _check_dir(flag, path)
     fresh = path is None or path == cfg.model.pretrain
-    hf = unfilled_scalar_model(path, cfg.model, cfg.train.seed, fresh_head=fresh)
+    hf = unfilled_scalar_model(path, cfg.model, cfg.train.seed, fresh_head=fresh, flag=flag)
     return Unfilled(ScalarHeadModel(hf.model, normalize=cfg.algo.normalize_reward), hf.weights, prefix="hf.")
 
 
@@ -237,7 +318,7 @@ def init_score_head(model: PreTrainedModel, seed: int) -> None:
 def load_reward_model(cfg: Config) -> Unfilled:
     assert cfg.model.reward_pretrain is not None
     _check_dir("reward_pretrain", cfg.model.reward_pretrain)
-    hf = unfilled_scalar_model(cfg.model.reward_pretrain, cfg.model, cfg.train.seed)
+    hf = unfilled_scalar_model(cfg.model.reward_pretrain, cfg.model, cfg.train.seed, flag="reward_pretrain")
     return Unfilled(ScalarHeadModel(hf.model, normalize=cfg.algo.normalize_reward), hf.weights, prefix="hf.")
 
 

@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from rlrun.config.schema import PretrainedConfig
+from rlrun.config.validation import ADAPTER_CONFIG
 from rlrun.models.weights import Unfilled, WeightSource, open_weights
 from rlrun.runtime.errors import ConfigError, MissingExtraError
 
 ADAPTER = "default"  # PEFT's adapter name; rlrun trains one adapter per model
 PEFT_PREFIX = "base_model.model."
 _A, _B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 def _peft():  # noqa: ANN202 - the module
@@ -143,7 +143,11 @@ def add_adapters(unfilled: Unfilled, settings: LoraSettings, seed: int, *, inner
     (and those) require grad afterwards."""
     peft = _peft()
     outer = unfilled.model
-    hf = getattr(outer, inner) if inner else outer
+    parent_path, _, attr = inner.rpartition(".")
+    parent = outer
+    for part in filter(None, parent_path.split(".")):
+        parent = getattr(parent, part)
+    hf = getattr(parent, attr) if inner else outer
     try:
         with warnings.catch_warnings():  # PEFT asks transformers a deprecated question; not the user's concern
             warnings.simplefilter("ignore", FutureWarning)
@@ -153,7 +157,7 @@ def add_adapters(unfilled: Unfilled, settings: LoraSettings, seed: int, *, inner
         raise ConfigError(f"--target_modules {' '.join(settings.target_modules)}: {exc} (this model's linear "
                           f"layers: {', '.join(linear)}; or use all-linear)") from None
     if inner:
-        setattr(outer, inner, wrapped)
+        setattr(parent, attr, wrapped)
     else:
         outer = wrapped
     for name, module in outer.named_modules():
@@ -164,6 +168,15 @@ def add_adapters(unfilled: Unfilled, settings: LoraSettings, seed: int, *, inner
         shapes = {n.removeprefix(unfilled.prefix): s for n, s in shapes.items()}
     return Unfilled(outer, LoraWeights(unfilled.weights, shapes, seed, adapter), prefix=unfilled.prefix,
                     note=unfilled.note)
+
+
+def add_scalar_adapters(unfilled: Unfilled, settings: LoraSettings, seed: int) -> Unfilled:
+    """A ScalarHeadModel (critic, reward model; its HF model at `.hf`) with LoRA on its transformer body only: the
+    value/score head stays outside the adapters, trained whole (a LoRA on a freshly initialised one-row head would
+    be a rank-r update of a random vector), and the body keeps the call ScalarHeadModel makes
+    (`hf.base_model(...).last_hidden_state`)."""
+    hf = getattr(unfilled.model, "hf")
+    return add_adapters(unfilled, settings, seed, inner=f"hf.{hf.base_model_prefix}")
 
 
 def peft_model_of(model: nn.Module) -> nn.Module | None:

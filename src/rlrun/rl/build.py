@@ -23,7 +23,10 @@ from rlrun.launch.dist import before_teardown, world_size
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import EngineRowExchange, ParamSource, WeightSync
-from rlrun.models.loading import load_critic, load_reward_model, policy_weights, unfilled_causal_lm
+from rlrun.models.adapter_pretrain import lora_settings
+from rlrun.models.loading import load_critic, load_reward_model, policy_weights, trained_policy, unfilled_causal_lm
+from rlrun.models.lora import add_scalar_adapters
+from rlrun.strategies.lora_params import MergedLoraParams
 from rlrun.models.weights import Unfilled
 from rlrun.rewards.compute_score import load_compute_score_function
 from rlrun.rewards.reward_fn import PromptMeta, RewardFunction, load_reward_function
@@ -256,6 +259,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
     opt_steps = optimizer_steps(cfg, total_steps)
     a, g = cfg.algo, cfg.generation
     actor_strategy = None
+    lora = lora_settings(cfg.model)  # adapters on the trained models (actor, critic); engines get merged weights
     policies = _policies(cfg, sum(r in mine for r in (Role.ACTOR, Role.REF, Role.ENGINE)), rank)
     if Role.ENGINE in mine:
         # Engines first: vLLM sizes its KV cache from the device memory free when it starts (and refuses a
@@ -283,10 +287,14 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
                                       loss_type=a.policy_loss_type,
                                       is_correction=ISCorrection(a.is_correction_level, a.is_correction_mode,
                                                                  a.is_correction_gating, *a.is_correction_threshold))
-        model, updater = _updater(cfg, next(policies), actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout,
+        policy = trained_policy(next(policies), cfg.model, cfg.train.seed)
+        model, updater = _updater(cfg, policy, actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout,
                                   Role.ACTOR, rank)
         out.actor = Actor(model, updater, settings, device, packing=cfg.train.packing_samples,
                           logits_chunk=cfg.train.logits_chunk_size)
+        if cfg.ref_is_actor_base:  # the layout has no reference ranks: the actor's base scores for it
+            out.reference = Reference(model, g.temperature, device, packing=cfg.train.packing_samples,
+                                      logits_chunk=cfg.train.logits_chunk_size, adapters_off=True)
     if Role.REF in mine:
         out.strategies[Role.REF] = _strategy(cfg, groups, Role.REF, device)
         model = out.strategies[Role.REF].wrap(next(policies), trainable=False)
@@ -294,16 +302,20 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
                                   logits_chunk=cfg.train.logits_chunk_size)
     if Role.CRITIC in mine:
         strategy = out.strategies[Role.CRITIC] = _strategy(cfg, groups, Role.CRITIC, device)
-        model, updater = _updater(cfg, load_critic(cfg), strategy, cfg.train.critic_learning_rate, opt_steps, layout,
+        critic = load_critic(cfg) if lora is None else add_scalar_adapters(load_critic(cfg), lora, cfg.train.seed)
+        model, updater = _updater(cfg, critic, strategy, cfg.train.critic_learning_rate, opt_steps, layout,
                                   Role.CRITIC, rank)
         out.critic = Critic(model, updater, a.value_clip, a.loss_agg_mode, device, packing=cfg.train.packing_samples)
     if Role.REWARD in mine:
         out.strategies[Role.REWARD] = _strategy(cfg, groups, Role.REWARD, device)
         model = out.strategies[Role.REWARD].wrap(load_reward_model(cfg), trainable=False)
         out.reward_model = RewardModel(model, device, packing=cfg.train.packing_samples)
+    source = None
+    if out.actor and actor_strategy:
+        source = ParamSource(out.actor.model, actor_strategy.param_blocks, actor_strategy) if lora is None else \
+            MergedLoraParams(out.actor.model, actor_strategy.param_blocks, lora.scaling)
     out.weight_sync = WeightSync(
-        actor_params=ParamSource(out.actor.model, actor_strategy.param_blocks, actor_strategy)
-        if out.actor and actor_strategy else None,
+        actor_params=source,
         engine_model=out.engine.model if out.engine else None,
         sync_group=groups.get("sync"),
         actor_root=layout.ranks_of(Role.ACTOR)[0],
@@ -311,5 +323,6 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         bucket_bytes=g.weight_sync_bucket_mb * 2**20,
         wire_dtype=engine_dtype(cfg, device),
         device=device,
+        check_names=source.check_names() if isinstance(source, MergedLoraParams) else (),
     )
     return out

@@ -40,6 +40,15 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
 - Host memory: offloaded and parked parts, the HF export's full fp32 state dict on its writer (global rank 0; the
   critic's first rank with --save_value_network), plus HOST_RUNTIME_* per rank (and a second process per vLLM
   engine rank: the child that runs vLLM). On CPU everything is host memory, in fp32.
+- LoRA (--lora_rank r): a trained model's base weights are frozen and held in the compute dtype (2 B/param with
+  --bf16, 4 B without), sharded as its trained parameters would be (FSDP2: over R at every stage; DeepSpeed: at
+  ZeRO-3); only the adapters (rlrun.rl.model_shapes.lora_parameters: r * (in + out) per adapted linear layer), and
+  a critic's or reward model's [hidden, 1] head, trained whole, get the trained bytes above (fp32 parameters,
+  gradients and Adam's moments; DeepSpeed's compute-dtype parameters and gradients and its fp32 master). The
+  gathered working set and the activations are the full model's (the adapters' own are r-sized and left out). With a
+  KL term the reference is the actor's base with its adapters off (Config.ref_is_actor_base): no reference role, its
+  no-grad forward runs on the actor's ranks like the actor's own scoring (rlrun.dpo: inside the training step, as
+  its reference's was). The export's state dict is then the base in its compute dtype plus the fp32 adapters.
 - Supervised trainers (rlrun.sft, rlrun.rm, rlrun.dpo; SupervisedJob): every rank trains a data-parallel share, the
   trained model accounted as the actor above (rlrun.rm's scalar-head model as the critic: no logits), micro-batches
   of --micro_train_batch_size samples of L = --max_len tokens (two rows per preference pair), logits over up to L
@@ -60,7 +69,7 @@ from typing import Any
 
 from rlrun.config.schema import Config
 from rlrun.launch.layout import Layout, Role
-from rlrun.rl.model_shapes import ModelShape
+from rlrun.rl.model_shapes import ModelShape, lora_parameters
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -119,17 +128,29 @@ class Knobs:
     engine_tp: int | None = None  # ranks per engine instead of the layout's (advice only)
     ref_offload: bool | None = None  # rlrun.dpo's --ref_offload (None: the trainer has no such flag)
     ref_in_train: bool = False  # rlrun.dpo: the reference scores inside the policy's training step
+    lora_rank: int = 0  # --lora_rank (0: every weight is trained)
+    lora_targets: tuple[str, ...] = ("all-linear",)  # --target_modules
+    base_reference: bool = False  # the reference is the trained model with its adapters off (no reference model)
 
 
 @dataclass(frozen=True)
 class SupervisedJob:
     """What every rank of rlrun.sft / rlrun.rm / rlrun.dpo holds: the trained model as PPO's actor, or with `scalar`
-    its critic (a score head: rlrun.rm); with `reference` a frozen reference (rlrun.dpo); `pairs`: a sample is two
-    rows (chosen and rejected)."""
+    its critic (a score head: rlrun.rm); with `reference` a frozen reference (rlrun.dpo), which with
+    `base_reference` (LoRA) is the trained model with its adapters off instead of a model of its own; `pairs`: a
+    sample is two rows (chosen and rejected)."""
 
     pairs: bool = False
     scalar: bool = False
     reference: bool = False
+    base_reference: bool = False
+
+    def for_config(self, cfg: Any) -> SupervisedJob:
+        """This job as `cfg` runs it: rlrun.dpo with --lora_rank scores its reference on the policy's base (adapters
+        off), unless --ref_pretrain names another model, which stays a frozen model of its own."""
+        m = cfg.model
+        other = getattr(getattr(cfg, "loss", None), "ref_pretrain", None) not in (None, m.pretrain)
+        return dataclasses.replace(self, base_reference=self.reference and m.lora_rank > 0 and not other)
 
     @property
     def trained(self) -> Role:
@@ -137,7 +158,8 @@ class SupervisedJob:
 
     def layout(self, world_size: int, ranks_per_node: int) -> Layout:
         everyone = tuple(range(world_size))
-        roles = {self.trained: everyone, **({Role.REF: everyone} if self.reference else {})}
+        separate = self.reference and not self.base_reference
+        roles = {self.trained: everyone, **({Role.REF: everyone} if separate else {})}
         return Layout(world_size, ranks_per_node, roles, (), ())
 
     def labels(self) -> dict[str, str]:
@@ -158,7 +180,8 @@ def _training_knobs(cfg: Any, target: Target) -> dict[str, Any]:
     return dict(gpu=target.gpu, bf16=m.bf16 and target.gpu, strategy=t.strategy, zero_stage=t.zero_stage,
                 adam_offload=t.adam_offload and target.gpu, checkpointing=m.gradient_checkpointing,
                 attention_scores=m.attn_implementation == "eager" and not m.flash_attn,
-                logits_chunk=int(getattr(t, "logits_chunk_size", 1024)))
+                logits_chunk=int(getattr(t, "logits_chunk_size", 1024)), lora_rank=max(0, m.lora_rank),
+                lora_targets=tuple(m.target_modules))
 
 
 def knobs_of(cfg: Config, target: Target) -> Knobs:
@@ -171,7 +194,7 @@ def knobs_of(cfg: Config, target: Target) -> Knobs:
         backend=g.generation_backend, vllm_util=g.vllm_gpu_memory_utilization,
         vllm_kv_bytes=g.vllm_kv_cache_memory_bytes,
         rollouts=cfg.rollouts_per_step, kv_budget=native_kv_budget(cfg),
-        export_critic=cfg.checkpoint.save_value_network)
+        export_critic=cfg.checkpoint.save_value_network, base_reference=cfg.ref_is_actor_base)
 
 
 def supervised_knobs(cfg: Any, target: Target, job: SupervisedJob) -> Knobs:
@@ -180,7 +203,8 @@ def supervised_knobs(cfg: Any, target: Target, job: SupervisedJob) -> Knobs:
     return Knobs(**_training_knobs(cfg, target), micro_train=rows, micro_rollout=rows, seq=cfg.train.max_len,
                  response=cfg.train.max_len, model_sleep=False, engine_sleep=False, backend="none", vllm_util=0.0,
                  vllm_kv_bytes=None, rollouts=0, kv_budget=None, export_critic=job.scalar,
-                 ref_offload=cfg.loss.ref_offload and target.gpu if job.reference else None, ref_in_train=job.reference)
+                 ref_offload=cfg.loss.ref_offload and target.gpu if job.reference and not job.base_reference else None,
+                 ref_in_train=job.reference, base_reference=job.base_reference)
 
 
 @dataclass(frozen=True)
@@ -230,6 +254,36 @@ def _gathered(s: ModelShape, k: Knobs, trainable: bool) -> int:
     return 0  # whole already (DeepSpeed ZeRO-0-2, frozen models below ZeRO-3)
 
 
+def trainable_parameters(role: Role, s: ModelShape, k: Knobs) -> int:
+    """The parameters of a trained role that get gradients and optimizer states: all of them, or with --lora_rank
+    its adapters, plus a critic's [hidden, 1] head (rlrun.models.lora.add_scalar_adapters trains it whole)."""
+    if k.lora_rank <= 0:
+        return s.parameters
+    return lora_parameters(s, k.lora_rank, k.lora_targets) + (s.head if role is Role.CRITIC else 0)
+
+
+def frozen_parameters(role: Role, s: ModelShape, k: Knobs) -> int:
+    """A trained role's frozen parameters: none, or with --lora_rank its base (the adapters come on top of
+    s.parameters), all of it but a critic's head."""
+    if k.lora_rank <= 0:
+        return 0
+    return s.parameters - (s.head if role is Role.CRITIC else 0)
+
+
+def _trained_parts(role: Role, s: ModelShape, ranks: int, k: Knobs) -> Bytes:
+    """A trained role's parameters, gradients and optimizer states on one rank, before any offload. Without LoRA
+    every parameter is trained; with it the frozen base is held in the compute dtype (it needs no fp32 master and no
+    gradient) and only the trainable ones take the trained bytes."""
+    n, frozen = trainable_parameters(role, s, k), frozen_parameters(role, s, k)
+    compute = 2 if k.bf16 else 4
+    if k.strategy == "fsdp":  # fully_shard at every stage: everything over R; fp32 trained params (the master)
+        return {"params": (compute * frozen + 4 * n) // ranks, "grads": 4 * n // ranks, "optimizer": 8 * n // ranks}
+    st = k.zero_stage  # DeepSpeed: compute-dtype params and grads, fp32 master + m + v (m + v without --bf16)
+    return {"params": compute * (frozen + n) // (ranks if st == 3 else 1),
+            "grads": compute * n // (ranks if st >= 2 else 1),
+            "optimizer": (12 if k.bf16 else 8) * n // (ranks if st >= 1 else 1)}
+
+
 def _model_role(role: Role, s: ModelShape, ranks: int, k: Knobs) -> RoleMemory:
     n = s.parameters
     logits = role in (Role.ACTOR, Role.REF)
@@ -241,19 +295,19 @@ def _model_role(role: Role, s: ModelShape, ranks: int, k: Knobs) -> RoleMemory:
         offload = bool(k.ref_offload) and role is Role.REF and k.zero_stage == 3 and k.strategy == "fsdp"
         phase = f"train_{Role.ACTOR.value}" if k.ref_in_train and role is Role.REF else "score"
         return RoleMemory(role, {} if offload else params, {}, {phase: add_bytes(score)}, params if offload else {})
-    if k.strategy == "fsdp":
-        parts = {"params": 4 * n // ranks, "grads": 4 * n // ranks, "optimizer": 8 * n // ranks}
-        device = {} if k.adam_offload else parts
+    parts = _trained_parts(role, s, ranks, k)
+    if k.strategy == "fsdp":  # CPUOffloadPolicy moves every shard (the frozen base's too) to host memory
         offloaded = parts if k.adam_offload else {}
-    else:
-        p = 2 if k.bf16 else 4
-        st = k.zero_stage
-        parts = {"params": p * n // (ranks if st == 3 else 1), "grads": p * n // (ranks if st >= 2 else 1),
-                 "optimizer": (12 if k.bf16 else 8) * n // (ranks if st >= 1 else 1)}
+    else:  # ZeRO-Offload moves the optimizer (its fp32 master included)
         offloaded = {"optimizer": parts["optimizer"]} if k.adam_offload else {}
-        device = {key: value for key, value in parts.items() if key not in offloaded}
+    device = {key: value for key, value in parts.items() if key not in offloaded}
     train = {"gathered": _gathered(s, k, True), "activations": _activations(s, k, k.micro_train, True),
              "logits": _logits(s, k, k.micro_train, True) if logits else 0}
+    if k.base_reference and k.ref_in_train and role is Role.ACTOR:
+        # rlrun.dpo with LoRA: the reference's no-grad forward (the policy's base, adapters off) runs inside the
+        # training step, on the same gathered weights, while the policy's activations are held
+        train = add_bytes(train, {"activations": _activations(s, k, k.micro_rollout, False),
+                                  "logits": _logits(s, k, k.micro_rollout, False)})
     return RoleMemory(role, add_bytes({"params": device.get("params", 0)}),
                       add_bytes({key: value for key, value in device.items() if key != "params"}),
                       {"score": add_bytes(score), f"train_{role.value}": add_bytes(train)}, add_bytes(offloaded))
@@ -366,9 +420,16 @@ def _export(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Kno
     """The HF export's full fp32 state dict, gathered into host memory on its writer (rlrun.roles.export): the
     policy on global rank 0 (at the end, and with --save_hf_ckpt at every checkpoint), the critic on its first
     rank with --save_value_network."""
-    out = 4 * shapes[Role.ACTOR].parameters if rank == 0 and layout.has(Role.ACTOR) else 0
+    out = _export_bytes(Role.ACTOR, shapes[Role.ACTOR], k) if rank == 0 and layout.has(Role.ACTOR) else 0
     critic = layout.ranks_of(Role.CRITIC)
-    return out + (4 * shapes[Role.CRITIC].parameters if k.export_critic and critic and rank == critic[0] else 0)
+    return out + (_export_bytes(Role.CRITIC, shapes[Role.CRITIC], k) if k.export_critic and critic
+                  and rank == critic[0] else 0)
+
+
+def _export_bytes(role: Role, s: ModelShape, k: Knobs) -> int:
+    """The gathered state dict: fp32 trained parameters; with LoRA the frozen base in its compute dtype (as it is
+    held) and the fp32 adapters."""
+    return (2 if k.bf16 else 4) * frozen_parameters(role, s, k) + 4 * trainable_parameters(role, s, k)
 
 
 def estimate(layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs, target: Target) -> list[RankMemory]:

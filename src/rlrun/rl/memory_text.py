@@ -14,10 +14,10 @@ import torch
 from rlrun.config.schema import Config, RuntimeConfig
 from rlrun.launch.layout import Layout, Role
 from rlrun.models.loading import load_model_config
-from rlrun.rl.memory_estimate import (COMPONENTS, DEFAULT_GPU_GIB, GIB, RankMemory, SupervisedJob, Target, groups_of,
-                                      kv_cache_bytes)
+from rlrun.rl.memory_estimate import (COMPONENTS, DEFAULT_GPU_GIB, GIB, TRAINED, RankMemory, SupervisedJob, Target,
+                                      frozen_parameters, groups_of, kv_cache_bytes, trainable_parameters)
 from rlrun.rl.memory_plan import MemoryPlan, plan_memory
-from rlrun.rl.model_shapes import ModelShape, model_shape, role_shapes
+from rlrun.rl.model_shapes import ModelShape, model_shape, role_shapes, unknown_targets
 from rlrun.runtime.errors import ConfigError
 
 
@@ -112,7 +112,8 @@ def format_plan(plan: MemoryPlan) -> str:
              f"fits in {_gib(t.usable)} GiB; host = host memory per rank:") if t.gpu else \
         (f"memory plan of a CPU run ({t.source}: every byte is host memory; --gpu_memory_gb N plans for GPUs), "
          "GiB per rank at its peak phase:")
-    return "\n".join([title, *lines, _nodes_line(plan), _models_line(plan)])
+    lora = lora_line(plan)
+    return "\n".join([title, *lines, _nodes_line(plan), _models_line(plan), *([lora] if lora else [])])
 
 
 def _nodes_line(plan: MemoryPlan) -> str:
@@ -145,6 +146,54 @@ def _models_line(plan: MemoryPlan) -> str:
         if role is not first and role in present and (role is not Role.REF or s != plan.shapes[role]):
             line += f"; {plan.label(role.value)}: {_billions(plan.shapes[role].parameters)}"
     return line
+
+
+def _trained_roles(plan: MemoryPlan) -> list[Role]:
+    present = {role for r in plan.ranks for role in r.roles}
+    return [role for role in TRAINED if role in present]
+
+
+def lora_line(plan: MemoryPlan) -> str | None:
+    """With --lora_rank, what is trained: each trained model's trainable parameters of all of them (base + adapters,
+    as PEFT's print_trainable_parameters counts), and where the reference comes from; None without LoRA."""
+    k = plan.knobs
+    if k.lora_rank <= 0:
+        return None
+    parts = []
+    for role in _trained_roles(plan):
+        s = plan.shapes[role]
+        trained = trainable_parameters(role, s, k)
+        total = frozen_parameters(role, s, k) + trained
+        head = ", its value head included" if role is Role.CRITIC else ""
+        parts.append(f"{plan.label(role.value)}: {_billions(trained)} trainable parameters of {_billions(total)} "
+                     f"({100 * trained / total:.2f}%{head})")
+    line = f"LoRA rank {k.lora_rank} on {' '.join(k.lora_targets)}: " + "; ".join(parts)
+    if k.base_reference:  # no reference model: the saving the layout and the table show
+        line += f"; the reference is the {plan.label(Role.ACTOR.value)}'s base (adapters off), no reference model"
+    return line
+
+
+def lora_notes(plan: MemoryPlan) -> list[str]:
+    """--target_modules names the plan finds no linear layer for, and MoE layers whose experts' adapters it does not
+    count: the trainable count (and the bytes that follow it) is then short of what PEFT builds, or PEFT refuses.
+    Said once for the trained models it holds for (the actor and critic often share a shape)."""
+    k = plan.knobs
+    if k.lora_rank <= 0:
+        return []
+    said: dict[str, list[str]] = {}
+    for role in _trained_roles(plan):
+        s = plan.shapes[role]
+        unknown = unknown_targets(s, k.lora_targets)
+        if unknown:
+            names = sorted({linear.path.rsplit(".", 1)[-1] for linear in s.linears})
+            said.setdefault(f"--target_modules {' '.join(unknown)} matches no linear layer of the model's blocks "
+                            f"({', '.join(names)}; or all-linear): counted as no adapters (PEFT skips such a name, "
+                            "and refuses the list when no name matches)", []).append(plan.label(role.value))
+        if s.moe_layers:
+            said.setdefault(f"the adapters PEFT puts on the routed experts and routers of {s.moe_layers} MoE layers "
+                            "are not counted (fused experts; it varies with the PEFT version): the trainable "
+                            "parameters are a lower bound", []).append(plan.label(role.value))
+    return [f"{' and '.join(roles)}: {text}" for text, roles in said.items()]
 
 
 def problem_lines(plan: MemoryPlan) -> list[str]:
@@ -180,7 +229,7 @@ def note_lines(plan: MemoryPlan) -> list[str]:
         lines.append(f"engines: planned as --generation_backend {k.backend}, what auto resolves to without a GPU; on GPU "
                      "nodes with vLLM installed auto picks vllm: pass --generation_backend vllm (vLLM need not be "
                      "installed here) to plan that")
-    return lines
+    return lines + lora_notes(plan)
 
 
 def _component_json(parts: dict[str, int], total: int) -> dict[str, int]:
@@ -189,7 +238,7 @@ def _component_json(parts: dict[str, int], total: int) -> dict[str, int]:
 
 def plan_json(plan: MemoryPlan, notes: list[str]) -> dict[str, Any]:
     """The plan as --plan_json writes it (bytes throughout)."""
-    t, s = plan.target, plan.shapes
+    t, s, k = plan.target, plan.shapes, plan.knobs
 
     def rank_json(r: RankMemory) -> dict[str, Any]:
         return {"rank": r.rank, "node": r.node, "roles": [role.value for role in r.roles], "phase": r.phase,
@@ -201,6 +250,9 @@ def plan_json(plan: MemoryPlan, notes: list[str]) -> dict[str, Any]:
         "gpu_usable_bytes": t.usable if t.gpu else 0, "gpu_memory_source": t.source, "fits": plan.fits,
         "model": {"parameters": s[Role.ACTOR].parameters, "critic_parameters": s[Role.CRITIC].parameters,
                   "reward_parameters": s[Role.REWARD].parameters, "hidden_size": s[Role.ACTOR].hidden,
+                  # what gets gradients and Adam states: every parameter, or with --lora_rank the adapters
+                  "trainable_parameters": trainable_parameters(Role.ACTOR, s[Role.ACTOR], k),
+                  "critic_trainable_parameters": trainable_parameters(Role.CRITIC, s[Role.CRITIC], k),
                   "num_hidden_layers": s[Role.ACTOR].layers, "vocab_size": s[Role.ACTOR].vocab},
         "settings": dataclasses.asdict(plan.knobs),
         "ranks": [rank_json(r) for r in plan.ranks],
@@ -219,6 +271,9 @@ def dry_run_memory(cfg: Config, layout: Layout, *, write_json: bool,
     file too. A plan that cannot be made (the model is elsewhere) is one line saying why; so is the JSON file.
     With `job`, a supervised trainer's plan (`cfg` its config, `layout` the job's)."""
     shapes, notes = read_shapes(cfg, layout, job)
+    if job is not None and job.base_reference and cfg.loss.ref_offload:  # type: ignore[attr-defined]
+        notes.append("--ref_offload has nothing to offload: with --lora_rank the reference is the policy's base "
+                     "(adapters off), not a model of its own")
     if shapes is None:
         _write(cfg.runtime.plan_json if write_json else None, {"skipped": notes[0], "ranks": []})
         return notes, []
@@ -233,8 +288,11 @@ SupervisedMemory = Callable[[Any, int, int, bool], tuple[list[str], list[str]]]
 def supervised_memory(job: SupervisedJob) -> SupervisedMemory:
     """rlrun.sft / rlrun.rm / rlrun.dpo's --dry_run memory plan, for rlrun.supervised.run (which may not import this
     tier): (its config, world size, ranks per node, write --plan_json) -> dry_run_memory's (lines, problems)."""
-    return lambda cfg, world_size, ranks_per_node, write_json: dry_run_memory(
-        cfg, job.layout(world_size, ranks_per_node), write_json=write_json, job=job)
+    def planned(cfg: Any, world_size: int, ranks_per_node: int, write_json: bool) -> tuple[list[str], list[str]]:
+        run = job.for_config(cfg)  # rlrun.dpo with --lora_rank: the reference is the policy's base, no REF role
+        return dry_run_memory(cfg, run.layout(world_size, ranks_per_node), write_json=write_json, job=run)
+
+    return planned
 
 
 def _write(path: str | None, document: dict[str, Any]) -> None:

@@ -5,6 +5,13 @@ all blocks, the largest block, final norm, head), and each role's shape (critic 
 
 Parameter counts are exact for Llama, Qwen2, Qwen3, Mistral and their MoE kin (Mixtral, Qwen2-MoE, Qwen3-MoE);
 other decoders are read through the same config fields (approximate); vision towers are not counted.
+
+LoRA (--lora_rank): `lora_parameters` counts PEFT's adapters from the same shape: each targeted nn.Linear
+[out, in] gets A [r, in] and B [out, r] (bias="none"), r * (in + out) parameters. The linear layers are the
+body's projections (`ModelShape.linears`: q/k/v/o_proj, gate/up/down_proj, a Qwen2-MoE shared expert and its
+gate), which is what PEFT's all-linear takes (every nn.Linear but the output head); the routed experts of MoE layers
+are fused tensors whose adapters depend on the PEFT and transformers versions, so they are not counted
+(`ModelShape.moe_layers` says how many such layers were left out).
 """
 
 from __future__ import annotations
@@ -15,6 +22,21 @@ from typing import Any
 
 from rlrun.launch.layout import Role
 from rlrun.runtime.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Linear:
+    """`count` nn.Linear layers of the same kind across the model, `fan_in` -> `fan_out` features. `path` is the
+    module's name below its decoder layer (self_attn.q_proj, mlp.shared_expert.down_proj): PEFT matches a target
+    name against the end of a module's dotted name, so both q_proj and self_attn.q_proj name it."""
+
+    path: str
+    fan_in: int
+    fan_out: int
+    count: int
+
+    def matches(self, target: str) -> bool:
+        return self.path == target or self.path.endswith("." + target)
 
 
 @dataclass(frozen=True)
@@ -32,6 +54,8 @@ class ModelShape:
     largest_block: int
     final_norm: int
     head: int  # LM head (0 when tied to the embedding), or the [hidden, 1] score head of a critic/reward model
+    linears: tuple[Linear, ...] = ()  # the body's linear layers (what PEFT's all-linear adapts)
+    moe_layers: int = 0  # layers with routed experts, whose adapters lora_parameters does not count
 
     @property
     def parameters(self) -> int:
@@ -73,15 +97,41 @@ def _attention_biases(config: Any, kind: str) -> tuple[bool, bool]:
 def _mlp(config: Any, layer: int, hidden: int) -> int:
     """Parameters of one layer's MLP: dense SwiGLU, or routed experts + router (+ Qwen2-MoE's gated shared expert)."""
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    sparse = experts and layer not in (getattr(config, "mlp_only_layers", None) or ()) \
-        and (layer + 1) % (getattr(config, "decoder_sparse_step", 1) or 1) == 0
-    if not sparse:
+    if not _is_sparse(config, layer):
         inner = _need(config, "intermediate_size")
         return 3 * hidden * inner + (2 * inner + hidden if getattr(config, "mlp_bias", False) else 0)
     inner = getattr(config, "moe_intermediate_size", None) or _need(config, "intermediate_size")
     total = experts * 3 * hidden * inner + experts * hidden
     shared = getattr(config, "shared_expert_intermediate_size", None)
     return total + (3 * hidden * shared + hidden if shared else 0)
+
+
+def _is_sparse(config: Any, layer: int) -> bool:
+    """Whether `layer` routes to experts (the rule _mlp follows)."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    return bool(experts) and layer not in (getattr(config, "mlp_only_layers", None) or ()) \
+        and (layer + 1) % (getattr(config, "decoder_sparse_step", 1) or 1) == 0
+
+
+def _linears(config: Any, hidden: int, q: int, kv: int, layers: int) -> tuple[Linear, ...]:
+    """The body's nn.Linear layers by kind, summed over layers: attention's four projections in every layer, the
+    dense SwiGLU's three in dense layers, a Qwen2-MoE shared expert's three and its [hidden, 1] gate in sparse ones
+    (routed experts are fused tensors, not nn.Linear, in current transformers; routers vary by model)."""
+    sparse = sum(_is_sparse(config, i) for i in range(layers))
+    dense = layers - sparse
+    out = [Linear("self_attn.q_proj", hidden, q, layers), Linear("self_attn.k_proj", hidden, kv, layers),
+           Linear("self_attn.v_proj", hidden, kv, layers), Linear("self_attn.o_proj", q, hidden, layers)]
+    if dense:
+        inner = _need(config, "intermediate_size")
+        out += [Linear("mlp.gate_proj", hidden, inner, dense), Linear("mlp.up_proj", hidden, inner, dense),
+                Linear("mlp.down_proj", inner, hidden, dense)]
+    shared = getattr(config, "shared_expert_intermediate_size", None)
+    if sparse and shared:
+        out += [Linear("mlp.shared_expert.gate_proj", hidden, shared, sparse),
+                Linear("mlp.shared_expert.up_proj", hidden, shared, sparse),
+                Linear("mlp.shared_expert.down_proj", shared, hidden, sparse),
+                Linear("mlp.shared_expert_gate", hidden, 1, sparse)]
+    return tuple(out)
 
 
 def model_shape(config: Any) -> ModelShape:
@@ -99,7 +149,33 @@ def model_shape(config: Any) -> ModelShape:
     sizes = [attention + 2 * hidden + _mlp(c, i, hidden) for i in range(layers)]  # + the two RMSNorms
     head = 0 if getattr(c, "tie_word_embeddings", False) else vocab * hidden
     return ModelShape(hidden, layers, heads, kv_heads, head_dim, vocab, vocab * hidden, sum(sizes), max(sizes),
-                      hidden, head)
+                      hidden, head, _linears(c, hidden, q, kv, layers),
+                      sum(_is_sparse(c, i) for i in range(layers)))
+
+
+ALL_LINEAR = "all-linear"
+
+
+def _all_linear(targets: tuple[str, ...]) -> bool:
+    return any(t.lower() == ALL_LINEAR for t in targets)  # PEFT compares case-insensitively
+
+
+def unknown_targets(shape: ModelShape, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The --target_modules names that match none of the body's linear layers (PEFT would refuse them, or they
+    name modules the plan does not model: lm_head, embed_tokens): counted as no adapters, and said in a note."""
+    if _all_linear(targets):
+        return ()
+    return tuple(t for t in targets if not any(linear.matches(t) for linear in shape.linears))
+
+
+def lora_parameters(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
+    """PEFT's LoRA parameters on `targets` (all-linear, or module names matched against the end of the module's
+    name): r * (in + out) per adapted nn.Linear (A [r, in], B [out, r]; no bias: PEFT's bias="none")."""
+    if rank <= 0:
+        return 0
+    chosen = shape.linears if _all_linear(targets) else \
+        [linear for linear in shape.linears if any(linear.matches(t) for t in targets)]
+    return sum(rank * (linear.fan_in + linear.fan_out) * linear.count for linear in chosen)
 
 
 def role_shapes(policy: ModelShape, critic: ModelShape | None = None, reward: ModelShape | None = None,

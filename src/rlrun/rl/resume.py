@@ -98,7 +98,8 @@ class Checkpointer:
             parts.append(lambda: actor_strategy.save_state(actor.model, actor.updater.optimizer, os.path.join(path, "actor")))
             if self.cfg.checkpoint.save_hf_ckpt:
                 parts.append(lambda: save_policy(actor, self.tokenizer, os.path.join(path, "hf"), is_writer=self.rank == 0,
-                                                 strategy=actor_strategy, allow_nonfinite=True))
+                                                 strategy=actor_strategy, allow_nonfinite=True,
+                                                 merged=self.cfg.checkpoint.save_merged))
         if r.critic is not None:
             critic, critic_strategy = r.critic, r.strategies[Role.CRITIC]
             first = self.rank == self.layout.ranks_of(Role.CRITIC)[0]
@@ -109,7 +110,8 @@ class Checkpointer:
                                                             updater_state(critic.updater)))
             if self.cfg.checkpoint.save_value_network:
                 parts.append(lambda: save_critic(critic, os.path.join(path, "critic_hf"), is_writer=first,
-                                                 strategy=critic_strategy, allow_nonfinite=True))
+                                                 strategy=critic_strategy, allow_nonfinite=True,
+                                                 merged=self.cfg.checkpoint.save_merged))
         if self.rank == 0:
             parts.append(lambda: ckpt.write_json_atomic(os.path.join(path, "trainer_state.json"), self._trainer_state()))
             if self.trainer.pending is not None:  # --async_train: the batch in flight, so that a resume is exact

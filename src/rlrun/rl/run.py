@@ -140,11 +140,13 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
         with phase("save", trainer.state.step):
             allow = cfg.checkpoint.export_nonfinite
             save_policy(roles.actor, tokenizer, cfg.checkpoint.save_path, is_writer=env.rank == 0,
-                        strategy=roles.strategies.get(Role.ACTOR), allow_nonfinite=allow)
+                        strategy=roles.strategies.get(Role.ACTOR), allow_nonfinite=allow,
+                        merged=cfg.checkpoint.save_merged)
             if cfg.checkpoint.save_value_network and roles.critic is not None:
                 first_critic = layout.ranks_of(Role.CRITIC)[0]
                 save_critic(roles.critic, os.path.join(cfg.checkpoint.save_path, "critic"), is_writer=env.rank == first_critic,
-                            strategy=roles.strategies[Role.CRITIC], allow_nonfinite=allow)
+                            strategy=roles.strategies[Role.CRITIC], allow_nonfinite=allow,
+                            merged=cfg.checkpoint.save_merged)
         log.info_once(f"saved the policy (Hugging Face format) to {cfg.checkpoint.save_path}")
         critic = cfg.checkpoint.save_value_network and roles.critic is not None
         saved = saved_outputs(cfg, cfg.checkpoint.ckpt_path,

@@ -102,7 +102,7 @@ class SleepSchedule:
             return cls([], {}, rank)
         held = [(Role.ACTOR, roles.actor and roles.actor.model, roles.actor and roles.actor.updater.optimizer),
                 (Role.CRITIC, roles.critic and roles.critic.model, roles.critic and roles.critic.updater.optimizer),
-                (Role.REF, roles.reference and roles.reference.model, None),
+                (Role.REF, roles.reference and not roles.reference.adapters_off and roles.reference.model, None),
                 (Role.REWARD, roles.reward_model and roles.reward_model.model, None)]
         sleepers = [Sleeper(role, roles.strategies[role], model, optimizer) for role, model, optimizer in held
                     if model is not None]

@@ -75,8 +75,8 @@ class Trainer:
         self.pending: StepOutputs | None = None  # --async_train: the next step's batch, already gathered
         self.rollouts = RolloutSource(cfg, layout, groups, roles, prompts, sampler, tokenizer, self.comm_device)
         # --deepspeed_enable_sleep: models move off the device between the phases that use them (rlrun.rl.sleep)
-        self.sleep = SleepSchedule.from_roles(cfg, layout, self.rank, roles, actor_scores=not skips_old_log_probs(cfg),
-                                              device=device)
+        self.sleep = SleepSchedule.from_roles(cfg, layout, self.rank, roles, device=device,
+                                              actor_scores=not skips_old_log_probs(cfg) or cfg.ref_is_actor_base)
 
     # ---- phases -------------------------------------------------------------------------------
 
@@ -86,7 +86,8 @@ class Trainer:
         micro = self.cfg.train.micro_rollout_batch_size
         widths, ranks, mine = {}, {}, {}
         jobs = [("old_log_probs", Role.ACTOR, R, self.roles.actor and self.roles.actor.log_probs),
-                ("ref_log_probs", Role.REF, R, self.roles.reference and self.roles.reference.log_probs),
+                ("ref_log_probs", Role.ACTOR if self.cfg.ref_is_actor_base else Role.REF, R,
+                 self.roles.reference and self.roles.reference.log_probs),
                 ("values", Role.CRITIC, R, self.roles.critic and self.roles.critic.values),
                 ("scores", Role.REWARD, 1, self.roles.reward_model and self.roles.reward_model.score)]
         if skips_old_log_probs(self.cfg):  # step() gathers them from the training forward instead

@@ -1,5 +1,17 @@
 """Saving the trained policy in Hugging Face format (safetensors + config + tokenizer).
 
+A model trained with LoRA (--lora_rank) is saved as PEFT saves it, the layout `PeftModel.from_pretrained(base, path)`,
+`AutoPeftModelForCausalLM` and transformers' `from_pretrained(path)` (with peft installed) load onto the base:
+adapter_model.safetensors (`base_model.model.<module>.lora_A.weight` / `.lora_B.weight`) + adapter_config.json
+(rank, alpha, target_modules, base_model_name_or_path: the base's folder, or its hub id and commit) + the
+tokenizer. No config.json beside them: transformers would take the folder for a whole model (OpenRLHF writes one,
+and its LoRA saves then fail to load that way). A scalar model (critic, reward model) is a SEQ_CLS adapter whose
+score head, trained whole, is saved with it under PEFT's modules_to_save convention (`base_model.model.score.weight`);
+load its base with num_labels=1. Its --normalize_reward mean/std, which an adapter config cannot hold, go to
+reward_norm.json. A base no folder holds (the embedded tiny model, a body merged from an adapter) is written to
+<path>/base and named by that absolute path. With `merged` (--save_merged), <path>/merged also gets the merged
+model (base + alpha/r * B @ A) in plain HF format with the tokenizer.
+
 An export is what a user takes away from a run, so it refuses weights that are not finite (naming the tensor)
 unless asked (--export_nonfinite), and a refused write (disk full, read-only, permission) is one line naming
 the path and the space needed.
@@ -8,6 +20,8 @@ the path and the space needed.
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 import os
 from collections.abc import Iterator, Mapping
 
@@ -17,7 +31,9 @@ from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.data.tensor_files import unshared
-from rlrun.models.loading import ScalarHeadModel
+from rlrun.models.hub import snapshot_repo
+from rlrun.models.loading import REWARD_NORM_FILE, ScalarHeadModel, config_mean_std, score_head
+from rlrun.models.lora import ADAPTER, PEFT_PREFIX, hf_name, is_adapter, merged_state_dict, peft_model_of, saved_adapter_name
 from rlrun.roles.actor import Actor
 from rlrun.roles.critic import Critic
 from rlrun.runtime.errors import ConfigError
@@ -61,19 +77,22 @@ def _make_dir(path: str, flag: str) -> None:
 
 
 def save_policy(actor: Actor | None, tokenizer: PreTrainedTokenizerBase, path: str, *, is_writer: bool,
-                strategy: Strategy | None, allow_nonfinite: bool = False) -> None:
+                strategy: Strategy | None, allow_nonfinite: bool = False, merged: bool = False) -> None:
     """Collective over the actor ranks; the writer (global rank 0, always an actor rank) writes.
     `strategy`: the actor's (RankRoles.strategies), which knows how to assemble its full weights."""
     if actor is None:
         return
     assert strategy is not None, "an actor rank always has the actor's strategy"
-    save_causal_lm(actor.model, tokenizer, path, is_writer=is_writer, strategy=strategy, allow_nonfinite=allow_nonfinite)
+    save_causal_lm(actor.model, tokenizer, path, is_writer=is_writer, strategy=strategy, allow_nonfinite=allow_nonfinite,
+                   merged=merged)
 
 
 def save_causal_lm(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str, *, is_writer: bool,
-                   strategy: Strategy, flag: str = "--save_path", allow_nonfinite: bool = False) -> None:
-    """A (wrapped) causal LM in HF format with its tokenizer. Collective over the model's role; the writer
-    must be global rank 0 (transformers' save_pretrained writes there only)."""
+                   strategy: Strategy, flag: str = "--save_path", allow_nonfinite: bool = False,
+                   merged: bool = False) -> None:
+    """A (wrapped) causal LM in HF format with its tokenizer; with LoRA adapters, PEFT's adapter layout (and with
+    `merged`, the merged model in <path>/merged). Collective over the model's role; the writer must be global rank 0
+    (transformers' save_pretrained writes there only)."""
     state = strategy.full_state_dict(model)
     if not is_writer:
         return
@@ -81,20 +100,38 @@ def save_causal_lm(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: s
         check_finite(state, path, flag)
     with _storage_errors(path, state, flag):
         _make_dir(path, flag)
-        model.save_pretrained(path, state_dict=state, safe_serialization=True)
+        if not _has_adapters(state):
+            model.save_pretrained(path, state_dict=state, safe_serialization=True)
+            tokenizer.save_pretrained(path)
+            return
+        peft_model = _peft_model(model)
+        hf = peft_model.get_base_model()
+        base = _base_name(peft_model)
+        if base is None:
+            base = (_written_base(path), None)
+            hf.save_pretrained(base[0], state_dict=_base_state(state), safe_serialization=True)
+        _write_adapter(path, state, peft_model, base, task_type="CAUSAL_LM")
         tokenizer.save_pretrained(path)
+        if merged:
+            merged_path = os.path.join(path, MERGED_DIR)
+            hf.save_pretrained(merged_path, state_dict=merged_state_dict(state, _scaling(peft_model)),
+                               safe_serialization=True)
+            tokenizer.save_pretrained(merged_path)
 
 
-def save_critic(critic: Critic, path: str, *, is_writer: bool, strategy: Strategy, allow_nonfinite: bool = False) -> None:
+def save_critic(critic: Critic, path: str, *, is_writer: bool, strategy: Strategy, allow_nonfinite: bool = False,
+                merged: bool = False) -> None:
     """The critic as a sequence-classification model (num_labels 1). Collective over the critic ranks."""
     save_scalar_model(critic.model, path, is_writer=is_writer, strategy=strategy, flag="--save_value_network",
-                      allow_nonfinite=allow_nonfinite)
+                      allow_nonfinite=allow_nonfinite, merged=merged)
 
 
 def save_scalar_model(model: ScalarHeadModel, path: str, *, is_writer: bool, strategy: Strategy, flag: str,
-                      tokenizer: PreTrainedTokenizerBase | None = None, allow_nonfinite: bool = False) -> None:
+                      tokenizer: PreTrainedTokenizerBase | None = None, allow_nonfinite: bool = False,
+                      merged: bool = False) -> None:
     """A sequence-classification model (num_labels 1; its config carries any mean/std set on it), with the
-    tokenizer when given. Collective over the model's role; `is_writer` may be any rank of it."""
+    tokenizer when given; with LoRA adapters, a SEQ_CLS adapter carrying the score head (and with `merged`, the
+    merged model in <path>/merged). Collective over the model's role; `is_writer` may be any rank of it."""
     state = strategy.full_state_dict(model)
     if not is_writer:
         return
@@ -102,13 +139,108 @@ def save_scalar_model(model: ScalarHeadModel, path: str, *, is_writer: bool, str
         check_finite(state, path, flag)
     with _storage_errors(path, state, flag):
         _make_dir(path, flag)
-        # The writer writes the files itself: transformers' save_pretrained writes on global rank 0 only
-        # (should_save_on_this_rank), and a critic on ranks of its own does not hold rank 0.
-        config = model.hf.config
-        config.architectures = [type(model.hf).__name__.removeprefix("FSDP")]  # a policy's body keeps its causal-LM name
-        config.to_json_file(os.path.join(path, "config.json"))
-        save_file(unshared((k.removeprefix("hf."), v) for k, v in state.items()),
-                  os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        if not _has_adapters(state):
+            _write_scalar(model.hf, {k.removeprefix("hf."): v for k, v in state.items()}, path, tokenizer)
+            return
+        peft_model = _peft_model(model)
+        hf = _scalar_hf(model)
+        head = next(n for n, m in hf.named_modules() if m is score_head(hf))
+        base = _base_name(peft_model)
+        if base is None:
+            base = (_written_base(path), None)
+            _write_scalar(hf, {k.removeprefix("hf."): v for k, v in _base_state(state).items()}, base[0], None)
+        _write_adapter(path, state, peft_model, base, task_type="SEQ_CLS", prefix="hf.", head=head)
+        if (norm := config_mean_std(hf.config)) is not None:
+            with open(os.path.join(path, REWARD_NORM_FILE), "w") as f:
+                json.dump({"mean": norm[0], "std": norm[1]}, f)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
+        if merged:
+            state = merged_state_dict(state, _scaling(peft_model))
+            _write_scalar(hf, {k.removeprefix("hf."): v for k, v in state.items()}, os.path.join(path, MERGED_DIR),
+                          tokenizer)
 
+
+def _write_scalar(hf: nn.Module, state: Mapping[str, torch.Tensor], path: str,
+                  tokenizer: PreTrainedTokenizerBase | None) -> None:
+    """config.json + model.safetensors (`hf`, the sequence-classification model, and its names) [+ the tokenizer]."""
+    # The writer writes the files itself: transformers' save_pretrained writes on global rank 0 only
+    # (should_save_on_this_rank), and a critic on ranks of its own does not hold rank 0.
+    os.makedirs(path, exist_ok=True)
+    config = hf.config
+    config.architectures = [type(hf).__name__.removeprefix("FSDP")]  # a policy's body keeps its causal-LM name
+    config.to_json_file(os.path.join(path, "config.json"))
+    save_file(unshared(state.items()), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+# ---- LoRA exports ------------------------------------------------------------------------------------------------
+
+MERGED_DIR = "merged"  # <save_path>/merged: --save_merged's plain HF model
+BASE_DIR = "base"  # <save_path>/base: the base model when no folder or hub id holds it
+
+
+def _has_adapters(state: Mapping[str, torch.Tensor]) -> bool:
+    return any(is_adapter(n) for n in state)
+
+
+def _peft_model(model: nn.Module) -> nn.Module:
+    peft_model = peft_model_of(model)
+    assert peft_model is not None, "a state with LoRA tensors comes from a model holding a PEFT model"
+    return peft_model
+
+
+def _scalar_hf(model: ScalarHeadModel) -> nn.Module:
+    """The sequence-classification model inside a ScalarHeadModel (unwrapped when PEFT wraps it whole)."""
+    hf = model.hf
+    inner = getattr(hf, "get_base_model", None)  # a PeftModel around the whole classifier
+    return inner() if callable(inner) and peft_model_of(hf) is hf else hf
+
+
+def _scaling(peft_model: nn.Module) -> float:
+    config = peft_model.peft_config[ADAPTER]
+    assert not config.rank_pattern and not config.alpha_pattern and not config.use_rslora, "rlrun's adapters are plain"
+    return config.lora_alpha / config.r
+
+
+def _base_name(peft_model: nn.Module) -> tuple[str, str | None] | None:
+    """(base_model_name_or_path, revision) naming the base the adapter was trained on, portable where possible: a
+    hub cache snapshot as its hub id and commit, a folder as its absolute path. None: no folder holds the base.
+    PEFT took the name from the HF model's config (`_name_or_path`, the folder it was read from)."""
+    name = peft_model.peft_config[ADAPTER].base_model_name_or_path
+    if not name:
+        return None
+    if (hub := snapshot_repo(name)) is not None:
+        return hub
+    return (os.path.abspath(name), None) if os.path.isdir(name) else (name, None)
+
+
+def _written_base(path: str) -> str:
+    return os.path.abspath(os.path.join(path, BASE_DIR))
+
+
+def _base_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's weights (HF names) in a PEFT model's full state: the adapters left out."""
+    return {hf_name(n): t for n, t in state.items() if not is_adapter(n)}
+
+
+def _write_adapter(path: str, state: Mapping[str, torch.Tensor], peft_model: nn.Module, base: tuple[str, str | None],
+                   *, task_type: str, prefix: str = "", head: str | None = None) -> None:
+    """adapter_model.safetensors + adapter_config.json under the names PEFT gives a model of `task_type` whose
+    root is the whole HF model (`prefix` + HF name in `state`): the adapters, and the `head` module whole."""
+    tensors = {}
+    for name, tensor in state.items():
+        hf = hf_name(name).removeprefix(prefix)  # the HF model's own name (PEFT may wrap the whole model or its body)
+        if is_adapter(name):
+            tensors[PEFT_PREFIX + saved_adapter_name(hf)] = tensor
+        elif head is not None and hf.startswith(head + "."):
+            tensors[PEFT_PREFIX + hf] = tensor  # modules_to_save: saved under the module's own name
+    save_file(unshared(tensors.items()), os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(peft_model.peft_config[ADAPTER])
+    config.base_model_name_or_path, config.revision = base
+    config.task_type, config.inference_mode = task_type, True
+    config.modules_to_save = None if head is None else [head]
+    if isinstance(config.target_modules, set):  # PEFT's expansion of all-linear: a set; the same file every time
+        config.target_modules = sorted(config.target_modules)
+    config.save_pretrained(path)

@@ -54,6 +54,8 @@ class FSDPStrategy:
             return module.requires_grad_(False)
         if not trainable and self.bf16:
             module.to(torch.bfloat16)  # a frozen model needs no fp32 master: its shards are bf16 too
+        elif self.bf16:
+            _frozen_to_bf16(module)  # LoRA's frozen base: fp32 masters only for what is trained
         if unfilled is None:
             module.to(self.device)
         mesh = DeviceMesh.from_group(self.group, self.device.type)
@@ -154,6 +156,17 @@ class FSDPStrategy:
     def home_params(self, model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
         self._sleep.require_awake(model, Part.PARAMS, "weight sync")
         fsdp_homing.home_params(model, views)
+
+
+def _frozen_to_bf16(module: nn.Module) -> None:
+    """Frozen parameters of a trained model in bf16 (on the meta device: free). FSDP2 all-gathers every parameter
+    in the policy's bf16 whatever its own dtype, so a unit may mix them."""
+    cast: dict[int, nn.Parameter] = {}  # tied parameters (embeddings and head) stay one parameter
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and not param.requires_grad and param.dtype != torch.bfloat16:
+                sub._parameters[name] = cast.setdefault(
+                    id(param), nn.Parameter(param.detach().to(torch.bfloat16), requires_grad=False))
 
 
 def read_shard(param: nn.Parameter, weights: WeightSource, name: str) -> None:

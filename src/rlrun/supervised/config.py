@@ -79,8 +79,10 @@ class DPOLossConfig:
     ipo: bool = opt(False, "IPO loss instead of DPO's sigmoid loss.")
     label_smoothing: float = opt(0.0, "cDPO: assumed probability that a pair's preference label is flipped (0 <= eps < 0.5).")
     nll_loss_coef: float = opt(0.0, "Add this x the NLL of the chosen responses (Llama 3.1's DPO regulariser).")
-    ref_pretrain: str | None = opt(None, "Reference model directory. Unset: the initial policy (--pretrain).")
-    ref_offload: bool = opt(False, "Keep the reference model's parameters in CPU memory between its forward passes (GPU only).")
+    ref_pretrain: str | None = opt(None, "Reference model directory. Unset: the initial policy (--pretrain); with --lora_rank "
+                                   "(unset or --pretrain itself) the policy's base with its adapters disabled, no copy.")
+    ref_offload: bool = opt(False, "Keep the reference model's parameters in CPU memory between its forward passes (GPU only; "
+                            "nothing to offload when --lora_rank scores the reference with the policy's base).")
 
 
 @dataclass

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.data.rollout import RolloutBatch
+from rlrun.models.lora import adapters_disabled
 from rlrun.roles.export import save_causal_lm
 from rlrun.roles.forward import policy_log_probs
 from rlrun.strategies.base import Strategy
@@ -31,7 +34,8 @@ class DPOTask:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     strategy: Strategy
-    reference: nn.Module  # frozen, wrapped by its own strategy
+    # frozen, wrapped by its own strategy; None with LoRA: the policy with its adapters disabled (its base)
+    reference: nn.Module | None
     device: torch.device
     pad_id: int
     packing: bool
@@ -56,10 +60,11 @@ class DPOTask:
         """(per-pair DPO losses [b], per-token mean NLL of each chosen response [b])."""
         b = len(samples)
         batch = self._batch(samples)
+        # The reference first: with LoRA it is the policy's own (sharded) model, and this order keeps the policy's
+        # forward the last one before its backward, as in a run with a separate reference.
+        with torch.no_grad(), self._reference() as reference_model:
+            reference, _ = self._sequence_log_probs(reference_model, batch)
         policy, token_log_probs = self._sequence_log_probs(self.model, batch)
-        self.reference.eval()
-        with torch.no_grad():
-            reference, _ = self._sequence_log_probs(self.reference, batch)
         s = self.settings
         terms = dpo_loss(policy[:b], policy[b:], reference[:b], reference[b:], beta=s.beta,
                          label_smoothing=s.label_smoothing, ipo=s.ipo)
@@ -68,6 +73,20 @@ class DPOTask:
                        chosen_reward=terms.chosen_rewards.sum(), rejected_reward=terms.rejected_rewards.sum(), pairs=b,
                        nll=nll.detach().sum())
         return terms.losses, nll
+
+    @contextmanager
+    def _reference(self) -> Iterator[nn.Module]:
+        """The reference model, in eval mode while open (no dropout: a frozen model's log-probs)."""
+        if self.reference is not None:
+            yield self.reference.eval()
+            return
+        training = self.model.training
+        self.model.eval()
+        try:
+            with adapters_disabled(self.model):
+                yield self.model
+        finally:
+            self.model.train(training)
 
     def micro_loss(self, samples: list[Preference], num_tokens: float, num_seqs: float) -> torch.Tensor:
         losses, nll = self._terms(samples)
@@ -85,6 +104,7 @@ class DPOTask:
                 "reject_reward": rejected, "margin": chosen - rejected,
                 "nll_loss": sums["nll"] / pairs}
 
-    def save(self, path: str, tokenizer: PreTrainedTokenizerBase, *, is_writer: bool, allow_nonfinite: bool = False) -> None:
+    def save(self, path: str, tokenizer: PreTrainedTokenizerBase, *, is_writer: bool, allow_nonfinite: bool = False,
+             merged: bool = False) -> None:
         save_causal_lm(self.model, tokenizer, path, is_writer=is_writer, strategy=self.strategy,
-                       allow_nonfinite=allow_nonfinite)
+                       allow_nonfinite=allow_nonfinite, merged=merged)

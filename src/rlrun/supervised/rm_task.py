@@ -78,9 +78,10 @@ class RewardModelTask:
             out.update(reward_mean=mean, reward_std=std)
         return out
 
-    def save(self, path: str, tokenizer: PreTrainedTokenizerBase, *, is_writer: bool, allow_nonfinite: bool = False) -> None:
+    def save(self, path: str, tokenizer: PreTrainedTokenizerBase, *, is_writer: bool, allow_nonfinite: bool = False,
+             merged: bool = False) -> None:
         config = self.model.hf.config
         if self.reward_stats is not None:
             config.mean, config.std = self.reward_stats
         save_scalar_model(self.model, path, is_writer=is_writer, strategy=self.strategy, flag="--save_path",
-                          tokenizer=tokenizer, allow_nonfinite=allow_nonfinite)
+                          tokenizer=tokenizer, allow_nonfinite=allow_nonfinite, merged=merged)

@@ -24,6 +24,7 @@ from rlrun.launch.env import DistEnv
 from rlrun.launch.failures import check_outputs, checked_on_every_rank, fail_and_exit, launch_environment
 from rlrun.launch.groups import all_ranks_group, solo_group
 from rlrun.launch.transfer import sum_over
+from rlrun.models.adapter_pretrain import resolve_adapter_pretrain
 from rlrun.models.hub import resolve, resolve_models
 from rlrun.models.loading import load_tokenizer, tokenizer_missing
 from rlrun.reporting.metrics import MetricsSink
@@ -35,6 +36,7 @@ from rlrun.runtime.errors import DataError
 from rlrun.runtime.faults import run_phases
 from rlrun.runtime.log import get_logger, quiet_third_party
 from rlrun.runtime.seeding import seed_everything
+from rlrun.supervised.build import check_lora
 from rlrun.supervised.checkpointing import SupervisedCheckpoints
 from rlrun.supervised.config import DPOConfig, SupervisedConfig
 from rlrun.supervised.datasets import Loaded
@@ -82,7 +84,9 @@ def main(trainer: SupervisedTrainer[Any], argv: Sequence[str] | None = None) -> 
     def parse() -> ParsedArgs:
         parsed = parse_args(argv, trainer.cli)
         check_supervised(parsed.config, env.world_size, trainer.cli.prog)
-        return dataclasses.replace(parsed, config=resolved_models(parsed.config))
+        cfg = resolved_models(parsed.config)
+        check_lora(cfg)  # reads --pretrain, so after it is resolved to a local path
+        return dataclasses.replace(parsed, config=cfg)
 
     parsed = checked_on_every_rank(env, parse)
     if parsed is None:
@@ -126,6 +130,7 @@ def resolved_models(cfg: SupervisedConfig) -> SupervisedConfig:
     HF_HUB_OFFLINE=1)."""
     download = not cfg.runtime.dry_run
     cfg = dataclasses.replace(cfg, model=resolve_models(cfg.model, download=download))
+    cfg = dataclasses.replace(cfg, model=resolve_adapter_pretrain(cfg.model, download=download))
     if isinstance(cfg, DPOConfig) and cfg.loss.ref_pretrain is not None:
         ref = resolve(cfg.loss.ref_pretrain, "model", "ref_pretrain", download=download)
         cfg = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, ref_pretrain=ref))
@@ -209,7 +214,7 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
         loop.fit(sink, after_step)  # rank 0's summary (sink.finish, below) reads the metrics it logged
         with phase("save", loop.step_done):
             task.save(cfg.checkpoint.save_path, tokenizer, is_writer=env.rank == 0,
-                      allow_nonfinite=cfg.checkpoint.export_nonfinite)
+                      allow_nonfinite=cfg.checkpoint.export_nonfinite, merged=cfg.checkpoint.save_merged)
         log.info_once(f"saved the model (Hugging Face format) to {cfg.checkpoint.save_path}")
         saved = saved_outputs(cfg, cfg.checkpoint.ckpt_path)
     except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report

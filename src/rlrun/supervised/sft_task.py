@@ -53,6 +53,7 @@ class SFTTask:
         loss = sums["nll"] / max(sums["tokens"], 1.0)
         return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": sums["tokens"]}
 
-    def save(self, path: str, tokenizer: PreTrainedTokenizerBase, *, is_writer: bool, allow_nonfinite: bool = False) -> None:
+    def save(self, path: str, tokenizer: PreTrainedTokenizerBase, *, is_writer: bool, allow_nonfinite: bool = False,
+             merged: bool = False) -> None:
         save_causal_lm(self.model, tokenizer, path, is_writer=is_writer, strategy=self.strategy,
-                       allow_nonfinite=allow_nonfinite)
+                       allow_nonfinite=allow_nonfinite, merged=merged)

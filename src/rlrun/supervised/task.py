@@ -58,6 +58,8 @@ class Task(Protocol, Generic[S_contra]):
         """Metrics from tallies summed over every rank (of a training step, or of an evaluation pass)."""
         ...
 
-    def save(self, path: str, tokenizer: PreTrainedTokenizerBase, *, is_writer: bool, allow_nonfinite: bool = False) -> None:
-        """The trained model in HF format (collective over the ranks)."""
+    def save(self, path: str, tokenizer: PreTrainedTokenizerBase, *, is_writer: bool, allow_nonfinite: bool = False,
+             merged: bool = False) -> None:
+        """The trained model in HF format (collective over the ranks); with LoRA the adapter directory, and with
+        `merged` (--save_merged) the merged model in <path>/merged too."""
         ...

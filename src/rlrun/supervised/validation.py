@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlrun.config.validation import check_model_settings
+from rlrun.config.validation import check_lora_settings, check_model_settings
 from rlrun.runtime.errors import ConfigError
 from rlrun.strategies.checks import check_deepspeed_install, check_deepspeed_settings
 from rlrun.supervised.config import DPOConfig, SupervisedConfig
@@ -17,6 +17,7 @@ def check_supervised(cfg: SupervisedConfig, world_size: int, prog: str) -> None:
         if getattr(section, name) < 1:
             raise ConfigError(f"--{name} must be >= 1, got {getattr(section, name)}")
     check_model_settings(cfg.model)
+    check_lora_settings(cfg.model, cfg.checkpoint)
     if t.max_steps is not None and t.max_steps < 1:
         raise ConfigError(f"--max_steps must be >= 1 (or unset), got {t.max_steps}")
     if not t.learning_rate > 0:
