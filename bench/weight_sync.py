@@ -17,7 +17,9 @@ engines = ranks 1..world-1), timed round-robin:
 Colocated (engine ranks == actor ranks, actor FSDP2-sharded over all ranks, --colocated_preset):
   per parameter  one full_tensor() all-gather per parameter, then a copy (the code before);
   per FSDP unit  WeightSync.sync(): one gather per fully_shard'ed module, written straight into the
-                 engine; with the number of collectives of one sync of each.
+                 engine; with the number of collectives of one sync of each;
+  LoRA merged    the same with a LoRA actor (r 16, all-linear): each unit's base + scaling * B @ A is computed
+                 before it is written (rlrun.strategies.lora_params), and two merged tensors are checked.
 Each timing is barrier -> op -> barrier, the slowest rank's time; medians of --repeats rounds after
 --warmup, and each method's ratio to raw (or to per-parameter); the load average is printed with
 each table. Both parts check that the engines end bit-identical to the actor.
@@ -301,7 +303,7 @@ def colocated_bench(rank: int, args: argparse.Namespace) -> None:
 
     from rlrun.launch.transfer import ParamSource, WeightSync
     from rlrun.models.tiny import build_causal_lm, tiny_model_config_for_size
-    import rlrun.strategies.fsdp as fsdp
+    import rlrun.launch.param_blocks as fsdp  # the per-unit all-gather lives there
     from rlrun.strategies.fsdp import FSDPStrategy
 
     group = dist.new_group(list(range(args.world)))
@@ -336,12 +338,37 @@ def colocated_bench(rank: int, args: argparse.Namespace) -> None:
         finally:
             fsdp._all_gather_single, DTensor.full_tensor = saved
         counts[label] = calls["n"]
+    # LoRA (--lora_rank 16, all-linear): the same base with adapters, engines get base + scaling * B @ A per unit.
+    from transformers import AutoModelForCausalLM
+
+    from rlrun.models.lora import LoraSettings, add_adapters
+    from rlrun.models.weights import Unfilled, params_on_meta, state_dict_weights
+    from rlrun.strategies.lora_params import MergedLoraParams
+
+    with params_on_meta():
+        skeleton = AutoModelForCausalLM.from_config(config)
+    lora = LoraSettings(16, 32.0, ("all-linear",))
+    lora_actor = strategy.wrap(add_adapters(Unfilled(skeleton, state_dict_weights(build_causal_lm(config, seed=1))),
+                                            lora, seed=1))
+    with torch.no_grad():  # trained adapters: B away from its zero start
+        for name, p in lora_actor.named_parameters():
+            if ".lora_B." in name:
+                p.fill_(0.01)
+    lora_engine = build_causal_lm(config, seed=2)
+    lora_source = MergedLoraParams(lora_actor, strategy.param_blocks, lora.scaling)
+    lora_ws = WeightSync(actor_params=lora_source, engine_model=lora_engine, sync_group=None, actor_root=0,
+                         colocated=True, bucket_bytes=256 * 2**20, wire_dtype=torch.float32, device=cpu,
+                         check_names=lora_source.check_names())
     methods = [{"method": "per parameter (full_tensor)", "fn": per_param},
-               {"method": "per FSDP unit (WeightSync)", "fn": ws.sync}]
+               {"method": "per FSDP unit (WeightSync)", "fn": ws.sync},
+               {"method": "LoRA r16, merged per unit", "fn": lora_ws.sync}]
     _run_rounds(group, methods, args.warmup, args.repeats)
     ws.sync()
     full = dict(strategy.full_params(actor))
-    exact = torch.tensor([float(all(torch.equal(targets[n], full[n]) for n in full))])
+    merged = dict(lora_source.full())
+    lora_targets = dict(lora_engine.named_parameters())
+    exact = torch.tensor([float(all(torch.equal(targets[n], full[n]) for n in full)
+                                and all(torch.equal(lora_targets[n], merged[n]) for n in merged))])
     dist.all_reduce(exact, op=dist.ReduceOp.MIN, group=group)
     n_params = sum(p.numel() for p in actor.parameters())
     if rank == 0:
@@ -355,8 +382,10 @@ def colocated_bench(rank: int, args: argparse.Namespace) -> None:
         print("-" * len(header))
         for m in methods:
             med = _median(m["times"])
-            print(f"{m['method']:<32}{counts[m['method']]:>12}{med:>10.3f}{min(m['times']):>9.3f}{med / base:>13.2f}")
-        print(f"engine weights bit-identical to the actor's after WeightSync: {'yes' if exact.item() == 1 else 'NO'}")
+            calls = counts.get(m["method"], "-")
+            print(f"{m['method']:<32}{calls:>12}{med:>10.3f}{min(m['times']):>9.3f}{med / base:>13.2f}")
+        print(f"engine weights bit-identical to the actor's (LoRA: to base + adapter merged) after WeightSync: "
+              f"{'yes' if exact.item() == 1 else 'NO'}")
         print("json:", json.dumps({"preset": args.colocated_preset, "world": args.world,
                                    **{m["method"]: _median(m["times"]) for m in methods},
                                    **{f"collectives {k}": v for k, v in counts.items()}}), flush=True)

@@ -66,9 +66,9 @@ def test_cpu_offload_gets_gloo_beside_nccl_and_tensors_go_where_nccl_is() -> Non
     offload = parse_args(["--adam_offload"]).config.train
     assert offload.reduces_on_cpu and not parse_args([]).config.train.reduces_on_cpu
     assert not parse_args(["--adam_offload", "--strategy", "deepspeed"]).config.train.reduces_on_cpu  # its own comm
-    assert dist.resolve_backend("auto", cuda, cpu_collectives=True) == "cpu:gloo,cuda:nccl"
-    assert dist.resolve_backend("nccl", cuda, cpu_collectives=True) == "cpu:gloo,cuda:nccl"
-    assert dist.resolve_backend("auto", cuda) == "nccl" and dist.resolve_backend("auto", cpu, True) == "gloo"
-    assert dist.resolve_backend("gloo", cuda, cpu_collectives=True) == "gloo"
+    assert dist.resolve_dist_backend("auto", cuda, cpu_collectives=True) == "cpu:gloo,cuda:nccl"
+    assert dist.resolve_dist_backend("nccl", cuda, cpu_collectives=True) == "cpu:gloo,cuda:nccl"
+    assert dist.resolve_dist_backend("auto", cuda) == "nccl" and dist.resolve_dist_backend("auto", cpu, True) == "gloo"
+    assert dist.resolve_dist_backend("gloo", cuda, cpu_collectives=True) == "gloo"
     assert dist.collective_device("cpu:gloo,cuda:nccl", cuda) == cuda and dist.collective_device("nccl", cuda) == cuda
     assert dist.collective_device("gloo", cuda) == cpu and dist.collective_device("gloo", cpu) == cpu

@@ -3,9 +3,9 @@
 One colocated 2-rank GRPO run with a KL penalty (the issue's command, fewer steps) proves at once: it learns, the
 layout has no reference ranks (the actor's base, adapters off, is the reference, and the KL it gives is live), the
 engines generate from the merged weights (their log-probs equal the actor's), the base weights come out of training
-bit-identical and the optimizer holds the adapters only, and --save_path holds PEFT's adapter layout. A
-disaggregated run (1 actor rank, 1 engine rank: merged weights cross the wire, checked after every sync) resumes
-exactly. In-process: the reference's log-probs equal a separately loaded base model's; a sync that delivers nothing
+bit-identical and the optimizer holds the adapters only, and --save_path holds PEFT's adapter layout. A GAE run
+with actor, critic and engine on ranks of their own (merged weights cross the wire, checked after every sync; the
+critic trains adapters and its head) resumes exactly. In-process: the reference's log-probs equal a separately loaded base model's; a sync that delivers nothing
 is caught (the fault is injected, said there).
 """
 
@@ -60,20 +60,27 @@ def test_lora_grpo_learns_with_the_base_as_reference_and_leaves_the_base_untouch
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
 
 
-def test_lora_resumes_exactly_with_the_engine_on_its_own_rank(tmp_path) -> None:
-    """1 actor rank + 1 engine rank: the merged weights travel by broadcast (and are checked). Resuming from the
-    step-2 checkpoint of a 4-step run reproduces its steps 3 and 4 and its exported adapter."""
-    args = [*SMALL, *LORA, "--init_kl_coef", "0.01", "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1",
-            "--max_steps", "4", "--save_steps", "2"]
-    straight = torchrun(2, args, tmp_path / "straight")
+def test_lora_critic_and_actor_resume_exactly_with_roles_on_their_own_ranks(tmp_path) -> None:
+    """GAE on 3 ranks (actor, critic, engine each on its own): the merged weights travel by broadcast (and are
+    checked), the critic trains adapters and its value head. Resuming from the step-2 checkpoint of a 4-step run
+    reproduces its steps 3 and 4 and its exported adapters (the critic's with its head)."""
+    args = [*SMALL, *LORA, "--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--critic_learning_rate", "1e-3",
+            "--save_value_network", "--actor_num_gpus_per_node", "1", "--critic_num_gpus_per_node", "1",
+            "--vllm_num_engines", "1", "--max_steps", "4", "--save_steps", "2"]
+    straight = torchrun(3, args, tmp_path / "straight")
     _ok(straight)
     _copy_checkpoints(straight, tmp_path / "resumed" / "ckpt", 2)
-    resumed = torchrun(2, [*args, "--load_checkpoint"], tmp_path / "resumed")
+    resumed = torchrun(3, [*args, "--load_checkpoint"], tmp_path / "resumed")
     _ok(resumed)
     assert "resumed from" in resumed.output and [m["step"] for m in resumed.metrics] == [3, 4]
     assert _no_timing(resumed.metrics) == _no_timing(straight.metrics[2:])
-    adapters = [load_file(run.save / "adapter_model.safetensors") for run in (straight, resumed)]
-    assert adapters[0].keys() == adapters[1].keys() and all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
+    for sub in ("", "critic"):
+        adapters = [load_file(run.save / sub / "adapter_model.safetensors") for run in (straight, resumed)]
+        assert adapters[0].keys() == adapters[1].keys()
+        assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0]), sub
+    critic = load_file(straight.save / "critic" / "adapter_model.safetensors")
+    assert any(k.endswith("score.weight") for k in critic), sorted(critic)[:4]  # the value head, trained whole
+    assert any(m["critic/value_loss"] > 0 for m in straight.metrics if "critic/value_loss" in m)
 
 
 def _rows() -> RolloutBatch:

@@ -54,8 +54,8 @@ def test_verl_gsm8k_job_learns_with_verls_default_scorer_and_a_custom_compute_sc
     assert run.returncode == 0, run.output[-3000:]
     rewards = [m["reward"] for m in run.metrics]
     assert len(rewards) == 16
-    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
-    assert first < 0.25 and last > first + 0.1, rewards  # #### 7 is learned
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-4:]) / 4
+    assert first < 0.25 and last > first + 0.1, rewards  # #### 7 is learned (0.16 -> 0.8 when written)
 
     scorer = tmp_path / "my_score.py"
     scorer.write_text(textwrap.dedent('''

@@ -373,6 +373,7 @@ class Config:
 class RootConfig(typing.Protocol):
     """What every trainer's root config has (PPO's Config, rlrun.supervised's configs)."""
 
+    model: PretrainedConfig
     checkpoint: SavingConfig
     logging: TrackingConfig
     runtime: RuntimeConfig

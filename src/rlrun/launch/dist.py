@@ -46,7 +46,7 @@ def resolve_device_and_precision(requested: str, local_rank: int, tf32: bool) ->
 NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"
 
 
-def resolve_backend(requested: str, device: torch.device, cpu_collectives: bool = False) -> str:
+def resolve_dist_backend(requested: str, device: torch.device, cpu_collectives: bool = False) -> str:
     """The default group's backend: 'auto' is nccl on a GPU, else gloo. `cpu_collectives`: some role reduces CPU
     tensors over its group (FSDP2 with --adam_offload: the norm of its CPU-offloaded gradients), which an NCCL-only
     group refuses at the first clip ("No backend type associated with device type cpu"): nccl then becomes

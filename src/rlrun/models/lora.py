@@ -202,8 +202,14 @@ def has_adapters(model: nn.Module) -> bool:
 
 
 def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """[out, in] base + scaling * (B [out, r] @ A [r, in]), computed in fp32, returned in base's dtype."""
-    return (base.float() + scaling * (b.float() @ a.float())).to(base.dtype)
+    """[out, in] base + scaling * (B [out, r] @ A [r, in]), in base's dtype (`merge_into` on a copy of base)."""
+    return merge_into(base.clone(), a, b, scaling)
+
+
+def merge_into(dest: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """dest (holding the base weight) += scaling * B @ A, in place, in dest's dtype: one fused matmul-add and no
+    [out, in] temporary (the weight sync merges every adapted layer at every sync)."""
+    return dest.addmm_(b.to(dest.dtype), a.to(dest.dtype), alpha=scaling)
 
 
 def merged_state_dict(state: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:

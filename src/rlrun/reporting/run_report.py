@@ -22,6 +22,14 @@ def metrics_path(cfg: RootConfig) -> str:
     return cfg.logging.metrics_file or os.path.join(cfg.checkpoint.save_path, "metrics.jsonl")
 
 
+def model_form(cfg: RootConfig) -> str:
+    """How --save_path receives the model: HF format, or with LoRA PEFT's adapter layout (rlrun.roles.export)."""
+    if cfg.model.lora_rank <= 0:
+        return "(Hugging Face format)"
+    merged = f"; merged in {os.path.join(cfg.checkpoint.save_path, 'merged')}" if cfg.checkpoint.save_merged else ""
+    return f"as a LoRA adapter (PEFT format{merged})"
+
+
 def announce(cfg: RootConfig, defaults: Mapping[str, Any], prog: str, launched: str, ckpt_path: str | None) -> list[str]:
     """Write config.yaml into the save path; the start-up lines saying where the model, metrics, summary, curves,
     checkpoints and config go. `ckpt_path`: the trainer's checkpoint folder."""
@@ -31,9 +39,9 @@ def announce(cfg: RootConfig, defaults: Mapping[str, Any], prog: str, launched: 
     summary, curves = outputs_beside(metrics)
     reports = ", ".join(os.path.basename(p) for p in (metrics, summary, curves))
     if os.path.abspath(os.path.dirname(metrics)) == os.path.abspath(save):
-        where = f"outputs in {save}: the model (Hugging Face format), {CONFIG_FILE}, {reports}"
+        where = f"outputs in {save}: the model {model_form(cfg)}, {CONFIG_FILE}, {reports}"
     else:
-        where = (f"outputs: the model (Hugging Face format) and {CONFIG_FILE} in {save}; {reports} in "
+        where = (f"outputs: the model {model_form(cfg)} and {CONFIG_FILE} in {save}; {reports} in "
                  f"{os.path.dirname(metrics)}")
     every = cfg.checkpoint.save_steps
     where += (f"; checkpoints every {every} steps in {ckpt_path}" if every > 0 and ckpt_path
@@ -112,5 +120,7 @@ def _previous_run(summary_path: str) -> dict[str, Any]:
 def saved_outputs(cfg: RootConfig, ckpt_path: str | None, **more: str) -> dict[str, str]:
     """{what: path} a finished run saved: the model, `more` (e.g. critic=...), checkpoints, config.yaml."""
     save = cfg.checkpoint.save_path
+    if cfg.model.lora_rank > 0 and cfg.checkpoint.save_merged:
+        more = {"merged model": os.path.join(save, "merged"), **more}
     return {"model": save, **more, **({"checkpoints": ckpt_path} if ckpt_path and cfg.checkpoint.save_steps > 0 else {}),
             "config": os.path.join(save, CONFIG_FILE)}

@@ -18,7 +18,7 @@ from rlrun.compat.openrlhf_init import plan_init as plan_openrlhf_init
 from rlrun.config.schema import Config
 from rlrun.engines.hosting import choose_host
 from rlrun.engines.hosting import describe as describe_host
-from rlrun.launch.dist import (collective_device, init_distributed, resolve_backend, resolve_device_and_precision,
+from rlrun.launch.dist import (collective_device, init_distributed, resolve_dist_backend, resolve_device_and_precision,
                                restart_safety_warning, teardown)
 from rlrun.launch.env import DistEnv, read_node_label
 from rlrun.launch.failures import check_outputs, fail_and_exit
@@ -28,7 +28,7 @@ from rlrun.launch.layout import Layout, Role
 from rlrun.launch.layout_text import format_layout_table
 from rlrun.models.loading import load_tokenizer
 from rlrun.reporting.metrics import MetricsSink
-from rlrun.reporting.run_report import announce, describe_reward, describe_roles, saved_outputs
+from rlrun.reporting.run_report import announce, describe_reward, describe_roles, model_form, saved_outputs
 from rlrun.rl.build import build_eval_prompts, build_prompts, build_reward_sources, build_roles, make_sampler
 from rlrun.rl.evaluation import Evaluator
 from rlrun.rl.planning import asks_node_labels, plan
@@ -57,7 +57,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
                                            local_only=local_only, sink=sink))
     try:
         device = resolve_device_and_precision(cfg.runtime.device, env.local_rank, cfg.runtime.tf32)
-        backend = resolve_backend(cfg.runtime.dist_backend, device, cpu_collectives=cfg.train.reduces_on_cpu)
+        backend = resolve_dist_backend(cfg.runtime.dist_backend, device, cpu_collectives=cfg.train.reduces_on_cpu)
         tp = cfg.resources.vllm_tensor_parallel_size
         generation = cfg.generation.generation_backend  # resolved before planning (rlrun.engines.choice)
         why = generation_why + (f"; {describe_host(choose_host(cfg.generation.vllm_engine_host, layout, tp), tp)}"
@@ -147,7 +147,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
                 save_critic(roles.critic, os.path.join(cfg.checkpoint.save_path, "critic"), is_writer=env.rank == first_critic,
                             strategy=roles.strategies[Role.CRITIC], allow_nonfinite=allow,
                             merged=cfg.checkpoint.save_merged)
-        log.info_once(f"saved the policy (Hugging Face format) to {cfg.checkpoint.save_path}")
+        log.info_once(f"saved the policy {model_form(cfg)} to {cfg.checkpoint.save_path}")
         critic = cfg.checkpoint.save_value_network and roles.critic is not None
         saved = saved_outputs(cfg, cfg.checkpoint.ckpt_path,
                               **({"critic": os.path.join(cfg.checkpoint.save_path, "critic")} if critic else {}))

@@ -13,7 +13,7 @@ from torch import nn
 
 from rlrun.launch.param_blocks import FullBlock, GatherScratch, ParamBlock
 from rlrun.launch.transfer import ParamSource
-from rlrun.models.lora import hf_name, is_adapter, lora_pairs, merged_weight
+from rlrun.models.lora import hf_name, is_adapter, lora_pairs, merge_into, merged_weight
 
 
 class MergedFull:
@@ -34,10 +34,14 @@ class MergedFull:
         return merged_weight(base, self.inner.full(a), self.inner.full(b), self.scaling)
 
     def write(self, name: str, dest: torch.Tensor) -> torch.Tensor:
+        """The merged weight into `dest` (the engine's parameter, or a send bucket's view) with no full-size
+        temporary: the base written as it is, then the adapter's product added in place. `full` gives the same
+        bits for a tensor of dest's dtype (the sync's check relies on it)."""
         peft = self._peft[name]
-        if peft not in self._pairs:
-            return self.inner.write(peft, dest)
-        dest.copy_(self.full(name))
+        self.inner.write(peft, dest)
+        if peft in self._pairs:
+            a, b = self._pairs[peft]
+            merge_into(dest, self.inner.full(a), self.inner.full(b), self.scaling)
         return dest
 
     def aliases(self, name: str, dest: torch.Tensor) -> bool:

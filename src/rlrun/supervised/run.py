@@ -18,7 +18,7 @@ from rlrun.checkpoint.ownership import run_identity
 from rlrun.cli.parser import CliSpec, ParsedArgs, parse_args
 from rlrun.data.prompts import PromptSampler
 from rlrun.data.sources import DataSpec, missing_paths, not_here
-from rlrun.launch.dist import (collective_device, init_distributed, resolve_backend, resolve_device_and_precision,
+from rlrun.launch.dist import (collective_device, init_distributed, resolve_dist_backend, resolve_device_and_precision,
                                restart_safety_warning, teardown)
 from rlrun.launch.env import DistEnv
 from rlrun.launch.failures import check_outputs, checked_on_every_rank, fail_and_exit, launch_environment
@@ -28,7 +28,7 @@ from rlrun.models.adapter_pretrain import resolve_adapter_pretrain
 from rlrun.models.hub import resolve, resolve_models
 from rlrun.models.loading import load_tokenizer, tokenizer_missing
 from rlrun.reporting.metrics import MetricsSink
-from rlrun.reporting.run_report import announce, saved_outputs
+from rlrun.reporting.run_report import announce, model_form, saved_outputs
 from rlrun.roles.optim import warmup_cosine
 from rlrun.roles.update import Updater
 from rlrun.runtime.deadline import deadline, set_reporter
@@ -149,7 +149,7 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
                                            local_only=local_only, sink=sink))
     try:
         device = resolve_device_and_precision(cfg.runtime.device, env.local_rank, cfg.runtime.tf32)
-        backend = resolve_backend(cfg.runtime.dist_backend, device, cpu_collectives=cfg.train.reduces_on_cpu)
+        backend = resolve_dist_backend(cfg.runtime.dist_backend, device, cpu_collectives=cfg.train.reduces_on_cpu)
         tokenizer = load_tokenizer(cfg.model)
         if cfg.data.tokenizer_chat_template is not None:
             tokenizer.chat_template = cfg.data.tokenizer_chat_template
@@ -215,7 +215,7 @@ def _run(trainer: SupervisedTrainer[Any], cfg: SupervisedConfig, env: DistEnv) -
         with phase("save", loop.step_done):
             task.save(cfg.checkpoint.save_path, tokenizer, is_writer=env.rank == 0,
                       allow_nonfinite=cfg.checkpoint.export_nonfinite, merged=cfg.checkpoint.save_merged)
-        log.info_once(f"saved the model (Hugging Face format) to {cfg.checkpoint.save_path}")
+        log.info_once(f"saved the model {model_form(cfg)} to {cfg.checkpoint.save_path}")
         saved = saved_outputs(cfg, cfg.checkpoint.ckpt_path)
     except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
         fail_and_exit(log, env.rank, name, phase, exc, cfg.runtime.dist_timeout, local_only=local_only, sink=sink)
