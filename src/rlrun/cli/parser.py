@@ -52,9 +52,6 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
     "overlap_comm": (0, NOT_YET),
     "gradient_checkpointing_use_reentrant": (0, NOT_YET),
     "disable_fast_tokenizer": (0, NOT_YET),
-    "use_dynamic_batch": (0, NOT_YET),
-    "rollout_max_tokens_per_gpu": (1, NOT_YET),
-    "train_max_tokens_per_gpu": (1, NOT_YET),
     "load_in_4bit": (0, QLORA),  # refused (reasons.CHANGES_TRAINING); the LoRA flags are fields
     "max_len": (1, NOT_YET),
     "ptx_coef": (1, NOT_YET),
@@ -67,6 +64,12 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
     "value_head_prefix": (1, NOT_YET),
     "perf": (0, NOT_YET),
     "use_ms": (0, "ModelScope hub: rlrun reads local paths and Hugging Face Hub ids"),
+}
+
+
+# OpenRLHF train_ppo_ray flags spelled differently in rlrun: classic name -> rlrun field (the value passes unchanged).
+RENAMED_FLAGS: dict[str, str] = {
+    "use_dynamic_batch": "dynamic_batch",
 }
 
 
@@ -95,6 +98,7 @@ class CliSpec:
     ignored: Mapping[str, tuple[int | str, str]]  # classic peer flags accepted without effect: name -> (nargs, reason)
     dotted: Mapping[str, openrlhf_flags.Meaning]  # the peer trainer's OpenRLHF 0.11 dotted flags
     no_effect: Mapping[str, str] = dataclasses.field(default_factory=dict)  # fields kept but not acted on yet
+    renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)  # classic peer flag -> rlrun field of another name
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # this trainer's defaults of shared fields
     verl_overrides: bool = False  # verl key=value overrides (PPO only)
     start: tuple[tuple[str, str], ...] = ()  # --help's first examples: (what it does, the command line)
@@ -116,7 +120,7 @@ PPO_CLI = CliSpec(
     prog="python -m rlrun.ppo",
     description="Ray-free RLHF: one torchrun/srun SPMD program. OpenRLHF train_ppo_ray flag names work.",
     config_cls=Config, ignored=IGNORED_FLAGS, dotted=openrlhf_flags.OPENRLHF_DOTTED, no_effect=NO_EFFECT_YET,
-    verl_overrides=True,
+    renamed=RENAMED_FLAGS, verl_overrides=True,
     start=(("the offline demo (embedded tiny model, built-in prompts, rule reward; about 20 s on a CPU)",
             f"python -m rlrun.ppo --config {_demo_config()}"),
            ("GRPO on your model and prompts with a reward function, 8 ranks",
@@ -300,6 +304,15 @@ def _strip_ignored(argv: Sequence[str], ignored_flags: Mapping[str, tuple[int | 
     return rest, report
 
 
+def _renamed(argv: Sequence[str], renamed: Mapping[str, str]) -> list[str]:
+    """Classic peer flags rlrun spells differently (--use_dynamic_batch) -> rlrun's name, in place (later still wins)."""
+    out = []
+    for token in argv:
+        name, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        out.append(f"--{renamed[name]}{eq}{value}" if name in renamed else token)
+    return out
+
+
 def _flags_with_values(argv: Sequence[str]) -> list[tuple[str, str | None]]:
     """(--flag, its first value or None) for every flag token."""
     out = []
@@ -335,7 +348,7 @@ def _translate_peer_spellings(argv: Sequence[str], parser: argparse.ArgumentPars
     Returns (argv, report lines for the peer flags/keys that are ignored, the verl translation: its implied defaults
     and the LoRA keys checked on the built config)."""
     infos = fields_of(spec.config_cls)
-    dotted = openrlhf_flags.translate(argv, infos, spec.ignored, spec.dotted)
+    dotted = openrlhf_flags.translate(_renamed(argv, spec.renamed), infos, spec.ignored, spec.dotted)
     if not spec.verl_overrides:
         return dotted.argv, dotted.ignored, verl_overrides.Translated([])
     verl = verl_overrides.translate(dotted.argv, _arity(parser, spec.ignored), infos, spec.ignored,
@@ -360,7 +373,7 @@ def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> Pa
     if unknown:
         flag = next((u for u in unknown if u.startswith("-")), unknown[0])
         name = flag.lstrip("-").split("=", 1)[0]
-        spellings = openrlhf_flags.all_spellings(infos, spec.ignored, spec.dotted)
+        spellings = [*openrlhf_flags.all_spellings(infos, spec.ignored, spec.dotted), *spec.renamed]
         raise ConfigError(f"unknown flag '{flag}'{suggest(name, spellings, prefix='--')}" if flag.startswith("-")
                           else f"unexpected argument '{flag}' (flags take the form --name value"
                           + (", or key=value for verl keys)" if spec.verl_overrides else ")"))

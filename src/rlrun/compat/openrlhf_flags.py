@@ -159,7 +159,7 @@ OPENRLHF_DOTTED: dict[str, Meaning] = {
     "actor.gradient_checkpointing_reentrant": Same("gradient_checkpointing_use_reentrant", 0),
     "train.enable_ema": Same("enable_ema", 0),
     "train.ema_beta": Same("ema_beta", 1),
-    "train.dynamic_batch_enable": Same("use_dynamic_batch", 0),
+    "train.dynamic_batch_enable": Same("dynamic_batch", 0),  # classic --use_dynamic_batch (cli.parser.RENAMED_FLAGS)
     "rollout.max_tokens_per_gpu": Same("rollout_max_tokens_per_gpu", 1),
     "train.max_tokens_per_gpu": Same("train_max_tokens_per_gpu", 1),
     "data.disable_fast_tokenizer": Same("disable_fast_tokenizer", 0),

@@ -63,7 +63,10 @@ VLLM_ONLY = "a vLLM/SGLang engine setting rlrun's generation backends do not tak
 SHARED = "rlrun uses one value for actor and critic; set it with the actor_rollout_ref.actor key"
 SCHEDULE = "rlrun always uses linear warmup + cosine decay to 0.1 x lr"
 ONE_MICRO = "rlrun scores rollouts with one micro batch size: actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
-DYNAMIC = "dynamic (token-budget) batches are " + NOT_YET
+ONE_SWITCH = ("rlrun turns token-budget micro-batches on for scoring and training together: "
+              "actor_rollout_ref.actor.use_dynamic_bsz (--dynamic_batch)")
+ONE_SCORING_BUDGET = ("rlrun scores rollouts with one token budget: "
+                      "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (--rollout_max_tokens_per_gpu)")
 SEQ_PARALLEL = "sequence parallelism is " + NOT_YET
 FSDP2 = "rlrun trains with FSDP2, the default, or DeepSpeed ZeRO-0/1/2 (ZeRO-3 with every model on every rank) with --strategy deepspeed; see --zero_stage, --adam_offload"
 VLM = "vision-language models are " + NOT_YET
@@ -101,6 +104,7 @@ def as_int(value: Any, key: str) -> int:
 
 
 def as_bool(value: Any, key: str) -> bool:
+    """true/false (or 1/0)"""
     text = str(value).lower()
     if text not in ("true", "false", "1", "0"):
         raise ConfigError(f"{key} must be true or false, got {value!r}")
@@ -229,8 +233,8 @@ VERL_KEYS: dict[str, Meaning] = {
     A + "use_kl_loss": Part("kl"),
     A + "kl_loss_coef": Part("kl"),
     A + "kl_loss_type": Part("kl"),
-    A + "use_dynamic_bsz": Skip(DYNAMIC),
-    A + "ppo_max_token_len_per_gpu": Skip(DYNAMIC),
+    A + "use_dynamic_bsz": To("dynamic_batch", as_bool),
+    A + "ppo_max_token_len_per_gpu": To("train_max_tokens_per_gpu"),
     A + "ulysses_sequence_parallel_size": Skip(SEQ_PARALLEL),
     A + "use_torch_compile": Skip(NOT_YET),
     A + "strategy": Skip(FSDP2),
@@ -240,8 +244,8 @@ VERL_KEYS: dict[str, Meaning] = {
     # reference model
     "actor_rollout_ref.ref.log_prob_micro_batch_size": Skip(ONE_MICRO),
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": Skip(ONE_MICRO),
-    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": Skip(DYNAMIC),
-    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": Skip(DYNAMIC),
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": Skip(ONE_SWITCH),
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": Skip(ONE_SCORING_BUDGET),
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": Skip(SEQ_PARALLEL),
     "actor_rollout_ref.ref.use_torch_compile": Skip(NOT_YET),
     "actor_rollout_ref.ref.strategy": Skip(FSDP2),
@@ -262,8 +266,8 @@ VERL_KEYS: dict[str, Meaning] = {
                                "already"),
     R + "log_prob_micro_batch_size": Part("micro"),
     R + "log_prob_micro_batch_size_per_gpu": To("micro_rollout_batch_size"),
-    R + "log_prob_use_dynamic_bsz": Skip(DYNAMIC),
-    R + "log_prob_max_token_len_per_gpu": Skip(DYNAMIC),
+    R + "log_prob_use_dynamic_bsz": Skip(ONE_SWITCH),
+    R + "log_prob_max_token_len_per_gpu": To("rollout_max_tokens_per_gpu"),
     R + "prompt_length": Skip("follows data.max_prompt_length"),
     R + "response_length": Skip("follows data.max_response_length"),
     R + "val_kwargs.temperature": To("eval_temperature"),
@@ -290,9 +294,9 @@ VERL_KEYS: dict[str, Meaning] = {
     C + "forward_micro_batch_size": Skip(ONE_MICRO),
     C + "forward_micro_batch_size_per_gpu": Skip(ONE_MICRO),
     C + "cliprange_value": To("value_clip"),
-    C + "use_dynamic_bsz": Skip(DYNAMIC),
-    C + "ppo_max_token_len_per_gpu": Skip(DYNAMIC),
-    C + "forward_max_token_len_per_gpu": Skip(DYNAMIC),
+    C + "use_dynamic_bsz": Skip(ONE_SWITCH),
+    C + "ppo_max_token_len_per_gpu": Skip(SHARED),
+    C + "forward_max_token_len_per_gpu": Skip(ONE_SCORING_BUDGET),
     C + "ulysses_sequence_parallel_size": Skip(SEQ_PARALLEL),
     C + "strategy": Skip(FSDP2),
     C + "shuffle": Skip("rlrun always shuffles each rollout batch, seeded by --seed"),

@@ -162,6 +162,20 @@ class TrainConfig(OptimConfig):
                                  "log-probs/entropy (actor and reference); bounds the logits' memory to chunk x vocab x "
                                  "4 bytes; 0 = whole sequences (more memory, same numbers). Models whose forward "
                                  "transforms the logits (Gemma-2/3 soft-capping, Cohere, Granite) always use 0.")
+    dynamic_batch: bool = opt(False, "Form micro-batches by tokens instead of --micro_train_batch_size / "
+                              "--micro_rollout_batch_size (OpenRLHF's --use_dynamic_batch, verl's use_dynamic_bsz): "
+                              "rows are dealt to each role's ranks balanced by length, then sorted by length into "
+                              "micro-batches of at most --train_max_tokens_per_gpu tokens (scoring: "
+                              "--rollout_max_tokens_per_gpu), each cut to its own longest row, the same number on "
+                              "every rank of a role. Long-tailed response lengths then train on far less padding; "
+                              "the loss normalisation (whole mini-batch token/sequence mean) is unchanged.")
+    train_max_tokens_per_gpu: int = opt(16192, "--dynamic_batch: the most tokens of one training micro-batch on one rank: "
+                                        "rows x (longest prompt + longest response) of its rows, or with "
+                                        "--packing_samples their packed (real) tokens. At least --prompt_max_len + "
+                                        "--generate_max_len (OpenRLHF's default 16192; verl: ppo_max_token_len_per_gpu).")
+    rollout_max_tokens_per_gpu: int | None = opt(None, "--dynamic_batch: the same budget for the scoring forwards (old/ref "
+                                                 "log-probs, values, reward-model scores; no gradients, so it may be "
+                                                 "larger). Unset: --train_max_tokens_per_gpu, as OpenRLHF.")
     n_samples_per_prompt: int = opt(1, "Responses sampled per prompt.")
     async_train: bool = opt(False, "Overlap generation with training (engines on ranks of their own): the engines generate step N+1 "
                             "with the weights before step N's update while the other ranks train on step N, i.e. one step "

@@ -112,6 +112,7 @@ def check_values(cfg: Config) -> None:
             f"--n_samples_per_prompt >= 2, got {t.n_samples_per_prompt}"
         )
     _check_algorithm_extras(cfg)
+    _check_dynamic_batch(cfg)
     _check_agent(cfg)
     if cfg.data.input_template is not None and "{}" not in cfg.data.input_template:
         raise ConfigError(f"--input_template must contain '{{}}' where the prompt goes, got {cfg.data.input_template!r}")
@@ -166,6 +167,22 @@ def _check_algorithm_extras(cfg: Config) -> None:
     if a.stop_properly_penalty_coef is not None and a.stop_properly_penalty_coef > 1:
         raise ConfigError(f"--stop_properly_penalty_coef {a.stop_properly_penalty_coef}: use a value in [0, 1] "
                           "(scales truncated rewards) or a negative one (replaces them)")
+
+
+def _check_dynamic_batch(cfg: Config) -> None:
+    """--dynamic_batch's token budgets must hold the longest row a step can have (one row is never split)."""
+    t, g = cfg.train, cfg.generation
+    longest = g.prompt_max_len + g.generate_max_len
+    for name in ("train_max_tokens_per_gpu", "rollout_max_tokens_per_gpu"):
+        value = getattr(t, name)
+        if value is None:
+            continue
+        _positive(name, value)
+        if t.dynamic_batch and value < longest:
+            raise ConfigError(f"--{name} {value} is below the longest possible sequence, --prompt_max_len "
+                              f"{g.prompt_max_len} + --generate_max_len {g.generate_max_len} = {longest} tokens, and "
+                              f"--dynamic_batch never splits a sequence: raise --{name} to at least {longest}, or "
+                              "lower the lengths")
 
 
 REWARD_SOURCES = ("--reward_pretrain DIR (a reward model), --remote_rm_url FILE.py or URL (OpenRLHF's reward_func), "
@@ -252,7 +269,10 @@ def check_batches(cfg: Config, role_sizes: dict[str, int]) -> None:
         )
     for role in ("actor", "critic"):
         size = role_sizes.get(role)
-        if size and t.train_batch_size % (t.micro_train_batch_size * size):
+        if size and t.dynamic_batch and t.train_batch_size % size:  # micro-batches by tokens: only the rows split
+            raise ConfigError(f"--train_batch_size {t.train_batch_size} must be a multiple of the {size} {role} ranks "
+                              "(--dynamic_batch deals each mini-batch's rows evenly over them)")
+        if size and not t.dynamic_batch and t.train_batch_size % (t.micro_train_batch_size * size):
             raise ConfigError(
                 f"--train_batch_size {t.train_batch_size} must be a multiple of --micro_train_batch_size "
                 f"{t.micro_train_batch_size} x {size} {role} ranks = {t.micro_train_batch_size * size}"

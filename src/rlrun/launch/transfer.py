@@ -61,6 +61,14 @@ def sum_over(values: Sequence[float], group: dist.ProcessGroup, device: torch.de
     return buf.cpu().tolist()
 
 
+def max_over(value: int, group: dist.ProcessGroup, device: torch.device) -> int:
+    """The largest `value` over the ranks of `group`, on every one of them (e.g. the micro-batch count all ranks of
+    a role must run: --dynamic_batch). `device`: this rank's compute device (NCCL groups need it)."""
+    buf = torch.tensor([int(value)], dtype=torch.int64, device=collective_device(dist.get_backend(group), device))
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    return int(buf.item())
+
+
 def broadcast_json(obj: object, src: int, group: dist.ProcessGroup, device: torch.device) -> object:
     """Small metadata as JSON bytes (never pickle: nothing is unpickled from another host)."""
     if dist.get_rank() == src:

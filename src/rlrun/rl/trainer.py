@@ -26,6 +26,7 @@ from rlrun.launch.transfer import all_gather_vectors, broadcast_json
 from rlrun.reporting.metrics import MetricsSink
 from rlrun.rewards.shaping import dynamic_filter_keep, overlong_penalty, stop_properly_penalty, truncated_rows
 from rlrun.rl.build import Prompts, RankRoles
+from rlrun.rl.dynamic_batch import role_budgets, scoring_order, unpermute
 from rlrun.rl.evaluation import Evaluator
 from rlrun.rl.rollout_source import RolloutSource, StepOutputs
 from rlrun.rl.sleep import Phase, SleepSchedule
@@ -73,6 +74,8 @@ class Trainer:
         self.learners = groups.get("learners") if self.asynchronous else groups.world
         self.learner_ranks = [r for r in range(layout.world_size) if not self.asynchronous or r not in self.engine_ranks]
         self.pending: StepOutputs | None = None  # --async_train: the next step's batch, already gathered
+        # --dynamic_batch: micro-batches by tokens, their count agreed over each role's group (rlrun.rl.dynamic_batch)
+        self.budgets = role_budgets(cfg, groups, device)
         self.rollouts = RolloutSource(cfg, layout, groups, roles, prompts, sampler, tokenizer, self.comm_device)
         # --deepspeed_enable_sleep: models move off the device between the phases that use them (rlrun.rl.sleep)
         self.sleep = SleepSchedule.from_roles(cfg, layout, self.rank, roles, device=device,
@@ -84,7 +87,7 @@ class Trainer:
         """Each role computes its shard at the same time as the others; one all-gather returns all."""
         batch, B, R = out.batch, out.batch.sequences.shape[0], out.batch.response_width
         micro = self.cfg.train.micro_rollout_batch_size
-        widths, ranks, mine = {}, {}, {}
+        widths, ranks, mine, orders = {}, {}, {}, {}
         jobs = [("old_log_probs", Role.ACTOR, R, self.roles.actor and self.roles.actor.log_probs),
                 ("ref_log_probs", Role.ACTOR if self.cfg.ref_is_actor_base else Role.REF, R,
                  self.roles.reference and self.roles.reference.log_probs),
@@ -96,12 +99,15 @@ class Trainer:
             if not self.layout.has(role):
                 continue
             widths[key], ranks[key] = width, self.layout.ranks_of(role)
+            # Every rank knows every key's order (to put the gathered results back); the rows as they are, or dealt
+            # by length (--dynamic_batch) so that the role's ranks score about the same tokens.
+            orders[key] = scoring_order(batch, len(ranks[key]), self.budgets.on)
             if fn:
-                rows = shard(B, len(ranks[key]), ranks[key].index(self.rank))
-                mine[key] = fn(batch.rows(rows), micro)
+                rows = orders[key][shard(B, len(ranks[key]), ranks[key].index(self.rank))]
+                mine[key] = fn(batch.rows(rows), self.budgets.score_micro(role, micro))
         plan = slot_plan(B, widths, ranks)
         flat = pack_slots(plan, self.rank, mine).to(self.comm_device)
-        results = self._gather_slots(plan, flat)
+        results = {key: unpermute(values, orders[key]) for key, values in self._gather_slots(plan, flat).items()}
         if "scores" not in results:
             results["scores"] = out.scores
         return results
@@ -172,10 +178,11 @@ class Trainer:
         self.sleep.enter(Phase.TRAIN_ACTOR)
         if self.roles.actor is not None:
             data = PolicyData(batch, results.get("old_log_probs"), adv, results.get("ref_log_probs"))
-            stats.update(self.roles.actor.train(data, minibatches, self.kl.value))
+            stats.update(self.roles.actor.train(data, minibatches, self.kl.value, self.budgets.train.get(Role.ACTOR)))
         self.sleep.enter(Phase.TRAIN_CRITIC)
         if self.roles.critic is not None:
-            stats.update(self.roles.critic.train(ValueData(batch, results["values"], ret), minibatches))
+            stats.update(self.roles.critic.train(ValueData(batch, results["values"], ret), minibatches,
+                                                 self.budgets.train.get(Role.CRITIC)))
         if self.layout.has(Role.CRITIC):  # critic stats live on the critic's first rank; rank 0 logs
             src = self.layout.ranks_of(Role.CRITIC)[0]
             if src != 0:

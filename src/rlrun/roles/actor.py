@@ -11,8 +11,9 @@ from rlrun.algo.algorithms import compute_approx_kl
 from rlrun.algo.is_correction import ISCorrection
 from rlrun.algo.losses import LossAggMode, PolicyLossType, aggregate_loss, policy_loss
 from rlrun.data.rollout import RolloutBatch
-from rlrun.roles.forward import LOGITS_CHUNK, over_micro_batches, policy_log_probs
-from rlrun.roles.update import Updater
+from rlrun.data.token_batches import RowLengths, TokenBudget, pad_responses, trim_padding
+from rlrun.roles.forward import LOGITS_CHUNK, fed_tokens, over_micro_batches, policy_log_probs
+from rlrun.roles.update import FED_TOKENS, REAL_TOKENS, Updater
 
 
 @dataclass(frozen=True)
@@ -52,35 +53,46 @@ class Actor:
         # None): the trainer gathers them in place of the skipped scoring pass.
         self._on_policy: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def log_probs(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
-        """[b, L] rollouts -> [b, R] log-probs under the current policy."""
+    def log_probs(self, batch: RolloutBatch, micro_batch: int | TokenBudget) -> torch.Tensor:
+        """[b, L] rollouts -> [b, R] log-probs under the current policy (micro_batch: rows, or a token budget)."""
         temp = self.settings.temperature
         return over_micro_batches(self.model, batch, micro_batch, self.device,
                                   lambda p: policy_log_probs(self.model, p, temp, packing=self.packing,
                                                              logits_chunk=self.logits_chunk)[0])
 
-    def train(self, data: PolicyData, minibatches: list[torch.Tensor], kl_coef: float) -> dict[str, float]:
+    def train(self, data: PolicyData, minibatches: list[torch.Tensor], kl_coef: float,
+              budget: TokenBudget | None = None) -> dict[str, float]:
+        """One update over `minibatches` (global rows); budget: --dynamic_batch micro-batches by tokens, each
+        trimmed to its own longest prompt and response."""
         s = self.settings
         mask = data.batch.action_mask
+        width = data.batch.response_width
 
         def micro_loss(rows: torch.Tensor, num_tokens: float, num_seqs: float):
-            part = data.batch.rows(rows).to(self.device)
+            part = data.batch.rows(rows)
+            part = (trim_padding(part) if budget is not None else part).to(self.device)
+            r = part.response_width  # [b, r] per-token tensors below: the full batch's columns cut to the part's
+
+            def cols(t: torch.Tensor) -> torch.Tensor:
+                return t[rows, :r].to(self.device)
+
             logp, entropy = policy_log_probs(self.model, part, s.temperature, with_entropy=s.entropy_coef is not None,
                                              packing=self.packing, logits_chunk=self.logits_chunk)
             if data.old_log_probs is None:  # on-policy: ratio 1 in value, gradient d(logp) exactly (as TRL)
                 old_log_probs = logp.detach()
-                self._on_policy.append((rows, old_log_probs.float().cpu()))
+                self._on_policy.append((rows, pad_responses(old_log_probs.float().cpu(), width)))
             else:
-                old_log_probs = data.old_log_probs[rows].to(self.device)
+                old_log_probs = cols(data.old_log_probs)
             m = part.action_mask
             norm = {"num_tokens": num_tokens, "num_seqs": num_seqs}
-            loss, stats = policy_loss(logp, old_log_probs, data.advantages[rows].to(self.device),
+            loss, stats = policy_loss(logp, old_log_probs, cols(data.advantages),
                                       m, eps_clip=s.eps_clip, eps_clip_high=s.eps_clip_high, dual_clip=s.dual_clip,
                                       loss_type=s.loss_type, agg=s.agg, **norm,
                                       rollout_log_probs=part.engine_log_probs, is_correction=s.is_correction)
-            stats = {"policy_loss": loss.detach(), **stats}
+            stats = {"policy_loss": loss.detach(), **stats, FED_TOKENS: fed_tokens(self.model, part, self.packing),
+                     REAL_TOKENS: int(part.attention_mask.sum())}
             if s.use_kl_loss and data.ref_log_probs is not None:
-                kl = compute_approx_kl(logp, data.ref_log_probs[rows].to(self.device), s.kl_estimator, m)  # type: ignore[arg-type]
+                kl = compute_approx_kl(logp, cols(data.ref_log_probs), s.kl_estimator, m)  # type: ignore[arg-type]
                 kl_loss = aggregate_loss(kl, m, s.agg, **norm)
                 loss = loss + kl_coef * kl_loss
                 stats["kl_loss"] = kl_loss.detach()
@@ -93,7 +105,8 @@ class Actor:
         if data.old_log_probs is None and len(minibatches) != 1:
             raise ValueError(f"on-policy training (no old log-probs) needs exactly one mini-batch, got {len(minibatches)}")
         self._on_policy = []
-        stats = self.updater.run(minibatches, mask, micro_loss)
+        lengths = RowLengths.of(data.batch) if budget is not None else None
+        stats = self.updater.run(minibatches, mask, micro_loss, budget, lengths)
         return {f"actor/{k}": v for k, v in stats.items()}
 
     def on_policy_log_probs(self) -> torch.Tensor:

@@ -9,8 +9,9 @@ from torch import nn
 
 from rlrun.algo.losses import LossAggMode, value_loss
 from rlrun.data.rollout import RolloutBatch
-from rlrun.roles.forward import over_micro_batches, token_values
-from rlrun.roles.update import Updater
+from rlrun.data.token_batches import RowLengths, TokenBudget, trim_padding
+from rlrun.roles.forward import fed_tokens, over_micro_batches, token_values
+from rlrun.roles.update import FED_TOKENS, REAL_TOKENS, Updater
 
 
 @dataclass
@@ -32,19 +33,26 @@ class Critic:
         self.agg = agg
         self.device = device
 
-    def values(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
-        """[b, L] rollouts -> [b, R] values."""
+    def values(self, batch: RolloutBatch, micro_batch: int | TokenBudget) -> torch.Tensor:
+        """[b, L] rollouts -> [b, R] values (micro_batch: rows, or a token budget)."""
         return over_micro_batches(self.model, batch, micro_batch, self.device,
                                   lambda p: token_values(self.model, p, packing=self.packing))
 
-    def train(self, data: ValueData, minibatches: list[torch.Tensor]) -> dict[str, float]:
+    def train(self, data: ValueData, minibatches: list[torch.Tensor], budget: TokenBudget | None = None) -> dict[str, float]:
+        """One update over `minibatches` (global rows); budget: --dynamic_batch micro-batches by tokens, each
+        trimmed to its own longest prompt and response."""
         def micro_loss(rows: torch.Tensor, num_tokens: float, num_seqs: float):
-            part = data.batch.rows(rows).to(self.device)
+            part = data.batch.rows(rows)
+            part = (trim_padding(part) if budget is not None else part).to(self.device)
+            r = part.response_width  # the full batch's [B, R] targets cut to the part's columns
             values = token_values(self.model, part, packing=self.packing)
-            loss, stats = value_loss(values, data.old_values[rows].to(self.device), data.returns[rows].to(self.device),
+            loss, stats = value_loss(values, data.old_values[rows, :r].to(self.device),
+                                     data.returns[rows, :r].to(self.device),
                                      part.action_mask, value_clip=self.value_clip, agg=self.agg,
                                      num_tokens=num_tokens, num_seqs=num_seqs)
-            return loss, {"value_loss": loss.detach(), **stats}
+            return loss, {"value_loss": loss.detach(), **stats, FED_TOKENS: fed_tokens(self.model, part, self.packing),
+                          REAL_TOKENS: int(part.attention_mask.sum())}
 
-        stats = self.updater.run(minibatches, data.batch.action_mask, micro_loss)
+        lengths = RowLengths.of(data.batch) if budget is not None else None
+        stats = self.updater.run(minibatches, data.batch.action_mask, micro_loss, budget, lengths)
         return {f"critic/{k}": v for k, v in stats.items()}

@@ -18,8 +18,9 @@ from transformers import PretrainedConfig
 
 from rlrun.algo.losses import entropy_from_logits, log_probs_from_logits
 from rlrun.algo.vocab_chunks import chunked_log_probs
-from rlrun.data.packing import PackedBatch, pack_batch
+from rlrun.data.packing import PackedBatch, assign_rows, pack_batch
 from rlrun.data.rollout import RolloutBatch
+from rlrun.data.token_batches import RowLengths, TokenBudget, pad_responses, restore_order, trim_padding
 from rlrun.models.loading import position_ids_from
 
 # Attention kernels that take packed sequences as ONE row and run varlen attention on it (cost
@@ -229,9 +230,30 @@ def micro_batches(num_rows: int, size: int) -> list[slice]:
 
 
 @torch.no_grad()
-def over_micro_batches(model: nn.Module, batch: RolloutBatch, micro_batch: int, device: torch.device,
+def over_micro_batches(model: nn.Module, batch: RolloutBatch, micro_batch: int | TokenBudget, device: torch.device,
                        fn: Callable[[RolloutBatch], torch.Tensor]) -> torch.Tensor:
-    """Inference in micro-batches: fn(part on device) -> [b, ...]; results concatenated on CPU."""
+    """Inference in micro-batches: fn(part on device) -> [b, ...]; results on CPU in the rows' order.
+
+    micro_batch: rows per micro-batch, or (--dynamic_batch) a token budget: micro-batches of similar lengths, each
+    trimmed to its own longest prompt and response, as many as on the role's other ranks (a collective)."""
     model.eval()
+    if isinstance(micro_batch, TokenBudget):
+        parts = micro_batch.split(RowLengths.of(batch))
+        width = batch.response_width
+        outs = [pad_responses(fn(trim_padding(batch.rows(rows)).to(device)).float().cpu(), width) for rows in parts]
+        return restore_order(parts, outs)
     out = [fn(batch.rows(rows).to(device)).float().cpu() for rows in micro_batches(batch.sequences.shape[0], micro_batch)]
     return torch.cat(out)
+
+
+def fed_tokens(model: nn.Module, part: RolloutBatch, packing: bool) -> int:
+    """Token positions a forward over `part` feeds `model`: the [b, L] padded rows, or (--packing_samples) the
+    packed rows pack_for builds, n x W (one row of the real tokens for varlen kernels). Real tokens are
+    part.attention_mask.sum(); the difference is padding (the padded-token fraction of training)."""
+    if not packing:
+        return part.sequences.numel()
+    lengths = (part.prompt_len + part.response_len).tolist()
+    one_row = _attn_implementation(model) in _VARLEN_ATTENTION
+    rows = assign_rows(lengths, None if one_row else part.sequences.shape[1])
+    width = max((sum(lengths[i] for i in row) for row in rows), default=1)
+    return max(len(rows), 1) * width

@@ -3,7 +3,9 @@
 Each global mini-batch is split evenly over the role's data-parallel ranks and then into
 micro-batches; losses are normalised by the WHOLE mini-batch's token/sequence count (divided by
 the ranks, since the gradient reduction averages over them), so gradient accumulation and data
-parallelism give the same gradient as one big batch.
+parallelism give the same gradient as one big batch. That holds for any split, so --dynamic_batch
+(rlrun.data.token_batches) deals rows to ranks by length and forms micro-batches of uneven sizes by
+tokens with the same normalisation: every micro-batch's loss is its tokens' (or sequences') share of the whole.
 """
 
 from __future__ import annotations
@@ -18,11 +20,16 @@ import torch
 from torch import nn
 
 from rlrun.data.batching import shard
+from rlrun.data.token_batches import RowLengths, TokenBudget, balanced_shards
 from rlrun.runtime.errors import RlrunError
 from rlrun.strategies.base import GradClipper, StepOps, TorchSteps
 
 # rows (global indices of one micro-batch), num_tokens, num_seqs -> (loss, stats)
 MicroLoss = Callable[[torch.Tensor, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+# Stats a micro_loss may report that are summed over the micro-batches rather than averaged: token positions fed to
+# the forward and real tokens among them; run() reports them as padded_token_frac.
+FED_TOKENS, REAL_TOKENS = "fed_tokens", "real_tokens"
 
 
 @dataclass
@@ -41,8 +48,24 @@ class Updater:
     # backward / clip / step: plain autograd + optimizer (FSDP2), or the strategy's engine (DeepSpeed)
     ops: StepOps = field(default_factory=TorchSteps)
 
-    def run(self, minibatches: list[torch.Tensor], token_mask: torch.Tensor, micro_loss: MicroLoss) -> dict[str, float]:
-        """token_mask: [B, R] response mask of the full batch. Returns stats averaged over steps."""
+    def micro_batches(self, rows: torch.Tensor, budget: TokenBudget | None = None,
+                      lengths: RowLengths | None = None) -> list[torch.Tensor]:
+        """[n] global rows of one mini-batch -> this rank's micro-batches of global rows. Fixed: the rank's
+        contiguous share in --micro_train_batch_size pieces. With a token budget (lengths: of every row of the
+        batch): a length-balanced share in micro-batches by tokens, as many as on the role's other ranks (collective)."""
+        if budget is None:
+            mine = rows[shard(len(rows), self.dp_size, self.dp_rank)]
+            return [mine[start:start + self.micro_batch] for start in range(0, len(mine), self.micro_batch)]
+        if lengths is None:
+            raise ValueError("a token budget needs the rows' lengths")
+        share = balanced_shards(lengths.rows(rows).totals(), self.dp_size)[self.dp_rank]
+        mine = rows[torch.tensor(share, dtype=torch.long)]
+        return [mine[part] for part in budget.split(lengths.rows(mine))]
+
+    def run(self, minibatches: list[torch.Tensor], token_mask: torch.Tensor, micro_loss: MicroLoss,
+            budget: TokenBudget | None = None, lengths: RowLengths | None = None) -> dict[str, float]:
+        """token_mask: [B, R] response mask of the full batch; budget/lengths: --dynamic_batch (micro_batches).
+        Returns stats averaged over steps, and padded_token_frac over all of them when micro_loss reports tokens."""
         self.model.train()
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
@@ -51,14 +74,17 @@ class Updater:
             # Sequences with no response token left (groups removed by --dynamic_filtering) are not samples
             # of this update, as in OpenRLHF's loss normalisation; this keeps seq-mean modes exact too.
             num_seqs = float((token_mask[rows].sum(-1) > 0).sum()) / self.dp_size
-            mine = rows[shard(len(rows), self.dp_size, self.dp_rank)]
+            parts = self.micro_batches(rows, budget, lengths)
             self.ops.zero_grad(self.optimizer)
-            for start in range(0, len(mine), self.micro_batch):
-                loss, stats = micro_loss(mine[start:start + self.micro_batch], num_tokens, num_seqs)
-                self.ops.backward(loss, last_micro=start + self.micro_batch >= len(mine))
+            for k, part in enumerate(parts):
+                loss, stats = micro_loss(part, num_tokens, num_seqs)
+                self.ops.backward(loss, last_micro=k == len(parts) - 1)
                 for key, value in stats.items():
                     sums[key] += float(value)
-                    counts[key] += 1
+                    counts[key] += key not in (FED_TOKENS, REAL_TOKENS)
+            if budget is not None:  # uneven from step to step: logged (per optimizer step, this rank)
+                sums["micro_batches"] += len(parts)
+                counts["micro_batches"] += 1
             grad_norm = self.ops.clip_and_step(self.model, self.optimizer, self.strategy, self.max_norm)
             if math.isfinite(grad_norm):
                 self.nonfinite_in_a_row = 0
@@ -76,7 +102,10 @@ class Updater:
                 self.scheduler.step()
             sums["grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
             counts["grad_norm"] += 1
+        fed, real = sums.pop(FED_TOKENS, 0.0), sums.pop(REAL_TOKENS, 0.0)
         out = {k: sums[k] / counts[k] for k in sums}
+        if fed:  # this rank's padding over the update (every rank's micro-batches are alike by construction)
+            out["padded_token_frac"] = 1.0 - real / fed
         out["lr"] = self.scheduler.get_last_lr()[0]
         out["skipped_steps"] = float(self.skipped_steps)
         return out
