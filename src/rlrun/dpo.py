@@ -24,7 +24,7 @@ CLI = CliSpec(prog="python -m rlrun.dpo", description="DPO training (OpenRLHF tr
 
 def _build(cfg: DPOConfig, ctx: BuildContext) -> DPOTask:
     model, optimizer, strategy = trainable(unfilled_policy(cfg.model, cfg.train.seed), cfg.model, cfg.train,
-                                           ctx.group, ctx.device, solo=ctx.solo)
+                                           ctx.group, ctx.device, solo=ctx.solo, rank=ctx.rank)
     reference = dpo_reference(cfg, ctx.group, ctx.device, ctx.rank, solo=ctx.solo)
     loss = cfg.loss
     return DPOTask(model, optimizer, strategy, reference, ctx.device, ctx.pad_id, cfg.train.packing_samples,

@@ -35,7 +35,7 @@ def load_pairs(cfg: Any, tokenizer: PreTrainedTokenizerBase, path: str | DataSpe
 
 def _build(cfg: RMConfig, ctx: BuildContext) -> RewardModelTask:
     model, optimizer, strategy = trainable(reward_model(cfg.model, cfg.train.seed), cfg.model, cfg.train,
-                                           ctx.group, ctx.device, solo=ctx.solo)
+                                           ctx.group, ctx.device, solo=ctx.solo, rank=ctx.rank)
     return RewardModelTask(model, optimizer, strategy, ctx.device, ctx.pad_id, cfg.train.packing_samples,  # type: ignore[arg-type]
                            cfg.loss.loss, cfg.loss.margin_loss)
 

@@ -35,7 +35,7 @@ def _load(cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, path: str | DataSp
 
 def _build(cfg: SFTConfig, ctx: BuildContext) -> SFTTask:
     model, optimizer, strategy = trainable(unfilled_policy(cfg.model, cfg.train.seed), cfg.model, cfg.train,
-                                           ctx.group, ctx.device, solo=ctx.solo)
+                                           ctx.group, ctx.device, solo=ctx.solo, rank=ctx.rank)
     return SFTTask(model, optimizer, strategy, ctx.device, ctx.pad_id, cfg.train.packing_samples)
 
 

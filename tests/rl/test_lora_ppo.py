@@ -103,3 +103,23 @@ def test_reference_with_adapters_off_equals_the_base_model() -> None:
     policy_lp = Reference(model, 1.0, cpu).log_probs(_rows(), 2)
     assert (policy_lp - base_lp).abs().max() > 1e-2  # and the adapters are on again afterwards
     assert all(p.requires_grad for n, p in model.named_parameters() if is_adapter(n))
+
+
+def test_an_adapter_directory_with_a_kl_term_is_refused_in_one_line(tmp_path) -> None:
+    """Its adapters-off forward (the reference) would be the adapter's base, not the policy the run starts from."""
+    import json
+
+    import pytest
+
+    from rlrun.config.schema import Config
+    from rlrun.rl.planning import check_adapter_reference
+    from rlrun.runtime.errors import ConfigError
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+                                                              "base_model_name_or_path": "Qwen/Qwen2.5-0.5B"}))
+    cfg = Config()
+    cfg.model.pretrain, cfg.model.lora_rank, cfg.algo.init_kl_coef = str(tmp_path), 8, 0.01
+    with pytest.raises(ConfigError, match="is a LoRA adapter directory: the run has a KL term .* or drop the KL term"):
+        check_adapter_reference(cfg)
+    cfg.algo.init_kl_coef = 0.0
+    check_adapter_reference(cfg)  # no KL term: the adapter trains on

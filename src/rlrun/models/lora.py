@@ -231,20 +231,6 @@ def adapter_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     return {saved_adapter_name(n): t for n, t in state.items() if is_adapter(n)}
 
 
-def save_adapter(directory: str, state: Mapping[str, torch.Tensor], settings: LoraSettings,
-                 base_model: str | None) -> None:
-    """Write PEFT's adapter layout (adapter_model.safetensors + adapter_config.json), which PEFT's
-    PeftModel.from_pretrained and transformers' from_pretrained (with peft installed) load onto the base model."""
-    from safetensors.torch import save_file  # noqa: PLC0415 - transformers' own dependency
-
-    os.makedirs(directory, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_state_dict(state).items()}
-    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = settings.peft_config()
-    config.base_model_name_or_path = base_model
-    config.save_pretrained(directory)
-
-
 # ---- adapter directories as --pretrain ------------------------------------------------------------------------
 
 
@@ -272,6 +258,15 @@ def adapter_dir(path: str | None) -> AdapterDir | None:
     settings = LoraSettings(int(config["r"]), float(config.get("lora_alpha", config["r"])), targets,
                             float(config.get("lora_dropout") or 0.0))
     return AdapterDir(path, str(base), settings)
+
+
+def refuse_adapter_as_reference(pretrain: str | None, why: str, alternative: str = "") -> None:
+    """The LoRA policy's adapters-off forward is its reference (PPO's KL term, DPO). With an adapter directory as
+    --pretrain that forward is the adapter's base model, not the policy the run starts from: refused."""
+    if adapter_dir(pretrain) is not None:
+        raise ConfigError(f"--pretrain {pretrain} is a LoRA adapter directory: {why}, and with its adapters disabled the "
+                          "policy is that adapter's base model, not the initial policy the reference must be; pass the "
+                          f"merged model as --pretrain (what --save_merged writes to <save_path>/merged){alternative}")
 
 
 def adapter_weights(path: str) -> WeightSource:

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rlrun.algo.algorithms import gamma_override_warning
 from rlrun.config.schema import Config
-from rlrun.config.validation import ADAPTER_CONFIG, check_batches, check_values
+from rlrun.config.validation import check_batches, check_values
 from rlrun.data.sources import missing_paths
 from rlrun.engines.hosting import choose_host
 from rlrun.launch.layout import Layout, LayoutRequest, Role, RoleRequest
 from rlrun.launch.layout_plan import plan_layout
+from rlrun.models.lora import refuse_adapter_as_reference
 from rlrun.rewards.reward_fn import DEMO
 from rlrun.runtime.errors import ConfigError
 from rlrun.strategies.checks import check_strategy
@@ -21,12 +21,10 @@ from rlrun.strategies.checks import check_strategy
 def check_adapter_reference(cfg: Config) -> None:
     """A LoRA adapter directory as --pretrain with a KL term: the actor's adapters-off forward, the reference the
     layout relies on (Config.ref_is_actor_base), would be the adapter's base, not the policy the run starts from."""
-    pretrain = cfg.model.pretrain
-    if cfg.ref_is_actor_base and pretrain is not None and os.path.isfile(os.path.join(pretrain, ADAPTER_CONFIG)):
-        raise ConfigError(f"--pretrain {pretrain} is a LoRA adapter directory and the run has a KL term "
-                          f"(--init_kl_coef {cfg.algo.init_kl_coef}, --use_kl_loss {cfg.algo.use_kl_loss}): the "
-                          "reference would be the adapter's base, not the policy you start from. Pass the merged model "
-                          "as --pretrain (what --save_merged writes to <save_path>/merged), or drop the KL term")
+    if cfg.ref_is_actor_base:
+        refuse_adapter_as_reference(cfg.model.pretrain, f"the run has a KL term (--init_kl_coef {cfg.algo.init_kl_coef}, "
+                                    f"--use_kl_loss {cfg.algo.use_kl_loss}) scored by the actor's adapters-off forward",
+                                    ", or drop the KL term")
 
 
 def layout_request(cfg: Config) -> LayoutRequest:

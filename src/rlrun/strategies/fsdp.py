@@ -165,8 +165,9 @@ def _frozen_to_bf16(module: nn.Module) -> None:
     for sub in module.modules():
         for name, param in list(sub._parameters.items()):
             if param is not None and not param.requires_grad and param.dtype != torch.bfloat16:
-                sub._parameters[name] = cast.setdefault(
-                    id(param), nn.Parameter(param.detach().to(torch.bfloat16), requires_grad=False))
+                if id(param) not in cast:
+                    cast[id(param)] = nn.Parameter(param.detach().to(torch.bfloat16), requires_grad=False)
+                sub._parameters[name] = cast[id(param)]
 
 
 def read_shard(param: nn.Parameter, weights: WeightSource, name: str) -> None:

@@ -7,16 +7,14 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from rlrun.config.schema import OptimConfig, PretrainedConfig
 from rlrun.models.loading import ScalarHeadModel, trained_policy, unfilled_policy, unfilled_scalar_model
 from rlrun.models.adapter_pretrain import lora_settings
-from rlrun.models.lora import LoraSettings, adapter_dir, add_scalar_adapters
+from rlrun.models.lora import LoraSettings, add_scalar_adapters, refuse_adapter_as_reference
 from rlrun.models.weights import Unfilled
 from rlrun.roles.optim import make_optimizer
-from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.log import get_logger
 from rlrun.strategies.base import Strategy
 from rlrun.strategies.choose import make_strategy
@@ -28,12 +26,12 @@ if TYPE_CHECKING:
 
 def trainable(model: nn.Module | Unfilled, source: PretrainedConfig, train: SupervisedTrainConfig, group: "ProcessGroup",
               device: torch.device, *,
-              solo: "ProcessGroup | None" = None) -> tuple[nn.Module, torch.optim.Optimizer, Strategy]:
+              solo: "ProcessGroup | None" = None, rank: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, Strategy]:
     """(wrapped model, its optimizer, the strategy that steps it). With --lora_rank the model gets LoRA adapters
     first (`with_adapters`): the optimizer then holds the adapters (and a reward model's head) only."""
     if (lora := lora_settings(source)) is not None:
         assert isinstance(model, Unfilled), "LoRA adapters are added before the strategy fills the model"
-        model = with_adapters(model, lora, source, train.seed, rank=dist.get_rank(group))
+        model = with_adapters(model, lora, source, train.seed, rank=rank)
     strategy = make_strategy(group, device, source, train, solo)
     wrapped, optimizer = strategy.wrap_trainable(
         model, lambda m: make_optimizer(m, train.learning_rate, train.adam_betas, train.l2))
@@ -69,11 +67,8 @@ def reference_is_base(cfg: DPOConfig) -> bool:
 def check_lora(cfg: SupervisedConfig) -> None:
     """What LoRA asks of the supervised trainers beyond check_lora_settings, checked with the command line on
     every rank (after --pretrain is resolved to a local path), before any model is built."""
-    if isinstance(cfg, DPOConfig) and reference_is_base(cfg) and adapter_dir(cfg.model.pretrain) is not None:
-        # the adapters-off model would be the adapter's base, not the initial policy (base + that adapter)
-        raise ConfigError(f"--pretrain {cfg.model.pretrain} is a LoRA adapter directory: with its adapters disabled the "
-                          "policy is that adapter's base model, not the initial policy DPO's reference must be; pass "
-                          "the merged model as --pretrain (what --save_merged writes to <save_path>/merged)")
+    if isinstance(cfg, DPOConfig) and reference_is_base(cfg):
+        refuse_adapter_as_reference(cfg.model.pretrain, "DPO scores its reference with the policy's adapters off")
 
 
 def reward_model(source: PretrainedConfig, seed: int) -> Unfilled:
