@@ -205,3 +205,20 @@ def save_tiny_base(path: Path, seed: int = 5) -> str:
     build_causal_lm(tiny_model_config(), seed=seed).save_pretrained(path)
     build_byte_tokenizer().save_pretrained(path)
     return str(path)
+
+
+def save_long_tailed_base(path: Path, logit: float = 4.0) -> str:
+    """save_tiny_base's model with long-tailed response lengths (most short, a few at any cap, as reasoning policies
+    have), for --partial_rollout: EOS's head row is set along the mean of the final hidden states over random tokens,
+    so EOS scores about `logit` above its random level everywhere (on the demo prompts, seed 5, logit 4: a mean of
+    ~37 tokens out of 96, median ~27, one in eight at the cap)."""
+    from rlrun.models.tiny import EOS_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
+
+    model = build_causal_lm(tiny_model_config(), seed=5)
+    with torch.no_grad():
+        ids = torch.randint(0, model.config.vocab_size, (16, 40), generator=torch.Generator().manual_seed(0))
+        hidden = model.model(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size).mean(0)
+        model.lm_head.weight[EOS_ID] = logit * hidden / hidden.norm() ** 2
+    model.save_pretrained(path)
+    build_byte_tokenizer().save_pretrained(path)
+    return str(path)

@@ -104,8 +104,7 @@ def test_ignored_reasons_follow_the_classic_flag():
             assert resolve(dotted, FIELDS, IGNORED_FLAGS) == Ignored(meaning.nargs, IGNORED_FLAGS[meaning.field][1])
     assert parse_args(["--vllm.sync_with_ray"]).ignored == (f"--vllm.sync_with_ray: ignored ({RAY_ONLY})",)
     assert parse_args(["--train.async_enable"]).config.train.async_train  # rlrun implements it (one-step lag)
-    assert parse_args(["--train.partial_rollout_enable"]).ignored == (
-        f"--train.partial_rollout_enable: ignored ({RAY_ONLY})",)
+    assert parse_args(["--train.partial_rollout_enable"]).config.train.partial_rollout  # rlrun implements it too
     assert parse_args(["--actor.lr_scheduler", "cosine_with_min_lr"]).ignored == (
         "--actor.lr_scheduler: ignored (rlrun always uses linear warmup + cosine decay)",)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
 
 from rlrun.compat.argv import Nargs, take_values
-from rlrun.compat.reasons import NOT_YET, RAY_ONLY, refused
+from rlrun.compat.reasons import NOT_YET, refused
 from rlrun.config.fields import FieldInfo, coerce, suggest
 from rlrun.runtime.errors import ConfigError
 
@@ -117,7 +117,7 @@ OPENRLHF_DOTTED: dict[str, Meaning] = {
     # async training
     "train.async_enable": Same("async_train", 0),
     "train.async_queue_size": Same("async_queue_size", 1),
-    "train.partial_rollout_enable": Ignored(0, RAY_ONLY),
+    "train.partial_rollout_enable": Same("partial_rollout", 0),
     # checkpoints and evaluation
     "eval.steps": Same("eval_steps", 1),
     "ckpt.save_steps": Same("save_steps", 1),

@@ -113,6 +113,7 @@ def check_values(cfg: Config) -> None:
         )
     _check_algorithm_extras(cfg)
     _check_dynamic_batch(cfg)
+    _check_partial_rollout(cfg)
     _check_agent(cfg)
     if cfg.data.input_template is not None and "{}" not in cfg.data.input_template:
         raise ConfigError(f"--input_template must contain '{{}}' where the prompt goes, got {cfg.data.input_template!r}")
@@ -188,6 +189,21 @@ def _check_dynamic_batch(cfg: Config) -> None:
 REWARD_SOURCES = ("--reward_pretrain DIR (a reward model), --remote_rm_url FILE.py or URL (OpenRLHF's reward_func), "
                   "--compute_score FILE.py or builtin (verl's compute_score, or its rule scores by data_source), or an "
                   "agent (--agent_func_path, --retriever_url)")
+
+
+def _check_partial_rollout(cfg: Config) -> None:
+    """--partial_rollout streams single responses between engines and learners on ranks of their own."""
+    t = cfg.train
+    if not t.partial_rollout:
+        return
+    _positive("partial_rollout_tokens", t.partial_rollout_tokens)
+    _positive("max_staleness", t.max_staleness)
+    if not t.async_train:
+        raise ConfigError("--partial_rollout needs --async_train (as OpenRLHF's --train.partial_rollout_enable needs "
+                          "--train.async_enable): unfinished responses carry over while the learners train")
+    if cfg.multi_turn:
+        raise ConfigError("--partial_rollout does not run agents (--agent_func_path / multi-turn episodes): an episode "
+                          "is not split at a weight sync; drop --partial_rollout (--async_train alone runs agents)")
 
 
 def _check_reward_source(cfg: Config) -> None:

@@ -23,6 +23,7 @@ filled positions) its sums run over more (masked, zero) terms, so its logits may
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 import torch
 from torch import nn
@@ -114,13 +115,44 @@ class NativeEngine(TorchEngine):
         # did, and the draws each row gets depend only on the seed, the prompts and the batches (the budget).
         generator = torch.Generator(device=self.device).manual_seed(seed)
         for batch in batches:
-            tokens, log_probs, lengths = self._decode([prompts[i] for i in batch], new, generator, stop)
+            tokens, log_probs, lengths, _ = self._decode([prompts[i] for i in batch], new, generator, stop)
             for i, row, lp, n in zip(batch, tokens.tolist(), log_probs.tolist(), lengths.tolist()):
                 kept = row[:n]
                 if stop:  # a row stops at the token that completes a stop string; cut exactly there
                     kept = cut_at_stop(kept, stop, self.tokenizer)  # type: ignore[arg-type]
                 responses[i], lps[i] = kept, lp[:len(kept)]
         return Generation(responses, lps)
+
+    @torch.no_grad()
+    def sample_until(self, prompts: list[list[int]], seed: int, limits: list[int], groups: list[int],
+                     need: int) -> tuple[Generation, list[bool]]:
+        """Decode rows of several groups (groups[i]: row i's group) until `need` groups have every row finished (EOS,
+        or limits[i] new tokens), then stop: (the responses so far, which rows finished). --partial_rollout takes the
+        finished groups and continues the others later, so a step does not wait for its longest response. When the
+        KV budget splits the rows into several batches, each batch runs to its end (correct, without the early stop)."""
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("NativeEngine got an empty prompt; every prompt needs at least one token")
+        new = max(limits)
+        batches = self._batches(prompts, new)
+        group_ids = torch.tensor(groups)
+        size = torch.bincount(group_ids)
+
+        def enough(finished: torch.Tensor) -> bool:
+            complete = torch.bincount(group_ids, weights=finished.cpu().double(), minlength=len(size)) == size
+            return int(complete.sum()) >= need
+
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        responses: list[list[int]] = [[] for _ in prompts]
+        lps: list[list[float]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        for batch in batches:
+            until = enough if len(batches) == 1 else None
+            tokens, log_probs, lengths, finished = self._decode(
+                [prompts[i] for i in batch], new, generator, (), limits=torch.tensor([limits[i] for i in batch]),
+                until=until)
+            for i, row, lp, n, f in zip(batch, tokens.tolist(), log_probs.tolist(), lengths.tolist(), finished.tolist()):
+                responses[i], lps[i], done[i] = row[:n], lp[:n], f
+        return Generation(responses, lps), done
 
     def kv_row_bytes(self, width: int, new: int) -> int:
         """KV-cache bytes of one row of a batch whose longest prompt has `width` tokens, with `new` new tokens: keys
@@ -194,10 +226,13 @@ class NativeEngine(TorchEngine):
                 f"now ({GPU_FREE_FRACTION:.0%} of it, no --native_kv_cache_mb given); free GPU memory (offload or "
                 f"sleep the training models), set --native_kv_cache_mb, {shorter}")
 
-    def _decode(self, prompts: list[list[int]], new: int, generator: torch.Generator,
-                stop: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One batch: (tokens [B, new], log-probs [B, new], lengths [B]) on the CPU; row i's response is
-        tokens[i, :lengths[i]]. Sampling draws from `generator`."""
+    def _decode(self, prompts: list[list[int]], new: int, generator: torch.Generator, stop: tuple[str, ...], *,
+                limits: torch.Tensor | None = None, until: Callable[[torch.Tensor], bool] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One batch: (tokens [B, new], log-probs [B, new], lengths [B], finished [B] bool) on the CPU; row i's
+        response is tokens[i, :lengths[i]]. Sampling draws from `generator`. limits [B]: each row's own cap on new
+        tokens (at most `new`); until: called with the finished flags [B] where the loop looks at them, True stops
+        the decode early (the running rows keep what they have, not finished)."""
         s, dev = self.sampling, self.device
         rows, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((rows, width), s.pad_id, dtype=torch.long)
@@ -216,6 +251,8 @@ class NativeEngine(TorchEngine):
         lengths = torch.full((rows,), new, dtype=torch.long, device=dev)
         active = torch.arange(rows, device=dev)  # the original row of each batch row
         done = torch.zeros(rows, dtype=torch.bool, device=dev)  # finished, not yet dropped
+        ended = torch.zeros(rows, dtype=torch.bool, device=dev)  # finished, by original row
+        limits = None if limits is None else limits.to(dev)
         stop_bytes = max((len(x.encode()) for x in stop), default=0) + _STOP_TAIL_SLACK
         step: _StaticStep | None = None  # static mode: the step over this cache and these rows (None: build it)
         compact = GRAPH_COMPACT_FRACTION if static else COMPACT_FRACTION
@@ -225,15 +262,22 @@ class NativeEngine(TorchEngine):
             finished = (token == s.eos_id) & ~done
             if stop:
                 finished |= self._stop_hits(out, active, done, t, stop, stop_bytes)
+            if limits is not None:
+                finished |= (limits[active] <= t + 1) & ~done
             lengths[active] = torch.where(finished, t + 1, lengths[active])
             done |= finished
+            ended[active[finished]] = True
             if t == new - 1:
+                ended[active] = True  # every row reached its cap
                 break
             # Reading `done` on the host stalls the GPU's queue: look every SYNC_EVERY steps (finished rows meanwhile
             # decode a few tokens past their end, cut off by `lengths`).
-            if stop or (t + 1) % SYNC_EVERY == 0:
+            if stop or (t + 1) % SYNC_EVERY == 0:  # `until` looks here too: the same draws as sample() until it stops
                 running = int((~done).sum())
                 if running == 0:
+                    break
+                if until is not None and until(ended):
+                    lengths[active[~done]] = t + 1
                     break
                 if len(active) - running >= max(1, int(compact * len(active))):
                     keep = (~done).nonzero()[:, 0]
@@ -250,7 +294,7 @@ class NativeEngine(TorchEngine):
                     self.last_steps_built += 1
                 logits = step(token, positions, width + t)
             positions = positions + 1
-        return out.cpu(), out_lp.cpu(), lengths.cpu()
+        return out.cpu(), out_lp.cpu(), lengths.cpu(), ended.cpu()
 
     def _stop_hits(self, out: torch.Tensor, active: torch.Tensor, done: torch.Tensor, t: int,
                    stop: tuple[str, ...], tail_tokens: int) -> torch.Tensor:

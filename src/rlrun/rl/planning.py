@@ -76,11 +76,31 @@ def plan(cfg: Config, world_size: int, ranks_per_node: int, node_labels: Sequenc
         choose_host(cfg.generation.vllm_engine_host, layout, cfg.resources.vllm_tensor_parallel_size)
     gamma = gamma_override_warning(cfg.algo.advantage_estimator, cfg.algo.gamma)
     algo_warnings = [gamma] if gamma is not None else []
+    check_partial_rollout_layout(cfg, layout)
     if cfg.train.async_queue_size != 1:
         algo_warnings.append(f"--async_queue_size {cfg.train.async_queue_size} ignored: rlrun's --async_train keeps exactly "
                              "one rollout batch in flight (one step off-policy, deterministic)")
     return Plan(layout, tuple(layout.warnings) + tuple(eval_warnings) + tuple(algo_warnings)
                 + tuple(missing_path_warnings(cfg)))
+
+
+def check_partial_rollout_layout(cfg: Config, layout: Layout) -> None:
+    """--partial_rollout overlaps the engines' generation with training: it needs engines on ranks of their own
+    (where --async_train alone falls back to synchronous steps with a warning, this refuses), and whole prompts
+    per engine (a group's samples stay in one engine's pool)."""
+    if not cfg.train.partial_rollout:
+        return
+    if not layout.asynchronous:
+        raise ConfigError("--partial_rollout needs the engines on ranks of their own, so that they generate while the "
+                          "others train; colocated engines have nothing to overlap: set --vllm_num_engines N with "
+                          "N x --vllm_tensor_parallel_size ranks beside the training ranks, and no --colocate_all_models")
+    if any(len(ranks) > 1 for ranks in layout.engines):
+        raise ConfigError("--partial_rollout runs engines of one rank each (a tensor-parallel engine's ranks would have "
+                          "to agree on every chunk); set --vllm_tensor_parallel_size 1, or drop --partial_rollout")
+    engines = len(layout.engines)
+    if cfg.train.rollout_batch_size % engines:
+        raise ConfigError(f"--partial_rollout: --rollout_batch_size {cfg.train.rollout_batch_size} must be a multiple "
+                          f"of the {engines} engines (each engine generates whole groups of its own prompts)")
 
 
 def check_eval(cfg: Config) -> list[str]:

@@ -24,6 +24,7 @@ from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import broadcast_json, gather_from
 from rlrun.rewards.reward_fn import reward_responses
 from rlrun.rl.build import Prompts, RankRoles
+from rlrun.rl.partial_rollout import PoolSettings, SequencePool
 
 
 @dataclass
@@ -55,6 +56,7 @@ class LocalRollout:
     agent_stats: dict[str, float] = field(default_factory=dict)
     extra: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    versions: torch.Tensor | None = None  # --partial_rollout: [b, 3] staleness, spans several versions, restarted
 
 
 class RolloutSource:
@@ -67,37 +69,63 @@ class RolloutSource:
         self.rank = groups.rank
         self.engine_ranks = layout.ranks_of(Role.ENGINE)
         self.asynchronous = layout.asynchronous
+        self.pool: SequencePool | None = None
+        if cfg.train.partial_rollout and roles.engine is not None:
+            t, engines = cfg.train, len(self.engine_ranks)
+            settings = PoolSettings(t.n_samples_per_prompt, t.rollout_batch_size // engines,
+                                    cfg.generation.generate_max_len, t.partial_rollout_tokens, t.max_staleness,
+                                    int(tokenizer.eos_token_id), t.seed)
+            self.pool = SequencePool(roles.engine, prompts.ids, sampler, self.engine_ranks.index(self.rank), engines,
+                                     settings)
 
     def generate(self, step: int) -> StepOutputs:
         """Engine ranks sample their share (single responses, or agent episodes); every rank receives the
         whole batch (and the function or agent scores)."""
-        return self.exchange(step, self.produce(step) if self.roles.engine is not None else None)
+        return self.exchange(step, self.produce(step, step) if self.roles.engine is not None else None)
 
-    def produce(self, step: int) -> LocalRollout:
-        """An engine rank's share of step `step`'s rollouts, packed for the wire. Local work only (no collective),
-        so with --async_train it runs while the learners train."""
+    def produce(self, step: int, version: int) -> LocalRollout:
+        """An engine rank's share of step `step`'s rollouts, packed for the wire, sampled by the engine's weights,
+        which are policy version `version`. Local work only (no collective), so with --async_train it runs while
+        the learners train."""
         assert self.roles.engine is not None
         t0 = time.perf_counter()
         cfg, n = self.cfg, self.cfg.train.n_samples_per_prompt
-        records = [i for i in self.sampler.indices(step) for _ in range(n)]
-        P, R = cfg.generation.prompt_max_len, cfg.generation.generate_max_len
         slot = self.engine_ranks.index(self.rank)
+        out = LocalRollout()
+        if self.pool is not None:
+            rows = self.pool.take(step, version)
+            mine, responses = [row.record for row in rows], [row.tokens for row in rows]
+            prompt_ids, engine_lp = [row.prompt for row in rows], [row.log_probs for row in rows]
+            out.versions = torch.tensor([[row.staleness(step), len(set(row.versions)) > 1, row.restarted]
+                                         for row in rows], dtype=torch.float32)
+            self._reward(out, mine, responses)
+            return self._pack(out, prompt_ids, responses, engine_lp, t0)
+        records = [i for i in self.sampler.indices(step) for _ in range(n)]
         mine = records[shard(len(records), len(self.engine_ranks), slot)]
         prompt_ids = [self.prompts.ids[i] for i in mine]
         texts, meta = [self.prompts.texts[i] for i in mine], self.prompts.meta(mine)
         seed = derive_seed(cfg.train.seed, "generate", step, slot)
-        out = LocalRollout()
         if self.roles.agents is not None:
             episodes = self.roles.agents.run(self.roles.engine, texts, prompt_ids, meta.labels, seed)
             prompt_ids, responses, engine_lp = episodes.prompts, episodes.responses, episodes.log_probs
             out.scores, out.agent_stats = episodes.rewards, episodes.stats
-            out.masks = pack_log_probs(episodes.action_masks, R)
+            out.masks = pack_log_probs(episodes.action_masks, cfg.generation.generate_max_len)
         else:
             generation = self.roles.engine.sample(prompt_ids, seed)
             responses, engine_lp = generation.responses, generation.log_probs
-            if self.roles.reward_fn is not None:
-                result = reward_responses(self.roles.reward_fn, texts, meta, responses, self.tokenizer)
-                out.scores, out.extra = result.rewards, {f"reward/{k}": v for k, v in result.extra_logs.items()}
+            self._reward(out, mine, responses)
+        return self._pack(out, prompt_ids, responses, engine_lp, t0)
+
+    def _reward(self, out: LocalRollout, records: list[int], responses: list[list[int]]) -> None:
+        """The reward function's scores of single responses (none when a reward model scores them later)."""
+        if self.roles.reward_fn is not None:
+            texts, meta = [self.prompts.texts[i] for i in records], self.prompts.meta(records)
+            result = reward_responses(self.roles.reward_fn, texts, meta, responses, self.tokenizer)
+            out.scores, out.extra = result.rewards, {f"reward/{k}": v for k, v in result.extra_logs.items()}
+
+    def _pack(self, out: LocalRollout, prompt_ids: list[list[int]], responses: list[list[int]],
+              engine_lp: list[list[float]] | None, t0: float) -> LocalRollout:
+        P, R = self.cfg.generation.prompt_max_len, self.cfg.generation.generate_max_len
         out.packed = pack_rows(prompt_ids, responses, P, R, int(self.tokenizer.pad_token_id))
         if engine_lp is not None:
             out.log_probs = pack_log_probs(engine_lp, R)
@@ -125,7 +153,16 @@ class RolloutSource:
             first = self.engine_ranks[0]
             extra.update(broadcast_json({"time/engine_generate": mine.seconds} if self.rank == first else None,
                                         first, world, self.comm_device))  # type: ignore[arg-type]
+        if cfg.train.partial_rollout:  # every row's staleness (versions behind the policy trained on it)
+            versions = gather_from(self.engine_ranks, mine.versions, (share, 3), torch.float32, world, self.comm_device)
+            extra.update(staleness_logs(versions.cpu()))
         if self.cfg.needs_reward_model:
             return StepOutputs(batch, torch.empty(0), extra)
         all_scores = gather_from(self.engine_ranks, mine.scores, (share,), torch.float32, world, self.comm_device).cpu()
         return StepOutputs(batch, all_scores, extra)
+
+
+def staleness_logs(versions: torch.Tensor) -> dict[str, float]:
+    """[B, 3] per row (staleness, spans several versions, restarted) -> the step's async/* metrics."""
+    return {"async/staleness_mean": float(versions[:, 0].mean()), "async/staleness_max": float(versions[:, 0].max()),
+            "async/partial_frac": float(versions[:, 1].mean()), "async/restarted_frac": float(versions[:, 2].mean())}

@@ -231,7 +231,7 @@ class Trainer:
         if self.roles.engine is not None:
             if step + 1 < self.total_steps:
                 with self.phase("generate", step + 1):
-                    ahead = self.rollouts.produce(step + 1)
+                    ahead = self.rollouts.produce(step + 1, step)
             learned = None
         else:
             learned = self.learn(step, out, times)
@@ -247,7 +247,8 @@ class Trainer:
         times["time/wait_rollout"] = time.perf_counter() - t4
         if learned is None:  # engine ranks train nothing and log nothing (rank 0 is a learner)
             return {"step": step + 1, "reward": float(out.scores.float().mean()) if out.scores.numel() else float("nan")}
-        return {**self._metrics(step, out, learned, times, time.perf_counter() - t0), "async/policy_lag": 1.0}
+        lag = {} if self.cfg.train.partial_rollout else {"async/policy_lag": 1.0}  # else async/staleness_*
+        return {**self._metrics(step, out, learned, times, time.perf_counter() - t0), **lag}
 
     def learn(self, step: int, out: StepOutputs, times: dict[str, float]) -> "Learned":
         """Score, advantages and the update of one batch (every rank but async engines). Adds time/score, time/train."""

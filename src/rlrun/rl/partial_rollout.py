@@ -1,0 +1,153 @@
+"""--partial_rollout: one engine rank's sequences in flight across weight syncs.
+
+A synchronous step waits for its longest response, so with long-tailed lengths most decode steps run a nearly
+empty batch. Here an engine keeps one step's share of rows in flight and decodes them in chunks of
+--partial_rollout_tokens; a step takes the first whole groups (all n samples of a prompt) to finish, finished
+groups are replaced by new prompts at once, and the unfinished rows carry over the weight sync and continue
+(their prompt plus the tokens so far, prefilled again, under the new weights) as OpenRLHF's partial rollout and
+verl's fully-async rollouter do. Every token remembers the policy version that sampled it, so a step knows each
+row's staleness; a group holding a token more than --max_staleness versions older than the policy that trains
+on it is restarted from its prompt (verl throttles instead; OpenRLHF bounds nothing).
+
+Pure bookkeeping around Engine.sample: no collective, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rlrun.data.batching import derive_seed, shard
+from rlrun.data.prompts import PromptSampler
+from rlrun.engines.base import Engine
+from rlrun.engines.native import NativeEngine
+
+
+@dataclass
+class Sequence:
+    """One response being generated: its prompt record, the tokens so far with each one's engine log-prob
+    and the policy version that sampled it."""
+
+    record: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    done: bool = False
+    restarted: bool = False
+
+    def restart(self) -> None:
+        self.tokens, self.log_probs, self.versions, self.done, self.restarted = [], [], [], False, True
+
+    def staleness(self, trained_version: int) -> int:
+        """How many versions the oldest token lags the policy trained on it (0: sampled by that policy)."""
+        return trained_version - min(self.versions) if self.versions else 0
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    n_samples: int  # rows per group (one prompt)
+    prompts_per_step: int  # this engine's prompts per step (--rollout_batch_size / engines)
+    max_new_tokens: int  # --generate_max_len
+    chunk_tokens: int  # --partial_rollout_tokens
+    max_staleness: int  # --max_staleness
+    eos_id: int
+    seed: int
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.n_samples * self.prompts_per_step
+
+
+class SequencePool:
+    """The rows one engine rank has in flight; take(step, version) returns a step's rows, generating as needed."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[list[int]], sampler: PromptSampler, slot: int, engines: int,
+                 settings: PoolSettings) -> None:
+        self.engine, self.prompt_ids, self.sampler = engine, prompt_ids, sampler
+        self.slot, self.engines, self.s = slot, engines, settings
+        self.active: list[list[Sequence]] = []  # groups being generated, in admission order
+        self.ready: deque[list[Sequence]] = deque()  # finished groups, in finishing order
+        self.waiting: deque[int] = deque()  # records admitted next
+        self.next_prompt_step: int | None = None
+        self.chunks = 0  # chunk calls so far: each draws from its own seed
+
+    def take(self, step: int, version: int) -> list[Sequence]:
+        """The rows_per_step rows (whole groups) that step `step` trains on, sampling with the engine's current
+        weights, which are policy version `version` (step - 1 while the learners train on the step before, or
+        `step` itself for a synchronous first step)."""
+        if self.next_prompt_step is None:
+            self.next_prompt_step = step
+        self._restart_stale(step)
+        while sum(len(g) for g in self.ready) < self.s.rows_per_step:
+            self._admit()
+            self._advance(version)
+        rows: list[Sequence] = []
+        while len(rows) < self.s.rows_per_step:
+            rows += self.ready.popleft()
+        return rows
+
+    def _restart_stale(self, step: int) -> None:
+        """Groups that would train at `step` (or later) with a token older than --max_staleness allows start over;
+        finished ones go back to the front of the generating groups."""
+        oldest = step - self.s.max_staleness
+
+        def stale(group: list[Sequence]) -> bool:
+            return any(v < oldest for row in group for v in row.versions[:1])
+
+        back = [g for g in self.ready if stale(g)]
+        self.ready = deque(g for g in self.ready if not stale(g))
+        for group in back + [g for g in self.active if stale(g)]:
+            for row in group:
+                row.restart()
+        self.active = back + self.active
+
+    def _admit(self) -> None:
+        """Fill the free places with new groups: --max_staleness steps' rows in flight (more could not be trained
+        before they were too stale). More rows than one step takes is what lets a step go before its longest
+        responses end: a GPU decodes twice the rows in about the time of one (memory-bound); a CPU does not, so
+        there the pool costs more than it saves (bench/async_train.py)."""
+        n = self.s.n_samples
+        while sum(len(g) for g in self.active) + n <= self.s.rows_per_step * self.s.max_staleness:
+            if not self.waiting:
+                self._draw_prompts()
+            record = self.waiting.popleft()
+            self.active.append([Sequence(record, self.prompt_ids[record]) for _ in range(n)])
+
+    def _draw_prompts(self) -> None:
+        """This engine's prompts of the next prompt step: the sampler's order, which wraps around after its last
+        step (the pool runs ahead of the training steps by the rows it has in flight)."""
+        assert self.next_prompt_step is not None
+        indices = self.sampler.indices(self.next_prompt_step % self.sampler.total_steps)
+        self.waiting.extend(indices[shard(len(indices), self.engines, self.slot)])
+        self.next_prompt_step += 1
+
+    def _advance(self, version: int) -> None:
+        """Generate for every unfinished row until enough groups finished to fill the step (rlrun's native engine
+        stops its decode right there; other engines run one chunk of --partial_rollout_tokens); groups whose rows
+        all finished move to `ready`."""
+        rows = [row for group in self.active for row in group if not row.done]
+        seed = derive_seed(self.s.seed, "partial_rollout", self.chunks, self.slot)
+        self.chunks += 1
+        prompts, cap = [row.prompt + row.tokens for row in rows], self.s.max_new_tokens
+        if isinstance(self.engine, NativeEngine):
+            groups = [g for g, group in enumerate(self.active) for row in group if not row.done]
+            missing = self.s.rows_per_step - sum(len(g) for g in self.ready)
+            need = -(-missing // self.s.n_samples)
+            out, ended = self.engine.sample_until(prompts, seed, [cap - len(row.tokens) for row in rows], groups, need)
+        else:
+            chunk = self.s.chunk_tokens
+            out = self.engine.sample(prompts, seed, max_new_tokens=chunk)
+            # ended: EOS (or a stop) came before the chunk's end, or the response reached --generate_max_len
+            ended = [len(new) < chunk or (bool(new) and new[-1] == self.s.eos_id) or len(row.tokens) + len(new) >= cap
+                     for row, new in zip(rows, out.responses)]
+        log_probs = out.log_probs or [[0.0] * len(r) for r in out.responses]
+        for row, new, lps, end in zip(rows, out.responses, log_probs, ended):
+            kept = new[:cap - len(row.tokens)]
+            row.tokens += kept
+            row.log_probs += lps[:len(kept)]
+            row.versions += [version] * len(kept)
+            row.done = end
+        finished = [g for g in self.active if all(row.done for row in g)]
+        self.active = [g for g in self.active if not all(row.done for row in g)]
+        self.ready.extend(finished)

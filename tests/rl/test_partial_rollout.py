@@ -1,0 +1,126 @@
+"""--partial_rollout: the engine's pool of sequences in flight across weight syncs (rlrun.rl.partial_rollout), its
+checks, and a real run.
+
+The pool runs on the real native and HF engines over the real tiny model with long-tailed lengths
+(helpers.save_long_tailed_base); the run is torchrun + gloo with the actor on rank 0 and the engine on rank 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlrun.cli.parser import parse_args
+from rlrun.data.prompts import PromptSampler
+from rlrun.engines.base import HFEngine, SamplingSettings
+from rlrun.engines.native import NativeEngine
+from rlrun.models.tiny import BUILTIN_PROMPTS, EOS_ID, PAD_ID, build_byte_tokenizer
+from rlrun.rl.partial_rollout import PoolSettings, SequencePool
+from rlrun.rl.planning import plan
+from rlrun.runtime.errors import ConfigError
+
+from helpers import save_long_tailed_base
+from test_resume import _ok, torchrun
+
+TOK = build_byte_tokenizer()
+IDS = [TOK.encode(r["prompt"]) for r in BUILTIN_PROMPTS]
+CAP, N, PROMPTS_PER_STEP = 32, 2, 8
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    return save_long_tailed_base(tmp_path_factory.mktemp("long_tailed"), logit=5.0)  # at 32 tokens: ~1 in 4 at the cap
+
+
+def _pool(base: str, staleness: int, native: bool = True) -> SequencePool:
+    model = AutoModelForCausalLM.from_pretrained(base)
+    sampling = SamplingSettings(1.0, 1.0, CAP, PAD_ID, EOS_ID)
+    engine = (NativeEngine if native else HFEngine)(model, sampling, torch.device("cpu"), TOK)
+    sampler = PromptSampler(len(IDS), 2 * PROMPTS_PER_STEP, seed=1, num_episodes=1)  # 2 engines: this is slot 1
+    return SequencePool(engine, IDS, sampler, 1, 2, PoolSettings(N, PROMPTS_PER_STEP, CAP, 8, staleness, EOS_ID, 7))
+
+
+def _steps(pool: SequencePool, steps: int) -> list[list]:
+    """take() as the async loop calls it: step 0 with the initial weights, then step s while version s-1 is loaded."""
+    return [pool.take(step, max(step - 1, 0)) for step in range(steps)]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "hf"])
+def test_pool_hands_whole_finished_groups_within_the_staleness_bound(base, native):
+    pool = _pool(base, staleness=2, native=native)
+    batches = _steps(pool, 6)
+    mine = pool.sampler.indices(0)[PROMPTS_PER_STEP:]  # slot 1's share of step 0's prompts
+    assert {row.record for row in batches[0]} <= set(mine) | set(pool.sampler.indices(1)[PROMPTS_PER_STEP:])
+    spans = 0
+    for step, rows in enumerate(batches):
+        assert len(rows) == N * PROMPTS_PER_STEP
+        for g in range(PROMPTS_PER_STEP):  # whole groups, each of one prompt
+            assert len({row.record for row in rows[g * N:(g + 1) * N]}) == 1
+        for row in rows:
+            assert row.done and (row.tokens[-1] == EOS_ID or len(row.tokens) == CAP), row.tokens
+            assert EOS_ID not in row.tokens[:-1] and len(row.tokens) == len(row.log_probs) == len(row.versions)
+            assert row.versions == sorted(row.versions) and 0 <= row.staleness(step) <= 2
+            assert row.prompt == IDS[row.record]
+            spans += len(set(row.versions)) > 1
+    assert spans > 0  # long responses did carry over a weight sync and continue
+    lengths = sorted(len(row.tokens) for rows in batches for row in rows)
+    assert lengths[len(lengths) // 4] < CAP // 4 and lengths[-1] == CAP  # long-tailed, as the workload should be
+
+
+def test_staleness_one_restarts_what_outlives_a_sync(base):
+    """One step's rows in flight; the HF engine's chunks admit new groups as others finish, so some rows are still
+    running at a hand-over: the next step restarts them instead of continuing them under new weights."""
+    pool = _pool(base, staleness=1, native=False)
+    rows = [row for batch in _steps(pool, 6) for row in batch]
+    assert all(len(set(row.versions)) == 1 for row in rows)
+    assert any(row.restarted for row in rows)
+
+
+def _plan(*argv: str):
+    return plan(parse_args(["--n_samples_per_prompt", "2", "--advantage_estimator", "group_norm", "--init_kl_coef",
+                            "0", *argv]).config, 4, 4)
+
+
+def test_checks_before_launch():
+    disjoint = ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "2"]
+    assert _plan("--async_train", "--partial_rollout", *disjoint).layout.asynchronous
+    cases = {
+        ("--partial_rollout", *disjoint): "--partial_rollout needs --async_train",
+        ("--async_train", "--partial_rollout"): "needs the engines on ranks of their own",
+        ("--async_train", "--partial_rollout", "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1",
+         "--vllm_tensor_parallel_size", "2", "--generation_backend", "hf"): "engines of one rank each",
+        ("--async_train", "--partial_rollout", *disjoint, "--rollout_batch_size", "3", "--train_batch_size", "6",
+         "--micro_train_batch_size", "1", "--micro_rollout_batch_size", "1"): "must be a multiple of the 2 engines",
+        ("--async_train", "--partial_rollout", "--max_staleness", "0", *disjoint): "--max_staleness must be",
+    }
+    for argv, message in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            _plan(*argv)
+    cfg = parse_args(["--train.async_enable", "--train.partial_rollout_enable"]).config  # OpenRLHF 0.11's names
+    assert cfg.train.async_train and cfg.train.partial_rollout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_run_streams_partial_rollouts_and_resumes(base, tmp_path):
+    """8 steps with a checkpoint at 4: samples carry over syncs (partial_frac > 0) and are never more than
+    --max_staleness versions old; the resumed run continues from step 4 with the batch that was in flight (the
+    sequences still being generated at the save are dropped and their prompts start over: documented)."""
+    args = ["--config", "configs/demo.yaml", "--pretrain", base, "--remote_rm_url", "demo", "--generate_max_len",
+            str(CAP), "--rollout_batch_size", "8", "--n_samples_per_prompt", "2", "--train_batch_size", "16",
+            "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8", "--actor_num_gpus_per_node", "1",
+            "--vllm_num_engines", "1", "--async_train", "--partial_rollout", "--partial_rollout_tokens", "8",
+            "--actor_learning_rate", "1e-4", "--dist_timeout", "60"]
+    run = torchrun(2, args + ["--max_steps", "8", "--save_steps", "4"], tmp_path / "a")
+    _ok(run)
+    steps = run.metrics
+    assert [m["step"] for m in steps] == list(range(1, 9))
+    assert all(m["async/staleness_max"] <= 2 for m in steps) and steps[0]["async/staleness_max"] == 0
+    assert max(m["async/partial_frac"] for m in steps) > 0
+    assert all("rollout/engine_vs_actor_logprob_diff" in m for m in steps)
+    resumed = torchrun(2, args + ["--max_steps", "10", "--load_checkpoint"], tmp_path / "b",
+                       ckpt_path=run.ckpt)
+    _ok(resumed)
+    assert "at step 8" in resumed.output
+    assert [m["step"] for m in resumed.metrics] == [9, 10]
+    assert all(m["async/staleness_max"] <= 2 for m in resumed.metrics)
