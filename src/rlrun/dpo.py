@@ -9,7 +9,7 @@ from rlrun.cli.parser import CliSpec
 from rlrun.compat.openrlhf_supervised_flags import DPO_DOTTED, DPO_IGNORED
 from rlrun.launch.failures import leave
 from rlrun.models.loading import unfilled_policy
-from rlrun.rl.memory_estimate import SupervisedJob
+from rlrun.rl.memory_knobs import SupervisedJob
 from rlrun.rl.memory_text import supervised_memory
 from rlrun.rm import load_pairs
 from rlrun.supervised.build import dpo_reference, trainable

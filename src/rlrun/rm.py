@@ -11,7 +11,7 @@ from rlrun.cli.parser import CliSpec
 from rlrun.data.sources import DataSpec
 from rlrun.compat.openrlhf_supervised_flags import RM_DOTTED, RM_IGNORED
 from rlrun.launch.failures import leave
-from rlrun.rl.memory_estimate import SupervisedJob
+from rlrun.rl.memory_knobs import SupervisedJob
 from rlrun.rl.memory_text import supervised_memory
 from rlrun.supervised.build import reward_model, trainable
 from rlrun.supervised.config import RMConfig

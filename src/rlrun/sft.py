@@ -12,7 +12,7 @@ from rlrun.data.sources import DataSpec
 from rlrun.compat.openrlhf_supervised_flags import SFT_DOTTED, SFT_IGNORED
 from rlrun.launch.failures import leave
 from rlrun.models.loading import unfilled_policy
-from rlrun.rl.memory_estimate import SupervisedJob
+from rlrun.rl.memory_knobs import SupervisedJob
 from rlrun.rl.memory_text import supervised_memory
 from rlrun.supervised.build import trainable
 from rlrun.supervised.config import SFTConfig

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlrun.cli.parser import parse_args
 from rlrun.launch.layout import Role
 from rlrun.models.tiny import build_byte_tokenizer, tiny_model_config_for_size
-from rlrun.rl.memory_estimate import GIB, SupervisedJob, Target, knobs_of, kv_cache_bytes
+from rlrun.rl.memory_estimate import kv_cache_bytes
+from rlrun.rl.memory_knobs import GIB, SupervisedJob, Target, knobs_of
 from rlrun.rl.memory_plan import plan_memory
 from rlrun.rl.memory_text import (dry_run_memory, format_plan, problem_lines, read_shapes, supervised_memory,
                                   target_for)
@@ -180,6 +181,9 @@ def test_a_cpu_plan_puts_every_byte_in_host_memory(tmp_path):
     assert before["generate"] - after["generate"] == kv - (1 << 20)
     rows, response, vocab = 2, cfg.generation.generate_max_len, shapes[Role.ACTOR].vocab
     assert after["train_actor"] - before["train_actor"] == (rows * response - 1024) * vocab * 4 * 3
+    # --partial_rollout: the engines keep --max_staleness steps' rows in flight, and their KV cache holds them all
+    partial = dataclasses.replace(native, train=dataclasses.replace(native.train, partial_rollout=True, max_staleness=3))
+    assert knobs_of(partial, Target(False, 0, "")).rollouts == 3 * knobs_of(native, Target(False, 0, "")).rollouts
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the plan's target on a machine without a GPU")

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from rlrun.cli.parser import parse_args
 from rlrun.launch.layout import Role
-from rlrun.rl.memory_estimate import GIB, SupervisedJob, Target
+from rlrun.rl.memory_knobs import GIB, SupervisedJob, Target
 from rlrun.rl.memory_plan import plan_memory
 from rlrun.rl.memory_text import dry_run_memory, format_plan, note_lines, read_shapes, supervised_memory
 from rlrun.rl.model_shapes import lora_parameters, model_shape, unknown_targets

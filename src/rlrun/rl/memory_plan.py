@@ -22,9 +22,8 @@ from typing import Any
 
 from rlrun.config.schema import Config
 from rlrun.launch.layout import Layout, Role
-from rlrun.rl.memory_estimate import (GIB, GPU_USABLE_FRACTION, MODEL_ROLES, TRAINED, Bytes, Knobs, RankMemory,
-                                      SupervisedJob, Target, add_bytes, estimate, groups_of, knobs_of, rank_memory,
-                                      supervised_knobs)
+from rlrun.rl.memory_estimate import MODEL_ROLES, TRAINED, Bytes, RankMemory, add_bytes, estimate, groups_of, rank_memory
+from rlrun.rl.memory_knobs import GIB, GPU_USABLE_FRACTION, Knobs, SupervisedJob, Target, knobs_of, supervised_knobs
 from rlrun.rl.model_shapes import ModelShape
 
 

@@ -14,8 +14,9 @@ import torch
 from rlrun.config.schema import Config, RuntimeConfig
 from rlrun.launch.layout import Layout, Role
 from rlrun.models.loading import load_model_config
-from rlrun.rl.memory_estimate import (COMPONENTS, DEFAULT_GPU_GIB, GIB, TRAINED, RankMemory, SupervisedJob, Target,
-                                      frozen_parameters, groups_of, kv_cache_bytes, trainable_parameters)
+from rlrun.rl.memory_estimate import (COMPONENTS, DEFAULT_GPU_GIB, TRAINED, RankMemory, frozen_parameters, groups_of,
+                                      kv_cache_bytes, trainable_parameters)
+from rlrun.rl.memory_knobs import GIB, SupervisedJob, Target
 from rlrun.rl.memory_plan import MemoryPlan, plan_memory
 from rlrun.rl.model_shapes import ModelShape, model_shape, role_shapes, unknown_targets
 from rlrun.runtime.errors import ConfigError
