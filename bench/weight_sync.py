@@ -130,7 +130,7 @@ def disaggregated_bench(rank: int, args: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor
 
     from rlrun.launch.param_blocks import param_blocks
-    from rlrun.launch.transfer import ParamSource, WeightSync, bucket_size, entry_view
+    from rlrun.launch.weight_sync import ParamSource, WeightSync, bucket_size, entry_view
     from rlrun.strategies.fsdp import FSDPStrategy
 
     world = args.world
@@ -301,7 +301,7 @@ def colocated_bench(rank: int, args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from rlrun.launch.transfer import ParamSource, WeightSync
+    from rlrun.launch.weight_sync import ParamSource, WeightSync
     from rlrun.models.tiny import build_causal_lm, tiny_model_config_for_size
     import rlrun.launch.param_blocks as fsdp  # the per-unit all-gather lives there
     from rlrun.strategies.fsdp import FSDPStrategy

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlrun.launch.transfer import ALIGN, BucketEntry, WeightSync, bucket_size, entry_view, plan_buckets, plan_chunks
+from rlrun.launch.weight_sync import ALIGN, BucketEntry, WeightSync, bucket_size, entry_view, plan_buckets, plan_chunks
 from rlrun.runtime.errors import RlrunError
 
 DIST_TIMEOUT_S = 60  # a collective that never completes raises after this long (generous: shared CI boxes)
@@ -196,7 +196,7 @@ TOKENS = torch.arange(12).view(2, 6) % 37
 
 
 def _actor(group: dist.ProcessGroup):
-    from rlrun.launch.transfer import ParamSource
+    from rlrun.launch.weight_sync import ParamSource
     from rlrun.strategies.fsdp import FSDPStrategy
 
     strategy = FSDPStrategy(group, torch.device("cpu"), bf16=False, zero_stage=3, offload=False, gradient_checkpointing=False)
@@ -325,7 +325,7 @@ def scenario_mismatch(rank: int, world: int) -> dict:
     """Actor ranks [0, 1] (plain model), engines [2, 3] with a different architecture: the engines
     raise at construction, naming the parameters. Two cases: a shape differs, a layer is missing."""
     from rlrun.launch.param_blocks import param_blocks
-    from rlrun.launch.transfer import ParamSource
+    from rlrun.launch.weight_sync import ParamSource
 
     sync_group = dist.new_group([0, 2, 3])
     out: dict = {}
@@ -489,7 +489,7 @@ def scenario_zero_copy(rank: int, world: int) -> dict:
     Then a stray: one parameter is given fresh memory (as a load with assign would), and the next sync must
     still deliver it and re-home it."""
     from rlrun.launch import param_blocks as pb
-    from rlrun.launch.transfer import ParamSource
+    from rlrun.launch.weight_sync import ParamSource
     from rlrun.strategies import fsdp_homing
     from rlrun.strategies.fsdp import FSDPStrategy
 
@@ -562,7 +562,7 @@ def scenario_timeout(rank: int, world: int) -> dict:
     """An engine whose root never sends: sync() must raise within the sync group's timeout (2 s),
     not hang. The root builds its WeightSync (the metadata broadcast) and then skips sync()."""
     from rlrun.launch.param_blocks import param_blocks
-    from rlrun.launch.transfer import ParamSource
+    from rlrun.launch.weight_sync import ParamSource
 
     sync_group = dist.new_group([0, 2], timeout=timedelta(seconds=2))
     out: dict = {}

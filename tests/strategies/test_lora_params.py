@@ -30,7 +30,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
 
     import torch.distributed as dist
 
-    from rlrun.launch.transfer import WeightSync
+    from rlrun.launch.weight_sync import WeightSync
     from rlrun.roles.optim import make_optimizer
     from rlrun.runtime.errors import RlrunError
     from rlrun.strategies.fsdp import FSDPStrategy

@@ -1,28 +1,21 @@
-"""Moving tensors between roles: rollout exchange, result exchange, weight sync.
+"""Moving tensors between roles: the rollout and result exchanges, and the bounded waits every collective here shares.
 
-Tokens are small, so rollouts move simply (padded tensors + lengths, one gather). Weights are
-big: they move as a few large byte buckets per sync, one broadcast per bucket, with the bucket
-plan agreed once at start and the buffers reused.
+Tokens are small, so rollouts move simply (padded tensors + lengths, one gather). Weights move in
+rlrun.launch.weight_sync.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from rlrun.launch.dist import collective_device
-from rlrun.launch.param_blocks import GatherScratch, ParamBlock, ParamHoming
 from rlrun.runtime.errors import RlrunError
-from rlrun.runtime.log import get_logger
 
-ALIGN = 16  # bytes: every tensor view into a bucket starts aligned for any dtype
 # torch >= 2.10 renamed all_gather_into_tensor (which now warns on every call).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -115,53 +108,6 @@ class EngineRowExchange:
         return every[self.index]  # type: ignore[index]
 
 
-@dataclass(frozen=True)
-class BucketEntry:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int  # bytes from the bucket start
-    nbytes: int
-
-
-def plan_buckets(params: Iterable[tuple[str, torch.Size, torch.dtype]], bucket_bytes: int) -> list[list[BucketEntry]]:
-    """Greedy, order-preserving packing of parameters into buckets of at most bucket_bytes
-    (a parameter larger than a bucket gets a bucket of its own)."""
-    buckets: list[list[BucketEntry]] = [[]]
-    used = 0
-    for name, shape, dtype in params:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if buckets[-1] and used + nbytes > bucket_bytes:
-            buckets.append([])
-            used = 0
-        buckets[-1].append(BucketEntry(name, tuple(shape), dtype, used, nbytes))
-        used += -(-nbytes // ALIGN) * ALIGN
-    return [b for b in buckets if b]
-
-
-def bucket_size(bucket: list[BucketEntry]) -> int:
-    last = bucket[-1]
-    return -(-(last.offset + last.nbytes) // ALIGN) * ALIGN
-
-
-def entry_view(buffer: torch.Tensor, e: BucketEntry) -> torch.Tensor:
-    return buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
-
-
-def plan_chunks(bucket: list[BucketEntry], chunk_bytes: int) -> list[tuple[int, int, int]]:
-    """Split a bucket into wire chunks at entry boundaries: (start byte, end byte, entries up to and
-    including index) per chunk, each about chunk_bytes (an entry larger than that is one chunk). The
-    chunks tile [0, bucket_size(bucket)) exactly, so a receiver can take them into its bucket buffer."""
-    chunks: list[tuple[int, int, int]] = []
-    start = 0
-    for i, e in enumerate(bucket):
-        end = -(-(e.offset + e.nbytes) // ALIGN) * ALIGN
-        if end - start >= chunk_bytes or i == len(bucket) - 1:
-            chunks.append((start, end, i))
-            start = end
-    return chunks
-
-
 def group_timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta | None:
     """The timeout the group's backend for `device` was created with (None when not exposed)."""
     try:
@@ -179,226 +125,3 @@ def wait_all(works: Sequence[dist.Work], group: dist.ProcessGroup, device: torch
         ok = work.wait(timeout) if timeout is not None else work.wait()
         if ok is False:
             raise RlrunError(f"weight sync: a {what} did not complete within the sync group's timeout ({timeout})")
-
-
-class WeightSync:
-    """Push the actor's full weights to every engine rank after each update.
-
-    Colocated (engine ranks == actor ranks): each rank gathers the actor one FSDP unit at a time (one
-    all-gather per unit) and writes each parameter straight from the gathered bytes into its engine
-    model; nothing else crosses the wire. Disaggregated: actor rank 0 gathers unit by unit, writes
-    the parameters into byte buckets and broadcasts each bucket on the "sync" group in chunks of
-    about `chunk_bytes`, asynchronously, so the wire carries chunk k while the root gathers and packs
-    chunk k+1. The root double-buffers its send staging (two bucket-sized buffers, a buffer is
-    refilled only once its previous bucket's broadcasts completed); engine parameters ARE views into
-    one persistent receive buffer per bucket, so receiving needs no unpacking copy. Zero-copy send: when
-    the actor's strategy can move the root's parameters into buckets of their own (an actor on one rank,
-    parameters already in the wire dtype: see ParamSource.zero_copy_blocker), the root's parameters ARE
-    views into its send buckets too, and each bucket is one broadcast with nothing packed.
-    """
-
-    def __init__(self, *, actor_params: "ParamSource | None", engine_model: nn.Module | None,
-                 sync_group: dist.ProcessGroup | None, actor_root: int, colocated: bool,
-                 bucket_bytes: int, wire_dtype: torch.dtype, device: torch.device,
-                 chunk_bytes: int = 16 * 2**20, check_names: Sequence[str] = ()) -> None:
-        self.actor_params = actor_params
-        # Parameters whose sums the engines compare with the actor's after every sync (LoRA: merged weights a
-        # sync that skipped the adapters would leave unchanged); the root's list travels with the metadata.
-        self.check_names = list(check_names)
-        self.engine_model = engine_model
-        self.group = sync_group
-        self.root = actor_root
-        self.colocated = colocated
-        self.device = device
-        self.buckets: list[list[BucketEntry]] = []
-        self.chunks: list[list[tuple[int, int, int]]] = []
-        self.buffers: list[torch.Tensor] = []  # engines: one receive buffer per bucket; root: the 2 staging buffers
-        # Actor ranks gather unit by unit through one scratch. On CPU it lives as long as this object
-        # (a fresh buffer per sync costs page faults); on an accelerator only for one sync (the
-        # caching allocator reuses the memory, and holding a unit's gather buffer through training
-        # would cost memory there).
-        self._scratch = GatherScratch() if device.type == "cpu" else None
-        is_root = dist.get_rank() == actor_root
-        self.wire_dtype = wire_dtype
-        self.zero_copy = False
-        if colocated or (not is_root and engine_model is None):
-            return  # actor ranks other than the root only take part in the FSDP all-gathers
-        assert sync_group is not None
-        # Metadata crosses the wire once, in the root's gather order; both sides derive the same plan.
-        meta = None
-        if is_root:
-            blocker = actor_params.zero_copy_blocker(wire_dtype, device)  # type: ignore[union-attr]
-            meta = {"params": [[n, list(s)] for n, s, _ in actor_params.shapes()],  # type: ignore[union-attr]
-                    "zero_copy": blocker is None, "check": self.check_names}
-            get_logger(dist.get_rank()).info_once(
-                "weight sync: the actor's parameters live in the send buckets (zero-copy send)" if blocker is None
-                else f"weight sync: the root packs its parameters into the send buckets ({blocker})")
-        meta = broadcast_json(meta, actor_root, sync_group, device)
-        self.zero_copy = bool(meta["zero_copy"])  # type: ignore[index]
-        self.check_names = list(meta["check"])  # type: ignore[index]
-        params = meta["params"]  # type: ignore[index]
-        if engine_model is not None:
-            self._check_engine_matches(params)
-        self.buckets = plan_buckets([(n, torch.Size(s), wire_dtype) for n, s in params], bucket_bytes)
-        if self.zero_copy:  # nothing to pack, so nothing to overlap: one broadcast per bucket, the wire's floor
-            self.chunks = [[(0, bucket_size(b), len(b) - 1)] for b in self.buckets]
-        else:
-            self.chunks = [plan_chunks(b, min(chunk_bytes, bucket_bytes)) for b in self.buckets]
-        if engine_model is None and not self.zero_copy:  # a packing root: two alternating staging buffers
-            sizes = [bucket_size(b) for b in self.buckets]
-            self.buffers = [torch.empty(max(sizes[i::2]), dtype=torch.uint8, device=device)
-                            for i in range(min(2, len(sizes)))]
-            return
-        self.buffers = [torch.empty(bucket_size(b), dtype=torch.uint8, device=device) for b in self.buckets]
-        if engine_model is not None:
-            self._bind_engine_views(engine_model)
-        else:
-            actor_params.home(self._views())  # type: ignore[union-attr]
-
-    def _views(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """Parameter name -> its view into its bucket's buffer (one buffer per bucket), for `names` or all."""
-        views = {e.name: entry_view(buffer, e) for bucket, buffer in zip(self.buckets, self.buffers) for e in bucket}
-        return views if names is None else {n: views[n] for n in names}
-
-    def _check_engine_matches(self, meta: list) -> None:
-        mine = {n: list(p.shape) for n, p in self.engine_model.named_parameters()}  # type: ignore[union-attr]
-        theirs = {n: s for n, s in meta}
-        if mine != theirs:
-            missing = sorted(set(theirs) - set(mine))[:3]
-            extra = sorted(set(mine) - set(theirs))[:3]
-            shape = [f"{n} (engine {mine[n]}, actor {theirs[n]})" for n in theirs if n in mine and mine[n] != theirs[n]][:3]
-            raise RlrunError(f"weight sync: the engine model does not match the actor (missing on engine: {missing}, "
-                             f"only on engine: {extra}, shape differs: {shape}); both must load the same architecture")
-
-    def _bind_engine_views(self, model: nn.Module) -> None:
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, view in self._views().items():
-                view.copy_(params[name].data)
-                params[name].data = view
-
-    @property
-    def num_buckets(self) -> int:
-        return len(self.buckets)
-
-    def sync(self) -> None:
-        """Collective over the actor group and the sync group; every actor and engine rank calls it."""
-        if self.colocated:
-            if self.actor_params is None:
-                return  # a rank outside the actor/engine block (e.g. critic-only ranks) has nothing to sync
-            assert self.engine_model is not None
-            targets = dict(self.engine_model.named_parameters())
-            scratch = self._scratch or GatherScratch()
-            sent: dict[str, float] = {}
-            with torch.no_grad():
-                for block in self.actor_params.blocks():
-                    full = block.gather(scratch)
-                    for name in full.names:
-                        full.write(name, targets[name].data)
-                        if name in self.check_names:
-                            sent[name] = _checksum(full.full(name).to(targets[name].dtype))
-            self._verify(sent, targets)
-            return
-        if self.actor_params is not None and dist.get_rank() != self.root:
-            scratch = self._scratch or GatherScratch()
-            for block in self.actor_params.blocks():  # take part in the all-gathers, send nothing
-                block.gather(scratch)
-            return
-        if self.actor_params is not None:
-            self._send()
-            return
-        works = [dist.broadcast(buffer[start:end], src=self.root, group=self.group, async_op=True)
-                 for buffer, chunks in zip(self.buffers, self.chunks) for start, end, _ in chunks]
-        wait_all(works, self.group, self.device, "bucket broadcast")  # type: ignore[arg-type]
-        if self.check_names:
-            sent = broadcast_json(None, self.root, self.group, self.device)
-            self._verify(sent, dict(self.engine_model.named_parameters()))  # type: ignore[union-attr,arg-type]
-
-    def _verify(self, sent: dict[str, float], targets: Mapping[str, torch.Tensor]) -> None:
-        """The engine's copies of the checked parameters sum as the actor's sent tensors did."""
-        for name, expected in sent.items():
-            got = _checksum(targets[name].data)
-            if not math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-6):
-                raise RlrunError(f"weight sync: after the sync the engine's {name} sums to {got:.6g} but the actor "
-                                 f"sent {expected:.6g}: the engine did not receive the actor's weights")
-
-    def _send(self) -> None:
-        """Root: gather unit by unit, put each parameter into its bucket and every chunk on the wire (async) as
-        soon as its last entry is there. Packing: into two alternating staging buffers, a chunk of bucket k on
-        the wire while chunk k+1 is packed. Zero-copy: the parameters already live in their buckets; one that
-        does not any more (woken from sleep into new memory, replaced by a load) is copied and re-homed."""
-        assert self.actor_params is not None and self.group is not None
-        entries = iter([(k, i, e) for k, bucket in enumerate(self.buckets) for i, e in enumerate(bucket)])
-        chunk_ending_at = [{last: (start, end) for start, end, last in chunks} for chunks in self.chunks]
-        in_flight: list[list[dist.Work]] = [[] for _ in self.buckets]
-        scratch = self._scratch or GatherScratch()
-        strays: list[str] = []
-        checks: dict[str, float] = {}
-        with torch.no_grad():
-            for block in self.actor_params.blocks():
-                full = block.gather(scratch)
-                for name in full.names:
-                    k, i, e = next(entries)
-                    assert name == e.name, (name, e.name)  # the plan follows the root's gather order
-                    staging = self.buffers[k] if self.zero_copy else self.buffers[k % 2]
-                    if not self.zero_copy and i == 0 and k >= 2:  # refill a staging buffer only after its last bucket left
-                        wait_all(in_flight[k - 2], self.group, self.device, "bucket broadcast")
-                    view = entry_view(staging, e)
-                    if not (self.zero_copy and full.aliases(name, view)):
-                        full.write(name, view)
-                        if self.zero_copy:
-                            strays.append(name)
-                    if name in self.check_names:  # computed apart from the bucket it was packed into
-                        checks[name] = _checksum(full.full(name).to(self.wire_dtype))
-                    if i in chunk_ending_at[k]:
-                        start, end = chunk_ending_at[k][i]
-                        in_flight[k].append(dist.broadcast(staging[start:end], src=self.root, group=self.group,
-                                                           async_op=True))
-        assert next(entries, None) is None, "the actor yielded fewer parameters than the bucket plan"
-        wait_all([w for works in in_flight for w in works], self.group, self.device, "bucket broadcast")
-        if self.check_names:
-            broadcast_json(checks, self.root, self.group, self.device)
-        if self.zero_copy and strays and self.actor_params.zero_copy_blocker(self.wire_dtype, self.device) is None:
-            self.actor_params.home(self._views(strays))
-
-
-def _checksum(t: torch.Tensor) -> float:
-    return float(t.detach().double().sum())
-
-
-class ParamSource:
-    """The actor's parameters, grouped by FSDP unit in gather order (a thin adapter over the strategy), and,
-    when the strategy can (`homing`), moved into the sync's send buckets so the root sends them without a copy."""
-
-    def __init__(self, model: nn.Module, param_blocks: "Callable[[nn.Module], list[ParamBlock]]",
-                 homing: ParamHoming | None = None) -> None:
-        self.model = model
-        self._param_blocks = param_blocks
-        self._homing = homing
-
-    def zero_copy_blocker(self, dtype: torch.dtype, device: torch.device) -> str | None:
-        """Why the root cannot send the parameters' own memory (None: it can, after `home`)."""
-        if self._homing is None:
-            return "the actor's strategy offers no re-homing"
-        return self._homing.zero_copy_blocker(self.model, dtype, device)
-
-    def home(self, views: Mapping[str, torch.Tensor]) -> None:
-        """Each named parameter takes its view's memory (keeping its value)."""
-        assert self._homing is not None
-        self._homing.home_params(self.model, views)
-
-    def blocks(self) -> list[ParamBlock]:
-        """Each block's gather() is collective over the actor group."""
-        return self._param_blocks(self.model)
-
-    def shapes(self) -> list[tuple[str, torch.Size, torch.dtype]]:
-        """(name, full shape, dtype) in gather order (no collective)."""
-        return [s for block in self.blocks() for s in block.shapes()]
-
-    def full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, new full tensor) in gather order. Collective: every actor rank must iterate to the end."""
-        scratch = GatherScratch()
-        for block in self.blocks():
-            full = block.gather(scratch)
-            for name in full.names:
-                yield name, full.full(name)

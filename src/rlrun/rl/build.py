@@ -22,7 +22,8 @@ from rlrun.engines.native import NativeEngine
 from rlrun.launch.dist import before_teardown, world_size
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
-from rlrun.launch.transfer import EngineRowExchange, ParamSource, WeightSync
+from rlrun.launch.transfer import EngineRowExchange
+from rlrun.launch.weight_sync import ParamSource, WeightSync
 from rlrun.models.adapter_pretrain import lora_settings
 from rlrun.models.loading import load_critic, load_reward_model, policy_weights, trained_policy, unfilled_causal_lm
 from rlrun.models.lora import add_scalar_adapters

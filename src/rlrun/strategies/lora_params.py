@@ -2,7 +2,7 @@
 names, one FSDP unit at a time like a full actor's, so every engine backend (native, HF, vLLM) loads them unchanged.
 
 verl's issue 7495 (a LoRA sync that silently sent nothing) is why the weight sync checks what arrived: the merged
-tensors named by `check_names` are summed on both sides (rlrun.launch.transfer.WeightSync)."""
+tensors named by `check_names` are summed on both sides (rlrun.launch.weight_sync.WeightSync)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from rlrun.launch.param_blocks import FullBlock, GatherScratch, ParamBlock
-from rlrun.launch.transfer import ParamSource
+from rlrun.launch.weight_sync import ParamSource
 from rlrun.models.lora import hf_name, is_adapter, lora_pairs, merge_into, merged_weight
 
 
