@@ -67,6 +67,30 @@ def test_async_train_lags_exactly_one_weight_version(tmp_path):
     assert all(m["async/policy_lag"] == 1.0 for m in metrics)
 
 
+def test_partial_rollout_continues_responses_on_vllm(tmp_path):
+    """--partial_rollout on a vLLM engine (the chunked path: --partial_rollout_tokens per call) with a long-tailed
+    policy: responses carry over weight syncs and continue, no sample is more than --max_staleness versions old,
+    and step 1 (generated and trained on the initial weights) matches the actor token for token."""
+    import sys  # noqa: PLC0415
+
+    base = tmp_path / "long_tailed"
+    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); from helpers import "
+                    f"save_long_tailed_base; save_long_tailed_base(__import__('pathlib').Path({str(base)!r}), 5.0)"],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    code, out, metrics = run(DEMO + DISAGG + ["--pretrain", str(base), "--remote_rm_url", "demo", "--generate_max_len",
+                                              "32", "--actor_learning_rate", "1e-4", "--rollout_batch_size", "8",
+                                              "--n_samples_per_prompt", "2", "--train_batch_size", "16",
+                                              "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8",
+                                              "--max_steps", "5", "--async_train", "--partial_rollout",
+                                              "--partial_rollout_tokens", "8"], tmp_path / "run")
+    assert code == 0, out[-4000:]
+    assert "generation backend vllm" in out
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert metrics[0]["rollout/engine_vs_actor_logprob_diff"] < 1e-3 and metrics[0]["async/staleness_max"] == 0
+    assert all(m["async/staleness_max"] <= 2 for m in metrics)
+    assert max(m["async/partial_frac"] for m in metrics) > 0, [m["async/partial_frac"] for m in metrics]
+
+
 def test_tensor_parallel_engine_trains(tmp_path):
     # rank 0 actor; ranks 1-2 one engine at tensor parallel 2: rank 1 hosts the vLLM child with 2 workers (vLLM's
     # mp executor), rank 2 hands it its prompts and gets its rows back. Weights reach both workers through one
