@@ -20,7 +20,7 @@ from rlrun.rl.planning import plan
 from rlrun.runtime.errors import ConfigError
 
 from helpers import save_long_tailed_base
-from test_resume import _ok, torchrun
+from test_resume import _no_timing, _ok, torchrun
 
 TOK = build_byte_tokenizer()
 IDS = [TOK.encode(r["prompt"]) for r in BUILTIN_PROMPTS]
@@ -68,12 +68,29 @@ def test_pool_hands_whole_finished_groups_within_the_staleness_bound(base, nativ
 
 
 def test_staleness_one_restarts_what_outlives_a_sync(base):
-    """One step's rows in flight; the HF engine's chunks admit new groups as others finish, so some rows are still
-    running at a hand-over: the next step restarts them instead of continuing them under new weights."""
+    """The pool's bound alone (the CLI runs --async_train's loop at K=1, test_staleness_one_is_async_train): the
+    HF engine's chunks admit new groups as others finish, so some rows are still running at a hand-over; the next
+    step restarts them instead of continuing them under new weights."""
     pool = _pool(base, staleness=1, native=False)
     rows = [row for batch in _steps(pool, 6) for row in batch]
     assert all(len(set(row.versions)) == 1 for row in rows)
     assert any(row.restarted for row in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_staleness_one_is_async_train(tmp_path):
+    """K=1 allows no response across a sync: the run is --async_train's, metric for metric (and says so)."""
+    small = ["--config", "configs/demo.yaml", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
+             "--train_batch_size", "8", "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "4",
+             "--generate_max_len", "8", "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1", "--async_train",
+             "--max_steps", "3", "--dist_timeout", "60"]
+    plain = torchrun(2, small, tmp_path / "async")
+    bounded = torchrun(2, small + ["--partial_rollout", "--max_staleness", "1"], tmp_path / "k1")
+    _ok(plain)
+    _ok(bounded)
+    assert _no_timing(plain.metrics) == _no_timing(bounded.metrics)
+    assert "--max_staleness 1 is --async_train's loop" in bounded.output
 
 
 def _plan(*argv: str):

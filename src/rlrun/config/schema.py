@@ -190,7 +190,7 @@ class TrainConfig(OptimConfig):
                                       "the engine may hand finished groups over and take new weights.")
     max_staleness: int = opt(2, "--partial_rollout: the most policy versions a trained token may lag the policy trained "
                              "on it; groups holding older tokens are restarted from their prompt. The engine keeps this "
-                             "many steps' rows in flight. 1: no response outlives a weight sync (one-step-off).")
+                             "many steps' rows in flight. 1: no response outlives a weight sync, which is --async_train's loop exactly.")
     async_queue_size: int = opt(1, "Rollout batches in flight with --async_train; rlrun always keeps exactly 1 (OpenRLHF's default); other values are reported and ignored (--partial_rollout bounds its samples' age with --max_staleness).")
     num_episodes: int = opt(1, "Passes over the prompt dataset.")
     actor_learning_rate: float = opt(1e-6, "Actor learning rate.")

@@ -77,6 +77,9 @@ def plan(cfg: Config, world_size: int, ranks_per_node: int, node_labels: Sequenc
     gamma = gamma_override_warning(cfg.algo.advantage_estimator, cfg.algo.gamma)
     algo_warnings = [gamma] if gamma is not None else []
     check_partial_rollout_layout(cfg, layout)
+    if cfg.train.partial_rollout and cfg.train.max_staleness == 1:
+        algo_warnings.append("--partial_rollout with --max_staleness 1 is --async_train's loop: no response may outlive "
+                             "a weight sync, so none is continued; use --max_staleness 2 or more to continue them")
     if cfg.train.async_queue_size != 1:
         algo_warnings.append(f"--async_queue_size {cfg.train.async_queue_size} ignored: rlrun's --async_train keeps exactly "
                              "one rollout batch in flight (one step off-policy, deterministic)")

@@ -69,8 +69,10 @@ class RolloutSource:
         self.rank = groups.rank
         self.engine_ranks = layout.ranks_of(Role.ENGINE)
         self.asynchronous = layout.asynchronous
+        # --partial_rollout, on every rank; --max_staleness 1 lets no response outlive a sync: --async_train's loop
+        self.partial = cfg.train.partial_rollout and cfg.train.max_staleness > 1
         self.pool: SequencePool | None = None
-        if cfg.train.partial_rollout and roles.engine is not None:
+        if self.partial and roles.engine is not None:
             t, engines = cfg.train, len(self.engine_ranks)
             settings = PoolSettings(t.n_samples_per_prompt, t.rollout_batch_size // engines,
                                     cfg.generation.generate_max_len, t.partial_rollout_tokens, t.max_staleness,
@@ -153,7 +155,7 @@ class RolloutSource:
             first = self.engine_ranks[0]
             extra.update(broadcast_json({"time/engine_generate": mine.seconds} if self.rank == first else None,
                                         first, world, self.comm_device))  # type: ignore[arg-type]
-        if cfg.train.partial_rollout:  # every row's staleness (versions behind the policy trained on it)
+        if self.partial:  # every row's staleness (versions behind the policy trained on it)
             versions = gather_from(self.engine_ranks, mine.versions, (share, 3), torch.float32, world, self.comm_device)
             extra.update(staleness_logs(versions.cpu()))
         if self.cfg.needs_reward_model:

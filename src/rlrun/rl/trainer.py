@@ -247,7 +247,7 @@ class Trainer:
         times["time/wait_rollout"] = time.perf_counter() - t4
         if learned is None:  # engine ranks train nothing and log nothing (rank 0 is a learner)
             return {"step": step + 1, "reward": float(out.scores.float().mean()) if out.scores.numel() else float("nan")}
-        lag = {} if self.cfg.train.partial_rollout else {"async/policy_lag": 1.0}  # else async/staleness_*
+        lag = {} if self.rollouts.partial else {"async/policy_lag": 1.0}  # else async/staleness_*
         return {**self._metrics(step, out, learned, times, time.perf_counter() - t0), **lag}
 
     def learn(self, step: int, out: StepOutputs, times: dict[str, float]) -> "Learned":
