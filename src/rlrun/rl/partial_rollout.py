@@ -24,7 +24,7 @@ from rlrun.engines.native import NativeEngine
 
 
 @dataclass
-class Sequence:
+class InFlightRow:
     """One response being generated: its prompt record, the tokens so far with each one's engine log-prob
     and the policy version that sampled it."""
 
@@ -66,13 +66,13 @@ class SequencePool:
                  settings: PoolSettings) -> None:
         self.engine, self.prompt_ids, self.sampler = engine, prompt_ids, sampler
         self.slot, self.engines, self.s = slot, engines, settings
-        self.active: list[list[Sequence]] = []  # groups being generated, in admission order
-        self.ready: deque[list[Sequence]] = deque()  # finished groups, in finishing order
+        self.active: list[list[InFlightRow]] = []  # groups being generated, in admission order
+        self.ready: deque[list[InFlightRow]] = deque()  # finished groups, in finishing order
         self.waiting: deque[int] = deque()  # records admitted next
         self.next_prompt_step: int | None = None
         self.chunks = 0  # chunk calls so far: each draws from its own seed
 
-    def take(self, step: int, version: int) -> list[Sequence]:
+    def take(self, step: int, version: int) -> list[InFlightRow]:
         """The rows_per_step rows (whole groups) that step `step` trains on, sampling with the engine's current
         weights, which are policy version `version` (step - 1 while the learners train on the step before, or
         `step` itself for a synchronous first step)."""
@@ -82,7 +82,7 @@ class SequencePool:
         while sum(len(g) for g in self.ready) < self.s.rows_per_step:
             self._admit()
             self._advance(version)
-        rows: list[Sequence] = []
+        rows: list[InFlightRow] = []
         while len(rows) < self.s.rows_per_step:
             rows += self.ready.popleft()
         return rows
@@ -92,7 +92,7 @@ class SequencePool:
         finished ones go back to the front of the generating groups."""
         oldest = step - self.s.max_staleness
 
-        def stale(group: list[Sequence]) -> bool:
+        def stale(group: list[InFlightRow]) -> bool:
             return any(v < oldest for row in group for v in row.versions[:1])
 
         back = [g for g in self.ready if stale(g)]
@@ -112,7 +112,7 @@ class SequencePool:
             if not self.waiting:
                 self._draw_prompts()
             record = self.waiting.popleft()
-            self.active.append([Sequence(record, self.prompt_ids[record]) for _ in range(n)])
+            self.active.append([InFlightRow(record, self.prompt_ids[record]) for _ in range(n)])
 
     def _draw_prompts(self) -> None:
         """This engine's prompts of the next prompt step: the sampler's order, which wraps around after its last
