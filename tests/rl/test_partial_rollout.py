@@ -6,6 +6,8 @@ The pool runs on the real native and HF engines over the real tiny model with lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -40,15 +42,20 @@ def _pool(base: str, staleness: int, native: bool = True) -> SequencePool:
     return SequencePool(engine, IDS, sampler, 1, 2, PoolSettings(N, PROMPTS_PER_STEP, CAP, 8, staleness, EOS_ID, 7))
 
 
-def _steps(pool: SequencePool, steps: int) -> list[list]:
-    """take() as the async loop calls it: step 0 with the initial weights, then step s while version s-1 is loaded."""
-    return [pool.take(step, max(step - 1, 0)) for step in range(steps)]
+def _steps(pool: SequencePool, steps: int, ahead: int = 0) -> list[list]:
+    """take() as the async loop calls it: step 0 with the initial weights, then step s while version s-1 is loaded,
+    the learners' flag rising after the engine looked at it `ahead` times (chunks it generates ahead)."""
+    def flag() -> Callable[[], bool]:
+        looks = iter(range(ahead + 1))
+        return lambda: next(looks, ahead) >= ahead
+
+    return [pool.take(step, max(step - 1, 0), flag() if step else None) for step in range(steps)]
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "hf"])
-def test_pool_hands_whole_finished_groups_within_the_staleness_bound(base, native):
+@pytest.mark.parametrize("native,ahead", [(True, 0), (True, 2), (False, 1)], ids=["native", "native-ahead", "hf-ahead"])
+def test_pool_hands_whole_finished_groups_within_the_staleness_bound(base, native, ahead):
     pool = _pool(base, staleness=2, native=native)
-    batches = _steps(pool, 6)
+    batches = _steps(pool, 6, ahead)
     mine = pool.sampler.indices(0)[PROMPTS_PER_STEP:]  # slot 1's share of step 0's prompts
     assert {row.record for row in batches[0]} <= set(mine) | set(pool.sampler.indices(1)[PROMPTS_PER_STEP:])
     spans = 0
@@ -67,14 +74,17 @@ def test_pool_hands_whole_finished_groups_within_the_staleness_bound(base, nativ
     assert lengths[len(lengths) // 4] < CAP // 4 and lengths[-1] == CAP  # long-tailed, as the workload should be
 
 
-def test_staleness_one_restarts_what_outlives_a_sync(base):
-    """The pool's bound alone (the CLI runs --async_train's loop at K=1, test_staleness_one_is_async_train): the
-    HF engine's chunks admit new groups as others finish, so some rows are still running at a hand-over; the next
-    step restarts them instead of continuing them under new weights."""
-    pool = _pool(base, staleness=1, native=False)
-    rows = [row for batch in _steps(pool, 6) for row in batch]
-    assert all(len(set(row.versions)) == 1 for row in rows)
-    assert any(row.restarted for row in rows)
+def test_stale_groups_restart(base):
+    """A group holding a token older than --max_staleness allows starts over from its prompt (rows tagged by hand:
+    the engine's own rows rarely get that old)."""
+    pool = _pool(base, staleness=2, native=False)
+    _steps(pool, 2)
+    group = pool.active[0] if pool.active else pool.ready[0]
+    for row in group:
+        row.tokens, row.log_probs, row.versions, row.done = [65, 66], [-1.0, -1.0], [0, 0], False
+    pool._restart_stale(3)  # trained at 3 with K=2: tokens of version 0 are too old
+    assert all(row.restarted and row.tokens == [] and row.versions == [] for row in group)
+    assert group in pool.active and group not in pool.ready
 
 
 @pytest.mark.slow
@@ -120,9 +130,11 @@ def test_checks_before_launch():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_run_streams_partial_rollouts_and_resumes(base, tmp_path):
-    """8 steps with a checkpoint at 4: samples carry over syncs (partial_frac > 0) and are never more than
-    --max_staleness versions old; the resumed run continues from step 4 with the batch that was in flight (the
-    sequences still being generated at the save are dropped and their prompts start over: documented)."""
+    """8 steps with a checkpoint at 4: every batch after the first is generated before the last update and no sample
+    is more than --max_staleness versions old; the resumed run continues from step 8 with the batch that was in
+    flight (the sequences still being generated at the save are dropped and their prompts start over: documented).
+    Whether samples span versions depends on how far the engine gets before the actor's flag (timing): the pool
+    tests check that part deterministically."""
     args = ["--config", "configs/demo.yaml", "--pretrain", base, "--remote_rm_url", "demo", "--generate_max_len",
             str(CAP), "--rollout_batch_size", "8", "--n_samples_per_prompt", "2", "--train_batch_size", "16",
             "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8", "--actor_num_gpus_per_node", "1",
@@ -132,8 +144,8 @@ def test_run_streams_partial_rollouts_and_resumes(base, tmp_path):
     _ok(run)
     steps = run.metrics
     assert [m["step"] for m in steps] == list(range(1, 9))
-    assert all(m["async/staleness_max"] <= 2 for m in steps) and steps[0]["async/staleness_max"] == 0
-    assert max(m["async/partial_frac"] for m in steps) > 0
+    assert all(1 <= m["async/staleness_mean"] <= m["async/staleness_max"] <= 2 for m in steps[1:])
+    assert steps[0]["async/staleness_max"] == 0 and all(0 <= m["async/partial_frac"] <= 1 for m in steps)
     assert all("rollout/engine_vs_actor_logprob_diff" in m for m in steps)
     resumed = torchrun(2, args + ["--max_steps", "10", "--load_checkpoint"], tmp_path / "b",
                        ckpt_path=run.ckpt)

@@ -180,17 +180,19 @@ class TrainConfig(OptimConfig):
     async_train: bool = opt(False, "Overlap generation with training (engines on ranks of their own): the engines generate step N+1 "
                             "with the weights before step N's update while the other ranks train on step N, i.e. one step "
                             "off-policy, always exactly one (deterministic and exactly resumable). Default: on-policy.")
-    partial_rollout: bool = opt(False, "With --async_train: engines generate in chunks of --partial_rollout_tokens and keep a "
-                                "full batch of sequences in flight; a step takes the first whole groups to finish, and the "
-                                "unfinished ones carry across the weight sync and continue under the new weights (tokens of "
-                                "one response may come from several policy versions; the PPO ratio uses the actor's "
-                                "recomputed log-probs, the engine's per-token ones feed --is_correction_level). "
-                                "Long-tailed response lengths then stop stalling every step on its longest sample.")
+    partial_rollout: bool = opt(False, "With --async_train: engines keep sequences in flight (--max_staleness steps' worth) "
+                                "and go on with them while the learners train; a step takes the first whole groups to "
+                                "finish, and the unfinished ones carry across the weight sync and continue under the new "
+                                "weights (tokens of one response may come from several policy versions; the PPO ratio "
+                                "uses the actor's recomputed log-probs, the engine's per-token ones feed "
+                                "--is_correction_level). Long-tailed response lengths then stop stalling every step on its "
+                                "longest sample. Not bit-reproducible (how far the engines get while the learners train "
+                                "depends on timing).")
     partial_rollout_tokens: int = opt(32, "--partial_rollout: new tokens a sequence generates between two points where "
                                       "the engine may hand finished groups over and take new weights.")
     max_staleness: int = opt(2, "--partial_rollout: the most policy versions a trained token may lag the policy trained "
-                             "on it; groups holding older tokens are restarted from their prompt. The engine keeps this "
-                             "many steps' rows in flight. 1: no response outlives a weight sync, which is --async_train's loop exactly.")
+                             "on it; groups holding older tokens are restarted from their prompt. An engine holds this "
+                             "many steps' rows (generating or finished). 1: no response outlives a weight sync, which is --async_train's loop exactly.")
     async_queue_size: int = opt(1, "Rollout batches in flight with --async_train; rlrun always keeps exactly 1 (OpenRLHF's default); other values are reported and ignored (--partial_rollout bounds its samples' age with --max_staleness).")
     num_episodes: int = opt(1, "Passes over the prompt dataset.")
     actor_learning_rate: float = opt(1e-6, "Actor learning rate.")

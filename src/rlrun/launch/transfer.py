@@ -124,4 +124,44 @@ def wait_all(works: Sequence[dist.Work], group: dist.ProcessGroup, device: torch
     for work in works:
         ok = work.wait(timeout) if timeout is not None else work.wait()
         if ok is False:
-            raise RlrunError(f"weight sync: a {what} did not complete within the sync group's timeout ({timeout})")
+            raise RlrunError(f"{what} did not complete within its group's timeout ({timeout})")
+
+
+class ReadyFlag:
+    """The actor's first rank tells every engine rank that it has trained this step, without stopping either side:
+    each step an engine posts one receive (arm), looks at it between chunks of generation (raised), and waits on it
+    only when it has nothing left to do (wait, bounded by the group's timeout); the actor sends once per step
+    (raise_). Point to point on the "ready" group (gloo, CPU tensors), so collectives on other groups go on."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        ranks = dist.get_process_group_ranks(group)
+        self.source, self.engines = ranks[0], ranks[1:]
+        self.buffer = torch.zeros(1)
+        self.pending: dist.Work | None = None
+        self.sends: list[dist.Work] = []
+
+    def arm(self) -> None:
+        self.wait()  # last step's flag: arrived long ago (the weight sync followed it)
+        self.buffer.zero_()
+        self.pending = dist.irecv(self.buffer, src=self.source, group=self.group)
+
+    def raised(self) -> bool:
+        # gloo fills the buffer as the message lands but marks its receive complete only in wait(): read the byte
+        return self.pending is None or self.pending.is_completed() or bool(self.buffer[0] != 0)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            wait_all([self.pending], self.group, torch.device("cpu"), "ready flag from the actor")
+            self.pending = None
+
+    def raise_(self) -> None:
+        """On the actor's first rank: one send to each engine rank (the previous step's sends finished first)."""
+        self.finish()
+        self.sends = [dist.isend(torch.ones(1), dst=r, group=self.group) for r in self.engines]
+
+    def finish(self) -> None:
+        """Every flag sent or received has completed (at the end of the run, before the groups go)."""
+        self.wait()
+        wait_all(self.sends, self.group, torch.device("cpu"), "ready flag to an engine")
+        self.sends = []

@@ -198,7 +198,7 @@ class WeightSync:
             return
         works = [dist.broadcast(buffer[start:end], src=self.root, group=self.group, async_op=True)
                  for buffer, chunks in zip(self.buffers, self.chunks) for start, end, _ in chunks]
-        wait_all(works, self.group, self.device, "bucket broadcast")  # type: ignore[arg-type]
+        wait_all(works, self.group, self.device, "weight sync: a bucket broadcast")  # type: ignore[arg-type]
         if self.check_names:
             sent = broadcast_json(None, self.root, self.group, self.device)
             self._verify(sent, dict(self.engine_model.named_parameters()))  # type: ignore[union-attr,arg-type]
@@ -231,7 +231,7 @@ class WeightSync:
                     assert name == e.name, (name, e.name)  # the plan follows the root's gather order
                     staging = self.buffers[k] if self.zero_copy else self.buffers[k % 2]
                     if not self.zero_copy and i == 0 and k >= 2:  # refill a staging buffer only after its last bucket left
-                        wait_all(in_flight[k - 2], self.group, self.device, "bucket broadcast")
+                        wait_all(in_flight[k - 2], self.group, self.device, "weight sync: a bucket broadcast")
                     view = entry_view(staging, e)
                     if not (self.zero_copy and full.aliases(name, view)):
                         full.write(name, view)
@@ -244,7 +244,7 @@ class WeightSync:
                         in_flight[k].append(dist.broadcast(staging[start:end], src=self.root, group=self.group,
                                                            async_op=True))
         assert next(entries, None) is None, "the actor yielded fewer parameters than the bucket plan"
-        wait_all([w for works in in_flight for w in works], self.group, self.device, "bucket broadcast")
+        wait_all([w for works in in_flight for w in works], self.group, self.device, "weight sync: a bucket broadcast")
         if self.check_names:
             broadcast_json(checks, self.root, self.group, self.device)
         if self.zero_copy and strays and self.actor_params.zero_copy_blocker(self.wire_dtype, self.device) is None:

@@ -15,6 +15,7 @@ Pure bookkeeping around Engine.sample: no collective, no torch.distributed.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from rlrun.data.batching import derive_seed, shard
@@ -72,20 +73,30 @@ class SequencePool:
         self.next_prompt_step: int | None = None
         self.chunks = 0  # chunk calls so far: each draws from its own seed
 
-    def take(self, step: int, version: int) -> list[InFlightRow]:
+    def take(self, step: int, version: int, trained: Callable[[], bool] | None = None) -> list[InFlightRow]:
         """The rows_per_step rows (whole groups) that step `step` trains on, sampling with the engine's current
         weights, which are policy version `version` (step - 1 while the learners train on the step before, or
-        `step` itself for a synchronous first step)."""
+        `step` itself for a synchronous first step). With `trained` (the learners' flag: True once they have
+        trained), the engine goes on with its unfinished rows, a chunk at a time, until they have, or until those
+        are finished."""
         if self.next_prompt_step is None:
             self.next_prompt_step = step
         self._restart_stale(step)
-        while sum(len(g) for g in self.ready) < self.s.rows_per_step:
+        while self._rows(self.ready) < self.s.rows_per_step:
             self._admit()
             self._advance(version)
+        # Ahead of the learners: continue the rows in flight (no new prompts: a row started now would wait behind
+        # this step's finished groups and grow stale), so a later step finds them further along.
+        while trained is not None and not trained() and not all(row.done for g in self.active for row in g):
+            self._advance(version, ahead=True)
         rows: list[InFlightRow] = []
         while len(rows) < self.s.rows_per_step:
             rows += self.ready.popleft()
         return rows
+
+    @staticmethod
+    def _rows(groups: Iterable[list[InFlightRow]]) -> int:
+        return sum(len(g) for g in groups)
 
     def _restart_stale(self, step: int) -> None:
         """Groups that would train at `step` (or later) with a token older than --max_staleness allows start over;
@@ -103,12 +114,12 @@ class SequencePool:
         self.active = back + self.active
 
     def _admit(self) -> None:
-        """Fill the free places with new groups: --max_staleness steps' rows in flight (more could not be trained
-        before they were too stale). More rows than one step takes is what lets a step go before its longest
-        responses end: a GPU decodes twice the rows in about the time of one (memory-bound); a CPU does not, so
-        there the pool costs more than it saves (bench/async_train.py)."""
+        """Fill the free places with new groups: --max_staleness steps' rows held (generating or finished), since
+        more could not be trained before they were too stale. More rows than one step takes is what lets a step
+        go before its longest responses end: a GPU decodes twice the rows in about the time of one (memory-bound);
+        a CPU does not, so there the pool costs more than it saves (bench/async_train.py)."""
         n = self.s.n_samples
-        while sum(len(g) for g in self.active) + n <= self.s.rows_per_step * self.s.max_staleness:
+        while self._rows(self.active) + self._rows(self.ready) + n <= self.s.rows_per_step * self.s.max_staleness:
             if not self.waiting:
                 self._draw_prompts()
             record = self.waiting.popleft()
@@ -122,32 +133,35 @@ class SequencePool:
         self.waiting.extend(indices[shard(len(indices), self.engines, self.slot)])
         self.next_prompt_step += 1
 
-    def _advance(self, version: int) -> None:
-        """Generate for every unfinished row until enough groups finished to fill the step (rlrun's native engine
-        stops its decode right there; other engines run one chunk of --partial_rollout_tokens); groups whose rows
-        all finished move to `ready`."""
+    def _advance(self, version: int, *, ahead: bool = False) -> None:
+        """Generate for every unfinished row: until enough groups finished to fill the step (rlrun's native engine
+        stops its decode right there; other engines run one chunk of --partial_rollout_tokens), or, `ahead` of the
+        learners, one chunk. Groups whose rows all finished move to `ready`."""
         rows = [row for group in self.active for row in group if not row.done]
         seed = derive_seed(self.s.seed, "partial_rollout", self.chunks, self.slot)
         self.chunks += 1
-        prompts, cap = [row.prompt + row.tokens for row in rows], self.s.max_new_tokens
+        prompts, cap, chunk = [row.prompt + row.tokens for row in rows], self.s.max_new_tokens, self.s.chunk_tokens
+        room = [cap - len(row.tokens) for row in rows]
         if isinstance(self.engine, NativeEngine):
             groups = [g for g, group in enumerate(self.active) for row in group if not row.done]
-            missing = self.s.rows_per_step - sum(len(g) for g in self.ready)
-            need = -(-missing // self.s.n_samples)
-            out, ended = self.engine.sample_until(prompts, seed, [cap - len(row.tokens) for row in rows], groups, need)
+            if ahead:
+                limits, need = [min(chunk, r) for r in room], len(self.active)
+            else:
+                limits, need = room, -(-(self.s.rows_per_step - self._rows(self.ready)) // self.s.n_samples)
+            out, stopped = self.engine.sample_until(prompts, seed, limits, groups, need)
         else:
-            chunk = self.s.chunk_tokens
+            limits = [chunk] * len(rows)
             out = self.engine.sample(prompts, seed, max_new_tokens=chunk)
-            # ended: EOS (or a stop) came before the chunk's end, or the response reached --generate_max_len
-            ended = [len(new) < chunk or (bool(new) and new[-1] == self.s.eos_id) or len(row.tokens) + len(new) >= cap
-                     for row, new in zip(rows, out.responses)]
+            stopped = [True] * len(rows)
         log_probs = out.log_probs or [[0.0] * len(r) for r in out.responses]
-        for row, new, lps, end in zip(rows, out.responses, log_probs, ended):
+        for row, new, lps, limit, end in zip(rows, out.responses, log_probs, limits, stopped):
             kept = new[:cap - len(row.tokens)]
             row.tokens += kept
             row.log_probs += lps[:len(kept)]
             row.versions += [version] * len(kept)
-            row.done = end
+            # finished: it stopped short of its limit (EOS, a stop), sampled EOS, or reached --generate_max_len;
+            # a row that ran to a chunk's end, or was still running when the decode stopped early, goes on
+            row.done = end and (len(new) < limit or (bool(new) and new[-1] == self.s.eos_id)) or len(row.tokens) >= cap
         finished = [g for g in self.active if all(row.done for row in g)]
         self.active = [g for g in self.active if not all(row.done for row in g)]
         self.ready.extend(finished)

@@ -21,7 +21,7 @@ from rlrun.data.rollout import RolloutBatch, pack_log_probs, pack_rows, unpack_r
 from rlrun.engines.base import REPORTS_LOG_PROBS
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
-from rlrun.launch.transfer import broadcast_json, gather_from
+from rlrun.launch.transfer import ReadyFlag, broadcast_json, gather_from
 from rlrun.rewards.reward_fn import reward_responses
 from rlrun.rl.build import Prompts, RankRoles
 from rlrun.rl.partial_rollout import PoolSettings, SequencePool
@@ -79,23 +79,31 @@ class RolloutSource:
                                     int(tokenizer.eos_token_id), t.seed)
             self.pool = SequencePool(roles.engine, prompts.ids, sampler, self.engine_ranks.index(self.rank), engines,
                                      settings)
+        # the actor's first rank tells the engines when it has trained, so that they generate ahead until then
+        ready = groups.get("ready")
+        self.flag = ReadyFlag(ready) if self.partial and ready is not None else None
 
     def generate(self, step: int) -> StepOutputs:
         """Engine ranks sample their share (single responses, or agent episodes); every rank receives the
         whole batch (and the function or agent scores)."""
         return self.exchange(step, self.produce(step, step) if self.roles.engine is not None else None)
 
-    def produce(self, step: int, version: int) -> LocalRollout:
+    def produce(self, step: int, version: int, overlapped: bool = False) -> LocalRollout:
         """An engine rank's share of step `step`'s rollouts, packed for the wire, sampled by the engine's weights,
-        which are policy version `version`. Local work only (no collective), so with --async_train it runs while
-        the learners train."""
+        which are policy version `version`. Local work only (no collective but the actor's ready flag), so with
+        --async_train it runs while the learners train (`overlapped`: then --partial_rollout's engines generate
+        ahead until the actor has trained, signal_trained)."""
         assert self.roles.engine is not None
         t0 = time.perf_counter()
         cfg, n = self.cfg, self.cfg.train.n_samples_per_prompt
         slot = self.engine_ranks.index(self.rank)
         out = LocalRollout()
         if self.pool is not None:
-            rows = self.pool.take(step, version)
+            trained = None
+            if overlapped and self.flag is not None:
+                self.flag.arm()
+                trained = self.flag.raised
+            rows = self.pool.take(step, version, trained)
             mine, responses = [row.record for row in rows], [row.tokens for row in rows]
             prompt_ids, engine_lp = [row.prompt for row in rows], [row.log_probs for row in rows]
             out.versions = torch.tensor([[row.staleness(step), len(set(row.versions)) > 1, row.restarted]
@@ -117,6 +125,16 @@ class RolloutSource:
             responses, engine_lp = generation.responses, generation.log_probs
             self._reward(out, mine, responses)
         return self._pack(out, prompt_ids, responses, engine_lp, t0)
+
+    def signal_trained(self) -> None:
+        """On the actor's first rank, after each overlapped step's update: the engines may stop generating ahead."""
+        if self.flag is not None and self.rank == self.flag.source:
+            self.flag.raise_()
+
+    def finish(self) -> None:
+        """The ready flags of the run have all arrived (before the process groups are destroyed)."""
+        if self.flag is not None:
+            self.flag.finish()
 
     def _reward(self, out: LocalRollout, records: list[int], responses: list[list[int]]) -> None:
         """The reward function's scores of single responses (none when a reward model scores them later)."""

@@ -231,10 +231,12 @@ class Trainer:
         if self.roles.engine is not None:
             if step + 1 < self.total_steps:
                 with self.phase("generate", step + 1):
-                    ahead = self.rollouts.produce(step + 1, step)
+                    ahead = self.rollouts.produce(step + 1, step, overlapped=True)
             learned = None
         else:
             learned = self.learn(step, out, times)
+            if step + 1 < self.total_steps:  # the engines are generating step+1 (and ahead): tell them
+                self.rollouts.signal_trained()
         t3 = time.perf_counter()
         with self.phase("sync", step):
             self.sync_weights()
@@ -321,6 +323,7 @@ class Trainer:
                 sink.log_eval(step + 1, evals)
             if on_step_end is not None:
                 on_step_end(step + 1)
+        self.rollouts.finish()
         self.sleep.wake_all()
         return history
 
