@@ -1,15 +1,16 @@
 """--partial_rollout: one engine rank's sequences in flight across weight syncs.
 
 A synchronous step waits for its longest response, so with long-tailed lengths most decode steps run a nearly
-empty batch. Here an engine keeps one step's share of rows in flight and decodes them in chunks of
---partial_rollout_tokens; a step takes the first whole groups (all n samples of a prompt) to finish, finished
-groups are replaced by new prompts at once, and the unfinished rows carry over the weight sync and continue
-(their prompt plus the tokens so far, prefilled again, under the new weights) as OpenRLHF's partial rollout and
-verl's fully-async rollouter do. Every token remembers the policy version that sampled it, so a step knows each
-row's staleness; a group holding a token more than --max_staleness versions older than the policy that trains
-on it is restarted from its prompt (verl throttles instead; OpenRLHF bounds nothing).
+empty batch. Here an engine holds up to --max_staleness steps' rows (generating or finished); a step takes the
+first whole groups (all n samples of a prompt) to finish, finished groups are replaced by new prompts, and the
+unfinished rows carry over the weight sync and continue (their prompt plus the tokens so far, prefilled again,
+under the new weights) as OpenRLHF's partial rollout and verl's fully-async rollouter do; while the learners
+train, the engine goes on with its unfinished rows until they say they have. Every token remembers the policy
+version that sampled it, so a step knows each row's staleness; a group holding a token more than
+--max_staleness versions older than the policy that trains on it is restarted from its prompt (verl throttles
+instead; OpenRLHF bounds nothing).
 
-Pure bookkeeping around Engine.sample: no collective, no torch.distributed.
+Bookkeeping around the engine's sampling: no collective (the learners' flag is a callable the caller passes).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class SequencePool:
         """Fill the free places with new groups: --max_staleness steps' rows held (generating or finished), since
         more could not be trained before they were too stale. More rows than one step takes is what lets a step
         go before its longest responses end: a GPU decodes twice the rows in about the time of one (memory-bound);
-        a CPU does not, so there the pool costs more than it saves (bench/async_train.py)."""
+        a CPU does not, so there it costs about what it saves (bench/async_train.py)."""
         n = self.s.n_samples
         while self._rows(self.active) + self._rows(self.ready) + n <= self.s.rows_per_step * self.s.max_staleness:
             if not self.waiting:
