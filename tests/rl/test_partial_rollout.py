@@ -153,3 +153,16 @@ def test_run_streams_partial_rollouts_and_resumes(base, tmp_path):
     assert "at step 8" in resumed.output
     assert [m["step"] for m in resumed.metrics] == [9, 10]
     assert all(m["async/staleness_max"] <= 2 for m in resumed.metrics)
+
+
+def test_verl_fully_async_keys():
+    """verl's fully-async trainer keys (verl/experimental/fully_async_policy): partial_rollout turns the async loop
+    and partial rollouts on; the keys rlrun does differently are reported with what rlrun does instead."""
+    parsed = parse_args(["async_training.partial_rollout=True", "async_training.staleness_threshold=0.5",
+                         "async_training.trigger_parameter_sync_step=4", "rollout.n_gpus_per_node=4"])
+    assert parsed.config.train.async_train and parsed.config.train.partial_rollout
+    ignored = {line.split(":")[0]: line for line in parsed.ignored}
+    assert "--max_staleness" in ignored["async_training.staleness_threshold"]
+    assert {"async_training.trigger_parameter_sync_step", "rollout.n_gpus_per_node"} <= ignored.keys()
+    off = parse_args(["async_training.partial_rollout=false"]).config.train
+    assert off.async_train and not off.partial_rollout

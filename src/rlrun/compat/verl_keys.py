@@ -135,6 +135,13 @@ def _logger(value: Any) -> list[tuple[str, Any]]:
     return out
 
 
+def _fully_async(value: Any) -> list[tuple[str, Any]]:
+    """async_training.partial_rollout: verl's fully-async trainer is asynchronous whatever the value (--async_train);
+    true continues unfinished responses across weight syncs (--partial_rollout)."""
+    return [("async_train", True), ("partial_rollout", as_bool(value, "async_training.partial_rollout"))]
+
+
+FULLY_ASYNC = "verl's fully-async trainer setting; rlrun's --partial_rollout "
 # --- the key table ---------------------------------------------------------------------------------------------
 
 A, R, C = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "critic."
@@ -338,6 +345,18 @@ VERL_KEYS: dict[str, Meaning] = {
     "trainer.log_val_generations": Skip(NOT_YET),
     "trainer.balance_batch": Skip("rlrun splits rollouts evenly by count"),
     "trainer.device": Skip("rlrun picks the device with --device"),
+    # verl's fully-async trainer (verl/experimental/fully_async_policy)
+    "async_training.partial_rollout": Expand(_fully_async),
+    "async_training.staleness_threshold": Skip(FULLY_ASYNC + "bounds each sample's age in policy versions instead "
+                                               "of verl's share of stale samples: --max_staleness (default 2)"),
+    "async_training.trigger_parameter_sync_step": Skip(FULLY_ASYNC + "syncs the engines' weights after every update"),
+    "async_training.require_batches": Skip(FULLY_ASYNC + "trains one --rollout_batch_size batch per step"),
+    "async_training.use_rollout_log_probs": Skip(FULLY_ASYNC + "takes the PPO ratio against the actor's recomputed "
+                                                 "log-probs (OpenRLHF's way); the engine's feed --is_correction_level"),
+    "async_training.compute_prox_log_prob": Skip(FULLY_ASYNC + "always recomputes the actor's log-probs"),
+    "rollout.nnodes": Skip("rlrun places the engines with --vllm_num_engines (and --vllm_tensor_parallel_size)"),
+    "rollout.n_gpus_per_node": Skip("rlrun places the engines with --vllm_num_engines (and --vllm_tensor_parallel_size)"),
+    "rollout.total_rollout_steps": Skip("rlrun's steps: trainer.total_training_steps (--max_steps)"),
     "trainer.del_local_ckpt_after_load": Skip(NOT_YET),
     "trainer.ray_wait_register_center_timeout": Skip(RAY_ONLY),
     # Search-R1 top-level keys

@@ -82,7 +82,8 @@ def plan(cfg: Config, world_size: int, ranks_per_node: int, node_labels: Sequenc
                              "a weight sync, so none is continued; use --max_staleness 2 or more to continue them")
     if cfg.train.async_queue_size != 1:
         algo_warnings.append(f"--async_queue_size {cfg.train.async_queue_size} ignored: rlrun's --async_train keeps exactly "
-                             "one rollout batch in flight (one step off-policy, deterministic)")
+                             "one rollout batch in flight (one step off-policy, deterministic); with --partial_rollout, "
+                             "--max_staleness bounds how many versions old a sample may be")
     return Plan(layout, tuple(layout.warnings) + tuple(eval_warnings) + tuple(algo_warnings)
                 + tuple(missing_path_warnings(cfg)))
 
