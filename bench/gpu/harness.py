@@ -87,6 +87,9 @@ RUNS: tuple[Run, ...] = (
     # Two ranks on one GPU: NCCL refuses two ranks of a group on one device, so every group is gloo here.
     Run("disagg_gloo_async", ("--dist_backend", "gloo", "--vllm_sync_backend", "gloo", "--vllm_num_engines", "1",
                               "--actor_num_gpus_per_node", "1", "--async_train"), steps=10, ranks=2),
+    # --partial_rollout: the engine's pool, sample_until on CUDA, the actor's ready flag (gloo) beside gloo collectives
+    Run("disagg_gloo_partial", ("--dist_backend", "gloo", "--vllm_sync_backend", "gloo", "--vllm_num_engines", "1",
+                                "--actor_num_gpus_per_node", "1", "--async_train", "--partial_rollout"), steps=10, ranks=2),
     Run("disagg_gloo_sync", ("--dist_backend", "gloo", "--vllm_sync_backend", "gloo", "--vllm_num_engines", "1",
                              "--actor_num_gpus_per_node", "1"), steps=10, ranks=2),
     Run("deepspeed_disagg_gloo", ("--strategy", "deepspeed", "--zero_stage", "2", "--dist_backend", "gloo",
