@@ -100,8 +100,7 @@ class NativeEngine(TorchEngine):
                stop: tuple[str, ...] = ()) -> Generation:
         if stop and self.tokenizer is None:
             raise ValueError("NativeEngine needs its tokenizer for stop strings")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("NativeEngine got an empty prompt; every prompt needs at least one token")
+        _check_prompts(prompts)
         s = self.sampling
         new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
         responses: list[list[int]] = [[] for _ in prompts]
@@ -130,8 +129,7 @@ class NativeEngine(TorchEngine):
         or limits[i] new tokens), then stop: (the responses so far, which rows finished). --partial_rollout takes the
         finished groups and continues the others later, so a step does not wait for its longest response. When the
         KV budget splits the rows into several batches, each batch runs to its end (correct, without the early stop)."""
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("NativeEngine got an empty prompt; every prompt needs at least one token")
+        _check_prompts(prompts)
         new = max(limits)
         batches = self._batches(prompts, new)
         group_ids = torch.tensor(groups)
@@ -304,6 +302,11 @@ class NativeEngine(TorchEngine):
         hits = [running[i] and any(x in self.tokenizer.decode(row, skip_special_tokens=False) for x in stop)  # type: ignore[union-attr]
                 for i, row in enumerate(tail)]
         return torch.tensor(hits, dtype=torch.bool, device=out.device)
+
+
+def _check_prompts(prompts: list[list[int]]) -> None:
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("NativeEngine got an empty prompt; every prompt needs at least one token")
 
 
 class _StaticStep:

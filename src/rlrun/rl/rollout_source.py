@@ -113,10 +113,10 @@ class RolloutSource:
         records = [i for i in self.sampler.indices(step) for _ in range(n)]
         mine = records[shard(len(records), len(self.engine_ranks), slot)]
         prompt_ids = [self.prompts.ids[i] for i in mine]
-        texts, meta = [self.prompts.texts[i] for i in mine], self.prompts.meta(mine)
         seed = derive_seed(cfg.train.seed, "generate", step, slot)
         if self.roles.agents is not None:
-            episodes = self.roles.agents.run(self.roles.engine, texts, prompt_ids, meta.labels, seed)
+            texts, labels = [self.prompts.texts[i] for i in mine], self.prompts.meta(mine).labels
+            episodes = self.roles.agents.run(self.roles.engine, texts, prompt_ids, labels, seed)
             prompt_ids, responses, engine_lp = episodes.prompts, episodes.responses, episodes.log_probs
             out.scores, out.agent_stats = episodes.rewards, episodes.stats
             out.masks = pack_log_probs(episodes.action_masks, cfg.generation.generate_max_len)
