@@ -22,7 +22,7 @@ TIERS: list[set[str]] = [
     {"config"},
     {"checkpoint", "serving", "models"},
     {"data", "rewards", "compat"},
-    {"cli", "reporting", "launch"},
+    {"cli", "reporting", "launch", "vision"},
     {"strategies", "engines"},
     {"roles", "agents"},
     {"rl", "supervised"},

@@ -46,8 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         labels = (read_node_label(),) if asks_node_labels(parsed.config) and one_node else None
         first = plan(parsed.config, env.world_size, env.local_world_size, labels)  # bad layouts fail before the import below
         from rlrun.engines.choice import choose_generation  # noqa: PLC0415 - imports transformers (seconds)
+        from rlrun.vision.support import check_vision_run  # noqa: PLC0415
 
         choice = choose_generation(parsed.config, uses_cuda(parsed.config.runtime.device))
+        check_vision_run(choice.config)
         if choice.backend == parsed.config.generation.generation_backend:
             return parsed, choice, first
         return parsed, choice, plan(choice.config, env.world_size, env.local_world_size, labels)

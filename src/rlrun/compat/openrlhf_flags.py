@@ -51,7 +51,6 @@ Meaning = Union[Same, ByValue, Ignored]
 
 SHARED = "rlrun uses one value for actor and critic; set it with the --actor.* flag"
 MUON = "only used with --{optim} muon; rlrun trains with AdamW only"
-VLM = "vision-language models are not implemented in rlrun yet; it has no effect"
 MIN_LR_RATIO = "rlrun's cosine schedule decays to 0.1 x lr, OpenRLHF's default"
 
 
@@ -230,9 +229,9 @@ OPENRLHF_DOTTED: dict[str, Meaning] = {
     "data.input_template": Same("input_template", 1),
     "data.apply_chat_template": Same("apply_chat_template", 0),
     # vision-language models
-    "data.image_key": Ignored(1, VLM),
-    "data.max_images_per_prompt": Ignored(1, VLM),
-    "actor.freeze_visual_encoder": Ignored(0, VLM),
+    "data.image_key": Same("image_key", 1),
+    "data.max_images_per_prompt": Same("max_images_per_prompt", 1),
+    "actor.freeze_visual_encoder": Same("freeze_visual_encoder", 0),
     # loggers
     "logger.wandb.key": Same("use_wandb", 1),
     "logger.wandb.org": Same("wandb_org", 1),

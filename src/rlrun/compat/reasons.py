@@ -10,7 +10,6 @@ LAUNCHER = "set by the launcher: torchrun/srun give every process its rank"
 # something else, so each is refused at start-up with the reason (until rlrun implements it), unless its value is
 # one that asks for nothing (OFF: 0, false, null, the peer's default). Keys are rlrun's classic flag names, OpenRLHF
 # 0.11's dotted names and verl keys; the value is what ignoring the flag would do.
-_VLM = "vision-language data is not implemented in rlrun yet: it would train on the text alone"
 # bitsandbytes' 4-bit kernels exist on CUDA only, and the adapters on a 4-bit base (QLoRA) need their own dtype and
 # weight-sync handling that rlrun does not have; refused everywhere rather than on CPU alone.
 QLORA = ("bitsandbytes 4-bit loading is CUDA-only and rlrun does not implement QLoRA: it would load and train the "
@@ -22,7 +21,6 @@ _MEGATRON_LORA = ("verl's Megatron-backend LoRA (model.lora.*) is not read by rl
 CHANGES_TRAINING: dict[str, str] = {
     "load_in_4bit": QLORA,
     "actor_rollout_ref.model.lora.rank": _MEGATRON_LORA, "critic.model.lora.rank": _MEGATRON_LORA,
-    "data.image_key": _VLM, "image_key": _VLM,
     "ptx_coef": "the pretraining (PTX) loss is not implemented in rlrun yet: it would train without it",
     "aux_loss_coef": "the MoE auxiliary loss is not implemented in rlrun yet: it would train without it",
     "freezing_actor_steps": "freezing the actor for the first steps is not implemented in rlrun yet: it would train "

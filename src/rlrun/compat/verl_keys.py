@@ -69,7 +69,6 @@ ONE_SCORING_BUDGET = ("rlrun scores rollouts with one token budget: "
                       "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (--rollout_max_tokens_per_gpu)")
 SEQ_PARALLEL = "sequence parallelism is " + NOT_YET
 FSDP2 = "rlrun trains with FSDP2, the default, or DeepSpeed ZeRO-0/1/2 (ZeRO-3 with every model on every rank) with --strategy deepspeed; see --zero_stage, --adam_offload"
-VLM = "vision-language models are " + NOT_YET
 WORLD = "torchrun/srun set the world size; this run has {world_size} rank(s)"  # filled in by translate
 SHM = "verl copies the model to /dev/shm before loading it, a loading-speed setting; rlrun reads it where it is"
 ADAPTER_PATH = ("rlrun starts from a saved LoRA adapter when the model path is the adapter directory: pass it as "
@@ -168,7 +167,7 @@ VERL_KEYS: dict[str, Meaning] = {
     "data.return_raw_input_ids": Skip("rlrun keeps the raw prompt text for the reward anyway"),
     "data.tokenizer": Skip("rlrun uses the policy's tokenizer"),
     "data.trust_remote_code": Skip(NOT_YET),
-    "data.image_key": Skip(VLM),
+    "data.image_key": To("image_key"),
     "data.reward_fn_key": Part("data"),
     "data.apply_chat_template_kwargs": To("apply_chat_template_kwargs"),
     "data.dataloader_num_workers": Skip("rlrun reads the prompt file once, in each process"),
@@ -247,7 +246,7 @@ VERL_KEYS: dict[str, Meaning] = {
     A + "strategy": Skip(FSDP2),
     A + "shuffle": Skip("rlrun always shuffles each rollout batch, seeded by --seed"),
     A + "state_masking": To("state_masking", as_bool),
-    A + "freeze_vision_tower": Skip(VLM),
+    A + "freeze_vision_tower": To("freeze_visual_encoder", as_bool),
     # reference model
     "actor_rollout_ref.ref.log_prob_micro_batch_size": Skip(ONE_MICRO),
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": Skip(ONE_MICRO),

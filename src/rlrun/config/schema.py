@@ -45,6 +45,7 @@ class PretrainedConfig:
 class ModelConfig(PretrainedConfig):
     """Models and reward sources."""
 
+    freeze_visual_encoder: bool = opt(False, "Vision-language policies: train the language model only; the vision tower and its projector keep their weights (no gradients, no optimizer state).")
     reward_pretrain: str | None = opt(None, "Reward model directory (sequence-classification or value-head model scoring the last token).")
     critic_pretrain: str | None = opt(None, "Critic initialisation. Unset: the reward model, else the policy.")
     remote_rm_url: str | None = opt(None, "Reward from a local Python file defining reward_func(queries, prompts, labels), or an http(s):// endpoint; 'demo' is the demo's rule. With no reward source at all only the demo runs (built-in prompts, embedded model); anything else must name one.")
@@ -260,6 +261,10 @@ class DataConfig(TemplateConfig):
     label_key: str | None = opt(None, "Field holding the label passed to the reward, as the value it is (a dotted path reaches nested fields: reward_model.ground_truth).")
     data_source_key: str = opt("data_source", "Field naming each prompt's data source (verl's data.reward_fn_key): it picks the built-in rule scorer and reaches compute_score.")
     apply_chat_template_kwargs: dict[str, Any] = opt({}, "Extra arguments for the tokenizer's chat template as JSON, e.g. '{\"enable_thinking\": false}' (verl's data.apply_chat_template_kwargs).")
+    image_key: str = opt("images", "Vision-language policies: field holding each prompt's images, placed at the prompt's <image> placeholders (verl's data.image_key). Images inside chat messages ({\"type\": \"image\", \"image\": ...}, OpenRLHF-M) need no key.")
+    max_images_per_prompt: int = opt(0, "Vision-language policies: most images one prompt may hold (OpenRLHF's flag, vLLM's limit_mm_per_prompt); a record with more is refused at start naming it. 0: no limit.")
+    min_pixels: int | None = opt(None, "Vision-language policies: smallest area (pixels) an image is resized to (OpenRLHF-M's --min_pixels). Unset: the model's preprocessor_config.json.")
+    max_pixels: int | None = opt(None, "Vision-language policies: largest area (pixels) an image is resized to (OpenRLHF-M's --max_pixels; fewer pixels, fewer image tokens). Unset: the model's preprocessor_config.json.")
 
 
 RETRIEVER_RETRY_BACKOFF_S = 0.5  # the retriever client sleeps this * 2**(k-1) before retry k

@@ -41,6 +41,7 @@ class PackedBatch:
     last_index: torch.Tensor
     num_sequences: int
     response_width: int
+    rows: tuple[tuple[int, ...], ...] = ()  # each packed row's sequences, in order (vision inputs follow it)
 
     def keep_mask(self) -> torch.Tensor:
         """[n, W] bool, True at pred_index: the vocab projection then runs on exactly those N positions, in
@@ -131,4 +132,5 @@ def pack_batch(batch: RolloutBatch, capacity: int | None, pad_id: int = 0) -> Pa
         last_index=torch.tensor(last, dtype=torch.long, device=device),
         num_sequences=len(lengths),
         response_width=R,
+        rows=tuple(tuple(row) for row in rows),
     )

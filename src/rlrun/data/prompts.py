@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from rlrun.data import records
 from rlrun.data.records import Messages
 from rlrun.data.sources import DataSpec, read_sources
 from rlrun.runtime.errors import DataError
+from rlrun.data.image_records import images_of
 
 @dataclass(frozen=True)
 class PromptRecord:
@@ -24,6 +26,8 @@ class PromptRecord:
     label: Any = None  # plain Python (a str, a number, {"target": [...]}, ...); None without --label_key
     data_source: str | None = None  # verl's reward_fn_key field: picks the rule scorer
     extra_info: dict[str, Any] | None = None  # verl's extra_info column, for compute_score
+    images: tuple[Any, ...] = ()  # the prompt's images in order (rlrun.data.image_records), loaded where it is generated
+    base_dir: str | None = None  # the data file's folder: relative image paths are also looked for there
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class PromptKeys:
     label_key: str | None = None
     data_source_key: str = "data_source"
     extra_info_key: str = "extra_info"
+    image_key: str = "images"  # verl's data.image_key: images placed at the prompt's <image> placeholders
 
 
 def _to_record(row: Any, index: int, path: str, keys: PromptKeys) -> PromptRecord:
@@ -50,11 +55,21 @@ def _to_record(row: Any, index: int, path: str, keys: PromptKeys) -> PromptRecor
     else:
         raise DataError(f"{at} has {keys.input_key!r} = {records.shown(value)}; a prompt must be a string or a list "
                         'of {"role": ..., "content": ...} chat messages.')
+    column = records.lookup(row, keys.image_key)
+    prompt, images = images_of(prompt, None if column is records.MISSING or column is None else column, at,
+                               keys.image_key)
     label = None if keys.label_key is None else records.plain(records.field(row, keys.label_key, "label_key", at))
     source = records.lookup(row, keys.data_source_key)
     extra = records.plain(records.lookup(row, keys.extra_info_key))
     return PromptRecord(prompt, label, source if isinstance(source, str) else None,
-                        extra if isinstance(extra, dict) else None)
+                        extra if isinstance(extra, dict) else None, images, _folder(path) if images else None)
+
+
+def _folder(source: str) -> str | None:
+    """The folder of a single data file or directory source (relative image paths are looked for there too)."""
+    if os.path.isfile(source):
+        return os.path.dirname(os.path.abspath(source))
+    return os.path.abspath(source) if os.path.isdir(source) else None
 
 
 def load_prompt_records(spec: DataSpec | str | None, keys: PromptKeys = PromptKeys(), max_samples: int | None = None

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 Messages = list[dict[str, Any]]
-_MISSING = object()
+MISSING = object()  # lookup() of a key a record lacks
 
 
 def where(path: str, index: int) -> str:
@@ -29,20 +29,20 @@ def where(path: str, index: int) -> str:
 
 
 def lookup(row: Mapping[str, Any], key: str) -> Any:
-    """row[key], else the dotted path `a.b.c` through nested mappings; _MISSING when neither exists."""
+    """row[key], else the dotted path `a.b.c` through nested mappings; MISSING when neither exists."""
     if key in row:
         return row[key]
     value: Any = row
     for part in key.split("."):
         if not isinstance(value, Mapping) or part not in value:
-            return _MISSING
+            return MISSING
         value = value[part]
     return value
 
 
 def field(row: Mapping[str, Any], key: str, flag: str, where: str) -> Any:
     value = lookup(row, key)
-    if value is _MISSING:
+    if value is MISSING:
         present = [str(name) for name in row]
         close = difflib.get_close_matches(key, present, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""

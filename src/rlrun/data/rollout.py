@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from rlrun.data.vision_batch import RowVision
+
 
 @dataclass
 class RolloutBatch:
@@ -22,6 +24,7 @@ class RolloutBatch:
                     included); in multi-turn episodes 0 on the environment's observation tokens
     prompt_len, response_len: [B] long
     engine_log_probs: [B, r] float or None, the engine's log-prob of each sampled response token (0 on padding)
+    vision:         the rows' prompt images (vision-language policies), None for text
     """
 
     sequences: torch.Tensor
@@ -30,6 +33,7 @@ class RolloutBatch:
     prompt_len: torch.Tensor
     response_len: torch.Tensor
     engine_log_probs: torch.Tensor | None = None
+    vision: RowVision | None = None
 
     @property
     def response_width(self) -> int:

@@ -154,7 +154,7 @@ def trim_padding(part: RolloutBatch) -> RolloutBatch:
     cols = slice(P - p, P + r)
     return RolloutBatch(part.sequences[:, cols], part.attention_mask[:, cols], part.action_mask[:, :r],
                         part.prompt_len, part.response_len,
-                        None if part.engine_log_probs is None else part.engine_log_probs[:, :r])
+                        None if part.engine_log_probs is None else part.engine_log_probs[:, :r], part.vision)
 
 
 def pad_responses(values: torch.Tensor, width: int) -> torch.Tensor:

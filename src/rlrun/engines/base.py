@@ -15,6 +15,8 @@ from transformers import PreTrainedTokenizerBase
 
 from rlrun.engines.stops import cut_at_stop
 from rlrun.runtime.errors import ConfigError
+from rlrun.data.vision_batch import RowVision
+from rlrun.vision.positions import generate_inputs
 
 # The backends whose engines return each sampled token's log-probability (Generation.log_probs).
 REPORTS_LOG_PROBS = frozenset({"native", "vllm"})
@@ -50,7 +52,8 @@ class Engine(Protocol):
                stop: tuple[str, ...] = ()) -> Generation:
         """generate() plus the sampled tokens' log-probabilities. max_new_tokens: this call's cap (default the
         settings'); stop: strings that end a response early (multi-turn agents). A response ends at the first
-        token that completes a stop string, that token included (rlrun.engines.stops.cut_at_stop)."""
+        token that completes a stop string, that token included (rlrun.engines.stops.cut_at_stop). Engines that
+        run vision-language policies (HFEngine) also take `vision=`, the rows' images (rlrun.data.vision_batch)."""
         ...
 
     def load_weights(self) -> None:
@@ -123,7 +126,7 @@ class HFEngine(TorchEngine):
 
     @torch.no_grad()
     def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
-               stop: tuple[str, ...] = ()) -> Generation:
+               stop: tuple[str, ...] = (), vision: RowVision | None = None) -> Generation:
         s = self.sampling
         stop_kwargs: dict = {}
         if stop:
@@ -136,6 +139,7 @@ class HFEngine(TorchEngine):
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
+        images = {} if vision is None else generate_inputs(self.model, ids.to(self.device), vision)
         # Sampling draws from the global RNG; a seed per (step, rank) makes rollouts reproducible
         # and resumable without saving generator state.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
@@ -144,7 +148,7 @@ class HFEngine(TorchEngine):
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
                 temperature=s.temperature, top_p=s.top_p, top_k=0,
                 max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                pad_token_id=s.pad_id, eos_token_id=s.eos_id, **stop_kwargs,
+                pad_token_id=s.pad_id, eos_token_id=s.eos_id, **stop_kwargs, **images,
             )
         responses = []
         for row in out[:, width:].tolist():

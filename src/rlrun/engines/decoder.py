@@ -34,6 +34,8 @@ _QK_NORM_TYPES = ("qwen3",)
 def unsupported_reason(config: object, max_len: int) -> str | None:
     """Why the decoder cannot run a model with this HF config for sequences of `max_len` tokens (None: it can)."""
     model_type = getattr(config, "model_type", None)
+    if getattr(config, "vision_config", None) is not None:
+        return f"{model_type!r} is a vision-language model (the native engine decodes text-only models)"
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {model_type!r} (the native engine runs {', '.join(SUPPORTED_MODEL_TYPES)})"
     act = getattr(config, "hidden_act", "silu")

@@ -14,13 +14,14 @@ import os
 import torch
 from torch import nn
 from transformers import PretrainedConfig as HFConfig
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+from transformers import (AutoConfig, AutoModelForSequenceClassification,
                           AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase)
 
 from rlrun.config.schema import Config, PretrainedConfig
 from rlrun.models.adapter_pretrain import (REWARD_NORM_FILE, AdapterMerged, base_folder, base_here, base_source,
                                            check_fits, checked_adapter, lora_settings, model_folder,
                                            resolve_adapter_pretrain, saved_mean_std, saved_shapes)
+from rlrun.models.architecture import policy_auto_class
 from rlrun.models.lora import adapter_dir, adapter_weights, add_adapters, is_adapter, saved_adapter_name
 from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config_for_size
 from rlrun.models.weights import (Chained, MemoryWeights, Unfilled, WeightSource, missing, open_weights, params_on_meta,
@@ -144,14 +145,16 @@ def unfilled_causal_lm(source: PretrainedConfig, seed: int, weights: WeightSourc
     """The policy, unallocated, with where its weights are (`policy_weights`): a strategy places it, whole or
     sharded, then fills it. A checkpoint whose names are not the model's (transformers converts some, e.g. fused
     MoE experts) is loaded whole by `from_pretrained` first (today's cost) and `note` says so."""
-    model = _skeleton(AutoModelForCausalLM, load_model_config(source), source, attn=source.pretrain is not None)
+    config = load_model_config(source)
+    auto = policy_auto_class(config)
+    model = _skeleton(auto, config, source, attn=source.pretrain is not None)
     note = None
     if weights is None or missing(model, weights):
         assert source.pretrain is not None
         adapter = checked_adapter(source.pretrain, "pretrain", policy=True)
         folder = source.pretrain if adapter is None else base_folder(adapter, "pretrain")
         lacking = "" if weights is None else f" ({', '.join(missing(model, weights)[:3])} not found under these names)"
-        full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **_attn_kwargs(source))
+        full = auto.from_pretrained(folder, dtype=torch.float32, **_attn_kwargs(source))
         weights = state_dict_weights(full) if adapter is None else AdapterMerged(state_dict_weights(full), adapter)
         note = f"{folder}: its weights are read whole on every rank before sharding{lacking}"
     if isinstance(weights, AdapterMerged):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
 
+from rlrun.models.architecture import policy_auto_class
 from rlrun.runtime.errors import ConfigError
 
 PAD_TOKEN = "<|pad|>"
@@ -151,14 +152,14 @@ def build_causal_lm(config: PretrainedConfig, seed: int, dtype: torch.dtype = to
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    head = model.get_output_embeddings()
-    if not config.tie_word_embeddings and isinstance(head, torch.nn.Linear):
+        model = policy_auto_class(config).from_config(config, dtype=dtype)
+    head, text = model.get_output_embeddings(), config.get_text_config()
+    if not text.tie_word_embeddings and isinstance(head, torch.nn.Linear):
         # HF's init (std 0.02) gives a width-64 model near-uniform logits (std 0.16) whose spread only the head itself
         # can change: adapters on the body (LoRA all-linear leaves the head out) cannot lift any token past ~1.5%.
         # std 1/sqrt(hidden), as a trained LM's logits spread, makes the random model learnable through its body too.
         with torch.no_grad():
-            head.weight.mul_(1.0 / (config.hidden_size ** 0.5 * config.initializer_range))
+            head.weight.mul_(1.0 / (text.hidden_size ** 0.5 * text.initializer_range))
     return model
 
 

@@ -25,7 +25,9 @@ from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import EngineRowExchange
 from rlrun.launch.weight_sync import ParamSource, WeightSync
 from rlrun.models.adapter_pretrain import lora_settings
-from rlrun.models.loading import load_critic, load_reward_model, policy_weights, trained_policy, unfilled_causal_lm
+from rlrun.models.architecture import is_vision_language
+from rlrun.models.loading import (load_critic, load_model_config, load_reward_model, model_folder, policy_weights,
+                                  trained_policy, unfilled_causal_lm)
 from rlrun.models.lora import add_scalar_adapters
 from rlrun.strategies.lora_params import MergedLoraParams
 from rlrun.models.weights import Unfilled
@@ -41,6 +43,9 @@ from rlrun.runtime.errors import DataError
 from rlrun.runtime.log import get_logger
 from rlrun.strategies.base import Strategy
 from rlrun.strategies.choose import make_strategy
+from rlrun.vision.processor import ImageInputs
+from rlrun.vision.positions import quiet_output_view_warning
+from rlrun.vision.tower import freeze_vision_tower
 
 if TYPE_CHECKING:
     from rlrun.engines.in_process import InProcessEngine
@@ -57,6 +62,7 @@ class Prompts:
     records: list[PromptRecord]  # the label, data source and extra info each reward source may read
     truncated: int
     dropped: int
+    images: ImageInputs | None = None  # a vision-language policy's image preprocessing (used where it generates)
 
     @property
     def labels(self) -> list[Any]:
@@ -120,14 +126,36 @@ def prompt_set(cfg: Config, tokenizer: PreTrainedTokenizerBase, spec: DataSpec |
     source = spec.sources if spec is not None else "<built-in prompts>"
     texts = [format_prompt(r.prompt, tokenizer, d.input_template, d.apply_chat_template, d.apply_chat_template_kwargs,
                            where=f"{source}: record {i}") for i, r in enumerate(records)]
+    images = image_inputs(cfg, records, source)
     max_len = cfg.generation.prompt_max_len
     if cfg.generation.prompt_overflow == "drop":
         full, _ = tokenize_prompts(texts, tokenizer, 10**12)
         keep = [i for i, ids in enumerate(full) if len(ids) <= max_len]
         return Prompts([texts[i] for i in keep], [full[i] for i in keep], [records[i] for i in keep], 0,
-                       len(texts) - len(keep))
+                       len(texts) - len(keep), images)
     ids, truncated = tokenize_prompts(texts, tokenizer, max_len)
-    return Prompts(texts, ids, records, truncated, 0)
+    return Prompts(texts, ids, records, truncated, 0, images)
+
+
+def image_inputs(cfg: Config, records: list[PromptRecord], source: str) -> ImageInputs | None:
+    """The image preprocessing of a vision-language policy (None for a text policy, whose prompts must hold no
+    images: they would be dropped without a word)."""
+    config = load_model_config(cfg.model)
+    if is_vision_language(config):
+        quiet_output_view_warning()
+        d = cfg.data
+        most = d.max_images_per_prompt
+        over = next((i for i, r in enumerate(records) if most > 0 and len(r.images) > most), None)
+        if over is not None:
+            raise DataError(f"{source}: record {over} has {len(records[over].images)} images, more than "
+                            f"--max_images_per_prompt {most}; raise it (0: no limit) or drop the record")
+        return ImageInputs(model_folder(cfg.model.pretrain, "pretrain"), config, d.min_pixels, d.max_pixels)
+    with_images = next((i for i, r in enumerate(records) if r.images), None)
+    if with_images is not None:
+        raise DataError(f"{source}: record {with_images} has images, but the policy "
+                        f"{cfg.model.pretrain or cfg.model.model_preset} is a text-only model; use a vision-language "
+                        "model (e.g. Qwen2.5-VL) or text-only prompts")
+    return None
 
 
 def make_sampler(cfg: Config, prompts: Prompts) -> PromptSampler:
@@ -289,6 +317,8 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
                                       is_correction=ISCorrection(a.is_correction_level, a.is_correction_mode,
                                                                  a.is_correction_gating, *a.is_correction_threshold))
         policy = trained_policy(next(policies), cfg.model, cfg.train.seed)
+        if cfg.model.freeze_visual_encoder:
+            freeze_vision_tower(policy.model)
         model, updater = _updater(cfg, policy, actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout,
                                   Role.ACTOR, rank)
         out.actor = Actor(model, updater, settings, device, packing=cfg.train.packing_samples,

@@ -21,10 +21,12 @@ from rlrun.data.rollout import RolloutBatch, pack_log_probs, pack_rows, unpack_r
 from rlrun.engines.base import REPORTS_LOG_PROBS
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
-from rlrun.launch.transfer import ReadyFlag, broadcast_json, gather_from
+from rlrun.launch.transfer import ReadyFlag, broadcast_json, gather_from, gather_vision
 from rlrun.rewards.reward_fn import reward_responses
 from rlrun.rl.build import Prompts, RankRoles
 from rlrun.rl.partial_rollout import PoolSettings, SequencePool
+from rlrun.runtime.errors import DataError
+from rlrun.data.vision_batch import PromptVision, RowVision
 
 
 @dataclass
@@ -35,12 +37,17 @@ class StepOutputs:
 
     def state(self) -> dict:
         """Tensors and numbers only (checkpoints load it with weights_only=True)."""
-        return {"batch": {f.name: getattr(self.batch, f.name) for f in fields(self.batch)}, "scores": self.scores,
-                "extra_logs": dict(self.extra_logs)}
+        batch = {f.name: getattr(self.batch, f.name) for f in fields(self.batch) if f.name != "vision"}
+        if self.batch.vision is not None:
+            batch["vision"] = self.batch.vision.state()
+        return {"batch": batch, "scores": self.scores, "extra_logs": dict(self.extra_logs)}
 
     @classmethod
     def from_state(cls, state: dict) -> "StepOutputs":
-        return cls(RolloutBatch(**state["batch"]), state["scores"], dict(state["extra_logs"]))
+        batch = dict(state["batch"])
+        if batch.get("vision") is not None:
+            batch["vision"] = RowVision.from_state(batch["vision"])
+        return cls(RolloutBatch(**batch), state["scores"], dict(state["extra_logs"]))
 
 
 @dataclass
@@ -57,6 +64,7 @@ class LocalRollout:
     extra: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     versions: torch.Tensor | None = None  # --partial_rollout: [b, 3] staleness, spans several versions, restarted
+    vision: RowVision | None = None  # vision-language policies: the rows' prompt images
 
 
 class RolloutSource:
@@ -82,6 +90,9 @@ class RolloutSource:
         # the actor's first rank tells the engines when it has trained, so that they generate ahead until then
         ready = groups.get("ready")
         self.flag = ReadyFlag(ready) if self.partial and ready is not None else None
+        # a vision-language policy: the engine ranks read and preprocess the images, and send them with the rows
+        self.vision = prompts.images is not None
+        self.images = prompts.images if roles.engine is not None else None
 
     def generate(self, step: int) -> StepOutputs:
         """Engine ranks sample their share (single responses, or agent episodes); every rank receives the
@@ -113,6 +124,8 @@ class RolloutSource:
         records = [i for i in self.sampler.indices(step) for _ in range(n)]
         mine = records[shard(len(records), len(self.engine_ranks), slot)]
         prompt_ids = [self.prompts.ids[i] for i in mine]
+        if self.images is not None:
+            prompt_ids, out.vision = self._with_images(mine)
         seed = derive_seed(cfg.train.seed, "generate", step, slot)
         if self.roles.agents is not None:
             texts, labels = [self.prompts.texts[i] for i in mine], self.prompts.meta(mine).labels
@@ -121,10 +134,27 @@ class RolloutSource:
             out.scores, out.agent_stats = episodes.rewards, episodes.stats
             out.masks = pack_log_probs(episodes.action_masks, cfg.generation.generate_max_len)
         else:
-            generation = self.roles.engine.sample(prompt_ids, seed)
+            images = {} if out.vision is None else {"vision": out.vision}
+            generation = self.roles.engine.sample(prompt_ids, seed, **images)
             responses, engine_lp = generation.responses, generation.log_probs
             self._reward(out, mine, responses)
         return self._pack(out, prompt_ids, responses, engine_lp, t0)
+
+    def _with_images(self, records: list[int]) -> tuple[list[list[int]], RowVision]:
+        """The rows' prompt ids with their image tokens expanded, and their images, each prompt's read once."""
+        assert self.images is not None
+        done: dict[int, tuple[list[int], PromptVision]] = {}
+        P = self.cfg.generation.prompt_max_len
+        for i in records:
+            if i not in done:
+                record = self.prompts.records[i]
+                where = f"prompt record {i}"
+                done[i] = self.images.prepare(self.prompts.ids[i], record.images, where, record.base_dir)
+                if len(done[i][0]) > P:
+                    raise DataError(f"{where} has {len(done[i][0])} tokens with its images' tokens, more than "
+                                    f"--prompt_max_len {P} (images are never cut); raise --prompt_max_len or lower "
+                                    "--max_pixels")
+        return [done[i][0] for i in records], RowVision.of_rows([done[i][1] for i in records])
 
     def signal_trained(self) -> None:
         """On the actor's first rank, after each overlapped step's update: the engines may stop generating ahead."""
@@ -160,6 +190,10 @@ class RolloutSource:
         mine = local or LocalRollout()
         gathered = gather_from(self.engine_ranks, mine.packed, (share, P + R + 2), torch.long, world, self.comm_device)
         batch = unpack_rows(gathered.cpu(), P)
+        if self.vision:
+            states = gather_vision(self.engine_ranks, None if mine.vision is None else mine.vision.state(), world,
+                                   self.comm_device)
+            batch.vision = RowVision.concat([RowVision.from_state(state) for state in states])
         extra = dict(mine.extra)
         if cfg.generation.generation_backend in REPORTS_LOG_PROBS:  # resolved at start: the same on every rank
             engine_lp = gather_from(self.engine_ranks, mine.log_probs, (share, R), torch.float32, world, self.comm_device)

@@ -22,6 +22,8 @@ from rlrun.data.packing import PackedBatch, assign_rows, pack_batch
 from rlrun.data.rollout import RolloutBatch
 from rlrun.data.token_batches import RowLengths, TokenBudget, pad_responses, restore_order, trim_padding
 from rlrun.models.loading import position_ids_from
+from rlrun.data.vision_batch import RowVision
+from rlrun.vision.positions import packed_inputs, padded_inputs
 
 # Attention kernels that take packed sequences as ONE row and run varlen attention on it (cost
 # sum(n_i^2)); every other kernel gets a dense block-diagonal mask per row, so rows stay as wide as
@@ -84,7 +86,8 @@ def vocab_log_probs(model: nn.Module, targets: torch.Tensor, temperature: float,
         logp, entropy = chunked_log_probs(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias,
                                           targets.reshape(-1), temperature, chunk, with_entropy)
         parts = (logp,) if entropy is None else (logp, entropy)
-        return torch.stack(parts, dim=-1).view(*targets.shape, len(parts))
+        # stacked last, not viewed after: FSDP2 warns on every call when a wrapped module returns a view
+        return torch.stack([part.view(targets.shape) for part in parts], dim=-1)
 
     head.forward = forward
     try:
@@ -94,15 +97,18 @@ def vocab_log_probs(model: nn.Module, targets: torch.Tensor, temperature: float,
 
 
 def response_log_probs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
-                       temperature: float, with_entropy: bool = False,
-                       logits_chunk: int = LOGITS_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       temperature: float, with_entropy: bool = False, logits_chunk: int = LOGITS_CHUNK,
+                       vision: RowVision | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, L] -> log-probs of the last `response_width` tokens [b, R] (and their entropy [b, R]).
 
     Logits are divided by the sampling temperature so the ratio is taken against the policy
     that actually sampled the tokens. Only the R + 1 last positions go through the vocab projection,
-    `logits_chunk` positions at a time where the model allows it (chunkable_head; <= 0: all at once)."""
+    `logits_chunk` positions at a time where the model allows it (chunkable_head; <= 0: all at once).
+    `vision`: the rows' images, for a vision-language policy (its pixels and multimodal positions join the call)."""
     kwargs = {"input_ids": sequences, "attention_mask": attention_mask, "use_cache": False,
               "position_ids": position_ids_from(attention_mask), "logits_to_keep": response_width + 1}
+    if vision is not None:
+        kwargs.update(padded_inputs(model, sequences, attention_mask, vision))
     targets = sequences[:, -response_width:]
     if logits_chunk > 0 and chunkable_head(model):
         # The last of the R + 1 positions predicts past the sequence: a dummy target (0) keeps the head's input and
@@ -165,18 +171,26 @@ def pack_for(model: nn.Module, part: RolloutBatch) -> PackedBatch:
     return pack_batch(part, None if one_row else part.sequences.shape[1])
 
 
+def _packed_kwargs(model: nn.Module, part: RolloutBatch, packed: PackedBatch) -> dict:
+    kwargs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False}
+    if part.vision is not None:
+        kwargs.update(packed_inputs(model, part, packed))
+    return kwargs
+
+
 def packed_response_log_probs(model: nn.Module, part: RolloutBatch, temperature: float, with_entropy: bool = False,
                               logits_chunk: int = LOGITS_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same as response_log_probs on `part` ([b, L] -> [b, R], 0 where there is no response token),
     computed on packed rows; the vocab projection runs on the N response positions only."""
     packed = pack_for(model, part)
+    kwargs = _packed_kwargs(model, part, packed)
     if logits_chunk > 0 and chunkable_head(model):
         with projected_only(model, packed.keep_mask()), \
                 vocab_log_probs(model, packed.targets().unsqueeze(0), temperature, logits_chunk, with_entropy):
-            per_token = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0]
+            per_token = model(**kwargs).logits[0]
         return packed.scatter(per_token[:, 0]), packed.scatter(per_token[:, 1]) if with_entropy else None
     with projected_only(model, packed.keep_mask()):
-        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+        out = model(**kwargs)
     logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # [N, V], in pred_index order
     logp = log_probs_from_logits(logits.unsqueeze(0), packed.targets().unsqueeze(0), temperature)[0]
     entropy = packed.scatter(entropy_from_logits(logits / temperature)) if with_entropy else None
@@ -208,7 +222,7 @@ def policy_log_probs(model: nn.Module, part: RolloutBatch, temperature: float, *
     if packing:
         return packed_response_log_probs(model, part, temperature, with_entropy, logits_chunk)
     return response_log_probs(model, part.sequences, part.attention_mask, part.response_width, temperature,
-                              with_entropy, logits_chunk)
+                              with_entropy, logits_chunk, part.vision)
 
 
 def token_values(model: nn.Module, part: RolloutBatch, *, packing: bool = False) -> torch.Tensor:

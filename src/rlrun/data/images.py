@@ -1,0 +1,114 @@
+"""Images as prompt datasets hold them, opened as RGB PIL images.
+
+The forms users bring (OpenRLHF-M / qwen_vl_utils' `fetch_image`, verl's `process_image`, HF datasets' Image
+feature): a local path (absolute, relative to the working directory, or relative to the data file's folder), a
+`file://` URI, an `http(s)://` URL, a `data:image/...;base64,` URI, raw encoded bytes, a `{"bytes": ..., "path": ...}`
+mapping (parquet and datasets' Image columns), a PIL image, or an [H, W, C] uint8 array. Every failure is one
+DataError naming the record and the image.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from typing import Any
+
+from rlrun.runtime.errors import DataError
+
+URL_TIMEOUT_S = 30.0
+_DATA_URI = "data:image"
+
+
+def _shown(ref: Any) -> str:
+    if isinstance(ref, (bytes, bytearray)):
+        return f"<{len(ref)} bytes>"
+    if isinstance(ref, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_shown(v)}" for k, v in ref.items()) + "}"
+    text = repr(ref)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _decoded(data: bytes, where: str, ref: Any) -> Any:
+    from PIL import Image, UnidentifiedImageError  # lazy: only VLM runs read images
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise DataError(f"{where}: image {_shown(ref)} is not a readable image ({exc}); fix or remove the record.") from exc
+    return image
+
+
+def _local(path: str, base_dir: str | None, where: str, ref: Any) -> bytes:
+    candidates = [path] if os.path.isabs(path) or base_dir is None else [path, os.path.join(base_dir, path)]
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            with open(candidate, "rb") as f:
+                return f.read()
+    tried = " or ".join(repr(os.path.abspath(c)) for c in candidates)
+    raise DataError(f"{where}: image {_shown(ref)} not found (looked for {tried}); image paths are absolute, relative "
+                    "to the working directory or to the data file's folder.")
+
+
+def _url(url: str, where: str) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=URL_TIMEOUT_S) as response:
+            return response.read()
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise DataError(f"{where}: image URL {url!r} could not be read within {URL_TIMEOUT_S:.0f} s ({exc}); "
+                        "download the images and give local paths.") from exc
+
+
+def _base64(uri: str, where: str) -> bytes:
+    _, _, payload = uri.partition("base64,")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise DataError(f"{where}: image {_shown(uri)} is a data URI whose base64 payload does not decode ({exc}).") from exc
+
+
+def load_image(ref: Any, where: str, base_dir: str | None = None) -> Any:
+    """`ref` (any form above) -> an RGB PIL image. `where` names the record in errors; `base_dir`: the data file's
+    folder, tried for relative paths after the working directory."""
+    from PIL import Image  # lazy: only VLM runs read images
+
+    if isinstance(ref, Image.Image):
+        image = ref
+    elif isinstance(ref, Mapping):
+        if ref.get("bytes") is not None:
+            return load_image(bytes(ref["bytes"]), where, base_dir)
+        inner = next((ref[k] for k in ("path", "image", "image_url", "url") if ref.get(k) is not None), None)
+        if isinstance(inner, Mapping) and "url" in inner:  # OpenAI's {"image_url": {"url": ...}}
+            inner = inner["url"]
+        if inner is None:
+            raise DataError(f"{where}: image {_shown(ref)} has none of the keys 'bytes', 'path', 'image', "
+                            "'image_url', 'url'; give one of them.")
+        return load_image(inner, where, base_dir)
+    elif isinstance(ref, (bytes, bytearray)):
+        image = _decoded(bytes(ref), where, ref)
+    elif isinstance(ref, str):
+        if ref.startswith(_DATA_URI):
+            data = _base64(ref, where)
+        elif ref.startswith(("http://", "https://")):
+            data = _url(ref, where)
+        else:
+            data = _local(ref.removeprefix("file://"), base_dir, where, ref)
+        image = _decoded(data, where, ref)
+    elif hasattr(ref, "__array_interface__") or hasattr(ref, "__array__"):
+        import numpy as np
+
+        array = np.asarray(ref)
+        try:
+            image = Image.fromarray(array.astype(np.uint8) if array.dtype != np.uint8 else array)
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"{where}: image array of shape {array.shape} and dtype {array.dtype} is not an image "
+                            f"([H, W], [H, W, 3] or [H, W, 4] values 0-255): {exc}") from exc
+    else:
+        raise DataError(f"{where}: image {_shown(ref)} ({type(ref).__name__}) is not a path, URL, data URI, bytes, "
+                        "{'bytes'/'path'} mapping, PIL image or array.")
+    return image.convert("RGB") if image.mode != "RGB" else image

@@ -1,0 +1,104 @@
+"""A vision-language model's forward inputs for rollout rows: pixel patches, image grids and the multimodal rotary
+positions (Qwen2-VL's mrope: temporal/height/width ids for image tokens, one shared id for text), computed by the
+model's own `get_rope_index` over each row's real tokens, for padded and packed rows alike (the transformers
+contract lives here)."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from rlrun.data.packing import PackedBatch
+from rlrun.data.rollout import RolloutBatch
+from rlrun.data.vision_batch import RowVision
+
+
+def quiet_output_view_warning() -> None:
+    """A VLM's forward output also carries the image features and rope deltas it computed, which FSDP2 flags on
+    every call as views that an in-place op could break; rlrun reads only the logits (never in place)."""
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+ForConditionalGeneration\) returned a view")
+
+
+def _rope_index(model: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The get_rope_index of the VLM inside `model` (itself, or what FSDP2, DeepSpeed or PEFT wrap)."""
+    for module in model.modules():
+        fn = getattr(module, "get_rope_index", None)
+        if callable(fn):
+            return fn
+    raise ValueError(f"{type(model).__name__} has no get_rope_index: rlrun's vision-language path runs models with "
+                     "Qwen2-VL's multimodal rotary positions (Qwen2-VL, Qwen2.5-VL)")
+
+
+def _config(model: nn.Module) -> Any:
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "image_token_id", None) is not None:
+            return config
+    raise ValueError(f"{type(model).__name__} has no config with an image_token_id")
+
+
+def mrope_positions(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    grid_thw: torch.Tensor | None) -> torch.Tensor:
+    """[b, L] tokens (images' tokens expanded), [b, L] mask, [images, 3] grids of the rows' images in row order ->
+    [3, b, L] positions; masked positions get 1, as transformers gives them."""
+    fn = _rope_index(model)
+    kwargs: dict[str, Any] = {"image_grid_thw": grid_thw, "attention_mask": attention_mask}
+    if "mm_token_type_ids" in inspect.signature(fn).parameters:  # transformers >= 5.2x marks image tokens itself
+        kwargs["mm_token_type_ids"] = (input_ids == int(_config(model).image_token_id)).int()
+    positions, _ = fn(input_ids, **kwargs)
+    return positions
+
+
+VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def vision_token_ids(model: nn.Module) -> list[int]:
+    """The ids of the tokens that mark images and videos in a prompt (Qwen2-VL's image pad, video pad, vision
+    start/end)."""
+    config = _config(model)
+    return [int(v) for v in (getattr(config, key, None) for key in VISION_TOKEN_KEYS) if v is not None]
+
+
+def generate_inputs(model: nn.Module, input_ids: torch.Tensor, vision: RowVision) -> dict[str, Any]:
+    """Extra kwargs of HF `generate` for left-padded prompts [b, P]: pixels, grids, (transformers >= 5.2x) the
+    image-token marks from which generate computes the multimodal positions itself, and the vision tokens
+    suppressed: a response holding an image token would be read as an image without pixels by every later forward
+    (a trained VLM gives them ~0 probability; a small or fresh one does not)."""
+    images: dict[str, Any] = vision.model_inputs(input_ids.device, torch.float32)
+    if images and "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        images["mm_token_type_ids"] = (input_ids == int(_config(model).image_token_id)).int()
+    images["suppress_tokens"] = vision_token_ids(model)
+    return images
+
+
+def padded_inputs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                  vision: RowVision) -> dict[str, torch.Tensor]:
+    """Forward kwargs for padded rows [b, L]: pixel_values, image_grid_thw and [3, b, L] position_ids."""
+    images = vision.model_inputs(sequences.device, torch.float32)
+    positions = mrope_positions(model, sequences, attention_mask, images.get("image_grid_thw"))
+    return {**images, "position_ids": positions}
+
+
+def packed_inputs(model: nn.Module, part: RolloutBatch, packed: PackedBatch) -> dict[str, torch.Tensor]:
+    """Forward kwargs for `part` packed as `packed` (rlrun.data.packing): pixel_values and image_grid_thw in packing
+    order, and [4, n, W] position_ids: first the text positions restarting per sequence (from which transformers
+    keeps the sequences apart), then each sequence's own mrope positions (as on its padded row)."""
+    assert part.vision is not None
+    device = packed.input_ids.device
+    order = [i for row in packed.rows for i in row]
+    images = part.vision[torch.tensor(order, dtype=torch.long)].model_inputs(device, torch.float32)
+    grids = part.vision.model_inputs(device, torch.float32).get("image_grid_thw")
+    own = mrope_positions(model, part.sequences, part.attention_mask, grids)  # [3, b, L]
+    positions = packed.position_ids.unsqueeze(0).repeat(4, 1, 1)
+    real = part.attention_mask.bool()
+    for r, row in enumerate(packed.rows):
+        col = 0
+        for i in row:
+            seq = own[:, i, real[i]]
+            positions[1:, r, col:col + seq.shape[1]] = seq
+            col += seq.shape[1]
+    return {**images, "position_ids": positions}

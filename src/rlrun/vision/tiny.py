@@ -1,0 +1,78 @@
+"""A tiny Qwen2.5-VL-class model built from config, saved the way `save_pretrained` lays a hub VLM out (config.json,
+safetensors, tokenizer files with a vision-aware chat template, preprocessor_config.json): the offline stand-in for
+Qwen2.5-VL-3B-Instruct in tests, the VLM demo and benchmarks. Nothing here touches the network."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from rlrun.models.tiny import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, BOS_ID, build_byte_tokenizer, build_causal_lm
+
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+# Ids follow the byte tokenizer's (bytes, then pad/bos/eos), in VISION_TOKENS' order.
+VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID = range(BYTE_VOCAB_SIZE, BYTE_VOCAB_SIZE + 4)
+VL_VOCAB_SIZE = BYTE_VOCAB_SIZE + len(VISION_TOKENS)
+# Each 28x28 block of pixels (a merged 2x2 group of 14-pixel patches) is one token: 56x56 images give 4.
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
+
+# Qwen2.5-VL's convention in the byte tokenizer's plain chat format: an image entry of a message's content list
+# ({"type": "image", ...}, or any entry with an "image" key) becomes <|vision_start|><|image_pad|><|vision_end|>,
+# which the image processor's grid expands to one pad token per merged patch.
+VL_CHAT_TEMPLATE = (
+    "{% macro render(content) %}{% if content is string %}{{ content }}{% else %}{% for part in content %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    + VISION_START + IMAGE_PAD + VISION_END +
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ render(message['content']) }}\n"
+    "{% elif message['role'] == 'user' %}User: {{ render(message['content']) }}\n"
+    "{% else %}Assistant: {{ render(message['content']) }}{{ eos_token }}\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}"
+)
+
+
+def build_vl_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte tokenizer plus Qwen2-VL's vision tokens (ids VISION_START_ID..VIDEO_PAD_ID) and VL_CHAT_TEMPLATE."""
+    tokenizer = build_byte_tokenizer()
+    tokenizer.add_tokens(list(VISION_TOKENS), special_tokens=True)
+    ids = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    assert ids == [VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID], ids
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_vl_config() -> Qwen2_5_VLConfig:
+    """A ~0.2M-parameter Qwen2.5-VL: the text model of rlrun's tiny Qwen2 (head_dim 32, as vLLM's CPU attention
+    needs) and a 2-block vision tower of width 32 (14-pixel patches, 2x2 merge, one windowed and one full block)."""
+    text = {"vocab_size": VL_VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 1024,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}, "tie_word_embeddings": False,
+            "pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+              "fullatt_block_indexes": [1], "in_channels": 3}
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_PAD_ID,
+                            video_token_id=VIDEO_PAD_ID, vision_start_token_id=VISION_START_ID,
+                            vision_end_token_id=VISION_END_ID, **text)
+
+
+def tiny_image_processor() -> Qwen2VLImageProcessorPil:
+    # The PIL processor: the default one needs torchvision, which has no build for rlrun's CPU torch.
+    return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, merge_size=2,
+                                 temporal_patch_size=2)
+
+
+def save_tiny_vl(path: str | os.PathLike[str], seed: int = 0, dtype: torch.dtype = torch.float32) -> str:
+    """Build the tiny VLM (identical for the same seed) and save model, tokenizer and image processor to `path`."""
+    model = build_causal_lm(tiny_vl_config(), seed=seed, dtype=dtype)
+    model.save_pretrained(path)
+    build_vl_tokenizer().save_pretrained(path)
+    tiny_image_processor().save_pretrained(path)
+    return str(path)
