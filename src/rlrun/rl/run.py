@@ -141,7 +141,8 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
             allow = cfg.checkpoint.export_nonfinite
             save_policy(roles.actor, tokenizer, cfg.checkpoint.save_path, is_writer=env.rank == 0,
                         strategy=roles.strategies.get(Role.ACTOR), allow_nonfinite=allow,
-                        merged=cfg.checkpoint.save_merged)
+                        merged=cfg.checkpoint.save_merged,
+                        image_processor=prompts.images.processor if prompts.images is not None else None)
             if cfg.checkpoint.save_value_network and roles.critic is not None:
                 first_critic = layout.ranks_of(Role.CRITIC)[0]
                 save_critic(roles.critic, os.path.join(cfg.checkpoint.save_path, "critic"), is_writer=env.rank == first_critic,

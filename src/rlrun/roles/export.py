@@ -24,6 +24,7 @@ import copy
 import json
 import os
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -77,14 +78,20 @@ def _make_dir(path: str, flag: str) -> None:
 
 
 def save_policy(actor: Actor | None, tokenizer: PreTrainedTokenizerBase, path: str, *, is_writer: bool,
-                strategy: Strategy | None, allow_nonfinite: bool = False, merged: bool = False) -> None:
+                strategy: Strategy | None, allow_nonfinite: bool = False, merged: bool = False,
+                image_processor: Any = None) -> None:
     """Collective over the actor ranks; the writer (global rank 0, always an actor rank) writes.
-    `strategy`: the actor's (RankRoles.strategies), which knows how to assemble its full weights."""
+    `strategy`: the actor's (RankRoles.strategies), which knows how to assemble its full weights.
+    `image_processor`: a vision-language policy's, saved beside it (preprocessor_config.json) so that the export
+    loads as the model it is."""
     if actor is None:
         return
     assert strategy is not None, "an actor rank always has the actor's strategy"
     save_causal_lm(actor.model, tokenizer, path, is_writer=is_writer, strategy=strategy, allow_nonfinite=allow_nonfinite,
                    merged=merged)
+    if is_writer and image_processor is not None:
+        with _storage_errors(path, {}, "--save_path"):
+            image_processor.save_pretrained(path)
 
 
 def save_causal_lm(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str, *, is_writer: bool,
