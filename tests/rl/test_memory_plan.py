@@ -18,13 +18,14 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rlrun.cli.parser import parse_args
 from rlrun.launch.layout import Role
-from rlrun.models.tiny import build_byte_tokenizer, tiny_model_config_for_size
+from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config_for_size
 from rlrun.rl.memory_estimate import kv_cache_bytes
 from rlrun.rl.memory_knobs import GIB, SupervisedJob, Target, knobs_of
 from rlrun.rl.memory_plan import plan_memory
 from rlrun.rl.memory_text import (dry_run_memory, format_plan, problem_lines, read_shapes, supervised_memory,
                                   target_for)
 from rlrun.rl.model_shapes import model_shape
+from rlrun.vision.tiny import tiny_vl_config
 from rlrun.rl.planning import plan
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -81,6 +82,18 @@ def test_parameter_counts_are_exact_for_the_causal_lm_and_its_score_head_body(co
     causal, scalar = _counts(config)
     assert shape.parameters == causal
     assert shape.scalar().parameters == scalar  # critic / reward model: the body and a [hidden, 1] head
+
+
+@pytest.mark.parametrize("config", [
+    tiny_vl_config(),
+    transformers.Qwen2VLConfig(vision_config={"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+                                              "mlp_ratio": 2}, **{**SMALL, "vocab_size": 300}),
+], ids=lambda c: c.model_type)
+def test_vision_language_parameter_counts_include_the_vision_tower(config):
+    """Qwen2.5-VL (SwiGLU blocks, RMSNorm) and Qwen2-VL (fc1/fc2, LayerNorm): text model + vision tower + merger."""
+    model = build_causal_lm(config, seed=0)
+    assert model_shape(config).parameters == sum(p.numel() for p in model.parameters())
+    assert model_shape(config).vision == sum(p.numel() for n, p in model.named_parameters() if ".visual." in n)
 
 
 def _job(tmp_path, *flags: str, world: int = 40, config: dict = LLAMA_2_70B):

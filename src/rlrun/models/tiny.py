@@ -154,7 +154,7 @@ def build_causal_lm(config: PretrainedConfig, seed: int, dtype: torch.dtype = to
         torch.manual_seed(seed)
         model = policy_auto_class(config).from_config(config, dtype=dtype)
     head, text = model.get_output_embeddings(), config.get_text_config()
-    if not text.tie_word_embeddings and isinstance(head, torch.nn.Linear):
+    if not model.config.tie_word_embeddings and isinstance(head, torch.nn.Linear):
         # HF's init (std 0.02) gives a width-64 model near-uniform logits (std 0.16) whose spread only the head itself
         # can change: adapters on the body (LoRA all-linear leaves the head out) cannot lift any token past ~1.5%.
         # std 1/sqrt(hidden), as a trained LM's logits spread, makes the random model learnable through its body too.

@@ -56,10 +56,11 @@ class ModelShape:
     head: int  # LM head (0 when tied to the embedding), or the [hidden, 1] score head of a critic/reward model
     linears: tuple[Linear, ...] = ()  # the body's linear layers (what PEFT's all-linear adapts)
     moe_layers: int = 0  # layers with routed experts, whose adapters lora_parameters does not count
+    vision: int = 0  # a vision-language model's image encoder and projector
 
     @property
     def parameters(self) -> int:
-        return self.embedding + self.blocks + self.final_norm + self.head
+        return self.embedding + self.blocks + self.final_norm + self.head + self.vision
 
     @property
     def root(self) -> int:
@@ -134,8 +135,40 @@ def _linears(config: Any, hidden: int, q: int, kv: int, layers: int) -> tuple[Li
     return tuple(out)
 
 
+def tied_embeddings(config: Any) -> bool:
+    """Whether the LM head is the token embedding: the text config's flag, else (VLM text configs that lack one,
+    e.g. Qwen2-VL's in transformers 5) the top-level config's."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tied = getattr(text, "tie_word_embeddings", None)
+    return bool(getattr(config, "tie_word_embeddings", False) if tied is None else tied)
+
+
+def vision_tower_parameters(config: Any) -> int:
+    """Parameters of a Qwen2-VL / Qwen2.5-VL-style vision tower from its `vision_config` (0 without one): the patch
+    embedding (a bias-free Conv3d), per block two norms, fused qkv and output projections with biases and the MLP
+    (SwiGLU with `intermediate_size`, or Qwen2-VL's fc1/fc2 of embed_dim x mlp_ratio), and the patch merger
+    (a norm, then two linears from hidden x merge^2 to the language model's width)."""
+    v = getattr(config, "vision_config", None)
+    if v is None:
+        return 0
+    hidden = getattr(v, "embed_dim", None) or _need(v, "hidden_size")
+    depth, patch = _need(v, "depth"), _need(v, "patch_size")
+    channels = getattr(v, "in_channels", None) or getattr(v, "in_chans", 3)
+    temporal, merge = getattr(v, "temporal_patch_size", 2), getattr(v, "spatial_merge_size", 2)
+    out = getattr(v, "out_hidden_size", None) or getattr(v, "hidden_size", None) or hidden
+    gated = getattr(v, "intermediate_size", None) is not None and getattr(v, "embed_dim", None) is None
+    inner = v.intermediate_size if gated else int(hidden * getattr(v, "mlp_ratio", 4))
+    mlp = 3 * hidden * inner + 2 * inner + hidden if gated else 2 * hidden * inner + inner + hidden
+    norms = 2 * hidden * (1 if gated else 2)  # RMSNorm (Qwen2.5-VL) or LayerNorm with bias (Qwen2-VL)
+    block = norms + 3 * hidden * hidden + 3 * hidden + hidden * hidden + hidden + mlp
+    wide = hidden * merge ** 2
+    merger = hidden * (1 if gated else 2) + wide * wide + wide + wide * out + out
+    return channels * temporal * patch * patch * hidden + depth * block + merger
+
+
 def model_shape(config: Any) -> ModelShape:
-    """The shape of a causal LM from its HF config (a multimodal config's text model; vision towers not counted)."""
+    """The shape of a causal LM from its HF config (a multimodal config's text model, and its vision tower's
+    parameter count)."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden, layers, heads = _need(c, "hidden_size"), _need(c, "num_hidden_layers"), _need(c, "num_attention_heads")
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
@@ -147,10 +180,10 @@ def model_shape(config: Any) -> ModelShape:
     attention = hidden * (q + 2 * kv) + q * hidden + (q + 2 * kv if qkv_bias else 0) + (hidden if o_bias else 0)
     attention += 2 * head_dim if kind.startswith("qwen3") else 0  # q_norm, k_norm
     sizes = [attention + 2 * hidden + _mlp(c, i, hidden) for i in range(layers)]  # + the two RMSNorms
-    head = 0 if getattr(c, "tie_word_embeddings", False) else vocab * hidden
+    head = 0 if tied_embeddings(config) else vocab * hidden
     return ModelShape(hidden, layers, heads, kv_heads, head_dim, vocab, vocab * hidden, sum(sizes), max(sizes),
                       hidden, head, _linears(c, hidden, q, kv, layers),
-                      sum(_is_sparse(c, i) for i in range(layers)))
+                      sum(_is_sparse(c, i) for i in range(layers)), vision_tower_parameters(config))
 
 
 ALL_LINEAR = "all-linear"
