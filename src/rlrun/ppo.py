@@ -19,6 +19,7 @@ from rlrun.models.hub import resolve_models
 from rlrun.rl.planning import check_adapter_reference
 from rlrun.rl.planning import Plan, asks_node_labels, plan
 from rlrun.runtime.log import get_logger
+from rlrun.vision.preset import resolve_vl_preset
 
 if TYPE_CHECKING:
     from rlrun.engines.choice import GenerationChoice
@@ -32,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def parse() -> tuple[ParsedArgs, "GenerationChoice", Plan]:
         parsed = parse_args(argv)
-        cfg = parsed.config
+        cfg = resolve_vl_preset(parsed.config)  # --model_preset tiny-vl: a saved model (and data) in rlrun's cache
         # Hub ids become their cached snapshots (downloaded now, unless this is a dry run or HF_HUB_OFFLINE=1).
         cfg = dataclasses.replace(cfg, model=resolve_models(cfg.model, download=not cfg.runtime.dry_run))
         # An adapter directory as --pretrain: its base resolved, its LoRA settings in the config (the layout and the

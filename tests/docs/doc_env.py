@@ -59,7 +59,7 @@ def fake_hub(root: Path) -> dict[str, str]:
          "rejected": [question, {"role": "assistant", "content": "Eggs cannot be boiled."}]}] * 4)
     lay_out_hub_cache(cache, "OpenRLHF/preference_dataset_mixture2_and_safe_pku", pairs.parent, repo_type="dataset")
     return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-            "HF_DATASETS_CACHE": str(root / "datasets")}
+            "HF_DATASETS_CACHE": str(root / "datasets"), "RLRUN_CACHE": str(root / "rlrun")}  # --model_preset tiny-vl
 
 
 @contextlib.contextmanager

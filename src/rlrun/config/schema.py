@@ -30,7 +30,7 @@ class PretrainedConfig:
     """The model being trained: where it comes from and how it runs (every trainer)."""
 
     pretrain: str | None = opt(None, "Model to train: a local HF directory. Unset: the embedded tiny model (see --model_preset).")
-    model_preset: Literal["tiny", "3m", "100m", "0.5b"] = opt("tiny", "Random-init model shape used when --pretrain is unset (offline demo and benchmarks).")
+    model_preset: Literal["tiny", "3m", "100m", "0.5b", "tiny-vl"] = opt("tiny", "Random-init model shape used when --pretrain is unset (offline demo and benchmarks). tiny-vl (rlrun.ppo): a tiny Qwen2.5-VL and, without --prompt_data, its image task (configs/vlm_demo.yaml), built into RLRUN_CACHE (default ~/.cache/rlrun) on first use.")
     bf16: bool = opt(False, "bf16 mixed precision (on GPU; CPU training stays fp32).")
     flash_attn: bool = opt(False, "Use flash-attention 2 (needs the flash-attn extra and a GPU).")
     attn_implementation: str | None = opt(None, "HF attn_implementation override (eager, sdpa, flash_attention_2).")

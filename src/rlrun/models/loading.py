@@ -23,9 +23,10 @@ from rlrun.models.adapter_pretrain import (REWARD_NORM_FILE, AdapterMerged, base
                                            resolve_adapter_pretrain, saved_mean_std, saved_shapes)
 from rlrun.models.architecture import policy_auto_class
 from rlrun.models.lora import adapter_dir, adapter_weights, add_adapters, is_adapter, saved_adapter_name
+from rlrun.models.renaming import model_names
 from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config_for_size
-from rlrun.models.weights import (Chained, MemoryWeights, Unfilled, WeightSource, missing, open_weights, params_on_meta,
-                                  state_dict_weights)
+from rlrun.models.weights import (Chained, FileWeights, MemoryWeights, Renamed, Unfilled, WeightSource, missing,
+                                  open_weights, params_on_meta, state_dict_weights)
 from rlrun.runtime.errors import ConfigError, MissingExtraError
 
 __all__ = [
@@ -149,6 +150,9 @@ def unfilled_causal_lm(source: PretrainedConfig, seed: int, weights: WeightSourc
     auto = policy_auto_class(config)
     model = _skeleton(auto, config, source, attn=source.pretrain is not None)
     note = None
+    if isinstance(weights, FileWeights) and missing(model, weights):  # hub names transformers renames on load
+        renamed = Renamed(weights, model_names(model, weights.names()))
+        weights = weights if missing(model, renamed) else renamed
     if weights is None or missing(model, weights):
         assert source.pretrain is not None
         adapter = checked_adapter(source.pretrain, "pretrain", policy=True)

@@ -67,6 +67,19 @@ class Chained:
         return owner.read(name, rows)
 
 
+class Renamed:
+    """`source` read under the model's parameter names (`names`: model name -> stored name; other names as stored)."""
+
+    def __init__(self, source: WeightSource, names: dict[str, str]) -> None:
+        self.source, self.names = source, names
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        return self.source.shape(self.names.get(name, name))
+
+    def read(self, name: str, rows: Rows | None) -> torch.Tensor:
+        return self.source.read(self.names.get(name, name), rows)
+
+
 _INDEXES = (("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model.bin"),
             (None, "adapter_model.safetensors"), (None, "adapter_model.bin"))  # a PEFT adapter directory
 
@@ -100,6 +113,10 @@ class FileWeights:
             else:  # zip-format .bin (torch >= 1.6): memory-mapped, so a slice reads only its pages
                 self._open[file] = torch.load(full, map_location="cpu", mmap=True, weights_only=True)
         return self._open[file]
+
+    def names(self) -> list[str]:
+        """Every stored tensor's name."""
+        return list(self._file_of)
 
     def _names_in(self, file: str) -> list[str]:
         handle = self._handle(file)

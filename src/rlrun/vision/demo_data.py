@@ -32,8 +32,9 @@ def _image(label: str, blank: bool, rng: random.Random):  # -> PIL.Image.Image
 
 
 def write_colour_task(folder: str, records: int = 32, layout: Literal["openrlhf_m", "verl"] = "openrlhf_m",
-                      blank: bool = False, seed: int = 0) -> str:
-    """Write the task under `folder` (images/ and the data file) and return the data file's path."""
+                      blank: bool = False, seed: int = 0, absolute: bool = True) -> str:
+    """Write the task under `folder` (images/ and the data file) and return the data file's path. `absolute`: image
+    paths as `file://` URIs (OpenRLHF-M's), else relative to the data file's folder (a folder that may move)."""
     rng = random.Random(seed)
     os.makedirs(os.path.join(folder, "images"), exist_ok=True)
     rows = []
@@ -43,7 +44,8 @@ def write_colour_task(folder: str, records: int = 32, layout: Literal["openrlhf_
         path = os.path.abspath(os.path.join(folder, "images", f"{i:04d}.png"))
         image.save(path)
         if layout == "openrlhf_m":
-            chat = [{"role": "user", "content": [{"type": "image", "image": f"file://{path}"},
+            ref = f"file://{path}" if absolute else os.path.join("images", f"{i:04d}.png")
+            chat = [{"role": "user", "content": [{"type": "image", "image": ref},
                                                  {"type": "text", "text": QUESTION}]}]
             rows.append({"message": json.dumps(chat), "answer": label})
         else:
