@@ -14,6 +14,8 @@ from cluster_sim import REPO, NetnsHosts, Procs, training_env
 
 SCRIPT = REPO / "scripts" / "runpod" / "launch.sh"
 TRAIN = ["--config", "configs/demo.yaml", "--max_steps", "3"]
+# Job 3's shape: OpenRLHF-M's vision-language GRPO (the tiny Qwen2.5-VL, image prompts in MathV60K's layout)
+TRAIN_VLM = ["--config", "configs/vlm_demo.yaml", "--max_steps", "3"]
 POD_IDS = ("headpod", "workerpod")
 TOKEN = "pod-token-3f9a"
 
@@ -67,11 +69,13 @@ def test_head_then_worker_static(netns: NetnsHosts, procs: Procs, tmp_path: Path
 
 @pytest.mark.timeout(300)
 def test_worker_first_c10d_with_reward_server(netns: NetnsHosts, procs: Procs, tmp_path: Path) -> None:
-    """The worker starts well before the head and waits for it; c10d rendezvous; the head serves the
-    reward over HTTP with a bearer token and every pod scores through it."""
+    """OpenRLHF-M's job on the launcher, with the VLM demo: the worker starts well before the head and waits for it;
+    c10d rendezvous; the head serves the verifier over HTTP with a bearer token and every pod scores its image
+    prompts' responses through it."""
     reward = dict(RLRUN_RDZV="c10d", RLRUN_REWARD_SERVER="1", RLRUN_REWARD_TOKEN=TOKEN,
-                  RLRUN_REWARD_FILE=str(REPO / "src" / "rlrun" / "rewards" / "demo.py"), RLRUN_REWARD_PORT="5055")
-    start_pod(netns, procs, tmp_path, 1, TRAIN, **reward)
+                  RLRUN_REWARD_FILE=str(REPO / "src" / "rlrun" / "rewards" / "demo.py"), RLRUN_REWARD_PORT="5055",
+                  RLRUN_CACHE=str(tmp_path / "cache"))  # the tiny VLM and its images, shared by the two "pods"
+    start_pod(netns, procs, tmp_path, 1, TRAIN_VLM, **reward)
     # Start the head only once the worker has printed a progress line: a fixed sleep raced with the
     # head's own start-up time (the head could answer at exactly 10 s, before the line was due).
     deadline = time.monotonic() + 60
@@ -79,7 +83,7 @@ def test_worker_first_c10d_with_reward_server(netns: NetnsHosts, procs: Procs, t
     while not waiting.search(node_log(tmp_path, 1)):
         assert time.monotonic() < deadline and procs.procs[0].poll() is None, read(tmp_path, "workerpod.out")
         time.sleep(0.5)
-    start_pod(netns, procs, tmp_path, 0, TRAIN, **reward)
+    start_pod(netns, procs, tmp_path, 0, TRAIN_VLM, **reward)
     rcs = procs.wait_all(240)
     head, worker = node_log(tmp_path, 0), node_log(tmp_path, 1)
     assert rcs == [0, 0], f"head:\n{head}\nworker:\n{worker}"
@@ -87,6 +91,7 @@ def test_worker_first_c10d_with_reward_server(netns: NetnsHosts, procs: Procs, t
     assert "reward server is up: http://headpod.runpod.internal:5055/reward" in head, head
     # c10d orders nodes by address: headpod.runpod.internal sorts before workerpod.runpod.internal.
     assert "saved the policy" in head and len(metrics(tmp_path, 0)) == 3, head
+    assert "generation backend hf (auto: a vision-language policy" in head, head
     server_log = read(tmp_path, "ckpt-headpod/logs/reward-server.log")
     assert "bearer token required" in server_log
     for ip in ("10.77.0.1", "10.77.0.2"):  # both pods' ranks scored their rollouts on the server
