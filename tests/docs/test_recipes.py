@@ -64,10 +64,6 @@ def test_recipe_fits_with_vllm_engines(recipe, hub_env):
     _, args, world, per_node = _launch(recipe)
     rc, out = dry_run("rlrun.ppo", [*args, "--generation_backend", "vllm", "--gpu_memory_gb", str(GPU_GB)], world,
                       per_node, env=hub_env)
-    if "_vl_" in recipe.stem:  # vision-language: generation with images runs through HF generate so far
-        assert rc == 2 and "is a vision-language model, and rlrun does not yet run it with --generation_backend " \
-                           "vllm" in out, out[-3000:]
-        return
     assert rc == 0, out[-3000:]
     if importlib.util.find_spec("vllm") is None:  # planned all the same, and said once
         assert out.count("vLLM is not installed here: the plan assumes it is") == 1, out[-3000:]

@@ -91,7 +91,7 @@ def test_worker_first_c10d_with_reward_server(netns: NetnsHosts, procs: Procs, t
     assert "reward server is up: http://headpod.runpod.internal:5055/reward" in head, head
     # c10d orders nodes by address: headpod.runpod.internal sorts before workerpod.runpod.internal.
     assert "saved the policy" in head and len(metrics(tmp_path, 0)) == 3, head
-    assert "generation backend hf (auto: a vision-language policy" in head, head
+    assert "generation backend hf (auto: the native engine cannot run this policy ('qwen2_5_vl' is a vision" in head, head
     server_log = read(tmp_path, "ckpt-headpod/logs/reward-server.log")
     assert "bearer token required" in server_log
     for ip in ("10.77.0.1", "10.77.0.2"):  # both pods' ranks scored their rollouts on the server

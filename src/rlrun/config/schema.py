@@ -262,7 +262,7 @@ class DataConfig(TemplateConfig):
     data_source_key: str = opt("data_source", "Field naming each prompt's data source (verl's data.reward_fn_key): it picks the built-in rule scorer and reaches compute_score.")
     apply_chat_template_kwargs: dict[str, Any] = opt({}, "Extra arguments for the tokenizer's chat template as JSON, e.g. '{\"enable_thinking\": false}' (verl's data.apply_chat_template_kwargs).")
     image_key: str = opt("images", "Vision-language policies: field holding each prompt's images, placed at the prompt's <image> placeholders (verl's data.image_key). Images inside chat messages ({\"type\": \"image\", \"image\": ...}, OpenRLHF-M) need no key.")
-    max_images_per_prompt: int = opt(0, "Vision-language policies: most images one prompt may hold (OpenRLHF's flag, vLLM's limit_mm_per_prompt); a record with more is refused at start naming it. 0: no limit.")
+    max_images_per_prompt: int = opt(0, "Vision-language policies: most images one prompt may hold (OpenRLHF's flag, vLLM's limit_mm_per_prompt); a record with more is refused at start naming it. 0: no limit (vLLM engines then take one image per prompt).")
     min_pixels: int | None = opt(None, "Vision-language policies: smallest area (pixels) an image is resized to (OpenRLHF-M's --min_pixels). Unset: the model's preprocessor_config.json.")
     max_pixels: int | None = opt(None, "Vision-language policies: largest area (pixels) an image is resized to (OpenRLHF-M's --max_pixels; fewer pixels, fewer image tokens). Unset: the model's preprocessor_config.json.")
 

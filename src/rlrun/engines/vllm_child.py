@@ -115,7 +115,7 @@ def child_main(conn: Connection, parent_pid: int, log_path: str) -> None:
                 conn.send(("ok", None))
             elif kind == "generate":
                 assert adapter is not None
-                conn.send(("ok", adapter.generate(msg[1], msg[2], msg[3])))
+                conn.send(("ok", adapter.generate(*msg[1:])))
             elif kind == "sleep":  # until the next weights or generate request, which wake it
                 assert adapter is not None
                 adapter.sleep()

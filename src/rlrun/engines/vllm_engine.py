@@ -18,6 +18,7 @@ import random
 import shutil
 import tempfile
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,10 +26,12 @@ from transformers import PreTrainedTokenizerBase
 
 from rlrun.engines.base import Generation, SamplingSettings
 from rlrun.engines.stops import cut_at_stop
-from rlrun.engines.vllm_adapter import EngineSpec, Sampling, check_version, sleeps, write_weights
+from rlrun.data.vision_batch import RowVision
+from rlrun.engines.vllm_adapter import EngineSpec, ImageRequests, Sampling, check_version, sleeps, write_weights
 from rlrun.engines.vllm_child import EngineChild
 from rlrun.engines.vllm_handoff import SHM_DIR, check_shm, file_bytes, memory_key, pack, tensor_bytes, unshared_bytes
 from rlrun.runtime.log import get_logger
+from rlrun.vision.positions import vision_token_ids
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -43,13 +46,23 @@ def _visible_gpus(device: torch.device, count: int) -> str | None:
     return ",".join(visible[i] if i < len(visible) else str(i) for i in range(first, first + count))
 
 
-def write_model_dir(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str) -> None:
-    """The HF directory vLLM starts from: config and tokenizer only. The engine starts with dummy weights
-    and gets the real ones by the push before its first generate, so no model-sized file is written.
-    Not save_pretrained: under torch.distributed it writes on global rank 0 only."""
+def write_model_dir(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str,
+                    image_processor: Any = None) -> None:
+    """The HF directory vLLM starts from: config and tokenizer only (and a vision-language model's image processor,
+    with rlrun's resize bounds, so that vLLM expands each image to the tokens the learners score). The engine starts
+    with dummy weights and gets the real ones by the push before its first generate, so no model-sized file is
+    written. Not save_pretrained: under torch.distributed it writes on global rank 0 only."""
     os.makedirs(path, exist_ok=True)
     model.config.to_json_file(os.path.join(path, "config.json"))  # type: ignore[union-attr]
     tokenizer.save_pretrained(path)
+    if image_processor is not None:
+        image_processor.save_pretrained(path)
+
+
+def one_token_per_image(ids: list[int], image_token: int) -> list[int]:
+    """Prompt ids with each run of image tokens (one image, expanded by rlrun's processor) back to one token: vLLM
+    expands them again itself from the images (given them expanded, it would expand each token once more)."""
+    return [t for i, t in enumerate(ids) if t != image_token or i == 0 or ids[i - 1] != image_token]
 
 
 def request_seeds(seed: int, count: int) -> list[int]:
@@ -65,7 +78,7 @@ class VLLMEngineBase:
     sample_seeded(), load_weights() and close(). seeded_requests (--vllm_seeded_requests) is read on every call."""
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
-                 device: torch.device, rank: int, seeded_requests: bool = False) -> None:
+                 device: torch.device, rank: int, seeded_requests: bool = False, image_processor: Any = None) -> None:
         check_version()
         self.seeded_requests = seeded_requests
         self.model = model.eval()
@@ -76,7 +89,12 @@ class VLLMEngineBase:
         self.last_sync_s = 0.0
         self.workdir = tempfile.mkdtemp(prefix=f"rlrun_vllm_r{rank}_")
         self.model_dir = os.path.join(self.workdir, "model")
-        write_model_dir(model, tokenizer, self.model_dir)
+        self.image_processor = image_processor
+        self.image_token: int | None = getattr(model.config, "image_token_id", None) if image_processor else None
+        self.banned = tuple(vision_token_ids(model)) if image_processor is not None else ()
+        write_model_dir(model, tokenizer, self.model_dir, image_processor)
+        if image_processor is not None:  # vLLM builds a vision-language model from real weights (VLLMAdapter says why)
+            write_weights(self.model.named_parameters(), self.model_dir)
 
     @property
     def dtype_name(self) -> str:
@@ -86,7 +104,7 @@ class VLLMEngineBase:
         s = self.sampling
         return Sampling(temperature=s.temperature, top_p=s.top_p, eos_id=s.eos_id, stop=stop,
                         max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                        seeded=self.seeded_requests)
+                        seeded=self.seeded_requests, banned=self.banned)
 
     def finish(self, tokens: list[list[int]], logprobs: list[list[float]], stop: tuple[str, ...]) -> Generation:
         if stop:  # vLLM stops at the token completing a stop string too; this only makes the rule explicit
@@ -95,12 +113,20 @@ class VLLMEngineBase:
         return Generation(tokens, logprobs)
 
     def sample_seeded(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int | None = None,
-                      stop: tuple[str, ...] = ()) -> Generation:
+                      stop: tuple[str, ...] = (), images: ImageRequests = None) -> Generation:
         raise NotImplementedError
 
     def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
-               stop: tuple[str, ...] = ()) -> Generation:
-        return self.sample_seeded(prompts, request_seeds(seed, len(prompts)), max_new_tokens=max_new_tokens, stop=stop)
+               stop: tuple[str, ...] = (), vision: RowVision | None = None) -> Generation:
+        """`vision`: the rows' images (a vision-language policy); vLLM gets each row's decoded images and its prompt
+        with one image token per image, and checks that it expanded them to the rows' own lengths."""
+        images: ImageRequests = None
+        if vision is not None:
+            assert self.image_token is not None, "the engine was built without the policy's image processor"
+            images = (vision.row_images(), [len(p) for p in prompts])
+            prompts = [one_token_per_image(p, self.image_token) for p in prompts]
+        return self.sample_seeded(prompts, request_seeds(seed, len(prompts)), max_new_tokens=max_new_tokens, stop=stop,
+                                  images=images)
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         return self.sample(prompts, seed).responses
@@ -121,7 +147,8 @@ class VLLMEngine(VLLMEngineBase):
                  device: torch.device, *, seed: int, max_model_len: int, timeout_s: float,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, rank: int = 0,
                  tensor_parallel_size: int = 1, enable_sleep: bool = False,
-                 kv_cache_memory_bytes: int | None = None, seeded_requests: bool = False) -> None:
+                 kv_cache_memory_bytes: int | None = None, seeded_requests: bool = False,
+                 image_processor: Any = None, images_per_prompt: int = 1) -> None:
         check_version()
         shm = SHM_DIR if os.path.isdir(SHM_DIR) else None
         params = [p.data for p in model.parameters()]
@@ -134,21 +161,22 @@ class VLLMEngine(VLLMEngineBase):
                                           "its workers read every weight push from a file in shared memory)")
         elif tensor_parallel_size == 1 and device.type == "cpu":
             check_shm(tensor_bytes(params), "handing the vLLM engine child its weights on CPU (shared memory)")
-        super().__init__(model, tokenizer, sampling, device, rank, seeded_requests)
+        super().__init__(model, tokenizer, sampling, device, rank, seeded_requests, image_processor)
         model_dir = self.model_dir
         self.weights_dir = None
         if tensor_parallel_size > 1:
             # Pushed weights go through a file the workers read (/dev/shm: memory, not disk); the engine starts
             # from that directory, holding the initial weights.
             self.weights_dir = model_dir = tempfile.mkdtemp(prefix=f"rlrun_vllm_w{rank}_", dir=shm)
-            write_model_dir(model, tokenizer, model_dir)
+            write_model_dir(model, tokenizer, model_dir, image_processor)
             write_weights(self.model.named_parameters(), model_dir)
         spec = EngineSpec(model_dir=model_dir, dtype=self.dtype_name, seed=seed,
                           max_model_len=max_model_len, device=device.type, enforce_eager=enforce_eager,
                           gpu_memory_utilization=gpu_memory_utilization,
                           cuda_visible_devices=_visible_gpus(device, tensor_parallel_size),
                           tensor_parallel_size=tensor_parallel_size, weights_dir=self.weights_dir,
-                          enable_sleep=enable_sleep, kv_cache_memory_bytes=kv_cache_memory_bytes)
+                          enable_sleep=enable_sleep, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                          images_per_prompt=images_per_prompt if image_processor is not None else 0)
         self.sleeps = sleeps(spec)
         log = get_logger(rank)
         self.child = EngineChild(
@@ -187,10 +215,10 @@ class VLLMEngine(VLLMEngineBase):
     # ---- generation ---------------------------------------------------------------------------
 
     def sample_seeded(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int | None = None,
-                      stop: tuple[str, ...] = ()) -> Generation:
+                      stop: tuple[str, ...] = (), images: ImageRequests = None) -> Generation:
         """sample() with one given seed per row (the rows of several ranks sampled in one call)."""
         tokens, logprobs = self.child.request(  # type: ignore[misc]
-            "generating", "generate", prompts, seeds, self.sampling_for(stop, max_new_tokens))
+            "generating", "generate", prompts, seeds, self.sampling_for(stop, max_new_tokens), images)
         if self.sleeps:  # GPU --vllm_enable_sleep: asleep through scoring and training; the next push wakes it
             self.child.request("sleeping", "sleep")
         return self.finish(tokens, logprobs, stop)

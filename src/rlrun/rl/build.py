@@ -43,7 +43,7 @@ from rlrun.runtime.errors import DataError
 from rlrun.runtime.log import get_logger
 from rlrun.strategies.base import Strategy
 from rlrun.strategies.choose import make_strategy
-from rlrun.vision.processor import ImageInputs
+from rlrun.vision.processor import ImageInputs, load_image_processor
 from rlrun.vision.positions import quiet_output_view_warning
 from rlrun.vision.tower import freeze_vision_tower
 
@@ -236,6 +236,17 @@ def _policies(cfg: Config, count: int, rank: int) -> Iterator[Unfilled]:
         yield unfilled
 
 
+def _vllm_images(cfg: Config) -> dict[str, Any]:
+    """A vision-language policy's image processor for the vLLM engine (which preprocesses the images itself, with
+    rlrun's resize bounds) and its per-prompt image limit; {} for a text policy."""
+    if not is_vision_language(load_model_config(cfg.model)):
+        return {}
+    d = cfg.data
+    return {"image_processor": load_image_processor(model_folder(cfg.model.pretrain, "pretrain"), d.min_pixels,
+                                                    d.max_pixels),
+            "images_per_prompt": max(1, d.max_images_per_prompt)}
+
+
 def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
                  sampling: SamplingSettings, device: torch.device) -> "VLLMEngine | TensorParallelEngine | InProcessEngine":
     """vLLM in this rank when the engine ranks are the whole world (engines/hosting.py); otherwise a vLLM child on
@@ -264,7 +275,7 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.M
                                  tensor_parallel_size=tp, enforce_eager=g.enforce_eager,
                                  gpu_memory_utilization=g.vllm_gpu_memory_utilization, enable_sleep=g.vllm_enable_sleep,
                                  kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes,
-                                 seeded_requests=g.vllm_seeded_requests)
+                                 seeded_requests=g.vllm_seeded_requests, **_vllm_images(cfg))
         before_teardown(engine.close)  # vLLM's groups go before the default group
         return engine
     leader = None
@@ -273,7 +284,8 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.M
                             max_model_len=max_model_len, timeout_s=cfg.runtime.dist_timeout,
                             enforce_eager=g.enforce_eager, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
                             rank=rank, tensor_parallel_size=tp, enable_sleep=g.vllm_enable_sleep,
-                            kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes, seeded_requests=g.vllm_seeded_requests)
+                            kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes, seeded_requests=g.vllm_seeded_requests,
+                            **_vllm_images(cfg))
     if tp == 1:
         assert leader is not None
         return leader

@@ -15,7 +15,7 @@ from rlrun.config.schema import Config
 from rlrun.vision.demo_data import write_colour_task
 
 PRESET = "tiny-vl"
-VERSION = 1  # bump when the model or the task changes: older cache folders are then not reused
+VERSION = 2  # bump when the model or the task changes: older cache folders are then not reused
 
 
 def cache_root() -> str:

@@ -18,18 +18,23 @@ from rlrun.data.vision_batch import PromptVision
 from rlrun.data.images import load_image
 
 
+def load_image_processor(folder: str, min_pixels: int | None = None, max_pixels: int | None = None) -> Any:
+    """The model's image processor (preprocessor_config.json), its resize bounds overridden where given."""
+    overrides = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+    try:
+        return AutoImageProcessor.from_pretrained(folder, **overrides)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{folder}: the vision-language model's image processor cannot be read ({exc}); its "
+                          "folder needs the preprocessor_config.json saved with the model") from exc
+
+
 class ImageInputs:
     """Preprocessing of one model's prompt images. min_pixels/max_pixels (OpenRLHF-M's flags) bound each image's
     resized area; None keeps the model's preprocessor_config.json."""
 
     def __init__(self, folder: str, config: PretrainedConfig, min_pixels: int | None = None,
                  max_pixels: int | None = None) -> None:
-        overrides = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
-        try:
-            self.processor = AutoImageProcessor.from_pretrained(folder, **overrides)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{folder}: the vision-language model's image processor cannot be read ({exc}); its "
-                              "folder needs the preprocessor_config.json saved with the model") from exc
+        self.processor = load_image_processor(folder, min_pixels, max_pixels)
         self.image_token_id = int(config.image_token_id)
         self.merge = int(getattr(self.processor, "merge_size", None) or config.vision_config.spatial_merge_size)
         self.dim = int(config.vision_config.in_channels * config.vision_config.temporal_patch_size
@@ -59,4 +64,4 @@ class ImageInputs:
             expanded += ids[start:place] + [self.image_token_id] * count
             start = place + 1
         expanded += ids[start:]
-        return expanded, PromptVision(out["pixel_values"].float(), grid)
+        return expanded, PromptVision(out["pixel_values"].float(), grid, tuple(pil))

@@ -17,9 +17,9 @@ def vision_run_problem(cfg: Config) -> str | None:
         return None  # a --dry_run without the model here: planning says so
     if not is_vision_language(config):
         return None
-    if cfg.generation.generation_backend not in ("hf", "auto"):
-        return (f"--generation_backend {cfg.generation.generation_backend} (rlrun generates with images through HF "
-                "generate so far; use --generation_backend hf)")
+    if cfg.generation.generation_backend == "vllm" and cfg.resources.vllm_tensor_parallel_size > 1:
+        return ("tensor-parallel vLLM engines (their ranks exchange prompts as text; use --vllm_tensor_parallel_size 1, "
+                "more engines instead)")
     if cfg.multi_turn:
         return "multi-turn agents (their observations are text; episodes with images are not built yet)"
     if cfg.train.partial_rollout:

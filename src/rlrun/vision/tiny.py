@@ -56,7 +56,7 @@ def tiny_vl_config() -> Qwen2_5_VLConfig:
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}, "tie_word_embeddings": False,
             "pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
     vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
               "fullatt_block_indexes": [1], "in_channels": 3}
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_PAD_ID,
                             video_token_id=VIDEO_PAD_ID, vision_start_token_id=VISION_START_ID,
