@@ -159,6 +159,24 @@ def test_freezing_the_vision_tower_freezes_it_alone(vlm):
         freeze_vision_tower(build_causal_lm(tiny_model_config(), seed=0))
 
 
+def test_freeze_prefix_matches_checkpoint_names_as_openrlhf_m_writes_them():
+    """OpenRLHF-M's --freeze_prefix visual names the hub checkpoint's `visual.*`, which transformers 5 builds as
+    `model.visual.*`: both spellings freeze the same parameters; a prefix matching nothing is an error."""
+    from rlrun.models.tiny import build_causal_lm
+    from rlrun.runtime.errors import ConfigError
+    from rlrun.vision.tiny import tiny_vl_config
+    from rlrun.vision.tower import freeze_by_prefix
+
+    for prefix in ("visual", "model.visual"):
+        model = build_causal_lm(tiny_vl_config(), seed=0)
+        frozen = freeze_by_prefix(model, (prefix,))
+        assert {n for n, p in model.named_parameters() if not p.requires_grad} == \
+            {n for n, _ in model.named_parameters() if n.startswith("model.visual.")}
+        assert frozen == sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.visual."))
+    with pytest.raises(ConfigError, match="--freeze_prefix vision_model matches no parameter"):
+        freeze_by_prefix(build_causal_lm(tiny_vl_config(), seed=0), ("vision_model",))
+
+
 # ---- the rows' images across ranks ---------------------------------------------------------------------------
 
 

@@ -81,17 +81,20 @@ def test_disaggregated_packed_verl_layout_resumes_exactly(task, tmp_path):
     args = ["--pretrain", task["model"], "--prompt_data", task["verl"], "--input_key", "prompt",
             "--label_key", "reward_model.ground_truth", "--vllm_num_engines", "1", "--actor_num_gpus_per_node", "1",
             "--packing_samples", "--max_steps", "6", "--save_steps", "3", *GRPO,
-            "--use_kl_loss", "--kl_estimator", "k3", "--init_kl_coef", "0.001"]  # OpenRLHF-M's: a reference scores too
+            "--use_kl_loss", "--kl_estimator", "k3", "--init_kl_coef", "0.001",  # OpenRLHF-M's: a reference scores too
+            "--eval_dataset", task["verl"], "--eval_steps", "3"]
     full = run_rlrun(2, args + ["--ckpt_path", str(tmp_path / "a" / "ckpt")], tmp_path / "a", timeout=300)
     assert full.returncode == 0, full.output[-3000:]
-    assert [m["step"] for m in full.metrics] == list(range(1, 7))
-    assert full.metrics[-1]["kl"] > 0  # the reference scored the rows with their images
+    steps = [m for m in full.metrics if "reward" in m]
+    assert [m["step"] for m in steps] == list(range(1, 7))
+    assert steps[-1]["kl"] > 0  # the reference scored the rows with their images
+    assert [m["step"] for m in full.metrics if "eval/reward" in m] == [3, 6]  # evaluation samples with the images
     ckpt = tmp_path / "b" / "ckpt"
     shutil.copytree(store.step_dir(str(tmp_path / "a" / "ckpt"), 3), store.step_dir(str(ckpt), 3))
     resumed = run_rlrun(2, args + ["--ckpt_path", str(ckpt), "--load_checkpoint"], tmp_path / "b", timeout=300)
     assert resumed.returncode == 0, resumed.output[-3000:]
     timing = ("time/", "tokens_per_s", "perf/")
     strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(timing)} for m in ms]  # noqa: E731
-    assert strip(resumed.metrics) == strip(full.metrics[3:])
+    assert strip(resumed.metrics) == strip(full.metrics[full.metrics.index(steps[3]):])
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

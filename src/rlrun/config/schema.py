@@ -46,6 +46,7 @@ class ModelConfig(PretrainedConfig):
     """Models and reward sources."""
 
     freeze_visual_encoder: bool = opt(False, "Vision-language policies: train the language model only; the vision tower and its projector keep their weights (no gradients, no optimizer state).")
+    freeze_prefix: tuple[str, ...] = opt((), "Keep the actor's parameters whose names start with these fixed (OpenRLHF-M's --freeze_prefix visual); checkpoint names and the model's own both match.")
     reward_pretrain: str | None = opt(None, "Reward model directory (sequence-classification or value-head model scoring the last token).")
     critic_pretrain: str | None = opt(None, "Critic initialisation. Unset: the reward model, else the policy.")
     remote_rm_url: str | None = opt(None, "Reward from a local Python file defining reward_func(queries, prompts, labels), or an http(s):// endpoint; 'demo' is the demo's rule. With no reward source at all only the demo runs (built-in prompts, embedded model); anything else must name one.")

@@ -17,6 +17,7 @@ from rlrun.config.schema import Config
 from rlrun.data.prompts import (PromptKeys, PromptRecord, PromptSampler, format_prompt, load_prompt_records,
                                 tokenize_prompts)
 from rlrun.data.sources import DataSpec
+from rlrun.data.vision_batch import PromptVision, RowVision
 from rlrun.engines.base import HFEngine, SamplingSettings
 from rlrun.engines.native import NativeEngine
 from rlrun.launch.dist import before_teardown, world_size
@@ -45,7 +46,7 @@ from rlrun.strategies.base import Strategy
 from rlrun.strategies.choose import make_strategy
 from rlrun.vision.processor import ImageInputs, load_image_processor
 from rlrun.vision.positions import quiet_output_view_warning
-from rlrun.vision.tower import freeze_vision_tower
+from rlrun.vision.tower import freeze_by_prefix, freeze_vision_tower
 
 if TYPE_CHECKING:
     from rlrun.engines.in_process import InProcessEngine
@@ -71,6 +72,21 @@ class Prompts:
     def meta(self, indices: list[int]) -> PromptMeta:
         rows = [self.records[i] for i in indices]
         return PromptMeta([r.label for r in rows], [r.data_source for r in rows], [r.extra_info for r in rows])
+
+    def with_images(self, indices: list[int], prompt_max_len: int) -> tuple[list[list[int]], RowVision]:
+        """A vision-language policy's rows of records `indices`: prompt ids with each image token expanded by the
+        image processor, and the rows' images (each record's read once, however many rows it has)."""
+        assert self.images is not None
+        done: dict[int, tuple[list[int], PromptVision]] = {}
+        for i in indices:
+            if i not in done:
+                record, where = self.records[i], f"prompt record {i}"
+                done[i] = self.images.prepare(self.ids[i], record.images, where, record.base_dir)
+                if len(done[i][0]) > prompt_max_len:
+                    raise DataError(f"{where} has {len(done[i][0])} tokens with its images' tokens, more than "
+                                    f"--prompt_max_len {prompt_max_len} (images are never cut); raise --prompt_max_len "
+                                    "or lower --max_pixels")
+        return [done[i][0] for i in indices], RowVision.of_rows([done[i][1] for i in indices])
 
 
 @dataclass
@@ -331,6 +347,8 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         policy = trained_policy(next(policies), cfg.model, cfg.train.seed)
         if cfg.model.freeze_visual_encoder:
             freeze_vision_tower(policy.model)
+        if cfg.model.freeze_prefix:
+            freeze_by_prefix(policy.model, cfg.model.freeze_prefix)
         model, updater = _updater(cfg, policy, actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout,
                                   Role.ACTOR, rank)
         out.actor = Actor(model, updater, settings, device, packing=cfg.train.packing_samples,

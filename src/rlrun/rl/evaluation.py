@@ -108,7 +108,7 @@ class Evaluator:
         for chunk, begin in enumerate(range(0, len(rows), per_chunk)):
             part = rows[begin:begin + per_chunk]
             seed = derive_seed(self.cfg.train.seed, "eval", steps_done, slot, chunk)
-            r, n, cut = self._chunk([self.prompts.texts[i] for i in part], [self.prompts.ids[i] for i in part],
+            r, n, cut = self._chunk(part, [self.prompts.texts[i] for i in part], [self.prompts.ids[i] for i in part],
                                     self.prompts.meta(part), seed)
             rewards.append(r)
             lengths.append(n)
@@ -119,7 +119,7 @@ class Evaluator:
         return local_totals(torch.cat(rewards).view(shape), torch.cat(lengths).view(shape),
                             torch.cat(truncated).view(shape))
 
-    def _chunk(self, texts: list[str], ids: list[list[int]], meta: PromptMeta, seed: int
+    def _chunk(self, rows: list[int], texts: list[str], ids: list[list[int]], meta: PromptMeta, seed: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rewards [b], response lengths [b], truncated [b]) of one generate call, or of one batch of agent
         episodes (length = actions and observations; truncated = ended by the token budget)."""
@@ -129,7 +129,11 @@ class Evaluator:
             return (episodes.rewards.float(), torch.tensor([len(r) for r in episodes.responses]),
                     torch.tensor(episodes.truncated))
         assert self.reward_fn is not None
-        responses = self.engine.generate(ids, seed)
+        images = {}
+        if self.prompts.images is not None:
+            ids, vision = self.prompts.with_images(rows, self.cfg.generation.prompt_max_len)
+            images = {"vision": vision}
+        responses = self.engine.sample(ids, seed, **images).responses
         result = reward_responses(self.reward_fn, texts, meta, responses, self.tokenizer)
         length = torch.tensor([len(r) for r in responses])
         last = torch.tensor([r[-1] if r else -1 for r in responses])

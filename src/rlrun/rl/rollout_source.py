@@ -25,8 +25,7 @@ from rlrun.launch.transfer import ReadyFlag, broadcast_json, gather_from, gather
 from rlrun.rewards.reward_fn import reward_responses
 from rlrun.rl.build import Prompts, RankRoles
 from rlrun.rl.partial_rollout import PoolSettings, SequencePool
-from rlrun.runtime.errors import DataError
-from rlrun.data.vision_batch import PromptVision, RowVision
+from rlrun.data.vision_batch import RowVision
 
 
 @dataclass
@@ -125,7 +124,7 @@ class RolloutSource:
         mine = records[shard(len(records), len(self.engine_ranks), slot)]
         prompt_ids = [self.prompts.ids[i] for i in mine]
         if self.images is not None:
-            prompt_ids, out.vision = self._with_images(mine)
+            prompt_ids, out.vision = self.prompts.with_images(mine, cfg.generation.prompt_max_len)
         seed = derive_seed(cfg.train.seed, "generate", step, slot)
         if self.roles.agents is not None:
             texts, labels = [self.prompts.texts[i] for i in mine], self.prompts.meta(mine).labels
@@ -139,22 +138,6 @@ class RolloutSource:
             responses, engine_lp = generation.responses, generation.log_probs
             self._reward(out, mine, responses)
         return self._pack(out, prompt_ids, responses, engine_lp, t0)
-
-    def _with_images(self, records: list[int]) -> tuple[list[list[int]], RowVision]:
-        """The rows' prompt ids with their image tokens expanded, and their images, each prompt's read once."""
-        assert self.images is not None
-        done: dict[int, tuple[list[int], PromptVision]] = {}
-        P = self.cfg.generation.prompt_max_len
-        for i in records:
-            if i not in done:
-                record = self.prompts.records[i]
-                where = f"prompt record {i}"
-                done[i] = self.images.prepare(self.prompts.ids[i], record.images, where, record.base_dir)
-                if len(done[i][0]) > P:
-                    raise DataError(f"{where} has {len(done[i][0])} tokens with its images' tokens, more than "
-                                    f"--prompt_max_len {P} (images are never cut); raise --prompt_max_len or lower "
-                                    "--max_pixels")
-        return [done[i][0] for i in records], RowVision.of_rows([done[i][1] for i in records])
 
     def signal_trained(self) -> None:
         """On the actor's first rank, after each overlapped step's update: the engines may stop generating ahead."""

@@ -28,8 +28,6 @@ def vision_run_problem(cfg: Config) -> str | None:
         return "a critic (PPO's GAE; no value head runs on a vision-language model yet: use a critic-free estimator, e.g. --advantage_estimator group_norm)"
     if cfg.needs_reward_model:
         return "--reward_pretrain (reward models read text only; use --remote_rm_url or --compute_score)"
-    if cfg.logging.eval_dataset is not None:
-        return "--eval_dataset (evaluation does not send images yet; evaluate the exported model instead)"
     if cfg.model.lora_rank > 0:
         return "--lora_rank (adapters on a vision-language model are not wired yet; train every weight)"
     return None

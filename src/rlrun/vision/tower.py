@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from rlrun.models.renaming import model_names
 from rlrun.runtime.errors import ConfigError
 
 # Submodule names of the image encoder and its projector into the language model in transformers' VLM classes
@@ -30,3 +31,32 @@ def freeze_vision_tower(model: nn.Module) -> int:
     for p in params.values():
         p.requires_grad_(False)
     return sum(p.numel() for p in params.values())
+
+
+def freeze_by_prefix(model: nn.Module, prefixes: tuple[str, ...]) -> int:
+    """OpenRLHF-M's --freeze_prefix (e.g. `visual`): requires_grad off for every parameter whose name starts with one
+    of `prefixes`, under the model's own names or the checkpoint's (transformers 5 builds Qwen2-VL's `visual.*` as
+    `model.visual.*`); returns how many parameters were frozen. A prefix that matches nothing is an error."""
+    params = dict(model.named_parameters())
+    stored = {name: name for name in params}
+    stored.update(model_names(model, _checkpoint_names(model, params)))
+    unmatched = [p for p in prefixes if not any(n.startswith(p) or stored[n].startswith(p) for n in params)]
+    if unmatched:
+        raise ConfigError(f"--freeze_prefix {' '.join(unmatched)} matches no parameter of {type(model).__name__} "
+                          f"(its names start like {', '.join(sorted({n.split('.')[0] + '.' + n.split('.')[1] for n in params if '.' in n})[:4])})")
+    frozen = [p for n, p in params.items() if any(n.startswith(x) or stored[n].startswith(x) for x in prefixes)]
+    for p in frozen:
+        p.requires_grad_(False)
+    return sum(p.numel() for p in frozen)
+
+
+def _checkpoint_names(model: nn.Module, params: dict[str, nn.Parameter]) -> list[str]:
+    """The names a hub checkpoint of `model` stores (transformers' save-time reversal of its load-time renames)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion  # noqa: PLC0415
+    except ImportError:
+        return list(params)
+    try:
+        return list(revert_weight_conversion(model, dict(params)))
+    except (AttributeError, TypeError, ValueError, KeyError):
+        return list(params)
