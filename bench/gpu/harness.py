@@ -58,6 +58,7 @@ class Run:
     expect_fail: str = ""  # a defect not fixed yet: the run is expected to fail with this text in its log
     needs: str = ""  # an importable module the run needs (skipped without it)
     alone: bool = False  # a timing to compare: runs after the others, with the GPU to itself
+    config: str = "demo.yaml"  # under configs/
 
 
 LEARN_MARGIN = 0.1
@@ -101,6 +102,8 @@ RUNS: tuple[Run, ...] = (
         needs="deepspeed"),
     Run("deepspeed_zero2_offload", ("--strategy", "deepspeed", "--zero_stage", "2", "--adam_offload"), steps=4,
         needs="deepspeed"),
+    # the VLM demo (tiny Qwen2.5-VL, image prompts): HF generate with images, the multimodal forward on CUDA
+    Run("vlm_grpo_bf16", ("--bf16",), steps=40, learns=True, config="vlm_demo.yaml"),
     Run("throughput_0.5b_bf16", THROUGHPUT, steps=3, cpu_steps=0, alone=True),
     Run("throughput_0.5b_bf16_hf", (*THROUGHPUT, "--generation_backend", "hf"), steps=3, cpu_steps=0, alone=True),
     Run("throughput_0.5b_bf16_graph", (*THROUGHPUT, "--native_cuda_graph"), steps=3, cpu_steps=0, alone=True),
@@ -144,11 +147,12 @@ def _summarise(rows: list[dict]) -> dict:
 def _torchrun(run: Run, steps: int, workdir: Path, device: str, extra: tuple[str, ...], log: Path,
               timeout: float) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(run.ranks),
-           "-m", "rlrun.ppo", "--config", str(ROOT / "configs" / "demo.yaml"), "--device", device,
+           "-m", "rlrun.ppo", "--config", str(ROOT / "configs" / run.config), "--device", device,
            "--max_steps", str(steps), "--save_path", str(workdir), "--ckpt_path", str(workdir / "ckpt"),
            *run.flags, *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1", "RLRUN_REPORT_MEMORY": "1"}
+           "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1", "RLRUN_REPORT_MEMORY": "1",
+           "RLRUN_CACHE": str(workdir / "rlrun_cache")}  # --model_preset tiny-vl builds its model and data there
     with log.open("a") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
