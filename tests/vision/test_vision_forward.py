@@ -137,6 +137,7 @@ def test_row_vision_selects_rows_and_round_trips_through_state():
     assert torch.equal(inputs["pixel_values"], torch.cat([b.pixel_values, a.pixel_values]))
     assert torch.equal(inputs["image_grid_thw"], torch.cat([b.grid_thw, a.grid_thw]))
     assert rows[torch.tensor([4])].model_inputs(torch.device("cpu"), torch.float32) == {}
+    assert torch.equal(picked.grids(), inputs["image_grid_thw"]) and rows[torch.tensor([4])].grids() is None
     back = RowVision.from_state(rows.state())
     assert back.digest() == rows.digest() and back.row_entry.tolist() == rows.row_entry.tolist()
     both = RowVision.concat([rows, RowVision.of_rows([b])])

@@ -82,13 +82,15 @@ def test_disaggregated_packed_verl_layout_resumes_exactly(task, tmp_path):
             "--label_key", "reward_model.ground_truth", "--vllm_num_engines", "1", "--actor_num_gpus_per_node", "1",
             "--packing_samples", "--max_steps", "6", "--save_steps", "3", *GRPO,
             "--use_kl_loss", "--kl_estimator", "k3", "--init_kl_coef", "0.001",  # OpenRLHF-M's: a reference scores too
-            "--eval_dataset", task["verl"], "--eval_steps", "3"]
+            "--eval_dataset", task["verl"], "--eval_steps", "3", "--save_hf_ckpt"]
     full = run_rlrun(2, args + ["--ckpt_path", str(tmp_path / "a" / "ckpt")], tmp_path / "a", timeout=300)
     assert full.returncode == 0, full.output[-3000:]
     steps = [m for m in full.metrics if "reward" in m]
     assert [m["step"] for m in steps] == list(range(1, 7))
     assert steps[-1]["kl"] > 0  # the reference scored the rows with their images
     assert [m["step"] for m in full.metrics if "eval/reward" in m] == [3, 6]  # evaluation samples with the images
+    hf = tmp_path / "a" / "ckpt" / "step_00000003" / "hf"  # --save_hf_ckpt: the whole VLM, image processor included
+    assert (hf / "model.safetensors").exists() and (hf / "preprocessor_config.json").exists()
     ckpt = tmp_path / "b" / "ckpt"
     shutil.copytree(store.step_dir(str(tmp_path / "a" / "ckpt"), 3), store.step_dir(str(ckpt), 3))
     resumed = run_rlrun(2, args + ["--ckpt_path", str(ckpt), "--load_checkpoint"], tmp_path / "b", timeout=300)

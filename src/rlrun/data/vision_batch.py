@@ -70,6 +70,11 @@ class RowVision:
         """Each row's decoded images (where they were read: the engine ranks)."""
         return [self.entries[i].images for i in self.row_entry.tolist()]
 
+    def grids(self) -> torch.Tensor | None:
+        """[images, 3]: the rows' image grids in row order (None when no row has an image)."""
+        rows = [self.entries[i].grid_thw for i in self.row_entry.tolist()]
+        return torch.cat(rows) if any(g.shape[0] for g in rows) else None
+
     def model_inputs(self, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """{"pixel_values": [patches of every row, in row order, D], "image_grid_thw": [images, 3]} for the model's
         forward ({} when no row has an image)."""

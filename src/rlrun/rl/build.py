@@ -69,6 +69,11 @@ class Prompts:
     def labels(self) -> list[Any]:
         return [r.label for r in self.records]
 
+    @property
+    def image_processor(self) -> Any:
+        """A vision-language policy's image processor (saved beside its HF exports), None for a text policy."""
+        return None if self.images is None else self.images.processor
+
     def meta(self, indices: list[int]) -> PromptMeta:
         rows = [self.records[i] for i in indices]
         return PromptMeta([r.label for r in rows], [r.data_source for r in rows], [r.extra_info for r in rows])

@@ -99,7 +99,8 @@ class Checkpointer:
             if self.cfg.checkpoint.save_hf_ckpt:
                 parts.append(lambda: save_policy(actor, self.tokenizer, os.path.join(path, "hf"), is_writer=self.rank == 0,
                                                  strategy=actor_strategy, allow_nonfinite=True,
-                                                 merged=self.cfg.checkpoint.save_merged))
+                                                 merged=self.cfg.checkpoint.save_merged,
+                                                 image_processor=self.trainer.prompts.image_processor))
         if r.critic is not None:
             critic, critic_strategy = r.critic, r.strategies[Role.CRITIC]
             first = self.rank == self.layout.ranks_of(Role.CRITIC)[0]

@@ -142,7 +142,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
             save_policy(roles.actor, tokenizer, cfg.checkpoint.save_path, is_writer=env.rank == 0,
                         strategy=roles.strategies.get(Role.ACTOR), allow_nonfinite=allow,
                         merged=cfg.checkpoint.save_merged,
-                        image_processor=prompts.images.processor if prompts.images is not None else None)
+                        image_processor=prompts.image_processor)
             if cfg.checkpoint.save_value_network and roles.critic is not None:
                 first_critic = layout.ranks_of(Role.CRITIC)[0]
                 save_critic(roles.critic, os.path.join(cfg.checkpoint.save_path, "critic"), is_writer=env.rank == first_critic,

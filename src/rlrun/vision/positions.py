@@ -91,8 +91,9 @@ def packed_inputs(model: nn.Module, part: RolloutBatch, packed: PackedBatch) -> 
     device = packed.input_ids.device
     order = [i for row in packed.rows for i in row]
     images = part.vision[torch.tensor(order, dtype=torch.long)].model_inputs(device, torch.float32)
-    grids = part.vision.model_inputs(device, torch.float32).get("image_grid_thw")
-    own = mrope_positions(model, part.sequences, part.attention_mask, grids)  # [3, b, L]
+    grids = part.vision.grids()
+    own = mrope_positions(model, part.sequences, part.attention_mask,
+                          None if grids is None else grids.to(device))  # [3, b, L]
     positions = packed.position_ids.unsqueeze(0).repeat(4, 1, 1)
     real = part.attention_mask.bool()
     for r, row in enumerate(packed.rows):
