@@ -13,7 +13,7 @@ import json
 import os
 import threading
 
-from rlrun.config.schema import RETRIEVER_RETRY_BACKOFF_S
+from rlrun.config.rl_sections import RETRIEVER_RETRY_BACKOFF_S
 from rlrun.runtime.errors import ConfigError, RlrunError
 from rlrun.runtime.secrets import redact_url
 from rlrun.serving.http_retry import AttemptFailed, RequestRejected, RetriesExhausted, post_once, with_retries

@@ -9,7 +9,8 @@ import os
 
 from rlrun.algo.is_correction import ISCorrection
 from rlrun.algo.is_correction import check_settings as check_is_settings
-from rlrun.config.schema import NEEDS_GROUPS, RETRIEVER_RETRY_BACKOFF_S, Config, PretrainedConfig, SavingConfig
+from rlrun.config.rl_sections import NEEDS_GROUPS, RETRIEVER_RETRY_BACKOFF_S
+from rlrun.config.schema import Config, PretrainedConfig, SavingConfig
 from rlrun.runtime.errors import ConfigError
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlrun.config.schema import OptimConfig, PretrainedConfig, RuntimeConfig, SavingConfig, TemplateConfig, TrackingConfig, opt
+from rlrun.config.option import opt
+from rlrun.config.schema import OptimConfig, PretrainedConfig, RuntimeConfig, SavingConfig, TemplateConfig, TrackingConfig
 
 
 @dataclass
