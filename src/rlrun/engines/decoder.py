@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlrun.models.architecture import is_vision_language
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _QK_NORM_TYPES = ("qwen3",)
 
@@ -34,7 +36,7 @@ _QK_NORM_TYPES = ("qwen3",)
 def unsupported_reason(config: object, max_len: int) -> str | None:
     """Why the decoder cannot run a model with this HF config for sequences of `max_len` tokens (None: it can)."""
     model_type = getattr(config, "model_type", None)
-    if getattr(config, "vision_config", None) is not None:
+    if is_vision_language(config):  # type: ignore[arg-type]
         return f"{model_type!r} is a vision-language model (the native engine decodes text-only models)"
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {model_type!r} (the native engine runs {', '.join(SUPPORTED_MODEL_TYPES)})"

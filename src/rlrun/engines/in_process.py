@@ -101,7 +101,7 @@ class InProcessEngine(VLLMEngineBase):
                  seed: int, max_model_len: int, tensor_parallel_size: int = 1, enforce_eager: bool = False,
                  gpu_memory_utilization: float = 0.9, enable_sleep: bool = False,
                  kv_cache_memory_bytes: int | None = None, seeded_requests: bool = False,
-                 image_processor: Any = None, images_per_prompt: int = 1) -> None:
+                 image_processor: Any = None, images_per_prompt: int = 0) -> None:
         # A subset of the world would hang inside vLLM with no error: refuse it here too, not only in planning.
         problem = whole_world_problem(layout, tensor_parallel_size)
         if problem is None and world_size != layout.world_size:
@@ -119,7 +119,7 @@ class InProcessEngine(VLLMEngineBase):
                                gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                                external_launcher=True, enable_sleep=enable_sleep,
                                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                               images_per_prompt=images_per_prompt if image_processor is not None else 0)
+                               images_per_prompt=images_per_prompt)
         self.sleeps = sleeps(self.spec)
         log = get_logger(rank)
         t0 = time.perf_counter()

@@ -89,7 +89,6 @@ class VLLMEngineBase:
         self.last_sync_s = 0.0
         self.workdir = tempfile.mkdtemp(prefix=f"rlrun_vllm_r{rank}_")
         self.model_dir = os.path.join(self.workdir, "model")
-        self.image_processor = image_processor
         self.image_token: int | None = getattr(model.config, "image_token_id", None) if image_processor else None
         self.banned = tuple(vision_token_ids(model)) if image_processor is not None else ()
         write_model_dir(model, tokenizer, self.model_dir, image_processor)
@@ -148,7 +147,7 @@ class VLLMEngine(VLLMEngineBase):
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, rank: int = 0,
                  tensor_parallel_size: int = 1, enable_sleep: bool = False,
                  kv_cache_memory_bytes: int | None = None, seeded_requests: bool = False,
-                 image_processor: Any = None, images_per_prompt: int = 1) -> None:
+                 image_processor: Any = None, images_per_prompt: int = 0) -> None:
         check_version()
         shm = SHM_DIR if os.path.isdir(SHM_DIR) else None
         params = [p.data for p in model.parameters()]
@@ -176,7 +175,7 @@ class VLLMEngine(VLLMEngineBase):
                           cuda_visible_devices=_visible_gpus(device, tensor_parallel_size),
                           tensor_parallel_size=tensor_parallel_size, weights_dir=self.weights_dir,
                           enable_sleep=enable_sleep, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                          images_per_prompt=images_per_prompt if image_processor is not None else 0)
+                          images_per_prompt=images_per_prompt)
         self.sleeps = sleeps(spec)
         log = get_logger(rank)
         self.child = EngineChild(

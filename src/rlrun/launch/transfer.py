@@ -79,20 +79,22 @@ def broadcast_json(obj: object, src: int, group: dist.ProcessGroup, device: torc
 def gather_vision(ranks: Sequence[int], local: dict[str, torch.Tensor] | None, group: dist.ProcessGroup,
                   device: torch.device) -> list[dict[str, torch.Tensor]]:
     """The rows' images of each rank in `ranks` (rlrun.data.vision_batch.RowVision.state(): pixels [patches, dim], grids
-    [images, 3], images per prompt [prompts], row_entry [rows]), in that order, on every rank of `group`. Sizes vary
-    by rank: each sends its counts as JSON, then its tensors (one entry per prompt, so a prompt's pixels cross once
-    however many samples it has). Ranks outside `ranks` pass local=None."""
+    [images, 3], images per prompt [prompts], row_entry [rows]), in that order, on every rank of `group`. Two
+    collectives per rank: the small index tensors as JSON (with the pixels' shape), then the pixels, whose size varies
+    by rank (one entry per prompt, so a prompt's pixels cross once however many samples it has). Ranks outside
+    `ranks` pass local=None."""
     me, out = dist.get_rank(), []
     for src in ranks:
         state = local if src == me else None
-        sizes = broadcast_json(None if state is None else {k: list(v.shape) for k, v in state.items()}, src, group, device)
-        received = {}
-        for key, dtype in (("pixels", torch.float32), ("grids", torch.long), ("images", torch.long), ("row_entry", torch.long)):
-            shape = sizes[key]  # type: ignore[index]
-            mine = None if state is None else state[key].to(dtype).reshape(shape)
-            received[key] = gather_from([src], mine, shape, dtype, group, device).cpu() if shape[0] else \
-                torch.zeros(shape, dtype=dtype)
-        out.append(received)
+        small = None if state is None else {"pixels": list(state["pixels"].shape),
+                                            **{k: state[k].tolist() for k in ("grids", "images", "row_entry")}}
+        meta: dict = broadcast_json(small, src, group, device)  # type: ignore[assignment]
+        shape = meta["pixels"]
+        mine = None if state is None else state["pixels"].float()
+        pixels = gather_from([src], mine, shape, torch.float32, group, device).cpu() if shape[0] else torch.zeros(shape)
+        received = {k: torch.tensor(meta[k], dtype=torch.long) for k in ("images", "row_entry")}
+        received["grids"] = torch.tensor(meta["grids"], dtype=torch.long).reshape(-1, 3)
+        out.append({"pixels": pixels, **received})
     return out
 
 

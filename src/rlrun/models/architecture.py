@@ -4,12 +4,22 @@ causal LMs."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
 
 def is_vision_language(config: PretrainedConfig) -> bool:
     """A config with a vision tower (its `vision_config`) feeding the language model."""
     return getattr(config, "vision_config", None) is not None
+
+
+def tied_embeddings(config: Any) -> bool:
+    """Whether the LM head is the token embedding: the text config's flag, else (VLM text configs that lack one,
+    e.g. Qwen2-VL's in transformers 5) the top-level config's."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tied = getattr(text, "tie_word_embeddings", None)
+    return bool(getattr(config, "tie_word_embeddings", False) if tied is None else tied)
 
 
 def policy_auto_class(config: PretrainedConfig) -> type:

@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
 
-from rlrun.models.architecture import policy_auto_class
+from rlrun.models.architecture import policy_auto_class, tied_embeddings
 from rlrun.runtime.errors import ConfigError
 
 PAD_TOKEN = "<|pad|>"
@@ -154,7 +154,7 @@ def build_causal_lm(config: PretrainedConfig, seed: int, dtype: torch.dtype = to
         torch.manual_seed(seed)
         model = policy_auto_class(config).from_config(config, dtype=dtype)
     head, text = model.get_output_embeddings(), config.get_text_config()
-    if not model.config.tie_word_embeddings and isinstance(head, torch.nn.Linear):
+    if not tied_embeddings(config) and isinstance(head, torch.nn.Linear):
         # HF's init (std 0.02) gives a width-64 model near-uniform logits (std 0.16) whose spread only the head itself
         # can change: adapters on the body (LoRA all-linear leaves the head out) cannot lift any token past ~1.5%.
         # std 1/sqrt(hidden), as a trained LM's logits spread, makes the random model learnable through its body too.

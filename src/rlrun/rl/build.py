@@ -44,7 +44,7 @@ from rlrun.runtime.errors import DataError
 from rlrun.runtime.log import get_logger
 from rlrun.strategies.base import Strategy
 from rlrun.strategies.choose import make_strategy
-from rlrun.vision.processor import ImageInputs, load_image_processor
+from rlrun.vision.processor import ImageInputs
 from rlrun.vision.positions import quiet_output_view_warning
 from rlrun.vision.tower import freeze_by_prefix, freeze_vision_tower
 
@@ -163,7 +163,6 @@ def image_inputs(cfg: Config, records: list[PromptRecord], source: str) -> Image
     images: they would be dropped without a word)."""
     config = load_model_config(cfg.model)
     if is_vision_language(config):
-        quiet_output_view_warning()
         d = cfg.data
         most = d.max_images_per_prompt
         over = next((i for i, r in enumerate(records) if most > 0 and len(r.images) > most), None)
@@ -257,19 +256,17 @@ def _policies(cfg: Config, count: int, rank: int) -> Iterator[Unfilled]:
         yield unfilled
 
 
-def _vllm_images(cfg: Config) -> dict[str, Any]:
+def _vllm_images(cfg: Config, image_processor: Any) -> dict[str, Any]:
     """A vision-language policy's image processor for the vLLM engine (which preprocesses the images itself, with
-    rlrun's resize bounds) and its per-prompt image limit; {} for a text policy."""
-    if not is_vision_language(load_model_config(cfg.model)):
+    rlrun's resize bounds) and its per-prompt image limit; {} for a text policy (image_processor None)."""
+    if image_processor is None:
         return {}
-    d = cfg.data
-    return {"image_processor": load_image_processor(model_folder(cfg.model.pretrain, "pretrain"), d.min_pixels,
-                                                    d.max_pixels),
-            "images_per_prompt": max(1, d.max_images_per_prompt)}
+    return {"image_processor": image_processor, "images_per_prompt": max(1, cfg.data.max_images_per_prompt)}
 
 
 def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
-                 sampling: SamplingSettings, device: torch.device) -> "VLLMEngine | TensorParallelEngine | InProcessEngine":
+                 sampling: SamplingSettings, device: torch.device, image_processor: Any = None
+                 ) -> "VLLMEngine | TensorParallelEngine | InProcessEngine":
     """vLLM in this rank when the engine ranks are the whole world (engines/hosting.py); otherwise a vLLM child on
     this rank (tensor parallel 1), or this rank's part of a tensor-parallel engine whose child runs on the engine's
     first rank."""
@@ -296,7 +293,7 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.M
                                  tensor_parallel_size=tp, enforce_eager=g.enforce_eager,
                                  gpu_memory_utilization=g.vllm_gpu_memory_utilization, enable_sleep=g.vllm_enable_sleep,
                                  kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes,
-                                 seeded_requests=g.vllm_seeded_requests, **_vllm_images(cfg))
+                                 seeded_requests=g.vllm_seeded_requests, **_vllm_images(cfg, image_processor))
         before_teardown(engine.close)  # vLLM's groups go before the default group
         return engine
     leader = None
@@ -306,7 +303,7 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.M
                             enforce_eager=g.enforce_eager, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
                             rank=rank, tensor_parallel_size=tp, enable_sleep=g.vllm_enable_sleep,
                             kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes, seeded_requests=g.vllm_seeded_requests,
-                            **_vllm_images(cfg))
+                            **_vllm_images(cfg, image_processor))
     if tp == 1:
         assert leader is not None
         return leader
@@ -314,7 +311,8 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.M
 
 
 def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.device, total_steps: int,
-                tokenizer: PreTrainedTokenizerBase, sources: RewardSources) -> RankRoles:
+                tokenizer: PreTrainedTokenizerBase, sources: RewardSources, image_processor: Any = None) -> RankRoles:
+    """`image_processor`: a vision-language policy's (Prompts.image_processor), None for a text policy."""
     rank = groups.rank
     mine = set(layout.roles_of(rank))
     out = RankRoles()
@@ -322,6 +320,8 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
     a, g = cfg.algo, cfg.generation
     actor_strategy = None
     lora = lora_settings(cfg.model)  # adapters on the trained models (actor, critic); engines get merged weights
+    if image_processor is not None:
+        quiet_output_view_warning()
     policies = _policies(cfg, sum(r in mine for r in (Role.ACTOR, Role.REF, Role.ENGINE)), rank)
     if Role.ENGINE in mine:
         # Engines first: vLLM sizes its KV cache from the device memory free when it starts (and refuses a
@@ -333,7 +333,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         unfilled.model.to(engine_dtype(cfg, device))  # on the meta device: the weights are read in this dtype
         policy = unfilled.fill(device)
         if g.generation_backend == "vllm":  # run.py's resolve_backend already checked version and layout
-            out.engine = _vllm_engine(cfg, layout, groups, policy, tokenizer, sampling, device)
+            out.engine = _vllm_engine(cfg, layout, groups, policy, tokenizer, sampling, device, image_processor)
         elif g.generation_backend == "native":  # run.py resolved `auto` and checked the architecture
             budget = None if g.native_kv_cache_mb is None else g.native_kv_cache_mb * 2**20
             out.engine = NativeEngine(policy, sampling, device, tokenizer, kv_cache_bytes=budget,

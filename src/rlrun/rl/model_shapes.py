@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlrun.launch.layout import Role
+from rlrun.models.architecture import tied_embeddings
 from rlrun.runtime.errors import ConfigError
 
 
@@ -133,14 +134,6 @@ def _linears(config: Any, hidden: int, q: int, kv: int, layers: int) -> tuple[Li
                 Linear("mlp.shared_expert.down_proj", shared, hidden, sparse),
                 Linear("mlp.shared_expert_gate", hidden, 1, sparse)]
     return tuple(out)
-
-
-def tied_embeddings(config: Any) -> bool:
-    """Whether the LM head is the token embedding: the text config's flag, else (VLM text configs that lack one,
-    e.g. Qwen2-VL's in transformers 5) the top-level config's."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    tied = getattr(text, "tie_word_embeddings", None)
-    return bool(getattr(config, "tie_word_embeddings", False) if tied is None else tied)
 
 
 def vision_tower_parameters(config: Any) -> int:

@@ -91,7 +91,6 @@ class RolloutSource:
         self.flag = ReadyFlag(ready) if self.partial and ready is not None else None
         # a vision-language policy: the engine ranks read and preprocess the images, and send them with the rows
         self.vision = prompts.images is not None
-        self.images = prompts.images if roles.engine is not None else None
 
     def generate(self, step: int) -> StepOutputs:
         """Engine ranks sample their share (single responses, or agent episodes); every rank receives the
@@ -123,7 +122,7 @@ class RolloutSource:
         records = [i for i in self.sampler.indices(step) for _ in range(n)]
         mine = records[shard(len(records), len(self.engine_ranks), slot)]
         prompt_ids = [self.prompts.ids[i] for i in mine]
-        if self.images is not None:
+        if self.vision:
             prompt_ids, out.vision = self.prompts.with_images(mine, cfg.generation.prompt_max_len)
         seed = derive_seed(cfg.train.seed, "generate", step, slot)
         if self.roles.agents is not None:

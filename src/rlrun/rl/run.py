@@ -109,7 +109,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
         groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend,
                               solo=cfg.train.strategy == "deepspeed")
-        roles = build_roles(cfg, layout, groups, device, total_steps, tokenizer, sources)
+        roles = build_roles(cfg, layout, groups, device, total_steps, tokenizer, sources, prompts.image_processor)
         trainer = Trainer(cfg, layout, groups, roles, prompts, sampler, tokenizer, device, total_steps, phase)
         checkpointer = Checkpointer(cfg, layout, groups, roles, trainer, tokenizer, run_id)
         if openrlhf_init is not None:  # before --load_checkpoint: rlrun's own newer checkpoint wins

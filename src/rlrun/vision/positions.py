@@ -41,15 +41,21 @@ def _config(model: nn.Module) -> Any:
     raise ValueError(f"{type(model).__name__} has no config with an image_token_id")
 
 
+def _image_marks(model: nn.Module, fn: Callable[..., Any], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{"mm_token_type_ids": 1 on image tokens} for a transformers whose `fn` takes it (>= 5.2x: the marks, not the
+    token ids, say where images are), else {}."""
+    if "mm_token_type_ids" not in inspect.signature(fn).parameters:
+        return {}
+    return {"mm_token_type_ids": (input_ids == int(_config(model).image_token_id)).int()}
+
+
 def mrope_positions(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     grid_thw: torch.Tensor | None) -> torch.Tensor:
     """[b, L] tokens (images' tokens expanded), [b, L] mask, [images, 3] grids of the rows' images in row order ->
     [3, b, L] positions; masked positions get 1, as transformers gives them."""
     fn = _rope_index(model)
-    kwargs: dict[str, Any] = {"image_grid_thw": grid_thw, "attention_mask": attention_mask}
-    if "mm_token_type_ids" in inspect.signature(fn).parameters:  # transformers >= 5.2x marks image tokens itself
-        kwargs["mm_token_type_ids"] = (input_ids == int(_config(model).image_token_id)).int()
-    positions, _ = fn(input_ids, **kwargs)
+    positions, _ = fn(input_ids, image_grid_thw=grid_thw, attention_mask=attention_mask,
+                      **_image_marks(model, fn, input_ids))
     return positions
 
 
@@ -69,8 +75,8 @@ def generate_inputs(model: nn.Module, input_ids: torch.Tensor, vision: RowVision
     suppressed: a response holding an image token would be read as an image without pixels by every later forward
     (a trained VLM gives them ~0 probability; a small or fresh one does not)."""
     images: dict[str, Any] = vision.model_inputs(input_ids.device, torch.float32)
-    if images and "mm_token_type_ids" in inspect.signature(model.forward).parameters:
-        images["mm_token_type_ids"] = (input_ids == int(_config(model).image_token_id)).int()
+    if images:
+        images.update(_image_marks(model, model.forward, input_ids))
     images["suppress_tokens"] = vision_token_ids(model)
     return images
 
