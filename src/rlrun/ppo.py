@@ -13,7 +13,7 @@ from rlrun.cli.parser import ParsedArgs, parse_args
 from rlrun.launch.dist import uses_cuda
 from rlrun.launch.env import read_node_label
 from rlrun.launch.failures import checked_on_every_rank, launch_environment, leave
-from rlrun.launch.layout_text import format_layout_table
+from rlrun.launch.layout_text import format_layout_table, layout_heading
 from rlrun.models.adapter_pretrain import resolve_adapter_pretrain
 from rlrun.models.hub import resolve_models
 from rlrun.rl.planning import check_adapter_reference
@@ -64,8 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.runtime.dry_run:
         if choice.assumed is not None:
             log.info_once(choice.assumed)
-        log.info_once(f"layout for world size {env.world_size} ({env.local_world_size} ranks per node, launcher {env.launcher}):\n"
-                      + format_layout_table(the_plan.layout))
+        log.info_once(f"{layout_heading(env)}\n{format_layout_table(the_plan.layout)}")
         if asks_node_labels(cfg) and not one_node:
             log.info_once("roles pinned by --*_node_label are placed at start-up, once every node has reported its "
                           "label (RLRUN_NODE_LABEL, else the host name); the table above ignores the labels")

@@ -68,6 +68,6 @@ def test_command_runs_as_written(where, command, hub_env):
     if "--help" in args:
         return
     if module == "rlrun.ppo":
-        assert f"layout for world size {world} " in out, out[-2000:]
+        assert f"layout: {world} rank" in out, out[-2000:]
     else:
         assert f"{world} ranks" in out, out[-2000:]

@@ -68,10 +68,11 @@ def test_async_train_lags_exactly_one_weight_version(tmp_path):
 
 
 def test_partial_rollout_continues_responses_on_vllm(tmp_path):
-    """--partial_rollout on a vLLM engine (the chunked path: --partial_rollout_tokens per call) with a long-tailed
-    policy: it trains, no sample is more than --max_staleness versions old, and step 1 (generated and trained on the
-    initial weights) matches the actor token for token. (Whether samples span versions depends on timing; the pool
-    tests check the chunked path's carry-over deterministically.)"""
+    """--partial_rollout on a tensor-parallel vLLM engine (rank 0 actor, ranks 1-2 one engine at TP 2; the chunked
+    path: --partial_rollout_tokens per call) with a long-tailed policy: it trains, no sample is more than
+    --max_staleness versions old, and step 1 (generated and trained on the initial weights) matches the actor token
+    for token, so both engine ranks' pools reached the one vLLM child together. (Whether samples span versions
+    depends on timing; the pool tests check the chunked path's carry-over and the ranks' vote deterministically.)"""
     import sys  # noqa: PLC0415
 
     base = tmp_path / "long_tailed"
@@ -83,7 +84,8 @@ def test_partial_rollout_continues_responses_on_vllm(tmp_path):
                                               "--n_samples_per_prompt", "2", "--train_batch_size", "16",
                                               "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8",
                                               "--max_steps", "5", "--async_train", "--partial_rollout",
-                                              "--partial_rollout_tokens", "8"], tmp_path / "run")
+                                              "--partial_rollout_tokens", "8", "--vllm_tensor_parallel_size", "2"],
+                             tmp_path / "run", timeout=600, nproc=3)
     assert code == 0, out[-4000:]
     assert "generation backend vllm" in out
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]

@@ -111,11 +111,12 @@ def _plan(*argv: str):
 def test_checks_before_launch():
     disjoint = ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "2"]
     assert _plan("--async_train", "--partial_rollout", *disjoint).layout.asynchronous
+    tensor_parallel = _plan("--async_train", "--partial_rollout", "--actor_num_gpus_per_node", "2",
+                            "--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2").layout
+    assert tensor_parallel.asynchronous and tensor_parallel.engines == ((2, 3),)
     cases = {
         ("--partial_rollout", *disjoint): "--partial_rollout needs --async_train",
         ("--async_train", "--partial_rollout"): "needs the engines on ranks of their own",
-        ("--async_train", "--partial_rollout", "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1",
-         "--vllm_tensor_parallel_size", "2", "--generation_backend", "hf"): "engines of one rank each",
         ("--async_train", "--partial_rollout", *disjoint, "--rollout_batch_size", "3", "--train_batch_size", "6",
          "--micro_train_batch_size", "1", "--micro_rollout_batch_size", "1"): "must be a multiple of the 2 engines",
         ("--async_train", "--partial_rollout", "--max_staleness", "0", *disjoint): "--max_staleness must be",

@@ -9,7 +9,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from rlrun.launch.env import DistEnv
     from rlrun.launch.layout import Layout
+
+
+def layout_heading(env: DistEnv) -> str:
+    """'layout: 8 ranks (8 per node, launcher torchrun)': the line above the table, at start-up and in --dry_run."""
+    return (f"layout: {env.world_size} rank{'s' if env.world_size > 1 else ''} ({env.local_world_size} per node, "
+            f"launcher {env.launcher})")
 
 
 def describe_nodes(node_labels: Sequence[str]) -> str:

@@ -124,6 +124,12 @@ class EngineRowExchange:
         return [broadcast_json(mine if i == self.index else None, src, self.group, self.device)
                 for i, src in enumerate(self.ranks)]
 
+    def any_rank(self, wants: bool) -> bool:
+        """Whether any rank of the engine passed True; the same answer on each. Collective over the engine."""
+        flag = torch.tensor([int(wants)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
     def from_leader(self, parts: list[object] | None) -> object:
         """The first rank's parts[i] on the engine's i-th rank. Collective over the engine."""
         every = broadcast_json(parts if self.is_leader else None, self.ranks[0], self.group, self.device)

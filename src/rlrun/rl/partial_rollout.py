@@ -10,7 +10,8 @@ version that sampled it, so a step knows each row's staleness; a group holding a
 --max_staleness versions older than the policy that trains on it is restarted from its prompt (verl throttles
 instead; OpenRLHF bounds nothing).
 
-Bookkeeping around the engine's sampling: no collective (the learners' flag is a callable the caller passes).
+Bookkeeping around the engine's sampling. Its only collectives are the callables the caller passes: the learners'
+flag, and, for a tensor-parallel engine, the vote that keeps the engine's ranks calling the engine together.
 """
 
 from __future__ import annotations
@@ -61,13 +62,23 @@ class PoolSettings:
         return self.n_samples * self.prompts_per_step
 
 
+def alone(wants: bool) -> bool:
+    """An engine of one rank decides by itself."""
+    return wants
+
+
 class SequencePool:
-    """The rows one engine rank has in flight; take(step, version) returns a step's rows, generating as needed."""
+    """The rows one engine rank has in flight; take(step, version) returns a step's rows, generating as needed.
+
+    `any_rank(wants)`: whether any rank of this rank's engine wants another generation round (the same answer on
+    each). A tensor-parallel engine's ranks each keep a pool of their own prompts, but every call of the engine is
+    collective over them, so they go round together while any of them needs to: a rank with enough finished groups
+    continues its unfinished rows meanwhile (generation ahead, as while the learners train), or sends no rows."""
 
     def __init__(self, engine: Engine, prompt_ids: list[list[int]], sampler: PromptSampler, slot: int, engines: int,
-                 settings: PoolSettings) -> None:
+                 settings: PoolSettings, any_rank: Callable[[bool], bool] = alone) -> None:
         self.engine, self.prompt_ids, self.sampler = engine, prompt_ids, sampler
-        self.slot, self.engines, self.s = slot, engines, settings
+        self.slot, self.engines, self.s, self.any_rank = slot, engines, settings, any_rank
         self.active: list[list[InFlightRow]] = []  # groups being generated, in admission order
         self.ready: deque[list[InFlightRow]] = deque()  # finished groups, in finishing order
         self.waiting: deque[int] = deque()  # records admitted next
@@ -83,12 +94,17 @@ class SequencePool:
         if self.next_prompt_step is None:
             self.next_prompt_step = step
         self._restart_stale(step)
-        while self._rows(self.ready) < self.s.rows_per_step:
-            self._admit()
-            self._advance(version)
+        while True:
+            short = self._rows(self.ready) < self.s.rows_per_step
+            if not self.any_rank(short):
+                break
+            if short:
+                self._admit()
+            self._advance(version, ahead=not short)  # a rank already served admits nothing: its new rows would wait
         # Ahead of the learners: continue the rows in flight (no new prompts: a row started now would wait behind
         # this step's finished groups and grow stale), so a later step finds them further along.
-        while trained is not None and not trained() and not all(row.done for g in self.active for row in g):
+        while self.any_rank(trained is not None and not trained()
+                            and not all(row.done for g in self.active for row in g)):
             self._advance(version, ahead=True)
         rows: list[InFlightRow] = []
         while len(rows) < self.s.rows_per_step:

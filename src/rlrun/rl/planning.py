@@ -91,16 +91,14 @@ def plan(cfg: Config, world_size: int, ranks_per_node: int, node_labels: Sequenc
 def check_partial_rollout_layout(cfg: Config, layout: Layout) -> None:
     """--partial_rollout overlaps the engines' generation with training: it needs engines on ranks of their own
     (where --async_train alone falls back to synchronous steps with a warning, this refuses), and whole prompts
-    per engine (a group's samples stay in one engine's pool)."""
+    per engine (a group's samples stay in one engine's pool). Tensor-parallel engines are fine: their ranks vote
+    before each generation round (partial_rollout.SequencePool)."""
     if not cfg.train.partial_rollout:
         return
     if not layout.asynchronous:
         raise ConfigError("--partial_rollout needs the engines on ranks of their own, so that they generate while the "
                           "others train; colocated engines have nothing to overlap: set --vllm_num_engines N with "
                           "N x --vllm_tensor_parallel_size ranks beside the training ranks, and no --colocate_all_models")
-    if any(len(ranks) > 1 for ranks in layout.engines):
-        raise ConfigError("--partial_rollout runs engines of one rank each (a tensor-parallel engine's ranks would have "
-                          "to agree on every chunk); set --vllm_tensor_parallel_size 1, or drop --partial_rollout")
     engines = len(layout.engines)
     if cfg.train.rollout_batch_size % engines:
         raise ConfigError(f"--partial_rollout: --rollout_batch_size {cfg.train.rollout_batch_size} must be a multiple "

@@ -21,10 +21,10 @@ from rlrun.data.rollout import RolloutBatch, pack_log_probs, pack_rows, unpack_r
 from rlrun.engines.base import REPORTS_LOG_PROBS
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
-from rlrun.launch.transfer import ReadyFlag, broadcast_json, gather_from, gather_vision
+from rlrun.launch.transfer import EngineRowExchange, ReadyFlag, broadcast_json, gather_from, gather_vision
 from rlrun.rewards.reward_fn import reward_responses
 from rlrun.rl.build import Prompts, RankRoles
-from rlrun.rl.partial_rollout import PoolSettings, SequencePool
+from rlrun.rl.partial_rollout import PoolSettings, SequencePool, alone
 from rlrun.data.vision_batch import RowVision
 
 
@@ -84,8 +84,11 @@ class RolloutSource:
             settings = PoolSettings(t.n_samples_per_prompt, t.rollout_batch_size // engines,
                                     cfg.generation.generate_max_len, t.partial_rollout_tokens, t.max_staleness,
                                     int(tokenizer.eos_token_id), t.seed)
+            index = layout.engine_index_of(self.rank)
+            engine_group = groups.get(f"engine.{index}") if len(layout.engines[index]) > 1 else None
+            vote = EngineRowExchange(engine_group, comm_device).any_rank if engine_group is not None else alone
             self.pool = SequencePool(roles.engine, prompts.ids, sampler, self.engine_ranks.index(self.rank), engines,
-                                     settings)
+                                     settings, vote)
         # the actor's first rank tells the engines when it has trained, so that they generate ahead until then
         ready = groups.get("ready")
         self.flag = ReadyFlag(ready) if self.partial and ready is not None else None

@@ -25,7 +25,7 @@ from rlrun.launch.failures import check_outputs, fail_and_exit
 from rlrun.launch.groups import build_groups
 from rlrun.launch.labels import gather_node_labels
 from rlrun.launch.layout import Layout, Role
-from rlrun.launch.layout_text import format_layout_table
+from rlrun.launch.layout_text import format_layout_table, layout_heading
 from rlrun.models.loading import load_tokenizer
 from rlrun.reporting.metrics import MetricsSink
 from rlrun.reporting.run_report import announce, describe_reward, describe_roles, model_form, saved_outputs
@@ -161,8 +161,7 @@ def run(cfg: Config, env: DistEnv, layout: Layout, generation_why: str) -> int:
 
 
 def _layout_text(layout: Layout, env: DistEnv) -> str:
-    head = (f"layout: {env.world_size} rank{'s' if env.world_size > 1 else ''} ({env.local_world_size} per node, "
-            f"launcher {env.launcher})")
+    head = layout_heading(env)
     if env.world_size <= TABLE_RANKS:
         return f"{head}\n{format_layout_table(layout)}"
     return (f"{head}: {describe_roles({role.value: layout.ranks_of(role) for role in Role if layout.has(role)})}; "
