@@ -4,7 +4,6 @@ scalar head run under DeepSpeed too, and their exports load with transformers.""
 
 from __future__ import annotations
 
-
 import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
