@@ -111,6 +111,9 @@ def _plan(*argv: str):
 def test_checks_before_launch():
     disjoint = ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "2"]
     assert _plan("--async_train", "--partial_rollout", *disjoint).layout.asynchronous
+    # the engines' "trained" flag has a group of its own only where something waits for it
+    assert "ready" in {g.name for g in _plan("--async_train", "--partial_rollout", *disjoint).layout.groups}
+    assert "ready" not in {g.name for g in _plan("--async_train", *disjoint).layout.groups}
     tensor_parallel = _plan("--async_train", "--partial_rollout", "--actor_num_gpus_per_node", "2",
                             "--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2").layout
     assert tensor_parallel.asynchronous and tensor_parallel.engines == ((2, 3),)

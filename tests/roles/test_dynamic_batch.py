@@ -143,15 +143,15 @@ def _policy_inputs(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def _actor_grad(agg: str, batch: RolloutBatch, budget: TokenBudget | None, rank: int = 0, world: int = 1,
-                on_policy: bool = False) -> tuple[torch.Tensor, Actor]:
+                on_policy: bool = False) -> tuple[torch.Tensor, Actor, dict[str, float]]:
     adv, old, ref = _policy_inputs(batch)
     model = build_causal_lm(tiny_model_config(), seed=0)
     updater, capture = _updater(model, len(batch.prompt_len), rank, world)
     settings = PolicyLossSettings(0.2, None, agg, 1.0, 0.01, True, "k3")  # KL loss and entropy on
     actor = Actor(model, updater, settings, CPU)
     rows = [torch.arange(len(batch.prompt_len))]
-    actor.train(PolicyData(batch, None if on_policy else old, adv, ref), rows, kl_coef=0.5, budget=budget)
-    return capture.grads[0], actor
+    stats = actor.train(PolicyData(batch, None if on_policy else old, adv, ref), rows, kl_coef=0.5, budget=budget)
+    return capture.grads[0], actor, stats
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
@@ -161,9 +161,13 @@ def test_actor_gradient_of_uneven_micro_batches_equals_the_full_batch(agg):
     updater, _ = _updater(nn.Linear(1, 1), 1)
     sizes = [len(mb) for mb in updater.micro_batches(torch.arange(12), budget, RowLengths.of(batch))]
     assert len(sizes) >= 3 and len(set(sizes)) > 1, sizes  # uneven micro-batches
-    full, _ = _actor_grad(agg, batch, None)
-    dynamic, _ = _actor_grad(agg, batch, budget)
+    full, _, whole = _actor_grad(agg, batch, None)
+    dynamic, _, split = _actor_grad(agg, batch, budget)
     torch.testing.assert_close(dynamic, full, atol=1e-6, rtol=1e-4)
+    # the logged losses are the mini-batch's, not a micro-batch's share of it
+    for key in ("actor/policy_loss", "actor/kl_loss", "actor/entropy"):
+        assert split[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-6), key
+    assert whole["actor/entropy"] > 1.0  # a near-uniform tiny model: ~ln(vocab) nats per token
     # Two data-parallel ranks, rows dealt by length: the mean of their gradients (what FSDP's reduction gives).
     halves = [_actor_grad(agg, batch, budget, rank, 2)[0] for rank in range(2)]
     torch.testing.assert_close((halves[0] + halves[1]) / 2, full, atol=1e-6, rtol=1e-4)
@@ -171,8 +175,8 @@ def test_actor_gradient_of_uneven_micro_batches_equals_the_full_batch(agg):
 
 def test_on_policy_log_probs_of_trimmed_micro_batches_fill_the_full_width():
     batch = long_tailed_batch()
-    _, full = _actor_grad("token-mean", batch, None, on_policy=True)
-    _, dynamic = _actor_grad("token-mean", batch, TokenBudget(3 * (P + R)), on_policy=True)
+    _, full, _ = _actor_grad("token-mean", batch, None, on_policy=True)
+    _, dynamic, _ = _actor_grad("token-mean", batch, TokenBudget(3 * (P + R)), on_policy=True)
     a, b = full.on_policy_log_probs(), dynamic.on_policy_log_probs()
     assert a.shape == b.shape == (12, 1 + batch.response_width)
     a, b = a[a[:, 0].argsort()], b[b[:, 0].argsort()]
@@ -191,15 +195,17 @@ def _scalar_model(seed: int = 1) -> ScalarHeadModel:
 def test_critic_gradient_of_uneven_micro_batches_equals_the_full_batch(agg):
     batch = long_tailed_batch(seed=4)
     returns, old = _policy_inputs(batch)[:2]
-    grads = []
+    grads, losses = [], []
     for budget in (None, TokenBudget(3 * (P + R))):
         model = _scalar_model()
         updater, capture = _updater(model, 12)
         critic = Critic(model, updater, 0.5, agg, CPU)
         stats = critic.train(ValueData(batch, old, returns), [torch.arange(12)], budget)
         grads.append(capture.grads[0])
+        losses.append(stats["critic/value_loss"])
         assert 0 <= stats["critic/padded_token_frac"] < 1
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-4)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)  # the mini-batch's loss, however it was split
     model = _scalar_model().eval()
     values = token_values(model, batch).detach()
     scored = over_micro_batches(model, batch, TokenBudget(2 * (P + R)), CPU, lambda part: token_values(model, part))

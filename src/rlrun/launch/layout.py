@@ -52,6 +52,7 @@ class LayoutRequest:
     colocate_all_models: bool = False
     engine_node_label: str | None = None
     async_train: bool = False  # engines generate the next batch while the other ranks train: adds "learners"
+    partial_rollout: bool = False  # with async_train: the engines generate ahead until told: adds "ready"
     ref_is_actor_base: bool = False  # LoRA: the actor scores the reference log-probs with its adapters off
 
 

@@ -313,8 +313,9 @@ def plan_layout(
         else:
             # Scoring and training collectives of every rank but the engines', so those run while the engines generate.
             groups.append(GroupSpec("learners", tuple(r for r in range(world_size) if r not in roles[Role.ENGINE])))
-            # The actor's first rank tells the engines it has trained (ReadyFlag): --partial_rollout's engines
-            # generate ahead until then. gloo, a few bytes: no NCCL communicator for it.
-            groups.append(GroupSpec("ready", (roles[Role.ACTOR][0], *roles[Role.ENGINE])))
+            if request.partial_rollout:
+                # The actor's first rank tells the engines it has trained (ReadyFlag): --partial_rollout's engines
+                # generate ahead until then. gloo, a few bytes: no NCCL communicator for it.
+                groups.append(GroupSpec("ready", (roles[Role.ACTOR][0], *roles[Role.ENGINE])))
     labels = tuple(node_labels) if node_labels is not None else None
     return Layout(world_size, ranks_per_node, roles, engines, tuple(groups), tuple(warnings), labels)

@@ -31,6 +31,11 @@ MicroLoss = Callable[[torch.Tensor, float, float], tuple[torch.Tensor, dict[str,
 # the forward and real tokens among them; run() reports them as padded_token_frac.
 FED_TOKENS, REAL_TOKENS = "fed_tokens", "real_tokens"
 
+# Stats that are a micro-batch's share of its mini-batch's value (normalised by the whole mini-batch's tokens or
+# sequences, as the loss is): summed over a mini-batch's micro-batches, then averaged over the mini-batches, so the
+# logged loss is the mini-batch's loss whatever the micro-batch size (as OpenRLHF's per-micro-batch means are).
+LOSS_SHARES = frozenset({"policy_loss", "kl_loss", "entropy", "value_loss"})
+
 
 @dataclass
 class Updater:
@@ -65,7 +70,8 @@ class Updater:
     def run(self, minibatches: list[torch.Tensor], token_mask: torch.Tensor, micro_loss: MicroLoss,
             budget: TokenBudget | None = None, lengths: RowLengths | None = None) -> dict[str, float]:
         """token_mask: [B, R] response mask of the full batch; budget/lengths: --dynamic_batch (micro_batches).
-        Returns stats averaged over steps, and padded_token_frac over all of them when micro_loss reports tokens."""
+        Returns stats averaged over steps (LOSS_SHARES: each step's sum over its micro-batches), and padded_token_frac
+        over all of them when micro_loss reports tokens."""
         self.model.train()
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
@@ -76,12 +82,19 @@ class Updater:
             num_seqs = float((token_mask[rows].sum(-1) > 0).sum()) / self.dp_size
             parts = self.micro_batches(rows, budget, lengths)
             self.ops.zero_grad(self.optimizer)
+            shares: dict[str, float] = defaultdict(float)
             for k, part in enumerate(parts):
                 loss, stats = micro_loss(part, num_tokens, num_seqs)
                 self.ops.backward(loss, last_micro=k == len(parts) - 1)
                 for key, value in stats.items():
+                    if key in LOSS_SHARES:
+                        shares[key] += float(value)
+                        continue
                     sums[key] += float(value)
                     counts[key] += key not in (FED_TOKENS, REAL_TOKENS)
+            for key, value in shares.items():
+                sums[key] += value
+                counts[key] += 1
             if budget is not None:  # uneven from step to step: logged (per optimizer step, this rank)
                 sums["micro_batches"] += len(parts)
                 counts["micro_batches"] += 1
