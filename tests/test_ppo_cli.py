@@ -66,7 +66,7 @@ def assert_no_rlrun_traceback(output: str) -> None:
 def test_dry_run_single_process_defaults():
     rc, out, _ = run_ppo(["--dry_run"])
     assert rc == 0, out
-    assert "world size 1" in out and "launcher single" in out
+    assert "layout: 1 rank (1 per node, launcher single)" in out
     rows = layout_rows(out)
     assert list(rows) == [0]
     # Defaults: GAE needs a critic, init_kl_coef 0.01 needs the reference; the engine shares the actor's rank.
@@ -120,7 +120,7 @@ def test_torchrun_dry_run_disaggregated_layout():
                                 "--vllm_num_engines", "1", "--advantage_estimator", "group_norm",
                                 "--n_samples_per_prompt", "4", "--deepcompile"], nproc=4)
     assert rc == 0, out
-    assert "world size 4" in out and "launcher torchrun" in out
+    assert "layout: 4 ranks (4 per node, launcher torchrun)" in out
     rows = layout_rows(out)  # printed by rank 0 only
     assert sorted(rows) == [0, 1, 2, 3]
     assert rows[0][0] == {"actor"} and rows[1][0] == {"actor"}
