@@ -275,6 +275,12 @@ class Config:
     def rollouts_per_step(self) -> int:
         return self.train.rollout_batch_size * self.train.n_samples_per_prompt
 
+    @property
+    def continues_rollouts(self) -> bool:
+        """--partial_rollout in effect: responses outlive a weight sync (--max_staleness 1 lets none: that is
+        --async_train's loop, run as such)."""
+        return self.train.partial_rollout and self.train.max_staleness > 1
+
 
 class RootConfig(typing.Protocol):
     """What every trainer's root config has (PPO's Config, rlrun.supervised's configs)."""

@@ -45,7 +45,7 @@ def layout_request(cfg: Config) -> LayoutRequest:
         colocate_all_models=r.colocate_all_models,
         engine_node_label=r.engine_node_label,
         async_train=cfg.train.async_train,
-        partial_rollout=cfg.train.partial_rollout and cfg.train.max_staleness > 1,
+        partial_rollout=cfg.continues_rollouts,
     )
 
 

@@ -76,8 +76,7 @@ class RolloutSource:
         self.rank = groups.rank
         self.engine_ranks = layout.ranks_of(Role.ENGINE)
         self.asynchronous = layout.asynchronous
-        # --partial_rollout, on every rank; --max_staleness 1 lets no response outlive a sync: --async_train's loop
-        self.partial = cfg.train.partial_rollout and cfg.train.max_staleness > 1
+        self.partial = cfg.continues_rollouts  # on every rank
         self.pool: SequencePool | None = None
         if self.partial and roles.engine is not None:
             t, engines = cfg.train, len(self.engine_ranks)
@@ -91,7 +90,7 @@ class RolloutSource:
                                      settings, vote)
         # the actor's first rank tells the engines when it has trained, so that they generate ahead until then
         ready = groups.get("ready")
-        self.flag = ReadyFlag(ready) if self.partial and ready is not None else None
+        self.flag = ReadyFlag(ready) if ready is not None else None  # the group exists only for partial rollouts
         # a vision-language policy: the engine ranks read and preprocess the images, and send them with the rows
         self.vision = prompts.images is not None
 
