@@ -1,15 +1,16 @@
 """Per-rank peak host memory (VmHWM) of real CPU runs, a ~65M-parameter bf16 checkpoint against the embedded tiny
 model, on the layouts of issue 25, next to the memory plan's estimate; optionally the same runs at an older commit.
 
-    .venv/bin/python bench/memory.py                      # this tree, both layouts, 2 steps each
+    .venv/bin/python bench/memory.py                      # this tree, every layout, 2 steps each
     .venv/bin/python bench/memory.py --before fdd44cc     # and the same runs at that commit (a git worktree)
 
-Layouts: 8 ranks = actor + reference (colocated) sharded ZeRO-3 over ranks 0-5, two native engines on 6-7; 2 ranks =
-actor, reference and engine colocated on both. Each rank's peak RSS is read from its own log line
-(RLRUN_REPORT_MEMORY=1: after start-up, after training) and, for commits without that line, by polling
-/proc/PID/status of every worker. Start-up includes the first weight sync; "training" is the whole run's peak.
-Load time: seconds from launch to the start-up line (this tree), and, in one process, the whole-model load before and
-after (`load_seconds`).
+Layouts: 8 ranks = actor + reference (colocated) sharded ZeRO-3 over ranks 0-5, two native engines on 6-7, as
+configs/demo.yaml has it and as the 70B job it stands for (--gradient_checkpointing, proportionate sync buckets);
+2 ranks = actor, reference and engine colocated on both. Each rank's peak RSS is read from its own log lines
+(RLRUN_REPORT_MEMORY=1: after start-up, after the last step) and by polling /proc/PID/status of every worker (the only
+source for commits without those lines): "peak" is the whole run's, the final export included, where rank 0 gathers
+the whole policy. Start-up includes the first weight sync. Load time: seconds from launch to the start-up line (this
+tree), and, in one process, the whole-model load before and after (`load_seconds`).
 """
 
 from __future__ import annotations
@@ -30,9 +31,15 @@ COMMON = ["--config", "configs/demo.yaml", "--rollout_batch_size", "6", "--n_sam
           "--micro_rollout_batch_size", "6", "--train_batch_size", "12", "--micro_train_batch_size", "2",
           "--generate_max_len", "8", "--prompt_max_len", "48", "--init_kl_coef", "0.01", "--use_kl_loss",
           "--zero_stage", "3", "--remote_rm_url", "demo", "--generation_backend", "native"]
+EIGHT = ["--actor_num_gpus_per_node", "6", "--ref_num_gpus_per_node", "6", "--colocate_actor_ref",
+         "--vllm_num_engines", "2"]
 LAYOUTS = {
-    "8 ranks (actor+ref ZeRO-3 on 6, 2 engines)": (8, ["--actor_num_gpus_per_node", "6", "--ref_num_gpus_per_node", "6",
-                                                       "--colocate_actor_ref", "--vllm_num_engines", "2"]),
+    "8 ranks (actor+ref ZeRO-3 on 6, 2 engines)": (8, EIGHT),
+    # As OpenRLHF's 70B PPO job (USER_COMMANDS.md job 1): gradient checkpointing, and weight-sync buckets as small
+    # against this model as 256 MiB ones are against 70B (0.2%; the root's two staging buffers are bucket-sized, and
+    # at the default 256 MiB one bucket holds this whole model)
+    "8 ranks as the 70B job (--gradient_checkpointing, 4 MiB buckets)": (8, [*EIGHT, "--gradient_checkpointing",
+                                                                          "--weight_sync_bucket_mb", "4"]),
     "2 ranks (all colocated)": (2, ["--actor_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "2",
                                     "--colocate_all_models", "--vllm_num_engines", "2"]),
 }
@@ -127,7 +134,9 @@ def run(tree: Path, layout: str, pretrain: str | None, out: Path) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{layout} {pretrain} failed:\n{''.join(lines[-40:])}")
     peak = {r: max(reported["training"].get(r, 0), polled.get(r, 0)) for r in range(nproc)}
-    return {"startup": reported["start-up"], "peak": peak, "load_s": loaded_at[0] if loaded_at else None}
+    # "training": up to the end of the last step; "peak" adds the final export (rank 0 gathers the whole policy)
+    return {"startup": reported["start-up"], "training": reported["training"], "peak": peak,
+            "load_s": loaded_at[0] if loaded_at else None}
 
 
 def plan_host_bytes(tree: Path, layout: str, pretrain: str) -> dict[int, int] | None:
@@ -203,9 +212,10 @@ def main() -> int:
                                      "plan": plan if model != "tiny" and code == "after" else None})
                         mib = {r: round(v / 2**20) for r, v in sorted(res["peak"].items())}
                         loaded = "" if res["load_s"] is None else f"; loaded in {res['load_s']:.1f} s"
-                        print(f"{layout} | {code} | {model}: peak RSS MiB by rank {mib}; start-up "
-                              f"{ {r: round(v / 2**20) for r, v in sorted(res['startup'].items())} }{loaded}",
-                              flush=True)
+                        trained = {r: round(v / 2**20) for r, v in sorted(res["training"].items())}
+                        started = {r: round(v / 2**20) for r, v in sorted(res["startup"].items())}
+                        print(f"{layout} | {code} | {model}: peak RSS MiB by rank {mib}; to the last step "
+                              f"{trained}; start-up {started}{loaded}", flush=True)
         finally:
             if args.before:
                 subprocess.run(["git", "worktree", "remove", "--force", str(trees["before"])], cwd=REPO)
