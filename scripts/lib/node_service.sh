@@ -41,16 +41,20 @@ sys.exit(u.build_opener(u.ProxyHandler({})).open(sys.argv[1], timeout=2).status 
 
 # svc_error MESSAGE LOG: the error line, then the last lines of the service's log. Written to stdout
 # in one piece: when another node fails first, srun kills this task at any moment, and a report cut
-# after its first line would hide the one line that says why.
+# after its first line would hide the one line that says why. Read and written by a subshell that
+# ignores srun's TERM for those few milliseconds (a TERM that came while the block was read cut it
+# short); the caller's TERM trap runs when the subshell is done.
 svc_error() {
-    local svc_line svc_block
-    svc_block=$(
-        say "error: $1"
-        while IFS= read -r svc_line; do
-            say "  | ${svc_line}"
-        done < <(tail -n 12 "$2" 2>/dev/null)
+    (
+        trap '' TERM INT
+        svc_block=$(
+            say "error: $1"
+            while IFS= read -r svc_line; do
+                say "  | ${svc_line}"
+            done < <(tail -n 12 "$2" 2>/dev/null)
+        )
+        printf '%s\n' "$svc_block"
     )
-    printf '%s\n' "$svc_block"
 }
 
 # svc_await NAME PID LOG HEALTH WAIT: returns 0 once HEALTH answers 200 (or, with HEALTH empty, once

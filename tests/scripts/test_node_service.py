@@ -384,3 +384,25 @@ def test_slurm_service_that_exits_fails_the_job_before_training(slurm: SlurmClus
             break
     else:
         raise AssertionError(f"no node reported its service's exit:\n{log}")
+
+
+def test_a_failure_report_comes_out_whole_when_srun_terminates_the_task(tmp_path: Path) -> None:
+    """srun TERMs every task once another node failed; a TERM that came while a node was reading its service's log
+    used to cut that node's report after its first line (a CI run printed no '| no index at' line). A slow `say`
+    holds the report open while the whole process group gets the TERM, as srun sends it."""
+    (tmp_path / "svc.log").write_text("no index at node-a\nexit 3\n")
+    script = tmp_path / "report.sh"
+    script.write_text(f"""set -uo pipefail
+source {REPO / "scripts" / "lib" / "node_service.sh"}
+say() {{ sleep 0.3; echo "rlrun: $*"; }}
+trap 'exit 143' TERM
+svc_error "the node service exited (code 3) before it was up" {tmp_path / "svc.log"}
+echo "not reached"
+""")
+    proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 143, out
+    assert out.splitlines() == ["rlrun: error: the node service exited (code 3) before it was up",
+                                "rlrun:   | no index at node-a", "rlrun:   | exit 3"], out
