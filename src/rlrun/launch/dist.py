@@ -12,6 +12,7 @@ import torch.distributed as dist
 from rlrun.launch.collective_watch import CollectiveWatch, flight_recorder_dump
 from rlrun.launch.env import DistEnv
 from rlrun.runtime.deadline import report_fatal
+from rlrun.runtime.faults import bounded_close
 from rlrun.runtime.log import get_logger
 
 
@@ -152,13 +153,14 @@ def world_size() -> int:
 
 def teardown() -> None:
     """Run the before_teardown callbacks (last registered first), then destroy the default group (idempotent).
-    Called on every exit path of a normal run."""
-    while _WATCH:
-        _WATCH.pop().stop()
-    while _BEFORE_TEARDOWN:
-        _BEFORE_TEARDOWN.pop()()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    Called on every exit path of a normal run; bounded (runtime.faults.CLOSE_BOUND_S: stacks, then exit 1)."""
+    with bounded_close():
+        while _WATCH:
+            _WATCH.pop().stop()
+        while _BEFORE_TEARDOWN:
+            _BEFORE_TEARDOWN.pop()()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def is_peer_failure(exc: BaseException) -> bool:

@@ -16,7 +16,7 @@ from rlrun.config.schema import SavingConfig
 from rlrun.launch.dist import is_peer_failure
 from rlrun.launch.env import DistEnv, read_env
 from rlrun.runtime.errors import ConfigError, RlrunError
-from rlrun.runtime.faults import PhaseTracker
+from rlrun.runtime.faults import PhaseTracker, bound_exit
 from rlrun.runtime.log import get_logger, let_rank0_report
 from rlrun.runtime.memory import return_freed_memory
 
@@ -42,7 +42,10 @@ def leave(rc: int) -> NoReturn:
     which aborted a rank after a successful run now and then ("terminate called without an active exception",
     SIGABRT; a CI run failed so). Failing ranks already leave with os._exit. Only after DeepSpeed was used: other
     runs exit normally, since finalization is what unlinks vLLM's CPU shared-memory segments (its tensor-parallel
-    comm), which os._exit leaves behind in /dev/shm for the next run to collide with."""
+    comm), which os._exit leaves behind in /dev/shm for the next run to collide with. Either way bounded: an exit
+    still going after runtime.faults.CLOSE_BOUND_S writes every thread's stack and ends with 1 (a CI run once
+    waited on a finished rank until its own timeout, with nothing to say where)."""
+    bound_exit()
     if "deepspeed" not in sys.modules:
         sys.exit(rc)
     try:

@@ -33,6 +33,27 @@ def run_phases(rank: int, dist_timeout: float) -> "PhaseTracker":
     return PhaseTracker(rank, hang_after_s=dist_timeout * 1.5 + 10, dump_on_term_after_s=dist_timeout * 0.5)
 
 
+# A run's close (its process groups torn down, then the process's exit: atexit handlers, interpreter finalization)
+# takes seconds. Past this it is hung: a finished run must not hold its launcher, or a CI job, forever.
+CLOSE_BOUND_S = 120.0
+
+
+@contextmanager
+def bounded_close() -> Iterator[None]:
+    """Bound the body as the phase watchdog bounds a phase: past CLOSE_BOUND_S, every thread's stack goes to stderr
+    and the process exits 1 (faulthandler's own thread: it fires even when the hang holds the GIL)."""
+    faulthandler.dump_traceback_later(CLOSE_BOUND_S, exit=True, file=sys.stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def bound_exit() -> None:
+    """Bound what is left of this process (it is about to exit): as `bounded_close`, never disarmed."""
+    faulthandler.dump_traceback_later(CLOSE_BOUND_S, exit=True, file=sys.stderr)
+
+
 class InjectedFault(Exception):
     """Raised by RLRUN_FAULT=...:raise."""
 
