@@ -139,6 +139,10 @@ def run(tree: Path, layout: str, pretrain: str | None, out: Path) -> dict:
             "load_s": loaded_at[0] if loaded_at else None}
 
 
+def _mib(by_rank: dict[int, int]) -> dict[int, int]:
+    return {r: round(v / 2**20) for r, v in sorted(by_rank.items())}
+
+
 def plan_host_bytes(tree: Path, layout: str, pretrain: str) -> dict[int, int] | None:
     """The memory plan's per-rank host estimate for the same run (CPU: everything is host memory)."""
     nproc, extra = LAYOUTS[layout]
@@ -210,12 +214,9 @@ def main() -> int:
                         res = run(tree, layout, pretrain, Path(tmp) / f"{code}-{model}-{len(rows)}")
                         rows.append({"layout": layout, "code": code, "model": model, **res,
                                      "plan": plan if model != "tiny" and code == "after" else None})
-                        mib = {r: round(v / 2**20) for r, v in sorted(res["peak"].items())}
                         loaded = "" if res["load_s"] is None else f"; loaded in {res['load_s']:.1f} s"
-                        trained = {r: round(v / 2**20) for r, v in sorted(res["training"].items())}
-                        started = {r: round(v / 2**20) for r, v in sorted(res["startup"].items())}
-                        print(f"{layout} | {code} | {model}: peak RSS MiB by rank {mib}; to the last step "
-                              f"{trained}; start-up {started}{loaded}", flush=True)
+                        print(f"{layout} | {code} | {model}: peak RSS MiB by rank {_mib(res['peak'])}; to the last "
+                              f"step {_mib(res['training'])}; start-up {_mib(res['startup'])}{loaded}", flush=True)
         finally:
             if args.before:
                 subprocess.run(["git", "worktree", "remove", "--force", str(trees["before"])], cwd=REPO)

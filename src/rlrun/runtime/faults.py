@@ -38,11 +38,16 @@ def run_phases(rank: int, dist_timeout: float) -> "PhaseTracker":
 CLOSE_BOUND_S = 120.0
 
 
+def _arm_watchdog(seconds: float) -> None:
+    """Past `seconds` (until cancel_dump_traceback_later), every thread's stack goes to stderr and the process exits
+    1: faulthandler's own thread, so it fires even when the hang holds the GIL. One per process: arming replaces."""
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
+
+
 @contextmanager
 def bounded_close() -> Iterator[None]:
-    """Bound the body as the phase watchdog bounds a phase: past CLOSE_BOUND_S, every thread's stack goes to stderr
-    and the process exits 1 (faulthandler's own thread: it fires even when the hang holds the GIL)."""
-    faulthandler.dump_traceback_later(CLOSE_BOUND_S, exit=True, file=sys.stderr)
+    """Bound the body as the phase watchdog bounds a phase, at CLOSE_BOUND_S."""
+    _arm_watchdog(CLOSE_BOUND_S)
     try:
         yield
     finally:
@@ -51,7 +56,7 @@ def bounded_close() -> Iterator[None]:
 
 def bound_exit() -> None:
     """Bound what is left of this process (it is about to exit): as `bounded_close`, never disarmed."""
-    faulthandler.dump_traceback_later(CLOSE_BOUND_S, exit=True, file=sys.stderr)
+    _arm_watchdog(CLOSE_BOUND_S)
 
 
 class InjectedFault(Exception):
@@ -75,7 +80,7 @@ class PhaseTracker:
     @contextmanager
     def __call__(self, phase: str, step: int) -> Iterator[None]:
         self.phase, self.step = phase, step
-        faulthandler.dump_traceback_later(self.hang_after_s, exit=True, file=sys.stderr)
+        _arm_watchdog(self.hang_after_s)
         with self._lock:
             self._entered = time.monotonic()
         self._start_watcher()
