@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -196,6 +197,12 @@ class WholeStrategy:
 
     def full_state_dict(self, model):  # type: ignore[no-untyped-def]
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    @contextlib.contextmanager
+    def export_view(self, model):  # type: ignore[no-untyped-def]
+        from rlrun.launch.param_blocks import ParamBlock
+
+        yield model, [ParamBlock(list(model.named_parameters()))]
 
 
 def save_tiny_base(path: Path, seed: int = 5) -> str:

@@ -117,8 +117,11 @@ def test_a_7b_lora_plan_trains_only_the_adapters_and_holds_no_reference(tmp_path
            "actor's base (adapters off), no reference model" in text
     assert "ref" not in text.split("\n")[1]  # the roles column: no reference
     assert "LoRA" not in format_plan(full)
-    # the host export on rank 0: the bf16 base and the fp32 adapters instead of a fp32 model
-    assert lora.ranks[0].host["export"] == 2 * n + 4 * t and full.ranks[0].host["export"] == 4 * n
+    # the host export on rank 0: LoRA keeps its fp32 adapters (with --save_merged the bf16 base too); the full model
+    # streams (one fp32 embedding-sized tensor at a time)
+    assert lora.ranks[0].host["export"] == 4 * t and full.ranks[0].host["export"] == 4 * 32000 * 4096
+    _, _, merged = _ppo(tmp_path, "--lora_rank", "8", "--save_merged")
+    assert merged.ranks[0].host["export"] == 2 * n + 4 * t
 
 
 def test_lora_on_deepspeed_zero2_keeps_the_bf16_base_whole(tmp_path):

@@ -108,6 +108,12 @@ class FullBlock:
         return (src is not None and src.data_ptr() == dest.data_ptr() and src.shape == dest.shape
                 and src.dtype == dest.dtype and src.is_contiguous())
 
+    def read(self, name: str) -> torch.Tensor:
+        """The full parameter, not to be modified: a tensor that needed no gather as it is (no copy), any other a new
+        full tensor."""
+        plain = self._plain.get(name)
+        return plain if plain is not None else self.full(name)
+
     def full(self, name: str) -> torch.Tensor:
         shape, dtype = self._meta[name]
         device = self._gathered[0].device if self._gathered else self._plain[name].device

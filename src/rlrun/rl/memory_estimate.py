@@ -37,8 +37,8 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
 - Phases: colocated roles take turns (generate, score, train each trained role), so a rank's peak is its largest
   phase: everything resident plus that phase's working set. --deepspeed_enable_sleep parks (to pinned host memory)
   the parts a phase does not use; --vllm_enable_sleep frees vLLM's memory outside generation (its weights go to host).
-- Host memory: offloaded and parked parts, the HF export's full fp32 state dict on its writer (global rank 0; the
-  critic's first rank with --save_value_network), plus HOST_RUNTIME_* per rank (and a second process per vLLM
+- Host memory: offloaded and parked parts, the HF export on its writer (global rank 0; the critic's first rank
+  with --save_value_network: see _export_bytes), plus HOST_RUNTIME_* per rank (and a second process per vLLM
   engine rank: the child that runs vLLM). On CPU everything is host memory, in fp32.
 - LoRA (--lora_rank r): a trained model's base weights are frozen and held in the compute dtype (2 B/param with
   --bf16, 4 B without), sharded as its trained parameters would be (FSDP2: over R at every stage; DeepSpeed: at
@@ -48,7 +48,7 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
   gathered working set and the activations are the full model's (the adapters' own are r-sized and left out). With a
   KL term the reference is the actor's base with its adapters off (Config.ref_is_actor_base): no reference role, its
   no-grad forward runs on the actor's ranks like the actor's own scoring (rlrun.dpo: inside the training step, as
-  its reference's was). The export's state dict is then the base in its compute dtype plus the fp32 adapters.
+  its reference's was). The export keeps the fp32 adapters (with --save_merged: the base in its compute dtype too).
 - Supervised trainers (rlrun.sft, rlrun.rm, rlrun.dpo; SupervisedJob): every rank trains a data-parallel share, the
   trained model accounted as the actor above (rlrun.rm's scalar-head model as the critic: no logits), micro-batches
   of --micro_train_batch_size samples of L = --max_len tokens (two rows per preference pair), logits over up to L
@@ -293,9 +293,8 @@ def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k:
 
 
 def _export(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
-    """The HF export's full fp32 state dict, gathered into host memory on its writer (rlrun.roles.export): the
-    policy on global rank 0 (at the end, and with --save_hf_ckpt at every checkpoint), the critic on its first
-    rank with --save_value_network."""
+    """The HF export's host memory on its writer (rlrun.roles.export): the policy on global rank 0 (at the end, and
+    with --save_hf_ckpt at every checkpoint), the critic on its first rank with --save_value_network."""
     out = _export_bytes(Role.ACTOR, shapes[Role.ACTOR], k) if rank == 0 and layout.has(Role.ACTOR) else 0
     critic = layout.ranks_of(Role.CRITIC)
     return out + (_export_bytes(Role.CRITIC, shapes[Role.CRITIC], k) if k.export_critic and critic
@@ -303,9 +302,25 @@ def _export(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Kno
 
 
 def _export_bytes(role: Role, s: ModelShape, k: Knobs) -> int:
-    """The gathered state dict: fp32 trained parameters; with LoRA the frozen base in its compute dtype (as it is
-    held) and the fp32 adapters."""
+    """The ranks gather one FSDP unit / ZeRO-3 block at a time (the largest unit: in host memory on the writer on
+    CPU, in device memory on a GPU), and the writer keeps (rlrun.roles.export_weights):
+    - a model without adapters: one fp32 tensor at a time, streamed to its file;
+    - a LoRA model: its fp32 adapters (and a critic's head); with --save_merged the whole model (the frozen base in
+      its compute dtype, as it is held, and the fp32 adapters), as it does for a policy whose experts transformers
+      converts on save (MoE), in fp32."""
+    gathered = 0 if k.gpu else 4 * max(s.root, s.largest_unit)
+    if k.lora_rank > 0 and not k.export_merged:
+        return 4 * trainable_parameters(role, s, k) + gathered
+    if k.lora_rank <= 0 and not (role is Role.ACTOR and s.moe_layers):
+        return 4 * _largest_tensor(s) + gathered
     return (2 if k.bf16 else 4) * frozen_parameters(role, s, k) + 4 * trainable_parameters(role, s, k)
+
+
+def _largest_tensor(s: ModelShape) -> int:
+    """The most parameters one weight holds: the embedding, the head, or the widest linear layer (a whole unit
+    where the linear layers are not known)."""
+    linear = max((lin.fan_in * lin.fan_out for lin in s.linears), default=s.largest_block)
+    return max(s.embedding, s.head, linear)
 
 
 def estimate(layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs, target: Target) -> list[RankMemory]:

@@ -55,6 +55,7 @@ class Knobs:
     rollouts: int  # rows the engines generate at once: a step's rollouts (--partial_rollout: --max_staleness steps')
     kv_budget: int | None
     export_critic: bool = False  # --save_value_network
+    export_merged: bool = False  # --save_merged (with --lora_rank: the export gathers the whole model to merge it)
     engine_tp: int | None = None  # ranks per engine instead of the layout's (advice only)
     ref_offload: bool | None = None  # rlrun.dpo's --ref_offload (None: the trainer has no such flag)
     ref_in_train: bool = False  # rlrun.dpo: the reference scores inside the policy's training step
@@ -111,7 +112,7 @@ def _training_knobs(cfg: Any, target: Target) -> dict[str, Any]:
                 adam_offload=t.adam_offload and target.gpu, checkpointing=m.gradient_checkpointing,
                 attention_scores=m.attn_implementation == "eager" and not m.flash_attn,
                 logits_chunk=int(getattr(t, "logits_chunk_size", 1024)), lora_rank=max(0, m.lora_rank),
-                lora_targets=tuple(m.target_modules))
+                lora_targets=tuple(m.target_modules), export_merged=cfg.checkpoint.save_merged)
 
 
 def knobs_of(cfg: Config, target: Target) -> Knobs:

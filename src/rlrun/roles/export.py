@@ -12,6 +12,11 @@ reward_norm.json. A base no folder holds (the embedded tiny model, a body merged
 <path>/base and named by that absolute path. With `merged` (--save_merged), <path>/merged also gets the merged
 model (base + alpha/r * B @ A) in plain HF format with the tokenizer.
 
+No rank gathers a sharded model whole for an export: a model without adapters streams into its files one FSDP
+unit / ZeRO-3 block at a time (rlrun.roles.export_weights), and an adapter whose base is on disk gathers only the
+adapters. The whole state is gathered on the writer only for --save_merged, for a base no folder holds, and for a
+model whose weights transformers converts on save (MoE experts).
+
 An export is what a user takes away from a run, so it refuses weights that are not finite (naming the tensor)
 unless asked (--export_nonfinite), and a refused write (disk full, read-only, permission) is one line naming
 the path and the space needed.
@@ -37,44 +42,18 @@ from rlrun.models.loading import REWARD_NORM_FILE, ScalarHeadModel, config_mean_
 from rlrun.models.lora import ADAPTER, PEFT_PREFIX, hf_name, is_adapter, merged_state_dict, peft_model_of, saved_adapter_name
 from rlrun.roles.actor import Actor
 from rlrun.roles.critic import Critic
-from rlrun.runtime.errors import ConfigError
-from rlrun.runtime.storage import storage_cause, storage_error
+from rlrun.roles.export_weights import (Streamed, gather_named, make_export_dir, nonfinite_count, plan_weights, refuse_nonfinite,
+                                        storage_errors, stream_weights)
 from rlrun.strategies.base import Strategy
-
-
-class NonFiniteWeights(ConfigError):
-    """An export would write NaN/inf weights."""
 
 
 def check_finite(state: Mapping[str, torch.Tensor], path: str, flag: str) -> None:
     """NonFiniteWeights naming the first tensor with NaN/inf values (and how many tensors have them)."""
-    bad = [(name, int((~torch.isfinite(t)).sum())) for name, t in state.items()
-           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    if bad:
-        name, count = bad[0]
-        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
-        raise NonFiniteWeights(f"not exporting to {path}: weight {name} has {count} NaN/inf values{more}; the run "
-                               "diverged or loaded a damaged checkpoint. Pass --export_nonfinite to write it anyway "
-                               f"({flag})")
+    refuse_nonfinite([(name, count) for name, t in state.items() if (count := nonfinite_count(t))], path, flag)
 
 
-@contextlib.contextmanager
-def _storage_errors(path: str, state: Mapping[str, torch.Tensor], flag: str) -> Iterator[None]:
-    try:
-        yield
-    except OSError as exc:
-        cause = storage_cause(exc)
-        if cause is None:
-            raise
-        needs = sum(t.numel() * t.element_size() for t in state.values())
-        raise storage_error("the model", path, cause, needs, f"free space there or choose another {flag}") from None
-
-
-def _make_dir(path: str, flag: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create {path} ({flag}): {exc.strerror}") from None
+def _storage_errors(path: str, state: Mapping[str, torch.Tensor], flag: str) -> contextlib.AbstractContextManager[None]:
+    return storage_errors(path, sum(t.numel() * t.element_size() for t in state.values()), flag)
 
 
 def save_policy(actor: Actor | None, tokenizer: PreTrainedTokenizerBase, path: str, *, is_writer: bool,
@@ -99,14 +78,26 @@ def save_causal_lm(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: s
                    merged: bool = False) -> None:
     """A (wrapped) causal LM in HF format with its tokenizer; with LoRA adapters, PEFT's adapter layout (and with
     `merged`, the merged model in <path>/merged). Collective over the model's role; the writer must be global rank 0
-    (transformers' save_pretrained writes there only)."""
-    state = strategy.full_state_dict(model)
+    (transformers' save_pretrained writes there only). A model without adapters streams to its files one gathered
+    block at a time (rlrun.roles.export_weights), where its names allow."""
+    if not _holds_adapters(model):
+        streamed = stream_weights(model, strategy, path, is_writer=is_writer, flag=flag, allow_nonfinite=allow_nonfinite,
+                                  plan_for=lambda module, shapes: plan_weights(module, shapes, as_transformers=True))
+        if streamed is not None:
+            if is_writer:
+                with _committing(streamed, path, flag):
+                    # config.json, generation_config.json (a remote-code model's files too), and the clean-up of a
+                    # previous save's shards: transformers' own, with no weights to write
+                    model.save_pretrained(path, state_dict={}, safe_serialization=True)
+                    tokenizer.save_pretrained(path)
+            return
+    state = _export_state(model, strategy, is_writer=is_writer, merged=merged, prefix="", head=None)
     if not is_writer:
         return
     if not allow_nonfinite:
         check_finite(state, path, flag)
     with _storage_errors(path, state, flag):
-        _make_dir(path, flag)
+        make_export_dir(path, flag)
         if not _has_adapters(state):
             model.save_pretrained(path, state_dict=state, safe_serialization=True)
             tokenizer.save_pretrained(path)
@@ -138,24 +129,35 @@ def save_scalar_model(model: ScalarHeadModel, path: str, *, is_writer: bool, str
                       merged: bool = False) -> None:
     """A sequence-classification model (num_labels 1; its config carries any mean/std set on it), with the
     tokenizer when given; with LoRA adapters, a SEQ_CLS adapter carrying the score head (and with `merged`, the
-    merged model in <path>/merged). Collective over the model's role; `is_writer` may be any rank of it."""
-    state = strategy.full_state_dict(model)
+    merged model in <path>/merged). Collective over the model's role; `is_writer` may be any rank of it. Without
+    adapters, the weights stream one gathered block at a time (rlrun.roles.export_weights)."""
+    if not _holds_adapters(model):
+        streamed = stream_weights(
+            model, strategy, path, is_writer=is_writer, flag=flag, allow_nonfinite=allow_nonfinite,
+            plan_for=lambda module, shapes: plan_weights(module, shapes, as_transformers=False, saved_name=_hf_key))
+        if streamed is not None:
+            if is_writer:
+                with _committing(streamed, path, flag):
+                    _write_scalar_config(model.hf, path, tokenizer)
+            return
+    state = _export_state(model, strategy, is_writer=is_writer, merged=merged, prefix="hf.",
+                          head=_head_name(_scalar_hf(model)) if _holds_adapters(model) else None)
     if not is_writer:
         return
     if not allow_nonfinite:
         check_finite(state, path, flag)
     with _storage_errors(path, state, flag):
-        _make_dir(path, flag)
+        make_export_dir(path, flag)
         if not _has_adapters(state):
-            _write_scalar(model.hf, {k.removeprefix("hf."): v for k, v in state.items()}, path, tokenizer)
+            _write_scalar(model.hf, {_hf_key(k): v for k, v in state.items()}, path, tokenizer)
             return
         peft_model = _peft_model(model)
         hf = _scalar_hf(model)
-        head = next(n for n, m in hf.named_modules() if m is score_head(hf))
+        head = _head_name(hf)
         base = _base_name(peft_model)
         if base is None:
             base = (_written_base(path), None)
-            _write_scalar(hf, {k.removeprefix("hf."): v for k, v in _base_state(state).items()}, base[0], None)
+            _write_scalar(hf, {_hf_key(k): v for k, v in _base_state(state).items()}, base[0], None)
         _write_adapter(path, state, peft_model, base, task_type="SEQ_CLS", prefix="hf.", head=head)
         if (norm := config_mean_std(hf.config)) is not None:
             with open(os.path.join(path, REWARD_NORM_FILE), "w") as f:
@@ -164,22 +166,44 @@ def save_scalar_model(model: ScalarHeadModel, path: str, *, is_writer: bool, str
             tokenizer.save_pretrained(path)
         if merged:
             state = merged_state_dict(state, _scaling(peft_model))
-            _write_scalar(hf, {k.removeprefix("hf."): v for k, v in state.items()}, os.path.join(path, MERGED_DIR),
+            _write_scalar(hf, {_hf_key(k): v for k, v in state.items()}, os.path.join(path, MERGED_DIR),
                           tokenizer)
 
 
 def _write_scalar(hf: nn.Module, state: Mapping[str, torch.Tensor], path: str,
                   tokenizer: PreTrainedTokenizerBase | None) -> None:
     """config.json + model.safetensors (`hf`, the sequence-classification model, and its names) [+ the tokenizer]."""
+    _write_scalar_config(hf, path, tokenizer)
+    save_file(unshared(state.items()), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _write_scalar_config(hf: nn.Module, path: str, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    """config.json (`hf`, the sequence-classification model) [+ the tokenizer]."""
     # The writer writes the files itself: transformers' save_pretrained writes on global rank 0 only
     # (should_save_on_this_rank), and a critic on ranks of its own does not hold rank 0.
     os.makedirs(path, exist_ok=True)
     config = hf.config
     config.architectures = [type(hf).__name__.removeprefix("FSDP")]  # a policy's body keeps its causal-LM name
     config.to_json_file(os.path.join(path, "config.json"))
-    save_file(unshared(state.items()), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+
+
+def _hf_key(name: str) -> str:
+    """A ScalarHeadModel's state-dict name as the sequence-classification model's own."""
+    return name.removeprefix("hf.")
+
+
+@contextlib.contextmanager
+def _committing(streamed: Streamed, path: str, flag: str) -> Iterator[None]:
+    """Write what goes beside the streamed weights, then put the weights in place; on any failure, no weights."""
+    try:
+        with storage_errors(path, 0, flag):
+            yield
+        streamed.commit()
+    except BaseException:
+        streamed.abort()
+        raise
 
 
 # ---- LoRA exports ------------------------------------------------------------------------------------------------
@@ -190,6 +214,40 @@ BASE_DIR = "base"  # <save_path>/base: the base model when no folder or hub id h
 
 def _has_adapters(state: Mapping[str, torch.Tensor]) -> bool:
     return any(is_adapter(n) for n in state)
+
+
+def _holds_adapters(model: nn.Module) -> bool:
+    return any(is_adapter(n) for n, _ in model.named_parameters())
+
+
+def _export_state(model: nn.Module, strategy: Strategy, *, is_writer: bool, merged: bool, prefix: str,
+                  head: str | None) -> dict[str, torch.Tensor]:
+    """The full state an export without a stream writes from, on the writer ({} elsewhere). An adapter whose base
+    a folder or hub id holds, without a merged model: the adapters (and the `head`) alone, gathered one block at a
+    time, so no rank holds the base model whole (140 GB of bf16 for a 70B base); otherwise everything.
+    Collective over the role."""
+    peft_model = peft_model_of(model)
+    if peft_model is None or merged or _base_name(peft_model) is None:
+        return strategy.full_state_dict(model)
+    return gather_named(model, strategy, lambda name: _adapter_file_key(name, prefix, head) is not None,
+                        is_writer=is_writer)
+
+
+def _head_name(hf: nn.Module) -> str:
+    """The score head's module name in a sequence-classification model (trained whole beside the adapters)."""
+    return next(n for n, m in hf.named_modules() if m is score_head(hf))
+
+
+def _adapter_file_key(name: str, prefix: str, head: str | None) -> str | None:
+    """`name`'s key in adapter_model.safetensors, as PEFT names it for a model whose root is the whole HF model
+    (`prefix` + HF name in the state): an adapter, or the `head` module's weights (modules_to_save); None for the
+    base's weights, which the adapter file does not hold."""
+    hf = hf_name(name).removeprefix(prefix)  # the HF model's own name (PEFT may wrap the whole model or its body)
+    if is_adapter(name):
+        return PEFT_PREFIX + saved_adapter_name(hf)
+    if head is not None and hf.startswith(head + "."):
+        return PEFT_PREFIX + hf  # modules_to_save: saved under the module's own name
+    return None
 
 
 def _peft_model(model: nn.Module) -> nn.Module:
@@ -238,11 +296,8 @@ def _write_adapter(path: str, state: Mapping[str, torch.Tensor], peft_model: nn.
     root is the whole HF model (`prefix` + HF name in `state`): the adapters, and the `head` module whole."""
     tensors = {}
     for name, tensor in state.items():
-        hf = hf_name(name).removeprefix(prefix)  # the HF model's own name (PEFT may wrap the whole model or its body)
-        if is_adapter(name):
-            tensors[PEFT_PREFIX + saved_adapter_name(hf)] = tensor
-        elif head is not None and hf.startswith(head + "."):
-            tensors[PEFT_PREFIX + hf] = tensor  # modules_to_save: saved under the module's own name
+        if (key := _adapter_file_key(name, prefix, head)) is not None:
+            tensors[key] = tensor
     save_file(unshared(tensors.items()), os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
     config = copy.deepcopy(peft_model.peft_config[ADAPTER])
     config.base_model_name_or_path, config.revision = base

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+from contextlib import AbstractContextManager
 from typing import Callable, Protocol
 
 import torch
@@ -95,6 +96,13 @@ class Strategy(GradClipper, ParamHoming, Protocol):
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Full CPU tensors under the model's own (HF) names on the role's first rank, {} elsewhere.
         Collective over the role."""
+        ...
+
+    def export_view(self, model: nn.Module) -> AbstractContextManager[tuple[nn.Module, list[ParamBlock]]]:
+        """(the model as the user built it, whose names the blocks use; its parameters in blocks), with the
+        parameters awake meanwhile: `shapes()` gives each block's full shapes without a collective, and each
+        `gather()` is collective over the role (every rank gathers every block, in order). An export streams
+        through these one block at a time instead of holding `full_state_dict`."""
         ...
 
     def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:

@@ -27,6 +27,7 @@ accumulation boundary on the last one; DeepSpeed's own `gradient_accumulation_st
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -293,6 +294,17 @@ class DeepSpeedStrategy:
             return {}
         with awake_meanwhile(self, model, None, frozenset({Part.PARAMS})):
             return {k: v.detach().to("cpu", copy=True) for k, v in unwrap(model).state_dict().items()}
+
+    @contextlib.contextmanager
+    def export_view(self, model: nn.Module) -> Iterator[tuple[nn.Module, list[ParamBlock]]]:
+        """ZeRO-3: one block per transformer block, gathered in turn; ZeRO-0/1/2: one block of the whole
+        (low-precision) parameters every rank holds, no collective."""
+        module = unwrap(model)
+        with awake_meanwhile(self, model, None, frozenset({Part.PARAMS})):
+            if self.settings.zero_stage == 3:
+                yield module, zero3.blocks(module)  # type: ignore[misc]  # the ParamBlock surface
+            else:
+                yield module, [ParamBlock(list(module.named_parameters()))]
 
     def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         """Full fp32 master weights + Adam moments + step + learning rate by parameter name, a DCP directory

@@ -6,6 +6,7 @@ parameters by FSDP unit, full/sharded state dicts, sleep/wake); the DeepSpeed st
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator, Mapping
 
 import torch
@@ -89,6 +90,11 @@ class FSDPStrategy:
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         with awake_meanwhile(self, model, None, frozenset({Part.PARAMS})):
             return full_state_dict(model, self.group)
+
+    @contextlib.contextmanager
+    def export_view(self, model: nn.Module) -> Iterator[tuple[nn.Module, list[ParamBlock]]]:
+        with awake_meanwhile(self, model, None, frozenset({Part.PARAMS})):
+            yield model, param_blocks(model)
 
     def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         with awake_meanwhile(self, model, optimizer):
