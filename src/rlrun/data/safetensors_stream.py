@@ -15,6 +15,7 @@ multiple of 8 bytes, then the tensors' bytes, contiguous and row-major.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -122,8 +123,8 @@ class StreamedSafetensors:
         if tuple(tensor.shape) != place.spec.shape or tensor.dtype != place.spec.dtype:
             raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the layout planned "
                              f"{place.spec.shape} {place.spec.dtype}")
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        _pwrite_all(self._fds[place.file], memoryview(data), place.offset)
+        data = tensor.detach().to("cpu").contiguous()
+        _pwrite_all(self._fds[place.file], _host_bytes(data), place.offset)
         self._written.add(name)
 
     def commit(self) -> list[str]:
@@ -167,6 +168,16 @@ class StreamedSafetensors:
                 os.remove(self._partial(file))
             except FileNotFoundError:
                 pass
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of `t` (contiguous, on the CPU), borrowed while `t` lives. Not through `.numpy()`: that marks the
+    storage non-resizable for good, and a tensor written here may be a parameter's own storage (DeepSpeed ZeRO-0-2,
+    a one-rank FSDP mesh), which --deepspeed_enable_sleep frees by resizing it to 0 bytes."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
