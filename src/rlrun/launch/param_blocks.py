@@ -26,9 +26,14 @@ CPU_GATHER_PART_BYTES = 4 * 2**20  # per rank and all-gather, on CPU (gloo): see
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor: whole only through a collective over its mesh."""
+    return isinstance(t, DTensor)
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a DTensor gathered (collective over its mesh), any other tensor as it is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_sharded(t) else t
 
 
 class ParamHoming(Protocol):

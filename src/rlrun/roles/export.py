@@ -28,7 +28,7 @@ import contextlib
 import copy
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from rlrun.models.loading import REWARD_NORM_FILE, ScalarHeadModel, config_mean_
 from rlrun.models.lora import ADAPTER, PEFT_PREFIX, hf_name, is_adapter, merged_state_dict, peft_model_of, saved_adapter_name
 from rlrun.roles.actor import Actor
 from rlrun.roles.critic import Critic
-from rlrun.roles.export_weights import (Streamed, gather_named, make_export_dir, nonfinite_count, plan_weights, refuse_nonfinite,
+from rlrun.roles.export_weights import (gather_named, make_export_dir, nonfinite_count, plan_weights, refuse_nonfinite,
                                         storage_errors, stream_weights)
 from rlrun.strategies.base import Strategy
 
@@ -80,17 +80,16 @@ def save_causal_lm(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: s
     `merged`, the merged model in <path>/merged). Collective over the model's role; the writer must be global rank 0
     (transformers' save_pretrained writes there only). A model without adapters streams to its files one gathered
     block at a time (rlrun.roles.export_weights), where its names allow."""
-    if not _holds_adapters(model):
-        streamed = stream_weights(model, strategy, path, is_writer=is_writer, flag=flag, allow_nonfinite=allow_nonfinite,
-                                  plan_for=lambda module, shapes: plan_weights(module, shapes, as_transformers=True))
-        if streamed is not None:
-            if is_writer:
-                with _committing(streamed, path, flag):
-                    # config.json, generation_config.json (a remote-code model's files too), and the clean-up of a
-                    # previous save's shards: transformers' own, with no weights to write
-                    model.save_pretrained(path, state_dict={}, safe_serialization=True)
-                    tokenizer.save_pretrained(path)
-            return
+    def beside() -> None:
+        # config.json, generation_config.json (a remote-code model's files too), and the clean-up of a previous
+        # save's shards: transformers' own, with no weights to write
+        model.save_pretrained(path, state_dict={}, safe_serialization=True)
+        tokenizer.save_pretrained(path)
+
+    if not _holds_adapters(model) and stream_weights(
+            model, strategy, path, is_writer=is_writer, flag=flag, allow_nonfinite=allow_nonfinite, beside=beside,
+            plan_for=lambda module, shapes: plan_weights(module, shapes, as_transformers=True)):
+        return
     state = _export_state(model, strategy, is_writer=is_writer, merged=merged, prefix="", head=None)
     if not is_writer:
         return
@@ -131,17 +130,14 @@ def save_scalar_model(model: ScalarHeadModel, path: str, *, is_writer: bool, str
     tokenizer when given; with LoRA adapters, a SEQ_CLS adapter carrying the score head (and with `merged`, the
     merged model in <path>/merged). Collective over the model's role; `is_writer` may be any rank of it. Without
     adapters, the weights stream one gathered block at a time (rlrun.roles.export_weights)."""
-    if not _holds_adapters(model):
-        streamed = stream_weights(
+    adapters = _holds_adapters(model)
+    if not adapters and stream_weights(
             model, strategy, path, is_writer=is_writer, flag=flag, allow_nonfinite=allow_nonfinite,
-            plan_for=lambda module, shapes: plan_weights(module, shapes, as_transformers=False, saved_name=_hf_key))
-        if streamed is not None:
-            if is_writer:
-                with _committing(streamed, path, flag):
-                    _write_scalar_config(model.hf, path, tokenizer)
-            return
+            beside=lambda: _write_scalar_config(model.hf, path, tokenizer),
+            plan_for=lambda module, shapes: plan_weights(module, shapes, as_transformers=False, saved_name=_hf_key)):
+        return
     state = _export_state(model, strategy, is_writer=is_writer, merged=merged, prefix="hf.",
-                          head=_head_name(_scalar_hf(model)) if _holds_adapters(model) else None)
+                          head=_head_name(_scalar_hf(model)) if adapters else None)
     if not is_writer:
         return
     if not allow_nonfinite:
@@ -192,18 +188,6 @@ def _write_scalar_config(hf: nn.Module, path: str, tokenizer: PreTrainedTokenize
 def _hf_key(name: str) -> str:
     """A ScalarHeadModel's state-dict name as the sequence-classification model's own."""
     return name.removeprefix("hf.")
-
-
-@contextlib.contextmanager
-def _committing(streamed: Streamed, path: str, flag: str) -> Iterator[None]:
-    """Write what goes beside the streamed weights, then put the weights in place; on any failure, no weights."""
-    try:
-        with storage_errors(path, 0, flag):
-            yield
-        streamed.commit()
-    except BaseException:
-        streamed.abort()
-        raise
 
 
 # ---- LoRA exports ------------------------------------------------------------------------------------------------

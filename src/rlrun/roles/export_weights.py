@@ -10,7 +10,7 @@ The files are the ones `save_pretrained` writes, decided by transformers' own ru
 weights saved once under the name transformers keeps, `_keys_to_ignore_on_save` left out, names reverted to the
 checkpoint's (transformers 5's `revert_weight_conversion`), the same file split and index. Where that cannot be
 promised without the tensors themselves (a quantized model, a conversion that is more than a renaming: MoE experts
-fused on load and split again on save; a dtype safetensors lacks), `plan_causal_lm` says no and the export gathers
+fused on load and split again on save; a dtype safetensors lacks), `plan_weights` says no and the export gathers
 the whole model as before (rlrun.roles.export).
 
 Exports refuse NaN/inf weights (naming the tensor) unless asked, and a refused write (disk full, read-only,
@@ -27,10 +27,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from rlrun.data.safetensors_stream import DTYPE_NAMES, SafetensorsLayout, StreamedSafetensors, TensorSpec
-from rlrun.launch.param_blocks import GatherScratch
+from rlrun.launch.param_blocks import GatherScratch, is_sharded
 from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.storage import storage_cause, storage_error
 from rlrun.strategies.base import Strategy
@@ -96,12 +95,13 @@ def _entries(model: nn.Module, shapes: dict[str, TensorSpec]) -> tuple[dict[str,
     for key, value in model.state_dict(keep_vars=True).items():
         if id(value) in canonical:
             sources[key] = canonical[id(value)]
-        elif id(value) in buffers and not isinstance(value, DTensor):
+        elif id(value) in buffers and not is_sharded(value):
             sources[key] = buffers[id(value)]
             specs[sources[key]] = TensorSpec(tuple(value.shape), value.dtype)
         else:
             return None
-    return sources, specs, {n for n in buffers.values() if n in sources.values()}
+    used = set(sources.values())
+    return sources, specs, {n for n in buffers.values() if n in used}
 
 
 def plan_weights(model: nn.Module, shapes: dict[str, TensorSpec], *, as_transformers: bool,
@@ -158,22 +158,6 @@ def _saved_by_transformers(hf: nn.Module, sources: dict[str, str]) -> dict[str, 
     return out  # type: ignore[return-value]  # no None left
 
 
-class Streamed:
-    """A streamed export's weight files: the writer's, written under temporary names until `commit` (after the
-    config is written beside them); nothing on the other ranks."""
-
-    def __init__(self, files: StreamedSafetensors | None) -> None:
-        self.files = files
-
-    def commit(self) -> None:
-        if self.files is not None:
-            self.files.commit()
-
-    def abort(self) -> None:
-        if self.files is not None:
-            self.files.abort()
-
-
 def gather_named(model: nn.Module, strategy: Strategy, wanted: Callable[[str], bool], *,
                  is_writer: bool) -> dict[str, torch.Tensor]:
     """CPU copies of the full parameters `wanted` names (the user model's names), on the writer ({} elsewhere),
@@ -195,16 +179,17 @@ PlanFor = Callable[[nn.Module, dict[str, TensorSpec]], "WeightPlan | None"]
 
 
 def stream_weights(model: nn.Module, strategy: Strategy, path: str, *, is_writer: bool, flag: str,
-                   allow_nonfinite: bool, plan_for: PlanFor) -> Streamed | None:
+                   allow_nonfinite: bool, plan_for: PlanFor, beside: Callable[[], None]) -> bool:
     """Gather `model` one block at a time on every rank of its role and, on the writer, write each tensor into
-    `path`'s safetensors files. None (on every rank alike, before any collective): `plan_for` says this model
+    `path`'s safetensors files, then `beside()` (the config and tokenizer), then put the weights in place; on any
+    failure there, no weights. False (on every rank alike, before any collective): `plan_for` says this model
     cannot stream, export it whole. Collective over the role; a failure on the writer (NaN weights, a refused
     write) is raised only after every block was gathered, so no rank is left waiting in a gather."""
     with strategy.export_view(model) as (module, blocks):
         shapes = {n: TensorSpec(tuple(s), d) for block in blocks for n, s, d in block.shapes()}
         plan = plan_for(module, shapes)
         if plan is None:
-            return None
+            return False
         sink = _Sink(plan, path, flag, allow_nonfinite) if is_writer else None
         scratch = GatherScratch()
         for block in blocks:
@@ -213,11 +198,19 @@ def stream_weights(model: nn.Module, strategy: Strategy, path: str, *, is_writer
                 for name in full.names:
                     sink.put(name, full.read(name))
         if sink is None:
-            return Streamed(None)
+            return True
         for name, buffer in module.named_buffers():
             if name in plan.buffers:
                 sink.put(name, buffer.detach())
-        return Streamed(sink.finish())
+        files = sink.finish()
+    try:
+        with storage_errors(path, 0, flag):
+            beside()
+        files.commit()
+    except BaseException:
+        files.abort()
+        raise
+    return True
 
 
 class _Sink:
@@ -232,7 +225,7 @@ class _Sink:
             self.saved.setdefault(source, []).append(key)
         self.bad: list[tuple[str, int]] = []
         self.failure: BaseException | None = None
-        self.files: StreamedSafetensors | None = None
+        self.files: StreamedSafetensors | None = None  # None only with a failure
         try:
             make_export_dir(path, flag)
             with storage_errors(path, self.needs, flag):
@@ -241,7 +234,7 @@ class _Sink:
             self.failure = exc
 
     def put(self, source: str, tensor: torch.Tensor) -> None:
-        if self.failure is not None or self.files is None or source not in self.saved:
+        if self.failure is not None or source not in self.saved:
             return
         try:
             if not self.allow_nonfinite and (count := nonfinite_count(tensor)):
@@ -249,19 +242,20 @@ class _Sink:
             if not self.bad:
                 with storage_errors(self.path, self.needs, self.flag):
                     for key in self.saved[source]:
-                        self.files.write(key, tensor)
+                        self.files.write(key, tensor)  # type: ignore[union-attr]  # set: no failure
         except Exception as exc:  # noqa: BLE001 - raised by finish, once every rank has gathered everything
             self.failure = exc
 
     def finish(self) -> StreamedSafetensors:
+        """The written files (not yet in place), or the first failure raised with the files removed."""
         if self.failure is None and self.bad:
             try:
                 refuse_nonfinite(self.bad, self.path, self.flag)
             except NonFiniteWeights as exc:
                 self.failure = exc
-        if self.failure is not None or self.files is None:
+        if self.failure is not None:
             if self.files is not None:
                 self.files.abort()
-            assert self.failure is not None
             raise self.failure
+        assert self.files is not None
         return self.files
