@@ -343,7 +343,7 @@ def check_engine_vs_hf(cpu: bool) -> Result:
         ids[i, width - len(p):] = torch.tensor(p)
         valid[i, width - len(p):] = True
     ids, valid = ids.to(device), valid.to(device)
-    with torch.no_grad():
+    with torch.no_grad(), native.decoder.weights():
         mine = native.decoder.prefill(ids, valid, native.decoder.new_cache(rows, width + 1))
         from rlrun.models.loading import position_ids_from
         ref = model(input_ids=ids, attention_mask=valid.long(), position_ids=position_ids_from(valid.long()),
@@ -530,14 +530,15 @@ def check_prefill_memory(cpu: bool) -> Result:
     ids = torch.randint(10, model.config.vocab_size - 1, (rows, width), device="cuda")
     valid = torch.ones(rows, width, dtype=torch.bool, device="cuda")
     valid[::2, : width // 2] = False  # half the rows left-padded to half the width
-    decoder.prefill(ids, valid, decoder.new_cache(rows, width))  # warm-up
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    start = time.perf_counter()
-    decoder.prefill(ids, valid, decoder.new_cache(rows, width))
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    with decoder.weights():
+        decoder.prefill(ids, valid, decoder.new_cache(rows, width))  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        decoder.prefill(ids, valid, decoder.new_cache(rows, width))
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() - base
     scores = rows * model.config.num_attention_heads * width * width * 4
     numbers = {"peak_gib": round(peak / 2**30, 2), "materialised_scores_gib": round(scores / 2**30, 2),

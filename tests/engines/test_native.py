@@ -9,9 +9,10 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qw
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from rlrun.engines.base import SamplingSettings, resolve_backend
-from rlrun.engines.decoder import unsupported_reason
+from rlrun.engines.decoder import fused_groups, unsupported_reason
 from rlrun.engines.native import NativeEngine
 from rlrun.engines.sampling import processed_log_probs
+from rlrun.launch.weight_sync import bucket_size, entry_view, plan_buckets
 from rlrun.models.tiny import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm
 from rlrun.runtime.errors import ConfigError
 
@@ -115,25 +116,67 @@ def test_processed_log_probs_match_hf_warpers() -> None:
         torch.testing.assert_close(got[finite], want[finite], rtol=0, atol=1e-5)
 
 
-def test_load_weights_takes_up_what_weight_sync_wrote() -> None:
-    """Weight sync writes into the engine's HF model, in place or by re-pointing a parameter's storage (the
-    disaggregated receive buffers): after load_weights() the engine samples from the new weights."""
+def test_the_decoder_runs_on_the_hf_parameters_memory_and_sees_every_write() -> None:
+    """The decoder holds no weight of its own: its joined q/k/v and gate/up projections are the HF parameters'
+    memory (laid out back to back at start), so an in-place write (colocated weight sync) is what the next call
+    samples from with nothing copied. A parameter re-pointed to a storage of its own (the disaggregated receive
+    buffers when not laid out back to back) is still seen: that call joins a copy."""
     model = _model("qwen2")
     engine = _engine(model)
+    attention = model.model.layers[0].self_attn
+    q, k, v = attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight
+    assert q.data_ptr() + q.nbytes == k.data_ptr() and k.data_ptr() + k.nbytes == v.data_ptr()
+    with engine.decoder.weights() as copied:
+        assert copied == 0
+        assert engine.decoder.layers[0].qkv_weight.data_ptr() == q.data_ptr()
+        assert engine.decoder.layers[1].gate_up.data_ptr() == model.model.layers[1].mlp.gate_proj.weight.data_ptr()
     new = _model("qwen2", seed=9)
     with torch.no_grad():
-        for (name, p), q in zip(model.named_parameters(), new.parameters()):
-            if name.endswith("q_proj.weight"):
-                p.data = q.detach().clone()  # a new storage, as WeightSync's bucket views
-            else:
-                p.copy_(q)
-    stale = engine.sample(PROMPTS[:3], seed=2)
-    assert any(not torch.allclose(torch.tensor(lp), _hf_log_probs(new, pr, r, 0.7), atol=1e-4)
-               for pr, r, lp in zip(PROMPTS, stale.responses, stale.log_probs))
-    engine.load_weights()
-    fresh = engine.sample(PROMPTS[:3], seed=2)
-    for prompt, response, lps in zip(PROMPTS, fresh.responses, fresh.log_probs):
+        for p, fresh in zip(model.parameters(), new.parameters()):
+            p.copy_(fresh)
+    out = engine.sample(PROMPTS[:3], seed=2)
+    for prompt, response, lps in zip(PROMPTS, out.responses, out.log_probs):
         torch.testing.assert_close(torch.tensor(lps), _hf_log_probs(new, prompt, response, 0.7), rtol=0, atol=2e-5)
+    newer = _model("qwen2", seed=11)
+    with torch.no_grad():
+        for (name, p), fresh in zip(model.named_parameters(), newer.parameters()):
+            if name.endswith("k_proj.weight"):
+                p.data = fresh.detach().clone()  # a storage of its own: no longer back to back with q and v
+            else:
+                p.copy_(fresh)
+    with engine.decoder.weights() as copied:
+        assert copied == 2  # the k_proj groups of both layers
+    out = engine.sample(PROMPTS[:3], seed=2)
+    for prompt, response, lps in zip(PROMPTS, out.responses, out.log_probs):
+        torch.testing.assert_close(torch.tensor(lps), _hf_log_probs(newer, prompt, response, 0.7), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_weight_sync_buckets_planned_with_fused_groups_are_what_the_decoder_runs_on(arch: str) -> None:
+    """The disaggregated engine's parameters are views into weight sync's receive buffers. Planned with
+    fused_groups (what rlrun.rl.build passes), each layer's q/k/v weights (and biases) and gate/up land back to
+    back: the decoder joins them without a copy, and samples as the HF model does."""
+    model = _model(arch)
+    engine = _engine(model)
+    names = [n for n, _ in model.named_parameters()]
+    groups = fused_groups(names)
+    layers = model.config.num_hidden_layers
+    biases = {"qwen2": 1, "llama": 2}.get(arch, 0)  # Qwen2: q/k/v biases; this Llama: MLP biases too
+    assert len(groups) == layers * (2 + biases)
+    params = dict(model.named_parameters())
+    buckets = plan_buckets([(n, p.shape, p.dtype) for n, p in params.items()], 4096, groups)
+    with torch.no_grad():
+        for bucket in buckets:  # as WeightSync binds an engine: each parameter becomes a view into its bucket
+            buffer = torch.empty(bucket_size(bucket), dtype=torch.uint8)
+            for e in bucket:
+                view = entry_view(buffer, e)
+                view.copy_(params[e.name])
+                params[e.name].data = view
+    with engine.decoder.weights() as copied:
+        assert copied == 0
+    out = engine.sample(PROMPTS[:4], seed=5)
+    for prompt, response, lps in zip(PROMPTS, out.responses, out.log_probs):
+        torch.testing.assert_close(torch.tensor(lps), _hf_log_probs(model, prompt, response, 0.7), rtol=0, atol=2e-5)
 
 
 def test_stop_strings_end_each_row_at_the_completing_token() -> None:

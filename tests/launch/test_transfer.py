@@ -143,7 +143,8 @@ def _launch(scenarios: Sequence[str], world: int, outdir: Path) -> Launch:
 
 
 WORLD = 4
-SCENARIO_ORDER = ("gather", "disaggregated", "colocated", "mismatch", "blocks", "pipelined", "zero_copy", "timeout")  # timeout last
+SCENARIO_ORDER = ("gather", "disaggregated", "colocated", "mismatch", "blocks", "pipelined", "together", "zero_copy",
+                  "timeout")  # timeout last
 
 
 @pytest.fixture(scope="module")
@@ -482,6 +483,46 @@ def scenario_pipelined(rank: int, world: int) -> dict:
     return out
 
 
+def _tiny_groups(names: list[str]) -> list[list[str]]:
+    """Groups to keep together that the gather order interleaves with other parameters: per block its three biases
+    (placed at the norm's bias, ahead of up.weight) and its up/down weights."""
+    blocks = sorted({n.split(".")[1] for n in names if n.startswith("blocks.")})
+    return [g for b in blocks for g in ([f"blocks.{b}.norm.bias", f"blocks.{b}.up.bias", f"blocks.{b}.down.bias"],
+                                        [f"blocks.{b}.up.weight", f"blocks.{b}.down.weight"])]
+
+
+def scenario_together(rank: int, world: int) -> dict:
+    """Disaggregated sync with groups kept together (`together`, as the native engine's fused projections): the
+    plan places them ahead of parameters the root gathers first, so the root packs out of gather order and must put
+    the chunks on the wire in plan order. Tiny buckets, many chunks, one bucket in many chunks."""
+    actor_group = dist.new_group([0, 1])
+    sync_group = dist.new_group([0, 2, 3])
+    is_actor, is_engine = rank in (0, 1), rank in (2, 3)
+    source, train_step, full = _actor(actor_group) if is_actor else (None, None, None)
+    out: dict = {"cases": []}
+    for k, (bucket_bytes, chunk_bytes) in enumerate(((64, 1 << 20), (600, 64), (1 << 30, 700))):
+        engine = _seeded(300 + 10 * k + rank) if is_engine else None
+        ws = WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group if rank in (0, 2, 3) else None,
+                        actor_root=0, colocated=False, bucket_bytes=bucket_bytes, wire_dtype=F32,
+                        device=torch.device("cpu"), chunk_bytes=chunk_bytes, together=_tiny_groups)
+        if is_actor:
+            train_step(20 + k)
+        ws.sync()
+        case: dict = {"plan": [[e.name for e in b] for b in ws.buckets], "chunks": ws.chunks}
+        if is_actor:
+            actor_full = full()
+            if rank == 0:
+                case["actor"] = actor_full
+        if is_engine:
+            params = dict(engine.named_parameters())
+            case["engine"] = _engine_snapshot(engine)
+            case["back_to_back"] = [all(params[a].data_ptr() + params[a].nbytes == params[b].data_ptr()
+                                        for a, b in zip(group, group[1:]))
+                                    for group in _tiny_groups(list(params))]
+        out["cases"].append(case)
+    return out
+
+
 def scenario_zero_copy(rank: int, world: int) -> dict:
     """An actor on ONE rank (FSDP2 over [0]), engines [2, 3], sync [0, 2, 3]: the root's parameters move into its
     send buckets and each bucket is one broadcast with nothing packed. Rank 1 trains the same actor (its own
@@ -584,7 +625,7 @@ def scenario_timeout(rank: int, world: int) -> dict:
 
 SCENARIOS = {f.__name__.removeprefix("scenario_"): f for f in
              (scenario_disaggregated, scenario_colocated, scenario_mismatch, scenario_gather, scenario_blocks,
-              scenario_pipelined, scenario_zero_copy, scenario_timeout)}
+              scenario_pipelined, scenario_together, scenario_zero_copy, scenario_timeout)}
 
 
 def _worker_main(scenarios: str, rank: int, world: int, port: int, outdir: str) -> int:
@@ -736,6 +777,43 @@ def test_pipelined_sync_is_exact_for_every_bucket_and_chunk_size(launched):
     assert root["cases"][2]["chunks"][0] > 4 and root["cases"][3]["chunks"] == [1]
     for k in range(1, 4):  # the actor trained between syncs: every case moved new weights
         assert not torch.equal(root["cases"][k - 1]["actor"]["head.weight"], root["cases"][k]["actor"]["head.weight"])
+
+
+def test_groups_kept_together_land_back_to_back_in_the_engines_and_exact(launched):
+    r = launched.results("together")
+    root, engines = r[0], (r[2], r[3])
+    groups = _tiny_groups([f"blocks.{b}.x" for b in range(3)])
+    for k, case in enumerate(root["cases"]):
+        where = {name: i for i, bucket in enumerate(case["plan"]) for name in bucket}
+        flat = [name for bucket in case["plan"] for name in bucket]
+        for group in groups:  # one bucket, consecutive, in the group's order
+            assert len({where[n] for n in group}) == 1, (k, group)
+            start = flat.index(group[0])
+            assert flat[start:start + len(group)] == group
+        # the biases' group sits where the norm's bias was gathered, ahead of up.weight
+        assert flat.index("blocks.0.down.bias") < flat.index("blocks.0.up.weight")
+        for e in engines:
+            assert e["cases"][k]["plan"] == case["plan"] and e["cases"][k]["chunks"] == case["chunks"]
+            assert all(e["cases"][k]["back_to_back"])
+            _assert_same(e["cases"][k]["engine"]["params"], case["actor"])
+            assert torch.equal(e["cases"][k]["engine"]["output"], _reference_output(case["actor"]))
+    assert len(root["cases"][0]["plan"]) > 10 and len(root["cases"][2]["plan"]) == 1
+    assert any(len(c) > 1 for c in root["cases"][1]["chunks"]) and len(root["cases"][2]["chunks"][0]) > 4
+    for k in range(1, 3):  # the actor trained between syncs: every case moved new weights
+        assert not torch.equal(root["cases"][k - 1]["actor"]["head.weight"], root["cases"][k]["actor"]["head.weight"])
+
+
+def test_plan_keeps_groups_together_and_chunks_never_end_inside_one():
+    # p1 and p3 (12 and 20 bytes) kept together at p1's place: back to back (12 is not a multiple of 16)
+    params = _params(3, 3, 100, 5, 2)
+    (bucket,) = plan_buckets(params, 1 << 20, [["p1", "p3"]])
+    assert [(e.name, e.offset) for e in bucket] == [("p0", 0), ("p1", 16), ("p3", 28), ("p2", 48), ("p4", 448)]
+    assert plan_chunks(bucket, 1) == [(0, 16, 0), (16, 48, 2), (48, 448, 3), (448, 464, 4)]
+    # a group is never split: with 40-byte buckets p1+p3 (32 bytes) start a bucket of their own
+    assert [[e.name for e in b] for b in plan_buckets(params, 40, [["p1", "p3"]])] == [["p0"], ["p1", "p3"], ["p2"],
+                                                                                     ["p4"]]
+    with pytest.raises(ValueError, match="absent"):
+        plan_buckets(params, 64, [["p1", "nope"]])
 
 
 def test_zero_copy_sync_sends_a_one_rank_actors_own_memory_and_trains_identically(launched):

@@ -117,12 +117,12 @@ class TorchEngine:
                stop: tuple[str, ...] = ()) -> Generation:
         raise NotImplementedError
 
+    def load_weights(self) -> None:
+        """Nothing to do: each call reads `model` as it is, and weight sync writes into it."""
+
 
 class HFEngine(TorchEngine):
     """Sampling with transformers `generate`: left-padded prompts, stop at EOS."""
-
-    def load_weights(self) -> None:
-        """Nothing to do: `model` is what generate() runs, and weight sync writes into it."""
 
     @torch.no_grad()
     def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,

@@ -4,16 +4,20 @@ Why: for the model sizes RL runs on a CPU, and for every model at small batch, t
 most of a decode step outside the matmuls (cache objects, mask builders, logits processors, module hooks, and
 dozens of tiny tensor ops per layer). This module runs the same arithmetic as the HF modules with as few ops as
 it can:
-- the query/key/value and gate/up projections are fused into one matmul each (copies of the HF weights, re-read
-  by `refresh()` after weight sync wrote new ones into the HF modules);
-- inside each head the query/key features are stored pair-interleaved (feature j next to feature j + D/2), so
-  HF's rotate-half rotary embedding becomes one complex multiply; queries and keys are permuted alike, so every
+- the query/key/value and gate/up projections run as one matmul each, over one tensor per group that IS the HF
+  parameters' memory: at start the decoder lays each group's parameters out back to back in one storage (each
+  parameter a view into it), and weight sync lays its receive buffers out the same way (`fused_groups`), so no
+  weight is held twice; where a group's parameters do not lie back to back (a caller re-pointed them elsewhere),
+  a call joins them into a copy for its own duration;
+- the rotary embedding is one complex multiply over each head's features paired as HF's rotate-half pairs them
+  (j with j + D/2, read from the projection's output in that order); queries and keys are paired alike, so every
   attention score is the same dot product (summed in another order);
 - one decode step's attention is a baddbmm + softmax + bmm over the cache (scores and softmax in fp32, as the
   fused attention kernels compute them), with the padding mask built once per step for all layers;
 - a decode step can also run with static shapes (`decode(..., slot=)`: the cache written at a position given as a
   tensor, attention over the whole capacity under the mask), the step a CUDA graph captures (rlrun.engines.native).
-The HF model stays the source of truth: nothing here is trained or saved.
+The HF model stays the source of truth: nothing here is trained or saved, and the decoder holds no weight of its own
+between calls (`Decoder.weights()` reads them at the start of each).
 
 Shapes: B rows, W prompt width (left-padded), S new positions, T cached positions (after the new ones), C cache
 capacity, H query heads, K key/value heads, G = H / K, D head dim, E hidden size, I intermediate size, V vocab.
@@ -21,7 +25,9 @@ capacity, H query heads, K key/value heads, G = H / K, D head dim, E hidden size
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -58,12 +64,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
-def _interleave(head_dim: int) -> torch.Tensor:
-    """Feature order inside a head that puts HF's rotary partners j and j + D/2 side by side: [0, D/2, 1, D/2+1, ...]."""
-    half = head_dim // 2
-    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
-
-
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """One decode step's attention per (row, key/value head) N: q [N, G, D], keys and values [N, T, D] in the model's
@@ -78,18 +78,66 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return torch.bmm(torch.softmax(scores, dim=-1).to(q.dtype), values)
 
 
+def fused_groups(names: Iterable[str]) -> list[list[str]]:
+    """The parameter names (of the HF model's `named_parameters`) whose tensors the decoder runs as one matmul, per
+    group in the order it joins them: each layer's q/k/v projections' weights, their biases, the MLP's gate/up
+    weights and their biases. Weight sync keeps each group back to back in its buckets, so the engine's
+    parameters there are what the decoder runs on. Names of other architectures match no group."""
+    present = set(names)
+    groups = []
+    for name in present:
+        for first, rest in (("self_attn.q_proj.", ("self_attn.k_proj.", "self_attn.v_proj.")),
+                            ("mlp.gate_proj.", ("mlp.up_proj.",))):
+            head, found, kind = name.rpartition(first)
+            if found and kind in ("weight", "bias"):
+                group = [name] + [head + other + kind for other in rest]
+                if all(n in present for n in group):
+                    groups.append(group)
+    return sorted(groups)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor over parts [r_i, *rest] (same dtype and rest) that lie back to back in one storage, sharing their
+    memory: [sum r_i, *rest]; None when they do not lie so."""
+    first = parts[0]
+    for a, b in zip(parts, parts[1:]):
+        if not (a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype and a.shape[1:] == b.shape[1:]
+                and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                and a.data_ptr() + a.nbytes == b.data_ptr()):
+            return None
+    return first.detach().as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride())
+
+
+def _lay_out_back_to_back(params: list[nn.Parameter]) -> None:
+    """Make `params` views into one new storage, back to back, keeping their values."""
+    if _joined(params) is not None:
+        return
+    joined = torch.cat([p.detach() for p in params])
+    start = 0
+    for p in params:
+        p.data = joined[start:start + p.shape[0]]
+        start += p.shape[0]
+
+
+def _projections(block: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter] | None, list[nn.Parameter],
+                                             list[nn.Parameter] | None]:
+    """A decoder block's parameters that run joined: q/k/v weights, their biases (None without), gate/up weights,
+    their biases (None without); in fused_groups' order."""
+    attention = [block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj]
+    mlp = [block.mlp.gate_proj, block.mlp.up_proj]
+    return ([m.weight for m in attention], None if attention[0].bias is None else [m.bias for m in attention],
+            [m.weight for m in mlp], None if mlp[0].bias is None else [m.bias for m in mlp])
+
+
 @dataclass
 class _Layer:
-    """One decoder block: the HF modules (weight sync may re-point their parameters' storage, never the objects)
-    and this decoder's fused, query/key-interleaved copies of their projections."""
+    """One decoder block: the HF modules and, for one call, the joined projections over their parameters."""
 
     block: nn.Module
     qkv_weight: torch.Tensor  # [(H + 2K) D, E]
     qkv_bias: torch.Tensor | None  # [(H + 2K) D]
     gate_up: torch.Tensor  # [2 I, E]
     gate_up_bias: torch.Tensor | None  # [2 I]
-    q_norm: torch.Tensor | None  # [D] interleaved (Qwen3)
-    k_norm: torch.Tensor | None  # [D]
 
 
 class KVCache:
@@ -123,8 +171,12 @@ class Decoder:
         self.intermediate = int(c.intermediate_size)
         self.scale = self.head_dim ** -0.5
         self.qk_norm = c.model_type in _QK_NORM_TYPES
-        self._order = self._qkv_order().to(self.body.embed_tokens.weight.device)
-        self.layers = [self._fuse(block) for block in self.body.layers]
+        self.blocks = list(self.body.layers)
+        for block in self.blocks:
+            for params in _projections(block):
+                if params is not None:
+                    _lay_out_back_to_back(params)
+        self.layers: list[_Layer] = []  # inside weights(): the joined projections of each block
 
     @property
     def dtype(self) -> torch.dtype:
@@ -134,42 +186,31 @@ class Decoder:
     def device(self) -> torch.device:
         return self.body.embed_tokens.weight.device
 
-    def _qkv_order(self) -> torch.Tensor:
-        """Rows of cat(q, k, v) in this decoder's order: each query and key head interleaved, values as they are."""
-        D = self.head_dim
-        inner = _interleave(D)
-        heads = torch.arange(self.heads + self.kv_heads)[:, None] * D + inner[None, :]
-        values = torch.arange((self.heads + self.kv_heads) * D, (self.heads + 2 * self.kv_heads) * D)
-        return torch.cat([heads.reshape(-1), values])
-
-    def _fuse(self, block: nn.Module) -> _Layer:
-        a, m = block.self_attn, block.mlp
+    @contextmanager
+    def weights(self) -> Iterator[int]:
+        """The forwards (prefill, decode) run inside: the projections joined over the HF parameters as they are now
+        (weight sync may have written or re-pointed them since the last call), released on exit. Yields how many
+        groups had to be copied (their parameters were not back to back)."""
+        copied = 0
         with torch.no_grad():
-            qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])[self._order]
-            bias = None
-            if a.q_proj.bias is not None:
-                bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])[self._order]
-            gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight])
-            gate_up_bias = torch.cat([m.gate_proj.bias, m.up_proj.bias]) if m.gate_proj.bias is not None else None
-            inner = self._order[:self.head_dim]
-            q_norm = a.q_norm.weight[inner].clone() if self.qk_norm else None
-            k_norm = a.k_norm.weight[inner].clone() if self.qk_norm else None
-        return _Layer(block, qkv, bias, gate_up, gate_up_bias, q_norm, k_norm)
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        """Re-read the fused projections from the HF modules (after weight sync wrote new weights into them)."""
-        for i, layer in enumerate(self.layers):
-            fresh = self._fuse(layer.block)
-            for name in ("qkv_weight", "qkv_bias", "gate_up", "gate_up_bias", "q_norm", "k_norm"):
-                mine = getattr(layer, name)
-                if mine is not None:
-                    mine.copy_(getattr(fresh, name))
+            for block in self.blocks:
+                joined: list[torch.Tensor | None] = []
+                for params in _projections(block):
+                    view = None if params is None else _joined(params)
+                    if params is not None and view is None:
+                        view = torch.cat([p.detach() for p in params])
+                        copied += 1
+                    joined.append(view)
+                self.layers.append(_Layer(block, *joined))  # type: ignore[arg-type]
+        try:
+            yield copied
+        finally:
+            self.layers = []
 
     def new_cache(self, rows: int, capacity: int, zeroed: bool = False) -> KVCache:
         """zeroed: positions not written yet hold zeros, not whatever the memory held (a NaN there would survive the
         mask: NaN * 0); needed by decode(slot=), which reads the whole capacity."""
-        return KVCache(len(self.layers), rows, self.kv_heads, capacity, self.head_dim, self.dtype, self.device, zeroed)
+        return KVCache(len(self.blocks), rows, self.kv_heads, capacity, self.head_dim, self.dtype, self.device, zeroed)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, valid: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -230,6 +271,8 @@ class Decoder:
         """x [B, S, E] at positions [B, S] (S new positions after cache.length; with `slot`, S = 1 at cache
         position slot, attending over the whole capacity: see decode); `attend(q [B, S, H, D], keys [B, K, T, D],
         values [B, K, T, D]) -> [B, S, H D]`."""
+        if not self.layers:
+            raise RuntimeError("Decoder: a forward runs inside `with decoder.weights():` (it joins the projections)")
         rows, new = x.shape[:2]
         H, K, D = self.heads, self.kv_heads, self.head_dim
         rotation = self._rotary(x, positions)
@@ -239,12 +282,14 @@ class Decoder:
             h = _rms_norm(x, block.input_layernorm.weight, self.eps)
             qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
             qk = qkv[..., :(H + K) * D].view(rows, new, H + K, D)
-            if layer.q_norm is not None:
-                qk = torch.cat([_rms_norm(qk[:, :, :H], layer.q_norm, self.eps),
-                                _rms_norm(qk[:, :, H:], layer.k_norm, self.eps)], dim=2)
-            qk = qk.float() if qk.dtype != torch.float32 else qk
-            qk = torch.view_as_real(torch.view_as_complex(qk.unflatten(-1, (D // 2, 2))) * rotation).flatten(-2)
-            qk = qk.to(x.dtype)
+            if self.qk_norm:
+                attention = block.self_attn
+                qk = torch.cat([_rms_norm(qk[:, :, :H], attention.q_norm.weight, self.eps),
+                                _rms_norm(qk[:, :, H:], attention.k_norm.weight, self.eps)], dim=2)
+            # [..., D] -> [..., D/2, 2]: feature j beside its rotate-half partner j + D/2 (one copy, in fp32)
+            pairs = qk.unflatten(-1, (2, D // 2)).transpose(-1, -2)
+            pairs = pairs.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            qk = torch.view_as_real(torch.view_as_complex(pairs) * rotation).flatten(-2).to(x.dtype)
             new_keys = qk[:, :, H:].transpose(1, 2)
             new_values = qkv[..., (H + K) * D:].view(rows, new, K, D).transpose(1, 2)
             if slot is None:

@@ -23,7 +23,8 @@ filled positions) its sums run over more (masked, zero) terms, so its logits may
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -91,10 +92,6 @@ class NativeEngine(TorchEngine):
         self.last_batches = 0  # batches the last sample() call decoded one after another (tests, metrics)
         self.last_steps_built = 0  # static/graph mode: decode steps the last call built (captured), one per batch+drop
 
-    def load_weights(self) -> None:
-        """Weight sync wrote into `model`: re-read the decoder's fused projections from it."""
-        self.decoder.refresh()
-
     @torch.no_grad()
     def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
                stop: tuple[str, ...] = ()) -> Generation:
@@ -113,14 +110,27 @@ class NativeEngine(TorchEngine):
         # One generator for the call, drawn from batch after batch: a single batch samples exactly as one call always
         # did, and the draws each row gets depend only on the seed, the prompts and the batches (the budget).
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        for batch in batches:
-            tokens, log_probs, lengths, _ = self._decode([prompts[i] for i in batch], new, generator, stop)
-            for i, row, lp, n in zip(batch, tokens.tolist(), log_probs.tolist(), lengths.tolist()):
-                kept = row[:n]
-                if stop:  # a row stops at the token that completes a stop string; cut exactly there
-                    kept = cut_at_stop(kept, stop, self.tokenizer)  # type: ignore[arg-type]
-                responses[i], lps[i] = kept, lp[:len(kept)]
+        with self._weights():
+            for batch in batches:
+                tokens, log_probs, lengths, _ = self._decode([prompts[i] for i in batch], new, generator, stop)
+                for i, row, lp, n in zip(batch, tokens.tolist(), log_probs.tolist(), lengths.tolist()):
+                    kept = row[:n]
+                    if stop:  # a row stops at the token that completes a stop string; cut exactly there
+                        kept = cut_at_stop(kept, stop, self.tokenizer)  # type: ignore[arg-type]
+                    responses[i], lps[i] = kept, lp[:len(kept)]
         return Generation(responses, lps)
+
+    @contextmanager
+    def _weights(self) -> Iterator[None]:
+        """The decoder's joined projections for one call (weight sync may have written or moved the weights since the
+        last); says once when some had to be copied, a copy of most of the model's weights for the call."""
+        with self.decoder.weights() as copied:
+            if copied:
+                rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+                get_logger(rank).info_once(
+                    f"native engine: {copied} q/k/v or gate/up parameter groups do not lie back to back in memory; "
+                    "each call joins them into a copy (weight sync lays them out back to back: see fused_groups)")
+            yield
 
     @torch.no_grad()
     def sample_until(self, prompts: list[list[int]], seed: int, limits: list[int], groups: list[int],
@@ -143,20 +153,22 @@ class NativeEngine(TorchEngine):
         responses: list[list[int]] = [[] for _ in prompts]
         lps: list[list[float]] = [[] for _ in prompts]
         done = [False] * len(prompts)
-        for batch in batches:
-            until = enough if len(batches) == 1 else None
-            tokens, log_probs, lengths, finished = self._decode(
-                [prompts[i] for i in batch], new, generator, (), limits=torch.tensor([limits[i] for i in batch]),
-                until=until)
-            for i, row, lp, n, f in zip(batch, tokens.tolist(), log_probs.tolist(), lengths.tolist(), finished.tolist()):
-                responses[i], lps[i], done[i] = row[:n], lp[:n], f
+        with self._weights():
+            for batch in batches:
+                until = enough if len(batches) == 1 else None
+                tokens, log_probs, lengths, finished = self._decode(
+                    [prompts[i] for i in batch], new, generator, (), limits=torch.tensor([limits[i] for i in batch]),
+                    until=until)
+                for i, row, lp, n, f in zip(batch, tokens.tolist(), log_probs.tolist(), lengths.tolist(),
+                                            finished.tolist()):
+                    responses[i], lps[i], done[i] = row[:n], lp[:n], f
         return Generation(responses, lps), done
 
     def kv_row_bytes(self, width: int, new: int) -> int:
         """KV-cache bytes of one row of a batch whose longest prompt has `width` tokens, with `new` new tokens: keys
         and values [K, width + new, D] in every layer (all that Decoder.new_cache allocates per row)."""
         d = self.decoder
-        return len(d.layers) * 2 * d.kv_heads * d.head_dim * d.dtype.itemsize * (width + new)
+        return len(d.blocks) * 2 * d.kv_heads * d.head_dim * d.dtype.itemsize * (width + new)
 
     def peak_row_bytes(self, width: int, new: int) -> int:
         """Estimated peak device bytes of one such row: its KV cache plus the larger of the prefill's activations and

@@ -32,18 +32,39 @@ class BucketEntry:
     nbytes: int
 
 
-def plan_buckets(params: Iterable[tuple[str, torch.Size, torch.dtype]], bucket_bytes: int) -> list[list[BucketEntry]]:
-    """Greedy, order-preserving packing of parameters into buckets of at most bucket_bytes
-    (a parameter larger than a bucket gets a bucket of its own)."""
+def plan_buckets(params: Iterable[tuple[str, torch.Size, torch.dtype]], bucket_bytes: int,
+                 together: Sequence[Sequence[str]] = ()) -> list[list[BucketEntry]]:
+    """Greedy, order-preserving packing of parameters into buckets of at most bucket_bytes (a parameter larger than
+    a bucket gets a bucket of its own). Each group in `together` (names of one dtype) is placed at its first
+    member's place, its members in the group's order and back to back (no alignment padding between them: one
+    tensor can view them all), and is never split across buckets."""
+    params = list(params)
+    known = {name: (name, torch.Size(shape), dtype) for name, shape, dtype in params}
+    group_of: dict[str, Sequence[str]] = {}
+    for group in together:
+        absent = [n for n in group if n not in known]
+        if absent or len({known[n][2] for n in group}) != 1:
+            raise ValueError(f"plan_buckets: a group to keep together names parameters that are absent ({absent}) "
+                             f"or of different dtypes: {list(group)}")
+        group_of.update((n, group) for n in group)
+    units: list[list[tuple[str, torch.Size, torch.dtype]]] = []
+    placed: set[str] = set()
+    for name, _, _ in params:
+        if name not in placed:
+            members = group_of.get(name, (name,))
+            units.append([known[n] for n in members])
+            placed.update(members)
     buckets: list[list[BucketEntry]] = [[]]
     used = 0
-    for name, shape, dtype in params:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if buckets[-1] and used + nbytes > bucket_bytes:
+    for unit in units:
+        sizes = [shape.numel() * dtype.itemsize for _, shape, dtype in unit]
+        if buckets[-1] and used + sum(sizes) > bucket_bytes:
             buckets.append([])
             used = 0
-        buckets[-1].append(BucketEntry(name, tuple(shape), dtype, used, nbytes))
-        used += -(-nbytes // ALIGN) * ALIGN
+        for (name, shape, dtype), nbytes in zip(unit, sizes):
+            buckets[-1].append(BucketEntry(name, tuple(shape), dtype, used, nbytes))
+            used += nbytes
+        used = -(-used // ALIGN) * ALIGN
     return [b for b in buckets if b]
 
 
@@ -59,12 +80,14 @@ def entry_view(buffer: torch.Tensor, e: BucketEntry) -> torch.Tensor:
 def plan_chunks(bucket: list[BucketEntry], chunk_bytes: int) -> list[tuple[int, int, int]]:
     """Split a bucket into wire chunks at entry boundaries: (start byte, end byte, entries up to and
     including index) per chunk, each about chunk_bytes (an entry larger than that is one chunk). The
-    chunks tile [0, bucket_size(bucket)) exactly, so a receiver can take them into its bucket buffer."""
+    chunks tile [0, bucket_size(bucket)) exactly, so a receiver can take them into its bucket buffer. A chunk
+    never ends inside a group that plan_buckets kept together (its members are not aligned apart)."""
     chunks: list[tuple[int, int, int]] = []
     start = 0
     for i, e in enumerate(bucket):
         end = -(-(e.offset + e.nbytes) // ALIGN) * ALIGN
-        if end - start >= chunk_bytes or i == len(bucket) - 1:
+        last = i == len(bucket) - 1
+        if last or (end - start >= chunk_bytes and bucket[i + 1].offset >= end):
             chunks.append((start, end, i))
             start = end
     return chunks
@@ -89,7 +112,11 @@ class WeightSync:
     def __init__(self, *, actor_params: "ParamSource | None", engine_model: nn.Module | None,
                  sync_group: dist.ProcessGroup | None, actor_root: int, colocated: bool,
                  bucket_bytes: int, wire_dtype: torch.dtype, device: torch.device,
-                 chunk_bytes: int = 16 * 2**20, check_names: Sequence[str] = ()) -> None:
+                 chunk_bytes: int = 16 * 2**20, check_names: Sequence[str] = (),
+                 together: Callable[[list[str]], Sequence[Sequence[str]]] | None = None) -> None:
+        """together: from the parameter names, the groups the engine runs as one tensor (rlrun.engines.decoder's
+        fused_groups), kept back to back in the buckets so that its receive buffers hold them that way; the same
+        function on every rank of the sync (root and engines derive the same plan)."""
         self.actor_params = actor_params
         # Parameters whose sums the engines compare with the actor's after every sync (LoRA: merged weights a
         # sync that skipped the adapters would leave unchanged); the root's list travels with the metadata.
@@ -128,7 +155,8 @@ class WeightSync:
         params = meta["params"]  # type: ignore[index]
         if engine_model is not None:
             self._check_engine_matches(params)
-        self.buckets = plan_buckets([(n, torch.Size(s), wire_dtype) for n, s in params], bucket_bytes)
+        groups = together([n for n, _ in params]) if together is not None else ()
+        self.buckets = plan_buckets([(n, torch.Size(s), wire_dtype) for n, s in params], bucket_bytes, groups)
         if self.zero_copy:  # nothing to pack, so nothing to overlap: one broadcast per bucket, the wire's floor
             self.chunks = [[(0, bucket_size(b), len(b) - 1)] for b in self.buckets]
         else:
@@ -138,10 +166,10 @@ class WeightSync:
             self.buffers = [torch.empty(max(sizes[i::2]), dtype=torch.uint8, device=device)
                             for i in range(min(2, len(sizes)))]
             return
-        self.buffers = [torch.empty(bucket_size(b), dtype=torch.uint8, device=device) for b in self.buckets]
         if engine_model is not None:
             self._bind_engine_views(engine_model)
         else:
+            self.buffers = [torch.empty(bucket_size(b), dtype=torch.uint8, device=device) for b in self.buckets]
             actor_params.home(self._views())  # type: ignore[union-attr]
 
     def _views(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
@@ -160,11 +188,18 @@ class WeightSync:
                              f"only on engine: {extra}, shape differs: {shape}); both must load the same architecture")
 
     def _bind_engine_views(self, model: nn.Module) -> None:
+        """Each engine parameter moves into its bucket's receive buffer, keeping its value. Bucket by bucket: a
+        parameter's old memory goes as soon as its bucket is bound (a group kept together shares one bucket), so
+        the engine holds its weights plus one bucket at most, never two copies of the model."""
         params = dict(model.named_parameters())
         with torch.no_grad():
-            for name, view in self._views().items():
-                view.copy_(params[name].data)
-                params[name].data = view
+            for bucket in self.buckets:
+                buffer = torch.empty(bucket_size(bucket), dtype=torch.uint8, device=self.device)
+                for e in bucket:
+                    view = entry_view(buffer, e)
+                    view.copy_(params[e.name].data)
+                    params[e.name].data = view
+                self.buffers.append(buffer)
 
     @property
     def num_buckets(self) -> int:
@@ -212,14 +247,17 @@ class WeightSync:
                                  f"sent {expected:.6g}: the engine did not receive the actor's weights")
 
     def _send(self) -> None:
-        """Root: gather unit by unit, put each parameter into its bucket and every chunk on the wire (async) as
-        soon as its last entry is there. Packing: into two alternating staging buffers, a chunk of bucket k on
-        the wire while chunk k+1 is packed. Zero-copy: the parameters already live in their buckets; one that
-        does not any more (woken from sleep into new memory, replaced by a load) is copied and re-homed."""
+        """Root: gather unit by unit, put each parameter into its bucket and every chunk on the wire (async, in the
+        plan's order, as the engines post their receives) as soon as it and every chunk before it are filled.
+        Packing: into two alternating staging buffers, a chunk of bucket k on the wire while chunk k+1 is packed.
+        Zero-copy: the parameters already live in their buckets; one that does not any more (woken from sleep into
+        new memory, replaced by a load) is copied and re-homed. The plan may place a parameter ahead of others
+        gathered before it (groups kept together), never further than into the next bucket."""
         assert self.actor_params is not None and self.group is not None
-        entries = iter([(k, i, e) for k, bucket in enumerate(self.buckets) for i, e in enumerate(bucket)])
-        chunk_ending_at = [{last: (start, end) for start, end, last in chunks} for chunks in self.chunks]
+        wire = _WireOrder(self.buckets, self.chunks)
+        place = {e.name: (k, e) for k, bucket in enumerate(self.buckets) for e in bucket}
         in_flight: list[list[dist.Work]] = [[] for _ in self.buckets]
+        started: set[int] = set()
         scratch = self._scratch or GatherScratch()
         strays: list[str] = []
         checks: dict[str, float] = {}
@@ -227,11 +265,13 @@ class WeightSync:
             for block in self.actor_params.blocks():
                 full = block.gather(scratch)
                 for name in full.names:
-                    k, i, e = next(entries)
-                    assert name == e.name, (name, e.name)  # the plan follows the root's gather order
+                    k, e = place.pop(name)  # the plan holds every name the root gathers, once
                     staging = self.buffers[k] if self.zero_copy else self.buffers[k % 2]
-                    if not self.zero_copy and i == 0 and k >= 2:  # refill a staging buffer only after its last bucket left
+                    if not self.zero_copy and k >= 2 and k not in started:  # refill a staging buffer only after
+                        # its last bucket left
+                        assert wire.all_posted(k - 2), "weight sync: the plan put a parameter two buckets ahead"
                         wait_all(in_flight[k - 2], self.group, self.device, "weight sync: a bucket broadcast")
+                    started.add(k)
                     view = entry_view(staging, e)
                     if not (self.zero_copy and full.aliases(name, view)):
                         full.write(name, view)
@@ -239,16 +279,49 @@ class WeightSync:
                             strays.append(name)
                     if name in self.check_names:  # computed apart from the bucket it was packed into
                         checks[name] = _checksum(full.full(name).to(self.wire_dtype))
-                    if i in chunk_ending_at[k]:
-                        start, end = chunk_ending_at[k][i]
-                        in_flight[k].append(dist.broadcast(staging[start:end], src=self.root, group=self.group,
+                    for b, start, end in wire.filled(name):
+                        source = self.buffers[b] if self.zero_copy else self.buffers[b % 2]
+                        in_flight[b].append(dist.broadcast(source[start:end], src=self.root, group=self.group,
                                                            async_op=True))
-        assert next(entries, None) is None, "the actor yielded fewer parameters than the bucket plan"
+        assert not place and wire.all_posted(), "the actor yielded fewer parameters than the bucket plan"
         wait_all([w for works in in_flight for w in works], self.group, self.device, "weight sync: a bucket broadcast")
         if self.check_names:
             broadcast_json(checks, self.root, self.group, self.device)
         if self.zero_copy and strays and self.actor_params.zero_copy_blocker(self.wire_dtype, self.device) is None:
             self.actor_params.home(self._views(strays))
+
+
+class _WireOrder:
+    """The root's chunks in the order every engine posts its receives (bucket by bucket, chunk by chunk): a chunk
+    goes on the wire once its entries are packed and every chunk before it is on the wire."""
+
+    def __init__(self, buckets: list[list[BucketEntry]], chunks: list[list[tuple[int, int, int]]]) -> None:
+        self.order: list[tuple[int, int, int]] = []  # (bucket, start byte, end byte) per chunk
+        self.chunk_of: dict[str, int] = {}  # parameter name -> its chunk's index into `order`
+        self.unfilled: list[int] = []  # per chunk: entries not packed yet
+        self.last_of_bucket: list[int] = []  # per bucket: its last chunk's index into `order`
+        for k, (bucket, bounds) in enumerate(zip(buckets, chunks)):
+            first = 0
+            for start, end, last in bounds:
+                self.chunk_of.update((e.name, len(self.order)) for e in bucket[first:last + 1])
+                self.unfilled.append(last + 1 - first)
+                self.order.append((k, start, end))
+                first = last + 1
+            self.last_of_bucket.append(len(self.order) - 1)
+        self.posted = 0  # chunks handed out so far, a prefix of `order`
+
+    def filled(self, name: str) -> list[tuple[int, int, int]]:
+        """`name` is packed: the chunks that may go on the wire now, in order."""
+        self.unfilled[self.chunk_of[name]] -= 1
+        start = self.posted
+        while self.posted < len(self.order) and self.unfilled[self.posted] == 0:
+            self.posted += 1
+        return self.order[start:self.posted]
+
+    def all_posted(self, bucket: int | None = None) -> bool:
+        """Every chunk (of buckets up to `bucket`, or of all) handed out."""
+        last = len(self.order) - 1 if bucket is None else self.last_of_bucket[bucket]
+        return self.posted > last
 
 
 def _checksum(t: torch.Tensor) -> float:

@@ -19,6 +19,7 @@ from rlrun.data.prompts import (PromptKeys, PromptRecord, PromptSampler, format_
 from rlrun.data.sources import DataSpec
 from rlrun.data.vision_batch import PromptVision, RowVision
 from rlrun.engines.base import HFEngine, SamplingSettings
+from rlrun.engines.decoder import fused_groups
 from rlrun.engines.native import NativeEngine
 from rlrun.launch.dist import before_teardown, world_size
 from rlrun.launch.groups import Groups
@@ -390,5 +391,6 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         wire_dtype=engine_dtype(cfg, device),
         device=device,
         check_names=source.check_names() if isinstance(source, MergedLoraParams) else (),
+        together=fused_groups if g.generation_backend == "native" else None,
     )
     return out

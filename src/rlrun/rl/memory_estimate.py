@@ -29,8 +29,8 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
   responses, b * generate_max_len): chunk * vocab * 4 B, three times when training (logits, log-softmax, their
   gradient), twice when scoring.
 - Engines: vLLM takes --vllm_gpu_memory_utilization x the GPU (its weights, 1/TP of them, inside), or its
-  weights' share + --vllm_kv_cache_memory_bytes; native/hf: the whole model (bf16 with --bf16; native: plus its
-  decoder's fused projection copies, `native_fused_parameters`) plus the KV cache of
+  weights' share + --vllm_kv_cache_memory_bytes; native/hf: the whole model (bf16 with --bf16; the native
+  decoder runs on the model's own memory, weight sync's receive buffers laid out for it) plus the KV cache of
   the rank's rollout share (rollouts per step / engine ranks rows of L tokens). The native engine generates in
   batches whose cache fits --native_kv_cache_mb, or without it on a GPU what is free then (so its KV cache
   fills the GPU up to the usable bytes); on CPU without it, in one batch.
@@ -194,16 +194,6 @@ def kv_cache_bytes(s: ModelShape, k: Knobs, rows: int) -> int:
     return rows * k.seq * s.layers * 2 * s.kv_heads * s.head_dim * (2 if k.bf16 else 4)
 
 
-def native_fused_parameters(s: ModelShape) -> int:
-    """The native decoder's fused copies (rlrun.engines.decoder: q/k/v and gate/up concatenated, beside the HF
-    weights that weight sync writes into): per layer the q/k/v projections plus two thirds of a gated MLP (gate and
-    up of gate/up/down; the norms and the output projection are not copied)."""
-    per_layer = s.blocks // max(1, s.layers)
-    qkv = s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim
-    mlp = max(0, per_layer - qkv - s.heads * s.head_dim * s.hidden - 2 * s.hidden)
-    return s.layers * (qkv + 2 * mlp // 3)
-
-
 def _engine(s: ModelShape, k: Knobs, tp: int, rows: int, target: Target) -> RoleMemory:
     weights = (2 if k.bf16 else 4) * s.parameters
     if k.backend == "vllm":
@@ -217,8 +207,6 @@ def _engine(s: ModelShape, k: Knobs, tp: int, rows: int, target: Target) -> Role
     kv = kv_cache_bytes(s, k, rows)
     if k.backend == "native" and k.kv_budget:
         kv = min(kv, k.kv_budget)
-    if k.backend == "native":
-        weights += (2 if k.bf16 else 4) * native_fused_parameters(s)
     return RoleMemory(Role.ENGINE, {"params": weights}, {}, {"generate": {"kv_cache": kv}}, {},
                       kv_fills_gpu=k.backend == "native" and k.gpu and not k.kv_budget)
 
