@@ -124,7 +124,7 @@ class StreamedSafetensors:
             raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the layout planned "
                              f"{place.spec.shape} {place.spec.dtype}")
         data = tensor.detach().to("cpu").contiguous()
-        _pwrite_all(self._fds[place.file], _host_bytes(data), place.offset)
+        _pwrite_all(self._fds[place.file], host_bytes(data), place.offset)
         self._written.add(name)
 
     def commit(self) -> list[str]:
@@ -170,7 +170,7 @@ class StreamedSafetensors:
                 pass
 
 
-def _host_bytes(t: torch.Tensor) -> memoryview:
+def host_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of `t` (contiguous, on the CPU), borrowed while `t` lives. Not through `.numpy()`: that marks the
     storage non-resizable for good, and a tensor written here may be a parameter's own storage (DeepSpeed ZeRO-0-2,
     a one-rank FSDP mesh), which --deepspeed_enable_sleep frees by resizing it to 0 bytes."""

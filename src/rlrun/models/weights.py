@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from rlrun.data.safetensors_read import SafetensorsReader
 from rlrun.runtime.errors import ConfigError
 
 Rows = tuple[int, int]  # [begin, end) along dim 0
@@ -85,7 +86,8 @@ _INDEXES = (("model.safetensors.index.json", "model.safetensors"), ("pytorch_mod
 
 
 class FileWeights:
-    """An HF model directory's weight files, opened once (memory-mapped) and read a slice at a time."""
+    """An HF model directory's weight files, opened once and read a slice at a time (safetensors with pread:
+    rlrun.data.safetensors_read; a .bin memory-mapped)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -107,9 +109,13 @@ class FileWeights:
         if file not in self._open:
             full = os.path.join(self.path, file)
             if file.endswith(".safetensors"):
-                from safetensors import safe_open  # noqa: PLC0415 - transformers' own dependency
+                reader = SafetensorsReader(full)  # pread, not mmap: read pages do not stay in this rank's RSS
+                if not reader.knows_every_dtype():
+                    reader.close()
+                    from safetensors import safe_open  # noqa: PLC0415 - transformers' own dependency
 
-                self._open[file] = safe_open(full, framework="pt", device="cpu")
+                    reader = safe_open(full, framework="pt", device="cpu")
+                self._open[file] = reader
             else:  # zip-format .bin (torch >= 1.6): memory-mapped, so a slice reads only its pages
                 self._open[file] = torch.load(full, map_location="cpu", mmap=True, weights_only=True)
         return self._open[file]
@@ -129,6 +135,8 @@ class FileWeights:
         handle = self._handle(file)
         if isinstance(handle, dict):
             return tuple(handle[name].shape)
+        if isinstance(handle, SafetensorsReader):
+            return handle.shape(name)
         return tuple(handle.get_slice(name).get_shape())  # type: ignore[attr-defined]
 
     def read(self, name: str, rows: Rows | None) -> torch.Tensor:
@@ -136,6 +144,8 @@ class FileWeights:
         if isinstance(handle, dict):
             t = handle[name]
             return t.clone() if rows is None else t[rows[0]:rows[1]].clone()
+        if isinstance(handle, SafetensorsReader):
+            return handle.read(name, rows)
         if rows is None:
             return handle.get_tensor(name)  # type: ignore[attr-defined]
         return handle.get_slice(name)[rows[0]:rows[1]]  # type: ignore[attr-defined]
