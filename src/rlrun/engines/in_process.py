@@ -41,6 +41,7 @@ from rlrun.engines.base import Generation, SamplingSettings
 from rlrun.engines.hosting import whole_world_problem
 from rlrun.engines.vllm_adapter import EngineSpec, ImageRequests, VLLMAdapter, sleeps
 from rlrun.engines.vllm_engine import VLLMEngineBase
+from rlrun.engines.vllm_memory import gpu_utilization
 from rlrun.launch.layout import Layout
 from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.log import get_logger
@@ -116,7 +117,8 @@ class InProcessEngine(VLLMEngineBase):
         # from the rows' seeds, or each request carries its own with --vllm_seeded_requests).
         self.spec = EngineSpec(model_dir=self.model_dir, dtype=self.dtype_name, seed=seed,
                                max_model_len=max_model_len, device=device.type, enforce_eager=enforce_eager,
-                               gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                               gpu_memory_utilization=gpu_utilization(gpu_memory_utilization, device, rank),
+                               tensor_parallel_size=tensor_parallel_size,
                                external_launcher=True, enable_sleep=enable_sleep,
                                kv_cache_memory_bytes=kv_cache_memory_bytes,
                                images_per_prompt=images_per_prompt)

@@ -30,6 +30,7 @@ from rlrun.data.vision_batch import RowVision
 from rlrun.engines.vllm_adapter import EngineSpec, ImageRequests, Sampling, check_version, sleeps, write_weights
 from rlrun.engines.vllm_child import EngineChild
 from rlrun.engines.vllm_handoff import SHM_DIR, check_shm, file_bytes, memory_key, pack, tensor_bytes, unshared_bytes
+from rlrun.engines.vllm_memory import gpu_utilization
 from rlrun.runtime.log import get_logger
 from rlrun.vision.positions import vision_token_ids
 
@@ -171,7 +172,7 @@ class VLLMEngine(VLLMEngineBase):
             write_weights(self.model.named_parameters(), model_dir)
         spec = EngineSpec(model_dir=model_dir, dtype=self.dtype_name, seed=seed,
                           max_model_len=max_model_len, device=device.type, enforce_eager=enforce_eager,
-                          gpu_memory_utilization=gpu_memory_utilization,
+                          gpu_memory_utilization=gpu_utilization(gpu_memory_utilization, device, rank),
                           cuda_visible_devices=_visible_gpus(device, tensor_parallel_size),
                           tensor_parallel_size=tensor_parallel_size, weights_dir=self.weights_dir,
                           enable_sleep=enable_sleep, kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -29,7 +29,8 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
   responses, b * generate_max_len): chunk * vocab * 4 B, three times when training (logits, log-softmax, their
   gradient), twice when scoring.
 - Engines: vLLM takes --vllm_gpu_memory_utilization x the GPU (its weights, 1/TP of them, inside), or its
-  weights' share + --vllm_kv_cache_memory_bytes; native/hf: the whole model (bf16 with --bf16; the native
+  weights' share + --vllm_kv_cache_memory_bytes, at most what the rank's whole policy copy (weight sync's receive
+  tensors, on the GPU before vLLM starts) leaves; native/hf: the whole model (bf16 with --bf16; the native
   decoder runs on the model's own memory, weight sync's receive buffers laid out for it) plus the KV cache of
   the rank's rollout share (rollouts per step / engine ranks rows of L tokens). The native engine generates in
   batches whose cache fits --native_kv_cache_mb, or without it on a GPU what is free then (so its KV cache
@@ -199,11 +200,17 @@ def _engine(s: ModelShape, k: Knobs, tp: int, rows: int, target: Target) -> Role
     if k.backend == "vllm":
         if not k.gpu:
             kv = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or VLLM_CPU_KV_GIB) * GIB)
-            return RoleMemory(Role.ENGINE, {"vllm": weights // tp}, {}, {"generate": {"kv_cache": kv}}, {})
+            # the rank's policy copy (weight sync's receive tensors) beside vLLM's own weights
+            return RoleMemory(Role.ENGINE, {"params": weights, "vllm": weights // tp}, {}, {"generate": {"kv_cache": kv}},
+                              {})
         pool = weights // tp + k.vllm_kv_bytes if k.vllm_kv_bytes else int(k.vllm_util * target.gpu_bytes)
+        # The rank's whole policy, that weight sync receives into, is on the GPU before vLLM starts, and vLLM's share
+        # is fitted to what is left (rlrun.engines.vllm_memory).
+        copy = {"params": weights}
+        pool = max(0, min(pool, target.usable - weights))
         if k.engine_sleep:  # level 1: weights to host, KV cache freed, between generate calls
-            return RoleMemory(Role.ENGINE, {}, {}, {"generate": {"vllm": pool}}, {"vllm": weights // tp})
-        return RoleMemory(Role.ENGINE, {"vllm": pool}, {}, {"generate": {}}, {})
+            return RoleMemory(Role.ENGINE, copy, {}, {"generate": {"vllm": pool}}, {"vllm": weights // tp})
+        return RoleMemory(Role.ENGINE, {**copy, "vllm": pool}, {}, {"generate": {}}, {})
     kv = kv_cache_bytes(s, k, rows)
     if k.backend == "native" and k.kv_budget:
         kv = min(kv, k.kv_budget)

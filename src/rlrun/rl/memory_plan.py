@@ -127,6 +127,12 @@ def _vllm_starved(k: Knobs, shape: ModelShape, tp: int,
     """vLLM's weights leave less than a tenth of its memory for the KV cache: it will not start, or crawl."""
     weights = (2 if k.bf16 else 4) * shape.parameters
     pool = weights // tp + k.vllm_kv_bytes if k.vllm_kv_bytes else int(k.vllm_util * target.gpu_bytes)
+    left = target.usable - weights  # what the rank's policy copy leaves vLLM (rlrun.engines.vllm_memory)
+    if left < pool and weights // tp >= 0.9 * max(0, left):
+        return (f"each engine rank holds the whole policy on its GPU ({weights / GIB:.1f} GiB: the copy weight sync "
+                f"receives into, handed to vLLM after each sync), which leaves vLLM {max(0, left) / GIB:.1f} GiB for "
+                f"its weights ({weights // tp / GIB:.1f} GiB per rank) and KV cache (rlrun does not yet keep that copy "
+                "off the GPU)"), ()
     if weights // tp < 0.9 * pool:
         return None
     fixes = []
@@ -178,9 +184,12 @@ def plan_memory(cfg: Config, layout: Layout, shapes: Mapping[Role, ModelShape], 
     problems = [_problem(g, cfg, layout, shapes, k, target)
                 for g in groups_of((r for r in ranks if r.fits is False), host=False)]
     if target.gpu and k.backend == "vllm":
+        named: set[int] = set()  # engine ranks whose cause a line below names
         for engine in layout.engines:
             starved = _vllm_starved(k, shapes[Role.ENGINE], len(engine), target)
             if starved is not None:
                 why, fixes = starved
+                named.update(engine)
                 problems.append(Problem(engine, (Role.ENGINE,), ranks[engine[0]].gpu_total, fixes, why))
+        problems = [p for p in problems if p.why or p.roles != (Role.ENGINE,) or not set(p.ranks) <= named]
     return MemoryPlan(target, k, shapes, ranks, problems, layout.ranks_per_node, job.labels() if job else {})
