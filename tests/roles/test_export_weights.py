@@ -193,7 +193,7 @@ def test_streamed_exports_are_what_save_pretrained_writes(tmp_path):
 
 
 def _shapes(model: torch.nn.Module):
-    from rlrun.data.safetensors_stream import TensorSpec
+    from rlrun.models.safetensors_stream import TensorSpec
 
     return {n: TensorSpec(tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
 

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from rlrun.data.safetensors_read import SafetensorsReader
+from rlrun.models.safetensors_read import SafetensorsReader
 from rlrun.runtime.errors import ConfigError
 
 Rows = tuple[int, int]  # [begin, end) along dim 0
@@ -87,7 +87,7 @@ _INDEXES = (("model.safetensors.index.json", "model.safetensors"), ("pytorch_mod
 
 class FileWeights:
     """An HF model directory's weight files, opened once and read a slice at a time (safetensors with pread:
-    rlrun.data.safetensors_read; a .bin memory-mapped)."""
+    rlrun.models.safetensors_read; a .bin memory-mapped)."""
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -3,7 +3,7 @@
 A trained model is sharded over its role (FSDP2, DeepSpeed ZeRO-3). Gathering it whole on the writer before
 writing, as `save_pretrained(state_dict=...)` needs, would hold the whole model in fp32 on one rank (280 GB of host
 RAM for a 70B policy). Instead every rank gathers one FSDP unit / ZeRO-3 block at a time (`Strategy.export_view`)
-and the writer puts each tensor straight into its place in the safetensors files (rlrun.data.safetensors_stream),
+and the writer puts each tensor straight into its place in the safetensors files (rlrun.models.safetensors_stream),
 so it holds one block on top of its shards.
 
 The files are the ones `save_pretrained` writes, decided by transformers' own rules run on stand-in tensors: tied
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlrun.data.safetensors_stream import DTYPE_NAMES, SafetensorsLayout, StreamedSafetensors, TensorSpec
+from rlrun.models.safetensors_stream import DTYPE_NAMES, SafetensorsLayout, StreamedSafetensors, TensorSpec
 from rlrun.launch.param_blocks import GatherScratch, is_sharded
 from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.storage import storage_cause, storage_error

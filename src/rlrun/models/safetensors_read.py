@@ -15,7 +15,7 @@ from math import prod
 
 import torch
 
-from rlrun.data.safetensors_stream import DTYPE_NAMES, host_bytes
+from rlrun.models.safetensors_stream import DTYPE_NAMES, host_bytes
 
 _DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 _PREAD_CHUNK = 1 << 30  # bytes per os.preadv call (Linux reads at most ~2 GiB per call)
