@@ -246,6 +246,10 @@ class WeightSync:
                 raise RlrunError(f"weight sync: after the sync the engine's {name} sums to {got:.6g} but the actor "
                                  f"sent {expected:.6g}: the engine did not receive the actor's weights")
 
+    def _staging(self, bucket: int) -> torch.Tensor:
+        """The root's send buffer of `bucket`: its own (zero-copy) or the staging buffer of its parity."""
+        return self.buffers[bucket] if self.zero_copy else self.buffers[bucket % 2]
+
     def _send(self) -> None:
         """Root: gather unit by unit, put each parameter into its bucket and every chunk on the wire (async, in the
         plan's order, as the engines post their receives) as soon as it and every chunk before it are filled.
@@ -266,7 +270,7 @@ class WeightSync:
                 full = block.gather(scratch)
                 for name in full.names:
                     k, e = place.pop(name)  # the plan holds every name the root gathers, once
-                    staging = self.buffers[k] if self.zero_copy else self.buffers[k % 2]
+                    staging = self._staging(k)
                     if not self.zero_copy and k >= 2 and k not in started:  # refill a staging buffer only after
                         # its last bucket left
                         assert wire.all_posted(k - 2), "weight sync: the plan put a parameter two buckets ahead"
@@ -280,8 +284,7 @@ class WeightSync:
                     if name in self.check_names:  # computed apart from the bucket it was packed into
                         checks[name] = _checksum(full.full(name).to(self.wire_dtype))
                     for b, start, end in wire.filled(name):
-                        source = self.buffers[b] if self.zero_copy else self.buffers[b % 2]
-                        in_flight[b].append(dist.broadcast(source[start:end], src=self.root, group=self.group,
+                        in_flight[b].append(dist.broadcast(self._staging(b)[start:end], src=self.root, group=self.group,
                                                            async_op=True))
         assert not place and wire.all_posted(), "the actor yielded fewer parameters than the bucket plan"
         wait_all([w for works in in_flight for w in works], self.group, self.device, "weight sync: a bucket broadcast")
