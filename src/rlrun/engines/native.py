@@ -276,7 +276,7 @@ class NativeEngine(TorchEngine):
                 finished |= (limits[active] <= t + 1) & ~done
             lengths[active] = torch.where(finished, t + 1, lengths[active])
             done |= finished
-            ended[active[finished]] = True
+            ended[active] |= finished  # not ended[active[finished]]: a boolean index is a host sync every token
             if t == new - 1:
                 ended[active] = True  # every row reached its cap
                 break

@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from rlrun.runtime.memory import PHASE_PEAKS
+
 
 def run_phases(rank: int, dist_timeout: float) -> "PhaseTracker":
     """The tracker of one training run. Collectives time out at dist_timeout; a phase stuck well past that is a
@@ -84,10 +86,12 @@ class PhaseTracker:
         with self._lock:
             self._entered = time.monotonic()
         self._start_watcher()
+        PHASE_PEAKS.enter(phase)
         try:
             maybe_inject(phase, step, self.rank)
             yield
         finally:
+            PHASE_PEAKS.exit(phase)
             faulthandler.cancel_dump_traceback_later()
             with self._lock:
                 self._entered = None

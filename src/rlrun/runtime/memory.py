@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from rlrun.runtime.log import RankLogger
 
@@ -24,17 +25,66 @@ def peak_rss_bytes() -> int | None:
     return None
 
 
+def _cuda_allocator_peak() -> int | None:
+    """The CUDA allocator's peak since its last reset, when reporting and this process uses a GPU; else None."""
+    if os.environ.get(REPORT_ENV) != "1":
+        return None
+    torch = sys.modules.get("torch")  # never imported here: runtime/ stays importable without torch
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.max_memory_allocated())
+
+
+class _PhasePeaks:
+    """The CUDA allocator's peak within each loop phase (generate, score, train, sync; over all steps), for the
+    memory plan's check on a GPU: the allocator's peak is reset where a phase starts, after folding it into every
+    phase still open (phases nest) and into the whole run's peak, which `report_memory` keeps reporting."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, int] = {}
+        self.overall = 0
+        self._open: list[str] = []
+
+    def _fold(self, peak: int) -> None:
+        self.overall = max(self.overall, peak)
+        for name in self._open:
+            self.peaks[name] = max(self.peaks.get(name, 0), peak)
+
+    def enter(self, phase: str) -> None:
+        peak = _cuda_allocator_peak()
+        if peak is None:
+            return
+        self._fold(peak)
+        sys.modules["torch"].cuda.reset_peak_memory_stats()
+        self._open.append(phase)
+
+    def exit(self, phase: str) -> None:
+        peak = _cuda_allocator_peak()
+        if peak is None or phase not in self._open:
+            return
+        self._fold(peak)
+        self._open.remove(phase)
+
+    def whole_run(self) -> int | None:
+        peak = _cuda_allocator_peak()
+        return None if peak is None else max(self.overall, peak)
+
+
+PHASE_PEAKS = _PhasePeaks()
+
+
 def report_memory(log: RankLogger, phase: str) -> None:
-    """With RLRUN_REPORT_MEMORY=1, one line per rank: its peak RSS so far, and on a GPU the CUDA allocator's peak
-    (bench/memory.py and bench/gpu/harness.py read these lines)."""
+    """With RLRUN_REPORT_MEMORY=1, one line per rank: its peak RSS so far, and on a GPU the CUDA allocator's peak,
+    overall and per loop phase (bench/memory.py and bench/gpu/harness.py read these lines)."""
     peak = peak_rss_bytes()
     if os.environ.get(REPORT_ENV) != "1" or peak is None:
         return
-    import torch  # noqa: PLC0415 - runtime/ stays importable without torch for the launch checks
-
     gpu = ""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        gpu = f", peak GPU allocated {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB"
+    gpu_peak = PHASE_PEAKS.whole_run()
+    if gpu_peak is not None:
+        gpu = f", peak GPU allocated {gpu_peak / 2**20:.0f} MiB"
+        if PHASE_PEAKS.peaks:
+            gpu += " (" + ", ".join(f"{name} {b / 2**20:.0f}" for name, b in PHASE_PEAKS.peaks.items()) + " MiB)"
     log._emit("info", f"memory: rank {log.rank} peak RSS after {phase} {peak / 2**20:.0f} MiB{gpu}")
 
 
