@@ -43,7 +43,7 @@ LAYOUTS = {
     "2 ranks (all colocated)": (2, ["--actor_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "2",
                                     "--colocate_all_models", "--vllm_num_engines", "2"]),
 }
-LINE = re.compile(r"memory: rank (\d+) peak RSS after (start-up|training) (\d+) MiB")
+LINE = re.compile(r"memory: rank (\d+) peak RSS after (start-up|training) (\d+) MiB(?: \(([^)]*) MiB\))?")
 
 
 def save_checkpoint(path: Path) -> int:
@@ -122,11 +122,15 @@ def run(tree: Path, layout: str, pretrain: str | None, out: Path) -> dict:
     poller.start()
     lines = []
     reported: dict[str, dict[int, int]] = {"start-up": {}, "training": {}}
+    phases: dict[int, dict[str, int]] = {}  # rank -> loop phase -> its own peak RSS (MiB)
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
         if (m := LINE.search(line)) is not None:
             reported[m.group(2)][int(m.group(1))] = int(m.group(3)) * 2**20
+            if m.group(2) == "training" and m.group(4):
+                phases[int(m.group(1))] = {name: int(mib) for name, mib in
+                                           (part.rsplit(" ", 1) for part in m.group(4).split(", "))}
             if m.group(2) == "start-up" and not loaded_at:
                 loaded_at.append(time.perf_counter() - start)
     proc.wait()
@@ -136,7 +140,7 @@ def run(tree: Path, layout: str, pretrain: str | None, out: Path) -> dict:
     peak = {r: max(reported["training"].get(r, 0), polled.get(r, 0)) for r in range(nproc)}
     # "training": up to the end of the last step; "peak" adds the final export (rank 0 gathers the whole policy)
     return {"startup": reported["start-up"], "training": reported["training"], "peak": peak,
-            "load_s": loaded_at[0] if loaded_at else None}
+            "phases_mib": phases, "load_s": loaded_at[0] if loaded_at else None}
 
 
 def _mib(by_rank: dict[int, int]) -> dict[int, int]:

@@ -271,12 +271,12 @@ def test_dpo_scores_its_reference_inside_the_training_step_and_ref_offload_moves
     assert rank.roles == (Role.ACTOR, Role.REF) and rank.phase == "train_actor" and memory.fits
     assert memory.knobs.micro_train == 2 and memory.knobs.seq == 4096  # a pair is two rows of up to --max_len
     assert rank.gpu["params"] == 4 * n // 8 + 2 * n // 8  # fp32 policy shards + the bf16 reference's (ZeRO-3)
-    # the reference's no-grad forward (one layer's activations, its logits) comes on top of the policy's training
     alone = SupervisedJob(pairs=True)
     sft = plan_memory(cfg, alone.layout(8, 8), shapes, GPU_80, alone).ranks[1]
     extra = {k: rank.gpu.get(k, 0) - sft.gpu.get(k, 0) for k in rank.gpu}
-    assert extra["params"] == 2 * n // 8 and extra["activations"] == 2 * 4096 * 4096 * 34
-    assert extra["logits"] == 1024 * 32000 * 4 * 2
+    # the reference's no-grad forward runs before each micro-batch's policy forward, its working set freed first: only
+    # its shards come on top of the policy's training
+    assert extra == {"params": 2 * n // 8, "grads": 0, "optimizer": 0, "gathered": 0, "activations": 0, "logits": 0}
     offloaded = plan_memory(dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, ref_offload=True)), layout,
                             shapes, GPU_80, job).ranks[1]
     assert offloaded.gpu["params"] == 4 * n // 8 and offloaded.host["params"] == 2 * n // 8
@@ -298,11 +298,11 @@ def test_a_dpo_rank_that_does_not_fit_is_told_the_flags_that_would_fit_it(tmp_pa
         assert line.startswith("does not fit: policy,ref on ranks 0-7: "), line
         return line
 
-    line = advice("5")
+    line = advice("6")
     assert re.search(r"fits with --adam_offload \([\d.]+ GiB\), or --zero_stage 3 \([\d.]+ GiB\), or --zero_stage 3 "
                      r"--ref_offload \([\d.]+ GiB\), or a world of 16 ranks \([\d.]+ GiB\)$", line), line
     # no single change is enough: all together, each flag once
-    assert re.search(r"fits with --adam_offload --zero_stage 3 --ref_offload \([\d.]+ GiB\)$", advice("8")), advice("8")
+    assert re.search(r"fits with --adam_offload --zero_stage 3 --ref_offload \([\d.]+ GiB\)$", advice("10")), advice("10")
 
 
 def test_rm_trains_a_score_head_model_without_logits(tmp_path):

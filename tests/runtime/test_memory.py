@@ -3,6 +3,8 @@ state is per process), and the per-rank peak-RSS line bench/memory.py reads."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 
@@ -61,3 +63,35 @@ def test_the_memory_line_is_off_unless_asked(capsys, monkeypatch):
     monkeypatch.setenv(REPORT_ENV, "1")
     report_memory(RankLogger(3), "start-up")
     assert "memory: rank 3 peak RSS after start-up" in capsys.readouterr().out
+
+
+_PHASES = """
+import os, sys
+os.environ["RLRUN_REPORT_MEMORY"] = "1"
+from rlrun.runtime.faults import PhaseTracker
+from rlrun.runtime.log import RankLogger
+from rlrun.runtime.memory import PHASE_PEAKS, report_memory
+phase = PhaseTracker(0, hang_after_s=60)
+with phase("generate", 0):
+    big = bytearray(160 * 2**20)  # zero pages: touch them so they are resident
+    for i in range(0, len(big), 4096):
+        big[i] = 1
+    del big
+with phase("score", 0):
+    small = bytearray(16 * 2**20)
+    for i in range(0, len(small), 4096):
+        small[i] = 1
+    del small
+report_memory(RankLogger(0), "training")
+"""
+
+
+def test_the_memory_line_gives_each_phase_its_own_host_peak():
+    """A real process: a phase's peak RSS is its own, not what an earlier phase reached (VmHWM is reset where a
+    phase starts), while the whole run's peak stays the largest."""
+    out = subprocess.run([sys.executable, "-c", _PHASES], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**18)}).stdout
+    found = re.search(r"peak RSS after training (\d+) MiB \(generate (\d+), score (\d+) MiB\)", out)
+    assert found, out
+    overall, generate, score = map(int, found.groups())
+    assert generate >= score + 120 and overall >= generate, out

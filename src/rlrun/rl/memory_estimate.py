@@ -18,13 +18,20 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
   sub-module); ``--adam_offload`` moves the optimizer (master included) to host memory.
 - Frozen models (reference, reward): below ZeRO-3 whole on every rank, 2 B/param with --bf16 (4 B without);
   at ZeRO-3 sharded over R, plus the stage-3 gathered working set. (PPO has no ``--ref_offload``.)
-- Activations of one micro-batch of b rows of L = prompt_max_len + generate_max_len tokens, hidden h, a heads:
-  Megatron-LM's estimate for 16-bit activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
-  Large Transformer Models"): one layer holds b*L*h*(34 + 5*a*L/h) bytes. The 5*a*L/h term (materialised
-  attention scores) is counted only with ``--attn_implementation eager``: sdpa (transformers' default) and
-  flash-attention never materialise them. Training without --gradient_checkpointing keeps every layer's; with
-  it each layer's input (layers*b*L*h*2 B) plus one layer's full set, recomputed in backward. A no-grad forward
-  (scoring, b = --micro_rollout_batch_size) holds one layer's at a time. fp32 activations (no --bf16, CPU) double.
+- Activations of one micro-batch of b rows of L = prompt_max_len + generate_max_len tokens, hidden h, MLP inner
+  width I (a MoE layer: top-k experts' plus the shared one's), K/V width kv, e bytes per element (2 with --bf16,
+  else 4): one layer keeps b*L*(e*(6h + 4I + 2kv) + 8h) bytes for backward, the final norm b*L*(e + 8)*h. These
+  constants are measured: the bytes of the tensors autograd saves (saved_tensors_hooks) in transformers 5's Llama
+  and Qwen2 layers with sdpa attention, at three shapes (h 512-1024, I/h 2.75-5.4, kv/q 1/7-1), exact to 0.1%
+  (tests/rl/test_memory_activations.py measures them again). The 8h is HF's RMSNorm, which saves its input in
+  fp32 at every dtype. Megatron-LM's 34*b*L*h (Korthikanti et al. 2022) assumes a 4h GeLU MLP with dropout; for
+  HF's SwiGLU layers it is 0.5-0.65x of what is kept (the 0.5B plan was 14% under a GPU's measured peak with it).
+  With ``--attn_implementation eager`` Megatron's 5*a*L*b*L (materialised attention scores, 16-bit) is added per
+  layer; sdpa (transformers' default) and flash-attention never materialise them. Training without
+  --gradient_checkpointing keeps every layer's; with it each layer's input (layers*b*L*h*e B) plus one layer's
+  full set, recomputed in backward. A no-grad forward (scoring, b = --micro_rollout_batch_size) holds one layer's
+  working set at a time: b*L*e*(3I + 4h) bytes, 1.26-1.36x what the tensors alive at once grow by per token at
+  those shapes (measured on the CPU: e*(2I + 4.25h); a GPU may hold all three MLP-wide tensors at the product).
 - Logits (actor and reference): computed in chunks of --logits_chunk_size positions (0: a micro-batch's whole
   responses, b * generate_max_len): chunk * vocab * 4 B, three times when training (logits, log-softmax, their
   gradient), twice when scoring.
@@ -48,13 +55,14 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
   gradients and Adam's moments; DeepSpeed's compute-dtype parameters and gradients and its fp32 master). The
   gathered working set and the activations are the full model's (the adapters' own are r-sized and left out). With a
   KL term the reference is the actor's base with its adapters off (Config.ref_is_actor_base): no reference role, its
-  no-grad forward runs on the actor's ranks like the actor's own scoring (rlrun.dpo: inside the training step, as
-  its reference's was). The export keeps the fp32 adapters (with --save_merged: the base in its compute dtype too).
+  no-grad forward runs on the actor's ranks like the actor's own scoring (rlrun.dpo: inside the training step,
+  before the policy's forward, its working set smaller than the policy's). The export keeps the fp32 adapters (with --save_merged: the base in its compute dtype too).
 - Supervised trainers (rlrun.sft, rlrun.rm, rlrun.dpo; SupervisedJob): every rank trains a data-parallel share, the
   trained model accounted as the actor above (rlrun.rm's scalar-head model as the critic: no logits), micro-batches
   of --micro_train_batch_size samples of L = --max_len tokens (two rows per preference pair), logits over up to L
-  positions. rlrun.dpo's frozen reference is accounted as PPO's, its no-grad forward inside the policy's training
-  step (the policy's activations held meanwhile); ``--ref_offload`` (FSDP2's CPU offload, ZeRO-3 only) keeps its
+  positions. rlrun.dpo's frozen reference is accounted as PPO's; its no-grad forward runs inside the policy's
+  training step but before each micro-batch's policy forward (rlrun.supervised.dpo_task), so its working set is
+  freed before the policy's is made and only the larger counts; ``--ref_offload`` (FSDP2's CPU offload, ZeRO-3 only) keeps its
   shards in host memory.
 The CUDA context and the allocator's slack are not counted (the estimate compares with
 ``torch.cuda.max_memory_allocated``); a GPU fits when the estimate is within GPU_USABLE_FRACTION of it.
@@ -92,9 +100,11 @@ class RoleMemory:
     role: Role
     params: Bytes
     states: Bytes  # gradients and optimizer states (trained roles)
-    work: Mapping[str, Bytes]  # phase -> transient bytes
+    work: Mapping[str, Bytes]  # phase -> transient bytes (freed before the next role on the rank works)
     host: Bytes
     kv_fills_gpu: bool = False  # a GPU native engine batches its generation into what is free
+    # phase -> bytes that, once the role has worked, stay to the end of the phase while the other roles work
+    held: Mapping[str, Bytes] = dataclasses.field(default_factory=dict)
 
 
 def add_bytes(*parts: Mapping[str, int]) -> Bytes:
@@ -107,14 +117,28 @@ def add_bytes(*parts: Mapping[str, int]) -> Bytes:
     return out
 
 
-def _activations(s: ModelShape, k: Knobs, rows: int, train: bool) -> int:
-    scale = 1 if k.bf16 else 2  # Megatron's constants are for 16-bit activations
-    per_layer = rows * k.seq * s.hidden * (34 + (5 * s.heads * k.seq / s.hidden if k.attention_scores else 0)) * scale
+def _layer_activations(s: ModelShape, k: Knobs, mlp_width: int, saved: bool) -> int:
+    """Bytes a token of one decoder layer needs (see the module docstring: measured on HF's Llama and Qwen2 layers,
+    sdpa attention): saved, what it keeps for backward; else a no-grad forward's working set."""
+    e = 2 if k.bf16 else 4
+    scores = 5 * s.heads * k.seq * e // 2 if k.attention_scores else 0  # Megatron's 5*a*L, for 16-bit: scaled
+    if not saved:  # the MLP's gate and up outputs and their product alive at once, beside the residual stream
+        return e * (3 * mlp_width + 4 * s.hidden) + scores
+    return e * (6 * s.hidden + 4 * mlp_width + 2 * s.kv_heads * s.head_dim) + 8 * s.hidden + scores
+
+
+def activation_bytes(s: ModelShape, k: Knobs, rows: int, train: bool) -> int:
+    """A micro-batch of `rows` rows of k.seq tokens: what a training forward keeps for backward (train), or a no-grad
+    forward's largest working set."""
+    widths = s.mlp_widths or (4 * s.hidden,) * s.layers  # a shape without them: a 4h MLP
+    tokens = rows * k.seq
+    widest = tokens * _layer_activations(s, k, max(widths), saved=train)
     if not train:
-        return int(per_layer)
-    if k.checkpointing:
-        return int(s.layers * rows * k.seq * s.hidden * 2 * scale + per_layer)
-    return int(s.layers * per_layer)
+        return widest
+    if k.checkpointing:  # each layer's input, and one layer recomputed in backward
+        return s.layers * tokens * s.hidden * (2 if k.bf16 else 4) + widest
+    final_norm = tokens * (8 + (2 if k.bf16 else 4)) * s.hidden
+    return sum(tokens * _layer_activations(s, k, w, saved=True) for w in widths) + final_norm
 
 
 def _logits(s: ModelShape, k: Knobs, rows: int, train: bool) -> int:
@@ -164,8 +188,12 @@ def _trained_parts(role: Role, s: ModelShape, ranks: int, k: Knobs) -> Bytes:
 def _model_role(role: Role, s: ModelShape, ranks: int, k: Knobs) -> RoleMemory:
     n = s.parameters
     logits = role in (Role.ACTOR, Role.REF)
-    score = {"gathered": _gathered(s, k, role in TRAINED), "activations": _activations(s, k, k.micro_rollout, False),
+    score = {"gathered": _gathered(s, k, role in TRAINED), "activations": activation_bytes(s, k, k.micro_rollout, False),
              "logits": _logits(s, k, k.micro_rollout, False) if logits else 0}
+    # FSDP2 below stage 3 keeps a trained model's gathered parameters after its no-grad forward (reshard_after_forward
+    # False) until its training backward: they stay while the other roles on the rank score
+    held = {"score": {"gathered": score.pop("gathered")}} if role in TRAINED and k.strategy == "fsdp" \
+        and k.zero_stage < 3 else {}
     if role not in TRAINED:
         whole = (2 if k.bf16 else 4) * n
         params = add_bytes({"params": whole // ranks if k.zero_stage == 3 else whole})
@@ -178,16 +206,12 @@ def _model_role(role: Role, s: ModelShape, ranks: int, k: Knobs) -> RoleMemory:
     else:  # ZeRO-Offload moves the optimizer (its fp32 master included)
         offloaded = {"optimizer": parts["optimizer"]} if k.adam_offload else {}
     device = {key: value for key, value in parts.items() if key not in offloaded}
-    train = {"gathered": _gathered(s, k, True), "activations": _activations(s, k, k.micro_train, True),
+    train = {"gathered": _gathered(s, k, True), "activations": activation_bytes(s, k, k.micro_train, True),
              "logits": _logits(s, k, k.micro_train, True) if logits else 0}
-    if k.base_reference and k.ref_in_train and role is Role.ACTOR:
-        # rlrun.dpo with LoRA: the reference's no-grad forward (the policy's base, adapters off) runs inside the
-        # training step, on the same gathered weights, while the policy's activations are held
-        train = add_bytes(train, {"activations": _activations(s, k, k.micro_rollout, False),
-                                  "logits": _logits(s, k, k.micro_rollout, False)})
     return RoleMemory(role, add_bytes({"params": device.get("params", 0)}),
                       add_bytes({key: value for key, value in device.items() if key != "params"}),
-                      {"score": add_bytes(score), f"train_{role.value}": add_bytes(train)}, add_bytes(offloaded))
+                      {"score": add_bytes(score), f"train_{role.value}": add_bytes(train)}, add_bytes(offloaded),
+                      held=held)
 
 
 def kv_cache_bytes(s: ModelShape, k: Knobs, rows: int) -> int:
@@ -265,8 +289,12 @@ def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k:
     peak: tuple[str, Bytes] | None = None
     totals: dict[str, int] = {}
     for phase in phases:
-        resident = add_bytes(*(_awake(m, phase, k) for m in memories), *(m.work.get(phase, {}) for m in memories
-                                                                      if not m.kv_fills_gpu))
+        # roles sharing a phase (scoring: the actor's, reference's and critic's forwards) run one after another,
+        # each freeing its working set before the next: the largest one counts
+        work = max(({} if m.kv_fills_gpu else m.work.get(phase, {}) for m in memories),
+                   key=lambda part: sum(part.values()))
+        resident = add_bytes(*(_awake(m, phase, k) for m in memories), work,
+                             *(m.held.get(phase, {}) for m in memories))
         for m in memories:
             if m.kv_fills_gpu and phase in m.work:  # batched into what the GPU has left (at least one row's worth)
                 free = max(0, target.usable - sum(resident.values()))

@@ -58,6 +58,7 @@ class ModelShape:
     linears: tuple[Linear, ...] = ()  # the body's linear layers (what PEFT's all-linear adapts)
     moe_layers: int = 0  # layers with routed experts, whose adapters lora_parameters does not count
     vision: int = 0  # a vision-language model's image encoder and projector
+    mlp_widths: tuple[int, ...] = ()  # per layer, the MLP's inner width one token goes through (the activations')
 
     @property
     def parameters(self) -> int:
@@ -106,6 +107,16 @@ def _mlp(config: Any, layer: int, hidden: int) -> int:
     total = experts * 3 * hidden * inner + experts * hidden
     shared = getattr(config, "shared_expert_intermediate_size", None)
     return total + (3 * hidden * shared + hidden if shared else 0)
+
+
+def _mlp_width(config: Any, layer: int) -> int:
+    """The inner width of the MLP one token of `layer` goes through: the dense SwiGLU's, or its top-k experts' plus
+    a shared expert's (what its activations scale with)."""
+    if not _is_sparse(config, layer):
+        return _need(config, "intermediate_size")
+    inner = getattr(config, "moe_intermediate_size", None) or _need(config, "intermediate_size")
+    top_k = getattr(config, "num_experts_per_tok", None) or 1
+    return top_k * inner + (getattr(config, "shared_expert_intermediate_size", None) or 0)
 
 
 def _is_sparse(config: Any, layer: int) -> bool:
@@ -176,7 +187,8 @@ def model_shape(config: Any) -> ModelShape:
     head = 0 if tied_embeddings(config) else vocab * hidden
     return ModelShape(hidden, layers, heads, kv_heads, head_dim, vocab, vocab * hidden, sum(sizes), max(sizes),
                       hidden, head, _linears(c, hidden, q, kv, layers),
-                      sum(_is_sparse(c, i) for i in range(layers)), vision_tower_parameters(config))
+                      sum(_is_sparse(c, i) for i in range(layers)), vision_tower_parameters(config),
+                      tuple(_mlp_width(c, i) for i in range(layers)))
 
 
 ALL_LINEAR = "all-linear"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Callable
 
 from rlrun.runtime.log import RankLogger
 
@@ -25,25 +26,42 @@ def peak_rss_bytes() -> int | None:
     return None
 
 
+def _reporting() -> bool:
+    return os.environ.get(REPORT_ENV) == "1"
+
+
 def _cuda_allocator_peak() -> int | None:
-    """The CUDA allocator's peak since its last reset, when reporting and this process uses a GPU; else None."""
-    if os.environ.get(REPORT_ENV) != "1":
-        return None
+    """The CUDA allocator's peak since its last reset, when this process uses a GPU; else None."""
     torch = sys.modules.get("torch")  # never imported here: runtime/ stays importable without torch
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     return int(torch.cuda.max_memory_allocated())
 
 
-class _PhasePeaks:
-    """The CUDA allocator's peak within each loop phase (generate, score, train, sync; over all steps), for the
-    memory plan's check on a GPU: the allocator's peak is reset where a phase starts, after folding it into every
-    phase still open (phases nest) and into the whole run's peak, which `report_memory` keeps reporting."""
+def _reset_cuda_allocator_peak() -> None:
+    sys.modules["torch"].cuda.reset_peak_memory_stats()
 
-    def __init__(self) -> None:
+
+def _reset_peak_rss() -> None:
+    """Set VmHWM back to the current RSS (Linux >= 4.0: proc(5), /proc/pid/clear_refs, value 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+class _PhasePeaks:
+    """A peak (host RSS, or the CUDA allocator's) within each loop phase (generate, score, train, sync; over all
+    steps), for checking the memory plan phase by phase: the peak is reset where a phase starts, after folding it
+    into every phase still open (phases nest) and into the whole run's peak, which `report_memory` keeps reporting.
+    Only with RLRUN_REPORT_MEMORY=1."""
+
+    def __init__(self, read: Callable[[], int | None], reset: Callable[[], None]) -> None:
         self.peaks: dict[str, int] = {}
         self.overall = 0
         self._open: list[str] = []
+        self._read, self._reset = read, reset
 
     def _fold(self, peak: int) -> None:
         self.overall = max(self.overall, peak)
@@ -51,41 +69,60 @@ class _PhasePeaks:
             self.peaks[name] = max(self.peaks.get(name, 0), peak)
 
     def enter(self, phase: str) -> None:
-        peak = _cuda_allocator_peak()
+        peak = self._read() if _reporting() else None
         if peak is None:
             return
         self._fold(peak)
-        sys.modules["torch"].cuda.reset_peak_memory_stats()
+        self._reset()
         self._open.append(phase)
 
     def exit(self, phase: str) -> None:
-        peak = _cuda_allocator_peak()
+        peak = self._read() if _reporting() else None
         if peak is None or phase not in self._open:
             return
         self._fold(peak)
         self._open.remove(phase)
 
     def whole_run(self) -> int | None:
-        peak = _cuda_allocator_peak()
+        peak = self._read()
         return None if peak is None else max(self.overall, peak)
 
+    def text(self, what: str) -> str:
+        """'<what> N MiB (generate a, score b, ... MiB)', or '' without a peak."""
+        peak = self.whole_run()
+        if peak is None:
+            return ""
+        phases = ", ".join(f"{name} {b / 2**20:.0f}" for name, b in self.peaks.items())
+        return f"{what} {peak / 2**20:.0f} MiB" + (f" ({phases} MiB)" if phases else "")
 
-PHASE_PEAKS = _PhasePeaks()
+
+class _EveryPeak:
+    """The phase hooks of the run loop (rlrun.runtime.faults.PhaseTracker): host RSS and the GPU allocator's."""
+
+    def __init__(self) -> None:
+        self.host = _PhasePeaks(peak_rss_bytes, _reset_peak_rss)
+        self.gpu = _PhasePeaks(_cuda_allocator_peak, _reset_cuda_allocator_peak)
+
+    def enter(self, phase: str) -> None:
+        self.host.enter(phase)
+        self.gpu.enter(phase)
+
+    def exit(self, phase: str) -> None:
+        self.gpu.exit(phase)
+        self.host.exit(phase)
+
+
+PHASE_PEAKS = _EveryPeak()
 
 
 def report_memory(log: RankLogger, phase: str) -> None:
     """With RLRUN_REPORT_MEMORY=1, one line per rank: its peak RSS so far, and on a GPU the CUDA allocator's peak,
-    overall and per loop phase (bench/memory.py and bench/gpu/harness.py read these lines)."""
-    peak = peak_rss_bytes()
-    if os.environ.get(REPORT_ENV) != "1" or peak is None:
+    each overall and per loop phase (bench/memory.py and bench/gpu/harness.py read these lines)."""
+    if not _reporting() or peak_rss_bytes() is None:
         return
-    gpu = ""
-    gpu_peak = PHASE_PEAKS.whole_run()
-    if gpu_peak is not None:
-        gpu = f", peak GPU allocated {gpu_peak / 2**20:.0f} MiB"
-        if PHASE_PEAKS.peaks:
-            gpu += " (" + ", ".join(f"{name} {b / 2**20:.0f}" for name, b in PHASE_PEAKS.peaks.items()) + " MiB)"
-    log._emit("info", f"memory: rank {log.rank} peak RSS after {phase} {peak / 2**20:.0f} MiB{gpu}")
+    gpu = PHASE_PEAKS.gpu.text("peak GPU allocated")
+    log._emit("info", f"memory: rank {log.rank} {PHASE_PEAKS.host.text(f'peak RSS after {phase}')}"
+                      + (f", {gpu}" if gpu else ""))
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
