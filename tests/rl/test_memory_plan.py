@@ -111,7 +111,9 @@ def test_the_70b_actor_at_zero3_needs_zeros_16_bytes_per_parameter_and_fits_with
     n = memory.shapes[Role.ACTOR].parameters
     assert n == 68_976_648_192  # Llama-2-70b's sum(p.numel())
     assert actor.gpu["params"] + actor.gpu["grads"] + actor.gpu["optimizer"] == 16 * n // 8  # 128.5 GiB
-    assert 120 * GIB < actor.gpu_total < 140 * GIB and actor.fits is False
+    # ZeRO's 128.5 GiB of states plus the working sets: FSDP2's three gathered 1.6 GiB blocks, a block's gradients and
+    # fp32 reduce-scatter buffer, the checkpointed activations (145.9 GiB)
+    assert 140 * GIB < actor.gpu_total < 150 * GIB and actor.fits is False
     assert {"gathered", "activations", "logits"} <= set(actor.gpu)
     # the HF export streams one unit at a time: global rank 0's host holds one fp32 tensor (the embedding), not the
     # 276 GB policy
@@ -121,7 +123,7 @@ def test_the_70b_actor_at_zero3_needs_zeros_16_bytes_per_parameter_and_fits_with
     # weight sync's two send staging buffers on the actor's first rank: bf16, each the 500 MiB embedding's size
     assert actor.gpu["sync"] == 2 * 2 * 32000 * 8192 and "sync" not in memory.ranks[1].gpu
     actor_line = next(line for line in lines if "actor on rank 0:" in line)
-    assert "--adam_offload" in actor_line and "16 actor ranks (--actor_num_nodes 2" in actor_line
+    assert "--adam_offload" in actor_line and "24 actor ranks (--actor_num_nodes 3" in actor_line
     engines = [memory.ranks[r] for r in layout.ranks_of(Role.ENGINE)]
     # Every engine rank holds the whole bf16 policy that weight sync receives into (128.5 GiB) before vLLM's share:
     # the plan says so, once per engine, instead of a generic line (the limitation OpenRLHF's job 1 runs into)
@@ -242,7 +244,7 @@ def test_plan_json_from_a_real_dry_run_of_the_70b_job(tmp_path):
     assert (first["rank"], first["node"], first["roles"]) == (0, 0, ["actor"])
     gpu = first["memory"]["gpu_bytes"]
     assert gpu["total"] == sum(v for k, v in gpu.items() if k != "total")
-    assert 120 * GIB < gpu["total"] < 140 * GIB and {"params", "grads", "optimizer"} <= set(gpu)
+    assert 140 * GIB < gpu["total"] < 150 * GIB and {"params", "grads", "optimizer"} <= set(gpu)
     assert first["memory"]["host_bytes"]["total"] > 0
     assert plan_doc["model"]["parameters"] == 68_976_648_192
     assert any("--adam_offload" in line for line in plan_doc["advice"])

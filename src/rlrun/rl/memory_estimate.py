@@ -9,9 +9,11 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
   ``FSDPStrategy.wrap`` calls ``fully_shard`` at every ``--zero_stage``, so the fp32 parameters, fp32 gradients and
   Adam's two fp32 moments are always sharded: 16 B/param / R (with --bf16 the fp32 parameters are the master copy;
   compute gathers bf16). The stage only decides what stays gathered: below 3 the whole model (bf16 with --bf16)
-  from forward to backward; at 3 the root unit (final norm; embeddings when tied to the head) and two units (the
-  one computing, the one prefetched: blocks, or the untied embedding or head, which are units of their own; their
-  transient unsharded gradients are folded in). ``--adam_offload`` (CPUOffloadPolicy)
+  from forward to backward; at 3 the root unit (final norm; embeddings when tied to the head) and, for the largest
+  unit (a block, or the untied embedding or head, which are units of their own), the one computing, the one
+  prefetched and the prefetch's flat all-gather output (3 units). Backward adds, at every stage, a unit's unsharded
+  gradients and the flat fp32 buffer they are reduce-scattered from (torch's FSDP2 frees the previous unit's
+  buffer before making the next: reduce_scatter_max_input_buffers 1). ``--adam_offload`` (CPUOffloadPolicy)
   moves all 16 B/param / R to host memory. ``--strategy deepspeed``: ZeRO's accounting, bf16 parameters 2 B,
   gradients 2 B, fp32 master + m + v 12 B (without --bf16: 4 + 4 + 8 B); stage 1 shards the optimizer, 2 also
   the gradients, 3 everything (gathered as FSDP's stage 3 above: an upper bound, DeepSpeed gathers per
@@ -146,13 +148,20 @@ def _logits(s: ModelShape, k: Knobs, rows: int, train: bool) -> int:
     return positions * s.vocab * 4 * (3 if train else 2)
 
 
-def _gathered(s: ModelShape, k: Knobs, trainable: bool) -> int:
+def _gathered(s: ModelShape, k: Knobs, trainable: bool, backward: bool = False) -> int:
+    """The working set of sharded weights (see the module docstring); `backward`: a trained model's training step."""
     compute = 2 if k.bf16 else 4
-    if k.zero_stage == 3:
-        return compute * (s.root + 2 * s.largest_unit)
-    if trainable and k.strategy == "fsdp":
-        return compute * s.parameters  # reshard_after_forward=False: gathered from forward to backward
-    return 0  # whole already (DeepSpeed ZeRO-0-2, frozen models below ZeRO-3)
+    unit = s.largest_unit
+    if k.strategy == "deepspeed":
+        return compute * (s.root + 2 * unit) if k.zero_stage == 3 else 0  # whole already below ZeRO-3
+    # FSDP2 in backward: a unit's unsharded gradients are copied into a flat fp32 reduce-scatter buffer
+    # (rlrun.strategies.fsdp's reduce_dtype; torch's foreach_reduce, the previous unit's buffer freed first)
+    reduce = (compute + 4) * unit if backward else 0
+    if k.zero_stage == 3:  # the unit computing, the one prefetched and the prefetch's flat all-gather output
+        return compute * (s.root + 3 * unit) + reduce
+    if trainable:
+        return compute * s.parameters + reduce  # reshard_after_forward=False: gathered from forward to backward
+    return 0  # frozen models below ZeRO-3: whole already
 
 
 def trainable_parameters(role: Role, s: ModelShape, k: Knobs) -> int:
@@ -206,7 +215,7 @@ def _model_role(role: Role, s: ModelShape, ranks: int, k: Knobs) -> RoleMemory:
     else:  # ZeRO-Offload moves the optimizer (its fp32 master included)
         offloaded = {"optimizer": parts["optimizer"]} if k.adam_offload else {}
     device = {key: value for key, value in parts.items() if key not in offloaded}
-    train = {"gathered": _gathered(s, k, True), "activations": activation_bytes(s, k, k.micro_train, True),
+    train = {"gathered": _gathered(s, k, True, backward=True), "activations": activation_bytes(s, k, k.micro_train, True),
              "logits": _logits(s, k, k.micro_train, True) if logits else 0}
     return RoleMemory(role, add_bytes({"params": device.get("params", 0)}),
                       add_bytes({key: value for key, value in device.items() if key != "params"}),
