@@ -25,8 +25,8 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
   else 4): one layer keeps b*L*(e*(6h + 4I + 2kv) + 8h) bytes for backward, the final norm b*L*(e + 8)*h. These
   constants are measured: the bytes of the tensors autograd saves (saved_tensors_hooks) in transformers 5's Llama
   and Qwen2 layers with sdpa attention, at three shapes (h 512-1024, I/h 2.75-5.4, kv/q 1/7-1), exact to 0.1%
-  (tests/rl/test_memory_activations.py measures them again). The 8h is HF's RMSNorm, which saves its input in
-  fp32 at every dtype. Megatron-LM's 34*b*L*h (Korthikanti et al. 2022) assumes a 4h GeLU MLP with dropout; for
+  there, within 1% at the smaller shapes tests/rl/test_memory_activations.py measures them at again. The 8h is
+  HF's RMSNorm, which saves its input in fp32 at every dtype. Megatron-LM's 34*b*L*h (Korthikanti et al. 2022) assumes a 4h GeLU MLP with dropout; for
   HF's SwiGLU layers it is 0.5-0.65x of what is kept (the 0.5B plan was 14% under a GPU's measured peak with it).
   With ``--attn_implementation eager`` Megatron's 5*a*L*b*L (materialised attention scores, 16-bit) is added per
   layer; sdpa (transformers' default) and flash-attention never materialise them. Training without
@@ -58,14 +58,15 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
   gathered working set and the activations are the full model's (the adapters' own are r-sized and left out). With a
   KL term the reference is the actor's base with its adapters off (Config.ref_is_actor_base): no reference role, its
   no-grad forward runs on the actor's ranks like the actor's own scoring (rlrun.dpo: inside the training step,
-  before the policy's forward, its working set smaller than the policy's). The export keeps the fp32 adapters (with --save_merged: the base in its compute dtype too).
+  before the policy's forward, its working set smaller than the policy's). The export keeps the fp32 adapters
+  (with --save_merged: the base in its compute dtype too).
 - Supervised trainers (rlrun.sft, rlrun.rm, rlrun.dpo; SupervisedJob): every rank trains a data-parallel share, the
   trained model accounted as the actor above (rlrun.rm's scalar-head model as the critic: no logits), micro-batches
   of --micro_train_batch_size samples of L = --max_len tokens (two rows per preference pair), logits over up to L
   positions. rlrun.dpo's frozen reference is accounted as PPO's; its no-grad forward runs inside the policy's
   training step but before each micro-batch's policy forward (rlrun.supervised.dpo_task), so its working set is
-  freed before the policy's is made and only the larger counts; ``--ref_offload`` (FSDP2's CPU offload, ZeRO-3 only) keeps its
-  shards in host memory.
+  freed before the policy's is made and only the larger counts; ``--ref_offload`` (FSDP2's CPU offload, ZeRO-3
+  only) keeps its shards in host memory.
 The CUDA context and the allocator's slack are not counted (the estimate compares with
 ``torch.cuda.max_memory_allocated``); a GPU fits when the estimate is within GPU_USABLE_FRACTION of it.
 """
@@ -197,7 +198,8 @@ def _trained_parts(role: Role, s: ModelShape, ranks: int, k: Knobs) -> Bytes:
 def _model_role(role: Role, s: ModelShape, ranks: int, k: Knobs) -> RoleMemory:
     n = s.parameters
     logits = role in (Role.ACTOR, Role.REF)
-    score = {"gathered": _gathered(s, k, role in TRAINED), "activations": activation_bytes(s, k, k.micro_rollout, False),
+    score = {"gathered": _gathered(s, k, role in TRAINED),
+             "activations": activation_bytes(s, k, k.micro_rollout, False),
              "logits": _logits(s, k, k.micro_rollout, False) if logits else 0}
     # FSDP2 below stage 3 keeps a trained model's gathered parameters after its no-grad forward (reshard_after_forward
     # False) until its training backward: they stay while the other roles on the rank score
@@ -215,7 +217,8 @@ def _model_role(role: Role, s: ModelShape, ranks: int, k: Knobs) -> RoleMemory:
     else:  # ZeRO-Offload moves the optimizer (its fp32 master included)
         offloaded = {"optimizer": parts["optimizer"]} if k.adam_offload else {}
     device = {key: value for key, value in parts.items() if key not in offloaded}
-    train = {"gathered": _gathered(s, k, True, backward=True), "activations": activation_bytes(s, k, k.micro_train, True),
+    train = {"gathered": _gathered(s, k, True, backward=True),
+             "activations": activation_bytes(s, k, k.micro_train, True),
              "logits": _logits(s, k, k.micro_train, True) if logits else 0}
     return RoleMemory(role, add_bytes({"params": device.get("params", 0)}),
                       add_bytes({key: value for key, value in device.items() if key != "params"}),
