@@ -26,8 +26,9 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
   constants are measured: the bytes of the tensors autograd saves (saved_tensors_hooks) in transformers 5's Llama
   and Qwen2 layers with sdpa attention, at three shapes (h 512-1024, I/h 2.75-5.4, kv/q 1/7-1), exact to 0.1%
   there, within 1% at the smaller shapes tests/rl/test_memory_activations.py measures them at again. The 8h is
-  HF's RMSNorm, which saves its input in fp32 at every dtype. Megatron-LM's 34*b*L*h (Korthikanti et al. 2022) assumes a 4h GeLU MLP with dropout; for
-  HF's SwiGLU layers it is 0.5-0.65x of what is kept (the 0.5B plan was 14% under a GPU's measured peak with it).
+  HF's RMSNorm, which saves its input in fp32 at every dtype. Megatron-LM's 34*b*L*h (Korthikanti et al. 2022)
+  assumes a 4h GeLU MLP with dropout; for HF's SwiGLU layers it is 0.5-0.65x of what is kept (the 0.5B plan was
+  14% under a GPU's measured peak with it).
   With ``--attn_implementation eager`` Megatron's 5*a*L*b*L (materialised attention scores, 16-bit) is added per
   layer; sdpa (transformers' default) and flash-attention never materialise them. Training without
   --gradient_checkpointing keeps every layer's; with it each layer's input (layers*b*L*h*e B) plus one layer's
