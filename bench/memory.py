@@ -43,12 +43,14 @@ LAYOUTS = {
     "2 ranks (all colocated)": (2, ["--actor_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "2",
                                     "--colocate_all_models", "--vllm_num_engines", "2"]),
 }
+sys.path.insert(0, str(REPO / "src"))
+from rlrun.runtime.memory import phase_peaks_mib  # noqa: E402 - the memory line's per-phase list, read back
+
 LINE = re.compile(r"memory: rank (\d+) peak RSS after (start-up|training) (\d+) MiB(?: \(([^)]*) MiB\))?")
 
 
 def save_checkpoint(path: Path) -> int:
     """~65M parameters (16 layers, hidden 512, 8k vocabulary) saved in bf16 with the byte tokenizer."""
-    sys.path.insert(0, str(REPO / "src"))
     import torch  # noqa: PLC0415
 
     from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config  # noqa: PLC0415
@@ -129,8 +131,7 @@ def run(tree: Path, layout: str, pretrain: str | None, out: Path) -> dict:
         if (m := LINE.search(line)) is not None:
             reported[m.group(2)][int(m.group(1))] = int(m.group(3)) * 2**20
             if m.group(2) == "training" and m.group(4):
-                phases[int(m.group(1))] = {name: int(mib) for name, mib in
-                                           (part.rsplit(" ", 1) for part in m.group(4).split(", "))}
+                phases[int(m.group(1))] = phase_peaks_mib(m.group(4))
             if m.group(2) == "start-up" and not loaded_at:
                 loaded_at.append(time.perf_counter() - start)
     proc.wait()

@@ -500,6 +500,7 @@ def check_logprob_memory(cpu: bool) -> Result:
 def check_memory_plan(out: Path, cpu: bool, timeout: float) -> Result:
     """The --dry_run memory plan of the 0.5B throughput run next to its measured peak (the run's own
     `memory:` line: torch.cuda.max_memory_allocated on rank 0). Informational: the ratio is the number."""
+    from rlrun.runtime.memory import phase_peaks_mib
     if cpu:
         return Result("memory_plan_0.5b", "skip", note="GPU only")
     log = out / "logs" / "throughput_0.5b_bf16.log"
@@ -517,8 +518,7 @@ def check_memory_plan(out: Path, cpu: bool, timeout: float) -> Result:
     measured = max(int(x) for x in found) * 2**20
     # the run's last memory line: "... peak GPU allocated N MiB (generate a, score b, train c, sync d MiB)"
     phases = re.findall(r"peak GPU allocated \d+ MiB \(([^)]*) MiB\)", log.read_text(errors="replace"))
-    by_phase = {name: round(int(mib) / 1024, 2) for name, mib in
-                (part.rsplit(" ", 1) for part in phases[-1].split(", "))} if phases else {}
+    by_phase = {name: round(mib / 1024, 2) for name, mib in phase_peaks_mib(phases[-1]).items()} if phases else {}
     return Result(run.name, "info", {"planned_gib": round(planned["total"] / 2**30, 2),
                                      "measured_gib": round(measured / 2**30, 2),
                                      "plan_over_measured": round(planned["total"] / measured, 2),

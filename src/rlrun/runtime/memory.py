@@ -96,6 +96,12 @@ class _PhasePeaks:
         return f"{what} {peak / 2**20:.0f} MiB" + (f" ({phases} MiB)" if phases else "")
 
 
+def phase_peaks_mib(listed: str) -> dict[str, int]:
+    """What `_PhasePeaks.text` lists in its parentheses ("generate 651, score 699, train 717"), read back: phase ->
+    MiB (bench/memory.py and bench/gpu/harness.py read the memory lines)."""
+    return {name: int(mib) for name, mib in (part.rsplit(" ", 1) for part in listed.split(", "))}
+
+
 class _EveryPeak:
     """The phase hooks of the run loop (rlrun.runtime.faults.PhaseTracker): host RSS and the GPU allocator's."""
 
@@ -118,11 +124,11 @@ PHASE_PEAKS = _EveryPeak()
 def report_memory(log: RankLogger, phase: str) -> None:
     """With RLRUN_REPORT_MEMORY=1, one line per rank: its peak RSS so far, and on a GPU the CUDA allocator's peak,
     each overall and per loop phase (bench/memory.py and bench/gpu/harness.py read these lines)."""
-    if not _reporting() or peak_rss_bytes() is None:
+    host = PHASE_PEAKS.host.text(f"peak RSS after {phase}") if _reporting() else ""
+    if not host:  # not asked for, or no /proc
         return
     gpu = PHASE_PEAKS.gpu.text("peak GPU allocated")
-    log._emit("info", f"memory: rank {log.rank} {PHASE_PEAKS.host.text(f'peak RSS after {phase}')}"
-                      + (f", {gpu}" if gpu else ""))
+    log._emit("info", f"memory: rank {log.rank} {host}" + (f", {gpu}" if gpu else ""))
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
