@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -42,6 +43,8 @@ def test_disaggregated_engine_trains(tmp_path):
     code, out, metrics = run(DEMO + DISAGG + ["--max_steps", "4", "--is_correction_level", "token",
                                               "--is_correction_mode", "clip"], tmp_path)
     _check_trained(code, out, metrics, 4)
+    # the engine rank keeps no policy: each sync streams through two bucket buffers into the child's reload
+    assert "rank 1: weight syncs stream bucket by bucket to the vLLM child" in out, out[-3000:]
     for m in metrics:  # fp32 on CPU: engine and actor agree to ~1e-6, so nothing is clipped
         assert abs(m["actor/engine_kl"]) < 1e-3 and m["actor/is_filter_frac"] == 0.0, m
 
@@ -114,12 +117,16 @@ def test_vision_language_grpo_on_a_vllm_engine(tmp_path):
 
 def test_tensor_parallel_engine_trains(tmp_path):
     # rank 0 actor; ranks 1-2 one engine at tensor parallel 2: rank 1 hosts the vLLM child with 2 workers (vLLM's
-    # mp executor), rank 2 hands it its prompts and gets its rows back. Weights reach both workers through one
-    # safetensors file in /dev/shm per sync; the engine/actor log-prob diff shows they are exact on every row.
+    # mp executor), rank 2 hands it its prompts and gets its rows back. Only rank 1 receives the weights (the sync
+    # group is ranks 0 and 1), streaming each bucket into the safetensors file in /dev/shm both workers read; the
+    # engine/actor log-prob diff shows they are exact on every row.
     code, out, metrics = run(DEMO + ["--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1",
                                      "--vllm_tensor_parallel_size", "2", "--max_steps", "3"], tmp_path, timeout=600, nproc=3)
     _check_trained(code, out, metrics, 3)
     assert "tensor parallel 2" in out and out.count("vLLM engine child started") == 1, out[-3000:]
+    assert "rank 1: weight syncs stream bucket by bucket into the weights file" in out, out[-3000:]
+    groups = dict(re.findall(r"^(\d+)\s+\|.*\|\s+(\S+)$", out, re.M))  # the layout table: rank -> its groups
+    assert "sync" in groups["1"].split(",") and "sync" not in groups["2"].split(","), out[-3000:]
 
 
 def test_colocated_engines_train(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -116,6 +117,19 @@ CASES = {
         {A: (0,), C: (1,), E: (0,)}, ((0,),),
     ),
 }
+
+
+def test_sync_reaches_only_each_engines_first_rank_when_asked() -> None:
+    """A vLLM child's tensor-parallel workers read the weights its first rank writes: "sync" is the actor's first rank
+    and each engine's first rank (the 70B job's two TP-4 engines on ranks 32-39); without the ask, every engine rank."""
+    request = LayoutRequest(actor=rr(8), ref=rr(8), critic=rr(8), reward=rr(8), vllm_num_engines=2,
+                            vllm_tensor_parallel_size=4)
+    groups = {g.name: g.ranks for g in plan_layout(request, 40, 8).groups}
+    assert groups["sync"] == (0, *span(32, 40))
+    leaders = plan_layout(dataclasses.replace(request, sync_engine_leaders=True), 40, 8)
+    check_invariants(leaders)
+    assert {g.name: g.ranks for g in leaders.groups}["sync"] == (0, 32, 36)
+    assert "sync" not in leaders.group_names_of(33) and "engine.0" in leaders.group_names_of(33)
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=list(CASES))

@@ -143,8 +143,8 @@ def _launch(scenarios: Sequence[str], world: int, outdir: Path) -> Launch:
 
 
 WORLD = 4
-SCENARIO_ORDER = ("gather", "disaggregated", "colocated", "mismatch", "blocks", "pipelined", "together", "zero_copy",
-                  "timeout")  # timeout last
+SCENARIO_ORDER = ("gather", "disaggregated", "streamed", "colocated", "mismatch", "blocks", "pipelined", "together",
+                  "zero_copy", "timeout")  # timeout last
 
 
 @pytest.fixture(scope="module")
@@ -297,6 +297,70 @@ def scenario_disaggregated(rank: int, world: int) -> dict:
             snap["engine"] = _engine_snapshot(engine)
         out["syncs"].append(snap)
     out["buffer_ptrs_at_init"] = buffer_ptrs
+    return out
+
+
+class _RecordingSink:
+    """A BucketSink that copies each bucket's tensors out at take() (what a file or a vLLM child does with them)
+    and records the calls, so the order WeightSync drives it in and the buffers it lends can be checked."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.received: dict[str, torch.Tensor] = {}
+        self.buffer_ptrs: set[int] = set()
+
+    def start(self, buckets, buffers) -> None:
+        self.buckets, self.buffers = buckets, buffers
+        self.buffer_ptrs.update(b.data_ptr() for b in buffers)
+        self.calls.append(("start", len(buckets), len(buffers)))
+
+    def take(self, index: int) -> None:
+        self.calls.append(("take", index))
+        for e in self.buckets[index]:
+            self.received[e.name] = entry_view(self.buffers[index % 2], e).clone()
+
+    def release(self, index: int) -> None:
+        self.calls.append(("release", index))
+
+    def finish(self) -> None:
+        self.calls.append(("finish",))
+
+
+def scenario_streamed(rank: int, world: int) -> dict:
+    """Actor = FSDP over [0, 1]; rank 2 an engine that keeps no copy (a sink, its model on the meta device); rank 3
+    an engine rank outside the sync (a tensor-parallel engine's other rank): sync = [0, 2]. The engines check one
+    parameter's sum after each sync (as LoRA's merged weights are)."""
+    actor_group = dist.new_group([0, 1])
+    sync_group = dist.new_group([0, 2])
+    is_actor = rank in (0, 1)
+    source, train_step, full = _actor(actor_group) if is_actor else (None, None, None)
+    engine = None
+    if rank in (2, 3):
+        with torch.device("meta"):
+            engine = TinyNet()
+    sink = _RecordingSink() if rank == 2 else None
+    ws = WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group if rank in (0, 2) else None,
+                    actor_root=0, colocated=False, bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"),
+                    check_names=["blocks.1.up.weight"] if rank == 0 else (), sink=sink)
+    out: dict = {"num_buckets": ws.num_buckets, "buffer_sizes": [b.numel() for b in ws.buffers], "syncs": [],
+                 "bucket_sizes": [bucket_size(b) for b in ws.buckets]}
+    for k in range(2):
+        if is_actor:
+            train_step(k)
+        ws.sync()
+        snap: dict = {}
+        if is_actor:
+            actor_full = full()
+            if rank == 0:
+                snap["actor"] = actor_full
+        if sink is not None:
+            snap["received"], snap["calls"] = dict(sink.received), list(sink.calls)
+            sink.received.clear()
+            sink.calls.clear()
+        out["syncs"].append(snap)
+    if sink is not None:
+        out["buffer_ptrs"] = sorted(sink.buffer_ptrs)
+        out["meta"] = all(p.is_meta for p in engine.parameters())
     return out
 
 
@@ -624,7 +688,7 @@ def scenario_timeout(rank: int, world: int) -> dict:
 
 
 SCENARIOS = {f.__name__.removeprefix("scenario_"): f for f in
-             (scenario_disaggregated, scenario_colocated, scenario_mismatch, scenario_gather, scenario_blocks,
+             (scenario_disaggregated, scenario_streamed, scenario_colocated, scenario_mismatch, scenario_gather, scenario_blocks,
               scenario_pipelined, scenario_together, scenario_zero_copy, scenario_timeout)}
 
 
@@ -679,6 +743,31 @@ def test_disaggregated_sync_makes_engines_equal_to_actor_exactly(launched):
     assert len(r[0]["buffer_ptrs_at_init"]) == 2  # the root double-buffers its send staging
     for rank in (2, 3):  # engines keep one receive buffer per bucket (their parameters live there)
         assert len(r[rank]["buffer_ptrs_at_init"]) == root["num_buckets"]
+
+
+def test_streamed_sync_hands_each_bucket_to_the_sink_through_two_buffers_exactly(launched):
+    """An engine with a sink receives every bucket into one of two staging buffers and hands it on: the sink gets the
+    actor's weights exactly, each buffer is refilled only after the sink released its previous bucket, and the rank
+    holds two buffers, never a copy of the model (its own stays on the meta device). An engine rank outside the sync
+    takes no part."""
+    r = launched.results("streamed")
+    root, engine, outside = r[0], r[2], r[3]
+    count = root["num_buckets"]
+    assert count >= 4 and engine["num_buckets"] == count and outside["num_buckets"] == 0
+    assert outside["syncs"] == [{}, {}] and engine["meta"]
+    sizes = engine["bucket_sizes"]
+    assert engine["buffer_sizes"] == [max(sizes[0::2]), max(sizes[1::2])] and len(engine["buffer_ptrs"]) == 2
+    expected: list[tuple] = [("start", count, 2)]
+    for k in range(count):  # bucket k + 2's receive is posted once bucket k, in the same buffer, was released
+        expected += [("take", k)] + ([("release", k)] if k + 2 < count else [])
+    expected.append(("finish",))
+    for k in range(2):
+        snap = engine["syncs"][k]
+        assert snap["calls"] == expected
+        actor = root["syncs"][k]["actor"]
+        _assert_same({n: snap["received"][n] for n in actor}, actor)  # in the actor's gather order
+        assert len(snap["received"]) == len(actor)
+    assert not torch.equal(root["syncs"][0]["actor"]["head.weight"], root["syncs"][1]["actor"]["head.weight"])
 
 
 def test_colocated_sync_copies_actor_into_both_engine_copies(launched):

@@ -124,13 +124,19 @@ def test_the_70b_actor_at_zero3_needs_zeros_16_bytes_per_parameter_and_fits_with
     assert actor.gpu["sync"] == 2 * 2 * 32000 * 8192 and "sync" not in memory.ranks[1].gpu
     actor_line = next(line for line in lines if "actor on rank 0:" in line)
     assert "--adam_offload" in actor_line and "24 actor ranks (--actor_num_nodes 3" in actor_line
-    engines = [memory.ranks[r] for r in layout.ranks_of(Role.ENGINE)]
-    # Every engine rank holds the whole bf16 policy that weight sync receives into (128.5 GiB) before vLLM's share:
-    # the plan says so, once per engine, instead of a generic line (the limitation OpenRLHF's job 1 runs into)
-    assert all(r.gpu == {"params": 2 * n} and not r.fits for r in engines)  # nothing left for vLLM
-    engine_lines = [line for line in lines if "engine on ranks" in line]
-    assert len(engine_lines) == 2 and all("holds the whole policy on its GPU (128.5 GiB" in line
-                                           for line in engine_lines)
+    # The two engines of tensor parallel 4 keep no copy of the policy (weight sync streams to vLLM): each rank holds
+    # vLLM's share only; each engine's first rank also the two bucket-sized buffers it receives into, and on its
+    # node's host the /dev/shm file its workers read (the bf16 policy)
+    assert len(layout.engines) == 2
+    for engine in layout.engines:
+        leader, *others = (memory.ranks[r] for r in engine)
+        share = leader.gpu["vllm"]
+        assert 70 * GIB < share < 80 * GIB and leader.fits and all(r.fits for r in others)
+        # (vLLM's share is fitted to what the rank leaves it: the leader's is smaller by its buffers)
+        assert leader.gpu == {"vllm": share, "sync": 2 * 2 * 32000 * 8192}
+        assert all(r.gpu == {"vllm": share + 2 * 2 * 32000 * 8192} for r in others)
+        assert leader.host["sync"] == 2 * n and all("sync" not in r.host for r in others)
+    assert not [line for line in lines if "engine on ranks" in line]
 
     _, _, offloaded, _ = _job(tmp_path, *JOB_1, "--adam_offload")
     actor = offloaded.ranks[0]

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.engines.stops import cut_at_stop
+from rlrun.launch.weight_sync import BucketSink
 from rlrun.runtime.errors import ConfigError
 from rlrun.data.vision_batch import RowVision
 from rlrun.vision.positions import generate_inputs
@@ -42,7 +43,8 @@ class Generation:
 
 
 class Engine(Protocol):
-    model: nn.Module
+    model: nn.Module  # what weight sync writes into (or, with a sink, only the parameters' names and shapes)
+    sink: BucketSink | None  # where weight sync hands each bucket instead, when the rank keeps no copy of the policy
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         """Prompt token ids -> response token ids (EOS included when it was sampled)."""
@@ -101,6 +103,8 @@ def resolve_backend(requested: str, cuda: bool, native_blocker: str | None = Non
 class TorchEngine:
     """What the engines that run the policy with plain torch in this process share (HF generate, native; not vLLM):
     a frozen model in eval mode that weight sync writes into, the sampling settings, generate() over sample()."""
+
+    sink: BucketSink | None = None  # the model is the engine: weight sync writes into it
 
     def __init__(self, model: nn.Module, sampling: SamplingSettings, device: torch.device,
                  tokenizer: PreTrainedTokenizerBase | None = None) -> None:

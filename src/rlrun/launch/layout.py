@@ -53,6 +53,9 @@ class LayoutRequest:
     engine_node_label: str | None = None
     async_train: bool = False  # engines generate the next batch while the other ranks train: adds "learners"
     partial_rollout: bool = False  # with async_train: the engines generate ahead until told: adds "ready"
+    # Disjoint engines take the weights on their first rank only (a vLLM child's tensor-parallel workers read them
+    # from there): "sync" is the actor's first rank and each engine's first rank.
+    sync_engine_leaders: bool = False
     ref_is_actor_base: bool = False  # LoRA: the actor scores the reference log-probs with its adapters off
 
 

@@ -302,7 +302,8 @@ def plan_layout(
     groups += [GroupSpec(f"engine.{i}", ranks) for i, ranks in enumerate(engines)]
     if not set(roles[Role.ENGINE]) & set(roles[Role.ACTOR]):
         # Disjoint engines receive new weights by broadcast from actor rank 0, which gathers them first.
-        groups.append(GroupSpec("sync", (roles[Role.ACTOR][0], *roles[Role.ENGINE])))
+        receivers = tuple(e[0] for e in engines) if request.sync_engine_leaders else roles[Role.ENGINE]
+        groups.append(GroupSpec("sync", (roles[Role.ACTOR][0], *receivers)))
     if request.async_train:
         shared = sorted(role.value for role, ranks in roles.items()
                         if role is not Role.ENGINE and set(roles[Role.ENGINE]) & set(ranks))

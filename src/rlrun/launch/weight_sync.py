@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -93,6 +93,28 @@ def plan_chunks(bucket: list[BucketEntry], chunk_bytes: int) -> list[tuple[int, 
     return chunks
 
 
+class BucketSink(Protocol):
+    """Where an engine rank that keeps no copy of the policy sends its weights: each bucket, as it arrives in one of
+    the two staging buffers WeightSync receives into, is handed on (to a file its vLLM workers read, to its vLLM
+    child through the buffers' shared memory). rlrun.engines implements it; WeightSync only calls it."""
+
+    def start(self, buckets: list[list[BucketEntry]], buffers: list[torch.Tensor]) -> None:
+        """A sync begins: `buffers` (the same two for every sync) will hold bucket k in buffers[k % 2]."""
+        ...
+
+    def take(self, index: int) -> None:
+        """Bucket `index` has arrived in its buffer (its views: entry_view); the sink may read it until release."""
+        ...
+
+    def release(self, index: int) -> None:
+        """Return once bucket `index`'s buffer may be written again (the sink has read or copied it)."""
+        ...
+
+    def finish(self) -> None:
+        """Every bucket taken: return once the engine serves the new weights."""
+        ...
+
+
 class WeightSync:
     """Push the actor's full weights to every engine rank after each update.
 
@@ -103,7 +125,9 @@ class WeightSync:
     about `chunk_bytes`, asynchronously, so the wire carries chunk k while the root gathers and packs
     chunk k+1. The root double-buffers its send staging (two bucket-sized buffers, a buffer is
     refilled only once its previous bucket's broadcasts completed); engine parameters ARE views into
-    one persistent receive buffer per bucket, so receiving needs no unpacking copy. Zero-copy send: when
+    one persistent receive buffer per bucket, so receiving needs no unpacking copy. An engine that keeps no copy of
+    the policy (vLLM: its own weights live in another process) gives a BucketSink instead: it receives into two
+    bucket-sized staging buffers, alternately, and hands each bucket on as it arrives. Zero-copy send: when
     the actor's strategy can move the root's parameters into buckets of their own (an actor on one rank,
     parameters already in the wire dtype: see ParamSource.zero_copy_blocker), the root's parameters ARE
     views into its send buckets too, and each bucket is one broadcast with nothing packed.
@@ -113,15 +137,19 @@ class WeightSync:
                  sync_group: dist.ProcessGroup | None, actor_root: int, colocated: bool,
                  bucket_bytes: int, wire_dtype: torch.dtype, device: torch.device,
                  chunk_bytes: int = 16 * 2**20, check_names: Sequence[str] = (),
-                 together: Callable[[list[str]], Sequence[Sequence[str]]] | None = None) -> None:
+                 together: Callable[[list[str]], Sequence[Sequence[str]]] | None = None,
+                 sink: BucketSink | None = None) -> None:
         """together: from the parameter names, the groups the engine runs as one tensor (rlrun.engines.decoder's
         fused_groups), kept back to back in the buckets so that its receive buffers hold them that way; the same
-        function on every rank of the sync (root and engines derive the same plan)."""
+        function on every rank of the sync (root and engines derive the same plan). sink: where a disaggregated
+        engine rank sends each bucket (engine_model, then, only names the parameters and their shapes: it may lie
+        on the meta device)."""
         self.actor_params = actor_params
         # Parameters whose sums the engines compare with the actor's after every sync (LoRA: merged weights a
         # sync that skipped the adapters would leave unchanged); the root's list travels with the metadata.
         self.check_names = list(check_names)
         self.engine_model = engine_model
+        self.sink = sink
         self.group = sync_group
         self.root = actor_root
         self.colocated = colocated
@@ -137,7 +165,9 @@ class WeightSync:
         is_root = dist.get_rank() == actor_root
         self.wire_dtype = wire_dtype
         self.zero_copy = False
-        if colocated or (not is_root and engine_model is None):
+        if not colocated and sync_group is None:  # an engine rank whose engine's first rank receives for it
+            self.engine_model = None
+        if colocated or (not is_root and self.engine_model is None):
             return  # actor ranks other than the root only take part in the FSDP all-gathers
         assert sync_group is not None
         # Metadata crosses the wire once, in the root's gather order; both sides derive the same plan.
@@ -161,7 +191,8 @@ class WeightSync:
             self.chunks = [[(0, bucket_size(b), len(b) - 1)] for b in self.buckets]
         else:
             self.chunks = [plan_chunks(b, min(chunk_bytes, bucket_bytes)) for b in self.buckets]
-        if engine_model is None and not self.zero_copy:  # a packing root: two alternating staging buffers
+        if (engine_model is None and not self.zero_copy) or sink is not None:
+            # A packing root, or an engine handing each bucket on: two alternating staging buffers
             sizes = [bucket_size(b) for b in self.buckets]
             self.buffers = [torch.empty(max(sizes[i::2]), dtype=torch.uint8, device=device)
                             for i in range(min(2, len(sizes)))]
@@ -207,6 +238,8 @@ class WeightSync:
 
     def sync(self) -> None:
         """Collective over the actor group and the sync group; every actor and engine rank calls it."""
+        if self.actor_params is None and self.engine_model is None:
+            return  # outside the sync: critic-only ranks, an engine's ranks that its first rank receives for
         if self.colocated:
             if self.actor_params is None:
                 return  # a rank outside the actor/engine block (e.g. critic-only ranks) has nothing to sync
@@ -221,7 +254,7 @@ class WeightSync:
                         full.write(name, targets[name].data)
                         if name in self.check_names:
                             sent[name] = _checksum(full.full(name).to(targets[name].dtype))
-            self._verify(sent, targets)
+            self._verify(sent, {n: _checksum(targets[n].data) for n in sent})
             return
         if self.actor_params is not None and dist.get_rank() != self.root:
             scratch = self._scratch or GatherScratch()
@@ -231,19 +264,50 @@ class WeightSync:
         if self.actor_params is not None:
             self._send()
             return
+        if self.sink is not None:
+            self._receive_streamed(self.sink)
+            return
         works = [dist.broadcast(buffer[start:end], src=self.root, group=self.group, async_op=True)
                  for buffer, chunks in zip(self.buffers, self.chunks) for start, end, _ in chunks]
         wait_all(works, self.group, self.device, "weight sync: a bucket broadcast")  # type: ignore[arg-type]
         if self.check_names:
             sent = broadcast_json(None, self.root, self.group, self.device)
-            self._verify(sent, dict(self.engine_model.named_parameters()))  # type: ignore[union-attr,arg-type]
+            targets = dict(self.engine_model.named_parameters())  # type: ignore[union-attr]
+            self._verify(sent, {n: _checksum(targets[n].data) for n in sent})  # type: ignore[union-attr]
 
-    def _verify(self, sent: dict[str, float], targets: Mapping[str, torch.Tensor]) -> None:
+    def _receive_streamed(self, sink: BucketSink) -> None:
+        """Engine with a sink: bucket k arrives in staging buffer k % 2 and goes on to the sink; bucket k + 2's
+        receives are posted once the sink released bucket k, so the wire carries bucket k + 1 while the sink
+        reads bucket k, and the rank never holds more than two buckets."""
+        assert self.group is not None
+        sink.start(self.buckets, self.buffers)
+        count = len(self.buckets)
+
+        def post(k: int) -> list[dist.Work]:
+            buffer = self.buffers[k % 2]
+            return [dist.broadcast(buffer[start:end], src=self.root, group=self.group, async_op=True)
+                    for start, end, _ in self.chunks[k]]
+
+        pending = {k: post(k) for k in range(min(2, count))}
+        got: dict[str, float] = {}
+        for k in range(count):
+            wait_all(pending.pop(k), self.group, self.device, "weight sync: a bucket broadcast")
+            got.update((e.name, _checksum(entry_view(self.buffers[k % 2], e)))
+                       for e in self.buckets[k] if e.name in self.check_names)
+            sink.take(k)
+            if k + 2 < count:
+                sink.release(k)
+                pending[k + 2] = post(k + 2)
+        sink.finish()
+        if self.check_names:
+            self._verify(broadcast_json(None, self.root, self.group, self.device), got)  # type: ignore[arg-type]
+
+    def _verify(self, sent: dict[str, float], got: Mapping[str, float]) -> None:
         """The engine's copies of the checked parameters sum as the actor's sent tensors did."""
         for name, expected in sent.items():
-            got = _checksum(targets[name].data)
-            if not math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-6):
-                raise RlrunError(f"weight sync: after the sync the engine's {name} sums to {got:.6g} but the actor "
+            got_sum = got[name]
+            if not math.isclose(got_sum, expected, rel_tol=1e-6, abs_tol=1e-6):
+                raise RlrunError(f"weight sync: after the sync the engine's {name} sums to {got_sum:.6g} but the actor "
                                  f"sent {expected:.6g}: the engine did not receive the actor's weights")
 
     def _staging(self, bucket: int) -> torch.Tensor:

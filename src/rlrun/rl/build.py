@@ -265,12 +265,14 @@ def _vllm_images(cfg: Config, image_processor: Any) -> dict[str, Any]:
     return {"image_processor": image_processor, "images_per_prompt": max(1, cfg.data.max_images_per_prompt)}
 
 
-def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, unfilled: Unfilled, tokenizer: PreTrainedTokenizerBase,
                  sampling: SamplingSettings, device: torch.device, image_processor: Any = None
                  ) -> "VLLMEngine | TensorParallelEngine | InProcessEngine":
     """vLLM in this rank when the engine ranks are the whole world (engines/hosting.py); otherwise a vLLM child on
     this rank (tensor parallel 1), or this rank's part of a tensor-parallel engine whose child runs on the engine's
-    first rank."""
+    first rank. `unfilled`: the policy in the engine's dtype, on the meta device. Colocated with the actor, the
+    rank reads it (weight sync writes into it); disaggregated, weight sync streams each sync to vLLM and the rank
+    reads nothing (but a vision-language policy, on the engine's first rank, for vLLM's first file)."""
     from rlrun.engines.hosting import choose_host  # noqa: PLC0415 - optional extra
     from rlrun.engines.tensor_parallel import TensorParallelEngine  # noqa: PLC0415
     from rlrun.engines.vllm_engine import VLLMEngine  # noqa: PLC0415
@@ -286,6 +288,13 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.M
     if g.vllm_enable_sleep and device.type != "cuda" and rank == layout.ranks_of(Role.ENGINE)[0]:
         get_logger(rank)._emit("info", "--vllm_enable_sleep: no effect on CPU (vLLM has no sleep mode there); the "
                                        "engines stay awake")
+    streamed = not layout.engine_colocated_with_actor
+    if not streamed:
+        policy = unfilled.fill(device)
+    elif exchange.is_leader and image_processor is not None:
+        policy = unfilled.fill(torch.device("cpu"))
+    else:
+        policy = unfilled.model
     if choose_host(g.vllm_engine_host, layout, tp) == "in_process":
         from rlrun.engines.in_process import InProcessEngine  # noqa: PLC0415
 
@@ -304,7 +313,7 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, policy: torch.nn.M
                             enforce_eager=g.enforce_eager, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
                             rank=rank, tensor_parallel_size=tp, enable_sleep=g.vllm_enable_sleep,
                             kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes, seeded_requests=g.vllm_seeded_requests,
-                            **_vllm_images(cfg, image_processor))
+                            streamed=streamed, **_vllm_images(cfg, image_processor))
     if tp == 1:
         assert leader is not None
         return leader
@@ -332,15 +341,15 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
                                     int(tokenizer.eos_token_id))
         unfilled = next(policies)
         unfilled.model.to(engine_dtype(cfg, device))  # on the meta device: the weights are read in this dtype
-        policy = unfilled.fill(device)
         if g.generation_backend == "vllm":  # run.py's resolve_backend already checked version and layout
-            out.engine = _vllm_engine(cfg, layout, groups, policy, tokenizer, sampling, device, image_processor)
+            out.engine = _vllm_engine(cfg, layout, groups, unfilled, tokenizer, sampling, device, image_processor)
         elif g.generation_backend == "native":  # run.py resolved `auto` and checked the architecture
+            policy = unfilled.fill(device)
             budget = None if g.native_kv_cache_mb is None else g.native_kv_cache_mb * 2**20
             out.engine = NativeEngine(policy, sampling, device, tokenizer, kv_cache_bytes=budget,
                                       cuda_graph=g.native_cuda_graph)
         else:
-            out.engine = HFEngine(policy, sampling, device, tokenizer)
+            out.engine = HFEngine(unfilled.fill(device), sampling, device, tokenizer)
         out.reward_fn, out.agents = sources.reward_fn, sources.agents
     if Role.ACTOR in mine:
         actor_strategy = out.strategies[Role.ACTOR] = _strategy(cfg, groups, Role.ACTOR, device)
@@ -384,6 +393,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
     out.weight_sync = WeightSync(
         actor_params=source,
         engine_model=out.engine.model if out.engine else None,
+        sink=out.engine.sink if out.engine else None,
         sync_group=groups.get("sync"),
         actor_root=layout.ranks_of(Role.ACTOR)[0],
         colocated=layout.engine_colocated_with_actor,

@@ -39,8 +39,9 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
   responses, b * generate_max_len): chunk * vocab * 4 B, three times when training (logits, log-softmax, their
   gradient), twice when scoring.
 - Engines: vLLM takes --vllm_gpu_memory_utilization x the GPU (its weights, 1/TP of them, inside), or its
-  weights' share + --vllm_kv_cache_memory_bytes, at most what the rank's whole policy copy (weight sync's receive
-  tensors, on the GPU before vLLM starts) leaves; native/hf: the whole model (bf16 with --bf16; the native
+  weights' share + --vllm_kv_cache_memory_bytes, at most what the rank leaves it: colocated with the actor, the
+  whole policy copy weight sync writes into; on ranks of its own, the engine's first rank's two staging buffers
+  (each sync streams through them; at TP > 1 into a /dev/shm file of the policy's size, host memory); native/hf: the whole model (bf16 with --bf16; the native
   decoder runs on the model's own memory, weight sync's receive buffers laid out for it) plus the KV cache of
   the rank's rollout share (rollouts per step / engine ranks rows of L tokens). The native engine generates in
   batches whose cache fits --native_kv_cache_mb, or without it on a GPU what is free then (so its KV cache
@@ -232,19 +233,20 @@ def kv_cache_bytes(s: ModelShape, k: Knobs, rows: int) -> int:
     return rows * k.seq * s.layers * 2 * s.kv_heads * s.head_dim * (2 if k.bf16 else 4)
 
 
-def _engine(s: ModelShape, k: Knobs, tp: int, rows: int, target: Target) -> RoleMemory:
+def _engine(s: ModelShape, k: Knobs, tp: int, rows: int, target: Target, streamed: bool, staging: int) -> RoleMemory:
+    """streamed: a disaggregated vLLM engine, whose ranks keep no copy of the policy (rlrun.engines.vllm_stream:
+    the `staging` bytes its first rank receives into, _sync_staging's, are all it holds for weight sync)."""
     weights = (2 if k.bf16 else 4) * s.parameters
     if k.backend == "vllm":
+        # Colocated, the rank's policy copy (weight sync's receive tensors) beside vLLM's own weights.
+        copy = {} if streamed else {"params": weights}
         if not k.gpu:
             kv = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or VLLM_CPU_KV_GIB) * GIB)
-            # the rank's policy copy (weight sync's receive tensors) beside vLLM's own weights
-            return RoleMemory(Role.ENGINE, {"params": weights, "vllm": weights // tp}, {}, {"generate": {"kv_cache": kv}},
-                              {})
+            return RoleMemory(Role.ENGINE, {**copy, "vllm": weights // tp}, {}, {"generate": {"kv_cache": kv}}, {})
         pool = weights // tp + k.vllm_kv_bytes if k.vllm_kv_bytes else int(k.vllm_util * target.gpu_bytes)
-        # The rank's whole policy, that weight sync receives into, is on the GPU before vLLM starts, and vLLM's share
-        # is fitted to what is left (rlrun.engines.vllm_memory).
-        copy = {"params": weights}
-        pool = max(0, min(pool, target.usable - weights))
+        # The policy copy (or the staging buffers) is on the GPU beside vLLM, whose share is fitted to what is left
+        # (rlrun.engines.vllm_memory).
+        pool = max(0, min(pool, target.usable - sum(copy.values()) - staging))
         if k.engine_sleep:  # level 1: weights to host, KV cache freed, between generate calls
             return RoleMemory(Role.ENGINE, copy, {}, {"generate": {"vllm": pool}}, {"vllm": weights // tp})
         return RoleMemory(Role.ENGINE, {**copy, "vllm": pool}, {}, {"generate": {}}, {})
@@ -289,12 +291,13 @@ def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k:
     """One rank's peak. `sizes` overrides a role's number of ranks (the advice's "more ranks")."""
     roles = layout.roles_of(rank)
     memories = []
+    staging = {"sync": _sync_staging(rank, layout, shapes, k)}  # allocated once, resident in every phase
     for role in roles:
         if role is Role.ENGINE:
             index = layout.engine_index_of(rank)
             tp = k.engine_tp or (len(layout.engines[index]) if index is not None else 1)
             rows = -(-k.rollouts // max(1, len(layout.ranks_of(Role.ENGINE))))
-            memories.append(_engine(shapes[Role.ACTOR], k, tp, rows, target))
+            memories.append(_engine(shapes[Role.ACTOR], k, tp, rows, target, _streamed(layout, k), staging["sync"]))
         else:
             count = (sizes or {}).get(role) or len(layout.ranks_of(role))
             memories.append(_model_role(role, shapes[role], count, k))
@@ -317,33 +320,51 @@ def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k:
             peak = (phase, resident)
     assert peak is not None
     phase, device = peak
-    staging = {"sync": _sync_staging(rank, layout, shapes, k)}  # allocated once, resident in every phase
     device = add_bytes(device, staging)
     totals = {p: t + staging["sync"] for p, t in totals.items()}
     processes = 2 if Role.ENGINE in roles and k.backend == "vllm" else 1  # the rank and its vLLM worker
     runtime = (HOST_RUNTIME_GPU if k.gpu else HOST_RUNTIME_CPU) * processes
     parked = [add_bytes(m.params, m.states) for m in memories if k.model_sleep and m.role is not Role.ENGINE]
     host = add_bytes(*(m.host for m in memories), *parked,
-                     {"runtime": runtime, "export": _export(rank, layout, shapes, k)})
+                     {"runtime": runtime, "export": _export(rank, layout, shapes, k), "sync": _weights_file(rank, layout, shapes, k)})
     node = rank // layout.ranks_per_node
     if not k.gpu:
         return RankMemory(rank, node, roles, phase, {}, add_bytes(device, host), None, totals)
     return RankMemory(rank, node, roles, phase, device, host, sum(device.values()) <= target.usable, totals)
 
 
-def _sync_staging(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
-    """Weight sync's two send staging buffers on the actor's first rank, when it packs for engines on other ranks
-    (rlrun.launch.weight_sync): one per bucket parity, each as large as its largest bucket (--weight_sync_bucket_mb,
-    or a parameter larger than that, alone in its bucket), in the engines' dtype; one buffer when the whole model
-    fits a bucket. None where the actor's parameters live in the buckets (one FSDP rank in the wire dtype) or the
-    root is an engine rank (it receives into its engine's weights)."""
-    actor = layout.ranks_of(Role.ACTOR)
-    if not actor or rank != actor[0] or not layout.has(Role.ENGINE) or Role.ENGINE in layout.roles_of(rank):
+def _streamed(layout: Layout, k: Knobs) -> bool:
+    """vLLM engines on ranks of their own: weight sync streams each bucket to them (rlrun.engines.vllm_stream)."""
+    return k.backend == "vllm" and layout.has(Role.ENGINE) and not layout.engine_colocated_with_actor
+
+
+def _weights_file(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
+    """The /dev/shm file a streamed tensor-parallel engine's first rank writes its workers' weights into (host)."""
+    if not _streamed(layout, k) or not any(len(e) > 1 and rank == e[0] for e in layout.engines):
         return 0
+    return (2 if k.bf16 else 4) * shapes[Role.ACTOR].parameters
+
+
+def _sync_staging(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
+    """Weight sync's two staging buffers: on the actor's first rank, when it packs for engines on other ranks
+    (rlrun.launch.weight_sync), and on each streamed vLLM engine's first rank, which receives into them. One per
+    bucket parity, each as large as its largest bucket (--weight_sync_bucket_mb, or a parameter larger than that,
+    alone in its bucket), in the engines' dtype; one buffer when the whole model fits a bucket. None where the
+    actor's parameters live in the buckets (one FSDP rank in the wire dtype) or the root is an engine rank (it
+    receives into its engine's weights)."""
+    actor = layout.ranks_of(Role.ACTOR)
+    if not actor or not layout.has(Role.ENGINE) or Role.ENGINE in layout.roles_of(actor[0]):
+        return 0
+    if rank != actor[0]:
+        return _two_buckets(shapes[Role.ACTOR], k) if _streamed(layout, k) and any(
+            rank == e[0] for e in layout.engines) else 0
     if len(actor) == 1 and k.strategy == "fsdp" and not k.bf16:  # zero-copy send
         return 0
+    return _two_buckets(shapes[Role.ACTOR], k)
+
+
+def _two_buckets(s: ModelShape, k: Knobs) -> int:
     wire = 2 if k.bf16 else 4
-    s = shapes[Role.ACTOR]
     model = wire * s.parameters
     if model <= k.sync_bucket:
         return model

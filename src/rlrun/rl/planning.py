@@ -46,6 +46,8 @@ def layout_request(cfg: Config) -> LayoutRequest:
         engine_node_label=r.engine_node_label,
         async_train=cfg.train.async_train,
         partial_rollout=cfg.continues_rollouts,
+        # A vLLM child's tensor-parallel workers read the weights from the file its engine's first rank writes.
+        sync_engine_leaders=cfg.generation.generation_backend == "vllm" and r.vllm_tensor_parallel_size > 1,
     )
 
 
