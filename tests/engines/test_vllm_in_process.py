@@ -174,6 +174,9 @@ def test_in_process_host_learns_and_samples_exactly_as_the_child_host(tmp_path):
     steps = ["--max_steps", "24"]
     out, inproc = _train(steps, tmp_path / "in_process")  # the default layout: every rank an engine -> in-process
     assert out.count("in-process vLLM engine ready") == 2 and "vLLM engine child started" not in out, out[-3000:]
+    # in-process, each sync's gathered tensors go straight into vLLM (no rank keeps a copy); the child host re-reads
+    # the rank's copy: the same weights either way, so the same run
+    assert "no rank keeps a copy of the policy" in out, out[-3000:]
     rewards = [m["reward"] for m in inproc]
     assert len(rewards) == 24
     assert np.mean(rewards[-4:]) > np.mean(rewards[:3]) + 0.15, [round(r, 3) for r in rewards]  # it learns
@@ -191,5 +194,6 @@ def test_in_process_tensor_parallel_2_with_colocate_all_models_trains(tmp_path):
     out, metrics = _train(["--colocate_all_models", "--vllm_tensor_parallel_size", "2", "--max_steps", "3",
                            "--vllm_seeded_requests"], tmp_path)
     assert out.count("in-process vLLM engine ready") == 2 and "tensor parallel 2)" in out, out[-3000:]
+    assert "no rank keeps a copy of the policy" in out, out[-3000:]  # both ranks load every full tensor, keep a shard
     assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["response_length"] > 0 for m in metrics)
     assert "Invalid process group" not in out

