@@ -51,6 +51,9 @@ VLLM = ["--generation_backend", "vllm", "--actor_num_gpus_per_node", "1", "--vll
 VLLM_LAYOUTS = {
     "2 ranks (actor, one vLLM engine)": (2, VLLM),
     "3 ranks (actor, one vLLM engine of tensor parallel 2)": (3, [*VLLM, "--vllm_tensor_parallel_size", "2"]),
+    "2 ranks (all colocated, in-process vLLM)": (2, ["--generation_backend", "vllm", "--actor_num_gpus_per_node", "2",
+                                                     "--ref_num_gpus_per_node", "2", "--colocate_all_models",
+                                                     "--vllm_num_engines", "2", "--weight_sync_bucket_mb", "4"]),
 }
 LANE_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 sys.path.insert(0, str(REPO / "src"))
