@@ -130,12 +130,23 @@ def test_tensor_parallel_engine_trains(tmp_path):
 
 
 def test_colocated_engines_train(tmp_path):
-    # engine ranks == actor ranks: each rank owns a child engine, weights copied in place by WeightSync (this layout
-    # gets the in-process host by default: test_vllm_in_process.py); with per-request seeds (the other tests: one
-    # seed per generate call)
+    # engine ranks == actor ranks: each rank owns a child engine and packs its own gathers into the staging buffers
+    # it streams to the child (this layout gets the in-process host by default: test_vllm_in_process.py); with
+    # per-request seeds (the other tests: one seed per generate call)
     code, out, metrics = run(DEMO + ["--max_steps", "3", "--vllm_engine_host", "child", "--vllm_seeded_requests"],
                              tmp_path)
     _check_trained(code, out, metrics, 3)
+    assert out.count("weight syncs stream bucket by bucket to the vLLM child") == 2, out[-3000:]
+
+
+def test_colocated_tensor_parallel_child_engine_trains(tmp_path):
+    # one engine of tensor parallel 2 on both actor ranks, hosted by a child on rank 0: rank 0 packs each bucket of
+    # its own gathers into the workers' weights file, rank 1 only takes part in the gathers (it keeps nothing)
+    code, out, metrics = run(DEMO + ["--max_steps", "2", "--vllm_engine_host", "child", "--colocate_all_models",
+                                     "--vllm_tensor_parallel_size", "2"], tmp_path, timeout=600)
+    _check_trained(code, out, metrics, 2)
+    assert out.count("vLLM engine child started") == 1, out[-3000:]
+    assert "rank 0: weight syncs stream bucket by bucket into the weights file" in out, out[-3000:]
 
 
 def test_engine_child_killed_mid_run_fails_the_job(tmp_path):

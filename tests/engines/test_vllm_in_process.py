@@ -141,6 +141,7 @@ def test_in_process_engine_matches_the_actor_after_each_training_step(tp):
     for report in reports:
         assert report["tp"] == tp
         assert report["rng_kept"] and report["set_num_threads_kept"], report  # vLLM's side effects undone
+        assert report["engine_on_meta"], report  # weight sync's loader: the rank keeps no copy of the policy
         checks = report["checks"]
         # round 0: initial weights; 1: after an optimizer step, written in place; 2: another step, new buffers
         assert [c["round"] for c in checks] == [0, 1, 2]

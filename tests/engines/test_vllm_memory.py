@@ -12,13 +12,13 @@ from rlrun.engines.vllm_memory import GIB, START_RESERVE, fitted_utilization, gp
 
 def test_the_share_is_what_is_free_less_the_reserve_never_more_than_asked():
     total = 80 * GIB
-    # a 7B bf16 policy copy (14 GiB) and a CUDA context (0.5 GiB) already on the GPU: 65.5 GiB free
+    # 14 GiB held by another process on the GPU and a CUDA context (0.5 GiB): 65.5 GiB free
     free = total - 14 * GIB - GIB // 2
     assert START_RESERVE == 3 * GIB // 2
     assert fitted_utilization(0.9, free, total) == 0.8  # floor((65.5 - 1.5) / 80, 0.01) = 0.80
     assert fitted_utilization(0.95, free, total) == 0.8
     assert fitted_utilization(0.6, free, total) == 0.6  # fits as asked: unchanged
-    # a 0.5B policy (1 GiB): 0.9 fits
+    # 1 GiB held: 0.9 fits
     assert fitted_utilization(0.9, total - GIB - GIB // 2, total) == 0.9
     # free 58.4 of 64 GiB at 0.92 (a failure vLLM reports): 58.4 - 1.5 = 56.9 GiB = 0.889 x 64 -> 0.88
     assert fitted_utilization(0.92, int(58.4 * GIB), 64 * GIB) == 0.88

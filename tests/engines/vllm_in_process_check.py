@@ -41,6 +41,8 @@ def main() -> None:
     from rlrun.engines.base import SamplingSettings
     from rlrun.engines.in_process import InProcessEngine
     from rlrun.launch.groups import build_groups
+    from rlrun.launch.param_blocks import param_blocks
+    from rlrun.launch.weight_sync import ParamSource, WeightSync
     from rlrun.launch.layout import LayoutRequest
     from rlrun.launch.layout_plan import plan_layout
     from rlrun.launch.transfer import EngineRowExchange
@@ -72,8 +74,13 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = InProcessEngine(engine_model, tok, greedy, torch.device("cpu"), layout=layout, world_size=world, rank=rank,
                              exchange=exchange, seed=0, max_model_len=128, tensor_parallel_size=tp)
+    # What the trainer builds for a colocated layout: the engine is weight sync's loader and keeps no copy
+    sync = WeightSync(actor_params=ParamSource(actor, param_blocks), engine_model=engine.model, sync_group=None,
+                      actor_root=0, colocated=True, bucket_bytes=2**20, wire_dtype=torch.float32,
+                      device=torch.device("cpu"), loader=engine.loader)
+    report_meta = all(p.is_meta for p in engine.model.parameters())
     report: dict[str, object] = {"rank": rank, "tp": tp, "start_s": engine.start_s,
-                                 "construct_s": time.perf_counter() - t0}
+                                 "construct_s": time.perf_counter() - t0, "engine_on_meta": report_meta}
     after = (random.random(), float(np.random.rand()), float(torch.rand(())))
     report["rng_kept"] = before == after
     report["set_num_threads_kept"] = torch.set_num_threads is real_set_num_threads
@@ -84,12 +91,11 @@ def main() -> None:
         if round_ > 0:
             # the same step on every rank, as a data-parallel actor's synced update (tensor parallel peers must agree)
             train_step(actor, [list(f"Step {round_} text:".encode()), list(b"0123456789")], lr=0.5)
-        with torch.no_grad():  # what colocated WeightSync does: full actor params into the engine's receiver
-            for (name, src), (_, dst) in zip(actor.named_parameters(), engine_model.named_parameters()):
-                if round_ == 2:
-                    dst.data = src.data.clone()  # new buffers
-                else:
-                    dst.data.copy_(src.data)
+        if round_ == 2:
+            with torch.no_grad():  # the actor's parameters in new memory: the sync reads them wherever they are
+                for p in actor.parameters():
+                    p.data = p.data.clone()
+        sync.sync()  # each parameter straight into vLLM's reload
         engine.load_weights()
         sync_s = engine.last_sync_s
         engine.sampling = greedy

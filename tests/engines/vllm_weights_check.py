@@ -1,7 +1,7 @@
 """Run by test_vllm_child.py under the lane's python: one VLLMEngine (child process) on the tiny model.
 
-Checks, after each simulated weight sync (in place, then into re-bound buffers), that vLLM's greedy
-output equals HF greedy generate on the same weights and that vLLM's sampled-token log-probs equal HF
+Checks, after each weight sync (WeightSync with the engine's sink, the actor updated in place, then moved to new
+memory), that vLLM's greedy output equals HF greedy generate on the same weights and that vLLM's sampled-token log-probs equal HF
 teacher-forced log-probs. Prints one JSON line with the measurements.
 """
 
@@ -50,29 +50,43 @@ def tokens_per_s_vs_hf(engine, model, prompts: list[list[int]]) -> dict[str, flo
 
 
 def main() -> None:
+    import copy
+
+    import torch.distributed as dist
+
     from rlrun.engines.base import SamplingSettings
     from rlrun.engines.vllm_engine import VLLMEngine, request_seeds
+    from rlrun.launch.param_blocks import param_blocks
+    from rlrun.launch.weight_sync import ParamSource, WeightSync
     from rlrun.models.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
 
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)  # WeightSync asks the rank
     tok = build_byte_tokenizer()
     model = build_causal_lm(tiny_model_config(), seed=3)
     prompts = [list(f"Write {i} digits:".encode()) for i in range(8)]
     max_new = 24
     greedy = SamplingSettings(temperature=0.0, top_p=1.0, max_new_tokens=max_new, pad_id=PAD_ID, eos_id=EOS_ID)
-    engine = VLLMEngine(model, tok, greedy, torch.device("cpu"), seed=0, max_model_len=128, timeout_s=300)
+    engine = VLLMEngine(copy.deepcopy(model), tok, greedy, torch.device("cpu"), seed=0, max_model_len=128, timeout_s=300)
+    # The trainer's sync as it is for an engine on the actor's own rank: `model` stands for the actor, and each sync
+    # goes bucket by bucket (small buckets: several) through the engine's sink to the child; the rank keeps no copy.
+    sync = WeightSync(actor_params=ParamSource(model, param_blocks), engine_model=engine.model, sync_group=None,
+                      actor_root=0, colocated=True, bucket_bytes=2**16, wire_dtype=torch.float32,
+                      device=torch.device("cpu"), sink=engine.sink)
     engine.child.wait_ready()
-    report: dict[str, object] = {"start_s": engine.start_s, "checks": []}
+    report: dict[str, object] = {"start_s": engine.start_s, "checks": [], "buckets": sync.num_buckets,
+                                 "engine_on_meta": all(p.is_meta for p in engine.model.parameters())}
     gen = torch.Generator().manual_seed(7)
     for round_ in range(3):
         if round_ == 1:  # a sync that writes in place (colocated WeightSync)
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-        if round_ == 2:  # a sync whose receive buffers are new memory (re-bound bucket views)
+        if round_ == 2:  # the actor's parameters in new memory: the sync reads them wherever they are
             with torch.no_grad():
                 for p in model.parameters():
                     p.data = p.data.clone() + torch.randn(p.shape, generator=gen) * 0.2
+        sync.sync()
         engine.load_weights()  # what the trainer does after every weight sync
         engine.sampling = greedy
         t0 = time.perf_counter()
@@ -125,6 +139,7 @@ def main() -> None:
     report.update(tokens_per_s_vs_hf(engine, model, [list(f"Say {i} letters:".encode()) for i in range(32)]))
     engine.close()
     report["child_exitcode"] = engine.child.proc.exitcode
+    dist.destroy_process_group()
     print("RESULT " + json.dumps(report), flush=True)
 
 

@@ -143,7 +143,7 @@ def _launch(scenarios: Sequence[str], world: int, outdir: Path) -> Launch:
 
 
 WORLD = 4
-SCENARIO_ORDER = ("gather", "disaggregated", "streamed", "colocated", "mismatch", "blocks", "pipelined", "together",
+SCENARIO_ORDER = ("gather", "disaggregated", "streamed", "colocated_streamed", "colocated", "mismatch", "blocks", "pipelined", "together",
                   "zero_copy", "timeout")  # timeout last
 
 
@@ -361,6 +361,33 @@ def scenario_streamed(rank: int, world: int) -> dict:
     if sink is not None:
         out["buffer_ptrs"] = sorted(sink.buffer_ptrs)
         out["meta"] = all(p.is_meta for p in engine.parameters())
+    return out
+
+
+def scenario_colocated_streamed(rank: int, world: int) -> dict:
+    """Actor = FSDP over [0, 1], engines colocated on them that keep no copy: rank 0's hands each bucket to a sink
+    (a vLLM child's), rank 1's is a tensor-parallel engine's other rank (meta, no sink: it only gathers)."""
+    actor_group = dist.new_group([0, 1])
+    out: dict = {"syncs": []}
+    if rank not in (0, 1):
+        return out
+    source, train_step, full = _actor(actor_group)
+    with torch.device("meta"):
+        engine = TinyNet()
+    sink = _RecordingSink() if rank == 0 else None
+    ws = WeightSync(actor_params=source, engine_model=engine, sync_group=None, actor_root=0, colocated=True,
+                    bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"), sink=sink)
+    out["num_buckets"], out["buffers"] = ws.num_buckets, len(ws.buffers)
+    for k in range(2):
+        train_step(k)
+        with _CollectiveCounter() as counter:
+            ws.sync()
+        snap: dict = {"actor": full(), "collectives": counter.calls}
+        if sink is not None:
+            snap["received"], snap["calls"] = dict(sink.received), list(sink.calls)
+            sink.received.clear()
+            sink.calls.clear()
+        out["syncs"].append(snap)
     return out
 
 
@@ -688,7 +715,7 @@ def scenario_timeout(rank: int, world: int) -> dict:
 
 
 SCENARIOS = {f.__name__.removeprefix("scenario_"): f for f in
-             (scenario_disaggregated, scenario_streamed, scenario_colocated, scenario_mismatch, scenario_gather, scenario_blocks,
+             (scenario_disaggregated, scenario_streamed, scenario_colocated_streamed, scenario_colocated, scenario_mismatch, scenario_gather, scenario_blocks,
               scenario_pipelined, scenario_together, scenario_zero_copy, scenario_timeout)}
 
 
@@ -768,6 +795,28 @@ def test_streamed_sync_hands_each_bucket_to_the_sink_through_two_buffers_exactly
         _assert_same({n: snap["received"][n] for n in actor}, actor)  # in the actor's gather order
         assert len(snap["received"]) == len(actor)
     assert not torch.equal(root["syncs"][0]["actor"]["head.weight"], root["syncs"][1]["actor"]["head.weight"])
+
+
+def test_colocated_streamed_sync_packs_each_bucket_for_the_sink_and_other_ranks_only_gather(launched):
+    r = launched.results("colocated_streamed")
+    first, other = r[0], r[1]
+    count = first["num_buckets"]
+    assert count >= 4 and first["buffers"] == 2 and other["num_buckets"] == 0 and other["buffers"] == 0
+    expected: list[tuple] = [("start", count, 2)]
+    for k in range(count):  # filled in gather order; a buffer is refilled once its previous bucket was released
+        expected += [("release", k - 2)] if k >= 2 else []
+        expected.append(("take", k))
+    expected.append(("finish",))
+    for k in range(2):
+        snap = first["syncs"][k]
+        assert snap["calls"] == expected
+        actor = snap["actor"]
+        _assert_same({n: snap["received"][n] for n in actor}, actor)
+        assert len(snap["received"]) == len(actor)
+        # both ranks ran the actor's all-gathers only: one per FSDP unit, nothing else
+        assert snap["collectives"] == other["syncs"][k]["collectives"] == {"block": 4, "param": 0}
+    assert not torch.equal(first["syncs"][0]["actor"]["head.weight"], first["syncs"][1]["actor"]["head.weight"])
+    assert r[2] == r[3] == {"syncs": []}
 
 
 def test_colocated_sync_copies_actor_into_both_engine_copies(launched):

@@ -181,10 +181,11 @@ def test_a_7b_grpo_job_on_8_gpus_fits_and_colocated_vllm_at_095_does_not(tmp_pat
     advice = " ".join(problem_lines(colocated))
     assert re.search(r"fits with --vllm_gpu_memory_utilization 0\.[3-8]\d \(", advice), advice
     assert "actor,ref,engine" in format_plan(colocated)
-    # the in-process engines (this layout's host) keep no policy copy; a colocated child host keeps the bf16 one
+    # no engine rank keeps a copy of the policy: the in-process engines (this layout's host) take the gathered
+    # tensors; child hosts stream through two staging buffers of --weight_sync_bucket_mb (256 MiB) each
     _, _, child, _ = _job(tmp_path, *grpo, "--vllm_engine_host", "child", world=8, config=LLAMA_2_7B)
-    n = colocated.shapes[Role.ACTOR].parameters
-    assert child.ranks[0].gpu["params"] - colocated.ranks[0].gpu["params"] == 2 * n
+    assert child.ranks[0].gpu["params"] == colocated.ranks[0].gpu["params"]
+    assert child.ranks[0].gpu["sync"] == 2 * 256 * 2**20 and "sync" not in colocated.ranks[0].gpu
     # OpenRLHF's colocated recipe: vLLM frees its memory outside generation, the models park theirs during it
     _, _, asleep, _ = _job(tmp_path, *grpo, "--vllm_enable_sleep", "--deepspeed_enable_sleep", world=8, config=LLAMA_2_7B)
     assert asleep.fits and asleep.ranks[0].phase == "generate" and asleep.ranks[0].host["params"] > 0

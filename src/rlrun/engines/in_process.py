@@ -102,10 +102,9 @@ class InProcessEngine(VLLMEngineBase):
                  seed: int, max_model_len: int, tensor_parallel_size: int = 1, enforce_eager: bool = False,
                  gpu_memory_utilization: float = 0.9, enable_sleep: bool = False,
                  kv_cache_memory_bytes: int | None = None, seeded_requests: bool = False,
-                 image_processor: Any = None, images_per_prompt: int = 0, streamed: bool = False) -> None:
-        """streamed: WeightSync hands each sync's gathered tensors to `load` and `model` may lie on the meta device
-        (a vision-language policy's is read for vLLM's first file and dropped once written); otherwise
-        load_weights() hands vLLM the parameters of `model` after each sync."""
+                 image_processor: Any = None, images_per_prompt: int = 0) -> None:
+        """`model` may lie on the meta device (but a vision-language policy's weights, read for vLLM's first file);
+        it is moved there once the engine is built. WeightSync hands each sync's gathered tensors to `load`."""
         # A subset of the world would hang inside vLLM with no error: refuse it here too, not only in planning.
         problem = whole_world_problem(layout, tensor_parallel_size)
         if problem is None and world_size != layout.world_size:
@@ -137,11 +136,10 @@ class InProcessEngine(VLLMEngineBase):
         self.start_s: float | None = time.perf_counter() - t0
         log._emit("info", f"rank {rank}: in-process vLLM engine ready in {self.start_s:.1f} s (external_launcher, "
                           f"tensor parallel {tensor_parallel_size})")
-        if streamed:
-            self.loader = self
-            self.drop_weights()
-            log.info_once("weight syncs hand the gathered tensors straight to the in-process vLLM engines; no rank "
-                          "keeps a copy of the policy")
+        self.loader = self
+        self.drop_weights()
+        log.info_once("weight syncs hand the gathered tensors straight to the in-process vLLM engines; no rank keeps "
+                      "a copy of the policy")
 
     # ---- weights ------------------------------------------------------------------------------
 
@@ -154,10 +152,7 @@ class InProcessEngine(VLLMEngineBase):
         self.last_sync_s = time.perf_counter() - t0
 
     def load_weights(self) -> None:
-        """Hand the current parameters to vLLM's layerwise reload (by reference; every rank holds them in full);
-        with a loader, vLLM has them already."""
-        if self.loader is None:
-            self.load((n, p.data) for n, p in self.model.named_parameters())
+        """Nothing to do: vLLM took the weights during the sync (`load`)."""
 
     # ---- generation ---------------------------------------------------------------------------
 

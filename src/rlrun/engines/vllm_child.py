@@ -4,15 +4,12 @@ Why a child: vLLM's in-process `external_launcher` builds its groups over the wh
 world and hangs when only some ranks build an engine. A child has its own private vLLM world (the
 torchrun variables are removed from its environment), so any rank can own one.
 
-Protocol (parent -> child, one reply each): ("start", EngineSpec) -> ready; ("weights", Handoff|None)
--> ack; ("stream", Handoff|None, bucket plan|None) then ("bucket", k) per bucket, each acked with k once the child
-copied it out, and one ack when vLLM has them all (vllm_stream.py); ("generate", prompts, seeds, Sampling) -> (tokens, logprobs); ("sleep",) -> ack (GPU
---vllm_enable_sleep); ("stop",) -> bye. Replies are
-("ok", payload) or ("error", "Type: message"). Tensor parallel 1: weights travel as a vllm_handoff.Handoff
-(shared memory on CPU, CUDA IPC handles on a GPU, each bucket once), sent when their memory changed; later
-syncs send None and the child re-reads the same memory, so the parent must not write it between sending
-"weights" and the ack (the child waits for its GPU reads before acking). Tensor parallel > 1: always None; the
-parent wrote the weights file the workers read.
+Protocol (parent -> child, one reply each but for a stream): ("start", EngineSpec) -> ready; ("weights",) -> ack
+(tensor parallel > 1: the parent wrote the weights file the workers read); ("stream", Handoff|None, bucket
+plan|None), then ("bucket", k) for each bucket, each acked with k once the child copied it out of the parent's
+staging buffer, and one ack once vLLM has them all (tensor parallel 1: vllm_stream.py); ("generate", prompts, seeds,
+Sampling) -> (tokens, logprobs); ("sleep",) -> ack (GPU --vllm_enable_sleep); ("stop",) -> bye. Replies are
+("ok", payload) or ("error", "Type: message").
 
 Every read on the parent side has a deadline and checks that the child is alive, so a child that
 dies, hangs or fails to start becomes one EngineChildError line, never a hang. The child dies with
@@ -31,11 +28,9 @@ from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-import torch
 import torch.multiprocessing as tmp
 
 from rlrun.engines.vllm_adapter import EngineSpec
-from rlrun.engines.vllm_handoff import unpack
 from rlrun.engines.vllm_stream import StreamState, streamed_weights
 from rlrun.runtime.errors import RlrunError
 
@@ -91,7 +86,6 @@ def child_main(conn: Connection, parent_pid: int, log_path: str) -> None:
     from rlrun.engines.vllm_adapter import VLLMAdapter  # noqa: PLC0415
 
     adapter = None
-    weights: list[tuple[str, torch.Tensor]] = []
     stream = StreamState()
     seen: dict[str, int] = {}
     while True:
@@ -107,14 +101,9 @@ def child_main(conn: Connection, parent_pid: int, log_path: str) -> None:
                 t0 = time.perf_counter()
                 adapter = VLLMAdapter(msg[1])
                 conn.send(("ok", time.perf_counter() - t0))
-            elif kind == "weights":
+            elif kind == "weights":  # tensor parallel > 1: the parent wrote the file the workers read
                 assert adapter is not None
-                if msg[1] is not None:
-                    weights = unpack(msg[1])
-                adapter.reload_weights(weights if adapter.reloads_from_memory else None)
-                if weights and weights[0][1].is_cuda:  # the copies out of the parent's memory are done before it
-                    torch.cuda.synchronize()  # may write it again (vLLM's device, then the weights' if another)
-                    torch.cuda.synchronize(weights[0][1].device)
+                adapter.reload_weights(None)
                 conn.send(("ok", None))
             elif kind == "stream":  # weights bucket by bucket through the staging buffers (vllm_stream.py)
                 assert adapter is not None

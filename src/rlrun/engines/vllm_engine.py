@@ -1,16 +1,11 @@
 """VLLMEngine: the engine surface of roles/engine.py backed by a vLLM child process (tensor parallel T: the
 child runs vLLM's T workers; see tensor_parallel.py for how an engine's T ranks share it).
 
-Disaggregated (`streamed`: the engine's ranks are not the actor's), the rank keeps no copy of the policy: `model`
-lies on the meta device (it names the parameters), and WeightSync hands each bucket of a sync to `sink` as it
-arrives (vllm_stream.py: through two staging buffers to the child at tensor parallel 1, into the workers' weights
-file at tensor parallel > 1, on the engine's first rank only).
-
-Colocated, the rank keeps an HF copy of the policy, `model`, as the weight receiver: WeightSync writes the actor's
-gathered weights into its parameters. Tensor parallel 1: the child is handed that memory once (vllm_handoff.py:
-shared memory on CPU, CUDA IPC handles on a GPU) and re-reads it on every later sync. Tensor parallel > 1: vLLM's
-workers are processes of the child, which take weights only from a file, so the parent writes one safetensors file
-to /dev/shm per sync and the workers read it. Free space on /dev/shm is checked before anything is put there.
+The rank keeps no copy of the policy: `model` lies on the meta device (it names the parameters), and WeightSync
+hands each bucket of a sync to `sink` as it is received (disaggregated) or gathered (colocated with the actor):
+vllm_stream.py, through two staging buffers to the child at tensor parallel 1, into the workers' weights file in
+/dev/shm at tensor parallel > 1 (on the engine's first rank only). Free space on /dev/shm is checked before
+anything is put there.
 """
 
 from __future__ import annotations
@@ -20,7 +15,6 @@ import os
 import random
 import shutil
 import tempfile
-import time
 from typing import Any
 
 import torch
@@ -32,7 +26,7 @@ from rlrun.engines.stops import cut_at_stop
 from rlrun.data.vision_batch import RowVision
 from rlrun.engines.vllm_adapter import EngineSpec, ImageRequests, Sampling, check_version, sleeps, write_weights
 from rlrun.engines.vllm_child import EngineChild
-from rlrun.engines.vllm_handoff import SHM_DIR, check_shm, file_bytes, memory_key, pack, tensor_bytes, unshared_bytes
+from rlrun.engines.vllm_handoff import SHM_DIR, check_shm, file_bytes
 from rlrun.engines.vllm_memory import gpu_utilization
 from rlrun.engines.vllm_stream import ChildStreamSink, EngineSink, WeightsFileSink
 from rlrun.launch.weight_sync import ParamLoader
@@ -79,13 +73,13 @@ def request_seeds(seed: int, count: int) -> list[int]:
 
 
 class VLLMEngineBase:
-    """What both vLLM hosts share: the HF copy of the policy that WeightSync writes into (or, streamed, its
-    parameters' names and shapes on the meta device), the config-and-tokenizer directory vLLM starts from, per-row
-    seeds from one seed, and the stop-string cut. Hosts implement sample_seeded(), load_weights() and close().
+    """What both vLLM hosts share: the policy's parameter names and shapes (`model`, on the meta device once the
+    engine is built), the config-and-tokenizer directory vLLM starts from, per-row seeds from one seed, and the
+    stop-string cut. Hosts implement sample_seeded(), load_weights() and close(), and set `sink` or `loader`.
     seeded_requests (--vllm_seeded_requests) is read on every call."""
 
-    sink: EngineSink | None = None  # where WeightSync hands each bucket when the rank keeps no copy
-    loader: ParamLoader | None = None  # what takes WeightSync's gathered tensors (in-process, colocated, no copy)
+    sink: EngineSink | None = None  # where WeightSync hands each bucket (the child host)
+    loader: ParamLoader | None = None  # what takes WeightSync's gathered tensors (the in-process host)
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
                  device: torch.device, rank: int, seeded_requests: bool = False, image_processor: Any = None) -> None:
@@ -152,31 +146,26 @@ class VLLMEngineBase:
 
 
 class VLLMEngine(VLLMEngineBase):
-    """Sampling with vLLM in a child process. generate()/sample() as HFEngine. Streamed, the child has the new weights
-    when the sync ends (`sink`); otherwise load_weights() pushes the current `model` parameters to the child: the
-    trainer calls it once after every weight sync, so generation and evaluation calls in between reuse the weights
-    the child already holds."""
+    """Sampling with vLLM in a child process. generate()/sample() as HFEngine; the child has the new weights when a
+    weight sync ends (its `sink` loaded them), so generation and evaluation calls in between reuse them."""
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
                  device: torch.device, *, seed: int, max_model_len: int, timeout_s: float,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, rank: int = 0,
                  tensor_parallel_size: int = 1, enable_sleep: bool = False,
                  kv_cache_memory_bytes: int | None = None, seeded_requests: bool = False,
-                 image_processor: Any = None, images_per_prompt: int = 0, streamed: bool = False) -> None:
-        """streamed: WeightSync hands this rank each bucket (`sink`) and `model` may lie on the meta device (a
-        vision-language policy's is read, for vLLM's first file, and dropped once written)."""
+                 image_processor: Any = None, images_per_prompt: int = 0) -> None:
+        """`model` may lie on the meta device (but a vision-language policy's weights, read for vLLM's first file);
+        it is moved there once the engine is built."""
         check_version()
         shm = SHM_DIR if os.path.isdir(SHM_DIR) else None
-        params = [p.data for p in model.parameters()]
-        # Before anything is written or the child is spawned: what the hand-off will put in /dev/shm. Tensor
-        # parallel > 1: one weights file (the previous one is removed before the next is written). CPU, tensor
-        # parallel 1: the parameters (or the buckets WeightSync binds them to, the same bytes) in shared memory;
-        # streamed, two buckets (checked when they are handed over). CUDA, tensor parallel 1: nothing (IPC handles).
+        # Before anything is written or the child is spawned: what the weight syncs will put in /dev/shm. Tensor
+        # parallel > 1: one weights file (the previous one is removed before the next is written). Tensor parallel 1:
+        # two buckets on CPU, checked when they are handed over; nothing on a GPU (IPC handles).
         if tensor_parallel_size > 1 and shm is not None:
-            check_shm(file_bytes(params), f"the vLLM engine's weights file (tensor parallel {tensor_parallel_size}: "
-                                          "its workers read every weight push from a file in shared memory)")
-        elif tensor_parallel_size == 1 and device.type == "cpu" and not streamed:
-            check_shm(tensor_bytes(params), "handing the vLLM engine child its weights on CPU (shared memory)")
+            check_shm(file_bytes(p.data for p in model.parameters()),
+                      f"the vLLM engine's weights file (tensor parallel {tensor_parallel_size}: its workers read every "
+                      "weight sync from a file in shared memory)")
         super().__init__(model, tokenizer, sampling, device, rank, seeded_requests, image_processor)
         model_dir = self.model_dir
         self.weights_dir = None
@@ -202,45 +191,21 @@ class VLLMEngine(VLLMEngineBase):
             on_ready=lambda s: log._emit("info", f"rank {rank}: vLLM engine child ready in {s:.1f} s (spawn -> ready, "
                                                  "overlapped with the rest of start-up)"))
         atexit.register(self.close)
-        # The tensors last handed to the child (kept alive: the child reads their memory, and new buffers must never
-        # reuse their addresses) and where they lay (memory_key: a change means a new hand-off).
-        self._sent: list[torch.Tensor] = []
-        self._sent_key: tuple | None = None
-        if streamed:
-            self.sink = ChildStreamSink(self.child, device) if self.weights_dir is None else \
-                WeightsFileSink(self.child, self.weights_dir)
-            self.drop_weights()
-            log._emit("info", f"rank {rank}: weight syncs stream bucket by bucket "
-                              + ("to the vLLM child" if self.weights_dir is None else
-                                 "into the weights file of the engine's tensor-parallel workers")
-                              + "; this rank keeps no copy of the policy")
+        self.sink = ChildStreamSink(self.child, device) if self.weights_dir is None else \
+            WeightsFileSink(self.child, self.weights_dir)
+        self.drop_weights()
+        log._emit("info", f"rank {rank}: weight syncs stream bucket by bucket "
+                          + ("to the vLLM child" if self.weights_dir is None else
+                             "into the weights file of the engine's tensor-parallel workers")
+                          + "; this rank keeps no copy of the policy")
         log._emit("info", f"rank {rank}: vLLM engine child started (pid {self.child.pid}, tensor parallel "
                                         f"{tensor_parallel_size}, log {self.child.log_path})")
 
     # ---- weights ------------------------------------------------------------------------------
 
     def load_weights(self) -> None:
-        """Hand the current parameters to the child and wait for its ack (vLLM layerwise reload); streamed, the
-        child has them already."""
-        if self.sink is not None:
-            self.last_sync_s = self.sink.last_sync_s
-            return
-        t0 = time.perf_counter()
-        named = [(n, p.data) for n, p in self.model.named_parameters()]
-        payload = None
-        if self.weights_dir is not None:  # tensor parallel > 1: the workers read the file written here
-            self.child.wait_ready()  # the engine's start reads the initial file: not rewritten under it
-            write_weights(named, self.weights_dir)
-        elif memory_key(named) != self._sent_key:  # the first push, or parameters rebound to other memory
-            if self.device.type == "cpu":
-                check_shm(unshared_bytes(t for _, t in named), "handing the vLLM engine child its weights on CPU "
-                                                                "(shared memory)")
-            payload = pack(named)  # CPU: moves the storages into shared memory, in place
-            self._sent_key, self._sent = memory_key(named), [t for _, t in named]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the sync's writes are done before another process reads them
-        self.child.request("loading weights", "weights", payload)
-        self.last_sync_s = time.perf_counter() - t0
+        """Nothing to do: the sink loaded the weights during the sync. Records how long that took."""
+        self.last_sync_s = self.sink.last_sync_s
 
     # ---- generation ---------------------------------------------------------------------------
 

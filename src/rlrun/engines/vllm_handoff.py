@@ -1,12 +1,11 @@
-"""Handing an engine rank's weights to its vLLM child process without copying them (no vLLM here).
+"""Handing an engine rank's memory to its vLLM child process without copying it (no vLLM here).
 
-The parent sends the child, once, every distinct storage that holds the parameters (WeightSync's receive buckets
-when disaggregated, the parameters' own storages when colocated) and where each parameter lies in it; the child
-rebuilds the same views over the same memory. Later syncs write into that memory and send nothing: the child
-re-reads it. So the parent must not write the storages between a "weights" request and the child's ack, and must
-keep them alive while the child may read them (it sends them again whenever a parameter moved to other memory).
+The parent sends the child, once, the storages of WeightSync's two staging buffers (vllm_stream.py) and where each
+tensor lies in them; the child rebuilds the same views over the same memory. Each weight sync then writes a bucket
+into a buffer, tells the child, and writes that buffer again only after the child acked that it copied the bucket
+out. A buffer that moved to other memory is sent again (`memory_key`).
 
-- CPU: each storage is moved into shared memory in place (the parameters and WeightSync's views follow it) and
+- CPU: each storage is moved into shared memory in place (the tensors over it, WeightSync's buffers, follow it) and
   crosses the pipe as a file descriptor (torch.multiprocessing's default file_descriptor strategy: the segments
   are made with shm_open and unlinked at once, but their bytes still count against /dev/shm; check_shm says so
   before they are made, instead of a SIGBUS when a write touches a page /dev/shm cannot hold).

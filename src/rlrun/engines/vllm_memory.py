@@ -1,12 +1,10 @@
 """How much of its GPU a vLLM engine asks for, given what this rank already holds there.
 
 vLLM refuses to start when less than `gpu_memory_utilization x total` bytes of its GPU are free ("Free memory on
-device ... on startup is less than desired GPU memory utilization"). An rlrun engine rank that shares the actor's
-ranks holds a copy of the policy on that GPU before vLLM starts: the tensors weight sync writes into, which are
-handed to vLLM after each sync (a 7B bf16 policy: 14 GiB), besides the actor's own. At OpenRLHF's usual 0.9-0.95
-vLLM would then refuse to start on any model much above 3B. So the share is fitted to what is free when the engine
-starts, and the start-up log says so when it is lowered. (An engine on ranks of its own keeps no copy:
-vllm_stream.py.)
+device ... on startup is less than desired GPU memory utilization"). The engines are built before a rank's
+training models (rlrun.rl.build), and no engine rank keeps a copy of the policy (vllm_stream.py), but the GPU may be
+shared: other ranks' processes on it, or another job's. So the share is fitted to what is free when the engine
+starts, and the start-up log says so when it is lowered.
 """
 
 from __future__ import annotations
@@ -20,8 +18,8 @@ from rlrun.runtime.log import get_logger
 
 GIB = 2**30
 # What vLLM's start must leave free besides its share: a child process's own CUDA context (~0.5 GiB), and what this
-# rank allocates while vLLM starts beside it (weight sync binds its receive buffers one bucket, <= 256 MiB, at a time;
-# a streaming engine allocates its two staging buffers).
+# rank allocates while vLLM starts beside it (the rest of its start-up: its training models, weight sync's two staging
+# buffers).
 START_RESERVE = 3 * GIB // 2
 # Below this share vLLM cannot hold a useful KV cache next to its weights on any GPU: refuse instead of a slow failure.
 MIN_UTILIZATION = 0.05
@@ -43,7 +41,7 @@ def gpu_utilization(requested: float, device: torch.device, rank: int) -> float:
     fitted = fitted_utilization(requested, free, total)
     held = torch.cuda.memory_allocated(device)
     where = (f"{free / GIB:.1f} of the {total / GIB:.1f} GiB of {device} are free ({held / GIB:.1f} GiB held by this "
-             "rank: the policy copy that weight sync writes into, or its two staging buffers)")
+             "rank; the rest by other processes on the GPU)")
     if fitted < MIN_UTILIZATION:
         raise ConfigError(f"vLLM engine: {where}, too little for vLLM's weights and KV cache next to them; give the "
                           "engines GPUs of their own (--vllm_num_engines on ranks without training models) or a "

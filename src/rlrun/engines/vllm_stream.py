@@ -153,7 +153,7 @@ class WeightsFileSink(EngineSink):
         assert self._writer is not None
         self._writer.commit()
         self._writer = None
-        self.child.request("loading weights", "weights", None)
+        self.child.request("loading weights", "weights")
         self._finished()
 
 

@@ -178,6 +178,14 @@ class WeightSync:
         self.zero_copy = False
         if not colocated and sync_group is None:  # an engine rank whose engine's first rank receives for it
             self.engine_model = None
+        if engine_model is not None and sink is None and loader is None and _on_meta(engine_model):
+            self.engine_model = None  # an engine rank that keeps no copy and whose engine's first rank takes them
+        if colocated and sink is not None:
+            # A colocated engine handing each bucket on: the rank packs its own gathers, nothing crosses the wire
+            assert actor_params is not None
+            self.buckets = plan_buckets([(n, s, wire_dtype) for n, s, _ in actor_params.shapes()], bucket_bytes)
+            self.buffers = _two_staging(self.buckets, device)
+            return
         if colocated or (not is_root and self.engine_model is None):
             return  # actor ranks other than the root only take part in the FSDP all-gathers
         assert sync_group is not None
@@ -204,9 +212,7 @@ class WeightSync:
             self.chunks = [plan_chunks(b, min(chunk_bytes, bucket_bytes)) for b in self.buckets]
         if (engine_model is None and not self.zero_copy) or sink is not None:
             # A packing root, or an engine handing each bucket on: two alternating staging buffers
-            sizes = [bucket_size(b) for b in self.buckets]
-            self.buffers = [torch.empty(max(sizes[i::2]), dtype=torch.uint8, device=device)
-                            for i in range(min(2, len(sizes)))]
+            self.buffers = _two_staging(self.buckets, device)
             return
         if engine_model is not None:
             self._bind_engine_views(engine_model)
@@ -257,7 +263,14 @@ class WeightSync:
             if self.loader is not None:
                 self.loader.load(self._gathered())
                 return
-            assert self.engine_model is not None
+            if self.sink is not None:
+                self._pack_streamed(self.sink)
+                return
+            if self.engine_model is None:  # this engine's first rank hands the weights on: only gather
+                scratch = self._scratch or GatherScratch()
+                for block in self.actor_params.blocks():
+                    block.gather(scratch)
+                return
             targets = dict(self.engine_model.named_parameters())
             scratch = self._scratch or GatherScratch()
             sent: dict[str, float] = {}
@@ -301,6 +314,29 @@ class WeightSync:
                 tensors = [(name, full.write(name, torch.empty(shapes[name], dtype=self.wire_dtype,
                                                                  device=self.device))) for name in full.names]
             yield from tensors  # written out before the next unit's gather reuses the scratch
+
+    def _pack_streamed(self, sink: BucketSink) -> None:
+        """Colocated with a sink: each parameter, as its unit is gathered, goes into its bucket's staging buffer;
+        a full bucket goes to the sink, and a buffer is refilled once the sink released its previous bucket. The
+        buckets fill in order: they were planned in the gather order."""
+        assert self.actor_params is not None
+        sink.start(self.buckets, self.buffers)
+        place = {e.name: (k, e) for k, bucket in enumerate(self.buckets) for e in bucket}
+        left = [len(bucket) for bucket in self.buckets]
+        scratch = self._scratch or GatherScratch()
+        with torch.no_grad():
+            for block in self.actor_params.blocks():
+                full = block.gather(scratch)
+                for name in full.names:
+                    k, e = place.pop(name)
+                    if k >= 2 and left[k] == len(self.buckets[k]):  # the bucket's first parameter: its buffer's
+                        sink.release(k - 2)  # previous bucket must be done with
+                    full.write(name, entry_view(self.buffers[k % 2], e))
+                    left[k] -= 1
+                    if left[k] == 0:
+                        sink.take(k)
+        assert not place, "the actor yielded fewer parameters than the bucket plan"
+        sink.finish()
 
     def _receive_streamed(self, sink: BucketSink) -> None:
         """Engine with a sink: bucket k arrives in staging buffer k % 2 and goes on to the sink; bucket k + 2's
@@ -416,6 +452,17 @@ class _WireOrder:
         """Every chunk (of buckets up to `bucket`, or of all) handed out."""
         last = len(self.order) - 1 if bucket is None else self.last_of_bucket[bucket]
         return self.posted > last
+
+
+def _two_staging(buckets: list[list[BucketEntry]], device: torch.device) -> list[torch.Tensor]:
+    """Two alternating staging buffers (bucket k in buffer k % 2), each as large as its largest bucket; one when
+    there is one bucket."""
+    sizes = [bucket_size(b) for b in buckets]
+    return [torch.empty(max(sizes[i::2]), dtype=torch.uint8, device=device) for i in range(min(2, len(sizes)))]
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
 
 
 def _checksum(t: torch.Tensor) -> float:

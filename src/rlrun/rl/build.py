@@ -270,10 +270,9 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, unfilled: Unfilled
                  ) -> "VLLMEngine | TensorParallelEngine | InProcessEngine":
     """vLLM in this rank when the engine ranks are the whole world (engines/hosting.py); otherwise a vLLM child on
     this rank (tensor parallel 1), or this rank's part of a tensor-parallel engine whose child runs on the engine's
-    first rank. `unfilled`: the policy in the engine's dtype, on the meta device. Disaggregated or in-process,
-    weight sync hands each sync to vLLM and the rank reads nothing (but a vision-language policy, for vLLM's first
-    file, into host memory and dropped once written); a child colocated with the actor re-reads the rank's copy,
-    which weight sync writes into."""
+    first rank. `unfilled`: the policy in the engine's dtype, on the meta device. Weight sync hands each sync to
+    vLLM and the rank reads nothing (but a vision-language policy, for vLLM's first file, into host memory and
+    dropped once written)."""
     from rlrun.engines.hosting import choose_host  # noqa: PLC0415 - optional extra
     from rlrun.engines.tensor_parallel import TensorParallelEngine  # noqa: PLC0415
     from rlrun.engines.vllm_engine import VLLMEngine  # noqa: PLC0415
@@ -290,12 +289,9 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, unfilled: Unfilled
         get_logger(rank)._emit("info", "--vllm_enable_sleep: no effect on CPU (vLLM has no sleep mode there); the "
                                        "engines stay awake")
     in_process = choose_host(g.vllm_engine_host, layout, tp) == "in_process"
-    # Weight sync hands the weights straight to vLLM, no copy on the rank: disaggregated (a stream of buckets) and
-    # in-process (the gathered tensors); a colocated child re-reads the rank's copy.
-    streamed = in_process or not layout.engine_colocated_with_actor
-    if not streamed:
-        policy = unfilled.fill(device)
-    elif image_processor is not None and (in_process or exchange.is_leader):  # vLLM's first file: every LLM's
+    # Weight sync hands every sync straight to vLLM (the gathered tensors in-process, a stream of buckets to a child):
+    # the rank keeps no copy of the policy. A vision-language policy is read for vLLM's first file, and dropped.
+    if image_processor is not None and (in_process or exchange.is_leader):
         policy = unfilled.fill(torch.device("cpu"))
     else:
         policy = unfilled.model
@@ -307,8 +303,7 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, unfilled: Unfilled
                                  tensor_parallel_size=tp, enforce_eager=g.enforce_eager,
                                  gpu_memory_utilization=g.vllm_gpu_memory_utilization, enable_sleep=g.vllm_enable_sleep,
                                  kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes,
-                                 seeded_requests=g.vllm_seeded_requests, streamed=True,
-                                 **_vllm_images(cfg, image_processor))
+                                 seeded_requests=g.vllm_seeded_requests, **_vllm_images(cfg, image_processor))
         before_teardown(engine.close)  # vLLM's groups go before the default group
         return engine
     leader = None
@@ -318,7 +313,7 @@ def _vllm_engine(cfg: Config, layout: Layout, groups: Groups, unfilled: Unfilled
                             enforce_eager=g.enforce_eager, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
                             rank=rank, tensor_parallel_size=tp, enable_sleep=g.vllm_enable_sleep,
                             kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes, seeded_requests=g.vllm_seeded_requests,
-                            streamed=streamed, **_vllm_images(cfg, image_processor))
+                            **_vllm_images(cfg, image_processor))
     if tp == 1:
         assert leader is not None
         return leader

@@ -39,9 +39,9 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
   responses, b * generate_max_len): chunk * vocab * 4 B, three times when training (logits, log-softmax, their
   gradient), twice when scoring.
 - Engines: vLLM takes --vllm_gpu_memory_utilization x the GPU (its weights, 1/TP of them, inside), or its
-  weights' share + --vllm_kv_cache_memory_bytes, at most what the rank leaves it: colocated with the actor, the
-  whole policy copy weight sync writes into; on ranks of its own, the engine's first rank's two staging buffers
-  (each sync streams through them; at TP > 1 into a /dev/shm file of the policy's size, host memory); native/hf: the whole model (bf16 with --bf16; the native
+  weights' share + --vllm_kv_cache_memory_bytes, at most what the rank leaves it; its ranks keep no copy of the
+  policy (a child host's first rank streams each sync through two staging buffers, at TP > 1 into a /dev/shm
+  file of the policy's size, host memory; in-process engines take the gathered tensors); native/hf: the whole model (bf16 with --bf16; the native
   decoder runs on the model's own memory, weight sync's receive buffers laid out for it) plus the KV cache of
   the rank's rollout share (rollouts per step / engine ranks rows of L tokens). The native engine generates in
   batches whose cache fits --native_kv_cache_mb, or without it on a GPU what is free then (so its KV cache
@@ -234,23 +234,20 @@ def kv_cache_bytes(s: ModelShape, k: Knobs, rows: int) -> int:
     return rows * k.seq * s.layers * 2 * s.kv_heads * s.head_dim * (2 if k.bf16 else 4)
 
 
-def _engine(s: ModelShape, k: Knobs, tp: int, rows: int, target: Target, streamed: bool, staging: int) -> RoleMemory:
-    """streamed: a disaggregated vLLM engine, whose ranks keep no copy of the policy (rlrun.engines.vllm_stream:
-    the `staging` bytes its first rank receives into, _sync_staging's, are all it holds for weight sync)."""
+def _engine(s: ModelShape, k: Knobs, tp: int, rows: int, target: Target, staging: int) -> RoleMemory:
+    """A vLLM engine's ranks keep no copy of the policy (weight sync hands each sync to vLLM): `staging`, the
+    buffers a child host's first rank streams through (_sync_staging), is all they hold for weight sync."""
     weights = (2 if k.bf16 else 4) * s.parameters
     if k.backend == "vllm":
-        # Colocated, the rank's policy copy (weight sync's receive tensors) beside vLLM's own weights.
-        copy = {} if streamed else {"params": weights}
         if not k.gpu:
             kv = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_KV_CACHE_GIB) * GIB)
-            return RoleMemory(Role.ENGINE, {**copy, "vllm": weights // tp}, {}, {"generate": {"kv_cache": kv}}, {})
+            return RoleMemory(Role.ENGINE, {"vllm": weights // tp}, {}, {"generate": {"kv_cache": kv}}, {})
         pool = weights // tp + k.vllm_kv_bytes if k.vllm_kv_bytes else int(k.vllm_util * target.gpu_bytes)
-        # The policy copy (or the staging buffers) is on the GPU beside vLLM, whose share is fitted to what is left
-        # (rlrun.engines.vllm_memory).
-        pool = max(0, min(pool, target.usable - sum(copy.values()) - staging))
+        # vLLM's share is fitted to what the rank leaves it (rlrun.engines.vllm_memory)
+        pool = max(0, min(pool, target.usable - staging))
         if k.engine_sleep:  # level 1: weights to host, KV cache freed, between generate calls
-            return RoleMemory(Role.ENGINE, copy, {}, {"generate": {"vllm": pool}}, {"vllm": weights // tp})
-        return RoleMemory(Role.ENGINE, {**copy, "vllm": pool}, {}, {"generate": {}}, {})
+            return RoleMemory(Role.ENGINE, {}, {}, {"generate": {"vllm": pool}}, {"vllm": weights // tp})
+        return RoleMemory(Role.ENGINE, {"vllm": pool}, {}, {"generate": {}}, {})
     kv = kv_cache_bytes(s, k, rows)
     if k.backend == "native" and k.kv_budget:
         kv = min(kv, k.kv_budget)
@@ -298,7 +295,7 @@ def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k:
             index = layout.engine_index_of(rank)
             tp = k.engine_tp or (len(layout.engines[index]) if index is not None else 1)
             rows = -(-k.rollouts // max(1, len(layout.ranks_of(Role.ENGINE))))
-            memories.append(_engine(shapes[Role.ACTOR], k, tp, rows, target, _streamed(layout, k), staging["sync"]))
+            memories.append(_engine(shapes[Role.ACTOR], k, tp, rows, target, staging["sync"]))
         else:
             count = (sizes or {}).get(role) or len(layout.ranks_of(role))
             memories.append(_model_role(role, shapes[role], count, k))
@@ -334,36 +331,35 @@ def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k:
     return RankMemory(rank, node, roles, phase, device, host, sum(device.values()) <= target.usable, totals)
 
 
-def _streamed(layout: Layout, k: Knobs) -> bool:
-    """vLLM engines whose ranks keep no copy of the policy: on ranks of their own (weight sync streams each bucket
-    to them, rlrun.engines.vllm_stream) or in-process (it hands them the gathered tensors); not a colocated child."""
+def _vllm_child(layout: Layout, k: Knobs) -> bool:
+    """vLLM engines hosted by child processes: each engine's first rank streams every sync through two staging
+    buffers (rlrun.engines.vllm_stream). In-process engines take the gathered tensors instead."""
     if k.backend != "vllm" or not layout.has(Role.ENGINE):
         return False
-    if not layout.engine_colocated_with_actor:
-        return True
-    return k.vllm_host != "child" and whole_world_problem(layout, len(layout.engines[0])) is None
+    return (not layout.engine_colocated_with_actor or k.vllm_host == "child"
+            or whole_world_problem(layout, len(layout.engines[0])) is not None)
 
 
 def _weights_file(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
-    """The /dev/shm file a streamed tensor-parallel engine's first rank writes its workers' weights into (host)."""
-    if not _streamed(layout, k) or not any(len(e) > 1 and rank == e[0] for e in layout.engines):
+    """The /dev/shm file a tensor-parallel child engine's first rank writes its workers' weights into (host)."""
+    if not _vllm_child(layout, k) or not any(len(e) > 1 and rank == e[0] for e in layout.engines):
         return 0
     return (2 if k.bf16 else 4) * shapes[Role.ACTOR].parameters
 
 
 def _sync_staging(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
-    """Weight sync's two staging buffers: on the actor's first rank, when it packs for engines on other ranks
-    (rlrun.launch.weight_sync), and on each streamed vLLM engine's first rank, which receives into them. One per
-    bucket parity, each as large as its largest bucket (--weight_sync_bucket_mb, or a parameter larger than that,
-    alone in its bucket), in the engines' dtype; one buffer when the whole model fits a bucket. None where the
-    actor's parameters live in the buckets (one FSDP rank in the wire dtype) or the root is an engine rank (it
-    receives into its engine's weights)."""
+    """Weight sync's two staging buffers: on the first rank of each vLLM engine with a child host, which receives or
+    packs every sync into them, and on the actor's first rank, when it packs for engines on other ranks
+    (rlrun.launch.weight_sync). One per bucket parity, each as large as its largest bucket (--weight_sync_bucket_mb,
+    or a parameter larger than that, alone in its bucket), in the engines' dtype; one buffer when the whole model
+    fits a bucket. None on a root whose actor's parameters live in the buckets (one FSDP rank in the wire dtype)."""
     actor = layout.ranks_of(Role.ACTOR)
-    if not actor or not layout.has(Role.ENGINE) or Role.ENGINE in layout.roles_of(actor[0]):
+    if not actor or not layout.has(Role.ENGINE):
         return 0
-    if rank != actor[0]:
-        return _two_buckets(shapes[Role.ACTOR], k) if _streamed(layout, k) and any(
-            rank == e[0] for e in layout.engines) else 0
+    if _vllm_child(layout, k) and any(rank == e[0] for e in layout.engines):
+        return _two_buckets(shapes[Role.ACTOR], k)
+    if rank != actor[0] or Role.ENGINE in layout.roles_of(rank):
+        return 0  # the root packs only for engines on other ranks
     if len(actor) == 1 and k.strategy == "fsdp" and not k.bf16:  # zero-copy send
         return 0
     return _two_buckets(shapes[Role.ACTOR], k)

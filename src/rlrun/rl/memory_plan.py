@@ -122,19 +122,11 @@ def vllm_tp(k: Knobs, shape: ModelShape, target: Target, least: int = 1) -> int 
     return next((t for t in (1, 2, 4, 8, 16) if t >= least and weights // t < 0.6 * pool), None)
 
 
-def _vllm_starved(k: Knobs, shape: ModelShape, tp: int, target: Target,
-                  colocated: bool) -> tuple[str, tuple[tuple[str, int], ...]] | None:
-    """vLLM's weights leave less than a tenth of its memory for the KV cache: it will not start, or crawl.
-    colocated: each engine rank also holds the policy copy weight sync writes into (disaggregated, it streams)."""
+def _vllm_starved(k: Knobs, shape: ModelShape, tp: int,
+                  target: Target) -> tuple[str, tuple[tuple[str, int], ...]] | None:
+    """vLLM's weights leave less than a tenth of its memory for the KV cache: it will not start, or crawl."""
     weights = (2 if k.bf16 else 4) * shape.parameters
     pool = weights // tp + k.vllm_kv_bytes if k.vllm_kv_bytes else int(k.vllm_util * target.gpu_bytes)
-    left = target.usable - (weights if colocated else 0)  # what the policy copy leaves vLLM (engines.vllm_memory)
-    if colocated and left < pool and weights // tp >= 0.9 * max(0, left):
-        return (f"each engine rank holds the whole policy on its GPU ({weights / GIB:.1f} GiB: the copy weight sync "
-                f"writes into when the engines share the actor's ranks, handed to vLLM after each sync), which leaves "
-                f"vLLM {max(0, left) / GIB:.1f} GiB for its weights ({weights // tp / GIB:.1f} GiB per rank) and KV "
-                "cache; give the engines ranks of their own (--vllm_num_engines), where weight sync streams to vLLM "
-                "and keeps no copy"), ()
     if weights // tp < 0.9 * pool:
         return None
     fixes = []
@@ -188,7 +180,7 @@ def plan_memory(cfg: Config, layout: Layout, shapes: Mapping[Role, ModelShape], 
     if target.gpu and k.backend == "vllm":
         named: set[int] = set()  # engine ranks whose cause a line below names
         for engine in layout.engines:
-            starved = _vllm_starved(k, shapes[Role.ENGINE], len(engine), target, layout.engine_colocated_with_actor)
+            starved = _vllm_starved(k, shapes[Role.ENGINE], len(engine), target)
             if starved is not None:
                 why, fixes = starved
                 named.update(engine)
