@@ -1,7 +1,8 @@
 """Weights streamed to a vLLM child engine bucket by bucket, so its rank never holds a copy of the policy.
 
-A disaggregated engine rank receives each weight sync in two bucket-sized staging buffers (WeightSync with a
-BucketSink, rlrun.launch.weight_sync) and hands each bucket on as it arrives:
+An engine's first rank takes each weight sync in two bucket-sized staging buffers (WeightSync with a BucketSink,
+rlrun.launch.weight_sync: received from the actor's first rank, or packed from its own gathers when it is an actor
+rank too) and hands each bucket on as it is complete:
 
 - tensor parallel 1 (`ChildStreamSink`): the child is handed the two buffers once (shared memory on CPU, CUDA IPC
   handles on a GPU: vllm_handoff). Per bucket the parent says "bucket k is in"; the child copies it out of the

@@ -50,8 +50,9 @@ engines in bf16 with --bf16, no duplicate copies, chunked logits, KV-budgeted na
   phase: everything resident plus that phase's working set. --deepspeed_enable_sleep parks (to pinned host memory)
   the parts a phase does not use; --vllm_enable_sleep frees vLLM's memory outside generation (its weights go to host).
 - Host memory: offloaded and parked parts, the HF export on its writer (global rank 0; the critic's first rank
-  with --save_value_network: see _export_bytes), plus HOST_RUNTIME_* per rank (and a second process per vLLM
-  engine rank: the child that runs vLLM). On CPU everything is host memory, in fp32.
+  with --save_value_network: see _export_bytes), a tensor-parallel child engine's /dev/shm weights file on its
+  first rank, plus HOST_RUNTIME_GPU per process on a GPU (a vLLM engine rank counts two: it and vLLM's worker),
+  on CPU memory_engines.cpu_runtime (vLLM's child processes measured). On CPU everything is host memory, in fp32.
 - LoRA (--lora_rank r): a trained model's base weights are frozen and held in the compute dtype (2 B/param with
   --bf16, 4 B without), sharded as its trained parameters would be (FSDP2: over R at every stage; DeepSpeed: at
   ZeRO-3); only the adapters (rlrun.rl.model_shapes.lora_parameters: r * (in + out) per adapted linear layer), and
@@ -80,14 +81,13 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from rlrun.engines.hosting import whole_world_problem
 from rlrun.engines.vllm_adapter import CPU_KV_CACHE_GIB
 from rlrun.launch.layout import Layout, Role
+from rlrun.rl.memory_engines import cpu_runtime, largest_tensor, sync_staging_bytes, weights_file_bytes
 from rlrun.rl.memory_knobs import GIB, MIB, Knobs, Target
 from rlrun.rl.model_shapes import ModelShape, lora_parameters
 
 HOST_RUNTIME_GPU = 2 * GIB  # per rank on a GPU node: the CUDA runtime's host side, torch, transformers, Python
-HOST_RUNTIME_CPU = 384 * MIB  # per rank on CPU: the 2-rank demo (110k-parameter model) peaked at 377 MiB RSS
 DEFAULT_GPU_GIB = 80.0  # an 80 GB A100/H100, when no GPU is here and --gpu_memory_gb is unset
 TRAINED = (Role.ACTOR, Role.CRITIC)
 MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
@@ -289,7 +289,7 @@ def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k:
     """One rank's peak. `sizes` overrides a role's number of ranks (the advice's "more ranks")."""
     roles = layout.roles_of(rank)
     memories = []
-    staging = {"sync": _sync_staging(rank, layout, shapes, k)}  # allocated once, resident in every phase
+    staging = {"sync": sync_staging_bytes(rank, layout, shapes, k)}  # allocated once, resident in every phase
     for role in roles:
         if role is Role.ENGINE:
             index = layout.engine_index_of(rank)
@@ -321,56 +321,15 @@ def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k:
     device = add_bytes(device, staging)
     totals = {p: t + staging["sync"] for p, t in totals.items()}
     processes = 2 if Role.ENGINE in roles and k.backend == "vllm" else 1  # the rank and its vLLM worker
-    runtime = (HOST_RUNTIME_GPU if k.gpu else HOST_RUNTIME_CPU) * processes
+    runtime = HOST_RUNTIME_GPU * processes if k.gpu else cpu_runtime(rank, layout, k, processes)
     parked = [add_bytes(m.params, m.states) for m in memories if k.model_sleep and m.role is not Role.ENGINE]
     host = add_bytes(*(m.host for m in memories), *parked,
-                     {"runtime": runtime, "export": _export(rank, layout, shapes, k), "sync": _weights_file(rank, layout, shapes, k)})
+                     {"runtime": runtime, "export": _export(rank, layout, shapes, k),
+                      "sync": weights_file_bytes(rank, layout, shapes, k)})
     node = rank // layout.ranks_per_node
     if not k.gpu:
         return RankMemory(rank, node, roles, phase, {}, add_bytes(device, host), None, totals)
     return RankMemory(rank, node, roles, phase, device, host, sum(device.values()) <= target.usable, totals)
-
-
-def _vllm_child(layout: Layout, k: Knobs) -> bool:
-    """vLLM engines hosted by child processes: each engine's first rank streams every sync through two staging
-    buffers (rlrun.engines.vllm_stream). In-process engines take the gathered tensors instead."""
-    if k.backend != "vllm" or not layout.has(Role.ENGINE):
-        return False
-    return (not layout.engine_colocated_with_actor or k.vllm_host == "child"
-            or whole_world_problem(layout, len(layout.engines[0])) is not None)
-
-
-def _weights_file(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
-    """The /dev/shm file a tensor-parallel child engine's first rank writes its workers' weights into (host)."""
-    if not _vllm_child(layout, k) or not any(len(e) > 1 and rank == e[0] for e in layout.engines):
-        return 0
-    return (2 if k.bf16 else 4) * shapes[Role.ACTOR].parameters
-
-
-def _sync_staging(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
-    """Weight sync's two staging buffers: on the first rank of each vLLM engine with a child host, which receives or
-    packs every sync into them, and on the actor's first rank, when it packs for engines on other ranks
-    (rlrun.launch.weight_sync). One per bucket parity, each as large as its largest bucket (--weight_sync_bucket_mb,
-    or a parameter larger than that, alone in its bucket), in the engines' dtype; one buffer when the whole model
-    fits a bucket. None on a root whose actor's parameters live in the buckets (one FSDP rank in the wire dtype)."""
-    actor = layout.ranks_of(Role.ACTOR)
-    if not actor or not layout.has(Role.ENGINE):
-        return 0
-    if _vllm_child(layout, k) and any(rank == e[0] for e in layout.engines):
-        return _two_buckets(shapes[Role.ACTOR], k)
-    if rank != actor[0] or Role.ENGINE in layout.roles_of(rank):
-        return 0  # the root packs only for engines on other ranks
-    if len(actor) == 1 and k.strategy == "fsdp" and not k.bf16:  # zero-copy send
-        return 0
-    return _two_buckets(shapes[Role.ACTOR], k)
-
-
-def _two_buckets(s: ModelShape, k: Knobs) -> int:
-    wire = 2 if k.bf16 else 4
-    model = wire * s.parameters
-    if model <= k.sync_bucket:
-        return model
-    return 2 * max(k.sync_bucket, wire * _largest_tensor(s))
 
 
 def _export(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
@@ -393,15 +352,8 @@ def _export_bytes(role: Role, s: ModelShape, k: Knobs) -> int:
     if k.lora_rank > 0 and not k.export_merged:
         return 4 * trainable_parameters(role, s, k) + gathered
     if k.lora_rank <= 0 and not (role is Role.ACTOR and s.moe_layers):
-        return 4 * _largest_tensor(s) + gathered
+        return 4 * largest_tensor(s) + gathered
     return (2 if k.bf16 else 4) * frozen_parameters(role, s, k) + 4 * trainable_parameters(role, s, k)
-
-
-def _largest_tensor(s: ModelShape) -> int:
-    """The most parameters one weight holds: the embedding, the head, or the widest linear layer (a whole unit
-    where the linear layers are not known)."""
-    linear = max((lin.fan_in * lin.fan_out for lin in s.linears), default=s.largest_block)
-    return max(s.embedding, s.head, linear)
 
 
 def estimate(layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs, target: Target) -> list[RankMemory]:
