@@ -14,6 +14,7 @@ naming the sample being scored.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import numbers
 import time
@@ -111,6 +112,10 @@ class ComputeScore:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_worker_init, initargs=(self.path, self.name))
+            # multiprocessing's exit handler joins the workers, which leave only once the pool is shut down; the
+            # pool's own exit hook runs at interpreter shutdown, which rlrun.launch.failures.leave skips after
+            # DeepSpeed was imported (a finished run then waited on its idle workers for ever, now and then)
+            atexit.register(self.close)
             # Start every worker (and import the scorer there) before the bound's clock starts: a bound on scoring,
             # not on process start-up. A worker that fails to start breaks the pool: one error, here.
             for ready in [self._pool.submit(_worker_ready) for _ in range(self.workers)]:
@@ -129,8 +134,9 @@ class ComputeScore:
         return results
 
     def close(self) -> None:
+        """Stop the workers (idle once a run has finished: every future was collected or cancelled)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
 
