@@ -1,10 +1,10 @@
 """One vLLM engine over an engine's T ranks (--vllm_tensor_parallel_size T > 1).
 
-The engine's first rank hosts the vLLM child with T tensor-parallel workers and alone receives the actor's weights
-when the engines are disaggregated (colocated, every rank gathers its copy); every rank still produces its own share
-of the rollouts. On
-each sample() call the ranks hand their prompts and seeds to the first rank, which samples all rows in one
-call, with every row keeping the seed its own rank gave it, and hands each rank its rows back. Every rank of
+The engine's first rank hosts the vLLM child with T tensor-parallel workers and alone takes the actor's weights
+(its sink writes the file the workers read; the other ranks keep nothing, and only join the actor's gathers when
+they are actor ranks too); every rank still produces its own share of the rollouts. On each sample() call the ranks
+hand their prompts and seeds to the first rank, which samples all rows in one call, with every row keeping the seed
+its own rank gave it, and hands each rank its rows back. Every rank of
 the engine must therefore call sample() the same number of times (single-turn generation and evaluation do;
 multi-turn episodes are refused with tensor parallel > 1 before anything starts).
 """
@@ -33,9 +33,7 @@ class TensorParallelEngine:
     def __init__(self, model: nn.Module, sampling: SamplingSettings, exchange: RowExchange,
                  leader: VLLMEngine | None) -> None:
         assert (leader is not None) == exchange.is_leader
-        # Disaggregated, only the leader takes part in weight sync (its sink writes the file the workers read) and
-        # `model` is on the meta device everywhere; colocated, every rank's copy is written and the leader's is read.
-        self.model = model
+        self.model = model  # on the meta device: the parameters' names and shapes
         self.sink = leader.sink if leader is not None else None
         self.loader = None
         self.sampling = sampling
