@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.engines.stops import cut_at_stop
-from rlrun.launch.weight_sync import BucketSink, ParamLoader
+from rlrun.launch.buckets import BucketSink, ParamLoader
 from rlrun.runtime.errors import ConfigError
 from rlrun.data.vision_batch import RowVision
 from rlrun.vision.positions import generate_inputs

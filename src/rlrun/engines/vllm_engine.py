@@ -29,7 +29,7 @@ from rlrun.engines.vllm_child import EngineChild
 from rlrun.engines.vllm_handoff import SHM_DIR, check_shm, file_bytes
 from rlrun.engines.vllm_memory import gpu_utilization
 from rlrun.engines.vllm_stream import ChildStreamSink, EngineSink, WeightsFileSink
-from rlrun.launch.weight_sync import ParamLoader
+from rlrun.launch.buckets import ParamLoader
 from rlrun.runtime.log import get_logger
 from rlrun.vision.positions import vision_token_ids
 

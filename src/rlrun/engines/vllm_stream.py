@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from rlrun.engines.vllm_handoff import Handoff, check_shm, memory_key, pack, unpack, unshared_bytes
-from rlrun.launch.weight_sync import BucketEntry, bucket_size, entry_view
+from rlrun.launch.buckets import BucketEntry, bucket_size, entry_view
 from rlrun.models.safetensors_stream import SafetensorsLayout, StreamedSafetensors, TensorSpec
 
 WEIGHTS_FILE = "model.safetensors"
