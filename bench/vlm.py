@@ -51,7 +51,7 @@ def main() -> None:
     env = {**os.environ, "RLRUN_CACHE": str(work / "cache"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "RLRUN_NO_PROGRESS": "1"}
     sys.path.insert(0, str(REPO / "src"))
-    from rlrun.vision.demo_data import write_colour_task  # noqa: PLC0415
+    from rlrun.vision.demo import write_colour_task  # noqa: PLC0415
 
     blank = write_colour_task(str(work / "blank"), records=32, blank=True)
     steps = ["--max_steps", str(args.steps)]

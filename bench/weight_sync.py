@@ -19,7 +19,7 @@ Colocated (engine ranks == actor ranks, actor FSDP2-sharded over all ranks, --co
   per FSDP unit  WeightSync.sync(): one gather per fully_shard'ed module, written straight into the
                  engine; with the number of collectives of one sync of each;
   LoRA merged    the same with a LoRA actor (r 16, all-linear): each unit's base + scaling * B @ A is computed
-                 before it is written (rlrun.strategies.lora_params), and two merged tensors are checked.
+                 before it is written (rlrun.weight_sync.sync), and two merged tensors are checked.
 Each timing is barrier -> op -> barrier, the slowest rank's time; medians of --repeats rounds after
 --warmup, and each method's ratio to raw (or to per-parameter); the load average is printed with
 each table. Both parts check that the engines end bit-identical to the actor.
@@ -129,8 +129,9 @@ def disaggregated_bench(rank: int, args: argparse.Namespace) -> None:
 
     from torch.distributed.tensor import DTensor
 
-    from rlrun.launch.param_blocks import param_blocks
-    from rlrun.launch.weight_sync import ParamSource, WeightSync, bucket_size, entry_view
+    from rlrun.weight_sync.blocks import param_blocks
+    from rlrun.weight_sync.buckets import KeptModel, bucket_size, entry_view
+    from rlrun.weight_sync.sync import ParamSource, WeightSync
     from rlrun.strategies.fsdp import FSDPStrategy
 
     world = args.world
@@ -186,7 +187,7 @@ def disaggregated_bench(rank: int, args: argparse.Namespace) -> None:
     for bucket_mb, chunk_mb in itertools.product(bucket_mbs, chunk_mbs):
         model = make_model(1 if is_root else 2 + rank)
         ws = WeightSync(actor_params=ParamSource(model, param_blocks) if is_root else None,
-                        engine_model=None if is_root else model, sync_group=group, actor_root=0, colocated=False,
+                        receiver=None if is_root else KeptModel(model), sync_group=group, actor_root=0, colocated=False,
                         bucket_bytes=int(bucket_mb * 2**20), wire_dtype=dtype, device=cpu,
                         chunk_bytes=int(chunk_mb * 2**20))
         syncs.append((ws, model, [b.data_ptr() for b in ws.buffers]))
@@ -215,7 +216,7 @@ def disaggregated_bench(rank: int, args: argparse.Namespace) -> None:
             if is_root:
                 model = root_strategy.wrap(model)
                 source = ParamSource(model, root_strategy.param_blocks, root_strategy)
-            ws = WeightSync(actor_params=source, engine_model=None if is_root else model, sync_group=group,
+            ws = WeightSync(actor_params=source, receiver=None if is_root else KeptModel(model), sync_group=group,
                             actor_root=0, colocated=False, bucket_bytes=int(bucket_mb * 2**20), wire_dtype=dtype,
                             device=cpu)
             assert ws.zero_copy, "the one-rank FSDP2 root did not take the zero-copy send"
@@ -301,9 +302,10 @@ def colocated_bench(rank: int, args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from rlrun.launch.weight_sync import ParamSource, WeightSync
+    from rlrun.weight_sync.buckets import KeptModel
+    from rlrun.weight_sync.sync import ParamSource, WeightSync
     from rlrun.models.tiny import build_causal_lm, tiny_model_config_for_size
-    import rlrun.launch.param_blocks as fsdp  # the per-unit all-gather lives there
+    import rlrun.weight_sync.blocks as fsdp  # the per-unit all-gather lives there
     from rlrun.strategies.fsdp import FSDPStrategy
 
     group = dist.new_group(list(range(args.world)))
@@ -313,7 +315,7 @@ def colocated_bench(rank: int, args: argparse.Namespace) -> None:
     actor = strategy.wrap(build_causal_lm(config, seed=1), trainable=False)
     engine = build_causal_lm(config, seed=2)
     targets = dict(engine.named_parameters())
-    ws = WeightSync(actor_params=ParamSource(actor, strategy.param_blocks), engine_model=engine, sync_group=None,
+    ws = WeightSync(actor_params=ParamSource(actor, strategy.param_blocks), receiver=KeptModel(engine), sync_group=None,
                     actor_root=0, colocated=True, bucket_bytes=256 * 2**20, wire_dtype=torch.float32, device=cpu)
 
     def per_param() -> None:
@@ -343,7 +345,7 @@ def colocated_bench(rank: int, args: argparse.Namespace) -> None:
 
     from rlrun.models.lora import LoraSettings, add_adapters
     from rlrun.models.weights import Unfilled, params_on_meta, state_dict_weights
-    from rlrun.strategies.lora_params import MergedLoraParams
+    from rlrun.weight_sync.sync import MergedLoraParams
 
     with params_on_meta():
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -356,7 +358,7 @@ def colocated_bench(rank: int, args: argparse.Namespace) -> None:
                 p.fill_(0.01)
     lora_engine = build_causal_lm(config, seed=2)
     lora_source = MergedLoraParams(lora_actor, strategy.param_blocks, lora.scaling)
-    lora_ws = WeightSync(actor_params=lora_source, engine_model=lora_engine, sync_group=None, actor_root=0,
+    lora_ws = WeightSync(actor_params=lora_source, receiver=KeptModel(lora_engine), sync_group=None, actor_root=0,
                          colocated=True, bucket_bytes=256 * 2**20, wire_dtype=torch.float32, device=cpu,
                          check_names=lora_source.check_names())
     methods = [{"method": "per parameter (full_tensor)", "fn": per_param},

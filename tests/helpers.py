@@ -200,7 +200,7 @@ class WholeStrategy:
 
     @contextlib.contextmanager
     def export_view(self, model):  # type: ignore[no-untyped-def]
-        from rlrun.launch.param_blocks import ParamBlock
+        from rlrun.weight_sync.blocks import ParamBlock
 
         yield model, [ParamBlock(list(model.named_parameters()))]
 
@@ -229,3 +229,23 @@ def save_long_tailed_base(path: Path, logit: float = 4.0) -> str:
     model.save_pretrained(path)
     build_byte_tokenizer().save_pretrained(path)
     return str(path)
+
+
+def update_actor(actor, data, minibatches, kl_coef: float, budget=None) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """One actor update as the RL step runs it (rlrun.rl.trainer.Trainer.learn): the actor's loss through its update
+    loop; the stats under actor/."""
+    from rlrun.data.batching import RowLengths
+
+    lengths = RowLengths.of(data.batch) if budget is not None else None
+    loss = actor.loss(data, kl_coef, budget, len(minibatches))
+    stats = actor.updater.run(minibatches, data.batch.action_mask, loss, budget, lengths)
+    return {f"actor/{k}": v for k, v in stats.items()}
+
+
+def update_critic(critic, data, minibatches, budget=None) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """One critic update as the RL step runs it; the stats under critic/."""
+    from rlrun.data.batching import RowLengths
+
+    lengths = RowLengths.of(data.batch) if budget is not None else None
+    stats = critic.updater.run(minibatches, data.batch.action_mask, critic.loss(data, budget), budget, lengths)
+    return {f"critic/{k}": v for k, v in stats.items()}

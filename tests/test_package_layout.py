@@ -20,11 +20,14 @@ ENTRY_MODULES = {"rlrun.ppo", "rlrun.sft", "rlrun.rm", "rlrun.dpo", "rlrun.retri
 TIERS: list[set[str]] = [
     {"runtime", "algo"},
     {"config"},
-    {"checkpoint", "serving", "models"},
-    {"data", "rewards", "compat"},
-    {"cli", "reporting", "launch", "vision"},
+    {"models", "serving"},
+    {"data", "compat"},
+    {"cli", "launch", "vision", "rewards"},
+    {"reporting", "checkpoint", "weight_sync"},
     {"strategies", "engines"},
     {"roles", "agents"},
+    {"plan"},
+    {"run"},
     {"rl", "supervised"},
 ]
 TIER = {folder: level for level, folders in enumerate(TIERS) for folder in folders}
@@ -130,3 +133,46 @@ def test_the_checker_sees_circles_and_upward_imports(tmp_path):
     assert _imports("rlrun.algo.a", mods["rlrun.algo.a"], mods) == {"rlrun.rl.b"}
     assert _imports("rlrun.rl.b", mods["rlrun.rl.b"], mods) == {"rlrun.algo.a"}
     assert TIER["rl"] > TIER["algo"]
+
+
+# The whole config tree is for the layers that assemble a run from it: the entry points, the run skeleton, each
+# trainer's assembly, planning, the command line and the peers' spellings. Every other component takes its own
+# section (issue 45: 20 modules took it before).
+WHOLE_CONFIG = {"Config", "RootConfig", "SupervisedConfig", "SFTConfig", "RMConfig", "DPOConfig"}
+MAY_TAKE_THE_WHOLE_CONFIG = {"plan", "cli", "compat", "run"}
+ASSEMBLY = {"rlrun.rl.assembly", "rlrun.supervised.assembly"}
+
+
+def _takers_of_the_whole_config(source: str) -> list[str]:
+    """Functions of `source` with a parameter annotated by one of the root config types."""
+    takers = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                parts = list(ast.walk(arg.annotation)) if arg.annotation is not None else []
+                names = {n.id for n in parts if isinstance(n, ast.Name)}
+                names |= {n.value for n in parts if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+                if names & WHOLE_CONFIG:
+                    takers.append(node.name)
+    return takers
+
+
+def test_only_the_assembling_layers_take_the_whole_config():
+    takers = {}
+    for module, path in _modules().items():
+        if module in ENTRY_MODULES or module in ASSEMBLY or _folder(module) in MAY_TAKE_THE_WHOLE_CONFIG:
+            continue
+        if found := _takers_of_the_whole_config(path.read_text()):
+            takers[module] = found
+    assert not takers, f"these take the whole config; give them their section instead: {takers}"
+
+
+def test_the_config_check_sees_a_whole_config_parameter():
+    assert _takers_of_the_whole_config("def f(cfg: 'Config', n: int) -> None: ...\ndef g(t: TrainConfig): ...") == ["f"]
+
+
+def test_modules_are_ideas_not_fragments():
+    """Files by concept, not by a line budget (issue 45): at most 150 modules, half of them 150 lines or more."""
+    sizes = sorted(len(path.read_text().splitlines()) for path in _modules().values())
+    assert len(sizes) <= 150, len(sizes)
+    assert sizes[(len(sizes) - 1) // 2] >= 150, sizes

@@ -579,7 +579,7 @@ def _ipc_child(conn) -> None:
     """check_cuda_ipc's second process: rebuilds the views from the first hand-off, then on every request reports
     each view's checksum, where it lies, and (GPU) what its own allocator holds (0: the memory is the sender's)."""
     import torch
-    from rlrun.engines.vllm_handoff import unpack
+    from rlrun.engines.vllm.handoff import unpack
     named: list = []
     conn.send("ready")
     while (msg := conn.recv())[0] != "stop":
@@ -592,13 +592,13 @@ def _ipc_child(conn) -> None:
 
 
 def check_cuda_ipc(cpu: bool) -> Result:
-    """The vLLM child host's weight hand-off (rlrun.engines.vllm_handoff, no vLLM needed): bucket views sent to a
+    """The vLLM child host's weight hand-off (rlrun.engines.vllm.handoff, no vLLM needed): bucket views sent to a
     spawned process once, each bucket's storage once (CUDA IPC handles on GPU, shared memory with --cpu); the
     process reads them (checksums); the sender rewrites the buckets in place and the process re-reads them with
     nothing sent again: zero-copy."""
     import torch
     import torch.multiprocessing as tmp
-    from rlrun.engines.vllm_handoff import pack
+    from rlrun.engines.vllm.handoff import pack
     device = torch.device("cpu" if cpu else "cuda")
     bucket = 2**16 if cpu else 64 * 2**20
     buckets = [torch.empty(bucket, dtype=torch.uint8, device=device) for _ in range(3)]
@@ -686,7 +686,7 @@ print("NOT STOPPED")
 
 def check_nccl_timeout(cpu: bool) -> Result:
     """An NCCL collective stuck past its group's timeout ends the rank with rlrun's one line naming the collective
-    and group (rlrun.launch.collective_watch), not NCCL's watchdog SIGABRT."""
+    and group (rlrun.launch.dist), not NCCL's watchdog SIGABRT."""
     if cpu:
         return Result("nccl_timeout", "skip", note="GPU only (CPU: tests/launch/test_collective_watch.py over gloo)")
     import tempfile

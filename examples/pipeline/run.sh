@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole pipeline offline, on the embedded tiny model and generated data (rlrun.supervised.demo_data: answer
+# The whole pipeline offline, on the embedded tiny model and generated data (rlrun.supervised.datasets: answer
 # "Write some digits:" with digits, "... letters:" with lowercase letters):
 #
 #   SFT (rlrun.sft) -> reward model from the SFT model (rlrun.rm) -> PPO from the SFT model with that reward
@@ -16,7 +16,7 @@ PY=${RLRUN_PYTHON:-python}
 run() { "$PY" -m torch.distributed.run --standalone --nproc_per_node "$RANKS" -m "$@"; }
 BATCH=(--train_batch_size 16 --micro_train_batch_size 8 --max_len 64)
 
-"$PY" -m rlrun.supervised.demo_data "$OUT/data"
+"$PY" -m rlrun.supervised.datasets "$OUT/data"
 run rlrun.sft --dataset "$OUT/data/sft.jsonl" --output_key output --input_template '{}' "${BATCH[@]}" \
     --max_epochs 2 --learning_rate 3e-3 --save_path "$OUT/sft"
 run rlrun.rm --pretrain "$OUT/sft" --dataset "$OUT/data/pairs.jsonl" --eval_dataset "$OUT/data/pairs_eval.jsonl" \

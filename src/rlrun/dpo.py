@@ -3,19 +3,19 @@ OpenRLHF's train_dpo flags, against a frozen reference model."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rlrun.cli.parser import CliSpec
-from rlrun.compat.openrlhf_supervised_flags import DPO_DOTTED, DPO_IGNORED
+from rlrun.compat.openrlhf_flags import DPO_DOTTED, DPO_IGNORED
+from rlrun.config.supervised import DPOConfig
 from rlrun.launch.failures import leave
 from rlrun.models.loading import unfilled_policy
-from rlrun.rl.memory_knobs import SupervisedJob
-from rlrun.rl.memory_text import supervised_memory
+from rlrun.plan.shapes import SupervisedJob
 from rlrun.rm import load_pairs
-from rlrun.supervised.build import dpo_reference, trainable
-from rlrun.supervised.config import DPOConfig
-from rlrun.supervised.dpo_task import DPOSettings, DPOTask
-from rlrun.supervised.run import BuildContext, SupervisedTrainer, main
+from rlrun.run.skeleton import run_trainer
+from rlrun.supervised.tasks import DPOSettings, DPOTask
+from rlrun.supervised.assembly import BuildContext, Supervised, dpo_reference, trainable
 
 CLI = CliSpec(prog="python -m rlrun.dpo", description="DPO training (OpenRLHF train_dpo flag names work).",
               config_cls=DPOConfig, ignored=DPO_IGNORED, dotted=DPO_DOTTED,
@@ -23,17 +23,20 @@ CLI = CliSpec(prog="python -m rlrun.dpo", description="DPO training (OpenRLHF tr
 
 
 def _build(cfg: DPOConfig, ctx: BuildContext) -> DPOTask:
-    model, optimizer, strategy = trainable(unfilled_policy(cfg.model, cfg.train.seed), cfg.model, cfg.train,
-                                           ctx.group, ctx.device, solo=ctx.solo, rank=ctx.rank)
-    reference = dpo_reference(cfg, ctx.group, ctx.device, ctx.rank, solo=ctx.solo)
+    model, optimizer, strategy = trainable(unfilled_policy(cfg.model, cfg.train.seed), cfg.model, cfg.train, ctx)
+    reference = dpo_reference(cfg.model, cfg.loss, cfg.train, ctx)
     loss = cfg.loss
     return DPOTask(model, optimizer, strategy, reference, ctx.device, ctx.pad_id, cfg.train.packing_samples,
                    DPOSettings(loss.beta, loss.label_smoothing, loss.ipo, loss.nll_loss_coef))
 
 
-TRAINER: SupervisedTrainer[Any] = SupervisedTrainer(
-    CLI, lambda cfg, tok, path: load_pairs(cfg, tok, path, "dpo"), _build,
-    memory_plan=supervised_memory(SupervisedJob(pairs=True, reference=True)))
+TRAINER: Supervised[Any] = Supervised(CLI, lambda cfg, tok, path: load_pairs(cfg, tok, path, "dpo"), _build,
+                                      SupervisedJob(pairs=True, reference=True))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_trainer(TRAINER, argv)
+
 
 if __name__ == "__main__":
-    leave(main(TRAINER))
+    leave(main())

@@ -3,21 +3,21 @@ OpenRLHF's train_rm flags; the saved model is what `rlrun.ppo --reward_pretrain`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.cli.parser import CliSpec
+from rlrun.compat.openrlhf_flags import RM_DOTTED, RM_IGNORED
+from rlrun.config.supervised import RMConfig
 from rlrun.data.sources import DataSpec
-from rlrun.compat.openrlhf_supervised_flags import RM_DOTTED, RM_IGNORED
 from rlrun.launch.failures import leave
-from rlrun.rl.memory_knobs import SupervisedJob
-from rlrun.rl.memory_text import supervised_memory
-from rlrun.supervised.build import reward_model, trainable
-from rlrun.supervised.config import RMConfig
+from rlrun.plan.shapes import SupervisedJob
+from rlrun.run.skeleton import run_trainer
 from rlrun.supervised.datasets import Loaded, PairTask, Preference, load_preferences
-from rlrun.supervised.rm_task import RewardModelTask
-from rlrun.supervised.run import BuildContext, SupervisedTrainer, main
+from rlrun.supervised.tasks import RewardModelTask
+from rlrun.supervised.assembly import BuildContext, Supervised, reward_model, trainable
 
 CLI = CliSpec(prog="python -m rlrun.rm", description="Reward-model training (OpenRLHF train_rm flag names work).",
               config_cls=RMConfig, ignored=RM_IGNORED, dotted=RM_DOTTED,
@@ -34,14 +34,18 @@ def load_pairs(cfg: Any, tokenizer: PreTrainedTokenizerBase, path: str | DataSpe
 
 
 def _build(cfg: RMConfig, ctx: BuildContext) -> RewardModelTask:
-    model, optimizer, strategy = trainable(reward_model(cfg.model, cfg.train.seed), cfg.model, cfg.train,
-                                           ctx.group, ctx.device, solo=ctx.solo, rank=ctx.rank)
+    model, optimizer, strategy = trainable(reward_model(cfg.model, cfg.train.seed), cfg.model, cfg.train, ctx)
     return RewardModelTask(model, optimizer, strategy, ctx.device, ctx.pad_id, cfg.train.packing_samples,  # type: ignore[arg-type]
                            cfg.loss.loss, cfg.loss.margin_loss)
 
 
-TRAINER: SupervisedTrainer[Any] = SupervisedTrainer(
-    CLI, load_pairs, _build, eval_from_train=0.01, memory_plan=supervised_memory(SupervisedJob(pairs=True, scalar=True)))
+TRAINER: Supervised[Any] = Supervised(CLI, load_pairs, _build, SupervisedJob(pairs=True, scalar=True),
+                                      eval_from_train=0.01)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_trainer(TRAINER, argv)
+
 
 if __name__ == "__main__":
-    leave(main(TRAINER))
+    leave(main())

@@ -3,22 +3,22 @@ train_sft flags. The loss is the NLL of the response tokens; see rlrun.supervise
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.cli.parser import CliSpec
+from rlrun.compat.openrlhf_flags import SFT_DOTTED, SFT_IGNORED
+from rlrun.config.supervised import SFTConfig
 from rlrun.data.sources import DataSpec
-from rlrun.compat.openrlhf_supervised_flags import SFT_DOTTED, SFT_IGNORED
 from rlrun.launch.failures import leave
 from rlrun.models.loading import unfilled_policy
-from rlrun.rl.memory_knobs import SupervisedJob
-from rlrun.rl.memory_text import supervised_memory
-from rlrun.supervised.build import trainable
-from rlrun.supervised.config import SFTConfig
+from rlrun.plan.shapes import SupervisedJob
+from rlrun.run.skeleton import run_trainer
 from rlrun.supervised.datasets import Completion, Loaded, load_completions
-from rlrun.supervised.run import BuildContext, SupervisedTrainer, main
-from rlrun.supervised.sft_task import SFTTask
+from rlrun.supervised.tasks import SFTTask
+from rlrun.supervised.assembly import BuildContext, Supervised, trainable
 
 CLI = CliSpec(prog="python -m rlrun.sft", description="Supervised fine-tuning (OpenRLHF train_sft flag names work).",
               config_cls=SFTConfig, ignored=SFT_IGNORED, dotted=SFT_DOTTED,
@@ -34,12 +34,16 @@ def _load(cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, path: str | DataSp
 
 
 def _build(cfg: SFTConfig, ctx: BuildContext) -> SFTTask:
-    model, optimizer, strategy = trainable(unfilled_policy(cfg.model, cfg.train.seed), cfg.model, cfg.train,
-                                           ctx.group, ctx.device, solo=ctx.solo, rank=ctx.rank)
+    model, optimizer, strategy = trainable(unfilled_policy(cfg.model, cfg.train.seed), cfg.model, cfg.train, ctx)
     return SFTTask(model, optimizer, strategy, ctx.device, ctx.pad_id, cfg.train.packing_samples)
 
 
-TRAINER: SupervisedTrainer[Any] = SupervisedTrainer(CLI, _load, _build, memory_plan=supervised_memory(SupervisedJob()))
+TRAINER: Supervised[Any] = Supervised(CLI, _load, _build, SupervisedJob())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_trainer(TRAINER, argv)
+
 
 if __name__ == "__main__":
-    leave(main(TRAINER))
+    leave(main())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from helpers import update_actor
 from rlrun.algo.algorithms import compute_advantages, compute_approx_kl, sequence_mean_kl
 from rlrun.data.rollout import pack_log_probs, pack_rows, unpack_rows
 from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
@@ -47,7 +48,7 @@ def _grad(adv: torch.Tensor, ref: torch.Tensor, old: torch.Tensor) -> torch.Tens
     settings = PolicyLossSettings(0.2, None, "token-mean", 1.0, 0.01, True, "k3")  # KL loss and entropy on
     actor = Actor(model, updater, settings, CPU)
     batch = _batch()
-    actor.train(PolicyData(batch, old, adv, ref), [torch.arange(2)], kl_coef=0.5)
+    update_actor(actor, PolicyData(batch, old, adv, ref), [torch.arange(2)], kl_coef=0.5)
     return capture.grads[0]
 
 

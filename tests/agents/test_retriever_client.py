@@ -17,7 +17,7 @@ import pytest
 from helpers import free_port
 from retriever_process import RetrieverProcess, start_retriever, stop_retriever
 
-from rlrun.agents.retriever_client import RetrieverClient, RetrieverError
+from rlrun.agents.search_r1 import RetrieverClient, RetrieverError
 from rlrun.runtime.errors import ConfigError, RlrunError
 
 pytestmark = pytest.mark.timeout(60)

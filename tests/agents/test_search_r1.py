@@ -14,7 +14,7 @@ from helpers import free_port
 from retriever_process import EXAMPLE_TRAIN, RetrieverProcess, start_retriever, stop_retriever
 
 from rlrun.agents.api import AgentInstanceBase
-from rlrun.agents.retriever_client import RetrieverClient
+from rlrun.agents.search_r1 import RetrieverClient
 from rlrun.agents.search_r1 import (INVALID_ACTION_FEEDBACK, SEARCH_R1_STOP, SearchR1Agent, cut_action,
                                     parse_action, passages_to_string, search_r1_agent_factory, search_r1_prompt)
 
@@ -149,7 +149,7 @@ def test_last_turn_answer_is_scored() -> None:
 
 
 def test_search_on_a_dead_retriever_raises_the_retriever_error() -> None:
-    from rlrun.agents.retriever_client import RetrieverError
+    from rlrun.agents.search_r1 import RetrieverError
 
     with pytest.raises(RetrieverError, match="failed after 1 attempts"):
         step(SearchR1Agent(dead_client()), PROMPT, "<search>x</search>", turn=0)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, run_rlrun, teach_tiny_model
 from retriever_process import EXAMPLE_TRAIN, start_retriever, stop_retriever
-from rlrun.agents.retriever_client import RetrieverClient
+from rlrun.agents.search_r1 import RetrieverClient
 from rlrun.agents.search_r1 import information_block
 
 

@@ -28,10 +28,11 @@ from rlrun.algo.algorithms import (
 from rlrun.algo.losses import policy_loss, value_loss
 from rlrun.cli.parser import parse_args
 from rlrun.config.schema import Config
-from rlrun.config.validation import check_values
+from rlrun.plan.checks import check_values
 from rlrun.data.rollout import pack_rows, unpack_rows
-from rlrun.rewards.shaping import dynamic_filter_keep, overlong_penalty, stop_properly_penalty, truncated_rows
-from rlrun.rl.trainer import Trainer, TrainState
+from rlrun.algo.algorithms import dynamic_filter_keep, overlong_penalty, stop_properly_penalty, truncated_rows
+from rlrun.algo.algorithms import RunningMoments
+from rlrun.rl.trainer import StepSettings, Trainer
 from rlrun.runtime.errors import ConfigError
 
 
@@ -284,11 +285,12 @@ def test_truncated_rows_is_finish_reason_length() -> None:
 
 
 def _bare_trainer(cfg: Config) -> Trainer:
-    """Trainer.advantages needs only cfg, state, the KL controller and the tokenizer's EOS id."""
+    """Trainer.advantages needs only its settings (the tokenizer's EOS id among them), the running reward statistics
+    and the KL controller."""
     tr = Trainer.__new__(Trainer)
-    tr.cfg, tr.state = cfg, TrainState()
+    tr.s = StepSettings(cfg.algo, cfg.train, cfg.generation.generate_max_len, eos_id=2, ref_by_actor=False)
+    tr.moments = RunningMoments()
     tr.kl = SimpleNamespace(value=0.0)  # type: ignore[assignment]
-    tr.tokenizer = SimpleNamespace(eos_token_id=2)  # type: ignore[assignment]
     return tr
 
 
@@ -300,7 +302,7 @@ def test_trainer_advantages_filter_penalties_and_order() -> None:
     batch = unpack_rows(pack_rows([[10]] * 4, responses, 2, 4, 0), 2)
     results = {"scores": torch.tensor([1.0, 0.0, 1.0, 1.0]), "old_log_probs": torch.zeros(4, 4)}
     tr = _bare_trainer(cfg)
-    kl, adv, ret = tr.advantages(batch, results)
+    kl, adv, ret, shaping = tr.advantages(batch, results)
     # filter on RAW scores: group means 0.5 (kept), 1.0 (dropped)
     assert batch.action_mask.tolist() == [[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
     # overlong (max 4, buffer 2, expected 2): lengths [4, 1, 3, 2] -> [-1, 0, -0.5, 0] -> [0, 0, 0.5, 1]
@@ -308,7 +310,7 @@ def test_trainer_advantages_filter_penalties_and_order() -> None:
     # dr_grpo group0: mean -0.25 -> [-0.25, 0.25] ; dropped group -> 0 everywhere
     assert_close(adv, torch.tensor([[-0.25] * 4, [0.25, 0, 0, 0], [0.0] * 4, [0.0] * 4]))
     assert_close(ret, adv)
-    assert tr.advantage_logs == {"dynamic_filtering/kept_frac": 0.5, "reward/overlong_frac": 0.5,
+    assert shaping == {"dynamic_filtering/kept_frac": 0.5, "reward/overlong_frac": 0.5,
                                  "reward/truncated_frac": 0.25}
     assert kl.abs().sum() == 0
 
@@ -319,14 +321,14 @@ def test_normalize_reward_no_longer_runs_the_running_norm() -> None:
     results = {"scores": torch.tensor([1.0, 3.0]), "old_log_probs": torch.zeros(2, 2)}
     base = ["--advantage_estimator", "reinforce", "--init_kl_coef", "0", "--no_advantage_std_norm"]
     tr = _bare_trainer(parse_args([*base, "--normalize_reward"]).config)
-    _, adv, _ = tr.advantages(batch, results)
-    assert tr.state.reward_moments.count == 0
+    _, adv, _, _ = tr.advantages(batch, results)
+    assert tr.moments.count == 0
     # reinforce, mean-centred only: [1, 3] - 2 on both tokens
     assert_close(adv, torch.tensor([[-1.0, -1.0], [1.0, 1.0]]))
     tr = _bare_trainer(parse_args([*base, "--running_reward_norm"]).config)
     tr.advantages(batch, results)
     # running stats of [1, 3]: count 2, mean 2, population std 1
-    assert (tr.state.reward_moments.count, tr.state.reward_moments.mean, tr.state.reward_moments.std) == (2.0, 2.0, 1.0)
+    assert (tr.moments.count, tr.moments.mean, tr.moments.std) == (2.0, 2.0, 1.0)
 
 
 # ---------------------------------------------------------------- d. reward model mean/std
@@ -355,7 +357,8 @@ def test_normalize_reward_uses_config_mean_std(reward_dir: Path, role: str) -> N
     for normalize, expected in ((False, 0.0), (True, (0.0 - 2.0) / 4.0)):
         flag = f"--{role}_pretrain"
         cfg = parse_args([flag, str(reward_dir), *(["--normalize_reward"] if normalize else [])]).config
-        model = (load_reward_model(cfg) if role == "reward" else load_critic(cfg)).fill(torch.device("cpu"))
+        load = load_reward_model if role == "reward" else load_critic
+        model = load(cfg.model, cfg.train.seed, normalize=cfg.algo.normalize_reward).fill(torch.device("cpu"))
         with torch.no_grad():
             score_head(model.hf).weight.zero_()  # raw output 0 at every position
             out = model(ids, attn)
@@ -399,7 +402,7 @@ def test_new_options_accepted() -> None:
 def test_gamma_override_is_reported_once_at_planning() -> None:
     """The plan (printed once by rank 0 before anything starts) names an ignored --gamma; a used one is silent."""
     from rlrun.cli.parser import parse_args
-    from rlrun.rl.planning import plan
+    from rlrun.plan.plan import plan
 
     batch = ["--rollout_batch_size", "4", "--train_batch_size", "8", "--micro_train_batch_size", "2"]
     grpo = parse_args(["--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--gamma", "0.9", *batch])

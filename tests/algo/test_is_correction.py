@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlrun.algo.is_correction import ISCorrection, check_settings, correction_weights
+from rlrun.algo.losses import ISCorrection, check_settings, correction_weights
 from rlrun.algo.losses import policy_loss
 
 # One row, three tokens: log(pi_train / pi_rollout) = 0, -1.5, 0.1.

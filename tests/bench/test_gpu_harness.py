@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO / "bench" / "gpu"))
 import harness  # noqa: E402
 
 from rlrun.cli.parser import parse_args  # noqa: E402
-from rlrun.rl.planning import plan  # noqa: E402
+from rlrun.plan.plan import plan  # noqa: E402
 
 
 @pytest.mark.parametrize("run", harness.RUNS, ids=lambda r: r.name)

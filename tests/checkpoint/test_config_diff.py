@@ -1,13 +1,13 @@
-"""What a resume may change (rlrun.checkpoint.config_diff), on the real redacted config of the PPO trainer."""
+"""What a resume may change (rlrun.checkpoint.resume), on the real redacted config of the PPO trainer."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlrun.checkpoint.config_diff import check_resume, resume_changes
+from rlrun.checkpoint.resume import check_resume, resume_changes
 from rlrun.cli.parser import parse_args
 from rlrun.config.fields import redacted
-from rlrun.rl.resume import FIXED_ON_RESUME
+from rlrun.rl.assembly import FIXED_ON_RESUME
 
 
 def _config(*argv: str) -> dict:

@@ -1,4 +1,4 @@
-"""Which run a checkpoint directory belongs to (rlrun.checkpoint.ownership), on real directories."""
+"""Which run a checkpoint directory belongs to (rlrun.checkpoint.resume), on real directories."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rlrun.checkpoint import store as ckpt
-from rlrun.checkpoint.ownership import check_ownership, config_digest, is_restart, run_identity, run_record
+from rlrun.checkpoint.resume import check_ownership, config_digest, is_restart, run_identity, run_record
 from rlrun.checkpoint.store import CheckpointError
 
 

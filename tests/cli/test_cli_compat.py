@@ -9,11 +9,11 @@ import shlex
 import pytest
 
 from rlrun.cli.parser import IGNORED_FLAGS, LAUNCHER, NOT_YET, RAY_ONLY, build_parser, parse_args, NO_EFFECT_YET
-from rlrun.compat.reasons import CHANGES_TRAINING
+from rlrun.compat.argv import CHANGES_TRAINING
 from rlrun.config.fields import fields_of
 from rlrun.config.schema import Config
 from rlrun.launch.layout import Role
-from rlrun.rl.planning import plan
+from rlrun.plan.plan import plan
 from rlrun.runtime.errors import ConfigError
 
 T = True  # a bare store-true flag
@@ -405,7 +405,7 @@ def test_realistic_grpo_command_line():
     assert cfg.train.max_samples == 100_000_000
     assert cfg.model.remote_rm_url == "/openrlhf/examples/python/reward_func.py"
     assert cfg.data.label_key == "label" and cfg.logging.use_tensorboard == "logs/grpo"
-    assert not cfg.needs_critic and cfg.needs_ref and not cfg.needs_reward_model
+    assert not cfg.algo.needs_critic and cfg.algo.needs_ref and not cfg.model.needs_reward_model
     assert {line.split(":")[0] for line in parsed.ignored} == {
         "--ray_namespace",
         "--lr_scheduler", "--vllm_gpu_memory_utilization", "--vllm_enable_sleep", "--enforce_eager"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlrun.cli.parser import IGNORED_FLAGS, parse_args
-from rlrun.config.validation import check_batches, check_values
+from rlrun.plan.checks import check_batches, check_values
 from rlrun.runtime.errors import ConfigError
 
 

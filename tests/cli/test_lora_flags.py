@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from rlrun.cli.parser import IGNORED_FLAGS, PPO_CLI, build_parser, parse_args
-from rlrun.compat.openrlhf_supervised_flags import DPO_IGNORED, RM_IGNORED, SFT_IGNORED
-from rlrun.compat.reasons import CHANGES_TRAINING
+from rlrun.compat.openrlhf_flags import DPO_IGNORED, RM_IGNORED, SFT_IGNORED
+from rlrun.compat.argv import CHANGES_TRAINING
 from rlrun.dpo import CLI as DPO_CLI
 from rlrun.rm import CLI as RM_CLI
 from rlrun.runtime.errors import ConfigError

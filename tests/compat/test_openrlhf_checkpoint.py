@@ -1,4 +1,4 @@
-"""Reading OpenRLHF DeepSpeed checkpoints (rlrun.compat.openrlhf_reader) made by real DeepSpeed engines.
+"""Reading OpenRLHF DeepSpeed checkpoints (rlrun.compat.openrlhf_checkpoint) made by real DeepSpeed engines.
 
 The checkpoints are written here the way OpenRLHF 0.11 writes them: the actor engine wraps a module holding
 the HF causal LM as `.model` (models/actor.py), the critic engine wraps a sequence-classification model
@@ -162,7 +162,7 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], pr
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name,stage", [("z0", 0), ("z1", 1), ("z2", 2), ("z3", 3), ("z2bf16", 2)])
 def test_one_rank_checkpoints_read_bit_identical(one_rank, name, stage):
-    from rlrun.compat.openrlhf_reader import read_openrlhf_checkpoint
+    from rlrun.compat.openrlhf_checkpoint import read_openrlhf_checkpoint
 
     ckpt = read_openrlhf_checkpoint(str(one_rank / name))
     expected = torch.load(one_rank / name / "expected.pt", weights_only=True)
@@ -186,7 +186,7 @@ def test_one_rank_checkpoints_read_bit_identical(one_rank, name, stage):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name,stage", [("z2", 2), ("z3", 3)])
 def test_two_rank_partitions_merge(two_ranks, name, stage):
-    from rlrun.compat.openrlhf_reader import read_openrlhf_checkpoint
+    from rlrun.compat.openrlhf_checkpoint import read_openrlhf_checkpoint
 
     tag_dir = two_ranks / name / "_actor" / TAG
     optim = sorted(p.name for p in tag_dir.glob("*optim_states.pt"))
@@ -336,7 +336,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 def test_not_a_directory(tmp_path):
     from rlrun.checkpoint.store import CheckpointError
-    from rlrun.compat.openrlhf_reader import read_openrlhf_checkpoint
+    from rlrun.compat.openrlhf_checkpoint import read_openrlhf_checkpoint
 
     with pytest.raises(CheckpointError, match=r"nope: not a directory \(pass the --ckpt_path of the OpenRLHF run"):
         read_openrlhf_checkpoint(str(tmp_path / "nope"))
@@ -344,7 +344,7 @@ def test_not_a_directory(tmp_path):
 
 def test_no_actor_dir_and_tag_dir_hint(tmp_path):
     from rlrun.checkpoint.store import CheckpointError
-    from rlrun.compat.openrlhf_reader import read_openrlhf_checkpoint
+    from rlrun.compat.openrlhf_checkpoint import read_openrlhf_checkpoint
 
     (tmp_path / "_critic").mkdir()
     with pytest.raises(CheckpointError, match=r"no _actor/ directory \(found \['_critic'\]\); pass the --ckpt_path"):
@@ -358,7 +358,7 @@ def test_no_actor_dir_and_tag_dir_hint(tmp_path):
 
 def test_no_latest_and_no_tag(tmp_path):
     from rlrun.checkpoint.store import CheckpointError
-    from rlrun.compat.openrlhf_reader import read_openrlhf_checkpoint
+    from rlrun.compat.openrlhf_checkpoint import read_openrlhf_checkpoint
 
     (tmp_path / "_actor" / "global_step7").mkdir(parents=True)
     with pytest.raises(CheckpointError, match=r"latest is missing .* name one with --tag \(tags here: \['global_step7'\]\)"):
@@ -367,7 +367,7 @@ def test_no_latest_and_no_tag(tmp_path):
 
 def test_tag_that_does_not_exist(tmp_path):
     from rlrun.checkpoint.store import CheckpointError
-    from rlrun.compat.openrlhf_reader import read_openrlhf_checkpoint
+    from rlrun.compat.openrlhf_checkpoint import read_openrlhf_checkpoint
 
     (tmp_path / "_actor" / "global_step7").mkdir(parents=True)
     (tmp_path / "_actor" / "latest").write_text("global_step9")
@@ -379,7 +379,7 @@ def test_tag_that_does_not_exist(tmp_path):
 
 def test_not_a_deepspeed_tag_dir(tmp_path):
     from rlrun.checkpoint.store import CheckpointError
-    from rlrun.compat.openrlhf_reader import inspect_tag
+    from rlrun.compat.openrlhf_checkpoint import inspect_tag
 
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "pytorch_model.bin").write_bytes(b"x")
@@ -400,7 +400,7 @@ def test_not_a_deepspeed_tag_dir(tmp_path):
 @pytest.mark.timeout(600)
 def test_missing_shards_and_unreadable_file(two_ranks, one_rank, tmp_path):
     from rlrun.checkpoint.store import CheckpointError
-    from rlrun.compat.openrlhf_reader import read_openrlhf_checkpoint
+    from rlrun.compat.openrlhf_checkpoint import read_openrlhf_checkpoint
 
     z2 = _copy(two_ranks / "z2", tmp_path / "z2")
     (z2 / "_actor" / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
@@ -429,7 +429,7 @@ def test_missing_shards_and_unreadable_file(two_ranks, one_rank, tmp_path):
 @pytest.mark.timeout(600)
 def test_critic_without_the_actors_tag(one_rank, tmp_path):
     from rlrun.checkpoint.store import CheckpointError
-    from rlrun.compat.openrlhf_reader import read_openrlhf_checkpoint
+    from rlrun.compat.openrlhf_checkpoint import read_openrlhf_checkpoint
 
     root = _copy(one_rank / "z2", tmp_path / "z2")
     (root / "_critic" / TAG).rename(root / "_critic" / "global_step2")
@@ -443,7 +443,7 @@ def test_critic_without_the_actors_tag(one_rank, tmp_path):
 
 def test_name_mapping_and_refusals():
     from rlrun.checkpoint.store import CheckpointError
-    from rlrun.compat.openrlhf_reader import actor_names, critic_names
+    from rlrun.compat.openrlhf_checkpoint import actor_names, critic_names
 
     w = torch.zeros(2, 3)
     head = torch.ones(1, 3)

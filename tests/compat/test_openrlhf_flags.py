@@ -12,7 +12,7 @@ import pytest
 from helpers import value_tokens
 from rlrun.cli.parser import IGNORED_FLAGS, NOT_YET, RAY_ONLY, parse_args
 from rlrun.compat.openrlhf_flags import OPENRLHF_DOTTED, ByValue, Ignored, Same, resolve
-from rlrun.compat.reasons import refused
+from rlrun.compat.argv import refused
 from rlrun.config.fields import fields_of
 from rlrun.config.schema import Config
 from rlrun.runtime.errors import ConfigError

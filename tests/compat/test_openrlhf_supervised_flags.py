@@ -12,9 +12,9 @@ import pytest
 from helpers import value_tokens
 from rlrun.cli.parser import IGNORED_FLAGS
 from rlrun.compat.openrlhf_flags import OPENRLHF_DOTTED, ByValue, Ignored, Meaning, Same, resolve, translate
-from rlrun.compat.openrlhf_supervised_flags import (DPO_DOTTED, DPO_IGNORED, RM_DOTTED, RM_IGNORED, SFT_DOTTED,
+from rlrun.compat.openrlhf_flags import (DPO_DOTTED, DPO_IGNORED, RM_DOTTED, RM_IGNORED, SFT_DOTTED,
                                                     SFT_IGNORED)
-from rlrun.compat.reasons import NOT_YET, refused
+from rlrun.compat.argv import NOT_YET, refused
 from rlrun.config.fields import fields_of
 from rlrun.runtime.errors import ConfigError
 
@@ -118,8 +118,8 @@ def test_every_target_is_a_field_or_a_reported_classic_flag(trainer):
 
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_contract_matches_the_trainer_config(trainer):
-    """The field list above is what rlrun.supervised.config defines (targets exist; nothing implemented is ignored)."""
-    config = pytest.importorskip("rlrun.supervised.config")
+    """The field list above is what rlrun.config.supervised defines (targets exist; nothing implemented is ignored)."""
+    config = pytest.importorskip("rlrun.config.supervised")
     live = set(fields_of({"sft": config.SFTConfig, "rm": config.RMConfig, "dpo": config.DPOConfig}[trainer]))
     assert FIELDS[trainer] <= live
     assert not set(TABLES[trainer][1]) & live
@@ -149,7 +149,7 @@ def test_classic_ignored_agree_with_ppos_on_nargs(trainer):
 
 
 def _fields(trainer: str):
-    config = pytest.importorskip("rlrun.supervised.config")
+    config = pytest.importorskip("rlrun.config.supervised")
     return fields_of({"sft": config.SFTConfig, "rm": config.RMConfig, "dpo": config.DPOConfig}[trainer])
 
 

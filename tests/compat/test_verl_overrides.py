@@ -435,7 +435,7 @@ def _verl_argv(script: str, **env: str) -> list[str]:
 def test_verl_ppo_seed_script():
     parsed = parse_args(_verl_argv(VERL_PPO, HOME="/home/u"))
     cfg = parsed.config
-    assert cfg.algo.advantage_estimator == "gae" and cfg.needs_critic
+    assert cfg.algo.advantage_estimator == "gae" and cfg.algo.needs_critic
     assert cfg.data.prompt_data == "/home/u/data/gsm8k/train.parquet"
     assert (cfg.train.rollout_batch_size, cfg.train.n_samples_per_prompt, cfg.train.train_batch_size) == (1024, 1, 256)
     assert (cfg.train.micro_train_batch_size, cfg.train.micro_rollout_batch_size) == (16, 32)
@@ -445,7 +445,7 @@ def test_verl_ppo_seed_script():
     assert cfg.model.gradient_checkpointing and cfg.generation.generation_backend == "vllm"
     assert cfg.resources.vllm_tensor_parallel_size == 4 and cfg.generation.vllm_gpu_memory_utilization == 0.4
     # verl with use_kl_loss=False and use_kl_in_reward=False: no KL, so no reference model.
-    assert cfg.algo.init_kl_coef == 0.0 and not cfg.algo.use_kl_loss and not cfg.needs_ref
+    assert cfg.algo.init_kl_coef == 0.0 and not cfg.algo.use_kl_loss and not cfg.algo.needs_ref
     assert cfg.logging.use_wandb == "" and cfg.logging.wandb_project == "verl_example_gsm8k"
     assert cfg.logging.wandb_run_name == "deepseek_llm_7b_function_rm"
     assert (cfg.checkpoint.save_steps, cfg.train.num_episodes) == (20, 15)
@@ -462,7 +462,7 @@ def test_search_r1_grpo_seed_script(world, monkeypatch):
                                    BASE_MODEL="Qwen/Qwen2.5-3B", WAND_PROJECT="Search-R1",
                                    EXPERIMENT_NAME="nq-search-r1-grpo-qwen2.5-3b-em"))
     cfg = parsed.config
-    assert cfg.algo.advantage_estimator == "group_norm" and not cfg.needs_critic
+    assert cfg.algo.advantage_estimator == "group_norm" and not cfg.algo.needs_critic
     assert cfg.algo.use_kl_loss and (cfg.algo.init_kl_coef, cfg.algo.kl_estimator) == (0.001, "k3")
     assert (cfg.train.rollout_batch_size, cfg.train.n_samples_per_prompt, cfg.train.train_batch_size) == (512, 5, 256)
     assert (cfg.train.micro_train_batch_size, cfg.train.micro_rollout_batch_size) == (64 // world, 128 // world)
@@ -475,7 +475,7 @@ def test_search_r1_grpo_seed_script(world, monkeypatch):
     assert (cfg.agent.max_turns, cfg.agent.max_tokens_per_turn, cfg.agent.max_obs_len) == (3, 500, 500)
     assert (cfg.generation.generate_max_len, cfg.generation.prompt_max_len) == (500 * 3 + 500 * 2, 2048)
     assert (cfg.agent.retriever_url, cfg.agent.retriever_topk) == ("http://127.0.0.1:8000/retrieve", 3)
-    assert cfg.agent.state_masking and cfg.multi_turn
+    assert cfg.agent.state_masking and cfg.agent.multi_turn
     ignored = [line.split(":")[0] for line in parsed.ignored]
     assert len(ignored) == len(set(ignored))  # trainer.default_hdfs_dir appears twice, reported once
     assert {"algorithm.no_think_rl", "trainer.default_hdfs_dir",

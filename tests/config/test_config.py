@@ -34,7 +34,7 @@ def test_defaults_without_any_source():
     cfg = parsed.config
     assert cfg.train.seed == 42 and cfg.train.rollout_batch_size == 1024
     assert cfg.algo.advantage_estimator == "gae" and cfg.algo.init_kl_coef == 0.01
-    assert cfg.needs_critic and cfg.needs_ref and not cfg.needs_reward_model
+    assert cfg.algo.needs_critic and cfg.algo.needs_ref and not cfg.model.needs_reward_model
 
 
 NESTED = """

@@ -1,4 +1,4 @@
-"""Tests for rlrun.config.validation: every value check and batch-divisibility rule, and what its message names."""
+"""Tests for rlrun.plan.checks: every value check and batch-divisibility rule, and what its message names."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from rlrun.cli.parser import parse_args
 from rlrun.config.schema import Config
-from rlrun.config.validation import check_batches, check_values
-from rlrun.rl.planning import plan
+from rlrun.plan.checks import check_batches, check_values
+from rlrun.plan.plan import plan
 from rlrun.runtime.errors import ConfigError
 
 
@@ -278,7 +278,7 @@ def test_lora_values_are_checked_in_one_line(argv, parts):
 @pytest.mark.parametrize("argv, parts", LORA_BAD, ids=[" ".join(a) for a, _ in LORA_BAD])
 def test_lora_values_are_checked_for_the_supervised_trainers(argv, parts):
     from rlrun.sft import CLI as SFT_CLI
-    from rlrun.supervised.validation import check_supervised
+    from rlrun.plan.checks import check_supervised
 
     with pytest.raises(ConfigError) as exc:
         check_supervised(parse_args([*argv, "--dataset", "d.jsonl"], SFT_CLI).config, 1, SFT_CLI.prog)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlrun.algo.running import RunningMoments
+from rlrun.algo.algorithms import RunningMoments
 from rlrun.data.batching import derive_seed, minibatch_order, shard
-from rlrun.data.results import pack_slots, slot_plan, unpack_slots
+from rlrun.data.rollout import pack_slots, slot_plan, unpack_slots
 from rlrun.data.rollout import pack_rows, response_tokens, unpack_rows
 
 PAD = 99

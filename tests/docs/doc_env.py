@@ -79,13 +79,8 @@ def entry(module: str):
     """The in-process main of `python -m <module>`."""
     import importlib
 
-    mod = importlib.import_module(module)
-    if module == "rlrun.ppo":
-        return mod.main
-    if module in ("rlrun.sft", "rlrun.rm", "rlrun.dpo"):
-        from rlrun.supervised.run import main
-
-        return lambda argv: main(mod.TRAINER, argv)
+    if module in ("rlrun.ppo", "rlrun.sft", "rlrun.rm", "rlrun.dpo"):
+        return importlib.import_module(module).main
     raise ValueError(f"{module} has no dry run")
 
 

@@ -11,8 +11,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 from rlrun.engines.base import SamplingSettings, resolve_backend
 from rlrun.engines.decoder import fused_groups, unsupported_reason
 from rlrun.engines.native import NativeEngine
-from rlrun.engines.sampling import processed_log_probs
-from rlrun.launch.weight_sync import bucket_size, entry_view, plan_buckets
+from rlrun.engines.native import processed_log_probs
+from rlrun.weight_sync.buckets import bucket_size, entry_view, plan_buckets
 from rlrun.models.tiny import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm
 from rlrun.runtime.errors import ConfigError
 
@@ -154,7 +154,7 @@ def test_the_decoder_runs_on_the_hf_parameters_memory_and_sees_every_write() -> 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_weight_sync_buckets_planned_with_fused_groups_are_what_the_decoder_runs_on(arch: str) -> None:
     """The disaggregated engine's parameters are views into weight sync's receive buffers. Planned with
-    fused_groups (what rlrun.rl.build passes), each layer's q/k/v weights (and biases) and gate/up land back to
+    fused_groups (what rlrun.rl.assembly passes), each layer's q/k/v weights (and biases) and gate/up land back to
     back: the decoder joins them without a copy, and samples as the HF model does."""
     model = _model(arch)
     engine = _engine(model)

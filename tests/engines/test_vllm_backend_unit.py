@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from rlrun.data.rollout import RolloutBatch, engine_logprob_diff, pack_log_probs
-from rlrun.engines import vllm_adapter
+from rlrun.engines.vllm import adapter as vllm_adapter
 from rlrun.engines import base as engine_module
 from rlrun.engines.base import HFEngine, SamplingSettings, resolve_backend
-from rlrun.engines.vllm_adapter import EngineSpec, check_version
-from rlrun.engines.vllm_child import EngineChild, EngineChildError, scrub_torchrun_env
-from rlrun.engines.vllm_engine import request_seeds
+from rlrun.engines.vllm.adapter import EngineSpec, check_version
+from rlrun.engines.vllm.child import EngineChild, EngineChildError, scrub_torchrun_env
+from rlrun.engines.vllm.engine import request_seeds
 from rlrun.models.tiny import EOS_ID, PAD_ID, build_causal_lm, tiny_model_config
 from rlrun.runtime.errors import ConfigError, MissingExtraError
 

@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlrun.cli.parser import parse_args
-from rlrun.data.tensor_files import unshared
-from rlrun.engines import vllm_adapter
+from rlrun.models.safetensors import unshared
+from rlrun.engines.vllm import adapter as vllm_adapter
 from rlrun.engines.base import SamplingSettings
-from rlrun.engines.vllm_adapter import Sampling, batch_seed, request_kwargs, write_weights
-from rlrun.engines.vllm_engine import VLLMEngine, VLLMEngineBase, request_seeds
-from rlrun.engines.vllm_handoff import (SHM_DIR, SharedMemoryError, check_shm, free_bytes, memory_key, pack, unpack,
+from rlrun.engines.vllm.adapter import Sampling, batch_seed, request_kwargs, write_weights
+from rlrun.engines.vllm.engine import VLLMEngine, VLLMEngineBase, request_seeds
+from rlrun.engines.vllm.handoff import (SHM_DIR, SharedMemoryError, check_shm, free_bytes, memory_key, pack, unpack,
                                         unshared_bytes)
 from rlrun.models.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
 from rlrun.runtime.errors import RlrunError
@@ -110,7 +110,7 @@ def test_engine_start_refuses_a_model_dev_shm_cannot_hold(monkeypatch):
         pytest.skip(f"{SHM_DIR} is larger than {need} bytes")
     monkeypatch.setattr(vllm_adapter, "installed_version", lambda: "0.32.0")  # the version gate only
     spawned = []
-    monkeypatch.setattr("rlrun.engines.vllm_engine.EngineChild", lambda *a, **k: spawned.append(a))
+    monkeypatch.setattr("rlrun.engines.vllm.engine.EngineChild", lambda *a, **k: spawned.append(a))
     before = set(os.listdir(SHM_DIR))
     sampling = SamplingSettings(1.0, 1.0, 4, PAD_ID, EOS_ID)
     with pytest.raises(SharedMemoryError, match=r"needs \d+ bytes .* in /dev/shm, but only \d+ bytes .* are free: .*"

@@ -15,12 +15,12 @@ import torch
 
 from rlrun.cli.parser import parse_args
 from rlrun.engines.base import SamplingSettings
-from rlrun.engines.hosting import choose_host, whole_world_problem
-from rlrun.engines.in_process import InProcessEngine, kept_host_rng
+from rlrun.engines.vllm.placement import choose_host, whole_world_problem
+from rlrun.engines.vllm.in_process import InProcessEngine, kept_host_rng
 from rlrun.launch.layout import Layout, LayoutRequest, Role
-from rlrun.launch.layout_plan import plan_layout
+from rlrun.plan.layout import plan_layout
 from rlrun.models.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
-from rlrun.rl.planning import plan
+from rlrun.plan.plan import plan
 from rlrun.runtime.errors import ConfigError
 
 from vllm_lane import LANE_PYTHON, REPO, lane_env, needs_lane

@@ -1,4 +1,4 @@
-"""The GPU share a vLLM engine asks for, fitted to what its rank already holds there (rlrun.engines.vllm_memory).
+"""The GPU share a vLLM engine asks for, fitted to what its rank already holds there (rlrun.engines.vllm.placement).
 vLLM 0.32 refuses to start when less than utilization x total bytes are free (vllm/v1/worker/utils.py); the CUDA
 call site runs only on a GPU, so these check the arithmetic with hand-computed numbers and that other devices pass
 the flag through."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rlrun.engines.vllm_memory import GIB, START_RESERVE, fitted_utilization, gpu_utilization
+from rlrun.engines.vllm.placement import GIB, START_RESERVE, fitted_utilization, gpu_utilization
 
 
 def test_the_share_is_what_is_free_less_the_reserve_never_more_than_asked():

@@ -55,9 +55,9 @@ def main() -> None:
     import torch.distributed as dist
 
     from rlrun.engines.base import SamplingSettings
-    from rlrun.engines.vllm_engine import VLLMEngine, request_seeds
-    from rlrun.launch.param_blocks import param_blocks
-    from rlrun.launch.weight_sync import ParamSource, WeightSync
+    from rlrun.engines.vllm.engine import VLLMEngine, request_seeds
+    from rlrun.weight_sync.blocks import param_blocks
+    from rlrun.weight_sync.sync import ParamSource, WeightSync
     from rlrun.models.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
 
     torch.set_num_threads(1)
@@ -70,9 +70,9 @@ def main() -> None:
     engine = VLLMEngine(copy.deepcopy(model), tok, greedy, torch.device("cpu"), seed=0, max_model_len=128, timeout_s=300)
     # The trainer's sync as it is for an engine on the actor's own rank: `model` stands for the actor, and each sync
     # goes bucket by bucket (small buckets: several) through the engine's sink to the child; the rank keeps no copy.
-    sync = WeightSync(actor_params=ParamSource(model, param_blocks), engine_model=engine.model, sync_group=None,
+    sync = WeightSync(actor_params=ParamSource(model, param_blocks), receiver=engine.weights, sync_group=None,
                       actor_root=0, colocated=True, bucket_bytes=2**16, wire_dtype=torch.float32,
-                      device=torch.device("cpu"), sink=engine.sink)
+                      device=torch.device("cpu"))
     engine.child.wait_ready()
     report: dict[str, object] = {"start_s": engine.start_s, "checks": [], "buckets": sync.num_buckets,
                                  "engine_on_meta": all(p.is_meta for p in engine.model.parameters())}
@@ -106,7 +106,7 @@ def main() -> None:
         })
     # Multi-turn agents: a per-call token cap and stop strings. Greedy, with a stop string taken from the greedy
     # answer itself (its first printable ASCII byte), so vLLM must end that row exactly where rlrun's rule does.
-    from rlrun.engines.stops import cut_at_stop
+    from rlrun.engines.base import cut_at_stop
 
     engine.sampling = greedy
     full = engine.sample(prompts, seed=5).responses

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlrun.launch.collective_watch import stuck, warning_margin
+from rlrun.launch.dist import stuck, warning_margin
 
 NOW = 1_000_000 * 10**9
 
@@ -73,8 +73,8 @@ def _rank_main(rank: int, port: int, outdir: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from rlrun.launch.collective_watch import CollectiveWatch, flight_recorder_dump
-    from rlrun.runtime.deadline import report_fatal
+    from rlrun.launch.dist import CollectiveWatch, flight_recorder_dump
+    from rlrun.runtime.phases import report_fatal
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
@@ -100,7 +100,7 @@ if __name__ == "__main__":
 def test_a_recorder_that_cannot_be_read_is_said_once_and_never_fatal() -> None:
     import threading
 
-    from rlrun.launch.collective_watch import CollectiveWatch
+    from rlrun.launch.dist import CollectiveWatch
 
     warned, reported, polls = [], [], threading.Event()
     calls = [0]

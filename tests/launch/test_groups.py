@@ -28,7 +28,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
 
     from rlrun.cli.parser import parse_args
     from rlrun.launch import groups as groups_module
-    from rlrun.rl.planning import plan
+    from rlrun.plan.plan import plan
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     calls: list = []

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from rlrun.launch.layout import GroupSpec, Layout, LayoutRequest, Role, RoleRequest
-from rlrun.launch.layout_plan import plan_layout
-from rlrun.launch.layout_text import format_layout_table
+from rlrun.plan.layout import plan_layout
+from rlrun.launch.layout import format_layout_table
 from rlrun.runtime.errors import LayoutError
 
 A, C, RF, RW, E = Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD, Role.ENGINE

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from rlrun.launch.env import read_node_label
-from rlrun.launch.labels import decode_label, encode_label, labels_per_node
+from rlrun.launch.transfer import decode_label, encode_label, labels_per_node
 from rlrun.launch.layout import GroupSpec, LayoutRequest, Role, RoleRequest
-from rlrun.launch.layout_plan import plan_layout
-from rlrun.launch.layout_text import format_layout_table
+from rlrun.plan.layout import plan_layout
+from rlrun.launch.layout import format_layout_table
 from rlrun.runtime.errors import LayoutError
 
 A, C, RF, RW, E = Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD, Role.ENGINE

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlrun.launch.weight_sync import ALIGN, BucketEntry, WeightSync, bucket_size, entry_view, plan_buckets, plan_chunks
+from rlrun.weight_sync.buckets import ALIGN, BucketEntry, BucketSink, KeptModel, bucket_size, entry_view, plan_buckets, plan_chunks
+from rlrun.weight_sync.sync import WeightSync
 from rlrun.runtime.errors import RlrunError
 
 DIST_TIMEOUT_S = 60  # a collective that never completes raises after this long (generous: shared CI boxes)
@@ -197,7 +198,7 @@ TOKENS = torch.arange(12).view(2, 6) % 37
 
 
 def _actor(group: dist.ProcessGroup):
-    from rlrun.launch.weight_sync import ParamSource
+    from rlrun.weight_sync.sync import ParamSource
     from rlrun.strategies.fsdp import FSDPStrategy
 
     strategy = FSDPStrategy(group, torch.device("cpu"), bf16=False, zero_stage=3, offload=False, gradient_checkpointing=False)
@@ -233,12 +234,12 @@ def _engine_snapshot(engine: nn.Module) -> dict:
 
 class _CollectiveCounter:
     """Counts the collectives a block of code issues through the two gather entry points:
-    rlrun.launch.param_blocks' byte all-gather ("block") and DTensor.full_tensor ("param")."""
+    rlrun.weight_sync.blocks' byte all-gather ("block") and DTensor.full_tensor ("param")."""
 
     def __enter__(self) -> "_CollectiveCounter":
         from torch.distributed.tensor import DTensor
 
-        import rlrun.launch.param_blocks as pb
+        import rlrun.weight_sync.blocks as pb
 
         self.calls = {"block": 0, "param": 0}
         self._saved = (pb._all_gather_single, DTensor.full_tensor)
@@ -257,7 +258,7 @@ class _CollectiveCounter:
     def __exit__(self, *exc) -> None:
         from torch.distributed.tensor import DTensor
 
-        import rlrun.launch.param_blocks as pb
+        import rlrun.weight_sync.blocks as pb
 
         pb._all_gather_single, DTensor.full_tensor = self._saved
 
@@ -272,7 +273,7 @@ def scenario_disaggregated(rank: int, world: int) -> dict:
     out: dict = {}
     if is_engine:
         out["before"] = {n: p.detach().clone() for n, p in engine.named_parameters()}
-    ws = WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group if rank in (0, 2, 3) else None,
+    ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank in (0, 2, 3) else None,
                     actor_root=0, colocated=False, bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
     out["num_buckets"] = ws.num_buckets
     out["zero_copy"] = ws.zero_copy
@@ -300,11 +301,13 @@ def scenario_disaggregated(rank: int, world: int) -> dict:
     return out
 
 
-class _RecordingSink:
+class _RecordingSink(BucketSink):
     """A BucketSink that copies each bucket's tensors out at take() (what a file or a vLLM child does with them)
-    and records the calls, so the order WeightSync drives it in and the buffers it lends can be checked."""
+    and records the calls, so the order WeightSync drives it in and the buffers it lends can be checked. `model`: the
+    engine's policy on the meta device (its names and shapes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
         self.calls: list[tuple] = []
         self.received: dict[str, torch.Tensor] = {}
         self.buffer_ptrs: set[int] = set()
@@ -338,10 +341,10 @@ def scenario_streamed(rank: int, world: int) -> dict:
     if rank in (2, 3):
         with torch.device("meta"):
             engine = TinyNet()
-    sink = _RecordingSink() if rank == 2 else None
-    ws = WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group if rank in (0, 2) else None,
+    sink = _RecordingSink(engine) if rank == 2 else None  # rank 3: the engine's other rank, its first takes them
+    ws = WeightSync(actor_params=source, receiver=sink, sync_group=sync_group if rank in (0, 2) else None,
                     actor_root=0, colocated=False, bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"),
-                    check_names=["blocks.1.up.weight"] if rank == 0 else (), sink=sink)
+                    check_names=["blocks.1.up.weight"] if rank == 0 else ())
     out: dict = {"num_buckets": ws.num_buckets, "buffer_sizes": [b.numel() for b in ws.buffers], "syncs": [],
                  "bucket_sizes": [bucket_size(b) for b in ws.buckets]}
     for k in range(2):
@@ -374,9 +377,9 @@ def scenario_colocated_streamed(rank: int, world: int) -> dict:
     source, train_step, full = _actor(actor_group)
     with torch.device("meta"):
         engine = TinyNet()
-    sink = _RecordingSink() if rank == 0 else None
-    ws = WeightSync(actor_params=source, engine_model=engine, sync_group=None, actor_root=0, colocated=True,
-                    bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"), sink=sink)
+    sink = _RecordingSink(engine) if rank == 0 else None  # rank 1: the engine's other rank, its first takes them
+    ws = WeightSync(actor_params=source, receiver=sink, sync_group=None, actor_root=0, colocated=True,
+                    bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
     out["num_buckets"], out["buffers"] = ws.num_buckets, len(ws.buffers)
     for k in range(2):
         train_step(k)
@@ -398,7 +401,7 @@ def scenario_colocated(rank: int, world: int) -> dict:
     on_block = rank in (0, 1)
     source, train_step, full = _actor(actor_group) if on_block else (None, None, None)
     engine = _seeded(100 + rank) if on_block else None
-    ws = WeightSync(actor_params=source, engine_model=engine, sync_group=None, actor_root=0, colocated=True,
+    ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=None, actor_root=0, colocated=True,
                     bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
     out: dict = {"num_buckets": ws.num_buckets, "syncs": []}
     if on_block:
@@ -416,8 +419,8 @@ def scenario_colocated(rank: int, world: int) -> dict:
 def scenario_mismatch(rank: int, world: int) -> dict:
     """Actor ranks [0, 1] (plain model), engines [2, 3] with a different architecture: the engines
     raise at construction, naming the parameters. Two cases: a shape differs, a layer is missing."""
-    from rlrun.launch.param_blocks import param_blocks
-    from rlrun.launch.weight_sync import ParamSource
+    from rlrun.weight_sync.blocks import param_blocks
+    from rlrun.weight_sync.sync import ParamSource
 
     sync_group = dist.new_group([0, 2, 3])
     out: dict = {}
@@ -425,7 +428,7 @@ def scenario_mismatch(rank: int, world: int) -> dict:
         source = ParamSource(_seeded(1), param_blocks) if rank < 2 else None
         engine = _seeded(2, **engine_kwargs) if rank >= 2 else None
         try:
-            WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group if rank != 1 else None,
+            WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank != 1 else None,
                        actor_root=0, colocated=False,
                        bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
             out[case] = None
@@ -486,7 +489,7 @@ def scenario_blocks(rank: int, world: int) -> dict:
     number of collectives per block."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from rlrun.launch.param_blocks import param_blocks
+    from rlrun.weight_sync.blocks import param_blocks
     from rlrun.strategies.fsdp import FSDPStrategy
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
@@ -519,7 +522,7 @@ def scenario_blocks(rank: int, world: int) -> dict:
     out["tiny_full"] = full
     out["tiny_expected"] = {n: t.clone() for n, t in strategy.full_params(model)}
 
-    import rlrun.launch.param_blocks as pb
+    import rlrun.weight_sync.blocks as pb
 
     # FSDP over a one-rank group (an actor on one device): the shards are the full tensors, no collective
     solo_groups = [dist.new_group([r]) for r in range(world)]
@@ -556,7 +559,7 @@ def scenario_pipelined(rank: int, world: int) -> dict:
     out: dict = {"cases": []}
     for k, (bucket_bytes, chunk_bytes) in enumerate(PIPELINE_CASES):
         engine = _seeded(200 + 10 * k + rank) if is_engine else None
-        ws = WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group if rank in (0, 2, 3) else None,
+        ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank in (0, 2, 3) else None,
                         actor_root=0, colocated=False, bucket_bytes=bucket_bytes, wire_dtype=F32,
                         device=torch.device("cpu"), chunk_bytes=chunk_bytes)
         if is_actor:
@@ -593,7 +596,7 @@ def scenario_together(rank: int, world: int) -> dict:
     out: dict = {"cases": []}
     for k, (bucket_bytes, chunk_bytes) in enumerate(((64, 1 << 20), (600, 64), (1 << 30, 700))):
         engine = _seeded(300 + 10 * k + rank) if is_engine else None
-        ws = WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group if rank in (0, 2, 3) else None,
+        ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank in (0, 2, 3) else None,
                         actor_root=0, colocated=False, bucket_bytes=bucket_bytes, wire_dtype=F32,
                         device=torch.device("cpu"), chunk_bytes=chunk_bytes, together=_tiny_groups)
         if is_actor:
@@ -620,9 +623,9 @@ def scenario_zero_copy(rank: int, world: int) -> dict:
     one-rank group, same data) without a WeightSync, so the homed actor's training can be compared bit for bit.
     Then a stray: one parameter is given fresh memory (as a load with assign would), and the next sync must
     still deliver it and re-home it."""
-    from rlrun.launch import param_blocks as pb
-    from rlrun.launch.weight_sync import ParamSource
-    from rlrun.strategies import fsdp_homing
+    from rlrun.weight_sync import blocks as pb
+    from rlrun.weight_sync.sync import ParamSource
+    from rlrun.strategies import fsdp as fsdp_homing
     from rlrun.strategies.fsdp import FSDPStrategy
 
     groups = {r: dist.new_group([r]) for r in (0, 1)}
@@ -649,7 +652,7 @@ def scenario_zero_copy(rank: int, world: int) -> dict:
     if rank != 1:
         engine = _seeded(300 + rank) if rank in (2, 3) else None
         source = ParamSource(model, strategy.param_blocks, strategy) if rank == 0 else None
-        ws = WeightSync(actor_params=source, engine_model=engine, sync_group=sync_group, actor_root=0,
+        ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group, actor_root=0,
                         colocated=False, bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
         out.update(zero_copy=ws.zero_copy, chunks=[len(c) for c in ws.chunks], buffers=len(ws.buffers))
         if rank == 0:
@@ -693,14 +696,14 @@ def scenario_zero_copy(rank: int, world: int) -> dict:
 def scenario_timeout(rank: int, world: int) -> dict:
     """An engine whose root never sends: sync() must raise within the sync group's timeout (2 s),
     not hang. The root builds its WeightSync (the metadata broadcast) and then skips sync()."""
-    from rlrun.launch.param_blocks import param_blocks
-    from rlrun.launch.weight_sync import ParamSource
+    from rlrun.weight_sync.blocks import param_blocks
+    from rlrun.weight_sync.sync import ParamSource
 
     sync_group = dist.new_group([0, 2], timeout=timedelta(seconds=2))
     out: dict = {}
     if rank in (0, 2):
         ws = WeightSync(actor_params=ParamSource(_seeded(1), param_blocks) if rank == 0 else None,
-                        engine_model=_seeded(2) if rank == 2 else None, sync_group=sync_group, actor_root=0,
+                        receiver=KeptModel(_seeded(2)) if rank == 2 else None, sync_group=sync_group, actor_root=0,
                         colocated=False, bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"),
                         chunk_bytes=512)
         if rank == 2:

@@ -1,4 +1,4 @@
-"""rlrun.models.safetensors_read against safetensors' own reader, on files safetensors itself writes: every dtype, row
+"""rlrun.models.safetensors against safetensors' own reader, on files safetensors itself writes: every dtype, row
 slices, 0-dim and empty tensors; damaged files get a clear error; and reading leaves no file pages in this process's
 resident memory (the reason it exists: safe_open's memory map keeps them there)."""
 
@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rlrun.models.safetensors_read import SafetensorsReader
+from rlrun.models.safetensors import SafetensorsReader
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

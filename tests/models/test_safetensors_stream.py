@@ -1,5 +1,5 @@
 """safetensors files written one tensor at a time from a layout planned without the tensors
-(rlrun.models.safetensors_stream): the same files, split and index as transformers' save_pretrained, readable by
+(rlrun.models.safetensors): the same files, split and index as transformers' save_pretrained, readable by
 safetensors and transformers, and nothing a loader would take for a model until every tensor is in."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rlrun.models.safetensors_stream import SafetensorsLayout, StreamedSafetensors, TensorSpec
+from rlrun.models.safetensors import SafetensorsLayout, StreamedSafetensors, TensorSpec
 from rlrun.models.tiny import build_causal_lm, tiny_model_config
 
 

@@ -8,7 +8,7 @@ import re
 
 from rlrun.cli.parser import parse_args
 from rlrun.reporting.metrics import MetricsSink
-from rlrun.reporting.progress import BarProgress, LineProgress, format_duration, format_step_line, make_progress
+from rlrun.reporting.metrics import BarProgress, LineProgress, format_duration, format_step_line, make_progress
 
 LINE = re.compile(r"^\[rlrun \d\d:\d\d:\d\d info\] ")
 
@@ -74,7 +74,7 @@ def test_bar_on_a_terminal_writes_no_lines() -> None:
 
 def test_sink_writes_eval_records_and_lines(tmp_path, monkeypatch, capsys) -> None:
     cfg = parse_args(["--save_path", str(tmp_path)]).config
-    sink = MetricsSink(cfg, total_steps=3, start_step=0)  # pytest's captured stdout is not a terminal: lines
+    sink = MetricsSink(cfg.logging, cfg.checkpoint, total_steps=3, start_step=0)  # pytest's captured stdout is not a terminal: lines
     sink.log_eval(0, {"eval/reward": 0.25})
     sink.log({"step": 1, "reward": 0.5})
     sink.log({"step": 2, "reward": 0.75}, {"eval/reward": 0.5})
@@ -87,9 +87,9 @@ def test_sink_writes_eval_records_and_lines(tmp_path, monkeypatch, capsys) -> No
     assert lines[0].endswith("eval reward 0.250 (at step 0/3)")
     assert "step 2/3 | reward 0.750" in lines[2] and lines[2].endswith("eval reward 0.500")
     # A resume from step 2 keeps the step-2 evaluation (and the one before training), drops nothing it needs.
-    resumed = MetricsSink(cfg, total_steps=3, start_step=2)
+    resumed = MetricsSink(cfg.logging, cfg.checkpoint, total_steps=3, start_step=2)
     resumed.close()
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == records
-    resumed = MetricsSink(cfg, total_steps=3, start_step=1)
+    resumed = MetricsSink(cfg.logging, cfg.checkpoint, total_steps=3, start_step=1)
     resumed.close()
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == records[:2]

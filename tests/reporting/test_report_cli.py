@@ -11,7 +11,7 @@ import pytest
 
 from helpers import REPO, subprocess_env
 from rlrun import report
-from rlrun.reporting.curves import PANELS, plot_curves
+from rlrun.reporting.summary import PANELS, plot_curves
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

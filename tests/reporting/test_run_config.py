@@ -1,4 +1,4 @@
-"""config.yaml in a run's save path (rlrun.reporting.run_config): `--config <save_path>/config.yaml` parses to the
+"""config.yaml in a run's save path (rlrun.reporting.run_report): `--config <save_path>/config.yaml` parses to the
 same config, whichever spellings the run was started with, for every trainer; secrets and the dry-run-only
 settings stay out."""
 
@@ -11,7 +11,7 @@ import yaml
 
 from rlrun.cli.parser import PPO_CLI, CliSpec, parse_args
 from rlrun.dpo import CLI as DPO_CLI
-from rlrun.reporting.run_config import NOT_SAVED, run_settings, write_run_config
+from rlrun.cli.run_config import NOT_SAVED, run_settings, write_run_config
 from rlrun.rm import CLI as RM_CLI
 from rlrun.sft import CLI as SFT_CLI
 

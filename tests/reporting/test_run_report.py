@@ -1,4 +1,4 @@
-"""The start-up lines every trainer prints on rank 0 (rlrun.reporting.run_report): where the outputs go, the config
+"""The start-up lines every trainer prints on rank 0 (rlrun.reporting.run_report, rlrun.cli.run_config): where the outputs go, the config
 written, the reward source, a large layout in one line; and the supervised trainers' evaluation in the step lines."""
 
 from __future__ import annotations
@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from rlrun.cli.parser import PPO_CLI, parse_args
-from rlrun.reporting.progress import format_eval
-from rlrun.reporting.run_report import announce, describe_reward, describe_roles, saved_outputs
+from rlrun.cli.run_config import write_run_config
+from rlrun.reporting.metrics import format_eval
+from rlrun.reporting.run_report import announce, describe_roles, saved_outputs
+from rlrun.rl.assembly import describe_reward
 from rlrun.sft import CLI as SFT_CLI
 
 
@@ -15,20 +17,22 @@ def test_announce_writes_the_config_and_names_every_output(tmp_path) -> None:
     save = tmp_path / "run"
     cfg = parse_args(["--save_path", str(save), "--save_steps", "5", "--ckpt_path", str(tmp_path / "ck"),
                       "--use_tensorboard", str(tmp_path / "tb")]).config
-    where, config = announce(cfg, {}, PPO_CLI.prog, "world size 1, launcher single", cfg.checkpoint.ckpt_path)
+    path, count = write_run_config(cfg, {}, cfg.checkpoint.save_path, PPO_CLI.prog, "world size 1, launcher single")
+    where, config = announce(cfg.model, cfg.checkpoint, cfg.logging, PPO_CLI.prog, path, count)
     assert where == (f"outputs in {save}: the model (Hugging Face format), config.yaml, metrics.jsonl, summary.json, "
                      f"curves.png; checkpoints every 5 steps in {tmp_path / 'ck'}; also to TensorBoard {tmp_path / 'tb'}")
     assert config == (f"config: {save / 'config.yaml'} (4 settings differ from the defaults; rerun with "
                       f"python -m rlrun.ppo --config {save / 'config.yaml'})")
     assert (save / "config.yaml").exists()
-    assert saved_outputs(cfg, cfg.checkpoint.ckpt_path, critic="c") == {
+    assert saved_outputs(cfg.model, cfg.checkpoint, critic="c") == {
         "model": str(save), "critic": "c", "checkpoints": str(tmp_path / "ck"), "config": str(save / "config.yaml")}
 
 
 def test_a_metrics_file_elsewhere_is_named(tmp_path) -> None:
     cfg = parse_args(["--dataset", "d.jsonl", "--save_path", str(tmp_path / "m"), "--metrics_file",
                       str(tmp_path / "logs" / "exp.jsonl")], SFT_CLI).config
-    where, _ = announce(cfg, SFT_CLI.defaults, SFT_CLI.prog, "", cfg.checkpoint.ckpt_path)
+    path, count = write_run_config(cfg, SFT_CLI.defaults, cfg.checkpoint.save_path, SFT_CLI.prog)
+    where, _ = announce(cfg.model, cfg.checkpoint, cfg.logging, SFT_CLI.prog, path, count)
     assert where == (f"outputs: the model (Hugging Face format) and config.yaml in {tmp_path / 'm'}; exp.jsonl, "
                      f"exp_summary.json, exp_curves.png in {tmp_path / 'logs'}; no checkpoints (--save_steps -1)")
 

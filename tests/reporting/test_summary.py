@@ -71,7 +71,7 @@ def test_outputs_beside_the_metrics_file(tmp_path) -> None:
 
 def _sink(tmp_path):
     cfg = parse_args(["--save_path", str(tmp_path)]).config
-    sink = MetricsSink(cfg, total_steps=3, start_step=0)
+    sink = MetricsSink(cfg.logging, cfg.checkpoint, total_steps=3, start_step=0)
     for record in RECORDS:
         if any(k.startswith("eval/") for k in record):
             sink.log_eval(record["step"], {k: v for k, v in record.items() if k != "step"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlrun.rewards.exact_match import compute_score_em, em_check, extract_solution, golden_answers, normalize_answer
+from rlrun.rewards.rules import compute_score_em, em_check, extract_solution, golden_answers, normalize_answer
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlrun.cli.parser import parse_args
-from rlrun.rl.planning import plan
+from rlrun.plan.plan import plan
 from test_resume import N, SMALL, STEPS, _assert_same_final_models, _no_timing, _ok, torchrun
 
 LAYOUT = ["--actor_num_gpus_per_node", "1", "--critic_num_gpus_per_node", "1", "--vllm_num_engines", "1"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, RunResult, run_rlrun, start_reward_server, stop_process
 
-from rlrun.checkpoint import manifest
+from rlrun.checkpoint import store as manifest
 from rlrun.checkpoint import store as ckpt
 
 SMALL = ["--config", "configs/demo.yaml", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",

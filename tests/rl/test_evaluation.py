@@ -9,7 +9,7 @@ import torch
 
 from rlrun.cli.parser import parse_args
 from rlrun.rl.evaluation import TOTALS, finalize, local_totals, prompt_slice
-from rlrun.rl.planning import check_eval
+from rlrun.plan.plan import check_eval
 from rlrun.runtime.errors import ConfigError
 
 from helpers import run_rlrun

@@ -23,7 +23,7 @@ from rlrun.config.schema import PretrainedConfig
 from rlrun.data.rollout import RolloutBatch
 from rlrun.models.loading import load_causal_lm, unfilled_policy
 from rlrun.models.lora import LoraSettings, add_adapters, hf_name, is_adapter
-from rlrun.roles.reference import Reference
+from rlrun.roles.actor import Reference
 
 SEED = 42  # configs/demo.yaml's seed: the base model and the adapters' A matrices are drawn from it
 LORA = ["--lora_rank", "8", "--lora_alpha", "16", "--target_modules", "all-linear"]
@@ -112,7 +112,7 @@ def test_an_adapter_directory_with_a_kl_term_is_refused_in_one_line(tmp_path) ->
     import pytest
 
     from rlrun.config.schema import Config
-    from rlrun.rl.planning import check_adapter_reference
+    from rlrun.plan.plan import check_adapter_reference
     from rlrun.runtime.errors import ConfigError
 
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,

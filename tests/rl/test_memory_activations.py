@@ -18,9 +18,9 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from rlrun.rl.memory_estimate import activation_bytes
-from rlrun.rl.memory_knobs import Knobs
-from rlrun.rl.model_shapes import model_shape
+from rlrun.plan.memory import activation_bytes
+from rlrun.plan.shapes import Knobs
+from rlrun.plan.shapes import model_shape
 
 ROWS, SEQ = 2, 64
 # (config class, hidden, MLP width, heads, KV heads): a Qwen2-0.5B-like wide MLP with few KV heads, a narrow one,

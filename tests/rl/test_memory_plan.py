@@ -19,14 +19,14 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlrun.cli.parser import parse_args
 from rlrun.launch.layout import Role
 from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config_for_size
-from rlrun.rl.memory_estimate import kv_cache_bytes
-from rlrun.rl.memory_knobs import GIB, SupervisedJob, Target, knobs_of
-from rlrun.rl.memory_plan import plan_memory
-from rlrun.rl.memory_text import (dry_run_memory, format_plan, problem_lines, read_shapes, supervised_memory,
+from rlrun.plan.memory import kv_cache_bytes
+from rlrun.plan.shapes import GIB, SupervisedJob, Target, knobs_of
+from rlrun.plan.memory import plan_memory
+from rlrun.plan.memory_text import (dry_run_memory, format_plan, problem_lines, read_shapes, supervised_memory,
                                   target_for)
-from rlrun.rl.model_shapes import model_shape
-from rlrun.vision.tiny import tiny_vl_config
-from rlrun.rl.planning import plan
+from rlrun.plan.shapes import model_shape
+from rlrun.vision.demo import tiny_vl_config
+from rlrun.plan.plan import plan
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=300)
@@ -342,15 +342,15 @@ def test_supervised_dry_run_memory_prints_writes_json_and_skips_what_is_not_here
     plan_file = tmp_path / "plan.json"
     cfg = _supervised("rlrun.sft", ["--pretrain", str(model), "--dataset", "sft.jsonl", "--bf16", "--gpu_memory_gb", "80",
                                     "--plan_json", str(plan_file)])
-    lines, problems = supervised_memory(SupervisedJob())(cfg, 4, 2, True)
+    lines, problems = supervised_memory(cfg, SupervisedJob(), 4, 2, True)
     assert lines[0].startswith("memory plan, GiB per rank at its peak phase, for GPUs of 80.0 GiB (--gpu_memory_gb)")
     assert "| model | train |" in lines[0] and "model: 6.74B parameters" in lines[0]
     assert problems == [] or all(p.startswith("does not fit: model on rank") for p in problems)
     doc = json.loads(plan_file.read_text())
     assert [r["roles"] for r in doc["ranks"]] == [["actor"]] * 4 and [n["node"] for n in doc["nodes"]] == [0, 1]
     cfg = _supervised("rlrun.dpo", ["--pretrain", "out/sft", "--dataset", "pairs.jsonl"])
-    assert supervised_memory(SupervisedJob(pairs=True, reference=True))(cfg, 8, 8, False) == (
+    assert supervised_memory(cfg, SupervisedJob(pairs=True, reference=True), 8, 8, False) == (
         ["memory plan skipped: --pretrain out/sft is not on this machine (the plan reads its config.json)"], [])
     cfg = _supervised("rlrun.dpo", ["--pretrain", str(model), "--ref_pretrain", "/elsewhere/ref", "--dataset", "p.jsonl"])
-    lines, _ = supervised_memory(SupervisedJob(pairs=True, reference=True))(cfg, 8, 8, False)
+    lines, _ = supervised_memory(cfg, SupervisedJob(pairs=True, reference=True), 8, 8, False)
     assert "ref (--ref_pretrain /elsewhere/ref): not on this machine, planned with the policy's shape" in lines

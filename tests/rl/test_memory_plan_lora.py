@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM
 
 from rlrun.cli.parser import parse_args
 from rlrun.launch.layout import Role
-from rlrun.rl.memory_knobs import GIB, SupervisedJob, Target
-from rlrun.rl.memory_plan import plan_memory
-from rlrun.rl.memory_text import dry_run_memory, format_plan, note_lines, read_shapes, supervised_memory
-from rlrun.rl.model_shapes import lora_parameters, model_shape, unknown_targets
-from rlrun.rl.planning import plan
+from rlrun.plan.shapes import GIB, SupervisedJob, Target
+from rlrun.plan.memory import plan_memory
+from rlrun.plan.memory_text import dry_run_memory, format_plan, note_lines, read_shapes, supervised_memory
+from rlrun.plan.shapes import lora_parameters, model_shape, unknown_targets
+from rlrun.plan.plan import plan
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=300)
@@ -193,11 +193,11 @@ def test_lora_dpo_scores_its_reference_on_the_policy_base(tmp_path):
     alone = plan_memory(cfg, sft.layout(8, 8), memory.shapes, GPU_80, sft).ranks[1].gpu
     extra = {k: rank.gpu.get(k, 0) - alone.get(k, 0) for k in rank.gpu}
     assert extra == {"params": 0, "grads": 0, "optimizer": 0, "gathered": 0, "activations": 0, "logits": 0}
-    lines, _ = supervised_memory(dpo)(cfg, 8, 8, False)
+    lines, _ = supervised_memory(cfg, dpo, 8, 8, False)
     assert "the reference is the policy's base (adapters off), no reference model" in lines[0]
     assert "| policy | train" in lines[0] and "policy,ref" not in lines[0]
     # a reference of its own (--ref_pretrain another model) stays a frozen model beside the LoRA policy
     other = _dpo(tmp_path, "--lora_rank", "8", "--ref_pretrain", "/elsewhere/ref")
     assert not dpo.for_config(other).base_reference
-    lines, _ = supervised_memory(dpo)(other, 8, 8, False)
+    lines, _ = supervised_memory(other, dpo, 8, 8, False)
     assert "policy,ref" in lines[0] and "no reference model" not in lines[0]

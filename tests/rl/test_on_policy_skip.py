@@ -17,7 +17,7 @@ from rlrun.data.rollout import pack_rows, unpack_rows
 from rlrun.models.tiny import PAD_ID, build_causal_lm, tiny_model_config
 from rlrun.rl.trainer import skips_old_log_probs
 from rlrun.roles.actor import Actor, PolicyData, PolicyLossSettings
-from rlrun.roles.optim import make_optimizer, warmup_cosine
+from rlrun.roles.update import make_optimizer, warmup_cosine
 from rlrun.roles.update import Updater
 
 ON_POLICY = {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "train_batch_size": 16}

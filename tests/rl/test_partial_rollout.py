@@ -18,7 +18,7 @@ from rlrun.engines.base import HFEngine, SamplingSettings
 from rlrun.engines.native import NativeEngine
 from rlrun.models.tiny import BUILTIN_PROMPTS, EOS_ID, PAD_ID, build_byte_tokenizer
 from rlrun.rl.partial_rollout import PoolSettings, SequencePool
-from rlrun.rl.planning import plan
+from rlrun.plan.plan import plan
 from rlrun.runtime.errors import ConfigError
 
 from helpers import save_long_tailed_base

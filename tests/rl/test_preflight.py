@@ -15,7 +15,7 @@ import rlrun.ppo
 from rlrun.cli.parser import parse_args
 from rlrun.models import hub
 from rlrun.models.tiny import build_byte_tokenizer, tiny_model_config
-from rlrun.rl.preflight import preflight
+from rlrun.plan.preflight import preflight
 from rlrun.runtime.errors import RlrunError
 
 LAUNCH_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|SLURM_\w+)$")
@@ -105,7 +105,7 @@ def test_hub_ids_resolve_from_the_cache_and_an_offline_miss_is_named_not_failed(
 
 
 def test_a_dry_run_plans_vllm_engines_where_vllm_is_not_installed(single_process, capsys, monkeypatch):
-    from rlrun.engines import vllm_adapter
+    from rlrun.engines.vllm import adapter as vllm_adapter
 
     monkeypatch.setattr(vllm_adapter, "installed_version", lambda: None)  # as on a login node, or CI
     argv = ["--generation_backend", "vllm", "--remote_rm_url", "demo", "--gpu_memory_gb", "80"]

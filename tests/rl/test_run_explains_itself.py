@@ -14,7 +14,7 @@ import pytest
 
 from helpers import REPO, run_rlrun, subprocess_env
 from rlrun.cli.parser import parse_args
-from rlrun.engines.choice import choose_generation
+from rlrun.plan.plan import choose_generation
 
 ARGS = ["--config", "configs/demo.yaml", "--max_steps", "3", "--input_template", "Q: {}\nA:"]
 

@@ -1,4 +1,4 @@
-"""--dynamic_batch: token-budget micro-batches (rlrun.data.token_batches, the update loop, the scoring forwards).
+"""--dynamic_batch: token-budget micro-batches (rlrun.data.batching, the update loop, the scoring forwards).
 
 The plan on hand-made lengths (budget respected, every row once, outputs back in row order), the gradient of
 uneven micro-batches == the gradient of one full batch (every loss aggregation mode, one and two data-parallel
@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification
 
 from rlrun.data.rollout import RolloutBatch, pack_rows, unpack_rows
-from rlrun.data.token_batches import (RowLengths, TokenBudget, balanced_order, balanced_shards, micro_batch_cost,
+from rlrun.data.batching import (RowLengths, TokenBudget, balanced_order, balanced_shards, micro_batch_cost,
                                       padded_tokens, plan_micro_batches, split_to_count, trim_padding)
 from rlrun.models.loading import ScalarHeadModel
 from rlrun.models.tiny import PAD_ID, build_causal_lm, tiny_model_config
@@ -144,13 +144,15 @@ def _policy_inputs(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def _actor_grad(agg: str, batch: RolloutBatch, budget: TokenBudget | None, rank: int = 0, world: int = 1,
                 on_policy: bool = False) -> tuple[torch.Tensor, Actor, dict[str, float]]:
+    from helpers import update_actor  # not at the top: the ranks run this file as __main__
+
     adv, old, ref = _policy_inputs(batch)
     model = build_causal_lm(tiny_model_config(), seed=0)
     updater, capture = _updater(model, len(batch.prompt_len), rank, world)
     settings = PolicyLossSettings(0.2, None, agg, 1.0, 0.01, True, "k3")  # KL loss and entropy on
     actor = Actor(model, updater, settings, CPU)
     rows = [torch.arange(len(batch.prompt_len))]
-    stats = actor.train(PolicyData(batch, None if on_policy else old, adv, ref), rows, kl_coef=0.5, budget=budget)
+    stats = update_actor(actor, PolicyData(batch, None if on_policy else old, adv, ref), rows, kl_coef=0.5, budget=budget)
     return capture.grads[0], actor, stats
 
 
@@ -193,6 +195,8 @@ def _scalar_model(seed: int = 1) -> ScalarHeadModel:
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_critic_gradient_of_uneven_micro_batches_equals_the_full_batch(agg):
+    from helpers import update_critic  # not at the top: the ranks run this file as __main__
+
     batch = long_tailed_batch(seed=4)
     returns, old = _policy_inputs(batch)[:2]
     grads, losses = [], []
@@ -200,7 +204,7 @@ def test_critic_gradient_of_uneven_micro_batches_equals_the_full_batch(agg):
         model = _scalar_model()
         updater, capture = _updater(model, 12)
         critic = Critic(model, updater, 0.5, agg, CPU)
-        stats = critic.train(ValueData(batch, old, returns), [torch.arange(12)], budget)
+        stats = update_critic(critic, ValueData(batch, old, returns), [torch.arange(12)], budget)
         grads.append(capture.grads[0])
         losses.append(stats["critic/value_loss"])
         assert 0 <= stats["critic/padded_token_frac"] < 1

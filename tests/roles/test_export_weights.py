@@ -1,4 +1,4 @@
-"""The HF export streamed one gathered block at a time (rlrun.roles.export_weights), on a 2-rank gloo world with
+"""The HF export streamed one gathered block at a time (rlrun.roles.export), on a 2-rank gloo world with
 both strategies (FSDP2 ZeRO-2/3, real DeepSpeed ZeRO-2/3).
 
 Each case exports models sharded over both ranks, rank 0 writing, with the strategy's `full_state_dict` (gathering
@@ -46,7 +46,7 @@ def _strategy(kind: str, stage: int):
         return FSDPStrategy(dist.group.WORLD, cpu, bf16=False, zero_stage=stage, offload=False,
                             gradient_checkpointing=False)
     from rlrun.launch.groups import solo_group
-    from rlrun.strategies.deepspeed_adapter import DeepSpeedStrategy
+    from rlrun.strategies.deepspeed import DeepSpeedStrategy
 
     return DeepSpeedStrategy(dist.group.WORLD, cpu, bf16=False, zero_stage=stage, offload=False,
                              gradient_checkpointing=False, micro_batch=2, max_norm=1.0, solo_group=solo_group(120))
@@ -55,8 +55,8 @@ def _strategy(kind: str, stage: int):
 def _case(kind: str, stage: int, rank: int, outdir: Path) -> dict:
     from rlrun.models.loading import ScalarHeadModel
     from rlrun.roles.export import save_causal_lm, save_scalar_model
-    from rlrun.roles.export_weights import NonFiniteWeights
-    from rlrun.roles.optim import make_optimizer
+    from rlrun.roles.export import NonFiniteWeights
+    from rlrun.roles.update import make_optimizer
     from rlrun.strategies.base import Part
 
     tokenizer = build_byte_tokenizer()
@@ -193,7 +193,7 @@ def test_streamed_exports_are_what_save_pretrained_writes(tmp_path):
 
 
 def _shapes(model: torch.nn.Module):
-    from rlrun.models.safetensors_stream import TensorSpec
+    from rlrun.models.safetensors import TensorSpec
 
     return {n: TensorSpec(tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
 
@@ -205,7 +205,7 @@ def test_the_plan_names_what_save_pretrained_saves_and_declines_what_it_would_co
     gathers the model whole, as save_pretrained needs."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from rlrun.roles.export_weights import plan_weights
+    from rlrun.roles.export import plan_weights
 
     tied = build_causal_lm(_tied_config(), seed=0)
     plan = plan_weights(tied, _shapes(tied), as_transformers=True)

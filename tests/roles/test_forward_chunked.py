@@ -176,7 +176,7 @@ def _deepspeed_results(mine: RolloutBatch) -> dict:
     from deepspeed.utils import safe_get_full_grad
 
     from rlrun.launch.groups import solo_group
-    from rlrun.strategies.deepspeed_adapter import DeepSpeedStrategy
+    from rlrun.strategies.deepspeed import DeepSpeedStrategy
 
     strategy = DeepSpeedStrategy(dist.group.WORLD, torch.device("cpu"), bf16=False, zero_stage=3, offload=False,
                                  gradient_checkpointing=False, micro_batch=len(mine.sequences), max_norm=1.0,

@@ -20,9 +20,9 @@ from rlrun.models.tiny import PAD_ID, build_causal_lm, tiny_model_config
 from rlrun.roles.actor import Actor, PolicyData, PolicyLossSettings
 from rlrun.roles.critic import Critic, ValueData
 from rlrun.roles.forward import policy_log_probs, sequence_scores, token_values
-from rlrun.roles.optim import warmup_cosine
-from rlrun.roles.reference import Reference
-from rlrun.roles.reward_model import RewardModel
+from rlrun.roles.update import warmup_cosine
+from rlrun.roles.actor import Reference
+from rlrun.roles.critic import RewardModel
 from rlrun.roles.update import Updater
 
 ATOL = 1e-5
@@ -139,6 +139,8 @@ def _actor(packing: bool) -> Actor:
 
 def test_training_step_matches_padded():
     """Actor and critic: one optimizer step on packed rows leaves the same parameters as on padded rows."""
+    from helpers import update_actor, update_critic  # not at the top: the ranks run this file as __main__
+
     batch = varied_batch(seed=2)
     adv = torch.linspace(-1, 1, batch.action_mask.numel()).view_as(batch.action_mask)
     ref = build_causal_lm(tiny_model_config(), seed=4)
@@ -148,13 +150,13 @@ def test_training_step_matches_padded():
     for packing in (False, True):
         actor = _actor(packing)
         old = actor.log_probs(batch, 3)
-        stats[packing] = actor.train(PolicyData(batch, old, adv, ref_lp), [torch.arange(8)], kl_coef=0.1)
+        stats[packing] = update_actor(actor, PolicyData(batch, old, adv, ref_lp), [torch.arange(8)], kl_coef=0.1)
         model = scalar_model()
         opt = _sgd(model)
         critic = Critic(model, Updater(model, _Clip(), opt, warmup_cosine(opt, 10, 0.0), 1.0, 3, 0, 1), 0.5,
                         "token-mean", CPU, packing=packing)
         old_values = critic.values(batch, 3)
-        critic.train(ValueData(batch, old_values, torch.ones_like(old_values)), [torch.arange(8)])
+        update_critic(critic, ValueData(batch, old_values, torch.ones_like(old_values)), [torch.arange(8)])
         params[packing] = [p.detach().clone() for p in actor.model.parameters()] + \
                           [p.detach().clone() for p in model.parameters()]
     for a, b in zip(params[False], params[True]):

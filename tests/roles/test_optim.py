@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from rlrun.models.tiny import build_causal_lm, tiny_model_config
-from rlrun.roles.optim import adam_implementation, make_optimizer
+from rlrun.roles.update import adam_implementation, make_optimizer
 
 TOKENS = torch.arange(4 * 6).view(4, 6) % 250
 

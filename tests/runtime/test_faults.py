@@ -1,4 +1,4 @@
-"""The bound on a run's close: teardown and the process's exit (rlrun.runtime.faults.CLOSE_BOUND_S), in fresh
+"""The bound on a run's close: teardown and the process's exit (rlrun.runtime.phases.CLOSE_BOUND_S), in fresh
 processes, since faulthandler's watchdog ends the process it runs in."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-_PRELUDE = "import time, rlrun.runtime.faults as faults\nfaults.CLOSE_BOUND_S = 1.0\n"
+_PRELUDE = "import time, rlrun.runtime.phases as faults\nfaults.CLOSE_BOUND_S = 1.0\n"
 
 
 def _run(body: str) -> tuple[int, str, str, float]:

@@ -68,16 +68,16 @@ def test_the_memory_line_is_off_unless_asked(capsys, monkeypatch):
 _PHASES = """
 import os, sys
 os.environ["RLRUN_REPORT_MEMORY"] = "1"
-from rlrun.runtime.faults import PhaseTracker
+from rlrun.runtime.phases import Phase, PhaseTracker
 from rlrun.runtime.log import RankLogger
 from rlrun.runtime.memory import PHASE_PEAKS, report_memory
 phase = PhaseTracker(0, hang_after_s=60)
-with phase("generate", 0):
+with phase(Phase.GENERATE, 0):
     big = bytearray(160 * 2**20)  # zero pages: touch them so they are resident
     for i in range(0, len(big), 4096):
         big[i] = 1
     del big
-with phase("score", 0):
+with phase(Phase.SCORE, 0):
     small = bytearray(16 * 2**20)
     for i in range(0, len(small), 4096):
         small[i] = 1

@@ -1,5 +1,5 @@
-"""A refused write as one line (rlrun.runtime.storage) and a bound on a call rlrun cannot interrupt
-(rlrun.runtime.deadline, in a real child process: the bound ends the process)."""
+"""A refused write as one line (rlrun.runtime.errors) and a bound on a call rlrun cannot interrupt
+(rlrun.runtime.phases, in a real child process: the bound ends the process)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 from helpers import REPO, subprocess_env
 
-from rlrun.runtime.storage import brief, storage_cause, storage_error
+from rlrun.runtime.errors import brief, storage_cause, storage_error
 
 
 class FakeCheckpointException(BaseException):
@@ -64,7 +64,7 @@ def _child(code: str, timeout: float = 60) -> tuple[int, str, float]:
 def test_a_passed_deadline_reports_once_and_ends_the_process():
     rc, out, seconds = _child("""
         import time
-        from rlrun.runtime.deadline import deadline, set_reporter
+        from rlrun.runtime.phases import deadline, set_reporter
         from rlrun.runtime.errors import RewardError
 
         def report(exc):

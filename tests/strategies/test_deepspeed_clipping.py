@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlrun.strategies.deepspeed_adapter import DSSettings, clipped_by_rlrun, ds_config
+from rlrun.strategies.deepspeed import DSSettings, clipped_by_rlrun, ds_config
 
 MAX_NORM = 0.5
 
@@ -54,7 +54,7 @@ def _rank_main(outdir: Path) -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     import deepspeed
 
-    from rlrun.strategies.deepspeed_adapter import DeepSpeedSteps
+    from rlrun.strategies.deepspeed import DeepSpeedSteps
 
     class NoClipper:
         def clip_grad_norm(self, model, max_norm):  # noqa: ANN001, ANN202

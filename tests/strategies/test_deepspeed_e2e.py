@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from helpers import run_rlrun
 from rlrun.checkpoint import store as ckpt
 from rlrun.config.schema import Config
-from rlrun.rl.planning import plan
+from rlrun.plan.plan import plan
 from rlrun.runtime.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,

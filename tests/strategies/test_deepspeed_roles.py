@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from rlrun.models.tiny import build_causal_lm, tiny_model_config
-from rlrun.roles.optim import make_optimizer
+from rlrun.roles.update import make_optimizer
 from rlrun.roles.update import Updater
 
 TOKENS = (torch.arange(8 * 6).view(8, 6) * 7) % 250
@@ -118,7 +118,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     from rlrun.launch.groups import solo_group  # noqa: PLC0415
 
     solo = solo_group(120)
-    from rlrun.strategies.deepspeed_adapter import DeepSpeedStrategy  # noqa: PLC0415 - after the audit is in place
+    from rlrun.strategies.deepspeed import DeepSpeedStrategy  # noqa: PLC0415 - after the audit is in place
 
     role = "actor" if rank in ROLES["actor"]["ranks"] else "critic"
     spec = ROLES[role]

@@ -75,7 +75,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     from rlrun.launch.groups import solo_group  # noqa: PLC0415
 
     solo = solo_group(120)
-    from rlrun.strategies.deepspeed_adapter import DeepSpeedStrategy  # noqa: PLC0415
+    from rlrun.strategies.deepspeed import DeepSpeedStrategy  # noqa: PLC0415
 
     def strategy(stage: int, grp, micro: int) -> DeepSpeedStrategy:
         return DeepSpeedStrategy(grp, torch.device("cpu"), bf16=False, zero_stage=stage, offload=False,

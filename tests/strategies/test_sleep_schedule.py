@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from rlrun.config.schema import Config
-from rlrun.config.validation import check_values
+from rlrun.plan.checks import check_values
 from rlrun.launch.layout import Role
-from rlrun.rl.sleep import Phase, SleepSchedule, Sleeper, rank_plan
+from rlrun.rl.sleep import SleepSchedule, Sleeper, rank_plan
+from rlrun.runtime.phases import Phase
 from rlrun.runtime.errors import ConfigError, RlrunError
 from rlrun.strategies.base import Part
 from rlrun.strategies.parking import ParkedStorages, SleepBook, device_storages, held_bytes
@@ -86,7 +87,7 @@ def test_plan_when_every_role_shares_the_rank():
     assert plan == {
         Phase.GENERATE: {A: NONE, C: NONE, R: NONE, W: NONE},
         Phase.SCORE: {A: PARAMS, C: PARAMS, R: PARAMS, W: PARAMS},
-        Phase.TRAIN_ACTOR: {A: BOTH, C: NONE, R: NONE, W: NONE},
+        Phase.TRAIN: {A: BOTH, C: NONE, R: NONE, W: NONE},
         Phase.TRAIN_CRITIC: {A: NONE, C: BOTH, R: NONE, W: NONE},
         Phase.SYNC: {A: PARAMS, C: NONE, R: NONE, W: NONE},
     }
@@ -95,7 +96,7 @@ def test_plan_when_every_role_shares_the_rank():
 def test_plan_of_ranks_that_work_in_few_phases():
     # The actor alone (engines elsewhere): generate and train_critic are not its business, nothing moves then.
     actor_only = rank_plan(frozenset({Role.ACTOR}), actor_scores=True)
-    assert actor_only == {Phase.GENERATE: None, Phase.SCORE: {Role.ACTOR: PARAMS}, Phase.TRAIN_ACTOR: {Role.ACTOR: BOTH},
+    assert actor_only == {Phase.GENERATE: None, Phase.SCORE: {Role.ACTOR: PARAMS}, Phase.TRAIN: {Role.ACTOR: BOTH},
                           Phase.TRAIN_CRITIC: None, Phase.SYNC: {Role.ACTOR: PARAMS}}
     # GRPO with the KL as a loss, one mini-batch: the training forward gives the old log-probs, no actor in score.
     grpo = rank_plan(frozenset({Role.ACTOR, Role.REF, Role.ENGINE}), actor_scores=False)
@@ -104,11 +105,11 @@ def test_plan_of_ranks_that_work_in_few_phases():
     assert grpo[Phase.TRAIN_CRITIC] is None
     # The reward model on ranks of its own: awake in score, and it never has a reason to sleep.
     assert rank_plan(frozenset({Role.REWARD}), actor_scores=True) == {
-        Phase.GENERATE: None, Phase.SCORE: {Role.REWARD: PARAMS}, Phase.TRAIN_ACTOR: None, Phase.TRAIN_CRITIC: None,
+        Phase.GENERATE: None, Phase.SCORE: {Role.REWARD: PARAMS}, Phase.TRAIN: None, Phase.TRAIN_CRITIC: None,
         Phase.SYNC: None}
     # An engine alone holds no model: it works in generate and sync, with nothing to move.
     assert rank_plan(frozenset({Role.ENGINE}), actor_scores=True) == {
-        Phase.GENERATE: {}, Phase.SCORE: None, Phase.TRAIN_ACTOR: None, Phase.TRAIN_CRITIC: None, Phase.SYNC: {}}
+        Phase.GENERATE: {}, Phase.SCORE: None, Phase.TRAIN: None, Phase.TRAIN_CRITIC: None, Phase.SYNC: {}}
 
 
 class _Recorder:
@@ -145,7 +146,7 @@ def test_schedule_sleeps_before_it_wakes_and_moves_each_part_once_per_change():
     sleepers = [Sleeper(Role.ACTOR, rec, actor, torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1)),  # type: ignore[arg-type]
                 Sleeper(Role.REF, rec, ref, None)]  # type: ignore[arg-type]
     schedule = SleepSchedule(sleepers, rank_plan(frozenset({Role.ACTOR, Role.REF, Role.ENGINE}), True), rank=1)
-    for phase in (Phase.SYNC, Phase.GENERATE, Phase.SCORE, Phase.TRAIN_ACTOR, Phase.TRAIN_CRITIC, Phase.SYNC,
+    for phase in (Phase.SYNC, Phase.GENERATE, Phase.SCORE, Phase.TRAIN, Phase.TRAIN_CRITIC, Phase.SYNC,
                   Phase.GENERATE):
         schedule.enter(phase)
     assert calls == [

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from rlrun.models.tiny import build_causal_lm, tiny_model_config
-from rlrun.roles.optim import make_optimizer
+from rlrun.roles.update import make_optimizer
 from rlrun.roles.update import Updater
 
 TOKENS = (torch.arange(8 * 6).view(8, 6) * 7) % 250
@@ -103,7 +103,7 @@ def _case(kind: str, stage: int, rank: int, world: int, outdir: Path) -> dict:
             from rlrun.strategies.fsdp import FSDPStrategy
 
             return FSDPStrategy(group, cpu, bf16=False, zero_stage=stage, offload=False, gradient_checkpointing=False)
-        from rlrun.strategies.deepspeed_adapter import DeepSpeedStrategy
+        from rlrun.strategies.deepspeed import DeepSpeedStrategy
 
         return DeepSpeedStrategy(group, cpu, bf16=False, zero_stage=stage, offload=False, gradient_checkpointing=False,
                                  micro_batch=2, max_norm=1.0, solo_group=solo)

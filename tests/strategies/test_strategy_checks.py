@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from rlrun.config.schema import Config
-from rlrun.rl.planning import plan
+from rlrun.plan.plan import plan
 from rlrun.runtime.errors import ConfigError
-from rlrun.strategies import checks
+from rlrun.plan import checks
 
 
 def _cfg(strategy: str) -> Config:

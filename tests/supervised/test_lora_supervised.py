@@ -18,9 +18,10 @@ from rlrun.config.schema import PretrainedConfig
 from rlrun.models.loading import load_causal_lm
 from rlrun.models.lora import hf_name, is_adapter
 from rlrun.runtime.errors import ConfigError
-from rlrun.supervised.build import check_lora, reference_is_base, reward_model
-from rlrun.supervised.config import DPOConfig, DPOLossConfig
-from rlrun.supervised.demo_data import write_all
+from rlrun.plan.checks import check_lora, reference_is_base
+from rlrun.supervised.assembly import reward_model
+from rlrun.config.supervised import DPOConfig, DPOLossConfig
+from rlrun.supervised.datasets import write_all
 
 SEED = 42  # --seed's default: the embedded model's fresh heads and the adapters' A matrices are drawn from it
 LORA = ["--lora_rank", "8", "--lora_alpha", "32", "--eval_before_train", "--lr_warmup_ratio", "0", "--max_len", "48",
@@ -120,10 +121,13 @@ def test_the_dpo_reference_is_the_base_unless_another_model_is_named(tmp_path) -
     model: a separate frozen reference (OpenRLHF's behaviour); no LoRA: always a reference model."""
     model = tmp_path / "sft"
     model.mkdir()
-    assert reference_is_base(_dpo(None, None)) and reference_is_base(_dpo(str(model), None))
-    assert reference_is_base(_dpo(str(model), str(tmp_path / "." / "sft")))
-    assert not reference_is_base(_dpo(str(model), str(tmp_path / "other")))
-    assert not reference_is_base(_dpo(None, None, rank=0))
+    def base(cfg: DPOConfig) -> bool:
+        return reference_is_base(cfg.model, cfg.loss)
+
+    assert base(_dpo(None, None)) and base(_dpo(str(model), None))
+    assert base(_dpo(str(model), str(tmp_path / "." / "sft")))
+    assert not base(_dpo(str(model), str(tmp_path / "other")))
+    assert not base(_dpo(None, None, rank=0))
 
 
 def test_an_adapter_directory_as_the_dpo_policy_is_refused(tmp_path) -> None:

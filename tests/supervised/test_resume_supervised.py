@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from helpers import RunResult, run_rlrun, subprocess_env
 from rlrun.checkpoint import store as ckpt
-from rlrun.supervised.demo_data import write_all
+from rlrun.supervised.datasets import write_all
 
 STEPS = 6
 SFT = ["--output_key", "output", "--input_template", "{}", "--train_batch_size", "8", "--micro_train_batch_size", "2",

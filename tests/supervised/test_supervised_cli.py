@@ -20,8 +20,8 @@ from rlrun.dpo import CLI as DPO_CLI
 from rlrun.rm import CLI as RM_CLI
 from rlrun.runtime.errors import ConfigError
 from rlrun.sft import CLI as SFT_CLI
-from rlrun.supervised.config import DPOConfig, RMConfig, SFTConfig
-from rlrun.supervised.validation import check_supervised
+from rlrun.config.supervised import DPOConfig, RMConfig, SFTConfig
+from rlrun.plan.checks import check_supervised
 
 
 def test_each_trainer_has_openrlhf_defaults() -> None:
@@ -150,7 +150,6 @@ def test_dry_run_prints_a_memory_plan_per_rank(module, roles, tmp_path, monkeypa
     --gpu_memory_gb, in rlrun.ppo's format; a --pretrain of a hub id's shape that is not here (an earlier stage's
     `out/sft`) is named, and the plan says it is skipped, without failing the dry run."""
     from rlrun.models import hub
-    from rlrun.supervised.run import main
 
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8",
                        "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}.items():
@@ -159,12 +158,12 @@ def test_dry_run_prints_a_memory_plan_per_rank(module, roles, tmp_path, monkeypa
     pairs.write_text(json.dumps({"chosen": "5", "rejected": "6", "input": "2+3?", "output": "5"}) + "\n")
     argv = ["--dataset", str(pairs), "--train_batch_size", "16", "--dry_run",
             *(["--output_key", "output"] if module == "rlrun.sft" else [])]
-    trainer = importlib.import_module(module).TRAINER
+    main = importlib.import_module(module).main
     text = io.StringIO()
     hub.resolve.cache_clear()
     with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
-        assert main(trainer, [*argv, "--gpu_memory_gb", "80"]) == 0
-        assert main(trainer, [*argv, "--pretrain", "out/sft"]) == 0
+        assert main([*argv, "--gpu_memory_gb", "80"]) == 0
+        assert main([*argv, "--pretrain", "out/sft"]) == 0
     hub.resolve.cache_clear()
     out = text.getvalue()
     assert "memory plan, GiB per rank at its peak phase, for GPUs of 80.0 GiB (--gpu_memory_gb)" in out, out

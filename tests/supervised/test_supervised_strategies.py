@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from helpers import run_rlrun
-from rlrun.supervised.demo_data import write_all
+from rlrun.supervised.datasets import write_all
 
 pytest.importorskip("deepspeed")
 

@@ -10,11 +10,11 @@ import torch
 
 from rlrun.config.schema import PretrainedConfig
 from rlrun.models.loading import ScalarHeadModel, init_score_head, load_causal_lm, scalar_model_from
-from rlrun.supervised.batches import sequences_batch
+from rlrun.supervised.tasks import sequences_batch
 from rlrun.supervised.datasets import Completion, Preference
-from rlrun.supervised.dpo_task import DPOSettings, DPOTask
-from rlrun.supervised.rm_task import RewardModelTask
-from rlrun.supervised.sft_task import SFTTask
+from rlrun.supervised.tasks import DPOSettings, DPOTask
+from rlrun.supervised.tasks import RewardModelTask
+from rlrun.supervised.tasks import SFTTask
 
 CPU = torch.device("cpu")
 PAD = 0

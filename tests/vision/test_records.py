@@ -16,11 +16,11 @@ from rlrun.config.schema import Config
 from rlrun.data.prompts import PromptKeys, load_prompt_records
 from rlrun.data.sources import DataSpec
 from rlrun.models.tiny import build_byte_tokenizer
-from rlrun.rl.build import prompt_set
+from rlrun.plan.preflight import ppo_prompts
 from rlrun.runtime.errors import DataError
-from rlrun.vision.demo_data import write_colour_task
+from rlrun.vision.demo import write_colour_task
 from rlrun.data.images import load_image
-from rlrun.data.image_records import images_of
+from rlrun.data.images import images_of
 
 
 def _png(colour=(10, 200, 30), size=(6, 4)) -> bytes:
@@ -105,4 +105,4 @@ def test_a_text_policy_refuses_image_records(tmp_path):
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, prompt_data=path, input_key="message",
                                                             label_key="answer"))
     with pytest.raises(DataError, match=r"record 0 has images, but the policy tiny is a text-only model"):
-        prompt_set(cfg, build_byte_tokenizer(), DataSpec(path))
+        ppo_prompts(cfg, build_byte_tokenizer(), DataSpec(path))

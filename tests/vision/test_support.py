@@ -11,8 +11,8 @@ import pytest
 
 from rlrun.cli.parser import parse_args
 from rlrun.runtime.errors import ConfigError
-from rlrun.vision.support import check_vision_run, vision_run_problem
-from rlrun.vision.tiny import save_tiny_vl
+from rlrun.plan.checks import check_vision_run, vision_run_problem
+from rlrun.vision.demo import save_tiny_vl
 
 # the-laughing-monkey/OpenRLHF-M examples/scripts/tests/train_grpo_ray_qwen2_5_vl_mathv60k.sh, plus lmm-r1's
 # --label_key answer and OpenRLHF-M's --freeze_prefix/--min_pixels/--max_pixels

@@ -28,8 +28,8 @@ def _vision(patches: int, images: int, seed: int) -> PromptVision:
 def vlm(tmp_path_factory):
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
-    from rlrun.vision.processor import ImageInputs
-    from rlrun.vision.tiny import save_tiny_vl
+    from rlrun.vision.inputs import ImageInputs
+    from rlrun.vision.demo import save_tiny_vl
 
     folder = save_tiny_vl(tmp_path_factory.mktemp("tiny_vl"), seed=1)
     config = AutoConfig.from_pretrained(folder)
@@ -46,7 +46,7 @@ def _prompt_ids(tokenizer, images: int, text: str = "Colour?") -> list[int]:
 
 def test_preprocessing_expands_each_image_token_by_its_grid(vlm):
     from rlrun.runtime.errors import DataError
-    from rlrun.vision.processor import ImageInputs
+    from rlrun.vision.inputs import ImageInputs
 
     folder, config, tokenizer, _, images = vlm
     ids = _prompt_ids(tokenizer, 2)
@@ -83,7 +83,7 @@ def _batch(vlm, rows: int = 4, new_tokens: int = 10):
 def test_generation_with_images_never_samples_a_vision_token(vlm):
     """A sampled image token would be read as an image without pixels by every later forward: generation
     suppresses the vision tokens (a fresh tiny model gives each ~1/263 probability)."""
-    from rlrun.vision.positions import vision_token_ids
+    from rlrun.vision.inputs import vision_token_ids
 
     batch, _, responses, _ = _batch(vlm, rows=8, new_tokens=24)
     banned = set(vision_token_ids(vlm[3]))
@@ -147,7 +147,7 @@ def test_row_vision_selects_rows_and_round_trips_through_state():
 def test_freezing_the_vision_tower_freezes_it_alone(vlm):
     from rlrun.models.tiny import build_causal_lm, tiny_model_config
     from rlrun.runtime.errors import ConfigError
-    from rlrun.vision.tiny import tiny_vl_config
+    from rlrun.vision.demo import tiny_vl_config
     from rlrun.vision.tower import freeze_vision_tower
 
     model = build_causal_lm(tiny_vl_config(), seed=0)
@@ -165,7 +165,7 @@ def test_freeze_prefix_matches_checkpoint_names_as_openrlhf_m_writes_them():
     `model.visual.*`: both spellings freeze the same parameters; a prefix matching nothing is an error."""
     from rlrun.models.tiny import build_causal_lm
     from rlrun.runtime.errors import ConfigError
-    from rlrun.vision.tiny import tiny_vl_config
+    from rlrun.vision.demo import tiny_vl_config
     from rlrun.vision.tower import freeze_by_prefix
 
     for prefix in ("visual", "model.visual"):

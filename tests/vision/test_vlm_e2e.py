@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from helpers import run_rlrun, subprocess_env
 from rlrun.checkpoint import store
-from rlrun.vision.demo_data import write_colour_task
-from rlrun.vision.tiny import save_tiny_vl
+from rlrun.vision.demo import write_colour_task
+from rlrun.vision.demo import save_tiny_vl
 
 GRPO = ["--advantage_estimator", "group_norm", "--init_kl_coef", "0", "--remote_rm_url", "demo",
         "--rollout_batch_size", "16", "--n_samples_per_prompt", "4", "--micro_rollout_batch_size", "16",

@@ -15,15 +15,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
-
 import torch
 from transformers import PreTrainedTokenizerBase
-
 from rlrun.agents.calls import AgentCalls, Instance
 from rlrun.data.batching import derive_seed
 from rlrun.engines.base import Generation
 from rlrun.runtime.errors import AgentError
-
+from rlrun.agents.loader import load_agent_file
+from rlrun.config.schema import AgentConfig, GenerationConfig
 
 class _Sampler(Protocol):
     def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
@@ -191,3 +190,24 @@ class EpisodeRunner:
             stats=stat_sums(episodes),
         )
 
+# ---- the episode runner ------------------------------------------------------------------------------------------
+# The run's episode runner from its config: an OpenRLHF agent file, or the built-in Search-R1 agent.
+
+def build_episode_runner(a: AgentConfig, g: GenerationConfig, tokenizer: PreTrainedTokenizerBase,
+                         retries: int) -> EpisodeRunner:
+    """The run's episode runner: an OpenRLHF agent file, or the built-in Search-R1 agent (its retrieval requests
+    tried `retries` times, --remote_rm_retries)."""
+    if a.agent_func_path is not None:
+        # OpenRLHF's turns end at EOS or the token cap; an agent file has no stop strings.
+        factory, stop, source = load_agent_file(a.agent_func_path), (), a.agent_func_path
+    else:
+        from rlrun.agents.search_r1 import SEARCH_R1_STOP, search_r1_agent_factory  # noqa: PLC0415
+
+        assert a.retriever_url is not None
+        factory = search_r1_agent_factory(a.retriever_url, a.retriever_topk, a.retriever_timeout, retries)
+        stop, source = SEARCH_R1_STOP, "search_r1"
+    limits = TurnLimits(response_budget=g.generate_max_len, prompt_max_len=g.prompt_max_len,
+                        max_turns=a.max_turns, max_tokens_per_turn=a.max_tokens_per_turn, max_obs_len=a.max_obs_len,
+                        state_masking=a.state_masking, stop=stop)
+    calls = AgentCalls(timeout_s=a.agent_timeout, max_concurrency=a.agent_max_concurrency, source=source)
+    return EpisodeRunner(factory, tokenizer, limits, calls)

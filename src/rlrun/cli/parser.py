@@ -19,7 +19,7 @@ import yaml
 
 from rlrun.compat import openrlhf_flags, verl_overrides
 from rlrun.compat.argv import Nargs
-from rlrun.compat.reasons import LAUNCHER, NOT_YET, QLORA, RAY_ONLY, refused
+from rlrun.compat.argv import LAUNCHER, NOT_YET, QLORA, RAY_ONLY, refused
 from rlrun.config.fields import FieldInfo, build_config, coerce, fields_of, suggest
 from rlrun.config.schema import Config
 from rlrun.runtime.errors import ConfigError
@@ -391,7 +391,7 @@ def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> Pa
     config = build_config({**defaults, **values}, spec.config_cls)
     if verl.lora:  # PPO's Config: verl's critic keys matter only in a run that trains a critic
         verl_overrides.check_lora(verl.lora, config.model,
-                                  config.algo.advantage_estimator if config.needs_critic else None)
+                                  config.algo.advantage_estimator if config.algo.needs_critic else None)
     parsed = ParsedArgs(config,
                         tuple(dict.fromkeys([*ignored, *no_effect.values()])), frozenset(values),
                         tuple(line for name, line in no_effect.items() if name in VLLM_BACKEND_FIELDS))

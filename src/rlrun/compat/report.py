@@ -9,7 +9,7 @@ from typing import Mapping
 from rlrun.cli.parser import IGNORED_FLAGS, NO_EFFECT_YET, PPO_CLI, CliSpec
 from rlrun.compat import verl_keys as verl
 from rlrun.compat.openrlhf_flags import ByValue, Ignored, Same, resolve
-from rlrun.compat.reasons import CHANGES_TRAINING, NOT_YET
+from rlrun.compat.argv import CHANGES_TRAINING, NOT_YET
 from rlrun.compat.verl_overrides import GROUP_RULES
 from rlrun.config.fields import fields_of
 

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Union
 
-from rlrun.compat.reasons import NOT_YET, RAY_ONLY
+from rlrun.compat.argv import NOT_YET, RAY_ONLY
 from rlrun.config.fields import suggest
 from rlrun.runtime.errors import ConfigError
 

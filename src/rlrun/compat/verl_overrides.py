@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence, get_args
 import yaml
 
 from rlrun.compat.argv import Nargs, split_override, take_values
-from rlrun.compat.reasons import NOT_YET, refused
+from rlrun.compat.argv import NOT_YET, refused
 from rlrun.compat.verl_keys import (ESTIMATORS, VERL_KEYS, A, Expand, Group, Part, R, Reject, Skip, To, as_bool,
                                     as_int, kl_type, meaning_of, source_list)
 from rlrun.config.fields import FieldInfo, coerce, suggest

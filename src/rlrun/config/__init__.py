@@ -1,6 +1,6 @@
-"""The one typed config tree (schema: dataclasses whose fields are the flags), its reflection (fields: every
-field by flag name, coercion, redaction of secrets) and the cross-field checks run before anything starts
-(validation).
+"""The one typed config tree: the sections every trainer reads and rlrun.ppo's (schema), the supervised trainers'
+trees (supervised), and its reflection (fields: every field by flag name, coercion, redaction of secrets). A
+component receives its own section; checks across sections run in rlrun.plan.
 
-May import runtime/ and algo/ (validation checks the algorithm settings), nothing above.
+May import runtime/ only.
 """

@@ -7,15 +7,17 @@ import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from rlrun.data import records
-from rlrun.data.records import Messages
+from rlrun.data import sources as records
+from rlrun.data.sources import Messages
 from rlrun.data.sources import DataSpec, read_sources
 from rlrun.runtime.errors import DataError
-from rlrun.data.image_records import images_of
+from rlrun.data.images import images_of
+from rlrun.data.vision_batch import PromptVision, RowVision
+from rlrun.config.schema import DataConfig, GenerationConfig
 
 @dataclass(frozen=True)
 class PromptRecord:
@@ -26,7 +28,7 @@ class PromptRecord:
     label: Any = None  # plain Python (a str, a number, {"target": [...]}, ...); None without --label_key
     data_source: str | None = None  # verl's reward_fn_key field: picks the rule scorer
     extra_info: dict[str, Any] | None = None  # verl's extra_info column, for compute_score
-    images: tuple[Any, ...] = ()  # the prompt's images in order (rlrun.data.image_records), loaded where it is generated
+    images: tuple[Any, ...] = ()  # the prompt's images in order (rlrun.data.images), loaded where it is generated
     base_dir: str | None = None  # the data file's folder: relative image paths are also looked for there
 
 
@@ -197,3 +199,100 @@ def tokenize_prompts(texts: list[str], tokenizer: Any, prompt_max_len: int) -> t
             ids = ids[-prompt_max_len:]
         result.append(list(ids))
     return result, truncated
+
+
+@dataclass(frozen=True)
+class PromptMeta:
+    """What a reward source knows of the prompts of a batch besides their text (index i is sample i)."""
+
+    labels: list[Any]
+    data_sources: list[str | None]
+    extra_infos: list[dict[str, Any] | None]
+
+
+class ImagePreparer(Protocol):
+    """A vision-language policy's image preprocessing (rlrun.vision.inputs.ImageInputs)."""
+
+    processor: Any
+
+    def prepare(self, ids: list[int], images: tuple[Any, ...], where: str, base_dir: str | None = None
+                ) -> tuple[list[int], PromptVision]: ...
+
+
+@dataclass
+class Prompts:
+    """The prompt set after formatting and tokenising; index i is record i."""
+
+    texts: list[str]
+    ids: list[list[int]]
+    records: list[PromptRecord]  # the label, data source and extra info each reward source may read
+    truncated: int
+    dropped: int
+    images: ImagePreparer | None = None  # a vision-language policy's image preprocessing (used where it generates)
+
+    @property
+    def labels(self) -> list[Any]:
+        return [r.label for r in self.records]
+
+    @property
+    def image_processor(self) -> Any:
+        """A vision-language policy's image processor (saved beside its HF exports), None for a text policy."""
+        return None if self.images is None else self.images.processor
+
+    def meta(self, indices: list[int]) -> PromptMeta:
+        rows = [self.records[i] for i in indices]
+        return PromptMeta([r.label for r in rows], [r.data_source for r in rows], [r.extra_info for r in rows])
+
+    def with_images(self, indices: list[int], prompt_max_len: int) -> tuple[list[list[int]], RowVision]:
+        """A vision-language policy's rows of records `indices`: prompt ids with each image token expanded by the
+        image processor, and the rows' images (each record's read once, however many rows it has)."""
+        assert self.images is not None
+        done: dict[int, tuple[list[int], PromptVision]] = {}
+        for i in indices:
+            if i not in done:
+                record, where = self.records[i], f"prompt record {i}"
+                done[i] = self.images.prepare(self.ids[i], record.images, where, record.base_dir)
+                if len(done[i][0]) > prompt_max_len:
+                    raise DataError(f"{where} has {len(done[i][0])} tokens with its images' tokens, more than "
+                                    f"--prompt_max_len {prompt_max_len} (images are never cut); raise --prompt_max_len "
+                                    "or lower --max_pixels")
+        return [done[i][0] for i in indices], RowVision.of_rows([done[i][1] for i in indices])
+
+
+def prompt_keys(d: DataConfig) -> PromptKeys:
+    return PromptKeys(d.input_key, d.label_key, d.data_source_key)
+
+
+def prompt_set(d: DataConfig, g: GenerationConfig, tokenizer: Any, spec: DataSpec | None, max_samples: int,
+               images: ImagePreparer | None, policy: str) -> Prompts:
+    """`spec`'s records (None: the built-in prompts) formatted and tokenised as the policy sees them, cut or dropped at
+    --prompt_max_len (--prompt_overflow). `images`: a vision-language policy's preprocessing, None for a text policy
+    (`policy`: its name, for the message that refuses images it would not see)."""
+    records = load_prompt_records(spec, prompt_keys(d), max_samples)
+    source = spec.sources if spec is not None else "<built-in prompts>"
+    texts = [format_prompt(r.prompt, tokenizer, d.input_template, d.apply_chat_template, d.apply_chat_template_kwargs,
+                           where=f"{source}: record {i}") for i, r in enumerate(records)]
+    check_images(records, source, vision=images is not None, most=d.max_images_per_prompt, policy=policy)
+    max_len = g.prompt_max_len
+    if g.prompt_overflow == "drop":
+        full, _ = tokenize_prompts(texts, tokenizer, 10**12)
+        keep = [i for i, ids in enumerate(full) if len(ids) <= max_len]
+        return Prompts([texts[i] for i in keep], [full[i] for i in keep], [records[i] for i in keep], 0,
+                       len(texts) - len(keep), images)
+    ids, truncated = tokenize_prompts(texts, tokenizer, max_len)
+    return Prompts(texts, ids, records, truncated, 0, images)
+
+
+def check_images(records: list[PromptRecord], source: str, *, vision: bool, most: int, policy: str) -> None:
+    """A vision-language policy's prompts hold at most `most` images each (--max_images_per_prompt, 0: no limit); a
+    text policy's hold none (they would be dropped without a word)."""
+    if vision:
+        over = next((i for i, r in enumerate(records) if most > 0 and len(r.images) > most), None)
+        if over is not None:
+            raise DataError(f"{source}: record {over} has {len(records[over].images)} images, more than "
+                            f"--max_images_per_prompt {most}; raise it (0: no limit) or drop the record")
+        return
+    with_images = next((i for i, r in enumerate(records) if r.images), None)
+    if with_images is not None:
+        raise DataError(f"{source}: record {with_images} has images, but the policy {policy} is a text-only model; use "
+                        "a vision-language model (e.g. Qwen2.5-VL) or text-only prompts")

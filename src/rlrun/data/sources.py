@@ -11,14 +11,236 @@ its stem, a path component, or the stem's prefix before '-' or '_' (`data/train-
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import os
+from typing import Any
+from rlrun.runtime.errors import DataError, MissingExtraError
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
-
-from rlrun.data.files import FILE_FORMATS, read_rows
 from rlrun.models.hub import RepoType, cached, missing_note, parse_repo_id, resolve
-from rlrun.runtime.errors import DataError, MissingExtraError
+
+# ---- files -------------------------------------------------------------------------------------------------------
+# Data files as records: .jsonl/.json/.parquet/.csv files and `save_to_disk` directories (one split), with errors
+# that name the file, the line or record, and the fix.
+
+FILE_FORMATS: tuple[str, ...] = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def _read_text(path: str) -> str:
+    """The file as UTF-8 text, or a DataError naming the first byte that is not UTF-8 and its line."""
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{path}: line {line} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                        "save the file as UTF-8") from None
+
+
+def _read_jsonl(path: str) -> list[Any]:
+    rows: list[Any] = []
+    for line_number, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue  # trailing/blank lines are common in hand-written files
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            # Records count from 0 in every message (as indexes do); lines count from 1 (as editors do).
+            raise DataError(f"{path}: record {len(rows)} (line {line_number}) is not valid JSON ({exc}); each line "
+                            "must be one JSON object.") from None
+    return rows
+
+
+def _read_json(path: str) -> list[Any]:
+    try:
+        rows = json.loads(_read_text(path))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path} is not valid JSON ({exc}).") from None
+    if not isinstance(rows, list):
+        raise DataError(
+            f"{path} holds a JSON {type(rows).__name__}; a .json prompt file must be a list of objects "
+            '(e.g. [{"prompt": "..."}]). Use .jsonl for one object per line.'
+        )
+    return rows
+
+
+def _read_parquet(path: str) -> list[Any]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise MissingExtraError("pyarrow", "data", "Loading a .parquet prompt file") from exc
+    return pq.read_table(path).to_pylist()
+
+
+def _read_csv(path: str) -> list[Any]:
+    # The stdlib reader is enough for prompt files and needs no optional dependency.
+    return list(csv.DictReader(io.StringIO(_read_text(path), newline="")))
+
+
+def _read_saved_dataset(path: str, split: str = "train") -> list[Any]:
+    try:
+        import datasets
+    except ImportError as exc:
+        raise MissingExtraError("datasets", "data", "Loading a saved HF datasets directory") from exc
+    try:
+        loaded = datasets.load_from_disk(path)
+    except FileNotFoundError as exc:
+        raise DataError(
+            f"{path} is a directory but not one written by datasets' save_to_disk ({exc}); "
+            f"pass a directory from Dataset.save_to_disk or a file ending in one of {list(FILE_FORMATS)}."
+        ) from exc
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataError(f"{path} is a DatasetDict without a {split!r} split (splits: {sorted(loaded)}); choose "
+                            "one with --prompt_split / --eval_split (rlrun.sft/rm/dpo: --dataset_split).")
+        loaded = loaded[split]
+    return loaded.to_list()
+
+
+def read_rows(path: str, split: str = "train") -> list[Any]:
+    """The records of a .jsonl/.json/.parquet/.csv file or a save_to_disk directory (its `split`). Several
+    sources, data-file folders and hub ids: rlrun.data.sources."""
+    if not os.path.exists(path):
+        raise DataError(f"{path!r} does not exist; check the path (a Hugging Face Hub dataset id has the form "
+                        "owner/name; an unset --prompt_data/--dataset uses the built-in data)")
+    if os.path.isdir(path):
+        return _read_saved_dataset(path, split)
+    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv}
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in readers:
+        raise DataError(
+            f"Prompt file {path!r} has unsupported extension {extension!r}; use one of {list(FILE_FORMATS)} "
+            "or a directory written by datasets' save_to_disk."
+        )
+    return readers[extension](path)
+
+# ---- reading a field ---------------------------------------------------------------------------------------------
+# Reading one field of one record the way users' datasets hold it, and rendering chat messages.
+#
+# Shared by PPO's prompts (rlrun.data.prompts) and the SFT/RM/DPO loaders (rlrun.supervised.datasets):
+# - a key may be a dotted path into nested fields (`reward_model.ground_truth`, verl's and Search-R1's label), tried
+#   after the literal key so a column named `a.b` still wins;
+# - a chat is a list of `{"role", "content"}` messages, as OpenRLHF's `context_messages`, verl's `prompt` column
+#   (parquet's nested arrays arrive as lists of dicts) or JSON text of the same;
+# - every error names the file, the record (counted from 0) and the key.
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+Messages = list[dict[str, Any]]
+MISSING = object()  # lookup() of a key a record lacks
+
+
+def where(path: str, index: int) -> str:
+    return f"{path}: record {index}"
+
+
+def lookup(row: Mapping[str, Any], key: str) -> Any:
+    """row[key], else the dotted path `a.b.c` through nested mappings; MISSING when neither exists."""
+    if key in row:
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return MISSING
+        value = value[part]
+    return value
+
+
+def field(row: Mapping[str, Any], key: str, flag: str, where: str) -> Any:
+    value = lookup(row, key)
+    if value is MISSING:
+        present = [str(name) for name in row]
+        close = difflib.get_close_matches(key, present, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        nested = "" if "." not in key else f" (nor the nested field {key!r})"
+        raise DataError(f"{where} has no {flag} {key!r}{nested}; keys present: {present}.{hint} Set --{flag} to one of "
+                        "them (a dotted path reaches nested fields).")
+    return value
+
+
+def shown(value: Any) -> str:
+    return f"{str(value)[:80]!r} ({type(value).__name__})"
+
+
+def looks_like_messages(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str) and all(isinstance(m, Mapping) for m in value)
+
+
+def parsed_messages(value: Any) -> Any:
+    """`value`, or the message list a JSON string of one decodes to (datasets that store chats as JSON text)."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            decoded = json.loads(value)
+        except json.JSONDecodeError:
+            return value
+        if looks_like_messages(decoded) and decoded and all("role" in m for m in decoded):
+            return decoded
+    return value
+
+
+def string(value: Any, key: str, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    hint = (
+        " It looks like chat messages: pass --apply_chat_template to render them with the tokenizer's chat template."
+        if looks_like_messages(value) and value
+        else ""
+    )
+    raise DataError(f"{where} has {key!r} = {shown(value)}; without --apply_chat_template it must be a string.{hint}")
+
+
+def messages(value: Any, key: str, where: str, text_role: str | None) -> Messages:
+    """A chat message list; a plain string becomes one `text_role` message when text_role is given."""
+    value = parsed_messages(value)
+    if isinstance(value, str) and text_role is not None:
+        return [{"role": text_role, "content": value}]
+    expected = 'a list of {"role": ..., "content": ...} messages' + (" or a string" if text_role else "")
+    if not looks_like_messages(value) or not value:
+        raise DataError(f"{where} has {key!r} = {shown(value)}; with --apply_chat_template it must be {expected}.")
+    messages = [dict(message) for message in value]
+    for position, message in enumerate(messages):
+        if not isinstance(message.get("role"), str) or "content" not in message:
+            raise DataError(
+                f"{where} has {key!r} whose message {position} is {shown(message)}; "
+                f'each message needs a string "role" and a "content" (OpenRLHF\'s chat format).'
+            )
+    return messages
+
+
+def render(tokenizer: PreTrainedTokenizerBase, messages: Messages, generation_prompt: bool, where: str,
+           template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """`messages` through the tokenizer's chat template as text (verl's data.apply_chat_template_kwargs, e.g.
+    `enable_thinking`, go to the template)."""
+    from jinja2 import TemplateError  # lazy: transformers' own dependency, needed only with a chat template
+
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                             **dict(template_kwargs or {}))
+    except TemplateError as exc:
+        raise DataError(f"{where}: the chat template failed on {str(messages)[:120]!r}: {exc}") from exc
+    if not isinstance(text, str):
+        raise DataError(f"{where}: the chat template returned {type(text).__name__}, not text; check the template.")
+    return text
+
+
+def plain(value: Any) -> Any:
+    """A value as plain Python (numpy arrays and scalars from parquet become lists and numbers), so it reaches a
+    reward function as the object it is and an HTTP reward as JSON."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist) and not isinstance(value, (str, bytes)):
+        return plain(tolist())
+    return value
 
 KNOWN_SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
 

@@ -1,9 +1,7 @@
-"""Generation engines: the engine surface and the HF `generate` engine (base), rlrun's own KV-cache decoder
-(native, decoder, sampling), stop strings (stops), the backend choice (choice), and vLLM inside the rank or
-in a child process.
+"""Generation engines: the engine surface, stop strings and the HF `generate` engine (base), rlrun's own KV-cache
+decoder and engine (decoder, native), vLLM in its own folder (vllm/), and building this rank's engine from the
+generation settings (build: the one place a backend is chosen).
 
-Every vLLM import and call lives in vllm_adapter.py. hosting.py chooses the host from the layout: in_process.py
-(vLLM's external_launcher, only when the engine ranks are the whole world) or vllm_engine.py (a spawned child
-per engine, vllm_child.py; tensor parallel > 1 through tensor_parallel.py). May import launch/ (the layout),
+May import weight_sync/ (how an engine takes the actor's weights), launch/ (the layout, the engine's group),
 data/, models/, config/ and runtime/.
 """

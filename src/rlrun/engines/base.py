@@ -4,20 +4,43 @@ engine) sit behind the same surface."""
 
 from __future__ import annotations
 
+from transformers import PreTrainedTokenizerBase
 import importlib.util
 from dataclasses import dataclass
 from typing import Protocol
-
 import torch
 from torch import nn
-
-from transformers import PreTrainedTokenizerBase
-
-from rlrun.engines.stops import cut_at_stop
-from rlrun.launch.buckets import BucketSink, ParamLoader
+from rlrun.weight_sync.buckets import KeptModel, WeightReceiver
 from rlrun.runtime.errors import ConfigError
 from rlrun.data.vision_batch import RowVision
-from rlrun.vision.positions import generate_inputs
+from rlrun.vision.inputs import generate_inputs
+
+# ---- stop strings ------------------------------------------------------------------------------------------------
+# Where a turn ends: the first token that completes a stop string (that token kept).
+
+def cut_at_stop(tokens: list[int], stop: tuple[str, ...], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """tokens[:k] for the smallest k whose text contains a stop string; all of tokens when none does.
+
+    Token-level, never re-tokenised: the kept ids are exactly the sampled ones, so the actor's log-probs
+    stay those of the engine's samples. (Search-R1 cuts the decoded text and re-tokenises it, which can
+    change the ids; rlrun does not.) Binary search: containing a stop string is monotone in k."""
+    if not stop or not tokens:
+        return tokens
+
+    def contains(k: int) -> bool:
+        text = tokenizer.decode(tokens[:k], skip_special_tokens=False)
+        return any(s in text for s in stop)
+
+    if not contains(len(tokens)):
+        return tokens
+    lo, hi = 1, len(tokens)  # invariant: contains(hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if contains(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return tokens[:hi]
 
 # The backends whose engines return each sampled token's log-probability (Generation.log_probs).
 REPORTS_LOG_PROBS = frozenset({"native", "vllm"})
@@ -43,9 +66,11 @@ class Generation:
 
 
 class Engine(Protocol):
-    model: nn.Module  # what weight sync writes into (or, with a sink, only the parameters' names and shapes)
-    sink: BucketSink | None  # where weight sync hands each bucket instead, when the rank keeps no copy of the policy
-    loader: ParamLoader | None  # what takes the gathered tensors instead, colocated and without a copy
+    """A generation engine: it samples responses, and takes the actor's weights each sync."""
+
+    # How this rank takes each weight sync (rlrun.weight_sync.buckets: it keeps the weights in a model, hands each
+    # bucket on, or loads each gathered parameter); None on an engine's ranks that its first rank takes them for.
+    weights: WeightReceiver | None
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         """Prompt token ids -> response token ids (EOS included when it was sampled)."""
@@ -55,12 +80,12 @@ class Engine(Protocol):
                stop: tuple[str, ...] = ()) -> Generation:
         """generate() plus the sampled tokens' log-probabilities. max_new_tokens: this call's cap (default the
         settings'); stop: strings that end a response early (multi-turn agents). A response ends at the first
-        token that completes a stop string, that token included (rlrun.engines.stops.cut_at_stop). Engines that
+        token that completes a stop string, that token included (rlrun.engines.base.cut_at_stop). Engines that
         run vision-language policies (HFEngine) also take `vision=`, the rows' images (rlrun.data.vision_batch)."""
         ...
 
     def load_weights(self) -> None:
-        """Take up the weights weight sync just wrote into `model` (called once after every sync)."""
+        """Take up the weights of the sync that just ended (called once after every sync)."""
         ...
 
 
@@ -74,7 +99,7 @@ def resolve_backend(requested: str, cuda: bool, native_blocker: str | None = Non
     range) and a GPU is present, as OpenRLHF users expect; else native when it can run the policy (on CPU faster
     than HF generate, and it reports log-probs); else HF."""
     if requested == "vllm":
-        from rlrun.engines.vllm_adapter import check_version  # noqa: PLC0415 - no vllm import, metadata only
+        from rlrun.engines.vllm.adapter import check_version  # noqa: PLC0415 - no vllm import, metadata only
 
         version = check_version()
         return "vllm", f"requested: vLLM {version}" + ("; no sleep mode on CPU (sleep/wake do nothing)" if not cuda else "")
@@ -87,7 +112,7 @@ def resolve_backend(requested: str, cuda: bool, native_blocker: str | None = Non
         return "native", "requested"
     vllm_note = ""
     if cuda and vllm_available():
-        from rlrun.engines.vllm_adapter import SUPPORTED_TEXT, check_version, installed_version  # noqa: PLC0415
+        from rlrun.engines.vllm.adapter import SUPPORTED_TEXT, check_version, installed_version  # noqa: PLC0415
 
         try:
             version = check_version()
@@ -105,14 +130,12 @@ class TorchEngine:
     """What the engines that run the policy with plain torch in this process share (HF generate, native; not vLLM):
     a frozen model in eval mode that weight sync writes into, the sampling settings, generate() over sample()."""
 
-    sink: BucketSink | None = None  # the model is the engine: weight sync writes into it
-    loader: ParamLoader | None = None
-
     def __init__(self, model: nn.Module, sampling: SamplingSettings, device: torch.device,
                  tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.tokenizer = tokenizer  # needed for stop strings only
         self.model = model.eval()
         self.model.requires_grad_(False)
+        self.weights: WeightReceiver | None = KeptModel(self.model)  # weight sync writes into the model
         self.sampling = sampling
         self.device = device
 

@@ -7,7 +7,6 @@ import re
 import socket
 from dataclasses import dataclass
 from typing import Literal, Mapping
-
 from rlrun.runtime.errors import ConfigError
 
 Launcher = Literal["torchrun", "slurm", "single"]

@@ -1,5 +1,5 @@
-"""How a failing rank reports: ONE line (rank, roles, phase, step, error), then the caller leaves with os._exit
-(see rlrun.rl.run's failure policy); and the early output-path check every trainer makes."""
+"""How a failing rank reports: ONE line (rank, roles, phase, step, error), then it leaves with os._exit (see
+rlrun.run.skeleton's failure policy); the launcher's environment read, and every rank's same early check."""
 
 from __future__ import annotations
 
@@ -7,16 +7,14 @@ import atexit
 import logging
 import os
 import sys
-import tempfile
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, TypeVar
 
-from rlrun.checkpoint.ownership import check_ownership, is_restart
-from rlrun.config.schema import SavingConfig
 from rlrun.launch.dist import is_peer_failure
 from rlrun.launch.env import DistEnv, read_env
-from rlrun.runtime.errors import ConfigError, RlrunError
-from rlrun.runtime.faults import PhaseTracker, bound_exit
+from rlrun.runtime.errors import RlrunError
+from rlrun.runtime.phases import PhaseTracker, bound_exit
 from rlrun.runtime.log import get_logger, let_rank0_report
 from rlrun.runtime.memory import return_freed_memory
 
@@ -68,42 +66,32 @@ def checked_on_every_rank(env: DistEnv, check: Callable[[], T]) -> T | None:
         return None
 
 
-def fail_and_exit(log: Any, rank: int, roles: str, phase: PhaseTracker, exc: BaseException, dist_timeout: float, *,
-                  local_only: bool, sink: Any) -> NoReturn:
-    """Report `exc` in one line and leave at once (never wait for peers in a collective or in teardown).
-    `local_only`: no collective was entered yet; `sink`: the metrics sink to close, or None."""
-    if local_only and rank != 0 and isinstance(exc, RlrunError):
-        # A bad path or dataset fails every rank alike: let rank 0 say it once. Only a rank that fails
-        # alone (a file missing on its node) speaks up after the wait.
-        let_rank0_report(rank)
-    report_failure(log, rank, roles, phase, exc, dist_timeout)
-    if sink is not None:
-        sink.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
+@dataclass
+class RankFailure:
+    """How this rank reports a failure and leaves: its one line (rank, `roles`, the tracker's phase and step, the
+    error), the metrics sink closed, then os._exit at once (never waiting for peers in a collective or in teardown).
+    `local_only`: no collective was entered yet, so a bad path or dataset fails every rank alike and rank 0 alone
+    says it."""
 
+    log: Any
+    rank: int
+    roles: str
+    phase: PhaseTracker
+    dist_timeout: float
+    local_only: bool = True
+    sink: Any = None  # rank 0's metrics sink, once it exists
 
-def check_outputs(saving: SavingConfig, ckpt_path: str, run_id: str, log: Any) -> None:
-    """Rank 0 (the writer), before anything expensive: the output paths are writable, and checkpoints will not
-    be written over another run's (rlrun.checkpoint.ownership)."""
-    check_writable(saving.save_path, "--save_path")
-    if saving.save_steps > 0:
-        check_writable(ckpt_path, "--ckpt_path")
-        replacing = check_ownership(ckpt_path, run_id, loads=saving.load_checkpoint,
-                                    overwrites=saving.overwrite_checkpoints, restarted=is_restart())
-        if replacing:
-            log.warning_once(replacing)
-
-
-def check_writable(path: str, flag: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path, prefix=".rlrun_write_test_"):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"{flag} {path} is not a writable directory ({exc.strerror or exc}); "
-                          "choose a directory this user can create and write") from None
+    def exit(self, exc: BaseException) -> NoReturn:
+        if self.local_only and self.rank != 0 and isinstance(exc, RlrunError):
+            # A bad path or dataset fails every rank alike: let rank 0 say it once. Only a rank that fails
+            # alone (a file missing on its node) speaks up after the wait.
+            let_rank0_report(self.rank)
+        report_failure(self.log, self.rank, self.roles, self.phase, exc, self.dist_timeout)
+        if self.sink is not None:
+            self.sink.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
 
 
 def report_failure(log, rank: int, roles: str, phase: PhaseTracker, exc: BaseException,  # type: ignore[no-untyped-def]

@@ -10,20 +10,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-
 import torch
 from torch import nn
 from transformers import PretrainedConfig as HFConfig
 from transformers import (AutoConfig, AutoModelForSequenceClassification,
                           AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase)
-
-from rlrun.config.schema import Config, PretrainedConfig
+from rlrun.config.schema import ModelConfig, PretrainedConfig
 from rlrun.models.adapter_pretrain import (REWARD_NORM_FILE, AdapterMerged, base_folder, base_here, base_source,
                                            check_fits, checked_adapter, lora_settings, model_folder,
                                            resolve_adapter_pretrain, saved_mean_std, saved_shapes)
-from rlrun.models.architecture import policy_auto_class
 from rlrun.models.lora import adapter_dir, adapter_weights, add_adapters, is_adapter, saved_adapter_name
-from rlrun.models.renaming import model_names
+from rlrun.models.weights import model_names
+from rlrun.models.architecture import policy_auto_class
 from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config_for_size
 from rlrun.models.weights import (Chained, FileWeights, MemoryWeights, Renamed, Unfilled, WeightSource, missing,
                                   open_weights, params_on_meta, state_dict_weights)
@@ -296,17 +294,17 @@ def config_mean_std(config: object) -> tuple[float, float] | None:
     return mean, std
 
 
-def load_critic(cfg: Config) -> Unfilled:
+def load_critic(model: ModelConfig, seed: int, *, normalize: bool) -> Unfilled:
     """The critic, unallocated: --critic_pretrain, else --reward_pretrain, else the policy's body. A body that is
     the policy's gets a fresh seeded head (OpenRLHF initialises the head only when the critic starts from the
-    actor's model); a reward model or a saved critic keeps its own."""
-    path = cfg.model.critic_pretrain or cfg.model.reward_pretrain or cfg.model.pretrain
-    flag = next(f for f in ("critic_pretrain", "reward_pretrain", "pretrain") if getattr(cfg.model, f) == path)
+    actor's model); a reward model or a saved critic keeps its own. `normalize`: --normalize_reward."""
+    path = model.critic_pretrain or model.reward_pretrain or model.pretrain
+    flag = next(f for f in ("critic_pretrain", "reward_pretrain", "pretrain") if getattr(model, f) == path)
     if path is not None:
         _check_dir(flag, path)
-    fresh = path is None or path == cfg.model.pretrain
-    hf = unfilled_scalar_model(path, cfg.model, cfg.train.seed, fresh_head=fresh, flag=flag)
-    return Unfilled(ScalarHeadModel(hf.model, normalize=cfg.algo.normalize_reward), hf.weights, prefix="hf.")
+    fresh = path is None or path == model.pretrain
+    hf = unfilled_scalar_model(path, model, seed, fresh_head=fresh, flag=flag)
+    return Unfilled(ScalarHeadModel(hf.model, normalize=normalize), hf.weights, prefix="hf.")
 
 
 def seeded_head(hidden_size: int, seed: int) -> torch.Tensor:
@@ -322,11 +320,12 @@ def init_score_head(model: PreTrainedModel, seed: int) -> None:
         head.weight.copy_(seeded_head(model.config.hidden_size, seed).expand_as(head.weight))
 
 
-def load_reward_model(cfg: Config) -> Unfilled:
-    assert cfg.model.reward_pretrain is not None
-    _check_dir("reward_pretrain", cfg.model.reward_pretrain)
-    hf = unfilled_scalar_model(cfg.model.reward_pretrain, cfg.model, cfg.train.seed, flag="reward_pretrain")
-    return Unfilled(ScalarHeadModel(hf.model, normalize=cfg.algo.normalize_reward), hf.weights, prefix="hf.")
+def load_reward_model(model: ModelConfig, seed: int, *, normalize: bool) -> Unfilled:
+    """The reward model (--reward_pretrain), unallocated; `normalize`: --normalize_reward (its config's mean/std)."""
+    assert model.reward_pretrain is not None
+    _check_dir("reward_pretrain", model.reward_pretrain)
+    hf = unfilled_scalar_model(model.reward_pretrain, model, seed, flag="reward_pretrain")
+    return Unfilled(ScalarHeadModel(hf.model, normalize=normalize), hf.weights, prefix="hf.")
 
 
 def score_head(model: PreTrainedModel) -> nn.Linear:

@@ -25,13 +25,14 @@ import torch
 from torch import nn
 
 from rlrun.config.schema import PretrainedConfig
-from rlrun.config.validation import ADAPTER_CONFIG
 from rlrun.models.weights import Unfilled, WeightSource, open_weights
 from rlrun.runtime.errors import ConfigError, MissingExtraError
 
 ADAPTER = "default"  # PEFT's adapter name; rlrun trains one adapter per model
 PEFT_PREFIX = "base_model.model."
 _A, _B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
+
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's adapter directory marks itself with this file
 
 
 def _peft():  # noqa: ANN202 - the module

@@ -1,6 +1,6 @@
-"""What a run tells the user: the metrics sink (metrics: metrics.jsonl, wandb, tensorboard), the per-step progress
-line or bar (progress), the start-up and end-of-run report (run_report: where everything goes, the resolved settings
-as config.yaml (run_config), the summary (summary) and the PNG of the main curves (curves)).
+"""What a run tells the user: the metrics sink and the per-step progress line or bar (metrics: metrics.jsonl,
+wandb, tensorboard), the start-up and end-of-run report with the resolved settings as config.yaml (run_report), and
+the summary and the PNG of the main curves (summary).
 
 May import config/ and runtime/.
 """

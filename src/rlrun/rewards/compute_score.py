@@ -24,7 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from rlrun.rewards.reward_fn import RewardBatch, RewardFunction
-from rlrun.runtime.deadline import deadline
+from rlrun.runtime.phases import deadline
 from rlrun.runtime.errors import RewardError
 from rlrun.runtime.pyfile import import_file, one_line
 

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlrun.runtime.deadline import deadline
+from rlrun.data.prompts import PromptMeta
+from rlrun.runtime.phases import deadline
 from rlrun.runtime.errors import RewardError
 from rlrun.runtime.pyfile import import_file, one_line
 from rlrun.runtime.secrets import redact_url
-from rlrun.serving.http_retry import RequestRejected, RetriesExhausted, post_once, with_retries
+from rlrun.serving.http_service import RequestRejected, RetriesExhausted, post_once, with_retries
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -138,7 +139,7 @@ class RewardFunction:
         # User code's exceptions get wrapped with the source; the HTTP client already raises
         # complete RewardErrors that wrapping would only make longer.
         self._wrap_errors = wrap_errors
-        self.timeout_s = timeout_s  # one call on one batch; past it the run fails (rlrun.runtime.deadline)
+        self.timeout_s = timeout_s  # one call on one batch; past it the run fails (rlrun.runtime.phases)
 
     def __repr__(self) -> str:
         return f"RewardFunction(source={self.source!r})"
@@ -178,15 +179,6 @@ class RewardFunction:
     def _wrapped(self, exc: Exception, batch: int) -> RewardError:
         return RewardError(f"reward function {self.source} raised {one_line(exc)} on a batch of {batch} "
                            "queries; fix the reward function (run it on a few samples by hand to reproduce).")
-
-
-@dataclass(frozen=True)
-class PromptMeta:
-    """What a reward source knows of the prompts of a batch besides their text (index i is sample i)."""
-
-    labels: list[Any]
-    data_sources: list[str | None]
-    extra_infos: list[dict[str, Any] | None]
 
 
 def reward_responses(reward_fn: RewardFunction, prompt_texts: list[str], meta: PromptMeta,

@@ -5,8 +5,8 @@ checked against cases with known verdicts (tests/rewards/test_rules.py).
 `solution_str` is the response alone, decoded without special tokens, as verl's NaiveRewardManager passes it.
 - GSM8K (`openai/gsm8k`): the last `#### <number>` in the response's last 300 characters, commas removed, must
   equal the ground truth as text: 1.0, else 0.0 (verl's format score is 0 by default).
-- MATH (`lighteval/MATH`, `DigitalLearningGmbH/MATH-lighteval`, `HuggingFaceH4/MATH-500`): the last `\\boxed{}`
-  (or `\\boxed ...`, or `\\fbox{}`) equals the ground truth after Hendrycks' MATH normalisation: 1.0, else 0.0.
+- MATH (`lighteval/MATH`, `DigitalLearningGmbH/MATH-lighteval`, `HuggingFaceH4/MATH-500`): the last `\boxed{}`
+  (or `\boxed ...`, or `\fbox{}`) equals the ground truth after Hendrycks' MATH normalisation: 1.0, else 0.0.
 - QA exact match (`searchR1_nq`, ... as verl names them; `nq`, `hotpotqa`, ... as Search-R1's own data does):
   the last `<answer>...</answer>` equals one of `ground_truth["target"]` after SQuAD normalisation: 1.0 (0.25 for
   verl's names when the response has more than 10 answer tags), else 0.0. Search-R1's own scorer needs a second
@@ -15,13 +15,81 @@ checked against cases with known verdicts (tests/rewards/test_rules.py).
 
 from __future__ import annotations
 
+import json
 import re
+import string
 from collections.abc import Callable
 from typing import Any
 
-from rlrun.rewards.exact_match import em_check, extract_solution, golden_answers
+# ---- Search-R1's exact match -------------------------------------------------------------------------------------
+# Search-R1's exact-match reward (its verl/utils/reward_score/qa_em.py), with rlrun's label decoding.
+#
+# Search-R1's agent scores the whole decoded sequence, prompt included, and Search-R1's prompt shows one
+# example answer (`<answer> Beijing </answer>`); so there a sequence with 0 or 1 `<answer>` blocks has no
+# answer of the model's, and with 2 or more the last one counts (`min_answers=2`, the default). Scoring the
+# response alone (verl's convention, rlrun.rewards.rules) one block is enough (`min_answers=1`).
 
-# ---- GSM8K ------------------------------------------------------------------------------------------------------
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation, in Search-R1's order: lower case, drop ASCII punctuation, replace the
+    articles a/an/the by a space, collapse white space."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def em_check(prediction: str, golden_answers: str | list[str]) -> int:
+    """1 when the normalised prediction equals any normalised golden answer, else 0."""
+    if isinstance(golden_answers, str):
+        golden_answers = [golden_answers]
+    predicted = normalize_answer(prediction)
+    return int(any(normalize_answer(golden) == predicted for golden in golden_answers))
+
+
+def extract_solution(solution_str: str, min_answers: int = 2) -> str | None:
+    """The last `<answer>...</answer>` content, stripped; None when there are fewer than `min_answers` (with
+    the prompt in the text, its example answer is always one of them)."""
+    matches = _ANSWER.findall(solution_str)
+    if len(matches) < min_answers:
+        return None
+    return matches[-1].strip()
+
+
+def golden_answers(label: object) -> list[str]:
+    """The golden answers of a label: a str, a list of str, {"target": [...]} (Search-R1's ground_truth),
+    or a JSON string of any of these (rlrun's data loader JSON-encodes list and dict labels).
+
+    A plain string that is not JSON of a list/dict is itself the one answer."""
+    if isinstance(label, str):
+        try:
+            decoded = json.loads(label)
+        except json.JSONDecodeError:
+            return [label]
+        if not isinstance(decoded, (list, dict)):
+            return [label]  # "42" or "true" are answers, not JSON structures
+        label = decoded
+    if isinstance(label, dict):
+        if "target" not in label:
+            raise ValueError(f"golden answers dict has keys {sorted(label)}; expected {{'target': [...]}}")
+        label = label["target"]
+    if isinstance(label, str):
+        return [label]
+    if isinstance(label, list) and all(isinstance(answer, str) for answer in label):
+        return list(label)
+    raise ValueError(f"golden answers must be a string or a list of strings, got {label!r:.200}")
+
+
+def compute_score_em(solution_str: str, golden: object, format_score: float = 0.0, score: float = 1.0,
+                     min_answers: int = 2) -> float:
+    """Search-R1's compute_score_em: 0 without a (second) answer, `score` on an exact match, else
+    `format_score`. `golden` is anything golden_answers() accepts."""
+    answer = extract_solution(solution_str, min_answers)
+    if answer is None:
+        return 0.0
+    return score if em_check(answer, golden_answers(golden)) else format_score
 
 _GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 GSM8K_CLIP_CHARS = 300

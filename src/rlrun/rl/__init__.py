@@ -1,7 +1,7 @@
-"""The PPO loop and its assembly: the trainer (one step: generate, score, advantages, update, sync), the run
-from config to teardown (run), planning and checking the run before launch (planning), building every role a
-rank holds (build), where rollouts come from (rollout_source), the sleep/wake schedule (sleep), evaluation and
-resume, and the memory plan --dry_run prints (model_shapes -> memory_estimate -> memory_plan -> memory_text).
+"""The PPO loop: the step, top to bottom (trainer: generate, score, advantages, update, sync, metrics), the same
+phases one step ahead for --async_train (async_loop), where rollouts come from (rollouts, and partial_rollout's
+sequences in flight), --dynamic_batch's token budgets (dynamic_batch), the sleep/wake schedule (sleep), evaluation,
+and the assembly that builds all of it from the config for the run skeleton (assembly).
 
 Top tier beside supervised/: may import every folder below it.
 """

@@ -1,6 +1,6 @@
 """--dynamic_batch in the RL loop: each role's token budgets (training and scoring), bound to the role's group for
 the one all-reduce that makes every rank of the role run the same number of micro-batches, and the length-balanced
-order in which the scoring pass deals rows to a role's ranks (rlrun.data.token_batches has the arithmetic)."""
+order in which the scoring pass deals rows to a role's ranks (rlrun.data.batching has the arithmetic)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlrun.config.schema import Config
+from rlrun.config.schema import TrainConfig
 from rlrun.data.rollout import RolloutBatch
-from rlrun.data.token_batches import RowLengths, TokenBudget, balanced_order
+from rlrun.data.batching import RowLengths, TokenBudget, balanced_order
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Role
 from rlrun.launch.transfer import max_over
@@ -35,10 +35,9 @@ class Budgets:
         return self.score.get(role, rows)
 
 
-def role_budgets(cfg: Config, groups: Groups, device: torch.device) -> Budgets:
+def role_budgets(t: TrainConfig, groups: Groups, device: torch.device) -> Budgets:
     """--train_max_tokens_per_gpu for the updates and --rollout_max_tokens_per_gpu (unset: the same) for scoring,
     for every role whose group this rank is in; the count agreement is an all-reduce over that group."""
-    t = cfg.train
     if not t.dynamic_batch:
         return Budgets()
     scoring = t.rollout_max_tokens_per_gpu if t.rollout_max_tokens_per_gpu is not None else t.train_max_tokens_per_gpu

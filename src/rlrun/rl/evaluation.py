@@ -24,15 +24,16 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.config.schema import Config
+from rlrun.config.schema import LoggingConfig, TrainConfig
 from rlrun.data.batching import derive_seed
-from rlrun.engines.base import SamplingSettings
+from rlrun.engines.base import Engine, SamplingSettings
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import all_gather_vectors
-from rlrun.rewards.reward_fn import PromptMeta, reward_responses
-from rlrun.rewards.shaping import cut_by_length
-from rlrun.rl.build import Prompts, RankRoles
+from rlrun.rewards.reward_fn import PromptMeta, RewardFunction, reward_responses
+from rlrun.algo.algorithms import cut_by_length
+from rlrun.agents.episodes import EpisodeRunner
+from rlrun.data.prompts import Prompts
 
 # Per-rank sums, added over engine ranks: [sum of per-prompt mean rewards, sum of per-prompt max rewards,
 # prompts, sum of response lengths, samples, truncated samples].
@@ -70,19 +71,18 @@ def finalize(per_rank: torch.Tensor, n_samples: int) -> dict[str, float]:
 class Evaluator:
     """Collective: every rank calls run(); engine ranks sample and reward their share, all receive the metrics."""
 
-    def __init__(self, cfg: Config, layout: Layout, groups: Groups, roles: RankRoles, prompts: Prompts,
-                 tokenizer: PreTrainedTokenizerBase, comm_device: torch.device) -> None:
-        lg = cfg.logging
-        self.cfg, self.groups, self.prompts, self.tokenizer = cfg, groups, prompts, tokenizer
+    def __init__(self, lg: LoggingConfig, train: TrainConfig, prompt_max_len: int, layout: Layout, groups: Groups,
+                 prompts: Prompts, tokenizer: PreTrainedTokenizerBase, comm_device: torch.device, *,
+                 engine: Engine | None, reward_fn: RewardFunction | None, agents: EpisodeRunner | None) -> None:
+        self.groups, self.prompts, self.tokenizer = groups, prompts, tokenizer
+        self.seed, self.prompt_max_len = train.seed, prompt_max_len
         self.comm_device = comm_device
         self.every, self.before_train, self.n = lg.eval_steps, lg.eval_before_train, lg.eval_n_samples_per_prompt
         self.engine_ranks = layout.ranks_of(Role.ENGINE)
-        self.reward_fn = roles.reward_fn
-        self.agents = roles.agents
-        self.engine = roles.engine
+        self.engine, self.reward_fn, self.agents = engine, reward_fn, agents  # an engine rank's, else None
         self.temperature = lg.eval_temperature
         # Rows per generate call: what one engine rank generates per training step, which is known to fit.
-        self.chunk_rows = max(self.n, cfg.rollouts_per_step // max(1, len(self.engine_ranks)))
+        self.chunk_rows = max(self.n, train.rollouts_per_step // max(1, len(self.engine_ranks)))
 
     def due(self, steps_done: int) -> bool:
         return self.every > 0 and steps_done % self.every == 0
@@ -107,7 +107,7 @@ class Evaluator:
         rewards, lengths, truncated = [], [], []
         for chunk, begin in enumerate(range(0, len(rows), per_chunk)):
             part = rows[begin:begin + per_chunk]
-            seed = derive_seed(self.cfg.train.seed, "eval", steps_done, slot, chunk)
+            seed = derive_seed(self.seed, "eval", steps_done, slot, chunk)
             r, n, cut = self._chunk(part, [self.prompts.texts[i] for i in part], [self.prompts.ids[i] for i in part],
                                     self.prompts.meta(part), seed)
             rewards.append(r)
@@ -131,7 +131,7 @@ class Evaluator:
         assert self.reward_fn is not None
         images = {}
         if self.prompts.images is not None:
-            ids, vision = self.prompts.with_images(rows, self.cfg.generation.prompt_max_len)
+            ids, vision = self.prompts.with_images(rows, self.prompt_max_len)
             images = {"vision": vision}
         responses = self.engine.sample(ids, seed, **images).responses
         result = reward_responses(self.reward_fn, texts, meta, responses, self.tokenizer)

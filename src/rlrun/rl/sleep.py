@@ -1,6 +1,6 @@
 """When each role's model sleeps and wakes (--deepspeed_enable_sleep): the schedule of one rank.
 
-The trainer announces each phase as it begins (`SleepSchedule.enter`). On entering a phase in which this rank
+The run's phase tracker announces each phase as it begins (`SleepSchedule.enter` is its hook, rlrun.runtime.phases). On entering a phase in which this rank
 works, every part (parameters; optimizer states) a role needs in that phase wakes and every other part sleeps,
 so a part sleeps exactly when its next use is in a later phase. A phase in which the rank does nothing moves
 nothing: there is nothing to make room for. Sleeping happens before waking, so the two never overlap in memory.
@@ -9,7 +9,7 @@ What each role needs (the trainer's phases, rlrun.rl.trainer):
     generate      the engine samples (also evaluation); no model role
     score         actor (old log-probs, unless the training forward stands in), reference, critic, reward:
                   parameters only
-    train_actor   actor: parameters and optimizer states
+    train         actor: parameters and optimizer states
     train_critic  critic: parameters and optimizer states
     sync          actor: parameters (they are sent to the engines); the engine takes them
 Models are built awake and left awake when training ends (the final export). Checkpoints wake what they read
@@ -18,34 +18,24 @@ for their duration (the strategies do that). Nothing here is collective.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from rlrun.launch.layout import Layout, Role
 from rlrun.runtime.log import get_logger
+from rlrun.runtime.phases import Phase
 from rlrun.strategies.base import ALL_PARTS, Part, Strategy
 
-if TYPE_CHECKING:
-    from rlrun.config.schema import Config
-    from rlrun.rl.build import RankRoles
 
 MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
 NONE: frozenset[Part] = frozenset()
 PARAMS: frozenset[Part] = frozenset({Part.PARAMS})
 
 
-class Phase(enum.Enum):
-    GENERATE = "generate"
-    SCORE = "score"
-    TRAIN_ACTOR = "train_actor"
-    TRAIN_CRITIC = "train_critic"
-    SYNC = "sync"
-
-
+# The phases of a step in which models move (each of the others moves nothing; evaluation is generation's).
+LOOP_PHASES = (Phase.GENERATE, Phase.SCORE, Phase.TRAIN, Phase.TRAIN_CRITIC, Phase.SYNC)
 ENGINE_PHASES = frozenset({Phase.GENERATE, Phase.SYNC})
 Awake = dict[Role, frozenset[Part]]  # model role -> the parts awake during a phase
 
@@ -53,7 +43,7 @@ Awake = dict[Role, frozenset[Part]]  # model role -> the parts awake during a ph
 def needs(actor_scores: bool) -> dict[Role, dict[Phase, frozenset[Part]]]:
     """The parts each model role uses in each phase (absent: none). `actor_scores`: the actor computes the old
     log-probs in score (False when the training forward stands in, rlrun.rl.trainer.skips_old_log_probs)."""
-    actor = {Phase.TRAIN_ACTOR: ALL_PARTS, Phase.SYNC: PARAMS}
+    actor = {Phase.TRAIN: ALL_PARTS, Phase.SYNC: PARAMS}
     if actor_scores:
         actor[Phase.SCORE] = PARAMS
     return {Role.ACTOR: actor, Role.CRITIC: {Phase.SCORE: PARAMS, Phase.TRAIN_CRITIC: ALL_PARTS},
@@ -66,7 +56,7 @@ def rank_plan(held: frozenset[Role], actor_scores: bool) -> dict[Phase, Awake | 
     table = needs(actor_scores)
     models = [r for r in MODEL_ROLES if r in held]
     plan: dict[Phase, Awake | None] = {}
-    for phase in Phase:
+    for phase in LOOP_PHASES:
         works = (Role.ENGINE in held and phase in ENGINE_PHASES) or any(phase in table[r] for r in models)
         plan[phase] = {r: table[r].get(phase, NONE) for r in models} if works else None
     return plan
@@ -96,16 +86,9 @@ class SleepSchedule:
         self._told: set[tuple[Role, frozenset[Part], Phase]] = set()  # each kind of move is logged once, with its size
 
     @classmethod
-    def from_roles(cls, cfg: "Config", layout: Layout, rank: int, roles: "RankRoles", *, actor_scores: bool,
-                   device: torch.device) -> "SleepSchedule":
-        if not cfg.train.deepspeed_enable_sleep:
-            return cls([], {}, rank)
-        held = [(Role.ACTOR, roles.actor and roles.actor.model, roles.actor and roles.actor.updater.optimizer),
-                (Role.CRITIC, roles.critic and roles.critic.model, roles.critic and roles.critic.updater.optimizer),
-                (Role.REF, roles.reference and not roles.reference.adapters_off and roles.reference.model, None),
-                (Role.REWARD, roles.reward_model and roles.reward_model.model, None)]
-        sleepers = [Sleeper(role, roles.strategies[role], model, optimizer) for role, model, optimizer in held
-                    if model is not None]
+    def of(cls, sleepers: list[Sleeper], layout: Layout, rank: int, *, actor_scores: bool,
+           device: torch.device) -> "SleepSchedule":
+        """The schedule of this rank's `sleepers` (the models it holds), said once for the whole layout."""
         log = get_logger(rank)
         log.info_once(describe(layout, actor_scores))
         if device.type == "cpu":
@@ -114,7 +97,8 @@ class SleepSchedule:
         return cls(sleepers, rank_plan(frozenset(layout.roles_of(rank)), actor_scores), rank)
 
     def enter(self, phase: Phase) -> None:
-        awake = self.plan.get(phase)
+        """The phase hook of the run's PhaseTracker: called as each phase begins."""
+        awake = self.plan.get(Phase.GENERATE if phase is Phase.EVAL else phase)
         if awake is None:
             return
         for s in self.sleepers:  # sleep first, so that what wakes can reuse the memory

@@ -1,47 +1,72 @@
-"""The RL loop: generate -> score -> advantages -> train -> sync weights -> log.
+"""The RL step, top to bottom: generate -> score -> advantages -> update -> sync -> metrics.
 
-Every rank runs this same code; what it does at each phase depends on the roles it holds.
-Tensors cross ranks only through rlrun.launch.transfer.
+Every rank runs this same code; what it does in each phase depends on the roles it holds (rlrun.rl.assembly built
+them). Each phase is one `with self.phase(Phase.X, step):` block: it names the phase for the failure line, bounds it
+with the watchdog, moves the models it needs onto the device (--deepspeed_enable_sleep, rlrun.rl.sleep) and times
+it. Tensors cross ranks only through rlrun.launch.transfer. The run skeleton (rlrun.run.skeleton) calls
+`train_step` once per step and, between steps, `evaluate` and the checkpointer; the trainer is a torch `Stateful`
+the checkpointer saves. `--async_train` runs the same phases in another order (rlrun.rl.async_loop).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from rlrun.algo.algorithms import compute_advantages, compute_approx_kl, make_kl_controller, masked_mean, sequence_mean_kl
-from rlrun.algo.running import RunningMoments
-from rlrun.config.schema import Config
-from rlrun.data.batching import derive_seed, minibatch_order, shard
+from rlrun.agents.episodes import EpisodeRunner
+from rlrun.algo.algorithms import (AdaptiveKLController, RunningMoments, compute_advantages, compute_approx_kl,
+                                   dynamic_filter_keep, make_kl_controller, masked_mean, overlong_penalty,
+                                   sequence_mean_kl, stop_properly_penalty, truncated_rows)
+from rlrun.config.schema import AlgorithmConfig, TrainConfig
+from rlrun.data.batching import RowLengths, derive_seed, minibatch_order, seed_everything, shard
 from rlrun.data.prompts import PromptSampler
-from rlrun.data.results import SlotPlan, pack_slots, slot_plan, unpack_slots
-from rlrun.data.rollout import RolloutBatch, engine_logprob_diff
+from rlrun.engines.base import Engine
+from rlrun.data.rollout import RolloutBatch, SlotPlan, engine_logprob_diff, pack_slots, slot_plan, unpack_slots
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import all_gather_vectors, broadcast_json
-from rlrun.reporting.metrics import MetricsSink
-from rlrun.rewards.shaping import dynamic_filter_keep, overlong_penalty, stop_properly_penalty, truncated_rows
-from rlrun.rl.build import Prompts, RankRoles
-from rlrun.rl.dynamic_batch import role_budgets, scoring_order, unpermute
+from rlrun.rewards.reward_fn import RewardFunction
 from rlrun.rl.evaluation import Evaluator
-from rlrun.rl.rollout_source import RolloutSource, StepOutputs
-from rlrun.rl.sleep import Phase, SleepSchedule
-from rlrun.roles.actor import PolicyData
-from rlrun.roles.critic import ValueData
-from rlrun.runtime.faults import PhaseTracker
-from rlrun.runtime.seeding import seed_everything
+from rlrun.rl.dynamic_batch import Budgets, scoring_order, unpermute
+from rlrun.rl.rollouts import RolloutSource, StepOutputs
+from rlrun.rl.sleep import SleepSchedule
+from rlrun.roles.actor import Actor, PolicyData, Reference
+from rlrun.roles.critic import Critic, RewardModel, ValueData
+from rlrun.runtime.log import get_logger
+from rlrun.runtime.memory import report_memory
+from rlrun.runtime.phases import Phase, PhaseTracker
+from rlrun.strategies.base import Strategy
+from rlrun.weight_sync.sync import WeightSync
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What the loop reads of the run's settings: two sections whole, and what rlrun.rl.assembly derived."""
+
+    algo: AlgorithmConfig
+    train: TrainConfig
+    generate_max_len: int
+    eos_id: int  # the tokenizer's: --stop_properly_penalty_coef finds the responses cut off without it
+    ref_by_actor: bool  # LoRA with a KL term: the actor's adapters-off forward scores the reference log-probs
 
 
 @dataclass
-class TrainState:
-    """Loop state an exact resume needs besides the models, optimizers and the KL controller."""
+class RankRoles:
+    """The roles this rank plays (None where it plays none), built by rlrun.rl.assembly."""
 
-    step: int = 0
-    reward_moments: RunningMoments = field(default_factory=RunningMoments)
+    actor: Actor | None = None
+    critic: Critic | None = None
+    reference: Reference | None = None
+    reward_model: RewardModel | None = None
+    reward_fn: RewardFunction | None = None  # an engine rank's, when a function or URL rewards its rollouts
+    agents: EpisodeRunner | None = None  # multi-turn episodes (their rewards replace reward_fn)
+    engine: Engine | None = None
+    weight_sync: WeightSync | None = None
+    strategies: dict[Role, Strategy] = field(default_factory=dict)  # of the roles above that hold a model
+    sleep: SleepSchedule | None = None  # --deepspeed_enable_sleep: when this rank's models move on and off the device
 
 
 @dataclass
@@ -52,48 +77,104 @@ class Learned:
     mean_kl: float
     advantages: torch.Tensor
     stats: dict[str, float]
+    shaping: dict[str, float]  # what the reward shaping did (kept fraction, penalised fractions)
 
 
 class Trainer:
-    def __init__(self, cfg: Config, layout: Layout, groups: Groups, roles: RankRoles, prompts: Prompts,
-                 sampler: PromptSampler, tokenizer: PreTrainedTokenizerBase, device: torch.device,
-                 total_steps: int, phase: PhaseTracker) -> None:
-        self.phase = phase
-        self.cfg, self.layout, self.groups, self.roles = cfg, layout, groups, roles
-        self.prompts, self.sampler, self.tokenizer, self.device = prompts, sampler, tokenizer, device
-        self.total_steps = total_steps
+    """One rank's RL loop. Its state (steps done, the KL coefficient, the running reward statistics, the actor's
+    update loop) is what `state_dict` gives the checkpointer; the models are checkpoint parts of their own."""
+
+    def __init__(self, settings: StepSettings, layout: Layout, groups: Groups, roles: RankRoles,
+                 rollouts: RolloutSource, sampler: PromptSampler, budgets: Budgets, phase: PhaseTracker,
+                 total_steps: int, device: torch.device, evaluator: Evaluator | None = None) -> None:
+        self.s = settings
+        self.layout, self.groups, self.roles = layout, groups, roles
+        self.rollouts, self.sampler, self.budgets, self.phase = rollouts, sampler, budgets, phase
+        self.total_steps, self.evaluator = total_steps, evaluator
         self.rank = groups.rank
-        self.kl = make_kl_controller(cfg.algo.init_kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
-        self.state = TrainState()  # the KL coefficient lives in self.kl
-        self.engine_ranks = layout.ranks_of(Role.ENGINE)
+        self.step = 0  # steps done
+        a = settings.algo
+        self.kl = make_kl_controller(a.init_kl_coef, a.kl_target, a.kl_horizon)
+        self.moments = RunningMoments()  # --running_reward_norm's statistics over every score so far
         # NCCL needs device tensors; gloo takes them too (staged through host memory by its CUDA collectives: ran on
         # an H200 with --dist_backend gloo --device cuda), so the rollout exchange never moves them by hand.
         self.comm_device = device
         # Scoring and training collectives: every rank, or every rank but the engines when they generate meanwhile.
-        self.asynchronous = layout.asynchronous  # --async_train, when the layout gives the engines ranks of their own
-        self.learners = groups.get("learners") if self.asynchronous else groups.world
-        self.learner_ranks = [r for r in range(layout.world_size) if not self.asynchronous or r not in self.engine_ranks]
-        self.pending: StepOutputs | None = None  # --async_train: the next step's batch, already gathered
-        # --dynamic_batch: micro-batches by tokens, their count agreed over each role's group (rlrun.rl.dynamic_batch)
-        self.budgets = role_budgets(cfg, groups, device)
-        self.rollouts = RolloutSource(cfg, layout, groups, roles, prompts, sampler, tokenizer, self.comm_device)
-        # --deepspeed_enable_sleep: models move off the device between the phases that use them (rlrun.rl.sleep)
-        self.sleep = SleepSchedule.from_roles(cfg, layout, self.rank, roles, device=device,
-                                              actor_scores=not skips_old_log_probs(cfg) or cfg.ref_is_actor_base)
+        self.learners = groups.get("learners") if layout.asynchronous else groups.world
+        self.learner_ranks = [r for r in range(layout.world_size)
+                              if not layout.asynchronous or r not in layout.ranks_of(Role.ENGINE)]
 
-    # ---- phases -------------------------------------------------------------------------------
+    # ---- the step ---------------------------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One synchronous step: the engines generate, every rank learns from the batch, the engines take the
+        actor's new weights. Returns the step's metrics (rank 0 logs them)."""
+        # Every random draw of this step derives from (seed, step, rank): exact resume needs no RNG state.
+        seed_everything(derive_seed(self.s.train.seed, "step", step, self.rank))
+        started = time.perf_counter()
+        self.phase.took()
+        with self.phase(Phase.GENERATE, step):
+            out = self.rollouts.generate(step)
+        learned = self.learn(step, out)
+        with self.phase(Phase.SYNC, step):
+            self.sync_weights()
+        self.step = step + 1
+        times = {f"time/{name}": seconds for name, seconds in self.phase.took().items()}
+        return self.metrics(step, out, learned, times, time.perf_counter() - started)
+
+    def learn(self, step: int, out: StepOutputs) -> Learned:
+        """Score, advantages and the update of one batch (every rank; with --async_train every rank but the
+        engines)."""
+        batch = out.batch
+        with self.phase(Phase.SCORE, step):
+            results = self.score(out)
+            kl, adv, ret, shaping = self.advantages(batch, results)
+        minibatches = self.minibatches(step, batch.sequences.shape[0])
+        lengths = RowLengths.of(batch) if self.budgets.on else None
+        stats: dict[str, float] = {}
+        with self.phase(Phase.TRAIN, step):
+            if (actor := self.roles.actor) is not None:
+                budget = self.budgets.train.get(Role.ACTOR)
+                data = PolicyData(batch, results.get("old_log_probs"), adv, results.get("ref_log_probs"))
+                loss = actor.loss(data, self.kl.value, budget, len(minibatches))
+                stats |= _prefixed("actor/", actor.updater.run(minibatches, batch.action_mask, loss, budget, lengths))
+            if "old_log_probs" not in results:  # skipped in score: the training forward's log-probs stand in
+                results["old_log_probs"] = self.gather_on_policy_log_probs(batch)
+                if "ref_log_probs" in results:
+                    kl = compute_approx_kl(results["old_log_probs"], results["ref_log_probs"], self.s.algo.kl_estimator,
+                                           batch.action_mask)
+        with self.phase(Phase.TRAIN_CRITIC, step):
+            if (critic := self.roles.critic) is not None:
+                budget = self.budgets.train.get(Role.CRITIC)
+                loss = critic.loss(ValueData(batch, results["values"], ret), budget)
+                stats |= _prefixed("critic/", critic.updater.run(minibatches, batch.action_mask, loss, budget, lengths))
+            stats |= self.critic_stats_on_rank0(stats)
+        # OpenRLHF's "kl": the mean over sequences of each one's token-mean KL; it also drives the
+        # adaptive controller, with n_steps = rollout_batch_size * n_samples_per_prompt rows.
+        mean_kl = sequence_mean_kl(kl, batch.action_mask)
+        self.kl.update(mean_kl, self.s.train.rollouts_per_step)
+        return Learned(results, mean_kl, adv, stats, shaping)
+
+    def sync_weights(self) -> None:
+        """Actor -> engines (collective over the actor and engine ranks), then the engine takes the new weights
+        up (vLLM: one reload in its child), once per sync rather than once per generate call."""
+        self.roles.weight_sync.sync()  # type: ignore[union-attr]
+        if self.roles.engine is not None:
+            self.roles.engine.load_weights()
+
+    # ---- score --------------------------------------------------------------------------------------------------
 
     def score(self, out: StepOutputs) -> dict[str, torch.Tensor]:
         """Each role computes its shard at the same time as the others; one all-gather returns all."""
         batch, B, R = out.batch, out.batch.sequences.shape[0], out.batch.response_width
-        micro = self.cfg.train.micro_rollout_batch_size
+        micro = self.s.train.micro_rollout_batch_size
+        r = self.roles
         widths, ranks, mine, orders = {}, {}, {}, {}
-        jobs = [("old_log_probs", Role.ACTOR, R, self.roles.actor and self.roles.actor.log_probs),
-                ("ref_log_probs", Role.ACTOR if self.cfg.ref_is_actor_base else Role.REF, R,
-                 self.roles.reference and self.roles.reference.log_probs),
-                ("values", Role.CRITIC, R, self.roles.critic and self.roles.critic.values),
-                ("scores", Role.REWARD, 1, self.roles.reward_model and self.roles.reward_model.score)]
-        if skips_old_log_probs(self.cfg):  # step() gathers them from the training forward instead
+        jobs = [("old_log_probs", Role.ACTOR, R, r.actor and r.actor.log_probs),
+                ("ref_log_probs", Role.ACTOR if self.s.ref_by_actor else Role.REF, R, r.reference and r.reference.log_probs),
+                ("values", Role.CRITIC, R, r.critic and r.critic.values),
+                ("scores", Role.REWARD, 1, r.reward_model and r.reward_model.score)]
+        if skips_old_log_probs(self.s.train, self.s.algo):  # the update gathers them from its training forward
             jobs = jobs[1:]
         for key, role, width, fn in jobs:
             if not self.layout.has(role):
@@ -130,153 +211,66 @@ class Trainer:
         out[rows_and_logp[:, 0].long()] = rows_and_logp[:, 1:]
         return out
 
-    def advantages(self, batch: RolloutBatch, results: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Pure and identical on every rank: KL, shaped scores, advantages and returns.
+    # ---- advantages ---------------------------------------------------------------------------------------------
+
+    def advantages(self, batch: RolloutBatch, results: dict[str, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Pure and identical on every rank: (KL [B, R], advantages [B, R], returns [B, R], what the shaping did).
 
         Order as in OpenRLHF: dynamic filtering on the raw scores, then length penalties, then the
         estimator's group baseline and the reward clip. --dynamic_filtering zeroes the response mask
         of filtered groups IN `batch`, so they drop out of every loss and token count downstream."""
-        a, n = self.cfg.algo, self.cfg.train.n_samples_per_prompt
+        a, n = self.s.algo, self.s.train.n_samples_per_prompt
         scores = results["scores"].float()
-        self.advantage_logs: dict[str, float] = {}
+        shaping: dict[str, float] = {}
         if a.dynamic_filtering:
             keep = dynamic_filter_keep(scores, n, a.dynamic_filtering_reward_range)
             batch.action_mask = batch.action_mask * keep.unsqueeze(1).to(batch.action_mask.dtype)
-            self.advantage_logs["dynamic_filtering/kept_frac"] = float(keep.float().mean())
+            shaping["dynamic_filtering/kept_frac"] = float(keep.float().mean())
         mask = batch.action_mask
         ref = results.get("ref_log_probs")
-        # No old log-probs (skips_old_log_probs): the KL is not in the reward; step() computes the logged one.
+        # No old log-probs (skips_old_log_probs): the KL is not in the reward; learn() computes the logged one.
         kl = (compute_approx_kl(results["old_log_probs"], ref, a.kl_estimator, mask)
               if ref is not None and "old_log_probs" in results else torch.zeros_like(mask))
         if a.running_reward_norm:
-            self.state.reward_moments.update(scores)
-            scores = self.state.reward_moments.normalize(scores)
-        R = self.cfg.generation.generate_max_len
+            self.moments.update(scores)
+            scores = self.moments.normalize(scores)
+        R = self.s.generate_max_len
         if a.overlong_buffer_len is not None:
             penalty = overlong_penalty(batch.response_len, R, a.overlong_buffer_len, a.overlong_penalty_factor)
             scores = scores + penalty.to(scores.dtype)
-            self.advantage_logs["reward/overlong_frac"] = float((penalty < 0).float().mean())
+            shaping["reward/overlong_frac"] = float((penalty < 0).float().mean())
         if a.stop_properly_penalty_coef is not None:
-            cut = truncated_rows(batch.sequences[:, -batch.response_width:], batch.response_len, R,
-                                 int(self.tokenizer.eos_token_id))
+            cut = truncated_rows(batch.sequences[:, -batch.response_width:], batch.response_len, R, self.s.eos_id)
             scores = stop_properly_penalty(scores, cut, a.stop_properly_penalty_coef)
-            self.advantage_logs["reward/truncated_frac"] = float(cut.float().mean())
+            shaping["reward/truncated_frac"] = float(cut.float().mean())
         in_reward = 0.0 if a.use_kl_loss else self.kl.value
         adv, ret = compute_advantages(
             a.advantage_estimator, scores, mask, n_samples_per_prompt=n, kl=kl,
             kl_coef=in_reward, values=results.get("values"), gamma=a.gamma, lambd=a.lambd,
             reward_clip_range=a.reward_clip_range, std_norm=not a.no_advantage_std_norm)
-        return kl, adv, ret
+        return kl, adv, ret, shaping
 
-    def train(self, step: int, batch: RolloutBatch, results: dict[str, torch.Tensor], adv: torch.Tensor,
-              ret: torch.Tensor) -> dict[str, float]:
-        t = self.cfg.train
-        minibatches = [mb for epoch in range(t.max_epochs)
-                       for mb in minibatch_order(batch.sequences.shape[0], t.train_batch_size,
-                                                 derive_seed(t.seed, "minibatch", step, epoch))]
-        stats: dict[str, float] = {}
-        self.sleep.enter(Phase.TRAIN_ACTOR)
-        if self.roles.actor is not None:
-            data = PolicyData(batch, results.get("old_log_probs"), adv, results.get("ref_log_probs"))
-            stats.update(self.roles.actor.train(data, minibatches, self.kl.value, self.budgets.train.get(Role.ACTOR)))
-        self.sleep.enter(Phase.TRAIN_CRITIC)
-        if self.roles.critic is not None:
-            stats.update(self.roles.critic.train(ValueData(batch, results["values"], ret), minibatches,
-                                                 self.budgets.train.get(Role.CRITIC)))
-        if self.layout.has(Role.CRITIC):  # critic stats live on the critic's first rank; rank 0 logs
-            src = self.layout.ranks_of(Role.CRITIC)[0]
-            if src != 0:
-                critic = broadcast_json({k: v for k, v in stats.items() if k.startswith("critic/")} if self.rank == src else None,
-                                        src, self.learners, self.comm_device)
-                stats.update(critic)  # type: ignore[arg-type]
-        return stats
+    # ---- update -------------------------------------------------------------------------------------------------
 
-    def sync_weights(self) -> None:
-        """Actor -> engines (collective over the actor and engine ranks), then the engine takes the new weights
-        up (vLLM: one reload in its child), once per sync rather than once per generate call."""
-        self.sleep.enter(Phase.SYNC)
-        self.roles.weight_sync.sync()  # type: ignore[union-attr]
-        if self.roles.engine is not None:
-            self.roles.engine.load_weights()
+    def minibatches(self, step: int, rows: int) -> list[torch.Tensor]:
+        """The update's mini-batches of global rows: --max_epochs passes over the batch, each in an order drawn from
+        (seed, step, epoch)."""
+        t = self.s.train
+        return [mb for epoch in range(t.max_epochs)
+                for mb in minibatch_order(rows, t.train_batch_size, derive_seed(t.seed, "minibatch", step, epoch))]
 
-    # ---- the loop -----------------------------------------------------------------------------
+    def critic_stats_on_rank0(self, stats: dict[str, float]) -> dict[str, float]:
+        """The critic's stats live on its first rank; rank 0 logs them (collective over the learners)."""
+        if not self.layout.has(Role.CRITIC) or (src := self.layout.ranks_of(Role.CRITIC)[0]) == 0:
+            return {}
+        mine = {k: v for k, v in stats.items() if k.startswith("critic/")} if self.rank == src else None
+        return broadcast_json(mine, src, self.learners, self.comm_device)  # type: ignore[return-value]
 
-    def step(self, step: int) -> dict[str, float]:
-        # Every random draw of this step derives from (seed, step, rank): exact resume needs no RNG state.
-        seed_everything(derive_seed(self.cfg.train.seed, "step", step, self.rank))
-        t0 = time.perf_counter()
-        if self.asynchronous:
-            return self._async_step(step, t0)
-        self.sleep.enter(Phase.GENERATE)
-        with self.phase("generate", step):
-            out = self.rollouts.generate(step)
-        times = {"time/generate": time.perf_counter() - t0}
-        learned = self.learn(step, out, times)
-        t3 = time.perf_counter()
-        with self.phase("sync", step):
-            self.sync_weights()
-        times["time/sync"] = time.perf_counter() - t3
-        return self._metrics(step, out, learned, times, time.perf_counter() - t0)
+    # ---- metrics ------------------------------------------------------------------------------------------------
 
-    def _async_step(self, step: int, t0: float) -> dict[str, float]:
-        """--async_train: the engines generate step+1 with the weights before this step's update while the
-        learners train on step `step` (generated a step earlier); weights sync at the step boundary, then
-        step+1's batch is gathered and held in `self.pending` (checkpointed, so a resume is exact)."""
-        out = self.pending
-        if out is None:  # the first step (or a resume from a checkpoint without a batch in flight)
-            with self.phase("generate", step):
-                out = self.rollouts.generate(step)
-        times: dict[str, float] = {}
-        ahead = None
-        if self.roles.engine is not None:
-            if step + 1 < self.total_steps:
-                with self.phase("generate", step + 1):
-                    ahead = self.rollouts.produce(step + 1, step, overlapped=True)
-            learned = None
-        else:
-            learned = self.learn(step, out, times)
-            if step + 1 < self.total_steps:  # the engines are generating step+1 (and ahead): tell them
-                self.rollouts.signal_trained()
-        t3 = time.perf_counter()
-        with self.phase("sync", step):
-            self.sync_weights()
-        times["time/sync"] = time.perf_counter() - t3
-        t4 = time.perf_counter()
-        self.pending = None
-        if step + 1 < self.total_steps:
-            with self.phase("generate", step + 1):
-                self.pending = self.rollouts.exchange(step + 1, ahead)
-        times["time/wait_rollout"] = time.perf_counter() - t4
-        if learned is None:  # engine ranks train nothing and log nothing (rank 0 is a learner)
-            return {"step": step + 1, "reward": float(out.scores.float().mean()) if out.scores.numel() else float("nan")}
-        lag = {} if self.rollouts.partial else {"async/policy_lag": 1.0}  # else async/staleness_*
-        return {**self._metrics(step, out, learned, times, time.perf_counter() - t0), **lag}
-
-    def learn(self, step: int, out: StepOutputs, times: dict[str, float]) -> "Learned":
-        """Score, advantages and the update of one batch (every rank but async engines). Adds time/score, time/train."""
-        t1 = time.perf_counter()
-        self.sleep.enter(Phase.SCORE)
-        with self.phase("score", step):
-            results = self.score(out)
-            kl, adv, ret = self.advantages(out.batch, results)
-        times["time/score"] = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        with self.phase("train", step):
-            stats = self.train(step, out.batch, results, adv, ret)
-            if "old_log_probs" not in results:  # skipped in score: the training forward's log-probs stand in
-                results["old_log_probs"] = self.gather_on_policy_log_probs(out.batch)
-                if "ref_log_probs" in results:
-                    kl = compute_approx_kl(results["old_log_probs"], results["ref_log_probs"], self.cfg.algo.kl_estimator,
-                                           out.batch.action_mask)
-        times["time/train"] = time.perf_counter() - t2
-        # OpenRLHF's "kl": the mean over sequences of each one's token-mean KL; it also drives the
-        # adaptive controller, with n_steps = rollout_batch_size * n_samples_per_prompt rows.
-        mean_kl = sequence_mean_kl(kl, out.batch.action_mask)
-        self.kl.update(mean_kl, self.cfg.rollouts_per_step)
-        return Learned(results, mean_kl, adv, stats)
-
-    def _metrics(self, step: int, out: StepOutputs, learned: "Learned", times: dict[str, float],
-                 step_time: float) -> dict[str, float]:
+    def metrics(self, step: int, out: StepOutputs, learned: Learned, times: dict[str, float],
+                step_time: float) -> dict[str, float]:
         mask, results = out.batch.action_mask, learned.results
         generated = float(out.batch.response_len.sum())
         return {
@@ -285,7 +279,7 @@ class Trainer:
             "reward": float(results["scores"].float().mean()),
             "kl": learned.mean_kl,
             "kl_coef": self.kl.value,
-            **self.advantage_logs,
+            **learned.shaping,
             "response_length": float(out.batch.response_len.float().mean()),
             "tokens_per_s": generated / step_time,
             "advantage_mean": float(masked_mean(learned.advantages, mask)),
@@ -296,39 +290,46 @@ class Trainer:
             "time/step": step_time,
         }
 
-    def fit(self, sink: MetricsSink | None, on_step_end: Callable[[int], None] | None = None,
-            evaluator: Evaluator | None = None) -> list[dict[str, float]]:
-        """Run from self.state.step to total_steps; rank 0 logs every logging_steps; the evaluator (every rank)
-        runs when due, before on_step_end(steps_done) (checkpointing), so a checkpoint's steps come with their
-        evaluations."""
-        history = []
-        if evaluator is not None and evaluator.before_train and self.state.step == 0:
-            with self.phase("eval", -1):
-                self.sleep.enter(Phase.GENERATE)
-                before = evaluator.run(0)
-            if sink is not None:
-                sink.log_eval(0, before)
-        for step in range(self.state.step, self.total_steps):
-            metrics = self.step(step)
-            self.state.step = step + 1
-            history.append(metrics)
-            evals = None
-            if evaluator is not None and evaluator.due(step + 1):
-                with self.phase("eval", step):
-                    self.sleep.enter(Phase.GENERATE)
-                    evals = evaluator.run(step + 1)
-            if sink is not None and (step + 1) % self.cfg.logging.logging_steps == 0:
-                sink.log(metrics, evals)
-            elif sink is not None and evals is not None:
-                sink.log_eval(step + 1, evals)
-            if on_step_end is not None:
-                on_step_end(step + 1)
+    # ---- around the steps (called by the run skeleton) ----------------------------------------------------------
+
+    def begin(self) -> None:
+        """Before the first step (after a resume): the engines start from the actor's (possibly restored) weights."""
+        self.sync_weights()
+        report_memory(get_logger(self.rank), "start-up")
+
+    def evaluate(self, steps_done: int) -> dict[str, float] | None:
+        """--eval_dataset's metrics when an evaluation is due after `steps_done` steps (0: before training), else
+        None. Collective over the world."""
+        e = self.evaluator
+        if e is None or not (e.before_train if steps_done == 0 else e.due(steps_done)):
+            return None
+        with self.phase(Phase.EVAL, steps_done - 1):
+            return e.run(steps_done)
+
+    def finish(self) -> None:
+        """After the last step: the engines' flags all arrived, every model awake again (the export reads them)."""
         self.rollouts.finish()
-        self.sleep.wake_all()
-        return history
+        if self.roles.sleep is not None:
+            self.roles.sleep.wake_all()
+        report_memory(get_logger(self.rank), "training")
+
+    # ---- torch Stateful: what the checkpointer saves of the loop (trainer_state.json) ------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.roles.actor is not None  # rank 0, the writer, always holds the actor
+        return {"step": self.step, "kl_coef": self.kl.value, "reward_moments": asdict(self.moments),
+                "actor": self.roles.actor.updater.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        if isinstance(self.kl, AdaptiveKLController):  # a fixed coefficient is this run's --init_kl_coef
+            self.kl.value = float(state["kl_coef"])
+        self.moments = RunningMoments(**state["reward_moments"])
+        if self.roles.actor is not None:
+            self.roles.actor.updater.load_state_dict(state["actor"])
 
 
-def skips_old_log_probs(cfg: Config) -> bool:
+def skips_old_log_probs(train: TrainConfig, algo: AlgorithmConfig) -> bool:
     """Whether Trainer.score skips the actor's "old log-probs" forward. True exactly when
 
     * the update is on-policy: --max_epochs 1 and ONE mini-batch per rollout batch (--train_batch_size ==
@@ -341,6 +342,9 @@ def skips_old_log_probs(cfg: Config) -> bool:
     The logged `kl` (and the adaptive controller's input) and the engine-vs-actor log-prob diff are then
     computed after training from the training forward's log-probs (Trainer.gather_on_policy_log_probs),
     so they keep their meaning."""
-    t = cfg.train
-    on_policy = t.max_epochs == 1 and t.train_batch_size == cfg.rollouts_per_step
-    return on_policy and (cfg.algo.use_kl_loss or not cfg.needs_ref)
+    on_policy = train.max_epochs == 1 and train.train_batch_size == train.rollouts_per_step
+    return on_policy and (algo.use_kl_loss or not algo.needs_ref)
+
+
+def _prefixed(prefix: str, stats: dict[str, float]) -> dict[str, float]:
+    return {f"{prefix}{k}": v for k, v in stats.items()}

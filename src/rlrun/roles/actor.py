@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 import torch
 from torch import nn
-
 from rlrun.algo.algorithms import compute_approx_kl
-from rlrun.algo.is_correction import ISCorrection
+from rlrun.algo.losses import ISCorrection
 from rlrun.algo.losses import LossAggMode, PolicyLossType, aggregate_loss, policy_loss
 from rlrun.data.rollout import RolloutBatch
-from rlrun.data.token_batches import RowLengths, TokenBudget, pad_responses, trim_padding
+from rlrun.data.batching import TokenBudget, pad_responses, trim_padding
 from rlrun.roles.forward import LOGITS_CHUNK, fed_tokens, over_micro_batches, policy_log_probs
-from rlrun.roles.update import FED_TOKENS, REAL_TOKENS, Updater
-
+from rlrun.roles.update import FED_TOKENS, REAL_TOKENS, MicroLoss, Updater
+from contextlib import nullcontext
+from rlrun.models.lora import adapters_disabled
 
 @dataclass(frozen=True)
 class PolicyLossSettings:
@@ -49,7 +48,7 @@ class Actor:
         self.device = device
         self.packing = packing  # --packing_samples: forward on packed rows (rlrun.data.packing)
         self.logits_chunk = logits_chunk  # --logits_chunk_size: positions per chunk of the vocab projection
-        # (rows, [rows, R] detached log-probs) per micro-batch of the last on-policy train() (PolicyData.old_log_probs
+        # (rows, [rows, R] detached log-probs) per micro-batch of the last on-policy update (PolicyData.old_log_probs
         # None): the trainer gathers them in place of the skipped scoring pass.
         self._on_policy: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -60,15 +59,17 @@ class Actor:
                                   lambda p: policy_log_probs(self.model, p, temp, packing=self.packing,
                                                              logits_chunk=self.logits_chunk)[0])
 
-    def train(self, data: PolicyData, minibatches: list[torch.Tensor], kl_coef: float,
-              budget: TokenBudget | None = None) -> dict[str, float]:
-        """One update over `minibatches` (global rows); budget: --dynamic_batch micro-batches by tokens, each
-        trimmed to its own longest prompt and response."""
+    def loss(self, data: PolicyData, kl_coef: float, budget: TokenBudget | None, minibatches: int) -> MicroLoss:
+        """The policy loss of one update over `data` in `minibatches` mini-batches, for the actor's Updater:
+        micro-batch rows -> (the loss, its stats). budget: --dynamic_batch micro-batches by tokens, each trimmed to
+        its own longest prompt and response."""
         s = self.settings
-        mask = data.batch.action_mask
         width = data.batch.response_width
+        if data.old_log_probs is None and minibatches != 1:
+            raise ValueError(f"on-policy training (no old log-probs) needs exactly one mini-batch, got {minibatches}")
+        self._on_policy = []
 
-        def micro_loss(rows: torch.Tensor, num_tokens: float, num_seqs: float):
+        def micro_loss(rows: torch.Tensor, num_tokens: float, num_seqs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             part = data.batch.rows(rows)
             part = (trim_padding(part) if budget is not None else part).to(self.device)
             r = part.response_width  # [b, r] per-token tensors below: the full batch's columns cut to the part's
@@ -102,16 +103,35 @@ class Actor:
                 stats["entropy"] = ent.detach()
             return loss, stats
 
-        if data.old_log_probs is None and len(minibatches) != 1:
-            raise ValueError(f"on-policy training (no old log-probs) needs exactly one mini-batch, got {len(minibatches)}")
-        self._on_policy = []
-        lengths = RowLengths.of(data.batch) if budget is not None else None
-        stats = self.updater.run(minibatches, mask, micro_loss, budget, lengths)
-        return {f"actor/{k}": v for k, v in stats.items()}
+        return micro_loss
 
     def on_policy_log_probs(self) -> torch.Tensor:
-        """[b, 1 + R] float: for each row this rank trained on in the last on-policy train(), its global row
+        """[b, 1 + R] float: for each row this rank trained on in the last on-policy update, its global row
         index, then its log-probs under the policy before the update (what the skipped scoring pass gives)."""
         rows = torch.cat([r for r, _ in self._on_policy])
         logp = torch.cat([lp for _, lp in self._on_policy])
         return torch.cat([rows.float().unsqueeze(1), logp], dim=1)
+
+# ---- the reference -----------------------------------------------------------------------------------------------
+# Reference: a frozen copy of the initial policy, or (LoRA) the actor's own model with its adapters disabled.
+
+class Reference:
+    def __init__(self, model: nn.Module, temperature: float, device: torch.device, packing: bool = False,
+                 logits_chunk: int = LOGITS_CHUNK, adapters_off: bool = False) -> None:
+        # The actor's model (adapters_off) keeps the mode the actor's update sets; a frozen copy is always in eval.
+        self.model = model if adapters_off else model.eval()
+        self.adapters_off = adapters_off
+        self.packing = packing  # --packing_samples: forward on packed rows (rlrun.data.packing)
+        self.logits_chunk = logits_chunk  # --logits_chunk_size: positions per chunk of the vocab projection
+        self.temperature = temperature
+        self.device = device
+
+    def log_probs(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
+        """[b, L] rollouts -> [b, R] reference log-probs."""
+        with adapters_disabled(self.model) if self.adapters_off else nullcontext():
+            return self._log_probs(batch, micro_batch)
+
+    def _log_probs(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
+        return over_micro_batches(self.model, batch, micro_batch, self.device,
+                                  lambda p: policy_log_probs(self.model, p, self.temperature, packing=self.packing,
+                                                             logits_chunk=self.logits_chunk)[0])

@@ -1,4 +1,5 @@
-"""Critic: per-token value estimates and their regression update."""
+"""The critic (per-token value estimates and their regression loss) and the reward model (a scalar head scoring
+the last token): the roles whose models end in a scalar head."""
 
 from __future__ import annotations
 
@@ -6,13 +7,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
 from rlrun.algo.losses import LossAggMode, value_loss
 from rlrun.data.rollout import RolloutBatch
-from rlrun.data.token_batches import RowLengths, TokenBudget, trim_padding
+from rlrun.data.batching import TokenBudget, trim_padding
 from rlrun.roles.forward import fed_tokens, over_micro_batches, token_values
-from rlrun.roles.update import FED_TOKENS, REAL_TOKENS, Updater
-
+from rlrun.roles.update import FED_TOKENS, REAL_TOKENS, MicroLoss, Updater
+from rlrun.roles.forward import sequence_scores
 
 @dataclass
 class ValueData:
@@ -38,10 +38,10 @@ class Critic:
         return over_micro_batches(self.model, batch, micro_batch, self.device,
                                   lambda p: token_values(self.model, p, packing=self.packing))
 
-    def train(self, data: ValueData, minibatches: list[torch.Tensor], budget: TokenBudget | None = None) -> dict[str, float]:
-        """One update over `minibatches` (global rows); budget: --dynamic_batch micro-batches by tokens, each
-        trimmed to its own longest prompt and response."""
-        def micro_loss(rows: torch.Tensor, num_tokens: float, num_seqs: float):
+    def loss(self, data: ValueData, budget: TokenBudget | None = None) -> MicroLoss:
+        """The value loss of one update over `data`, for the critic's Updater: micro-batch rows -> (the loss, its
+        stats). budget: --dynamic_batch micro-batches by tokens, each trimmed to its own longest prompt and response."""
+        def micro_loss(rows: torch.Tensor, num_tokens: float, num_seqs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             part = data.batch.rows(rows)
             part = (trim_padding(part) if budget is not None else part).to(self.device)
             r = part.response_width  # the full batch's [B, R] targets cut to the part's columns
@@ -53,6 +53,19 @@ class Critic:
             return loss, {"value_loss": loss.detach(), **stats, FED_TOKENS: fed_tokens(self.model, part, self.packing),
                           REAL_TOKENS: int(part.attention_mask.sum())}
 
-        lengths = RowLengths.of(data.batch) if budget is not None else None
-        stats = self.updater.run(minibatches, data.batch.action_mask, micro_loss, budget, lengths)
-        return {f"critic/{k}": v for k, v in stats.items()}
+        return micro_loss
+
+
+# ---- the reward model --------------------------------------------------------------------------------------------
+# Reward role backed by a reward model (a scalar head scoring the last token).
+
+class RewardModel:
+    def __init__(self, model: nn.Module, device: torch.device, packing: bool = False) -> None:
+        self.model = model.eval()
+        self.packing = packing  # --packing_samples: forward on packed rows (rlrun.data.packing)
+        self.device = device
+
+    def score(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
+        """[b, L] rollouts -> [b] scores."""
+        return over_micro_batches(self.model, batch, micro_batch, self.device,
+                                  lambda p: sequence_scores(self.model, p, packing=self.packing))

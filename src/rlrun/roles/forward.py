@@ -20,10 +20,10 @@ from rlrun.algo.losses import entropy_from_logits, log_probs_from_logits
 from rlrun.algo.vocab_chunks import chunked_log_probs
 from rlrun.data.packing import PackedBatch, assign_rows, pack_batch
 from rlrun.data.rollout import RolloutBatch
-from rlrun.data.token_batches import RowLengths, TokenBudget, pad_responses, restore_order, trim_padding
+from rlrun.data.batching import RowLengths, TokenBudget, pad_responses, restore_order, trim_padding
 from rlrun.models.loading import position_ids_from
 from rlrun.data.vision_batch import RowVision
-from rlrun.vision.positions import packed_inputs, padded_inputs
+from rlrun.vision.inputs import packed_inputs, padded_inputs
 
 # Attention kernels that take packed sequences as ONE row and run varlen attention on it (cost
 # sum(n_i^2)); every other kernel gets a dense block-diagonal mask per row, so rows stay as wide as

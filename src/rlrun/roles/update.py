@@ -4,25 +4,58 @@ Each global mini-batch is split evenly over the role's data-parallel ranks and t
 micro-batches; losses are normalised by the WHOLE mini-batch's token/sequence count (divided by
 the ranks, since the gradient reduction averages over them), so gradient accumulation and data
 parallelism give the same gradient as one big batch. That holds for any split, so --dynamic_batch
-(rlrun.data.token_batches) deals rows to ranks by length and forms micro-batches of uneven sizes by
+(rlrun.data.batching) deals rows to ranks by length and forms micro-batches of uneven sizes by
 tokens with the same normalisation: every micro-batch's loss is its tokens' (or sequences') share of the whole.
 """
 
 from __future__ import annotations
 
 import math
+import torch
+from torch import nn
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
-
-import torch
-from torch import nn
-
 from rlrun.data.batching import shard
-from rlrun.data.token_batches import RowLengths, TokenBudget, balanced_shards
+from rlrun.data.batching import RowLengths, TokenBudget, balanced_shards
 from rlrun.runtime.errors import RlrunError
 from rlrun.strategies.base import GradClipper, StepOps, TorchSteps
+from typing import Any
+
+# ---- optimizer ---------------------------------------------------------------------------------------------------
+# Optimizer and warmup + cosine LR schedule for the trainable roles.
+
+# Device types whose AdamW has a fused (one kernel over all tensors) implementation. On CPU torch's
+# default is a per-tensor Python loop: 7x slower than fused on a 50M-parameter step (DEEPSPEED.md 2e).
+_FUSED_DEVICE_TYPES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu"})
+
+
+def adam_implementation(params: list[torch.Tensor]) -> dict[str, bool]:
+    """The AdamW kwargs for these parameters: {"fused": True} when every one is a floating-point tensor
+    (plain or an FSDP2 DTensor, which dispatches the fused kernel on its local shard) on a device with a
+    fused kernel; otherwise {"foreach": True}, the multi-tensor path, which any device runs."""
+    fused = bool(params) and all(p.is_floating_point() and p.device.type in _FUSED_DEVICE_TYPES for p in params)
+    return {"fused": True} if fused else {"foreach": True}
+
+
+def make_optimizer(model: nn.Module, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, **adam_implementation(params))
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float,
+                  min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over ceil(ratio * total) steps, then cosine decay to min_lr_ratio * lr."""
+    warmup = math.ceil(warmup_ratio * total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 # rows (global indices of one micro-batch), num_tokens, num_seqs -> (loss, stats)
 MicroLoss = Callable[[torch.Tensor, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -52,6 +85,29 @@ class Updater:
     nonfinite_in_a_row: int = 0  # consecutive skipped steps, reset by every finite one
     # backward / clip / step: plain autograd + optimizer (FSDP2), or the strategy's engine (DeepSpeed)
     ops: StepOps = field(default_factory=TorchSteps)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the loop besides the optimizer's state: the LR schedule and the skip count."""
+        sched = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+        return {"scheduler": sched, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the schedule where the checkpoint left it, at THIS run's learning rate: the stored schedule
+        carries the saving run's base rate, which would otherwise silently override a changed --learning_rate.
+        With an unchanged rate nothing is touched (an exact resume stays exact)."""
+        configured = list(self.scheduler.base_lrs)  # set from the config when the scheduler was built
+        sched = dict(state["scheduler"])
+        sched["lr_lambdas"] = [None] * len(self.optimizer.param_groups)
+        self.scheduler.load_state_dict(sched)
+        if list(self.scheduler.base_lrs) != configured:
+            step = self.scheduler.last_epoch
+            factors = [fn(step) for fn in self.scheduler.lr_lambdas]  # type: ignore[attr-defined]
+            lrs = [base * factor for base, factor in zip(configured, factors)]
+            self.scheduler.base_lrs = configured
+            for group, base, lr in zip(self.optimizer.param_groups, configured, lrs):
+                group["initial_lr"], group["lr"] = base, lr
+            self.scheduler._last_lr = lrs  # what get_last_lr() reports (the logged lr)
+        self.skipped_steps = int(state["skipped_steps"])
 
     def micro_batches(self, rows: torch.Tensor, budget: TokenBudget | None = None,
                       lengths: RowLengths | None = None) -> list[torch.Tensor]:

@@ -103,7 +103,7 @@ def phase_peaks_mib(listed: str) -> dict[str, int]:
 
 
 class _EveryPeak:
-    """The phase hooks of the run loop (rlrun.runtime.faults.PhaseTracker): host RSS and the GPU allocator's."""
+    """The phase hooks of the run loop (rlrun.runtime.phases.PhaseTracker): host RSS and the GPU allocator's."""
 
     def __init__(self) -> None:
         self.host = _PhasePeaks(peak_rss_bytes, _reset_peak_rss)

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import enum
 import math
+import os
+from dataclasses import dataclass
 from contextlib import AbstractContextManager
 from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
-from rlrun.launch.param_blocks import ParamBlock, ParamHoming
+from rlrun.weight_sync.blocks import ParamBlock, ParamHoming
 from rlrun.models.weights import Unfilled
+from rlrun.runtime.errors import CheckpointError
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -128,3 +131,26 @@ class Strategy(GradClipper, ParamHoming, Protocol):
     def asleep(self, model: nn.Module) -> frozenset[Part]:
         """The parts of `model` asleep now."""
         ...
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """A role's model and optimizer as a part of a checkpoint (rlrun.checkpoint.checkpointer.Part): its strategy writes
+    them into <checkpoint>/<folder>, sharded and world-size independent, and reads them back on any number of the
+    role's ranks. Collective over the role. `missing`: what a checkpoint without the folder is told (the run needs
+    it), or "" to let the strategy's load fail."""
+
+    strategy: Strategy
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    folder: str
+    missing: str = ""
+
+    def save(self, path: str) -> None:
+        self.strategy.save_state(self.model, self.optimizer, os.path.join(path, self.folder))
+
+    def load(self, path: str) -> None:
+        where = os.path.join(path, self.folder)
+        if self.missing and not os.path.isdir(where):
+            raise CheckpointError(f"{path} has no {self.folder} state, {self.missing}")
+        self.strategy.load_state(self.model, self.optimizer, where)

@@ -14,7 +14,7 @@ def make_strategy(group: torch.distributed.ProcessGroup, device: torch.device, m
     """The strategy for one role's models on `group` (planning/validation already checked the install,
     version and stage). `solo`: this rank's one-rank group, which DeepSpeed needs (launch/groups.py makes it)."""
     if train.strategy == "deepspeed":
-        from rlrun.strategies.deepspeed_adapter import DeepSpeedStrategy  # noqa: PLC0415 - optional extra
+        from rlrun.strategies.deepspeed import DeepSpeedStrategy  # noqa: PLC0415 - optional extra
 
         return DeepSpeedStrategy(group, device, bf16=model.bf16, zero_stage=train.zero_stage, offload=train.adam_offload,
                                  gradient_checkpointing=model.gradient_checkpointing,

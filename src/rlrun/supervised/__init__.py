@@ -1,6 +1,6 @@
-"""Supervised trainers (SFT, reward model, DPO) over the same launch, strategy and checkpoint machinery as PPO:
-one loop (loop, run), a task per trainer (sft_task, rm_task, dpo_task), their datasets and batches, losses and
-checkpointing.
+"""Supervised trainers (SFT, reward model, DPO) over the same run skeleton, strategies and checkpoints as PPO: the
+loop (loop), the trainers the entry points declare (assembly), a task per trainer (tasks), their datasets and the
+offline demo data (datasets), and OpenRLHF's losses (losses).
 
 Top tier beside rl/: may import every folder below it.
 """

@@ -1,2 +1,6 @@
-"""Vision-language policies: prompt images (records, loading, preprocessing), the rows' images through the rollout
-batch, the model's multimodal forward inputs, the vision tower, and a tiny Qwen2.5-VL for offline runs."""
+"""Vision-language policies: a model's image processor and its multimodal forward inputs for padded and packed rows
+and HF generate (inputs), the vision tower (tower), and the offline demo's tiny Qwen2.5-VL and its image task
+(demo).
+
+May import data/, models/, config/ and runtime/.
+"""

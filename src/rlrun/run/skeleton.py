@@ -1,0 +1,274 @@
+"""One run of any trainer on this rank, start to teardown: what rlrun.ppo, rlrun.sft, rlrun.rm and rlrun.dpo share.
+
+A trainer (rlrun.rl.assembly.PPO, rlrun.supervised.trainer's SFT, RM and DPO) supplies what differs as a `Trainer`:
+its plan, what it reads before the first collective, what it builds, what it exports. `run_trainer` does the rest,
+in this order:
+
+1. the launcher's environment; the command line parsed, resolved and planned on every rank, so that a bad flag,
+   value or layout is one `error:` line and exit status 2 before anything starts; `--dry_run` stops after its
+   report (the plan, the memory plan per rank, the preflight);
+2. device and collective backend; the files the run reads, on every rank before the first collective (a bad path
+   fails every rank alike), under --data_timeout; rank 0 checks its output folders and says where everything goes;
+3. the default group; the trainer's groups, models and loop; a resume from the newest checkpoint;
+4. the steps, written out below: each step, its evaluation when due, its metrics (rank 0), a checkpoint every
+   --save_steps;
+5. the export, rank 0's summary, teardown.
+
+Failure policy: a rank that fails prints ONE line (rank, roles, phase, step, error) and leaves at once with os._exit:
+it must not wait in a collective or in process-group teardown for peers that may be gone. Peers then fail fast in
+their next collective (connection closed) or at the collective timeout, print a one-line note, and leave the same
+way; torchrun or srun stops the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+from torch import nn
+
+from rlrun.checkpoint.checkpointer import Checkpointer, Identity, Part
+from rlrun.checkpoint.resume import check_ownership, is_restart, run_identity
+from rlrun.cli.parser import CliSpec
+from rlrun.cli.run_config import write_run_config
+from rlrun.config.fields import redacted
+from rlrun.config.schema import RootConfig
+from rlrun.launch.dist import (collective_device, init_distributed, resolve_dist_backend, resolve_device_and_precision,
+                               restart_safety_warning, teardown)
+from rlrun.launch.env import DistEnv
+from rlrun.launch.failures import RankFailure, checked_on_every_rank, launch_environment
+from rlrun.plan.plan import Planned
+from rlrun.reporting.metrics import MetricsSink
+from rlrun.reporting.run_report import announce
+from rlrun.runtime.errors import ConfigError
+from rlrun.runtime.log import RankLogger, get_logger, quiet_third_party
+from rlrun.runtime.phases import Phase, PhaseTracker, run_phases, set_reporter
+
+P = TypeVar("P", bound=Planned[Any])  # a trainer's plan
+I = TypeVar("I")  # noqa: E741 - what a trainer reads before the first collective
+
+
+@dataclass
+class Started:
+    """The process as the skeleton set it up, handed to the trainer's `read` and `build`."""
+
+    env: DistEnv
+    device: torch.device
+    backend: str  # the default group's
+    phase: PhaseTracker
+    failure: RankFailure  # its `roles` and `local_only` are the trainer's to update (PPO's label placement)
+    run_id: str
+    log: RankLogger
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where tensors for the default group's collectives live."""
+        return collective_device(self.backend, self.device)
+
+
+class Job(Protocol):
+    """A trainer's loop on this rank, driven step by step by `run_trainer`; a torch Stateful the checkpointer saves
+    (as trainer_state.json, rank 0)."""
+
+    step: int  # steps done (restored with the state)
+    total_steps: int
+
+    def begin(self) -> None:
+        """After the resume, before the first step."""
+        ...
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Step `step` (0-based); its metrics, which rank 0 logs."""
+        ...
+
+    def evaluate(self, steps_done: int) -> dict[str, float] | None:
+        """The evaluation due after `steps_done` steps (0: before training), None when none is. Collective."""
+        ...
+
+    def finish(self) -> None:
+        """After the last step, before the export."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+J = TypeVar("J", bound=Job)
+
+
+@dataclass
+class Built(Generic[J]):
+    """What a trainer built on this rank: its loop, and what its checkpoints hold."""
+
+    job: J
+    identity: Identity
+    parts: list[Part]  # this rank's pieces of a checkpoint, besides the job's own state
+    group: torch.distributed.ProcessGroup  # every rank: the checkpoint's collectives
+    trained: list[nn.Module] = field(default_factory=list)  # this rank's trained models (a checkpoint's bulk)
+
+
+class Trainer(Protocol[P, I, J]):
+    """What one entry point (rlrun.ppo, sft, rm, dpo) supplies to the skeleton."""
+
+    cli: CliSpec
+
+    @property
+    def name(self) -> str:
+        """"ppo" | "sft" | "rm" | "dpo": its checkpoints', trackers' and failure lines' name."""
+        ...
+
+    def plan(self, argv: Sequence[str] | None, env: DistEnv) -> P:
+        """Parse, resolve (hub ids, presets, adapters) and check everything that needs no file read beyond the
+        models' config.json; raise the run's RlrunError on what would fail. Every rank, before anything starts."""
+        ...
+
+    def memory(self, planned: P, env: DistEnv) -> tuple[list[str], list[str]]:
+        """--dry_run's memory plan: (its lines, its problems); rank 0 writes --plan_json."""
+        ...
+
+    def preflight(self, planned: P) -> list[str]:
+        """--dry_run: what the job reads first (data, chat template, reward file), read now; one line per thing."""
+        ...
+
+    def read(self, planned: P, started: Started) -> I:
+        """The files the run reads (tokenizer, data), before the first collective (the skeleton bounds it by
+        --data_timeout)."""
+        ...
+
+    def announce(self, planned: P, inputs: I, env: DistEnv) -> list[str]:
+        """Rank 0's start-up lines before the ones saying where everything goes."""
+        ...
+
+    def build(self, planned: P, inputs: I, started: Started) -> Built[J]:
+        """The trainer's groups, models and loop, once the default group exists."""
+        ...
+
+    def export(self, planned: P, inputs: I, built: Built[J]) -> dict[str, str]:
+        """Save the trained model(s) (collective); what was saved where, for the summary."""
+        ...
+
+
+def run_trainer(trainer: Trainer[P, I, J], argv: Sequence[str] | None = None) -> int:
+    """Run `trainer` with the command line `argv` on this rank; the process's exit status."""
+    env = launch_environment()
+    if env is None:
+        return 2
+    log = get_logger(env.rank)
+    quiet_third_party(env.rank)  # before the hub downloads of plan()
+    planned = checked_on_every_rank(env, lambda: trainer.plan(argv, env))
+    if planned is None:
+        return 2
+    if planned.config.runtime.dry_run:
+        return dry_run(trainer, planned, env, log)
+    for line in planned.warnings:
+        log.warning_once(line)
+    cfg = planned.config
+    started_s = time.monotonic()
+    phase = run_phases(env.rank, cfg.runtime.dist_timeout)
+    failure = RankFailure(log, env.rank, planned.roles, phase, cfg.runtime.dist_timeout)
+    set_reporter(failure.exit)  # a bound that passes (a hung reward function, a dataset that never loads) ends so
+    sink = None
+    try:
+        device = resolve_device_and_precision(cfg.runtime.device, env.local_rank, cfg.runtime.tf32)
+        backend = resolve_dist_backend(cfg.runtime.dist_backend, device, cpu_collectives=cfg.train.reduces_on_cpu)
+        started = Started(env, device, backend, phase, failure, run_identity(), log)
+        inputs = trainer.read(planned, started)
+        if env.rank == 0:  # the writer: a bad output path must fail now, not at the end of training
+            check_outputs(cfg, started.run_id, log)
+            launched = f"world size {env.world_size}, launcher {env.launcher}"
+            config, count = write_run_config(cfg, trainer.cli.defaults, cfg.checkpoint.save_path, trainer.cli.prog,
+                                             launched)
+            for line in (*trainer.announce(planned, inputs, env),
+                         *announce(cfg.model, cfg.checkpoint, cfg.logging, trainer.cli.prog, config, count)):
+                log.info_once(line)
+        failure.local_only = False  # from the first collective on, a failure may be this rank's alone
+        if (warning := restart_safety_warning(env)) is not None:
+            log.warning_once(warning)
+        init_distributed(env, backend, cfg.runtime.dist_timeout, os.path.join(cfg.checkpoint.save_path, "nccl_trace"))
+        phase.set(Phase.BUILD)
+        built = trainer.build(planned, inputs, started)
+        job = built.job
+        c = cfg.checkpoint
+        checkpointer = Checkpointer(c.ckpt_path, identity=built.identity, state=job, parts=built.parts,
+                                    config=redacted(cfg), run_id=started.run_id, world_size=env.world_size,
+                                    save_steps=c.save_steps, keep=c.max_ckpt_num, overwrite=c.overwrite_checkpoints,
+                                    group=built.group, device=started.comm_device,
+                                    timeout_s=cfg.runtime.dist_timeout, trained=built.trained)
+        if c.load_checkpoint:
+            with phase(Phase.LOAD, -1):
+                checkpointer.restore()
+        job.begin()
+        sink = MetricsSink(cfg.logging, cfg.checkpoint, job.total_steps, job.step, trainer=trainer.name,
+                           config=redacted(cfg)) if env.rank == 0 else None
+        failure.sink = sink
+        # The steps. A checkpoint's steps come with their evaluations (evaluated before it is saved).
+        evals = job.evaluate(0) if job.step == 0 else None
+        if sink is not None and evals is not None:
+            sink.log_eval(0, evals)
+        for step in range(job.step, job.total_steps):
+            metrics = job.train_step(step)
+            evals = job.evaluate(step + 1)
+            if sink is not None and (step + 1) % cfg.logging.logging_steps == 0:
+                sink.log(metrics, evals)
+            elif sink is not None and evals is not None:
+                sink.log_eval(step + 1, evals)
+            if checkpointer.should_save(step + 1, job.total_steps):
+                with phase(Phase.SAVE, step):
+                    checkpointer.save(step + 1)
+        job.finish()
+        with phase(Phase.SAVE, job.step):
+            saved = trainer.export(planned, inputs, built)
+    except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
+        failure.exit(exc)
+    if sink is not None:  # rank 0's summary reads the metrics it logged
+        sink.finish(log, saved, time.monotonic() - started_s)
+    teardown()
+    return 0
+
+
+def dry_run(trainer: Trainer[P, I, J], planned: P, env: DistEnv, log: RankLogger) -> int:
+    """--dry_run: the plan (the role layout), the memory plan per rank, the warnings, the preflight; no process group,
+    no weights. The exit status: 0, or 2 once a check's error is printed."""
+    for line in planned.notes:
+        log.info_once(line)
+    memory = checked_on_every_rank(env, lambda: trainer.memory(planned, env))
+    if memory is None:
+        return 2
+    lines, problems = memory
+    for line in lines:
+        log.info_once(line)
+    for line in (*problems, *planned.warnings):
+        log.warning_once(line)
+    checked = checked_on_every_rank(env, lambda: trainer.preflight(planned))
+    for line in checked or ():
+        log.info_once(line)
+    return 0 if checked is not None else 2
+
+
+def check_outputs(cfg: RootConfig, run_id: str, log: RankLogger) -> None:
+    """Rank 0 (the writer), before anything expensive: the output paths are writable, and checkpoints will not
+    be written over another run's (rlrun.checkpoint.resume)."""
+    saving = cfg.checkpoint
+    check_writable(saving.save_path, "--save_path")
+    if saving.save_steps > 0:
+        check_writable(saving.ckpt_path, "--ckpt_path")
+        replacing = check_ownership(saving.ckpt_path, run_id, loads=saving.load_checkpoint,
+                                    overwrites=saving.overwrite_checkpoints, restarted=is_restart())
+        if replacing:
+            log.warning_once(replacing)
+
+
+def check_writable(path: str, flag: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".rlrun_write_test_"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path} is not a writable directory ({exc.strerror or exc}); "
+                          "choose a directory this user can create and write") from None
