@@ -329,7 +329,7 @@ def test_hung_rank_is_dumped_and_everyone_exits(tmp_path):
     assert _rank_exitcodes(out.output) == {0: 1, 1: -15}, out.output[-3000:]  # rank 1 was stopped by torchrun
     dump = re.search(r"^Current thread 0x[0-9a-f]+ \(most recent call first\):\n((?:  File .*\n)+)", out.output, re.M)
     assert dump, f"no stack dump from the hung rank:\n{out.output[-4000:]}"
-    assert 'File "' in dump.group(1) and "faults.py" in dump.group(1), dump.group(1)
+    assert 'File "' in dump.group(1) and "phases.py" in dump.group(1), dump.group(1)
     assert "in maybe_inject" in dump.group(1)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import REPO, subprocess_env
+from helpers import REPO, subprocess_env, update_actor
 from rlrun.config.fields import build_config
 from rlrun.data.rollout import pack_rows, unpack_rows
 from rlrun.models.tiny import PAD_ID, build_causal_lm, tiny_model_config
@@ -36,7 +36,8 @@ def _cfg(train: dict, algo: dict):
     ({"max_epochs": 2}, {"use_kl_loss": True}, False),  # second epoch is off-policy
 ])
 def test_when_the_pass_is_skipped(train, algo, skips):
-    assert skips_old_log_probs(_cfg(train, algo)) is skips
+    cfg = _cfg(train, algo)
+    assert skips_old_log_probs(cfg.train, cfg.algo) is skips
 
 
 def _batch():
@@ -65,8 +66,8 @@ def test_actor_step_without_old_log_probs_is_the_same_step():
     ref = torch.full_like(adv, -5.0)
     scored, skipped = _actor(), _actor()
     old = scored.log_probs(batch, 2)
-    stats_scored = scored.train(PolicyData(batch, old, adv, ref), [torch.arange(4)], kl_coef=0.04)
-    stats_skipped = skipped.train(PolicyData(batch, None, adv, ref), [torch.arange(4)], kl_coef=0.04)
+    stats_scored = update_actor(scored, PolicyData(batch, old, adv, ref), [torch.arange(4)], kl_coef=0.04)
+    stats_skipped = update_actor(skipped, PolicyData(batch, None, adv, ref), [torch.arange(4)], kl_coef=0.04)
     for p, q in zip(scored.model.parameters(), skipped.model.parameters()):
         torch.testing.assert_close(q, p, atol=1e-6, rtol=0)
     assert abs(stats_scored["actor/policy_loss"] - stats_skipped["actor/policy_loss"]) < 1e-6
@@ -76,14 +77,14 @@ def test_actor_step_without_old_log_probs_is_the_same_step():
     rows = got[:, 0].long()
     torch.testing.assert_close(got[rows.argsort(), 1:] * batch.action_mask, old * batch.action_mask, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="exactly one mini-batch, got 2"):
-        skipped.train(PolicyData(batch, None, adv, ref), [torch.arange(2), torch.arange(2, 4)], kl_coef=0.04)
+        update_actor(skipped, PolicyData(batch, None, adv, ref), [torch.arange(2), torch.arange(2, 4)], kl_coef=0.04)
 
 
 ARGS = ["--config", "configs/demo.yaml", "--max_steps", "2", "--rollout_batch_size", "4", "--n_samples_per_prompt", "4",
         "--train_batch_size", "16", "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8",
         "--use_kl_loss", "--kl_estimator", "k3", "--init_kl_coef", "0.04"]
 # The same entry point with the skip turned off (the trainer reads the module-level function at each step).
-NO_SKIP = ("import sys, rlrun.rl.trainer as t; t.skips_old_log_probs = lambda cfg: False; "
+NO_SKIP = ("import sys, rlrun.rl.trainer as t; t.skips_old_log_probs = lambda train, algo: False; "
            "from rlrun.ppo import main; sys.exit(main(sys.argv[1:]))")
 
 

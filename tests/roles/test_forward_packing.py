@@ -102,6 +102,8 @@ def test_log_probs_values_and_scores_match_padded():
 
 
 def test_policy_and_value_gradients_match_padded():
+    from helpers import assert_close_to_scale  # not at the top: the ranks run this file as __main__
+
     batch = varied_batch(seed=1)
     adv = torch.linspace(-1, 1, batch.action_mask.numel()).view_as(batch.action_mask)
     grads = {}
@@ -117,7 +119,7 @@ def test_policy_and_value_gradients_match_padded():
         grads[packing] = [p.grad.clone() for p in policy.parameters()] + [p.grad.clone() for p in critic.parameters()]
     assert len(grads[True]) == len(grads[False])
     for a, b in zip(grads[False], grads[True]):
-        torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+        assert_close_to_scale(b, a)
     assert max(float(g.abs().max()) for g in grads[True]) > 1e-3
 
 
@@ -205,7 +207,7 @@ def strategy_full(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [1, 2])
 def test_fsdp2_packed_matches_padded(tmp_path, world):
-    from helpers import run_file_as_ranks  # not at the top: the ranks run this file as __main__
+    from helpers import assert_close_to_scale, run_file_as_ranks  # not at the top: the ranks run this file as __main__
 
     run_file_as_ranks(__file__, world, tmp_path, timeout=240)
     for r in range(world):
@@ -213,7 +215,7 @@ def test_fsdp2_packed_matches_padded(tmp_path, world):
         for key in ("logp", "values", "scores"):
             torch.testing.assert_close(res[key][True], res[key][False], atol=ATOL, rtol=0)
         for a, b in zip(res["grads"][False], res["grads"][True]):
-            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+            assert_close_to_scale(b, a)
         assert max(float(g.abs().max()) for g in res["grads"][True]) > 1e-3
 
 

@@ -151,8 +151,9 @@ class PPO:
         layout = planned.layout
         assert layout is not None
         if inputs.node_label is not None:
-            # Other nodes' labels are known only now: place the pinned roles before any group or model exists.
-            # Every rank plans from the same gathered labels, so an impossible request fails alike everywhere.
+            # Other nodes' labels are known only now: place the pinned roles before any group or model exists (still
+            # start-up). Every rank plans from the same gathered labels, so an impossible request fails alike everywhere.
+            phase.set(Phase.STARTUP)
             labels = gather_node_labels(inputs.node_label, env.local_world_size, started.comm_device)
             started.failure.local_only = True
             layout = plan(cfg, env.world_size, env.local_world_size, labels).layout
@@ -160,6 +161,7 @@ class PPO:
             started.failure.roles = roles_of(layout, env.rank)
             inputs.sources = build_reward_sources(cfg, layout, env.rank, inputs.tokenizer)  # engine ranks may move
             started.log.info_once("layout by node label:\n" + format_layout_table(layout))
+            phase.set(Phase.BUILD)
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
         groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend, solo=cfg.train.strategy == "deepspeed")
         roles = build_roles(cfg, layout, groups, device, inputs)

@@ -109,7 +109,7 @@ class SleepSchedule:
                     continue
                 self._told.add((s.role, going, phase))
                 self.log.info_once(f"sleep: {s.role.value} {' and '.join(sorted(p.value for p in going))} "
-                                   f"({_gib(moved)} moved off the device) at {phase.value}")
+                                   f"({_gib(moved)} moved off the device) at {_named(phase)}")
         for s in self.sleepers:
             coming = awake[s.role] & s.strategy.asleep(s.model)
             if coming:
@@ -118,6 +118,11 @@ class SleepSchedule:
     def wake_all(self) -> None:
         for s in self.sleepers:
             s.strategy.wake(s.model, s.optimizer, s.strategy.asleep(s.model))
+
+
+def _named(phase: Phase) -> str:
+    """A phase as the schedule's lines name it: the actor's update is train_actor beside the critic's train_critic."""
+    return "train_actor" if phase is Phase.TRAIN else phase.value
 
 
 def _gib(nbytes: int) -> str:
@@ -139,7 +144,7 @@ def describe(layout: Layout, actor_scores: bool) -> str:
         parts = []
         for role in models:
             for part in Part:
-                phases = [p.value for p, awake in plan.items() if awake is not None and part in awake[role]]
+                phases = [_named(p) for p, awake in plan.items() if awake is not None and part in awake[role]]
                 if part is Part.STATES and role in (Role.REF, Role.REWARD):
                     continue  # frozen: parameters only
                 parts.append(f"{role.value} {part.value}: {', '.join(phases) or 'never'}")

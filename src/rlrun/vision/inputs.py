@@ -10,7 +10,7 @@ grid_t x grid_h x grid_w / merge_size^2 times, the processor's rule.
 from __future__ import annotations
 
 from typing import Any
-from transformers import AutoImageProcessor, PretrainedConfig
+from transformers import PretrainedConfig
 from rlrun.runtime.errors import ConfigError, DataError
 from rlrun.data.vision_batch import PromptVision
 from rlrun.data.images import load_image
@@ -25,6 +25,8 @@ from rlrun.data.vision_batch import RowVision
 
 def load_image_processor(folder: str, min_pixels: int | None = None, max_pixels: int | None = None) -> Any:
     """The model's image processor (preprocessor_config.json), its resize bounds overridden where given."""
+    from transformers import AutoImageProcessor  # noqa: PLC0415 - seconds of image-processing imports a text run skips
+
     overrides = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
     try:
         return AutoImageProcessor.from_pretrained(folder, **overrides)
