@@ -14,24 +14,44 @@ from rlrun.models.loading import unfilled_policy
 from rlrun.plan.shapes import SupervisedJob
 from rlrun.rm import load_pairs
 from rlrun.run.skeleton import run_trainer
-from rlrun.supervised.tasks import DPOSettings, DPOTask
 from rlrun.supervised.assembly import BuildContext, Supervised, dpo_reference, trainable
+from rlrun.supervised.tasks import DPOSettings, DPOTask
 
-CLI = CliSpec(prog="python -m rlrun.dpo", description="DPO training (OpenRLHF train_dpo flag names work).",
-              config_cls=DPOConfig, ignored=DPO_IGNORED, dotted=DPO_DOTTED,
-              defaults={"ckpt_path": "./ckpt/checkpoints_dpo", "learning_rate": 1e-5, "max_len": 512, "max_epochs": 1, "micro_train_batch_size": 8})
+CLI = CliSpec(
+    prog="python -m rlrun.dpo",
+    description="DPO training (OpenRLHF train_dpo flag names work).",
+    config_cls=DPOConfig,
+    ignored=DPO_IGNORED,
+    dotted=DPO_DOTTED,
+    defaults={
+        "ckpt_path": "./ckpt/checkpoints_dpo",
+        "learning_rate": 1e-5,
+        "max_len": 512,
+        "max_epochs": 1,
+        "micro_train_batch_size": 8,
+    },
+)
 
 
 def _build(cfg: DPOConfig, ctx: BuildContext) -> DPOTask:
     model, optimizer, strategy = trainable(unfilled_policy(cfg.model, cfg.train.seed), cfg.model, cfg.train, ctx)
     reference = dpo_reference(cfg.model, cfg.loss, cfg.train, ctx)
     loss = cfg.loss
-    return DPOTask(model, optimizer, strategy, reference, ctx.device, ctx.pad_id, cfg.train.packing_samples,
-                   DPOSettings(loss.beta, loss.label_smoothing, loss.ipo, loss.nll_loss_coef))
+    return DPOTask(
+        model,
+        optimizer,
+        strategy,
+        reference,
+        ctx.device,
+        ctx.pad_id,
+        cfg.train.packing_samples,
+        DPOSettings(loss.beta, loss.label_smoothing, loss.ipo, loss.nll_loss_coef),
+    )
 
 
-TRAINER: Supervised[Any] = Supervised(CLI, lambda cfg, tok, path: load_pairs(cfg, tok, path, "dpo"), _build,
-                                      SupervisedJob(pairs=True, reference=True))
+TRAINER: Supervised[Any] = Supervised(
+    CLI, lambda cfg, tok, path: load_pairs(cfg, tok, path, "dpo"), _build, SupervisedJob(pairs=True, reference=True)
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

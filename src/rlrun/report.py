@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from rlrun.reporting.run_report import write_report
 from rlrun.reporting.summary import METRICS_FILE
@@ -17,15 +17,21 @@ from rlrun.runtime.log import get_logger
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlrun.report", description="A run's summary (summary.json) and "
-                                     "the PNG of its main curves, computed again from its metrics.jsonl.")
-    parser.add_argument("run", metavar="RUN_DIR",
-                        help=f"a run's save path (holding {METRICS_FILE}), or a metrics JSONL file")
+    parser = argparse.ArgumentParser(
+        prog="python -m rlrun.report",
+        description="A run's summary (summary.json) and "
+        "the PNG of its main curves, computed again from its metrics.jsonl.",
+    )
+    parser.add_argument(
+        "run", metavar="RUN_DIR", help=f"a run's save path (holding {METRICS_FILE}), or a metrics JSONL file"
+    )
     args = parser.parse_args(argv)
     log = get_logger(0)
     metrics = args.run if os.path.isfile(args.run) else os.path.join(args.run, METRICS_FILE)
     if not os.path.isfile(metrics):
-        log.error_once(f"error: no {metrics}: give a run's --save_path (it holds {METRICS_FILE}) or a metrics JSONL file")
+        log.error_once(
+            f"error: no {metrics}: give a run's --save_path (it holds {METRICS_FILE}) or a metrics JSONL file"
+        )
         return 2
     try:
         lines, why = write_report(metrics)

@@ -15,32 +15,62 @@ from rlrun.data.sources import DataSpec
 from rlrun.launch.failures import leave
 from rlrun.plan.shapes import SupervisedJob
 from rlrun.run.skeleton import run_trainer
+from rlrun.supervised.assembly import BuildContext, Supervised, reward_model, trainable
 from rlrun.supervised.datasets import Loaded, PairTask, Preference, load_preferences
 from rlrun.supervised.tasks import RewardModelTask
-from rlrun.supervised.assembly import BuildContext, Supervised, reward_model, trainable
 
-CLI = CliSpec(prog="python -m rlrun.rm", description="Reward-model training (OpenRLHF train_rm flag names work).",
-              config_cls=RMConfig, ignored=RM_IGNORED, dotted=RM_DOTTED,
-              defaults={"ckpt_path": "./ckpt/checkpoints_rm", "learning_rate": 9e-6, "max_len": 512, "max_epochs": 1, "micro_train_batch_size": 1})
+CLI = CliSpec(
+    prog="python -m rlrun.rm",
+    description="Reward-model training (OpenRLHF train_rm flag names work).",
+    config_cls=RMConfig,
+    ignored=RM_IGNORED,
+    dotted=RM_DOTTED,
+    defaults={
+        "ckpt_path": "./ckpt/checkpoints_rm",
+        "learning_rate": 9e-6,
+        "max_len": 512,
+        "max_epochs": 1,
+        "micro_train_batch_size": 1,
+    },
+)
 
 
-def load_pairs(cfg: Any, tokenizer: PreTrainedTokenizerBase, path: str | DataSpec,
-               task: PairTask = "reward_model") -> Loaded[Preference]:
+def load_pairs(
+    cfg: Any, tokenizer: PreTrainedTokenizerBase, path: str | DataSpec, task: PairTask = "reward_model"
+) -> Loaded[Preference]:
     """Preference pairs with the trainer's keys (rlrun.rm, and rlrun.dpo with task "dpo")."""
     d = cfg.data
-    return load_preferences(path, tokenizer, prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key,
-                            input_template=d.input_template, apply_chat_template=d.apply_chat_template,
-                            max_len=cfg.train.max_len, max_samples=cfg.train.max_samples, task=task)
+    return load_preferences(
+        path,
+        tokenizer,
+        prompt_key=d.prompt_key,
+        chosen_key=d.chosen_key,
+        rejected_key=d.rejected_key,
+        input_template=d.input_template,
+        apply_chat_template=d.apply_chat_template,
+        max_len=cfg.train.max_len,
+        max_samples=cfg.train.max_samples,
+        task=task,
+    )
 
 
 def _build(cfg: RMConfig, ctx: BuildContext) -> RewardModelTask:
     model, optimizer, strategy = trainable(reward_model(cfg.model, cfg.train.seed), cfg.model, cfg.train, ctx)
-    return RewardModelTask(model, optimizer, strategy, ctx.device, ctx.pad_id, cfg.train.packing_samples,  # type: ignore[arg-type]
-                           cfg.loss.loss, cfg.loss.margin_loss)
+    return RewardModelTask(
+        model,
+        optimizer,
+        strategy,
+        ctx.device,
+        ctx.pad_id,
+        cfg.train.packing_samples,  # type: ignore[arg-type]
+        cfg.loss.loss,
+        cfg.loss.margin_loss,
+    )
 
 
-TRAINER: Supervised[Any] = Supervised(CLI, load_pairs, _build, SupervisedJob(pairs=True, scalar=True),
-                                      eval_from_train=0.01)
+TRAINER: Supervised[Any] = Supervised(
+    CLI, load_pairs, _build, SupervisedJob(pairs=True, scalar=True), eval_from_train=0.01
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

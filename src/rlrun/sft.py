@@ -16,21 +16,40 @@ from rlrun.launch.failures import leave
 from rlrun.models.loading import unfilled_policy
 from rlrun.plan.shapes import SupervisedJob
 from rlrun.run.skeleton import run_trainer
+from rlrun.supervised.assembly import BuildContext, Supervised, trainable
 from rlrun.supervised.datasets import Completion, Loaded, load_completions
 from rlrun.supervised.tasks import SFTTask
-from rlrun.supervised.assembly import BuildContext, Supervised, trainable
 
-CLI = CliSpec(prog="python -m rlrun.sft", description="Supervised fine-tuning (OpenRLHF train_sft flag names work).",
-              config_cls=SFTConfig, ignored=SFT_IGNORED, dotted=SFT_DOTTED,
-              defaults={"ckpt_path": "./ckpt/checkpoints_sft", "learning_rate": 5e-6, "max_len": 2048, "max_epochs": 2, "micro_train_batch_size": 8,
-                        "input_template": "User: {}\nAssistant: "})
+CLI = CliSpec(
+    prog="python -m rlrun.sft",
+    description="Supervised fine-tuning (OpenRLHF train_sft flag names work).",
+    config_cls=SFTConfig,
+    ignored=SFT_IGNORED,
+    dotted=SFT_DOTTED,
+    defaults={
+        "ckpt_path": "./ckpt/checkpoints_sft",
+        "learning_rate": 5e-6,
+        "max_len": 2048,
+        "max_epochs": 2,
+        "micro_train_batch_size": 8,
+        "input_template": "User: {}\nAssistant: ",
+    },
+)
 
 
 def _load(cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, path: str | DataSpec) -> Loaded[Completion]:
     d = cfg.data
-    return load_completions(path, tokenizer, input_key=d.input_key, output_key=d.output_key,
-                            input_template=d.input_template, apply_chat_template=d.apply_chat_template,
-                            pretrain_mode=d.pretrain_mode, max_len=cfg.train.max_len, max_samples=cfg.train.max_samples)
+    return load_completions(
+        path,
+        tokenizer,
+        input_key=d.input_key,
+        output_key=d.output_key,
+        input_template=d.input_template,
+        apply_chat_template=d.apply_chat_template,
+        pretrain_mode=d.pretrain_mode,
+        max_len=cfg.train.max_len,
+        max_samples=cfg.train.max_samples,
+    )
 
 
 def _build(cfg: SFTConfig, ctx: BuildContext) -> SFTTask:

@@ -35,7 +35,7 @@ class AgentInstanceBase(ABC):
         raise NotImplementedError
 
 
-class AgentExecutorBase(ABC):
+class AgentExecutorBase(ABC):  # noqa: B024 - OpenRLHF's name and base; nothing to implement
     """OpenRLHF's executor base. rlrun accepts only executors that bind an instance class
     (MultiTurnAgentExecutor); a custom `execute` that drives the engine itself is not supported."""
 

@@ -11,9 +11,10 @@ import asyncio
 import inspect
 import math
 import threading
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 from rlrun.runtime.errors import AgentError
 from rlrun.runtime.pyfile import one_line
@@ -53,8 +54,9 @@ def _number(value: object, what: str) -> float:
 def check_step(raw: object, where: str, passed_sampling: object) -> StepResult:
     """OpenRLHF's step() result -> StepResult, or AgentError naming what is wrong."""
     if not isinstance(raw, dict):
-        raise AgentError(f"{where} returned {_short(raw)}; it must return a dict with 'rewards', "
-                         "'environment_feedback' and 'done'")
+        raise AgentError(
+            f"{where} returned {_short(raw)}; it must return a dict with 'rewards', 'environment_feedback' and 'done'"
+        )
     missing = [k for k in ("rewards", "environment_feedback", "done") if k not in raw]
     if missing:
         raise AgentError(f"{where} returned a dict without {', '.join(map(repr, missing))} (keys: {sorted(raw)})")
@@ -67,8 +69,11 @@ def check_step(raw: object, where: str, passed_sampling: object) -> StepResult:
         raise AgentError(f"{where}: 'done' must be a bool, got {_short(done)}")
     sampling = raw.get("sampling_params")
     if sampling is not None and sampling is not passed_sampling:
-        raise AgentError(f"{where} returned new 'sampling_params'; rlrun samples every turn with the run's "
-                         "settings (--temperature, --top_p, --max_tokens_per_turn): return states['sampling_params'] or None")
+        raise AgentError(
+            f"{where} returned new 'sampling_params'; rlrun samples every turn with the run's "
+            "settings (--temperature, --top_p, --max_tokens_per_turn): return states['sampling_params'] "
+            "or None"
+        )
     extra = raw.get("extra_logs") or {}
     if not isinstance(extra, dict):
         raise AgentError(f"{where}: 'extra_logs' must be a dict of numbers, got {_short(extra)}")
@@ -86,6 +91,7 @@ def _make(factory: Callable[[], Instance]) -> Instance | Awaitable[Instance]:
         async def init() -> Instance:
             await cls.__init__(instance)  # type: ignore[misc]
             return instance
+
         return init()
     return factory()
 
@@ -108,29 +114,56 @@ class AgentCalls:
         async def one(i: int) -> Instance:
             made = _make(factory)
             return await made if inspect.isawaitable(made) else made  # type: ignore[return-value]
+
         return self._batch("__init__()", [one(i) for i in range(count)], list(range(count)))
 
     def reset(self, agents: Sequence[Instance], prompts: list[str], labels: list[str | None]) -> list[str]:
-        raw = self._batch("reset()", [a.reset({"observation": p, "label": lb}) for a, p, lb in zip(agents, prompts, labels)],
-                          list(range(len(agents))))
+        raw = self._batch(
+            "reset()",
+            [a.reset({"observation": p, "label": lb}) for a, p, lb in zip(agents, prompts, labels)],
+            list(range(len(agents))),
+        )
         out = []
         for i, r in enumerate(raw):
             obs = r.get("observation") if isinstance(r, dict) else None
             if not isinstance(obs, str):
-                raise AgentError(f"agent {self.source} reset() of episode {i} returned {_short(r)}; it must return "
-                                 "a dict whose 'observation' is the text to continue from (usually states['observation'])")
+                raise AgentError(
+                    f"agent {self.source} reset() of episode {i} returned {_short(r)}; it must return "
+                    "a dict whose 'observation' is the text to continue from (usually "
+                    "states['observation'])"
+                )
             out.append(obs)
         return out
 
-    def step(self, agents: Sequence[Instance], rows: list[int], texts: list[str], actions: list[str],
-             labels: list[str | None], turn: int, last: list[bool]) -> list[StepResult]:
+    def step(
+        self,
+        agents: Sequence[Instance],
+        rows: list[int],
+        texts: list[str],
+        actions: list[str],
+        labels: list[str | None],
+        turn: int,
+        last: list[bool],
+    ) -> list[StepResult]:
         sampling = {"turn": turn}  # the object step() may hand back as its 'sampling_params'
-        coros = [agents[i].step({"observation_text": text, "action_text": action, "label": label,
-                                 "sampling_params": sampling, "turn": turn, "last_turn": is_last})
-                 for i, text, action, label, is_last in zip(rows, texts, actions, labels, last)]
+        coros = [
+            agents[i].step(
+                {
+                    "observation_text": text,
+                    "action_text": action,
+                    "label": label,
+                    "sampling_params": sampling,
+                    "turn": turn,
+                    "last_turn": is_last,
+                }
+            )
+            for i, text, action, label, is_last in zip(rows, texts, actions, labels, last)
+        ]
         raw = self._batch(f"step() of turn {turn}", coros, rows)
-        return [check_step(r, f"agent {self.source} step() of episode {i}, turn {turn},", sampling)
-                for i, r in zip(rows, raw)]
+        return [
+            check_step(r, f"agent {self.source} step() of episode {i}, turn {turn},", sampling)
+            for i, r in zip(rows, raw)
+        ]
 
     # ---- running coroutines on the loop ------------------------------------------------------
 
@@ -142,12 +175,16 @@ class AgentCalls:
                 try:
                     return await asyncio.wait_for(coro, self.timeout_s)
                 except asyncio.TimeoutError:
-                    raise AgentError(f"agent {self.source} {what} of episode {row} took longer than "
-                                     f"--agent_timeout {self.timeout_s:g}s") from None
+                    raise AgentError(
+                        f"agent {self.source} {what} of episode {row} took longer than "
+                        f"--agent_timeout {self.timeout_s:g}s"
+                    ) from None
                 except AgentError:
                     raise
-                except Exception as exc:  # noqa: BLE001 - any agent failure becomes one clear line
-                    raise AgentError(f"agent {self.source} {what} of episode {row} raised {one_line(exc)}"[:600]) from exc
+                except Exception as exc:
+                    raise AgentError(
+                        f"agent {self.source} {what} of episode {row} raised {one_line(exc)}"[:600]
+                    ) from exc
 
         async def all_of() -> list[Any]:
             return list(await asyncio.gather(*(bounded(c, r) for c, r in zip(coros, rows))))
@@ -160,5 +197,7 @@ class AgentCalls:
             return future.result(timeout=self.timeout_s * waves + 5.0)
         except FutureTimeout:
             future.cancel()
-            raise AgentError(f"agent {self.source} {what} did not return within {self.timeout_s * waves + 5.0:g}s: "
-                             "an agent blocks the event loop (a synchronous call inside async code?)") from None
+            raise AgentError(
+                f"agent {self.source} {what} did not return within {self.timeout_s * waves + 5.0:g}s: "
+                "an agent blocks the event loop (a synchronous call inside async code?)"
+            ) from None

@@ -13,20 +13,25 @@ rewards (OpenRLHF's MultiTurnAgentExecutor). Observation tokens get engine log-p
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
+
 import torch
 from transformers import PreTrainedTokenizerBase
+
 from rlrun.agents.calls import AgentCalls, Instance
+from rlrun.agents.loader import load_agent_file
+from rlrun.config.schema import AgentConfig, GenerationConfig
 from rlrun.data.batching import derive_seed
 from rlrun.engines.base import Generation
 from rlrun.runtime.errors import AgentError
-from rlrun.agents.loader import load_agent_file
-from rlrun.config.schema import AgentConfig, GenerationConfig
+
 
 class _Sampler(Protocol):
-    def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
-               stop: tuple[str, ...] = ()) -> Generation: ...
+    def sample(
+        self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None, stop: tuple[str, ...] = ()
+    ) -> Generation: ...
 
 
 @dataclass(frozen=True)
@@ -105,30 +110,45 @@ def mean_stats(sums: list[dict[str, float]]) -> dict[str, float]:
 class EpisodeRunner:
     """Runs episodes with one agent instance each (made by `factory`), on whatever engine it is given."""
 
-    def __init__(self, factory: Callable[[], Instance], tokenizer: PreTrainedTokenizerBase, limits: TurnLimits,
-                 calls: AgentCalls) -> None:
+    def __init__(
+        self, factory: Callable[[], Instance], tokenizer: PreTrainedTokenizerBase, limits: TurnLimits, calls: AgentCalls
+    ) -> None:
         self.factory, self.tokenizer, self.limits, self.calls = factory, tokenizer, limits, calls
 
-    def run(self, engine: _Sampler, prompt_texts: list[str], prompt_ids: list[list[int]],
-            labels: list[str | None], seed: int) -> Episodes:
+    def run(
+        self,
+        engine: _Sampler,
+        prompt_texts: list[str],
+        prompt_ids: list[list[int]],
+        labels: list[str | None],
+        seed: int,
+    ) -> Episodes:
         lim = self.limits
         agents = self.calls.construct(self.factory, len(prompt_texts))
-        episodes = [self._start(text, ids, label, reset)
-                    for text, ids, label, reset in zip(prompt_texts, prompt_ids, labels,
-                                                       self.calls.reset(agents, prompt_texts, labels))]
+        episodes = [
+            self._start(text, ids, label, reset)
+            for text, ids, label, reset in zip(
+                prompt_texts, prompt_ids, labels, self.calls.reset(agents, prompt_texts, labels)
+            )
+        ]
         open_rows = list(range(len(episodes)))
         turn, engine_log_probs = 0, True
         while open_rows:
             room = {i: lim.response_budget - len(episodes[i].response) for i in open_rows}
             caps = {i: min(room[i], lim.max_tokens_per_turn or room[i]) for i in open_rows}
-            generation = engine.sample([episodes[i].prompt + episodes[i].response for i in open_rows],
-                                       derive_seed(seed, "turn", turn), max_new_tokens=max(caps.values()),
-                                       stop=lim.stop)
+            generation = engine.sample(
+                [episodes[i].prompt + episodes[i].response for i in open_rows],
+                derive_seed(seed, "turn", turn),
+                max_new_tokens=max(caps.values()),
+                stop=lim.stop,
+            )
             engine_log_probs = engine_log_probs and generation.log_probs is not None
             actions = []
             for k, i in enumerate(open_rows):
-                tokens = generation.responses[k][:caps[i]]
-                lps = generation.log_probs[k][:len(tokens)] if generation.log_probs is not None else [0.0] * len(tokens)
+                tokens = generation.responses[k][: caps[i]]
+                lps = (
+                    generation.log_probs[k][: len(tokens)] if generation.log_probs is not None else [0.0] * len(tokens)
+                )
                 e = episodes[i]
                 e.response += tokens
                 e.mask += [1] * len(tokens)
@@ -136,8 +156,15 @@ class EpisodeRunner:
                 e.turns += 1
                 actions.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
             last = [turn + 1 == lim.max_turns or len(episodes[i].response) >= lim.response_budget for i in open_rows]
-            results = self.calls.step(agents, open_rows, [episodes[i].text for i in open_rows], actions,
-                                      [episodes[i].label for i in open_rows], turn, last)
+            results = self.calls.step(
+                agents,
+                open_rows,
+                [episodes[i].text for i in open_rows],
+                actions,
+                [episodes[i].label for i in open_rows],
+                turn,
+                last,
+            )
             still_open = []
             for i, action, is_last, result in zip(open_rows, actions, last, results):
                 e = episodes[i]
@@ -156,7 +183,7 @@ class EpisodeRunner:
     def _start(self, prompt_text: str, prompt_ids: list[int], label: str | None, observation: str) -> _Episode:
         """The episode's prompt: the tokenised prompt unless reset() changed the observation text."""
         ids = prompt_ids if observation == prompt_text else self.tokenizer.encode(observation, add_special_tokens=False)
-        return _Episode(prompt=ids[-self.limits.prompt_max_len:], text=observation, label=label)
+        return _Episode(prompt=ids[-self.limits.prompt_max_len :], text=observation, label=label)
 
     def _observe(self, e: _Episode, feedback: str) -> bool:
         """Append the observation; False when the token budget is used up (the episode ends there)."""
@@ -164,7 +191,7 @@ class EpisodeRunner:
         ids = self.tokenizer.encode(feedback, add_special_tokens=False) if feedback else []
         if lim.max_obs_len is not None and len(ids) > lim.max_obs_len:
             e.obs_truncated += 1
-            ids = ids[:lim.max_obs_len]
+            ids = ids[: lim.max_obs_len]
         room = lim.response_budget - len(e.response)
         if len(ids) >= room:
             e.budget_cut = True
@@ -178,8 +205,10 @@ class EpisodeRunner:
     def _finish(self, episodes: list[_Episode], engine_log_probs: bool) -> Episodes:
         for e in episodes:
             if not math.isfinite(e.reward):
-                raise AgentError(f"agent rewards summed to {e.reward} for an episode of {e.turns} turns; "
-                                 "every step's rewards must be finite numbers")
+                raise AgentError(
+                    f"agent rewards summed to {e.reward} for an episode of {e.turns} turns; "
+                    "every step's rewards must be finite numbers"
+                )
         return Episodes(
             prompts=[e.prompt for e in episodes],
             responses=[e.response for e in episodes],
@@ -190,11 +219,14 @@ class EpisodeRunner:
             stats=stat_sums(episodes),
         )
 
+
 # ---- the episode runner ------------------------------------------------------------------------------------------
 # The run's episode runner from its config: an OpenRLHF agent file, or the built-in Search-R1 agent.
 
-def build_episode_runner(a: AgentConfig, g: GenerationConfig, tokenizer: PreTrainedTokenizerBase,
-                         retries: int) -> EpisodeRunner:
+
+def build_episode_runner(
+    a: AgentConfig, g: GenerationConfig, tokenizer: PreTrainedTokenizerBase, retries: int
+) -> EpisodeRunner:
     """The run's episode runner: an OpenRLHF agent file, or the built-in Search-R1 agent (its retrieval requests
     tried `retries` times, --remote_rm_retries)."""
     if a.agent_func_path is not None:
@@ -206,8 +238,14 @@ def build_episode_runner(a: AgentConfig, g: GenerationConfig, tokenizer: PreTrai
         assert a.retriever_url is not None
         factory = search_r1_agent_factory(a.retriever_url, a.retriever_topk, a.retriever_timeout, retries)
         stop, source = SEARCH_R1_STOP, "search_r1"
-    limits = TurnLimits(response_budget=g.generate_max_len, prompt_max_len=g.prompt_max_len,
-                        max_turns=a.max_turns, max_tokens_per_turn=a.max_tokens_per_turn, max_obs_len=a.max_obs_len,
-                        state_masking=a.state_masking, stop=stop)
+    limits = TurnLimits(
+        response_budget=g.generate_max_len,
+        prompt_max_len=g.prompt_max_len,
+        max_turns=a.max_turns,
+        max_tokens_per_turn=a.max_tokens_per_turn,
+        max_obs_len=a.max_obs_len,
+        state_masking=a.state_masking,
+        stop=stop,
+    )
     calls = AgentCalls(timeout_s=a.agent_timeout, max_concurrency=a.agent_max_concurrency, source=source)
     return EpisodeRunner(factory, tokenizer, limits, calls)

@@ -9,7 +9,7 @@ import importlib.util
 import inspect
 import sys
 import types
-from typing import Callable
+from collections.abc import Callable
 
 from rlrun.agents import api
 from rlrun.agents.calls import Instance
@@ -45,17 +45,21 @@ def _instance_class(module: types.ModuleType, path: str) -> type:
             bound = getattr(executor(), "agent_instance_cls", None) if inspect.isclass(executor) else None
         except TypeError:
             pass  # an executor whose __init__ needs arguments drives the engine itself: rejected below
-        except Exception as exc:  # noqa: BLE001 - the user's constructor: one clear line
+        except Exception as exc:
             raise AgentError(f"agent file {path}: AgentExecutor() raised {one_line(exc)}") from exc
         if bound is not None:
             return bound
         if getattr(module, "AgentInstance", None) is None:
-            raise AgentError(f"agent file {path}: AgentExecutor does not bind an AgentInstance class "
-                             "(MultiTurnAgentExecutor.__init__(AgentInstance)); rlrun drives the turns itself and "
-                             "cannot run a custom execute(). Define AgentInstance with reset()/step().")
+            raise AgentError(
+                f"agent file {path}: AgentExecutor does not bind an AgentInstance class "
+                "(MultiTurnAgentExecutor.__init__(AgentInstance)); rlrun drives the turns itself and "
+                "cannot run a custom execute(). Define AgentInstance with reset()/step()."
+            )
     cls = getattr(module, "AgentInstance", None)
     if not inspect.isclass(cls):
-        raise AgentError(f"agent file {path} defines neither AgentInstance nor an AgentExecutor bound to one; define {DEFINES}.")
+        raise AgentError(
+            f"agent file {path} defines neither AgentInstance nor an AgentExecutor bound to one; define {DEFINES}."
+        )
     return cls
 
 
@@ -67,6 +71,9 @@ def load_agent_file(path: str) -> Callable[[], Instance]:
     cls = _instance_class(import_file(path, "agent file", AgentError, DEFINES), path)
     for method in ("reset", "step"):
         if not inspect.iscoroutinefunction(getattr(cls, method, None)):
-            raise AgentError(f"agent file {path}: {cls.__name__}.{method} must be `async def {method}(self, states, **kwargs)` "
-                             "(OpenRLHF's contract)")
+            raise AgentError(
+                f"agent file {path}: {cls.__name__}.{method} must be `async def {method}(self, states, "
+                f"**kwargs)` "
+                "(OpenRLHF's contract)"
+            )
     return cls

@@ -18,16 +18,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import threading
+from collections.abc import Callable
+
+from rlrun.agents.api import AgentInstanceBase
 from rlrun.config.schema import RETRIEVER_RETRY_BACKOFF_S
+from rlrun.rewards.rules import compute_score_em, golden_answers
 from rlrun.runtime.errors import ConfigError, RlrunError
 from rlrun.runtime.secrets import redact_url
 from rlrun.serving.http_service import AttemptFailed, RequestRejected, RetriesExhausted, post_once, with_retries
 from rlrun.serving.retriever import TOKEN_ENV
-import re
-from collections.abc import Callable
-from rlrun.agents.api import AgentInstanceBase
-from rlrun.rewards.rules import compute_score_em, golden_answers
 
 # ---- the retriever client ----------------------------------------------------------------------------------------
 # Client for a Search-R1 retrieval server (`python -m rlrun.retriever_server` or Search-R1's own).
@@ -36,6 +37,7 @@ from rlrun.rewards.rules import compute_score_em, golden_answers
 # stepping under asyncio.gather) are coalesced into one POST of all their queries, as Search-R1's
 # generation manager sends one batch per turn. The HTTP call runs in a worker thread (urllib), with
 # bounded retries; a retriever that stays down, slow or malformed is one RetrieverError naming the URL.
+
 
 class RetrieverError(RlrunError):
     """The retrieval server could not answer: unreachable, timing out, failing or malformed after all retries."""
@@ -50,32 +52,56 @@ def _check_result(payload: bytes, n: int) -> list[list[dict]]:
         raise AttemptFailed(f"response is not JSON (starts with {snippet!r})") from None
     result = body.get("result") if isinstance(body, dict) else None
     if not isinstance(result, list) or len(result) != n:
-        got = f"{len(result)} result lists" if isinstance(result, list) else f"no 'result' list (got {str(body)[:120]!r})"
+        got = (
+            f"{len(result)} result lists" if isinstance(result, list) else f"no 'result' list (got {str(body)[:120]!r})"
+        )
         raise AttemptFailed(f"malformed response: {got} for {n} queries")
     for row in result:
         if not isinstance(row, list) or not all(
-                isinstance(hit, dict) and isinstance(hit.get("document"), dict)
-                and isinstance(hit["document"].get("contents"), str) for hit in row):
-            raise AttemptFailed(f"malformed response: a result is {str(row)[:120]!r}, expected a list of "
-                                '{"document": {"contents": "..."}, "score": ...}')
+            isinstance(hit, dict)
+            and isinstance(hit.get("document"), dict)
+            and isinstance(hit["document"].get("contents"), str)
+            for hit in row
+        ):
+            raise AttemptFailed(
+                f"malformed response: a result is {str(row)[:120]!r}, expected a list of "
+                '{"document": {"contents": "..."}, "score": ...}'
+            )
     return result
 
 
 class RetrieverClient:
     """Searches `url` for `topk` passages per query; one client may serve many agents and event loops."""
 
-    def __init__(self, url: str, topk: int, *, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = RETRIEVER_RETRY_BACKOFF_S,
-                 max_batch: int = 256) -> None:
+    def __init__(
+        self,
+        url: str,
+        topk: int,
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = RETRIEVER_RETRY_BACKOFF_S,
+        max_batch: int = 256,
+    ) -> None:
         if not url.lower().startswith(("http://", "https://")):
-            raise ConfigError(f"--retriever_url {url!r} is not an http(s):// URL; pass the server's POST URL, "
-                              "e.g. http://127.0.0.1:8000/retrieve")
+            raise ConfigError(
+                f"--retriever_url {url!r} is not an http(s):// URL; pass the server's POST URL, "
+                "e.g. http://127.0.0.1:8000/retrieve"
+            )
         if topk < 1 or not timeout_s > 0 or retries < 1 or backoff_s < 0 or max_batch < 1:
-            raise ConfigError(f"retriever client for {redact_url(url)}: need --retriever_topk >= 1, timeout > 0, "
-                              f"retries >= 1, backoff >= 0 and max_batch >= 1; got topk={topk}, timeout_s={timeout_s}, "
-                              f"retries={retries}, backoff_s={backoff_s}, max_batch={max_batch}")
+            raise ConfigError(
+                f"retriever client for {redact_url(url)}: need --retriever_topk >= 1, timeout > 0, "
+                f"retries >= 1, backoff >= 0 and max_batch >= 1; got topk={topk}, timeout_s={timeout_s}, "
+                f"retries={retries}, backoff_s={backoff_s}, max_batch={max_batch}"
+            )
         self.url, self.source = url, redact_url(url)
         self.topk, self.timeout_s, self.retries, self.backoff_s, self.max_batch = (
-            topk, timeout_s, retries, backoff_s, max_batch)
+            topk,
+            timeout_s,
+            retries,
+            backoff_s,
+            max_batch,
+        )
         # Queries waiting for their loop's next flush. Keyed by loop, never bound at construction:
         # asyncio.run may make a new loop per batch, and several loops (threads) may share the client.
         self._pending: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Future]]] = {}
@@ -91,7 +117,7 @@ class RetrieverClient:
         most max_batch queries. Blocks; raises RetrieverError."""
         out: list[list[dict]] = []
         for start in range(0, len(queries), self.max_batch):
-            out += self._post(queries[start:start + self.max_batch])
+            out += self._post(queries[start : start + self.max_batch])
         return out
 
     def _post(self, queries: list[str]) -> list[list[dict]]:
@@ -112,12 +138,16 @@ class RetrieverClient:
         try:
             return with_retries(attempt, retries=self.retries, backoff_s=self.backoff_s)
         except RequestRejected as exc:
-            raise RetrieverError(f"retriever {self.source} rejected a batch of {len(queries)} queries: {exc}; "
-                                 f"check the URL, the server's size limits and {TOKEN_ENV}") from None
+            raise RetrieverError(
+                f"retriever {self.source} rejected a batch of {len(queries)} queries: {exc}; "
+                f"check the URL, the server's size limits and {TOKEN_ENV}"
+            ) from None
         except RetriesExhausted as exc:
-            raise RetrieverError(f"retriever {self.source} failed after {exc.attempts} attempts: {exc.last_error}; "
-                                 "check that the retrieval server (python -m rlrun.retriever_server) is up and "
-                                 "reachable from this node, or raise --retriever_timeout") from None
+            raise RetrieverError(
+                f"retriever {self.source} failed after {exc.attempts} attempts: {exc.last_error}; "
+                "check that the retrieval server (python -m rlrun.retriever_server) is up and "
+                "reachable from this node, or raise --retriever_timeout"
+            ) from None
 
     # -- async ---------------------------------------------------------------------------------
     async def search(self, query: str) -> list[dict]:
@@ -138,7 +168,7 @@ class RetrieverClient:
         with self._lock:
             waiting = self._pending.pop(loop, [])
         for start in range(0, len(waiting), self.max_batch):
-            task = loop.create_task(self._resolve(waiting[start:start + self.max_batch]))
+            task = loop.create_task(self._resolve(waiting[start : start + self.max_batch]))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -153,6 +183,7 @@ class RetrieverClient:
         for (_, future), result in zip(batch, results):
             if not future.done():  # a cancelled waiter
                 future.set_result(result)
+
 
 SEARCH_R1_STOP = ("</search>", "</answer>")
 
@@ -173,14 +204,16 @@ def search_r1_prompt(question: str) -> str:
     question = question.strip()
     if not question.endswith("?"):
         question += "?"
-    return ("Answer the given question. "
-            "You must conduct reasoning inside <think> and </think> first every time you get new information. "
-            "After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query "
-            "</search> and it will return the top searched results between <information> and </information>. "
-            "You can search as many times as your want. "
-            "If you find no further external knowledge needed, you can directly provide the answer inside <answer> "
-            "and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
-            f"Question: {question}\n")
+    return (
+        "Answer the given question. "
+        "You must conduct reasoning inside <think> and </think> first every time you get new information. "
+        "After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query "
+        "</search> and it will return the top searched results between <information> and </information>. "
+        "You can search as many times as your want. "
+        "If you find no further external knowledge needed, you can directly provide the answer inside <answer> "
+        "and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
+        f"Question: {question}\n"
+    )
 
 
 def cut_action(text: str) -> str:
@@ -223,14 +256,21 @@ class SearchR1Agent(AgentInstanceBase):
 
     def __init__(self, retriever: RetrieverClient) -> None:
         self.retriever = retriever
-        self.counts = {"searches": 0.0, "valid_actions": 0.0, "invalid_actions": 0.0, "answered": 0.0,
-                       "exact_match": 0.0}
+        self.counts = {
+            "searches": 0.0,
+            "valid_actions": 0.0,
+            "invalid_actions": 0.0,
+            "answered": 0.0,
+            "exact_match": 0.0,
+        }
 
     async def reset(self, states: dict, **kwargs: object) -> dict:
         label = states.get("label")
         if label is None:
-            raise ValueError("the Search-R1 agent needs each prompt's golden answers as its label; set "
-                             "--label_key to the field holding them (a string or a list of strings)")
+            raise ValueError(
+                "the Search-R1 agent needs each prompt's golden answers as its label; set "
+                "--label_key to the field holding them (a string or a list of strings)"
+            )
         golden_answers(label)  # a malformed label fails here, before any generation is spent on it
         return {"observation": states["observation"]}
 
@@ -255,8 +295,13 @@ class SearchR1Agent(AgentInstanceBase):
             feedback = ""  # nothing follows the final turn
             reward = compute_score_em(states["observation_text"] + action_text, states["label"])
             self.counts["exact_match"] = float(reward == 1.0)
-        return {"rewards": reward, "scores": reward, "environment_feedback": feedback, "done": done,
-                "extra_logs": dict(self.counts)}
+        return {
+            "rewards": reward,
+            "scores": reward,
+            "environment_feedback": feedback,
+            "done": done,
+            "extra_logs": dict(self.counts),
+        }
 
 
 def search_r1_agent_factory(url: str, topk: int, timeout_s: float, retries: int) -> Callable[[], SearchR1Agent]:

@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
+
 import torch
 from torch import Tensor
 
 KLEstimator = Literal["k1", "k2", "k3"]
-AdvantageEstimator = Literal["gae", "group_norm", "dr_grpo", "rloo", "reinforce",
-                             "reinforce_baseline"]
+AdvantageEstimator = Literal["gae", "group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"]
 
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
@@ -69,8 +69,9 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return xs.sum(dim) / m.sum(dim).clamp_min(1).to(x.dtype)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
-                  divide_std: bool = True) -> Tensor:
+def masked_whiten(
+    x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8, divide_std: bool = True
+) -> Tensor:
     """Normalise ``x`` to zero mean / unit (biased) std over masked entries.
 
     x, mask: [B, T] -> [B, T]; masked-out positions are 0. With ``shift_mean=False``
@@ -89,8 +90,9 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     return torch.where(m, out, 0.0)
 
 
-def compute_approx_kl(log_probs: Tensor, ref_log_probs: Tensor, estimator: KLEstimator,
-                      mask: Tensor | None = None) -> Tensor:
+def compute_approx_kl(
+    log_probs: Tensor, ref_log_probs: Tensor, estimator: KLEstimator, mask: Tensor | None = None
+) -> Tensor:
     """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1/k2/k3).
 
     log_probs, ref_log_probs, mask: [B, T] -> [B, T]; masked positions are 0.
@@ -129,8 +131,7 @@ def sequence_mean_kl(kl: Tensor, mask: Tensor) -> float:
     return float(masked_mean(kl, m, dim=-1)[has_tokens].mean())
 
 
-def compute_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
-                lambd: float) -> tuple[Tensor, Tensor]:
+def compute_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lambd: float) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over response tokens.
 
     rewards, values, mask: [B, T]. Returns (advantages [B, T], returns [B, T]) with
@@ -168,8 +169,13 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     return torch.where(m, torch.stack(reversed_ret[::-1], dim=1), 0.0)
 
 
-def token_level_rewards(scores: Tensor, kl: Tensor | None, mask: Tensor, kl_coef: float,
-                        reward_clip_range: tuple[float, float] | None = None) -> Tensor:
+def token_level_rewards(
+    scores: Tensor,
+    kl: Tensor | None,
+    mask: Tensor,
+    kl_coef: float,
+    reward_clip_range: tuple[float, float] | None = None,
+) -> Tensor:
     """Dense per-token reward: KL penalty on every token, sequence score on the last.
 
     scores: [B]; kl, mask: [B, T] (kl may be None = no penalty). Returns [B, T]:
@@ -190,8 +196,7 @@ def token_level_rewards(scores: Tensor, kl: Tensor | None, mask: Tensor, kl_coef
     return rewards.scatter_add(1, last_idx.unsqueeze(1), placed.unsqueeze(1))
 
 
-def shape_group_scores(scores: Tensor, n_samples_per_prompt: int,
-                       estimator: AdvantageEstimator) -> Tensor:
+def shape_group_scores(scores: Tensor, n_samples_per_prompt: int, estimator: AdvantageEstimator) -> Tensor:
     """Apply the estimator's per-prompt baseline to sequence scores.
 
     scores: [B] -> [B], rows grouped consecutively in groups of n = n_samples_per_prompt.
@@ -208,14 +213,18 @@ def shape_group_scores(scores: Tensor, n_samples_per_prompt: int,
         raise ValueError(f"scores must be 1-D [B], got shape {tuple(scores.shape)}")
     b = scores.numel()
     if b % n != 0:
-        raise ValueError(f"batch of B={b} scores is not divisible by n_samples_per_prompt={n}; "
-                         "rows must come in complete consecutive groups per prompt")
+        raise ValueError(
+            f"batch of B={b} scores is not divisible by n_samples_per_prompt={n}; "
+            "rows must come in complete consecutive groups per prompt"
+        )
     if estimator not in _NEEDS_GROUP:
         return scores
     if n == 1:
-        raise ValueError(f"advantage estimator {estimator!r} uses a per-prompt group baseline and "
-                         "needs n_samples_per_prompt > 1 (got 1); use 'reinforce' or 'gae' for "
-                         "one sample per prompt")
+        raise ValueError(
+            f"advantage estimator {estimator!r} uses a per-prompt group baseline and "
+            "needs n_samples_per_prompt > 1 (got 1); use 'reinforce' or 'gae' for "
+            "one sample per prompt"
+        )
     g = _as_float(scores).reshape(-1, n)
     if estimator == "group_norm":
         out = (g - g.mean(-1, keepdim=True)) / (g.std(-1, keepdim=True) + 1e-9)
@@ -236,15 +245,26 @@ def gamma_override_warning(estimator: AdvantageEstimator, gamma: float) -> str |
     """A one-line warning when --gamma is overridden for this estimator, else None."""
     if effective_gamma(estimator, gamma) == gamma:
         return None
-    return (f"--gamma {gamma} is ignored for --advantage_estimator {estimator}: group-baseline estimators "
-            "use gamma = 1.0 (as OpenRLHF does)")
+    return (
+        f"--gamma {gamma} is ignored for --advantage_estimator {estimator}: group-baseline estimators "
+        "use gamma = 1.0 (as OpenRLHF does)"
+    )
 
 
-def compute_advantages(estimator: AdvantageEstimator, scores: Tensor, mask: Tensor, *,
-                       n_samples_per_prompt: int, kl: Tensor | None = None, kl_coef: float = 0.0,
-                       values: Tensor | None = None, gamma: float = 1.0, lambd: float = 1.0,
-                       reward_clip_range: tuple[float, float] | None = None,
-                       std_norm: bool = True) -> tuple[Tensor, Tensor]:
+def compute_advantages(
+    estimator: AdvantageEstimator,
+    scores: Tensor,
+    mask: Tensor,
+    *,
+    n_samples_per_prompt: int,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    reward_clip_range: tuple[float, float] | None = None,
+    std_norm: bool = True,
+) -> tuple[Tensor, Tensor]:
     """Advantages and returns for one rollout batch.
 
     scores: [B]; mask, kl, values: [B, T]. Returns (advantages [B, T], returns [B, T]),
@@ -311,8 +331,7 @@ class AdaptiveKLController(_KLControllerBase):
 
     def __init__(self, init_kl_coef: float, target: float, horizon: int) -> None:
         if target <= 0 or horizon <= 0:
-            raise ValueError("adaptive KL needs target > 0 and horizon > 0, "
-                             f"got target={target}, horizon={horizon}")
+            raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got target={target}, horizon={horizon}")
         self.value = float(init_kl_coef)
         self.target = float(target)
         self.horizon = int(horizon)
@@ -322,15 +341,18 @@ class AdaptiveKLController(_KLControllerBase):
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
 
 
-def make_kl_controller(init_kl_coef: float, kl_target: float | None,
-                       kl_horizon: int) -> FixedKLController | AdaptiveKLController:
+def make_kl_controller(
+    init_kl_coef: float, kl_target: float | None, kl_horizon: int
+) -> FixedKLController | AdaptiveKLController:
     """Adaptive controller when a KL target is given, otherwise a fixed coefficient."""
     if kl_target is None:
         return FixedKLController(init_kl_coef)
     return AdaptiveKLController(init_kl_coef, kl_target, kl_horizon)
 
+
 # ---- running moments ---------------------------------------------------------------------------------------------
 # Running mean/std of scores for --running_reward_norm (state saved with checkpoints).
+
 
 @dataclass
 class RunningMoments:
@@ -358,14 +380,15 @@ class RunningMoments:
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.mean) / (self.std + 1e-8)
 
+
 # ---- reward shaping ----------------------------------------------------------------------------------------------
 # Reward shaping applied to sequence scores before the advantages (OpenRLHF 0.11 semantics):
 # DAPO's overlong penalty, ProRL's stop-properly penalty, and DAPO's dynamic filtering of prompt groups.
 #
 # Pure tensor functions; shapes in each docstring ([B] = one value per sequence).
 
-def overlong_penalty(response_len: Tensor, max_new_tokens: int, buffer_len: int,
-                     penalty_factor: float) -> Tensor:
+
+def overlong_penalty(response_len: Tensor, max_new_tokens: int, buffer_len: int, penalty_factor: float) -> Tensor:
     """DAPO overlong penalty to ADD to each sequence's reward: [B] lengths -> [B].
 
     A response longer than max_new_tokens - buffer_len loses
@@ -407,8 +430,7 @@ def cut_by_length(last_token: Tensor, response_len: Tensor, max_new_tokens: int,
     return (response_len >= max_new_tokens) & (last_token != eos_token_id)
 
 
-def dynamic_filter_keep(scores: Tensor, n_samples_per_prompt: int,
-                        reward_range: tuple[float, float]) -> Tensor:
+def dynamic_filter_keep(scores: Tensor, n_samples_per_prompt: int, reward_range: tuple[float, float]) -> Tensor:
     """Which rows survive DAPO dynamic filtering: [B] scores -> [B] bool.
 
     A prompt group (n consecutive rows) is kept when low < mean(scores of the group) < high,
@@ -417,8 +439,9 @@ def dynamic_filter_keep(scores: Tensor, n_samples_per_prompt: int,
     """
     n = n_samples_per_prompt
     if scores.dim() != 1 or scores.numel() % n:
-        raise ValueError(f"scores must be [B] with B divisible by n_samples_per_prompt={n}, "
-                         f"got shape {tuple(scores.shape)}")
+        raise ValueError(
+            f"scores must be [B] with B divisible by n_samples_per_prompt={n}, got shape {tuple(scores.shape)}"
+        )
     low, high = reward_range
     group_mean = (scores if scores.is_floating_point() else scores.float()).reshape(-1, n).mean(-1)
     keep = (group_mean > low) & (group_mean < high)

@@ -13,10 +13,11 @@ OpenRLHF (models/utils.py, models/loss.py) and verl core_algos.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
+
 import torch
 from torch import Tensor
-from typing import get_args
+
 from rlrun.algo.algorithms import check_choice, masked_mean
 
 # ---- importance-sampling correction ------------------------------------------------------------------------------
@@ -73,8 +74,9 @@ def gated_statistic(old_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tens
     return _masked_row_mean(stat, mask) if seq else stat
 
 
-def correction_weights(old_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor,
-                       c: ISCorrection) -> tuple[Tensor, dict[str, Tensor]]:
+def correction_weights(
+    old_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, c: ISCorrection
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token weights [b, T] to multiply into the per-token policy loss, and detached stats:
     is_filter_frac (units outside [low, high]: tokens, or sequences at seq level) and engine_kl (masked mean
     of rollout - old log-probs, OpenRLHF's vllm_kl)."""
@@ -101,14 +103,19 @@ def check_settings(c: ISCorrection) -> str | None:
     if c.level == "off":
         return None
     if c.mode == "clip" and (c.level == "seq" or c.gating != "ratio"):
-        return ("--is_correction_mode clip clamps the per-token ratio: it needs --is_correction_level token and "
-                "--is_correction_gating ratio (a sequence statistic or a divergence can only mask)")
+        return (
+            "--is_correction_mode clip clamps the per-token ratio: it needs --is_correction_level token and "
+            "--is_correction_gating ratio (a sequence statistic or a divergence can only mask)"
+        )
     if c.gating != "ratio" and c.low > 0:
-        return (f"--is_correction_gating {c.gating} is a divergence, bounded from above only: give "
-                f"--is_correction_threshold 0 {c.high:g}")
+        return (
+            f"--is_correction_gating {c.gating} is a divergence, bounded from above only: give "
+            f"--is_correction_threshold 0 {c.high:g}"
+        )
     if not 0 <= c.low <= c.high or c.high <= 0:
         return f"--is_correction_threshold needs 0 <= LOW <= HIGH and HIGH > 0, got {c.low:g} {c.high:g}"
     return None
+
 
 PolicyLossType = Literal["ppo", "gspo"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
@@ -121,8 +128,9 @@ LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 _MAX_LOG_RATIO = 20.0
 
 
-def aggregate_loss(loss: Tensor, mask: Tensor, mode: LossAggMode, *,
-                   num_tokens: float | None = None, num_seqs: float | None = None) -> Tensor:
+def aggregate_loss(
+    loss: Tensor, mask: Tensor, mode: LossAggMode, *, num_tokens: float | None = None, num_seqs: float | None = None
+) -> Tensor:
     """Reduce a per-token loss [b, T] (mask [b, T]) to a scalar.
 
     token-mean: sum(loss) / num_tokens; seq-mean-token-sum: sum(loss) / num_seqs;
@@ -150,12 +158,22 @@ def aggregate_loss(loss: Tensor, mask: Tensor, mode: LossAggMode, *,
     return per_seq.sum() / max(seqs, 1.0)
 
 
-def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, *,
-                eps_clip: float, eps_clip_high: float | None = None, dual_clip: float | None = None,
-                loss_type: PolicyLossType = "ppo", agg: LossAggMode = "token-mean",
-                num_tokens: float | None = None, num_seqs: float | None = None,
-                rollout_log_probs: Tensor | None = None, is_correction: ISCorrection | None = None
-                ) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    dual_clip: float | None = None,
+    loss_type: PolicyLossType = "ppo",
+    agg: LossAggMode = "token-mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    rollout_log_probs: Tensor | None = None,
+    is_correction: ISCorrection | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (optionally asymmetric, dual-clipped, or sequence-level GSPO).
 
     log_probs, old_log_probs, advantages, mask: [b, T]. old_log_probs and advantages
@@ -177,8 +195,7 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
     """
     check_choice("policy loss type", loss_type, POLICY_LOSS_TYPES)
     if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (the loss is capped at -A*dual_clip), "
-                         f"got {dual_clip}")
+        raise ValueError(f"dual_clip must be > 1 (the loss is capped at -A*dual_clip), got {dual_clip}")
     eps_low = eps_clip
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     correcting = is_correction is not None and is_correction.level != "off"
@@ -215,20 +232,30 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
         below = clipped & (ratio < 1.0 - eps_low)
         above = clipped & (ratio > 1.0 + eps_high)
         as_float = ratio.dtype
-        stats = {"clip_frac": masked_mean(clipped.to(as_float), m),
-                 "clip_frac_low": masked_mean(below.to(as_float), m),
-                 "clip_frac_high": masked_mean(above.to(as_float), m),
-                 "approx_kl": masked_mean(-raw_log_ratio, m), "ratio": masked_mean(ratio, m)}
+        stats = {
+            "clip_frac": masked_mean(clipped.to(as_float), m),
+            "clip_frac_low": masked_mean(below.to(as_float), m),
+            "clip_frac_high": masked_mean(above.to(as_float), m),
+            "approx_kl": masked_mean(-raw_log_ratio, m),
+            "ratio": masked_mean(ratio, m),
+        }
         if dual_active is not None:
             stats["dual_clip_frac"] = masked_mean(dual_active.to(as_float), m)
         stats.update(correction_stats)
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
-               value_clip: float | None, agg: LossAggMode = "token-mean",
-               num_tokens: float | None = None, num_seqs: float | None = None
-               ) -> tuple[Tensor, dict[str, Tensor]]:
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    value_clip: float | None,
+    agg: LossAggMode = "token-mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Critic loss 0.5 * (v - R)^2, pessimistically clipped around old_values.
 
     values, old_values, returns, mask: [b, T]. With value_clip set the per-token loss
@@ -287,5 +314,6 @@ def log_probs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1
         return picked - lse
     # In bf16/fp16 "logit - logsumexp" loses precision (OpenRLHF measured this);
     # log_softmax is computed more carefully, so pay its copy one row at a time.
-    return torch.stack([torch.log_softmax(r, dim=-1).gather(-1, lab.unsqueeze(-1)).squeeze(-1)
-                        for r, lab in zip(logits, labels)])
+    return torch.stack(
+        [torch.log_softmax(r, dim=-1).gather(-1, lab.unsqueeze(-1)).squeeze(-1) for r, lab in zip(logits, labels)]
+    )

@@ -26,8 +26,16 @@ class _VocabChunks(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V] | None, targets [N]) -> (logp [N], entropy [N] or [0]), fp32 or fp64."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-                chunk: int, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        temperature: float,
+        chunk: int,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         logp = hidden.new_empty(n, dtype=dtype)
@@ -90,12 +98,26 @@ class _VocabChunks(torch.autograd.Function):
                 grad_w.add_(grad_logits.t() @ h)  # addmm_ cannot mix dtypes: one [V, H] product in weight's dtype
             if need_b:
                 grad_b.add_(grad_logits.sum(0, dtype=acc))
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+        return (
+            grad_h,
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def chunked_log_probs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-                      chunk: int, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+def chunked_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    temperature: float,
+    chunk: int,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """Log-prob of `targets` and entropy under softmax((hidden @ weight.T + bias) / temperature), c positions at a time.
 
     hidden: [N, H] (any float dtype), weight: [V, H] and bias: [V] in hidden's dtype, targets: [N] int.

@@ -97,10 +97,24 @@ class Checkpointer:
     """Saves and restores one rank's parts of a run's checkpoints under `root` (collective over `group`, every
     rank). `config`: the redacted config tree, stored with every checkpoint and compared on resume."""
 
-    def __init__(self, root: str, *, identity: Identity, state: Stateful, parts: Sequence[Part],
-                 config: dict[str, Any], run_id: str, world_size: int, save_steps: int, keep: int,
-                 overwrite: bool, group: torch.distributed.ProcessGroup, device: torch.device, timeout_s: float,
-                 trained: Sequence[nn.Module] = ()) -> None:
+    def __init__(
+        self,
+        root: str,
+        *,
+        identity: Identity,
+        state: Stateful,
+        parts: Sequence[Part],
+        config: dict[str, Any],
+        run_id: str,
+        world_size: int,
+        save_steps: int,
+        keep: int,
+        overwrite: bool,
+        group: torch.distributed.ProcessGroup,
+        device: torch.device,
+        timeout_s: float,
+        trained: Sequence[nn.Module] = (),
+    ) -> None:
         self.root, self.identity, self.state, self.parts = root, identity, state, list(parts)
         self.config, self.run_id, self.world_size = config, run_id, world_size
         self.save_steps, self.keep, self.overwrite = save_steps, keep, overwrite
@@ -117,33 +131,50 @@ class Checkpointer:
     def save(self, steps_done: int) -> None:
         """Collective over the world: rank 0 prepares and seals, every rank writes its parts."""
         pieces = [*self.parts, JsonState(self.state, STATE_FILE, writer=self.rank == 0)]
-        save_checkpoint(self.root, steps_done, group=self.group, device=self.device, timeout_s=self.timeout_s,
-                        keep=self.keep, write=lambda path: write_parts(*(lambda p=p: p.save(path) for p in pieces)),
-                        meta=lambda: self._meta(steps_done), remove_foreign=self.overwrite,
-                        needs_bytes=sum(12 * p.numel() for m in self.trained for p in m.parameters()) or None)
+        save_checkpoint(
+            self.root,
+            steps_done,
+            group=self.group,
+            device=self.device,
+            timeout_s=self.timeout_s,
+            keep=self.keep,
+            write=lambda path: write_parts(*(lambda p=p: p.save(path) for p in pieces)),
+            meta=lambda: self._meta(steps_done),
+            remove_foreign=self.overwrite,
+            needs_bytes=sum(12 * p.numel() for m in self.trained for p in m.parameters()) or None,
+        )
 
     def _meta(self, steps_done: int) -> dict[str, Any]:
         i = self.identity
         assert i.model is not None, "rank 0 holds the trained model"
-        return {"step": steps_done, "trainer": i.trainer, i.model_key: fingerprint(i.model),
-                "world_size": self.world_size, "strategy": i.strategy, "config": self.config,
-                "run": run_record(self.run_id, self.config)}
+        return {
+            "step": steps_done,
+            "trainer": i.trainer,
+            i.model_key: fingerprint(i.model),
+            "world_size": self.world_size,
+            "strategy": i.strategy,
+            "config": self.config,
+            "run": run_record(self.run_id, self.config),
+        }
 
     def restore(self) -> None:
         """Load the newest checkpoint that fits (collective; one that fails to load is skipped for the next
         newest). Nothing happens when `root` holds none. The parts load first, then the trainer's state (an
         update loop's schedule is set after its optimizer's state, which would otherwise overwrite its rate)."""
         start = time.perf_counter()
-        restored = restore_newest(self.root, group=self.group, device=self.device, problem=self._problem,
-                                  load=self._load)
+        restored = restore_newest(
+            self.root, group=self.group, device=self.device, problem=self._problem, load=self._load
+        )
         if restored is None:
             return
         found, step = restored
         self.run_id = found.run or self.run_id  # this run continues the resumed one
         if self.world_size != self._saved_world_size:
             self.log.info_once(f"resharding the checkpoint of {self._saved_world_size} ranks onto {self.world_size}")
-        self.log.info_once(f"resumed from {found.path} at step {step} ({time.perf_counter() - start:.2f} s, "
-                           f"checksums verified in {found.verify_s:.2f} s)")
+        self.log.info_once(
+            f"resumed from {found.path} at step {step} ({time.perf_counter() - start:.2f} s, "
+            f"checksums verified in {found.verify_s:.2f} s)"
+        )
 
     def _load(self, path: str) -> int:
         for part in self.parts:
@@ -161,11 +192,15 @@ class Checkpointer:
         self._saved_world_size = int(meta.get("world_size", self.world_size))
         written_by = meta.get("trainer", "ppo")  # PPO's checkpoints did not name their trainer at first
         if written_by != i.trainer:
-            return (f"checkpoint at step {meta.get('step')} in {self.root} was written by rlrun.{written_by}, this is "
-                    f"rlrun.{i.trainer}; point --ckpt_path at this trainer's checkpoints")
-        return (strategy_problem(meta, i.strategy, self.root)
-                or architecture_problem(meta, i.model_key, i.model, self.root, what=i.what)
-                or check_resume(meta, self.config, i.fixed, self.root, self.log.info_once))
+            return (
+                f"checkpoint at step {meta.get('step')} in {self.root} was written by rlrun.{written_by}, this is "
+                f"rlrun.{i.trainer}; point --ckpt_path at this trainer's checkpoints"
+            )
+        return (
+            strategy_problem(meta, i.strategy, self.root)
+            or architecture_problem(meta, i.model_key, i.model, self.root, what=i.what)
+            or check_resume(meta, self.config, i.fixed, self.root, self.log.info_once)
+        )
 
 
 def fingerprint(model: nn.Module) -> dict[str, Any]:
@@ -178,11 +213,16 @@ def strategy_problem(meta: dict[str, Any], strategy: str, root: str) -> str | No
     written_with = meta.get("strategy", "fsdp")  # checkpoints from before --strategy existed are FSDP2's
     if written_with == strategy:
         return None
-    return (f"checkpoint at step {meta.get('step')} in {root} was written with --strategy {written_with}, "
-            f"this run uses --strategy {strategy}; resume with --strategy {written_with} or point --ckpt_path elsewhere")
+    return (
+        f"checkpoint at step {meta.get('step')} in {root} was written with --strategy {written_with}, "
+        f"this run uses --strategy {strategy}; resume with --strategy {written_with} or point --ckpt_path "
+        f"elsewhere"
+    )
 
 
-def architecture_problem(meta: dict[str, Any], key: str, model: nn.Module, root: str, what: str = "policy") -> str | None:
+def architecture_problem(
+    meta: dict[str, Any], key: str, model: nn.Module, root: str, what: str = "policy"
+) -> str | None:
     """Why the fingerprint of the `what` model stored under meta[key] does not fit `model` (None: it fits)."""
     mine, theirs = fingerprint(model), meta.get(key, {})
     if mine["digest"] == theirs.get("digest"):
@@ -191,6 +231,9 @@ def architecture_problem(meta: dict[str, Any], key: str, model: nn.Module, root:
     only_ckpt = sorted(set(b) - set(a))[:3]
     only_model = sorted(set(a) - set(b))[:3]
     shape = [f"{n}: checkpoint {b[n]} vs model {a[n]}" for n in sorted(set(a) & set(b)) if a[n] != b[n]][:3]
-    return (f"checkpoint at step {meta.get('step')} in {root} was written for a different {what} architecture "
-            f"({theirs.get('num_params')} parameter tensors vs {mine['num_params']}; only in checkpoint: {only_ckpt}; "
-            f"only in model: {only_model}; shape differs: {shape}). Point --ckpt_path elsewhere or load the same model.")
+    return (
+        f"checkpoint at step {meta.get('step')} in {root} was written for a different {what} architecture "
+        f"({theirs.get('num_params')} parameter tensors vs {mine['num_params']}; only in checkpoint: {only_ckpt}; "
+        f"only in model: {only_model}; shape differs: {shape}). Point --ckpt_path elsewhere or load the same "
+        f"model."
+    )

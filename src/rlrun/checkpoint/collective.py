@@ -10,27 +10,30 @@ waiting alone.
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any, TypeVar
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-import os
-import shutil
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
-from rlrun.checkpoint import store as manifest
+
 from rlrun.checkpoint import store as ckpt
+from rlrun.checkpoint import store as manifest
 from rlrun.launch.transfer import broadcast_json, sum_over
-from rlrun.runtime.errors import StorageError
-from rlrun.runtime.phases import maybe_inject
+from rlrun.runtime.errors import StorageError, brief, storage_cause, storage_error
 from rlrun.runtime.log import get_logger
-from rlrun.runtime.errors import brief, storage_cause, storage_error
+from rlrun.runtime.phases import maybe_inject
 
 # ---- DCP ---------------------------------------------------------------------------------------------------------
 # Sharded, world-size-independent save/load of a role's model + optimizer (torch DCP).
+
 
 def save_role_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, group: dist.ProcessGroup) -> None:
     """Collective over the role's group: each rank writes its own shards into `path`."""
@@ -52,6 +55,7 @@ def barrier(group: dist.ProcessGroup, timeout_s: float) -> None:
         dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s))
     else:
         dist.barrier(group=group)
+
 
 T = TypeVar("T")
 
@@ -89,7 +93,7 @@ def write_parts(*parts: Callable[[], None]) -> None:
     for part in parts:
         try:
             part()
-        except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+        except BaseException as exc:
             if storage_cause(exc) is None:
                 raise
             refused = refused or exc
@@ -99,18 +103,31 @@ def write_parts(*parts: Callable[[], None]) -> None:
 
 def _checksums(path: str, group: dist.ProcessGroup, device: torch.device) -> dict[str, str]:
     """Collective: the CRC-32 of every file under `path`, each file read by one rank."""
-    names = broadcast_json(manifest.list_files(path, skip=[ckpt.COMPLETE]) if dist.get_rank() == 0 else None,
-                           0, group, device)
+    names = broadcast_json(
+        manifest.list_files(path, skip=[ckpt.COMPLETE]) if dist.get_rank() == 0 else None, 0, group, device
+    )
     assert isinstance(names, list)
     me, world = dist.get_rank(group), dist.get_world_size(group)
-    values = [float(int(manifest.file_crc32(os.path.join(path, n)), 16)) if i % world == me else 0.0
-              for i, n in enumerate(names)]
+    values = [
+        float(int(manifest.file_crc32(os.path.join(path, n)), 16)) if i % world == me else 0.0
+        for i, n in enumerate(names)
+    ]
     return {n: f"{int(v):08x}" for n, v in zip(names, sum_over(values, group, device) if names else [])}
 
 
-def save_checkpoint(root: str, steps_done: int, *, group: dist.ProcessGroup, device: torch.device, timeout_s: float,
-                    keep: int, write: Callable[[str], None], meta: Callable[[], dict[str, Any]],
-                    remove_foreign: bool = False, needs_bytes: int | None = None) -> None:
+def save_checkpoint(
+    root: str,
+    steps_done: int,
+    *,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    timeout_s: float,
+    keep: int,
+    write: Callable[[str], None],
+    meta: Callable[[], dict[str, Any]],
+    remove_foreign: bool = False,
+    needs_bytes: int | None = None,
+) -> None:
     """Collective over `group` (every rank of the world, rank 0 first). `write(tmp_path)` runs on every rank
     and writes that rank's part (it must take part in every collective of the save even when a write of its
     own failed, and raise the storage error at the end); `meta()` (rank 0) describes the checkpoint for its
@@ -156,8 +173,10 @@ def save_checkpoint(root: str, steps_done: int, *, group: dist.ProcessGroup, dev
         raise StorageError(str(error))
     if rank == 0:
         size_mb = manifest.manifest_bytes(ckpt.validate(final)["files"]) / 2**20
-        log.info_once(f"checkpoint saved: {final} ({size_mb:.1f} MB in {time.perf_counter() - start:.2f} s, "
-                      f"checksums {hash_s:.2f} s)")
+        log.info_once(
+            f"checkpoint saved: {final} ({size_mb:.1f} MB in {time.perf_counter() - start:.2f} s, "
+            f"checksums {hash_s:.2f} s)"
+        )
     barrier(group, timeout_s)
 
 
@@ -178,8 +197,10 @@ def _verified(found: ckpt.Found | None, group: dist.ProcessGroup, device: torch.
     assert isinstance(listing, list)
     path, entries = listing
     me, world = dist.get_rank(group), dist.get_world_size(group)
-    problems = [manifest.content_problem(path, rel, entry) if i % world == me else None
-                for i, (rel, entry) in enumerate(entries)]
+    problems = [
+        manifest.content_problem(path, rel, entry) if i % world == me else None
+        for i, (rel, entry) in enumerate(entries)
+    ]
     bad = [i for i, flag in enumerate(sum_over([1.0 if p else 0.0 for p in problems], group, device)) if flag > 0]
     if not bad:
         return None
@@ -206,8 +227,14 @@ class Skipped:
             self.reasons.append(reason)
 
 
-def find_checkpoint(root: str, *, group: dist.ProcessGroup, device: torch.device,
-                    problem: Callable[[dict[str, Any]], str | None], skipped: Skipped | None = None) -> Resumable | None:
+def find_checkpoint(
+    root: str,
+    *,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    problem: Callable[[dict[str, Any]], str | None],
+    skipped: Skipped | None = None,
+) -> Resumable | None:
     """The newest checkpoint in `root` whose files are intact on every rank of `group`, or None when `root` holds
     no checkpoint at all. Collective. Checkpoints that fail are skipped with one warning each (into `skipped`,
     which also holds those the caller set aside); when some exist and none is left, one CheckpointError on every
@@ -245,14 +272,20 @@ def find_checkpoint(root: str, *, group: dist.ProcessGroup, device: torch.device
         shown = "; ".join(reasons[:3]) + (f"; and {len(reasons) - 3} more" if len(reasons) > 3 else "")
         raise ckpt.CheckpointError(
             f"--load_checkpoint: no intact checkpoint in {root} ({shown}); move the damaged checkpoints away to start "
-            "over there, or start a new run with a fresh --ckpt_path")
+            "over there, or start a new run with a fresh --ckpt_path"
+        )
     log.info_once(f"--load_checkpoint: no complete checkpoint in {root}; starting fresh")
     return None
 
 
-def restore_newest(root: str, *, group: dist.ProcessGroup, device: torch.device,
-                   problem: Callable[[dict[str, Any]], str | None],
-                   load: Callable[[str], T]) -> tuple[Resumable, T] | None:
+def restore_newest(
+    root: str,
+    *,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    problem: Callable[[dict[str, Any]], str | None],
+    load: Callable[[str], T],
+) -> tuple[Resumable, T] | None:
     """find_checkpoint, then `load(path)` on every rank; a checkpoint that fails to load on any rank (agreed by a
     collective) is skipped for the next newest, said once. None: `root` holds no checkpoint. Collective."""
     log = get_logger(dist.get_rank())
@@ -264,7 +297,7 @@ def restore_newest(root: str, *, group: dist.ProcessGroup, device: torch.device,
         error = None
         try:
             loaded = load(found.path)
-        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             error = brief(exc)

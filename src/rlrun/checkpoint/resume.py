@@ -14,11 +14,12 @@ import hashlib
 import json
 import os
 import uuid
-from collections.abc import Mapping
-from typing import Any
-from rlrun.checkpoint.store import CheckpointError, step_dirs, writer_of
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+from rlrun.checkpoint.store import CheckpointError, step_dirs, writer_of
+
 
 def is_restart(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process belongs to a worker group torchrun restarted after a failure."""
@@ -49,8 +50,12 @@ def run_record(run_id: str, config: Mapping[str, Any]) -> dict[str, str]:
 
 def _sealed_runs(root: str) -> list[tuple[int, str, str | None]]:
     """(step, directory name, run id) of every sealed checkpoint under root, newest first."""
-    return [(step, os.path.basename(path), run) for step, path in step_dirs(root)
-            for sealed, run in [writer_of(path)] if sealed]
+    return [
+        (step, os.path.basename(path), run)
+        for step, path in step_dirs(root)
+        for sealed, run in [writer_of(path)]
+        if sealed
+    ]
 
 
 def check_ownership(root: str, run_id: str, *, loads: bool, overwrites: bool, restarted: bool) -> str | None:
@@ -69,13 +74,17 @@ def check_ownership(root: str, run_id: str, *, loads: bool, overwrites: bool, re
     newest_step, _, newest_run = others[0]
     listing = ", ".join(name for _, name, _ in others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
     if overwrites:
-        return (f"--overwrite_checkpoints: {len(others)} checkpoint(s) of another run in {root} ({listing}) will be "
-                "deleted when this run saves its first checkpoint")
+        return (
+            f"--overwrite_checkpoints: {len(others)} checkpoint(s) of another run in {root} ({listing}) will be "
+            "deleted when this run saves its first checkpoint"
+        )
     raise CheckpointError(
         f"--ckpt_path {root} holds checkpoints of another run ({listing}; newest step {newest_step}, written by "
         f"{newest_run or 'an earlier rlrun'}); a new run there would mix its checkpoints with them. Pass "
         "--load_checkpoint to continue that run, choose a fresh --ckpt_path, or pass --overwrite_checkpoints to "
-        "replace them (they are deleted at this run's first save)")
+        "replace them (they are deleted at this run's first save)"
+    )
+
 
 # ---- config changes ----------------------------------------------------------------------------------------------
 # What changed between the config a checkpoint was written with and the config resuming from it.
@@ -88,8 +97,9 @@ def check_ownership(root: str, run_id: str, *, loads: bool, overwrites: bool, re
 # appear in a message.
 
 # How the run is started, not what it trains: never worth a line.
-NOT_A_CHANGE = frozenset({"load_checkpoint", "overwrite_checkpoints", "ckpt_path", "dry_run", "plan_json",
-                          "gpu_memory_gb"})
+NOT_A_CHANGE = frozenset(
+    {"load_checkpoint", "overwrite_checkpoints", "ckpt_path", "dry_run", "plan_json", "gpu_memory_gb"}
+)
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,10 @@ def _flat(config: Mapping[str, Any]) -> dict[str, Any]:
 def resume_changes(stored: Mapping[str, Any], current: Mapping[str, Any], fixed: Mapping[str, str]) -> ResumeChanges:
     """Every setting whose value differs, split into refused (named in `fixed`, with its reason) and applied."""
     # As stored: through JSON, so a tuple and the list it was saved as are the same value.
-    before, after = _flat(json.loads(json.dumps(stored, default=str))), _flat(json.loads(json.dumps(current, default=str)))
+    before, after = (
+        _flat(json.loads(json.dumps(stored, default=str))),
+        _flat(json.loads(json.dumps(current, default=str))),
+    )
     changes = ResumeChanges()
     for name in sorted(set(before) | set(after)):
         if name in NOT_A_CHANGE or name not in before or name not in after or before[name] == after[name]:
@@ -140,8 +153,9 @@ def resume_changes(stored: Mapping[str, Any], current: Mapping[str, Any], fixed:
     return changes
 
 
-def check_resume(meta: Mapping[str, Any], current: Mapping[str, Any], fixed: Mapping[str, str], path: str,
-                 say: Callable[[str], None]) -> str | None:
+def check_resume(
+    meta: Mapping[str, Any], current: Mapping[str, Any], fixed: Mapping[str, str], path: str, say: Callable[[str], None]
+) -> str | None:
     """Why the checkpoint `meta` records cannot continue with this run's (redacted) config `current` (None: it
     can; then what the resume changes, if anything, goes to `say` in one line)."""
     stored = meta.get("config")
@@ -150,10 +164,15 @@ def check_resume(meta: Mapping[str, Any], current: Mapping[str, Any], fixed: Map
     changes = resume_changes(stored, current, fixed)
     if changes.refused:
         change, why = changes.refused[0]
-        more = f" (and {len(changes.refused) - 1} more: " + ", ".join(str(c) for c, _ in changes.refused[1:]) + ")" \
-            if len(changes.refused) > 1 else ""
-        return (f"cannot resume the step-{meta.get('step')} checkpoint in {path} with {change}{more}: {why}. Resume "
-                "with the checkpoint's value, or start a new run with a fresh --ckpt_path")
+        more = (
+            f" (and {len(changes.refused) - 1} more: " + ", ".join(str(c) for c, _ in changes.refused[1:]) + ")"
+            if len(changes.refused) > 1
+            else ""
+        )
+        return (
+            f"cannot resume the step-{meta.get('step')} checkpoint in {path} with {change}{more}: {why}. Resume "
+            "with the checkpoint's value, or start a new run with a fresh --ckpt_path"
+        )
     if changes.applied:
         say("resuming with changed settings (applied from the next step): " + ", ".join(map(str, changes.applied)))
     return None

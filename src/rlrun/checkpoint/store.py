@@ -14,15 +14,15 @@ and any newer than the one just saved, are left alone unless the run was started
 
 from __future__ import annotations
 
-import os
-import zlib
-from collections.abc import Iterable, Mapping
-from typing import Any
 import json
+import os
 import re
 import shutil
-from collections.abc import Collection
+import zlib
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
+
 from rlrun.runtime.errors import CheckpointError
 
 # ---- the manifest ------------------------------------------------------------------------------------------------
@@ -104,6 +104,7 @@ def manifest_bytes(files: Mapping[str, Any]) -> int:
     """Total size of a checkpoint from its manifest (either format)."""
     return sum(e if isinstance(e, int) else int(e.get("bytes", 0)) for e in files.values())
 
+
 COMPLETE = "COMPLETE.json"
 LATEST = "latest"
 FORMAT_VERSION = 2  # 2: files carry {"bytes", "crc32"}; 1: a size per file
@@ -144,8 +145,9 @@ def prepare(root: str, step: int) -> str:
         shutil.rmtree(path, ignore_errors=True)  # a previous attempt's leftovers
         os.makedirs(path)
     except OSError as exc:
-        raise CheckpointError(f"cannot write checkpoints to --ckpt_path {root}: {exc.strerror}; "
-                              "choose a writable directory") from None
+        raise CheckpointError(
+            f"cannot write checkpoints to --ckpt_path {root}: {exc.strerror}; choose a writable directory"
+        ) from None
     return path
 
 
@@ -157,15 +159,23 @@ def _fsync_tree(path: str) -> None:
         _fsync_dir(dirpath)
 
 
-def publish(root: str, step: int, meta: dict[str, Any], keep: int, *, crcs: dict[str, str] | None = None,
-            remove_foreign: bool = False) -> str:
+def publish(
+    root: str,
+    step: int,
+    meta: dict[str, Any],
+    keep: int,
+    *,
+    crcs: dict[str, str] | None = None,
+    remove_foreign: bool = False,
+) -> str:
     """Rank 0, after every rank has written its part: seal, rename, move the pointer, prune (`prune`).
     `crcs`: the files' CRC-32s where the ranks computed them (the rest are computed here)."""
     tmp, final = tmp_dir(root, step), step_dir(root, step)
     _fsync_tree(tmp)
     files = describe(tmp, list_files(tmp, skip=[COMPLETE]), crcs)
-    write_json_atomic(os.path.join(tmp, COMPLETE), {"format": FORMAT_VERSION, "step": step, "meta": meta,
-                                                    "files": files})
+    write_json_atomic(
+        os.path.join(tmp, COMPLETE), {"format": FORMAT_VERSION, "step": step, "meta": meta, "files": files}
+    )
     _fsync_dir(tmp)
     if os.path.exists(final):  # the same step saved again after a restart
         shutil.rmtree(final)
@@ -193,11 +203,17 @@ def validate(path: str) -> dict[str, Any]:
         raise CheckpointError(f"{path}: no {COMPLETE} (the save did not finish)") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable {COMPLETE}: {exc}") from None
-    if not isinstance(record, dict) or not isinstance(record.get("files"), dict) or not isinstance(record.get("meta"), dict):
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("files"), dict)
+        or not isinstance(record.get("meta"), dict)
+    ):
         raise CheckpointError(f"{path}: {COMPLETE} is not a checkpoint manifest")
     if record.get("format") not in READABLE_FORMATS:
-        raise CheckpointError(f"{path}: checkpoint format {record.get('format')} is not one of {READABLE_FORMATS} "
-                              "(written by another rlrun version)")
+        raise CheckpointError(
+            f"{path}: checkpoint format {record.get('format')} is not one of {READABLE_FORMATS} "
+            "(written by another rlrun version)"
+        )
     for rel, entry in record["files"].items():
         problem = size_problem(path, rel, entry)
         if problem:
@@ -229,8 +245,11 @@ def find_latest(root: str, exclude: Collection[str] = ()) -> tuple[Found | None,
     """The newest checkpoint under root that passes `validate` and is not in `exclude` (None if there is
     none), and a warning per unfinished save and per newer checkpoint skipped. Reads no file contents:
     rlrun.checkpoint.collective verifies the bytes before anything is loaded."""
-    warnings = [f"skipping checkpoint {os.path.join(root, name)}: a save that did not finish"
-                for name in (sorted(os.listdir(root)) if os.path.isdir(root) else []) if name.startswith(".tmp_step_")]
+    warnings = [
+        f"skipping checkpoint {os.path.join(root, name)}: a save that did not finish"
+        for name in (sorted(os.listdir(root)) if os.path.isdir(root) else [])
+        if name.startswith(".tmp_step_")
+    ]
     for step, path in step_dirs(root):
         if path in exclude:
             continue

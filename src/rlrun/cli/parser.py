@@ -11,15 +11,15 @@ import dataclasses
 import os
 import sys
 import textwrap
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Sequence, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
 from rlrun.compat import openrlhf_flags, verl_overrides
-from rlrun.compat.argv import Nargs
-from rlrun.compat.argv import LAUNCHER, NOT_YET, QLORA, RAY_ONLY, refused
+from rlrun.compat.argv import LAUNCHER, NOT_YET, QLORA, RAY_ONLY, Nargs, refused
 from rlrun.config.fields import FieldInfo, build_config, coerce, fields_of, suggest
 from rlrun.config.schema import Config
 from rlrun.runtime.errors import ConfigError
@@ -34,8 +34,11 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
     "local_rank": (1, LAUNCHER),
     "ref_reward_offload": (0, NOT_YET),
     "enable_prefix_caching": (0, NOT_YET),
-    "enable_vllm_is_correction": (0, "OpenRLHF <= 0.10's spelling, whose meaning changed between releases; use "
-                                  "--is_correction_level token --is_correction_mode clip (TIS) or mask (ICEPOP)"),
+    "enable_vllm_is_correction": (
+        0,
+        "OpenRLHF <= 0.10's spelling, whose meaning changed between releases; use "
+        "--is_correction_level token --is_correction_mode clip (TIS) or mask (ICEPOP)",
+    ),
     "vllm_is_truncated_threshold": ("*", "OpenRLHF <= 0.10's spelling; use --is_correction_threshold LOW HIGH"),
     "vllm_generate_batch_size": (1, NOT_YET),
     "ds_tensor_parallel_size": (1, NOT_YET),
@@ -84,8 +87,16 @@ NO_EFFECT_YET: dict[str, str] = {
 }
 
 # NO_EFFECT_YET entries that do act when --generation_backend vllm is chosen.
-VLLM_BACKEND_FIELDS = frozenset({"vllm_gpu_memory_utilization", "enforce_eager", "vllm_enable_sleep", "vllm_engine_host",
-                                 "vllm_kv_cache_memory_bytes", "vllm_seeded_requests"})
+VLLM_BACKEND_FIELDS = frozenset(
+    {
+        "vllm_gpu_memory_utilization",
+        "enforce_eager",
+        "vllm_enable_sleep",
+        "vllm_engine_host",
+        "vllm_kv_cache_memory_bytes",
+        "vllm_seeded_requests",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -98,7 +109,9 @@ class CliSpec:
     ignored: Mapping[str, tuple[int | str, str]]  # classic peer flags accepted without effect: name -> (nargs, reason)
     dotted: Mapping[str, openrlhf_flags.Meaning]  # the peer trainer's OpenRLHF 0.11 dotted flags
     no_effect: Mapping[str, str] = dataclasses.field(default_factory=dict)  # fields kept but not acted on yet
-    renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)  # classic peer flag -> rlrun field of another name
+    renamed: Mapping[str, str] = dataclasses.field(
+        default_factory=dict
+    )  # classic peer flag -> rlrun field of another name
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # this trainer's defaults of shared fields
     verl_overrides: bool = False  # verl key=value overrides (PPO only)
     start: tuple[tuple[str, str], ...] = ()  # --help's first examples: (what it does, the command line)
@@ -119,24 +132,56 @@ def _demo_config() -> str:
 PPO_CLI = CliSpec(
     prog="python -m rlrun.ppo",
     description="Ray-free RLHF: one torchrun/srun SPMD program. OpenRLHF train_ppo_ray flag names work.",
-    config_cls=Config, ignored=IGNORED_FLAGS, dotted=openrlhf_flags.OPENRLHF_DOTTED, no_effect=NO_EFFECT_YET,
-    renamed=RENAMED_FLAGS, verl_overrides=True,
-    start=(("the offline demo (embedded tiny model, built-in prompts, rule reward; about 20 s on a CPU)",
-            f"python -m rlrun.ppo --config {_demo_config()}"),
-           ("GRPO on your model and prompts with a reward function, 8 ranks",
+    config_cls=Config,
+    ignored=IGNORED_FLAGS,
+    dotted=openrlhf_flags.OPENRLHF_DOTTED,
+    no_effect=NO_EFFECT_YET,
+    renamed=RENAMED_FLAGS,
+    verl_overrides=True,
+    start=(
+        (
+            "the offline demo (embedded tiny model, built-in prompts, rule reward; about 20 s on a CPU)",
+            f"python -m rlrun.ppo --config {_demo_config()}",
+        ),
+        (
+            "GRPO on your model and prompts with a reward function, 8 ranks",
             "torchrun --nproc_per_node 8 -m rlrun.ppo --pretrain MODEL --prompt_data FILE --input_key prompt \\\n"
-            "    --remote_rm_url reward.py --advantage_estimator group_norm --n_samples_per_prompt 8")),
-    bare=("nothing to train: pass a model, prompts and their reward (e.g. --pretrain MODEL --prompt_data FILE "
-          f"--remote_rm_url reward.py; --help lists every flag), or run the offline demo: python -m rlrun.ppo --config "
-          f"{_demo_config()}"))
+            "    --remote_rm_url reward.py --advantage_estimator group_norm --n_samples_per_prompt 8",
+        ),
+    ),
+    bare=(
+        "nothing to train: pass a model, prompts and their reward (e.g. --pretrain MODEL --prompt_data FILE "
+        f"--remote_rm_url reward.py; --help lists every flag), or run the offline demo: python -m rlrun.ppo --config "
+        f"{_demo_config()}"
+    ),
+)
 
 # --help's "common flags", those of them an entry point has, in this order.
-COMMON_FLAGS = ("pretrain", "prompt_data", "dataset", "input_key", "label_key", "output_key", "remote_rm_url",
-                "compute_score", "reward_pretrain", "advantage_estimator", "n_samples_per_prompt", "rollout_batch_size",
-                "train_batch_size", "max_epochs", "max_steps", "save_path", "save_steps", "dry_run")
+COMMON_FLAGS = (
+    "pretrain",
+    "prompt_data",
+    "dataset",
+    "input_key",
+    "label_key",
+    "output_key",
+    "remote_rm_url",
+    "compute_score",
+    "reward_pretrain",
+    "advantage_estimator",
+    "n_samples_per_prompt",
+    "rollout_batch_size",
+    "train_batch_size",
+    "max_epochs",
+    "max_steps",
+    "save_path",
+    "save_steps",
+    "dry_run",
+)
 # The same two settings in each spelling --help shows: (field, value); verl's keys for PPO's pair.
-SPELLING_EXAMPLES = {"ppo": (("n_samples_per_prompt", "8"), ("actor_learning_rate", "1e-6")),
-                     "supervised": (("max_epochs", "2"), ("learning_rate", "1e-6"))}
+SPELLING_EXAMPLES = {
+    "ppo": (("n_samples_per_prompt", "8"), ("actor_learning_rate", "1e-6")),
+    "supervised": (("max_epochs", "2"), ("learning_rate", "1e-6")),
+}
 VERL_EXAMPLE = "actor_rollout_ref.rollout.n=8 actor_rollout_ref.actor.optim.lr=1e-6"
 
 
@@ -149,7 +194,9 @@ class ParsedArgs:
 
     def ignored_under(self, backend: str | None) -> tuple[str, ...]:
         """`ignored` once the generation backend is known: under vllm (asked for, or picked by `auto`) its flags act."""
-        return tuple(line for line in self.ignored if line not in self.vllm_acts_on) if backend == "vllm" else self.ignored
+        return (
+            tuple(line for line in self.ignored if line not in self.vllm_acts_on) if backend == "vllm" else self.ignored
+        )
 
 
 def _unwrap_optional(tp: Any) -> Any:
@@ -162,8 +209,13 @@ def _unwrap_optional(tp: Any) -> Any:
 def _flag_kwargs(info: FieldInfo, default: Any) -> dict[str, Any]:
     tp = info.type
     kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": info.name}
-    default_text = "" if default is None else f" (default: {default!r})" if isinstance(default, str) and "\n" in default \
+    default_text = (
+        ""
+        if default is None
+        else f" (default: {default!r})"
+        if isinstance(default, str) and "\n" in default
         else f" (default: {default})"
+    )
     kwargs["help"] = info.help.replace("%", "%%") + default_text.replace("%", "%%")
     base = _unwrap_optional(tp)
     if info.name == "use_wandb":  # OpenRLHF: --use_wandb KEY; rlrun also takes a bare --use_wandb
@@ -186,12 +238,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def spelling_examples(spec: CliSpec) -> dict[str, str]:
-    """The same settings in each spelling the entry point accepts: {'classic': '--a 1 ...', 'dotted': ..., 'verl': ...}."""
+    """The same settings in each spelling the entry point accepts: {'classic': '--a 1 ...', 'dotted': ...,
+    'verl': ...}."""
     pairs = SPELLING_EXAMPLES["ppo" if spec.verl_overrides else "supervised"]
     infos = fields_of(spec.config_cls)
     dotted = {m.field: name for name, m in reversed(spec.dotted.items()) if isinstance(m, openrlhf_flags.Same)}
-    out = {"classic": " ".join(f"--{name} {value}" for name, value in pairs),
-           "dotted": " ".join(f"--{dotted.get(name, f'{infos[name].section}.{name}')} {value}" for name, value in pairs)}
+    out = {
+        "classic": " ".join(f"--{name} {value}" for name, value in pairs),
+        "dotted": " ".join(f"--{dotted.get(name, f'{infos[name].section}.{name}')} {value}" for name, value in pairs),
+    }
     if spec.verl_overrides:
         out["verl"] = VERL_EXAMPLE
     return out
@@ -203,20 +258,37 @@ def quick_help(spec: CliSpec) -> str:
     lines = [spec.description, "", "start here:"]
     for what, command in spec.start:
         lines += [f"  {what}:", *(f"    {line}" for line in command.splitlines())]
-    lines += ["  add --dry_run to check a job before it starts: it reads the data, shows the first sample, loads no "
-              "weights", f"  every run writes SAVE_PATH/config.yaml; {spec.prog} --config SAVE_PATH/config.yaml reruns it",
-              "", "common flags:",
-              textwrap.fill(", ".join(f"--{name}" for name in COMMON_FLAGS if name in infos), width=110,
-                            initial_indent="  ", subsequent_indent="  "), ""]
+    lines += [
+        "  add --dry_run to check a job before it starts: it reads the data, shows the first sample, loads no weights",
+        f"  every run writes SAVE_PATH/config.yaml; {spec.prog} --config SAVE_PATH/config.yaml reruns it",
+        "",
+        "common flags:",
+        textwrap.fill(
+            ", ".join(f"--{name}" for name in COMMON_FLAGS if name in infos),
+            width=110,
+            initial_indent="  ",
+            subsequent_indent="  ",
+        ),
+        "",
+    ]
     examples = spelling_examples(spec)
-    where = {"classic": "OpenRLHF's classic flags", "dotted": "OpenRLHF 0.11, and rlrun's --section.field",
-             "verl": "verl's Hydra overrides, key=value"}
-    lines.append(f"{'three' if len(examples) == 3 else 'two'} spellings, mixed freely (later wins; --config YAML sits "
-                 "under all of them):")
+    where = {
+        "classic": "OpenRLHF's classic flags",
+        "dotted": "OpenRLHF 0.11, and rlrun's --section.field",
+        "verl": "verl's Hydra overrides, key=value",
+    }
+    lines.append(
+        f"{'three' if len(examples) == 3 else 'two'} spellings, mixed freely (later wins; --config YAML sits "
+        "under all of them):"
+    )
     width = max(len(text) for text in examples.values())
     lines += [f"  {name:<8} {text:<{width}}  ({where[name]})" for name, text in examples.items()]
-    lines += ["", "Every flag follows, by section. docs/compat.md (in the repository) says what each OpenRLHF"
-              + (" and verl" if spec.verl_overrides else "") + " name does here."]
+    lines += [
+        "",
+        "Every flag follows, by section. docs/compat.md (in the repository) says what each OpenRLHF"
+        + (" and verl" if spec.verl_overrides else "")
+        + " name does here.",
+    ]
     return "\n".join(lines)
 
 
@@ -229,9 +301,13 @@ def build_parser(spec: CliSpec = PPO_CLI) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    parser.add_argument("--config", default=None, metavar="FILE",
-                        help="YAML file setting fields (nested by section or flat by flag name); a run's "
-                        "SAVE_PATH/config.yaml reruns it.")
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="YAML file setting fields (nested by section or flat by flag name); a run's "
+        "SAVE_PATH/config.yaml reruns it.",
+    )
     hints = get_type_hints(spec.config_cls)
     infos = fields_of(spec.config_cls)
     for section in dataclasses.fields(spec.config_cls):
@@ -262,7 +338,9 @@ def load_yaml(path: str, config_cls: type = Config) -> dict[str, Any]:
             for sub, sub_value in value.items():
                 info = infos.get(sub)
                 if info is not None and info.section != key:
-                    raise ConfigError(f"--config {path}: unknown key '{key}.{sub}'; '{sub}' belongs in section '{info.section}'")
+                    raise ConfigError(
+                        f"--config {path}: unknown key '{key}.{sub}'; '{sub}' belongs in section '{info.section}'"
+                    )
                 if info is None:
                     valid = [i.name for i in infos.values() if i.section == key]
                     raise ConfigError(f"--config {path}: unknown key '{key}.{sub}'{suggest(str(sub), valid)}")
@@ -278,7 +356,9 @@ def load_yaml(path: str, config_cls: type = Config) -> dict[str, Any]:
     return {k: coerce(infos[k], v, f"--config {path}") for k, v in flat.items()}
 
 
-def _strip_ignored(argv: Sequence[str], ignored_flags: Mapping[str, tuple[int | str, str]]) -> tuple[list[str], list[str]]:
+def _strip_ignored(
+    argv: Sequence[str], ignored_flags: Mapping[str, tuple[int | str, str]]
+) -> tuple[list[str], list[str]]:
     """Remove ignored OpenRLHF/Ray flags (and their values); return (rest, report lines)."""
     rest: list[str] = []
     report: list[str] = []
@@ -305,7 +385,8 @@ def _strip_ignored(argv: Sequence[str], ignored_flags: Mapping[str, tuple[int | 
 
 
 def _renamed(argv: Sequence[str], renamed: Mapping[str, str]) -> list[str]:
-    """Classic peer flags rlrun spells differently (--use_dynamic_batch) -> rlrun's name, in place (later still wins)."""
+    """Classic peer flags rlrun spells differently (--use_dynamic_batch) -> rlrun's name, in place (later still
+    wins)."""
     out = []
     for token in argv:
         name, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
@@ -324,7 +405,9 @@ def _flags_with_values(argv: Sequence[str]) -> list[tuple[str, str | None]]:
     return out
 
 
-def _arity(parser: argparse.ArgumentParser, ignored_flags: Mapping[str, tuple[int | str, str]]) -> Callable[[str], Nargs]:
+def _arity(
+    parser: argparse.ArgumentParser, ignored_flags: Mapping[str, tuple[int | str, str]]
+) -> Callable[[str], Nargs]:
     """How many values each classic flag takes (so a flag's value is never read as a verl override)."""
     by_flag: dict[str, Nargs] = {}
     for action in parser._actions:
@@ -338,11 +421,13 @@ def _arity(parser: argparse.ArgumentParser, ignored_flags: Mapping[str, tuple[in
         if name in ignored_flags:
             return ignored_flags[name][0]  # type: ignore[return-value]
         return "?" if name.startswith("ray_") else 0  # an unknown flag fails in argparse
+
     return arity
 
 
-def _translate_peer_spellings(argv: Sequence[str], parser: argparse.ArgumentParser,
-                              spec: CliSpec) -> tuple[list[str], list[str], verl_overrides.Translated]:
+def _translate_peer_spellings(
+    argv: Sequence[str], parser: argparse.ArgumentParser, spec: CliSpec
+) -> tuple[list[str], list[str], verl_overrides.Translated]:
     """OpenRLHF 0.11 dotted flags, rlrun's --section.field aliases and (PPO) verl key=value overrides -> classic flags.
 
     Returns (argv, report lines for the peer flags/keys that are ignored, the verl translation: its implied defaults
@@ -351,8 +436,9 @@ def _translate_peer_spellings(argv: Sequence[str], parser: argparse.ArgumentPars
     dotted = openrlhf_flags.translate(_renamed(argv, spec.renamed), infos, spec.ignored, spec.dotted)
     if not spec.verl_overrides:
         return dotted.argv, dotted.ignored, verl_overrides.Translated([])
-    verl = verl_overrides.translate(dotted.argv, _arity(parser, spec.ignored), infos, spec.ignored,
-                                    verl_overrides.launched_world_size())
+    verl = verl_overrides.translate(
+        dotted.argv, _arity(parser, spec.ignored), infos, spec.ignored, verl_overrides.launched_world_size()
+    )
     return verl.argv, dotted.ignored + verl.ignored, verl
 
 
@@ -374,9 +460,12 @@ def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> Pa
         flag = next((u for u in unknown if u.startswith("-")), unknown[0])
         name = flag.lstrip("-").split("=", 1)[0]
         spellings = [*openrlhf_flags.all_spellings(infos, spec.ignored, spec.dotted), *spec.renamed]
-        raise ConfigError(f"unknown flag '{flag}'{suggest(name, spellings, prefix='--')}" if flag.startswith("-")
-                          else f"unexpected argument '{flag}' (flags take the form --name value"
-                          + (", or key=value for verl keys)" if spec.verl_overrides else ")"))
+        raise ConfigError(
+            f"unknown flag '{flag}'{suggest(name, spellings, prefix='--')}"
+            if flag.startswith("-")
+            else f"unexpected argument '{flag}' (flags take the form --name value"
+            + (", or key=value for verl keys)" if spec.verl_overrides else ")")
+        )
     values = load_yaml(known.config, spec.config_cls) if known.config else {}
     defaults = {name: value for name, value in spec.defaults.items() if name not in values}
     for name, raw in vars(known).items():
@@ -390,9 +479,13 @@ def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> Pa
     no_effect = {name: f"--{name}: has no effect ({why})" for name, why in spec.no_effect.items() if name in values}
     config = build_config({**defaults, **values}, spec.config_cls)
     if verl.lora:  # PPO's Config: verl's critic keys matter only in a run that trains a critic
-        verl_overrides.check_lora(verl.lora, config.model,
-                                  config.algo.advantage_estimator if config.algo.needs_critic else None)
-    parsed = ParsedArgs(config,
-                        tuple(dict.fromkeys([*ignored, *no_effect.values()])), frozenset(values),
-                        tuple(line for name, line in no_effect.items() if name in VLLM_BACKEND_FIELDS))
+        verl_overrides.check_lora(
+            verl.lora, config.model, config.algo.advantage_estimator if config.algo.needs_critic else None
+        )
+    parsed = ParsedArgs(
+        config,
+        tuple(dict.fromkeys([*ignored, *no_effect.values()])),
+        frozenset(values),
+        tuple(line for name, line in no_effect.items() if name in VLLM_BACKEND_FIELDS),
+    )
     return dataclasses.replace(parsed, ignored=parsed.ignored_under(values.get("generation_backend")))

@@ -50,19 +50,24 @@ def run_settings(cfg: RootConfig, defaults: Mapping[str, Any]) -> tuple[dict[str
     return out, withheld
 
 
-def write_run_config(cfg: RootConfig, defaults: Mapping[str, Any], directory: str, prog: str,
-                     launched: str = "") -> tuple[str, int]:
+def write_run_config(
+    cfg: RootConfig, defaults: Mapping[str, Any], directory: str, prog: str, launched: str = ""
+) -> tuple[str, int]:
     """Write `directory`/config.yaml (atomically); (its path, how many settings it holds). `prog`: the entry point
     ('python -m rlrun.ppo'); `launched`: how the run was started, for the header (e.g. '2 ranks, torchrun')."""
     settings, withheld = run_settings(cfg, defaults)
     path = os.path.join(directory, CONFIG_FILE)
-    header = [f"{prog}: the settings of the run saved in {directory} that differ from the defaults "
-              f"(written {time.strftime('%Y-%m-%d %H:%M:%S')}{', ' + launched if launched else ''}).",
-              f"Rerun: {prog} --config {path}  (flags after it still win)"]
+    header = [
+        f"{prog}: the settings of the run saved in {directory} that differ from the defaults "
+        f"(written {time.strftime('%Y-%m-%d %H:%M:%S')}{', ' + launched if launched else ''}).",
+        f"Rerun: {prog} --config {path}  (flags after it still win)",
+    ]
     if withheld:
         header.append(f"Not stored as given (secrets): {', '.join(withheld)}; give them again to rerun.")
     text = "".join(f"# {line}\n" for line in header)
-    text += yaml.safe_dump(settings, sort_keys=False, default_flow_style=False, allow_unicode=True) if settings else "{}\n"
+    text += (
+        yaml.safe_dump(settings, sort_keys=False, default_flow_style=False, allow_unicode=True) if settings else "{}\n"
+    )
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:

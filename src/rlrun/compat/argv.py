@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
-from typing import Literal, Sequence, Union
+from collections.abc import Sequence
+from typing import Literal
+
 from rlrun.runtime.errors import ConfigError
 
 # How many values a flag takes: a count, "*" (any number), "+" (at least one), "?" (an optional one).
-Nargs = Union[int, Literal["*", "+", "?"]]
+Nargs = int | Literal["*", "+", "?"]
 
 # A Hydra override: optional + / ++ / ~ prefix, a dotted key, '=' and a value (possibly empty).
 _OVERRIDE = re.compile(r"^(\+\+|\+|~)?([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_0-9][A-Za-z0-9_]*)*)=(.*)$", re.S)
@@ -38,11 +40,12 @@ def take_values(argv: Sequence[str], start: int, nargs: Nargs, flag: str) -> lis
             raise ConfigError(f"{flag} needs at least one value")
         return list(argv[start:end])
     count = int(nargs)
-    values = list(argv[start:start + count])
+    values = list(argv[start : start + count])
     # A value may legitimately start with '-' (negative numbers), but never with '--'.
     if len(values) < count or any(v.startswith("--") for v in values):
         raise ConfigError(f"{flag} needs {count} value{'s' if count > 1 else ''}")
     return values
+
 
 # ---- reasons ---------------------------------------------------------------------------------------------------
 # Why a peer flag is accepted but has no effect (one wording per reason, shared by every flag table).
@@ -57,22 +60,27 @@ LAUNCHER = "set by the launcher: torchrun/srun give every process its rank"
 # 0.11's dotted names and verl keys; the value is what ignoring the flag would do.
 # bitsandbytes' 4-bit kernels exist on CUDA only, and the adapters on a 4-bit base (QLoRA) need their own dtype and
 # weight-sync handling that rlrun does not have; refused everywhere rather than on CPU alone.
-QLORA = ("bitsandbytes 4-bit loading is CUDA-only and rlrun does not implement QLoRA: it would load and train the "
-         "full-precision model; use --lora_rank on a bf16 base model")
+QLORA = (
+    "bitsandbytes 4-bit loading is CUDA-only and rlrun does not implement QLoRA: it would load and train the "
+    "full-precision model; use --lora_rank on a bf16 base model"
+)
 # verl's Megatron backend has its own LoRA block (model.lora.rank, Megatron-Core module names); rlrun's LoRA is PEFT
 # on the Hugging Face model, set by verl's FSDP keys.
-_MEGATRON_LORA = ("verl's Megatron-backend LoRA (model.lora.*) is not read by rlrun: it would train every weight; use "
-                  "actor_rollout_ref.model.lora_rank, lora_alpha and target_modules (PEFT, Hugging Face module names)")
+_MEGATRON_LORA = (
+    "verl's Megatron-backend LoRA (model.lora.*) is not read by rlrun: it would train every weight; use "
+    "actor_rollout_ref.model.lora_rank, lora_alpha and target_modules (PEFT, Hugging Face module names)"
+)
 CHANGES_TRAINING: dict[str, str] = {
     "load_in_4bit": QLORA,
-    "actor_rollout_ref.model.lora.rank": _MEGATRON_LORA, "critic.model.lora.rank": _MEGATRON_LORA,
+    "actor_rollout_ref.model.lora.rank": _MEGATRON_LORA,
+    "critic.model.lora.rank": _MEGATRON_LORA,
     "ptx_coef": "the pretraining (PTX) loss is not implemented in rlrun yet: it would train without it",
     "aux_loss_coef": "the MoE auxiliary loss is not implemented in rlrun yet: it would train without it",
     "freezing_actor_steps": "freezing the actor for the first steps is not implemented in rlrun yet: it would train "
-                            "the actor from step 1",
+    "the actor from step 1",
     "enable_ema": "EMA weights are not implemented in rlrun yet: it would save the trained weights, not their average",
     "value_head_prefix": "a reward/critic value head under another name is not implemented in rlrun yet: it would "
-                         "score with a freshly initialised head",
+    "score with a freshly initialised head",
 }
 OFF = frozenset({"0", "0.0", "false", "none", "null", "-1", "value_head", "train"})  # no EMA, no LoRA, the defaults
 
@@ -81,9 +89,17 @@ def refused(given: list[tuple[str, str | None]]) -> str | None:
     """The one error for the flags/keys as the user spelled them ("--load_in_4bit", "--data.image_key",
     "data.image_key"), each with its value (None: a switch), that would change what is trained; None when none
     would."""
-    hits = [(name, value) for name, value in given if name.removeprefix("--") in CHANGES_TRAINING
-            and (value is None or str(value).strip().lower() not in OFF)]
+    hits = [
+        (name, value)
+        for name, value in given
+        if name.removeprefix("--") in CHANGES_TRAINING and (value is None or str(value).strip().lower() not in OFF)
+    ]
     if not hits:
         return None
-    return "; ".join(f"{name}{'' if value is None else ' ' + str(value)}: {CHANGES_TRAINING[name.removeprefix('--')]}"
-                     for name, value in dict.fromkeys(hits)) + ". Drop the flag(s) to train without them."
+    return (
+        "; ".join(
+            f"{name}{'' if value is None else ' ' + str(value)}: {CHANGES_TRAINING[name.removeprefix('--')]}"
+            for name, value in dict.fromkeys(hits)
+        )
+        + ". Drop the flag(s) to train without them."
+    )

@@ -13,17 +13,19 @@ weights into a (possibly FSDP2- or DeepSpeed-wrapped) HF model after checking ev
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
+import json
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
 import torch
+
 from rlrun.runtime.errors import CheckpointError
-import argparse
-import json
-import sys
 
 # ---- reading a checkpoint ----------------------------------------------------------------------------------------
 # Read an OpenRLHF DeepSpeed checkpoint (`--ckpt_path` of an OpenRLHF PPO run) into HF-named fp32 weights.
@@ -58,13 +60,33 @@ LATEST = "latest"
 OPTIMIZER_NOTE = (
     "Adam moments are not read: rlrun starts a fresh optimizer and learning-rate schedule. (DeepSpeed keeps "
     "them as flat per-rank partitions whose per-parameter mapping differs by stage and version; a fresh "
-    "schedule from step 0 would not match the restored moments anyway.)")
+    "schedule from step 0 would not match the restored moments anyway.)"
+)
 # Keys DeepSpeed itself writes into a model-states file; everything else there is the client_state.
-_DEEPSPEED_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-    "ds_version", "checkpoint_parallel_dimensions", "autotp_uc_info"})
+_DEEPSPEED_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "ds_config",
+        "ds_version",
+        "checkpoint_parallel_dimensions",
+        "autotp_uc_info",
+    }
+)
 _LORA = re.compile(r"(^|\.)(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)(\.|$)")
 
 
@@ -99,9 +121,16 @@ class OpenRLHFCheckpoint:
     def summary(self) -> dict[str, Any]:
         """The JSON-able part (scalars of client_state; no tensors, no dataloader pickles)."""
         scalars = {k: v for k, v in self.client_state.items() if isinstance(v, (int, float, str, bool)) or v is None}
-        return {"root": self.root, "tag": self.tag, "zero_stage": self.zero_stage, "dp_world_size": self.dp_world_size,
-                "exact_fp32": self.exact_fp32, "has_critic": self.critic is not None, "client_state": scalars,
-                "optimizer": OPTIMIZER_NOTE}
+        return {
+            "root": self.root,
+            "tag": self.tag,
+            "zero_stage": self.zero_stage,
+            "dp_world_size": self.dp_world_size,
+            "exact_fp32": self.exact_fp32,
+            "has_critic": self.critic is not None,
+            "client_state": scalars,
+            "optimizer": OPTIMIZER_NOTE,
+        }
 
 
 # ---- locating the tag ---------------------------------------------------------------------------------------
@@ -115,26 +144,37 @@ def resolve_tag(root: str, tag: str | None, name_tag: str = "name one with --tag
     """The tag to read: `tag` if given, else `_actor/latest`. Checks the root and the tag directory exist.
     `name_tag`: how the caller lets a user choose a tag (for the message when `latest` is missing)."""
     if not os.path.isdir(root):
-        raise CheckpointError(f"OpenRLHF checkpoint {root}: not a directory (pass the --ckpt_path of the OpenRLHF "
-                              "run, the folder that holds _actor/ and _critic/)")
+        raise CheckpointError(
+            f"OpenRLHF checkpoint {root}: not a directory (pass the --ckpt_path of the OpenRLHF "
+            "run, the folder that holds _actor/ and _critic/)"
+        )
     actor = part_dir(root, "actor")
     if not os.path.isdir(actor):
         found = sorted(os.listdir(root))[:8]
-        hint = (" (this looks like a tag directory itself: pass its grandparent)"
-                if any(n.endswith("model_states.pt") for n in found) else "")
-        raise CheckpointError(f"OpenRLHF checkpoint {root}: no _actor/ directory (found {found}){hint}; pass the "
-                              "--ckpt_path of an OpenRLHF PPO run saved with --save_steps")
+        hint = (
+            " (this looks like a tag directory itself: pass its grandparent)"
+            if any(n.endswith("model_states.pt") for n in found)
+            else ""
+        )
+        raise CheckpointError(
+            f"OpenRLHF checkpoint {root}: no _actor/ directory (found {found}){hint}; pass the "
+            "--ckpt_path of an OpenRLHF PPO run saved with --save_steps"
+        )
     if tag is None:
         latest = os.path.join(actor, LATEST)
         if not os.path.isfile(latest):
             tags = list_tags(actor)
-            raise CheckpointError(f"OpenRLHF checkpoint {root}: {latest} is missing (DeepSpeed writes it only on "
-                                  f"global rank 0), so the newest tag is unknown; {name_tag} "
-                                  f"(tags here: {tags or 'none'})")
+            raise CheckpointError(
+                f"OpenRLHF checkpoint {root}: {latest} is missing (DeepSpeed writes it only on "
+                f"global rank 0), so the newest tag is unknown; {name_tag} "
+                f"(tags here: {tags or 'none'})"
+            )
         tag = _read_text(latest).strip()
     if not os.path.isdir(os.path.join(actor, tag)):
-        raise CheckpointError(f"OpenRLHF checkpoint {root}: tag {tag!r} does not exist in {actor} "
-                              f"(tags here: {list_tags(actor) or 'none'})")
+        raise CheckpointError(
+            f"OpenRLHF checkpoint {root}: tag {tag!r} does not exist in {actor} "
+            f"(tags here: {list_tags(actor) or 'none'})"
+        )
     return tag
 
 
@@ -166,14 +206,18 @@ def _load(path: str) -> dict[str, Any]:
     try:
         with torch.serialization.safe_globals(_deepspeed_globals()):
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises many types for a damaged file
+    except Exception as exc:
         if "Unsupported global" in str(exc):
             found = re.search(r"GLOBAL ([\w.]+)", str(exc))
-            raise CheckpointError(f"cannot read {path}: it pickles {found.group(1) if found else 'a Python object'}, "
-                                  "which rlrun does not unpickle (torch.load weights_only); convert the tag with "
-                                  "DeepSpeed's zero_to_fp32.py into a state dict and load that with --pretrain") from None
-        raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc} (a truncated or partly copied "
-                              "checkpoint? copy the tag directory again)") from exc
+            raise CheckpointError(
+                f"cannot read {path}: it pickles {found.group(1) if found else 'a Python object'}, "
+                "which rlrun does not unpickle (torch.load weights_only); convert the tag with "
+                "DeepSpeed's zero_to_fp32.py into a state dict and load that with --pretrain"
+            ) from None
+        raise CheckpointError(
+            f"cannot read {path}: {type(exc).__name__}: {exc} (a truncated or partly copied "
+            "checkpoint? copy the tag directory again)"
+        ) from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: not a DeepSpeed checkpoint file (holds a {type(state).__name__})")
     return state
@@ -190,14 +234,18 @@ def inspect_tag(tag_dir: str) -> TagFiles:
     elif z3_first in names:
         meta_file = os.path.join(tag_dir, z3_first)
     else:
-        raise CheckpointError(f"{tag_dir}: neither mp_rank_00_model_states.pt (ZeRO-0/1/2) nor {z3_first} (ZeRO-3) "
-                              f"is here (found {sorted(names)[:8]}); is this a DeepSpeed tag directory?")
+        raise CheckpointError(
+            f"{tag_dir}: neither mp_rank_00_model_states.pt (ZeRO-0/1/2) nor {z3_first} (ZeRO-3) "
+            f"is here (found {sorted(names)[:8]}); is this a DeepSpeed tag directory?"
+        )
     meta = _load(meta_file)
     if "module" not in meta or "param_shapes" not in meta:
         raise CheckpointError(f"{meta_file}: not a DeepSpeed model-states file (keys {sorted(meta)[:8]})")
     if int(meta.get("mp_world_size", 1)) != 1:
-        raise CheckpointError(f"{tag_dir}: saved with model (tensor) parallel size {meta['mp_world_size']}; rlrun "
-                              "reads data-parallel DeepSpeed checkpoints only (mp_rank_00)")
+        raise CheckpointError(
+            f"{tag_dir}: saved with model (tensor) parallel size {meta['mp_world_size']}; rlrun "
+            "reads data-parallel DeepSpeed checkpoints only (mp_rank_00)"
+        )
     stage = int(((meta.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
     dp = int(meta.get("dp_world_size", 1))
     needed: list[str] = []
@@ -208,9 +256,11 @@ def inspect_tag(tag_dir: str) -> TagFiles:
         if stage == 3 and f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" not in names:
             needed.append(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
     if needed:
-        raise CheckpointError(f"{tag_dir}: ZeRO-{stage} checkpoint of {dp} ranks is missing {len(needed)} file(s), "
-                              f"first {needed[0]} (a multi-node run without a shared filesystem leaves each node's "
-                              "files on that node: copy them all into this directory)")
+        raise CheckpointError(
+            f"{tag_dir}: ZeRO-{stage} checkpoint of {dp} ranks is missing {len(needed)} file(s), "
+            f"first {needed[0]} (a multi-node run without a shared filesystem leaves each node's "
+            "files on that node: copy them all into this directory)"
+        )
     return TagFiles(tag_dir, stage, dp, meta_file, meta)
 
 
@@ -232,8 +282,9 @@ def read_deepspeed_weights(part: str, tag: str, files: TagFiles) -> tuple[dict[s
         with contextlib.redirect_stdout(io.StringIO()):  # it prints progress lines meant for its own CLI
             state = get_fp32_state_dict_from_zero_checkpoint(part, tag=tag)
     except (ValueError, FileNotFoundError, KeyError, NotImplementedError, RuntimeError, OSError) as exc:
-        raise CheckpointError(f"{files.tag_dir}: DeepSpeed's zero_to_fp32 could not rebuild the weights: "
-                              f"{type(exc).__name__}: {exc}") from exc
+        raise CheckpointError(
+            f"{files.tag_dir}: DeepSpeed's zero_to_fp32 could not rebuild the weights: {type(exc).__name__}: {exc}"
+        ) from exc
     # Detached: the saved flat fp32 groups require grad, so their unflattened slices would carry autograd history.
     return {k: v.detach() for k, v in state.items()}, True
 
@@ -244,36 +295,48 @@ def actor_names(state: dict[str, torch.Tensor], where: str) -> dict[str, torch.T
     out = {}
     for key, value in state.items():
         if not key.startswith("model."):
-            raise CheckpointError(f"{where}: parameter {key!r} is not under OpenRLHF's Actor wrapper `model.`; "
-                                  "this is not an OpenRLHF actor checkpoint")
-        out[key[len("model."):]] = value
+            raise CheckpointError(
+                f"{where}: parameter {key!r} is not under OpenRLHF's Actor wrapper `model.`; "
+                "this is not an OpenRLHF actor checkpoint"
+            )
+        out[key[len("model.") :]] = value
     return out
 
 
-def critic_names(state: dict[str, torch.Tensor], where: str, value_head_prefix: str = "score") -> dict[str, torch.Tensor]:
+def critic_names(
+    state: dict[str, torch.Tensor], where: str, value_head_prefix: str = "score"
+) -> dict[str, torch.Tensor]:
     """OpenRLHF CriticModel keys (`<base_model_prefix>.*`, `<value_head_prefix>.weight`) -> HF
     sequence-classification keys (`<base_model_prefix>.*`, `score.weight`)."""
     _refuse_lora(state, where)
     head = f"{value_head_prefix}.weight"
     if head not in state:
         tops = sorted({k.split(".", 1)[0] for k in state})
-        raise CheckpointError(f"{where}: no value head {head!r} (top-level modules: {tops}); if the OpenRLHF run "
-                              "used --value_head_prefix X, pass --value_head_prefix X")
+        raise CheckpointError(
+            f"{where}: no value head {head!r} (top-level modules: {tops}); if the OpenRLHF run "
+            "used --value_head_prefix X, pass --value_head_prefix X"
+        )
     if len(state[head].shape) != 2 or state[head].shape[0] != 1:  # (lazy tensors have .shape only)
-        raise CheckpointError(f"{where}: value head {head!r} has shape {tuple(state[head].shape)}, expected (1, hidden)")
+        raise CheckpointError(
+            f"{where}: value head {head!r} has shape {tuple(state[head].shape)}, expected (1, hidden)"
+        )
     extra = sorted(k for k in state if k.startswith(f"{value_head_prefix}.") and k != head)
     if extra:
-        raise CheckpointError(f"{where}: value head has parameters besides its weight ({extra[0]}); OpenRLHF's "
-                              "critic head is a bias-free Linear(hidden, 1)")
+        raise CheckpointError(
+            f"{where}: value head has parameters besides its weight ({extra[0]}); OpenRLHF's "
+            "critic head is a bias-free Linear(hidden, 1)"
+        )
     return {("score.weight" if k == head else k): v for k, v in state.items()}
 
 
 def _refuse_lora(state: dict[str, torch.Tensor], where: str) -> None:
     lora = next((k for k in state if _LORA.search(k)), None)
     if lora is not None:
-        raise CheckpointError(f"{where}: holds LoRA adapter weights ({lora}); rlrun reads full-weight checkpoints "
-                              "only. Merge the adapters (OpenRLHF's --save_hf_ckpt export, or peft's "
-                              "merge_and_unload) and pass the merged model as --pretrain")
+        raise CheckpointError(
+            f"{where}: holds LoRA adapter weights ({lora}); rlrun reads full-weight checkpoints "
+            "only. Merge the adapters (OpenRLHF's --save_hf_ckpt export, or peft's "
+            "merge_and_unload) and pass the merged model as --pretrain"
+        )
 
 
 def client_state_of(files: TagFiles) -> dict[str, Any]:
@@ -281,8 +344,9 @@ def client_state_of(files: TagFiles) -> dict[str, Any]:
     return {k: v for k, v in files.meta.items() if k not in _DEEPSPEED_KEYS}
 
 
-def read_openrlhf_checkpoint(root: str, tag: str | None = None, *, critic: bool = True,
-                             value_head_prefix: str = "score") -> OpenRLHFCheckpoint:
+def read_openrlhf_checkpoint(
+    root: str, tag: str | None = None, *, critic: bool = True, value_head_prefix: str = "score"
+) -> OpenRLHFCheckpoint:
     """Read ROOT/_actor/TAG (and ROOT/_critic/TAG when `critic` and it exists) into HF-named fp32 state dicts.
 
     `tag` None: the tag named in ROOT/_actor/latest. The critic is read at the actor's tag (OpenRLHF saves
@@ -297,15 +361,19 @@ def read_openrlhf_checkpoint(root: str, tag: str | None = None, *, critic: bool 
     critic_dir = part_dir(root, "critic")
     if critic and os.path.isdir(critic_dir):
         if not os.path.isdir(os.path.join(critic_dir, tag)):
-            raise CheckpointError(f"OpenRLHF checkpoint {root}: _actor has tag {tag!r} but _critic does not (tags "
-                                  f"there: {list_tags(critic_dir) or 'none'}); the save was interrupted between the "
-                                  "two -- pass an older --tag that both have")
+            raise CheckpointError(
+                f"OpenRLHF checkpoint {root}: _actor has tag {tag!r} but _critic does not (tags "
+                f"there: {list_tags(critic_dir) or 'none'}); the save was interrupted between the "
+                "two -- pass an older --tag that both have"
+            )
         cfiles = inspect_tag(os.path.join(critic_dir, tag))
         cweights, cexact = read_deepspeed_weights(critic_dir, tag, cfiles)
         critic_state = critic_names(cweights, cfiles.tag_dir, value_head_prefix)
         exact = exact and cexact
-    return OpenRLHFCheckpoint(root, tag, files.zero_stage, files.dp_world_size, actor, critic_state,
-                              client_state_of(files), exact)
+    return OpenRLHFCheckpoint(
+        root, tag, files.zero_stage, files.dp_world_size, actor, critic_state, client_state_of(files), exact
+    )
+
 
 STATE_FILE = "openrlhf_state.json"  # beside OUT/actor and OUT/critic: the checkpoint's summary()
 
@@ -318,16 +386,24 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], what: s
     apply_weights(model, state, what, target="--pretrain's architecture")
 
 
-def convert(root: str, out: str, pretrain: str, critic_pretrain: str | None = None, tag: str | None = None,
-            value_head_prefix: str = "score") -> OpenRLHFCheckpoint:
+def convert(
+    root: str,
+    out: str,
+    pretrain: str,
+    critic_pretrain: str | None = None,
+    tag: str | None = None,
+    value_head_prefix: str = "score",
+) -> OpenRLHFCheckpoint:
     """Write OUT/actor (and OUT/critic) as HF directories built on `pretrain`'s architecture and tokenizer,
     with the checkpoint's fp32 weights, plus OUT/openrlhf_state.json."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer  # noqa: PLC0415
 
     for flag, path in (("--pretrain", pretrain), ("--critic_pretrain", critic_pretrain)):
         if path is not None and not os.path.isdir(path):
-            raise CheckpointError(f"{flag} {path}: not a local HF model directory (the architecture and tokenizer "
-                                  "come from it; OpenRLHF checkpoints store neither)")
+            raise CheckpointError(
+                f"{flag} {path}: not a local HF model directory (the architecture and tokenizer "
+                "come from it; OpenRLHF checkpoints store neither)"
+            )
     if os.path.exists(out) and os.listdir(out):
         raise CheckpointError(f"output {out} exists and is not empty; choose a new directory")
     ckpt = read_openrlhf_checkpoint(root, tag, value_head_prefix=value_head_prefix)
@@ -335,8 +411,9 @@ def convert(root: str, out: str, pretrain: str, critic_pretrain: str | None = No
     load_weights(actor, ckpt.actor, f"{root} actor ({ckpt.tag})")
     parts: list[tuple[str, torch.nn.Module]] = [("actor", actor)]
     if ckpt.critic is not None:
-        critic = AutoModelForSequenceClassification.from_pretrained(critic_pretrain or pretrain, num_labels=1,
-                                                                    dtype=torch.float32)
+        critic = AutoModelForSequenceClassification.from_pretrained(
+            critic_pretrain or pretrain, num_labels=1, dtype=torch.float32
+        )
         load_weights(critic, ckpt.critic, f"{root} critic ({ckpt.tag})")
         parts.append(("critic", critic))
     try:
@@ -368,13 +445,16 @@ def _set_full(target: torch.Tensor, full: torch.Tensor) -> None:
     from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: PLC0415
 
     if isinstance(target, DTensor):
-        mine = distribute_tensor(full.to(device=target.device, dtype=target.dtype), target.device_mesh,
-                                 target.placements, src_data_rank=None)
+        mine = distribute_tensor(
+            full.to(device=target.device, dtype=target.dtype), target.device_mesh, target.placements, src_data_rank=None
+        )
         target.to_local().copy_(mine.to_local())
         return
     if hasattr(target, "ds_id"):
-        raise CheckpointError("--load_openrlhf_checkpoint cannot write into a DeepSpeed ZeRO-3 model; convert the "
-                              "checkpoint with `python -m rlrun.compat.openrlhf_checkpoint` and pass --pretrain")
+        raise CheckpointError(
+            "--load_openrlhf_checkpoint cannot write into a DeepSpeed ZeRO-3 model; convert the "
+            "checkpoint with `python -m rlrun.compat.openrlhf_checkpoint` and pass --pretrain"
+        )
     if hasattr(target, "_hp_mapping"):
         from deepspeed.utils import safe_set_full_fp32_param  # noqa: PLC0415 - only under --strategy deepspeed
 
@@ -382,7 +462,9 @@ def _set_full(target: torch.Tensor, full: torch.Tensor) -> None:
     target.copy_(full.to(device=target.device, dtype=target.dtype))
 
 
-def apply_weights(hf_model: torch.nn.Module, weights: dict[str, Any], what: str, target: str = "this run's model") -> None:
+def apply_weights(
+    hf_model: torch.nn.Module, weights: dict[str, Any], what: str, target: str = "this run's model"
+) -> None:
     """Copy HF-named full weights into a (possibly FSDP2- or DeepSpeed-wrapped) HF model, one tensor at a time.
 
     Every name and (global) shape is checked before the first write, naming the first difference. A key the
@@ -392,33 +474,44 @@ def apply_weights(hf_model: torch.nn.Module, weights: dict[str, Any], what: str,
     kind = type(hf_model).__name__
     for name, value in weights.items():
         if name not in own:
-            raise CheckpointError(f"{what}: tensor {name!r} has no counterpart in {target} ({kind}); is --pretrain "
-                                  "the model the OpenRLHF run started from?")
+            raise CheckpointError(
+                f"{what}: tensor {name!r} has no counterpart in {target} ({kind}); is --pretrain "
+                "the model the OpenRLHF run started from?"
+            )
         if tuple(own[name].shape) != tuple(value.shape):
-            raise CheckpointError(f"{what}: tensor {name!r} has shape {tuple(value.shape)} in the checkpoint but "
-                                  f"{tuple(own[name].shape)} in {target}; use the model the OpenRLHF run started from "
-                                  "as --pretrain (--critic_pretrain)")
+            raise CheckpointError(
+                f"{what}: tensor {name!r} has shape {tuple(value.shape)} in the checkpoint but "
+                f"{tuple(own[name].shape)} in {target}; use the model the OpenRLHF run started from "
+                "as --pretrain (--critic_pretrain)"
+            )
     present = {id(own[k]) for k in weights}
     missing = [k for k in own if k not in weights and id(own[k]) not in present]
     if missing:
-        raise CheckpointError(f"{what}: the checkpoint has no tensor {missing[0]!r} ({len(missing)} missing) that "
-                              f"{target} ({kind}) needs")
+        raise CheckpointError(
+            f"{what}: the checkpoint has no tensor {missing[0]!r} ({len(missing)} missing) that {target} ({kind}) needs"
+        )
     with torch.no_grad():
         for name, value in weights.items():
             _set_full(own[name], _tensor(value).float())
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rlrun.compat.openrlhf_checkpoint",
-                                description="Convert an OpenRLHF DeepSpeed checkpoint (ROOT/_actor, ROOT/_critic) "
-                                            "into HF directories OUT/actor and OUT/critic for rlrun's --pretrain "
-                                            "and --critic_pretrain. Weights only: " + OPTIMIZER_NOTE)
+    p = argparse.ArgumentParser(
+        prog="python -m rlrun.compat.openrlhf_checkpoint",
+        description="Convert an OpenRLHF DeepSpeed checkpoint (ROOT/_actor, ROOT/_critic) "
+        "into HF directories OUT/actor and OUT/critic for rlrun's --pretrain "
+        "and --critic_pretrain. Weights only: " + OPTIMIZER_NOTE,
+    )
     p.add_argument("root", help="The OpenRLHF run's --ckpt_path (holds _actor/ and optionally _critic/).")
     p.add_argument("out", help="New output directory.")
-    p.add_argument("--pretrain", required=True, help="HF directory of the model the OpenRLHF run started from "
-                                                     "(architecture and tokenizer).")
-    p.add_argument("--critic_pretrain", default=None, help="HF directory of the critic's starting model "
-                                                           "(default: --pretrain).")
+    p.add_argument(
+        "--pretrain",
+        required=True,
+        help="HF directory of the model the OpenRLHF run started from (architecture and tokenizer).",
+    )
+    p.add_argument(
+        "--critic_pretrain", default=None, help="HF directory of the critic's starting model (default: --pretrain)."
+    )
     p.add_argument("--tag", default=None, help="Tag to read, e.g. global_step20 (default: _actor/latest).")
     p.add_argument("--value_head_prefix", default="score", help="The OpenRLHF run's --value_head_prefix.")
     args = p.parse_args(argv)
@@ -428,10 +521,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     written = "actor and critic" if ckpt.critic is not None else "actor"
-    print(f"wrote {written} of {ckpt.root} tag {ckpt.tag} (ZeRO-{ckpt.zero_stage}, {ckpt.dp_world_size} ranks, "
-          f"OpenRLHF global_step {ckpt.global_step}) to {args.out}. Use --pretrain {os.path.join(args.out, 'actor')}"
-          + (f" --critic_pretrain {os.path.join(args.out, 'critic')}" if ckpt.critic is not None else "")
-          + f". {OPTIMIZER_NOTE}")
+    print(
+        f"wrote {written} of {ckpt.root} tag {ckpt.tag} (ZeRO-{ckpt.zero_stage}, {ckpt.dp_world_size} ranks, "
+        f"OpenRLHF global_step {ckpt.global_step}) to {args.out}. Use --pretrain {os.path.join(args.out, 'actor')}"
+        + (f" --critic_pretrain {os.path.join(args.out, 'critic')}" if ckpt.critic is not None else "")
+        + f". {OPTIMIZER_NOTE}"
+    )
     return 0
 
 
@@ -445,6 +540,7 @@ if __name__ == "__main__":
 # openrlhf_reader reads it); `init_from_openrlhf` runs after the roles are built: every actor/critic rank
 # reads the files itself and writes the full weights into its FSDP2 shard / DeepSpeed ZeRO-0/1/2 partition; no
 # collective, no temp files.
+
 
 @dataclass(frozen=True)
 class InitPlan:
@@ -472,9 +568,12 @@ def plan_init(root: str, *, run_has_critic: bool) -> InitPlan:
     if run_has_critic and os.path.isdir(part_dir(root, "critic")):
         tag_dir = os.path.join(part_dir(root, "critic"), tag)
         if not os.path.isdir(tag_dir):
-            raise CheckpointError(f"--load_openrlhf_checkpoint {root}: _actor has tag {tag!r} but _critic does not "
-                                  f"(tags there: {list_tags(part_dir(root, 'critic')) or 'none'}); point `latest` in both "
-                                  "at a tag they share")
+            raise CheckpointError(
+                f"--load_openrlhf_checkpoint {root}: _actor has tag {tag!r} but _critic does not "
+                f"(tags there: {list_tags(part_dir(root, 'critic')) or 'none'}); point `latest` in "
+                f"both "
+                "at a tag they share"
+            )
         critic = inspect_tag(tag_dir)
     return InitPlan(root, tag, actor, critic)
 
@@ -490,8 +589,9 @@ def _lazy_weights(part: str, tag: str, files: TagFiles) -> dict[str, Any]:
         with contextlib.redirect_stdout(io.StringIO()):
             return dict(get_fp32_state_dict_from_zero_checkpoint(part, tag=tag, lazy_mode=True))
     except (ValueError, FileNotFoundError, KeyError, NotImplementedError, RuntimeError, OSError) as exc:
-        raise CheckpointError(f"{files.tag_dir}: DeepSpeed's zero_to_fp32 could not rebuild the weights: "
-                              f"{type(exc).__name__}: {exc}") from exc
+        raise CheckpointError(
+            f"{files.tag_dir}: DeepSpeed's zero_to_fp32 could not rebuild the weights: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def hf_module_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -509,12 +609,17 @@ def init_from_openrlhf(plan: InitPlan, actor: torch.nn.Module | None, critic: to
         apply_weights(hf_module_of(actor), actor_names(weights, plan.actor.tag_dir), f"{plan.actor.tag_dir} (actor)")
     if critic is not None and plan.critic is not None:
         weights = _lazy_weights(part_dir(plan.root, "critic"), plan.tag, plan.critic)
-        apply_weights(hf_module_of(critic), critic_names(weights, plan.critic.tag_dir),
-                      f"{plan.critic.tag_dir} (critic)")
+        apply_weights(
+            hf_module_of(critic), critic_names(weights, plan.critic.tag_dir), f"{plan.critic.tag_dir} (critic)"
+        )
     parts = "actor and critic" if plan.critic is not None else "actor"
-    if plan.actor.zero_stage == 0 and any(t.is_floating_point() and t.dtype != torch.float32
-                                          for t in plan.actor.meta["module"].values()):
+    if plan.actor.zero_stage == 0 and any(
+        t.is_floating_point() and t.dtype != torch.float32 for t in plan.actor.meta["module"].values()
+    ):
         parts += " (ZeRO-0 in 16 bits: the checkpoint has no fp32 master weights; its 16-bit copy is used)"
-    return (f"initialised the {parts} from OpenRLHF checkpoint {plan.root} tag {plan.tag} (ZeRO-{plan.actor.zero_stage}, "
-            f"{plan.actor.dp_world_size} ranks; OpenRLHF global_step {plan.global_step}); steps count from 0 here. "
-            + OPTIMIZER_NOTE)
+    return (
+        f"initialised the {parts} from OpenRLHF checkpoint {plan.root} tag {plan.tag} "
+        f"(ZeRO-{plan.actor.zero_stage}, "
+        f"{plan.actor.dp_world_size} ranks; OpenRLHF global_step {plan.global_step}); steps count from 0 here. "
+        + OPTIMIZER_NOTE
+    )

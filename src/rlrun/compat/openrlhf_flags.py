@@ -14,13 +14,13 @@ names. 0.11.2 renamed them all into dotted sections. ``OPENRLHF_DOTTED`` lists e
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence, Union
-from rlrun.compat.argv import Nargs, take_values
-from rlrun.compat.argv import NOT_YET, refused
+
+from rlrun.compat.argv import LAUNCHER, NOT_YET, QLORA, Nargs, refused, take_values
 from rlrun.config.fields import FieldInfo, coerce, suggest
 from rlrun.runtime.errors import ConfigError
-from rlrun.compat.argv import LAUNCHER, QLORA
+
 
 @dataclass(frozen=True)
 class Same:
@@ -46,7 +46,7 @@ class Ignored:
     reason: str
 
 
-Meaning = Union[Same, ByValue, Ignored]
+Meaning = Same | ByValue | Ignored
 
 SHARED = "rlrun uses one value for actor and critic; set it with the --actor.* flag"
 MUON = "only used with --{optim} muon; rlrun trains with AdamW only"
@@ -129,12 +129,15 @@ OPENRLHF_DOTTED: dict[str, Meaning] = {
     "ckpt.best_metric_key": Ignored(1, NOT_YET),
     "ckpt.output_dir": Same("save_path", 1),  # where the final HF model goes (0.9: --save_path)
     "ds.use_universal_ckpt": Same("use_ds_universal_ckpt", 0),
-    # training strategy (DeepSpeed in OpenRLHF; in rlrun FSDP2 by default, DeepSpeed ZeRO-0/1/2/3 with --strategy deepspeed)
+    # training strategy (DeepSpeed in OpenRLHF; in rlrun FSDP2 by default, DeepSpeed ZeRO-0/1/2/3 with
+    # --strategy deepspeed)
     "ds.zero_stage": Same("zero_stage", 1),
     "ds.deepcompile": Same("deepcompile", 0),
     # 0.11 dropped --bf16 for --ds.param_dtype (default bf16); rlrun has bf16 or fp32, no fp16.
-    "ds.param_dtype": ByValue({"bf16": ("--bf16", "true")},
-                              "rlrun trains in bf16 (--ds.param_dtype bf16) or fp32 (drop the flag); fp16 is not supported"),
+    "ds.param_dtype": ByValue(
+        {"bf16": ("--bf16", "true")},
+        "rlrun trains in bf16 (--ds.param_dtype bf16) or fp32 (drop the flag); fp16 is not supported",
+    ),
     "ds.zpg": Same("zpg", 1),
     "ds.adam_offload": Same("adam_offload", 0),
     "ds.attn_implementation": Same("attn_implementation", 1),
@@ -251,9 +254,12 @@ class Translated:
     ignored: list[str]  # one report line per ignored dotted flag
 
 
-def resolve(dotted: str, fields: Mapping[str, FieldInfo],
-            classic_ignored: Mapping[str, tuple[int | str, str]],
-            table: Mapping[str, Meaning] = OPENRLHF_DOTTED) -> Meaning:
+def resolve(
+    dotted: str,
+    fields: Mapping[str, FieldInfo],
+    classic_ignored: Mapping[str, tuple[int | str, str]],
+    table: Mapping[str, Meaning] = OPENRLHF_DOTTED,
+) -> Meaning:
     """What a table entry means in this build: a Same whose field is missing becomes Ignored."""
     meaning = table[dotted]
     if isinstance(meaning, Same) and meaning.field not in fields:
@@ -263,15 +269,21 @@ def resolve(dotted: str, fields: Mapping[str, FieldInfo],
     return meaning
 
 
-def all_spellings(fields: Mapping[str, FieldInfo], classic_ignored: Mapping[str, object],
-                  table: Mapping[str, Meaning] = OPENRLHF_DOTTED) -> list[str]:
+def all_spellings(
+    fields: Mapping[str, FieldInfo],
+    classic_ignored: Mapping[str, object],
+    table: Mapping[str, Meaning] = OPENRLHF_DOTTED,
+) -> list[str]:
     """Every flag name rlrun accepts (without '--'): classic, rlrun's section.field aliases, OpenRLHF dotted."""
     return [*fields, *classic_ignored, *(f"{i.section}.{n}" for n, i in fields.items()), *table]
 
 
-def translate(argv: Sequence[str], fields: Mapping[str, FieldInfo],
-              classic_ignored: Mapping[str, tuple[int | str, str]],
-              table: Mapping[str, Meaning] = OPENRLHF_DOTTED) -> Translated:
+def translate(
+    argv: Sequence[str],
+    fields: Mapping[str, FieldInfo],
+    classic_ignored: Mapping[str, tuple[int | str, str]],
+    table: Mapping[str, Meaning] = OPENRLHF_DOTTED,
+) -> Translated:
     """Rewrite dotted flags (OpenRLHF 0.11's `table` for this trainer, and rlrun's own --section.field) into
     classic flags.
 
@@ -293,7 +305,9 @@ def translate(argv: Sequence[str], fields: Mapping[str, FieldInfo],
             if name in fields and fields[name].section == section:  # rlrun's own alias, e.g. --train.seed
                 out.append(f"--{name}{eq}{value}")
                 continue
-            raise ConfigError(f"unknown flag '{flag}'{suggest(head, all_spellings(fields, classic_ignored, table), prefix='--')}")
+            raise ConfigError(
+                f"unknown flag '{flag}'{suggest(head, all_spellings(fields, classic_ignored, table), prefix='--')}"
+            )
         meaning = resolve(head, fields, classic_ignored, table)
         nargs: Nargs = 1 if isinstance(meaning, ByValue) else meaning.nargs
         if eq:
@@ -324,6 +338,7 @@ def translate(argv: Sequence[str], fields: Mapping[str, FieldInfo],
             out.extend([f"--{meaning.field}={values[0]}"] if eq else [f"--{meaning.field}", *values])
     return Translated(out, ignored)
 
+
 # ---- the supervised trainers' flags ------------------------------------------------------------------------------
 # OpenRLHF 0.11 flags of ``train_sft``, ``train_rm`` and ``train_dpo`` -> the flags of rlrun.sft, rlrun.rm, rlrun.dpo.
 #
@@ -352,19 +367,54 @@ def _ppo(*names: str) -> dict[str, Meaning]:
 _COMMON: dict[str, Meaning] = {
     **_ppo(
         # checkpoints, logging, evaluation
-        "ckpt.output_dir", "ckpt.save_steps", "ckpt.save_hf", "ckpt.disable_ds", "ckpt.path", "ckpt.max_num",
-        "ckpt.max_mem", "ckpt.load_enable", "ds.use_universal_ckpt", "logger.logging_steps", "logger.wandb.key",
-        "logger.wandb.org", "logger.wandb.group", "logger.wandb.project", "logger.wandb.run_name",
-        "logger.tensorboard_dir", "eval.steps", "eval.dataset", "eval.split",
+        "ckpt.output_dir",
+        "ckpt.save_steps",
+        "ckpt.save_hf",
+        "ckpt.disable_ds",
+        "ckpt.path",
+        "ckpt.max_num",
+        "ckpt.max_mem",
+        "ckpt.load_enable",
+        "ds.use_universal_ckpt",
+        "logger.logging_steps",
+        "logger.wandb.key",
+        "logger.wandb.org",
+        "logger.wandb.group",
+        "logger.wandb.project",
+        "logger.wandb.run_name",
+        "logger.tensorboard_dir",
+        "eval.steps",
+        "eval.dataset",
+        "eval.split",
         # batches, schedule, strategy
-        "train.micro_batch_size", "train.batch_size", "train.max_epochs", "train.seed",
-        "train.full_determinism_enable", "ds.zero_stage", "ds.param_dtype", "ds.zpg", "ds.adam_offload",
-        "ds.deepcompile", "ds.attn_implementation", "ds.experts_implementation", "ds.grad_accum_dtype",
-        "ds.overlap_comm", "ds.tensor_parallel_size", "ds.ring_attn_size", "ds.ring_attn_head_stride",
-        "ds.packing_samples", "ds.load_in_4bit", "ds.lora.rank", "ds.lora.alpha", "ds.lora.dropout",
+        "train.micro_batch_size",
+        "train.batch_size",
+        "train.max_epochs",
+        "train.seed",
+        "train.full_determinism_enable",
+        "ds.zero_stage",
+        "ds.param_dtype",
+        "ds.zpg",
+        "ds.adam_offload",
+        "ds.deepcompile",
+        "ds.attn_implementation",
+        "ds.experts_implementation",
+        "ds.grad_accum_dtype",
+        "ds.overlap_comm",
+        "ds.tensor_parallel_size",
+        "ds.ring_attn_size",
+        "ds.ring_attn_head_stride",
+        "ds.packing_samples",
+        "ds.load_in_4bit",
+        "ds.lora.rank",
+        "ds.lora.alpha",
+        "ds.lora.dropout",
         "ds.lora.target_modules",
         # data
-        "data.max_len", "data.max_samples", "data.input_template", "data.apply_chat_template",
+        "data.max_len",
+        "data.max_samples",
+        "data.input_template",
+        "data.apply_chat_template",
         "data.disable_fast_tokenizer",
     ),
     "model.model_name_or_path": Same("pretrain", 1),
@@ -450,8 +500,11 @@ SFT_IGNORED: dict[str, tuple[int | str, str]] = {
 
 RM_IGNORED: dict[str, tuple[int | str, str]] = {
     **_COMMON_IGNORED,
-    "value_head_prefix": (1, "rlrun's reward model is a transformers sequence-classification model with its own head "
-                             "('score' for causal LMs, OpenRLHF's default name)"),
+    "value_head_prefix": (
+        1,
+        "rlrun's reward model is a transformers sequence-classification model with its own head "
+        "('score' for causal LMs, OpenRLHF's default name)",
+    ),
     "compute_fp32_loss": (0, "rlrun always computes the reward-model loss in fp32"),
 }
 

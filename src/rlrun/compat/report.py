@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import inspect
-
-from typing import Mapping
+from collections.abc import Mapping
 
 from rlrun.cli.parser import IGNORED_FLAGS, NO_EFFECT_YET, PPO_CLI, CliSpec
 from rlrun.compat import verl_keys as verl
-from rlrun.compat.openrlhf_flags import ByValue, Ignored, Same, resolve
 from rlrun.compat.argv import CHANGES_TRAINING, NOT_YET
+from rlrun.compat.openrlhf_flags import ByValue, Ignored, Same, resolve
 from rlrun.compat.verl_overrides import GROUP_RULES
 from rlrun.config.fields import fields_of
 
-GROUP_FIELDS = {"kl": "use_kl_loss, init_kl_coef, kl_estimator, kl_target, kl_horizon",
-                "batch": "n_samples_per_prompt, train_batch_size", "micro": "micro_train_batch_size, micro_rollout_batch_size",
-                "estimator": "advantage_estimator", "data": "prompt_data, input_key, label_key, data_source_key, reward_pretrain, compute_score, compute_score_name, retriever_url", "clip": "eps_clip, eps_clip_low_high",
-                "turns": "prompt_max_len, generate_max_len, max_turns, max_tokens_per_turn, max_obs_len",
-                "lora": "lora_rank, lora_alpha, target_modules"}
+GROUP_FIELDS = {
+    "kl": "use_kl_loss, init_kl_coef, kl_estimator, kl_target, kl_horizon",
+    "batch": "n_samples_per_prompt, train_batch_size",
+    "micro": "micro_train_batch_size, micro_rollout_batch_size",
+    "estimator": "advantage_estimator",
+    "data": "prompt_data, input_key, label_key, data_source_key, "
+    "reward_pretrain, compute_score, compute_score_name, "
+    "retriever_url",
+    "clip": "eps_clip, eps_clip_low_high",
+    "turns": "prompt_max_len, generate_max_len, max_turns, max_tokens_per_turn, max_obs_len",
+    "lora": "lora_rank, lora_alpha, target_modules",
+}
 
 
 def _field_status(field: str, no_effect: Mapping[str, str] = NO_EFFECT_YET) -> str:
@@ -41,7 +47,9 @@ def openrlhf_rows(spec: CliSpec = PPO_CLI) -> list[tuple[str, str]]:
         if isinstance(meaning, Same):
             status = _field_status(meaning.field, spec.no_effect)
         elif isinstance(meaning, ByValue):
-            accepted = "; ".join(f"`{v}` -> `{' '.join(t) or '(nothing: rlrun default)'}`" for v, t in meaning.tokens.items())
+            accepted = "; ".join(
+                f"`{v}` -> `{' '.join(t) or '(nothing: rlrun default)'}`" for v, t in meaning.tokens.items()
+            )
             status = f"supported: {accepted}; other values rejected ({meaning.fix})"
         else:
             assert isinstance(meaning, Ignored)
@@ -71,7 +79,9 @@ def verl_rows() -> list[tuple[str, str]]:
                 status = (_refusal(key, meaning.field) or f"ignored ({reason})") + f"; would set `--{meaning.field}`"
         elif isinstance(meaning, verl.Part):
             rule = GROUP_RULES[meaning.group]
-            status = f"supported, with related keys -> {GROUP_FIELDS[meaning.group]}: {_first_line(inspect.getdoc(rule))}"
+            status = (
+                f"supported, with related keys -> {GROUP_FIELDS[meaning.group]}: {_first_line(inspect.getdoc(rule))}"
+            )
         elif isinstance(meaning, verl.Expand):
             status = f"supported: {_first_line(inspect.getdoc(meaning.rule))}"
         elif isinstance(meaning, verl.Skip):
@@ -87,17 +97,31 @@ def verl_rows() -> list[tuple[str, str]]:
 def markdown() -> str:
     def table(rows: list[tuple[str, str]], head: str) -> str:
         return "\n".join([f"| {head} | status |", "|---|---|", *(f"| {a} | {b.replace('|', '/')} |" for a, b in rows)])
+
     from rlrun.dpo import CLI as DPO_CLI  # noqa: PLC0415 - the entry points import this package
     from rlrun.rm import CLI as RM_CLI  # noqa: PLC0415
     from rlrun.sft import CLI as SFT_CLI  # noqa: PLC0415
 
-    return "\n\n".join([
-        "### OpenRLHF 0.11.2 dotted flags (`train_ppo_ray.py`)", table(openrlhf_rows(), "flag"),
-        "### verl / Search-R1 overrides (`key=value`)", table(verl_rows(), "key"),
-        *(part for title, spec in (("train_sft.py` -> `rlrun.sft", SFT_CLI), ("train_rm.py` -> `rlrun.rm", RM_CLI),
-                                   ("train_dpo.py` -> `rlrun.dpo", DPO_CLI))
-          for part in (f"### OpenRLHF 0.11.2 dotted flags (`{title}`)", table(openrlhf_rows(spec), "flag"))),
-    ]) + "\n"
+    return (
+        "\n\n".join(
+            [
+                "### OpenRLHF 0.11.2 dotted flags (`train_ppo_ray.py`)",
+                table(openrlhf_rows(), "flag"),
+                "### verl / Search-R1 overrides (`key=value`)",
+                table(verl_rows(), "key"),
+                *(
+                    part
+                    for title, spec in (
+                        ("train_sft.py` -> `rlrun.sft", SFT_CLI),
+                        ("train_rm.py` -> `rlrun.rm", RM_CLI),
+                        ("train_dpo.py` -> `rlrun.dpo", DPO_CLI),
+                    )
+                    for part in (f"### OpenRLHF 0.11.2 dotted flags (`{title}`)", table(openrlhf_rows(spec), "flag"))
+                ),
+            ]
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

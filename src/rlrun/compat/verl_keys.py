@@ -16,8 +16,9 @@ settings) are skipped by ``SKIPPED_SUBTREES``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, Union
+from typing import Any, Literal
 
 from rlrun.compat.argv import NOT_YET, RAY_ONLY
 from rlrun.config.fields import suggest
@@ -55,33 +56,48 @@ class Reject:
     fix: str
 
 
-Meaning = Union[To, Part, Expand, Skip, Reject]
+Meaning = To | Part | Expand | Skip | Reject
 
-FORMAT_REWARD = "Search-R1's format-reward variant (qa_em_format) is " + NOT_YET + "; rlrun's Search-R1 agent scores exact match"
+FORMAT_REWARD = (
+    "Search-R1's format-reward variant (qa_em_format) is " + NOT_YET + "; rlrun's Search-R1 agent scores exact match"
+)
 BY_PROVENANCE = "rlrun masks observation tokens by where they came from (the agent), not by text markers"
 VLLM_ONLY = "a vLLM/SGLang engine setting rlrun's generation backends do not take"
 SHARED = "rlrun uses one value for actor and critic; set it with the actor_rollout_ref.actor key"
 SCHEDULE = "rlrun always uses linear warmup + cosine decay to 0.1 x lr"
-ONE_MICRO = "rlrun scores rollouts with one micro batch size: actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
-ONE_SWITCH = ("rlrun turns token-budget micro-batches on for scoring and training together: "
-              "actor_rollout_ref.actor.use_dynamic_bsz (--dynamic_batch)")
-ONE_SCORING_BUDGET = ("rlrun scores rollouts with one token budget: "
-                      "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (--rollout_max_tokens_per_gpu)")
+ONE_MICRO = (
+    "rlrun scores rollouts with one micro batch size: actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
+)
+ONE_SWITCH = (
+    "rlrun turns token-budget micro-batches on for scoring and training together: "
+    "actor_rollout_ref.actor.use_dynamic_bsz (--dynamic_batch)"
+)
+ONE_SCORING_BUDGET = (
+    "rlrun scores rollouts with one token budget: "
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (--rollout_max_tokens_per_gpu)"
+)
 SEQ_PARALLEL = "sequence parallelism is " + NOT_YET
-FSDP2 = "rlrun trains with FSDP2, the default, or DeepSpeed ZeRO-0/1/2 (ZeRO-3 with every model on every rank) with --strategy deepspeed; see --zero_stage, --adam_offload"
+FSDP2 = (
+    "rlrun trains with FSDP2, the default, or DeepSpeed ZeRO-0/1/2 (ZeRO-3 with every model on every rank) with "
+    "--strategy deepspeed; see --zero_stage, --adam_offload"
+)
 WORLD = "torchrun/srun set the world size; this run has {world_size} rank(s)"  # filled in by translate
 SHM = "verl copies the model to /dev/shm before loading it, a loading-speed setting; rlrun reads it where it is"
-ADAPTER_PATH = ("rlrun starts from a saved LoRA adapter when the model path is the adapter directory: pass it as "
-                "actor_rollout_ref.model.path (or --pretrain); its adapter_config.json names the base model")
+ADAPTER_PATH = (
+    "rlrun starts from a saved LoRA adapter when the model path is the adapter directory: pass it as "
+    "actor_rollout_ref.model.path (or --pretrain); its adapter_config.json names the base model"
+)
 
 
 # --- value converters ------------------------------------------------------------------------------------------
+
 
 def _choice(table: Mapping[str, Any], fix: str) -> Convert:
     def convert(value: Any, key: str) -> Any:
         if str(value) not in table:
             raise ConfigError(f"{key}={value}: {fix}{suggest(str(value), table)}")
         return table[str(value)]
+
     convert.__doc__ = "; ".join(f"{k} -> {v}" for k, v in table.items())  # shown in docs/compat.md
     return convert
 
@@ -110,16 +126,25 @@ def as_bool(value: Any, key: str) -> bool:
     return text in ("true", "1")
 
 
-ESTIMATORS = {"gae": "gae", "grpo": "group_norm", "reinforce_plus_plus": "reinforce",
-              "reinforce_plus_plus_baseline": "reinforce_baseline", "rloo": "rloo"}
+ESTIMATORS = {
+    "gae": "gae",
+    "grpo": "group_norm",
+    "reinforce_plus_plus": "reinforce",
+    "reinforce_plus_plus_baseline": "reinforce_baseline",
+    "rloo": "rloo",
+}
 KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 kl_type = _choice(KL_TYPES, "rlrun's KL estimators are kl/k1, mse/k2 and low_var_kl/k3")
 _backend = _choice({"vllm": "vllm", "hf": "hf"}, "rlrun generates with vllm or hf")
-_resume = _choice({"auto": True, "disable": False},
-                  "rlrun resumes from the newest complete checkpoint in trainer.default_local_dir: use "
-                  "trainer.resume_mode=auto (or disable)")
-_overflow = _choice({"True": "drop", "False": "truncate", "true": "drop", "false": "truncate"},
-                    "use true (drop overlong prompts) or false (keep their last tokens)")
+_resume = _choice(
+    {"auto": True, "disable": False},
+    "rlrun resumes from the newest complete checkpoint in trainer.default_local_dir: use "
+    "trainer.resume_mode=auto (or disable)",
+)
+_overflow = _choice(
+    {"True": "drop", "False": "truncate", "true": "drop", "false": "truncate"},
+    "use true (drop overlong prompts) or false (keep their last tokens)",
+)
 
 
 def _logger(value: Any) -> list[tuple[str, Any]]:
@@ -127,7 +152,9 @@ def _logger(value: Any) -> list[tuple[str, Any]]:
     names = value if isinstance(value, list) else [value]
     unknown = [n for n in names if n not in ("console", "wandb", "tensorboard")]
     if unknown:
-        raise ConfigError(f"trainer.logger: rlrun logs to console, wandb and tensorboard, not {', '.join(map(str, unknown))}")
+        raise ConfigError(
+            f"trainer.logger: rlrun logs to console, wandb and tensorboard, not {', '.join(map(str, unknown))}"
+        )
     out: list[tuple[str, Any]] = [("use_wandb", "" if "wandb" in names else None)]
     if "tensorboard" in names:  # verl's default directory, TENSORBOARD_DIR overriding it
         out.append(("use_tensorboard", os.environ.get("TENSORBOARD_DIR", "tensorboard_log")))
@@ -155,7 +182,9 @@ VERL_KEYS: dict[str, Meaning] = {
     "data.max_prompt_length": Part("turns"),
     "data.max_response_length": Part("turns"),
     "data.filter_overlong_prompts": To("prompt_overflow", _overflow),
-    "data.truncation": Skip("rlrun drops overlong prompts (data.filter_overlong_prompts=True) or keeps their last tokens"),
+    "data.truncation": Skip(
+        "rlrun drops overlong prompts (data.filter_overlong_prompts=True) or keeps their last tokens"
+    ),
     "data.shuffle": Skip("rlrun always shuffles prompts, seeded by --seed"),
     "data.shuffle_train_dataloader": Skip("rlrun always shuffles prompts, seeded by --seed"),
     "data.seed": Skip("rlrun seeds the prompt order with --seed"),
@@ -186,11 +215,14 @@ VERL_KEYS: dict[str, Meaning] = {
     "actor_rollout_ref.model.target_modules": Part("lora"),
     "actor_rollout_ref.model.exclude_modules": Part("lora"),
     "actor_rollout_ref.model.lora_adapter_path": Reject(ADAPTER_PATH),
-    "actor_rollout_ref.hybrid_engine": Skip("rlrun places engines by --vllm_num_engines "
-                                            "(unset: on the actor's ranks, like verl's hybrid engine)"),
+    "actor_rollout_ref.hybrid_engine": Skip(
+        "rlrun places engines by --vllm_num_engines (unset: on the actor's ranks, like verl's hybrid engine)"
+    ),
     "actor_rollout_ref.nccl_timeout": To("dist_timeout"),
     "critic.model.path": To("critic_pretrain"),
-    "critic.model.enable_gradient_checkpointing": Skip(SHARED.replace("actor_rollout_ref.actor", "actor_rollout_ref.model")),
+    "critic.model.enable_gradient_checkpointing": Skip(
+        SHARED.replace("actor_rollout_ref.actor", "actor_rollout_ref.model")
+    ),
     "critic.model.use_remove_padding": To("packing_samples"),
     "critic.model.trust_remote_code": Skip(NOT_YET),
     "critic.model.tokenizer_path": Skip("rlrun uses the policy's tokenizer"),
@@ -198,13 +230,16 @@ VERL_KEYS: dict[str, Meaning] = {
     "critic.model.lora_rank": Part("lora"),
     "critic.model.lora_alpha": Part("lora"),
     "critic.model.target_modules": Part("lora"),
-    "critic.model.lora_adapter_path": Reject("rlrun starts the critic from a model directory (critic.model.path), not "
-                                             "from a saved LoRA adapter"),
+    "critic.model.lora_adapter_path": Reject(
+        "rlrun starts the critic from a model directory (critic.model.path), not from a saved LoRA adapter"
+    ),
     "reward_model.enable": Part("data"),
     "reward_model.model.path": Part("data"),
     "reward_model.micro_batch_size": Skip(ONE_MICRO),
     "reward_model.micro_batch_size_per_gpu": Skip(ONE_MICRO),
-    "reward_model.reward_manager": Skip("rlrun scores samples as verl's naive reward manager does (--reward_workers processes)"),
+    "reward_model.reward_manager": Skip(
+        "rlrun scores samples as verl's naive reward manager does (--reward_workers processes)"
+    ),
     "reward_model.use_reward_loop": Skip("verl's reward managers are not used; rlrun takes --remote_rm_url"),
     "reward_model.num_workers": Skip("verl's reward managers are not used; rlrun takes --remote_rm_url"),
     "reward_model.structure_format_score": Skip(FORMAT_REWARD),
@@ -215,7 +250,9 @@ VERL_KEYS: dict[str, Meaning] = {
     # actor optimisation
     A + "optim.lr": To("actor_learning_rate"),
     A + "optim.lr_warmup_steps_ratio": To("lr_warmup_ratio"),
-    A + "optim.lr_warmup_steps": Skip("rlrun sets warmup as a ratio: actor_rollout_ref.actor.optim.lr_warmup_steps_ratio"),
+    A + "optim.lr_warmup_steps": Skip(
+        "rlrun sets warmup as a ratio: actor_rollout_ref.actor.optim.lr_warmup_steps_ratio"
+    ),
     A + "optim.weight_decay": To("l2"),
     A + "optim.betas": To("adam_betas"),
     A + "optim.clip_grad": To("max_norm"),
@@ -268,8 +305,9 @@ VERL_KEYS: dict[str, Meaning] = {
     R + "enforce_eager": To("enforce_eager"),
     R + "free_cache_engine": Skip(VLLM_ONLY),
     # A memory knob of verl's LoRA weight sync (gather and merge the adapters layer by layer).
-    R + "layered_summon": Skip("rlrun merges the LoRA actor's adapters and sends the weights one FSDP unit at a time "
-                               "already"),
+    R + "layered_summon": Skip(
+        "rlrun merges the LoRA actor's adapters and sends the weights one FSDP unit at a time already"
+    ),
     R + "log_prob_micro_batch_size": Part("micro"),
     R + "log_prob_micro_batch_size_per_gpu": To("micro_rollout_batch_size"),
     R + "log_prob_use_dynamic_bsz": Skip(ONE_SWITCH),
@@ -281,10 +319,25 @@ VERL_KEYS: dict[str, Meaning] = {
     R + "val_kwargs.top_p": Skip(NOT_YET),
     R + "val_kwargs.top_k": Skip(NOT_YET),
     R + "val_kwargs.do_sample": Skip(NOT_YET),
-    **{R + k: Skip(VLLM_ONLY) for k in (
-        "mode", "dtype", "load_format", "enable_chunked_prefill", "max_num_batched_tokens", "max_num_seqs",
-        "max_model_len", "ignore_eos", "calculate_log_probs", "multi_stage_wake_up",
-        "data_parallel_size", "expert_parallel_size", "disable_log_stats", "enable_prefix_caching")},
+    **{
+        R + k: Skip(VLLM_ONLY)
+        for k in (
+            "mode",
+            "dtype",
+            "load_format",
+            "enable_chunked_prefill",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_model_len",
+            "ignore_eos",
+            "calculate_log_probs",
+            "multi_stage_wake_up",
+            "data_parallel_size",
+            "expert_parallel_size",
+            "disable_log_stats",
+            "enable_prefix_caching",
+        )
+    },
     # critic
     C + "optim.lr": To("critic_learning_rate"),
     C + "optim.lr_warmup_steps_ratio": Skip(SHARED),
@@ -330,7 +383,9 @@ VERL_KEYS: dict[str, Meaning] = {
     "trainer.resume_mode": To("load_checkpoint", _resume),
     "trainer.resume_from_path": Skip("rlrun resumes from the newest complete checkpoint in trainer.default_local_dir"),
     "trainer.max_actor_ckpt_to_keep": To("max_ckpt_num"),
-    "trainer.max_critic_ckpt_to_keep": Skip("one rlrun checkpoint holds actor and critic: trainer.max_actor_ckpt_to_keep"),
+    "trainer.max_critic_ckpt_to_keep": Skip(
+        "one rlrun checkpoint holds actor and critic: trainer.max_actor_ckpt_to_keep"
+    ),
     "trainer.logger": Expand(_logger),
     "trainer.project_name": To("wandb_project"),
     "trainer.experiment_name": To("wandb_run_name"),
@@ -346,15 +401,21 @@ VERL_KEYS: dict[str, Meaning] = {
     "trainer.device": Skip("rlrun picks the device with --device"),
     # verl's fully-async trainer (verl/experimental/fully_async_policy)
     "async_training.partial_rollout": Expand(_fully_async),
-    "async_training.staleness_threshold": Skip(FULLY_ASYNC + "bounds each sample's age in policy versions instead "
-                                               "of verl's share of stale samples: --max_staleness (default 2)"),
+    "async_training.staleness_threshold": Skip(
+        FULLY_ASYNC + "bounds each sample's age in policy versions instead "
+        "of verl's share of stale samples: --max_staleness (default 2)"
+    ),
     "async_training.trigger_parameter_sync_step": Skip(FULLY_ASYNC + "syncs the engines' weights after every update"),
     "async_training.require_batches": Skip(FULLY_ASYNC + "trains one --rollout_batch_size batch per step"),
-    "async_training.use_rollout_log_probs": Skip(FULLY_ASYNC + "takes the PPO ratio against the actor's recomputed "
-                                                 "log-probs (OpenRLHF's way); the engine's feed --is_correction_level"),
+    "async_training.use_rollout_log_probs": Skip(
+        FULLY_ASYNC + "takes the PPO ratio against the actor's recomputed "
+        "log-probs (OpenRLHF's way); the engine's feed --is_correction_level"
+    ),
     "async_training.compute_prox_log_prob": Skip(FULLY_ASYNC + "always recomputes the actor's log-probs"),
     "rollout.nnodes": Skip("rlrun places the engines with --vllm_num_engines (and --vllm_tensor_parallel_size)"),
-    "rollout.n_gpus_per_node": Skip("rlrun places the engines with --vllm_num_engines (and --vllm_tensor_parallel_size)"),
+    "rollout.n_gpus_per_node": Skip(
+        "rlrun places the engines with --vllm_num_engines (and --vllm_tensor_parallel_size)"
+    ),
     "rollout.total_rollout_steps": Skip("rlrun's steps: trainer.total_training_steps (--max_steps)"),
     "trainer.del_local_ckpt_after_load": Skip(NOT_YET),
     "trainer.ray_wait_register_center_timeout": Skip(RAY_ONLY),
@@ -377,7 +438,7 @@ SKIPPED_SUBTREES: dict[str, str] = {
     "override_config": NOT_YET,
     # verl's Megatron backend's LoRA block (model.lora.rank is refused: reasons.CHANGES_TRAINING)
     "lora": "verl's Megatron-backend LoRA settings; rlrun's LoRA: actor_rollout_ref.model.lora_rank, lora_alpha, "
-            "target_modules",
+    "target_modules",
     "ray_kwargs": RAY_ONLY,
     "ray_init": RAY_ONLY,
     "sandbox_fusion": "verl's reward managers are not used; rlrun takes --remote_rm_url",

@@ -9,22 +9,35 @@ rules over several keys.
 where its last key was), so overrides and flags combine with one rule: later on the command line wins.
 """
 
-
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence, get_args
+from typing import Any, get_args
 
 import yaml
 
-from rlrun.compat.argv import Nargs, split_override, take_values
-from rlrun.compat.argv import NOT_YET, refused
-from rlrun.compat.verl_keys import (ESTIMATORS, VERL_KEYS, A, Expand, Group, Part, R, Reject, Skip, To, as_bool,
-                                    as_int, kl_type, meaning_of, source_list)
+from rlrun.compat.argv import NOT_YET, Nargs, refused, split_override, take_values
+from rlrun.compat.verl_keys import (
+    ESTIMATORS,
+    VERL_KEYS,
+    A,
+    Expand,
+    Group,
+    Part,
+    R,
+    Reject,
+    Skip,
+    To,
+    as_bool,
+    as_int,
+    kl_type,
+    meaning_of,
+    source_list,
+)
 from rlrun.config.fields import FieldInfo, coerce, suggest
 from rlrun.runtime.errors import ConfigError
-
 
 # --- rules over several keys -------------------------------------------------------------------------------------
 
@@ -49,11 +62,16 @@ def _kl(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
     """
     use_loss = as_bool(v.get(A + "use_kl_loss", False), A + "use_kl_loss")
     in_reward_set = "algorithm.use_kl_in_reward" in v
-    in_reward = as_bool(v["algorithm.use_kl_in_reward"], "algorithm.use_kl_in_reward") if in_reward_set else (
-        "algorithm.kl_ctrl.kl_coef" in v and not use_loss)
+    in_reward = (
+        as_bool(v["algorithm.use_kl_in_reward"], "algorithm.use_kl_in_reward")
+        if in_reward_set
+        else ("algorithm.kl_ctrl.kl_coef" in v and not use_loss)
+    )
     if use_loss and in_reward:
-        raise ConfigError("actor_rollout_ref.actor.use_kl_loss=True and algorithm.use_kl_in_reward=True: rlrun puts "
-                          "the KL either in the loss or in the reward; set one of them to False")
+        raise ConfigError(
+            "actor_rollout_ref.actor.use_kl_loss=True and algorithm.use_kl_in_reward=True: rlrun puts "
+            "the KL either in the loss or in the reward; set one of them to False"
+        )
     out: list[Assignment] = []
     if A + "use_kl_loss" in v:
         out.append(("use_kl_loss", use_loss))
@@ -89,13 +107,17 @@ def _batch(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
 def _micro(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
     """verl's deprecated global micro batch sizes are split over all ranks (verl puts every role on every GPU)."""
     out: list[Assignment] = []
-    for key, target in ((A + "ppo_micro_batch_size", "micro_train_batch_size"),
-                        (R + "log_prob_micro_batch_size", "micro_rollout_batch_size")):
+    for key, target in (
+        (A + "ppo_micro_batch_size", "micro_train_batch_size"),
+        (R + "log_prob_micro_batch_size", "micro_rollout_batch_size"),
+    ):
         if key in v:
             total = as_int(v[key], key)
             if total < world_size or total % world_size:
-                raise ConfigError(f"{key}={total} is a global micro batch size; it must be a multiple of the "
-                                  f"{world_size} launched ranks (or use {key}_per_gpu)")
+                raise ConfigError(
+                    f"{key}={total} is a global micro batch size; it must be a multiple of the "
+                    f"{world_size} launched ranks (or use {key}_per_gpu)"
+                )
             out.append((target, total // world_size))
     return out
 
@@ -107,14 +129,17 @@ def _estimator(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
     name = str(v["algorithm.adv_estimator"])
     norm = as_bool(v.get("algorithm.norm_adv_by_std_in_grpo", True), "algorithm.norm_adv_by_std_in_grpo")
     if name not in ESTIMATORS:
-        raise ConfigError(f"algorithm.adv_estimator={name}: rlrun implements {', '.join(ESTIMATORS)}"
-                          f"{suggest(name, ESTIMATORS)}")
+        raise ConfigError(
+            f"algorithm.adv_estimator={name}: rlrun implements {', '.join(ESTIMATORS)}{suggest(name, ESTIMATORS)}"
+        )
     if name == "grpo" and not norm:  # Dr. GRPO: group mean subtracted, no division by the std
         return [("advantage_estimator", "dr_grpo")]
     return [("advantage_estimator", ESTIMATORS[name])]
 
 
-REWARD_SOURCE_FIELDS = frozenset({"reward_pretrain", "remote_rm_url", "compute_score", "agent_func_path", "retriever_url"})
+REWARD_SOURCE_FIELDS = frozenset(
+    {"reward_pretrain", "remote_rm_url", "compute_score", "agent_func_path", "retriever_url"}
+)
 
 
 def _data(v: Mapping[str, Any], world_size: int) -> list[Assignment | Default]:
@@ -132,8 +157,11 @@ def _data(v: Mapping[str, Any], world_size: int) -> list[Assignment | Default]:
     if "data.reward_fn_key" in v:
         out.append(("data_source_key", v["data.reward_fn_key"]))
     if "data.train_files" in v:
-        out += [("prompt_data", source_list(v["data.train_files"], "data.train_files")),
-                Default("input_key", "prompt"), Default("label_key", "reward_model.ground_truth")]
+        out += [
+            ("prompt_data", source_list(v["data.train_files"], "data.train_files")),
+            Default("input_key", "prompt"),
+            Default("label_key", "reward_model.ground_truth"),
+        ]
     enabled = as_bool(v.get("reward_model.enable", False), "reward_model.enable")
     if enabled:
         if "reward_model.model.path" not in v:
@@ -168,8 +196,9 @@ def _turns(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
     if "data.max_obs_length" in v:
         out.append(("max_obs_len", as_int(v["data.max_obs_length"], "data.max_obs_length")))
     if "do_search" in v and not as_bool(v["do_search"], "do_search") and v.get("max_turns") is not None:
-        raise ConfigError("do_search=false: Search-R1 without search is a single-turn run; drop max_turns and "
-                          "retriever.url instead")
+        raise ConfigError(
+            "do_search=false: Search-R1 without search is a single-turn run; drop max_turns and retriever.url instead"
+        )
     if "max_turns" not in v:
         if "data.max_prompt_length" in v:
             out.append(("prompt_max_len", as_int(v["data.max_prompt_length"], "data.max_prompt_length")))
@@ -217,8 +246,10 @@ def check_lora(given: Mapping[str, Any], model: Any, critic: str | None) -> None
         return
     exclude = given.get(M + "exclude_modules")
     if model.lora_rank > 0 and exclude not in (None, "", []):
-        raise ConfigError(f"{M}exclude_modules={exclude}: rlrun has no list of modules to leave out of LoRA; name "
-                          f"the modules to adapt with {M}target_modules=[...] (or --target_modules), or drop the key")
+        raise ConfigError(
+            f"{M}exclude_modules={exclude}: rlrun has no list of modules to leave out of LoRA; name "
+            f"the modules to adapt with {M}target_modules=[...] (or --target_modules), or drop the key"
+        )
     if critic is None:
         return  # verl builds no critic either: its critic.model.* keys ask for nothing
     actor = {"lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha, "target_modules": model.target_modules}
@@ -231,11 +262,13 @@ def check_lora(given: Mapping[str, Any], model: Any, critic: str | None) -> None
             mine = " ".join(actor[name]) if name == "target_modules" else actor[name]
             trained = "whole" if name == "lora_rank" and value == 0 else "with adapters of its own"
             raise ConfigError(
-                f"{CM}{name}={shown}{'' if CM + name in given else ' (verl default)'} with the actor's --{name} {mine}: "
+                f"{CM}{name}={shown}{'' if CM + name in given else ' (verl default)'} with the actor's --{name} "
+                f"{mine}: "
                 f"rlrun gives the critic (--advantage_estimator {critic}) the actor's LoRA settings (one --lora_rank, "
                 f"--lora_alpha and --target_modules for both, as OpenRLHF) where verl would train it {trained}; set "
                 f"{CM}{name} to the actor's value to train it so, or use an estimator without a critic "
-                "(algorithm.adv_estimator=grpo)")
+                "(algorithm.adv_estimator=grpo)"
+            )
 
 
 # --- translation ---------------------------------------------------------------------------------------------------
@@ -243,8 +276,16 @@ def check_lora(given: Mapping[str, Any], model: Any, critic: str | None) -> None
 # Every rule gets the launched world size (only the global micro batches need it), so one mapping serves
 # translate() and the docs report.
 Rule = Callable[[Mapping[str, Any], int], list[Assignment | Default]]
-GROUP_RULES: dict[Group, Rule] = {"kl": _kl, "batch": _batch, "micro": _micro, "estimator": _estimator,
-                                  "data": _data, "clip": _clip, "turns": _turns, "lora": _lora}
+GROUP_RULES: dict[Group, Rule] = {
+    "kl": _kl,
+    "batch": _batch,
+    "micro": _micro,
+    "estimator": _estimator,
+    "data": _data,
+    "clip": _clip,
+    "turns": _turns,
+    "lora": _lora,
+}
 
 
 def parse_value(raw: str) -> Any:
@@ -270,8 +311,13 @@ class Translated:
     lora: dict[str, Any] = field(default_factory=dict)  # the verl LoRA keys given, for check_lora on the built config
 
 
-def _tokens(assignments: list[Assignment], source: str, fields: Mapping[str, FieldInfo],
-            classic_ignored: Mapping[str, tuple[int | str, str]], ignored: list[str]) -> list[str]:
+def _tokens(
+    assignments: list[Assignment],
+    source: str,
+    fields: Mapping[str, FieldInfo],
+    classic_ignored: Mapping[str, tuple[int | str, str]],
+    ignored: list[str],
+) -> list[str]:
     """rlrun flag tokens for the assignments; a field rlrun lacks is reported, never an error."""
     out: list[str] = []
     for name, value in assignments:
@@ -288,8 +334,13 @@ def _tokens(assignments: list[Assignment], source: str, fields: Mapping[str, Fie
     return out
 
 
-def translate(argv: Sequence[str], arity: Callable[[str], Nargs], fields: Mapping[str, FieldInfo],
-              classic_ignored: Mapping[str, tuple[int | str, str]], world_size: int) -> Translated:
+def translate(
+    argv: Sequence[str],
+    arity: Callable[[str], Nargs],
+    fields: Mapping[str, FieldInfo],
+    classic_ignored: Mapping[str, tuple[int | str, str]],
+    world_size: int,
+) -> Translated:
     """Replace verl overrides in argv (classic rlrun flags otherwise) by rlrun flags, in place.
 
     `arity(flag name)` says how many values a flag takes, so that a flag's value is never read as an override.
@@ -353,11 +404,14 @@ def translate(argv: Sequence[str], arity: Callable[[str], Nargs], fields: Mappin
             group = at[index]
             source = ", ".join(groups[group])
             assigned = GROUP_RULES[group](groups[group], world_size)
-            expanded += _tokens([a for a in assigned if not isinstance(a, Default)], source, fields, classic_ignored,
-                                result.ignored)
-            result.defaults += [Default(d.field, coerce(fields[d.field], d.value, source), d.unless)
-                                for d in assigned if isinstance(d, Default)]
+            expanded += _tokens(
+                [a for a in assigned if not isinstance(a, Default)], source, fields, classic_ignored, result.ignored
+            )
+            result.defaults += [
+                Default(d.field, coerce(fields[d.field], d.value, source), d.unless)
+                for d in assigned
+                if isinstance(d, Default)
+            ]
     result.argv = expanded
     result.lora = groups.get("lora", {})
     return result
-

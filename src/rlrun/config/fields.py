@@ -40,8 +40,15 @@ def fields_of(config_cls: type = Config) -> dict[str, FieldInfo]:
             if f.name in out:
                 raise AssertionError(f"config field {f.name} defined twice")
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            out[f.name] = FieldInfo(section.name, f.name, section_hints[f.name], default,
-                                    f.metadata["help"], f.metadata["secret"], f.metadata["metavar"])
+            out[f.name] = FieldInfo(
+                section.name,
+                f.name,
+                section_hints[f.name],
+                default,
+                f.metadata["help"],
+                f.metadata["secret"],
+                f.metadata["metavar"],
+            )
     return out
 
 
@@ -54,7 +61,7 @@ def coerce(info: FieldInfo, value: Any, source: str) -> Any:
     """Convert a YAML/CLI value to the field's type, or raise ConfigError naming it."""
     where = f"{info.name} (from {source})"
     tp = info.type
-    optional = get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType")) and type(None) in get_args(tp)
+    optional = get_origin(tp) in (typing.Union, __import__("types").UnionType) and type(None) in get_args(tp)
     if optional:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
@@ -62,7 +69,10 @@ def coerce(info: FieldInfo, value: Any, source: str) -> Any:
     if get_origin(tp) is Literal:
         choices = get_args(tp)
         if value not in choices:
-            raise ConfigError(f"{where} must be one of {', '.join(map(str, choices))}, got {value!r}{suggest(str(value), map(str, choices))}")
+            raise ConfigError(
+                f"{where} must be one of {', '.join(map(str, choices))}, got "
+                f"{value!r}{suggest(str(value), map(str, choices))}"
+            )
         return value
     if tp is dict or get_origin(tp) is dict:  # a mapping flag takes JSON (or YAML flow) text: --x '{"a": false}'
         if isinstance(value, str):

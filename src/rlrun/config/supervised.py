@@ -10,8 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlrun.config.schema import opt
-from rlrun.config.schema import OptimConfig, PretrainedConfig, RuntimeConfig, SavingConfig, TemplateConfig, TrackingConfig
+from rlrun.config.schema import (
+    OptimConfig,
+    PretrainedConfig,
+    RuntimeConfig,
+    SavingConfig,
+    TemplateConfig,
+    TrackingConfig,
+    opt,
+)
 
 
 @dataclass
@@ -19,38 +26,60 @@ class SupervisedTrainConfig(OptimConfig):
     """Batch sizes, schedule, optimisation."""
 
     learning_rate: float = opt(5e-6, "Learning rate (defaults as OpenRLHF's: SFT 5e-6, RM 9e-6, DPO 1e-5).")
-    max_len: int = opt(2048, "Most tokens of one sample (prompt + response); see each trainer's --help for what is cut or dropped.")
+    max_len: int = opt(
+        2048, "Most tokens of one sample (prompt + response); see each trainer's --help for what is cut or dropped."
+    )
 
 
 @dataclass
 class SupervisedCheckpointConfig(SavingConfig):
     """Saving and resuming."""
 
-    ckpt_path: str = opt("./ckpt/checkpoints", "Directory of resumable checkpoints (defaults as OpenRLHF's: ./ckpt/checkpoints_sft, _rm, _dpo).")
+    ckpt_path: str = opt(
+        "./ckpt/checkpoints",
+        "Directory of resumable checkpoints (defaults as OpenRLHF's: ./ckpt/checkpoints_sft, _rm, _dpo).",
+    )
 
 
 @dataclass
 class DatasetConfig(TemplateConfig):
     """Training and evaluation data: sources as rlrun.ppo's --prompt_data (files, directories, hub ids, blends)."""
 
-    dataset: str | None = opt(None, "Training data sources, comma-separated: each a .jsonl/.json/.parquet/.csv file, a "
-                              "directory (save_to_disk, or data files) or a Hugging Face Hub dataset id, optionally "
-                              "SOURCE@DATA_DIR. Unset: rlrun's built-in demo data for this trainer (offline runs and tests).")
-    dataset_probs: str | None = opt(None, "Comma-separated sampling weights, one per --dataset source: interleave them "
-                                    "(seeded by --seed, until every source is exhausted) instead of concatenating.")
+    dataset: str | None = opt(
+        None,
+        "Training data sources, comma-separated: each a .jsonl/.json/.parquet/.csv file, a "
+        "directory (save_to_disk, or data files) or a Hugging Face Hub dataset id, optionally "
+        "SOURCE@DATA_DIR. Unset: rlrun's built-in demo data for this trainer (offline runs and "
+        "tests).",
+    )
+    dataset_probs: str | None = opt(
+        None,
+        "Comma-separated sampling weights, one per --dataset source: interleave them "
+        "(seeded by --seed, until every source is exhausted) instead of concatenating.",
+    )
     dataset_split: str = opt("train", "Split of each --dataset source.")
-    eval_dataset: str | None = opt(None, "Evaluation data, same format and keys as --dataset (metrics logged as eval/*).")
+    eval_dataset: str | None = opt(
+        None, "Evaluation data, same format and keys as --dataset (metrics logged as eval/*)."
+    )
     eval_split: str = opt("train", "Split of each --eval_dataset source.")
-    tokenizer_chat_template: str | None = opt(None, "A Jinja chat template replacing the tokenizer's own (with --apply_chat_template).")
+    tokenizer_chat_template: str | None = opt(
+        None, "A Jinja chat template replacing the tokenizer's own (with --apply_chat_template)."
+    )
 
 
 @dataclass
 class SFTDataConfig(DatasetConfig):
     """Training and evaluation data (prompt -> response records)."""
 
-    input_key: str = opt("input", "Field holding the prompt (a string, or a list of chat messages with --apply_chat_template).")
-    output_key: str | None = opt(None, "Field holding the response. Unset: the record's --input_key field holds whole chat conversations "
-                                 "(--apply_chat_template) or plain text (--pretrain_mode).")
+    input_key: str = opt(
+        "input", "Field holding the prompt (a string, or a list of chat messages with --apply_chat_template)."
+    )
+    output_key: str | None = opt(
+        None,
+        "Field holding the response. Unset: the record's --input_key field holds whole "
+        "chat conversations "
+        "(--apply_chat_template) or plain text (--pretrain_mode).",
+    )
     pretrain_mode: bool = opt(False, "Train on every token of the text (no prompt masking), as continued pretraining.")
 
 
@@ -58,8 +87,12 @@ class SFTDataConfig(DatasetConfig):
 class PairDataConfig(DatasetConfig):
     """Training and evaluation data (preference pairs)."""
 
-    prompt_key: str | None = opt(None, "Field holding the prompt. Unset: the prompt is the chosen/rejected conversations' shared "
-                                 "beginning (chat messages) or empty (plain text).")
+    prompt_key: str | None = opt(
+        None,
+        "Field holding the prompt. Unset: the prompt is the chosen/rejected "
+        "conversations' shared "
+        "beginning (chat messages) or empty (plain text).",
+    )
     chosen_key: str = opt("chosen", "Field holding the preferred response (a string or chat messages).")
     rejected_key: str = opt("rejected", "Field holding the dispreferred response.")
 
@@ -68,8 +101,13 @@ class PairDataConfig(DatasetConfig):
 class RMLossConfig:
     """Reward-model loss."""
 
-    loss: Literal["sigmoid", "logexpsigmoid"] = opt("sigmoid", "Pairwise loss: -log sigmoid(chosen - rejected), or log(1 + exp(rejected - chosen)).")
-    margin_loss: bool = opt(False, "sigmoid loss: subtract each record's 'margin' field from the reward difference (OpenRLHF's margin loss).")
+    loss: Literal["sigmoid", "logexpsigmoid"] = opt(
+        "sigmoid", "Pairwise loss: -log sigmoid(chosen - rejected), or log(1 + exp(rejected - chosen))."
+    )
+    margin_loss: bool = opt(
+        False,
+        "sigmoid loss: subtract each record's 'margin' field from the reward difference (OpenRLHF's margin loss).",
+    )
 
 
 @dataclass
@@ -78,12 +116,23 @@ class DPOLossConfig:
 
     beta: float = opt(0.1, "DPO temperature beta (implicit reward = beta x log-ratio to the reference).")
     ipo: bool = opt(False, "IPO loss instead of DPO's sigmoid loss.")
-    label_smoothing: float = opt(0.0, "cDPO: assumed probability that a pair's preference label is flipped (0 <= eps < 0.5).")
+    label_smoothing: float = opt(
+        0.0, "cDPO: assumed probability that a pair's preference label is flipped (0 <= eps < 0.5)."
+    )
     nll_loss_coef: float = opt(0.0, "Add this x the NLL of the chosen responses (Llama 3.1's DPO regulariser).")
-    ref_pretrain: str | None = opt(None, "Reference model directory. Unset: the initial policy (--pretrain); with --lora_rank "
-                                   "(unset or --pretrain itself) the policy's base with its adapters disabled, no copy.")
-    ref_offload: bool = opt(False, "Keep the reference model's parameters in CPU memory between its forward passes (GPU only; "
-                            "nothing to offload when --lora_rank scores the reference with the policy's base).")
+    ref_pretrain: str | None = opt(
+        None,
+        "Reference model directory. Unset: the initial policy (--pretrain); with "
+        "--lora_rank "
+        "(unset or --pretrain itself) the policy's base with its adapters disabled, no "
+        "copy.",
+    )
+    ref_offload: bool = opt(
+        False,
+        "Keep the reference model's parameters in CPU memory between its forward passes "
+        "(GPU only; "
+        "nothing to offload when --lora_rank scores the reference with the policy's base).",
+    )
 
 
 @dataclass

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hashlib
-import torch
-from dataclasses import dataclass, field
-from typing import Callable
-import torch.nn.functional as F
-from rlrun.data.rollout import RolloutBatch
 import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rlrun.data.rollout import RolloutBatch
+
 
 def shard(num_rows: int, num_shards: int, index: int) -> slice:
     """Contiguous equal share `index` of `num_shards` (callers check divisibility up front)."""
@@ -28,6 +31,7 @@ def minibatch_order(num_rows: int, mini_batch: int, seed: int) -> list[torch.Ten
     perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed))
     return list(perm.split(mini_batch))
 
+
 # ---- token budgets -----------------------------------------------------------------------------------------------
 # Token-budget micro-batches (--dynamic_batch): which rows go into which forward pass, by length (pure index
 # arithmetic on row lengths, no model; the one collective, agreeing on a count, is a callable handed in).
@@ -40,6 +44,7 @@ def minibatch_order(num_rows: int, mini_batch: int, seed: int) -> list[torch.Ten
 # number of rows and about the same number of tokens, and the number of micro-batches is raised to the largest of
 # any rank of the role (FSDP and DeepSpeed need every rank to run the same number of forward/backward calls).
 
+
 @dataclass(frozen=True)
 class RowLengths:
     """Real token counts of the rows of a batch. prompt, response: [B] long (CPU)."""
@@ -48,10 +53,10 @@ class RowLengths:
     response: torch.Tensor
 
     @classmethod
-    def of(cls, batch: RolloutBatch) -> "RowLengths":
+    def of(cls, batch: RolloutBatch) -> RowLengths:
         return cls(batch.prompt_len.cpu(), batch.response_len.cpu())
 
-    def rows(self, index: torch.Tensor) -> "RowLengths":
+    def rows(self, index: torch.Tensor) -> RowLengths:
         return RowLengths(self.prompt[index], self.response[index])
 
     def totals(self) -> list[int]:
@@ -81,9 +86,11 @@ def plan_micro_batches(lengths: RowLengths, max_tokens: int, packed: bool) -> li
     current: list[int] = []
     for i in order:
         if micro_batch_cost([p[i]], [r[i]], packed) > max_tokens:
-            raise ValueError(f"row {i} has {p[i]} prompt + {r[i]} response tokens, more than the token budget "
-                             f"{max_tokens} of one micro-batch; raise --train_max_tokens_per_gpu / "
-                             "--rollout_max_tokens_per_gpu to at least --prompt_max_len + --generate_max_len")
+            raise ValueError(
+                f"row {i} has {p[i]} prompt + {r[i]} response tokens, more than the token budget "
+                f"{max_tokens} of one micro-batch; raise --train_max_tokens_per_gpu / "
+                "--rollout_max_tokens_per_gpu to at least --prompt_max_len + --generate_max_len"
+            )
         grown = current + [i]
         if current and micro_batch_cost([p[j] for j in grown], [r[j] for j in grown], packed) > max_tokens:
             batches.append(current)
@@ -107,11 +114,15 @@ def split_to_count(plan: list[list[int]], count: int, lengths: RowLengths, packe
     while len(out) < count:
         splittable = [k for k, mb in enumerate(out) if len(mb) > 1]
         if not splittable:
-            raise ValueError(f"{sum(map(len, out))} rows cannot fill {count} micro-batches (the largest count of a "
-                             "rank of this role): the role's ranks must hold the same number of rows")
-        k = max(splittable, key=lambda j: (micro_batch_cost([p[i] for i in out[j]], [r[i] for i in out[j]], packed), -j))
+            raise ValueError(
+                f"{sum(map(len, out))} rows cannot fill {count} micro-batches (the largest count of a "
+                "rank of this role): the role's ranks must hold the same number of rows"
+            )
+        k = max(
+            splittable, key=lambda j: (micro_batch_cost([p[i] for i in out[j]], [r[i] for i in out[j]], packed), -j)
+        )
         half = len(out[k]) // 2
-        out[k:k + 1] = [out[k][:half], out[k][half:]]
+        out[k : k + 1] = [out[k][:half], out[k][half:]]
     return out
 
 
@@ -171,9 +182,15 @@ def trim_padding(part: RolloutBatch) -> RolloutBatch:
     p = int(part.prompt_len.max()) if len(part.prompt_len) else 0
     r = max(int(part.response_len.max()) if len(part.response_len) else 0, 1)
     cols = slice(P - p, P + r)
-    return RolloutBatch(part.sequences[:, cols], part.attention_mask[:, cols], part.action_mask[:, :r],
-                        part.prompt_len, part.response_len,
-                        None if part.engine_log_probs is None else part.engine_log_probs[:, :r], part.vision)
+    return RolloutBatch(
+        part.sequences[:, cols],
+        part.attention_mask[:, cols],
+        part.action_mask[:, :r],
+        part.prompt_len,
+        part.response_len,
+        None if part.engine_log_probs is None else part.engine_log_probs[:, :r],
+        part.vision,
+    )
 
 
 def pad_responses(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -197,8 +214,10 @@ def padded_tokens(lengths: RowLengths, micro_batches: list[list[int]]) -> tuple[
     real = sum(p[i] + r[i] for mb in micro_batches for i in mb)
     return fed - real, fed
 
+
 # ---- seeding -----------------------------------------------------------------------------------------------------
 # Seeding every random number generator a run draws from (Python, NumPy, torch on every device).
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)

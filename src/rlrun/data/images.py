@@ -9,16 +9,19 @@ DataError naming the record and the image.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
-from typing import Any
-from rlrun.runtime.errors import DataError
 import base64
 import binascii
 import io
 import os
+import re
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from rlrun.runtime.errors import DataError
 
 # ---- image records -----------------------------------------------------------------------------------------------
 # Where a prompt record keeps its images, in the two layouts users bring:
@@ -37,8 +40,9 @@ Messages = list[dict[str, Any]]
 
 
 def is_image_entry(part: Any) -> bool:
-    return isinstance(part, Mapping) and (part.get("type") in ("image", "image_url") or "image" in part
-                                          or "image_url" in part)
+    return isinstance(part, Mapping) and (
+        part.get("type") in ("image", "image_url") or "image" in part or "image_url" in part
+    )
 
 
 def _image_ref(part: Mapping[str, Any]) -> Any:
@@ -53,7 +57,9 @@ def _with_placeholders(text: str) -> list[dict[str, Any]]:
     return [{"type": "image"} if s == IMAGE_PLACEHOLDER else {"type": "text", "text": s} for s in parts]
 
 
-def images_of(prompt: str | Messages, column: Any, where: str, image_key: str) -> tuple[str | Messages, tuple[Any, ...]]:
+def images_of(
+    prompt: str | Messages, column: Any, where: str, image_key: str
+) -> tuple[str | Messages, tuple[Any, ...]]:
     """(prompt with image entries reduced to {"type": "image"}, the images in the order the prompt shows them).
 
     `column`: the record's --image_key value (None when it has none). Images come from the chat's image entries, or
@@ -88,15 +94,21 @@ def images_of(prompt: str | Messages, column: Any, where: str, image_key: str) -
         raise DataError(f"{where} has images both inside its messages and in {image_key!r}; keep one of the two.")
     if inline:
         if placeholders:
-            raise DataError(f"{where} has {placeholders} image entries without an image (no 'image' value) besides "
-                            f"{len(inline)} with one; give every image entry its image.")
+            raise DataError(
+                f"{where} has {placeholders} image entries without an image (no 'image' value) besides "
+                f"{len(inline)} with one; give every image entry its image."
+            )
         return messages, tuple(inline)
     if placeholders != len(listed):
-        hint = (f" Put one {IMAGE_PLACEHOLDER!r} in the prompt text per image (verl's convention), or image entries "
-                'in the message content ({"type": "image", "image": ...}).')
-        raise DataError(f"{where} has {len(listed)} images in {image_key!r} but its prompt shows {placeholders} "
-                        f"image places.{hint}")
+        hint = (
+            f" Put one {IMAGE_PLACEHOLDER!r} in the prompt text per image (verl's convention), or image entries "
+            'in the message content ({"type": "image", "image": ...}).'
+        )
+        raise DataError(
+            f"{where} has {len(listed)} images in {image_key!r} but its prompt shows {placeholders} image places.{hint}"
+        )
     return messages, tuple(listed)
+
 
 URL_TIMEOUT_S = 30.0
 _DATA_URI = "data:image"
@@ -112,13 +124,15 @@ def _shown(ref: Any) -> str:
 
 
 def _decoded(data: bytes, where: str, ref: Any) -> Any:
-    from PIL import Image, UnidentifiedImageError  # lazy: only VLM runs read images
+    from PIL import Image, UnidentifiedImageError  # noqa: PLC0415 - only VLM runs read images
 
     try:
         image = Image.open(io.BytesIO(data))
         image.load()
     except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise DataError(f"{where}: image {_shown(ref)} is not a readable image ({exc}); fix or remove the record.") from exc
+        raise DataError(
+            f"{where}: image {_shown(ref)} is not a readable image ({exc}); fix or remove the record."
+        ) from exc
     return image
 
 
@@ -129,8 +143,10 @@ def _local(path: str, base_dir: str | None, where: str, ref: Any) -> bytes:
             with open(candidate, "rb") as f:
                 return f.read()
     tried = " or ".join(repr(os.path.abspath(c)) for c in candidates)
-    raise DataError(f"{where}: image {_shown(ref)} not found (looked for {tried}); image paths are absolute, relative "
-                    "to the working directory or to the data file's folder.")
+    raise DataError(
+        f"{where}: image {_shown(ref)} not found (looked for {tried}); image paths are absolute, relative "
+        "to the working directory or to the data file's folder."
+    )
 
 
 def _url(url: str, where: str) -> bytes:
@@ -138,8 +154,10 @@ def _url(url: str, where: str) -> bytes:
         with urllib.request.urlopen(url, timeout=URL_TIMEOUT_S) as response:
             return response.read()
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise DataError(f"{where}: image URL {url!r} could not be read within {URL_TIMEOUT_S:.0f} s ({exc}); "
-                        "download the images and give local paths.") from exc
+        raise DataError(
+            f"{where}: image URL {url!r} could not be read within {URL_TIMEOUT_S:.0f} s ({exc}); "
+            "download the images and give local paths."
+        ) from exc
 
 
 def _base64(uri: str, where: str) -> bytes:
@@ -147,13 +165,15 @@ def _base64(uri: str, where: str) -> bytes:
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise DataError(f"{where}: image {_shown(uri)} is a data URI whose base64 payload does not decode ({exc}).") from exc
+        raise DataError(
+            f"{where}: image {_shown(uri)} is a data URI whose base64 payload does not decode ({exc})."
+        ) from exc
 
 
 def load_image(ref: Any, where: str, base_dir: str | None = None) -> Any:
     """`ref` (any form above) -> an RGB PIL image. `where` names the record in errors; `base_dir`: the data file's
     folder, tried for relative paths after the working directory."""
-    from PIL import Image  # lazy: only VLM runs read images
+    from PIL import Image  # noqa: PLC0415 - only VLM runs read images
 
     if isinstance(ref, Image.Image):
         image = ref
@@ -164,8 +184,10 @@ def load_image(ref: Any, where: str, base_dir: str | None = None) -> Any:
         if isinstance(inner, Mapping) and "url" in inner:  # OpenAI's {"image_url": {"url": ...}}
             inner = inner["url"]
         if inner is None:
-            raise DataError(f"{where}: image {_shown(ref)} has none of the keys 'bytes', 'path', 'image', "
-                            "'image_url', 'url'; give one of them.")
+            raise DataError(
+                f"{where}: image {_shown(ref)} has none of the keys 'bytes', 'path', 'image', "
+                "'image_url', 'url'; give one of them."
+            )
         return load_image(inner, where, base_dir)
     elif isinstance(ref, (bytes, bytearray)):
         image = _decoded(bytes(ref), where, ref)
@@ -178,15 +200,17 @@ def load_image(ref: Any, where: str, base_dir: str | None = None) -> Any:
             data = _local(ref.removeprefix("file://"), base_dir, where, ref)
         image = _decoded(data, where, ref)
     elif hasattr(ref, "__array_interface__") or hasattr(ref, "__array__"):
-        import numpy as np
-
         array = np.asarray(ref)
         try:
             image = Image.fromarray(array.astype(np.uint8) if array.dtype != np.uint8 else array)
         except (TypeError, ValueError) as exc:
-            raise DataError(f"{where}: image array of shape {array.shape} and dtype {array.dtype} is not an image "
-                            f"([H, W], [H, W, 3] or [H, W, 4] values 0-255): {exc}") from exc
+            raise DataError(
+                f"{where}: image array of shape {array.shape} and dtype {array.dtype} is not an image "
+                f"([H, W], [H, W, 3] or [H, W, 4] values 0-255): {exc}"
+            ) from exc
     else:
-        raise DataError(f"{where}: image {_shown(ref)} ({type(ref).__name__}) is not a path, URL, data URI, bytes, "
-                        "{'bytes'/'path'} mapping, PIL image or array.")
+        raise DataError(
+            f"{where}: image {_shown(ref)} ({type(ref).__name__}) is not a path, URL, data URI, bytes, "
+            "{'bytes'/'path'} mapping, PIL image or array."
+        )
     return image.convert("RGB") if image.mode != "RGB" else image

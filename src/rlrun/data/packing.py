@@ -109,11 +109,11 @@ def pack_batch(batch: RolloutBatch, capacity: int | None, pad_id: int = 0) -> Pa
         col = 0
         for i in row:
             n = lengths[i]
-            ids[r, col:col + n] = seqs[i, P - prompt_len[i]:P + response_len[i]]
-            pos[r, col:col + n] = ar[:n]
+            ids[r, col : col + n] = seqs[i, P - prompt_len[i] : P + response_len[i]]
+            pos[r, col : col + n] = ar[:n]
             start[i] = r * width + col
             col += n
-        pos[r, col:] = ar[:width - col]
+        pos[r, col:] = ar[: width - col]
     pred, out_row, out_col = [], [], []
     for i, (p, n_resp) in enumerate(zip(prompt_len, response_len)):
         first = 0 if p > 0 else 1

@@ -11,13 +11,13 @@ from typing import Any, Protocol
 
 import torch
 
-from rlrun.data import sources as records
-from rlrun.data.sources import Messages
-from rlrun.data.sources import DataSpec, read_sources
-from rlrun.runtime.errors import DataError
-from rlrun.data.images import images_of
-from rlrun.data.vision_batch import PromptVision, RowVision
 from rlrun.config.schema import DataConfig, GenerationConfig
+from rlrun.data import sources as records
+from rlrun.data.images import images_of
+from rlrun.data.sources import DataSpec, Messages, read_sources
+from rlrun.data.vision_batch import PromptVision, RowVision
+from rlrun.runtime.errors import DataError
+
 
 @dataclass(frozen=True)
 class PromptRecord:
@@ -47,24 +47,35 @@ class PromptKeys:
 def _to_record(row: Any, index: int, path: str, keys: PromptKeys) -> PromptRecord:
     at = records.where(path, index)
     if not isinstance(row, Mapping):
-        raise DataError(f"{at} is a {type(row).__name__} ({str(row)[:80]!r}); each record must be an object with an "
-                        f"{keys.input_key!r} key.")
+        raise DataError(
+            f"{at} is a {type(row).__name__} ({str(row)[:80]!r}); each record must be an object with an "
+            f"{keys.input_key!r} key."
+        )
     value = records.parsed_messages(records.plain(records.field(row, keys.input_key, "input_key", at)))
     if isinstance(value, list) and value and records.looks_like_messages(value):
         prompt: str | Messages = records.messages(value, keys.input_key, at, text_role=None)
     elif isinstance(value, str):
         prompt = value
     else:
-        raise DataError(f"{at} has {keys.input_key!r} = {records.shown(value)}; a prompt must be a string or a list "
-                        'of {"role": ..., "content": ...} chat messages.')
+        raise DataError(
+            f"{at} has {keys.input_key!r} = {records.shown(value)}; a prompt must be a string or a list "
+            'of {"role": ..., "content": ...} chat messages.'
+        )
     column = records.lookup(row, keys.image_key)
-    prompt, images = images_of(prompt, None if column is records.MISSING or column is None else column, at,
-                               keys.image_key)
+    prompt, images = images_of(
+        prompt, None if column is records.MISSING or column is None else column, at, keys.image_key
+    )
     label = None if keys.label_key is None else records.plain(records.field(row, keys.label_key, "label_key", at))
     source = records.lookup(row, keys.data_source_key)
     extra = records.plain(records.lookup(row, keys.extra_info_key))
-    return PromptRecord(prompt, label, source if isinstance(source, str) else None,
-                        extra if isinstance(extra, dict) else None, images, _folder(path) if images else None)
+    return PromptRecord(
+        prompt,
+        label,
+        source if isinstance(source, str) else None,
+        extra if isinstance(extra, dict) else None,
+        images,
+        _folder(path) if images else None,
+    )
 
 
 def _folder(source: str) -> str | None:
@@ -74,8 +85,9 @@ def _folder(source: str) -> str | None:
     return os.path.abspath(source) if os.path.isdir(source) else None
 
 
-def load_prompt_records(spec: DataSpec | str | None, keys: PromptKeys = PromptKeys(), max_samples: int | None = None
-                        ) -> list[PromptRecord]:
+def load_prompt_records(
+    spec: DataSpec | str | None, keys: PromptKeys = PromptKeys(), max_samples: int | None = None
+) -> list[PromptRecord]:
     """Prompt records from `spec`'s sources (rlrun.data.sources: files, directories, hub ids, blended).
 
     spec=None gives rlrun.models.tiny.BUILTIN_PROMPTS, always read with keys "prompt" and "label".
@@ -86,7 +98,7 @@ def load_prompt_records(spec: DataSpec | str | None, keys: PromptKeys = PromptKe
     if isinstance(spec, str):
         spec = DataSpec(spec)
     if spec is None:
-        from rlrun.models.tiny import BUILTIN_PROMPTS  # lazy: tiny imports transformers, which file loading never needs
+        from rlrun.models.tiny import BUILTIN_PROMPTS  # noqa: PLC0415 - tiny imports transformers; file loading never does
 
         source, rows, keys = "<built-in prompts>", list(BUILTIN_PROMPTS), PromptKeys("prompt", "label")
     else:
@@ -97,16 +109,24 @@ def load_prompt_records(spec: DataSpec | str | None, keys: PromptKeys = PromptKe
     return [_to_record(row, index, source, keys) for index, row in enumerate(rows)]
 
 
-def format_prompt(prompt: str | Messages, tokenizer: Any, input_template: str | None, apply_chat_template: bool,
-                  template_kwargs: Mapping[str, Any] | None = None, where: str = "prompt") -> str:
+def format_prompt(
+    prompt: str | Messages,
+    tokenizer: Any,
+    input_template: str | None,
+    apply_chat_template: bool,
+    template_kwargs: Mapping[str, Any] | None = None,
+    where: str = "prompt",
+) -> str:
     """The text the policy continues, as OpenRLHF's PromptDataset and verl's RLHFDataset build it: a chat (a message
     list, always; a string with --apply_chat_template, as one user turn) through the tokenizer's chat template
     with the generation prompt; otherwise the string through --input_template (`{}` is the prompt) or as it is."""
     if isinstance(prompt, list) or apply_chat_template:
         if not getattr(tokenizer, "chat_template", None):
-            raise DataError(f"{where} is a chat (a message list, or --apply_chat_template) but the tokenizer has no "
-                            "chat_template; use a model whose tokenizer has one, or pass plain-text prompts without "
-                            "--apply_chat_template (--input_template formats them)")
+            raise DataError(
+                f"{where} is a chat (a message list, or --apply_chat_template) but the tokenizer has no "
+                "chat_template; use a model whose tokenizer has one, or pass plain-text prompts without "
+                "--apply_chat_template (--input_template formats them)"
+            )
         chat = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         return records.render(tokenizer, chat, True, where, template_kwargs)
     if input_template is None:
@@ -215,8 +235,9 @@ class ImagePreparer(Protocol):
 
     processor: Any
 
-    def prepare(self, ids: list[int], images: tuple[Any, ...], where: str, base_dir: str | None = None
-                ) -> tuple[list[int], PromptVision]: ...
+    def prepare(
+        self, ids: list[int], images: tuple[Any, ...], where: str, base_dir: str | None = None
+    ) -> tuple[list[int], PromptVision]: ...
 
 
 @dataclass
@@ -253,9 +274,11 @@ class Prompts:
                 record, where = self.records[i], f"prompt record {i}"
                 done[i] = self.images.prepare(self.ids[i], record.images, where, record.base_dir)
                 if len(done[i][0]) > prompt_max_len:
-                    raise DataError(f"{where} has {len(done[i][0])} tokens with its images' tokens, more than "
-                                    f"--prompt_max_len {prompt_max_len} (images are never cut); raise --prompt_max_len "
-                                    "or lower --max_pixels")
+                    raise DataError(
+                        f"{where} has {len(done[i][0])} tokens with its images' tokens, more than "
+                        f"--prompt_max_len {prompt_max_len} (images are never cut); raise --prompt_max_len "
+                        "or lower --max_pixels"
+                    )
         return [done[i][0] for i in indices], RowVision.of_rows([done[i][1] for i in indices])
 
 
@@ -263,22 +286,44 @@ def prompt_keys(d: DataConfig) -> PromptKeys:
     return PromptKeys(d.input_key, d.label_key, d.data_source_key)
 
 
-def prompt_set(d: DataConfig, g: GenerationConfig, tokenizer: Any, spec: DataSpec | None, max_samples: int,
-               images: ImagePreparer | None, policy: str) -> Prompts:
+def prompt_set(
+    d: DataConfig,
+    g: GenerationConfig,
+    tokenizer: Any,
+    spec: DataSpec | None,
+    max_samples: int,
+    images: ImagePreparer | None,
+    policy: str,
+) -> Prompts:
     """`spec`'s records (None: the built-in prompts) formatted and tokenised as the policy sees them, cut or dropped at
     --prompt_max_len (--prompt_overflow). `images`: a vision-language policy's preprocessing, None for a text policy
     (`policy`: its name, for the message that refuses images it would not see)."""
     records = load_prompt_records(spec, prompt_keys(d), max_samples)
     source = spec.sources if spec is not None else "<built-in prompts>"
-    texts = [format_prompt(r.prompt, tokenizer, d.input_template, d.apply_chat_template, d.apply_chat_template_kwargs,
-                           where=f"{source}: record {i}") for i, r in enumerate(records)]
+    texts = [
+        format_prompt(
+            r.prompt,
+            tokenizer,
+            d.input_template,
+            d.apply_chat_template,
+            d.apply_chat_template_kwargs,
+            where=f"{source}: record {i}",
+        )
+        for i, r in enumerate(records)
+    ]
     check_images(records, source, vision=images is not None, most=d.max_images_per_prompt, policy=policy)
     max_len = g.prompt_max_len
     if g.prompt_overflow == "drop":
         full, _ = tokenize_prompts(texts, tokenizer, 10**12)
         keep = [i for i, ids in enumerate(full) if len(ids) <= max_len]
-        return Prompts([texts[i] for i in keep], [full[i] for i in keep], [records[i] for i in keep], 0,
-                       len(texts) - len(keep), images)
+        return Prompts(
+            [texts[i] for i in keep],
+            [full[i] for i in keep],
+            [records[i] for i in keep],
+            0,
+            len(texts) - len(keep),
+            images,
+        )
     ids, truncated = tokenize_prompts(texts, tokenizer, max_len)
     return Prompts(texts, ids, records, truncated, 0, images)
 
@@ -289,10 +334,14 @@ def check_images(records: list[PromptRecord], source: str, *, vision: bool, most
     if vision:
         over = next((i for i, r in enumerate(records) if most > 0 and len(r.images) > most), None)
         if over is not None:
-            raise DataError(f"{source}: record {over} has {len(records[over].images)} images, more than "
-                            f"--max_images_per_prompt {most}; raise it (0: no limit) or drop the record")
+            raise DataError(
+                f"{source}: record {over} has {len(records[over].images)} images, more than "
+                f"--max_images_per_prompt {most}; raise it (0: no limit) or drop the record"
+            )
         return
     with_images = next((i for i, r in enumerate(records) if r.images), None)
     if with_images is not None:
-        raise DataError(f"{source}: record {with_images} has images, but the policy {policy} is a text-only model; use "
-                        "a vision-language model (e.g. Qwen2.5-VL) or text-only prompts")
+        raise DataError(
+            f"{source}: record {with_images} has images, but the policy {policy} is a text-only model; use "
+            "a vision-language model (e.g. Qwen2.5-VL) or text-only prompts"
+        )

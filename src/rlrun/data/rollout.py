@@ -7,10 +7,13 @@ to the longest real prompt and response of the step, so compute never pays for t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-import torch
-from rlrun.data.vision_batch import RowVision
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from rlrun.data.vision_batch import RowVision
+
 
 @dataclass
 class RolloutBatch:
@@ -37,10 +40,10 @@ class RolloutBatch:
     def response_width(self) -> int:
         return self.action_mask.shape[1]
 
-    def rows(self, index: slice | torch.Tensor) -> "RolloutBatch":
+    def rows(self, index: slice | torch.Tensor) -> RolloutBatch:
         return RolloutBatch(**{f.name: _opt(getattr(self, f.name), lambda t: t[index]) for f in fields(self)})
 
-    def to(self, device: torch.device) -> "RolloutBatch":
+    def to(self, device: torch.device) -> RolloutBatch:
         return RolloutBatch(**{f.name: _opt(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)})
 
 
@@ -48,8 +51,9 @@ def _opt(t: torch.Tensor | None, fn) -> torch.Tensor | None:  # type: ignore[no-
     return None if t is None else fn(t)
 
 
-def pack_rows(prompts: list[list[int]], responses: list[list[int]], prompt_width: int, response_width: int,
-              pad_id: int) -> torch.Tensor:
+def pack_rows(
+    prompts: list[list[int]], responses: list[list[int]], prompt_width: int, response_width: int, pad_id: int
+) -> torch.Tensor:
     """Token lists -> [b, P + R + 2] long: left-padded prompt | right-padded response | lengths."""
     b = len(prompts)
     out = torch.full((b, prompt_width + response_width + 2), pad_id, dtype=torch.long)
@@ -57,9 +61,9 @@ def pack_rows(prompts: list[list[int]], responses: list[list[int]], prompt_width
         if len(p) > prompt_width or len(r) > response_width:
             raise ValueError(f"row {i}: prompt {len(p)} > {prompt_width} or response {len(r)} > {response_width}")
         if p:
-            out[i, prompt_width - len(p):prompt_width] = torch.tensor(p)
+            out[i, prompt_width - len(p) : prompt_width] = torch.tensor(p)
         if r:
-            out[i, prompt_width:prompt_width + len(r)] = torch.tensor(r)
+            out[i, prompt_width : prompt_width + len(r)] = torch.tensor(r)
         out[i, -2] = len(p)
         out[i, -1] = len(r)
     return out
@@ -70,13 +74,17 @@ def unpack_rows(packed: torch.Tensor, prompt_width: int) -> RolloutBatch:
     prompt_len, response_len = packed[:, -2], packed[:, -1]
     p = int(prompt_len.max())
     r = max(int(response_len.max()), 1)
-    sequences = torch.cat([packed[:, prompt_width - p:prompt_width], packed[:, prompt_width:prompt_width + r]], dim=1)
+    sequences = torch.cat(
+        [packed[:, prompt_width - p : prompt_width], packed[:, prompt_width : prompt_width + r]], dim=1
+    )
     cols_p = torch.arange(p, device=packed.device)
     cols_r = torch.arange(r, device=packed.device)
     prompt_mask = cols_p[None, :] >= (p - prompt_len)[:, None]
     action_mask = cols_r[None, :] < response_len[:, None]
     attention_mask = torch.cat([prompt_mask, action_mask], dim=1).long()
-    return RolloutBatch(sequences.clone(), attention_mask, action_mask.float(), prompt_len.clone(), response_len.clone())
+    return RolloutBatch(
+        sequences.clone(), attention_mask, action_mask.float(), prompt_len.clone(), response_len.clone()
+    )
 
 
 def response_tokens(batch: RolloutBatch) -> list[list[int]]:
@@ -92,7 +100,7 @@ def pack_log_probs(log_probs: list[list[float]] | list[list[int]], response_widt
         if len(row) > response_width:
             raise ValueError(f"row {i}: {len(row)} values > {response_width}")
         if row:
-            out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+            out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
     return out
 
 
@@ -105,9 +113,11 @@ def engine_logprob_diff(batch: RolloutBatch, actor_log_probs: torch.Tensor) -> d
     diff = (batch.engine_log_probs.float() - actor_log_probs.float()).abs() * mask
     return {"rollout/engine_vs_actor_logprob_diff": float(diff.sum() / mask.sum().clamp(min=1))}
 
+
 # ---- result slots ------------------------------------------------------------------------------------------------
 # Packing per-role results into one flat vector per rank, so ONE all-gather returns every
 # role's outputs (old log-probs, ref log-probs, values, reward-model scores) to every rank.
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -143,19 +153,24 @@ def pack_slots(plan: SlotPlan, rank: int, values: dict[str, torch.Tensor]) -> to
     flat = torch.zeros(plan.total, dtype=torch.float32)
     for slot in plan.slots:
         if rank in slot.ranks:
-            flat[slot.offset:slot.offset + slot.size] = values[slot.key].reshape(-1).float()
+            flat[slot.offset : slot.offset + slot.size] = values[slot.key].reshape(-1).float()
     return flat
 
 
-def unpack_slots(plan: SlotPlan, gathered: torch.Tensor, group_ranks: Sequence[int] | None = None
-                 ) -> dict[str, torch.Tensor]:
+def unpack_slots(
+    plan: SlotPlan, gathered: torch.Tensor, group_ranks: Sequence[int] | None = None
+) -> dict[str, torch.Tensor]:
     """[group size, total] -> {key: [num_rows, width]} (scores come back as [num_rows]). Row i of `gathered`
     is global rank group_ranks[i] (default: the world, row = rank)."""
     row = {r: i for i, r in enumerate(group_ranks)} if group_ranks is not None else None
     out = {}
     for slot in plan.slots:
-        parts = [gathered[row[r] if row is not None else r, slot.offset:slot.offset + slot.size]
-                 .view(slot.rows_per_rank, slot.width) for r in slot.ranks]
+        parts = [
+            gathered[row[r] if row is not None else r, slot.offset : slot.offset + slot.size].view(
+                slot.rows_per_rank, slot.width
+            )
+            for r in slot.ranks
+        ]
         full = torch.cat(parts)
         out[slot.key] = full.squeeze(1) if slot.width == 1 else full
     return out

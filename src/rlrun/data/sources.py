@@ -12,17 +12,17 @@ its stem, a path component, or the stem's prefix before '-' or '_' (`data/train-
 from __future__ import annotations
 
 import csv
+import difflib
 import io
 import json
 import os
-from typing import Any
-from rlrun.runtime.errors import DataError, MissingExtraError
-import difflib
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 from rlrun.models.hub import RepoType, cached, missing_note, parse_repo_id, resolve
+from rlrun.runtime.errors import DataError, MissingExtraError
 
 # ---- files -------------------------------------------------------------------------------------------------------
 # Data files as records: .jsonl/.json/.parquet/.csv files and `save_to_disk` directories (one split), with errors
@@ -39,8 +39,10 @@ def _read_text(path: str) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
-        raise DataError(f"{path}: line {line} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
-                        "save the file as UTF-8") from None
+        raise DataError(
+            f"{path}: line {line} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+            "save the file as UTF-8"
+        ) from None
 
 
 def _read_jsonl(path: str) -> list[Any]:
@@ -52,8 +54,10 @@ def _read_jsonl(path: str) -> list[Any]:
             rows.append(json.loads(line))
         except json.JSONDecodeError as exc:
             # Records count from 0 in every message (as indexes do); lines count from 1 (as editors do).
-            raise DataError(f"{path}: record {len(rows)} (line {line_number}) is not valid JSON ({exc}); each line "
-                            "must be one JSON object.") from None
+            raise DataError(
+                f"{path}: record {len(rows)} (line {line_number}) is not valid JSON ({exc}); each line "
+                "must be one JSON object."
+            ) from None
     return rows
 
 
@@ -72,7 +76,7 @@ def _read_json(path: str) -> list[Any]:
 
 def _read_parquet(path: str) -> list[Any]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # noqa: PLC0415 - optional extra (rlrun[data])
     except ImportError as exc:
         raise MissingExtraError("pyarrow", "data", "Loading a .parquet prompt file") from exc
     return pq.read_table(path).to_pylist()
@@ -85,7 +89,7 @@ def _read_csv(path: str) -> list[Any]:
 
 def _read_saved_dataset(path: str, split: str = "train") -> list[Any]:
     try:
-        import datasets
+        import datasets  # noqa: PLC0415 - optional extra (rlrun[data])
     except ImportError as exc:
         raise MissingExtraError("datasets", "data", "Loading a saved HF datasets directory") from exc
     try:
@@ -97,8 +101,10 @@ def _read_saved_dataset(path: str, split: str = "train") -> list[Any]:
         ) from exc
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise DataError(f"{path} is a DatasetDict without a {split!r} split (splits: {sorted(loaded)}); choose "
-                            "one with --prompt_split / --eval_split (rlrun.sft/rm/dpo: --dataset_split).")
+            raise DataError(
+                f"{path} is a DatasetDict without a {split!r} split (splits: {sorted(loaded)}); choose "
+                "one with --prompt_split / --eval_split (rlrun.sft/rm/dpo: --dataset_split)."
+            )
         loaded = loaded[split]
     return loaded.to_list()
 
@@ -107,8 +113,10 @@ def read_rows(path: str, split: str = "train") -> list[Any]:
     """The records of a .jsonl/.json/.parquet/.csv file or a save_to_disk directory (its `split`). Several
     sources, data-file folders and hub ids: rlrun.data.sources."""
     if not os.path.exists(path):
-        raise DataError(f"{path!r} does not exist; check the path (a Hugging Face Hub dataset id has the form "
-                        "owner/name; an unset --prompt_data/--dataset uses the built-in data)")
+        raise DataError(
+            f"{path!r} does not exist; check the path (a Hugging Face Hub dataset id has the form "
+            "owner/name; an unset --prompt_data/--dataset uses the built-in data)"
+        )
     if os.path.isdir(path):
         return _read_saved_dataset(path, split)
     readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv}
@@ -119,6 +127,7 @@ def read_rows(path: str, split: str = "train") -> list[Any]:
             "or a directory written by datasets' save_to_disk."
         )
     return readers[extension](path)
+
 
 # ---- reading a field ---------------------------------------------------------------------------------------------
 # Reading one field of one record the way users' datasets hold it, and rendering chat messages.
@@ -160,8 +169,10 @@ def field(row: Mapping[str, Any], key: str, flag: str, where: str) -> Any:
         close = difflib.get_close_matches(key, present, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         nested = "" if "." not in key else f" (nor the nested field {key!r})"
-        raise DataError(f"{where} has no {flag} {key!r}{nested}; keys present: {present}.{hint} Set --{flag} to one of "
-                        "them (a dotted path reaches nested fields).")
+        raise DataError(
+            f"{where} has no {flag} {key!r}{nested}; keys present: {present}.{hint} Set --{flag} to one of "
+            "them (a dotted path reaches nested fields)."
+        )
     return value
 
 
@@ -214,15 +225,21 @@ def messages(value: Any, key: str, where: str, text_role: str | None) -> Message
     return messages
 
 
-def render(tokenizer: PreTrainedTokenizerBase, messages: Messages, generation_prompt: bool, where: str,
-           template_kwargs: Mapping[str, Any] | None = None) -> str:
+def render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Messages,
+    generation_prompt: bool,
+    where: str,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
     """`messages` through the tokenizer's chat template as text (verl's data.apply_chat_template_kwargs, e.g.
     `enable_thinking`, go to the template)."""
-    from jinja2 import TemplateError  # lazy: transformers' own dependency, needed only with a chat template
+    from jinja2 import TemplateError  # noqa: PLC0415 - transformers' dependency, needed only with a chat template
 
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                             **dict(template_kwargs or {}))
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **dict(template_kwargs or {})
+        )
     except TemplateError as exc:
         raise DataError(f"{where}: the chat template failed on {str(messages)[:120]!r}: {exc}") from exc
     if not isinstance(text, str):
@@ -241,6 +258,7 @@ def plain(value: Any) -> Any:
     if callable(tolist) and not isinstance(value, (str, bytes)):
         return plain(tolist())
     return value
+
 
 KNOWN_SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
 
@@ -274,8 +292,10 @@ class DataSpec:
             raise DataError(f"--{self.flag}_probs {self.probs!r} must be comma-separated numbers") from None
         # A zero weight never draws from its source, which then never runs out: "all_exhausted" would not end.
         if len(weights) != len(self.names()) or not all(w > 0 for w in weights):
-            raise DataError(f"--{self.flag}_probs {self.probs!r} needs one positive weight per source of --{self.flag} "
-                            f"({len(self.names())}: {self.sources}); drop a source rather than weighting it 0")
+            raise DataError(
+                f"--{self.flag}_probs {self.probs!r} needs one positive weight per source of --{self.flag} "
+                f"({len(self.names())}: {self.sources}); drop a source rather than weighting it 0"
+            )
         return weights
 
 
@@ -288,8 +308,13 @@ def _split_of(relative: Path, split: str) -> bool:
 
 def _data_files(folder: str, split: str, shown: str) -> list[str]:
     root = Path(folder)
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in FILE_FORMATS
-                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    files = sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in FILE_FORMATS
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
     if not files:
         raise DataError(f"{shown} holds no data files ({', '.join(FILE_FORMATS)}) and was not written by save_to_disk")
     named = [p for p in files if any(_split_of(p.relative_to(root), s) for s in (*KNOWN_SPLITS, split))]
@@ -297,9 +322,11 @@ def _data_files(folder: str, split: str, shown: str) -> list[str]:
     if not named and split == "train":
         chosen = files
     if not chosen:
-        raise DataError(f"{shown} has no '{split}' split; its data files: "
-                        f"{', '.join(str(p.relative_to(root)) for p in files[:8])}. Choose the split (--prompt_split / "
-                        "--eval_split) or a SOURCE@DATA_DIR")
+        raise DataError(
+            f"{shown} has no '{split}' split; its data files: "
+            f"{', '.join(str(p.relative_to(root)) for p in files[:8])}. Choose the split (--prompt_split / "
+            "--eval_split) or a SOURCE@DATA_DIR"
+        )
     return [str(p) for p in chosen]
 
 
@@ -310,8 +337,10 @@ def _is_saved_dataset(folder: str) -> bool:
 def _read_source(name: str, spec: DataSpec) -> list[Any]:
     source, _, data_dir = name.partition("@") if not os.path.exists(name) else (name, "", "")
     if not os.path.exists(source) and parse_repo_id(source) is None:
-        raise DataError(f"--{spec.flag} {source}: no such file or directory (the path does not exist); check it (a "
-                        "Hugging Face Hub dataset id has the form owner/name)")
+        raise DataError(
+            f"--{spec.flag} {source}: no such file or directory (the path does not exist); check it (a "
+            "Hugging Face Hub dataset id has the form owner/name)"
+        )
     if os.path.isfile(source):
         return read_rows(source)
     folder = resolve(source, "dataset", spec.flag)
@@ -330,13 +359,16 @@ def _read_source(name: str, spec: DataSpec) -> list[Any]:
 
 def _interleave(parts: list[list[Any]], weights: list[float], seed: int) -> list[Any]:
     try:
-        import datasets
+        import datasets  # noqa: PLC0415 - optional extra (rlrun[data])
     except ImportError as exc:
         raise MissingExtraError("datasets", "data", "Blending datasets by probability (--prompt_data_probs)") from exc
     total = sum(weights)
-    mixed = datasets.interleave_datasets([datasets.Dataset.from_list(p) for p in parts],
-                                         probabilities=[w / total for w in weights], seed=seed,
-                                         stopping_strategy="all_exhausted")
+    mixed = datasets.interleave_datasets(
+        [datasets.Dataset.from_list(p) for p in parts],
+        probabilities=[w / total for w in weights],
+        seed=seed,
+        stopping_strategy="all_exhausted",
+    )
     return mixed.to_list()
 
 
@@ -345,16 +377,25 @@ def not_here(sources: str) -> list[str]:
     hub cache (another machine's paths, an earlier stage's output, a dataset downloaded at start-up): a dry run on a
     login node names them instead of failing or downloading."""
     names = [n.strip() for n in sources.split(",")]
-    return [n for n in names if not os.path.exists(n) and not os.path.exists(n.partition("@")[0])
-            and cached(n.partition("@")[0], "dataset") is None]
+    return [
+        n
+        for n in names
+        if not os.path.exists(n)
+        and not os.path.exists(n.partition("@")[0])
+        and cached(n.partition("@")[0], "dataset") is None
+    ]
 
 
 def missing_paths(models: Sequence[tuple[str, str | None]], data: Sequence[tuple[str, str | None]]) -> list[str]:
     """A dry run's warning per value this machine cannot read: (flag, path or hub id) of model flags, (flag, source
     list) of data flags (each source without its @DATA_DIR); unset flags are skipped."""
     named: list[tuple[str, str, RepoType]] = [(flag, path, "model") for flag, path in models if path is not None]
-    named += [(flag, n.strip().partition("@")[0], "dataset") for flag, sources in data
-              for n in (sources or "").split(",") if n.strip()]
+    named += [
+        (flag, n.strip().partition("@")[0], "dataset")
+        for flag, sources in data
+        for n in (sources or "").split(",")
+        if n.strip()
+    ]
     return [note for flag, name, kind in named if (note := missing_note(flag, name, kind)) is not None]
 
 
@@ -365,7 +406,7 @@ def read_sources(spec: DataSpec) -> list[Any]:
     parts = []
     for name in names:
         rows = _read_source(name, spec)
-        parts.append(rows if spec.max_count is None else rows[:spec.max_count])
+        parts.append(rows if spec.max_count is None else rows[: spec.max_count])
     if weights is None or len(parts) == 1:
         return [row for part in parts for row in part]
     empty = [n for n, p in zip(names, parts) if not p]

@@ -28,7 +28,7 @@ class PromptVision:
     images: tuple[Any, ...] = ()
 
     @classmethod
-    def empty(cls, dim: int) -> "PromptVision":
+    def empty(cls, dim: int) -> PromptVision:
         return cls(torch.zeros(0, dim), torch.zeros(0, 3, dtype=torch.long))
 
 
@@ -40,7 +40,7 @@ class RowVision:
     row_entry: torch.Tensor
 
     @classmethod
-    def of_rows(cls, per_row: list[PromptVision]) -> "RowVision":
+    def of_rows(cls, per_row: list[PromptVision]) -> RowVision:
         """One entry per distinct object in `per_row` (rows of one prompt pass the same PromptVision)."""
         index: dict[int, int] = {}
         entries: list[PromptVision] = []
@@ -55,11 +55,11 @@ class RowVision:
     def __len__(self) -> int:
         return int(self.row_entry.numel())
 
-    def __getitem__(self, index: slice | torch.Tensor | list[int]) -> "RowVision":
+    def __getitem__(self, index: slice | torch.Tensor | list[int]) -> RowVision:
         """The rows `index` selects (as a tensor's rows), sharing this batch's entries."""
         return RowVision(self.entries, self.row_entry[index])
 
-    def to(self, device: torch.device) -> "RowVision":
+    def to(self, device: torch.device) -> RowVision:
         """Itself: entries stay on the host until model_inputs builds one micro-batch's tensors on the device."""
         return self
 
@@ -81,21 +81,27 @@ class RowVision:
         rows = [self.entries[i] for i in self.row_entry.tolist()]
         if not any(e.grid_thw.shape[0] for e in rows):
             return {}
-        return {"pixel_values": torch.cat([e.pixel_values for e in rows]).to(device, dtype),
-                "image_grid_thw": torch.cat([e.grid_thw for e in rows]).to(device)}
+        return {
+            "pixel_values": torch.cat([e.pixel_values for e in rows]).to(device, dtype),
+            "image_grid_thw": torch.cat([e.grid_thw for e in rows]).to(device),
+        }
 
     # ---- wire and checkpoints: tensors only --------------------------------------------------------
 
     def state(self) -> dict[str, torch.Tensor]:
         """Tensors only (checkpoints load them with weights_only=True; the wire sends the same)."""
         dim = self.entries[0].pixel_values.shape[1] if self.entries else 0
-        return {"pixels": torch.cat([e.pixel_values for e in self.entries]) if self.entries else torch.zeros(0, dim),
-                "grids": torch.cat([e.grid_thw for e in self.entries]) if self.entries else torch.zeros(0, 3, dtype=torch.long),
-                "images": torch.tensor([e.grid_thw.shape[0] for e in self.entries], dtype=torch.long),
-                "row_entry": self.row_entry}
+        return {
+            "pixels": torch.cat([e.pixel_values for e in self.entries]) if self.entries else torch.zeros(0, dim),
+            "grids": torch.cat([e.grid_thw for e in self.entries])
+            if self.entries
+            else torch.zeros(0, 3, dtype=torch.long),
+            "images": torch.tensor([e.grid_thw.shape[0] for e in self.entries], dtype=torch.long),
+            "row_entry": self.row_entry,
+        }
 
     @classmethod
-    def from_state(cls, state: dict[str, torch.Tensor]) -> "RowVision":
+    def from_state(cls, state: dict[str, torch.Tensor]) -> RowVision:
         images = state["images"].tolist()
         grids = list(torch.split(state["grids"], images)) if images else []
         patches = [int(g.prod(dim=1).sum()) for g in grids]
@@ -104,7 +110,7 @@ class RowVision:
         return cls(entries, state["row_entry"])
 
     @classmethod
-    def concat(cls, parts: list["RowVision"]) -> "RowVision":
+    def concat(cls, parts: list[RowVision]) -> RowVision:
         """The rows of `parts` in order (the engines' shares of a step)."""
         entries: list[PromptVision] = []
         rows = []
@@ -115,4 +121,6 @@ class RowVision:
 
     def digest(self) -> list[float]:
         """Per row, the sum of its prompt's pixels and grids: equal on every rank when the images arrived intact."""
-        return [float(e.pixel_values.double().sum() + e.grid_thw.sum()) for e in (self.row(i) for i in range(len(self)))]
+        return [
+            float(e.pixel_values.double().sum() + e.grid_thw.sum()) for e in (self.row(i) for i in range(len(self)))
+        ]

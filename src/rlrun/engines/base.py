@@ -4,19 +4,22 @@ engine) sit behind the same surface."""
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
 import importlib.util
 from dataclasses import dataclass
 from typing import Protocol
+
 import torch
 from torch import nn
-from rlrun.weight_sync.buckets import KeptModel, WeightReceiver
-from rlrun.runtime.errors import ConfigError
+from transformers import PreTrainedTokenizerBase
+
 from rlrun.data.vision_batch import RowVision
+from rlrun.runtime.errors import ConfigError
 from rlrun.vision.inputs import generate_inputs
+from rlrun.weight_sync.buckets import KeptModel, WeightReceiver
 
 # ---- stop strings ------------------------------------------------------------------------------------------------
 # Where a turn ends: the first token that completes a stop string (that token kept).
+
 
 def cut_at_stop(tokens: list[int], stop: tuple[str, ...], tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """tokens[:k] for the smallest k whose text contains a stop string; all of tokens when none does.
@@ -41,6 +44,7 @@ def cut_at_stop(tokens: list[int], stop: tuple[str, ...], tokenizer: PreTrainedT
         else:
             lo = mid + 1
     return tokens[:hi]
+
 
 # The backends whose engines return each sampled token's log-probability (Generation.log_probs).
 REPORTS_LOG_PROBS = frozenset({"native", "vllm"})
@@ -76,8 +80,9 @@ class Engine(Protocol):
         """Prompt token ids -> response token ids (EOS included when it was sampled)."""
         ...
 
-    def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
-               stop: tuple[str, ...] = ()) -> Generation:
+    def sample(
+        self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None, stop: tuple[str, ...] = ()
+    ) -> Generation:
         """generate() plus the sampled tokens' log-probabilities. max_new_tokens: this call's cap (default the
         settings'); stop: strings that end a response early (multi-turn agents). A response ends at the first
         token that completes a stop string, that token included (rlrun.engines.base.cut_at_stop). Engines that
@@ -102,13 +107,17 @@ def resolve_backend(requested: str, cuda: bool, native_blocker: str | None = Non
         from rlrun.engines.vllm.adapter import check_version  # noqa: PLC0415 - no vllm import, metadata only
 
         version = check_version()
-        return "vllm", f"requested: vLLM {version}" + ("; no sleep mode on CPU (sleep/wake do nothing)" if not cuda else "")
+        return "vllm", f"requested: vLLM {version}" + (
+            "; no sleep mode on CPU (sleep/wake do nothing)" if not cuda else ""
+        )
     if requested == "hf":
         return "hf", "requested"
     if requested == "native":
         if native_blocker is not None:
-            raise ConfigError(f"--generation_backend native cannot run this policy: {native_blocker}; use "
-                              "--generation_backend hf (or auto)")
+            raise ConfigError(
+                f"--generation_backend native cannot run this policy: {native_blocker}; use "
+                "--generation_backend hf (or auto)"
+            )
         return "native", "requested"
     vllm_note = ""
     if cuda and vllm_available():
@@ -119,8 +128,10 @@ def resolve_backend(requested: str, cuda: bool, native_blocker: str | None = Non
         except ConfigError:
             vllm_note = f"; vLLM {installed_version()} is installed but not used: rlrun supports {SUPPORTED_TEXT}"
         else:
-            return "vllm", (f"auto: vLLM {version} is installed and a GPU is present (rlrun's vLLM path has not run on "
-                            "a GPU yet; --generation_backend native or hf avoids it)")
+            return "vllm", (
+                f"auto: vLLM {version} is installed and a GPU is present (rlrun's vLLM path has not run on "
+                "a GPU yet; --generation_backend native or hf avoids it)"
+            )
     if native_blocker is not None:
         return "hf", f"auto: the native engine cannot run this policy ({native_blocker})" + vllm_note
     return "native", "auto: rlrun's KV-cache decoder runs this architecture" + vllm_note
@@ -130,8 +141,13 @@ class TorchEngine:
     """What the engines that run the policy with plain torch in this process share (HF generate, native; not vLLM):
     a frozen model in eval mode that weight sync writes into, the sampling settings, generate() over sample()."""
 
-    def __init__(self, model: nn.Module, sampling: SamplingSettings, device: torch.device,
-                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        sampling: SamplingSettings,
+        device: torch.device,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
         self.tokenizer = tokenizer  # needed for stop strings only
         self.model = model.eval()
         self.model.requires_grad_(False)
@@ -142,8 +158,9 @@ class TorchEngine:
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         return self.sample(prompts, seed).responses
 
-    def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
-               stop: tuple[str, ...] = ()) -> Generation:
+    def sample(
+        self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None, stop: tuple[str, ...] = ()
+    ) -> Generation:
         raise NotImplementedError
 
     def load_weights(self) -> None:
@@ -154,8 +171,15 @@ class HFEngine(TorchEngine):
     """Sampling with transformers `generate`: left-padded prompts, stop at EOS."""
 
     @torch.no_grad()
-    def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
-               stop: tuple[str, ...] = (), vision: RowVision | None = None) -> Generation:
+    def sample(
+        self,
+        prompts: list[list[int]],
+        seed: int,
+        *,
+        max_new_tokens: int | None = None,
+        stop: tuple[str, ...] = (),
+        vision: RowVision | None = None,
+    ) -> Generation:
         s = self.sampling
         stop_kwargs: dict = {}
         if stop:
@@ -166,18 +190,25 @@ class HFEngine(TorchEngine):
         ids = torch.full((len(prompts), width), s.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         images = {} if vision is None else generate_inputs(self.model, ids.to(self.device), vision)
         # Sampling draws from the global RNG; a seed per (step, rank) makes rollouts reproducible
         # and resumable without saving generator state.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(seed)
             out = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
-                temperature=s.temperature, top_p=s.top_p, top_k=0,
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                do_sample=True,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=0,
                 max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                pad_token_id=s.pad_id, eos_token_id=s.eos_id, **stop_kwargs, **images,
+                pad_token_id=s.pad_id,
+                eos_token_id=s.eos_id,
+                **stop_kwargs,
+                **images,
             )
         responses = []
         for row in out[:, width:].tolist():

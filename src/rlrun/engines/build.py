@@ -34,31 +34,67 @@ def engine_dtype(bf16: bool, device: torch.device) -> torch.dtype:
 
 
 def sampling_settings(g: GenerationConfig, tokenizer: PreTrainedTokenizerBase) -> SamplingSettings:
-    return SamplingSettings(g.temperature, g.top_p, g.generate_max_len, int(tokenizer.pad_token_id),
-                            int(tokenizer.eos_token_id))
+    return SamplingSettings(
+        g.temperature, g.top_p, g.generate_max_len, int(tokenizer.pad_token_id), int(tokenizer.eos_token_id)
+    )
 
 
-def build_engine(g: GenerationConfig, unfilled: Unfilled, tokenizer: PreTrainedTokenizerBase, *, layout: Layout,
-                 groups: Groups, device: torch.device, seed: int, tensor_parallel_size: int, timeout_s: float,
-                 image_processor: Any = None, images_per_prompt: int = 0) -> Engine:
+def build_engine(
+    g: GenerationConfig,
+    unfilled: Unfilled,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    layout: Layout,
+    groups: Groups,
+    device: torch.device,
+    seed: int,
+    tensor_parallel_size: int,
+    timeout_s: float,
+    image_processor: Any = None,
+    images_per_prompt: int = 0,
+) -> Engine:
     """This engine rank's engine over `unfilled` (the initial policy on the meta device, in the engines' dtype),
     for --generation_backend (already resolved from auto, rlrun.plan.plan). `image_processor`: a vision-language
     policy's, None for a text policy."""
     sampling = sampling_settings(g, tokenizer)
     if g.generation_backend == "vllm":
-        return _vllm_engine(g, unfilled, tokenizer, sampling, layout=layout, groups=groups, device=device, seed=seed,
-                            tp=tensor_parallel_size, timeout_s=timeout_s, image_processor=image_processor,
-                            images_per_prompt=images_per_prompt)
+        return _vllm_engine(
+            g,
+            unfilled,
+            tokenizer,
+            sampling,
+            layout=layout,
+            groups=groups,
+            device=device,
+            seed=seed,
+            tp=tensor_parallel_size,
+            timeout_s=timeout_s,
+            image_processor=image_processor,
+            images_per_prompt=images_per_prompt,
+        )
     if g.generation_backend == "native":  # planning resolved `auto` and checked the architecture
         budget = None if g.native_kv_cache_mb is None else g.native_kv_cache_mb * 2**20
-        return NativeEngine(unfilled.fill(device), sampling, device, tokenizer, kv_cache_bytes=budget,
-                            cuda_graph=g.native_cuda_graph)
+        return NativeEngine(
+            unfilled.fill(device), sampling, device, tokenizer, kv_cache_bytes=budget, cuda_graph=g.native_cuda_graph
+        )
     return HFEngine(unfilled.fill(device), sampling, device, tokenizer)
 
 
-def _vllm_engine(g: GenerationConfig, unfilled: Unfilled, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
-                 *, layout: Layout, groups: Groups, device: torch.device, seed: int, tp: int, timeout_s: float,
-                 image_processor: Any, images_per_prompt: int) -> "VLLMEngine | TensorParallelEngine | InProcessEngine":
+def _vllm_engine(
+    g: GenerationConfig,
+    unfilled: Unfilled,
+    tokenizer: PreTrainedTokenizerBase,
+    sampling: SamplingSettings,
+    *,
+    layout: Layout,
+    groups: Groups,
+    device: torch.device,
+    seed: int,
+    tp: int,
+    timeout_s: float,
+    image_processor: Any,
+    images_per_prompt: int,
+) -> VLLMEngine | TensorParallelEngine | InProcessEngine:
     """vLLM in this rank when the engine ranks are the whole world (vllm/placement.py); otherwise a vLLM child on
     this rank (tensor parallel 1), or this rank's part of a tensor-parallel engine whose child runs on the engine's
     first rank. Weight sync hands each sync to vLLM and the rank reads nothing (but a vision-language policy, for
@@ -74,8 +110,9 @@ def _vllm_engine(g: GenerationConfig, unfilled: Unfilled, tokenizer: PreTrainedT
     exchange = EngineRowExchange(engine_group, device)
     max_model_len = g.prompt_max_len + g.generate_max_len
     if g.vllm_enable_sleep and device.type != "cuda" and rank == layout.ranks_of(Role.ENGINE)[0]:
-        get_logger(rank)._emit("info", "--vllm_enable_sleep: no effect on CPU (vLLM has no sleep mode there); the "
-                                       "engines stay awake")  # from the engines' first rank, which need not be 0
+        get_logger(rank)._emit(
+            "info", "--vllm_enable_sleep: no effect on CPU (vLLM has no sleep mode there); the engines stay awake"
+        )  # from the engines' first rank, which need not be 0
     in_process = choose_host(g.vllm_engine_host, layout, tp) == "in_process"
     # Weight sync hands every sync straight to vLLM (the gathered tensors in-process, a stream of buckets to a child):
     # the rank keeps no copy of the policy. A vision-language policy is read for vLLM's first file, and dropped.
@@ -83,25 +120,54 @@ def _vllm_engine(g: GenerationConfig, unfilled: Unfilled, tokenizer: PreTrainedT
         policy = unfilled.fill(torch.device("cpu"))
     else:
         policy = unfilled.model
-    images = {} if image_processor is None else {"image_processor": image_processor,
-                                                 "images_per_prompt": max(1, images_per_prompt)}
+    images = (
+        {}
+        if image_processor is None
+        else {"image_processor": image_processor, "images_per_prompt": max(1, images_per_prompt)}
+    )
     if in_process:
         from rlrun.engines.vllm.in_process import InProcessEngine  # noqa: PLC0415
 
-        engine = InProcessEngine(policy, tokenizer, sampling, device, layout=layout, world_size=world_size(), rank=rank,
-                                 exchange=exchange, seed=seed, max_model_len=max_model_len, tensor_parallel_size=tp,
-                                 enforce_eager=g.enforce_eager, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-                                 enable_sleep=g.vllm_enable_sleep, kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes,
-                                 seeded_requests=g.vllm_seeded_requests, **images)
+        engine = InProcessEngine(
+            policy,
+            tokenizer,
+            sampling,
+            device,
+            layout=layout,
+            world_size=world_size(),
+            rank=rank,
+            exchange=exchange,
+            seed=seed,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tp,
+            enforce_eager=g.enforce_eager,
+            gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+            enable_sleep=g.vllm_enable_sleep,
+            kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes,
+            seeded_requests=g.vllm_seeded_requests,
+            **images,
+        )
         before_teardown(engine.close)  # vLLM's groups go before the default group
         return engine
     leader = None
     if exchange.is_leader:
-        leader = VLLMEngine(policy, tokenizer, sampling, device, seed=seed, max_model_len=max_model_len,
-                            timeout_s=timeout_s, enforce_eager=g.enforce_eager,
-                            gpu_memory_utilization=g.vllm_gpu_memory_utilization, rank=rank, tensor_parallel_size=tp,
-                            enable_sleep=g.vllm_enable_sleep, kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes,
-                            seeded_requests=g.vllm_seeded_requests, **images)
+        leader = VLLMEngine(
+            policy,
+            tokenizer,
+            sampling,
+            device,
+            seed=seed,
+            max_model_len=max_model_len,
+            timeout_s=timeout_s,
+            enforce_eager=g.enforce_eager,
+            gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+            rank=rank,
+            tensor_parallel_size=tp,
+            enable_sleep=g.vllm_enable_sleep,
+            kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes,
+            seeded_requests=g.vllm_seeded_requests,
+            **images,
+        )
     if tp == 1:
         assert leader is not None
         return leader

@@ -25,9 +25,9 @@ capacity, H query heads, K key/value heads, G = H / K, D head dim, E hidden size
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -64,8 +64,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
     """One decode step's attention per (row, key/value head) N: q [N, G, D], keys and values [N, T, D] in the model's
     dtype, bias [N, 1, T] fp32 (0 or -inf) -> [N, G, D] in the model's dtype.
 
@@ -86,8 +87,10 @@ def fused_groups(names: Iterable[str]) -> list[list[str]]:
     present = set(names)
     groups = []
     for name in present:
-        for first, rest in (("self_attn.q_proj.", ("self_attn.k_proj.", "self_attn.v_proj.")),
-                            ("mlp.gate_proj.", ("mlp.up_proj.",))):
+        for first, rest in (
+            ("self_attn.q_proj.", ("self_attn.k_proj.", "self_attn.v_proj.")),
+            ("mlp.gate_proj.", ("mlp.up_proj.",)),
+        ):
             head, found, kind = name.rpartition(first)
             if found and kind in ("weight", "bias"):
                 group = [name] + [head + other + kind for other in rest]
@@ -101,9 +104,14 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
     memory: [sum r_i, *rest]; None when they do not lie so."""
     first = parts[0]
     for a, b in zip(parts, parts[1:]):
-        if not (a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype and a.shape[1:] == b.shape[1:]
-                and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-                and a.data_ptr() + a.nbytes == b.data_ptr()):
+        if not (
+            a.is_contiguous()
+            and b.is_contiguous()
+            and a.dtype == b.dtype
+            and a.shape[1:] == b.shape[1:]
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.data_ptr() + a.nbytes == b.data_ptr()
+        ):
             return None
     return first.detach().as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride())
 
@@ -115,18 +123,23 @@ def _lay_out_back_to_back(params: list[nn.Parameter]) -> None:
     joined = torch.cat([p.detach() for p in params])
     start = 0
     for p in params:
-        p.data = joined[start:start + p.shape[0]]
+        p.data = joined[start : start + p.shape[0]]
         start += p.shape[0]
 
 
-def _projections(block: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter] | None, list[nn.Parameter],
-                                             list[nn.Parameter] | None]:
+def _projections(
+    block: nn.Module,
+) -> tuple[list[nn.Parameter], list[nn.Parameter] | None, list[nn.Parameter], list[nn.Parameter] | None]:
     """A decoder block's parameters that run joined: q/k/v weights, their biases (None without), gate/up weights,
     their biases (None without); in fused_groups' order."""
     attention = [block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj]
     mlp = [block.mlp.gate_proj, block.mlp.up_proj]
-    return ([m.weight for m in attention], None if attention[0].bias is None else [m.bias for m in attention],
-            [m.weight for m in mlp], None if mlp[0].bias is None else [m.bias for m in mlp])
+    return (
+        [m.weight for m in attention],
+        None if attention[0].bias is None else [m.bias for m in attention],
+        [m.weight for m in mlp],
+        None if mlp[0].bias is None else [m.bias for m in mlp],
+    )
 
 
 @dataclass
@@ -144,8 +157,17 @@ class KVCache:
     """Per layer keys (interleaved features) and values [B, K, C, D]; `length` positions are filled. Rows can be
     dropped (`keep`)."""
 
-    def __init__(self, layers: int, rows: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, zeroed: bool = False) -> None:
+    def __init__(
+        self,
+        layers: int,
+        rows: int,
+        kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        zeroed: bool = False,
+    ) -> None:
         new = torch.zeros if zeroed else torch.empty
         self.keys = [new(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros_like(k) if zeroed else torch.empty_like(k) for k in self.keys]
@@ -169,7 +191,7 @@ class Decoder:
         self.kv_heads = int(getattr(c, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // self.heads)
         self.intermediate = int(c.intermediate_size)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.qk_norm = c.model_type in _QK_NORM_TYPES
         self.blocks = list(self.body.layers)
         for block in self.blocks:
@@ -226,16 +248,23 @@ class Decoder:
             # enable_gqa with a boolean mask runs a fused kernel on torch 2.11 + H200 (one Qwen2.5-0.5B layer at
             # [16, 2048]: 1.32 ms, 0.18 GiB peak; K/V repeated per head instead: 1.46 ms, 0.29 GiB; the [B, H, W, W]
             # scores a math kernel would hold: 3.5 GiB), so K/V stay unrepeated (bench/gpu, prefill_memory).
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                                 enable_gqa=self.kv_heads != self.heads)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
+            )
             return out.transpose(1, 2).reshape(ids.shape[0], width, -1)
 
         hidden = self._blocks(self.body.embed_tokens(ids), positions, cache, attend)
         return self._logits(hidden[:, -1])
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: KVCache,
-               slot: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        cache: KVCache,
+        slot: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One new token per row: tokens [B], positions [B], valid [B, T] (the cached positions and this one);
         appends to the cache, returns logits [B, V] (fp32).
         slot ([1] long): static shapes instead, for a CUDA graph: this step's keys/values go to cache position
@@ -249,8 +278,13 @@ class Decoder:
         bias = bias[:, None, None].expand(rows, K, 1, T).reshape(rows * K, 1, T)
 
         def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-            return decode_attention(q.reshape(rows * K, -1, self.head_dim), keys.reshape(rows * K, T, -1),
-                                    values.reshape(rows * K, T, -1), bias, self.scale).view(rows, 1, -1)
+            return decode_attention(
+                q.reshape(rows * K, -1, self.head_dim),
+                keys.reshape(rows * K, T, -1),
+                values.reshape(rows * K, T, -1),
+                bias,
+                self.scale,
+            ).view(rows, 1, -1)
 
         hidden = self._blocks(self.body.embed_tokens(tokens[:, None]), positions[:, None], cache, attend, slot)
         return self._logits(hidden[:, 0])
@@ -266,8 +300,9 @@ class Decoder:
         half = self.head_dim // 2
         return torch.complex(cos[..., :half].float(), sin[..., :half].float())[:, :, None]
 
-    def _blocks(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, attend,
-                slot: torch.Tensor | None = None) -> torch.Tensor:
+    def _blocks(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, attend, slot: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [B, S, E] at positions [B, S] (S new positions after cache.length; with `slot`, S = 1 at cache
         position slot, attending over the whole capacity: see decode); `attend(q [B, S, H, D], keys [B, K, T, D],
         values [B, K, T, D]) -> [B, S, H D]`."""
@@ -281,17 +316,22 @@ class Decoder:
             block = layer.block
             h = _rms_norm(x, block.input_layernorm.weight, self.eps)
             qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
-            qk = qkv[..., :(H + K) * D].view(rows, new, H + K, D)
+            qk = qkv[..., : (H + K) * D].view(rows, new, H + K, D)
             if self.qk_norm:
                 attention = block.self_attn
-                qk = torch.cat([_rms_norm(qk[:, :, :H], attention.q_norm.weight, self.eps),
-                                _rms_norm(qk[:, :, H:], attention.k_norm.weight, self.eps)], dim=2)
+                qk = torch.cat(
+                    [
+                        _rms_norm(qk[:, :, :H], attention.q_norm.weight, self.eps),
+                        _rms_norm(qk[:, :, H:], attention.k_norm.weight, self.eps),
+                    ],
+                    dim=2,
+                )
             # [..., D] -> [..., D/2, 2]: feature j beside its rotate-half partner j + D/2 (one copy, in fp32)
             pairs = qk.unflatten(-1, (2, D // 2)).transpose(-1, -2)
             pairs = pairs.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             qk = torch.view_as_real(torch.view_as_complex(pairs) * rotation).flatten(-2).to(x.dtype)
             new_keys = qk[:, :, H:].transpose(1, 2)
-            new_values = qkv[..., (H + K) * D:].view(rows, new, K, D).transpose(1, 2)
+            new_values = qkv[..., (H + K) * D :].view(rows, new, K, D).transpose(1, 2)
             if slot is None:
                 cache.keys[i][:, :, start:end] = new_keys
                 cache.values[i][:, :, start:end] = new_values
@@ -303,7 +343,9 @@ class Decoder:
             o_proj = block.self_attn.o_proj
             x = x + F.linear(out, o_proj.weight, o_proj.bias)
             h = _rms_norm(x, block.post_attention_layernorm.weight, self.eps)
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).split([self.intermediate, self.intermediate], dim=-1)
+            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).split(
+                [self.intermediate, self.intermediate], dim=-1
+            )
             down = block.mlp.down_proj
             x = x + F.linear(F.silu(gate) * up, down.weight, down.bias)
         if slot is None:

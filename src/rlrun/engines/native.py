@@ -22,22 +22,23 @@ filled positions) its sums run over more (masked, zero) terms, so its logits may
 
 from __future__ import annotations
 
-import torch
-from rlrun.runtime.errors import NonFiniteError
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
+
+import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
-from rlrun.engines.base import Generation, TorchEngine, SamplingSettings
+
+from rlrun.engines.base import Generation, SamplingSettings, TorchEngine, cut_at_stop
 from rlrun.engines.decoder import Decoder, KVCache
-from rlrun.engines.base import cut_at_stop
-from rlrun.runtime.errors import ConfigError
+from rlrun.runtime.errors import ConfigError, NonFiniteError
 from rlrun.runtime.log import get_logger
 
 # ---- sampling ----------------------------------------------------------------------------------------------------
 # Token sampling with the log-probability of each sampled token: HF's temperature and top-p warpers, then a draw
 # from a caller-owned generator (reproducible from a seed without touching the global RNG).
+
 
 def processed_log_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """logits [B, V] -> log-probabilities [B, V] of the sampling distribution: logits / temperature, then (top_p < 1)
@@ -55,8 +56,9 @@ def processed_log_probs(logits: torch.Tensor, temperature: float, top_p: float) 
     return torch.log_softmax(scores, dim=-1)
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float,
-           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (tokens [B] long, their log-probabilities [B] fp32 under the processed distribution)."""
     log_probs = processed_log_probs(logits, temperature, top_p)
     try:
@@ -64,9 +66,12 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float,
     except RuntimeError as exc:
         if "probability tensor contains" not in str(exc):
             raise
-        raise NonFiniteError("the policy's next-token probabilities are NaN/inf: its weights are no longer finite "
-                             "(the run diverged; lower the learning rate, and resume from the last checkpoint)") from None
+        raise NonFiniteError(
+            "the policy's next-token probabilities are NaN/inf: its weights are no longer finite "
+            "(the run diverged; lower the learning rate, and resume from the last checkpoint)"
+        ) from None
     return tokens[:, 0], log_probs.gather(1, tokens)[:, 0]
+
 
 # Finished rows stay in the batch until they are at least this fraction of it: dropping them copies the cache.
 COMPACT_FRACTION = 0.125
@@ -95,9 +100,16 @@ _LOGIT_COPIES = 10
 class NativeEngine(TorchEngine):
     """Sampling with rlrun's decoder: left-padded prompts, stop at EOS (and at stop strings when given)."""
 
-    def __init__(self, model: nn.Module, sampling: SamplingSettings, device: torch.device,
-                 tokenizer: PreTrainedTokenizerBase | None = None, *, kv_cache_bytes: int | None = None,
-                 cuda_graph: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        sampling: SamplingSettings,
+        device: torch.device,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        *,
+        kv_cache_bytes: int | None = None,
+        cuda_graph: bool = False,
+    ) -> None:
         """kv_cache_bytes: the KV cache budget of one call (--native_kv_cache_mb); None: on GPU derived at each call
         from the memory free then (GPU_FREE_FRACTION of it, less each row's activations), on CPU unbounded.
         cuda_graph: replay each decode step as a captured CUDA graph (--native_cuda_graph); on a device other than
@@ -112,9 +124,13 @@ class NativeEngine(TorchEngine):
         self.step_mode = "eager"
         # HF's dynamic and longrope rotary embeddings read the positions on the host each forward: no capture
         rope = str(getattr(self.decoder.body.rotary_emb, "rope_type", "default"))
-        blocker = (f"CUDA graphs need a CUDA device, not {self.device.type}" if self.device.type != "cuda" else
-                   f"rope type {rope!r} reads positions on the host" if "dynamic" in rope or "longrope" in rope
-                   else None)
+        blocker = (
+            f"CUDA graphs need a CUDA device, not {self.device.type}"
+            if self.device.type != "cuda"
+            else f"rope type {rope!r} reads positions on the host"
+            if "dynamic" in rope or "longrope" in rope
+            else None
+        )
         if cuda_graph and blocker is None:
             self.step_mode = "graph"
         elif cuda_graph:
@@ -124,8 +140,9 @@ class NativeEngine(TorchEngine):
         self.last_steps_built = 0  # static/graph mode: decode steps the last call built (captured), one per batch+drop
 
     @torch.no_grad()
-    def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
-               stop: tuple[str, ...] = ()) -> Generation:
+    def sample(
+        self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None, stop: tuple[str, ...] = ()
+    ) -> Generation:
         if stop and self.tokenizer is None:
             raise ValueError("NativeEngine needs its tokenizer for stop strings")
         _check_prompts(prompts)
@@ -148,7 +165,7 @@ class NativeEngine(TorchEngine):
                     kept = row[:n]
                     if stop:  # a row stops at the token that completes a stop string; cut exactly there
                         kept = cut_at_stop(kept, stop, self.tokenizer)  # type: ignore[arg-type]
-                    responses[i], lps[i] = kept, lp[:len(kept)]
+                    responses[i], lps[i] = kept, lp[: len(kept)]
         return Generation(responses, lps)
 
     @contextmanager
@@ -160,12 +177,14 @@ class NativeEngine(TorchEngine):
                 rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
                 get_logger(rank).info_once(
                     f"native engine: {copied} q/k/v or gate/up parameter groups do not lie back to back in memory; "
-                    "each call joins them into a copy (weight sync lays them out back to back: see fused_groups)")
+                    "each call joins them into a copy (weight sync lays them out back to back: see fused_groups)"
+                )
             yield
 
     @torch.no_grad()
-    def sample_until(self, prompts: list[list[int]], seed: int, limits: list[int], groups: list[int],
-                     need: int) -> tuple[Generation, list[bool]]:
+    def sample_until(
+        self, prompts: list[list[int]], seed: int, limits: list[int], groups: list[int], need: int
+    ) -> tuple[Generation, list[bool]]:
         """Decode rows of several groups (groups[i]: row i's group) until `need` groups have every row finished (EOS,
         or limits[i] new tokens), then stop: (the responses so far, which rows finished). --partial_rollout takes the
         finished groups and continues the others later, so a step does not wait for its longest response. When the
@@ -188,10 +207,16 @@ class NativeEngine(TorchEngine):
             for batch in batches:
                 until = enough if len(batches) == 1 else None
                 tokens, log_probs, lengths, finished = self._decode(
-                    [prompts[i] for i in batch], new, generator, (), limits=torch.tensor([limits[i] for i in batch]),
-                    until=until)
-                for i, row, lp, n, f in zip(batch, tokens.tolist(), log_probs.tolist(), lengths.tolist(),
-                                            finished.tolist()):
+                    [prompts[i] for i in batch],
+                    new,
+                    generator,
+                    (),
+                    limits=torch.tensor([limits[i] for i in batch]),
+                    until=until,
+                )
+                for i, row, lp, n, f in zip(
+                    batch, tokens.tolist(), log_probs.tolist(), lengths.tolist(), finished.tolist()
+                ):
                     responses[i], lps[i], done[i] = row[:n], lp[:n], f
         return Generation(responses, lps), done
 
@@ -215,8 +240,9 @@ class NativeEngine(TorchEngine):
         vocab, hidden = d.body.embed_tokens.weight.shape
         H, K, D, size = d.heads, d.kv_heads, d.head_dim, d.dtype.itemsize
         kv = self.kv_row_bytes(width, new)
-        position = (size * (3 * hidden + 4 * d.intermediate + 2 * (H + 2 * K) * D + 2 * H * D) + 8 * (H + K) * D
-                    + 3 * width)
+        position = (
+            size * (3 * hidden + 4 * d.intermediate + 2 * (H + 2 * K) * D + 2 * H * D) + 8 * (H + K) * D + 3 * width
+        )
         step = 4 * _LOGIT_COPIES * vocab + ((8 + size) * H + 4 * K * D) * (width + new)
         return max(kv + width * position, int((1 + _KEEP_EXTRA) * kv) + step)
 
@@ -252,24 +278,36 @@ class NativeEngine(TorchEngine):
 
     def _too_long(self, width: int, new: int, free: int | None) -> str:
         """The message for a prompt of `width` tokens whose row alone does not fit the budget."""
-        mib = 2 ** 20
+        mib = 2**20
         kv = self.kv_row_bytes(width, new)
-        row = (f"one row of a {width}-token prompt and {new} new tokens needs {kv} bytes ({kv / mib:.1f} MiB) of "
-               "KV cache")
+        row = (
+            f"one row of a {width}-token prompt and {new} new tokens needs {kv} bytes ({kv / mib:.1f} MiB) of KV cache"
+        )
         shorter = "or lower --prompt_max_len / --generate_max_len"
         if free is None:
             budget = self.kv_cache_bytes
-            return (f"NativeEngine: {row}, over the budget of {budget} bytes ({budget / mib:.1f} MiB, "
-                    f"--native_kv_cache_mb); raise --native_kv_cache_mb {shorter}")
+            return (
+                f"NativeEngine: {row}, over the budget of {budget} bytes ({budget / mib:.1f} MiB, "
+                f"--native_kv_cache_mb); raise --native_kv_cache_mb {shorter}"
+            )
         peak = self.peak_row_bytes(width, new)
-        return (f"NativeEngine: {row} and about {peak} bytes ({peak / mib:.1f} MiB) of GPU memory with its "
-                f"activations, over the {free} bytes ({free / mib:.1f} MiB) the budget takes from the GPU memory free "
-                f"now ({GPU_FREE_FRACTION:.0%} of it, no --native_kv_cache_mb given); free GPU memory (offload or "
-                f"sleep the training models), set --native_kv_cache_mb, {shorter}")
+        return (
+            f"NativeEngine: {row} and about {peak} bytes ({peak / mib:.1f} MiB) of GPU memory with its "
+            f"activations, over the {free} bytes ({free / mib:.1f} MiB) the budget takes from the GPU memory free "
+            f"now ({GPU_FREE_FRACTION:.0%} of it, no --native_kv_cache_mb given); free GPU memory (offload or "
+            f"sleep the training models), set --native_kv_cache_mb, {shorter}"
+        )
 
-    def _decode(self, prompts: list[list[int]], new: int, generator: torch.Generator, stop: tuple[str, ...], *,
-                limits: torch.Tensor | None = None, until: Callable[[torch.Tensor], bool] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _decode(
+        self,
+        prompts: list[list[int]],
+        new: int,
+        generator: torch.Generator,
+        stop: tuple[str, ...],
+        *,
+        limits: torch.Tensor | None = None,
+        until: Callable[[torch.Tensor], bool] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One batch: (tokens [B, new], log-probs [B, new], lengths [B], finished [B] bool) on the CPU; row i's
         response is tokens[i, :lengths[i]]. Sampling draws from `generator`. limits [B]: each row's own cap on new
         tokens (at most `new`); until: called with the finished flags [B] where the loop looks at them, True stops
@@ -279,8 +317,8 @@ class NativeEngine(TorchEngine):
         ids = torch.full((rows, width), s.pad_id, dtype=torch.long)
         valid = torch.zeros(rows, width + new, dtype=torch.bool)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            valid[i, width - len(p):width] = True
+            ids[i, width - len(p) :] = torch.tensor(p)
+            valid[i, width - len(p) : width] = True
         ids, valid = ids.to(dev), valid.to(dev)
         static = self.step_mode != "eager"
         cache: KVCache = self.decoder.new_cache(rows, width + new, zeroed=static)
@@ -328,7 +366,7 @@ class NativeEngine(TorchEngine):
                     step = None  # new cache and mask tensors: a captured step would read the old ones
             valid[:, width + t] = True
             if not static:
-                logits = self.decoder.decode(token, positions, valid[:, :width + t + 1], cache)
+                logits = self.decoder.decode(token, positions, valid[:, : width + t + 1], cache)
             else:
                 if step is None:
                     step = _StaticStep(self.decoder, cache, valid, capture=self.step_mode == "graph")
@@ -337,13 +375,22 @@ class NativeEngine(TorchEngine):
             positions = positions + 1
         return out.cpu(), out_lp.cpu(), lengths.cpu(), ended.cpu()
 
-    def _stop_hits(self, out: torch.Tensor, active: torch.Tensor, done: torch.Tensor, t: int,
-                   stop: tuple[str, ...], tail_tokens: int) -> torch.Tensor:
+    def _stop_hits(
+        self,
+        out: torch.Tensor,
+        active: torch.Tensor,
+        done: torch.Tensor,
+        t: int,
+        stop: tuple[str, ...],
+        tail_tokens: int,
+    ) -> torch.Tensor:
         """[B] bool: the running rows whose last tokens (up to step t) now contain a stop string."""
-        tail = out[active, max(0, t + 1 - tail_tokens):t + 1].tolist()
+        tail = out[active, max(0, t + 1 - tail_tokens) : t + 1].tolist()
         running = (~done).tolist()
-        hits = [running[i] and any(x in self.tokenizer.decode(row, skip_special_tokens=False) for x in stop)  # type: ignore[union-attr]
-                for i, row in enumerate(tail)]
+        hits = [
+            running[i] and any(x in self.tokenizer.decode(row, skip_special_tokens=False) for x in stop)  # type: ignore[union-attr]
+            for i, row in enumerate(tail)
+        ]
         return torch.tensor(hits, dtype=torch.bool, device=out.device)
 
 

@@ -8,15 +8,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-from rlrun.runtime.errors import RlrunError
 from datetime import timedelta
+from typing import Any
+
 import torch
 import torch.distributed as dist
+
 from rlrun.launch.env import DistEnv
-from rlrun.runtime.phases import report_fatal
-from rlrun.runtime.phases import bounded_close
+from rlrun.runtime.errors import ConfigError, RlrunError
 from rlrun.runtime.log import get_logger
+from rlrun.runtime.phases import bounded_close, report_fatal
 
 # ---- the collective watch ----------------------------------------------------------------------------------------
 # An NCCL collective that never completes becomes rlrun's one failure line, not a watchdog abort.
@@ -28,6 +29,7 @@ from rlrun.runtime.log import get_logger
 # beside the run and hands the run's failure reporter one error naming the collective, its sequence number and the
 # rlrun group (the `group_desc` given in `launch.groups`). The rank then leaves as every failing rank does.
 # The cost of firing early: a collective that would have finished in the last `early_s` seconds fails instead.
+
 
 class CollectiveTimeout(RlrunError):
     """A collective stayed in flight for (nearly) its group's timeout: some rank of the group never joined it."""
@@ -47,9 +49,11 @@ class InFlight:
 
     def describe(self) -> str:
         on = f"group {self.group}" + (f" (ranks {self.ranks})" if self.ranks else "")
-        return (f"collective {self.op} #{self.seq} on {on}, input sizes {self.sizes}, has waited {self.age_s:.0f} s of "
-                f"its {self.timeout_s:g} s timeout: a rank of that group never joined it (that rank's own line, or its "
-                "stack dump, says where it is)")
+        return (
+            f"collective {self.op} #{self.seq} on {on}, input sizes {self.sizes}, has waited {self.age_s:.0f} s of "
+            f"its {self.timeout_s:g} s timeout: a rank of that group never joined it (that rank's own line, or its "
+            "stack dump, says where it is)"
+        )
 
 
 def stuck(trace: dict[str, Any], now_ns: int, early_s: float) -> InFlight | None:
@@ -58,8 +62,11 @@ def stuck(trace: dict[str, Any], now_ns: int, early_s: float) -> InFlight | None
     groups = trace.get("pg_config", {})
     # Numbers as numbers or strings: the JSON dump has stringified some fields in some torch releases.
     for entry in sorted(trace.get("entries", []), key=lambda e: int(e.get("time_created_ns", 0))):
-        if entry.get("retired") in (True, "true") or entry.get("state") == "completed" or entry.get("is_p2p") in (
-                True, "true"):
+        if (
+            entry.get("retired") in (True, "true")
+            or entry.get("state") == "completed"
+            or entry.get("is_p2p") in (True, "true")
+        ):
             continue
         timeout_s = float(entry.get("timeout_ms", 0)) / 1000
         age_s = (now_ns - int(entry.get("time_created_ns", now_ns))) / 1e9
@@ -67,9 +74,15 @@ def stuck(trace: dict[str, Any], now_ns: int, early_s: float) -> InFlight | None
             continue
         name, desc = (tuple(entry.get("process_group", ())) + ("", ""))[:2]
         ranks = str(groups.get(str(name), {}).get("ranks", ""))
-        return InFlight(op=str(entry.get("profiling_name", "?")), seq=int(entry.get("collective_seq_id", -1)),
-                        group=str(desc or name), ranks="" if ranks == "[]" else ranks,
-                        sizes=entry.get("input_sizes", []), age_s=age_s, timeout_s=timeout_s)
+        return InFlight(
+            op=str(entry.get("profiling_name", "?")),
+            seq=int(entry.get("collective_seq_id", -1)),
+            group=str(desc or name),
+            ranks="" if ranks == "[]" else ranks,
+            sizes=entry.get("input_sizes", []),
+            age_s=age_s,
+            timeout_s=timeout_s,
+        )
     return None
 
 
@@ -85,8 +98,14 @@ class CollectiveWatch:
     is written to `dump_path` and goes to `report` (which must end the process). A recorder that cannot be read
     is said once through `warn` (NCCL's own watchdog then stays the only bound), never fatal."""
 
-    def __init__(self, dump: Callable[[], str | bytes], timeout_s: float, dump_path: str | None,
-                 report: Callable[[BaseException], None], warn: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        dump: Callable[[], str | bytes],
+        timeout_s: float,
+        dump_path: str | None,
+        report: Callable[[BaseException], None],
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
         self.dump, self.dump_path, self.report, self.warn = dump, dump_path, report, warn
         self.early_s, self.poll_s = warning_margin(timeout_s)
         self._stop = threading.Event()
@@ -106,8 +125,10 @@ class CollectiveWatch:
                 found = stuck(json.loads(raw), time.time_ns(), self.early_s)
             except Exception as exc:  # noqa: BLE001 - a recorder that cannot be read must not end a healthy run
                 if self.warn is not None:
-                    self.warn(f"the collective watch cannot read torch's flight recorder ({type(exc).__name__}: "
-                              f"{str(exc)[:160]}); a stuck collective ends in NCCL's own watchdog abort instead")
+                    self.warn(
+                        f"the collective watch cannot read torch's flight recorder ({type(exc).__name__}: "
+                        f"{str(exc)[:160]}); a stuck collective ends in NCCL's own watchdog abort instead"
+                    )
                     self.warn = None
                 continue
             if found is not None and not self._stop.is_set():
@@ -136,6 +157,7 @@ def flight_recorder_dump(backend: str) -> Callable[[], str | bytes] | None:
         return None
     return lambda: fn(True, True)
 
+
 def uses_cuda(requested: str) -> bool:
     """Whether --device REQUESTED will put this run on GPUs (resolve_device's choice, without its side effects)."""
     return requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
@@ -146,8 +168,6 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
     if not uses_cuda(requested):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        from rlrun.runtime.errors import ConfigError
-
         raise ConfigError("--device cuda was requested but torch sees no CUDA device; use --device cpu")
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
@@ -191,8 +211,10 @@ def nccl_flight_recorder(trace_dir: str) -> dict[str, str]:
     """Turn on the NCCL flight recorder with its dumps in `trace_dir` (what the user set already is kept); the
     variables in effect. Must run before the first NCCL communicator exists."""
     os.makedirs(trace_dir, exist_ok=True)
-    wanted = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(trace_dir, "nccl_trace_rank_")}
+    wanted = {
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(trace_dir, "nccl_trace_rank_"),
+    }
     # The buffer's name since torch 2.11 (the old one still works, with a warning per group: a user's stays).
     if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
         wanted["TORCH_FR_BUFFER_SIZE"] = str(NCCL_TRACE_ENTRIES)
@@ -217,14 +239,18 @@ def init_distributed(env: DistEnv, backend: str, timeout_s: float, trace_dir: st
     else:
         _init_from_launcher(env, backend, timeout)
     if "nccl" in backend:
-        watch_collectives(backend, timeout_s, os.path.join(trace_dir, f"stuck_rank_{env.rank}.json") if trace_dir else None)
+        watch_collectives(
+            backend, timeout_s, os.path.join(trace_dir, f"stuck_rank_{env.rank}.json") if trace_dir else None
+        )
 
 
 def _init_from_launcher(env: DistEnv, backend: str, timeout: timedelta) -> None:
     if env.launcher == "torchrun":
         store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     else:
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0, timeout=timeout)
+        store = dist.TCPStore(
+            env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0, timeout=timeout
+        )
         rank, world = env.rank, env.world_size
     if env.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # One store shared by every attempt: key each attempt apart. (With
@@ -243,17 +269,25 @@ def watch_collectives(backend: str, timeout_s: float, dump_path: str | None) -> 
     rlrun.launch.dist); nothing when torch has no flight recorder for `backend`."""
     dump = flight_recorder_dump(backend)
     if dump is not None:
-        _WATCH.append(CollectiveWatch(dump, timeout_s, dump_path, report_fatal,
-                                      warn=get_logger(dist.get_rank()).warning_once).start())
+        _WATCH.append(
+            CollectiveWatch(
+                dump, timeout_s, dump_path, report_fatal, warn=get_logger(dist.get_rank()).warning_once
+            ).start()
+        )
 
 
 def restart_safety_warning(env: DistEnv) -> str | None:
     """Multi-node elastic torchrun sharing the agent's store cannot restart reliably (see init_distributed)."""
-    if (env.launcher == "torchrun" and env.world_size > env.local_world_size
-            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-        return ("multi-node torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restart after a failure cannot "
-                "reconnect the nodes; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun on every node "
-                "(scripts/slurm and scripts/runpod do)")
+    if (
+        env.launcher == "torchrun"
+        and env.world_size > env.local_world_size
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    ):
+        return (
+            "multi-node torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restart after a failure cannot "
+            "reconnect the nodes; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun on every node "
+            "(scripts/slurm and scripts/runpod do)"
+        )
     return None
 
 
@@ -288,6 +322,17 @@ def is_peer_failure(exc: BaseException) -> bool:
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
     text = str(exc)
-    return isinstance(exc, RuntimeError) and any(marker in text for marker in (
-        "Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe",
-        "NCCL", "gloo", "ProcessGroup", "Socket Timeout"))
+    return isinstance(exc, RuntimeError) and any(
+        marker in text
+        for marker in (
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "Timed out",
+            "timed out",
+            "Broken pipe",
+            "NCCL",
+            "gloo",
+            "ProcessGroup",
+            "Socket Timeout",
+        )
+    )

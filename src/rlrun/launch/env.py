@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Literal
+
 from rlrun.runtime.errors import ConfigError
 
 Launcher = Literal["torchrun", "slurm", "single"]
@@ -116,6 +118,8 @@ def read_node_label(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     label = env.get(NODE_LABEL_VAR) or socket.gethostname()
     if len(label.encode()) > MAX_NODE_LABEL_BYTES:
-        raise ConfigError(f"{NODE_LABEL_VAR}={label[:40]!r}... is {len(label.encode())} bytes; node labels may have "
-                          f"at most {MAX_NODE_LABEL_BYTES}")
+        raise ConfigError(
+            f"{NODE_LABEL_VAR}={label[:40]!r}... is {len(label.encode())} bytes; node labels may have "
+            f"at most {MAX_NODE_LABEL_BYTES}"
+        )
     return label

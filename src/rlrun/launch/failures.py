@@ -8,15 +8,16 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from rlrun.launch.dist import is_peer_failure
 from rlrun.launch.env import DistEnv, read_env
 from rlrun.runtime.errors import RlrunError
-from rlrun.runtime.phases import PhaseTracker, bound_exit
 from rlrun.runtime.log import get_logger, let_rank0_report
 from rlrun.runtime.memory import return_freed_memory
+from rlrun.runtime.phases import PhaseTracker, bound_exit
 
 T = TypeVar("T")
 
@@ -94,20 +95,30 @@ class RankFailure:
         os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
 
 
-def report_failure(log, rank: int, roles: str, phase: PhaseTracker, exc: BaseException,  # type: ignore[no-untyped-def]
-            dist_timeout: float) -> None:
+def report_failure(
+    log,
+    rank: int,
+    roles: str,
+    phase: PhaseTracker,
+    exc: BaseException,  # type: ignore[no-untyped-def]
+    dist_timeout: float,
+) -> None:
     where = f"phase {phase.phase}" + (f" at step {phase.step + 1}" if phase.step >= 0 else "")
     first_line = (str(exc).strip().splitlines() or [""])[0]
     if is_peer_failure(exc) and any(word in first_line.lower() for word in ("timed out", "timeout", "timing out")):
-        log.rank_error(f"({roles}) stopping in {where}: a collective timed out after --dist_timeout {dist_timeout:g} s "
-                       f"({type(exc).__name__}: {first_line[:160]}); another rank never reached it — it is hung "
-                       "(its stack is dumped below when it is stopped) or slower than --dist_timeout allows")
+        log.rank_error(
+            f"({roles}) stopping in {where}: a collective timed out after --dist_timeout {dist_timeout:g} s "
+            f"({type(exc).__name__}: {first_line[:160]}); another rank never reached it — it is hung "
+            "(its stack is dumped below when it is stopped) or slower than --dist_timeout allows"
+        )
         return
     if is_peer_failure(exc):
-        log.rank_error(f"({roles}) stopping in {where}: a collective failed "
-                       f"({type(exc).__name__}: {first_line[:160]}); "
-                       "another rank failed first — its failure line names the cause; a rank killed by a signal "
-                       "(out of memory, preemption) prints none: see the launcher's exit codes")
+        log.rank_error(
+            f"({roles}) stopping in {where}: a collective failed "
+            f"({type(exc).__name__}: {first_line[:160]}); "
+            "another rank failed first — its failure line names the cause; a rank killed by a signal "
+            "(out of memory, preemption) prints none: see the launcher's exit codes"
+        )
         return
     log.rank_error(f"FAILED ({roles}) in {where}: {type(exc).__name__}: {exc}")
     if not isinstance(exc, (RlrunError, KeyboardInterrupt)):

@@ -68,5 +68,6 @@ def solo_group(timeout_s: float) -> dist.ProcessGroup:
 
 def all_ranks_group(timeout_s: float) -> dist.ProcessGroup:
     """One group of every rank (the supervised trainers' data-parallel group): collective over the world."""
-    return dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout_s),
-                          group_desc="data_parallel")
+    return dist.new_group(
+        list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout_s), group_desc="data_parallel"
+    )

@@ -5,13 +5,14 @@ create. The request (`LayoutRequest`, one `RoleRequest` per model role) and the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from rlrun.runtime.errors import LayoutError
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from rlrun.runtime.errors import LayoutError
+
 
 class Role(str, Enum):
     ACTOR = "actor"
@@ -19,7 +20,6 @@ class Role(str, Enum):
     REF = "ref"
     REWARD = "reward"
     ENGINE = "engine"
-
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,9 @@ class Layout:
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
-            raise LayoutError(f"rank {rank} is outside world size {self.world_size}; valid ranks are 0..{self.world_size - 1}")
+            raise LayoutError(
+                f"rank {rank} is outside world size {self.world_size}; valid ranks are 0..{self.world_size - 1}"
+            )
 
     def roles_of(self, rank: int) -> tuple[Role, ...]:
         self._check_rank(rank)
@@ -118,6 +120,7 @@ class Layout:
     def engine_colocated_with_actor(self) -> bool:
         return self.ranks_of(Role.ENGINE) == self.ranks_of(Role.ACTOR)
 
+
 # ---- printing ----------------------------------------------------------------------------------------------------
 # How a :class:`~rlrun.launch.layout.Layout` is described for humans: the per-rank table logged by ``--dry_run``
 # and after the node-label placement at start-up, and the short run-length summary of node labels that placement errors
@@ -129,8 +132,10 @@ if TYPE_CHECKING:
 
 def layout_heading(env: DistEnv) -> str:
     """'layout: 8 ranks (8 per node, launcher torchrun)': the line above the table, at start-up and in --dry_run."""
-    return (f"layout: {env.world_size} rank{'s' if env.world_size > 1 else ''} ({env.local_world_size} per node, "
-            f"launcher {env.launcher})")
+    return (
+        f"layout: {env.world_size} rank{'s' if env.world_size > 1 else ''} ({env.local_world_size} per node, "
+        f"launcher {env.launcher})"
+    )
 
 
 def describe_nodes(node_labels: Sequence[str]) -> str:
@@ -152,7 +157,9 @@ def format_layout_table(layout: Layout) -> str:
     for rank in range(layout.world_size):
         roles = ",".join(role.value for role in layout.roles_of(rank))
         label = (labels[rank // rpn],) if labels else ()
-        rows.append((str(rank), str(rank // rpn), *label, str(rank % rpn), roles, ",".join(layout.group_names_of(rank))))
+        rows.append(
+            (str(rank), str(rank // rpn), *label, str(rank % rpn), roles, ",".join(layout.group_names_of(rank)))
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [" | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "-+-".join("-" * width for width in widths))

@@ -7,8 +7,8 @@ rlrun.weight_sync.sync.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,8 +21,14 @@ from rlrun.runtime.errors import LayoutError, RlrunError
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def gather_from(ranks: Sequence[int], local: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype,
-                group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+def gather_from(
+    ranks: Sequence[int],
+    local: torch.Tensor | None,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> torch.Tensor:
     """Concatenate (dim 0) one [*shape] tensor from each rank in `ranks`, in that order; every
     rank of `group` receives the result. Ranks outside `ranks` pass local=None."""
     group_ranks = dist.get_process_group_ranks(group)
@@ -34,7 +40,11 @@ def gather_from(ranks: Sequence[int], local: torch.Tensor | None, shape: Sequenc
     parts = []
     me = dist.get_rank()
     for src in ranks:
-        buf = local.to(device).contiguous() if src == me and local is not None else torch.empty(tuple(shape), dtype=dtype, device=device)
+        buf = (
+            local.to(device).contiguous()
+            if src == me and local is not None
+            else torch.empty(tuple(shape), dtype=dtype, device=device)
+        )
         dist.broadcast(buf, src=src, group=group)
         parts.append(buf)
     return torch.cat(parts, dim=0)
@@ -77,8 +87,9 @@ def broadcast_json(obj: object, src: int, group: dist.ProcessGroup, device: torc
     return json.loads(bytes(payload.cpu().tolist()).decode())
 
 
-def gather_vision(ranks: Sequence[int], local: dict[str, torch.Tensor] | None, group: dist.ProcessGroup,
-                  device: torch.device) -> list[dict[str, torch.Tensor]]:
+def gather_vision(
+    ranks: Sequence[int], local: dict[str, torch.Tensor] | None, group: dist.ProcessGroup, device: torch.device
+) -> list[dict[str, torch.Tensor]]:
     """The rows' images of each rank in `ranks` (rlrun.data.vision_batch.RowVision.state(): pixels [patches, dim], grids
     [images, 3], images per prompt [prompts], row_entry [rows]), in that order, on every rank of `group`. Two
     collectives per rank: the small index tensors as JSON (with the pixels' shape), then the pixels, whose size varies
@@ -87,8 +98,14 @@ def gather_vision(ranks: Sequence[int], local: dict[str, torch.Tensor] | None, g
     me, out = dist.get_rank(), []
     for src in ranks:
         state = local if src == me else None
-        small = None if state is None else {"pixels": list(state["pixels"].shape),
-                                            **{k: state[k].tolist() for k in ("grids", "images", "row_entry")}}
+        small = (
+            None
+            if state is None
+            else {
+                "pixels": list(state["pixels"].shape),
+                **{k: state[k].tolist() for k in ("grids", "images", "row_entry")},
+            }
+        )
         meta: dict = broadcast_json(small, src, group, device)  # type: ignore[assignment]
         shape = meta["pixels"]
         mine = None if state is None else state["pixels"].float()
@@ -115,15 +132,19 @@ class EngineRowExchange:
 
     def to_leader(self, mine: object) -> list[object] | None:
         """Every rank's `mine`, in rank order, on the first rank (None elsewhere). Collective over the engine."""
-        parts = [broadcast_json(mine if i == self.index else None, src, self.group, self.device)
-                 for i, src in enumerate(self.ranks)]
+        parts = [
+            broadcast_json(mine if i == self.index else None, src, self.group, self.device)
+            for i, src in enumerate(self.ranks)
+        ]
         return parts if self.is_leader else None
 
     def to_all(self, mine: object) -> list[object]:
         """Every rank's `mine`, in rank order, on every rank of the engine (the in-process host: each tensor-parallel
         peer submits the same requests). Collective over the engine."""
-        return [broadcast_json(mine if i == self.index else None, src, self.group, self.device)
-                for i, src in enumerate(self.ranks)]
+        return [
+            broadcast_json(mine if i == self.index else None, src, self.group, self.device)
+            for i, src in enumerate(self.ranks)
+        ]
 
     def any_rank(self, wants: bool) -> bool:
         """Whether any rank of the engine passed True; the same answer on each. Collective over the engine."""
@@ -210,14 +231,14 @@ def encode_label(label: str) -> torch.Tensor:
     out = torch.zeros(_WIDTH, dtype=torch.uint8)
     out[0] = len(data)
     if data:
-        out[1:1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out[1 : 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return out
 
 
 def decode_label(row: torch.Tensor) -> str:
     """[_WIDTH] uint8 -> label."""
     values = row.tolist()
-    return bytes(values[1:1 + values[0]]).decode()
+    return bytes(values[1 : 1 + values[0]]).decode()
 
 
 def labels_per_node(rank_labels: list[str], ranks_per_node: int) -> tuple[str, ...]:
@@ -225,11 +246,12 @@ def labels_per_node(rank_labels: list[str], ranks_per_node: int) -> tuple[str, .
     report the same label. Pure, so every rank reaches the same answer or the same error."""
     nodes = []
     for node in range(len(rank_labels) // ranks_per_node):
-        seen = rank_labels[node * ranks_per_node:(node + 1) * ranks_per_node]
+        seen = rank_labels[node * ranks_per_node : (node + 1) * ranks_per_node]
         if len(set(seen)) != 1:
             raise LayoutError(
                 f"the ranks of node {node} (ranks {node * ranks_per_node}-{(node + 1) * ranks_per_node - 1}) report "
-                f"different node labels {seen}; set RLRUN_NODE_LABEL once per node, for all its processes")
+                f"different node labels {seen}; set RLRUN_NODE_LABEL once per node, for all its processes"
+            )
         nodes.append(seen[0])
     return tuple(nodes)
 

@@ -20,8 +20,16 @@ import torch
 
 from rlrun.config.schema import PretrainedConfig
 from rlrun.models import hub
-from rlrun.models.lora import (ADAPTER_CONFIG, PEFT_PREFIX, AdapterDir, LoraSettings, adapter_dir, adapter_weights,
-                               is_adapter, merged_weight)
+from rlrun.models.lora import (
+    ADAPTER_CONFIG,
+    PEFT_PREFIX,
+    AdapterDir,
+    LoraSettings,
+    adapter_dir,
+    adapter_weights,
+    is_adapter,
+    merged_weight,
+)
 from rlrun.models.weights import Rows, WeightSource
 from rlrun.runtime.errors import ConfigError
 
@@ -73,8 +81,10 @@ def checked_adapter(path: str | None, flag: str, *, policy: bool) -> AdapterDir 
     if adapter is None:
         return None
     if (why := _not_plain(_raw_config(adapter.path), policy)) is not None:
-        raise ConfigError(f"--{flag} {adapter.path}: the adapter {why}; rlrun loads plain LoRA adapters only: merge "
-                          "it into its base (PEFT's merge_and_unload, then save_pretrained) and pass that folder")
+        raise ConfigError(
+            f"--{flag} {adapter.path}: the adapter {why}; rlrun loads plain LoRA adapters only: merge "
+            "it into its base (PEFT's merge_and_unload, then save_pretrained) and pass that folder"
+        )
     return adapter
 
 
@@ -88,8 +98,10 @@ def _hub_name(adapter: AdapterDir) -> str:
 
 
 def _not_here(adapter: AdapterDir, flag: str) -> str:
-    return (f"--{flag} {adapter.path}: its base model {adapter.base} ({ADAPTER_CONFIG}'s base_model_name_or_path) is "
-            "not on this machine; copy it here, or set base_model_name_or_path to its folder here or its hub id")
+    return (
+        f"--{flag} {adapter.path}: its base model {adapter.base} ({ADAPTER_CONFIG}'s base_model_name_or_path) is "
+        "not on this machine; copy it here, or set base_model_name_or_path to its folder here or its hub id"
+    )
 
 
 def base_here(adapter: AdapterDir) -> str | None:
@@ -107,9 +119,11 @@ def base_folder(adapter: AdapterDir, flag: str) -> str:
     name = _hub_name(adapter)
     if hub.parse_repo_id(name) is None:
         raise ConfigError(_not_here(adapter, flag))
-    raise ConfigError(f"--{flag} {adapter.path} is a LoRA adapter on {adapter.base}, which cannot be read: it is not "
-                      f"in this machine's Hugging Face cache ({hub.cache_dir()}); download it (`hf download "
-                      f"{adapter.base}`) or set {ADAPTER_CONFIG}'s base_model_name_or_path to its folder")
+    raise ConfigError(
+        f"--{flag} {adapter.path} is a LoRA adapter on {adapter.base}, which cannot be read: it is not "
+        f"in this machine's Hugging Face cache ({hub.cache_dir()}); download it (`hf download "
+        f"{adapter.base}`) or set {ADAPTER_CONFIG}'s base_model_name_or_path to its folder"
+    )
 
 
 def model_folder(path: str, flag: str) -> str:
@@ -132,8 +146,9 @@ def _resolve_base(adapter: AdapterDir, flag: str, download: bool) -> None:
         hub.resolve(name, "model", flag, download=download)
     except ConfigError as exc:  # its message names the hub id as the flag's value: say it is the adapter's base
         why = str(exc).removeprefix(f"--{flag} {name}: ")
-        raise ConfigError(f"--{flag} {adapter.path} is a LoRA adapter on {adapter.base}, which cannot be read: "
-                          f"{why}") from None
+        raise ConfigError(
+            f"--{flag} {adapter.path} is a LoRA adapter on {adapter.base}, which cannot be read: {why}"
+        ) from None
 
 
 # ---- settings -----------------------------------------------------------------------------------------------------
@@ -149,16 +164,21 @@ def _check_agrees(model: PretrainedConfig, adapter: AdapterDir) -> None:
     """A rank, alpha or targets given beside an adapter directory must be the adapter's: it trains further as saved."""
     saved, where = adapter.settings, f"--pretrain {adapter.path}"
     if model.lora_rank not in (_DEFAULTS.lora_rank, saved.rank):
-        raise ConfigError(f"--lora_rank {model.lora_rank}: {where} is a LoRA adapter of rank {saved.rank} "
-                          f"({ADAPTER_CONFIG}), trained further as it is; drop --lora_rank or pass --lora_rank "
-                          f"{saved.rank}")
+        raise ConfigError(
+            f"--lora_rank {model.lora_rank}: {where} is a LoRA adapter of rank {saved.rank} "
+            f"({ADAPTER_CONFIG}), trained further as it is; drop --lora_rank or pass --lora_rank "
+            f"{saved.rank}"
+        )
     if model.lora_alpha not in (_DEFAULTS.lora_alpha, saved.alpha):
-        raise ConfigError(f"--lora_alpha {model.lora_alpha}: {where} was trained with lora_alpha {saved.alpha:g}; drop "
-                          "--lora_alpha (alpha / rank scales what the adapter learned)")
+        raise ConfigError(
+            f"--lora_alpha {model.lora_alpha}: {where} was trained with lora_alpha {saved.alpha:g}; drop "
+            "--lora_alpha (alpha / rank scales what the adapter learned)"
+        )
     given, kinds = tuple(model.target_modules), module_kinds(saved.target_modules)
     if given != _DEFAULTS.target_modules and set(module_kinds(given)) != set(kinds):
-        raise ConfigError(f"--target_modules {' '.join(given)}: {where} adapts {' '.join(kinds)}; drop "
-                          "--target_modules")
+        raise ConfigError(
+            f"--target_modules {' '.join(given)}: {where} adapts {' '.join(kinds)}; drop --target_modules"
+        )
 
 
 def _dropout(model: PretrainedConfig, saved: LoraSettings) -> float:
@@ -181,8 +201,13 @@ def resolve_adapter_pretrain(model: PretrainedConfig, *, download: bool = True) 
     _check_agrees(model, adapter)
     saved = adapter.settings
     alpha = int(saved.alpha) if saved.alpha.is_integer() else saved.alpha
-    return dataclasses.replace(model, lora_rank=saved.rank, lora_alpha=alpha,
-                               target_modules=module_kinds(saved.target_modules), lora_dropout=_dropout(model, saved))
+    return dataclasses.replace(
+        model,
+        lora_rank=saved.rank,
+        lora_alpha=alpha,
+        target_modules=module_kinds(saved.target_modules),
+        lora_dropout=_dropout(model, saved),
+    )
 
 
 def lora_settings(model: PretrainedConfig) -> LoraSettings | None:
@@ -207,8 +232,9 @@ def saved_shapes(path: str, saved: WeightSource) -> dict[str, Shape]:
         with safe_open(file, framework="pt", device="cpu") as handle:
             names = list(handle.keys())
     else:
-        names = list(torch.load(os.path.join(path, "adapter_model.bin"), map_location="cpu", mmap=True,
-                                weights_only=True))
+        names = list(
+            torch.load(os.path.join(path, "adapter_model.bin"), map_location="cpu", mmap=True, weights_only=True)
+        )
     return {name: shape for name in names if (shape := saved.shape(name)) is not None}
 
 
@@ -218,12 +244,16 @@ def check_fits(adapter: AdapterDir, flag: str, expected: Mapping[str, Shape], fo
     where = f"--{flag} {adapter.path}"
     fix = "it does not fit this base (trained on another model, or edited): pass it with the base it was trained on"
     if extra := [name for name in found if name not in expected]:
-        raise ConfigError(f"{where}: the adapter holds {extra[0]}, which this model has no place for ({len(extra)} "
-                          f"such tensors); {fix}")
+        raise ConfigError(
+            f"{where}: the adapter holds {extra[0]}, which this model has no place for ({len(extra)} "
+            f"such tensors); {fix}"
+        )
     if wrong := [name for name, shape in expected.items() if found.get(name) != shape]:
         has = found.get(wrong[0])
-        raise ConfigError(f"{where}: the adapter lacks {wrong[0]} of shape {list(expected[wrong[0]])} (it has "
-                          f"{list(has) if has is not None else 'none'}; {len(wrong)} tensors differ); {fix}")
+        raise ConfigError(
+            f"{where}: the adapter lacks {wrong[0]} of shape {list(expected[wrong[0]])} (it has "
+            f"{list(has) if has is not None else 'none'}; {len(wrong)} tensors differ); {fix}"
+        )
 
 
 class AdapterMerged:
@@ -232,8 +262,9 @@ class AdapterMerged:
     than its shard. `whole_modules`: tensors the adapter saves whole (PEFT's modules_to_save, a scalar model's
     `base_model.model.score.weight`) replace the base's."""
 
-    def __init__(self, base: WeightSource, adapter: AdapterDir, *, whole_modules: bool = False,
-                 flag: str = "pretrain") -> None:
+    def __init__(
+        self, base: WeightSource, adapter: AdapterDir, *, whole_modules: bool = False, flag: str = "pretrain"
+    ) -> None:
         self.base, self.adapter, self.whole_modules = base, adapter, whole_modules
         self.saved = adapter_weights(adapter.path)
         self.scaling = adapter.settings.scaling
@@ -247,11 +278,17 @@ class AdapterMerged:
             weight = self.base.shape(module.removeprefix(PEFT_PREFIX) + ".weight")
             if module + ".lora_B.weight" in found and weight is not None and len(weight) == 2:
                 expected[a], expected[module + ".lora_B.weight"] = (rank, weight[1]), (weight[0], rank)
-        check_fits(self.adapter, flag, expected,
-                   {name: shape for name, shape in found.items() if is_adapter(name) or not self.whole_modules})
+        check_fits(
+            self.adapter,
+            flag,
+            expected,
+            {name: shape for name, shape in found.items() if is_adapter(name) or not self.whole_modules},
+        )
         if not expected:
-            raise ConfigError(f"--{flag} {self.adapter.path}: the adapter holds no LoRA tensors; pass a directory "
-                              "PEFT's save_pretrained wrote (adapter_model.safetensors with lora_A/lora_B weights)")
+            raise ConfigError(
+                f"--{flag} {self.adapter.path}: the adapter holds no LoRA tensors; pass a directory "
+                "PEFT's save_pretrained wrote (adapter_model.safetensors with lora_A/lora_B weights)"
+            )
 
     def _whole(self, name: str) -> str | None:
         saved = PEFT_PREFIX + name
@@ -291,6 +328,8 @@ def saved_mean_std(path: str) -> tuple[float, float] | None:
     with open(file) as f:
         norm = json.load(f)
     if not isinstance(norm, dict) or "mean" not in norm or "std" not in norm:
-        raise ConfigError(f"{file}: expected {{\"mean\": ..., \"std\": ...}} (what rlrun's export writes), got "
-                          f"{json.dumps(norm)[:80]}; fix or delete it")
+        raise ConfigError(
+            f'{file}: expected {{"mean": ..., "std": ...}} (what rlrun\'s export writes), got '
+            f"{json.dumps(norm)[:80]}; fix or delete it"
+        )
     return float(norm["mean"]), float(norm["std"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from functools import lru_cache
+from functools import cache
 from typing import Any, Literal
 
 from rlrun.runtime.errors import ConfigError
@@ -21,8 +21,19 @@ from rlrun.runtime.errors import ConfigError
 RepoType = Literal["model", "dataset"]
 # owner/name (or a bare name), optionally @revision; hub ids never start with '.', '/' or '~'.
 _REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?)(?:@(?P<revision>[\w./-]+))?$")
-_NOT_LOADED = ["*.gguf", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.tflite", "*.ot", "original/*", "onnx/*",
-               "coreml/*", "openvino/*"]
+_NOT_LOADED = [
+    "*.gguf",
+    "*.onnx",
+    "*.onnx_data",
+    "*.msgpack",
+    "*.h5",
+    "*.tflite",
+    "*.ot",
+    "original/*",
+    "onnx/*",
+    "coreml/*",
+    "openvino/*",
+]
 
 
 def offline() -> bool:
@@ -31,7 +42,7 @@ def offline() -> bool:
 
 def cache_dir() -> str:
     """The hub cache as huggingface_hub finds it, read now (not at its import): HF_HUB_CACHE, else HF_HOME/hub."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # noqa: PLC0415 - it reads HF_HUB_* at its import: now, not at ours
 
     if home := os.environ.get("HF_HOME"):
         default = os.path.join(os.path.expanduser(home), "hub")
@@ -54,12 +65,13 @@ def cached(name: str, repo_type: RepoType) -> str | None:
     parsed = parse_repo_id(name)
     if parsed is None:
         return None
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub import snapshot_download  # noqa: PLC0415 - reads HF_HUB_* at its import
+    from huggingface_hub.errors import LocalEntryNotFoundError  # noqa: PLC0415
 
     try:
-        return snapshot_download(parsed[0], repo_type=repo_type, revision=parsed[1], cache_dir=cache_dir(),
-                                 local_files_only=True)
+        return snapshot_download(
+            parsed[0], repo_type=repo_type, revision=parsed[1], cache_dir=cache_dir(), local_files_only=True
+        )
     except (LocalEntryNotFoundError, ValueError):  # not cached; or a name the hub client rejects (HFValidationError)
         return None
 
@@ -72,12 +84,14 @@ def missing_note(flag: str, name: str, repo_type: RepoType) -> str | None:
     if parse_repo_id(name) is None:
         return f"--{flag} {name}: not found on this machine (another host's path?)"
     kind = "dataset " if repo_type == "dataset" else ""
-    return (f"--{flag} {name}: not on this machine: a path not written yet (an earlier stage's output?), or a Hugging "
-            f"Face Hub {kind}id not in this machine's cache, downloaded at start-up (HF_HUB_OFFLINE=1 there: download "
-            "it first)")
+    return (
+        f"--{flag} {name}: not on this machine: a path not written yet (an earlier stage's output?), or a Hugging "
+        f"Face Hub {kind}id not in this machine's cache, downloaded at start-up (HF_HUB_OFFLINE=1 there: download "
+        "it first)"
+    )
 
 
-@lru_cache(maxsize=None)
+@cache
 def resolve(name: str, repo_type: RepoType, flag: str, *, download: bool = True) -> str:
     """The local folder of `name`: itself when it is a local path, else the hub snapshot (downloaded when allowed).
 
@@ -90,37 +104,54 @@ def resolve(name: str, repo_type: RepoType, flag: str, *, download: bool = True)
     if parsed is None and not download:
         return name  # a dry run on a machine without this path (a login node): planning warns about it
     if parsed is None:
-        raise ConfigError(f"--{flag} {name}: no such file or directory, and not a Hugging Face Hub id "
-                          f"(owner/name); check the path")
+        raise ConfigError(
+            f"--{flag} {name}: no such file or directory, and not a Hugging Face Hub id (owner/name); check the path"
+        )
     repo, revision = parsed
-    from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub import HfApi, snapshot_download  # noqa: PLC0415 - reads HF_HUB_* at its import
+    from huggingface_hub.errors import (  # noqa: PLC0415
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     kind = "dataset " if repo_type == "dataset" else ""
     where = f"the Hugging Face cache ({cache_dir()})"
     unreadable = (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError)
 
     def refused(exc: Exception) -> ConfigError:
-        return ConfigError(f"--{flag} {name}: the hub has no {kind}repo {repo}{'@' + revision if revision else ''} "
-                           f"that this machine may read ({type(exc).__name__}); check the name, or for a private or "
-                           "gated repo log in (`hf auth login` or HF_TOKEN)")
+        return ConfigError(
+            f"--{flag} {name}: the hub has no {kind}repo {repo}{'@' + revision if revision else ''} "
+            f"that this machine may read ({type(exc).__name__}); check the name, or for a private or "
+            "gated repo log in (`hf auth login` or HF_TOKEN)"
+        )
 
     try:
-        return snapshot_download(repo, repo_type=repo_type, revision=revision, cache_dir=cache_dir(),
-                                 local_files_only=offline() or not download,
-                                 ignore_patterns=_NOT_LOADED if repo_type == "model" else None)
+        return snapshot_download(
+            repo,
+            repo_type=repo_type,
+            revision=revision,
+            cache_dir=cache_dir(),
+            local_files_only=offline() or not download,
+            ignore_patterns=_NOT_LOADED if repo_type == "model" else None,
+        )
     except LocalEntryNotFoundError:
         if not download and offline():
             return name  # a dry run with HF_HUB_OFFLINE=1: a hub id not cached here, or a path not written yet
         if offline():
-            raise ConfigError(f"--{flag} {name}: {kind}{repo} is not in {where} and HF_HUB_OFFLINE=1 forbids "
-                              f"downloading it; fetch it where there is network, with the same HF_HOME: "
-                              f"`hf download {'--repo-type dataset ' if kind else ''}{repo}`, or unset "
-                              "HF_HUB_OFFLINE") from None
+            raise ConfigError(
+                f"--{flag} {name}: {kind}{repo} is not in {where} and HF_HUB_OFFLINE=1 forbids "
+                f"downloading it; fetch it where there is network, with the same HF_HOME: "
+                f"`hf download {'--repo-type dataset ' if kind else ''}{repo}`, or unset "
+                "HF_HUB_OFFLINE"
+            ) from None
         if download:
-            raise ConfigError(f"--{flag} {name}: {kind}{repo} is not in {where} and the hub could not be reached; "
-                              "check the network (or HF_ENDPOINT), or download it beforehand") from None
+            raise ConfigError(
+                f"--{flag} {name}: {kind}{repo} is not in {where} and the hub could not be reached; "
+                "check the network (or HF_ENDPOINT), or download it beforehand"
+            ) from None
     except unreadable as exc:
         raise refused(exc) from None
     except HfHubHTTPError as exc:
@@ -132,8 +163,9 @@ def resolve(name: str, repo_type: RepoType, flag: str, *, download: bool = True)
     except RepositoryNotFoundError:
         return name  # no such repo: a relative path an earlier stage writes (`out/sft`), or a misspelt id
     except HfHubHTTPError as exc:
-        raise ConfigError(f"--{flag} {name}: not in {where}, and the hub could not be asked about it: "
-                          f"{str(exc).splitlines()[0]}") from None
+        raise ConfigError(
+            f"--{flag} {name}: not in {where}, and the hub could not be asked about it: {str(exc).splitlines()[0]}"
+        ) from None
     return name
 
 
@@ -143,8 +175,9 @@ MODEL_FLAGS = ("pretrain", "reward_pretrain", "critic_pretrain")
 def resolve_models(model: Any, *, download: bool = True) -> Any:
     """A config's model section with every hub id among MODEL_FLAGS replaced by its local snapshot folder."""
     found = {flag: getattr(model, flag) for flag in MODEL_FLAGS if getattr(model, flag, None) is not None}
-    return dataclasses.replace(model, **{flag: resolve(name, "model", flag, download=download)
-                                         for flag, name in found.items()})
+    return dataclasses.replace(
+        model, **{flag: resolve(name, "model", flag, download=download) for flag, name in found.items()}
+    )
 
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")

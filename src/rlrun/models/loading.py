@@ -10,43 +10,93 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+
 import torch
 from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers import PretrainedConfig as HFConfig
-from transformers import (AutoConfig, AutoModelForSequenceClassification,
-                          AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase)
+
 from rlrun.config.schema import ModelConfig, PretrainedConfig
-from rlrun.models.adapter_pretrain import (REWARD_NORM_FILE, AdapterMerged, base_folder, base_here, base_source,
-                                           check_fits, checked_adapter, lora_settings, model_folder,
-                                           resolve_adapter_pretrain, saved_mean_std, saved_shapes)
-from rlrun.models.lora import adapter_dir, adapter_weights, add_adapters, is_adapter, saved_adapter_name
-from rlrun.models.weights import model_names
+from rlrun.models.adapter_pretrain import (
+    REWARD_NORM_FILE,
+    AdapterMerged,
+    base_folder,
+    base_here,
+    base_source,
+    check_fits,
+    checked_adapter,
+    lora_settings,
+    model_folder,
+    resolve_adapter_pretrain,
+    saved_mean_std,
+    saved_shapes,
+)
 from rlrun.models.architecture import policy_auto_class
+from rlrun.models.lora import adapter_dir, adapter_weights, add_adapters, is_adapter, saved_adapter_name
 from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config_for_size
-from rlrun.models.weights import (Chained, FileWeights, MemoryWeights, Renamed, Unfilled, WeightSource, missing,
-                                  open_weights, params_on_meta, state_dict_weights)
+from rlrun.models.weights import (
+    Chained,
+    FileWeights,
+    MemoryWeights,
+    Renamed,
+    Unfilled,
+    WeightSource,
+    missing,
+    model_names,
+    open_weights,
+    params_on_meta,
+    state_dict_weights,
+)
 from rlrun.runtime.errors import ConfigError, MissingExtraError
 
 __all__ = [
-    "TOKENIZER_FILES", "tokenizer_missing", "load_tokenizer", "load_model_config", "policy_weights",
-    "unfilled_causal_lm", "trained_policy", "unfilled_trained_policy", "unfilled_policy", "load_causal_lm",
-    "scalar_model_from", "unfilled_scalar_model", "ScalarHeadModel", "config_mean_std", "load_critic", "seeded_head",
-    "init_score_head", "load_reward_model", "score_head", "position_ids_from",
+    "TOKENIZER_FILES",
+    "tokenizer_missing",
+    "load_tokenizer",
+    "load_model_config",
+    "policy_weights",
+    "unfilled_causal_lm",
+    "trained_policy",
+    "unfilled_trained_policy",
+    "unfilled_policy",
+    "load_causal_lm",
+    "scalar_model_from",
+    "unfilled_scalar_model",
+    "ScalarHeadModel",
+    "config_mean_std",
+    "load_critic",
+    "seeded_head",
+    "init_score_head",
+    "load_reward_model",
+    "score_head",
+    "position_ids_from",
     # the adapter-directory part (models/adapter_pretrain.py), importable from here with the loaders that use it
-    "REWARD_NORM_FILE", "AdapterMerged", "base_source", "lora_settings", "resolve_adapter_pretrain",
+    "REWARD_NORM_FILE",
+    "AdapterMerged",
+    "base_source",
+    "lora_settings",
+    "resolve_adapter_pretrain",
 ]
 
 
 def _check_dir(flag: str, path: str) -> None:
     if not os.path.isdir(path):
-        raise ConfigError(f"--{flag} {path}: not a local directory (rlrun loads models from local paths; "
-                          f"download the model first, e.g. with `huggingface-cli download`)")
+        raise ConfigError(
+            f"--{flag} {path}: not a local directory (rlrun loads models from local paths; "
+            f"download the model first, e.g. with `huggingface-cli download`)"
+        )
 
 
 def _attn_kwargs(model: PretrainedConfig) -> dict[str, str]:
     if model.flash_attn:
         try:
-            import flash_attn  # noqa: F401
+            import flash_attn  # noqa: F401, PLC0415 - optional extra (rlrun[flash-attn]), GPU only
         except ImportError:
             raise MissingExtraError("flash-attn", "flash-attn", "--flash_attn") from None
         return {"attn_implementation": "flash_attention_2"}
@@ -56,8 +106,14 @@ def _attn_kwargs(model: PretrainedConfig) -> dict[str, str]:
 
 
 # What any saved HF tokenizer has at least one of (fast: tokenizer.json; slow: vocab files, sentencepiece models).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
 
 
 def _has_tokenizer(folder: str) -> bool:
@@ -77,11 +133,17 @@ def tokenizer_missing(model: PretrainedConfig) -> str | None:
     if (adapter := adapter_dir(model.pretrain)) is None:
         return f"--pretrain {model.pretrain} holds no tokenizer files (a config-only copy)"
     if (base := base_here(adapter)) is None:
-        return (f"--pretrain {model.pretrain} is a LoRA adapter without tokenizer files, and its base {adapter.base} is "
-                "not on this machine")
+        return (
+            f"--pretrain {model.pretrain} is a LoRA adapter without tokenizer files, and its base {adapter.base} "
+            f"is "
+            "not on this machine"
+        )
     if not _has_tokenizer(base):
-        return (f"--pretrain {model.pretrain} is a LoRA adapter without tokenizer files, and its base {base} holds none "
-                "(a config-only copy)")
+        return (
+            f"--pretrain {model.pretrain} is a LoRA adapter without tokenizer files, and its base {base} holds "
+            f"none "
+            "(a config-only copy)"
+        )
     return None
 
 
@@ -175,10 +237,14 @@ def trained_policy(unfilled: Unfilled, source: PretrainedConfig, seed: int) -> U
         return add_adapters(unfilled, settings, seed)
     _name_base(unfilled.model, base_folder(adapter, "pretrain"))
     saved = adapter_weights(adapter.path)
-    policy = add_adapters(dataclasses.replace(unfilled, weights=base_source(unfilled.weights)), settings, seed,
-                          adapter=saved)
-    expected = {saved_adapter_name(name.removeprefix(policy.prefix)): tuple(p.shape)
-                for name, p in policy.model.named_parameters() if is_adapter(name)}
+    policy = add_adapters(
+        dataclasses.replace(unfilled, weights=base_source(unfilled.weights)), settings, seed, adapter=saved
+    )
+    expected = {
+        saved_adapter_name(name.removeprefix(policy.prefix)): tuple(p.shape)
+        for name, p in policy.model.named_parameters()
+        if is_adapter(name)
+    }
     check_fits(adapter, "pretrain", expected, saved_shapes(adapter.path, saved))
     return policy
 
@@ -214,8 +280,9 @@ def scalar_model_from(path: str | None, source: PretrainedConfig, seed: int, dty
     return model
 
 
-def unfilled_scalar_model(path: str | None, source: PretrainedConfig, seed: int, *,
-                          fresh_head: bool = False, flag: str = "pretrain") -> Unfilled:
+def unfilled_scalar_model(
+    path: str | None, source: PretrainedConfig, seed: int, *, fresh_head: bool = False, flag: str = "pretrain"
+) -> Unfilled:
     """A one-output sequence-classification model, unallocated: the body from `path` (a causal LM or a
     classifier), the head from `path` unless `fresh_head` or it has none (then seeded, `init_score_head`'s values).
     None: the tiny policy's body (built whole: it is small). An adapter directory (`flag` names it in errors): its
@@ -224,8 +291,9 @@ def unfilled_scalar_model(path: str | None, source: PretrainedConfig, seed: int,
         model = scalar_model_from(None, source, seed, torch.float32)
         if fresh_head:
             init_score_head(model, seed)
-        return Unfilled(_skeleton(AutoModelForSequenceClassification, model.config, source, attn=False),
-                        state_dict_weights(model))
+        return Unfilled(
+            _skeleton(AutoModelForSequenceClassification, model.config, source, attn=False), state_dict_weights(model)
+        )
     adapter = checked_adapter(path, flag, policy=False)
     folder = path if adapter is None else base_folder(adapter, flag)
     config = AutoConfig.from_pretrained(folder, num_labels=1)
@@ -235,8 +303,9 @@ def unfilled_scalar_model(path: str | None, source: PretrainedConfig, seed: int,
     head_name = next(n for n, p in model.named_parameters() if p is score_head(model).weight)
     weights = open_weights(folder)
     if weights is None:
-        full = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, dtype=torch.float32,
-                                                                  **_attn_kwargs(source))
+        full = AutoModelForSequenceClassification.from_pretrained(
+            folder, num_labels=1, dtype=torch.float32, **_attn_kwargs(source)
+        )
         weights = state_dict_weights(full)
     if adapter is not None:
         weights = AdapterMerged(weights, adapter, whole_modules=True, flag=flag)
@@ -244,8 +313,10 @@ def unfilled_scalar_model(path: str | None, source: PretrainedConfig, seed: int,
     if fresh_head or weights.shape(head_name) is None:
         weights = Chained(MemoryWeights({head_name: seeded_head(config.hidden_size, seed)}), weights)
     if lacking := missing(model, weights):
-        raise ConfigError(f"{path}: the checkpoint lacks {', '.join(lacking[:5])} (or holds them in another shape) "
-                          f"for a {type(model).__name__}; pass a causal LM or a one-output classifier")
+        raise ConfigError(
+            f"{path}: the checkpoint lacks {', '.join(lacking[:5])} (or holds them in another shape) "
+            f"for a {type(model).__name__}; pass a causal LM or a one-output classifier"
+        )
     return Unfilled(model, weights)
 
 
@@ -266,15 +337,20 @@ class ScalarHeadModel(nn.Module):
     def gradient_checkpointing_enable(self, **kwargs: object) -> None:
         self.hf.gradient_checkpointing_enable(**kwargs)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Padded rows: attention_mask (positions derived from it). Packed rows (rlrun.data.packing):
         position_ids restarting per sequence and no mask. No KV cache: nothing reads it."""
         if position_ids is None:
             assert attention_mask is not None, "pass attention_mask (padded rows) or position_ids (packed rows)"
             position_ids = position_ids_from(attention_mask)
-        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                    use_cache=False).last_hidden_state
+        hidden = self.hf.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         out = score_head(self.hf)(hidden).squeeze(-1).float()
         if self.output_norm is not None:
             mean, std = self.output_norm
@@ -287,10 +363,12 @@ def config_mean_std(config: object) -> tuple[float, float] | None:
     """(mean, std) stored in a reward model's config (OpenRLHF's `mean`/`std` keys), else None."""
     if not hasattr(config, "mean"):
         return None
-    mean, std = float(getattr(config, "mean")), float(getattr(config, "std", 1.0))
+    mean, std = float(config.mean), float(getattr(config, "std", 1.0))
     if not std > 0:
-        raise ConfigError(f"--normalize_reward: the model config stores std={std}; it must be > 0 "
-                          "(fix config.json or drop --normalize_reward)")
+        raise ConfigError(
+            f"--normalize_reward: the model config stores std={std}; it must be > 0 "
+            "(fix config.json or drop --normalize_reward)"
+        )
     return mean, std
 
 
@@ -333,8 +411,10 @@ def score_head(model: PreTrainedModel) -> nn.Linear:
         head = getattr(model, name, None)
         if isinstance(head, nn.Linear):
             return head
-    raise ConfigError(f"{type(model).__name__} has no scalar head named score/classifier/value_head; "
-                      "use a sequence-classification model with num_labels=1")
+    raise ConfigError(
+        f"{type(model).__name__} has no scalar head named score/classifier/value_head; "
+        "use a sequence-classification model with num_labels=1"
+    )
 
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:

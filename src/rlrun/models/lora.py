@@ -35,7 +35,7 @@ _A, _B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's adapter directory marks itself with this file
 
 
-def _peft():  # noqa: ANN202 - the module
+def _peft():
     try:
         import peft  # noqa: PLC0415 - install_requires, imported only when LoRA is asked for
     except ImportError:
@@ -51,7 +51,7 @@ class LoraSettings:
     dropout: float = 0.0
 
     @classmethod
-    def of(cls, model: PretrainedConfig) -> "LoraSettings | None":
+    def of(cls, model: PretrainedConfig) -> LoraSettings | None:
         """The settings --lora_rank and its companions ask for; None without --lora_rank."""
         if model.lora_rank <= 0:
             return None
@@ -62,10 +62,11 @@ class LoraSettings:
         """PEFT's: the adapter's product B @ A is scaled by alpha / rank."""
         return self.alpha / self.rank
 
-    def peft_config(self):  # noqa: ANN201 - peft.LoraConfig
+    def peft_config(self):
         targets: str | list[str] = "all-linear" if self.target_modules == ("all-linear",) else list(self.target_modules)
-        return _peft().LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets,
-                                  lora_dropout=self.dropout, bias="none")
+        return _peft().LoraConfig(
+            r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=self.dropout, bias="none"
+        )
 
 
 # ---- names ---------------------------------------------------------------------------------------------------
@@ -117,8 +118,13 @@ class LoraWeights:
     """A weight source for a PEFT-wrapped model: base tensors from `base` under their HF names, adapters from
     `adapter` (a saved adapter directory, PEFT's saved names) or freshly initialised (`lora_init`)."""
 
-    def __init__(self, base: WeightSource, adapter_shapes: Mapping[str, tuple[int, ...]], seed: int,
-                 adapter: WeightSource | None = None) -> None:
+    def __init__(
+        self,
+        base: WeightSource,
+        adapter_shapes: Mapping[str, tuple[int, ...]],
+        seed: int,
+        adapter: WeightSource | None = None,
+    ) -> None:
         self.base, self.adapter_shapes, self.seed, self.adapter = base, dict(adapter_shapes), seed, adapter
 
     def shape(self, name: str) -> tuple[int, ...] | None:
@@ -133,11 +139,18 @@ class LoraWeights:
             full = self.adapter.read(saved_adapter_name(name), None)
         else:
             full = lora_init(name, self.adapter_shapes[name], self.seed)
-        return full if rows is None else full[rows[0]:rows[1]]
+        return full if rows is None else full[rows[0] : rows[1]]
 
 
-def add_adapters(unfilled: Unfilled, settings: LoraSettings, seed: int, *, inner: str = "",
-                 adapter: WeightSource | None = None, trainable: tuple[str, ...] = ()) -> Unfilled:
+def add_adapters(
+    unfilled: Unfilled,
+    settings: LoraSettings,
+    seed: int,
+    *,
+    inner: str = "",
+    adapter: WeightSource | None = None,
+    trainable: tuple[str, ...] = (),
+) -> Unfilled:
     """`unfilled`'s model with LoRA layers on `settings.target_modules`, still on the meta device, and a weight
     source that fills it. `inner`: the attribute holding the HF model when `unfilled.model` wraps one (a critic's
     `hf`). `trainable`: names of modules that stay trained whole (a critic's value head). Only adapter parameters
@@ -155,8 +168,10 @@ def add_adapters(unfilled: Unfilled, settings: LoraSettings, seed: int, *, inner
             wrapped = peft.get_peft_model(hf, settings.peft_config())
     except ValueError as exc:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in hf.named_modules() if isinstance(m, nn.Linear)})
-        raise ConfigError(f"--target_modules {' '.join(settings.target_modules)}: {exc} (this model's linear "
-                          f"layers: {', '.join(linear)}; or use all-linear)") from None
+        raise ConfigError(
+            f"--target_modules {' '.join(settings.target_modules)}: {exc} (this model's linear "
+            f"layers: {', '.join(linear)}; or use all-linear)"
+        ) from None
     if inner:
         setattr(parent, attr, wrapped)
     else:
@@ -167,8 +182,9 @@ def add_adapters(unfilled: Unfilled, settings: LoraSettings, seed: int, *, inner
     shapes = {n: tuple(p.shape) for n, p in outer.named_parameters() if is_adapter(n)}
     if unfilled.prefix:
         shapes = {n.removeprefix(unfilled.prefix): s for n, s in shapes.items()}
-    return Unfilled(outer, LoraWeights(unfilled.weights, shapes, seed, adapter), prefix=unfilled.prefix,
-                    note=unfilled.note)
+    return Unfilled(
+        outer, LoraWeights(unfilled.weights, shapes, seed, adapter), prefix=unfilled.prefix, note=unfilled.note
+    )
 
 
 def add_scalar_adapters(unfilled: Unfilled, settings: LoraSettings, seed: int) -> Unfilled:
@@ -176,7 +192,7 @@ def add_scalar_adapters(unfilled: Unfilled, settings: LoraSettings, seed: int) -
     value/score head stays outside the adapters, trained whole (a LoRA on a freshly initialised one-row head would
     be a rank-r update of a random vector), and the body keeps the call ScalarHeadModel makes
     (`hf.base_model(...).last_hidden_state`)."""
-    hf = getattr(unfilled.model, "hf")
+    hf = unfilled.model.hf
     return add_adapters(unfilled, settings, seed, inner=f"hf.{hf.base_model_prefix}")
 
 
@@ -252,12 +268,17 @@ def adapter_dir(path: str | None) -> AdapterDir | None:
         raise ConfigError(f"{path}: a {config.get('peft_type')} adapter; rlrun trains LoRA adapters only")
     base = config.get("base_model_name_or_path")
     if not base:
-        raise ConfigError(f"{path}/{ADAPTER_CONFIG} names no base_model_name_or_path; set it to the base model's "
-                          "directory or hub id")
+        raise ConfigError(
+            f"{path}/{ADAPTER_CONFIG} names no base_model_name_or_path; set it to the base model's directory or hub id"
+        )
     targets = config.get("target_modules") or ["all-linear"]
     targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets))
-    settings = LoraSettings(int(config["r"]), float(config.get("lora_alpha", config["r"])), targets,
-                            float(config.get("lora_dropout") or 0.0))
+    settings = LoraSettings(
+        int(config["r"]),
+        float(config.get("lora_alpha", config["r"])),
+        targets,
+        float(config.get("lora_dropout") or 0.0),
+    )
     return AdapterDir(path, str(base), settings)
 
 
@@ -265,9 +286,12 @@ def refuse_adapter_as_reference(pretrain: str | None, why: str, alternative: str
     """The LoRA policy's adapters-off forward is its reference (PPO's KL term, DPO). With an adapter directory as
     --pretrain that forward is the adapter's base model, not the policy the run starts from: refused."""
     if adapter_dir(pretrain) is not None:
-        raise ConfigError(f"--pretrain {pretrain} is a LoRA adapter directory: {why}, and with its adapters disabled the "
-                          "policy is that adapter's base model, not the initial policy the reference must be; pass the "
-                          f"merged model as --pretrain (what --save_merged writes to <save_path>/merged){alternative}")
+        raise ConfigError(
+            f"--pretrain {pretrain} is a LoRA adapter directory: {why}, and with its adapters disabled "
+            f"the "
+            "policy is that adapter's base model, not the initial policy the reference must be; pass the "
+            f"merged model as --pretrain (what --save_merged writes to <save_path>/merged){alternative}"
+        )
 
 
 def adapter_weights(path: str) -> WeightSource:

@@ -9,17 +9,18 @@ node's ranks, reclaimable, not counted in any rank's RSS) straight into the tens
 
 from __future__ import annotations
 
-import json
-import os
-from math import prod
-import torch
 import ctypes
+import json
 import math
+import os
 import re
 import struct
-from dataclasses import dataclass
-from huggingface_hub import split_torch_state_dict_into_shards
 from collections.abc import Iterable
+from dataclasses import dataclass
+from math import prod
+
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
 
 _PREAD_CHUNK = 1 << 30  # bytes per os.preadv call (Linux reads at most ~2 GiB per call)
 
@@ -40,7 +41,9 @@ class SafetensorsReader:
         self._base = 8 + length
         self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {
             name: (meta["dtype"], tuple(meta["shape"]), *meta["data_offsets"])
-            for name, meta in header.items() if name != "__metadata__"}
+            for name, meta in header.items()
+            if name != "__metadata__"
+        }
 
     def knows_every_dtype(self) -> bool:
         """Whether every tensor of the file has a dtype this reader knows (else: safetensors' own reader)."""
@@ -72,7 +75,7 @@ class SafetensorsReader:
     def _read_into(self, view: memoryview, offset: int) -> None:
         done = 0
         while done < len(view):
-            got = os.preadv(self._fd, [view[done:done + _PREAD_CHUNK]], offset + done)
+            got = os.preadv(self._fd, [view[done : done + _PREAD_CHUNK]], offset + done)
             if got == 0:
                 raise ValueError(f"{self.path}: the file ends before the tensor data its header lists (truncated?)")
             done += got
@@ -84,6 +87,7 @@ class SafetensorsReader:
 
     def __del__(self) -> None:
         self.close()
+
 
 # ---- writing -----------------------------------------------------------------------------------------------------
 # Writing a model's safetensors files one tensor at a time, in any order, without ever holding the model.
@@ -102,9 +106,18 @@ class SafetensorsReader:
 
 # safetensors' dtype names (the format's own list); a dtype outside it has no streamed export.
 DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 _DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # save_pretrained's default
@@ -135,17 +148,26 @@ class SafetensorsLayout:
     one file holds everything). `total_parameters`: the index's metadata entry of that name, as transformers
     writes it."""
 
-    def __init__(self, specs: dict[str, TensorSpec], *, filename_pattern: str = "model{suffix}.safetensors",
-                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, metadata: dict[str, str] | None = None,
-                 total_parameters: int | None = None) -> None:
+    def __init__(
+        self,
+        specs: dict[str, TensorSpec],
+        *,
+        filename_pattern: str = "model{suffix}.safetensors",
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        metadata: dict[str, str] | None = None,
+        total_parameters: int | None = None,
+    ) -> None:
         for name, spec in specs.items():
             if spec.dtype not in DTYPE_NAMES:
-                raise ValueError(f"{name}: dtype {spec.dtype} has no safetensors name; streamed exports write "
-                                 f"{sorted(DTYPE_NAMES.values())}")
+                raise ValueError(
+                    f"{name}: dtype {spec.dtype} has no safetensors name; streamed exports write "
+                    f"{sorted(DTYPE_NAMES.values())}"
+                )
         self.name = filename_pattern.format(suffix="")
         meta = {n: torch.empty(s.shape, dtype=s.dtype, device="meta") for n, s in specs.items()}
-        split = split_torch_state_dict_into_shards(meta, filename_pattern=filename_pattern,
-                                                   max_shard_size=max_shard_size)
+        split = split_torch_state_dict_into_shards(
+            meta, filename_pattern=filename_pattern, max_shard_size=max_shard_size
+        )
         self.files: dict[str, bytes] = {}  # file -> its header, length prefix and padding included
         self.places: dict[str, _Place] = {}
         for file, names in split.filename_to_tensors.items():
@@ -153,8 +175,11 @@ class SafetensorsLayout:
             begin = 0
             for name in names:
                 spec = specs[name]
-                header[name] = {"dtype": DTYPE_NAMES[spec.dtype], "shape": list(spec.shape),
-                                "data_offsets": [begin, begin + spec.nbytes]}
+                header[name] = {
+                    "dtype": DTYPE_NAMES[spec.dtype],
+                    "shape": list(spec.shape),
+                    "data_offsets": [begin, begin + spec.nbytes],
+                }
                 begin += spec.nbytes
             text = json.dumps(header, separators=(",", ":")).encode()
             text += b" " * (-len(text) % 8)  # the tensors' bytes start 8-byte aligned, as safetensors writes them
@@ -190,14 +215,18 @@ class StreamedSafetensors:
             raise
 
     def _partial(self, file: str) -> str:
-        return os.path.join(self.directory, f".{file}.partial")  # hidden: no loader, nor save_pretrained's clean-up, reads it
+        return os.path.join(
+            self.directory, f".{file}.partial"
+        )  # hidden: no loader, nor save_pretrained's clean-up, reads it
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write tensor `name` (its planned shape and dtype) to its place."""
         place = self.layout.places[name]
         if tuple(tensor.shape) != place.spec.shape or tensor.dtype != place.spec.dtype:
-            raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the layout planned "
-                             f"{place.spec.shape} {place.spec.dtype}")
+            raise ValueError(
+                f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the layout planned "
+                f"{place.spec.shape} {place.spec.dtype}"
+            )
         data = tensor.detach().to("cpu").contiguous()
         _pwrite_all(self._fds[place.file], host_bytes(data), place.offset)
         self._written.add(name)
@@ -226,8 +255,11 @@ class StreamedSafetensors:
             stale = [index]
         stem = re.escape(self.layout.name.removesuffix(".safetensors"))
         shard = re.compile(stem + r"-\d{5}-of-\d{5}\.safetensors")
-        stale += [os.path.join(self.directory, f) for f in os.listdir(self.directory)
-                  if shard.fullmatch(f) and f not in self.layout.files]
+        stale += [
+            os.path.join(self.directory, f)
+            for f in os.listdir(self.directory)
+            if shard.fullmatch(f) and f not in self.layout.files
+        ]
         for path in stale:
             if os.path.isfile(path):
                 os.remove(path)
@@ -259,10 +291,12 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     data = data.cast("B")
     done = 0
     while done < len(data):
-        done += os.pwrite(fd, data[done:done + _PWRITE_CHUNK], offset + done)
+        done += os.pwrite(fd, data[done : done + _PWRITE_CHUNK], offset + done)
+
 
 # ---- tensors for a file ------------------------------------------------------------------------------------------
 # Tensors ready for a safetensors file (shared by the HF export and the vLLM weight push).
+
 
 def unshared(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Contiguous tensors, none overlapping the memory of another (safetensors refuses overlapping tensors, e.g. tied

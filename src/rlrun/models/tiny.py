@@ -139,9 +139,7 @@ def tiny_model_config_for_size(name: str) -> PretrainedConfig:
         return tiny_model_config()
     if name not in _PRESETS:
         raise ConfigError(f"Unknown model size {name!r}; choose one of {list(MODEL_SIZES)}.")
-    return Qwen2Config(
-        vocab_size=BYTE_VOCAB_SIZE, tie_word_embeddings=False, **_PRESETS[name], **_special_ids()
-    )
+    return Qwen2Config(vocab_size=BYTE_VOCAB_SIZE, tie_word_embeddings=False, **_PRESETS[name], **_special_ids())
 
 
 def build_causal_lm(config: PretrainedConfig, seed: int, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -159,7 +157,7 @@ def build_causal_lm(config: PretrainedConfig, seed: int, dtype: torch.dtype = to
         # can change: adapters on the body (LoRA all-linear leaves the head out) cannot lift any token past ~1.5%.
         # std 1/sqrt(hidden), as a trained LM's logits spread, makes the random model learnable through its body too.
         with torch.no_grad():
-            head.weight.mul_(1.0 / (text.hidden_size ** 0.5 * text.initializer_range))
+            head.weight.mul_(1.0 / (text.hidden_size**0.5 * text.initializer_range))
     return model
 
 

@@ -10,23 +10,26 @@ several in order (`Chained`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from torch import nn
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
+
 import torch
+from torch import nn
+
 from rlrun.models.safetensors import SafetensorsReader
 from rlrun.runtime.errors import ConfigError
 
 # ---- renaming ----------------------------------------------------------------------------------------------------
 # Checkpoint names -> the model's parameter names, by transformers' own renaming rules for the model's class (its
-# conversion mapping: e.g. Qwen2-VL's hub checkpoints keep `visual.*` and `model.layers.*`, which transformers 5 builds as
+# conversion mapping: e.g. Qwen2-VL's hub checkpoints keep `visual.*` and `model.layers.*`, which transformers 5
+# builds as
 # `model.visual.*` and `model.language_model.layers.*`). Only renames: a checkpoint that needs tensors converted
 # (fused, split) keeps rlrun's whole-model fallback. The one place rlrun reads transformers' loading internals.
+
 
 def model_names(model: nn.Module, stored: Iterable[str]) -> dict[str, str]:
     """{parameter name: stored name} for the stored names transformers' renamings map onto `model`'s parameters
@@ -52,6 +55,7 @@ def model_names(model: nn.Module, stored: Iterable[str]) -> dict[str, str]:
             out[renamed] = name
     return out
 
+
 Rows = tuple[int, int]  # [begin, end) along dim 0
 
 
@@ -75,7 +79,7 @@ class MemoryWeights:
 
     def read(self, name: str, rows: Rows | None) -> torch.Tensor:
         t = self.tensors[name]
-        return t if rows is None else t[rows[0]:rows[1]]
+        return t if rows is None else t[rows[0] : rows[1]]
 
 
 class Chained:
@@ -110,8 +114,12 @@ class Renamed:
         return self.source.read(self.names.get(name, name), rows)
 
 
-_INDEXES = (("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model.bin"),
-            (None, "adapter_model.safetensors"), (None, "adapter_model.bin"))  # a PEFT adapter directory
+_INDEXES = (
+    ("model.safetensors.index.json", "model.safetensors"),
+    ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    (None, "adapter_model.safetensors"),
+    (None, "adapter_model.bin"),
+)  # a PEFT adapter directory
 
 
 class FileWeights:
@@ -131,8 +139,10 @@ class FileWeights:
                 self._file_of = {name: single for name in self._names_in(single)}
                 break
         if not self._file_of:
-            raise ConfigError(f"{path}: no model.safetensors, pytorch_model.bin or their .index.json; save the model "
-                              "with save_pretrained")
+            raise ConfigError(
+                f"{path}: no model.safetensors, pytorch_model.bin or their .index.json; save the model "
+                "with save_pretrained"
+            )
 
     def _handle(self, file: str) -> object:
         if file not in self._open:
@@ -172,12 +182,12 @@ class FileWeights:
         handle = self._handle(self._file_of[name])
         if isinstance(handle, dict):
             t = handle[name]
-            return t.clone() if rows is None else t[rows[0]:rows[1]].clone()
+            return t.clone() if rows is None else t[rows[0] : rows[1]].clone()
         if isinstance(handle, SafetensorsReader):
             return handle.read(name, rows)
         if rows is None:
             return handle.get_tensor(name)  # type: ignore[attr-defined]
-        return handle.get_slice(name)[rows[0]:rows[1]]  # type: ignore[attr-defined]
+        return handle.get_slice(name)[rows[0] : rows[1]]  # type: ignore[attr-defined]
 
 
 def open_weights(path: str) -> FileWeights | None:
@@ -224,8 +234,9 @@ class Unfilled:
     prefix: str = ""  # the weights' names are the model's parameter names after this prefix
     note: str | None = None  # why this model costs more to load than its shard (said once in the log)
 
-    def fill_each(self, device: torch.device, dtype: torch.dtype, take: Callable[[nn.Parameter], None], *,
-                  read: bool = True) -> nn.Module:
+    def fill_each(
+        self, device: torch.device, dtype: torch.dtype, take: Callable[[nn.Parameter], None], *, read: bool = True
+    ) -> nn.Module:
         """One parameter at a time: allocate it whole on `device` in `dtype`, read it (left uninitialised when not
         `read`: another rank's copy overwrites it), hand it to `take` (which may shrink it to a partition) before
         the next is allocated. Buffers move to `device`. Peak: the model as `take` leaves it plus one parameter."""
@@ -240,9 +251,10 @@ class Unfilled:
                     continue
                 if id(meta) not in done:  # a tied parameter is allocated once and set in every slot
                     full = f"{module_name}.{name}" if module_name else name
-                    key = full[len(self.prefix):] if full.startswith(self.prefix) else full
-                    param = nn.Parameter(torch.empty(meta.shape, dtype=dtype, device=device),
-                                         requires_grad=meta.requires_grad)
+                    key = full[len(self.prefix) :] if full.startswith(self.prefix) else full
+                    param = nn.Parameter(
+                        torch.empty(meta.shape, dtype=dtype, device=device), requires_grad=meta.requires_grad
+                    )
                     if read:
                         with torch.no_grad():
                             read_whole(param, self.weights, key)
@@ -252,13 +264,20 @@ class Unfilled:
                 module._parameters[name] = done[id(meta)]
         return self.model
 
-    def fill(self, device: torch.device, *, param_device: torch.device | None = None,
-             read_into: "ReadInto | None" = None) -> nn.Module:
+    def fill(
+        self, device: torch.device, *, param_device: torch.device | None = None, read_into: ReadInto | None = None
+    ) -> nn.Module:
         """Allocate the parameters (on `param_device`, default `device`) and read each from the weights with
         `read_into` (default: the whole tensor; a sharding strategy passes one that reads its rows only); the buffers
         built with the model move to `device`."""
-        fill(self.model, self.weights, device, param_device=param_device, prefix=self.prefix,
-             read_into=read_into or read_whole)
+        fill(
+            self.model,
+            self.weights,
+            device,
+            param_device=param_device,
+            prefix=self.prefix,
+            read_into=read_into or read_whole,
+        )
         return self.model
 
 
@@ -269,10 +288,21 @@ def read_whole(param: nn.Parameter, weights: WeightSource, name: str) -> None:
     param.copy_(weights.read(name, None))
 
 
-def fill(model: nn.Module, weights: WeightSource, device: torch.device, *, param_device: torch.device | None = None,
-         prefix: str = "", read_into: ReadInto = read_whole) -> None:
-    buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
-               if b is not None and b.device.type != "meta"]
+def fill(
+    model: nn.Module,
+    weights: WeightSource,
+    device: torch.device,
+    *,
+    param_device: torch.device | None = None,
+    prefix: str = "",
+    read_into: ReadInto = read_whole,
+) -> None:
+    buffers = [
+        (m, name, b)
+        for m in model.modules()
+        for name, b in m._buffers.items()
+        if b is not None and b.device.type != "meta"
+    ]
     slots = [(m, name, id(p)) for m in model.modules() for name, p in m._parameters.items() if p is not None]
     model.to_empty(device=param_device or device)
     for module, name, buffer in buffers:  # to_empty left them uninitialised
@@ -282,7 +312,7 @@ def fill(model: nn.Module, weights: WeightSource, device: torch.device, *, param
         module._parameters[name] = first.setdefault(key, module._parameters[name])
     with torch.no_grad():
         for name, param in model.named_parameters():
-            read_into(param, weights, name[len(prefix):] if name.startswith(prefix) else name)
+            read_into(param, weights, name[len(prefix) :] if name.startswith(prefix) else name)
 
 
 def state_dict_weights(model: nn.Module, names: Sequence[str] | None = None) -> MemoryWeights:

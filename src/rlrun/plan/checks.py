@@ -5,22 +5,29 @@ Every message names the offending flag, its value and what would fix it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from importlib.metadata import PackageNotFoundError, version
+
 from rlrun.algo.losses import ISCorrection
 from rlrun.algo.losses import check_settings as check_is_settings
-from rlrun.config.schema import NEEDS_GROUPS, RETRIEVER_RETRY_BACKOFF_S
-from rlrun.config.schema import Config, PretrainedConfig, SavingConfig
-from rlrun.models.lora import ADAPTER_CONFIG, refuse_adapter_as_reference
-from rlrun.runtime.errors import ConfigError
+from rlrun.config.schema import (
+    NEEDS_GROUPS,
+    RETRIEVER_RETRY_BACKOFF_S,
+    Config,
+    OptimConfig,
+    PretrainedConfig,
+    SavingConfig,
+)
 from rlrun.config.supervised import DPOConfig, DPOLossConfig, SupervisedConfig
-import importlib.util
-from importlib.metadata import PackageNotFoundError, version
-from rlrun.config.schema import OptimConfig
 from rlrun.launch.layout import Layout, Role
 from rlrun.models.architecture import is_vision_language
 from rlrun.models.loading import load_model_config
+from rlrun.models.lora import ADAPTER_CONFIG, refuse_adapter_as_reference
+from rlrun.runtime.errors import ConfigError
 
 # The file that marks a PEFT adapter directory (models/lora.py reads it; here: --pretrain may be one).
+
 
 def _positive(name: str, value: int | float | None, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
@@ -32,8 +39,10 @@ def _positive(name: str, value: int | float | None, *, allow_none: bool = False)
 def check_model_settings(model: PretrainedConfig) -> None:
     """The model section's rules, shared by rlrun.ppo and the supervised trainers."""
     if model.flash_attn and not model.bf16:
-        raise ConfigError("--flash_attn needs --bf16: flash-attention 2 runs only in half precision (its kernel "
-                          "refuses fp32 inputs); add --bf16, or drop --flash_attn for PyTorch's SDPA")
+        raise ConfigError(
+            "--flash_attn needs --bf16: flash-attention 2 runs only in half precision (its kernel "
+            "refuses fp32 inputs); add --bf16, or drop --flash_attn for PyTorch's SDPA"
+        )
 
 
 def check_lora_settings(model: PretrainedConfig, saving: SavingConfig) -> None:
@@ -43,24 +52,33 @@ def check_lora_settings(model: PretrainedConfig, saving: SavingConfig) -> None:
     if rank < 0:
         raise ConfigError(f"--lora_rank must be >= 0 (0: train every weight; LoRA: e.g. 8, 16 or 64), got {rank}")
     if rank > 0 and model.lora_alpha <= 0:
-        raise ConfigError(f"--lora_alpha must be > 0 with --lora_rank {rank} (the adapters' update is scaled by alpha "
-                          f"/ rank; OpenRLHF's and verl's default is 16), got {model.lora_alpha}")
+        raise ConfigError(
+            f"--lora_alpha must be > 0 with --lora_rank {rank} (the adapters' update is scaled by alpha "
+            f"/ rank; OpenRLHF's and verl's default is 16), got {model.lora_alpha}"
+        )
     if not 0 <= model.lora_dropout < 1:
-        raise ConfigError(f"--lora_dropout must be in [0, 1) (the chance of zeroing an adapter input), got "
-                          f"{model.lora_dropout}")
+        raise ConfigError(
+            f"--lora_dropout must be in [0, 1) (the chance of zeroing an adapter input), got {model.lora_dropout}"
+        )
     targets = list(model.target_modules)
     if any(not name.strip() for name in targets):
-        raise ConfigError(f"--target_modules {targets} has an empty module name (a stray comma?); give names like "
-                          "q_proj v_proj, or all-linear")
+        raise ConfigError(
+            f"--target_modules {targets} has an empty module name (a stray comma?); give names like "
+            "q_proj v_proj, or all-linear"
+        )
     if "all-linear" in targets and len(targets) > 1:
-        raise ConfigError(f"--target_modules {' '.join(targets)}: all-linear (every linear layer but the output head) "
-                          "stands alone; give it alone, or only module names")
+        raise ConfigError(
+            f"--target_modules {' '.join(targets)}: all-linear (every linear layer but the output head) "
+            "stands alone; give it alone, or only module names"
+        )
     # A saved adapter directory as --pretrain trains LoRA without --lora_rank (its adapter_config.json says the rank).
     adapter = model.pretrain is not None and os.path.isfile(os.path.join(model.pretrain, ADAPTER_CONFIG))
     if saving.save_merged and rank == 0 and not adapter:
-        raise ConfigError("--save_merged writes the base model with the LoRA adapters merged in, and this run has no "
-                          "adapters: add --lora_rank N (e.g. 16), or drop --save_merged (without LoRA --save_path "
-                          "holds the full model already)")
+        raise ConfigError(
+            "--save_merged writes the base model with the LoRA adapters merged in, and this run has no "
+            "adapters: add --lora_rank N (e.g. 16), or drop --save_merged (without LoRA --save_path "
+            "holds the full model already)"
+        )
 
 
 def check_values(cfg: Config) -> None:
@@ -68,8 +86,16 @@ def check_values(cfg: Config) -> None:
     t, a, g = cfg.train, cfg.algo, cfg.generation
     check_model_settings(cfg.model)
     check_lora_settings(cfg.model, cfg.checkpoint)
-    for name in ("rollout_batch_size", "micro_rollout_batch_size", "train_batch_size",
-                 "micro_train_batch_size", "n_samples_per_prompt", "max_epochs", "num_episodes", "max_samples"):
+    for name in (
+        "rollout_batch_size",
+        "micro_rollout_batch_size",
+        "train_batch_size",
+        "micro_train_batch_size",
+        "n_samples_per_prompt",
+        "max_epochs",
+        "num_episodes",
+        "max_samples",
+    ):
         _positive(name, getattr(t, name))
     _positive("max_steps", t.max_steps, allow_none=True)
     _positive("native_kv_cache_mb", g.native_kv_cache_mb, allow_none=True)
@@ -85,9 +111,11 @@ def check_values(cfg: Config) -> None:
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"--zero_stage must be 0, 1, 2 or 3, got {t.zero_stage}")
     if t.deepspeed_enable_sleep and t.strategy == "deepspeed" and t.zero_stage == 3:
-        raise ConfigError("--deepspeed_enable_sleep with --strategy deepspeed --zero_stage 3 is not supported (rlrun's "
-                          "DeepSpeed strategy runs ZeRO-0/1/2; DeepSpeed's own ZeRO-3 offload_states needs FusedAdam "
-                          "on CUDA); use --zero_stage 1 or 2, or --strategy fsdp --zero_stage 3")
+        raise ConfigError(
+            "--deepspeed_enable_sleep with --strategy deepspeed --zero_stage 3 is not supported (rlrun's "
+            "DeepSpeed strategy runs ZeRO-0/1/2; DeepSpeed's own ZeRO-3 offload_states needs FusedAdam "
+            "on CUDA); use --zero_stage 1 or 2, or --strategy fsdp --zero_stage 3"
+        )
     if g.temperature <= 0:
         raise ConfigError(f"--temperature must be > 0, got {g.temperature}")
     if not 0 < g.top_p <= 1:
@@ -122,9 +150,13 @@ def check_values(cfg: Config) -> None:
     _check_partial_rollout(cfg)
     _check_agent(cfg)
     if cfg.data.input_template is not None and "{}" not in cfg.data.input_template:
-        raise ConfigError(f"--input_template must contain '{{}}' where the prompt goes, got {cfg.data.input_template!r}")
+        raise ConfigError(
+            f"--input_template must contain '{{}}' where the prompt goes, got {cfg.data.input_template!r}"
+        )
     if cfg.checkpoint.save_steps == 0 or cfg.checkpoint.save_steps < -1:
-        raise ConfigError(f"--save_steps must be a positive number of steps or -1 (never), got {cfg.checkpoint.save_steps}")
+        raise ConfigError(
+            f"--save_steps must be a positive number of steps or -1 (never), got {cfg.checkpoint.save_steps}"
+        )
     _positive("max_ckpt_num", cfg.checkpoint.max_ckpt_num)
     _positive("logging_steps", cfg.logging.logging_steps)
     _positive("dist_timeout", cfg.runtime.dist_timeout)
@@ -134,10 +166,12 @@ def check_values(cfg: Config) -> None:
     if cfg.model.reward_timeout is not None:
         _positive("reward_timeout", cfg.model.reward_timeout)
         if cfg.model.reward_timeout >= cfg.runtime.dist_timeout:
-            raise ConfigError(f"--reward_timeout {cfg.model.reward_timeout:g} must be below --dist_timeout "
-                              f"{cfg.runtime.dist_timeout:g}: the other ranks wait at most --dist_timeout for the "
-                              "rewards, so a slower reward function would end the run as a collective timeout instead "
-                              "of naming itself; raise --dist_timeout too, or lower --reward_timeout")
+            raise ConfigError(
+                f"--reward_timeout {cfg.model.reward_timeout:g} must be below --dist_timeout "
+                f"{cfg.runtime.dist_timeout:g}: the other ranks wait at most --dist_timeout for the "
+                "rewards, so a slower reward function would end the run as a collective timeout instead "
+                "of naming itself; raise --dist_timeout too, or lower --reward_timeout"
+            )
     _positive("max_skipped_steps", t.max_skipped_steps)
     _check_reward_source(cfg)
 
@@ -148,32 +182,45 @@ def _check_algorithm_extras(cfg: Config) -> None:
     if a.eps_clip_low_high is not None:
         low, high = a.eps_clip_low_high
         if not 0 < low < 1 or high <= 0:
-            raise ConfigError(f"--eps_clip_low_high {low} {high}: needs 0 < LOW < 1 and HIGH > 0 "
-                              "(the ratio is clipped to [1 - LOW, 1 + HIGH]), e.g. --eps_clip_low_high 0.2 0.28")
+            raise ConfigError(
+                f"--eps_clip_low_high {low} {high}: needs 0 < LOW < 1 and HIGH > 0 "
+                "(the ratio is clipped to [1 - LOW, 1 + HIGH]), e.g. --eps_clip_low_high 0.2 0.28"
+            )
     if a.dynamic_filtering:
         if t.n_samples_per_prompt < 2:
-            raise ConfigError(f"--dynamic_filtering drops prompt groups by their mean score and needs "
-                              f"--n_samples_per_prompt >= 2, got {t.n_samples_per_prompt}")
+            raise ConfigError(
+                f"--dynamic_filtering drops prompt groups by their mean score and needs "
+                f"--n_samples_per_prompt >= 2, got {t.n_samples_per_prompt}"
+            )
         low, high = a.dynamic_filtering_reward_range
         if low >= high:
-            raise ConfigError(f"--dynamic_filtering_reward_range needs LOW < HIGH, got {low} {high} "
-                              "(e.g. 0 1 for 0/1 rewards)")
+            raise ConfigError(
+                f"--dynamic_filtering_reward_range needs LOW < HIGH, got {low} {high} (e.g. 0 1 for 0/1 rewards)"
+            )
     if a.overlong_buffer_len is not None and not 0 < a.overlong_buffer_len <= cfg.generation.generate_max_len:
-        raise ConfigError(f"--overlong_buffer_len {a.overlong_buffer_len} must be in (0, --generate_max_len "
-                          f"{cfg.generation.generate_max_len}]; the penalty ramps over the last N tokens")
+        raise ConfigError(
+            f"--overlong_buffer_len {a.overlong_buffer_len} must be in (0, --generate_max_len "
+            f"{cfg.generation.generate_max_len}]; the penalty ramps over the last N tokens"
+        )
     if a.overlong_penalty_factor < 0:
         raise ConfigError(f"--overlong_penalty_factor must be >= 0, got {a.overlong_penalty_factor}")
-    correction = ISCorrection(a.is_correction_level, a.is_correction_mode, a.is_correction_gating,
-                              *a.is_correction_threshold)
+    correction = ISCorrection(
+        a.is_correction_level, a.is_correction_mode, a.is_correction_gating, *a.is_correction_threshold
+    )
     if (problem := check_is_settings(correction)) is not None:
         raise ConfigError(problem)
     if a.is_correction_level != "off" and cfg.generation.generation_backend == "hf":
-        raise ConfigError(f"--is_correction_level {a.is_correction_level} corrects the engine/actor log-prob mismatch "
-                          "with the engine's sampled-token log-probs, which --generation_backend hf does not report; use "
-                          "--generation_backend vllm or native, or drop the flag")
+        raise ConfigError(
+            f"--is_correction_level {a.is_correction_level} corrects the engine/actor log-prob mismatch "
+            "with the engine's sampled-token log-probs, which --generation_backend hf does not report; "
+            "use "
+            "--generation_backend vllm or native, or drop the flag"
+        )
     if a.stop_properly_penalty_coef is not None and a.stop_properly_penalty_coef > 1:
-        raise ConfigError(f"--stop_properly_penalty_coef {a.stop_properly_penalty_coef}: use a value in [0, 1] "
-                          "(scales truncated rewards) or a negative one (replaces them)")
+        raise ConfigError(
+            f"--stop_properly_penalty_coef {a.stop_properly_penalty_coef}: use a value in [0, 1] "
+            "(scales truncated rewards) or a negative one (replaces them)"
+        )
 
 
 def _check_dynamic_batch(cfg: Config) -> None:
@@ -186,15 +233,19 @@ def _check_dynamic_batch(cfg: Config) -> None:
             continue
         _positive(name, value)
         if t.dynamic_batch and value < longest:
-            raise ConfigError(f"--{name} {value} is below the longest possible sequence, --prompt_max_len "
-                              f"{g.prompt_max_len} + --generate_max_len {g.generate_max_len} = {longest} tokens, and "
-                              f"--dynamic_batch never splits a sequence: raise --{name} to at least {longest}, or "
-                              "lower the lengths")
+            raise ConfigError(
+                f"--{name} {value} is below the longest possible sequence, --prompt_max_len "
+                f"{g.prompt_max_len} + --generate_max_len {g.generate_max_len} = {longest} tokens, and "
+                f"--dynamic_batch never splits a sequence: raise --{name} to at least {longest}, or "
+                "lower the lengths"
+            )
 
 
-REWARD_SOURCES = ("--reward_pretrain DIR (a reward model), --remote_rm_url FILE.py or URL (OpenRLHF's reward_func), "
-                  "--compute_score FILE.py or builtin (verl's compute_score, or its rule scores by data_source), or an "
-                  "agent (--agent_func_path, --retriever_url)")
+REWARD_SOURCES = (
+    "--reward_pretrain DIR (a reward model), --remote_rm_url FILE.py or URL (OpenRLHF's reward_func), "
+    "--compute_score FILE.py or builtin (verl's compute_score, or its rule scores by data_source), or an "
+    "agent (--agent_func_path, --retriever_url)"
+)
 
 
 def _check_partial_rollout(cfg: Config) -> None:
@@ -205,29 +256,44 @@ def _check_partial_rollout(cfg: Config) -> None:
     _positive("partial_rollout_tokens", t.partial_rollout_tokens)
     _positive("max_staleness", t.max_staleness)
     if not t.async_train:
-        raise ConfigError("--partial_rollout needs --async_train (as OpenRLHF's --train.partial_rollout_enable needs "
-                          "--train.async_enable): unfinished responses carry over while the learners train")
+        raise ConfigError(
+            "--partial_rollout needs --async_train (as OpenRLHF's --train.partial_rollout_enable needs "
+            "--train.async_enable): unfinished responses carry over while the learners train"
+        )
     if cfg.agent.multi_turn:
-        raise ConfigError("--partial_rollout does not run agents (--agent_func_path / multi-turn episodes): an episode "
-                          "is not split at a weight sync; drop --partial_rollout (--async_train alone runs agents)")
+        raise ConfigError(
+            "--partial_rollout does not run agents (--agent_func_path / multi-turn episodes): an episode "
+            "is not split at a weight sync; drop --partial_rollout (--async_train alone runs agents)"
+        )
 
 
 def _check_reward_source(cfg: Config) -> None:
     """Exactly one reward source, never a guessed one: the demo rule scores only the demo's own prompts and
     model, so labelled data or a real model without a source is an error, not a run that learns nothing."""
     m = cfg.model
-    given = [f"--{name} {value}" for name, value in (("reward_pretrain", m.reward_pretrain), ("remote_rm_url", m.remote_rm_url),
-                                                   ("compute_score", m.compute_score)) if value is not None]
+    given = [
+        f"--{name} {value}"
+        for name, value in (
+            ("reward_pretrain", m.reward_pretrain),
+            ("remote_rm_url", m.remote_rm_url),
+            ("compute_score", m.compute_score),
+        )
+        if value is not None
+    ]
     if len(given) > 1:
         raise ConfigError(f"{' and '.join(given)} are all reward sources; choose one")
     _positive("reward_workers", m.reward_workers, allow_none=True)
     if given or cfg.agent.multi_turn:
         return
     if cfg.data.prompt_data is not None or m.pretrain is not None:
-        what = " and ".join(f"--{k} {v}" for k, v in (("pretrain", m.pretrain), ("prompt_data", cfg.data.prompt_data))
-                            if v is not None)
-        raise ConfigError(f"no reward source for {what}: pass {REWARD_SOURCES}. (rlrun does not guess one: its demo rule, "
-                          "--remote_rm_url demo, only fits the demo's built-in prompts.)")
+        what = " and ".join(
+            f"--{k} {v}" for k, v in (("pretrain", m.pretrain), ("prompt_data", cfg.data.prompt_data)) if v is not None
+        )
+        raise ConfigError(
+            f"no reward source for {what}: pass {REWARD_SOURCES}. (rlrun does not guess one: its demo "
+            f"rule, "
+            "--remote_rm_url demo, only fits the demo's built-in prompts.)"
+        )
 
 
 def _check_agent(cfg: Config) -> None:
@@ -237,39 +303,60 @@ def _check_agent(cfg: Config) -> None:
     for name in ("retriever_topk", "retriever_timeout", "agent_timeout", "agent_max_concurrency"):
         _positive(name, getattr(ag, name))
     if ag.agent_func_path is not None and ag.retriever_url is not None:
-        raise ConfigError(f"--agent_func_path {ag.agent_func_path} and --retriever_url {ag.retriever_url} are both set; "
-                          "--retriever_url runs the built-in Search-R1 agent: choose one agent")
+        raise ConfigError(
+            f"--agent_func_path {ag.agent_func_path} and --retriever_url {ag.retriever_url} are both "
+            f"set; "
+            "--retriever_url runs the built-in Search-R1 agent: choose one agent"
+        )
     tp = cfg.resources.vllm_tensor_parallel_size
     if cfg.agent.multi_turn and tp > 1 and cfg.generation.generation_backend == "vllm":
         # The engine's ranks share one vLLM engine call by call; episodes end after different numbers of turns on
         # different ranks, so those calls would not line up.
-        raise ConfigError(f"multi-turn agent episodes (--agent_func_path/--retriever_url) with --generation_backend vllm "
-                          f"--vllm_tensor_parallel_size {tp} are not supported yet; use --vllm_tensor_parallel_size 1 "
-                          "(more engines instead of wider ones), or --generation_backend hf")
+        raise ConfigError(
+            f"multi-turn agent episodes (--agent_func_path/--retriever_url) with --generation_backend "
+            f"vllm "
+            f"--vllm_tensor_parallel_size {tp} are not supported yet; use --vllm_tensor_parallel_size 1 "
+            "(more engines instead of wider ones), or --generation_backend hf"
+        )
     if not cfg.agent.multi_turn:
-        turn_flags = [f"--{n}" for n in ("max_turns", "max_tokens_per_turn", "max_obs_len") if getattr(ag, n) is not None]
+        turn_flags = [
+            f"--{n}" for n in ("max_turns", "max_tokens_per_turn", "max_obs_len") if getattr(ag, n) is not None
+        ]
         turn_flags += [] if ag.state_masking else ["--state_masking false"]
         if turn_flags:
-            raise ConfigError(f"{', '.join(turn_flags)} shape multi-turn agent episodes; add --agent_func_path FILE.py "
-                              "or --retriever_url URL, or drop them")
+            raise ConfigError(
+                f"{', '.join(turn_flags)} shape multi-turn agent episodes; add --agent_func_path FILE.py "
+                "or --retriever_url URL, or drop them"
+            )
         return
     if m.remote_rm_url is not None or m.reward_pretrain is not None or m.compute_score is not None:
-        source = (f"--remote_rm_url {m.remote_rm_url}" if m.remote_rm_url is not None else
-                  f"--reward_pretrain {m.reward_pretrain}" if m.reward_pretrain is not None else
-                  f"--compute_score {m.compute_score}")
-        raise ConfigError(f"{source} with an agent: the agent's step rewards are the reward (as OpenRLHF's "
-                          "--agent_func_path); score inside the agent, or drop the agent")
+        source = (
+            f"--remote_rm_url {m.remote_rm_url}"
+            if m.remote_rm_url is not None
+            else f"--reward_pretrain {m.reward_pretrain}"
+            if m.reward_pretrain is not None
+            else f"--compute_score {m.compute_score}"
+        )
+        raise ConfigError(
+            f"{source} with an agent: the agent's step rewards are the reward (as OpenRLHF's "
+            "--agent_func_path); score inside the agent, or drop the agent"
+        )
     if ag.retriever_url is not None:
         tries = m.remote_rm_retries
         worst = tries * ag.retriever_timeout + RETRIEVER_RETRY_BACKOFF_S * (2 ** (tries - 1) - 1)
         if ag.agent_timeout <= worst:
-            raise ConfigError(f"--agent_timeout {ag.agent_timeout:g}s is shorter than the retriever's worst case "
-                              f"({tries} tries x --retriever_timeout {ag.retriever_timeout:g}s + backoff = {worst:g}s), "
-                              "so a retriever that is down would be reported as a slow agent; raise --agent_timeout "
-                              f"above {worst:g} or lower --retriever_timeout / --remote_rm_retries")
+            raise ConfigError(
+                f"--agent_timeout {ag.agent_timeout:g}s is shorter than the retriever's worst case "
+                f"({tries} tries x --retriever_timeout {ag.retriever_timeout:g}s + backoff = "
+                f"{worst:g}s), "
+                "so a retriever that is down would be reported as a slow agent; raise --agent_timeout "
+                f"above {worst:g} or lower --retriever_timeout / --remote_rm_retries"
+            )
     if not ag.state_masking and cfg.algo.is_correction_level != "off":
-        raise ConfigError("--state_masking false trains on observation tokens, which the engine did not sample and "
-                          "has no log-probs for; --is_correction_level needs those: drop one of the two")
+        raise ConfigError(
+            "--state_masking false trains on observation tokens, which the engine did not sample and "
+            "has no log-probs for; --is_correction_level needs those: drop one of the two"
+        )
 
 
 def check_batches(cfg: Config, role_sizes: dict[str, int]) -> None:
@@ -292,21 +379,27 @@ def check_batches(cfg: Config, role_sizes: dict[str, int]) -> None:
     for role in ("actor", "critic"):
         size = role_sizes.get(role)
         if size and t.dynamic_batch and t.train_batch_size % size:  # micro-batches by tokens: only the rows split
-            raise ConfigError(f"--train_batch_size {t.train_batch_size} must be a multiple of the {size} {role} ranks "
-                              "(--dynamic_batch deals each mini-batch's rows evenly over them)")
+            raise ConfigError(
+                f"--train_batch_size {t.train_batch_size} must be a multiple of the {size} {role} ranks "
+                "(--dynamic_batch deals each mini-batch's rows evenly over them)"
+            )
         if size and not t.dynamic_batch and t.train_batch_size % (t.micro_train_batch_size * size):
             raise ConfigError(
                 f"--train_batch_size {t.train_batch_size} must be a multiple of --micro_train_batch_size "
                 f"{t.micro_train_batch_size} x {size} {role} ranks = {t.micro_train_batch_size * size}"
             )
 
+
 # ---- supervised trainers -----------------------------------------------------------------------------------------
 # Checks of a supervised trainer's settings, on every rank before any process group, model or file is touched.
+
 
 def check_supervised(cfg: SupervisedConfig, world_size: int, prog: str) -> None:
     t, d = cfg.train, cfg.data
     if d.dataset is None:
-        raise ConfigError(f"{prog} needs --dataset: a local .jsonl/.json/.parquet/.csv file or saved HF datasets directory")
+        raise ConfigError(
+            f"{prog} needs --dataset: a local .jsonl/.json/.parquet/.csv file or saved HF datasets directory"
+        )
     for name in ("train_batch_size", "micro_train_batch_size", "max_epochs", "max_len", "max_samples", "logging_steps"):
         section = cfg.logging if name == "logging_steps" else t
         if getattr(section, name) < 1:
@@ -318,27 +411,40 @@ def check_supervised(cfg: SupervisedConfig, world_size: int, prog: str) -> None:
     if not t.learning_rate > 0:
         raise ConfigError(f"--learning_rate must be > 0, got {t.learning_rate}")
     if t.train_batch_size % world_size:
-        raise ConfigError(f"--train_batch_size {t.train_batch_size} must be a multiple of the {world_size} ranks (each rank "
-                          f"takes an equal share of every batch); use e.g. {max(1, t.train_batch_size // world_size) * world_size}")
+        raise ConfigError(
+            f"--train_batch_size {t.train_batch_size} must be a multiple of the {world_size} ranks "
+            f"(each rank "
+            f"takes an equal share of every batch); use e.g. {max(1, t.train_batch_size // world_size) * world_size}"
+        )
     if cfg.checkpoint.max_ckpt_num < 1:
         raise ConfigError(f"--max_ckpt_num must be >= 1, got {cfg.checkpoint.max_ckpt_num}")
     if t.strategy == "deepspeed":
         check_deepspeed_install()
-        check_deepspeed_settings(t, cfg.model.bf16, saves=cfg.checkpoint.save_steps > 0 or cfg.checkpoint.load_checkpoint)
+        check_deepspeed_settings(
+            t, cfg.model.bf16, saves=cfg.checkpoint.save_steps > 0 or cfg.checkpoint.load_checkpoint
+        )
     if isinstance(cfg, DPOConfig):
         loss = cfg.loss
         if not loss.beta > 0:
             raise ConfigError(f"--beta must be > 0, got {loss.beta}")
         if not 0 <= loss.label_smoothing < 0.5:
-            raise ConfigError(f"--label_smoothing must be in [0, 0.5) (the assumed label-flip probability), got {loss.label_smoothing}")
+            raise ConfigError(
+                f"--label_smoothing must be in [0, 0.5) (the assumed label-flip probability), got "
+                f"{loss.label_smoothing}"
+            )
         if loss.nll_loss_coef < 0:
             raise ConfigError(f"--nll_loss_coef must be >= 0, got {loss.nll_loss_coef}")
         if loss.ref_offload and t.strategy == "fsdp" and t.zero_stage < 3:
             # Below ZeRO-3 the frozen reference is kept whole on every GPU (rlrun.strategies.fsdp), so there is no
             # sharded copy for FSDP2's CPU offload to hold: the flag would do nothing.
-            raise ConfigError(f"--ref_offload needs --zero_stage 3 with --strategy fsdp (at --zero_stage {t.zero_stage} "
-                              "the reference stays whole on each GPU, so nothing would be offloaded); add --zero_stage 3 "
-                              "or drop --ref_offload")
+            raise ConfigError(
+                f"--ref_offload needs --zero_stage 3 with --strategy fsdp (at --zero_stage "
+                f"{t.zero_stage} "
+                "the reference stays whole on each GPU, so nothing would be offloaded); add "
+                "--zero_stage 3 "
+                "or drop --ref_offload"
+            )
+
 
 # ---- strategies --------------------------------------------------------------------------------------------------
 # Strategy rules that need the layout, checked in planning on every rank before any group or model exists.
@@ -357,7 +463,9 @@ def reference_is_base(model: PretrainedConfig, loss: DPOLossConfig) -> bool:
     if model.lora_rank <= 0:
         return False
     ref, pretrain = loss.ref_pretrain, model.pretrain
-    return ref is None or ref == pretrain or (pretrain is not None and os.path.realpath(ref) == os.path.realpath(pretrain))
+    return (
+        ref is None or ref == pretrain or (pretrain is not None and os.path.realpath(ref) == os.path.realpath(pretrain))
+    )
 
 
 def check_lora(cfg: SupervisedConfig) -> None:
@@ -393,42 +501,58 @@ def check_strategy(cfg: Config, layout: Layout) -> None:
         if narrow:
             role = narrow[0]
             raise ConfigError(
-                f"--strategy deepspeed --zero_stage 3 needs the role ({role.value}: {_ranks(layout.ranks_of(role))}) to "
-                f"span all {layout.world_size} ranks: DeepSpeed ZeRO-3 calls world-wide barriers at init and broadcasts "
+                f"--strategy deepspeed --zero_stage 3 needs the role ({role.value}: {_ranks(layout.ranks_of(role))}) "
+                f"to "
+                f"span all {layout.world_size} ranks: DeepSpeed ZeRO-3 calls world-wide barriers at init and "
+                f"broadcasts "
                 "from global rank 0 in its forward hooks (deepspeed/runtime/zero/stage3.py:914, "
                 "partitioned_param_coordinator.py:260), which deadlock when other roles train on other ranks. "
-                "Use --strategy fsdp --zero_stage 3 (comparable memory profile, works on role groups).")
+                "Use --strategy fsdp --zero_stage 3 (comparable memory profile, works on role groups)."
+            )
     check_deepspeed_settings(t, cfg.model.bf16, saves=cfg.checkpoint.save_steps > 0 or cfg.checkpoint.load_checkpoint)
 
 
 def check_deepspeed_install() -> None:
     if importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError("--strategy deepspeed needs DeepSpeed: pip install 'rlrun[deepspeed]' (deepspeed>=0.19.8,<0.20), "
-                          "or use --strategy fsdp")
+        raise ConfigError(
+            "--strategy deepspeed needs DeepSpeed: pip install 'rlrun[deepspeed]' "
+            "(deepspeed>=0.19.8,<0.20), "
+            "or use --strategy fsdp"
+        )
     try:
         found = version("deepspeed")
     except PackageNotFoundError:
         found = "unknown"
     low, high = DEEPSPEED_TESTED
     if not low <= _version_tuple(found) < high:
-        raise ConfigError(f"--strategy deepspeed is tested with deepspeed>=0.19.8,<0.20, found {found}: "
-                          "pip install 'rlrun[deepspeed]', or use --strategy fsdp")
+        raise ConfigError(
+            f"--strategy deepspeed is tested with deepspeed>=0.19.8,<0.20, found {found}: "
+            "pip install 'rlrun[deepspeed]', or use --strategy fsdp"
+        )
 
 
 def check_deepspeed_settings(train: OptimConfig, bf16: bool, *, saves: bool) -> None:
     """The --strategy deepspeed rules that hold whatever the layout (every model on every rank included)."""
     if train.zero_stage == 0 and train.adam_offload:
-        raise ConfigError("--strategy deepspeed --zero_stage 0 --adam_offload: DeepSpeed offloads the optimizer only at "
-                          "ZeRO stages 1-3 (at stage 0 DeepSpeedCPUAdam would receive GPU parameters and assert); use "
-                          "--zero_stage 1 or 2 with --adam_offload, or drop --adam_offload")
+        raise ConfigError(
+            "--strategy deepspeed --zero_stage 0 --adam_offload: DeepSpeed offloads the optimizer only "
+            "at "
+            "ZeRO stages 1-3 (at stage 0 DeepSpeedCPUAdam would receive GPU parameters and assert); use "
+            "--zero_stage 1 or 2 with --adam_offload, or drop --adam_offload"
+        )
     if train.zero_stage == 0 and bf16 and saves:
-        raise ConfigError("--strategy deepspeed --zero_stage 0 --bf16 cannot save or load checkpoints yet (its fp32 master "
-                          "weights are not reachable by parameter); use --zero_stage 1 or 2, or drop --save_steps/"
-                          "--load_checkpoint")
+        raise ConfigError(
+            "--strategy deepspeed --zero_stage 0 --bf16 cannot save or load checkpoints yet (its fp32 "
+            "master "
+            "weights are not reachable by parameter); use --zero_stage 1 or 2, or drop --save_steps/"
+            "--load_checkpoint"
+        )
+
 
 # ---- vision-language runs ----------------------------------------------------------------------------------------
 # What a run with a vision-language policy can do today, checked before launch: each unsupported combination is
 # one ConfigError with the reason and what to do instead.
+
 
 def vision_run_problem(cfg: Config) -> str | None:
     """Why this run cannot train its vision-language policy (None: it can, or the policy is text-only)."""
@@ -439,14 +563,20 @@ def vision_run_problem(cfg: Config) -> str | None:
     if not is_vision_language(config):
         return None
     if cfg.generation.generation_backend == "vllm" and cfg.resources.vllm_tensor_parallel_size > 1:
-        return ("tensor-parallel vLLM engines (their ranks exchange prompts as text; use --vllm_tensor_parallel_size 1, "
-                "more engines instead)")
+        return (
+            "tensor-parallel vLLM engines (their ranks exchange prompts as text; use --vllm_tensor_parallel_size "
+            "1, "
+            "more engines instead)"
+        )
     if cfg.agent.multi_turn:
         return "multi-turn agents (their observations are text; episodes with images are not built yet)"
     if cfg.train.partial_rollout:
         return "--partial_rollout (its pool carries text rows only; use --async_train alone)"
     if cfg.algo.needs_critic:
-        return "a critic (PPO's GAE; no value head runs on a vision-language model yet: use a critic-free estimator, e.g. --advantage_estimator group_norm)"
+        return (
+            "a critic (PPO's GAE; no value head runs on a vision-language model yet: use a critic-free estimator, "
+            "e.g. --advantage_estimator group_norm)"
+        )
     if cfg.model.needs_reward_model:
         return "--reward_pretrain (reward models read text only; use --remote_rm_url or --compute_score)"
     if cfg.model.lora_rank > 0:
@@ -456,5 +586,6 @@ def vision_run_problem(cfg: Config) -> str | None:
 
 def check_vision_run(cfg: Config) -> None:
     if (problem := vision_run_problem(cfg)) is not None:
-        raise ConfigError(f"--pretrain {cfg.model.pretrain} is a vision-language model, and rlrun does not yet run it "
-                          f"with {problem}")
+        raise ConfigError(
+            f"--pretrain {cfg.model.pretrain} is a vision-language model, and rlrun does not yet run it with {problem}"
+        )

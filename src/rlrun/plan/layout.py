@@ -40,9 +40,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
-from rlrun.launch.layout import describe_nodes
+
+from rlrun.launch.layout import GroupSpec, Layout, LayoutRequest, Role, RoleRequest, describe_nodes
 from rlrun.runtime.errors import LayoutError
-from rlrun.launch.layout import GroupSpec, Layout, LayoutRequest, Role, RoleRequest
 
 # ---- node-label placement ----------------------------------------------------------------------------------------
 # Node-label placement: which ranks each block of colocated roles gets when roles ask for node labels.
@@ -79,8 +79,12 @@ def block_labels(blocks: Sequence[_Block], asked: Mapping[Role, str], ctx: str) 
 
 
 def place_blocks(
-    blocks: Sequence[_Block], labels: Sequence[str | None], world_size: int, rpn: int,
-    node_labels: Sequence[str] | None, ctx: str,
+    blocks: Sequence[_Block],
+    labels: Sequence[str | None],
+    world_size: int,
+    rpn: int,
+    node_labels: Sequence[str] | None,
+    ctx: str,
 ) -> dict[Role, tuple[int, ...]]:
     """Ranks for each block: consecutive from rank 0 in block order when that already honours every asked label
     (or none is asked, or the labels are unknown). Otherwise the labelled blocks first, each on the lowest free
@@ -97,15 +101,23 @@ def place_blocks(
         return placed
     placed = {}
     free = list(range(world_size))
-    order = [i for i, label in enumerate(labels) if label is not None] + [i for i, label in enumerate(labels) if label is None]
+    order = [i for i, label in enumerate(labels) if label is not None] + [
+        i for i, label in enumerate(labels) if label is None
+    ]
     for i in order:
         (block_roles, size), label = blocks[i], labels[i]
         pool = [rank for rank in free if label is None or node_labels[rank // rpn] == label]
         if len(pool) < size:
             names = "/".join(role.value for role in block_roles)
             carrying = sum(1 for node_label in node_labels if node_label == label)
-            have = (f"{carrying} node(s) carry that label ({carrying * rpn} ranks, {len(pool)} of them left after "
-                    "the other labelled blocks)") if carrying else "no node carries that label"
+            have = (
+                (
+                    f"{carrying} node(s) carry that label ({carrying * rpn} ranks, {len(pool)} of them left after "
+                    "the other labelled blocks)"
+                )
+                if carrying
+                else "no node carries that label"
+            )
             raise LayoutError(
                 f"the {names} block of {size} rank{'s' if size != 1 else ''} asks for nodes labelled {label!r}, but "
                 f"{have}; node labels: {describe_nodes(node_labels)}; label more nodes {label!r} "
@@ -116,6 +128,7 @@ def place_blocks(
         taken = set(take)
         free = [rank for rank in free if rank not in taken]
     return placed
+
 
 # Roles that hold a trained or frozen model and are sized by a RoleRequest; the engine is sized by vllm_*.
 _MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
@@ -325,8 +338,6 @@ def _asked_labels(request: LayoutRequest) -> dict[Role, str]:
     return {role: label for role in Role if (label := _role_label(request, role)) is not None}
 
 
-
-
 def plan_layout(
     request: LayoutRequest, world_size: int, ranks_per_node: int, node_labels: Sequence[str] | None = None
 ) -> Layout:
@@ -364,8 +375,9 @@ def plan_layout(
         blocks = [_colocate_all_block(needed, sizes, world_size, ctx)]
     else:
         blocks = _explicit_blocks(request, needed, sizes, world_size, ctx)
-    placed = place_blocks(blocks, block_labels(blocks, _asked_labels(request), ctx), world_size, ranks_per_node,
-                          node_labels, ctx)
+    placed = place_blocks(
+        blocks, block_labels(blocks, _asked_labels(request), ctx), world_size, ranks_per_node, node_labels, ctx
+    )
     roles = {role: placed[role] for role in Role if role in placed}
     engines = _split_engines(request, blocks, roles[Role.ENGINE], ranks_per_node, ctx)
     warnings += _node_warnings(request, roles, ranks_per_node)
@@ -378,12 +390,17 @@ def plan_layout(
         receivers = tuple(e[0] for e in engines) if request.sync_engine_leaders else roles[Role.ENGINE]
         groups.append(GroupSpec("sync", (roles[Role.ACTOR][0], *receivers)))
     if request.async_train:
-        shared = sorted(role.value for role, ranks in roles.items()
-                        if role is not Role.ENGINE and set(roles[Role.ENGINE]) & set(ranks))
+        shared = sorted(
+            role.value
+            for role, ranks in roles.items()
+            if role is not Role.ENGINE and set(roles[Role.ENGINE]) & set(ranks)
+        )
         if shared:
-            warnings.append(f"--async_train ignored, this run is synchronous: the engines share ranks with the "
-                            f"{', '.join(shared)}, so they cannot generate while those train; give them ranks of their "
-                            "own with --vllm_num_engines N (and no --colocate_all_models)")
+            warnings.append(
+                f"--async_train ignored, this run is synchronous: the engines share ranks with the "
+                f"{', '.join(shared)}, so they cannot generate while those train; give them ranks of their "
+                "own with --vllm_num_engines N (and no --colocate_all_models)"
+            )
         else:
             # Scoring and training collectives of every rank but the engines', so those run while the engines generate.
             groups.append(GroupSpec("learners", tuple(r for r in range(world_size) if r not in roles[Role.ENGINE])))

@@ -13,23 +13,30 @@ that gives it room.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rlrun.config.schema import Config
+from rlrun.engines.vllm.adapter import CPU_KV_CACHE_GIB
 from rlrun.engines.vllm.placement import whole_world_problem
 from rlrun.launch.layout import Layout, Role
-from rlrun.plan.shapes import MIB, Knobs
-from rlrun.plan.shapes import ModelShape
-import dataclasses
-import os
-from collections.abc import Iterable
-from dataclasses import dataclass
-from rlrun.engines.vllm.adapter import CPU_KV_CACHE_GIB
-from rlrun.plan.shapes import GIB, Target
-from rlrun.plan.shapes import lora_parameters
-import math
-import re
-from typing import Any
-from rlrun.config.schema import Config
-from rlrun.plan.shapes import GPU_USABLE_FRACTION, SupervisedJob, knobs_of, supervised_knobs
+from rlrun.plan.shapes import (
+    GIB,
+    GPU_USABLE_FRACTION,
+    MIB,
+    Knobs,
+    ModelShape,
+    SupervisedJob,
+    Target,
+    knobs_of,
+    lora_parameters,
+    supervised_knobs,
+)
 
 # ---- the engines' side -------------------------------------------------------------------------------------------
 # The engines' side of the memory plan (rlrun.plan.memory): what a rank holds to take each weight sync
@@ -48,8 +55,11 @@ def vllm_child(layout: Layout, k: Knobs) -> bool:
     buffers (rlrun.engines.vllm.stream). In-process engines take the gathered tensors instead."""
     if k.backend != "vllm" or not layout.has(Role.ENGINE):
         return False
-    return (not layout.engine_colocated_with_actor or k.vllm_host == "child"
-            or whole_world_problem(layout, len(layout.engines[0])) is not None)
+    return (
+        not layout.engine_colocated_with_actor
+        or k.vllm_host == "child"
+        or whole_world_problem(layout, len(layout.engines[0])) is not None
+    )
 
 
 def cpu_runtime(rank: int, layout: Layout, k: Knobs, processes: int) -> int:
@@ -103,6 +113,7 @@ def largest_tensor(s: ModelShape) -> int:
     linear = max((lin.fan_in * lin.fan_out for lin in s.linears), default=s.largest_block)
     return max(s.embedding, s.head, linear)
 
+
 # ---- the estimate per rank ---------------------------------------------------------------------------------------
 # A PPO job's memory rank by rank: per rank, its peak GPU bytes and the host bytes it holds, by component,
 # estimated from the models' shapes (rlrun.plan.shapes: config.json alone, no weights) and the settings that
@@ -147,7 +158,8 @@ def largest_tensor(s: ModelShape) -> int:
 # - Engines: vLLM takes --vllm_gpu_memory_utilization x the GPU (its weights, 1/TP of them, inside), or its
 #   weights' share + --vllm_kv_cache_memory_bytes, at most what the rank leaves it; its ranks keep no copy of the
 #   policy (a child host's first rank streams each sync through two staging buffers, at TP > 1 into a /dev/shm
-#   file of the policy's size, host memory; in-process engines take the gathered tensors); native/hf: the whole model (bf16 with --bf16; the native
+#   file of the policy's size, host memory; in-process engines take the gathered tensors); native/hf: the whole
+#   model (bf16 with --bf16; the native
 #   decoder runs on the model's own memory, weight sync's receive buffers laid out for it) plus the KV cache of
 #   the rank's rollout share (rollouts per step / engine ranks rows of L tokens). The native engine generates in
 #   batches whose cache fits --native_kv_cache_mb, or without it on a GPU what is free then (so its KV cache
@@ -184,8 +196,19 @@ DEFAULT_GPU_GIB = 80.0  # an 80 GB A100/H100, when no GPU is here and --gpu_memo
 TRAINED = (Role.ACTOR, Role.CRITIC)
 MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
 # Shown in this order; a rank's dicts hold only the non-zero ones.
-COMPONENTS = ("params", "grads", "optimizer", "gathered", "activations", "logits", "kv_cache", "vllm", "sync",
-              "export", "runtime")
+COMPONENTS = (
+    "params",
+    "grads",
+    "optimizer",
+    "gathered",
+    "activations",
+    "logits",
+    "kv_cache",
+    "vllm",
+    "sync",
+    "export",
+    "runtime",
+)
 
 Bytes = dict[str, int]
 
@@ -285,21 +308,28 @@ def _trained_parts(role: Role, s: ModelShape, ranks: int, k: Knobs) -> Bytes:
     if k.strategy == "fsdp":  # fully_shard at every stage: everything over R; fp32 trained params (the master)
         return {"params": (compute * frozen + 4 * n) // ranks, "grads": 4 * n // ranks, "optimizer": 8 * n // ranks}
     st = k.zero_stage  # DeepSpeed: compute-dtype params and grads, fp32 master + m + v (m + v without --bf16)
-    return {"params": compute * (frozen + n) // (ranks if st == 3 else 1),
-            "grads": compute * n // (ranks if st >= 2 else 1),
-            "optimizer": (12 if k.bf16 else 8) * n // (ranks if st >= 1 else 1)}
+    return {
+        "params": compute * (frozen + n) // (ranks if st == 3 else 1),
+        "grads": compute * n // (ranks if st >= 2 else 1),
+        "optimizer": (12 if k.bf16 else 8) * n // (ranks if st >= 1 else 1),
+    }
 
 
 def _model_role(role: Role, s: ModelShape, ranks: int, k: Knobs) -> RoleMemory:
     n = s.parameters
     logits = role in (Role.ACTOR, Role.REF)
-    score = {"gathered": _gathered(s, k, role in TRAINED),
-             "activations": activation_bytes(s, k, k.micro_rollout, False),
-             "logits": _logits(s, k, k.micro_rollout, False) if logits else 0}
+    score = {
+        "gathered": _gathered(s, k, role in TRAINED),
+        "activations": activation_bytes(s, k, k.micro_rollout, False),
+        "logits": _logits(s, k, k.micro_rollout, False) if logits else 0,
+    }
     # FSDP2 below stage 3 keeps a trained model's gathered parameters after its no-grad forward (reshard_after_forward
     # False) until its training backward: they stay while the other roles on the rank score
-    held = {"score": {"gathered": score.pop("gathered")}} if role in TRAINED and k.strategy == "fsdp" \
-        and k.zero_stage < 3 else {}
+    held = (
+        {"score": {"gathered": score.pop("gathered")}}
+        if role in TRAINED and k.strategy == "fsdp" and k.zero_stage < 3
+        else {}
+    )
     if role not in TRAINED:
         whole = (2 if k.bf16 else 4) * n
         params = add_bytes({"params": whole // ranks if k.zero_stage == 3 else whole})
@@ -312,13 +342,19 @@ def _model_role(role: Role, s: ModelShape, ranks: int, k: Knobs) -> RoleMemory:
     else:  # ZeRO-Offload moves the optimizer (its fp32 master included)
         offloaded = {"optimizer": parts["optimizer"]} if k.adam_offload else {}
     device = {key: value for key, value in parts.items() if key not in offloaded}
-    train = {"gathered": _gathered(s, k, True, backward=True),
-             "activations": activation_bytes(s, k, k.micro_train, True),
-             "logits": _logits(s, k, k.micro_train, True) if logits else 0}
-    return RoleMemory(role, add_bytes({"params": device.get("params", 0)}),
-                      add_bytes({key: value for key, value in device.items() if key != "params"}),
-                      {"score": add_bytes(score), f"train_{role.value}": add_bytes(train)}, add_bytes(offloaded),
-                      held=held)
+    train = {
+        "gathered": _gathered(s, k, True, backward=True),
+        "activations": activation_bytes(s, k, k.micro_train, True),
+        "logits": _logits(s, k, k.micro_train, True) if logits else 0,
+    }
+    return RoleMemory(
+        role,
+        add_bytes({"params": device.get("params", 0)}),
+        add_bytes({key: value for key, value in device.items() if key != "params"}),
+        {"score": add_bytes(score), f"train_{role.value}": add_bytes(train)},
+        add_bytes(offloaded),
+        held=held,
+    )
 
 
 def kv_cache_bytes(s: ModelShape, k: Knobs, rows: int) -> int:
@@ -343,8 +379,14 @@ def _engine(s: ModelShape, k: Knobs, tp: int, rows: int, target: Target, staging
     kv = kv_cache_bytes(s, k, rows)
     if k.backend == "native" and k.kv_budget:
         kv = min(kv, k.kv_budget)
-    return RoleMemory(Role.ENGINE, {"params": weights}, {}, {"generate": {"kv_cache": kv}}, {},
-                      kv_fills_gpu=k.backend == "native" and k.gpu and not k.kv_budget)
+    return RoleMemory(
+        Role.ENGINE,
+        {"params": weights},
+        {},
+        {"generate": {"kv_cache": kv}},
+        {},
+        kv_fills_gpu=k.backend == "native" and k.gpu and not k.kv_budget,
+    )
 
 
 @dataclass(frozen=True)
@@ -376,8 +418,14 @@ def _awake(m: RoleMemory, phase: str, k: Knobs) -> Bytes:
     return add_bytes(m.params if mine or phase == "score" else {}, m.states if mine else {})
 
 
-def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs, target: Target,
-                sizes: Mapping[Role, int] | None = None) -> RankMemory:
+def rank_memory(
+    rank: int,
+    layout: Layout,
+    shapes: Mapping[Role, ModelShape],
+    k: Knobs,
+    target: Target,
+    sizes: Mapping[Role, int] | None = None,
+) -> RankMemory:
     """One rank's peak. `sizes` overrides a role's number of ranks (the advice's "more ranks")."""
     roles = layout.roles_of(rank)
     memories = []
@@ -397,10 +445,10 @@ def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k:
     for phase in phases:
         # roles sharing a phase (scoring: the actor's, reference's and critic's forwards) run one after another,
         # each freeing its working set before the next: the largest one counts
-        work = max(({} if m.kv_fills_gpu else m.work.get(phase, {}) for m in memories),
-                   key=lambda part: sum(part.values()))
-        resident = add_bytes(*(_awake(m, phase, k) for m in memories), work,
-                             *(m.held.get(phase, {}) for m in memories))
+        work = max(
+            ({} if m.kv_fills_gpu else m.work.get(phase, {}) for m in memories), key=lambda part: sum(part.values())
+        )
+        resident = add_bytes(*(_awake(m, phase, k) for m in memories), work, *(m.held.get(phase, {}) for m in memories))
         for m in memories:
             if m.kv_fills_gpu and phase in m.work:  # batched into what the GPU has left (at least one row's worth)
                 free = max(0, target.usable - sum(resident.values()))
@@ -415,9 +463,15 @@ def rank_memory(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k:
     processes = 2 if Role.ENGINE in roles and k.backend == "vllm" else 1  # the rank and its vLLM worker
     runtime = HOST_RUNTIME_GPU * processes if k.gpu else cpu_runtime(rank, layout, k, processes)
     parked = [add_bytes(m.params, m.states) for m in memories if k.model_sleep and m.role is not Role.ENGINE]
-    host = add_bytes(*(m.host for m in memories), *parked,
-                     {"runtime": runtime, "export": _export(rank, layout, shapes, k),
-                      "sync": weights_file_bytes(rank, layout, shapes, k)})
+    host = add_bytes(
+        *(m.host for m in memories),
+        *parked,
+        {
+            "runtime": runtime,
+            "export": _export(rank, layout, shapes, k),
+            "sync": weights_file_bytes(rank, layout, shapes, k),
+        },
+    )
     node = rank // layout.ranks_per_node
     if not k.gpu:
         return RankMemory(rank, node, roles, phase, {}, add_bytes(device, host), None, totals)
@@ -429,8 +483,9 @@ def _export(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Kno
     with --save_hf_ckpt at every checkpoint), the critic on its first rank with --save_value_network."""
     out = _export_bytes(Role.ACTOR, shapes[Role.ACTOR], k) if rank == 0 and layout.has(Role.ACTOR) else 0
     critic = layout.ranks_of(Role.CRITIC)
-    return out + (_export_bytes(Role.CRITIC, shapes[Role.CRITIC], k) if k.export_critic and critic
-                  and rank == critic[0] else 0)
+    return out + (
+        _export_bytes(Role.CRITIC, shapes[Role.CRITIC], k) if k.export_critic and critic and rank == critic[0] else 0
+    )
 
 
 def _export_bytes(role: Role, s: ModelShape, k: Knobs) -> int:
@@ -459,12 +514,17 @@ def groups_of(ranks: Iterable[RankMemory], *, host: bool = True) -> list[list[Ra
     out: list[list[RankMemory]] = []
     for r in ranks:
         last = out[-1][-1] if out else None
-        if (last is not None and last.rank + 1 == r.rank and (last.roles, last.gpu) == (r.roles, r.gpu)
-                and (not host or last.host == r.host)):
+        if (
+            last is not None
+            and last.rank + 1 == r.rank
+            and (last.roles, last.gpu) == (r.roles, r.gpu)
+            and (not host or last.host == r.host)
+        ):
             out[-1].append(r)
         else:
             out.append([r])
     return out
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -518,8 +578,9 @@ def _more_ranks(roles: tuple[Role, ...], cfg: Config, layout: Layout, factor: in
     return f"{n} {name} ranks (--{name}_num_nodes {n // per_node} --{name}_num_gpus_per_node {per_node})", sizes
 
 
-def _candidates(roles: tuple[Role, ...], k: Knobs, layout: Layout, target: Target, rank: RankMemory,
-                shape: ModelShape) -> list[tuple[str, dict[str, Any]]]:
+def _candidates(
+    roles: tuple[Role, ...], k: Knobs, layout: Layout, target: Target, rank: RankMemory, shape: ModelShape
+) -> list[tuple[str, dict[str, Any]]]:
     """Single changes worth trying on a rank that does not fit: (flags, Knobs fields they change)."""
     trained = any(r in TRAINED for r in roles)
     models = any(r in MODEL_ROLES for r in roles)
@@ -535,16 +596,21 @@ def _candidates(roles: tuple[Role, ...], k: Knobs, layout: Layout, target: Targe
     if trained and not k.checkpointing:
         out.append(("--gradient_checkpointing", {"checkpointing": True}))
     if Role.REF in roles and k.ref_offload is False and k.strategy == "fsdp":  # rlrun.dpo: FSDP2 offloads at ZeRO-3
-        out.append(("--ref_offload" if k.zero_stage == 3 else "--zero_stage 3 --ref_offload",
-                    {"ref_offload": True, "zero_stage": 3}))
+        out.append(
+            (
+                "--ref_offload" if k.zero_stage == 3 else "--zero_stage 3 --ref_offload",
+                {"ref_offload": True, "zero_stage": 3},
+            )
+        )
     if Role.ENGINE in roles and models and not k.model_sleep:
         out.append(("--deepspeed_enable_sleep", {"model_sleep": True}))
     if Role.ENGINE in roles and k.backend == "vllm" and not k.engine_sleep:
         out.append(("--vllm_enable_sleep", {"engine_sleep": True}))
     if Role.ENGINE in roles and k.backend != "vllm" and (tp := vllm_tp(k, shape, target)) is not None:
         # the native/hf engines hold the whole model on every rank; vLLM splits it over its tensor-parallel ranks
-        out.append((f"--generation_backend vllm --vllm_tensor_parallel_size {tp}",
-                    {"backend": "vllm", "engine_tp": tp}))
+        out.append(
+            (f"--generation_backend vllm --vllm_tensor_parallel_size {tp}", {"backend": "vllm", "engine_tp": tp})
+        )
     if Role.ENGINE in roles and k.backend == "vllm" and not k.vllm_kv_bytes and models:
         rest = rank.gpu_total - rank.gpu.get("vllm", 0)
         util = int((target.usable - rest) / target.gpu_bytes * 20) / 20  # down to a multiple of 0.05
@@ -561,8 +627,9 @@ def vllm_tp(k: Knobs, shape: ModelShape, target: Target, least: int = 1) -> int 
     return next((t for t in (1, 2, 4, 8, 16) if t >= least and weights // t < 0.6 * pool), None)
 
 
-def _vllm_starved(k: Knobs, shape: ModelShape, tp: int,
-                  target: Target) -> tuple[str, tuple[tuple[str, int], ...]] | None:
+def _vllm_starved(
+    k: Knobs, shape: ModelShape, tp: int, target: Target
+) -> tuple[str, tuple[tuple[str, int], ...]] | None:
     """vLLM's weights leave less than a tenth of its memory for the KV cache: it will not start, or crawl."""
     weights = (2 if k.bf16 else 4) * shape.parameters
     pool = weights // tp + k.vllm_kv_bytes if k.vllm_kv_bytes else int(k.vllm_util * target.gpu_bytes)
@@ -575,12 +642,15 @@ def _vllm_starved(k: Knobs, shape: ModelShape, tp: int,
     util = math.ceil(weights / tp / 0.6 / target.gpu_bytes * 20) / 20
     if not k.vllm_kv_bytes and util <= GPU_USABLE_FRACTION:
         fixes.append((f"--vllm_gpu_memory_utilization {util:.2f}", int(util * target.gpu_bytes)))
-    return (f"vLLM's weights take {weights // tp / GIB:.1f} GiB of its {pool / GIB:.1f} GiB per rank, leaving "
-            "too little for its KV cache"), tuple(fixes)
+    return (
+        f"vLLM's weights take {weights // tp / GIB:.1f} GiB of its {pool / GIB:.1f} GiB per rank, leaving "
+        "too little for its KV cache"
+    ), tuple(fixes)
 
 
-def _problem(group: list[RankMemory], cfg: Config, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs,
-             target: Target) -> Problem:
+def _problem(
+    group: list[RankMemory], cfg: Config, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs, target: Target
+) -> Problem:
     first = group[0]
 
     def tried(changes: Mapping[str, Any], sizes: Mapping[Role, int] | None = None) -> RankMemory:
@@ -608,14 +678,17 @@ def _problem(group: list[RankMemory], cfg: Config, layout: Layout, shapes: Mappi
     return Problem(tuple(r.rank for r in group), first.roles, first.gpu_total, tuple(fixes), tried=tried_all)
 
 
-def plan_memory(cfg: Config, layout: Layout, shapes: Mapping[Role, ModelShape], target: Target,
-                job: SupervisedJob | None = None) -> MemoryPlan:
+def plan_memory(
+    cfg: Config, layout: Layout, shapes: Mapping[Role, ModelShape], target: Target, job: SupervisedJob | None = None
+) -> MemoryPlan:
     """Every rank's estimate, and a Problem per run of ranks that does not fit (GPU only). With `job`, `cfg` is a
     supervised trainer's config and `layout` the job's."""
     k = knobs_of(cfg, target) if job is None else supervised_knobs(cfg, target, job)
     ranks = estimate(layout, shapes, k, target)
-    problems = [_problem(g, cfg, layout, shapes, k, target)
-                for g in groups_of((r for r in ranks if r.fits is False), host=False)]
+    problems = [
+        _problem(g, cfg, layout, shapes, k, target)
+        for g in groups_of((r for r in ranks if r.fits is False), host=False)
+    ]
     if target.gpu and k.backend == "vllm":
         named: set[int] = set()  # engine ranks whose cause a line below names
         for engine in layout.engines:

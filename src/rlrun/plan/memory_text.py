@@ -15,11 +15,19 @@ from rlrun.config.schema import Config, RuntimeConfig
 from rlrun.config.supervised import SupervisedConfig
 from rlrun.launch.layout import Layout, Role
 from rlrun.models.loading import load_model_config
-from rlrun.plan.memory import (COMPONENTS, DEFAULT_GPU_GIB, TRAINED, RankMemory, frozen_parameters, groups_of,
-                                      kv_cache_bytes, trainable_parameters)
-from rlrun.plan.shapes import GIB, SupervisedJob, Target
-from rlrun.plan.memory import MemoryPlan, plan_memory
-from rlrun.plan.shapes import ModelShape, model_shape, role_shapes, unknown_targets
+from rlrun.plan.memory import (
+    COMPONENTS,
+    DEFAULT_GPU_GIB,
+    TRAINED,
+    MemoryPlan,
+    RankMemory,
+    frozen_parameters,
+    groups_of,
+    kv_cache_bytes,
+    plan_memory,
+    trainable_parameters,
+)
+from rlrun.plan.shapes import GIB, ModelShape, SupervisedJob, Target, model_shape, role_shapes, unknown_targets
 from rlrun.runtime.errors import ConfigError
 
 
@@ -39,15 +47,17 @@ def _shape_at(cfg: Config, path: str | None) -> ModelShape:
     return model_shape(load_model_config(dataclasses.replace(cfg.model, pretrain=path)))
 
 
-def read_shapes(cfg: Config, layout: Layout,
-                job: SupervisedJob | None = None) -> tuple[dict[Role, ModelShape] | None, list[str]]:
+def read_shapes(
+    cfg: Config, layout: Layout, job: SupervisedJob | None = None
+) -> tuple[dict[Role, ModelShape] | None, list[str]]:
     """Each role's model shape from config.json, and notes; (None, [why]) when the policy's is not readable here.
     With `job`, `cfg` is that supervised trainer's (its --pretrain is the trained model; rlrun.dpo's reference
     comes from --ref_pretrain, else the policy)."""
     m = cfg.model
     if m.pretrain is not None and not os.path.isdir(m.pretrain):
-        return None, [f"memory plan skipped: --pretrain {m.pretrain} is not on this machine (the plan reads its "
-                      "config.json)"]
+        return None, [
+            f"memory plan skipped: --pretrain {m.pretrain} is not on this machine (the plan reads its config.json)"
+        ]
     try:
         policy = _shape_at(cfg, m.pretrain)
     except (OSError, ValueError) as exc:  # no or unreadable config.json, an architecture transformers does not know
@@ -71,10 +81,14 @@ def read_shapes(cfg: Config, layout: Layout,
         try:
             shapes[role] = _shape_at(cfg, path)
         except (OSError, ValueError, ConfigError) as exc:
-            notes.append(f"the {role.value} model's config.json ({path}) is unreadable ({str(exc).splitlines()[0]}): "
-                         "planned with the policy's shape")
-    notes += [f"{' and '.join(roles)} ({where}): not on this machine, planned with the policy's shape"
-              for where, roles in elsewhere.items()]
+            notes.append(
+                f"the {role.value} model's config.json ({path}) is unreadable ({str(exc).splitlines()[0]}): "
+                "planned with the policy's shape"
+            )
+    notes += [
+        f"{' and '.join(roles)} ({where}): not on this machine, planned with the policy's shape"
+        for where, roles in elsewhere.items()
+    ]
     return role_shapes(policy, shapes.get(Role.CRITIC), shapes.get(Role.REWARD), shapes.get(Role.REF)), notes
 
 
@@ -102,18 +116,35 @@ def format_plan(plan: MemoryPlan) -> str:
         r = group[0]
         fit = ("yes" if r.fits else "NO", _gib(r.host_total, digits)) if t.gpu else ()
         numbers = [_gib(parts(r)[c], digits) if c in parts(r) else "-" for c in used]
-        rows.append((_span([g.rank for g in group]), _span([group[0].node, group[-1].node]),
-                     ",".join(plan.label(role.value) for role in r.roles), plan.label(r.phase), *numbers,
-                     _gib(r.gpu_total if t.gpu else r.host_total, digits), *fit))
+        rows.append(
+            (
+                _span([g.rank for g in group]),
+                _span([group[0].node, group[-1].node]),
+                ",".join(plan.label(role.value) for role in r.roles),
+                plan.label(r.phase),
+                *numbers,
+                _gib(r.gpu_total if t.gpu else r.host_total, digits),
+                *fit,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     # names left-aligned, numbers right-aligned
-    lines = [" | ".join(cell.rjust(w) if i > 3 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             .rstrip() for row in rows]
+    lines = [
+        " | ".join(cell.rjust(w) if i > 3 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in rows
+    ]
     lines.insert(1, "-+-".join("-" * w for w in widths))
-    title = (f"memory plan, GiB per rank at its peak phase, for GPUs of {_gib(t.gpu_bytes)} GiB ({t.source}); a rank "
-             f"fits in {_gib(t.usable)} GiB; host = host memory per rank:") if t.gpu else \
-        (f"memory plan of a CPU run ({t.source}: every byte is host memory; --gpu_memory_gb N plans for GPUs), "
-         "GiB per rank at its peak phase:")
+    title = (
+        (
+            f"memory plan, GiB per rank at its peak phase, for GPUs of {_gib(t.gpu_bytes)} GiB ({t.source}); a rank "
+            f"fits in {_gib(t.usable)} GiB; host = host memory per rank:"
+        )
+        if t.gpu
+        else (
+            f"memory plan of a CPU run ({t.source}: every byte is host memory; --gpu_memory_gb N plans for GPUs), "
+            "GiB per rank at its peak phase:"
+        )
+    )
     lora = lora_line(plan)
     return "\n".join([title, *lines, _nodes_line(plan), _models_line(plan), *([lora] if lora else [])])
 
@@ -142,8 +173,10 @@ def _models_line(plan: MemoryPlan) -> str:
     first = Role.CRITIC if Role.ACTOR not in present and Role.CRITIC in present else Role.ACTOR
     s = plan.shapes[first]
     head = "; a [hidden, 1] score head in place of the LM head" if first is not Role.ACTOR else ""
-    line = (f"{plan.labels.get(first.value, 'policy')}: {_billions(s.parameters)} parameters ({s.layers} layers, "
-            f"hidden {s.hidden}, {s.heads} heads, {s.kv_heads} KV heads, vocab {s.vocab}{head})")
+    line = (
+        f"{plan.labels.get(first.value, 'policy')}: {_billions(s.parameters)} parameters ({s.layers} layers, "
+        f"hidden {s.hidden}, {s.heads} heads, {s.kv_heads} KV heads, vocab {s.vocab}{head})"
+    )
     for role in (Role.CRITIC, Role.REWARD, Role.REF):
         if role is not first and role in present and (role is not Role.REF or s != plan.shapes[role]):
             line += f"; {plan.label(role.value)}: {_billions(plan.shapes[role].parameters)}"
@@ -167,8 +200,10 @@ def lora_line(plan: MemoryPlan) -> str | None:
         trained = trainable_parameters(role, s, k)
         total = frozen_parameters(role, s, k) + trained
         head = ", its value head included" if role is Role.CRITIC else ""
-        parts.append(f"{plan.label(role.value)}: {_billions(trained)} trainable parameters of {_billions(total)} "
-                     f"({100 * trained / total:.2f}%{head})")
+        parts.append(
+            f"{plan.label(role.value)}: {_billions(trained)} trainable parameters of {_billions(total)} "
+            f"({100 * trained / total:.2f}%{head})"
+        )
     line = f"LoRA rank {k.lora_rank} on {' '.join(k.lora_targets)}: " + "; ".join(parts)
     if k.base_reference:  # no reference model: the saving the layout and the table show
         line += f"; the reference is the {plan.label(Role.ACTOR.value)}'s base (adapters off), no reference model"
@@ -188,13 +223,19 @@ def lora_notes(plan: MemoryPlan) -> list[str]:
         unknown = unknown_targets(s, k.lora_targets)
         if unknown:
             names = sorted({linear.path.rsplit(".", 1)[-1] for linear in s.linears})
-            said.setdefault(f"--target_modules {' '.join(unknown)} matches no linear layer of the model's blocks "
-                            f"({', '.join(names)}; or all-linear): counted as no adapters (PEFT skips such a name, "
-                            "and refuses the list when no name matches)", []).append(plan.label(role.value))
+            said.setdefault(
+                f"--target_modules {' '.join(unknown)} matches no linear layer of the model's blocks "
+                f"({', '.join(names)}; or all-linear): counted as no adapters (PEFT skips such a name, "
+                "and refuses the list when no name matches)",
+                [],
+            ).append(plan.label(role.value))
         if s.moe_layers:
-            said.setdefault(f"the adapters PEFT puts on the routed experts and routers of {s.moe_layers} MoE layers "
-                            "are not counted (fused experts; it varies with the PEFT version): the trainable "
-                            "parameters are a lower bound", []).append(plan.label(role.value))
+            said.setdefault(
+                f"the adapters PEFT puts on the routed experts and routers of {s.moe_layers} MoE layers "
+                "are not counted (fused experts; it varies with the PEFT version): the trainable "
+                "parameters are a lower bound",
+                [],
+            ).append(plan.label(role.value))
     return [f"{' and '.join(roles)}: {text}" for text, roles in said.items()]
 
 
@@ -202,8 +243,10 @@ def problem_lines(plan: MemoryPlan) -> list[str]:
     """One line per run of ranks that does not fit, naming the changes that would make it fit."""
     lines = []
     for p in plan.problems:
-        where = (f"{','.join(plan.label(r.value) for r in p.roles)} on rank{'s' if len(p.ranks) > 1 else ''} "
-                 f"{_span(list(p.ranks))}")
+        where = (
+            f"{','.join(plan.label(r.value) for r in p.roles)} on rank{'s' if len(p.ranks) > 1 else ''} "
+            f"{_span(list(p.ranks))}"
+        )
         fixes = ", or ".join(f"{flags} ({_gib(b)} GiB)" for flags, b in p.fixes)
         if p.why:
             lines.append(f"does not fit: {where}: {p.why}; " + (f"fix: {fixes}" if fixes else "use a larger GPU"))
@@ -225,12 +268,18 @@ def note_lines(plan: MemoryPlan) -> list[str]:
         got = min((r.gpu if k.gpu else r.host).get("kv_cache", 0) for r in engines)
         if 0 < got < need:
             budget = "--native_kv_cache_mb" if k.kv_budget else "the GPU's free memory"
-            lines.append(f"engine ranks: the KV cache of a rank's {rows} rollouts would take {_gib(need)} GiB; the native "
-                         f"engine generates them in ~{-(-need // got)} batches of {_gib(got)} GiB ({budget})")
+            lines.append(
+                f"engine ranks: the KV cache of a rank's {rows} rollouts would take {_gib(need)} GiB; the "
+                f"native "
+                f"engine generates them in ~{-(-need // got)} batches of {_gib(got)} GiB ({budget})"
+            )
     if engines and k.gpu and k.backend != "vllm" and not plan.target.source.startswith("detected"):
-        lines.append(f"engines: planned as --generation_backend {k.backend}, what auto resolves to without a GPU; on GPU "
-                     "nodes with vLLM installed auto picks vllm: pass --generation_backend vllm (vLLM need not be "
-                     "installed here) to plan that")
+        lines.append(
+            f"engines: planned as --generation_backend {k.backend}, what auto resolves to without a GPU; on "
+            f"GPU "
+            "nodes with vLLM installed auto picks vllm: pass --generation_backend vllm (vLLM need not be "
+            "installed here) to plan that"
+        )
     return lines + lora_notes(plan)
 
 
@@ -243,39 +292,68 @@ def plan_json(plan: MemoryPlan, notes: list[str]) -> dict[str, Any]:
     t, s, k = plan.target, plan.shapes, plan.knobs
 
     def rank_json(r: RankMemory) -> dict[str, Any]:
-        return {"rank": r.rank, "node": r.node, "roles": [role.value for role in r.roles], "phase": r.phase,
-                "phases": dict(r.phases), "fits": r.fits, "memory": {"gpu_bytes": _component_json(r.gpu, r.gpu_total),
-                                           "host_bytes": _component_json(r.host, r.host_total)}}
+        return {
+            "rank": r.rank,
+            "node": r.node,
+            "roles": [role.value for role in r.roles],
+            "phase": r.phase,
+            "phases": dict(r.phases),
+            "fits": r.fits,
+            "memory": {
+                "gpu_bytes": _component_json(r.gpu, r.gpu_total),
+                "host_bytes": _component_json(r.host, r.host_total),
+            },
+        }
 
     return {
-        "device": "cuda" if t.gpu else "cpu", "gpu_memory_bytes": t.gpu_bytes,
-        "gpu_usable_bytes": t.usable if t.gpu else 0, "gpu_memory_source": t.source, "fits": plan.fits,
-        "model": {"parameters": s[Role.ACTOR].parameters, "critic_parameters": s[Role.CRITIC].parameters,
-                  "reward_parameters": s[Role.REWARD].parameters, "hidden_size": s[Role.ACTOR].hidden,
-                  # what gets gradients and Adam states: every parameter, or with --lora_rank the adapters
-                  "trainable_parameters": trainable_parameters(Role.ACTOR, s[Role.ACTOR], k),
-                  "critic_trainable_parameters": trainable_parameters(Role.CRITIC, s[Role.CRITIC], k),
-                  "num_hidden_layers": s[Role.ACTOR].layers, "vocab_size": s[Role.ACTOR].vocab},
+        "device": "cuda" if t.gpu else "cpu",
+        "gpu_memory_bytes": t.gpu_bytes,
+        "gpu_usable_bytes": t.usable if t.gpu else 0,
+        "gpu_memory_source": t.source,
+        "fits": plan.fits,
+        "model": {
+            "parameters": s[Role.ACTOR].parameters,
+            "critic_parameters": s[Role.CRITIC].parameters,
+            "reward_parameters": s[Role.REWARD].parameters,
+            "hidden_size": s[Role.ACTOR].hidden,
+            # what gets gradients and Adam states: every parameter, or with --lora_rank the adapters
+            "trainable_parameters": trainable_parameters(Role.ACTOR, s[Role.ACTOR], k),
+            "critic_trainable_parameters": trainable_parameters(Role.CRITIC, s[Role.CRITIC], k),
+            "num_hidden_layers": s[Role.ACTOR].layers,
+            "vocab_size": s[Role.ACTOR].vocab,
+        },
         "settings": dataclasses.asdict(plan.knobs),
         "ranks": [rank_json(r) for r in plan.ranks],
-        "nodes": [{"node": i, "host_bytes": _component_json(h, sum(h.values()))}
-                  for i, h in enumerate(plan.node_host())],
-        "problems": [{"ranks": list(p.ranks), "roles": [r.value for r in p.roles], "gpu_bytes": p.gpu_bytes,
-                      "why": p.why, "fixes": [{"flags": f, "gpu_bytes": b} for f, b in p.fixes]} for p in plan.problems],
+        "nodes": [
+            {"node": i, "host_bytes": _component_json(h, sum(h.values()))} for i, h in enumerate(plan.node_host())
+        ],
+        "problems": [
+            {
+                "ranks": list(p.ranks),
+                "roles": [r.value for r in p.roles],
+                "gpu_bytes": p.gpu_bytes,
+                "why": p.why,
+                "fixes": [{"flags": f, "gpu_bytes": b} for f, b in p.fixes],
+            }
+            for p in plan.problems
+        ],
         "advice": problem_lines(plan),
         "notes": notes + note_lines(plan),
     }
 
 
-def dry_run_memory(cfg: Config, layout: Layout, *, write_json: bool,
-                   job: SupervisedJob | None = None) -> tuple[list[str], list[str]]:
+def dry_run_memory(
+    cfg: Config, layout: Layout, *, write_json: bool, job: SupervisedJob | None = None
+) -> tuple[list[str], list[str]]:
     """The plan's printed lines and its problems (warnings); with --plan_json (and `write_json`, rank 0) the JSON
     file too. A plan that cannot be made (the model is elsewhere) is one line saying why; so is the JSON file.
     With `job`, a supervised trainer's plan (`cfg` its config, `layout` the job's)."""
     shapes, notes = read_shapes(cfg, layout, job)
     if job is not None and job.base_reference and cfg.loss.ref_offload:  # type: ignore[attr-defined]
-        notes.append("--ref_offload has nothing to offload: with --lora_rank the reference is the policy's base "
-                     "(adapters off), not a model of its own")
+        notes.append(
+            "--ref_offload has nothing to offload: with --lora_rank the reference is the policy's base "
+            "(adapters off), not a model of its own"
+        )
     if shapes is None:
         _write(cfg.runtime.plan_json if write_json else None, {"skipped": notes[0], "ranks": []})
         return notes, []
@@ -284,10 +362,9 @@ def dry_run_memory(cfg: Config, layout: Layout, *, write_json: bool,
     return [format_plan(plan), *notes, *note_lines(plan)], problem_lines(plan)
 
 
-
-
-def supervised_memory(cfg: SupervisedConfig, job: SupervisedJob, world_size: int, ranks_per_node: int,
-                      write_json: bool) -> tuple[list[str], list[str]]:
+def supervised_memory(
+    cfg: SupervisedConfig, job: SupervisedJob, world_size: int, ranks_per_node: int, write_json: bool
+) -> tuple[list[str], list[str]]:
     """rlrun.sft / rlrun.rm / rlrun.dpo's --dry_run memory plan of `job` (what the trainer holds): dry_run_memory's
     (lines, problems)."""
     run = job.for_config(cfg)  # rlrun.dpo with --lora_rank: the reference is the policy's base, no REF role

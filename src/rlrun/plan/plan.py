@@ -31,8 +31,14 @@ from rlrun.models.adapter_pretrain import resolve_adapter_pretrain
 from rlrun.models.hub import resolve, resolve_models
 from rlrun.models.loading import load_model_config
 from rlrun.models.lora import refuse_adapter_as_reference
-from rlrun.plan.checks import (check_batches, check_lora, check_strategy, check_supervised, check_values,
-                               check_vision_run)
+from rlrun.plan.checks import (
+    check_batches,
+    check_lora,
+    check_strategy,
+    check_supervised,
+    check_values,
+    check_vision_run,
+)
 from rlrun.plan.layout import plan_layout
 from rlrun.rewards.reward_fn import DEMO
 from rlrun.runtime.errors import ConfigError, MissingExtraError
@@ -62,6 +68,7 @@ class PPOPlan(Planned[Config]):
 
 # ---- rlrun.ppo --------------------------------------------------------------------------------------------------
 
+
 def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
     """rlrun.ppo's command line into its plan (raises the run's ConfigError/LayoutError on what would fail)."""
     parsed = parse_args(argv)
@@ -74,8 +81,11 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
     choice = choose_generation(cfg, uses_cuda(cfg.runtime.device))
     check_vision_run(choice.config)
     cfg = choice.config
-    the_plan = first if choice.backend == parsed.config.generation.generation_backend else \
-        plan(cfg, env.world_size, env.local_world_size, labels)
+    the_plan = (
+        first
+        if choice.backend == parsed.config.generation.generation_backend
+        else plan(cfg, env.world_size, env.local_world_size, labels)
+    )
     layout = the_plan.layout
     why = choice.why
     if choice.backend == "vllm":
@@ -84,10 +94,18 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
     notes = [choice.assumed] if choice.assumed is not None else []
     notes.append(f"{layout_heading(env)}\n{format_layout_table(layout)}")
     if asks_node_labels(cfg) and not one_node:
-        notes.append("roles pinned by --*_node_label are placed at start-up, once every node has reported its label "
-                     "(RLRUN_NODE_LABEL, else the host name); the table above ignores the labels")
-    return PPOPlan(cfg, warnings=(*parsed.ignored_under(choice.backend), *the_plan.warnings), notes=tuple(notes),
-                   roles=roles_of(layout, env.rank), layout=layout, generation_why=why)
+        notes.append(
+            "roles pinned by --*_node_label are placed at start-up, once every node has reported its label "
+            "(RLRUN_NODE_LABEL, else the host name); the table above ignores the labels"
+        )
+    return PPOPlan(
+        cfg,
+        warnings=(*parsed.ignored_under(choice.backend), *the_plan.warnings),
+        notes=tuple(notes),
+        roles=roles_of(layout, env.rank),
+        layout=layout,
+        generation_why=why,
+    )
 
 
 def resolved_ppo_models(cfg: Config) -> Config:
@@ -109,8 +127,10 @@ def roles_of(layout: Layout, rank: int) -> str:
 
 # --dry_run --generation_backend vllm where vLLM is not installed (a login node, CI): planned all the same, since the
 # plan needs only the backend's name and its memory model; the real start checks the install (one line if missing).
-VLLM_ASSUMED = ("vLLM is not installed here: the plan assumes it is on the nodes that run the job (the job itself "
-                "refuses to start without it)")
+VLLM_ASSUMED = (
+    "vLLM is not installed here: the plan assumes it is on the nodes that run the job (the job itself "
+    "refuses to start without it)"
+)
 
 
 @dataclass(frozen=True)
@@ -145,9 +165,11 @@ def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
             raise
         backend, why, assumed = "vllm", "requested (not installed here)", VLLM_ASSUMED
     if cfg.algo.is_correction_level != "off" and backend not in REPORTS_LOG_PROBS:
-        raise ConfigError(f"--is_correction_level {cfg.algo.is_correction_level} needs the engine's sampled-token "
-                          f"log-probs, but generation resolved to {backend} ({why}); use --generation_backend vllm, "
-                          "or drop the flag")
+        raise ConfigError(
+            f"--is_correction_level {cfg.algo.is_correction_level} needs the engine's sampled-token "
+            f"log-probs, but generation resolved to {backend} ({why}); use --generation_backend vllm, "
+            "or drop the flag"
+        )
     return GenerationChoice(replace(cfg, generation=replace(g, generation_backend=backend)), why, assumed)
 
 
@@ -155,9 +177,13 @@ def check_adapter_reference(cfg: Config) -> None:
     """A LoRA adapter directory as --pretrain with a KL term: the actor's adapters-off forward, the reference the
     layout relies on (Config.ref_is_actor_base), would be the adapter's base, not the policy the run starts from."""
     if cfg.ref_is_actor_base:
-        refuse_adapter_as_reference(cfg.model.pretrain, f"the run has a KL term (--init_kl_coef {cfg.algo.init_kl_coef}, "
-                                    f"--use_kl_loss {cfg.algo.use_kl_loss}) scored by the actor's adapters-off forward",
-                                    ", or drop the KL term")
+        refuse_adapter_as_reference(
+            cfg.model.pretrain,
+            f"the run has a KL term (--init_kl_coef "
+            f"{cfg.algo.init_kl_coef}, "
+            f"--use_kl_loss {cfg.algo.use_kl_loss}) scored by the actor's adapters-off forward",
+            ", or drop the KL term",
+        )
 
 
 def layout_request(cfg: Config) -> LayoutRequest:
@@ -187,8 +213,16 @@ def layout_request(cfg: Config) -> LayoutRequest:
 def asks_node_labels(cfg: Config) -> bool:
     """Whether any role is pinned to a node label (then the run gathers every node's label at start-up)."""
     r = cfg.resources
-    return any(label is not None for label in (r.actor_node_label, r.critic_node_label, r.ref_node_label,
-                                               r.reward_node_label, r.engine_node_label))
+    return any(
+        label is not None
+        for label in (
+            r.actor_node_label,
+            r.critic_node_label,
+            r.ref_node_label,
+            r.reward_node_label,
+            r.engine_node_label,
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -214,14 +248,22 @@ def plan(cfg: Config, world_size: int, ranks_per_node: int, node_labels: Sequenc
     algo_warnings = [gamma] if gamma is not None else []
     check_partial_rollout_layout(cfg, layout)
     if cfg.train.partial_rollout and cfg.train.max_staleness == 1:
-        algo_warnings.append("--partial_rollout with --max_staleness 1 is --async_train's loop: no response may outlive "
-                             "a weight sync, so none is continued; use --max_staleness 2 or more to continue them")
+        algo_warnings.append(
+            "--partial_rollout with --max_staleness 1 is --async_train's loop: no response may "
+            "outlive "
+            "a weight sync, so none is continued; use --max_staleness 2 or more to continue them"
+        )
     if cfg.train.async_queue_size != 1:
-        algo_warnings.append(f"--async_queue_size {cfg.train.async_queue_size} ignored: rlrun's --async_train keeps exactly "
-                             "one rollout batch in flight (one step off-policy, deterministic); with --partial_rollout, "
-                             "--max_staleness bounds how many versions old a sample may be")
-    return Plan(layout, tuple(layout.warnings) + tuple(eval_warnings) + tuple(algo_warnings)
-                + tuple(missing_path_warnings(cfg)))
+        algo_warnings.append(
+            f"--async_queue_size {cfg.train.async_queue_size} ignored: rlrun's --async_train keeps "
+            f"exactly "
+            "one rollout batch in flight (one step off-policy, deterministic); with "
+            "--partial_rollout, "
+            "--max_staleness bounds how many versions old a sample may be"
+        )
+    return Plan(
+        layout, tuple(layout.warnings) + tuple(eval_warnings) + tuple(algo_warnings) + tuple(missing_path_warnings(cfg))
+    )
 
 
 def check_partial_rollout_layout(cfg: Config, layout: Layout) -> None:
@@ -232,13 +274,18 @@ def check_partial_rollout_layout(cfg: Config, layout: Layout) -> None:
     if not cfg.train.partial_rollout:
         return
     if not layout.asynchronous:
-        raise ConfigError("--partial_rollout needs the engines on ranks of their own, so that they generate while the "
-                          "others train; colocated engines have nothing to overlap: set --vllm_num_engines N with "
-                          "N x --vllm_tensor_parallel_size ranks beside the training ranks, and no --colocate_all_models")
+        raise ConfigError(
+            "--partial_rollout needs the engines on ranks of their own, so that they generate while the "
+            "others train; colocated engines have nothing to overlap: set --vllm_num_engines N with "
+            "N x --vllm_tensor_parallel_size ranks beside the training ranks, and no "
+            "--colocate_all_models"
+        )
     engines = len(layout.engines)
     if cfg.train.rollout_batch_size % engines:
-        raise ConfigError(f"--partial_rollout: --rollout_batch_size {cfg.train.rollout_batch_size} must be a multiple "
-                          f"of the {engines} engines (each engine generates whole groups of its own prompts)")
+        raise ConfigError(
+            f"--partial_rollout: --rollout_batch_size {cfg.train.rollout_batch_size} must be a multiple "
+            f"of the {engines} engines (each engine generates whole groups of its own prompts)"
+        )
 
 
 def check_eval(cfg: Config) -> list[str]:
@@ -253,9 +300,12 @@ def check_eval(cfg: Config) -> list[str]:
             return [f"{flag} has no effect without --eval_dataset; no evaluation will run"]
         return []
     if cfg.model.needs_reward_model:
-        raise ConfigError(f"--eval_dataset {lg.eval_dataset}: evaluation rewards responses on the generation ranks with "
-                          "a reward function or URL, but rewards come from --reward_pretrain (a reward model); pass "
-                          "--remote_rm_url FILE.py or http(s)://..., or drop --eval_dataset")
+        raise ConfigError(
+            f"--eval_dataset {lg.eval_dataset}: evaluation rewards responses on the generation ranks "
+            f"with "
+            "a reward function or URL, but rewards come from --reward_pretrain (a reward model); pass "
+            "--remote_rm_url FILE.py or http(s)://..., or drop --eval_dataset"
+        )
     if lg.eval_steps == 0 or lg.eval_steps < -1:
         raise ConfigError(f"--eval_steps {lg.eval_steps} must be a positive step count, or -1 (never)")
     if lg.eval_n_samples_per_prompt < 1:
@@ -263,8 +313,10 @@ def check_eval(cfg: Config) -> list[str]:
     if lg.eval_temperature <= 0:
         raise ConfigError(f"--eval_temperature {lg.eval_temperature} must be > 0 (evaluation samples)")
     if lg.eval_steps == -1 and not lg.eval_before_train:
-        return [f"--eval_dataset {lg.eval_dataset} is set but --eval_steps is -1 and --eval_before_train is off; "
-                "no evaluation will run"]
+        return [
+            f"--eval_dataset {lg.eval_dataset} is set but --eval_steps is -1 and --eval_before_train is off; "
+            "no evaluation will run"
+        ]
     return []
 
 
@@ -281,6 +333,7 @@ def missing_path_warnings(cfg: Config) -> list[str]:
 
 # ---- rlrun.sft, rlrun.rm, rlrun.dpo -----------------------------------------------------------------------------
 
+
 def plan_supervised(argv: Sequence[str] | None, env: DistEnv, cli: CliSpec) -> Planned[SupervisedConfig]:
     """A supervised trainer's command line into its plan: every rank trains one data-parallel share."""
     parsed: ParsedArgs = parse_args(argv, cli)
@@ -288,9 +341,11 @@ def plan_supervised(argv: Sequence[str] | None, env: DistEnv, cli: CliSpec) -> P
     cfg = resolved_supervised_models(parsed.config)
     check_lora(cfg)  # reads --pretrain, so after it is resolved to a local path
     t = cfg.train
-    share = (f"{cli.prog}: {env.world_size} ranks (launcher {env.launcher}), every rank trains one data-parallel "
-             f"shard: {t.train_batch_size // env.world_size} samples per rank and step in micro-batches of "
-             f"{t.micro_train_batch_size}; --strategy {t.strategy} --zero_stage {t.zero_stage}")
+    share = (
+        f"{cli.prog}: {env.world_size} ranks (launcher {env.launcher}), every rank trains one data-parallel "
+        f"shard: {t.train_batch_size // env.world_size} samples per rank and step in micro-batches of "
+        f"{t.micro_train_batch_size}; --strategy {t.strategy} --zero_stage {t.zero_stage}"
+    )
     models = [("pretrain", cfg.model.pretrain)]
     if isinstance(cfg, DPOConfig):
         models.append(("ref_pretrain", cfg.loss.ref_pretrain))

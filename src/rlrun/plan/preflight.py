@@ -31,22 +31,35 @@ S = TypeVar("S")
 
 # ---- rlrun.ppo's prompts ----------------------------------------------------------------------------------------
 
+
 def prompt_spec(cfg: Config) -> DataSpec | None:
     """--prompt_data's sources (None: the built-in prompts)."""
     d = cfg.data
-    return None if d.prompt_data is None else DataSpec(d.prompt_data, "prompt_data", d.prompt_split, d.prompt_data_probs,
-                                                       cfg.train.seed)
+    return (
+        None
+        if d.prompt_data is None
+        else DataSpec(d.prompt_data, "prompt_data", d.prompt_split, d.prompt_data_probs, cfg.train.seed)
+    )
 
 
 def eval_spec(cfg: Config) -> DataSpec | None:
     e = cfg.logging
-    return None if e.eval_dataset is None else DataSpec(e.eval_dataset, "eval_dataset", e.eval_split, seed=cfg.train.seed)
+    return (
+        None if e.eval_dataset is None else DataSpec(e.eval_dataset, "eval_dataset", e.eval_split, seed=cfg.train.seed)
+    )
 
 
 def ppo_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase, spec: DataSpec | None) -> Prompts:
     """`spec`'s prompts as the policy sees them, with a vision-language policy's image preprocessing."""
-    return prompt_set(cfg.data, cfg.generation, tokenizer, spec, cfg.train.max_samples, image_inputs(cfg),
-                      policy=str(cfg.model.pretrain or cfg.model.model_preset))
+    return prompt_set(
+        cfg.data,
+        cfg.generation,
+        tokenizer,
+        spec,
+        cfg.train.max_samples,
+        image_inputs(cfg),
+        policy=str(cfg.model.pretrain or cfg.model.model_preset),
+    )
 
 
 def ppo_eval_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Prompts:
@@ -54,9 +67,11 @@ def ppo_eval_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Prompts
     assert cfg.logging.eval_dataset is not None
     prompts = ppo_prompts(cfg, tokenizer, eval_spec(cfg))
     if not prompts.ids:
-        raise DataError(f"every prompt of --eval_dataset {cfg.logging.eval_dataset} is longer than --prompt_max_len "
-                        f"{cfg.generation.prompt_max_len} and was dropped (--prompt_overflow drop); raise "
-                        "--prompt_max_len or use --prompt_overflow truncate")
+        raise DataError(
+            f"every prompt of --eval_dataset {cfg.logging.eval_dataset} is longer than --prompt_max_len "
+            f"{cfg.generation.prompt_max_len} and was dropped (--prompt_overflow drop); raise "
+            "--prompt_max_len or use --prompt_overflow truncate"
+        )
     return prompts
 
 
@@ -83,15 +98,21 @@ def preflight(cfg: Config) -> list[str]:
             continue
         if tokenizer is None:
             records = load_prompt_records(spec, prompt_keys(cfg.data), cfg.train.max_samples)
-            lines.append(f"{name}: {len(records)} records read (not rendered: {missing}, so neither is its tokenizer "
-                         "or chat template)")
+            lines.append(
+                f"{name}: {len(records)} records read (not rendered: {missing}, so neither is its tokenizer "
+                "or chat template)"
+            )
             continue
         prompts = ppo_prompts(cfg, tokenizer, spec)
         first = prompts.texts[0] if prompts.texts else ""
         shown = first if len(first) <= SHOWN_CHARS else first[:SHOWN_CHARS] + f"... ({len(first)} chars)"
-        lines.append(f"{name}: {len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
-                     f"--prompt_max_len {cfg.generation.prompt_max_len}); the first as the policy sees it: {shown!r}; "
-                     f"its label: {prompts.labels[0]!r}" if prompts.ids else f"{name}: no prompt left")
+        lines.append(
+            f"{name}: {len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
+            f"--prompt_max_len {cfg.generation.prompt_max_len}); the first as the policy sees it: {shown!r}; "
+            f"its label: {prompts.labels[0]!r}"
+            if prompts.ids
+            else f"{name}: no prompt left"
+        )
     lines.append(_reward_line(cfg))
     return lines
 
@@ -113,6 +134,7 @@ def _reward_line(cfg: Config) -> str:
 
 
 # ---- the supervised trainers' datasets --------------------------------------------------------------------------
+
 
 def supervised_tokenizer(cfg: SupervisedConfig) -> PreTrainedTokenizerBase:
     """--pretrain's tokenizer, with --tokenizer_chat_template in place of its own when given."""
@@ -137,8 +159,16 @@ def supervised_preflight(cfg: SupervisedConfig, read: Callable[[PreTrainedTokeni
             lines.append(f"{flag} {path}: not read ({', '.join(elsewhere)} is not on this machine)")
             continue
         loaded = read(tokenizer, path, flag)
-        first = {k: tokenizer.decode(v) if isinstance(v, list) else v
-                 for k, v in dataclasses.asdict(loaded.samples[0]).items()} if loaded.samples else {}
-        lines.append(f"{flag} {path}: {len(loaded.samples)} samples ({loaded.dropped} dropped, {loaded.truncated} "
-                     f"truncated at --max_len {cfg.train.max_len}); the first as the model sees it: {first}")
+        first = (
+            {
+                k: tokenizer.decode(v) if isinstance(v, list) else v
+                for k, v in dataclasses.asdict(loaded.samples[0]).items()
+            }
+            if loaded.samples
+            else {}
+        )
+        lines.append(
+            f"{flag} {path}: {len(loaded.samples)} samples ({loaded.dropped} dropped, {loaded.truncated} "
+            f"truncated at --max_len {cfg.train.max_len}); the first as the model sees it: {first}"
+        )
     return lines

@@ -19,11 +19,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
-from rlrun.launch.layout import Role
+
+from rlrun.config.schema import Config
+from rlrun.launch.layout import Layout, Role
 from rlrun.models.architecture import tied_embeddings
 from rlrun.runtime.errors import ConfigError
-from rlrun.config.schema import Config
-from rlrun.launch.layout import Layout
+
 
 @dataclass(frozen=True)
 class Linear:
@@ -83,8 +84,10 @@ class ModelShape:
 def _need(config: Any, name: str) -> int:
     value = getattr(config, name, None)
     if not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"config.json has no positive {name} (got {value!r}, model_type "
-                          f"{getattr(config, 'model_type', None)!r}): the memory plan reads the architecture from it")
+        raise ConfigError(
+            f"config.json has no positive {name} (got {value!r}, model_type "
+            f"{getattr(config, 'model_type', None)!r}): the memory plan reads the architecture from it"
+        )
     return value
 
 
@@ -122,8 +125,11 @@ def _mlp_width(config: Any, layer: int) -> int:
 def _is_sparse(config: Any, layer: int) -> bool:
     """Whether `layer` routes to experts (the rule _mlp follows)."""
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    return bool(experts) and layer not in (getattr(config, "mlp_only_layers", None) or ()) \
+    return (
+        bool(experts)
+        and layer not in (getattr(config, "mlp_only_layers", None) or ())
         and (layer + 1) % (getattr(config, "decoder_sparse_step", 1) or 1) == 0
+    )
 
 
 def _linears(config: Any, hidden: int, q: int, kv: int, layers: int) -> tuple[Linear, ...]:
@@ -132,18 +138,27 @@ def _linears(config: Any, hidden: int, q: int, kv: int, layers: int) -> tuple[Li
     (routed experts are fused tensors, not nn.Linear, in current transformers; routers vary by model)."""
     sparse = sum(_is_sparse(config, i) for i in range(layers))
     dense = layers - sparse
-    out = [Linear("self_attn.q_proj", hidden, q, layers), Linear("self_attn.k_proj", hidden, kv, layers),
-           Linear("self_attn.v_proj", hidden, kv, layers), Linear("self_attn.o_proj", q, hidden, layers)]
+    out = [
+        Linear("self_attn.q_proj", hidden, q, layers),
+        Linear("self_attn.k_proj", hidden, kv, layers),
+        Linear("self_attn.v_proj", hidden, kv, layers),
+        Linear("self_attn.o_proj", q, hidden, layers),
+    ]
     if dense:
         inner = _need(config, "intermediate_size")
-        out += [Linear("mlp.gate_proj", hidden, inner, dense), Linear("mlp.up_proj", hidden, inner, dense),
-                Linear("mlp.down_proj", inner, hidden, dense)]
+        out += [
+            Linear("mlp.gate_proj", hidden, inner, dense),
+            Linear("mlp.up_proj", hidden, inner, dense),
+            Linear("mlp.down_proj", inner, hidden, dense),
+        ]
     shared = getattr(config, "shared_expert_intermediate_size", None)
     if sparse and shared:
-        out += [Linear("mlp.shared_expert.gate_proj", hidden, shared, sparse),
-                Linear("mlp.shared_expert.up_proj", hidden, shared, sparse),
-                Linear("mlp.shared_expert.down_proj", shared, hidden, sparse),
-                Linear("mlp.shared_expert_gate", hidden, 1, sparse)]
+        out += [
+            Linear("mlp.shared_expert.gate_proj", hidden, shared, sparse),
+            Linear("mlp.shared_expert.up_proj", hidden, shared, sparse),
+            Linear("mlp.shared_expert.down_proj", shared, hidden, sparse),
+            Linear("mlp.shared_expert_gate", hidden, 1, sparse),
+        ]
     return tuple(out)
 
 
@@ -165,7 +180,7 @@ def vision_tower_parameters(config: Any) -> int:
     mlp = 3 * hidden * inner + 2 * inner + hidden if gated else 2 * hidden * inner + inner + hidden
     norms = 2 * hidden * (1 if gated else 2)  # RMSNorm (Qwen2.5-VL) or LayerNorm with bias (Qwen2-VL)
     block = norms + 3 * hidden * hidden + 3 * hidden + hidden * hidden + hidden + mlp
-    wide = hidden * merge ** 2
+    wide = hidden * merge**2
     merger = hidden * (1 if gated else 2) + wide * wide + wide + wide * out + out
     return channels * temporal * patch * patch * hidden + depth * block + merger
 
@@ -185,10 +200,23 @@ def model_shape(config: Any) -> ModelShape:
     attention += 2 * head_dim if kind.startswith("qwen3") else 0  # q_norm, k_norm
     sizes = [attention + 2 * hidden + _mlp(c, i, hidden) for i in range(layers)]  # + the two RMSNorms
     head = 0 if tied_embeddings(config) else vocab * hidden
-    return ModelShape(hidden, layers, heads, kv_heads, head_dim, vocab, vocab * hidden, sum(sizes), max(sizes),
-                      hidden, head, _linears(c, hidden, q, kv, layers),
-                      sum(_is_sparse(c, i) for i in range(layers)), vision_tower_parameters(config),
-                      tuple(_mlp_width(c, i) for i in range(layers)))
+    return ModelShape(
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        vocab,
+        vocab * hidden,
+        sum(sizes),
+        max(sizes),
+        hidden,
+        head,
+        _linears(c, hidden, q, kv, layers),
+        sum(_is_sparse(c, i) for i in range(layers)),
+        vision_tower_parameters(config),
+        tuple(_mlp_width(c, i) for i in range(layers)),
+    )
 
 
 ALL_LINEAR = "all-linear"
@@ -211,17 +239,30 @@ def lora_parameters(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> i
     name): r * (in + out) per adapted nn.Linear (A [r, in], B [out, r]; no bias: PEFT's bias="none")."""
     if rank <= 0:
         return 0
-    chosen = shape.linears if _all_linear(targets) else \
-        [linear for linear in shape.linears if any(linear.matches(t) for t in targets)]
+    chosen = (
+        shape.linears
+        if _all_linear(targets)
+        else [linear for linear in shape.linears if any(linear.matches(t) for t in targets)]
+    )
     return sum(rank * (linear.fan_in + linear.fan_out) * linear.count for linear in chosen)
 
 
-def role_shapes(policy: ModelShape, critic: ModelShape | None = None, reward: ModelShape | None = None,
-                ref: ModelShape | None = None) -> dict[Role, ModelShape]:
+def role_shapes(
+    policy: ModelShape,
+    critic: ModelShape | None = None,
+    reward: ModelShape | None = None,
+    ref: ModelShape | None = None,
+) -> dict[Role, ModelShape]:
     """Each role's shape: the policy's for actor/engines, and for the reference unless it has its own (rlrun.dpo's
     --ref_pretrain); a score-head body for critic/reward (their own config when given, else the policy's body)."""
-    return {Role.ACTOR: policy, Role.REF: ref or policy, Role.ENGINE: policy,
-            Role.CRITIC: (critic or policy).scalar(), Role.REWARD: (reward or policy).scalar()}
+    return {
+        Role.ACTOR: policy,
+        Role.REF: ref or policy,
+        Role.ENGINE: policy,
+        Role.CRITIC: (critic or policy).scalar(),
+        Role.REWARD: (reward or policy).scalar(),
+    }
+
 
 # ---- knobs -------------------------------------------------------------------------------------------------------
 # What the memory estimate (rlrun.plan.memory) reads besides the models' shapes: the target (GPUs or the CPU),
@@ -314,8 +355,11 @@ class SupervisedJob:
 
     def labels(self) -> dict[str, str]:
         """How the printed plan names the roles and phases."""
-        return {self.trained.value: "policy" if self.reference else "model", f"train_{self.trained.value}": "train",
-                "score": "eval"}
+        return {
+            self.trained.value: "policy" if self.reference else "model",
+            f"train_{self.trained.value}": "train",
+            "score": "eval",
+        }
 
 
 def native_kv_budget(cfg: Config) -> int | None:
@@ -327,32 +371,62 @@ def native_kv_budget(cfg: Config) -> int | None:
 def _training_knobs(cfg: Any, target: Target) -> dict[str, Any]:
     """The settings every trainer shares (its model and optimisation sections)."""
     t, m = cfg.train, cfg.model
-    return dict(gpu=target.gpu, bf16=m.bf16 and target.gpu, strategy=t.strategy, zero_stage=t.zero_stage,
-                adam_offload=t.adam_offload and target.gpu, checkpointing=m.gradient_checkpointing,
-                attention_scores=m.attn_implementation == "eager" and not m.flash_attn,
-                logits_chunk=int(getattr(t, "logits_chunk_size", 1024)), lora_rank=max(0, m.lora_rank),
-                lora_targets=tuple(m.target_modules), export_merged=cfg.checkpoint.save_merged)
+    return dict(
+        gpu=target.gpu,
+        bf16=m.bf16 and target.gpu,
+        strategy=t.strategy,
+        zero_stage=t.zero_stage,
+        adam_offload=t.adam_offload and target.gpu,
+        checkpointing=m.gradient_checkpointing,
+        attention_scores=m.attn_implementation == "eager" and not m.flash_attn,
+        logits_chunk=int(getattr(t, "logits_chunk_size", 1024)),
+        lora_rank=max(0, m.lora_rank),
+        lora_targets=tuple(m.target_modules),
+        export_merged=cfg.checkpoint.save_merged,
+    )
 
 
 def knobs_of(cfg: Config, target: Target) -> Knobs:
     """`cfg`'s generation_backend must be the resolved one (rlrun.plan.plan), not auto."""
     t, g = cfg.train, cfg.generation
     return Knobs(
-        **_training_knobs(cfg, target), micro_train=t.micro_train_batch_size, micro_rollout=t.micro_rollout_batch_size,
-        seq=g.prompt_max_len + g.generate_max_len, response=g.generate_max_len,
-        model_sleep=t.deepspeed_enable_sleep and target.gpu, engine_sleep=g.vllm_enable_sleep and target.gpu,
-        backend=g.generation_backend, vllm_util=g.vllm_gpu_memory_utilization,
+        **_training_knobs(cfg, target),
+        micro_train=t.micro_train_batch_size,
+        micro_rollout=t.micro_rollout_batch_size,
+        seq=g.prompt_max_len + g.generate_max_len,
+        response=g.generate_max_len,
+        model_sleep=t.deepspeed_enable_sleep and target.gpu,
+        engine_sleep=g.vllm_enable_sleep and target.gpu,
+        backend=g.generation_backend,
+        vllm_util=g.vllm_gpu_memory_utilization,
         vllm_kv_bytes=g.vllm_kv_cache_memory_bytes,
-        rollouts=cfg.train.rollouts_per_step * (t.max_staleness if t.partial_rollout else 1), kv_budget=native_kv_budget(cfg),
-        export_critic=cfg.checkpoint.save_value_network, base_reference=cfg.ref_is_actor_base,
-        sync_bucket=g.weight_sync_bucket_mb * MIB, vllm_host=g.vllm_engine_host)
+        rollouts=cfg.train.rollouts_per_step * (t.max_staleness if t.partial_rollout else 1),
+        kv_budget=native_kv_budget(cfg),
+        export_critic=cfg.checkpoint.save_value_network,
+        base_reference=cfg.ref_is_actor_base,
+        sync_bucket=g.weight_sync_bucket_mb * MIB,
+        vllm_host=g.vllm_engine_host,
+    )
 
 
 def supervised_knobs(cfg: Any, target: Target, job: SupervisedJob) -> Knobs:
     """The settings of a supervised trainer's config (rlrun.config.supervised)."""
     rows = cfg.train.micro_train_batch_size * (2 if job.pairs else 1)
-    return Knobs(**_training_knobs(cfg, target), micro_train=rows, micro_rollout=rows, seq=cfg.train.max_len,
-                 response=cfg.train.max_len, model_sleep=False, engine_sleep=False, backend="none", vllm_util=0.0,
-                 vllm_kv_bytes=None, rollouts=0, kv_budget=None, export_critic=job.scalar,
-                 ref_offload=cfg.loss.ref_offload and target.gpu if job.reference and not job.base_reference else None,
-                 ref_in_train=job.reference, base_reference=job.base_reference)
+    return Knobs(
+        **_training_knobs(cfg, target),
+        micro_train=rows,
+        micro_rollout=rows,
+        seq=cfg.train.max_len,
+        response=cfg.train.max_len,
+        model_sleep=False,
+        engine_sleep=False,
+        backend="none",
+        vllm_util=0.0,
+        vllm_kv_bytes=None,
+        rollouts=0,
+        kv_budget=None,
+        export_critic=job.scalar,
+        ref_offload=cfg.loss.ref_offload and target.gpu if job.reference and not job.base_reference else None,
+        ref_in_train=job.reference,
+        base_reference=job.base_reference,
+    )

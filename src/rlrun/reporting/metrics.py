@@ -6,20 +6,21 @@ is the evaluation before training."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
+
 from tqdm import tqdm
-from rlrun.runtime.log import is_terminal
-import json
-import math
+
 from rlrun.config.schema import SavingConfig, TrackingConfig
 from rlrun.reporting.run_report import metrics_path, write_report
 from rlrun.reporting.summary import format_duration
 from rlrun.runtime.errors import ConfigError, MissingExtraError
-from rlrun.runtime.log import RankLogger
+from rlrun.runtime.log import RankLogger, is_terminal
 from rlrun.runtime.secrets import MASK, redact_text
 
 # ---- progress ----------------------------------------------------------------------------------------------------
@@ -31,10 +32,16 @@ from rlrun.runtime.secrets import MASK, redact_text
 # RLRUN_NO_PROGRESS=1 turns the bar off (the lines stay: they are plain log output).
 
 # (metric key, short name, format) shown on the bar and in each line, when present.
-SHOWN = (("reward", "reward", ".3f"), ("kl", "kl", ".4g"), ("response_length", "len", ".1f"),
-         ("actor/policy_loss", "policy_loss", ".4g"), ("critic/value_loss", "value_loss", ".4g"),
-         ("loss", "loss", ".4f"), ("acc", "acc", ".3f"), ("margin", "margin", ".3f"))
-
+SHOWN = (
+    ("reward", "reward", ".3f"),
+    ("kl", "kl", ".4g"),
+    ("response_length", "len", ".1f"),
+    ("actor/policy_loss", "policy_loss", ".4g"),
+    ("critic/value_loss", "value_loss", ".4g"),
+    ("loss", "loss", ".4f"),
+    ("acc", "acc", ".3f"),
+    ("margin", "margin", ".3f"),
+)
 
 
 def format_eval(evals: Mapping[str, Any]) -> str:
@@ -44,19 +51,26 @@ def format_eval(evals: Mapping[str, Any]) -> str:
     if "eval/reward" in evals:
         parts.append(f"reward {evals['eval/reward']:.3f}")
     parts += [f"{key.removeprefix('eval/')} {evals[key]:.3f}" for key in sorted(evals) if key.startswith("eval/pass@")]
-    parts += [f"{name} {evals[f'eval/{name}']:{fmt}}" for name, fmt in (("loss", ".4f"), ("acc", ".3f"))
-              if f"eval/{name}" in evals]  # rlrun.sft/rm/dpo's
+    parts += [
+        f"{name} {evals[f'eval/{name}']:{fmt}}"
+        for name, fmt in (("loss", ".4f"), ("acc", ".3f"))
+        if f"eval/{name}" in evals
+    ]  # rlrun.sft/rm/dpo's
     if "eval/response_length" in evals:
         parts.append(f"len {evals['eval/response_length']:.1f}")
     return "eval " + " ".join(parts)
 
 
-def format_step_line(step: int, total: int, metrics: Mapping[str, Any], seconds_per_step: float | None,
-                     evals: Mapping[str, Any] | None = None) -> str:
+def format_step_line(
+    step: int,
+    total: int,
+    metrics: Mapping[str, Any],
+    seconds_per_step: float | None,
+    evals: Mapping[str, Any] | None = None,
+) -> str:
     """The text of one step's line (without the '[rlrun time info]' prefix)."""
     parts = [f"step {step}/{total}"]
-    parts += [f"{name} {metrics[key]:{fmt}}" for key, name, fmt in SHOWN
-              if isinstance(metrics.get(key), (int, float))]
+    parts += [f"{name} {metrics[key]:{fmt}}" for key, name, fmt in SHOWN if isinstance(metrics.get(key), (int, float))]
     if seconds_per_step is not None:
         parts.append(f"{seconds_per_step:.2f} s/step")
         parts.append(f"ETA {format_duration(seconds_per_step * max(0, total - step))}")
@@ -68,8 +82,14 @@ def format_step_line(step: int, total: int, metrics: Mapping[str, Any], seconds_
 class LineProgress:
     """One line per logged step on `stream` (stdout), timed from the first step of this run."""
 
-    def __init__(self, total: int, start_step: int, stream: TextIO, clock: Callable[[], float] = time.monotonic,
-                 stamp: Callable[[], str] = lambda: time.strftime("%H:%M:%S")) -> None:
+    def __init__(
+        self,
+        total: int,
+        start_step: int,
+        stream: TextIO,
+        clock: Callable[[], float] = time.monotonic,
+        stamp: Callable[[], str] = lambda: time.strftime("%H:%M:%S"),
+    ) -> None:
         self.total, self.start_step, self.stream = total, start_step, stream
         self.clock, self.stamp = clock, stamp
         self.started = clock()
@@ -110,8 +130,13 @@ class BarProgress:
         self.bar.close()
 
 
-def make_progress(total: int, start_step: int, stdout: TextIO | None = None, stderr: TextIO | None = None,
-                  environ: Mapping[str, str] | None = None) -> LineProgress | BarProgress:
+def make_progress(
+    total: int,
+    start_step: int,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> LineProgress | BarProgress:
     """A bar when both stdout and stderr are terminals (the bar draws on stderr), else lines on stdout."""
     out, err = stdout or sys.stdout, stderr or sys.stderr
     env = os.environ if environ is None else environ
@@ -119,9 +144,17 @@ def make_progress(total: int, start_step: int, stdout: TextIO | None = None, std
         return BarProgress(total, start_step, enabled=env.get("RLRUN_NO_PROGRESS") != "1")
     return LineProgress(total, start_step, out)
 
+
 class MetricsSink:
-    def __init__(self, logging: TrackingConfig, saving: SavingConfig, total_steps: int, start_step: int,
-                 trainer: str = "ppo", config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        logging: TrackingConfig,
+        saving: SavingConfig,
+        total_steps: int,
+        start_step: int,
+        trainer: str = "ppo",
+        config: dict[str, Any] | None = None,
+    ) -> None:
         """`config`: the run's settings, redacted (rlrun.config.fields.redacted), for the trackers."""
         path = metrics_path(logging, saving)
         try:
@@ -135,7 +168,9 @@ class MetricsSink:
             os.replace(tmp, path)
             self.file = open(path, "a", encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"cannot write the metrics file {path}: {exc.strerror}; check --save_path/--metrics_file") from None
+            raise ConfigError(
+                f"cannot write the metrics file {path}: {exc.strerror}; check --save_path/--metrics_file"
+            ) from None
         self.path = path
         self.progress = make_progress(total_steps, start_step)
         self.wandb = _init_wandb(logging, trainer, config or {}) if logging.use_wandb is not None else None
@@ -180,8 +215,10 @@ class MetricsSink:
         for line in lines:
             log.info_once(line)
         if why is not None:
-            log.warning_once(f"no curves plotted: {why}; the summary is written (python -m rlrun.report "
-                             f"{os.path.dirname(self.path) or '.'} draws them later)")
+            log.warning_once(
+                f"no curves plotted: {why}; the summary is written (python -m rlrun.report "
+                f"{os.path.dirname(self.path) or '.'} draws them later)"
+            )
 
     def close(self, report: bool = True) -> None:
         """Close every sink. `report`: after a run that stopped early (the failure path closes the sink), also
@@ -219,18 +256,25 @@ def _lines_up_to(path: str, step: int) -> list[str]:
 
 def _init_wandb(lg: TrackingConfig, trainer: str, config: dict[str, Any]) -> Any:
     try:
-        import wandb
+        import wandb  # noqa: PLC0415 - optional extra (rlrun[wandb])
     except ImportError:
         raise MissingExtraError("wandb", "wandb", "--use_wandb") from None
     key = lg.use_wandb or os.environ.get("WANDB_API_KEY")
     if key and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         wandb.login(key=key, relogin=True)
-    # wandb records sys.argv in the run's metadata (uploaded on sync); a key passed as --use_wandb KEY must not be in it.
+    # wandb records sys.argv in the run's metadata (uploaded on sync); a key passed as --use_wandb KEY must not be in
+    # it.
     saved_argv = sys.argv
     sys.argv = [redact_text(_scrub(arg, [key] if key else [])) for arg in saved_argv]
     try:
-        return wandb.init(entity=lg.wandb_org, project=lg.wandb_project or f"rlrun_{trainer}",
-                          group=lg.wandb_group, name=lg.wandb_run_name, config=config, reinit=True)
+        return wandb.init(
+            entity=lg.wandb_org,
+            project=lg.wandb_project or f"rlrun_{trainer}",
+            group=lg.wandb_group,
+            name=lg.wandb_run_name,
+            config=config,
+            reinit=True,
+        )
     finally:
         sys.argv = saved_argv
 
@@ -243,7 +287,7 @@ def _scrub(text: str, secrets: list[str]) -> str:
 
 def _init_tensorboard(log_dir: str) -> Any:
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional extra (rlrun[tensorboard])
     except ImportError:
         raise MissingExtraError("tensorboard", "tensorboard", "--use_tensorboard") from None
     return SummaryWriter(log_dir=log_dir)

@@ -5,15 +5,15 @@ Every trainer calls the same functions; ``python -m rlrun.report RUN_DIR`` calls
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-from typing import Any
 import json
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from rlrun.cli.run_config import CONFIG_FILE
 from rlrun.config.schema import PretrainedConfig, SavingConfig, TrackingConfig
-from rlrun.reporting.summary import plot_curves
-from rlrun.reporting.summary import format_summary, outputs_beside, read_metrics, summarize, write_summary
+from rlrun.reporting.summary import format_summary, outputs_beside, plot_curves, read_metrics, summarize, write_summary
+
 
 def metrics_path(logging: TrackingConfig, saving: SavingConfig) -> str:
     """Where the metrics JSONL goes: --metrics_file, else <save_path>/metrics.jsonl."""
@@ -28,8 +28,9 @@ def model_form(model: PretrainedConfig, saving: SavingConfig) -> str:
     return f"as a LoRA adapter (PEFT format{merged})"
 
 
-def announce(model: PretrainedConfig, saving: SavingConfig, logging: TrackingConfig, prog: str, config: str,
-             count: int) -> list[str]:
+def announce(
+    model: PretrainedConfig, saving: SavingConfig, logging: TrackingConfig, prog: str, config: str, count: int
+) -> list[str]:
     """The start-up lines saying where the model, metrics, summary, curves, checkpoints and `config` (the run's
     config.yaml, holding `count` settings: rlrun.cli.run_config) go."""
     save = saving.save_path
@@ -40,22 +41,33 @@ def announce(model: PretrainedConfig, saving: SavingConfig, logging: TrackingCon
     if os.path.abspath(os.path.dirname(metrics)) == os.path.abspath(save):
         where = f"outputs in {save}: the model {model_form(model, saving)}, {name}, {reports}"
     else:
-        where = (f"outputs: the model {model_form(model, saving)} and {name} in {save}; {reports} in "
-                 f"{os.path.dirname(metrics)}")
+        where = (
+            f"outputs: the model {model_form(model, saving)} and {name} in {save}; {reports} in "
+            f"{os.path.dirname(metrics)}"
+        )
     every = saving.save_steps
-    where += (f"; checkpoints every {every} steps in {saving.ckpt_path}" if every > 0 and saving.ckpt_path
-              else "; no checkpoints (--save_steps -1)")
+    where += (
+        f"; checkpoints every {every} steps in {saving.ckpt_path}"
+        if every > 0 and saving.ckpt_path
+        else "; no checkpoints (--save_steps -1)"
+    )
     trackers = [f"TensorBoard {logging.use_tensorboard}"] if logging.use_tensorboard else []
-    trackers += ([f"wandb project {logging.wandb_project or 'rlrun_' + prog.split('.')[-1]}"]
-                 if logging.use_wandb is not None else [])
-    return [where + (f"; also to {', '.join(trackers)}" if trackers else ""),
-            f"config: {config} ({count} settings differ from the defaults; rerun with {prog} --config {config})"]
+    trackers += (
+        [f"wandb project {logging.wandb_project or 'rlrun_' + prog.split('.')[-1]}"]
+        if logging.use_wandb is not None
+        else []
+    )
+    return [
+        where + (f"; also to {', '.join(trackers)}" if trackers else ""),
+        f"config: {config} ({count} settings differ from the defaults; rerun with {prog} --config {config})",
+    ]
 
 
 def describe_roles(ranks_by_role: Mapping[str, Sequence[int]]) -> str:
     """'actor ranks 0-3, ref 0-3, engine 4-7': a layout too large for its per-rank table, in one line."""
-    return ", ".join(f"{role} {'ranks ' if i == 0 else ''}{_ranges(ranks)}"
-                     for i, (role, ranks) in enumerate(ranks_by_role.items()))
+    return ", ".join(
+        f"{role} {'ranks ' if i == 0 else ''}{_ranges(ranks)}" for i, (role, ranks) in enumerate(ranks_by_role.items())
+    )
 
 
 def _ranges(ranks: Sequence[int]) -> str:
@@ -101,6 +113,9 @@ def saved_outputs(model: PretrainedConfig, saving: SavingConfig, **more: str) ->
     save = saving.save_path
     if model.lora_rank > 0 and saving.save_merged:
         more = {"merged model": os.path.join(save, "merged"), **more}
-    return {"model": save, **more, **({"checkpoints": saving.ckpt_path} if saving.ckpt_path and saving.save_steps > 0
-                                      else {}),
-            "config": os.path.join(save, CONFIG_FILE)}
+    return {
+        "model": save,
+        **more,
+        **({"checkpoints": saving.ckpt_path} if saving.ckpt_path and saving.save_steps > 0 else {}),
+        "config": os.path.join(save, CONFIG_FILE),
+    }

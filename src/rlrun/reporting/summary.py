@@ -8,11 +8,11 @@ Training records carry ``time/step``; evaluation records are those with ``eval/`
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
-import json
-import math
 
 # ---- curves ------------------------------------------------------------------------------------------------------
 # The PNG of a run's main curves (reward, KL, response length, step time; loss and accuracy for rlrun.sft/rm/dpo;
@@ -23,9 +23,16 @@ import math
 # drawn with matplotlib's object API on the Agg canvas (no pyplot, no global backend state).
 
 # (title, training key, evaluation key): a panel is drawn when either is logged. "eval/pass@" is a prefix.
-PANELS = (("reward", "reward", "eval/reward"), ("KL", "kl", None),
-          ("response length", "response_length", "eval/response_length"), ("loss", "loss", "eval/loss"), ("accuracy", "acc", "eval/acc"), ("eval pass@N", None, "eval/pass@"),
-          ("step time (s)", "time/step", None))
+PANELS = (
+    ("reward", "reward", "eval/reward"),
+    ("KL", "kl", None),
+    ("response length", "response_length", "eval/response_length"),
+    ("loss", "loss", "eval/loss"),
+    ("accuracy", "acc", "eval/acc"),
+    ("eval pass@N", None, "eval/pass@"),
+    ("step time (s)", "time/step", None),
+)
+
 
 def format_duration(seconds: float) -> str:
     """3725 -> '1h02m05s', 648 -> '10m48s', 7.4 -> '7s'."""
@@ -39,14 +46,16 @@ def format_duration(seconds: float) -> str:
     return f"{secs}s"
 
 
-
 def _series(records: Sequence[Mapping[str, Any]], key: str) -> dict[str, tuple[list[int], list[float]]]:
     """{key: (steps, values)} of the finite values; a key ending in '@' stands for every key it starts."""
     keys = sorted({k for r in records for k in r if k.startswith(key)}) if key.endswith("@") else [key]
     out = {}
     for name in keys:
-        points = [(int(r["step"]), float(r[name])) for r in records
-                  if isinstance(r.get(name), (int, float)) and not isinstance(r.get(name), bool)]
+        points = [
+            (int(r["step"]), float(r[name]))
+            for r in records
+            if isinstance(r.get(name), (int, float)) and not isinstance(r.get(name), bool)
+        ]
         if points:
             out[name] = ([s for s, _ in points], [v for _, v in points])
     return out
@@ -90,6 +99,7 @@ def plot_curves(records: Sequence[Mapping[str, Any]], path: str, title: str = ""
     os.replace(tmp, path)
     return None
 
+
 METRICS_FILE = "metrics.jsonl"
 # The curves summarised, when logged: training's, then evaluation's (eval/pass@N too). Lower is better for losses.
 CURVES = ("reward", "loss", "acc")
@@ -124,7 +134,11 @@ def is_eval(record: Mapping[str, Any]) -> bool:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
+    return (
+        float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        else None
+    )
 
 
 def _curve(records: Sequence[Mapping[str, Any]], key: str) -> dict[str, float] | None:
@@ -133,8 +147,15 @@ def _curve(records: Sequence[Mapping[str, Any]], key: str) -> dict[str, float] |
         return None
     pick = min if key.endswith("loss") else max
     best = pick(points, key=lambda p: p[1])  # the earliest step of the best value
-    return {"first": points[0][1], "first_step": points[0][0], "last": points[-1][1], "last_step": points[-1][0],
-            "best": best[1], "best_step": best[0], "points": len(points)}
+    return {
+        "first": points[0][1],
+        "first_step": points[0][0],
+        "last": points[-1][1],
+        "last_step": points[-1][0],
+        "best": best[1],
+        "best_step": best[0],
+        "points": len(points),
+    }
 
 
 def summarize(records: Sequence[Mapping[str, Any]], metrics_path: str = "") -> dict[str, Any]:
@@ -156,8 +177,11 @@ def summarize(records: Sequence[Mapping[str, Any]], metrics_path: str = "") -> d
         "steps": int(max((r["step"] for r in train), default=0)),
         "logged_steps": len(train),
         "evaluations": len(evals),
-        "time": {"steps_s": step_s, "per_step_s": step_s / len(timed) if timed else None,
-                 "phases_s": {p: s for p, s in phases.items() if s > 0}},
+        "time": {
+            "steps_s": step_s,
+            "per_step_s": step_s / len(timed) if timed else None,
+            "phases_s": {p: s for p, s in phases.items() if s > 0},
+        },
         "tokens_per_s": tokens / token_s if token_s > 0 else None,
         "curves": curves,
         "skipped_updates": int(skipped),
@@ -193,12 +217,16 @@ def format_summary(summary: Mapping[str, Any]) -> list[str]:
     for key, c in summary["curves"].items():
         first, last, best = (_value(key, c[k]) for k in ("first", "last", "best"))
         if key.startswith("eval/"):
-            lines.append(f"{key}: first {first} at step {c['first_step']}, last {last} at step {c['last_step']}, "
-                         f"best {best} at step {c['best_step']}")
+            lines.append(
+                f"{key}: first {first} at step {c['first_step']}, last {last} at step {c['last_step']}, "
+                f"best {best} at step {c['best_step']}"
+            )
         else:
             note = f"; {skipped} updates skipped for non-finite gradients" if skipped else ""
-            lines.append(f"{key}: first step {first}, last step {last}, best {best} at step {c['best_step']} "
-                         f"({c['points']} steps{note})")
+            lines.append(
+                f"{key}: first step {first}, last step {last}, best {best} at step {c['best_step']} "
+                f"({c['points']} steps{note})"
+            )
     saved = run.get("saved") or {}
     if saved:
         lines.append("saved: " + ", ".join(f"{what} {where}" for what, where in saved.items()))

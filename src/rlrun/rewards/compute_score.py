@@ -24,8 +24,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from rlrun.rewards.reward_fn import RewardBatch, RewardFunction
-from rlrun.runtime.phases import deadline
 from rlrun.runtime.errors import RewardError
+from rlrun.runtime.phases import deadline
 from rlrun.runtime.pyfile import import_file, one_line
 
 BUILTIN = "builtin"
@@ -35,17 +35,23 @@ ScoreFn = Callable[..., Any]
 def load_compute_score(path: str, name: str = "compute_score") -> ScoreFn:
     """`name` from the .py file `path` (verl's `file://` prefix accepted), or the built-in rule scores."""
     if path == BUILTIN:
-        from rlrun.rewards.rules import default_compute_score
+        from rlrun.rewards.rules import default_compute_score  # noqa: PLC0415 - only --compute_score builtin needs it
 
         return default_compute_score
-    module = import_file(path.removeprefix("file://"), "compute_score file", RewardError,
-                         f"{name}(data_source, solution_str, ground_truth, extra_info)")
+    module = import_file(
+        path.removeprefix("file://"),
+        "compute_score file",
+        RewardError,
+        f"{name}(data_source, solution_str, ground_truth, extra_info)",
+    )
     fn = getattr(module, name, None)
     if not callable(fn):
         found = "is not callable" if hasattr(module, name) else "is missing"
-        raise RewardError(f"compute_score file {path}: {name} {found}; define def {name}(data_source, solution_str, "
-                          "ground_truth, extra_info=None) returning a float or a dict with 'score' (or set "
-                          "--compute_score_name / custom_reward_function.name to the function's name).")
+        raise RewardError(
+            f"compute_score file {path}: {name} {found}; define def {name}(data_source, solution_str, "
+            "ground_truth, extra_info=None) returning a float or a dict with 'score' (or set "
+            "--compute_score_name / custom_reward_function.name to the function's name)."
+        )
     return fn
 
 
@@ -73,7 +79,9 @@ def _worker_score(data_source: Any, solution: str, truth: Any, extra: Any) -> An
 class ComputeScore:
     """verl's compute_score applied to every sample of a batch; returns rlrun's {"rewards", "extra_logs"} shape."""
 
-    def __init__(self, path: str, name: str = "compute_score", workers: int = 1, timeout_s: float | None = None) -> None:
+    def __init__(
+        self, path: str, name: str = "compute_score", workers: int = 1, timeout_s: float | None = None
+    ) -> None:
         self.path, self.name = path, name
         self.source = "built-in rule scores (verl's default_compute_score)" if path == BUILTIN else f"{path}:{name}"
         self._fn = load_compute_score(path, name)  # here too: a broken file fails at start-up, not at step 1
@@ -82,15 +90,19 @@ class ComputeScore:
 
     def _stuck(self, index: int, batch: RewardBatch) -> RewardError:
         tail = " ".join(batch.responses[index].split())[-120:]
-        return RewardError(f"compute_score {self.source} did not return within --reward_timeout {self.timeout_s:g} s "
-                           f"on sample {index} of {len(batch.responses)} (data_source {batch.data_sources[index]!r}, "
-                           f"the response ends {tail!r}); make it faster (or bound its own waits), or raise "
-                           "--reward_timeout below --dist_timeout")
+        return RewardError(
+            f"compute_score {self.source} did not return within --reward_timeout {self.timeout_s:g} s "
+            f"on sample {index} of {len(batch.responses)} (data_source {batch.data_sources[index]!r}, "
+            f"the response ends {tail!r}); make it faster (or bound its own waits), or raise "
+            "--reward_timeout below --dist_timeout"
+        )
 
     def _failed(self, index: int, batch: RewardBatch, exc: BaseException) -> RewardError:
-        return RewardError(f"compute_score {self.source} raised {one_line(exc)} on sample {index} (data_source "
-                           f"{batch.data_sources[index]!r}, ground_truth {str(batch.labels[index])[:80]!r}); fix the "
-                           "function (call it on that sample by hand to reproduce)")
+        return RewardError(
+            f"compute_score {self.source} raised {one_line(exc)} on sample {index} (data_source "
+            f"{batch.data_sources[index]!r}, ground_truth {str(batch.labels[index])[:80]!r}); fix the "
+            "function (call it on that sample by hand to reproduce)"
+        )
 
     def __call__(self, batch: RewardBatch) -> dict[str, Any]:
         results = self._in_pool(batch) if self.workers > 1 else self._in_process(batch)
@@ -110,8 +122,12 @@ class ComputeScore:
 
     def _in_pool(self, batch: RewardBatch) -> list[Any]:
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_worker_init, initargs=(self.path, self.name))
+            self._pool = ProcessPoolExecutor(
+                self.workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_worker_init,
+                initargs=(self.path, self.name),
+            )
             # multiprocessing's exit handler joins the workers, which leave only once the pool is shut down; the
             # pool's own exit hook runs at interpreter shutdown, which rlrun.launch.failures.leave skips after
             # DeepSpeed was imported (a finished run then waited on its idle workers for ever, now and then)
@@ -120,8 +136,10 @@ class ComputeScore:
             # not on process start-up. A worker that fails to start breaks the pool: one error, here.
             for ready in [self._pool.submit(_worker_ready) for _ in range(self.workers)]:
                 ready.result()
-        futures = [self._pool.submit(_worker_score, *sample)
-                   for sample in zip(batch.data_sources, batch.responses, batch.labels, batch.extra_infos)]
+        futures = [
+            self._pool.submit(_worker_score, *sample)
+            for sample in zip(batch.data_sources, batch.responses, batch.labels, batch.extra_infos)
+        ]
         results = []
         end = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         for i, future in enumerate(futures):
@@ -147,8 +165,10 @@ def _as_rewards(results: list[Any], source: str) -> dict[str, Any]:
     for i, result in enumerate(results):
         if isinstance(result, dict):
             if "score" not in result:
-                raise RewardError(f"compute_score {source} returned a dict without 'score' for sample {i} (keys "
-                                  f"{sorted(map(str, result))}); return a number or a dict with 'score'")
+                raise RewardError(
+                    f"compute_score {source} returned a dict without 'score' for sample {i} (keys "
+                    f"{sorted(map(str, result))}); return a number or a dict with 'score'"
+                )
             value = result["score"]
             for key, extra in result.items():
                 if key != "score" and isinstance(extra, numbers.Real):
@@ -156,14 +176,17 @@ def _as_rewards(results: list[Any], source: str) -> dict[str, Any]:
         else:
             value = result
         if not isinstance(value, numbers.Real):  # a bool counts, as float(True) in verl
-            raise RewardError(f"compute_score {source} returned {str(value)[:80]!r} ({type(value).__name__}) for "
-                              f"sample {i}; return a number or a dict with a numeric 'score'")
+            raise RewardError(
+                f"compute_score {source} returned {str(value)[:80]!r} ({type(value).__name__}) for "
+                f"sample {i}; return a number or a dict with a numeric 'score'"
+            )
         rewards.append(float(value))
     return {"rewards": rewards, "extra_logs": extras}
 
 
-def load_compute_score_function(path: str, name: str = "compute_score", *, workers: int = 1,
-                                call_timeout_s: float | None = None) -> RewardFunction:
+def load_compute_score_function(
+    path: str, name: str = "compute_score", *, workers: int = 1, call_timeout_s: float | None = None
+) -> RewardFunction:
     """verl's compute_score (a file's function, or `builtin`) as a validated RewardFunction; the bound applies per
     sample inside, so the message names the sample."""
     scorer = ComputeScore(path, name, workers, call_timeout_s)

@@ -62,9 +62,7 @@ def reward_func(queries: list[str], prompts: list[str], labels: list[str]) -> di
             "they must have the same length (one prompt and label per query)."
         )
     responses = [_response_of(q, p, i) for i, (q, p) in enumerate(zip(queries, prompts))]
-    rewards = torch.tensor(
-        [target_fraction(r, label) for r, label in zip(responses, labels)], dtype=torch.float32
-    )
+    rewards = torch.tensor([target_fraction(r, label) for r, label in zip(responses, labels)], dtype=torch.float32)
     return {
         "rewards": rewards,
         "scores": rewards,

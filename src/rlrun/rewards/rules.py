@@ -82,14 +82,16 @@ def golden_answers(label: object) -> list[str]:
     raise ValueError(f"golden answers must be a string or a list of strings, got {label!r:.200}")
 
 
-def compute_score_em(solution_str: str, golden: object, format_score: float = 0.0, score: float = 1.0,
-                     min_answers: int = 2) -> float:
+def compute_score_em(
+    solution_str: str, golden: object, format_score: float = 0.0, score: float = 1.0, min_answers: int = 2
+) -> float:
     """Search-R1's compute_score_em: 0 without a (second) answer, `score` on an exact match, else
     `format_score`. `golden` is anything golden_answers() accepts."""
     answer = extract_solution(solution_str, min_answers)
     if answer is None:
         return 0.0
     return score if em_check(answer, golden_answers(golden)) else format_score
+
 
 _GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 GSM8K_CLIP_CHARS = 300
@@ -125,17 +127,17 @@ def last_boxed(text: str) -> str | None:
         elif text[end] == "}":
             depth -= 1
             if depth == 0:
-                return text[start:end + 1]
+                return text[start : end + 1]
     return None
 
 
 def unboxed(boxed: str) -> str:
     """The content of `\\boxed{X}` or `\\boxed X`; ValueError for anything else (`\\fbox{}` included, as in verl)."""
     if boxed.startswith("\\boxed "):
-        return boxed[len("\\boxed "):]
+        return boxed[len("\\boxed ") :]
     if not (boxed.startswith("\\boxed{") and boxed.endswith("}")):
         raise ValueError(f"not a \\boxed{{}} answer: {boxed[:40]!r}")
-    return boxed[len("\\boxed{"):-1]
+    return boxed[len("\\boxed{") : -1]
 
 
 def _fix_fracs(text: str) -> str:
@@ -266,11 +268,14 @@ def scorer_for(data_source: str | None) -> Scorer | None:
     return SCORERS.get(data_source or "")
 
 
-def default_compute_score(data_source: str | None, solution_str: str, ground_truth: Any,
-                          extra_info: dict[str, Any] | None = None) -> float:
+def default_compute_score(
+    data_source: str | None, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
+) -> float:
     """verl's default_compute_score for the data sources above; ValueError naming any other."""
     scorer = scorer_for(data_source)
     if scorer is None:
-        raise ValueError(f"no built-in rule score for data_source {data_source!r}; built in: {sorted(SCORERS)}. "
-                         "Pass --compute_score FILE.py (verl's custom_reward_function.path) for other data")
+        raise ValueError(
+            f"no built-in rule score for data_source {data_source!r}; built in: {sorted(SCORERS)}. "
+            "Pass --compute_score FILE.py (verl's custom_reward_function.path) for other data"
+        )
     return scorer(solution_str, ground_truth)

@@ -21,13 +21,20 @@ import math
 import os
 import sys
 import threading
+from collections.abc import Sequence
 from http import HTTPStatus
-from typing import Any, Sequence
+from typing import Any
 
-from rlrun.runtime.errors import RewardError
-from rlrun.serving.http_service import (BadRequest, JsonHandler, JsonHTTPServer, add_server_arguments, serve,
-                                server_arguments_error)
 from rlrun.rewards.reward_fn import TOKEN_ENV, RewardFunction, load_reward_function
+from rlrun.runtime.errors import RewardError
+from rlrun.serving.http_service import (
+    BadRequest,
+    JsonHandler,
+    JsonHTTPServer,
+    add_server_arguments,
+    serve,
+    server_arguments_error,
+)
 
 
 def parse_batch(payload: object) -> tuple[list[str], list[str], list[Any]]:
@@ -53,19 +60,39 @@ def parse_batch(payload: object) -> tuple[list[str], list[str], list[Any]]:
     if not isinstance(labels, list):
         raise BadRequest(HTTPStatus.BAD_REQUEST, "'labels' must be a list (one JSON value or null per query)")
     if not len(prompts) == len(labels) == n:
-        raise BadRequest(HTTPStatus.BAD_REQUEST, f"got {n} queries, {len(prompts)} prompts and {len(labels)} labels; "
-                                                 "send one prompt and one label (or null) per query")
+        raise BadRequest(
+            HTTPStatus.BAD_REQUEST,
+            f"got {n} queries, {len(prompts)} prompts and {len(labels)} labels; "
+            "send one prompt and one label (or null) per query",
+        )
     return queries, prompts, labels
 
 
 class RewardHTTPServer(JsonHTTPServer):
-    def __init__(self, address: tuple[str, int], reward: RewardFunction, *, token: str | None,
-                 max_request_bytes: int, request_timeout: float, concurrency: int, quiet: bool) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        reward: RewardFunction,
+        *,
+        token: str | None,
+        max_request_bytes: int,
+        request_timeout: float,
+        concurrency: int,
+        quiet: bool,
+    ) -> None:
         self.reward = reward
         # Reward functions are often not thread-safe; by default one batch is scored at a time.
         self.slots = threading.BoundedSemaphore(concurrency)
-        super().__init__(address, RewardHandler, log_name="reward-server", token=token, token_env=TOKEN_ENV,
-                         max_request_bytes=max_request_bytes, request_timeout=request_timeout, quiet=quiet)
+        super().__init__(
+            address,
+            RewardHandler,
+            log_name="reward-server",
+            token=token,
+            token_env=TOKEN_ENV,
+            max_request_bytes=max_request_bytes,
+            request_timeout=request_timeout,
+            quiet=quiet,
+        )
 
 
 class RewardHandler(JsonHandler):
@@ -88,11 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rlrun.reward_server",
         description="Serve reward_func(queries, prompts, labels) from a Python file over HTTP for "
-                    "--remote_rm_url http://HOST:PORT/reward (OpenRLHF's request and response format).")
-    parser.add_argument("--reward_file", required=True, help="Python file defining reward_func(queries, prompts, labels).")
+        "--remote_rm_url http://HOST:PORT/reward (OpenRLHF's request and response format).",
+    )
+    parser.add_argument(
+        "--reward_file", required=True, help="Python file defining reward_func(queries, prompts, labels)."
+    )
     add_server_arguments(parser, default_port=5000)
-    parser.add_argument("--concurrency", type=int, default=1,
-                        help="Batches scored at the same time (default 1: reward functions need not be thread-safe).")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="Batches scored at the same time (default 1: reward functions need not be thread-safe).",
+    )
     return parser
 
 
@@ -111,11 +145,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rlrun reward server: error: {exc}", file=sys.stderr)
         return 2
     token = os.environ.get(TOKEN_ENV) or None
-    return serve("rlrun reward server",
-                 lambda: RewardHTTPServer((args.host, args.port), reward, token=token,
-                                          max_request_bytes=args.max_request_bytes,
-                                          request_timeout=args.request_timeout, concurrency=args.concurrency,
-                                          quiet=args.quiet),
-                 host=args.host, port=args.port, details=f"POST /reward, GET /health; reward file {args.reward_file}",
-                 exposes="call the reward function")
-
+    return serve(
+        "rlrun reward server",
+        lambda: RewardHTTPServer(
+            (args.host, args.port),
+            reward,
+            token=token,
+            max_request_bytes=args.max_request_bytes,
+            request_timeout=args.request_timeout,
+            concurrency=args.concurrency,
+            quiet=args.quiet,
+        ),
+        host=args.host,
+        port=args.port,
+        details=f"POST /reward, GET /health; reward file {args.reward_file}",
+        exposes="call the reward function",
+    )

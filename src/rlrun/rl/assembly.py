@@ -30,8 +30,14 @@ from rlrun.launch.groups import Groups, build_groups
 from rlrun.launch.layout import Layout, Role, format_layout_table, layout_heading
 from rlrun.launch.transfer import gather_node_labels
 from rlrun.models.adapter_pretrain import lora_settings
-from rlrun.models.loading import load_critic, load_reward_model, load_tokenizer, policy_weights, trained_policy, \
-    unfilled_causal_lm
+from rlrun.models.loading import (
+    load_critic,
+    load_reward_model,
+    load_tokenizer,
+    policy_weights,
+    trained_policy,
+    unfilled_causal_lm,
+)
 from rlrun.models.lora import add_scalar_adapters
 from rlrun.models.weights import Unfilled
 from rlrun.plan.memory_text import dry_run_memory
@@ -44,7 +50,7 @@ from rlrun.rl.async_loop import AsyncTrainer, PendingRollout
 from rlrun.rl.dynamic_batch import role_budgets
 from rlrun.rl.evaluation import Evaluator
 from rlrun.rl.rollouts import RolloutSource
-from rlrun.rl.sleep import SleepSchedule, Sleeper
+from rlrun.rl.sleep import Sleeper, SleepSchedule
 from rlrun.rl.trainer import RankRoles, StepSettings, Trainer, skips_old_log_probs
 from rlrun.roles.actor import Actor, PolicyLossSettings, Reference
 from rlrun.roles.critic import Critic, RewardModel
@@ -123,23 +129,37 @@ class PPO:
         tokenizer = load_tokenizer(cfg.model)
         lg = cfg.logging
         evaluates = lg.eval_dataset is not None and (lg.eval_steps > 0 or lg.eval_before_train)
-        with deadline(cfg.runtime.data_timeout, lambda: DataError(
+        with deadline(
+            cfg.runtime.data_timeout,
+            lambda: DataError(
                 f"loading the prompts (--prompt_data {cfg.data.prompt_data}"
-                + (f", --eval_dataset {lg.eval_dataset}" if evaluates else "") + f") took over --data_timeout "
-                f"{cfg.runtime.data_timeout:g} s; check the filesystem or network it comes from, or raise --data_timeout")):
+                + (f", --eval_dataset {lg.eval_dataset}" if evaluates else "")
+                + f") took over --data_timeout "
+                f"{cfg.runtime.data_timeout:g} s; check the filesystem or network it comes from, or raise "
+                f"--data_timeout"
+            ),
+        ):
             prompts = ppo_prompts(cfg, tokenizer, prompt_spec(cfg))
             eval_prompts = ppo_eval_prompts(cfg, tokenizer) if evaluates else None
         sampler = make_sampler(cfg, prompts)
         total_steps = min(sampler.total_steps, cfg.train.max_steps or sampler.total_steps)
-        log.info_once(f"{len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
-                      f"--prompt_max_len {cfg.generation.prompt_max_len}), {total_steps} steps, generation backend "
-                      f"{cfg.generation.generation_backend} ({planned.generation_why}), {started.backend} on "
-                      f"{started.device.type}")
+        log.info_once(
+            f"{len(prompts.ids)} prompts ({prompts.truncated} truncated, {prompts.dropped} dropped at "
+            f"--prompt_max_len {cfg.generation.prompt_max_len}), {total_steps} steps, generation backend "
+            f"{cfg.generation.generation_backend} ({planned.generation_why}), {started.backend} on "
+            f"{started.device.type}"
+        )
         load = cfg.checkpoint.load_openrlhf_checkpoint
-        return Inputs(tokenizer, prompts, eval_prompts, sampler, total_steps,
-                      build_reward_sources(cfg, planned.layout, started.env.rank, tokenizer),
-                      plan_init(load, run_has_critic=cfg.algo.needs_critic) if load else None,
-                      read_node_label() if asks_node_labels(cfg) else None)
+        return Inputs(
+            tokenizer,
+            prompts,
+            eval_prompts,
+            sampler,
+            total_steps,
+            build_reward_sources(cfg, planned.layout, started.env.rank, tokenizer),
+            plan_init(load, run_has_critic=cfg.algo.needs_critic) if load else None,
+            read_node_label() if asks_node_labels(cfg) else None,
+        )
 
     def announce(self, planned: PPOPlan, inputs: Inputs, env: DistEnv) -> list[str]:
         assert planned.layout is not None
@@ -152,7 +172,8 @@ class PPO:
         assert layout is not None
         if inputs.node_label is not None:
             # Other nodes' labels are known only now: place the pinned roles before any group or model exists (still
-            # start-up). Every rank plans from the same gathered labels, so an impossible request fails alike everywhere.
+            # start-up). Every rank plans from the same gathered labels, so an impossible request fails alike
+            # everywhere.
             phase.set(Phase.STARTUP)
             labels = gather_node_labels(inputs.node_label, env.local_world_size, started.comm_device)
             started.failure.local_only = True
@@ -165,53 +186,113 @@ class PPO:
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
         groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend, solo=cfg.train.strategy == "deepspeed")
         roles = build_roles(cfg, layout, groups, device, inputs)
-        s = StepSettings(cfg.algo, cfg.train, cfg.generation.generate_max_len, int(inputs.tokenizer.eos_token_id),
-                         cfg.ref_is_actor_base)
-        rollouts = RolloutSource(cfg.train, cfg.generation, layout, groups, inputs.prompts, inputs.sampler,
-                                 inputs.tokenizer, device, engine=roles.engine, reward_fn=roles.reward_fn,
-                                 agents=roles.agents, episodes=cfg.agent.multi_turn,
-                                 scored_later=cfg.model.needs_reward_model)
+        s = StepSettings(
+            cfg.algo,
+            cfg.train,
+            cfg.generation.generate_max_len,
+            int(inputs.tokenizer.eos_token_id),
+            cfg.ref_is_actor_base,
+        )
+        rollouts = RolloutSource(
+            cfg.train,
+            cfg.generation,
+            layout,
+            groups,
+            inputs.prompts,
+            inputs.sampler,
+            inputs.tokenizer,
+            device,
+            engine=roles.engine,
+            reward_fn=roles.reward_fn,
+            agents=roles.agents,
+            episodes=cfg.agent.multi_turn,
+            scored_later=cfg.model.needs_reward_model,
+        )
         evaluator = None
         if inputs.eval_prompts is not None:
             lg = cfg.logging
-            evaluator = Evaluator(lg, cfg.train, cfg.generation.prompt_max_len, layout, groups, inputs.eval_prompts,
-                                  inputs.tokenizer, device, engine=roles.engine, reward_fn=roles.reward_fn,
-                                  agents=roles.agents)
-            started.log.info_once(f"evaluating {len(inputs.eval_prompts.ids)} prompts x {lg.eval_n_samples_per_prompt} "
-                                  f"samples (temperature {lg.eval_temperature:g})"
-                                  + (f" every {lg.eval_steps} steps" if lg.eval_steps > 0 else "")
-                                  + (" before training" if lg.eval_before_train else ""))
+            evaluator = Evaluator(
+                lg,
+                cfg.train,
+                cfg.generation.prompt_max_len,
+                layout,
+                groups,
+                inputs.eval_prompts,
+                inputs.tokenizer,
+                device,
+                engine=roles.engine,
+                reward_fn=roles.reward_fn,
+                agents=roles.agents,
+            )
+            started.log.info_once(
+                f"evaluating {len(inputs.eval_prompts.ids)} prompts x {lg.eval_n_samples_per_prompt} "
+                f"samples (temperature {lg.eval_temperature:g})"
+                + (f" every {lg.eval_steps} steps" if lg.eval_steps > 0 else "")
+                + (" before training" if lg.eval_before_train else "")
+            )
         if roles.sleep is not None:
             phase.on_enter = roles.sleep.enter
         loop = AsyncTrainer if layout.asynchronous else Trainer
-        trainer = loop(s, layout, groups, roles, rollouts, inputs.sampler, role_budgets(cfg.train, groups, device), phase,
-                       inputs.total_steps, device, evaluator)
+        trainer = loop(
+            s,
+            layout,
+            groups,
+            roles,
+            rollouts,
+            inputs.sampler,
+            role_budgets(cfg.train, groups, device),
+            phase,
+            inputs.total_steps,
+            device,
+            evaluator,
+        )
         if inputs.openrlhf_init is not None:  # before --load_checkpoint: rlrun's own newer checkpoint wins
             with phase(Phase.LOAD, -1):
-                started.log.info_once(init_from_openrlhf(inputs.openrlhf_init, roles.actor.model if roles.actor else None,
-                                                         roles.critic.model if roles.critic else None))
+                started.log.info_once(
+                    init_from_openrlhf(
+                        inputs.openrlhf_init,
+                        roles.actor.model if roles.actor else None,
+                        roles.critic.model if roles.critic else None,
+                    )
+                )
         actor = roles.actor
-        return Built(trainer, Identity("ppo", cfg.train.strategy, "actor", actor.model if actor else None,
-                                       FIXED_ON_RESUME),
-                     checkpoint_parts(cfg, trainer, inputs), groups.world,
-                     [r.model for r in (roles.actor, roles.critic) if r is not None])
+        return Built(
+            trainer,
+            Identity("ppo", cfg.train.strategy, "actor", actor.model if actor else None, FIXED_ON_RESUME),
+            checkpoint_parts(cfg, trainer, inputs),
+            groups.world,
+            [r.model for r in (roles.actor, roles.critic) if r is not None],
+        )
 
     def export(self, planned: PPOPlan, inputs: Inputs, built: Built[Trainer]) -> dict[str, str]:
         cfg, roles, rank = planned.config, built.job.roles, built.job.rank
         c = cfg.checkpoint
-        save_policy(roles.actor, inputs.tokenizer, c.save_path, is_writer=rank == 0,
-                    strategy=roles.strategies.get(Role.ACTOR), allow_nonfinite=c.export_nonfinite,
-                    merged=c.save_merged, image_processor=inputs.prompts.image_processor)
+        save_policy(
+            roles.actor,
+            inputs.tokenizer,
+            c.save_path,
+            is_writer=rank == 0,
+            strategy=roles.strategies.get(Role.ACTOR),
+            allow_nonfinite=c.export_nonfinite,
+            merged=c.save_merged,
+            image_processor=inputs.prompts.image_processor,
+        )
         critic = c.save_value_network and roles.critic is not None
         if critic:
-            save_critic(roles.critic, os.path.join(c.save_path, "critic"),  # type: ignore[arg-type]
-                        is_writer=rank == built.job.layout.ranks_of(Role.CRITIC)[0],
-                        strategy=roles.strategies[Role.CRITIC], allow_nonfinite=c.export_nonfinite, merged=c.save_merged)
+            save_critic(
+                roles.critic,
+                os.path.join(c.save_path, "critic"),  # type: ignore[arg-type]
+                is_writer=rank == built.job.layout.ranks_of(Role.CRITIC)[0],
+                strategy=roles.strategies[Role.CRITIC],
+                allow_nonfinite=c.export_nonfinite,
+                merged=c.save_merged,
+            )
         get_logger(rank).info_once(f"saved the policy {model_form(cfg.model, c)} to {c.save_path}")
         return saved_outputs(cfg.model, c, **({"critic": os.path.join(c.save_path, "critic")} if critic else {}))
 
 
 # ---- what a checkpoint holds --------------------------------------------------------------------------------------
+
 
 def checkpoint_parts(cfg: Config, trainer: Trainer, inputs: Inputs) -> list[Part]:
     """This rank's pieces of a checkpoint besides the trainer's state: the trained models with their optimizers
@@ -224,20 +305,46 @@ def checkpoint_parts(cfg: Config, trainer: Trainer, inputs: Inputs) -> list[Part
         strategy = roles.strategies[Role.ACTOR]
         parts.append(ModelState(strategy, actor.model, actor.updater.optimizer, "actor"))
         if c.save_hf_ckpt:
-            parts.append(SaveOnly(lambda path: save_policy(
-                actor, inputs.tokenizer, os.path.join(path, "hf"), is_writer=rank == 0, strategy=strategy,
-                allow_nonfinite=True, merged=c.save_merged, image_processor=inputs.prompts.image_processor)))
+            parts.append(
+                SaveOnly(
+                    lambda path: save_policy(
+                        actor,
+                        inputs.tokenizer,
+                        os.path.join(path, "hf"),
+                        is_writer=rank == 0,
+                        strategy=strategy,
+                        allow_nonfinite=True,
+                        merged=c.save_merged,
+                        image_processor=inputs.prompts.image_processor,
+                    )
+                )
+            )
     if (critic := roles.critic) is not None:
         strategy = roles.strategies[Role.CRITIC]
         first = rank == trainer.layout.ranks_of(Role.CRITIC)[0]
-        parts.append(ModelState(strategy, critic.model, critic.updater.optimizer, "critic",
-                                missing=f"but this run trains a critic (--advantage_estimator "
-                                        f"{cfg.algo.advantage_estimator})"))
+        parts.append(
+            ModelState(
+                strategy,
+                critic.model,
+                critic.updater.optimizer,
+                "critic",
+                missing=f"but this run trains a critic (--advantage_estimator {cfg.algo.advantage_estimator})",
+            )
+        )
         parts.append(JsonState(critic.updater, "critic_state.json", writer=first))
         if c.save_value_network:
-            parts.append(SaveOnly(lambda path: save_critic(critic, os.path.join(path, "critic_hf"), is_writer=first,
-                                                           strategy=strategy, allow_nonfinite=True,
-                                                           merged=c.save_merged)))
+            parts.append(
+                SaveOnly(
+                    lambda path: save_critic(
+                        critic,
+                        os.path.join(path, "critic_hf"),
+                        is_writer=first,
+                        strategy=strategy,
+                        allow_nonfinite=True,
+                        merged=c.save_merged,
+                    )
+                )
+            )
     if isinstance(trainer, AsyncTrainer):
         parts.append(PendingRollout(trainer, writer=rank == 0))
     return parts
@@ -245,13 +352,16 @@ def checkpoint_parts(cfg: Config, trainer: Trainer, inputs: Inputs) -> list[Part
 
 # ---- what a rank reads and says before the first collective -------------------------------------------------------
 
+
 def make_sampler(cfg: Config, prompts: Prompts) -> PromptSampler:
     kept, batch = len(prompts.ids), cfg.train.rollout_batch_size
     if prompts.dropped and kept < batch:
-        raise DataError(f"{prompts.dropped} of {prompts.dropped + kept} prompts are longer than --prompt_max_len "
-                        f"{cfg.generation.prompt_max_len} and were dropped (--prompt_overflow drop); the {kept} left "
-                        f"do not fill one --rollout_batch_size {batch}. Raise --prompt_max_len, use --prompt_overflow "
-                        "truncate, or lower --rollout_batch_size.")
+        raise DataError(
+            f"{prompts.dropped} of {prompts.dropped + kept} prompts are longer than --prompt_max_len "
+            f"{cfg.generation.prompt_max_len} and were dropped (--prompt_overflow drop); the {kept} left "
+            f"do not fill one --rollout_batch_size {batch}. Raise --prompt_max_len, use --prompt_overflow "
+            "truncate, or lower --rollout_batch_size."
+        )
     return PromptSampler(len(prompts.ids), cfg.train.rollout_batch_size, cfg.train.seed, cfg.train.num_episodes)
 
 
@@ -264,10 +374,22 @@ def build_reward_sources(cfg: Config, layout: Layout, rank: int, tokenizer: PreT
     if cfg.agent.multi_turn:
         return RewardSources(agents=build_episode_runner(cfg.agent, cfg.generation, tokenizer, m.remote_rm_retries))
     if m.compute_score is not None:
-        return RewardSources(reward_fn=load_compute_score_function(
-            m.compute_score, m.compute_score_name, workers=reward_workers(cfg, layout), call_timeout_s=cfg.reward_call_timeout))
-    return RewardSources(reward_fn=load_reward_function(m.remote_rm_url, timeout_s=m.remote_rm_timeout,
-                                                        retries=m.remote_rm_retries, call_timeout_s=cfg.reward_call_timeout))
+        return RewardSources(
+            reward_fn=load_compute_score_function(
+                m.compute_score,
+                m.compute_score_name,
+                workers=reward_workers(cfg, layout),
+                call_timeout_s=cfg.reward_call_timeout,
+            )
+        )
+    return RewardSources(
+        reward_fn=load_reward_function(
+            m.remote_rm_url,
+            timeout_s=m.remote_rm_timeout,
+            retries=m.remote_rm_retries,
+            call_timeout_s=cfg.reward_call_timeout,
+        )
+    )
 
 
 def reward_workers(cfg: Config, layout: Layout) -> int:
@@ -287,8 +409,10 @@ def describe_reward(cfg: Config) -> str:
     if ag.retriever_url is not None:
         return f"reward: the built-in Search-R1 agent's episodes (retriever {redact_text(ag.retriever_url)})"
     if m.compute_score == "builtin":
-        return ("reward: rlrun's versions of verl's rule scores, chosen per prompt by its data source "
-                "(--compute_score builtin)")
+        return (
+            "reward: rlrun's versions of verl's rule scores, chosen per prompt by its data source "
+            "(--compute_score builtin)"
+        )
     if m.compute_score is not None:
         return f"reward: {m.compute_score_name}() of --compute_score {m.compute_score} (verl's convention), per sample"
     if m.remote_rm_url is None or m.remote_rm_url == "demo":
@@ -301,11 +425,14 @@ def layout_text(layout: Layout, env: DistEnv) -> str:
     head = layout_heading(env)
     if env.world_size <= TABLE_RANKS:
         return f"{head}\n{format_layout_table(layout)}"
-    return (f"{head}: {describe_roles({role.value: layout.ranks_of(role) for role in Role if layout.has(role)})}; "
-            "--dry_run prints the per-rank table")
+    return (
+        f"{head}: {describe_roles({role.value: layout.ranks_of(role) for role in Role if layout.has(role)})}; "
+        "--dry_run prints the per-rank table"
+    )
 
 
 # ---- the roles of a rank ----------------------------------------------------------------------------------------
+
 
 def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.device, inputs: Inputs) -> RankRoles:
     """Every role this rank plays, built in the same role order on every rank (so the groups' collectives cannot
@@ -325,54 +452,93 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         # --vllm_gpu_memory_utilization share that is not free), so it must start before the training models
         # claim theirs.
         unfilled = next(policies)
-        unfilled.model.to(engine_dtype(cfg.model.bf16, device))  # on the meta device: the weights are read in this dtype
-        out.engine = build_engine(g, unfilled, inputs.tokenizer, layout=layout, groups=groups, device=device,
-                                  seed=cfg.train.seed, tensor_parallel_size=cfg.resources.vllm_tensor_parallel_size,
-                                  timeout_s=cfg.runtime.dist_timeout, image_processor=images,
-                                  images_per_prompt=cfg.data.max_images_per_prompt)
+        unfilled.model.to(
+            engine_dtype(cfg.model.bf16, device)
+        )  # on the meta device: the weights are read in this dtype
+        out.engine = build_engine(
+            g,
+            unfilled,
+            inputs.tokenizer,
+            layout=layout,
+            groups=groups,
+            device=device,
+            seed=cfg.train.seed,
+            tensor_parallel_size=cfg.resources.vllm_tensor_parallel_size,
+            timeout_s=cfg.runtime.dist_timeout,
+            image_processor=images,
+            images_per_prompt=cfg.data.max_images_per_prompt,
+        )
         out.reward_fn, out.agents = inputs.sources.reward_fn, inputs.sources.agents
     if Role.ACTOR in mine:
         actor_strategy = out.strategies[Role.ACTOR] = _strategy(cfg, groups, Role.ACTOR, device)
         eps_low, eps_high = a.eps_clip_low_high or (a.eps_clip, a.eps_clip)
-        settings = PolicyLossSettings(eps_low, a.dual_clip, a.loss_agg_mode, g.temperature, a.entropy_loss_coef,
-                                      a.use_kl_loss, a.kl_estimator, eps_clip_high=eps_high,
-                                      loss_type=a.policy_loss_type,
-                                      is_correction=ISCorrection(a.is_correction_level, a.is_correction_mode,
-                                                                 a.is_correction_gating, *a.is_correction_threshold))
+        settings = PolicyLossSettings(
+            eps_low,
+            a.dual_clip,
+            a.loss_agg_mode,
+            g.temperature,
+            a.entropy_loss_coef,
+            a.use_kl_loss,
+            a.kl_estimator,
+            eps_clip_high=eps_high,
+            loss_type=a.policy_loss_type,
+            is_correction=ISCorrection(
+                a.is_correction_level, a.is_correction_mode, a.is_correction_gating, *a.is_correction_threshold
+            ),
+        )
         policy = trained_policy(next(policies), cfg.model, cfg.train.seed)
         if cfg.model.freeze_visual_encoder:
             freeze_vision_tower(policy.model)
         if cfg.model.freeze_prefix:
             freeze_by_prefix(policy.model, cfg.model.freeze_prefix)
-        model, updater = _updater(cfg, policy, actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout,
-                                  Role.ACTOR, rank)
-        out.actor = Actor(model, updater, settings, device, packing=cfg.train.packing_samples,
-                          logits_chunk=cfg.train.logits_chunk_size)
+        model, updater = _updater(
+            cfg, policy, actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout, Role.ACTOR, rank
+        )
+        out.actor = Actor(
+            model,
+            updater,
+            settings,
+            device,
+            packing=cfg.train.packing_samples,
+            logits_chunk=cfg.train.logits_chunk_size,
+        )
         if cfg.ref_is_actor_base:  # the layout has no reference ranks: the actor's base scores for it
-            out.reference = Reference(model, g.temperature, device, packing=cfg.train.packing_samples,
-                                      logits_chunk=cfg.train.logits_chunk_size, adapters_off=True)
+            out.reference = Reference(
+                model,
+                g.temperature,
+                device,
+                packing=cfg.train.packing_samples,
+                logits_chunk=cfg.train.logits_chunk_size,
+                adapters_off=True,
+            )
     if Role.REF in mine:
         out.strategies[Role.REF] = _strategy(cfg, groups, Role.REF, device)
         model = out.strategies[Role.REF].wrap(next(policies), trainable=False)
-        out.reference = Reference(model, g.temperature, device, packing=cfg.train.packing_samples,
-                                  logits_chunk=cfg.train.logits_chunk_size)
+        out.reference = Reference(
+            model, g.temperature, device, packing=cfg.train.packing_samples, logits_chunk=cfg.train.logits_chunk_size
+        )
     if Role.CRITIC in mine:
         strategy = out.strategies[Role.CRITIC] = _strategy(cfg, groups, Role.CRITIC, device)
         critic = load_critic(cfg.model, cfg.train.seed, normalize=cfg.algo.normalize_reward)
         if lora is not None:
             critic = add_scalar_adapters(critic, lora, cfg.train.seed)
-        model, updater = _updater(cfg, critic, strategy, cfg.train.critic_learning_rate, opt_steps, layout,
-                                  Role.CRITIC, rank)
+        model, updater = _updater(
+            cfg, critic, strategy, cfg.train.critic_learning_rate, opt_steps, layout, Role.CRITIC, rank
+        )
         out.critic = Critic(model, updater, a.value_clip, a.loss_agg_mode, device, packing=cfg.train.packing_samples)
     if Role.REWARD in mine:
         out.strategies[Role.REWARD] = _strategy(cfg, groups, Role.REWARD, device)
-        model = out.strategies[Role.REWARD].wrap(load_reward_model(cfg.model, cfg.train.seed, normalize=cfg.algo.normalize_reward),
-                                                    trainable=False)
+        model = out.strategies[Role.REWARD].wrap(
+            load_reward_model(cfg.model, cfg.train.seed, normalize=cfg.algo.normalize_reward), trainable=False
+        )
         out.reward_model = RewardModel(model, device, packing=cfg.train.packing_samples)
     source = None
     if out.actor and actor_strategy:
-        source = ParamSource(out.actor.model, actor_strategy.param_blocks, actor_strategy) if lora is None else \
-            MergedLoraParams(out.actor.model, actor_strategy.param_blocks, lora.scaling)
+        source = (
+            ParamSource(out.actor.model, actor_strategy.param_blocks, actor_strategy)
+            if lora is None
+            else MergedLoraParams(out.actor.model, actor_strategy.param_blocks, lora.scaling)
+        )
     out.weight_sync = WeightSync(
         actor_params=source,
         receiver=out.engine.weights if out.engine else None,
@@ -386,20 +552,29 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         together=fused_groups if g.generation_backend == "native" else None,
     )
     if cfg.train.deepspeed_enable_sleep:  # models move off the device between the phases that use them
-        out.sleep = sleep_schedule(layout, rank, out, device, actor_scores=not skips_old_log_probs(cfg.train, cfg.algo)
-                                   or cfg.ref_is_actor_base)
+        out.sleep = sleep_schedule(
+            layout,
+            rank,
+            out,
+            device,
+            actor_scores=not skips_old_log_probs(cfg.train, cfg.algo) or cfg.ref_is_actor_base,
+        )
     return out
 
 
-def sleep_schedule(layout: Layout, rank: int, roles: RankRoles, device: torch.device, *,
-                   actor_scores: bool) -> SleepSchedule:
+def sleep_schedule(
+    layout: Layout, rank: int, roles: RankRoles, device: torch.device, *, actor_scores: bool
+) -> SleepSchedule:
     """--deepspeed_enable_sleep: the schedule of this rank's models (rlrun.rl.sleep)."""
-    held = [(Role.ACTOR, roles.actor and roles.actor.model, roles.actor and roles.actor.updater.optimizer),
-            (Role.CRITIC, roles.critic and roles.critic.model, roles.critic and roles.critic.updater.optimizer),
-            (Role.REF, roles.reference and not roles.reference.adapters_off and roles.reference.model, None),
-            (Role.REWARD, roles.reward_model and roles.reward_model.model, None)]
-    sleepers = [Sleeper(role, roles.strategies[role], model, optimizer) for role, model, optimizer in held
-                if model is not None]
+    held = [
+        (Role.ACTOR, roles.actor and roles.actor.model, roles.actor and roles.actor.updater.optimizer),
+        (Role.CRITIC, roles.critic and roles.critic.model, roles.critic and roles.critic.updater.optimizer),
+        (Role.REF, roles.reference and not roles.reference.adapters_off and roles.reference.model, None),
+        (Role.REWARD, roles.reward_model and roles.reward_model.model, None),
+    ]
+    sleepers = [
+        Sleeper(role, roles.strategies[role], model, optimizer) for role, model, optimizer in held if model is not None
+    ]
     return SleepSchedule.of(sleepers, layout, rank, actor_scores=actor_scores, device=device)
 
 
@@ -413,15 +588,33 @@ def _strategy(cfg: Config, groups: Groups, role: Role, device: torch.device) -> 
     return make_strategy(group, device, cfg.model, cfg.train, groups.solo)
 
 
-def _updater(cfg: Config, model: torch.nn.Module | Unfilled, strategy: Strategy, lr: float, total_opt_steps: int,
-             layout: Layout, role: Role, rank: int) -> tuple[torch.nn.Module, Updater]:
+def _updater(
+    cfg: Config,
+    model: torch.nn.Module | Unfilled,
+    strategy: Strategy,
+    lr: float,
+    total_opt_steps: int,
+    layout: Layout,
+    role: Role,
+    rank: int,
+) -> tuple[torch.nn.Module, Updater]:
     """Wrap a trainable model and build its optimizer, schedule and update loop; returns (wrapped model, updater)."""
     t = cfg.train
     model, optimizer = strategy.wrap_trainable(model, lambda m: make_optimizer(m, lr, t.adam_betas, t.l2))
     scheduler = warmup_cosine(optimizer, total_opt_steps, t.lr_warmup_ratio)
     ranks = layout.ranks_of(role)
-    return model, Updater(model, strategy, optimizer, scheduler, t.max_norm, t.micro_train_batch_size, ranks.index(rank),
-                          len(ranks), max_nonfinite_in_a_row=t.max_skipped_steps, ops=strategy.step_ops(model))
+    return model, Updater(
+        model,
+        strategy,
+        optimizer,
+        scheduler,
+        t.max_norm,
+        t.micro_train_batch_size,
+        ranks.index(rank),
+        len(ranks),
+        max_nonfinite_in_a_row=t.max_skipped_steps,
+        ops=strategy.step_ops(model),
+    )
 
 
 def _policies(cfg: Config, count: int, rank: int) -> Iterator[Unfilled]:

@@ -60,7 +60,10 @@ class AsyncTrainer(Trainer):
         times["time/wait_rollout"] = time.perf_counter() - waited
         self.step = step + 1
         if learned is None:  # engine ranks train nothing and log nothing (rank 0 is a learner)
-            return {"step": step + 1, "reward": float(out.scores.float().mean()) if out.scores.numel() else float("nan")}
+            return {
+                "step": step + 1,
+                "reward": float(out.scores.float().mean()) if out.scores.numel() else float("nan"),
+            }
         lag = {} if self.rollouts.partial else {"async/policy_lag": 1.0}  # else async/staleness_*
         return {**self.metrics(step, out, learned, times, time.perf_counter() - started), **lag}
 
@@ -85,4 +88,5 @@ class PendingRollout:
         else:
             get_logger(self.trainer.rank).info_once(
                 f"{path} holds no rollout batch in flight (saved without --async_train): the step after it is "
-                "generated with the restored weights")
+                "generated with the restored weights"
+            )

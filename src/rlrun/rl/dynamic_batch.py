@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from rlrun.config.schema import TrainConfig
-from rlrun.data.rollout import RolloutBatch
 from rlrun.data.batching import RowLengths, TokenBudget, balanced_order
+from rlrun.data.rollout import RolloutBatch
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Role
 from rlrun.launch.transfer import max_over

@@ -24,16 +24,16 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from rlrun.agents.episodes import EpisodeRunner
+from rlrun.algo.algorithms import cut_by_length
 from rlrun.config.schema import LoggingConfig, TrainConfig
 from rlrun.data.batching import derive_seed
+from rlrun.data.prompts import Prompts
 from rlrun.engines.base import Engine, SamplingSettings
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import all_gather_vectors
 from rlrun.rewards.reward_fn import PromptMeta, RewardFunction, reward_responses
-from rlrun.algo.algorithms import cut_by_length
-from rlrun.agents.episodes import EpisodeRunner
-from rlrun.data.prompts import Prompts
 
 # Per-rank sums, added over engine ranks: [sum of per-prompt mean rewards, sum of per-prompt max rewards,
 # prompts, sum of response lengths, samples, truncated samples].
@@ -50,9 +50,16 @@ def local_totals(rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.
     if rewards.shape[0] == 0:
         return torch.zeros(TOTALS, dtype=torch.float64)
     r = rewards.double()
-    return torch.stack([r.mean(dim=1).sum(), r.max(dim=1).values.sum(), torch.tensor(float(r.shape[0]), dtype=torch.float64),
-                        lengths.double().sum(), torch.tensor(float(r.numel()), dtype=torch.float64),
-                        truncated.double().sum()])
+    return torch.stack(
+        [
+            r.mean(dim=1).sum(),
+            r.max(dim=1).values.sum(),
+            torch.tensor(float(r.shape[0]), dtype=torch.float64),
+            lengths.double().sum(),
+            torch.tensor(float(r.numel()), dtype=torch.float64),
+            truncated.double().sum(),
+        ]
+    )
 
 
 def finalize(per_rank: torch.Tensor, n_samples: int) -> dict[str, float]:
@@ -71,9 +78,21 @@ def finalize(per_rank: torch.Tensor, n_samples: int) -> dict[str, float]:
 class Evaluator:
     """Collective: every rank calls run(); engine ranks sample and reward their share, all receive the metrics."""
 
-    def __init__(self, lg: LoggingConfig, train: TrainConfig, prompt_max_len: int, layout: Layout, groups: Groups,
-                 prompts: Prompts, tokenizer: PreTrainedTokenizerBase, comm_device: torch.device, *,
-                 engine: Engine | None, reward_fn: RewardFunction | None, agents: EpisodeRunner | None) -> None:
+    def __init__(
+        self,
+        lg: LoggingConfig,
+        train: TrainConfig,
+        prompt_max_len: int,
+        layout: Layout,
+        groups: Groups,
+        prompts: Prompts,
+        tokenizer: PreTrainedTokenizerBase,
+        comm_device: torch.device,
+        *,
+        engine: Engine | None,
+        reward_fn: RewardFunction | None,
+        agents: EpisodeRunner | None,
+    ) -> None:
         self.groups, self.prompts, self.tokenizer = groups, prompts, tokenizer
         self.seed, self.prompt_max_len = train.seed, prompt_max_len
         self.comm_device = comm_device
@@ -106,28 +125,38 @@ class Evaluator:
         per_chunk = max(self.n, self.chunk_rows // self.n * self.n)  # whole prompts per chunk
         rewards, lengths, truncated = [], [], []
         for chunk, begin in enumerate(range(0, len(rows), per_chunk)):
-            part = rows[begin:begin + per_chunk]
+            part = rows[begin : begin + per_chunk]
             seed = derive_seed(self.seed, "eval", steps_done, slot, chunk)
-            r, n, cut = self._chunk(part, [self.prompts.texts[i] for i in part], [self.prompts.ids[i] for i in part],
-                                    self.prompts.meta(part), seed)
+            r, n, cut = self._chunk(
+                part,
+                [self.prompts.texts[i] for i in part],
+                [self.prompts.ids[i] for i in part],
+                self.prompts.meta(part),
+                seed,
+            )
             rewards.append(r)
             lengths.append(n)
             truncated.append(cut)
         if not rows:
             return local_totals(torch.zeros(0, self.n), torch.zeros(0, self.n), torch.zeros(0, self.n))
         shape = (len(indices), self.n)
-        return local_totals(torch.cat(rewards).view(shape), torch.cat(lengths).view(shape),
-                            torch.cat(truncated).view(shape))
+        return local_totals(
+            torch.cat(rewards).view(shape), torch.cat(lengths).view(shape), torch.cat(truncated).view(shape)
+        )
 
-    def _chunk(self, rows: list[int], texts: list[str], ids: list[list[int]], meta: PromptMeta, seed: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _chunk(
+        self, rows: list[int], texts: list[str], ids: list[list[int]], meta: PromptMeta, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rewards [b], response lengths [b], truncated [b]) of one generate call, or of one batch of agent
         episodes (length = actions and observations; truncated = ended by the token budget)."""
         assert self.engine is not None
         if self.agents is not None:
             episodes = self.agents.run(self.engine, texts, ids, meta.labels, seed)
-            return (episodes.rewards.float(), torch.tensor([len(r) for r in episodes.responses]),
-                    torch.tensor(episodes.truncated))
+            return (
+                episodes.rewards.float(),
+                torch.tensor([len(r) for r in episodes.responses]),
+                torch.tensor(episodes.truncated),
+            )
         assert self.reward_fn is not None
         images = {}
         if self.prompts.images is not None:

@@ -75,8 +75,16 @@ class SequencePool:
     collective over them, so they go round together while any of them needs to: a rank with enough finished groups
     continues its unfinished rows meanwhile (generation ahead, as while the learners train), or sends no rows."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[list[int]], sampler: PromptSampler, slot: int, engines: int,
-                 settings: PoolSettings, any_rank: Callable[[bool], bool] = alone) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        prompt_ids: list[list[int]],
+        sampler: PromptSampler,
+        slot: int,
+        engines: int,
+        settings: PoolSettings,
+        any_rank: Callable[[bool], bool] = alone,
+    ) -> None:
         self.engine, self.prompt_ids, self.sampler = engine, prompt_ids, sampler
         self.slot, self.engines, self.s, self.any_rank = slot, engines, settings, any_rank
         self.active: list[list[InFlightRow]] = []  # groups being generated, in admission order
@@ -103,8 +111,9 @@ class SequencePool:
             self._advance(version, ahead=not short)  # a rank already served admits nothing: its new rows would wait
         # Ahead of the learners: continue the rows in flight (no new prompts: a row started now would wait behind
         # this step's finished groups and grow stale), so a later step finds them further along.
-        while self.any_rank(trained is not None and not trained()
-                            and not all(row.done for g in self.active for row in g)):
+        while self.any_rank(
+            trained is not None and not trained() and not all(row.done for g in self.active for row in g)
+        ):
             self._advance(version, ahead=True)
         rows: list[InFlightRow] = []
         while len(rows) < self.s.rows_per_step:
@@ -172,9 +181,9 @@ class SequencePool:
             stopped = [True] * len(rows)
         log_probs = out.log_probs or [[0.0] * len(r) for r in out.responses]
         for row, new, lps, limit, end in zip(rows, out.responses, log_probs, limits, stopped):
-            kept = new[:cap - len(row.tokens)]
+            kept = new[: cap - len(row.tokens)]
             row.tokens += kept
-            row.log_probs += lps[:len(kept)]
+            row.log_probs += lps[: len(kept)]
             row.versions += [version] * len(kept)
             # finished: it stopped short of its limit (EOS, a stop), sampled EOS, or reached --generate_max_len;
             # a row that ran to a chunk's end, or was still running when the decode stopped early, goes on

@@ -18,13 +18,13 @@ from rlrun.config.schema import GenerationConfig, TrainConfig
 from rlrun.data.batching import derive_seed, shard
 from rlrun.data.prompts import Prompts, PromptSampler
 from rlrun.data.rollout import RolloutBatch, pack_log_probs, pack_rows, unpack_rows
+from rlrun.data.vision_batch import RowVision
 from rlrun.engines.base import REPORTS_LOG_PROBS, Engine
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import EngineRowExchange, ReadyFlag, broadcast_json, gather_from, gather_vision
 from rlrun.rewards.reward_fn import RewardFunction, reward_responses
 from rlrun.rl.partial_rollout import PoolSettings, SequencePool, alone
-from rlrun.data.vision_batch import RowVision
 
 
 @dataclass
@@ -41,7 +41,7 @@ class StepOutputs:
         return {"batch": batch, "scores": self.scores, "extra_logs": dict(self.extra_logs)}
 
     @classmethod
-    def from_state(cls, state: dict) -> "StepOutputs":
+    def from_state(cls, state: dict) -> StepOutputs:
         batch = dict(state["batch"])
         if batch.get("vision") is not None:
             batch["vision"] = RowVision.from_state(batch["vision"])
@@ -68,10 +68,23 @@ class LocalRollout:
 class RolloutSource:
     """The generate phase. produce() on engine ranks only; exchange() and generate() on every rank."""
 
-    def __init__(self, train: TrainConfig, generation: GenerationConfig, layout: Layout, groups: Groups,
-                 prompts: Prompts, sampler: PromptSampler, tokenizer: PreTrainedTokenizerBase, comm_device: torch.device,
-                 *, engine: Engine | None, reward_fn: RewardFunction | None, agents: EpisodeRunner | None,
-                 episodes: bool, scored_later: bool) -> None:
+    def __init__(
+        self,
+        train: TrainConfig,
+        generation: GenerationConfig,
+        layout: Layout,
+        groups: Groups,
+        prompts: Prompts,
+        sampler: PromptSampler,
+        tokenizer: PreTrainedTokenizerBase,
+        comm_device: torch.device,
+        *,
+        engine: Engine | None,
+        reward_fn: RewardFunction | None,
+        agents: EpisodeRunner | None,
+        episodes: bool,
+        scored_later: bool,
+    ) -> None:
         """`engine`, `reward_fn`, `agents`: an engine rank's (None elsewhere; its rollouts are rewarded by the
         function, or are agent episodes carrying their rewards). `episodes`: rollouts are agent episodes (their
         masks mark the actions); `scored_later`: a reward model scores the batch in the score phase."""
@@ -86,14 +99,21 @@ class RolloutSource:
         self.pool: SequencePool | None = None
         if self.partial and engine is not None:
             t, engines = train, len(self.engine_ranks)
-            settings = PoolSettings(t.n_samples_per_prompt, t.rollout_batch_size // engines,
-                                    generation.generate_max_len, t.partial_rollout_tokens, t.max_staleness,
-                                    int(tokenizer.eos_token_id), t.seed)
+            settings = PoolSettings(
+                t.n_samples_per_prompt,
+                t.rollout_batch_size // engines,
+                generation.generate_max_len,
+                t.partial_rollout_tokens,
+                t.max_staleness,
+                int(tokenizer.eos_token_id),
+                t.seed,
+            )
             index = layout.engine_index_of(self.rank)
             engine_group = groups.get(f"engine.{index}") if len(layout.engines[index]) > 1 else None
             vote = EngineRowExchange(engine_group, comm_device).any_rank if engine_group is not None else alone
-            self.pool = SequencePool(engine, prompts.ids, sampler, self.engine_ranks.index(self.rank), engines,
-                                     settings, vote)
+            self.pool = SequencePool(
+                engine, prompts.ids, sampler, self.engine_ranks.index(self.rank), engines, settings, vote
+            )
         # the actor's first rank tells the engines when it has trained, so that they generate ahead until then
         ready = groups.get("ready")
         self.flag = ReadyFlag(ready) if ready is not None else None  # the group exists only for partial rollouts
@@ -123,8 +143,9 @@ class RolloutSource:
             rows = self.pool.take(step, version, trained)
             mine, responses = [row.record for row in rows], [row.tokens for row in rows]
             prompt_ids, engine_lp = [row.prompt for row in rows], [row.log_probs for row in rows]
-            out.versions = torch.tensor([[row.staleness(step), len(set(row.versions)) > 1, row.restarted]
-                                         for row in rows], dtype=torch.float32)
+            out.versions = torch.tensor(
+                [[row.staleness(step), len(set(row.versions)) > 1, row.restarted] for row in rows], dtype=torch.float32
+            )
             self._reward(out, mine, responses)
             return self._pack(out, prompt_ids, responses, engine_lp, t0)
         records = [i for i in self.sampler.indices(step) for _ in range(n)]
@@ -163,8 +184,14 @@ class RolloutSource:
             result = reward_responses(self.reward_fn, texts, meta, responses, self.tokenizer)
             out.scores, out.extra = result.rewards, {f"reward/{k}": v for k, v in result.extra_logs.items()}
 
-    def _pack(self, out: LocalRollout, prompt_ids: list[list[int]], responses: list[list[int]],
-              engine_lp: list[list[float]] | None, t0: float) -> LocalRollout:
+    def _pack(
+        self,
+        out: LocalRollout,
+        prompt_ids: list[list[int]],
+        responses: list[list[int]],
+        engine_lp: list[list[float]] | None,
+        t0: float,
+    ) -> LocalRollout:
         P, R = self.generation.prompt_max_len, self.generation.generate_max_len
         out.packed = pack_rows(prompt_ids, responses, P, R, int(self.tokenizer.pad_token_id))
         if engine_lp is not None:
@@ -181,22 +208,35 @@ class RolloutSource:
         gathered = gather_from(self.engine_ranks, mine.packed, (share, P + R + 2), torch.long, world, self.comm_device)
         batch = unpack_rows(gathered.cpu(), P)
         if self.vision:
-            states = gather_vision(self.engine_ranks, None if mine.vision is None else mine.vision.state(), world,
-                                   self.comm_device)
+            states = gather_vision(
+                self.engine_ranks, None if mine.vision is None else mine.vision.state(), world, self.comm_device
+            )
             batch.vision = RowVision.concat([RowVision.from_state(state) for state in states])
         extra = dict(mine.extra)
         if self.generation.generation_backend in REPORTS_LOG_PROBS:  # resolved at start: the same on every rank
-            engine_lp = gather_from(self.engine_ranks, mine.log_probs, (share, R), torch.float32, world, self.comm_device)
-            batch.engine_log_probs = engine_lp.cpu()[:, :batch.response_width]
+            engine_lp = gather_from(
+                self.engine_ranks, mine.log_probs, (share, R), torch.float32, world, self.comm_device
+            )
+            batch.engine_log_probs = engine_lp.cpu()[:, : batch.response_width]
         if self.episodes:  # observation tokens are not actions: the agents' masks replace the length-based one
             all_masks = gather_from(self.engine_ranks, mine.masks, (share, R), torch.float32, world, self.comm_device)
-            batch.action_mask = all_masks.cpu()[:, :batch.response_width]
-            extra = mean_stats([broadcast_json(mine.agent_stats if self.rank == src else None, src, world, self.comm_device)
-                                for src in self.engine_ranks])  # type: ignore[misc]
+            batch.action_mask = all_masks.cpu()[:, : batch.response_width]
+            extra = mean_stats(
+                [
+                    broadcast_json(mine.agent_stats if self.rank == src else None, src, world, self.comm_device)
+                    for src in self.engine_ranks
+                ]
+            )  # type: ignore[misc]
         if self.asynchronous:  # the learners did not see the engines generate: say how long it took
             first = self.engine_ranks[0]
-            extra.update(broadcast_json({"time/engine_generate": mine.seconds} if self.rank == first else None,
-                                        first, world, self.comm_device))  # type: ignore[arg-type]
+            extra.update(
+                broadcast_json(
+                    {"time/engine_generate": mine.seconds} if self.rank == first else None,
+                    first,
+                    world,
+                    self.comm_device,
+                )
+            )  # type: ignore[arg-type]
         if self.partial:  # every row's staleness (versions behind the policy trained on it)
             versions = gather_from(self.engine_ranks, mine.versions, (share, 3), torch.float32, world, self.comm_device)
             extra.update(staleness_logs(versions.cpu()))
@@ -208,5 +248,9 @@ class RolloutSource:
 
 def staleness_logs(versions: torch.Tensor) -> dict[str, float]:
     """[B, 3] per row (staleness, spans several versions, restarted) -> the step's async/* metrics."""
-    return {"async/staleness_mean": float(versions[:, 0].mean()), "async/staleness_max": float(versions[:, 0].max()),
-            "async/partial_frac": float(versions[:, 1].mean()), "async/restarted_frac": float(versions[:, 2].mean())}
+    return {
+        "async/staleness_mean": float(versions[:, 0].mean()),
+        "async/staleness_max": float(versions[:, 0].max()),
+        "async/partial_frac": float(versions[:, 1].mean()),
+        "async/restarted_frac": float(versions[:, 2].mean()),
+    }

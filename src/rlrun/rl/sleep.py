@@ -1,9 +1,10 @@
 """When each role's model sleeps and wakes (--deepspeed_enable_sleep): the schedule of one rank.
 
-The run's phase tracker announces each phase as it begins (`SleepSchedule.enter` is its hook, rlrun.runtime.phases). On entering a phase in which this rank
-works, every part (parameters; optimizer states) a role needs in that phase wakes and every other part sleeps,
-so a part sleeps exactly when its next use is in a later phase. A phase in which the rank does nothing moves
-nothing: there is nothing to make room for. Sleeping happens before waking, so the two never overlap in memory.
+The run's phase tracker announces each phase as it begins (`SleepSchedule.enter` is its hook, rlrun.runtime.phases).
+On entering a phase in which this rank works, every part (parameters; optimizer states) a role needs in that phase
+wakes and every other part sleeps, so a part sleeps exactly when its next use is in a later phase. A phase in which
+the rank does nothing moves nothing: there is nothing to make room for. Sleeping happens before waking, so the two
+never overlap in memory.
 
 What each role needs (the trainer's phases, rlrun.rl.trainer):
     generate      the engine samples (also evaluation); no model role
@@ -28,7 +29,6 @@ from rlrun.runtime.log import get_logger
 from rlrun.runtime.phases import Phase
 from rlrun.strategies.base import ALL_PARTS, Part, Strategy
 
-
 MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
 NONE: frozenset[Part] = frozenset()
 PARAMS: frozenset[Part] = frozenset({Part.PARAMS})
@@ -46,8 +46,12 @@ def needs(actor_scores: bool) -> dict[Role, dict[Phase, frozenset[Part]]]:
     actor = {Phase.TRAIN: ALL_PARTS, Phase.SYNC: PARAMS}
     if actor_scores:
         actor[Phase.SCORE] = PARAMS
-    return {Role.ACTOR: actor, Role.CRITIC: {Phase.SCORE: PARAMS, Phase.TRAIN_CRITIC: ALL_PARTS},
-            Role.REF: {Phase.SCORE: PARAMS}, Role.REWARD: {Phase.SCORE: PARAMS}}
+    return {
+        Role.ACTOR: actor,
+        Role.CRITIC: {Phase.SCORE: PARAMS, Phase.TRAIN_CRITIC: ALL_PARTS},
+        Role.REF: {Phase.SCORE: PARAMS},
+        Role.REWARD: {Phase.SCORE: PARAMS},
+    }
 
 
 def rank_plan(held: frozenset[Role], actor_scores: bool) -> dict[Phase, Awake | None]:
@@ -86,14 +90,17 @@ class SleepSchedule:
         self._told: set[tuple[Role, frozenset[Part], Phase]] = set()  # each kind of move is logged once, with its size
 
     @classmethod
-    def of(cls, sleepers: list[Sleeper], layout: Layout, rank: int, *, actor_scores: bool,
-           device: torch.device) -> "SleepSchedule":
+    def of(
+        cls, sleepers: list[Sleeper], layout: Layout, rank: int, *, actor_scores: bool, device: torch.device
+    ) -> SleepSchedule:
         """The schedule of this rank's `sleepers` (the models it holds), said once for the whole layout."""
         log = get_logger(rank)
         log.info_once(describe(layout, actor_scores))
         if device.type == "cpu":
-            log.info_once("--deepspeed_enable_sleep on CPU: the compute device is the CPU, so sleeping copies each "
-                          "model's tensors into host buffers and frees the originals; it saves no memory overall")
+            log.info_once(
+                "--deepspeed_enable_sleep on CPU: the compute device is the CPU, so sleeping copies each "
+                "model's tensors into host buffers and frees the originals; it saves no memory overall"
+            )
         return cls(sleepers, rank_plan(frozenset(layout.roles_of(rank)), actor_scores), rank)
 
     def enter(self, phase: Phase) -> None:
@@ -108,8 +115,10 @@ class SleepSchedule:
                 if (s.role, going, phase) in self._told:
                     continue
                 self._told.add((s.role, going, phase))
-                self.log.info_once(f"sleep: {s.role.value} {' and '.join(sorted(p.value for p in going))} "
-                                   f"({_gib(moved)} moved off the device) at {_named(phase)}")
+                self.log.info_once(
+                    f"sleep: {s.role.value} {' and '.join(sorted(p.value for p in going))} "
+                    f"({_gib(moved)} moved off the device) at {_named(phase)}"
+                )
         for s in self.sleepers:
             coming = awake[s.role] & s.strategy.asleep(s.model)
             if coming:
@@ -134,8 +143,10 @@ def describe(layout: Layout, actor_scores: bool) -> str:
     by_roles: dict[tuple[Role, ...], list[int]] = {}
     for rank in range(layout.world_size):
         by_roles.setdefault(tuple(layout.roles_of(rank)), []).append(rank)
-    lines = ["--deepspeed_enable_sleep: each model's parts are awake only in these phases and asleep (off the "
-             "device) otherwise; ranks move nothing in a phase in which they do no work"]
+    lines = [
+        "--deepspeed_enable_sleep: each model's parts are awake only in these phases and asleep (off the "
+        "device) otherwise; ranks move nothing in a phase in which they do no work"
+    ]
     for held, ranks in by_roles.items():
         plan = rank_plan(frozenset(held), actor_scores)
         models = [r for r in MODEL_ROLES if r in held]

@@ -17,20 +17,30 @@ from typing import Any
 import torch
 
 from rlrun.agents.episodes import EpisodeRunner
-from rlrun.algo.algorithms import (AdaptiveKLController, RunningMoments, compute_advantages, compute_approx_kl,
-                                   dynamic_filter_keep, make_kl_controller, masked_mean, overlong_penalty,
-                                   sequence_mean_kl, stop_properly_penalty, truncated_rows)
+from rlrun.algo.algorithms import (
+    AdaptiveKLController,
+    RunningMoments,
+    compute_advantages,
+    compute_approx_kl,
+    dynamic_filter_keep,
+    make_kl_controller,
+    masked_mean,
+    overlong_penalty,
+    sequence_mean_kl,
+    stop_properly_penalty,
+    truncated_rows,
+)
 from rlrun.config.schema import AlgorithmConfig, TrainConfig
 from rlrun.data.batching import RowLengths, derive_seed, minibatch_order, seed_everything, shard
 from rlrun.data.prompts import PromptSampler
-from rlrun.engines.base import Engine
 from rlrun.data.rollout import RolloutBatch, SlotPlan, engine_logprob_diff, pack_slots, slot_plan, unpack_slots
+from rlrun.engines.base import Engine
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import all_gather_vectors, broadcast_json
 from rlrun.rewards.reward_fn import RewardFunction
-from rlrun.rl.evaluation import Evaluator
 from rlrun.rl.dynamic_batch import Budgets, scoring_order, unpermute
+from rlrun.rl.evaluation import Evaluator
 from rlrun.rl.rollouts import RolloutSource, StepOutputs
 from rlrun.rl.sleep import SleepSchedule
 from rlrun.roles.actor import Actor, PolicyData, Reference
@@ -84,9 +94,20 @@ class Trainer:
     """One rank's RL loop. Its state (steps done, the KL coefficient, the running reward statistics, the actor's
     update loop) is what `state_dict` gives the checkpointer; the models are checkpoint parts of their own."""
 
-    def __init__(self, settings: StepSettings, layout: Layout, groups: Groups, roles: RankRoles,
-                 rollouts: RolloutSource, sampler: PromptSampler, budgets: Budgets, phase: PhaseTracker,
-                 total_steps: int, device: torch.device, evaluator: Evaluator | None = None) -> None:
+    def __init__(
+        self,
+        settings: StepSettings,
+        layout: Layout,
+        groups: Groups,
+        roles: RankRoles,
+        rollouts: RolloutSource,
+        sampler: PromptSampler,
+        budgets: Budgets,
+        phase: PhaseTracker,
+        total_steps: int,
+        device: torch.device,
+        evaluator: Evaluator | None = None,
+    ) -> None:
         self.s = settings
         self.layout, self.groups, self.roles = layout, groups, roles
         self.rollouts, self.sampler, self.budgets, self.phase = rollouts, sampler, budgets, phase
@@ -101,8 +122,9 @@ class Trainer:
         self.comm_device = device
         # Scoring and training collectives: every rank, or every rank but the engines when they generate meanwhile.
         self.learners = groups.get("learners") if layout.asynchronous else groups.world
-        self.learner_ranks = [r for r in range(layout.world_size)
-                              if not layout.asynchronous or r not in layout.ranks_of(Role.ENGINE)]
+        self.learner_ranks = [
+            r for r in range(layout.world_size) if not layout.asynchronous or r not in layout.ranks_of(Role.ENGINE)
+        ]
 
     # ---- the step ---------------------------------------------------------------------------------------------
 
@@ -141,8 +163,9 @@ class Trainer:
             if "old_log_probs" not in results:  # skipped in score: the training forward's log-probs stand in
                 results["old_log_probs"] = self.gather_on_policy_log_probs(batch)
                 if "ref_log_probs" in results:
-                    kl = compute_approx_kl(results["old_log_probs"], results["ref_log_probs"], self.s.algo.kl_estimator,
-                                           batch.action_mask)
+                    kl = compute_approx_kl(
+                        results["old_log_probs"], results["ref_log_probs"], self.s.algo.kl_estimator, batch.action_mask
+                    )
         with self.phase(Phase.TRAIN_CRITIC, step):
             if (critic := self.roles.critic) is not None:
                 budget = self.budgets.train.get(Role.CRITIC)
@@ -170,10 +193,17 @@ class Trainer:
         micro = self.s.train.micro_rollout_batch_size
         r = self.roles
         widths, ranks, mine, orders = {}, {}, {}, {}
-        jobs = [("old_log_probs", Role.ACTOR, R, r.actor and r.actor.log_probs),
-                ("ref_log_probs", Role.ACTOR if self.s.ref_by_actor else Role.REF, R, r.reference and r.reference.log_probs),
-                ("values", Role.CRITIC, R, r.critic and r.critic.values),
-                ("scores", Role.REWARD, 1, r.reward_model and r.reward_model.score)]
+        jobs = [
+            ("old_log_probs", Role.ACTOR, R, r.actor and r.actor.log_probs),
+            (
+                "ref_log_probs",
+                Role.ACTOR if self.s.ref_by_actor else Role.REF,
+                R,
+                r.reference and r.reference.log_probs,
+            ),
+            ("values", Role.CRITIC, R, r.critic and r.critic.values),
+            ("scores", Role.REWARD, 1, r.reward_model and r.reward_model.score),
+        ]
         if skips_old_log_probs(self.s.train, self.s.algo):  # the update gathers them from its training forward
             jobs = jobs[1:]
         for key, role, width, fn in jobs:
@@ -213,8 +243,9 @@ class Trainer:
 
     # ---- advantages ---------------------------------------------------------------------------------------------
 
-    def advantages(self, batch: RolloutBatch, results: dict[str, torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+    def advantages(
+        self, batch: RolloutBatch, results: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
         """Pure and identical on every rank: (KL [B, R], advantages [B, R], returns [B, R], what the shaping did).
 
         Order as in OpenRLHF: dynamic filtering on the raw scores, then length penalties, then the
@@ -230,8 +261,11 @@ class Trainer:
         mask = batch.action_mask
         ref = results.get("ref_log_probs")
         # No old log-probs (skips_old_log_probs): the KL is not in the reward; learn() computes the logged one.
-        kl = (compute_approx_kl(results["old_log_probs"], ref, a.kl_estimator, mask)
-              if ref is not None and "old_log_probs" in results else torch.zeros_like(mask))
+        kl = (
+            compute_approx_kl(results["old_log_probs"], ref, a.kl_estimator, mask)
+            if ref is not None and "old_log_probs" in results
+            else torch.zeros_like(mask)
+        )
         if a.running_reward_norm:
             self.moments.update(scores)
             scores = self.moments.normalize(scores)
@@ -241,14 +275,23 @@ class Trainer:
             scores = scores + penalty.to(scores.dtype)
             shaping["reward/overlong_frac"] = float((penalty < 0).float().mean())
         if a.stop_properly_penalty_coef is not None:
-            cut = truncated_rows(batch.sequences[:, -batch.response_width:], batch.response_len, R, self.s.eos_id)
+            cut = truncated_rows(batch.sequences[:, -batch.response_width :], batch.response_len, R, self.s.eos_id)
             scores = stop_properly_penalty(scores, cut, a.stop_properly_penalty_coef)
             shaping["reward/truncated_frac"] = float(cut.float().mean())
         in_reward = 0.0 if a.use_kl_loss else self.kl.value
         adv, ret = compute_advantages(
-            a.advantage_estimator, scores, mask, n_samples_per_prompt=n, kl=kl,
-            kl_coef=in_reward, values=results.get("values"), gamma=a.gamma, lambd=a.lambd,
-            reward_clip_range=a.reward_clip_range, std_norm=not a.no_advantage_std_norm)
+            a.advantage_estimator,
+            scores,
+            mask,
+            n_samples_per_prompt=n,
+            kl=kl,
+            kl_coef=in_reward,
+            values=results.get("values"),
+            gamma=a.gamma,
+            lambd=a.lambd,
+            reward_clip_range=a.reward_clip_range,
+            std_norm=not a.no_advantage_std_norm,
+        )
         return kl, adv, ret, shaping
 
     # ---- update -------------------------------------------------------------------------------------------------
@@ -257,8 +300,11 @@ class Trainer:
         """The update's mini-batches of global rows: --max_epochs passes over the batch, each in an order drawn from
         (seed, step, epoch)."""
         t = self.s.train
-        return [mb for epoch in range(t.max_epochs)
-                for mb in minibatch_order(rows, t.train_batch_size, derive_seed(t.seed, "minibatch", step, epoch))]
+        return [
+            mb
+            for epoch in range(t.max_epochs)
+            for mb in minibatch_order(rows, t.train_batch_size, derive_seed(t.seed, "minibatch", step, epoch))
+        ]
 
     def critic_stats_on_rank0(self, stats: dict[str, float]) -> dict[str, float]:
         """The critic's stats live on its first rank; rank 0 logs them (collective over the learners)."""
@@ -269,8 +315,9 @@ class Trainer:
 
     # ---- metrics ------------------------------------------------------------------------------------------------
 
-    def metrics(self, step: int, out: StepOutputs, learned: Learned, times: dict[str, float],
-                step_time: float) -> dict[str, float]:
+    def metrics(
+        self, step: int, out: StepOutputs, learned: Learned, times: dict[str, float], step_time: float
+    ) -> dict[str, float]:
         mask, results = out.batch.action_mask, learned.results
         generated = float(out.batch.response_len.sum())
         return {
@@ -317,8 +364,12 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         assert self.roles.actor is not None  # rank 0, the writer, always holds the actor
-        return {"step": self.step, "kl_coef": self.kl.value, "reward_moments": asdict(self.moments),
-                "actor": self.roles.actor.updater.state_dict()}
+        return {
+            "step": self.step,
+            "kl_coef": self.kl.value,
+            "reward_moments": asdict(self.moments),
+            "actor": self.roles.actor.updater.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
 from rlrun.algo.losses import LossAggMode, value_loss
-from rlrun.data.rollout import RolloutBatch
 from rlrun.data.batching import TokenBudget, trim_padding
-from rlrun.roles.forward import fed_tokens, over_micro_batches, token_values
+from rlrun.data.rollout import RolloutBatch
+from rlrun.roles.forward import fed_tokens, over_micro_batches, sequence_scores, token_values
 from rlrun.roles.update import FED_TOKENS, REAL_TOKENS, MicroLoss, Updater
-from rlrun.roles.forward import sequence_scores
+
 
 @dataclass
 class ValueData:
@@ -24,8 +25,15 @@ class ValueData:
 
 
 class Critic:
-    def __init__(self, model: nn.Module, updater: Updater, value_clip: float | None, agg: LossAggMode,
-                 device: torch.device, packing: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        updater: Updater,
+        value_clip: float | None,
+        agg: LossAggMode,
+        device: torch.device,
+        packing: bool = False,
+    ) -> None:
         self.model = model
         self.packing = packing  # --packing_samples: forward on packed rows (rlrun.data.packing)
         self.updater = updater
@@ -35,29 +43,44 @@ class Critic:
 
     def values(self, batch: RolloutBatch, micro_batch: int | TokenBudget) -> torch.Tensor:
         """[b, L] rollouts -> [b, R] values (micro_batch: rows, or a token budget)."""
-        return over_micro_batches(self.model, batch, micro_batch, self.device,
-                                  lambda p: token_values(self.model, p, packing=self.packing))
+        return over_micro_batches(
+            self.model, batch, micro_batch, self.device, lambda p: token_values(self.model, p, packing=self.packing)
+        )
 
     def loss(self, data: ValueData, budget: TokenBudget | None = None) -> MicroLoss:
         """The value loss of one update over `data`, for the critic's Updater: micro-batch rows -> (the loss, its
         stats). budget: --dynamic_batch micro-batches by tokens, each trimmed to its own longest prompt and response."""
-        def micro_loss(rows: torch.Tensor, num_tokens: float, num_seqs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+
+        def micro_loss(
+            rows: torch.Tensor, num_tokens: float, num_seqs: float
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             part = data.batch.rows(rows)
             part = (trim_padding(part) if budget is not None else part).to(self.device)
             r = part.response_width  # the full batch's [B, R] targets cut to the part's columns
             values = token_values(self.model, part, packing=self.packing)
-            loss, stats = value_loss(values, data.old_values[rows, :r].to(self.device),
-                                     data.returns[rows, :r].to(self.device),
-                                     part.action_mask, value_clip=self.value_clip, agg=self.agg,
-                                     num_tokens=num_tokens, num_seqs=num_seqs)
-            return loss, {"value_loss": loss.detach(), **stats, FED_TOKENS: fed_tokens(self.model, part, self.packing),
-                          REAL_TOKENS: int(part.attention_mask.sum())}
+            loss, stats = value_loss(
+                values,
+                data.old_values[rows, :r].to(self.device),
+                data.returns[rows, :r].to(self.device),
+                part.action_mask,
+                value_clip=self.value_clip,
+                agg=self.agg,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+            )
+            return loss, {
+                "value_loss": loss.detach(),
+                **stats,
+                FED_TOKENS: fed_tokens(self.model, part, self.packing),
+                REAL_TOKENS: int(part.attention_mask.sum()),
+            }
 
         return micro_loss
 
 
 # ---- the reward model --------------------------------------------------------------------------------------------
 # Reward role backed by a reward model (a scalar head scoring the last token).
+
 
 class RewardModel:
     def __init__(self, model: nn.Module, device: torch.device, packing: bool = False) -> None:
@@ -67,5 +90,6 @@ class RewardModel:
 
     def score(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
         """[b, L] rollouts -> [b] scores."""
-        return over_micro_batches(self.model, batch, micro_batch, self.device,
-                                  lambda p: sequence_scores(self.model, p, packing=self.packing))
+        return over_micro_batches(
+            self.model, batch, micro_batch, self.device, lambda p: sequence_scores(self.model, p, packing=self.packing)
+        )

@@ -25,29 +25,36 @@ the path and the space needed.
 from __future__ import annotations
 
 import contextlib
-import math
-import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-import torch
-from torch import nn
-from rlrun.models.safetensors import DTYPE_NAMES, SafetensorsLayout, StreamedSafetensors, TensorSpec
-from rlrun.weight_sync.blocks import GatherScratch, is_sharded
-from rlrun.runtime.errors import ConfigError
-from rlrun.runtime.errors import storage_cause, storage_error
-from rlrun.strategies.base import Strategy
 import copy
 import json
-from collections.abc import Mapping
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 from safetensors.torch import save_file
+from torch import nn
 from transformers import PreTrainedTokenizerBase
-from rlrun.models.safetensors import unshared
+
 from rlrun.models.hub import snapshot_repo
 from rlrun.models.loading import REWARD_NORM_FILE, ScalarHeadModel, config_mean_std, score_head
-from rlrun.models.lora import ADAPTER, PEFT_PREFIX, hf_name, is_adapter, merged_state_dict, peft_model_of, saved_adapter_name
+from rlrun.models.lora import (
+    ADAPTER,
+    PEFT_PREFIX,
+    hf_name,
+    is_adapter,
+    merged_state_dict,
+    peft_model_of,
+    saved_adapter_name,
+)
+from rlrun.models.safetensors import DTYPE_NAMES, SafetensorsLayout, StreamedSafetensors, TensorSpec, unshared
 from rlrun.roles.actor import Actor
 from rlrun.roles.critic import Critic
+from rlrun.runtime.errors import ConfigError, storage_cause, storage_error
+from rlrun.strategies.base import Strategy
+from rlrun.weight_sync.blocks import GatherScratch, is_sharded
 
 # ---- weight files ------------------------------------------------------------------------------------------------
 # An export's weight files, written one gathered block at a time, and the checks every export makes.
@@ -68,6 +75,7 @@ from rlrun.roles.critic import Critic
 # Exports refuse NaN/inf weights (naming the tensor) unless asked, and a refused write (disk full, read-only,
 # permission) is one line naming the path and the space needed.
 
+
 class NonFiniteWeights(ConfigError):
     """An export would write NaN/inf weights."""
 
@@ -84,9 +92,11 @@ def refuse_nonfinite(bad: list[tuple[str, int]], path: str, flag: str) -> None:
     if bad:
         name, count = bad[0]
         more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
-        raise NonFiniteWeights(f"not exporting to {path}: weight {name} has {count} NaN/inf values{more}; the run "
-                               "diverged or loaded a damaged checkpoint. Pass --export_nonfinite to write it anyway "
-                               f"({flag})")
+        raise NonFiniteWeights(
+            f"not exporting to {path}: weight {name} has {count} NaN/inf values{more}; the run "
+            "diverged or loaded a damaged checkpoint. Pass --export_nonfinite to write it anyway "
+            f"({flag})"
+        )
 
 
 def make_export_dir(path: str, flag: str) -> None:
@@ -105,7 +115,9 @@ def storage_errors(path: str, needs_bytes: int, flag: str) -> Iterator[None]:
         cause = storage_cause(exc)
         if cause is None:
             raise
-        raise storage_error("the model", path, cause, needs_bytes, f"free space there or choose another {flag}") from None
+        raise storage_error(
+            "the model", path, cause, needs_bytes, f"free space there or choose another {flag}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -118,7 +130,9 @@ class WeightPlan:
     buffers: frozenset[str]
 
 
-def _entries(model: nn.Module, shapes: dict[str, TensorSpec]) -> tuple[dict[str, str], dict[str, TensorSpec], set[str]] | None:
+def _entries(
+    model: nn.Module, shapes: dict[str, TensorSpec]
+) -> tuple[dict[str, str], dict[str, TensorSpec], set[str]] | None:
     """(state-dict name -> canonical source name, source -> spec, buffer sources) of `model`, or None when a
     buffer is sharded (it would need a collective only the writer makes)."""
     canonical: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
@@ -137,8 +151,13 @@ def _entries(model: nn.Module, shapes: dict[str, TensorSpec]) -> tuple[dict[str,
     return sources, specs, {n for n in buffers.values() if n in used}
 
 
-def plan_weights(model: nn.Module, shapes: dict[str, TensorSpec], *, as_transformers: bool,
-                 saved_name: Callable[[str], str] = lambda name: name) -> WeightPlan | None:
+def plan_weights(
+    model: nn.Module,
+    shapes: dict[str, TensorSpec],
+    *,
+    as_transformers: bool,
+    saved_name: Callable[[str], str] = lambda name: name,
+) -> WeightPlan | None:
     """The files a streamed export of `model` writes. `shapes`: every parameter's full shape and dtype (the
     blocks' `shapes()`). `as_transformers`: `model` is a transformers model, named as save_pretrained names it;
     otherwise every state-dict name is written under `saved_name(name)` (tied ones once each). None: streaming
@@ -169,8 +188,8 @@ def _saved_by_transformers(hf: nn.Module, sources: dict[str, str]) -> dict[str, 
     removed, ignored keys dropped, weight conversions reverted. None: a quantized model, or a conversion that
     makes new tensors (more than a renaming)."""
     try:
-        from transformers.core_model_loading import revert_weight_conversion
-        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+        from transformers.core_model_loading import revert_weight_conversion  # noqa: PLC0415 - not in every version
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict  # noqa: PLC0415
     except ImportError:  # a transformers without these steps: gather whole, as before
         return None
     if getattr(hf, "hf_quantizer", None) is not None:
@@ -191,8 +210,9 @@ def _saved_by_transformers(hf: nn.Module, sources: dict[str, str]) -> dict[str, 
     return out  # type: ignore[return-value]  # no None left
 
 
-def gather_named(model: nn.Module, strategy: Strategy, wanted: Callable[[str], bool], *,
-                 is_writer: bool) -> dict[str, torch.Tensor]:
+def gather_named(
+    model: nn.Module, strategy: Strategy, wanted: Callable[[str], bool], *, is_writer: bool
+) -> dict[str, torch.Tensor]:
     """CPU copies of the full parameters `wanted` names (the user model's names), on the writer ({} elsewhere),
     gathered one block at a time, skipping blocks that hold none: never the whole model. Collective over the role."""
     out: dict[str, torch.Tensor] = {}
@@ -211,8 +231,17 @@ def gather_named(model: nn.Module, strategy: Strategy, wanted: Callable[[str], b
 PlanFor = Callable[[nn.Module, dict[str, TensorSpec]], "WeightPlan | None"]
 
 
-def stream_weights(model: nn.Module, strategy: Strategy, path: str, *, is_writer: bool, flag: str,
-                   allow_nonfinite: bool, plan_for: PlanFor, beside: Callable[[], None]) -> bool:
+def stream_weights(
+    model: nn.Module,
+    strategy: Strategy,
+    path: str,
+    *,
+    is_writer: bool,
+    flag: str,
+    allow_nonfinite: bool,
+    plan_for: PlanFor,
+    beside: Callable[[], None],
+) -> bool:
     """Gather `model` one block at a time on every rank of its role and, on the writer, write each tensor into
     `path`'s safetensors files, then `beside()` (the config and tokenizer), then put the weights in place; on any
     failure there, no weights. False (on every rank alike, before any collective): `plan_for` says this model
@@ -293,6 +322,7 @@ class _Sink:
         assert self.files is not None
         return self.files
 
+
 def check_finite(state: Mapping[str, torch.Tensor], path: str, flag: str) -> None:
     """NonFiniteWeights naming the first tensor with NaN/inf values (and how many tensors have them)."""
     refuse_nonfinite([(name, count) for name, t in state.items() if (count := nonfinite_count(t))], path, flag)
@@ -302,9 +332,17 @@ def _storage_errors(path: str, state: Mapping[str, torch.Tensor], flag: str) -> 
     return storage_errors(path, sum(t.numel() * t.element_size() for t in state.values()), flag)
 
 
-def save_policy(actor: Actor | None, tokenizer: PreTrainedTokenizerBase, path: str, *, is_writer: bool,
-                strategy: Strategy | None, allow_nonfinite: bool = False, merged: bool = False,
-                image_processor: Any = None) -> None:
+def save_policy(
+    actor: Actor | None,
+    tokenizer: PreTrainedTokenizerBase,
+    path: str,
+    *,
+    is_writer: bool,
+    strategy: Strategy | None,
+    allow_nonfinite: bool = False,
+    merged: bool = False,
+    image_processor: Any = None,
+) -> None:
     """Collective over the actor ranks; the writer (global rank 0, always an actor rank) writes.
     `strategy`: the actor's (RankRoles.strategies), which knows how to assemble its full weights.
     `image_processor`: a vision-language policy's, saved beside it (preprocessor_config.json) so that the export
@@ -312,20 +350,36 @@ def save_policy(actor: Actor | None, tokenizer: PreTrainedTokenizerBase, path: s
     if actor is None:
         return
     assert strategy is not None, "an actor rank always has the actor's strategy"
-    save_causal_lm(actor.model, tokenizer, path, is_writer=is_writer, strategy=strategy, allow_nonfinite=allow_nonfinite,
-                   merged=merged)
+    save_causal_lm(
+        actor.model,
+        tokenizer,
+        path,
+        is_writer=is_writer,
+        strategy=strategy,
+        allow_nonfinite=allow_nonfinite,
+        merged=merged,
+    )
     if is_writer and image_processor is not None:
         with _storage_errors(path, {}, "--save_path"):
             image_processor.save_pretrained(path)
 
 
-def save_causal_lm(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str, *, is_writer: bool,
-                   strategy: Strategy, flag: str = "--save_path", allow_nonfinite: bool = False,
-                   merged: bool = False) -> None:
+def save_causal_lm(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    path: str,
+    *,
+    is_writer: bool,
+    strategy: Strategy,
+    flag: str = "--save_path",
+    allow_nonfinite: bool = False,
+    merged: bool = False,
+) -> None:
     """A (wrapped) causal LM in HF format with its tokenizer; with LoRA adapters, PEFT's adapter layout (and with
     `merged`, the merged model in <path>/merged). Collective over the model's role; the writer must be global rank 0
     (transformers' save_pretrained writes there only). A model without adapters streams to its files one gathered
     block at a time (rlrun.roles.export), where its names allow."""
+
     def beside() -> None:
         # config.json, generation_config.json (a remote-code model's files too), and the clean-up of a previous
         # save's shards: transformers' own, with no weights to write
@@ -333,8 +387,15 @@ def save_causal_lm(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: s
         tokenizer.save_pretrained(path)
 
     if not _holds_adapters(model) and stream_weights(
-            model, strategy, path, is_writer=is_writer, flag=flag, allow_nonfinite=allow_nonfinite, beside=beside,
-            plan_for=lambda module, shapes: plan_weights(module, shapes, as_transformers=True)):
+        model,
+        strategy,
+        path,
+        is_writer=is_writer,
+        flag=flag,
+        allow_nonfinite=allow_nonfinite,
+        beside=beside,
+        plan_for=lambda module, shapes: plan_weights(module, shapes, as_transformers=True),
+    ):
         return
     state = _export_state(model, strategy, is_writer=is_writer, merged=merged, prefix="", head=None)
     if not is_writer:
@@ -357,33 +418,68 @@ def save_causal_lm(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: s
         tokenizer.save_pretrained(path)
         if merged:
             merged_path = os.path.join(path, MERGED_DIR)
-            hf.save_pretrained(merged_path, state_dict=merged_state_dict(state, _scaling(peft_model)),
-                               safe_serialization=True)
+            hf.save_pretrained(
+                merged_path, state_dict=merged_state_dict(state, _scaling(peft_model)), safe_serialization=True
+            )
             tokenizer.save_pretrained(merged_path)
 
 
-def save_critic(critic: Critic, path: str, *, is_writer: bool, strategy: Strategy, allow_nonfinite: bool = False,
-                merged: bool = False) -> None:
+def save_critic(
+    critic: Critic,
+    path: str,
+    *,
+    is_writer: bool,
+    strategy: Strategy,
+    allow_nonfinite: bool = False,
+    merged: bool = False,
+) -> None:
     """The critic as a sequence-classification model (num_labels 1). Collective over the critic ranks."""
-    save_scalar_model(critic.model, path, is_writer=is_writer, strategy=strategy, flag="--save_value_network",
-                      allow_nonfinite=allow_nonfinite, merged=merged)
+    save_scalar_model(
+        critic.model,
+        path,
+        is_writer=is_writer,
+        strategy=strategy,
+        flag="--save_value_network",
+        allow_nonfinite=allow_nonfinite,
+        merged=merged,
+    )
 
 
-def save_scalar_model(model: ScalarHeadModel, path: str, *, is_writer: bool, strategy: Strategy, flag: str,
-                      tokenizer: PreTrainedTokenizerBase | None = None, allow_nonfinite: bool = False,
-                      merged: bool = False) -> None:
+def save_scalar_model(
+    model: ScalarHeadModel,
+    path: str,
+    *,
+    is_writer: bool,
+    strategy: Strategy,
+    flag: str,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    allow_nonfinite: bool = False,
+    merged: bool = False,
+) -> None:
     """A sequence-classification model (num_labels 1; its config carries any mean/std set on it), with the
     tokenizer when given; with LoRA adapters, a SEQ_CLS adapter carrying the score head (and with `merged`, the
     merged model in <path>/merged). Collective over the model's role; `is_writer` may be any rank of it. Without
     adapters, the weights stream one gathered block at a time (rlrun.roles.export)."""
     adapters = _holds_adapters(model)
     if not adapters and stream_weights(
-            model, strategy, path, is_writer=is_writer, flag=flag, allow_nonfinite=allow_nonfinite,
-            beside=lambda: _write_scalar_config(model.hf, path, tokenizer),
-            plan_for=lambda module, shapes: plan_weights(module, shapes, as_transformers=False, saved_name=_hf_key)):
+        model,
+        strategy,
+        path,
+        is_writer=is_writer,
+        flag=flag,
+        allow_nonfinite=allow_nonfinite,
+        beside=lambda: _write_scalar_config(model.hf, path, tokenizer),
+        plan_for=lambda module, shapes: plan_weights(module, shapes, as_transformers=False, saved_name=_hf_key),
+    ):
         return
-    state = _export_state(model, strategy, is_writer=is_writer, merged=merged, prefix="hf.",
-                          head=_head_name(_scalar_hf(model)) if adapters else None)
+    state = _export_state(
+        model,
+        strategy,
+        is_writer=is_writer,
+        merged=merged,
+        prefix="hf.",
+        head=_head_name(_scalar_hf(model)) if adapters else None,
+    )
     if not is_writer:
         return
     if not allow_nonfinite:
@@ -408,12 +504,12 @@ def save_scalar_model(model: ScalarHeadModel, path: str, *, is_writer: bool, str
             tokenizer.save_pretrained(path)
         if merged:
             state = merged_state_dict(state, _scaling(peft_model))
-            _write_scalar(hf, {_hf_key(k): v for k, v in state.items()}, os.path.join(path, MERGED_DIR),
-                          tokenizer)
+            _write_scalar(hf, {_hf_key(k): v for k, v in state.items()}, os.path.join(path, MERGED_DIR), tokenizer)
 
 
-def _write_scalar(hf: nn.Module, state: Mapping[str, torch.Tensor], path: str,
-                  tokenizer: PreTrainedTokenizerBase | None) -> None:
+def _write_scalar(
+    hf: nn.Module, state: Mapping[str, torch.Tensor], path: str, tokenizer: PreTrainedTokenizerBase | None
+) -> None:
     """config.json + model.safetensors (`hf`, the sequence-classification model, and its names) [+ the tokenizer]."""
     _write_scalar_config(hf, path, tokenizer)
     save_file(unshared(state.items()), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
@@ -450,8 +546,9 @@ def _holds_adapters(model: nn.Module) -> bool:
     return any(is_adapter(n) for n, _ in model.named_parameters())
 
 
-def _export_state(model: nn.Module, strategy: Strategy, *, is_writer: bool, merged: bool, prefix: str,
-                  head: str | None) -> dict[str, torch.Tensor]:
+def _export_state(
+    model: nn.Module, strategy: Strategy, *, is_writer: bool, merged: bool, prefix: str, head: str | None
+) -> dict[str, torch.Tensor]:
     """The full state an export without a stream writes from, on the writer ({} elsewhere). An adapter whose base
     a folder or hub id holds, without a merged model: the adapters (and the `head`) alone, gathered one block at a
     time, so no rank holds the base model whole (140 GB of bf16 for a 70B base); otherwise everything.
@@ -459,8 +556,9 @@ def _export_state(model: nn.Module, strategy: Strategy, *, is_writer: bool, merg
     peft_model = peft_model_of(model)
     if peft_model is None or merged or _base_name(peft_model) is None:
         return strategy.full_state_dict(model)
-    return gather_named(model, strategy, lambda name: _adapter_file_key(name, prefix, head) is not None,
-                        is_writer=is_writer)
+    return gather_named(
+        model, strategy, lambda name: _adapter_file_key(name, prefix, head) is not None, is_writer=is_writer
+    )
 
 
 def _head_name(hf: nn.Module) -> str:
@@ -520,8 +618,16 @@ def _base_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {hf_name(n): t for n, t in state.items() if not is_adapter(n)}
 
 
-def _write_adapter(path: str, state: Mapping[str, torch.Tensor], peft_model: nn.Module, base: tuple[str, str | None],
-                   *, task_type: str, prefix: str = "", head: str | None = None) -> None:
+def _write_adapter(
+    path: str,
+    state: Mapping[str, torch.Tensor],
+    peft_model: nn.Module,
+    base: tuple[str, str | None],
+    *,
+    task_type: str,
+    prefix: str = "",
+    head: str | None = None,
+) -> None:
     """adapter_model.safetensors + adapter_config.json under the names PEFT gives a model of `task_type` whose
     root is the whole HF model (`prefix` + HF name in `state`): the adapters, and the `head` module whole."""
     tensors = {}

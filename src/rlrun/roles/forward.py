@@ -7,9 +7,8 @@ also turns off transformers' packed-sequence detection from position ids.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,11 +17,11 @@ from transformers import PretrainedConfig
 
 from rlrun.algo.losses import entropy_from_logits, log_probs_from_logits
 from rlrun.algo.vocab_chunks import chunked_log_probs
+from rlrun.data.batching import RowLengths, TokenBudget, pad_responses, restore_order, trim_padding
 from rlrun.data.packing import PackedBatch, assign_rows, pack_batch
 from rlrun.data.rollout import RolloutBatch
-from rlrun.data.batching import RowLengths, TokenBudget, pad_responses, restore_order, trim_padding
-from rlrun.models.loading import position_ids_from
 from rlrun.data.vision_batch import RowVision
+from rlrun.models.loading import position_ids_from
 from rlrun.vision.inputs import packed_inputs, padded_inputs
 
 # Attention kernels that take packed sequences as ONE row and run varlen attention on it (cost
@@ -37,8 +36,13 @@ LOGITS_CHUNK = 1024
 # Config attributes with which a model's forward transforms the head's logits before returning them (Gemma-2/3
 # soft-capping, Cohere's logit_scale, Granite's logits_scaling, and the like): the chunked path would skip the
 # transform, so such models keep the full-logits path.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
-                     "unpadded_vocab_size")
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier",
+    "unpadded_vocab_size",
+)
 
 
 def _hf_config(model: nn.Module) -> PretrainedConfig | None:
@@ -67,8 +71,9 @@ def chunkable_head(model: nn.Module) -> bool:
 
 
 @contextmanager
-def vocab_log_probs(model: nn.Module, targets: torch.Tensor, temperature: float, chunk: int,
-                    with_entropy: bool) -> Iterator[None]:
+def vocab_log_probs(
+    model: nn.Module, targets: torch.Tensor, temperature: float, chunk: int, with_entropy: bool
+) -> Iterator[None]:
     """While open, `model`'s output embedding maps hidden states [*, n, H] to the log-prob of `targets` [*, n] and the
     entropy under softmax(logits / temperature), stacked as [*, n, 2] fp32 ([*, n, 1]: log-prob only), computed
     `chunk` positions at a time (rlrun.algo.vocab_chunks); the model's forward hands that through as `out.logits`.
@@ -81,10 +86,18 @@ def vocab_log_probs(model: nn.Module, targets: torch.Tensor, temperature: float,
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[:-1] != targets.shape:
-            raise ValueError(f"the vocab projection got hidden states {tuple(hidden.shape)} for targets "
-                             f"{tuple(targets.shape)}")
-        logp, entropy = chunked_log_probs(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias,
-                                          targets.reshape(-1), temperature, chunk, with_entropy)
+            raise ValueError(
+                f"the vocab projection got hidden states {tuple(hidden.shape)} for targets {tuple(targets.shape)}"
+            )
+        logp, entropy = chunked_log_probs(
+            hidden.reshape(-1, hidden.shape[-1]),
+            head.weight,
+            head.bias,
+            targets.reshape(-1),
+            temperature,
+            chunk,
+            with_entropy,
+        )
         parts = (logp,) if entropy is None else (logp, entropy)
         # stacked last, not viewed after: FSDP2 warns on every call when a wrapped module returns a view
         return torch.stack([part.view(targets.shape) for part in parts], dim=-1)
@@ -96,17 +109,29 @@ def vocab_log_probs(model: nn.Module, targets: torch.Tensor, temperature: float,
         del head.forward
 
 
-def response_log_probs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
-                       temperature: float, with_entropy: bool = False, logits_chunk: int = LOGITS_CHUNK,
-                       vision: RowVision | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_log_probs(
+    model: nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_width: int,
+    temperature: float,
+    with_entropy: bool = False,
+    logits_chunk: int = LOGITS_CHUNK,
+    vision: RowVision | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, L] -> log-probs of the last `response_width` tokens [b, R] (and their entropy [b, R]).
 
     Logits are divided by the sampling temperature so the ratio is taken against the policy
     that actually sampled the tokens. Only the R + 1 last positions go through the vocab projection,
     `logits_chunk` positions at a time where the model allows it (chunkable_head; <= 0: all at once).
     `vision`: the rows' images, for a vision-language policy (its pixels and multimodal positions join the call)."""
-    kwargs = {"input_ids": sequences, "attention_mask": attention_mask, "use_cache": False,
-              "position_ids": position_ids_from(attention_mask), "logits_to_keep": response_width + 1}
+    kwargs = {
+        "input_ids": sequences,
+        "attention_mask": attention_mask,
+        "use_cache": False,
+        "position_ids": position_ids_from(attention_mask),
+        "logits_to_keep": response_width + 1,
+    }
     if vision is not None:
         kwargs.update(padded_inputs(model, sequences, attention_mask, vision))
     targets = sequences[:, -response_width:]
@@ -123,14 +148,20 @@ def response_log_probs(model: nn.Module, sequences: torch.Tensor, attention_mask
     return logp, entropy
 
 
-def response_values(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                    response_width: int) -> torch.Tensor:
+def response_values(
+    model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int
+) -> torch.Tensor:
     """[b, L] -> value of the state before each response token [b, R]."""
-    return model(sequences, attention_mask)[:, -response_width - 1:-1]
+    return model(sequences, attention_mask)[:, -response_width - 1 : -1]
 
 
-def last_token_scores(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                      response_len: torch.Tensor, response_width: int) -> torch.Tensor:
+def last_token_scores(
+    model: nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: torch.Tensor,
+    response_width: int,
+) -> torch.Tensor:
     """[b, L] -> the scalar head at each row's last real token [b]."""
     values = model(sequences, attention_mask)
     last = sequences.shape[1] - response_width + response_len - 1
@@ -178,15 +209,22 @@ def _packed_kwargs(model: nn.Module, part: RolloutBatch, packed: PackedBatch) ->
     return kwargs
 
 
-def packed_response_log_probs(model: nn.Module, part: RolloutBatch, temperature: float, with_entropy: bool = False,
-                              logits_chunk: int = LOGITS_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+def packed_response_log_probs(
+    model: nn.Module,
+    part: RolloutBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    logits_chunk: int = LOGITS_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same as response_log_probs on `part` ([b, L] -> [b, R], 0 where there is no response token),
     computed on packed rows; the vocab projection runs on the N response positions only."""
     packed = pack_for(model, part)
     kwargs = _packed_kwargs(model, part, packed)
     if logits_chunk > 0 and chunkable_head(model):
-        with projected_only(model, packed.keep_mask()), \
-                vocab_log_probs(model, packed.targets().unsqueeze(0), temperature, logits_chunk, with_entropy):
+        with (
+            projected_only(model, packed.keep_mask()),
+            vocab_log_probs(model, packed.targets().unsqueeze(0), temperature, logits_chunk, with_entropy),
+        ):
             per_token = model(**kwargs).logits[0]
         return packed.scatter(per_token[:, 0]), packed.scatter(per_token[:, 1]) if with_entropy else None
     with projected_only(model, packed.keep_mask()):
@@ -214,15 +252,29 @@ def packed_last_token_scores(model: nn.Module, part: RolloutBatch) -> torch.Tens
 # ---- what the roles call ----------------------------------------------------------------------
 
 
-def policy_log_probs(model: nn.Module, part: RolloutBatch, temperature: float, *, with_entropy: bool = False,
-                     packing: bool = False,
-                     logits_chunk: int = LOGITS_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+def policy_log_probs(
+    model: nn.Module,
+    part: RolloutBatch,
+    temperature: float,
+    *,
+    with_entropy: bool = False,
+    packing: bool = False,
+    logits_chunk: int = LOGITS_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, L] rollouts -> response log-probs [b, R] (and entropy), padded or packed; the vocab projection runs
     `logits_chunk` positions at a time (<= 0: whole micro-batch, the same numbers with more memory)."""
     if packing:
         return packed_response_log_probs(model, part, temperature, with_entropy, logits_chunk)
-    return response_log_probs(model, part.sequences, part.attention_mask, part.response_width, temperature,
-                              with_entropy, logits_chunk, part.vision)
+    return response_log_probs(
+        model,
+        part.sequences,
+        part.attention_mask,
+        part.response_width,
+        temperature,
+        with_entropy,
+        logits_chunk,
+        part.vision,
+    )
 
 
 def token_values(model: nn.Module, part: RolloutBatch, *, packing: bool = False) -> torch.Tensor:
@@ -244,8 +296,13 @@ def micro_batches(num_rows: int, size: int) -> list[slice]:
 
 
 @torch.no_grad()
-def over_micro_batches(model: nn.Module, batch: RolloutBatch, micro_batch: int | TokenBudget, device: torch.device,
-                       fn: Callable[[RolloutBatch], torch.Tensor]) -> torch.Tensor:
+def over_micro_batches(
+    model: nn.Module,
+    batch: RolloutBatch,
+    micro_batch: int | TokenBudget,
+    device: torch.device,
+    fn: Callable[[RolloutBatch], torch.Tensor],
+) -> torch.Tensor:
     """Inference in micro-batches: fn(part on device) -> [b, ...]; results on CPU in the rows' order.
 
     micro_batch: rows per micro-batch, or (--dynamic_batch) a token budget: micro-batches of similar lengths, each
@@ -256,7 +313,9 @@ def over_micro_batches(model: nn.Module, batch: RolloutBatch, micro_batch: int |
         width = batch.response_width
         outs = [pad_responses(fn(trim_padding(batch.rows(rows)).to(device)).float().cpu(), width) for rows in parts]
         return restore_order(parts, outs)
-    out = [fn(batch.rows(rows).to(device)).float().cpu() for rows in micro_batches(batch.sequences.shape[0], micro_batch)]
+    out = [
+        fn(batch.rows(rows).to(device)).float().cpu() for rows in micro_batches(batch.sequences.shape[0], micro_batch)
+    ]
     return torch.cat(out)
 
 

@@ -11,17 +11,18 @@ tokens with the same normalisation: every micro-batch's loss is its tokens' (or 
 from __future__ import annotations
 
 import math
-import torch
-from torch import nn
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
-from rlrun.data.batching import shard
-from rlrun.data.batching import RowLengths, TokenBudget, balanced_shards
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlrun.data.batching import RowLengths, TokenBudget, balanced_shards, shard
 from rlrun.runtime.errors import RlrunError
 from rlrun.strategies.base import GradClipper, StepOps, TorchSteps
-from typing import Any
 
 # ---- optimizer ---------------------------------------------------------------------------------------------------
 # Optimizer and warmup + cosine LR schedule for the trainable roles.
@@ -39,13 +40,16 @@ def adam_implementation(params: list[torch.Tensor]) -> dict[str, bool]:
     return {"fused": True} if fused else {"foreach": True}
 
 
-def make_optimizer(model: nn.Module, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
+def make_optimizer(
+    model: nn.Module, lr: float, betas: tuple[float, float], weight_decay: float
+) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, **adam_implementation(params))
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float,
-                  min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float, min_lr_ratio: float = 0.1
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup over ceil(ratio * total) steps, then cosine decay to min_lr_ratio * lr."""
     warmup = math.ceil(warmup_ratio * total_steps)
 
@@ -56,6 +60,7 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_rat
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
 
 # rows (global indices of one micro-batch), num_tokens, num_seqs -> (loss, stats)
 MicroLoss = Callable[[torch.Tensor, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -109,22 +114,30 @@ class Updater:
             self.scheduler._last_lr = lrs  # what get_last_lr() reports (the logged lr)
         self.skipped_steps = int(state["skipped_steps"])
 
-    def micro_batches(self, rows: torch.Tensor, budget: TokenBudget | None = None,
-                      lengths: RowLengths | None = None) -> list[torch.Tensor]:
+    def micro_batches(
+        self, rows: torch.Tensor, budget: TokenBudget | None = None, lengths: RowLengths | None = None
+    ) -> list[torch.Tensor]:
         """[n] global rows of one mini-batch -> this rank's micro-batches of global rows. Fixed: the rank's
         contiguous share in --micro_train_batch_size pieces. With a token budget (lengths: of every row of the
-        batch): a length-balanced share in micro-batches by tokens, as many as on the role's other ranks (collective)."""
+        batch): a length-balanced share in micro-batches by tokens, as many as on the role's other ranks
+        (collective)."""
         if budget is None:
             mine = rows[shard(len(rows), self.dp_size, self.dp_rank)]
-            return [mine[start:start + self.micro_batch] for start in range(0, len(mine), self.micro_batch)]
+            return [mine[start : start + self.micro_batch] for start in range(0, len(mine), self.micro_batch)]
         if lengths is None:
             raise ValueError("a token budget needs the rows' lengths")
         share = balanced_shards(lengths.rows(rows).totals(), self.dp_size)[self.dp_rank]
         mine = rows[torch.tensor(share, dtype=torch.long)]
         return [mine[part] for part in budget.split(lengths.rows(mine))]
 
-    def run(self, minibatches: list[torch.Tensor], token_mask: torch.Tensor, micro_loss: MicroLoss,
-            budget: TokenBudget | None = None, lengths: RowLengths | None = None) -> dict[str, float]:
+    def run(
+        self,
+        minibatches: list[torch.Tensor],
+        token_mask: torch.Tensor,
+        micro_loss: MicroLoss,
+        budget: TokenBudget | None = None,
+        lengths: RowLengths | None = None,
+    ) -> dict[str, float]:
         """token_mask: [B, R] response mask of the full batch; budget/lengths: --dynamic_batch (micro_batches).
         Returns stats averaged over steps (LOSS_SHARES: each step's sum over its micro-batches), and padded_token_frac
         over all of them when micro_loss reports tokens."""
@@ -165,7 +178,8 @@ class Updater:
                     raise RlrunError(
                         f"non-finite gradient for {self.nonfinite_in_a_row} optimizer steps in a row (gradient norm "
                         f"{grad_norm}; {self.skipped_steps} skipped in total); the weights were not updated by them. "
-                        "Lower the learning rate, check the rewards and inputs, or raise --max_skipped_steps.")
+                        "Lower the learning rate, check the rewards and inputs, or raise --max_skipped_steps."
+                    )
             with warnings.catch_warnings():  # after a skipped step torch warns that the schedule runs ahead; it should
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
                 self.scheduler.step()

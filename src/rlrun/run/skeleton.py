@@ -38,8 +38,14 @@ from rlrun.cli.parser import CliSpec
 from rlrun.cli.run_config import write_run_config
 from rlrun.config.fields import redacted
 from rlrun.config.schema import RootConfig
-from rlrun.launch.dist import (collective_device, init_distributed, resolve_dist_backend, resolve_device_and_precision,
-                               restart_safety_warning, teardown)
+from rlrun.launch.dist import (
+    collective_device,
+    init_distributed,
+    resolve_device_and_precision,
+    resolve_dist_backend,
+    restart_safety_warning,
+    teardown,
+)
 from rlrun.launch.env import DistEnv
 from rlrun.launch.failures import RankFailure, checked_on_every_rank, launch_environment
 from rlrun.plan.plan import Planned
@@ -120,7 +126,7 @@ class Trainer(Protocol[P, I, J]):
 
     @property
     def name(self) -> str:
-        """"ppo" | "sft" | "rm" | "dpo": its checkpoints', trackers' and failure lines' name."""
+        """ "ppo" | "sft" | "rm" | "dpo": its checkpoints', trackers' and failure lines' name."""
         ...
 
     def plan(self, argv: Sequence[str] | None, env: DistEnv) -> P:
@@ -182,10 +188,13 @@ def run_trainer(trainer: Trainer[P, I, J], argv: Sequence[str] | None = None) ->
         if env.rank == 0:  # the writer: a bad output path must fail now, not at the end of training
             check_outputs(cfg, started.run_id, log)
             launched = f"world size {env.world_size}, launcher {env.launcher}"
-            config, count = write_run_config(cfg, trainer.cli.defaults, cfg.checkpoint.save_path, trainer.cli.prog,
-                                             launched)
-            for line in (*trainer.announce(planned, inputs, env),
-                         *announce(cfg.model, cfg.checkpoint, cfg.logging, trainer.cli.prog, config, count)):
+            config, count = write_run_config(
+                cfg, trainer.cli.defaults, cfg.checkpoint.save_path, trainer.cli.prog, launched
+            )
+            for line in (
+                *trainer.announce(planned, inputs, env),
+                *announce(cfg.model, cfg.checkpoint, cfg.logging, trainer.cli.prog, config, count),
+            ):
                 log.info_once(line)
         failure.local_only = False  # from the first collective on, a failure may be this rank's alone
         if (warning := restart_safety_warning(env)) is not None:
@@ -195,17 +204,33 @@ def run_trainer(trainer: Trainer[P, I, J], argv: Sequence[str] | None = None) ->
         built = trainer.build(planned, inputs, started)
         job = built.job
         c = cfg.checkpoint
-        checkpointer = Checkpointer(c.ckpt_path, identity=built.identity, state=job, parts=built.parts,
-                                    config=redacted(cfg), run_id=started.run_id, world_size=env.world_size,
-                                    save_steps=c.save_steps, keep=c.max_ckpt_num, overwrite=c.overwrite_checkpoints,
-                                    group=built.group, device=started.comm_device,
-                                    timeout_s=cfg.runtime.dist_timeout, trained=built.trained)
+        checkpointer = Checkpointer(
+            c.ckpt_path,
+            identity=built.identity,
+            state=job,
+            parts=built.parts,
+            config=redacted(cfg),
+            run_id=started.run_id,
+            world_size=env.world_size,
+            save_steps=c.save_steps,
+            keep=c.max_ckpt_num,
+            overwrite=c.overwrite_checkpoints,
+            group=built.group,
+            device=started.comm_device,
+            timeout_s=cfg.runtime.dist_timeout,
+            trained=built.trained,
+        )
         if c.load_checkpoint:
             with phase(Phase.LOAD, -1):
                 checkpointer.restore()
         job.begin()
-        sink = MetricsSink(cfg.logging, cfg.checkpoint, job.total_steps, job.step, trainer=trainer.name,
-                           config=redacted(cfg)) if env.rank == 0 else None
+        sink = (
+            MetricsSink(
+                cfg.logging, cfg.checkpoint, job.total_steps, job.step, trainer=trainer.name, config=redacted(cfg)
+            )
+            if env.rank == 0
+            else None
+        )
         failure.sink = sink
         # The steps. A checkpoint's steps come with their evaluations (evaluated before it is saved).
         evals = job.evaluate(0) if job.step == 0 else None
@@ -258,8 +283,13 @@ def check_outputs(cfg: RootConfig, run_id: str, log: RankLogger) -> None:
     check_writable(saving.save_path, "--save_path")
     if saving.save_steps > 0:
         check_writable(saving.ckpt_path, "--ckpt_path")
-        replacing = check_ownership(saving.ckpt_path, run_id, loads=saving.load_checkpoint,
-                                    overwrites=saving.overwrite_checkpoints, restarted=is_restart())
+        replacing = check_ownership(
+            saving.ckpt_path,
+            run_id,
+            loads=saving.load_checkpoint,
+            overwrites=saving.overwrite_checkpoints,
+            restarted=is_restart(),
+        )
         if replacing:
             log.warning_once(replacing)
 
@@ -270,5 +300,7 @@ def check_writable(path: str, flag: str) -> None:
         with tempfile.TemporaryFile(dir=path, prefix=".rlrun_write_test_"):
             pass
     except OSError as exc:
-        raise ConfigError(f"{flag} {path} is not a writable directory ({exc.strerror or exc}); "
-                          "choose a directory this user can create and write") from None
+        raise ConfigError(
+            f"{flag} {path} is not a writable directory ({exc.strerror or exc}); "
+            "choose a directory this user can create and write"
+        ) from None

@@ -6,6 +6,7 @@ import errno
 import os
 import shutil
 
+
 class RlrunError(Exception):
     """Base class for errors rlrun reports as one clear message and a non-zero exit."""
 
@@ -50,6 +51,7 @@ class StorageError(RlrunError):
 class NonFiniteError(RlrunError):
     """A model's weights or outputs are NaN/inf: the run diverged (or loaded damaged weights)."""
 
+
 class CheckpointError(RlrunError):
     """A checkpoint cannot be used (incomplete, corrupt or from an incompatible model)."""
 
@@ -60,8 +62,7 @@ class CheckpointError(RlrunError):
 # wrapped per rank in a CheckpointException (a BaseException carrying `failures`).
 
 # What the storage itself refuses; the same write fails again until a person acts.
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,
-                            errno.EIO})
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EIO})
 
 
 def storage_cause(exc: BaseException) -> OSError | None:
@@ -105,8 +106,9 @@ def storage_error(what: str, path: str, cause: OSError, needs_bytes: int | None,
     free = free_bytes(path)
     space = ""
     if cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        space = (f"; it needs about {_mb(needs_bytes)}" if needs_bytes else "") + \
-                (f", {_mb(free)} free there" if free is not None else "")
+        space = (f"; it needs about {_mb(needs_bytes)}" if needs_bytes else "") + (
+            f", {_mb(free)} free there" if free is not None else ""
+        )
     return StorageError(f"cannot write {what} to {path}: {reason} (errno {cause.errno}{where}){space}; {fix}")
 
 

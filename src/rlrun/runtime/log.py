@@ -77,8 +77,10 @@ def one_line_load_report(text: str, shown: int = 3) -> str:
     by_status: dict[str, list[str]] = {}
     for key, status in _REPORT_ROW.findall(plain):
         by_status.setdefault(status.lower(), []).append(key)
-    parts = [f"{len(keys)} {status} ({', '.join(keys[:shown])}{', ...' if len(keys) > shown else ''})"
-             for status, keys in by_status.items()]
+    parts = [
+        f"{len(keys)} {status} ({', '.join(keys[:shown])}{', ...' if len(keys) > shown else ''})"
+        for status, keys in by_status.items()
+    ]
     head = plain.strip().splitlines()[0].strip()
     found = "; ".join(parts) if parts else "the table is shown on a terminal"
     return f"{head}: {found} (missing weights are newly initialised)"

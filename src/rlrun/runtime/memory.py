@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import sys
-from typing import Callable
-
-from rlrun.runtime.log import RankLogger
-
 import ctypes
 import ctypes.util
+import os
+import sys
+from collections.abc import Callable
+
+from rlrun.runtime.log import RankLogger
 
 REPORT_ENV = "RLRUN_REPORT_MEMORY"  # set to 1: every rank logs its peak RSS after start-up and at the end
 

@@ -160,8 +160,11 @@ class PhaseTracker:
         while True:
             time.sleep(poll)
             with self._lock:
-                if (self._entered is not None and not self._armed
-                        and time.monotonic() - self._entered >= self.dump_on_term_after_s):
+                if (
+                    self._entered is not None
+                    and not self._armed
+                    and time.monotonic() - self._entered >= self.dump_on_term_after_s
+                ):
                     # chain=True: after the dump the previous (default) action still ends the process.
                     faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
                     self._armed = True
@@ -183,6 +186,7 @@ def maybe_inject(phase: str, step: int, rank: int) -> None:
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
+
 # ---- deadlines: a bound rlrun sets on a call it cannot interrupt (user reward code, data loading) ------------
 #
 # The call runs where it would anyway (the main thread: user code may rely on signals, as math checkers that
@@ -190,6 +194,7 @@ def maybe_inject(phase: str, step: int, rank: int) -> None:
 # the caller described to the process's failure reporter, which prints the run's one FAILED line and ends the
 # process (no thread can stop a call stuck in C or on a dead filesystem, so leaving is the only bounded answer).
 # Runs register their reporter at start (rlrun.launch.failures); the default prints the error and exits 1.
+
 
 def _default_reporter(exc: BaseException) -> None:
     sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")

@@ -24,8 +24,10 @@ def import_file(path_text: str, kind: str, error: type[RlrunError], defines: str
     define, for the messages."""
     path = Path(path_text).expanduser()
     if not path.is_file():
-        raise error(f"{kind} {path_text} does not exist (resolved to {path.resolve()}); "
-                    f"pass the path of a .py file that defines {defines}.")
+        raise error(
+            f"{kind} {path_text} does not exist (resolved to {path.resolve()}); "
+            f"pass the path of a .py file that defines {defines}."
+        )
     # A unique name keeps two files (or a reload) from clobbering each other in sys.modules.
     name = f"rlrun_{kind.replace(' ', '_')}_{next(_module_counter)}_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path.resolve())
@@ -40,6 +42,7 @@ def import_file(path_text: str, kind: str, error: type[RlrunError], defines: str
         sys.modules.pop(name, None)
         if not isinstance(exc, Exception):
             raise
-        raise error(f"{kind} {path_text} failed to import: {one_line(exc)}; "
-                    f"fix the file (try: python {path_text}).") from exc
+        raise error(
+            f"{kind} {path_text} failed to import: {one_line(exc)}; fix the file (try: python {path_text})."
+        ) from exc
     return module

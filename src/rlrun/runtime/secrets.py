@@ -17,8 +17,18 @@ MASK = "<redacted>"
 
 # A URL ends at whitespace, a quote or bracket, or punctuation that closes the sentence around it.
 _URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+?(?=[,.;:!?)\]]*(?:[\s'\"<>]|$))")
-_SECRET_WORDS = ("token", "secret", "password", "passwd", "api_key", "apikey", "access_key", "authorization",
-                 "credential", "private_key")
+_SECRET_WORDS = (
+    "token",
+    "secret",
+    "password",
+    "passwd",
+    "api_key",
+    "apikey",
+    "access_key",
+    "authorization",
+    "credential",
+    "private_key",
+)
 _TOKENS = [
     re.compile(r"\bhf_[A-Za-z0-9]{20,}"),  # Hugging Face
     re.compile(r"\bsk-(?:proj-|ant-)?[A-Za-z0-9_-]{16,}"),  # OpenAI / Anthropic style
@@ -29,13 +39,16 @@ _TOKENS = [
     re.compile(r"\b(?:wandb_)?(?:local-)?[0-9a-f]{40}\b"),  # W&B API keys (40 hex)
 ]
 # `api_key=abc`, `"token": "abc"`, `--hf_token=abc`, `Authorization: Bearer abc`: the value goes.
-_PAIR = re.compile(r"(?i)((?:[\w.-]*(?:" + "|".join(_SECRET_WORDS) + r")[\w.-]*)[\"']?\s*[:=]\s*[\"']?"
-                   r"(?:bearer\s+|basic\s+)?)([^\s\"',;&]+)")
+_PAIR = re.compile(
+    r"(?i)((?:[\w.-]*(?:" + "|".join(_SECRET_WORDS) + r")[\w.-]*)[\"']?\s*[:=]\s*[\"']?"
+    r"(?:bearer\s+|basic\s+)?)([^\s\"',;&]+)"
+)
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}")
 
 
-_NAME_WORDS = frozenset({"token", "secret", "password", "passwd", "apikey", "credential", "credentials",
-                         "authorization"})
+_NAME_WORDS = frozenset(
+    {"token", "secret", "password", "passwd", "apikey", "credential", "credentials", "authorization"}
+)
 _NAME_PAIRS = frozenset({("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key")})
 
 
@@ -44,8 +57,9 @@ def is_secret_name(name: str) -> bool:
     (hf_token, db_password, wandb_api_key), not merely contains one (max_tokens_per_turn, input_key)."""
     words = re.split(r"[_.\-]+", name.lower())
     nexts = words[1:] + [""]
-    return (any(w in _NAME_WORDS and not (w == "token" and n in ("id", "ids")) for w, n in zip(words, nexts))
-            or any(pair in _NAME_PAIRS for pair in zip(words, nexts)))
+    return any(w in _NAME_WORDS and not (w == "token" and n in ("id", "ids")) for w, n in zip(words, nexts)) or any(
+        pair in _NAME_PAIRS for pair in zip(words, nexts)
+    )
 
 
 def redact_url(url: str) -> str:

@@ -11,23 +11,24 @@ A service subclasses JsonHandler: it names its POST paths and implements `handle
 
 from __future__ import annotations
 
+import argparse
+import hmac
 import http.client
+import json
+import signal
+import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from typing import TypeVar
-from rlrun.runtime.pyfile import one_line
-import argparse
-import hmac
-import json
-import signal
-import sys
-import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TypeVar
+
 from rlrun.runtime.errors import RlrunError
+from rlrun.runtime.pyfile import one_line
 
 # ---- retries -----------------------------------------------------------------------------------------------------
 # One JSON POST with bounded retries, shared by rlrun's HTTP clients (reward server, retriever).
@@ -57,8 +58,9 @@ class RetriesExhausted(Exception):
         self.last_error = last_error
 
 
-def post_once(url: str, body: bytes, headers: dict[str, str], timeout_s: float,
-              scrub: Callable[[str], str] = lambda text: text) -> tuple[int, bytes]:
+def post_once(
+    url: str, body: bytes, headers: dict[str, str], timeout_s: float, scrub: Callable[[str], str] = lambda text: text
+) -> tuple[int, bytes]:
     """POST body once; return (status, response bytes) or raise AttemptFailed / RequestRejected.
 
     `scrub` removes secrets (a bearer token) from any text that ends up in a message."""
@@ -95,6 +97,7 @@ def with_retries(attempt: Callable[[], T], *, retries: int, backoff_s: float) ->
             last_error = str(exc)
     raise RetriesExhausted(retries, last_error)
 
+
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -120,9 +123,18 @@ class JsonHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], handler: type["JsonHandler"], *, log_name: str,
-                 token: str | None, token_env: str, max_request_bytes: int, request_timeout: float,
-                 quiet: bool) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[JsonHandler],
+        *,
+        log_name: str,
+        token: str | None,
+        token_env: str,
+        max_request_bytes: int,
+        request_timeout: float,
+        quiet: bool,
+    ) -> None:
         self.log_name = log_name  # prefix of every request log line, e.g. "reward-server"
         self.token = token.encode("utf-8") if token else None
         self.token_env = token_env  # named in 401 answers so the client knows what to set
@@ -182,10 +194,11 @@ class JsonHandler(BaseHTTPRequestHandler):
             status = HTTPStatus.BAD_REQUEST
         self._error(status, message or status.phrase)
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - base class signature
+    def log_message(self, format: str, *args: object) -> None:
         if not self.server.quiet:
-            sys.stderr.write(f"[{self.server.log_name} {time.strftime('%H:%M:%S')}] "
-                             f"{self.address_string()} {format % args}\n")
+            sys.stderr.write(
+                f"[{self.server.log_name} {time.strftime('%H:%M:%S')}] {self.address_string()} {format % args}\n"
+            )
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
         pass  # one line per request is written in _finish, with the batch size and duration
@@ -193,8 +206,14 @@ class JsonHandler(BaseHTTPRequestHandler):
     def _finish(self, started: float, batch: int | None = None) -> None:
         # Only method, path, status, size and time: never headers (the token) or bodies.
         what = f" batch={batch}" if batch is not None else ""
-        self.log_message("%s %s -> %s%s in %.3fs", self.command, self.path.split("?", 1)[0],
-                         getattr(self, "_status", "?"), what, time.monotonic() - started)
+        self.log_message(
+            "%s %s -> %s%s in %.3fs",
+            self.command,
+            self.path.split("?", 1)[0],
+            getattr(self, "_status", "?"),
+            what,
+            time.monotonic() - started,
+        )
 
     # -- routing -------------------------------------------------------------------------------
     def do_GET(self) -> None:
@@ -250,8 +269,9 @@ class JsonHandler(BaseHTTPRequestHandler):
         # compare_digest on bytes: constant time, and no TypeError for non-ASCII input.
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8"), expected):
             self.close_connection = True  # the body stays unread
-            raise BadRequest(HTTPStatus.UNAUTHORIZED,
-                             f"missing or wrong bearer token (set {self.server.token_env} on the client)")
+            raise BadRequest(
+                HTTPStatus.UNAUTHORIZED, f"missing or wrong bearer token (set {self.server.token_env} on the client)"
+            )
 
     def _read_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding"):
@@ -270,9 +290,11 @@ class JsonHandler(BaseHTTPRequestHandler):
             raise BadRequest(HTTPStatus.BAD_REQUEST, f"invalid Content-Length {raw[:40]!r}") from None
         if length > self.server.max_request_bytes:
             self.close_connection = True  # do not read (or wait for) the oversized body
-            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                             f"request body of {length} bytes is over the limit of {self.server.max_request_bytes} "
-                             "bytes; send smaller batches or raise --max_request_bytes")
+            raise BadRequest(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"request body of {length} bytes is over the limit of {self.server.max_request_bytes} "
+                "bytes; send smaller batches or raise --max_request_bytes",
+            )
         body = self.rfile.read(length)
         if len(body) != length:
             self.close_connection = True
@@ -282,12 +304,24 @@ class JsonHandler(BaseHTTPRequestHandler):
 
 def add_server_arguments(parser: argparse.ArgumentParser, *, default_port: int) -> None:
     """The flags every JSON service takes: --host, --port, --max_request_bytes, --request_timeout, --quiet."""
-    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on; 0.0.0.0 for every interface (default: 127.0.0.1).")
-    parser.add_argument("--port", type=int, default=default_port, help=f"Port; 0 picks a free one (default: {default_port}).")
-    parser.add_argument("--max_request_bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help=f"Largest accepted request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BYTES}).")
-    parser.add_argument("--request_timeout", type=float, default=60.0,
-                        help="Seconds a client may take to send a request or receive the answer (socket timeout; default: 60).")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="Address to listen on; 0.0.0.0 for every interface (default: 127.0.0.1)."
+    )
+    parser.add_argument(
+        "--port", type=int, default=default_port, help=f"Port; 0 picks a free one (default: {default_port})."
+    )
+    parser.add_argument(
+        "--max_request_bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"Largest accepted request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BYTES}).",
+    )
+    parser.add_argument(
+        "--request_timeout",
+        type=float,
+        default=60.0,
+        help="Seconds a client may take to send a request or receive the answer (socket timeout; default: 60).",
+    )
     parser.add_argument("--quiet", action="store_true", help="No per-request log lines.")
 
 
@@ -298,8 +332,9 @@ def server_arguments_error(args: argparse.Namespace) -> str | None:
     return None
 
 
-def serve(prog: str, make_server: Callable[[], JsonHTTPServer], *, host: str, port: int, details: str,
-          exposes: str) -> int:
+def serve(
+    prog: str, make_server: Callable[[], JsonHTTPServer], *, host: str, port: int, details: str, exposes: str
+) -> int:
     """Bind, announce, serve until SIGTERM/SIGINT, close. Returns the process exit code.
 
     prog: "rlrun reward server"; details: the banner's parenthesis after the URL; exposes: what anyone
@@ -311,8 +346,11 @@ def serve(prog: str, make_server: Callable[[], JsonHTTPServer], *, host: str, po
         return 2
     bound_host, bound_port = server.server_address[:2]
     if server.token is None and host not in LOOPBACK:
-        print(f"{prog}: warning: listening on {host} without {server.token_env}; anyone who can reach "
-              f"this port can {exposes}", file=sys.stderr)
+        print(
+            f"{prog}: warning: listening on {host} without {server.token_env}; anyone who can reach "
+            f"this port can {exposes}",
+            file=sys.stderr,
+        )
 
     def stop(signum: int, _frame: object) -> None:
         threading.Thread(target=server.shutdown, daemon=True).start()

@@ -27,14 +27,20 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
-from typing import Sequence
 
 from rlrun.runtime.errors import MissingExtraError, RlrunError
-from rlrun.serving.http_service import (BadRequest, JsonHandler, JsonHTTPServer, add_server_arguments, serve,
-                                server_arguments_error)
+from rlrun.serving.http_service import (
+    BadRequest,
+    JsonHandler,
+    JsonHTTPServer,
+    add_server_arguments,
+    serve,
+    server_arguments_error,
+)
 
 TOKEN_ENV = "RLRUN_RETRIEVER_TOKEN"
 # Pyserini's BM25 defaults (Search-R1 serves BM25 through pyserini's LuceneSearcher).
@@ -50,8 +56,10 @@ class CorpusError(RlrunError, ValueError):
 def load_corpus(path: Path) -> list[dict]:
     """Read a Search-R1 corpus: one JSON object with a string "contents" per non-blank line."""
     if not path.is_file():
-        raise CorpusError(f"corpus file {path} does not exist; pass --corpus_path a JSONL file with one "
-                          '{"id": ..., "contents": "\\"Title\\"\\ntext"} per line.')
+        raise CorpusError(
+            f"corpus file {path} does not exist; pass --corpus_path a JSONL file with one "
+            '{"id": ..., "contents": "\\"Title\\"\\ntext"} per line.'
+        )
     docs: list[dict] = []
     with path.open("rb") as lines:  # bytes, so that an encoding error is reported with its line
         for number, raw in enumerate(lines, start=1):
@@ -60,18 +68,21 @@ def load_corpus(path: Path) -> list[dict]:
             try:
                 doc = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError as exc:
-                raise CorpusError(f"{path}:{number}: not UTF-8 ({exc.reason} at byte {exc.start}); "
-                                  "save the corpus as UTF-8 JSONL.") from None
+                raise CorpusError(
+                    f"{path}:{number}: not UTF-8 ({exc.reason} at byte {exc.start}); save the corpus as UTF-8 JSONL."
+                ) from None
             except json.JSONDecodeError as exc:
-                raise CorpusError(f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                                  f"{_LINE_FORMAT}") from None
+                raise CorpusError(
+                    f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno}); {_LINE_FORMAT}"
+                ) from None
             if not isinstance(doc, dict) or not isinstance(doc.get("contents"), str):
                 what = f"keys {sorted(doc)}" if isinstance(doc, dict) else f"a JSON {type(doc).__name__}"
-                raise CorpusError(f"{path}:{number}: expected an object with a string \"contents\", got {what}; "
-                                  f"{_LINE_FORMAT}")
+                raise CorpusError(
+                    f'{path}:{number}: expected an object with a string "contents", got {what}; {_LINE_FORMAT}'
+                )
             docs.append(doc)
     if not docs:
-        raise CorpusError(f"corpus file {path} has no documents; it needs at least one JSON line with \"contents\".")
+        raise CorpusError(f'corpus file {path} has no documents; it needs at least one JSON line with "contents".')
     return docs
 
 
@@ -86,7 +97,7 @@ class Bm25Index:
 
     def __init__(self, docs: list[dict]) -> None:
         try:
-            import bm25s
+            import bm25s  # noqa: PLC0415 - optional extra (rlrun[search])
         except ImportError as exc:
             raise MissingExtraError("bm25s", "search", "python -m rlrun.retriever_server") from exc
         self._bm25s = bm25s
@@ -106,8 +117,10 @@ class Bm25Index:
         tokens = self._bm25s.tokenize(queries, stopwords="en", return_ids=False, show_progress=False)
         with self._lock:
             ids, scores = self._index.retrieve(tokens, k=k, show_progress=False, n_threads=1)
-        return [[Hit(self.docs[int(i)], float(s)) for i, s in zip(row_ids, row_scores) if s > 0]
-                for row_ids, row_scores in zip(ids.tolist(), scores.tolist())]
+        return [
+            [Hit(self.docs[int(i)], float(s)) for i, s in zip(row_ids, row_scores) if s > 0]
+            for row_ids, row_scores in zip(ids.tolist(), scores.tolist())
+        ]
 
 
 @dataclass(frozen=True)
@@ -123,24 +136,32 @@ def parse_request(payload: object, *, default_topk: int, max_queries: int, max_q
         raise BadRequest(HTTPStatus.BAD_REQUEST, f"request body must be a JSON object, got {type(payload).__name__}")
     unknown = sorted(set(payload) - {"queries", "topk", "return_scores"})
     if unknown:
-        raise BadRequest(HTTPStatus.BAD_REQUEST, f"unknown key(s) {unknown}; expected 'queries', 'topk', 'return_scores'")
+        raise BadRequest(
+            HTTPStatus.BAD_REQUEST, f"unknown key(s) {unknown}; expected 'queries', 'topk', 'return_scores'"
+        )
     queries = payload.get("queries")
     if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
         raise BadRequest(HTTPStatus.BAD_REQUEST, "'queries' must be a list of strings")
     if len(queries) > max_queries:
-        raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                         f"{len(queries)} queries in one request is over the limit of {max_queries}; "
-                         "send smaller batches or raise --max_queries")
+        raise BadRequest(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            f"{len(queries)} queries in one request is over the limit of {max_queries}; "
+            "send smaller batches or raise --max_queries",
+        )
     long = [i for i, q in enumerate(queries) if len(q) > max_query_chars]
     if long:
-        raise BadRequest(HTTPStatus.BAD_REQUEST,
-                         f"query [{long[0]}] has {len(queries[long[0]])} characters, over the limit of "
-                         f"{max_query_chars} ({len(long)} such queries); shorten it or raise --max_query_chars")
+        raise BadRequest(
+            HTTPStatus.BAD_REQUEST,
+            f"query [{long[0]}] has {len(queries[long[0]])} characters, over the limit of "
+            f"{max_query_chars} ({len(long)} such queries); shorten it or raise --max_query_chars",
+        )
     topk = payload.get("topk")
     if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
         # Search-R1's server reads 0 as "the default"; a client asking for zero passages has a bug worth seeing.
-        raise BadRequest(HTTPStatus.BAD_REQUEST, f"'topk' must be a positive integer, got {topk!r}; omit it or send "
-                                                 "null for the server's --topk")
+        raise BadRequest(
+            HTTPStatus.BAD_REQUEST,
+            f"'topk' must be a positive integer, got {topk!r}; omit it or send null for the server's --topk",
+        )
     return_scores = payload.get("return_scores", False)
     if not isinstance(return_scores, bool):
         raise BadRequest(HTTPStatus.BAD_REQUEST, f"'return_scores' must be true or false, got {return_scores!r}")
@@ -148,15 +169,33 @@ def parse_request(payload: object, *, default_topk: int, max_queries: int, max_q
 
 
 class RetrieverHTTPServer(JsonHTTPServer):
-    def __init__(self, address: tuple[str, int], index: Bm25Index, *, topk: int, max_queries: int,
-                 max_query_chars: int, token: str | None, max_request_bytes: int, request_timeout: float,
-                 quiet: bool) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        index: Bm25Index,
+        *,
+        topk: int,
+        max_queries: int,
+        max_query_chars: int,
+        token: str | None,
+        max_request_bytes: int,
+        request_timeout: float,
+        quiet: bool,
+    ) -> None:
         self.index = index
         self.topk = topk
         self.max_queries = max_queries
         self.max_query_chars = max_query_chars
-        super().__init__(address, RetrieverHandler, log_name="retriever-server", token=token, token_env=TOKEN_ENV,
-                         max_request_bytes=max_request_bytes, request_timeout=request_timeout, quiet=quiet)
+        super().__init__(
+            address,
+            RetrieverHandler,
+            log_name="retriever-server",
+            token=token,
+            token_env=TOKEN_ENV,
+            max_request_bytes=max_request_bytes,
+            request_timeout=request_timeout,
+            quiet=quiet,
+        )
 
 
 class RetrieverHandler(JsonHandler):
@@ -168,8 +207,12 @@ class RetrieverHandler(JsonHandler):
         return {"status": "ok", "documents": len(self.server.index.docs)}
 
     def handle_post(self, path: str, payload: object) -> tuple[dict, int | None]:
-        request = parse_request(payload, default_topk=self.server.topk, max_queries=self.server.max_queries,
-                                max_query_chars=self.server.max_query_chars)
+        request = parse_request(
+            payload,
+            default_topk=self.server.topk,
+            max_queries=self.server.max_queries,
+            max_query_chars=self.server.max_query_chars,
+        )
         hits = self.server.index.search(request.queries, request.topk)
         if request.return_scores:
             result: list = [[{"document": hit.document, "score": hit.score} for hit in row] for row in hits]
@@ -182,13 +225,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rlrun.retriever_server",
         description="Serve BM25 retrieval over a Search-R1 JSONL corpus at POST /retrieve "
-                    "(Search-R1's request and response format) for --retriever_url.")
-    parser.add_argument("--corpus_path", required=True,
-                        help='JSONL corpus, one {"id": ..., "contents": "\\"Title\\"\\ntext"} per line (Search-R1 format).')
-    parser.add_argument("--topk", type=int, default=3, help="Documents per query when a request gives no topk (default: 3).")
-    parser.add_argument("--max_queries", type=int, default=256, help="Most queries in one request; more get 413 (default: 256).")
-    parser.add_argument("--max_query_chars", type=int, default=2000,
-                        help="Longest accepted query in characters; longer ones get 400 (default: 2000).")
+        "(Search-R1's request and response format) for --retriever_url.",
+    )
+    parser.add_argument(
+        "--corpus_path",
+        required=True,
+        help='JSONL corpus, one {"id": ..., "contents": "\\"Title\\"\\ntext"} per line (Search-R1 format).',
+    )
+    parser.add_argument(
+        "--topk", type=int, default=3, help="Documents per query when a request gives no topk (default: 3)."
+    )
+    parser.add_argument(
+        "--max_queries", type=int, default=256, help="Most queries in one request; more get 413 (default: 256)."
+    )
+    parser.add_argument(
+        "--max_query_chars",
+        type=int,
+        default=2000,
+        help="Longest accepted query in characters; longer ones get 400 (default: 2000).",
+    )
     add_server_arguments(parser, default_port=8000)
     return parser
 
@@ -209,15 +264,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CorpusError, MissingExtraError, OSError) as exc:
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    print(f"{prog}: indexed {len(docs)} documents from {args.corpus_path} in {time.monotonic() - started:.1f} s",
-          flush=True)
+    print(
+        f"{prog}: indexed {len(docs)} documents from {args.corpus_path} in {time.monotonic() - started:.1f} s",
+        flush=True,
+    )
     token = os.environ.get(TOKEN_ENV) or None
-    return serve(prog,
-                 lambda: RetrieverHTTPServer((args.host, args.port), index, topk=args.topk,
-                                             max_queries=args.max_queries, max_query_chars=args.max_query_chars,
-                                             token=token, max_request_bytes=args.max_request_bytes,
-                                             request_timeout=args.request_timeout, quiet=args.quiet),
-                 host=args.host, port=args.port,
-                 details=f"POST /retrieve, GET /health; {len(docs)} documents from {args.corpus_path}, BM25 topk {args.topk}",
-                 exposes="search the corpus")
-
+    return serve(
+        prog,
+        lambda: RetrieverHTTPServer(
+            (args.host, args.port),
+            index,
+            topk=args.topk,
+            max_queries=args.max_queries,
+            max_query_chars=args.max_query_chars,
+            token=token,
+            max_request_bytes=args.max_request_bytes,
+            request_timeout=args.request_timeout,
+            quiet=args.quiet,
+        ),
+        host=args.host,
+        port=args.port,
+        details=f"POST /retrieve, GET /health; {len(docs)} documents from {args.corpus_path}, BM25 topk {args.topk}",
+        exposes="search the corpus",
+    )

@@ -10,16 +10,17 @@ from __future__ import annotations
 import enum
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from rlrun.weight_sync.blocks import ParamBlock, ParamHoming
 from rlrun.models.weights import Unfilled
 from rlrun.runtime.errors import CheckpointError
+from rlrun.weight_sync.blocks import ParamBlock, ParamHoming
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -48,8 +49,9 @@ class StepOps(Protocol):
         weighting); `last_micro` marks the final micro-batch before the step."""
         ...
 
-    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, clipper: GradClipper,
-                      max_norm: float) -> float:
+    def clip_and_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, clipper: GradClipper, max_norm: float
+    ) -> float:
         """Clip to `max_norm` (<= 0: no clipping) and step. Returns the gradient norm before clipping; when
         it is not finite the weights are left untouched and the gradients dropped."""
         ...
@@ -64,8 +66,9 @@ class TorchSteps:
     def backward(self, loss: torch.Tensor, *, last_micro: bool) -> None:
         loss.backward()
 
-    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, clipper: GradClipper,
-                      max_norm: float) -> float:
+    def clip_and_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, clipper: GradClipper, max_norm: float
+    ) -> float:
         grad_norm = clipper.clip_grad_norm(model, max_norm)
         if math.isfinite(grad_norm):
             optimizer.step()
@@ -85,8 +88,9 @@ class Strategy(GradClipper, ParamHoming, Protocol):
         placed first and filled after: a rank reads only what it keeps."""
         ...
 
-    def wrap_trainable(self, model: nn.Module | Unfilled,
-                       make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def wrap_trainable(
+        self, model: nn.Module | Unfilled, make_optimizer: OptimizerFactory
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """(model to call forward on, the torch optimizer whose param_groups an LR scheduler drives)."""
         ...
 
@@ -119,13 +123,18 @@ class Strategy(GradClipper, ParamHoming, Protocol):
     # Sleep (--deepspeed_enable_sleep): local to this rank, never collective. save_state, load_state and
     # full_state_dict wake a sleeping model for their duration; forward passes and weight sync need it awake.
 
-    def sleep(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS) -> int:
+    def sleep(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS
+    ) -> int:
         """Move `parts` of `model` (and of its optimizer; None for a frozen model) off the compute device, freeing
         their device memory. Returns the bytes moved (0 for parts already asleep)."""
         ...
 
-    def wake(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS) -> int:
-        """Inverse of sleep: the same tensors hold the same bytes on the compute device again. Returns the bytes moved."""
+    def wake(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS
+    ) -> int:
+        """Inverse of sleep: the same tensors hold the same bytes on the compute device again. Returns the bytes
+        moved."""
         ...
 
     def asleep(self, model: nn.Module) -> frozenset[Part]:

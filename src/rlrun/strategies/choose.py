@@ -9,23 +9,43 @@ from rlrun.strategies.base import Strategy
 from rlrun.strategies.fsdp import FSDPStrategy
 
 
-def make_strategy(group: torch.distributed.ProcessGroup, device: torch.device, model: PretrainedConfig,
-                  train: OptimConfig, solo: torch.distributed.ProcessGroup | None = None) -> Strategy:
+def make_strategy(
+    group: torch.distributed.ProcessGroup,
+    device: torch.device,
+    model: PretrainedConfig,
+    train: OptimConfig,
+    solo: torch.distributed.ProcessGroup | None = None,
+) -> Strategy:
     """The strategy for one role's models on `group` (planning/validation already checked the install,
     version and stage). `solo`: this rank's one-rank group, which DeepSpeed needs (launch/groups.py makes it)."""
     if train.strategy == "deepspeed":
         from rlrun.strategies.deepspeed import DeepSpeedStrategy  # noqa: PLC0415 - optional extra
 
-        return DeepSpeedStrategy(group, device, bf16=model.bf16, zero_stage=train.zero_stage, offload=train.adam_offload,
-                                 gradient_checkpointing=model.gradient_checkpointing,
-                                 micro_batch=train.micro_train_batch_size, max_norm=train.max_norm,
-                                 solo_group=_required(solo))
-    return FSDPStrategy(group, device, bf16=model.bf16, zero_stage=train.zero_stage, offload=train.adam_offload,
-                        gradient_checkpointing=model.gradient_checkpointing)
+        return DeepSpeedStrategy(
+            group,
+            device,
+            bf16=model.bf16,
+            zero_stage=train.zero_stage,
+            offload=train.adam_offload,
+            gradient_checkpointing=model.gradient_checkpointing,
+            micro_batch=train.micro_train_batch_size,
+            max_norm=train.max_norm,
+            solo_group=_required(solo),
+        )
+    return FSDPStrategy(
+        group,
+        device,
+        bf16=model.bf16,
+        zero_stage=train.zero_stage,
+        offload=train.adam_offload,
+        gradient_checkpointing=model.gradient_checkpointing,
+    )
 
 
 def _required(solo: torch.distributed.ProcessGroup | None) -> torch.distributed.ProcessGroup:
     if solo is None:
-        raise ValueError("--strategy deepspeed needs this rank's one-rank group: build the groups with "
-                         "rlrun.launch.groups.build_groups(..., solo=True) or solo_group()")
+        raise ValueError(
+            "--strategy deepspeed needs this rank's one-rank group: build the groups with "
+            "rlrun.launch.groups.build_groups(..., solo=True) or solo_group()"
+        )
     return solo

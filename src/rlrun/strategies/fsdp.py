@@ -6,22 +6,22 @@ parameters by FSDP unit, full/sharded state dicts, sleep/wake); the DeepSpeed st
 
 from __future__ import annotations
 
-from typing import Mapping
-import torch
-from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator, Mapping
+
+import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
 from rlrun.checkpoint.collective import load_role_state, save_role_state
-from rlrun.weight_sync.blocks import ParamBlock, full_tensor, param_blocks
 from rlrun.models.weights import Unfilled, WeightSource
 from rlrun.strategies.base import ALL_PARTS, OptimizerFactory, Part, StepOps, TorchSteps
 from rlrun.strategies.parking import SleepBook, awake_meanwhile
+from rlrun.weight_sync.blocks import ParamBlock, full_tensor, param_blocks
 
 # ---- re-homing parameters ----------------------------------------------------------------------------------------
 # FSDP2 parameters that live in memory the caller owns: weight sync's send buckets (zero-copy send).
@@ -32,6 +32,7 @@ from rlrun.strategies.parking import SleepBook, awake_meanwhile
 # it reaches into FSDP2's per-parameter record (`FSDPParam`: its flat shard, which FSDP's all-gathers read), so
 # it checks that record's form first and declines (a reason, never an error) when this torch lays it out
 # differently, or when the parameters are sharded over several ranks, offloaded, or in another dtype.
+
 
 def _fsdp_params_by_param(model: nn.Module) -> dict[int, object]:
     """id(sharded parameter) -> FSDP2's FSDPParam that manages it (torch-internal objects; {} when this torch
@@ -46,15 +47,19 @@ def _fsdp_params_by_param(model: nn.Module) -> dict[int, object]:
     return out
 
 
-def _param_blocker(name: str, p: torch.Tensor, fsdp_param: object | None, has_units: bool,
-                   dtype: torch.dtype, device: torch.device) -> str | None:
+def _param_blocker(
+    name: str, p: torch.Tensor, fsdp_param: object | None, has_units: bool, dtype: torch.dtype, device: torch.device
+) -> str | None:
     if p.dtype != dtype:
         return f"{name} is {p.dtype}, the engines take {dtype} (the send casts)"
     if isinstance(p, DTensor):
         if not tuple(p.placements) == (Shard(0),) or p.device_mesh.size() != 1:
             return f"{name} is sharded over {p.device_mesh.size()} ranks (the root gathers it)"
-        if fsdp_param is None or type(getattr(fsdp_param, "_sharded_param_data", None)) is not torch.Tensor \
-                or getattr(fsdp_param, "offload_to_cpu", True):
+        if (
+            fsdp_param is None
+            or type(getattr(fsdp_param, "_sharded_param_data", None)) is not torch.Tensor
+            or getattr(fsdp_param, "offload_to_cpu", True)
+        ):
             return f"{name}: FSDP2 keeps its shard in a form this rlrun cannot re-home (CPU offload or a new torch)"
         local_tensor = p.to_local()
     elif has_units:
@@ -90,8 +95,9 @@ def home_params(model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
     for name, view in views.items():
         p = params[name]
         if tuple(view.shape) != tuple(p.shape) or view.dtype != p.dtype or not view.is_contiguous():
-            raise ValueError(f"{name}: cannot home a {tuple(p.shape)} {p.dtype} parameter in a "
-                             f"{tuple(view.shape)} {view.dtype} view")
+            raise ValueError(
+                f"{name}: cannot home a {tuple(p.shape)} {p.dtype} parameter in a {tuple(view.shape)} {view.dtype} view"
+            )
         if isinstance(p, DTensor):
             fsdp_param = by_param[id(p)]
             view.copy_(p.to_local())
@@ -101,9 +107,18 @@ def home_params(model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
             view.copy_(p)
             p.data = view
 
+
 class FSDPStrategy:
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, *, bf16: bool, zero_stage: int,
-                 offload: bool, gradient_checkpointing: bool) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        *,
+        bf16: bool,
+        zero_stage: int,
+        offload: bool,
+        gradient_checkpointing: bool,
+    ) -> None:
         self.group = group
         self.device = device
         self.bf16 = bf16 and device.type == "cuda"  # bf16 compute on CPU is slow and not what users want there
@@ -148,14 +163,16 @@ class FSDPStrategy:
             fully_shard(sub, **kwargs)
         fully_shard(module, **kwargs)
         if unfilled is not None:
-            unfilled.fill(self.device, param_device=torch.device("cpu") if self.offload else self.device,
-                          read_into=read_shard)
+            unfilled.fill(
+                self.device, param_device=torch.device("cpu") if self.offload else self.device, read_into=read_shard
+            )
         if not trainable:
             module.requires_grad_(False)
         return module
 
-    def wrap_trainable(self, model: nn.Module | Unfilled,
-                       make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def wrap_trainable(
+        self, model: nn.Module | Unfilled, make_optimizer: OptimizerFactory
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
         module = self.wrap(model)
         return module, make_optimizer(module)
 
@@ -188,11 +205,16 @@ class FSDPStrategy:
         if part is Part.PARAMS:
             return [*model.parameters(), *model.buffers()]
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()
-                                              if isinstance(v, torch.Tensor)]
+        state = (
+            []
+            if optimizer is None
+            else [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        )
         return grads + state
 
-    def sleep(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS) -> int:
+    def sleep(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS
+    ) -> int:
         if Part.PARAMS in parts:
             # A no-grad forward of a trainable model (reshard_after_forward=False) leaves its gathered parameters
             # registered; reshard so the module holds only its shards, the gathered copies are freed and
@@ -206,7 +228,9 @@ class FSDPStrategy:
             moved += self._sleep.sleep(model, part, self._part(model, optimizer, part), keep, model, optimizer)
         return moved
 
-    def wake(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS) -> int:
+    def wake(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS
+    ) -> int:
         return sum(self._sleep.wake(model, part) for part in sorted(parts, key=lambda p: p.value))
 
     def asleep(self, model: nn.Module) -> frozenset[Part]:

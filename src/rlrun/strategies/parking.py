@@ -73,7 +73,8 @@ class ParkedStorages:
             for storage, _ in self._parked:
                 storage.resize_(0)
         if pin:
-            torch.cuda.empty_cache()  # hand the memory back to the driver: a vLLM child process allocates outside torch's cache
+            # hand the memory back to the driver: a vLLM child process allocates outside torch's cache
+            torch.cuda.empty_cache()
         self.nbytes = sum(host.numel() for _, host in self._parked)
 
     def restore(self) -> None:
@@ -103,8 +104,15 @@ class SleepBook:
     def asleep(self, model: nn.Module) -> frozenset[Part]:
         return frozenset(part for part in Part if (id(model), part) in self._asleep)
 
-    def sleep(self, model: nn.Module, part: Part, tensors: Iterable[torch.Tensor], keep: Iterable[torch.Tensor],
-              guarded: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    def sleep(
+        self,
+        model: nn.Module,
+        part: Part,
+        tensors: Iterable[torch.Tensor],
+        keep: Iterable[torch.Tensor],
+        guarded: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+    ) -> int:
         """Park the storages of `tensors` (those of `keep`, the model's other part, stay). Returns the bytes parked.
         `guarded`: the module whose forward must refuse to run while PARAMS sleep; `optimizer`: refuses to step
         while STATES sleep."""
@@ -116,10 +124,13 @@ class SleepBook:
         parked = ParkedStorages(storages, self.device)
         guard = None
         if part is Part.PARAMS:
-            guard = guarded.register_forward_pre_hook(_refuse("a forward pass ran on a model whose parameters are asleep"),
-                                                      prepend=True)  # before FSDP2's own hook reads the shards
+            guard = guarded.register_forward_pre_hook(
+                _refuse("a forward pass ran on a model whose parameters are asleep"), prepend=True
+            )  # before FSDP2's own hook reads the shards
         elif optimizer is not None:
-            guard = optimizer.register_step_pre_hook(_refuse("an optimizer step ran on a model whose optimizer state is asleep"))
+            guard = optimizer.register_step_pre_hook(
+                _refuse("an optimizer step ran on a model whose optimizer state is asleep")
+            )
         self._asleep[key] = _Asleep(parked, guard)
         return parked.nbytes
 
@@ -134,13 +145,16 @@ class SleepBook:
 
     def require_awake(self, model: nn.Module, part: Part, what: str) -> None:
         if (id(model), part) in self._asleep:
-            raise RlrunError(f"{what} needs the model's {part.value}, which are asleep (--deepspeed_enable_sleep); "
-                             "the sleep schedule (rlrun.rl.sleep) must wake them first")
+            raise RlrunError(
+                f"{what} needs the model's {part.value}, which are asleep (--deepspeed_enable_sleep); "
+                "the sleep schedule (rlrun.rl.sleep) must wake them first"
+            )
 
 
 def _refuse(what: str):
     def hook(*_: object) -> None:
         raise RlrunError(f"{what} (--deepspeed_enable_sleep); the sleep schedule (rlrun.rl.sleep) must wake it first")
+
     return hook
 
 
@@ -155,8 +169,12 @@ class SleepCapable(Protocol):
 
 
 @contextlib.contextmanager
-def awake_meanwhile(sleeper: SleepCapable, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    parts: frozenset[Part] = frozenset(Part)) -> Iterator[None]:
+def awake_meanwhile(
+    sleeper: SleepCapable,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    parts: frozenset[Part] = frozenset(Part),
+) -> Iterator[None]:
     """Wake what of `parts` sleeps in `model`, and put it back to sleep afterwards (checkpoints and exports read a
     model whatever the schedule). STATES need the `optimizer` to find its state again."""
     parts = sleeper.asleep(model) & parts

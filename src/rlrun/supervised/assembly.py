@@ -65,6 +65,7 @@ FIXED_ON_RESUME = {
 
 # ---- the trainers -------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class BuildContext:
     group: torch.distributed.ProcessGroup  # every rank: the trained model's data-parallel group
@@ -118,36 +119,53 @@ class Supervised(Generic[S]):
         tokenizer = supervised_tokenizer(cfg)
         d, t = cfg.data, cfg.train
         assert d.dataset is not None  # check_supervised
-        with deadline(cfg.runtime.data_timeout, lambda: DataError(
-                f"loading --dataset {d.dataset}" + (f" and --eval_dataset {d.eval_dataset}" if d.eval_dataset else "")
+        with deadline(
+            cfg.runtime.data_timeout,
+            lambda: DataError(
+                f"loading --dataset {d.dataset}"
+                + (f" and --eval_dataset {d.eval_dataset}" if d.eval_dataset else "")
                 + f" took over --data_timeout {cfg.runtime.data_timeout:g} s; check the filesystem or network it "
-                "comes from, or raise --data_timeout")):
+                "comes from, or raise --data_timeout"
+            ),
+        ):
             train = self._read(cfg, tokenizer, d.dataset, "--dataset", log)
             evals = self._read(cfg, tokenizer, d.eval_dataset, "--eval_dataset", log) if d.eval_dataset else None
         held = int(self.eval_from_train * len(train.samples))
         if evals is None and held > 0:
             evals = Loaded(train.samples[:held], 0, 0)
-            log.info_once(f"no --eval_dataset: evaluating on the first {held} training samples "
-                          f"({self.eval_from_train:.0%}, as OpenRLHF)")
+            log.info_once(
+                f"no --eval_dataset: evaluating on the first {held} training samples "
+                f"({self.eval_from_train:.0%}, as OpenRLHF)"
+            )
         if len(train.samples) < t.train_batch_size:
-            raise DataError(f"--dataset {d.dataset}: {len(train.samples)} usable samples do not fill one "
-                            f"--train_batch_size {t.train_batch_size}; lower --train_batch_size or add data")
+            raise DataError(
+                f"--dataset {d.dataset}: {len(train.samples)} usable samples do not fill one "
+                f"--train_batch_size {t.train_batch_size}; lower --train_batch_size or add data"
+            )
         sampler = PromptSampler(len(train.samples), t.train_batch_size, t.seed, t.max_epochs)
         total_steps = min(sampler.total_steps, t.max_steps or sampler.total_steps)
-        log.info_once(f"{len(train.samples)} samples, {total_steps} steps of {t.train_batch_size} "
-                      f"({sampler.steps_per_episode} per epoch), {started.backend} on {started.device.type}")
+        log.info_once(
+            f"{len(train.samples)} samples, {total_steps} steps of {t.train_batch_size} "
+            f"({sampler.steps_per_episode} per epoch), {started.backend} on {started.device.type}"
+        )
         seed_everything(t.seed)
         return Data(tokenizer, train, evals, sampler, total_steps)
 
-    def _read(self, cfg: SupervisedConfig, tokenizer: PreTrainedTokenizerBase, path: str, flag: str,
-              log: RankLogger) -> Loaded[S]:
+    def _read(
+        self, cfg: SupervisedConfig, tokenizer: PreTrainedTokenizerBase, path: str, flag: str, log: RankLogger
+    ) -> Loaded[S]:
         d = cfg.data
-        spec = (DataSpec(path, "dataset", d.dataset_split, d.dataset_probs, cfg.train.seed) if flag == "--dataset" else
-                DataSpec(path, "eval_dataset", d.eval_split, seed=cfg.train.seed))
+        spec = (
+            DataSpec(path, "dataset", d.dataset_split, d.dataset_probs, cfg.train.seed)
+            if flag == "--dataset"
+            else DataSpec(path, "eval_dataset", d.eval_split, seed=cfg.train.seed)
+        )
         loaded = self.load(cfg, tokenizer, spec)
         if loaded.dropped or loaded.truncated:
-            log.info_once(f"{flag} {path}: {len(loaded.samples)} samples; {loaded.dropped} records dropped and "
-                          f"{loaded.truncated} truncated at --max_len {cfg.train.max_len}")
+            log.info_once(
+                f"{flag} {path}: {len(loaded.samples)} samples; {loaded.dropped} records dropped and "
+                f"{loaded.truncated} truncated at --max_len {cfg.train.max_len}"
+            )
         return loaded
 
     def announce(self, planned: Planned[SupervisedConfig], inputs: Data[S], env: DistEnv) -> list[str]:
@@ -158,24 +176,51 @@ class Supervised(Generic[S]):
         t = cfg.train
         group = all_ranks_group(cfg.runtime.dist_timeout)
         solo = solo_group(cfg.runtime.dist_timeout) if t.strategy == "deepspeed" else None
-        task = self.build_task(cfg, BuildContext(group, started.device, env.rank, int(inputs.tokenizer.pad_token_id),
-                                                 solo))
-        updater = Updater(task.model, task.strategy, task.optimizer,
-                          warmup_cosine(task.optimizer, inputs.total_steps, t.lr_warmup_ratio), t.max_norm,
-                          t.micro_train_batch_size, env.rank, env.world_size, max_nonfinite_in_a_row=t.max_skipped_steps,
-                          ops=task.strategy.step_ops(task.model))
-        loop = Loop(task, updater, inputs.train.samples, inputs.evals.samples if inputs.evals else None, inputs.sampler,
-                    inputs.total_steps, functools.partial(sum_over, group=group, device=started.comm_device), env.rank,
-                    env.world_size, t.micro_train_batch_size, cfg.logging.eval_steps, started.phase,
-                    steps_per_epoch=inputs.sampler.steps_per_episode, eval_before_train=cfg.logging.eval_before_train)
+        task = self.build_task(
+            cfg, BuildContext(group, started.device, env.rank, int(inputs.tokenizer.pad_token_id), solo)
+        )
+        updater = Updater(
+            task.model,
+            task.strategy,
+            task.optimizer,
+            warmup_cosine(task.optimizer, inputs.total_steps, t.lr_warmup_ratio),
+            t.max_norm,
+            t.micro_train_batch_size,
+            env.rank,
+            env.world_size,
+            max_nonfinite_in_a_row=t.max_skipped_steps,
+            ops=task.strategy.step_ops(task.model),
+        )
+        loop = Loop(
+            task,
+            updater,
+            inputs.train.samples,
+            inputs.evals.samples if inputs.evals else None,
+            inputs.sampler,
+            inputs.total_steps,
+            functools.partial(sum_over, group=group, device=started.comm_device),
+            env.rank,
+            env.world_size,
+            t.micro_train_batch_size,
+            cfg.logging.eval_steps,
+            started.phase,
+            steps_per_epoch=inputs.sampler.steps_per_episode,
+            eval_before_train=cfg.logging.eval_before_train,
+        )
         identity = Identity(task.name, t.strategy, "model", task.model, FIXED_ON_RESUME, what=task.name)
-        return Built(loop, identity, [ModelState(task.strategy, task.model, task.optimizer, "model")], group,
-                     [task.model])
+        return Built(
+            loop, identity, [ModelState(task.strategy, task.model, task.optimizer, "model")], group, [task.model]
+        )
 
     def export(self, planned: Planned[SupervisedConfig], inputs: Data[S], built: Built[Loop[S]]) -> dict[str, str]:
         cfg, task = planned.config, built.job.task
-        task.save(cfg.checkpoint.save_path, inputs.tokenizer, is_writer=built.job.rank == 0,
-                  allow_nonfinite=cfg.checkpoint.export_nonfinite, merged=cfg.checkpoint.save_merged)
+        task.save(
+            cfg.checkpoint.save_path,
+            inputs.tokenizer,
+            is_writer=built.job.rank == 0,
+            allow_nonfinite=cfg.checkpoint.export_nonfinite,
+            merged=cfg.checkpoint.save_merged,
+        )
         saving = cfg.checkpoint
         get_logger(built.job.rank).info_once(f"saved the model {model_form(cfg.model, saving)} to {saving.save_path}")
         return saved_outputs(cfg.model, saving)
@@ -183,8 +228,10 @@ class Supervised(Generic[S]):
 
 # ---- the models -------------------------------------------------------------------------------------------------
 
-def trainable(model: nn.Module | Unfilled, source: PretrainedConfig, train: SupervisedTrainConfig,
-              ctx: BuildContext) -> tuple[nn.Module, torch.optim.Optimizer, Strategy]:
+
+def trainable(
+    model: nn.Module | Unfilled, source: PretrainedConfig, train: SupervisedTrainConfig, ctx: BuildContext
+) -> tuple[nn.Module, torch.optim.Optimizer, Strategy]:
     """(wrapped model, its optimizer, the strategy that steps it) on the all-ranks group. With --lora_rank the model
     gets LoRA adapters first (`with_adapters`): the optimizer then holds the adapters (and a reward model's head)
     only."""
@@ -193,11 +240,14 @@ def trainable(model: nn.Module | Unfilled, source: PretrainedConfig, train: Supe
         model = with_adapters(model, lora, source, train.seed, rank=ctx.rank)
     strategy = make_strategy(ctx.group, ctx.device, source, train, ctx.solo)
     wrapped, optimizer = strategy.wrap_trainable(
-        model, lambda m: make_optimizer(m, train.learning_rate, train.adam_betas, train.l2))
+        model, lambda m: make_optimizer(m, train.learning_rate, train.adam_betas, train.l2)
+    )
     return wrapped, optimizer, strategy
 
 
-def with_adapters(model: Unfilled, lora: LoraSettings, source: PretrainedConfig, seed: int, *, rank: int = 0) -> Unfilled:
+def with_adapters(
+    model: Unfilled, lora: LoraSettings, source: PretrainedConfig, seed: int, *, rank: int = 0
+) -> Unfilled:
     """`model` with PEFT LoRA layers on --target_modules, still unallocated. A reward model's adapters go on its
     transformer body only: its freshly initialised score head stays outside them, trained whole (a rank-r update
     of a random one-row head would not train it), and ScalarHeadModel keeps reading the body's hidden states."""
@@ -209,7 +259,8 @@ def with_adapters(model: Unfilled, lora: LoraSettings, source: PretrainedConfig,
     get_logger(rank).info_once(
         f"LoRA rank {lora.rank} alpha {lora.alpha:g} on {' '.join(lora.target_modules)}: {trained:,} of {total:,} "
         f"parameters trained ({trained / max(total, 1):.2%}{', the score head whole' if scalar else ''}); the base "
-        "weights stay frozen")
+        "weights stay frozen"
+    )
     return adapted
 
 
@@ -220,27 +271,34 @@ def reward_model(source: PretrainedConfig, seed: int) -> Unfilled:
     return Unfilled(ScalarHeadModel(hf.model), hf.weights, prefix="hf.")
 
 
-def dpo_reference(model: PretrainedConfig, loss: DPOLossConfig, train: SupervisedTrainConfig,
-                  ctx: BuildContext) -> nn.Module | None:
+def dpo_reference(
+    model: PretrainedConfig, loss: DPOLossConfig, train: SupervisedTrainConfig, ctx: BuildContext
+) -> nn.Module | None:
     """The frozen reference: --ref_pretrain, else the initial policy; --ref_offload keeps its parameters in CPU
     memory between forwards (FSDP2's CPU offload, GPU only). None with LoRA (`reference_is_base`): the DPO task
     scores the reference with the policy's adapters disabled."""
     offload = loss.ref_offload
     log = get_logger(ctx.rank)
     if reference_is_base(model, loss):
-        log.info_once("--lora_rank: the reference is the policy's base model with its adapters disabled; no reference "
-                      "copy is built" + (", so --ref_offload has nothing to offload" if offload else ""))
+        log.info_once(
+            "--lora_rank: the reference is the policy's base model with its adapters disabled; no reference "
+            "copy is built" + (", so --ref_offload has nothing to offload" if offload else "")
+        )
         return None
     # a reference built from a model of its own: never with adapters, it is not trained
     source = dataclasses.replace(model, pretrain=loss.ref_pretrain or model.pretrain, lora_rank=0)
     if model.lora_rank > 0:
-        log.info_once(f"--lora_rank with --ref_pretrain {loss.ref_pretrain}: a separate frozen reference (a full "
-                      "copy of that model); drop --ref_pretrain to score with the policy's base instead")
+        log.info_once(
+            f"--lora_rank with --ref_pretrain {loss.ref_pretrain}: a separate frozen reference (a full "
+            "copy of that model); drop --ref_pretrain to score with the policy's base instead"
+        )
     if offload and ctx.device.type != "cuda":
         log.info_once("--ref_offload: parameters already live in CPU memory on CPU; nothing to offload")
     if offload and train.strategy == "deepspeed":
-        log.warning_once("--ref_offload has no effect with --strategy deepspeed yet (its frozen models are ZeRO-0 "
-                         "inference engines); use --strategy fsdp to offload the reference")
+        log.warning_once(
+            "--ref_offload has no effect with --strategy deepspeed yet (its frozen models are ZeRO-0 "
+            "inference engines); use --strategy fsdp to offload the reference"
+        )
     ref_train: OptimConfig = dataclasses.replace(train, adam_offload=offload and train.strategy == "fsdp")
     strategy = make_strategy(ctx.group, ctx.device, source, ref_train, ctx.solo)
     return strategy.wrap(unfilled_policy(source, train.seed), trainable=False)

@@ -24,24 +24,23 @@ Filtering (records counted in Loaded.dropped) and truncation (Loaded.truncated),
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping
 import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
-from rlrun.data.sources import DataSpec, read_sources
-from rlrun.data.sources import render, shown, where
-from rlrun.runtime.errors import DataError
-from typing import Literal
-from rlrun.data import sources as fields
-from rlrun.data.prompts import format_prompt
 import json
 import os
 import random
 import string
 import sys
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+
+from rlrun.data import sources as fields
+from rlrun.data.prompts import format_prompt
+from rlrun.data.sources import DataSpec, read_sources, render, shown, where
 from rlrun.models.tiny import BUILTIN_PROMPTS
 from rlrun.rewards.demo import TARGET_CHARS
+from rlrun.runtime.errors import DataError
 
 # ---- records -----------------------------------------------------------------------------------------------------
 # Record-level helpers of the SFT and preference loaders (rlrun.supervised.datasets): cutting a rendered
@@ -85,7 +84,8 @@ def after(full: str, prompt: str, where: str, what: str) -> str:
     if not full.startswith(prompt):
         raise DataError(
             f"{where}: the rendered prompt {prompt[-80:]!r} is not the beginning of the rendered {what} "
-            f"{full[:160]!r}; the answer cannot be cut out of it. The conversation must end with the assistant's answer, "
+            f"{full[:160]!r}; the answer cannot be cut out of it. The conversation must end with the assistant's "
+            f"answer, "
             "and the chat template (--tokenizer_chat_template) must render the earlier turns with "
             "add_generation_prompt as a prefix of the whole conversation."
         )
@@ -179,11 +179,13 @@ def finish(path: str, total: int, samples: list[T], reasons: Counter[str], trunc
         raise all_dropped(path, total, reasons, max_len)
     return Loaded(samples=samples, dropped=sum(reasons.values()), truncated=truncated)
 
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 PairTask = Literal["reward_model", "dpo"]
 """Which OpenRLHF trainer's pair semantics: DPO drops long prompts and splits chat pairs at their shared prompt."""
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -231,7 +233,11 @@ def _sft_texts(
             )
         return _Texts(prompt, response)
     prompt = format_prompt(fields.string(value, input_key, where), tokenizer, input_template, apply_chat_template=False)
-    response = "" if output_key is None else fields.string(fields.field(row, output_key, "output_key", where), output_key, where)
+    response = (
+        ""
+        if output_key is None
+        else fields.string(fields.field(row, output_key, "output_key", where), output_key, where)
+    )
     return _Texts(prompt, response)
 
 
@@ -347,7 +353,10 @@ def _pair_texts(
         prompt_messages = fields.messages(fields.field(row, prompt_key, "prompt_key", where), prompt_key, where, "user")
         prompt, chosen = chat_pair(tokenizer, prompt_messages, chosen_messages, where, "prompt + chosen")
         rejected = after(
-            fields.render(tokenizer, prompt_messages + rejected_messages, False, where), prompt, where, "prompt + rejected"
+            fields.render(tokenizer, prompt_messages + rejected_messages, False, where),
+            prompt,
+            where,
+            "prompt + rejected",
         )
         return _PairTexts(prompt, chosen, rejected, margin)
     chosen_full = fields.render(tokenizer, chosen_messages, False, where)
@@ -387,8 +396,15 @@ def load_preferences(
     check_tokenizer(tokenizer, apply_chat_template, needs_eos=True)
     pairs = [
         _pair_texts(
-            row, fields.where(path, index), tokenizer, prompt_key, chosen_key, rejected_key,
-            input_template, apply_chat_template, task,
+            row,
+            fields.where(path, index),
+            tokenizer,
+            prompt_key,
+            chosen_key,
+            rejected_key,
+            input_template,
+            apply_chat_template,
+            task,
         )
         for index, row in enumerate(rows)
     ]
@@ -411,9 +427,11 @@ def load_preferences(
         # with each answer, the prompt stops where the two id lists part (both inputs stay exact), and
         # each answer keeps at least its EOS.
         split = min(prompt_len, common_prefix(chosen, rejected), len(chosen) - 1, len(rejected) - 1)
-        samples.append(Preference(prompt=chosen[:split], chosen=chosen[split:], rejected=rejected[split:],
-                                  margin=pair.margin))
+        samples.append(
+            Preference(prompt=chosen[:split], chosen=chosen[split:], rejected=rejected[split:], margin=pair.margin)
+        )
     return finish(path, len(rows), samples, reasons, truncated, max_len)
+
 
 # ---- the demo data -----------------------------------------------------------------------------------------------
 # Generated data for the offline pipeline on the embedded tiny model (SFT -> RM -> PPO, and DPO): the built-in
@@ -423,8 +441,12 @@ def load_preferences(
 #     python -m rlrun.supervised.datasets OUT_DIR   # writes sft.jsonl, pairs.jsonl, pairs_eval.jsonl
 
 # Characters of the wrong kind for each label: uppercase letters and punctuation, and the other label's set.
-_OFF_TARGET = {label: "".join(sorted(set(string.ascii_uppercase + string.punctuation + "".join(other))))
-               for label in TARGET_CHARS for other_label, other in TARGET_CHARS.items() if other_label != label}
+_OFF_TARGET = {
+    label: "".join(sorted(set(string.ascii_uppercase + string.punctuation + "".join(other))))
+    for label in TARGET_CHARS
+    for other_label, other in TARGET_CHARS.items()
+    if other_label != label
+}
 
 
 def _answer(rng: random.Random, chars: str, low: int = 6, high: int = 14) -> str:

@@ -50,14 +50,20 @@ class Loop(Generic[S]):
             lengths = [self.task.loss_tokens(s) for s in batch]
             token_mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
 
-            def micro_loss(rows: torch.Tensor, num_tokens: float, num_seqs: float
-                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            def micro_loss(
+                rows: torch.Tensor, num_tokens: float, num_seqs: float
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
                 return self.task.micro_loss([batch[int(i)] for i in rows], num_tokens, num_seqs), {}
 
             stats = self.updater.run([torch.arange(len(batch))], token_mask.float(), micro_loss)
             sums = self._summed(self.task.tally.take())
-            metrics = {"step": step + 1, "epoch": self.sampler.episode_of(step),
-                       **self.task.summary(sums, evaluation=False), **stats, "time/step": time.perf_counter() - start}
+            metrics = {
+                "step": step + 1,
+                "epoch": self.sampler.episode_of(step),
+                **self.task.summary(sums, evaluation=False),
+                **stats,
+                "time/step": time.perf_counter() - start,
+            }
         self.step = step + 1
         return metrics
 
@@ -72,7 +78,7 @@ class Loop(Generic[S]):
         if not due:
             return None
         with self.phase(Phase.EVAL, steps_done - 1):
-            mine = list(self.eval_samples[self.rank::self.world_size])
+            mine = list(self.eval_samples[self.rank :: self.world_size])
             self.task.model.eval()
             with torch.no_grad():
                 for rows in micro_batches(len(mine), self.micro_batch):

@@ -33,8 +33,9 @@ def _check_pairs(**tensors: Tensor) -> None:
 
 def _check_tokens(log_probs: Tensor, mask: Tensor) -> None:
     if log_probs.dim() != 2 or log_probs.shape != mask.shape:
-        raise ValueError(f"expected log_probs and mask of one [B, R] shape, got {tuple(log_probs.shape)} "
-                         f"and {tuple(mask.shape)}")
+        raise ValueError(
+            f"expected log_probs and mask of one [B, R] shape, got {tuple(log_probs.shape)} and {tuple(mask.shape)}"
+        )
 
 
 def sequence_log_prob(log_probs: Tensor, mask: Tensor) -> Tensor:
@@ -67,8 +68,16 @@ class DPOTerms:
     rejected_rewards: Tensor  # beta * (policy_rejected - ref_rejected), detached
 
 
-def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor, *,
-             beta: float, label_smoothing: float, ipo: bool) -> DPOTerms:
+def dpo_loss(
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    ref_chosen: Tensor,
+    ref_rejected: Tensor,
+    *,
+    beta: float,
+    label_smoothing: float,
+    ipo: bool,
+) -> DPOTerms:
     """[B] x 4 -> DPOTerms: OpenRLHF's ``DPOLoss`` before its ``.mean()``.
 
     Inputs are each sequence's summed response log-prob (``sequence_log_prob``) under the policy
@@ -82,16 +91,16 @@ def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor,
     logs their micro-batch means as ``chosen_reward`` / ``reject_reward`` and
     ``mean(chosen_rewards > rejected_rewards)`` (strictly greater) as ``acc``.
     """
-    _check_pairs(policy_chosen=policy_chosen, policy_rejected=policy_rejected, ref_chosen=ref_chosen,
-                 ref_rejected=ref_rejected)
+    _check_pairs(
+        policy_chosen=policy_chosen, policy_rejected=policy_rejected, ref_chosen=ref_chosen, ref_rejected=ref_rejected
+    )
     if not beta > 0:
         raise ValueError(f"beta must be > 0, got {beta}")
     h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
     if ipo:
         losses = (h - 1 / (2 * beta)) ** 2  # Eq. 17 of arXiv:2310.12036
     else:
-        losses = (-F.logsigmoid(beta * h) * (1 - label_smoothing)
-                  - F.logsigmoid(-beta * h) * label_smoothing)
+        losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
     chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
     rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
     return DPOTerms(losses, chosen_rewards, rejected_rewards)
@@ -127,8 +136,7 @@ def nll_term(log_probs: Tensor, mask: Tensor) -> Tensor:
     return -(log_probs * m).sum(-1) / m.sum(-1).clamp(min=1)
 
 
-def pairwise_rm_loss(chosen: Tensor, rejected: Tensor, *, kind: RMLossKind,
-                     margin: Tensor | None = None) -> Tensor:
+def pairwise_rm_loss(chosen: Tensor, rejected: Tensor, *, kind: RMLossKind, margin: Tensor | None = None) -> Tensor:
     """[B], [B] (rewards of each pair's chosen and rejected sequence) -> [B] per-pair loss.
 
     - ``sigmoid`` (OpenRLHF ``PairWiseLoss``): ``-log sigmoid(chosen - rejected - margin)``,

@@ -2,30 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Generic, Literal, Protocol, TypeVar
+
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
-from rlrun.strategies.base import Strategy
-from typing import Sequence
+
 from rlrun.data.rollout import RolloutBatch, pack_rows, unpack_rows
-import math
-from dataclasses import dataclass, field
-from rlrun.roles.export import save_causal_lm
-from rlrun.roles.forward import policy_log_probs
-from rlrun.supervised.datasets import Completion
-from rlrun.supervised.losses import token_nll
-from typing import Literal
 from rlrun.models.loading import ScalarHeadModel
-from rlrun.roles.export import save_scalar_model
-from rlrun.roles.forward import sequence_scores
-from rlrun.supervised.datasets import Preference
-from rlrun.supervised.losses import pairwise_rm_loss
-from contextlib import contextmanager
-from typing import Iterator
 from rlrun.models.lora import adapters_disabled
-from rlrun.supervised.losses import dpo_loss, nll_term, sequence_log_prob
+from rlrun.roles.export import save_causal_lm, save_scalar_model
+from rlrun.roles.forward import policy_log_probs, sequence_scores
+from rlrun.strategies.base import Strategy
+from rlrun.supervised.datasets import Completion, Preference
+from rlrun.supervised.losses import dpo_loss, nll_term, pairwise_rm_loss, sequence_log_prob, token_nll
 
 S = TypeVar("S")
 S_contra = TypeVar("S_contra", contravariant=True)
@@ -74,15 +69,24 @@ class Task(Protocol, Generic[S_contra]):
         """Metrics from tallies summed over every rank (of a training step, or of an evaluation pass)."""
         ...
 
-    def save(self, path: str, tokenizer: PreTrainedTokenizerBase, *, is_writer: bool, allow_nonfinite: bool = False,
-             merged: bool = False) -> None:
+    def save(
+        self,
+        path: str,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        is_writer: bool,
+        allow_nonfinite: bool = False,
+        merged: bool = False,
+    ) -> None:
         """The trained model in HF format (collective over the ranks); with LoRA the adapter directory, and with
         `merged` (--save_merged) the merged model in <path>/merged too."""
         ...
 
+
 # ---- batches -----------------------------------------------------------------------------------------------------
 # Supervised samples as rollout-shaped batches, so the PPO roles' forward passes (padded or packed,
 # rlrun.roles.forward) score them unchanged: a row is `[left pad | prompt | response | right pad]`.
+
 
 def sequences_batch(prompts: Sequence[list[int]], responses: Sequence[list[int]], pad_id: int) -> RolloutBatch:
     """b (prompt ids, response ids) pairs -> RolloutBatch [b, p + r], action_mask [b, r] = the response tokens.
@@ -101,8 +105,10 @@ def sequences_batch(prompts: Sequence[list[int]], responses: Sequence[list[int]]
     width_r = max(1, max(len(r) for r in rests))
     return unpack_rows(pack_rows(firsts, rests, width_p, width_r, pad_id), width_p)
 
+
 # ---- SFT ---------------------------------------------------------------------------------------------------------
 # SFT: next-token NLL on the response tokens (the prompt is context only), a token mean over the global batch.
+
 
 @dataclass
 class SFTTask:
@@ -139,15 +145,31 @@ class SFTTask:
         loss = sums["nll"] / max(sums["tokens"], 1.0)
         return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": sums["tokens"]}
 
-    def save(self, path: str, tokenizer: PreTrainedTokenizerBase, *, is_writer: bool, allow_nonfinite: bool = False,
-             merged: bool = False) -> None:
-        save_causal_lm(self.model, tokenizer, path, is_writer=is_writer, strategy=self.strategy,
-                       allow_nonfinite=allow_nonfinite, merged=merged)
+    def save(
+        self,
+        path: str,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        is_writer: bool,
+        allow_nonfinite: bool = False,
+        merged: bool = False,
+    ) -> None:
+        save_causal_lm(
+            self.model,
+            tokenizer,
+            path,
+            is_writer=is_writer,
+            strategy=self.strategy,
+            allow_nonfinite=allow_nonfinite,
+            merged=merged,
+        )
+
 
 # ---- reward model ------------------------------------------------------------------------------------------------
 # Reward model: a scalar head read at each sequence's last token, trained on preference pairs
 # (chosen above rejected); saved as a sequence-classification model `rlrun.ppo --reward_pretrain` loads,
 # with the reward mean/std OpenRLHF's --normalize_reward reads from its config.
+
 
 @dataclass
 class RewardModelTask:
@@ -170,15 +192,22 @@ class RewardModelTask:
 
     def _scores(self, samples: list[Preference]) -> tuple[torch.Tensor, torch.Tensor]:
         """[b] chosen and [b] rejected rewards: one forward over 2b rows (chosen rows first)."""
-        batch = sequences_batch([s.prompt for s in samples] * 2, [s.chosen for s in samples] + [s.rejected for s in samples],
-                                self.pad_id).to(self.device)
+        batch = sequences_batch(
+            [s.prompt for s in samples] * 2, [s.chosen for s in samples] + [s.rejected for s in samples], self.pad_id
+        ).to(self.device)
         scores = sequence_scores(self.model, batch, packing=self.packing)
-        return scores[:len(samples)], scores[len(samples):]
+        return scores[: len(samples)], scores[len(samples) :]
 
     def _record(self, chosen: torch.Tensor, rejected: torch.Tensor, losses: torch.Tensor) -> None:
         chosen, rejected = chosen.detach().float(), rejected.detach().float()
-        self.tally.add(loss=losses.detach().sum(), correct=(chosen > rejected).sum(), chosen=chosen.sum(),
-                       rejected=rejected.sum(), pairs=len(chosen), reward_sq=(chosen**2).sum() + (rejected**2).sum())
+        self.tally.add(
+            loss=losses.detach().sum(),
+            correct=(chosen > rejected).sum(),
+            chosen=chosen.sum(),
+            rejected=rejected.sum(),
+            pairs=len(chosen),
+            reward_sq=(chosen**2).sum() + (rejected**2).sum(),
+        )
 
     def _losses(self, samples: list[Preference]) -> torch.Tensor:
         """[b] per-pair losses (and their metrics recorded)."""
@@ -196,8 +225,13 @@ class RewardModelTask:
 
     def summary(self, sums: dict[str, float], *, evaluation: bool) -> dict[str, float]:
         pairs = max(sums["pairs"], 1.0)
-        out = {"loss": sums["loss"] / pairs, "acc": sums["correct"] / pairs, "chosen_reward": sums["chosen"] / pairs,
-               "reject_reward": sums["rejected"] / pairs, "margin": (sums["chosen"] - sums["rejected"]) / pairs}
+        out = {
+            "loss": sums["loss"] / pairs,
+            "acc": sums["correct"] / pairs,
+            "chosen_reward": sums["chosen"] / pairs,
+            "reject_reward": sums["rejected"] / pairs,
+            "margin": (sums["chosen"] - sums["rejected"]) / pairs,
+        }
         if evaluation:  # OpenRLHF's: over chosen and rejected rewards together, unbiased std, at least 1e-8
             n = 2 * pairs
             mean = (sums["chosen"] + sums["rejected"]) / n
@@ -206,16 +240,33 @@ class RewardModelTask:
             out.update(reward_mean=mean, reward_std=std)
         return out
 
-    def save(self, path: str, tokenizer: PreTrainedTokenizerBase, *, is_writer: bool, allow_nonfinite: bool = False,
-             merged: bool = False) -> None:
+    def save(
+        self,
+        path: str,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        is_writer: bool,
+        allow_nonfinite: bool = False,
+        merged: bool = False,
+    ) -> None:
         config = self.model.hf.config
         if self.reward_stats is not None:
             config.mean, config.std = self.reward_stats
-        save_scalar_model(self.model, path, is_writer=is_writer, strategy=self.strategy, flag="--save_path",
-                          tokenizer=tokenizer, allow_nonfinite=allow_nonfinite, merged=merged)
+        save_scalar_model(
+            self.model,
+            path,
+            is_writer=is_writer,
+            strategy=self.strategy,
+            flag="--save_path",
+            tokenizer=tokenizer,
+            allow_nonfinite=allow_nonfinite,
+            merged=merged,
+        )
+
 
 # ---- DPO ---------------------------------------------------------------------------------------------------------
 # DPO (and IPO, cDPO): the policy's log-ratio to a frozen reference on chosen vs rejected responses.
+
 
 @dataclass(frozen=True)
 class DPOSettings:
@@ -244,8 +295,9 @@ class DPOTask:
         return 1  # both terms are means over pairs
 
     def _batch(self, samples: list[Preference]) -> RolloutBatch:
-        return sequences_batch([s.prompt for s in samples] * 2, [s.chosen for s in samples] + [s.rejected for s in samples],
-                               self.pad_id).to(self.device)
+        return sequences_batch(
+            [s.prompt for s in samples] * 2, [s.chosen for s in samples] + [s.rejected for s in samples], self.pad_id
+        ).to(self.device)
 
     def _sequence_log_probs(self, model: nn.Module, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """[2b] summed response log-probs and [2b, r] per-token log-probs (chosen rows first)."""
@@ -262,12 +314,24 @@ class DPOTask:
             reference, _ = self._sequence_log_probs(reference_model, batch)
         policy, token_log_probs = self._sequence_log_probs(self.model, batch)
         s = self.settings
-        terms = dpo_loss(policy[:b], policy[b:], reference[:b], reference[b:], beta=s.beta,
-                         label_smoothing=s.label_smoothing, ipo=s.ipo)
+        terms = dpo_loss(
+            policy[:b],
+            policy[b:],
+            reference[:b],
+            reference[b:],
+            beta=s.beta,
+            label_smoothing=s.label_smoothing,
+            ipo=s.ipo,
+        )
         nll = nll_term(token_log_probs[:b], batch.action_mask[:b])
-        self.tally.add(loss=terms.losses.detach().sum(), correct=(terms.chosen_rewards > terms.rejected_rewards).sum(),
-                       chosen_reward=terms.chosen_rewards.sum(), rejected_reward=terms.rejected_rewards.sum(), pairs=b,
-                       nll=nll.detach().sum())
+        self.tally.add(
+            loss=terms.losses.detach().sum(),
+            correct=(terms.chosen_rewards > terms.rejected_rewards).sum(),
+            chosen_reward=terms.chosen_rewards.sum(),
+            rejected_reward=terms.rejected_rewards.sum(),
+            pairs=b,
+            nll=nll.detach().sum(),
+        )
         return terms.losses, nll
 
     @contextmanager
@@ -296,11 +360,30 @@ class DPOTask:
     def summary(self, sums: dict[str, float], *, evaluation: bool) -> dict[str, float]:
         pairs = max(sums["pairs"], 1.0)
         chosen, rejected = sums["chosen_reward"] / pairs, sums["rejected_reward"] / pairs
-        return {"loss": sums["loss"] / pairs, "acc": sums["correct"] / pairs, "chosen_reward": chosen,
-                "reject_reward": rejected, "margin": chosen - rejected,
-                "nll_loss": sums["nll"] / pairs}
+        return {
+            "loss": sums["loss"] / pairs,
+            "acc": sums["correct"] / pairs,
+            "chosen_reward": chosen,
+            "reject_reward": rejected,
+            "margin": chosen - rejected,
+            "nll_loss": sums["nll"] / pairs,
+        }
 
-    def save(self, path: str, tokenizer: PreTrainedTokenizerBase, *, is_writer: bool, allow_nonfinite: bool = False,
-             merged: bool = False) -> None:
-        save_causal_lm(self.model, tokenizer, path, is_writer=is_writer, strategy=self.strategy,
-                       allow_nonfinite=allow_nonfinite, merged=merged)
+    def save(
+        self,
+        path: str,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        is_writer: bool,
+        allow_nonfinite: bool = False,
+        merged: bool = False,
+    ) -> None:
+        save_causal_lm(
+            self.model,
+            tokenizer,
+            path,
+            is_writer=is_writer,
+            strategy=self.strategy,
+            allow_nonfinite=allow_nonfinite,
+            merged=merged,
+        )

@@ -5,20 +5,22 @@ first rename wins; the folders are identical for the same seed)."""
 
 from __future__ import annotations
 
-import os
-import torch
-from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from rlrun.models.tiny import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, BOS_ID, build_byte_tokenizer, build_causal_lm
+import dataclasses
 import io
 import json
+import os
 import random
-from typing import Literal
-import dataclasses
 import shutil
 import tempfile
 from collections.abc import Callable
+from typing import Literal
+
+import torch
+from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
 from rlrun.config.schema import DataConfig, ModelConfig
+from rlrun.models.tiny import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm
 
 # ---- the tiny model ----------------------------------------------------------------------------------------------
 # A tiny Qwen2.5-VL-class model built from config, saved the way `save_pretrained` lays a hub VLM out (config.json,
@@ -39,8 +41,10 @@ MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 VL_CHAT_TEMPLATE = (
     "{% macro render(content) %}{% if content is string %}{{ content }}{% else %}{% for part in content %}"
     "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
-    + VISION_START + IMAGE_PAD + VISION_END +
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+    + VISION_START
+    + IMAGE_PAD
+    + VISION_END
+    + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ render(message['content']) }}\n"
     "{% elif message['role'] == 'user' %}User: {{ render(message['content']) }}\n"
@@ -64,22 +68,49 @@ def build_vl_tokenizer() -> PreTrainedTokenizerFast:
 def tiny_vl_config() -> Qwen2_5_VLConfig:
     """A ~0.2M-parameter Qwen2.5-VL: the text model of rlrun's tiny Qwen2 (head_dim 32, as vLLM's CPU attention
     needs) and a 2-block vision tower of width 32 (14-pixel patches, 2x2 merge, one windowed and one full block)."""
-    text = {"vocab_size": VL_VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 1024,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}, "tie_word_embeddings": False,
-            "pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
-    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
-              "fullatt_block_indexes": [1], "in_channels": 3}
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_PAD_ID,
-                            video_token_id=VIDEO_PAD_ID, vision_start_token_id=VISION_START_ID,
-                            vision_end_token_id=VISION_END_ID, **text)
+    text = {
+        "vocab_size": VL_VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 1024,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+        "tie_word_embeddings": False,
+        "pad_token_id": PAD_ID,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+    }
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [1],
+        "in_channels": 3,
+    }
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE_PAD_ID,
+        video_token_id=VIDEO_PAD_ID,
+        vision_start_token_id=VISION_START_ID,
+        vision_end_token_id=VISION_END_ID,
+        **text,
+    )
 
 
 def tiny_image_processor() -> Qwen2VLImageProcessorPil:
     # The PIL processor: the default one needs torchvision, which has no build for rlrun's CPU torch.
-    return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, merge_size=2,
-                                 temporal_patch_size=2)
+    return Qwen2VLImageProcessorPil(
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
 
 
 def save_tiny_vl(path: str | os.PathLike[str], seed: int = 0, dtype: torch.dtype = torch.float32) -> str:
@@ -89,6 +120,7 @@ def save_tiny_vl(path: str | os.PathLike[str], seed: int = 0, dtype: torch.dtype
     build_vl_tokenizer().save_pretrained(path)
     tiny_image_processor().save_pretrained(path)
     return str(path)
+
 
 # ---- the image task ----------------------------------------------------------------------------------------------
 # A generated image task whose answer only the image gives: the prompt text is the same for every record, and
@@ -105,7 +137,7 @@ SIZE = 56
 
 
 def _image(label: str, blank: bool, rng: random.Random):  # -> PIL.Image.Image
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415 - only the VLM demo draws images
 
     base = BLANK if blank else COLOURS[label]
     image = Image.new("RGB", (SIZE, SIZE), base)
@@ -116,8 +148,14 @@ def _image(label: str, blank: bool, rng: random.Random):  # -> PIL.Image.Image
     return image
 
 
-def write_colour_task(folder: str, records: int = 32, layout: Literal["openrlhf_m", "verl"] = "openrlhf_m",
-                      blank: bool = False, seed: int = 0, absolute: bool = True) -> str:
+def write_colour_task(
+    folder: str,
+    records: int = 32,
+    layout: Literal["openrlhf_m", "verl"] = "openrlhf_m",
+    blank: bool = False,
+    seed: int = 0,
+    absolute: bool = True,
+) -> str:
     """Write the task under `folder` (images/ and the data file) and return the data file's path. `absolute`: image
     paths as `file://` URIs (OpenRLHF-M's), else relative to the data file's folder (a folder that may move)."""
     rng = random.Random(seed)
@@ -130,26 +168,32 @@ def write_colour_task(folder: str, records: int = 32, layout: Literal["openrlhf_
         image.save(path)
         if layout == "openrlhf_m":
             ref = f"file://{path}" if absolute else os.path.join("images", f"{i:04d}.png")
-            chat = [{"role": "user", "content": [{"type": "image", "image": ref},
-                                                 {"type": "text", "text": QUESTION}]}]
+            chat = [{"role": "user", "content": [{"type": "image", "image": ref}, {"type": "text", "text": QUESTION}]}]
             rows.append({"message": json.dumps(chat), "answer": label})
         else:
             buffer = io.BytesIO()
             image.save(buffer, format="PNG")
-            rows.append({"data_source": "colour_task", "prompt": [{"role": "user", "content": f"<image>{QUESTION}"}],
-                         "images": [{"bytes": buffer.getvalue(), "path": None}],
-                         "reward_model": {"style": "rule", "ground_truth": label}, "extra_info": {"index": i}})
+            rows.append(
+                {
+                    "data_source": "colour_task",
+                    "prompt": [{"role": "user", "content": f"<image>{QUESTION}"}],
+                    "images": [{"bytes": buffer.getvalue(), "path": None}],
+                    "reward_model": {"style": "rule", "ground_truth": label},
+                    "extra_info": {"index": i},
+                }
+            )
     if layout == "openrlhf_m":
         out = os.path.join(folder, "colour_task.jsonl")
         with open(out, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         return out
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # noqa: PLC0415 - optional extra (rlrun[data])
+    import pyarrow.parquet as pq  # noqa: PLC0415
 
     out = os.path.join(folder, "colour_task.parquet")
     pq.write_table(pa.Table.from_pylist(rows), out)
     return out
+
 
 PRESET = "tiny-vl"
 VERSION = 2  # bump when the model or the task changes: older cache folders are then not reused
@@ -187,6 +231,8 @@ def resolve_vl_preset(m: ModelConfig, d: DataConfig, seed: int) -> tuple[ModelCo
     model = _built(os.path.join(root, f"model-seed{seed}"), lambda path: save_tiny_vl(path, seed=seed))
     m = dataclasses.replace(m, pretrain=model)
     if d.prompt_data is None:
-        data = _built(os.path.join(root, "colour_task"), lambda path: write_colour_task(path, records=32, absolute=False))
+        data = _built(
+            os.path.join(root, "colour_task"), lambda path: write_colour_task(path, records=32, absolute=False)
+        )
         d = dataclasses.replace(d, prompt_data=os.path.join(data, "colour_task.jsonl"))
     return m, d

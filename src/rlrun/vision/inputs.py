@@ -9,19 +9,21 @@ grid_t x grid_h x grid_w / merge_size^2 times, the processor's rule.
 
 from __future__ import annotations
 
-from typing import Any
-from transformers import PretrainedConfig
-from rlrun.runtime.errors import ConfigError, DataError
-from rlrun.data.vision_batch import PromptVision
-from rlrun.data.images import load_image
 import inspect
 import warnings
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
+from transformers import PretrainedConfig
+
+from rlrun.data.images import load_image
 from rlrun.data.packing import PackedBatch
 from rlrun.data.rollout import RolloutBatch
-from rlrun.data.vision_batch import RowVision
+from rlrun.data.vision_batch import PromptVision, RowVision
+from rlrun.runtime.errors import ConfigError, DataError
+
 
 def load_image_processor(folder: str, min_pixels: int | None = None, max_pixels: int | None = None) -> Any:
     """The model's image processor (preprocessor_config.json), its resize bounds overridden where given."""
@@ -31,31 +33,41 @@ def load_image_processor(folder: str, min_pixels: int | None = None, max_pixels:
     try:
         return AutoImageProcessor.from_pretrained(folder, **overrides)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{folder}: the vision-language model's image processor cannot be read ({exc}); its "
-                          "folder needs the preprocessor_config.json saved with the model") from exc
+        raise ConfigError(
+            f"{folder}: the vision-language model's image processor cannot be read ({exc}); its "
+            "folder needs the preprocessor_config.json saved with the model"
+        ) from exc
 
 
 class ImageInputs:
     """Preprocessing of one model's prompt images. min_pixels/max_pixels (OpenRLHF-M's flags) bound each image's
     resized area; None keeps the model's preprocessor_config.json."""
 
-    def __init__(self, folder: str, config: PretrainedConfig, min_pixels: int | None = None,
-                 max_pixels: int | None = None) -> None:
+    def __init__(
+        self, folder: str, config: PretrainedConfig, min_pixels: int | None = None, max_pixels: int | None = None
+    ) -> None:
         self.processor = load_image_processor(folder, min_pixels, max_pixels)
         self.image_token_id = int(config.image_token_id)
         self.merge = int(getattr(self.processor, "merge_size", None) or config.vision_config.spatial_merge_size)
-        self.dim = int(config.vision_config.in_channels * config.vision_config.temporal_patch_size
-                       * config.vision_config.patch_size ** 2)
+        self.dim = int(
+            config.vision_config.in_channels
+            * config.vision_config.temporal_patch_size
+            * config.vision_config.patch_size**2
+        )
 
-    def prepare(self, ids: list[int], images: tuple[Any, ...], where: str, base_dir: str | None = None
-                ) -> tuple[list[int], PromptVision]:
+    def prepare(
+        self, ids: list[int], images: tuple[Any, ...], where: str, base_dir: str | None = None
+    ) -> tuple[list[int], PromptVision]:
         """A prompt's token ids (one image token per image) and its images (any rlrun.data.images form) ->
         (ids with each image token repeated once per merged patch, the images' pixel patches and grids)."""
         places = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(places) != len(images):
-            raise DataError(f"{where}: the prompt renders {len(places)} image tokens for {len(images)} images; the chat "
-                            "template must render each image entry once (as Qwen2-VL's does), and a prompt cut by "
-                            "--prompt_max_len loses its images (raise --prompt_max_len)")
+            raise DataError(
+                f"{where}: the prompt renders {len(places)} image tokens for {len(images)} images; the "
+                f"chat "
+                "template must render each image entry once (as Qwen2-VL's does), and a prompt cut by "
+                "--prompt_max_len loses its images (raise --prompt_max_len)"
+            )
         if not images:
             return list(ids), PromptVision.empty(self.dim)
         pil = [load_image(ref, where, base_dir) for ref in images]
@@ -64,7 +76,7 @@ class ImageInputs:
         except (ValueError, TypeError, OSError) as exc:
             raise DataError(f"{where}: the image processor failed on its images ({exc})") from exc
         grid = out["image_grid_thw"].long()
-        counts = (grid.prod(dim=1) // self.merge ** 2).tolist()
+        counts = (grid.prod(dim=1) // self.merge**2).tolist()
         expanded: list[int] = []
         start = 0
         for place, count in zip(places, counts):
@@ -73,16 +85,20 @@ class ImageInputs:
         expanded += ids[start:]
         return expanded, PromptVision(out["pixel_values"].float(), grid, tuple(pil))
 
+
 # ---- positions ---------------------------------------------------------------------------------------------------
 # A vision-language model's forward inputs for rollout rows: pixel patches, image grids and the multimodal rotary
 # positions (Qwen2-VL's mrope: temporal/height/width ids for image tokens, one shared id for text), computed by the
 # model's own `get_rope_index` over each row's real tokens, for padded and packed rows alike (the transformers
 # contract lives here).
 
+
 def quiet_output_view_warning() -> None:
     """A VLM's forward output also carries the image features and rope deltas it computed, which FSDP2 flags on
     every call as views that an in-place op could break; rlrun reads only the logits (never in place)."""
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+ForConditionalGeneration\) returned a view")
+    warnings.filterwarnings(
+        "ignore", message=r"FSDP2-wrapped module \(FSDP\w+ForConditionalGeneration\) returned a view"
+    )
 
 
 def _rope_index(model: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -91,8 +107,10 @@ def _rope_index(model: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Ten
         fn = getattr(module, "get_rope_index", None)
         if callable(fn):
             return fn
-    raise ValueError(f"{type(model).__name__} has no get_rope_index: rlrun's vision-language path runs models with "
-                     "Qwen2-VL's multimodal rotary positions (Qwen2-VL, Qwen2.5-VL)")
+    raise ValueError(
+        f"{type(model).__name__} has no get_rope_index: rlrun's vision-language path runs models with "
+        "Qwen2-VL's multimodal rotary positions (Qwen2-VL, Qwen2.5-VL)"
+    )
 
 
 def _config(model: nn.Module) -> Any:
@@ -111,13 +129,15 @@ def _image_marks(model: nn.Module, fn: Callable[..., Any], input_ids: torch.Tens
     return {"mm_token_type_ids": (input_ids == int(_config(model).image_token_id)).int()}
 
 
-def mrope_positions(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    grid_thw: torch.Tensor | None) -> torch.Tensor:
+def mrope_positions(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, grid_thw: torch.Tensor | None
+) -> torch.Tensor:
     """[b, L] tokens (images' tokens expanded), [b, L] mask, [images, 3] grids of the rows' images in row order ->
     [3, b, L] positions; masked positions get 1, as transformers gives them."""
     fn = _rope_index(model)
-    positions, _ = fn(input_ids, image_grid_thw=grid_thw, attention_mask=attention_mask,
-                      **_image_marks(model, fn, input_ids))
+    positions, _ = fn(
+        input_ids, image_grid_thw=grid_thw, attention_mask=attention_mask, **_image_marks(model, fn, input_ids)
+    )
     return positions
 
 
@@ -143,8 +163,9 @@ def generate_inputs(model: nn.Module, input_ids: torch.Tensor, vision: RowVision
     return images
 
 
-def padded_inputs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                  vision: RowVision) -> dict[str, torch.Tensor]:
+def padded_inputs(
+    model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, vision: RowVision
+) -> dict[str, torch.Tensor]:
     """Forward kwargs for padded rows [b, L]: pixel_values, image_grid_thw and [3, b, L] position_ids."""
     images = vision.model_inputs(sequences.device, torch.float32)
     positions = mrope_positions(model, sequences, attention_mask, images.get("image_grid_thw"))
@@ -160,14 +181,15 @@ def packed_inputs(model: nn.Module, part: RolloutBatch, packed: PackedBatch) -> 
     order = [i for row in packed.rows for i in row]
     images = part.vision[torch.tensor(order, dtype=torch.long)].model_inputs(device, torch.float32)
     grids = part.vision.grids()
-    own = mrope_positions(model, part.sequences, part.attention_mask,
-                          None if grids is None else grids.to(device))  # [3, b, L]
+    own = mrope_positions(
+        model, part.sequences, part.attention_mask, None if grids is None else grids.to(device)
+    )  # [3, b, L]
     positions = packed.position_ids.unsqueeze(0).repeat(4, 1, 1)
     real = part.attention_mask.bool()
     for r, row in enumerate(packed.rows):
         col = 0
         for i in row:
             seq = own[:, i, real[i]]
-            positions[1:, r, col:col + seq.shape[1]] = seq
+            positions[1:, r, col : col + seq.shape[1]] = seq
             col += seq.shape[1]
     return {**images, "position_ids": positions}

@@ -26,8 +26,10 @@ def freeze_vision_tower(model: nn.Module) -> int:
     model alone trains); returns how many parameters were frozen. The optimizer then holds no state for them."""
     params = vision_parameters(model)
     if not params:
-        raise ConfigError(f"--freeze_visual_encoder: {type(model).__name__} has no vision tower (none of the "
-                          f"submodules {', '.join(VISION_MODULES)}); it is for vision-language models")
+        raise ConfigError(
+            f"--freeze_visual_encoder: {type(model).__name__} has no vision tower (none of the "
+            f"submodules {', '.join(VISION_MODULES)}); it is for vision-language models"
+        )
     for p in params.values():
         p.requires_grad_(False)
     return sum(p.numel() for p in params.values())
@@ -42,8 +44,10 @@ def freeze_by_prefix(model: nn.Module, prefixes: tuple[str, ...]) -> int:
     stored.update(model_names(model, _checkpoint_names(model, params)))
     unmatched = [p for p in prefixes if not any(n.startswith(p) or stored[n].startswith(p) for n in params)]
     if unmatched:
-        raise ConfigError(f"--freeze_prefix {' '.join(unmatched)} matches no parameter of {type(model).__name__} "
-                          f"(its names start like {', '.join(sorted({n.split('.')[0] + '.' + n.split('.')[1] for n in params if '.' in n})[:4])})")
+        raise ConfigError(
+            f"--freeze_prefix {' '.join(unmatched)} matches no parameter of {type(model).__name__} "
+            f"(its names start like {', '.join(sorted({'.'.join(n.split('.')[:2]) for n in params if '.' in n})[:4])})"
+        )
     frozen = [p for n, p in params.items() if any(n.startswith(x) or stored[n].startswith(x) for x in prefixes)]
     for p in frozen:
         p.requires_grad_(False)

@@ -11,8 +11,9 @@ rlrun.launch.transfer through these types.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,9 @@ class _Piece:
 
     part: int  # which of the block's all-gathers carries it
     offset: int  # bytes from the start of each rank's segment of that all-gather
-    rows: tuple[int, ...]  # dim-0 rows held by each mesh rank (torch.chunk: ceil(n / world) each, the tail shorter or empty)
+    rows: tuple[
+        int, ...
+    ]  # dim-0 rows held by each mesh rank (torch.chunk: ceil(n / world) each, the tail shorter or empty)
 
 
 class FullBlock:
@@ -74,8 +77,14 @@ class FullBlock:
     cast to dest's dtype), with no intermediate full tensor; `full(name)` returns a new full tensor.
     """
 
-    def __init__(self, names: list[str], meta: dict[str, tuple[torch.Size, torch.dtype]],
-                 plain: dict[str, torch.Tensor], gathered: list[torch.Tensor], pieces: dict[str, _Piece]) -> None:
+    def __init__(
+        self,
+        names: list[str],
+        meta: dict[str, tuple[torch.Size, torch.dtype]],
+        plain: dict[str, torch.Tensor],
+        gathered: list[torch.Tensor],
+        pieces: dict[str, _Piece],
+    ) -> None:
         self.names = names
         self._meta = meta
         self._plain = plain  # full tensors that needed no gather from this block's buffer
@@ -99,19 +108,25 @@ class FullBlock:
         flat = dest.view(-1)
         full_ranks = sum(r == chunk for r in piece.rows)
         # [full_ranks, chunk * inner]: every full shard in one strided copy
-        src = gathered[:full_ranks, piece.offset:piece.offset + nbytes].view(dtype)
-        flat[:full_ranks * chunk * inner].view(full_ranks, chunk * inner).copy_(src)
+        src = gathered[:full_ranks, piece.offset : piece.offset + nbytes].view(dtype)
+        flat[: full_ranks * chunk * inner].view(full_ranks, chunk * inner).copy_(src)
         if full_ranks < len(piece.rows) and piece.rows[full_ranks] > 0:  # the one shorter tail shard
             tail = piece.rows[full_ranks] * inner
-            flat[full_ranks * chunk * inner:].copy_(
-                gathered[full_ranks, piece.offset:piece.offset + tail * src.element_size()].view(dtype))
+            flat[full_ranks * chunk * inner :].copy_(
+                gathered[full_ranks, piece.offset : piece.offset + tail * src.element_size()].view(dtype)
+            )
         return dest
 
     def aliases(self, name: str, dest: torch.Tensor) -> bool:
         """Whether `dest` is parameter `name`'s own memory already (a write would copy it onto itself)."""
         src = self._plain.get(name)
-        return (src is not None and src.data_ptr() == dest.data_ptr() and src.shape == dest.shape
-                and src.dtype == dest.dtype and src.is_contiguous())
+        return (
+            src is not None
+            and src.data_ptr() == dest.data_ptr()
+            and src.shape == dest.shape
+            and src.dtype == dest.dtype
+            and src.is_contiguous()
+        )
 
     def read(self, name: str) -> torch.Tensor:
         """The full parameter, not to be modified: a tensor that needed no gather as it is (no copy), any other a new
@@ -148,7 +163,8 @@ class ParamBlock:
     of a byte buffer (each rank's segment: its shards back to back, 16-byte aligned, padded to the
     full chunk size) -- on CPU, one per `CPU_GATHER_PART_BYTES` of segment, because gloo's
     all-gather slows down sharply above a few MiB per rank (measured on 2 ranks, 28 MiB per rank:
-    one all-gather 0.51 s, the same bytes as 4 all-gathers 0.08 s). Parameters that are not DTensors (an unsharded model, or a unit
+    one all-gather 0.51 s, the same bytes as 4 all-gathers 0.08 s). Parameters that are not DTensors (an unsharded
+    model, or a unit
     currently unsharded) and shards over a one-rank mesh need no collective and no copy; any other
     DTensor layout falls back to `full_tensor()`.
     """
@@ -177,8 +193,11 @@ class ParamBlock:
         mesh = sharded[0][1].device_mesh
         world, me = mesh.size(), mesh.get_local_rank()
         local_ref = sharded[0][1].to_local()
-        device = local_ref.device if local_ref.device.type == mesh.device_type else \
-            torch.device(mesh.device_type, torch.accelerator.current_device_index())
+        device = (
+            local_ref.device
+            if local_ref.device.type == mesh.device_type
+            else torch.device(mesh.device_type, torch.accelerator.current_device_index())
+        )
         part_limit = CPU_GATHER_PART_BYTES if device.type == "cpu" else None
         pieces: dict[str, _Piece] = {}
         part_sizes = [0]  # segment bytes per all-gather
@@ -195,15 +214,17 @@ class ParamBlock:
         local_all = scratch.take("local", sum(part_sizes), device)
         gathered_all = scratch.take("gathered", world * sum(part_sizes), device)
         starts = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
-        locals_ = [local_all[a:a + n] for a, n in zip(starts, part_sizes)]
-        gathered = [gathered_all[world * a:world * (a + n)].view(world, n) for a, n in zip(starts, part_sizes)]
+        locals_ = [local_all[a : a + n] for a, n in zip(starts, part_sizes)]
+        gathered = [gathered_all[world * a : world * (a + n)].view(world, n) for a, n in zip(starts, part_sizes)]
         for name, p in sharded:
             shard = p.detach().to_local()
             piece = pieces[name]
             if shard.shape[0] != piece.rows[me]:
-                raise RuntimeError(f"{name}: local shard has {shard.shape[0]} rows, expected {piece.rows[me]} "
-                                   f"(torch.chunk of {p.shape[0]} over {world} ranks)")
-            dst = locals_[piece.part][piece.offset:piece.offset + shard.numel() * shard.element_size()]
+                raise RuntimeError(
+                    f"{name}: local shard has {shard.shape[0]} rows, expected {piece.rows[me]} "
+                    f"(torch.chunk of {p.shape[0]} over {world} ranks)"
+                )
+            dst = locals_[piece.part][piece.offset : piece.offset + shard.numel() * shard.element_size()]
             dst.view(shard.dtype).copy_(shard.reshape(-1))
         for local, out in zip(locals_, gathered):
             _all_gather_single(out.view(-1), local, group=mesh.get_group())

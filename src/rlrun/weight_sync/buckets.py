@@ -6,8 +6,8 @@ gathered parameter), which rlrun.weight_sync.sync drives."""
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,8 +24,9 @@ class BucketEntry:
     nbytes: int
 
 
-def plan_buckets(params: Iterable[tuple[str, torch.Size, torch.dtype]], bucket_bytes: int,
-                 together: Sequence[Sequence[str]] = ()) -> list[list[BucketEntry]]:
+def plan_buckets(
+    params: Iterable[tuple[str, torch.Size, torch.dtype]], bucket_bytes: int, together: Sequence[Sequence[str]] = ()
+) -> list[list[BucketEntry]]:
     """Greedy, order-preserving packing of parameters into buckets of at most bucket_bytes (a parameter larger than
     a bucket gets a bucket of its own). Each group in `together` (names of one dtype) is placed at its first
     member's place, its members in the group's order and back to back (no alignment padding between them: one
@@ -36,8 +37,10 @@ def plan_buckets(params: Iterable[tuple[str, torch.Size, torch.dtype]], bucket_b
     for group in together:
         absent = [n for n in group if n not in known]
         if absent or len({known[n][2] for n in group}) != 1:
-            raise ValueError(f"plan_buckets: a group to keep together names parameters that are absent ({absent}) "
-                             f"or of different dtypes: {list(group)}")
+            raise ValueError(
+                f"plan_buckets: a group to keep together names parameters that are absent ({absent}) "
+                f"or of different dtypes: {list(group)}"
+            )
         group_of.update((n, group) for n in group)
     units: list[list[tuple[str, torch.Size, torch.dtype]]] = []
     placed: set[str] = set()
@@ -66,7 +69,7 @@ def bucket_size(bucket: list[BucketEntry]) -> int:
 
 
 def entry_view(buffer: torch.Tensor, e: BucketEntry) -> torch.Tensor:
-    return buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+    return buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
 
 
 def plan_chunks(bucket: list[BucketEntry], chunk_bytes: int) -> list[tuple[int, int, int]]:
@@ -145,7 +148,7 @@ class WireOrder:
         for k, (bucket, bounds) in enumerate(zip(buckets, chunks)):
             first = 0
             for start, end, last in bounds:
-                self.chunk_of.update((e.name, len(self.order)) for e in bucket[first:last + 1])
+                self.chunk_of.update((e.name, len(self.order)) for e in bucket[first : last + 1])
                 self.unfilled.append(last + 1 - first)
                 self.order.append((k, start, end))
                 first = last + 1
@@ -158,7 +161,7 @@ class WireOrder:
         start = self.posted
         while self.posted < len(self.order) and self.unfilled[self.posted] == 0:
             self.posted += 1
-        return self.order[start:self.posted]
+        return self.order[start : self.posted]
 
     def all_posted(self, bucket: int | None = None) -> bool:
         """Every chunk (of buckets up to `bucket`, or of all) handed out."""

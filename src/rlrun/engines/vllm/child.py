@@ -35,8 +35,19 @@ from rlrun.engines.vllm.stream import StreamState, streamed_weights
 from rlrun.runtime.errors import RlrunError
 
 # torchrun / elastic variables: a child that sees them would think it is a rank of the trainer's world.
-_SCRUB_EXACT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
+_SCRUB_EXACT = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+)
 _SCRUB_PREFIXES = ("TORCHELASTIC_", "GROUP_", "ROLE_", "MASTER_")
 # Test hook: RLRUN_VLLM_CHILD_FAULT="request:N[:kill|hang]" (request: start, weights or generate) makes the
 # child SIGKILL itself (as an out-of-memory kill would) or stop answering on its N-th (0-based) such request.
@@ -156,8 +167,9 @@ def _tail(path: str, lines: int = 3) -> str:
 class EngineChild:
     """Parent-side handle of one vLLM child. start() returns at once; requests block until the reply."""
 
-    def __init__(self, spec: EngineSpec, log_path: str, timeout_s: float,
-                 on_ready: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self, spec: EngineSpec, log_path: str, timeout_s: float, on_ready: Callable[[float], None] | None = None
+    ) -> None:
         self.spec, self.log_path, self.timeout_s = spec, log_path, timeout_s
         self.on_ready = on_ready  # called once with the spawn -> ready seconds
         self.ready = False
@@ -208,22 +220,28 @@ class EngineChild:
                 if status == "ok":
                     return payload
                 self.kill()
-                raise EngineChildError(f"vLLM engine child (pid {self.pid}) failed while {doing}: {payload} "
-                                       f"(log {self.log_path}: {_tail(self.log_path)})")
+                raise EngineChildError(
+                    f"vLLM engine child (pid {self.pid}) failed while {doing}: {payload} "
+                    f"(log {self.log_path}: {_tail(self.log_path)})"
+                )
             if not self.proc.is_alive():
                 self._raise_dead(doing)
             if time.monotonic() >= deadline:
                 self.kill()
-                raise EngineChildError(f"vLLM engine child (pid {self.pid}) did not answer within {self.timeout_s:g} s "
-                                       f"while {doing} (--dist_timeout); it was stopped (log {self.log_path}: "
-                                       f"{_tail(self.log_path)})")
+                raise EngineChildError(
+                    f"vLLM engine child (pid {self.pid}) did not answer within {self.timeout_s:g} s "
+                    f"while {doing} (--dist_timeout); it was stopped (log {self.log_path}: "
+                    f"{_tail(self.log_path)})"
+                )
 
     def _raise_dead(self, doing: str) -> None:
         self.proc.join(timeout=5)
         code = self.proc.exitcode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        raise EngineChildError(f"vLLM engine child (pid {self.pid}) died while {doing} ({how}); last lines of its "
-                               f"log {self.log_path}: {_tail(self.log_path)}")
+        raise EngineChildError(
+            f"vLLM engine child (pid {self.pid}) died while {doing} ({how}); last lines of its "
+            f"log {self.log_path}: {_tail(self.log_path)}"
+        )
 
     def kill(self) -> None:
         """The child and every process of its group (vLLM's engine core and workers with tensor parallel > 1)."""

@@ -15,22 +15,22 @@ import os
 import random
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Protocol
+
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
-from rlrun.engines.base import Generation, SamplingSettings
-from rlrun.engines.base import cut_at_stop
+
 from rlrun.data.vision_batch import RowVision
+from rlrun.engines.base import Generation, SamplingSettings, cut_at_stop
 from rlrun.engines.vllm.adapter import EngineSpec, ImageRequests, Sampling, check_version, sleeps, write_weights
 from rlrun.engines.vllm.child import EngineChild
 from rlrun.engines.vllm.handoff import SHM_DIR, check_shm, file_bytes
 from rlrun.engines.vllm.placement import gpu_utilization
 from rlrun.engines.vllm.stream import ChildStreamSink, EngineSink, WeightsFileSink
-from rlrun.weight_sync.buckets import WeightReceiver
 from rlrun.runtime.log import get_logger
 from rlrun.vision.inputs import vision_token_ids
-from typing import Protocol
+from rlrun.weight_sync.buckets import WeightReceiver
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -45,8 +45,9 @@ def _visible_gpus(device: torch.device, count: int) -> str | None:
     return ",".join(visible[i] if i < len(visible) else str(i) for i in range(first, first + count))
 
 
-def write_model_dir(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str,
-                    image_processor: Any = None) -> None:
+def write_model_dir(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str, image_processor: Any = None
+) -> None:
     """The HF directory vLLM starts from: config and tokenizer only (and a vision-language model's image processor,
     with rlrun's resize bounds, so that vLLM expands each image to the tokens the learners score). The engine starts
     with dummy weights and gets the real ones by the push before its first generate, so no model-sized file is
@@ -66,7 +67,8 @@ def one_token_per_image(ids: list[int], image_token: int) -> list[int]:
 
 def request_seeds(seed: int, count: int) -> list[int]:
     """One seed per row, a pure function of (seed, row). With --vllm_seeded_requests each request carries its own
-    (samples do not depend on batching); without, the adapter seeds the whole call from them (vllm_adapter.batch_seed)."""
+    (samples do not depend on batching); without, the adapter seeds the whole call from them
+    (rlrun.engines.vllm.adapter.batch_seed)."""
     rng = random.Random(seed)
     return [rng.getrandbits(31) for _ in range(count)]
 
@@ -80,8 +82,16 @@ class VLLMEngineBase:
 
     weights: WeightReceiver | None = None
 
-    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
-                 device: torch.device, rank: int, seeded_requests: bool = False, image_processor: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        sampling: SamplingSettings,
+        device: torch.device,
+        rank: int,
+        seeded_requests: bool = False,
+        image_processor: Any = None,
+    ) -> None:
         check_version()
         self.seeded_requests = seeded_requests
         self.model = model.eval()
@@ -108,22 +118,42 @@ class VLLMEngineBase:
 
     def sampling_for(self, stop: tuple[str, ...], max_new_tokens: int | None) -> Sampling:
         s = self.sampling
-        return Sampling(temperature=s.temperature, top_p=s.top_p, eos_id=s.eos_id, stop=stop,
-                        max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                        seeded=self.seeded_requests, banned=self.banned)
+        return Sampling(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            eos_id=s.eos_id,
+            stop=stop,
+            max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            seeded=self.seeded_requests,
+            banned=self.banned,
+        )
 
     def finish(self, tokens: list[list[int]], logprobs: list[list[float]], stop: tuple[str, ...]) -> Generation:
         if stop:  # vLLM stops at the token completing a stop string too; this only makes the rule explicit
             tokens = [cut_at_stop(t, stop, self.tokenizer) for t in tokens]
-            logprobs = [lp[:len(t)] for lp, t in zip(logprobs, tokens)]
+            logprobs = [lp[: len(t)] for lp, t in zip(logprobs, tokens)]
         return Generation(tokens, logprobs)
 
-    def sample_seeded(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int | None = None,
-                      stop: tuple[str, ...] = (), images: ImageRequests = None) -> Generation:
+    def sample_seeded(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        *,
+        max_new_tokens: int | None = None,
+        stop: tuple[str, ...] = (),
+        images: ImageRequests = None,
+    ) -> Generation:
         raise NotImplementedError
 
-    def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
-               stop: tuple[str, ...] = (), vision: RowVision | None = None) -> Generation:
+    def sample(
+        self,
+        prompts: list[list[int]],
+        seed: int,
+        *,
+        max_new_tokens: int | None = None,
+        stop: tuple[str, ...] = (),
+        vision: RowVision | None = None,
+    ) -> Generation:
         """`vision`: the rows' images (a vision-language policy); vLLM gets each row's decoded images and its prompt
         with one image token per image, and checks that it expanded them to the rows' own lengths."""
         images: ImageRequests = None
@@ -131,8 +161,9 @@ class VLLMEngineBase:
             assert self.image_token is not None, "the engine was built without the policy's image processor"
             images = (vision.row_images(), [len(p) for p in prompts])
             prompts = [one_token_per_image(p, self.image_token) for p in prompts]
-        return self.sample_seeded(prompts, request_seeds(seed, len(prompts)), max_new_tokens=max_new_tokens, stop=stop,
-                                  images=images)
+        return self.sample_seeded(
+            prompts, request_seeds(seed, len(prompts)), max_new_tokens=max_new_tokens, stop=stop, images=images
+        )
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         return self.sample(prompts, seed).responses
@@ -148,12 +179,26 @@ class VLLMEngine(VLLMEngineBase):
     """Sampling with vLLM in a child process. generate()/sample() as HFEngine; the child has the new weights when a
     weight sync ends (its `sink` loaded them), so generation and evaluation calls in between reuse them."""
 
-    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
-                 device: torch.device, *, seed: int, max_model_len: int, timeout_s: float,
-                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, rank: int = 0,
-                 tensor_parallel_size: int = 1, enable_sleep: bool = False,
-                 kv_cache_memory_bytes: int | None = None, seeded_requests: bool = False,
-                 image_processor: Any = None, images_per_prompt: int = 0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        sampling: SamplingSettings,
+        device: torch.device,
+        *,
+        seed: int,
+        max_model_len: int,
+        timeout_s: float,
+        enforce_eager: bool = False,
+        gpu_memory_utilization: float = 0.9,
+        rank: int = 0,
+        tensor_parallel_size: int = 1,
+        enable_sleep: bool = False,
+        kv_cache_memory_bytes: int | None = None,
+        seeded_requests: bool = False,
+        image_processor: Any = None,
+        images_per_prompt: int = 0,
+    ) -> None:
         """`model` may lie on the meta device (but a vision-language policy's weights, read for vLLM's first file);
         it is moved there once the engine is built."""
         check_version()
@@ -162,9 +207,11 @@ class VLLMEngine(VLLMEngineBase):
         # parallel > 1: one weights file (the previous one is removed before the next is written). Tensor parallel 1:
         # two buckets on CPU, checked when they are handed over; nothing on a GPU (IPC handles).
         if tensor_parallel_size > 1 and shm is not None:
-            check_shm(file_bytes(p.data for p in model.parameters()),
-                      f"the vLLM engine's weights file (tensor parallel {tensor_parallel_size}: its workers read every "
-                      "weight sync from a file in shared memory)")
+            check_shm(
+                file_bytes(p.data for p in model.parameters()),
+                f"the vLLM engine's weights file (tensor parallel {tensor_parallel_size}: its workers read every "
+                "weight sync from a file in shared memory)",
+            )
         super().__init__(model, tokenizer, sampling, device, rank, seeded_requests, image_processor)
         model_dir = self.model_dir
         self.weights_dir = None
@@ -176,30 +223,56 @@ class VLLMEngine(VLLMEngineBase):
                 model_dir = self.weights_dir
                 write_model_dir(model, tokenizer, model_dir, image_processor)
                 write_weights(self.model.named_parameters(), model_dir)
-        spec = EngineSpec(model_dir=model_dir, dtype=self.dtype_name, seed=seed,
-                          max_model_len=max_model_len, device=device.type, enforce_eager=enforce_eager,
-                          gpu_memory_utilization=gpu_utilization(gpu_memory_utilization, device, rank),
-                          cuda_visible_devices=_visible_gpus(device, tensor_parallel_size),
-                          tensor_parallel_size=tensor_parallel_size, weights_dir=self.weights_dir,
-                          enable_sleep=enable_sleep, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                          images_per_prompt=images_per_prompt)
+        spec = EngineSpec(
+            model_dir=model_dir,
+            dtype=self.dtype_name,
+            seed=seed,
+            max_model_len=max_model_len,
+            device=device.type,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_utilization(gpu_memory_utilization, device, rank),
+            cuda_visible_devices=_visible_gpus(device, tensor_parallel_size),
+            tensor_parallel_size=tensor_parallel_size,
+            weights_dir=self.weights_dir,
+            enable_sleep=enable_sleep,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            images_per_prompt=images_per_prompt,
+        )
         self.sleeps = sleeps(spec)
         log = get_logger(rank)
         self.child = EngineChild(
-            spec, os.path.join(self.workdir, "engine.log"), timeout_s,
-            on_ready=lambda s: log._emit("info", f"rank {rank}: vLLM engine child ready in {s:.1f} s (spawn -> ready, "
-                                                 "overlapped with the rest of start-up)"))
+            spec,
+            os.path.join(self.workdir, "engine.log"),
+            timeout_s,
+            on_ready=lambda s: log._emit(
+                "info",
+                f"rank {rank}: vLLM engine child ready in {s:.1f} s (spawn -> ready, "
+                "overlapped with the rest of start-up)",
+            ),
+        )
         atexit.register(self.close)
         self.drop_weights()
-        self.sink: EngineSink = ChildStreamSink(self.child, self.model, device) if self.weights_dir is None else \
-            WeightsFileSink(self.child, self.model, self.weights_dir)
+        self.sink: EngineSink = (
+            ChildStreamSink(self.child, self.model, device)
+            if self.weights_dir is None
+            else WeightsFileSink(self.child, self.model, self.weights_dir)
+        )
         self.weights = self.sink
-        log._emit("info", f"rank {rank}: weight syncs stream bucket by bucket "
-                          + ("to the vLLM child" if self.weights_dir is None else
-                             "into the weights file of the engine's tensor-parallel workers")
-                          + "; this rank keeps no copy of the policy")
-        log._emit("info", f"rank {rank}: vLLM engine child started (pid {self.child.pid}, tensor parallel "
-                                        f"{tensor_parallel_size}, log {self.child.log_path})")
+        log._emit(
+            "info",
+            f"rank {rank}: weight syncs stream bucket by bucket "
+            + (
+                "to the vLLM child"
+                if self.weights_dir is None
+                else "into the weights file of the engine's tensor-parallel workers"
+            )
+            + "; this rank keeps no copy of the policy",
+        )
+        log._emit(
+            "info",
+            f"rank {rank}: vLLM engine child started (pid {self.child.pid}, tensor parallel "
+            f"{tensor_parallel_size}, log {self.child.log_path})",
+        )
 
     # ---- weights ------------------------------------------------------------------------------
 
@@ -209,11 +282,19 @@ class VLLMEngine(VLLMEngineBase):
 
     # ---- generation ---------------------------------------------------------------------------
 
-    def sample_seeded(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int | None = None,
-                      stop: tuple[str, ...] = (), images: ImageRequests = None) -> Generation:
+    def sample_seeded(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        *,
+        max_new_tokens: int | None = None,
+        stop: tuple[str, ...] = (),
+        images: ImageRequests = None,
+    ) -> Generation:
         """sample() with one given seed per row (the rows of several ranks sampled in one call)."""
         tokens, logprobs = self.child.request(  # type: ignore[misc]
-            "generating", "generate", prompts, seeds, self.sampling_for(stop, max_new_tokens), images)
+            "generating", "generate", prompts, seeds, self.sampling_for(stop, max_new_tokens), images
+        )
         if self.sleeps:  # GPU --vllm_enable_sleep: asleep through scoring and training; the next push wakes it
             self.child.request("sleeping", "sleep")
         return self.finish(tokens, logprobs, stop)
@@ -230,6 +311,7 @@ class VLLMEngine(VLLMEngineBase):
         if self.weights_dir is not None:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
 
+
 # ---- tensor parallel ---------------------------------------------------------------------------------------------
 # One vLLM engine over an engine's T ranks (--vllm_tensor_parallel_size T > 1).
 #
@@ -240,6 +322,7 @@ class VLLMEngine(VLLMEngineBase):
 # its own rank gave it, and hands each rank its rows back. Every rank of
 # the engine must therefore call sample() the same number of times (single-turn generation and evaluation do;
 # multi-turn episodes are refused with tensor parallel > 1 before anything starts).
+
 
 class RowExchange(Protocol):
     """Provided by rlrun.launch.transfer.EngineRowExchange (the engine's process group stays there)."""
@@ -252,8 +335,9 @@ class RowExchange(Protocol):
 
 
 class TensorParallelEngine:
-    def __init__(self, model: nn.Module, sampling: SamplingSettings, exchange: RowExchange,
-                 leader: VLLMEngine | None) -> None:
+    def __init__(
+        self, model: nn.Module, sampling: SamplingSettings, exchange: RowExchange, leader: VLLMEngine | None
+    ) -> None:
         assert (leader is not None) == exchange.is_leader
         self.model = model  # on the meta device: the parameters' names and shapes
         self.weights = leader.weights if leader is not None else None  # the first rank takes them for the engine
@@ -261,8 +345,9 @@ class TensorParallelEngine:
         self.exchange = exchange
         self.leader = leader
 
-    def sample(self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None,
-               stop: tuple[str, ...] = ()) -> Generation:
+    def sample(
+        self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None, stop: tuple[str, ...] = ()
+    ) -> Generation:
         parts = self.exchange.to_leader({"prompts": prompts, "seed": seed})
         answers: list[object] | None = None
         if self.leader is not None:
@@ -276,8 +361,12 @@ class TensorParallelEngine:
             answers, start = [], 0
             for share in shares:
                 end = start + len(share["prompts"])
-                answers.append({"responses": out.responses[start:end], "log_probs": out.log_probs[start:end]
-                                if out.log_probs is not None else None})
+                answers.append(
+                    {
+                        "responses": out.responses[start:end],
+                        "log_probs": out.log_probs[start:end] if out.log_probs is not None else None,
+                    }
+                )
                 start = end
         mine: dict[str, Any] = self.exchange.from_leader(answers)  # type: ignore[assignment]
         return Generation(mine["responses"], mine["log_probs"])

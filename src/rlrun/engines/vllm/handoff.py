@@ -61,12 +61,15 @@ def check_shm(needed: int, what: str, path: str = SHM_DIR) -> None:
         return
     if path.startswith(SHM_DIR):
         size = max(1, math.ceil(needed * 1.25 / 2**30))  # a quarter more, for vLLM's own segments and the rest
-        fix = (f"give the container more shared memory (docker run --shm-size={size}g, or --ipc=host; Kubernetes: a "
-               f"memory-backed emptyDir mounted at {SHM_DIR}), or use a smaller model")
+        fix = (
+            f"give the container more shared memory (docker run --shm-size={size}g, or --ipc=host; Kubernetes: a "
+            f"memory-backed emptyDir mounted at {SHM_DIR}), or use a smaller model"
+        )
     else:
         fix = "free space there, or use a smaller model"
-    raise SharedMemoryError(f"{what} needs {needed} bytes ({_gib(needed)}) in {path}, but only {free} bytes "
-                            f"({_gib(free)}) are free: {fix}")
+    raise SharedMemoryError(
+        f"{what} needs {needed} bytes ({_gib(needed)}) in {path}, but only {free} bytes ({_gib(free)}) are free: {fix}"
+    )
 
 
 # ---- storages --------------------------------------------------------------------------------------------------
@@ -146,8 +149,10 @@ def pack(named: Sequence[tuple[str, torch.Tensor]]) -> Handoff:
         raise ValueError(f"weights on {device} cannot be handed to another process (CPU or CUDA only)")
     storages = distinct_storages(tensors)
     index = {(device, s.data_ptr()): i for i, s in enumerate(storages)}
-    views = tuple(View(n, index[_key(t)], t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
-                  for (n, _), t in zip(named, tensors))
+    views = tuple(
+        View(n, index[_key(t)], t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        for (n, _), t in zip(named, tensors)
+    )
     whole = [torch.empty(0, dtype=torch.uint8, device=device).set_(s) for s in storages]
     if device.type == "cpu":
         for w in whole:
@@ -160,8 +165,10 @@ def _cuda_index(uuid: str) -> int:
     for i in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(i).uuid) == uuid:
             return i
-    raise RlrunError(f"the GPU holding the engine's weights (UUID {uuid}) is not visible to the vLLM child "
-                     f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+    raise RlrunError(
+        f"the GPU holding the engine's weights (UUID {uuid}) is not visible to the vLLM child "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+    )
 
 
 def unpack(handoff: Handoff) -> list[tuple[str, torch.Tensor]]:

@@ -38,14 +38,13 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.engines.base import Generation, SamplingSettings
-from rlrun.engines.vllm.placement import whole_world_problem
 from rlrun.engines.vllm.adapter import EngineSpec, ImageRequests, VLLMAdapter, sleeps
 from rlrun.engines.vllm.engine import VLLMEngineBase
-from rlrun.engines.vllm.placement import gpu_utilization
+from rlrun.engines.vllm.placement import gpu_utilization, whole_world_problem
 from rlrun.launch.layout import Layout
-from rlrun.weight_sync.buckets import ParamLoader
 from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.log import get_logger
+from rlrun.weight_sync.buckets import ParamLoader
 
 
 class PeerExchange(Protocol):
@@ -98,12 +97,28 @@ class InProcessEngine(VLLMEngineBase, ParamLoader):
     """Sampling with vLLM in this rank. generate()/sample() as HFEngine; load_weights() hands the current `model`
     parameters to vLLM (the trainer calls it once after every weight sync)."""
 
-    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: SamplingSettings,
-                 device: torch.device, *, layout: Layout, world_size: int, rank: int, exchange: PeerExchange,
-                 seed: int, max_model_len: int, tensor_parallel_size: int = 1, enforce_eager: bool = False,
-                 gpu_memory_utilization: float = 0.9, enable_sleep: bool = False,
-                 kv_cache_memory_bytes: int | None = None, seeded_requests: bool = False,
-                 image_processor: Any = None, images_per_prompt: int = 0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        sampling: SamplingSettings,
+        device: torch.device,
+        *,
+        layout: Layout,
+        world_size: int,
+        rank: int,
+        exchange: PeerExchange,
+        seed: int,
+        max_model_len: int,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
+        gpu_memory_utilization: float = 0.9,
+        enable_sleep: bool = False,
+        kv_cache_memory_bytes: int | None = None,
+        seeded_requests: bool = False,
+        image_processor: Any = None,
+        images_per_prompt: int = 0,
+    ) -> None:
         """`model` may lie on the meta device (but a vision-language policy's weights, read for vLLM's first file);
         it is moved there once the engine is built. WeightSync hands each sync's gathered tensors to `load`."""
         # A subset of the world would hang inside vLLM with no error: refuse it here too, not only in planning.
@@ -111,20 +126,29 @@ class InProcessEngine(VLLMEngineBase, ParamLoader):
         if problem is None and world_size != layout.world_size:
             problem = f"the layout is for {layout.world_size} ranks but torch.distributed has {world_size}"
         if problem is not None:
-            raise ConfigError(f"the in-process vLLM engine (--vllm_engine_host in_process) cannot run here: {problem}; "
-                              "use --vllm_engine_host child")
+            raise ConfigError(
+                f"the in-process vLLM engine (--vllm_engine_host in_process) cannot run here: {problem}; "
+                "use --vllm_engine_host child"
+            )
         super().__init__(model, tokenizer, sampling, device, rank, seeded_requests, image_processor)
         self.exchange = exchange
         self.tensor_parallel_size = tensor_parallel_size
         # Every rank of a tensor-parallel group must build the same engine, seed included (each call reseeds it
         # from the rows' seeds, or each request carries its own with --vllm_seeded_requests).
-        self.spec = EngineSpec(model_dir=self.model_dir, dtype=self.dtype_name, seed=seed,
-                               max_model_len=max_model_len, device=device.type, enforce_eager=enforce_eager,
-                               gpu_memory_utilization=gpu_utilization(gpu_memory_utilization, device, rank),
-                               tensor_parallel_size=tensor_parallel_size,
-                               external_launcher=True, enable_sleep=enable_sleep,
-                               kv_cache_memory_bytes=kv_cache_memory_bytes,
-                               images_per_prompt=images_per_prompt)
+        self.spec = EngineSpec(
+            model_dir=self.model_dir,
+            dtype=self.dtype_name,
+            seed=seed,
+            max_model_len=max_model_len,
+            device=device.type,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_utilization(gpu_memory_utilization, device, rank),
+            tensor_parallel_size=tensor_parallel_size,
+            external_launcher=True,
+            enable_sleep=enable_sleep,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            images_per_prompt=images_per_prompt,
+        )
         self.sleeps = sleeps(self.spec)
         log = get_logger(rank)
         t0 = time.perf_counter()
@@ -135,12 +159,17 @@ class InProcessEngine(VLLMEngineBase, ParamLoader):
         # would pin everything alive now (models, optimizer, data) past its last use.
         gc.unfreeze()
         self.start_s: float | None = time.perf_counter() - t0
-        log._emit("info", f"rank {rank}: in-process vLLM engine ready in {self.start_s:.1f} s (external_launcher, "
-                          f"tensor parallel {tensor_parallel_size})")
+        log._emit(
+            "info",
+            f"rank {rank}: in-process vLLM engine ready in {self.start_s:.1f} s (external_launcher, "
+            f"tensor parallel {tensor_parallel_size})",
+        )
         self.weights = self  # weight sync hands it each parameter as the actor is gathered (`load`)
         self.drop_weights()
-        log.info_once("weight syncs hand the gathered tensors straight to the in-process vLLM engines; no rank keeps "
-                      "a copy of the policy")
+        log.info_once(
+            "weight syncs hand the gathered tensors straight to the in-process vLLM engines; no rank keeps "
+            "a copy of the policy"
+        )
 
     # ---- weights ------------------------------------------------------------------------------
 
@@ -157,8 +186,15 @@ class InProcessEngine(VLLMEngineBase, ParamLoader):
 
     # ---- generation ---------------------------------------------------------------------------
 
-    def sample_seeded(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int | None = None,
-                      stop: tuple[str, ...] = (), images: ImageRequests = None) -> Generation:
+    def sample_seeded(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        *,
+        max_new_tokens: int | None = None,
+        stop: tuple[str, ...] = (),
+        images: ImageRequests = None,
+    ) -> Generation:
         """sample() with one given seed per row. Tensor parallel > 1: collective over the engine's ranks (text only:
         vision-language runs with tensor-parallel engines are refused before start)."""
         assert self.adapter is not None, "the engine is closed"
@@ -168,12 +204,12 @@ class InProcessEngine(VLLMEngineBase, ParamLoader):
             shares: list[dict[str, list]] = self.exchange.to_all({"prompts": prompts, "seeds": seeds})  # type: ignore[assignment]
             rows = [p for share in shares for p in share["prompts"]]
             row_seeds = [s for share in shares for s in share["seeds"]]
-            first = sum(len(share["prompts"]) for share in shares[:self.exchange.index])
+            first = sum(len(share["prompts"]) for share in shares[: self.exchange.index])
         with kept_host_rng(self.device):
             tokens, logprobs = self.adapter.generate(rows, row_seeds, self.sampling_for(stop, max_new_tokens), images)
             if self.sleeps:  # GPU --vllm_enable_sleep: asleep through scoring and training; the next push wakes it
                 self.adapter.sleep()
-        return self.finish(tokens[first:first + len(prompts)], logprobs[first:first + len(prompts)], stop)
+        return self.finish(tokens[first : first + len(prompts)], logprobs[first : first + len(prompts)], stop)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 

@@ -15,11 +15,13 @@ for those layouts too (for example to keep vLLM's side effects out of the traine
 
 from __future__ import annotations
 
+import math
 from typing import Literal
+
+import torch
+
 from rlrun.launch.layout import Layout, Role
 from rlrun.runtime.errors import ConfigError
-import math
-import torch
 from rlrun.runtime.log import get_logger
 
 EngineHost = Literal["child", "in_process"]
@@ -31,12 +33,16 @@ def whole_world_problem(layout: Layout, tensor_parallel_size: int) -> str | None
     world = tuple(range(layout.world_size))
     engine = layout.ranks_of(Role.ENGINE)
     if engine != world:
-        return (f"the engine ranks {list(engine)} are not the whole world of {layout.world_size} ranks (vLLM's "
-                "external_launcher builds its groups over every rank and hangs when only some build an engine)")
+        return (
+            f"the engine ranks {list(engine)} are not the whole world of {layout.world_size} ranks (vLLM's "
+            "external_launcher builds its groups over every rank and hangs when only some build an engine)"
+        )
     blocks = tuple(tuple(range(i, i + tensor_parallel_size)) for i in range(0, layout.world_size, tensor_parallel_size))
     if layout.engines != blocks:
-        return (f"the engines {[list(e) for e in layout.engines]} are not consecutive blocks of tensor parallel "
-                f"{tensor_parallel_size} from rank 0, the groups vLLM builds")
+        return (
+            f"the engines {[list(e) for e in layout.engines]} are not consecutive blocks of tensor parallel "
+            f"{tensor_parallel_size} from rank 0, the groups vLLM builds"
+        )
     return None
 
 
@@ -44,8 +50,10 @@ def choose_host(requested: HostRequest, layout: Layout, tensor_parallel_size: in
     """The host for --generation_backend vllm (ConfigError when in_process is asked on a layout it cannot serve)."""
     problem = whole_world_problem(layout, tensor_parallel_size)
     if requested == "in_process" and problem is not None:
-        raise ConfigError(f"--vllm_engine_host in_process: {problem}; use --colocate_all_models (every role and engine "
-                          "on every rank) or --vllm_engine_host child (or auto)")
+        raise ConfigError(
+            f"--vllm_engine_host in_process: {problem}; use --colocate_all_models (every role and engine "
+            "on every rank) or --vllm_engine_host child (or auto)"
+        )
     if requested == "child":
         return "child"
     return "in_process" if problem is None else "child"
@@ -56,12 +64,14 @@ def describe(host: EngineHost, tensor_parallel_size: int) -> str:
         return f"in-process vLLM on every rank (external_launcher, tensor parallel {tensor_parallel_size})"
     return f"vLLM in a child process per engine (tensor parallel {tensor_parallel_size})"
 
+
 # ---- GPU memory --------------------------------------------------------------------------------------------------
 # How much of its GPU a vLLM engine asks for, given what this rank already holds there.
 #
 # vLLM refuses to start when less than `gpu_memory_utilization x total` bytes of its GPU are free ("Free memory on
 # device ... on startup is less than desired GPU memory utilization"). The engines are built before a rank's
-# training models (rlrun.rl.assembly), and no engine rank keeps a copy of the policy (vllm_stream.py), but the GPU may be
+# training models (rlrun.rl.assembly), and no engine rank keeps a copy of the policy (rlrun.engines.vllm.stream), but
+# the GPU may be
 # shared: other ranks' processes on it, or another job's. So the share is fitted to what is free when the engine
 # starts, and the start-up log says so when it is lowered.
 
@@ -89,13 +99,19 @@ def gpu_utilization(requested: float, device: torch.device, rank: int) -> float:
     free, total = torch.cuda.mem_get_info(device)
     fitted = fitted_utilization(requested, free, total)
     held = torch.cuda.memory_allocated(device)
-    where = (f"{free / GIB:.1f} of the {total / GIB:.1f} GiB of {device} are free ({held / GIB:.1f} GiB held by this "
-             "rank; the rest by other processes on the GPU)")
+    where = (
+        f"{free / GIB:.1f} of the {total / GIB:.1f} GiB of {device} are free ({held / GIB:.1f} GiB held by this "
+        "rank; the rest by other processes on the GPU)"
+    )
     if fitted < MIN_UTILIZATION:
-        raise ConfigError(f"vLLM engine: {where}, too little for vLLM's weights and KV cache next to them; give the "
-                          "engines GPUs of their own (--vllm_num_engines on ranks without training models) or a "
-                          "larger --vllm_tensor_parallel_size")
+        raise ConfigError(
+            f"vLLM engine: {where}, too little for vLLM's weights and KV cache next to them; give the "
+            "engines GPUs of their own (--vllm_num_engines on ranks without training models) or a "
+            "larger --vllm_tensor_parallel_size"
+        )
     if fitted < requested:
-        get_logger(rank).info_once(f"--vllm_gpu_memory_utilization {requested:.2f}: vLLM would refuse to start, "
-                                   f"{where}; vLLM gets {fitted:.2f} of the GPU")
+        get_logger(rank).info_once(
+            f"--vllm_gpu_memory_utilization {requested:.2f}: vLLM would refuse to start, "
+            f"{where}; vLLM gets {fitted:.2f} of the GPU"
+        )
     return fitted

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from rlrun.engines.vllm.handoff import Handoff, check_shm, memory_key, pack, unpack, unshared_bytes
-from rlrun.weight_sync.buckets import BucketEntry, BucketSink, bucket_size, entry_view
 from rlrun.models.safetensors import SafetensorsLayout, StreamedSafetensors, TensorSpec
+from rlrun.weight_sync.buckets import BucketEntry, BucketSink, bucket_size, entry_view
 
 WEIGHTS_FILE = "model.safetensors"
 _ONE_FILE = 2**62  # bytes per file: never split (the workers read every file of the directory anyway)
@@ -80,8 +80,9 @@ class ChildStreamSink(EngineSink):
         plan = None
         if memory_key(named) != self._sent_key:  # the first sync (the buffers are kept for every later one)
             if self.device.type == "cpu":
-                check_shm(unshared_bytes(buffers), "handing the vLLM engine child its weight sync buffers (shared "
-                                                   "memory)")
+                check_shm(
+                    unshared_bytes(buffers), "handing the vLLM engine child its weight sync buffers (shared memory)"
+                )
             handoff, plan = pack(named), buckets  # CPU: moves the buffers into shared memory, in place
             self._sent_key, self._buffers = memory_key(named), buffers
         self._acked, self._count = 0, len(buckets)
@@ -118,20 +119,24 @@ class WeightsFileSink(EngineSink):
     def start(self, buckets: list[list[BucketEntry]], buffers: list[torch.Tensor]) -> None:
         self._started()
         self._buckets, self._buffers = buckets, buffers
-        layout = SafetensorsLayout({e.name: TensorSpec(e.shape, e.dtype) for b in buckets for e in b},
-                                   max_shard_size=_ONE_FILE)
+        layout = SafetensorsLayout(
+            {e.name: TensorSpec(e.shape, e.dtype) for b in buckets for e in b}, max_shard_size=_ONE_FILE
+        )
         self.child.wait_ready()  # the workers are not reading the previous file (nor starting)
         path = os.path.join(self.directory, WEIGHTS_FILE)
         if os.path.exists(path):  # the previous push's file goes first: /dev/shm never holds two
             os.unlink(path)
-        check_shm(layout.total_bytes, "the vLLM engine's weights file (its tensor-parallel workers read every weight "
-                                      "push from it)", self.directory)
+        check_shm(
+            layout.total_bytes,
+            "the vLLM engine's weights file (its tensor-parallel workers read every weight push from it)",
+            self.directory,
+        )
         self._writer = StreamedSafetensors(layout, self.directory)
 
     def take(self, index: int) -> None:
         assert self._writer is not None
         bucket = self._buckets[index]
-        data = self._buffers[index % 2][:bucket_size(bucket)]
+        data = self._buffers[index % 2][: bucket_size(bucket)]
         data = data.to("cpu")  # one copy per bucket off a GPU; on CPU the buffer itself
         for e in bucket:
             self._writer.write(e.name, entry_view(data, e))
@@ -173,7 +178,7 @@ def streamed_weights(conn: Connection, state: StreamState) -> Iterator[tuple[str
         msg = conn.recv()
         if tuple(msg) != ("bucket", k):
             raise RuntimeError(f"weight stream: expected bucket {k}, the parent sent {msg[:2]!r}")
-        copy = state.buffers[k % 2][:bucket_size(bucket)].clone()
+        copy = state.buffers[k % 2][: bucket_size(bucket)].clone()
         if copy.is_cuda:
             torch.cuda.synchronize(copy.device)  # the copy is done before the parent may write the buffer again
         conn.send(("ok", k))
