@@ -142,7 +142,7 @@ def largest_tensor(s: ModelShape) -> int:
 #   else 4): one layer keeps b*L*(e*(6h + 4I + 2kv) + 8h) bytes for backward, the final norm b*L*(e + 8)*h. These
 #   constants are measured: the bytes of the tensors autograd saves (saved_tensors_hooks) in transformers 5's Llama
 #   and Qwen2 layers with sdpa attention, at three shapes (h 512-1024, I/h 2.75-5.4, kv/q 1/7-1), exact to 0.1%
-#   there, within 1% at the smaller shapes tests/rl/test_memory_activations.py measures them at again. The 8h is
+#   there, within 1% at the smaller shapes tests/plan/test_memory_activations.py measures them at again. The 8h is
 #   HF's RMSNorm, which saves its input in fp32 at every dtype. Megatron-LM's 34*b*L*h (Korthikanti et al. 2022)
 #   assumes a 4h GeLU MLP with dropout; for HF's SwiGLU layers it is 0.5-0.65x of what is kept (the 0.5B plan was
 #   14% under a GPU's measured peak with it).
