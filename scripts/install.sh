@@ -73,6 +73,11 @@ run "$VPY" -m pip install -q -c "$constraints" -e ".${extras}"
 if [[ $want_test == 1 && -x scripts/ci/install_cluster_deps.sh ]]; then
   run bash scripts/ci/install_cluster_deps.sh || echo "rlrun install: Slurm/netns tools unavailable; those tests will skip"
 fi
+if [[ $want_test == 1 ]]; then  # DeepSpeed JIT-compiles its CPU shared-memory op at its first initialize (30-70 s):
+  # build it now into the torch extensions cache, so that no test waits for a compiler
+  run "$VPY" -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('ShareMemCommBuilder'); b and b.load()" \
+    >/dev/null || echo "rlrun install: DeepSpeed's CPU op not prebuilt; the first DeepSpeed test builds it"
+fi
 if [[ $want_test == 1 ]]; then  # the vLLM lane (.venv-vllm): never fails the install, its tests skip loudly
   run bash scripts/ci/install_vllm_lane.sh || echo "rlrun install: !!! vLLM lane (.venv-vllm) NOT installed; tests/engines vLLM tests will SKIP !!!"
 fi

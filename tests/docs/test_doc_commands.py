@@ -17,6 +17,8 @@ NOT_RUN = {
     ("python3", "-m", "venv"): "creates a virtual environment (an install step)",
     (".venv/bin/python", "-m", "pip"): "installs packages from a registry",
     (".venv/bin/python", "-m", "pytest"): "the test suite itself",
+    (".venv/bin/ruff",): "the lint and format check of src/, run by README's test command",
+    (".venv/bin/mypy",): "the type check of src/, run by README's test command",
     ("export",): "sets the environment of the commands after it",
     ("sbatch",): "needs a Slurm cluster (scripts/slurm runs on a simulated one in tests/scripts/test_slurm_scripts.py)",
     ("bash", "scripts/runpod/launch.sh"): "one pod of a multi-pod job (tests/scripts/test_runpod_launch.py runs it)",
