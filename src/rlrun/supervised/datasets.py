@@ -166,7 +166,7 @@ def check_tokenizer(tokenizer: PreTrainedTokenizerBase, apply_chat_template: boo
         )
 
 
-def all_dropped(path: str, total: int, reasons: Counter[str], max_len: int) -> DataError:
+def all_dropped(path: str | DataSpec, total: int, reasons: Counter[str], max_len: int) -> DataError:
     listed = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common())
     return DataError(
         f"Every one of the {total} records of {path!r} was dropped ({listed}); nothing is left to train on. "
@@ -174,7 +174,9 @@ def all_dropped(path: str, total: int, reasons: Counter[str], max_len: int) -> D
     )
 
 
-def finish(path: str, total: int, samples: list[T], reasons: Counter[str], truncated: int, max_len: int) -> Loaded[T]:
+def finish(
+    path: str | DataSpec, total: int, samples: list[T], reasons: Counter[str], truncated: int, max_len: int
+) -> Loaded[T]:
     if not samples:
         raise all_dropped(path, total, reasons, max_len)
     return Loaded(samples=samples, dropped=sum(reasons.values()), truncated=truncated)
@@ -242,7 +244,11 @@ def _sft_texts(
 
 
 def _pretrain_samples(
-    path: str, rows: list[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase, input_key: str, max_len: int
+    path: str | DataSpec,
+    rows: list[Mapping[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    input_key: str,
+    max_len: int,
 ) -> Loaded[Completion]:
     """OpenRLHF pretrain_mode: the input_key text as is, cut to max_len; no template, no EOS, nothing masked."""
     texts = []
