@@ -567,19 +567,20 @@ def sleep_schedule(
     layout: Layout, rank: int, roles: RankRoles, device: torch.device, *, actor_scores: bool
 ) -> SleepSchedule:
     """--deepspeed_enable_sleep: the schedule of this rank's models (rlrun.rl.sleep)."""
-    held = [
-        (Role.ACTOR, roles.actor and roles.actor.model, roles.actor and roles.actor.updater.optimizer),
-        (Role.CRITIC, roles.critic and roles.critic.model, roles.critic and roles.critic.updater.optimizer),
-        (Role.REF, roles.reference and not roles.reference.adapters_off and roles.reference.model, None),
-        (Role.REWARD, roles.reward_model and roles.reward_model.model, None),
-    ]
-    sleepers = [
-        # the ignore: the and-chains type as the roles or False; a reference with adapters_off does give False, which
-        # passes `is not None` and has no REF strategy here (a KeyError with --deepspeed_enable_sleep)
-        Sleeper(role, roles.strategies[role], model, optimizer)  # type: ignore[arg-type]
-        for role, model, optimizer in held
-        if model is not None
-    ]
+    sleepers = []
+    if roles.actor is not None:
+        sleepers.append(
+            Sleeper(Role.ACTOR, roles.strategies[Role.ACTOR], roles.actor.model, roles.actor.updater.optimizer)
+        )
+    if roles.critic is not None:
+        sleepers.append(
+            Sleeper(Role.CRITIC, roles.strategies[Role.CRITIC], roles.critic.model, roles.critic.updater.optimizer)
+        )
+    # A reference that is the actor's LoRA base (adapters switched off) is the actor's model: it sleeps as the actor.
+    if roles.reference is not None and not roles.reference.adapters_off:
+        sleepers.append(Sleeper(Role.REF, roles.strategies[Role.REF], roles.reference.model, None))
+    if roles.reward_model is not None:
+        sleepers.append(Sleeper(Role.REWARD, roles.strategies[Role.REWARD], roles.reward_model.model, None))
     return SleepSchedule.of(sleepers, layout, rank, actor_scores=actor_scores, device=device)
 
 
