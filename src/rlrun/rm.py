@@ -4,7 +4,7 @@ OpenRLHF's train_rm flags; the saved model is what `rlrun.ppo --reward_pretrain`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -13,6 +13,7 @@ from rlrun.compat.openrlhf_flags import RM_DOTTED, RM_IGNORED
 from rlrun.config.supervised import RMConfig
 from rlrun.data.sources import DataSpec
 from rlrun.launch.failures import leave
+from rlrun.models.loading import ScalarHeadModel
 from rlrun.plan.shapes import SupervisedJob
 from rlrun.run.skeleton import run_trainer
 from rlrun.supervised.assembly import BuildContext, Supervised, reward_model, trainable
@@ -57,12 +58,12 @@ def load_pairs(
 def _build(cfg: RMConfig, ctx: BuildContext) -> RewardModelTask:
     model, optimizer, strategy = trainable(reward_model(cfg.model, cfg.train.seed), cfg.model, cfg.train, ctx)
     return RewardModelTask(
-        model,
+        cast(ScalarHeadModel, model),  # reward_model()'s, wrapped: a DeepSpeed engine forwards its attributes
         optimizer,
         strategy,
         ctx.device,
         ctx.pad_id,
-        cfg.train.packing_samples,  # type: ignore[arg-type]
+        cfg.train.packing_samples,
         cfg.loss.loss,
         cfg.loss.margin_loss,
     )

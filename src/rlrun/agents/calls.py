@@ -84,7 +84,7 @@ def check_step(raw: object, where: str, passed_sampling: object) -> StepResult:
 def _make(factory: Callable[[], Instance]) -> Instance | Awaitable[Instance]:
     """factory(); OpenRLHF's own example declares `async def __init__`, which plain construction rejects,
     so such a class is built in two steps with its __init__ awaited."""
-    cls = factory if isinstance(factory, type) else None
+    cls: type[Instance] | None = factory if isinstance(factory, type) else None
     if cls is not None and inspect.iscoroutinefunction(cls.__init__):
         instance = cls.__new__(cls)
 
@@ -113,7 +113,7 @@ class AgentCalls:
     def construct(self, factory: Callable[[], Instance], count: int) -> list[Instance]:
         async def one(i: int) -> Instance:
             made = _make(factory)
-            return await made if inspect.isawaitable(made) else made  # type: ignore[return-value]
+            return await made if inspect.isawaitable(made) else made
 
         return self._batch("__init__()", [one(i) for i in range(count)], list(range(count)))
 
@@ -167,7 +167,7 @@ class AgentCalls:
 
     # ---- running coroutines on the loop ------------------------------------------------------
 
-    def _batch(self, what: str, coros: list[Awaitable[Any]], rows: list[int]) -> list[Any]:
+    def _batch(self, what: str, coros: Sequence[Awaitable[Any]], rows: list[int]) -> list[Any]:
         async def bounded(coro: Awaitable[Any], row: int) -> Any:
             if self._semaphore is None:
                 self._semaphore = asyncio.Semaphore(self.max_concurrency)

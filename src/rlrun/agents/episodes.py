@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -143,7 +143,7 @@ class EpisodeRunner:
                 stop=lim.stop,
             )
             engine_log_probs = engine_log_probs and generation.log_probs is not None
-            actions = []
+            actions: list[str] = []
             for k, i in enumerate(open_rows):
                 tokens = generation.responses[k][: caps[i]]
                 lps = (
@@ -154,7 +154,8 @@ class EpisodeRunner:
                 e.mask += [1] * len(tokens)
                 e.log_probs += lps
                 e.turns += 1
-                actions.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
+                # one row of ids decodes to one text (transformers types decode for a batch too)
+                actions.append(cast(str, self.tokenizer.decode(tokens, skip_special_tokens=True)))
             last = [turn + 1 == lim.max_turns or len(episodes[i].response) >= lim.response_budget for i in open_rows]
             results = self.calls.step(
                 agents,
@@ -229,6 +230,7 @@ def build_episode_runner(
 ) -> EpisodeRunner:
     """The run's episode runner: an OpenRLHF agent file, or the built-in Search-R1 agent (its retrieval requests
     tried `retries` times, --remote_rm_retries)."""
+    stop: tuple[str, ...]
     if a.agent_func_path is not None:
         # OpenRLHF's turns end at EOS or the token cap; an agent file has no stop strings.
         factory, stop, source = load_agent_file(a.agent_func_path), (), a.agent_func_path

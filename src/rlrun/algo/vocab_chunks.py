@@ -84,19 +84,20 @@ class _VocabChunks(torch.autograd.Function):
                     grad_z.add_(g_logp[rows, None])
                 grad_z.mul_(p).neg_()
             else:
+                assert g_logp is not None  # both None returned above
                 grad_z = p.mul_(-g_logp[rows, None])
             if g_logp is not None:
                 grad_z.scatter_add_(1, targets[rows, None], g_logp[rows, None])
             if ctx.temperature != 1.0:
                 grad_z.div_(ctx.temperature)
             grad_logits = grad_z.to(weight.dtype)  # the cast `.float()` undoes in autograd on the unchunked path
-            if need_h:
+            if grad_h is not None:
                 grad_h[rows] = grad_logits @ weight
-            if need_w and weight.dtype == acc:
+            if grad_w is not None and weight.dtype == acc:
                 grad_w.addmm_(grad_logits.t(), h)
-            elif need_w:
+            elif grad_w is not None:
                 grad_w.add_(grad_logits.t() @ h)  # addmm_ cannot mix dtypes: one [V, H] product in weight's dtype
-            if need_b:
+            if grad_b is not None:
                 grad_b.add_(grad_logits.sum(0, dtype=acc))
         return (
             grad_h,

@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rlrun.checkpoint import store as ckpt
@@ -44,7 +45,7 @@ def save_role_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: st
 def load_role_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, group: dist.ProcessGroup) -> None:
     """Collective over the role's group; DCP reshards when the role now has a different size."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: STATE_DICT_TYPE = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
@@ -145,7 +146,7 @@ def save_checkpoint(
         except ckpt.CheckpointError as exc:
             error = str(exc)
     # Every rank learns whether the directory exists before anyone writes into it.
-    error = broadcast_json(error, 0, group, device)
+    error = cast("str | None", broadcast_json(error, 0, group, device))
     if error:
         raise ckpt.CheckpointError(error)
     try:
@@ -169,7 +170,7 @@ def save_checkpoint(
         except OSError as exc:
             shutil.rmtree(path, ignore_errors=True)
             error = _storage_message(exc, root, steps_done, needs_bytes)
-    if (error := broadcast_json(error, 0, group, device)) is not None:
+    if (error := cast("str | None", broadcast_json(error, 0, group, device))) is not None:
         raise StorageError(str(error))
     if rank == 0:
         size_mb = manifest.manifest_bytes(ckpt.validate(final)["files"]) / 2**20
@@ -261,7 +262,7 @@ def find_checkpoint(
         verify_s += time.perf_counter() - started
         if corrupt is None:
             why = problem(found.meta) if rank == 0 and found is not None else None
-            why = broadcast_json(why, 0, group, device)
+            why = cast("str | None", broadcast_json(why, 0, group, device))
             if why:
                 raise ckpt.CheckpointError(str(why))
             return Resumable(choice["path"], int(choice["step"]), choice["run"], verify_s)

@@ -14,7 +14,7 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeGuard, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -107,7 +107,7 @@ class CliSpec:
     description: str
     config_cls: type
     ignored: Mapping[str, tuple[int | str, str]]  # classic peer flags accepted without effect: name -> (nargs, reason)
-    dotted: Mapping[str, openrlhf_flags.Meaning]  # the peer trainer's OpenRLHF 0.11 dotted flags
+    dotted: dict[str, openrlhf_flags.Meaning]  # the peer trainer's OpenRLHF 0.11 dotted flags, in order
     no_effect: Mapping[str, str] = dataclasses.field(default_factory=dict)  # fields kept but not acted on yet
     renamed: Mapping[str, str] = dataclasses.field(
         default_factory=dict
@@ -233,7 +233,7 @@ def _flag_kwargs(info: FieldInfo, default: Any) -> dict[str, Any]:
 class _Parser(argparse.ArgumentParser):
     """argparse that raises ConfigError instead of printing usage and exiting."""
 
-    def error(self, message: str) -> Any:  # type: ignore[override]
+    def error(self, message: str) -> Any:
         raise ConfigError(message)
 
 
@@ -405,6 +405,10 @@ def _flags_with_values(argv: Sequence[str]) -> list[tuple[str, str | None]]:
     return out
 
 
+def _is_nargs_word(nargs: int | str) -> TypeGuard[Literal["*", "+", "?"]]:
+    return nargs in ("*", "+", "?")
+
+
 def _arity(
     parser: argparse.ArgumentParser, ignored_flags: Mapping[str, tuple[int | str, str]]
 ) -> Callable[[str], Nargs]:
@@ -413,7 +417,7 @@ def _arity(
     for action in parser._actions:
         nargs = 1 if action.nargs is None else action.nargs
         for option in action.option_strings:
-            by_flag[option[2:]] = nargs if isinstance(nargs, int) or nargs in ("*", "+", "?") else 1
+            by_flag[option[2:]] = nargs if isinstance(nargs, int) or _is_nargs_word(nargs) else 1
 
     def arity(name: str) -> Nargs:
         if name in by_flag:
@@ -477,7 +481,7 @@ def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> Pa
         values[name] = coerce(infos[name], raw, f"--{name}")
     defaults.update({d.field: d.value for d in verl.defaults if d.field not in values and not d.unless & values.keys()})
     no_effect = {name: f"--{name}: has no effect ({why})" for name, why in spec.no_effect.items() if name in values}
-    config = build_config({**defaults, **values}, spec.config_cls)
+    config: Any = build_config({**defaults, **values}, spec.config_cls)  # an instance of spec.config_cls
     if verl.lora:  # PPO's Config: verl's critic keys matter only in a run that trains a critic
         verl_overrides.check_lora(
             verl.lora, config.model, config.algo.advantage_estimator if config.algo.needs_critic else None

@@ -21,11 +21,14 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from rlrun.runtime.errors import CheckpointError
+
+if TYPE_CHECKING:  # transformers is imported where a conversion needs it
+    from transformers import PreTrainedModel
 
 # ---- reading a checkpoint ----------------------------------------------------------------------------------------
 # Read an OpenRLHF DeepSpeed checkpoint (`--ckpt_path` of an OpenRLHF PPO run) into HF-named fp32 weights.
@@ -409,7 +412,7 @@ def convert(
     ckpt = read_openrlhf_checkpoint(root, tag, value_head_prefix=value_head_prefix)
     actor = AutoModelForCausalLM.from_pretrained(pretrain, dtype=torch.float32)
     load_weights(actor, ckpt.actor, f"{root} actor ({ckpt.tag})")
-    parts: list[tuple[str, torch.nn.Module]] = [("actor", actor)]
+    parts: list[tuple[str, PreTrainedModel]] = [("actor", actor)]
     if ckpt.critic is not None:
         critic = AutoModelForSequenceClassification.from_pretrained(
             critic_pretrain or pretrain, num_labels=1, dtype=torch.float32
@@ -598,7 +601,7 @@ def hf_module_of(model: torch.nn.Module) -> torch.nn.Module:
     """The HF model inside a role's model: a DeepSpeed engine keeps it as `.module`, rlrun's critic
     (ScalarHeadModel) as `.hf`; FSDP2 shards in place and keeps the names."""
     inner = model.module if hasattr(model, "module") and hasattr(model, "optimizer") else model
-    return getattr(inner, "hf", inner)
+    return getattr(inner, "hf", inner)  # type: ignore[arg-type]  # a DeepSpeed engine's .module is a Module
 
 
 def init_from_openrlhf(plan: InitPlan, actor: torch.nn.Module | None, critic: torch.nn.Module | None) -> str:

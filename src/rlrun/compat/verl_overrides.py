@@ -275,7 +275,7 @@ def check_lora(given: Mapping[str, Any], model: Any, critic: str | None) -> None
 
 # Every rule gets the launched world size (only the global micro batches need it), so one mapping serves
 # translate() and the docs report.
-Rule = Callable[[Mapping[str, Any], int], list[Assignment | Default]]
+Rule = Callable[[Mapping[str, Any], int], Sequence[Assignment | Default]]
 GROUP_RULES: dict[Group, Rule] = {
     "kl": _kl,
     "batch": _batch,
@@ -397,9 +397,9 @@ def translate(
             out += _tokens([(meaning.field, converted)], key, fields, classic_ignored, result.ignored)
     expanded: list[str] = []
     at = {index: group for group, index in group_at.items()}
-    for index, token in enumerate(out):
-        if token is not None:
-            expanded.append(token)
+    for index, entry in enumerate(out):
+        if entry is not None:
+            expanded.append(entry)
         elif index in at:
             group = at[index]
             source = ", ".join(groups[group])

@@ -39,7 +39,8 @@ def fields_of(config_cls: type = Config) -> dict[str, FieldInfo]:
         for f in dataclasses.fields(section_cls):
             if f.name in out:
                 raise AssertionError(f"config field {f.name} defined twice")
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            # every config field has a default or a default_factory (mypy cannot tie the two together)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
             out[f.name] = FieldInfo(
                 section.name,
                 f.name,

@@ -114,7 +114,9 @@ def pack_batch(batch: RolloutBatch, capacity: int | None, pad_id: int = 0) -> Pa
             start[i] = r * width + col
             col += n
         pos[r, col:] = ar[: width - col]
-    pred, out_row, out_col = [], [], []
+    pred: list[int] = []
+    out_row: list[int] = []
+    out_col: list[int] = []
     for i, (p, n_resp) in enumerate(zip(prompt_len, response_len)):
         first = 0 if p > 0 else 1
         pred.extend(range(start[i] + p - 1 + first, start[i] + p - 1 + n_resp))

@@ -7,8 +7,9 @@ to the longest real prompt and response of the step, so compute never pays for t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import torch
 
@@ -41,13 +42,18 @@ class RolloutBatch:
         return self.action_mask.shape[1]
 
     def rows(self, index: slice | torch.Tensor) -> RolloutBatch:
-        return RolloutBatch(**{f.name: _opt(getattr(self, f.name), lambda t: t[index]) for f in fields(self)})
+        picked: dict[str, Any] = {f.name: _opt(getattr(self, f.name), lambda t: t[index]) for f in fields(self)}
+        return RolloutBatch(**picked)
 
     def to(self, device: torch.device) -> RolloutBatch:
-        return RolloutBatch(**{f.name: _opt(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)})
+        moved: dict[str, Any] = {f.name: _opt(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)}
+        return RolloutBatch(**moved)
 
 
-def _opt(t: torch.Tensor | None, fn) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
+_Field = TypeVar("_Field", torch.Tensor, RowVision)  # a batch field's value
+
+
+def _opt(t: _Field | None, fn: Callable[[_Field], _Field]) -> _Field | None:
     return None if t is None else fn(t)
 
 
@@ -92,7 +98,7 @@ def response_tokens(batch: RolloutBatch) -> list[list[int]]:
     return [row[-r:][: int(n)].tolist() for row, n in zip(batch.sequences, batch.response_len)]
 
 
-def pack_log_probs(log_probs: list[list[float]] | list[list[int]], response_width: int) -> torch.Tensor:
+def pack_log_probs(log_probs: Sequence[Sequence[float]], response_width: int) -> torch.Tensor:
     """Per-row token values (log-probs, action masks) -> [b, R] float32, right-padded with 0 (the wire twin
     of pack_rows)."""
     out = torch.zeros((len(log_probs), response_width), dtype=torch.float32)

@@ -146,7 +146,7 @@ Messages = list[dict[str, Any]]
 MISSING = object()  # lookup() of a key a record lacks
 
 
-def where(path: str, index: int) -> str:
+def where(path: str | DataSpec, index: int) -> str:
     return f"{path}: record {index}"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -75,6 +75,7 @@ class Engine(Protocol):
     # How this rank takes each weight sync (rlrun.weight_sync.buckets: it keeps the weights in a model, hands each
     # bucket on, or loads each gathered parameter); None on an engine's ranks that its first rank takes them for.
     weights: WeightReceiver | None
+    sampling: SamplingSettings  # read on every call (evaluation swaps it for its own temperature)
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         """Prompt token ids -> response token ids (EOS included when it was sampled)."""
@@ -98,7 +99,9 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def resolve_backend(requested: str, cuda: bool, native_blocker: str | None = None) -> tuple[str, str]:
+def resolve_backend(
+    requested: str, cuda: bool, native_blocker: str | None = None
+) -> tuple[Literal["native", "hf", "vllm"], str]:
     """(backend, why) for --generation_backend. `native_blocker`: why rlrun's decoder cannot run the policy
     (rlrun.engines.decoder.unsupported_reason), None when it can. `auto`: vLLM when it is installed (in the tested
     range) and a GPU is present, as OpenRLHF users expect; else native when it can run the policy (on CPU faster
@@ -197,7 +200,7 @@ class HFEngine(TorchEngine):
         # and resumable without saving generator state.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(seed)
-            out = self.model.generate(
+            out = self.model.generate(  # type: ignore[operator]  # an HF model's method
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 do_sample=True,

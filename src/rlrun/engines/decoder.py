@@ -25,9 +25,10 @@ capacity, H query heads, K key/value heads, G = H / K, D head dim, E hidden size
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -99,7 +100,58 @@ def fused_groups(names: Iterable[str]) -> list[list[str]]:
     return sorted(groups)
 
 
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
+# ---- the HF modules the decoder reads ------------------------------------------------------------------------------
+# Llama, Qwen2, Qwen3 and Mistral name them alike; a model `unsupported_reason` accepts has this tree.
+
+
+class _Config(Protocol):
+    model_type: str
+    rms_norm_eps: float
+    num_attention_heads: int
+    hidden_size: int
+    intermediate_size: int
+
+
+class _Norm(Protocol):  # RMSNorm
+    weight: torch.Tensor
+
+
+class _Attention(Protocol):
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    o_proj: nn.Linear
+    q_norm: _Norm  # _QK_NORM_TYPES only
+    k_norm: _Norm
+
+
+class _MLP(Protocol):
+    gate_proj: nn.Linear
+    up_proj: nn.Linear
+    down_proj: nn.Linear
+
+
+class _Block(Protocol):
+    self_attn: _Attention
+    mlp: _MLP
+    input_layernorm: _Norm
+    post_attention_layernorm: _Norm
+
+
+class _Body(Protocol):
+    embed_tokens: nn.Embedding
+    layers: Iterable[_Block]
+    norm: _Norm
+    rotary_emb: nn.Module  # (x, position_ids) -> (cos, sin)
+
+
+class _CausalLM(Protocol):
+    config: _Config
+    model: _Body
+    lm_head: nn.Linear
+
+
+def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """One tensor over parts [r_i, *rest] (same dtype and rest) that lie back to back in one storage, sharing their
     memory: [sum r_i, *rest]; None when they do not lie so."""
     first = parts[0]
@@ -116,7 +168,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
     return first.detach().as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride())
 
 
-def _lay_out_back_to_back(params: list[nn.Parameter]) -> None:
+def _lay_out_back_to_back(params: Sequence[torch.Tensor]) -> None:
     """Make `params` views into one new storage, back to back, keeping their values."""
     if _joined(params) is not None:
         return
@@ -128,8 +180,8 @@ def _lay_out_back_to_back(params: list[nn.Parameter]) -> None:
 
 
 def _projections(
-    block: nn.Module,
-) -> tuple[list[nn.Parameter], list[nn.Parameter] | None, list[nn.Parameter], list[nn.Parameter] | None]:
+    block: _Block,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor], list[torch.Tensor] | None]:
     """A decoder block's parameters that run joined: q/k/v weights, their biases (None without), gate/up weights,
     their biases (None without); in fused_groups' order."""
     attention = [block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj]
@@ -146,7 +198,7 @@ def _projections(
 class _Layer:
     """One decoder block: the HF modules and, for one call, the joined projections over their parameters."""
 
-    block: nn.Module
+    block: _Block
     qkv_weight: torch.Tensor  # [(H + 2K) D, E]
     qkv_bias: torch.Tensor | None  # [(H + 2K) D]
     gate_up: torch.Tensor  # [2 I, E]
@@ -183,9 +235,10 @@ class Decoder:
     """Forward passes of one HF Llama-family causal LM (`unsupported_reason` is None for its config) over a KVCache."""
 
     def __init__(self, model: nn.Module) -> None:
-        c = model.config
-        self.model = model
-        self.body = model.model
+        hf = cast(_CausalLM, model)  # the module tree of the models unsupported_reason accepts
+        c = hf.config
+        self.model = hf
+        self.body = hf.model
         self.eps = float(c.rms_norm_eps)
         self.heads = int(c.num_attention_heads)
         self.kv_heads = int(getattr(c, "num_key_value_heads", None) or self.heads)

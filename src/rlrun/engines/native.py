@@ -286,6 +286,7 @@ class NativeEngine(TorchEngine):
         shorter = "or lower --prompt_max_len / --generate_max_len"
         if free is None:
             budget = self.kv_cache_bytes
+            assert budget is not None  # without a budget free is None only on CPU, where every row fits
             return (
                 f"NativeEngine: {row}, over the budget of {budget} bytes ({budget / mib:.1f} MiB, "
                 f"--native_kv_cache_mb); raise --native_kv_cache_mb {shorter}"

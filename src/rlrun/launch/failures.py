@@ -100,7 +100,7 @@ def report_failure(
     rank: int,
     roles: str,
     phase: PhaseTracker,
-    exc: BaseException,  # type: ignore[no-untyped-def]
+    exc: BaseException,
     dist_timeout: float,
 ) -> None:
     where = f"phase {phase.phase}" + (f" at step {phase.step + 1}" if phase.step >= 0 else "")

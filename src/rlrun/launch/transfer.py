@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -161,7 +162,7 @@ class EngineRowExchange:
 def group_timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta | None:
     """The timeout the group's backend for `device` was created with (None when not exposed)."""
     try:
-        return group._get_backend(device).options._timeout  # type: ignore[attr-defined]
+        return group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return None
 
@@ -208,7 +209,8 @@ class ReadyFlag:
     def raise_(self) -> None:
         """On the actor's first rank: one send to each engine rank (the previous step's sends finished first)."""
         self.finish()
-        self.sends = [dist.isend(torch.ones(1), dst=r, group=self.group) for r in self.engines]
+        # isend gives None only to a rank outside the group
+        self.sends = cast("list[dist.Work]", [dist.isend(torch.ones(1), dst=r, group=self.group) for r in self.engines])
 
     def finish(self) -> None:
         """Every flag sent or received has completed (at the end of the run, before the groups go)."""
@@ -258,5 +260,7 @@ def labels_per_node(rank_labels: list[str], ranks_per_node: int) -> tuple[str, .
 
 def gather_node_labels(label: str, ranks_per_node: int, device: torch.device) -> tuple[str, ...]:
     """All-gather every rank's label on the default group (the role groups do not exist yet); collective."""
-    rows = all_gather_vectors(encode_label(label).to(device), dist.group.WORLD).cpu()
+    world = dist.group.WORLD
+    assert world is not None  # the default group exists
+    rows = all_gather_vectors(encode_label(label).to(device), world).cpu()
     return labels_per_node([decode_label(row) for row in rows], ranks_per_node)

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
+from typing import TypeVar
 
 import torch
 
@@ -37,6 +38,7 @@ Shape = tuple[int, ...]
 REWARD_NORM_FILE = "reward_norm.json"  # a LoRA reward model's --normalize_reward mean/std (roles/export.py)
 _DEFAULTS = PretrainedConfig()  # a setting still at its default follows the adapter
 _MODEL_FLAGS = ("pretrain", "critic_pretrain", "reward_pretrain")
+P = TypeVar("P", bound=PretrainedConfig)  # a trainer's model section (PPO's ModelConfig)
 
 # adapter_config.json keys whose (truthy) values make an adapter other than base + alpha/r * B @ A on the modules
 # its target_modules name: merging it as plain LoRA would load a different model.
@@ -186,7 +188,7 @@ def _dropout(model: PretrainedConfig, saved: LoraSettings) -> float:
     return saved.dropout if model.lora_dropout == _DEFAULTS.lora_dropout else model.lora_dropout
 
 
-def resolve_adapter_pretrain(model: PretrainedConfig, *, download: bool = True) -> PretrainedConfig:
+def resolve_adapter_pretrain(model: P, *, download: bool = True) -> P:
     """`model` with the LoRA settings of the adapter directory --pretrain names (rank, alpha, targets as module kinds,
     dropout), its base resolved or downloaded; `model` itself when --pretrain is no adapter. --pretrain stays the
     adapter directory: the loaders follow the base themselves. A critic's or reward model's adapter has its base
@@ -204,7 +206,7 @@ def resolve_adapter_pretrain(model: PretrainedConfig, *, download: bool = True) 
     return dataclasses.replace(
         model,
         lora_rank=saved.rank,
-        lora_alpha=alpha,
+        lora_alpha=alpha,  # type: ignore[arg-type]  # an int field; a fractional saved alpha stays a float
         target_modules=module_kinds(saved.target_modules),
         lora_dropout=_dropout(model, saved),
     )

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSequenceClassification,
+    PretrainedConfig,
+)
+
+# The transformers auto classes rlrun builds its models with (`from_config`, `from_pretrained`).
+AutoClass = type[AutoModelForCausalLM | AutoModelForImageTextToText | AutoModelForSequenceClassification]
 
 
 def is_vision_language(config: PretrainedConfig) -> bool:
@@ -22,5 +30,5 @@ def tied_embeddings(config: Any) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False) if tied is None else tied)
 
 
-def policy_auto_class(config: PretrainedConfig) -> type:
+def policy_auto_class(config: PretrainedConfig) -> type[AutoModelForCausalLM | AutoModelForImageTextToText]:
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM

@@ -37,7 +37,7 @@ from rlrun.models.adapter_pretrain import (
     saved_mean_std,
     saved_shapes,
 )
-from rlrun.models.architecture import policy_auto_class
+from rlrun.models.architecture import AutoClass, policy_auto_class
 from rlrun.models.lora import adapter_dir, adapter_weights, add_adapters, is_adapter, saved_adapter_name
 from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config_for_size
 from rlrun.models.weights import (
@@ -187,7 +187,7 @@ def _tiny_policy(source: PretrainedConfig, seed: int) -> PreTrainedModel:
     return model
 
 
-def _skeleton(auto: type, config: HFConfig, source: PretrainedConfig, attn: bool) -> PreTrainedModel:
+def _skeleton(auto: AutoClass, config: HFConfig, source: PretrainedConfig, attn: bool) -> PreTrainedModel:
     """The architecture with its parameters on the meta device, in eval mode as `from_pretrained` leaves it."""
     with params_on_meta():
         model = auto.from_config(config, dtype=torch.float32, **(_attn_kwargs(source) if attn else {}))
@@ -202,7 +202,7 @@ def _name_base(model: PreTrainedModel, folder: str) -> None:
     model.name_or_path = folder
 
 
-def unfilled_causal_lm(source: PretrainedConfig, seed: int, weights: WeightSource | None) -> Unfilled:
+def unfilled_causal_lm(source: PretrainedConfig, seed: int, weights: WeightSource | None) -> Unfilled[PreTrainedModel]:
     """The policy, unallocated, with where its weights are (`policy_weights`): a strategy places it, whole or
     sharded, then fills it. A checkpoint whose names are not the model's (transformers converts some, e.g. fused
     MoE experts) is loaded whole by `from_pretrained` first (today's cost) and `note` says so."""
@@ -226,7 +226,7 @@ def unfilled_causal_lm(source: PretrainedConfig, seed: int, weights: WeightSourc
     return Unfilled(model, weights, note=note)
 
 
-def trained_policy(unfilled: Unfilled, source: PretrainedConfig, seed: int) -> Unfilled:
+def trained_policy(unfilled: Unfilled[PreTrainedModel], source: PretrainedConfig, seed: int) -> Unfilled:
     """The policy as the actor trains it: `unfilled` itself without LoRA, with fresh adapters for --lora_rank, and
     with an adapter directory as --pretrain its saved adapters on the unmerged base (training goes on from the
     model that was saved; its export names that base), after checking they are exactly the adapters this model
@@ -254,21 +254,23 @@ def unfilled_trained_policy(source: PretrainedConfig, seed: int, weights: Weight
     return trained_policy(unfilled_causal_lm(source, seed, weights), source, seed)
 
 
-def unfilled_policy(source: PretrainedConfig, seed: int) -> Unfilled:
+def unfilled_policy(source: PretrainedConfig, seed: int) -> Unfilled[PreTrainedModel]:
     """`unfilled_causal_lm` with its own weight source (a rank that builds one policy)."""
     return unfilled_causal_lm(source, seed, policy_weights(source, seed))
 
 
 def load_causal_lm(source: PretrainedConfig, seed: int, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The policy architecture with its initial weights (identical on every rank), whole on the CPU."""
-    return unfilled_policy(source, seed).fill(torch.device("cpu")).to(dtype)
+    # the ignore: transformers types PreTrainedModel.to through functools.wraps, which mypy does not bind
+    return unfilled_policy(source, seed).fill(torch.device("cpu")).to(dtype)  # type: ignore[arg-type]
 
 
 def scalar_model_from(path: str | None, source: PretrainedConfig, seed: int, dtype: torch.dtype) -> PreTrainedModel:
     """A sequence-classification model with one output (score head over every position), from `path`
     (a causal LM directory gets a fresh head), else the tiny policy's body with a fresh head."""
     if path is not None:
-        return unfilled_scalar_model(path, source, seed).fill(torch.device("cpu")).to(dtype)
+        # the ignore: as load_causal_lm's
+        return unfilled_scalar_model(path, source, seed).fill(torch.device("cpu")).to(dtype)  # type: ignore[arg-type]
     # Offline default: the tiny policy's body with a fresh scalar head.
     policy = load_causal_lm(source, seed, dtype)
     config = copy.deepcopy(policy.config)
@@ -282,7 +284,7 @@ def scalar_model_from(path: str | None, source: PretrainedConfig, seed: int, dty
 
 def unfilled_scalar_model(
     path: str | None, source: PretrainedConfig, seed: int, *, fresh_head: bool = False, flag: str = "pretrain"
-) -> Unfilled:
+) -> Unfilled[PreTrainedModel]:
     """A one-output sequence-classification model, unallocated: the body from `path` (a causal LM or a
     classifier), the head from `path` unless `fresh_head` or it has none (then seeded, `init_score_head`'s values).
     None: the tiny policy's body (built whole: it is small). An adapter directory (`flag` names it in errors): its
@@ -301,7 +303,7 @@ def unfilled_scalar_model(
         config.mean, config.std = norm  # where ScalarHeadModel reads a reward model's mean/std (config_mean_std)
     model = _skeleton(AutoModelForSequenceClassification, config, source, attn=True)
     head_name = next(n for n, p in model.named_parameters() if p is score_head(model).weight)
-    weights = open_weights(folder)
+    weights: WeightSource | None = open_weights(folder)
     if weights is None:
         full = AutoModelForSequenceClassification.from_pretrained(
             folder, num_labels=1, dtype=torch.float32, **_attn_kwargs(source)
@@ -372,7 +374,7 @@ def config_mean_std(config: object) -> tuple[float, float] | None:
     return mean, std
 
 
-def load_critic(model: ModelConfig, seed: int, *, normalize: bool) -> Unfilled:
+def load_critic(model: ModelConfig, seed: int, *, normalize: bool) -> Unfilled[ScalarHeadModel]:
     """The critic, unallocated: --critic_pretrain, else --reward_pretrain, else the policy's body. A body that is
     the policy's gets a fresh seeded head (OpenRLHF initialises the head only when the critic starts from the
     actor's model); a reward model or a saved critic keeps its own. `normalize`: --normalize_reward."""
@@ -398,7 +400,7 @@ def init_score_head(model: PreTrainedModel, seed: int) -> None:
         head.weight.copy_(seeded_head(model.config.hidden_size, seed).expand_as(head.weight))
 
 
-def load_reward_model(model: ModelConfig, seed: int, *, normalize: bool) -> Unfilled:
+def load_reward_model(model: ModelConfig, seed: int, *, normalize: bool) -> Unfilled[ScalarHeadModel]:
     """The reward model (--reward_pretrain), unallocated; `normalize`: --normalize_reward (its config's mean/std)."""
     assert model.reward_pretrain is not None
     _check_dir("reward_pretrain", model.reward_pretrain)

@@ -20,6 +20,7 @@ import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from torch import nn
 from rlrun.config.schema import PretrainedConfig
 from rlrun.models.weights import Unfilled, WeightSource, open_weights
 from rlrun.runtime.errors import ConfigError, MissingExtraError
+
+if TYPE_CHECKING:  # peft is imported when LoRA is asked for (_peft)
+    from peft import LoraConfig, PeftModel
 
 ADAPTER = "default"  # PEFT's adapter name; rlrun trains one adapter per model
 PEFT_PREFIX = "base_model.model."
@@ -62,7 +66,7 @@ class LoraSettings:
         """PEFT's: the adapter's product B @ A is scaled by alpha / rank."""
         return self.alpha / self.rank
 
-    def peft_config(self):
+    def peft_config(self) -> LoraConfig:
         targets: str | list[str] = "all-linear" if self.target_modules == ("all-linear",) else list(self.target_modules)
         return _peft().LoraConfig(
             r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=self.dropout, bias="none"
@@ -192,13 +196,14 @@ def add_scalar_adapters(unfilled: Unfilled, settings: LoraSettings, seed: int) -
     value/score head stays outside the adapters, trained whole (a LoRA on a freshly initialised one-row head would
     be a rank-r update of a random vector), and the body keeps the call ScalarHeadModel makes
     (`hf.base_model(...).last_hidden_state`)."""
+    # the ignore: ScalarHeadModel's `hf` is a PreTrainedModel (its module imports this one, so not named here)
     hf = unfilled.model.hf
-    return add_adapters(unfilled, settings, seed, inner=f"hf.{hf.base_model_prefix}")
+    return add_adapters(unfilled, settings, seed, inner=f"hf.{hf.base_model_prefix}")  # type: ignore[union-attr]
 
 
-def peft_model_of(model: nn.Module) -> nn.Module | None:
+def peft_model_of(model: nn.Module) -> PeftModel | None:
     """The PEFT model in `model` (itself, a DeepSpeed engine's module, or a submodule), None when it has none."""
-    peft_model_cls = _peft().PeftModel
+    peft_model_cls: type[PeftModel] = _peft().PeftModel
     return next((m for m in model.modules() if isinstance(m, peft_model_cls)), None)
 
 

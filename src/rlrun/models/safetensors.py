@@ -314,6 +314,6 @@ def unshared(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tenso
             t = t.clone()
             key, start, end = (t.device, t.untyped_storage().data_ptr()), 0, t.numel() * t.element_size()
             ranges = kept.setdefault(key, [])
-        ranges.append((start, end))
+        ranges.append((start, end))  # type: ignore[arg-type]  # ints (SymInt: traced tensors only)
         out[name] = t
     return out

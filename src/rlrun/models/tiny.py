@@ -6,6 +6,8 @@ benchmarks run on a bare machine and every process builds the same objects.
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
@@ -75,7 +77,13 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _special_ids() -> dict[str, int]:
+class _SpecialIds(TypedDict):
+    pad_token_id: int
+    bos_token_id: int
+    eos_token_id: int
+
+
+def _special_ids() -> _SpecialIds:
     return {"pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
 
 
@@ -101,9 +109,18 @@ def tiny_model_config(vocab_size: int = BYTE_VOCAB_SIZE) -> PretrainedConfig:
     )
 
 
+class _Preset(TypedDict):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+
+
 # Larger presets for benchmarks. The byte vocab makes embeddings negligible, so "0.5b" keeps
 # Qwen2-0.5B's widths but uses 32 layers instead of 24 to land near 0.5B parameters.
-_PRESETS: dict[str, dict[str, int]] = {
+_PRESETS: dict[str, _Preset] = {
     # Benchmark-only: the ~3.1M-parameter shape of the issue-10 GRPO comparison with TRL.
     "3m": {
         "hidden_size": 256,

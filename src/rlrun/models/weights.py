@@ -15,13 +15,17 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Generic, Protocol
 
 import torch
 from torch import nn
+from typing_extensions import TypeVar
 
 from rlrun.models.safetensors import SafetensorsReader
 from rlrun.runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 # ---- renaming ----------------------------------------------------------------------------------------------------
 # Checkpoint names -> the model's parameter names, by transformers' own renaming rules for the model's class (its
@@ -40,7 +44,7 @@ def model_names(model: nn.Module, stored: Iterable[str]) -> dict[str, str]:
     except ImportError:
         return {}
     try:
-        rules = get_model_conversion_mapping(model)
+        rules = get_model_conversion_mapping(model)  # type: ignore[arg-type]  # any model: see the except
     except (AttributeError, TypeError, ValueError):
         return {}
     renamings = [r for r in rules if isinstance(r, WeightRenaming)]
@@ -148,6 +152,7 @@ class FileWeights:
         if file not in self._open:
             full = os.path.join(self.path, file)
             if file.endswith(".safetensors"):
+                reader: SafetensorsReader | safe_open
                 reader = SafetensorsReader(full)  # pread, not mmap: read pages do not stay in this rank's RSS
                 if not reader.knows_every_dtype():
                     reader.close()
@@ -207,10 +212,10 @@ def params_on_meta() -> Iterator[None]:
     real: rotary frequencies and the like are computed, not stored in checkpoints, so they must survive."""
     register = nn.Module.register_parameter
 
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:  # named as the method it replaces
+        register(self, name, param)
         if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
     try:
@@ -224,19 +229,22 @@ def missing(model: nn.Module, weights: WeightSource) -> list[str]:
     return [name for name, p in model.named_parameters() if weights.shape(name) != tuple(p.shape)]
 
 
+M = TypeVar("M", bound=nn.Module, covariant=True, default=nn.Module)  # the model's class, when a builder knows it
+
+
 @dataclass
-class Unfilled:
+class Unfilled(Generic[M]):
     """A model whose parameters are on the meta device, and where its weights are. A strategy places it (whole or
     sharded) and then fills it (`fill`)."""
 
-    model: nn.Module
+    model: M
     weights: WeightSource
     prefix: str = ""  # the weights' names are the model's parameter names after this prefix
     note: str | None = None  # why this model costs more to load than its shard (said once in the log)
 
     def fill_each(
         self, device: torch.device, dtype: torch.dtype, take: Callable[[nn.Parameter], None], *, read: bool = True
-    ) -> nn.Module:
+    ) -> M:
         """One parameter at a time: allocate it whole on `device` in `dtype`, read it (left uninitialised when not
         `read`: another rank's copy overwrites it), hand it to `take` (which may shrink it to a partition) before
         the next is allocated. Buffers move to `device`. Peak: the model as `take` leaves it plus one parameter."""
@@ -266,7 +274,7 @@ class Unfilled:
 
     def fill(
         self, device: torch.device, *, param_device: torch.device | None = None, read_into: ReadInto | None = None
-    ) -> nn.Module:
+    ) -> M:
         """Allocate the parameters (on `param_device`, default `device`) and read each from the weights with
         `read_into` (default: the whole tensor; a sharding strategy passes one that reads its rows only); the buffers
         built with the model move to `device`."""
@@ -307,7 +315,7 @@ def fill(
     model.to_empty(device=param_device or device)
     for module, name, buffer in buffers:  # to_empty left them uninitialised
         module._buffers[name] = buffer.to(device)
-    first: dict[int, nn.Parameter] = {}
+    first: dict[int, nn.Parameter | None] = {}  # as _parameters (the slots hold parameters only)
     for module, name, key in slots:  # to_empty gave each slot its own tensor: tied weights (lm_head) tie again
         module._parameters[name] = first.setdefault(key, module._parameters[name])
     with torch.no_grad():

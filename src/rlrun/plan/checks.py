@@ -377,16 +377,16 @@ def check_batches(cfg: Config, role_sizes: dict[str, int]) -> None:
             f"(--rollout_batch_size {t.rollout_batch_size} x --n_samples_per_prompt {t.n_samples_per_prompt})"
         )
     for role in ("actor", "critic"):
-        size = role_sizes.get(role)
-        if size and t.dynamic_batch and t.train_batch_size % size:  # micro-batches by tokens: only the rows split
+        ranks = role_sizes.get(role)
+        if ranks and t.dynamic_batch and t.train_batch_size % ranks:  # micro-batches by tokens: only the rows split
             raise ConfigError(
-                f"--train_batch_size {t.train_batch_size} must be a multiple of the {size} {role} ranks "
+                f"--train_batch_size {t.train_batch_size} must be a multiple of the {ranks} {role} ranks "
                 "(--dynamic_batch deals each mini-batch's rows evenly over them)"
             )
-        if size and not t.dynamic_batch and t.train_batch_size % (t.micro_train_batch_size * size):
+        if ranks and not t.dynamic_batch and t.train_batch_size % (t.micro_train_batch_size * ranks):
             raise ConfigError(
                 f"--train_batch_size {t.train_batch_size} must be a multiple of --micro_train_batch_size "
-                f"{t.micro_train_batch_size} x {size} {role} ranks = {t.micro_train_batch_size * size}"
+                f"{t.micro_train_batch_size} x {ranks} {role} ranks = {t.micro_train_batch_size * ranks}"
             )
 
 

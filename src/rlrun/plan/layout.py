@@ -39,7 +39,6 @@ and the ranks per node, and says how to fix it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from rlrun.launch.layout import GroupSpec, Layout, LayoutRequest, Role, RoleRequest, describe_nodes
 from rlrun.runtime.errors import LayoutError
@@ -56,10 +55,7 @@ from rlrun.runtime.errors import LayoutError
 # Pure functions called by :func:`rlrun.plan.layout.plan_layout`, which builds the blocks; a block is
 # ``(roles sharing the same consecutive ranks, how many ranks)``.
 
-if TYPE_CHECKING:
-    from rlrun.launch.layout import Role
-
-    _Block = tuple[tuple[Role, ...], int]
+_Block = tuple[tuple[Role, ...], int]
 
 
 def block_labels(blocks: Sequence[_Block], asked: Mapping[Role, str], ctx: str) -> list[str | None]:
@@ -143,10 +139,6 @@ def _why_not_needed(request: LayoutRequest, role: Role) -> str:
     if role is Role.REF and request.ref_is_actor_base:
         return "with --lora_rank the actor scores the reference log-probs itself, with its adapters disabled"
     return _WHY_NOT_NEEDED[role]
-
-
-# Roles sharing the same consecutive ranks, and how many ranks that is.
-_Block = tuple[tuple[Role, ...], int]
 
 
 def _req(request: LayoutRequest, role: Role) -> RoleRequest:

@@ -368,7 +368,8 @@ def supervised_memory(
     """rlrun.sft / rlrun.rm / rlrun.dpo's --dry_run memory plan of `job` (what the trainer holds): dry_run_memory's
     (lines, problems)."""
     run = job.for_config(cfg)  # rlrun.dpo with --lora_rank: the reference is the policy's base, no REF role
-    return dry_run_memory(cfg, run.layout(world_size, ranks_per_node), write_json=write_json, job=run)
+    # with `job` the plan reads only the fields a supervised config shares with Config (dry_run_memory)
+    return dry_run_memory(cfg, run.layout(world_size, ranks_per_node), write_json=write_json, job=run)  # type: ignore[arg-type]
 
 
 def _write(path: str | None, document: dict[str, Any]) -> None:

@@ -81,6 +81,7 @@ def image_inputs(cfg: Config) -> ImageInputs | None:
     if not is_vision_language(config):
         return None
     d = cfg.data
+    assert cfg.model.pretrain is not None  # the embedded models are text-only
     return ImageInputs(model_folder(cfg.model.pretrain, "pretrain"), config, d.min_pixels, d.max_pixels)
 
 

@@ -107,6 +107,7 @@ def _mlp(config: Any, layer: int, hidden: int) -> int:
         inner = _need(config, "intermediate_size")
         return 3 * hidden * inner + (2 * inner + hidden if getattr(config, "mlp_bias", False) else 0)
     inner = getattr(config, "moe_intermediate_size", None) or _need(config, "intermediate_size")
+    assert experts is not None  # _is_sparse: the config has experts
     total = experts * 3 * hidden * inner + experts * hidden
     shared = getattr(config, "shared_expert_intermediate_size", None)
     return total + (3 * hidden * shared + hidden if shared else 0)
@@ -182,7 +183,7 @@ def vision_tower_parameters(config: Any) -> int:
     block = norms + 3 * hidden * hidden + 3 * hidden + hidden * hidden + hidden + mlp
     wide = hidden * merge**2
     merger = hidden * (1 if gated else 2) + wide * wide + wide + wide * out + out
-    return channels * temporal * patch * patch * hidden + depth * block + merger
+    return channels * temporal * patch * patch * hidden + depth * block + merger  # type: ignore[operator]  # mypy keeps getattr's None in `channels`
 
 
 def model_shape(config: Any) -> ModelShape:

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Real
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -79,7 +79,7 @@ def _to_float_tensor(value: object, what: str, source: str, batch: int | None) -
         tensor = value.detach().to(device="cpu", dtype=torch.float32)
     else:
         if not isinstance(value, (list, tuple)) and callable(getattr(value, "tolist", None)):
-            value = value.tolist()  # numpy arrays and the like, without importing numpy
+            value = value.tolist()  # type: ignore[attr-defined]  # numpy arrays and the like, without importing numpy
         if not isinstance(value, (list, tuple)):
             raise RewardError(
                 f"reward source {source}: {what} is a {type(value).__name__}, expected a tensor or list of numbers."
@@ -224,7 +224,8 @@ def reward_responses(
 ) -> RewardResult:
     """Reward sampled responses: queries[i] is prompt_texts[i] followed by response i decoded without special
     tokens (what every reward source receives, OpenRLHF's convention); verl's scorers get the response alone."""
-    decoded = [tokenizer.decode(ids, skip_special_tokens=True) for ids in responses]
+    # one text per row of ids (transformers types decode for a batch too)
+    decoded = cast("list[str]", [tokenizer.decode(ids, skip_special_tokens=True) for ids in responses])
     return reward_fn(
         [text + r for text, r in zip(prompt_texts, decoded)],
         prompt_texts,

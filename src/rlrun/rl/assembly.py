@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlrun.agents.episodes import EpisodeRunner, build_episode_runner
 from rlrun.algo.losses import ISCorrection
@@ -279,9 +279,10 @@ class PPO:
         )
         critic = c.save_value_network and roles.critic is not None
         if critic:
+            assert roles.critic is not None  # `critic` says so
             save_critic(
                 roles.critic,
-                os.path.join(c.save_path, "critic"),  # type: ignore[arg-type]
+                os.path.join(c.save_path, "critic"),
                 is_writer=rank == built.job.layout.ranks_of(Role.CRITIC)[0],
                 strategy=roles.strategies[Role.CRITIC],
                 allow_nonfinite=c.export_nonfinite,
@@ -452,9 +453,9 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         # --vllm_gpu_memory_utilization share that is not free), so it must start before the training models
         # claim theirs.
         unfilled = next(policies)
-        unfilled.model.to(
-            engine_dtype(cfg.model.bf16, device)
-        )  # on the meta device: the weights are read in this dtype
+        # on the meta device: the weights are read in this dtype (the ignore: transformers types PreTrainedModel.to
+        # through functools.wraps, which mypy does not bind to the instance)
+        unfilled.model.to(engine_dtype(cfg.model.bf16, device))  # type: ignore[arg-type]
         out.engine = build_engine(
             g,
             unfilled,
@@ -519,7 +520,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         )
     if Role.CRITIC in mine:
         strategy = out.strategies[Role.CRITIC] = _strategy(cfg, groups, Role.CRITIC, device)
-        critic = load_critic(cfg.model, cfg.train.seed, normalize=cfg.algo.normalize_reward)
+        critic: Unfilled = load_critic(cfg.model, cfg.train.seed, normalize=cfg.algo.normalize_reward)
         if lora is not None:
             critic = add_scalar_adapters(critic, lora, cfg.train.seed)
         model, updater = _updater(
@@ -566,15 +567,20 @@ def sleep_schedule(
     layout: Layout, rank: int, roles: RankRoles, device: torch.device, *, actor_scores: bool
 ) -> SleepSchedule:
     """--deepspeed_enable_sleep: the schedule of this rank's models (rlrun.rl.sleep)."""
-    held = [
-        (Role.ACTOR, roles.actor and roles.actor.model, roles.actor and roles.actor.updater.optimizer),
-        (Role.CRITIC, roles.critic and roles.critic.model, roles.critic and roles.critic.updater.optimizer),
-        (Role.REF, roles.reference and not roles.reference.adapters_off and roles.reference.model, None),
-        (Role.REWARD, roles.reward_model and roles.reward_model.model, None),
-    ]
-    sleepers = [
-        Sleeper(role, roles.strategies[role], model, optimizer) for role, model, optimizer in held if model is not None
-    ]
+    sleepers = []
+    if roles.actor is not None:
+        sleepers.append(
+            Sleeper(Role.ACTOR, roles.strategies[Role.ACTOR], roles.actor.model, roles.actor.updater.optimizer)
+        )
+    if roles.critic is not None:
+        sleepers.append(
+            Sleeper(Role.CRITIC, roles.strategies[Role.CRITIC], roles.critic.model, roles.critic.updater.optimizer)
+        )
+    # A reference that is the actor's LoRA base (adapters switched off) is the actor's model: it sleeps as the actor.
+    if roles.reference is not None and not roles.reference.adapters_off:
+        sleepers.append(Sleeper(Role.REF, roles.strategies[Role.REF], roles.reference.model, None))
+    if roles.reward_model is not None:
+        sleepers.append(Sleeper(Role.REWARD, roles.strategies[Role.REWARD], roles.reward_model.model, None))
     return SleepSchedule.of(sleepers, layout, rank, actor_scores=actor_scores, device=device)
 
 
@@ -617,7 +623,7 @@ def _updater(
     )
 
 
-def _policies(cfg: Config, count: int, rank: int) -> Iterator[Unfilled]:
+def _policies(cfg: Config, count: int, rank: int) -> Iterator[Unfilled[PreTrainedModel]]:
     """The initial policy, unallocated, for each role of this rank that needs one: the weight files are opened once
     and each role's strategy reads only what that role keeps (no full copy per role, none at all when sharded)."""
     if count == 0:

@@ -19,7 +19,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -158,7 +158,7 @@ class Evaluator:
                 torch.tensor(episodes.truncated),
             )
         assert self.reward_fn is not None
-        images = {}
+        images: dict[str, Any] = {}  # VLM engines' vision=
         if self.prompts.images is not None:
             ids, vision = self.prompts.with_images(rows, self.prompt_max_len)
             images = {"vision": vision}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -109,6 +110,7 @@ class RolloutSource:
                 t.seed,
             )
             index = layout.engine_index_of(self.rank)
+            assert index is not None  # an engine rank's
             engine_group = groups.get(f"engine.{index}") if len(layout.engines[index]) > 1 else None
             vote = EngineRowExchange(engine_group, comm_device).any_rank if engine_group is not None else alone
             self.pool = SequencePool(
@@ -135,6 +137,7 @@ class RolloutSource:
         n = self.train.n_samples_per_prompt
         slot = self.engine_ranks.index(self.rank)
         out = LocalRollout()
+        engine_lp: list[list[float]] | None  # None: the engine reports no log-probs
         if self.pool is not None:
             trained = None
             if overlapped and self.flag is not None:
@@ -161,7 +164,7 @@ class RolloutSource:
             out.scores, out.agent_stats = episodes.rewards, episodes.stats
             out.masks = pack_log_probs(episodes.action_masks, self.generation.generate_max_len)
         else:
-            images = {} if out.vision is None else {"vision": out.vision}
+            images: dict[str, Any] = {} if out.vision is None else {"vision": out.vision}  # VLM engines' vision=
             generation = self.engine.sample(prompt_ids, seed, **images)
             responses, engine_lp = generation.responses, generation.log_probs
             self._reward(out, mine, responses)
@@ -222,21 +225,27 @@ class RolloutSource:
             all_masks = gather_from(self.engine_ranks, mine.masks, (share, R), torch.float32, world, self.comm_device)
             batch.action_mask = all_masks.cpu()[:, : batch.response_width]
             extra = mean_stats(
-                [
-                    broadcast_json(mine.agent_stats if self.rank == src else None, src, world, self.comm_device)
-                    for src in self.engine_ranks
-                ]
-            )  # type: ignore[misc]
+                cast(
+                    "list[dict[str, float]]",
+                    [
+                        broadcast_json(mine.agent_stats if self.rank == src else None, src, world, self.comm_device)
+                        for src in self.engine_ranks
+                    ],
+                )
+            )
         if self.asynchronous:  # the learners did not see the engines generate: say how long it took
             first = self.engine_ranks[0]
             extra.update(
-                broadcast_json(
-                    {"time/engine_generate": mine.seconds} if self.rank == first else None,
-                    first,
-                    world,
-                    self.comm_device,
+                cast(
+                    "dict[str, float]",
+                    broadcast_json(
+                        {"time/engine_generate": mine.seconds} if self.rank == first else None,
+                        first,
+                        world,
+                        self.comm_device,
+                    ),
                 )
-            )  # type: ignore[arg-type]
+            )
         if self.partial:  # every row's staleness (versions behind the policy trained on it)
             versions = gather_from(self.engine_ranks, mine.versions, (share, 3), torch.float32, world, self.comm_device)
             extra.update(staleness_logs(versions.cpu()))

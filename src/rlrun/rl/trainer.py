@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -226,6 +226,7 @@ class Trainer:
     def _gather_slots(self, plan: SlotPlan, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every learner's packed results -> {key: all rows} on CPU (the learners: the world, or every rank but
         the engines with --async_train)."""
+        assert self.learners is not None  # a learner's
         return unpack_slots(plan, all_gather_vectors(flat, self.learners).cpu(), self.learner_ranks)
 
     def gather_on_policy_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
@@ -311,7 +312,8 @@ class Trainer:
         if not self.layout.has(Role.CRITIC) or (src := self.layout.ranks_of(Role.CRITIC)[0]) == 0:
             return {}
         mine = {k: v for k, v in stats.items() if k.startswith("critic/")} if self.rank == src else None
-        return broadcast_json(mine, src, self.learners, self.comm_device)  # type: ignore[return-value]
+        assert self.learners is not None  # a learner's
+        return cast("dict[str, float]", broadcast_json(mine, src, self.learners, self.comm_device))
 
     # ---- metrics ------------------------------------------------------------------------------------------------
 

@@ -84,7 +84,7 @@ class Actor:
 
         def micro_loss(
             rows: torch.Tensor, num_tokens: float, num_seqs: float
-        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor | int]]:
             part = data.batch.rows(rows)
             part = (trim_padding(part) if budget is not None else part).to(self.device)
             r = part.response_width  # [b, r] per-token tensors below: the full batch's columns cut to the part's
@@ -121,7 +121,7 @@ class Actor:
                 rollout_log_probs=part.engine_log_probs,
                 is_correction=s.is_correction,
             )
-            stats = {
+            reported: dict[str, torch.Tensor | int] = {
                 "policy_loss": loss.detach(),
                 **stats,
                 FED_TOKENS: fed_tokens(self.model, part, self.packing),
@@ -131,12 +131,12 @@ class Actor:
                 kl = compute_approx_kl(logp, cols(data.ref_log_probs), s.kl_estimator, m)  # type: ignore[arg-type]
                 kl_loss = aggregate_loss(kl, m, s.agg, **norm)
                 loss = loss + kl_coef * kl_loss
-                stats["kl_loss"] = kl_loss.detach()
+                reported["kl_loss"] = kl_loss.detach()
             if entropy is not None:
                 ent = aggregate_loss(entropy, m, s.agg, **norm)
                 loss = loss - s.entropy_coef * ent  # type: ignore[operator]
-                stats["entropy"] = ent.detach()
-            return loss, stats
+                reported["entropy"] = ent.detach()
+            return loss, reported
 
         return micro_loss
 
@@ -170,12 +170,12 @@ class Reference:
         self.temperature = temperature
         self.device = device
 
-    def log_probs(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
-        """[b, L] rollouts -> [b, R] reference log-probs."""
+    def log_probs(self, batch: RolloutBatch, micro_batch: int | TokenBudget) -> torch.Tensor:
+        """[b, L] rollouts -> [b, R] reference log-probs (micro_batch: rows, or a token budget)."""
         with adapters_disabled(self.model) if self.adapters_off else nullcontext():
             return self._log_probs(batch, micro_batch)
 
-    def _log_probs(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
+    def _log_probs(self, batch: RolloutBatch, micro_batch: int | TokenBudget) -> torch.Tensor:
         return over_micro_batches(
             self.model,
             batch,

@@ -53,7 +53,7 @@ class Critic:
 
         def micro_loss(
             rows: torch.Tensor, num_tokens: float, num_seqs: float
-        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor | int]]:
             part = data.batch.rows(rows)
             part = (trim_padding(part) if budget is not None else part).to(self.device)
             r = part.response_width  # the full batch's [B, R] targets cut to the part's columns
@@ -88,8 +88,8 @@ class RewardModel:
         self.packing = packing  # --packing_samples: forward on packed rows (rlrun.data.packing)
         self.device = device
 
-    def score(self, batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
-        """[b, L] rollouts -> [b] scores."""
+    def score(self, batch: RolloutBatch, micro_batch: int | TokenBudget) -> torch.Tensor:
+        """[b, L] rollouts -> [b] scores (micro_batch: rows, or a token budget)."""
         return over_micro_batches(
             self.model, batch, micro_batch, self.device, lambda p: sequence_scores(self.model, p, packing=self.packing)
         )

@@ -31,12 +31,12 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlrun.models.hub import snapshot_repo
 from rlrun.models.loading import REWARD_NORM_FILE, ScalarHeadModel, config_mean_std, score_head
@@ -55,6 +55,9 @@ from rlrun.roles.critic import Critic
 from rlrun.runtime.errors import ConfigError, storage_cause, storage_error
 from rlrun.strategies.base import Strategy
 from rlrun.weight_sync.blocks import GatherScratch, is_sharded
+
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
 
 # ---- weight files ------------------------------------------------------------------------------------------------
 # An export's weight files, written one gathered block at a time, and the checks every export makes.
@@ -171,7 +174,7 @@ def plan_weights(
         return None
     total_parameters = None
     if as_transformers:
-        kept = _saved_by_transformers(model, sources)
+        kept = _saved_by_transformers(cast(PreTrainedModel, model), sources)  # as_transformers
         if kept is None:
             return None
         sources = kept
@@ -182,7 +185,7 @@ def plan_weights(
     return WeightPlan(sources, layout, frozenset(buffers))
 
 
-def _saved_by_transformers(hf: nn.Module, sources: dict[str, str]) -> dict[str, str] | None:
+def _saved_by_transformers(hf: PreTrainedModel, sources: dict[str, str]) -> dict[str, str] | None:
     """{saved name: source} as save_pretrained names `hf`'s state dict, found by running transformers' own steps
     on one-element stand-ins (one per source, so tied names share one, as tied tensors share storage): tied names
     removed, ignored keys dropped, weight conversions reverted. None: a quantized model, or a conversion that
@@ -383,7 +386,7 @@ def save_causal_lm(
     def beside() -> None:
         # config.json, generation_config.json (a remote-code model's files too), and the clean-up of a previous
         # save's shards: transformers' own, with no weights to write
-        model.save_pretrained(path, state_dict={}, safe_serialization=True)
+        model.save_pretrained(path, state_dict={}, safe_serialization=True)  # type: ignore[operator]  # an HF model's method
         tokenizer.save_pretrained(path)
 
     if not _holds_adapters(model) and stream_weights(
@@ -405,11 +408,11 @@ def save_causal_lm(
     with _storage_errors(path, state, flag):
         make_export_dir(path, flag)
         if not _has_adapters(state):
-            model.save_pretrained(path, state_dict=state, safe_serialization=True)
+            model.save_pretrained(path, state_dict=state, safe_serialization=True)  # type: ignore[operator]  # an HF model's method
             tokenizer.save_pretrained(path)
             return
         peft_model = _peft_model(model)
-        hf = peft_model.get_base_model()
+        hf = cast(PreTrainedModel, peft_model.get_base_model())  # the causal LM; PEFT types it a Module
         base = _base_name(peft_model)
         if base is None:
             base = (_written_base(path), None)
@@ -435,7 +438,7 @@ def save_critic(
 ) -> None:
     """The critic as a sequence-classification model (num_labels 1). Collective over the critic ranks."""
     save_scalar_model(
-        critic.model,
+        cast(ScalarHeadModel, critic.model),  # wrapped: a DeepSpeed engine forwards its attributes
         path,
         is_writer=is_writer,
         strategy=strategy,
@@ -508,14 +511,14 @@ def save_scalar_model(
 
 
 def _write_scalar(
-    hf: nn.Module, state: Mapping[str, torch.Tensor], path: str, tokenizer: PreTrainedTokenizerBase | None
+    hf: PreTrainedModel, state: Mapping[str, torch.Tensor], path: str, tokenizer: PreTrainedTokenizerBase | None
 ) -> None:
     """config.json + model.safetensors (`hf`, the sequence-classification model, and its names) [+ the tokenizer]."""
     _write_scalar_config(hf, path, tokenizer)
     save_file(unshared(state.items()), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
 
-def _write_scalar_config(hf: nn.Module, path: str, tokenizer: PreTrainedTokenizerBase | None) -> None:
+def _write_scalar_config(hf: PreTrainedModel, path: str, tokenizer: PreTrainedTokenizerBase | None) -> None:
     """config.json (`hf`, the sequence-classification model) [+ the tokenizer]."""
     # The writer writes the files itself: transformers' save_pretrained writes on global rank 0 only
     # (should_save_on_this_rank), and a critic on ranks of its own does not hold rank 0.
@@ -561,7 +564,7 @@ def _export_state(
     )
 
 
-def _head_name(hf: nn.Module) -> str:
+def _head_name(hf: PreTrainedModel) -> str:
     """The score head's module name in a sequence-classification model (trained whole beside the adapters)."""
     return next(n for n, m in hf.named_modules() if m is score_head(hf))
 
@@ -578,26 +581,26 @@ def _adapter_file_key(name: str, prefix: str, head: str | None) -> str | None:
     return None
 
 
-def _peft_model(model: nn.Module) -> nn.Module:
+def _peft_model(model: nn.Module) -> PeftModel:
     peft_model = peft_model_of(model)
     assert peft_model is not None, "a state with LoRA tensors comes from a model holding a PEFT model"
     return peft_model
 
 
-def _scalar_hf(model: ScalarHeadModel) -> nn.Module:
+def _scalar_hf(model: ScalarHeadModel) -> PreTrainedModel:
     """The sequence-classification model inside a ScalarHeadModel (unwrapped when PEFT wraps it whole)."""
     hf = model.hf
     inner = getattr(hf, "get_base_model", None)  # a PeftModel around the whole classifier
     return inner() if callable(inner) and peft_model_of(hf) is hf else hf
 
 
-def _scaling(peft_model: nn.Module) -> float:
-    config = peft_model.peft_config[ADAPTER]
+def _scaling(peft_model: PeftModel) -> float:
+    config = cast("LoraConfig", peft_model.peft_config[ADAPTER])  # rlrun adds LoRA adapters only
     assert not config.rank_pattern and not config.alpha_pattern and not config.use_rslora, "rlrun's adapters are plain"
     return config.lora_alpha / config.r
 
 
-def _base_name(peft_model: nn.Module) -> tuple[str, str | None] | None:
+def _base_name(peft_model: PeftModel) -> tuple[str, str | None] | None:
     """(base_model_name_or_path, revision) naming the base the adapter was trained on, portable where possible: a
     hub cache snapshot as its hub id and commit, a folder as its absolute path. None: no folder holds the base.
     PEFT took the name from the HF model's config (`_name_or_path`, the folder it was read from)."""
@@ -621,7 +624,7 @@ def _base_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _write_adapter(
     path: str,
     state: Mapping[str, torch.Tensor],
-    peft_model: nn.Module,
+    peft_model: PeftModel,
     base: tuple[str, str | None],
     *,
     task_type: str,
@@ -635,7 +638,7 @@ def _write_adapter(
         if (key := _adapter_file_key(name, prefix, head)) is not None:
             tensors[key] = tensor
     save_file(unshared(tensors.items()), os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = copy.deepcopy(peft_model.peft_config[ADAPTER])
+    config = copy.deepcopy(cast("LoraConfig", peft_model.peft_config[ADAPTER]))  # rlrun adds LoRA adapters only
     config.base_model_name_or_path, config.revision = base
     config.task_type, config.inference_mode = task_type, True
     config.modules_to_save = None if head is None else [head]

@@ -58,7 +58,7 @@ def chunkable_head(model: nn.Module) -> bool:
     """Whether the chunked vocab projection gives `model`'s own log-probs: its output embedding is a plain nn.Linear
     (FSDP2's FSDPLinear included), whose forward nobody replaced (accelerate's hooks do), and its config sets no
     transform its forward applies to the logits after it."""
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings()  # type: ignore[operator]  # an HF model's method
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or "forward" in vars(head):
         return False
     config = _hf_config(model)
@@ -82,7 +82,7 @@ def vocab_log_probs(
     through nn.Module.__call__: the hooks of FSDP2 (root parameters gathered) and DeepSpeed ZeRO-3 (the head's weight
     gathered) run as for the logits, and their backward hooks fire on the returned tensor. Combine with
     `projected_only` (open it first) to feed the head only some positions."""
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings()  # type: ignore[operator]  # an HF model's method
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[:-1] != targets.shape:
@@ -183,7 +183,7 @@ def projected_only(model: nn.Module, keep: torch.Tensor) -> Iterator[None]:
     `logits_to_keep`, which takes a 2-D mask only from transformers 5.2x on (5.17 indexes `hidden[:, mask]` and
     fails: seen on an H200 with --packing_samples); the hook works on every version and under FSDP2 and
     DeepSpeed, whose wrappers hand the call through to the same module."""
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings()  # type: ignore[operator]  # an HF model's method
 
     def trim(_module: nn.Module, args: tuple) -> tuple:
         return (args[0][keep].unsqueeze(0), *args[1:])

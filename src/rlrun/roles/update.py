@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from rlrun.strategies.base import GradClipper, StepOps, TorchSteps
 _FUSED_DEVICE_TYPES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu"})
 
 
-def adam_implementation(params: list[torch.Tensor]) -> dict[str, bool]:
+def adam_implementation(params: Sequence[torch.Tensor]) -> dict[str, bool]:
     """The AdamW kwargs for these parameters: {"fused": True} when every one is a floating-point tensor
     (plain or an FSDP2 DTensor, which dispatches the fused kernel on its local shard) on a device with a
     fused kernel; otherwise {"foreach": True}, the multi-tensor path, which any device runs."""
@@ -62,8 +62,8 @@ def warmup_cosine(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-# rows (global indices of one micro-batch), num_tokens, num_seqs -> (loss, stats)
-MicroLoss = Callable[[torch.Tensor, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# rows (global indices of one micro-batch), num_tokens, num_seqs -> (loss, stats: tensors or numbers)
+MicroLoss = Callable[[torch.Tensor, float, float], tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]]
 
 # Stats a micro_loss may report that are summed over the micro-batches rather than averaged: token positions fed to
 # the forward and real tokens among them; run() reports them as padded_token_frac.
@@ -189,6 +189,6 @@ class Updater:
         out = {k: sums[k] / counts[k] for k in sums}
         if fed:  # this rank's padding over the update (every rank's micro-batches are alike by construction)
             out["padded_token_frac"] = 1.0 - real / fed
-        out["lr"] = self.scheduler.get_last_lr()[0]
+        out["lr"] = cast(float, self.scheduler.get_last_lr()[0])  # make_optimizer's lr: a float
         out["skipped_steps"] = float(self.skipped_steps)
         return out

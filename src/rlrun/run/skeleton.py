@@ -122,7 +122,10 @@ class Built(Generic[J]):
 class Trainer(Protocol[P, I, J]):
     """What one entry point (rlrun.ppo, sft, rm, dpo) supplies to the skeleton."""
 
-    cli: CliSpec
+    @property
+    def cli(self) -> CliSpec:
+        """Its command line (read-only: a frozen dataclass's field or a class attribute provides it)."""
+        ...
 
     @property
     def name(self) -> str:

@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from rlrun.runtime.errors import RlrunError
 from rlrun.runtime.pyfile import one_line
@@ -164,7 +164,7 @@ class JsonHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         # Bounds every socket read and write of this connection (slow or stalled clients).
-        self.timeout = self.server.request_timeout
+        self.timeout = self.server.request_timeout  # type: ignore[misc]  # typeshed: a ClassVar; setup() reads self's
         super().setup()
 
     # -- responses -----------------------------------------------------------------------------
@@ -344,7 +344,7 @@ def serve(
     except OSError as exc:
         print(f"{prog}: error: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         return 2
-    bound_host, bound_port = server.server_address[:2]
+    bound_host, bound_port = cast("tuple[str, int]", server.server_address[:2])  # a TCP socket's: the host is a str
     if server.token is None and host not in LOOPBACK:
         print(
             f"{prog}: warning: listening on {host} without {server.token_env}; anyone who can reach "

@@ -268,7 +268,7 @@ class DeepSpeedStrategy:
         DeepSpeedCPUAdam with `make_optimizer`'s hyper-parameters (ZeRO-Offload refuses torch's)."""
         model = self._placed(model, trainable=True)
         if self.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]  # an HF model's method
         optimizer = make_optimizer(model)
         if self.settings.offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 - JIT-builds its op on first use
@@ -470,7 +470,7 @@ def fill_partitioned(
 
     def partition(param: nn.Parameter) -> None:
         if first:
-            first[0].convert_to_zero_parameters(param_list=[param])
+            first[0].convert_to_zero_parameters(param_list=[param])  # type: ignore[attr-defined]  # zero.Init's
             return
         holder = nn.Module()
         holder.register_parameter("p", param)
@@ -486,7 +486,7 @@ def is_partitioned(p: torch.Tensor) -> bool:
 
 
 def full_shape(p: torch.Tensor) -> torch.Size:
-    return p.ds_shape if is_partitioned(p) else p.shape
+    return p.ds_shape if is_partitioned(p) else p.shape  # type: ignore[attr-defined]  # ZeRO-3's
 
 
 def layer_groups(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
@@ -538,10 +538,10 @@ def full_tensors(model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
                     by_id[id(p)] = p.detach().to("cpu", copy=True)
     if not keep:
         return {}
-    params = dict(model.named_parameters(remove_duplicate=False))
+    by_name = dict(model.named_parameters(remove_duplicate=False))
     out = {}
     for name, value in model.state_dict(keep_vars=True).items():
-        out[name] = by_id[id(params[name])] if name in params else value.detach().to("cpu", copy=True)
+        out[name] = by_id[id(by_name[name])] if name in by_name else value.detach().to("cpu", copy=True)
     return out
 
 
@@ -600,7 +600,7 @@ def load_engine_state(
     """Read what save_engine_state wrote (any role size, any stage) into the engine: master weights, the
     model's own (possibly bf16) weights, Adam moments, step and learning rate. Collective over `group`."""
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-    state = {
+    state: dict[str, Any] = {
         "model": {n: torch.empty(full_shape(p), dtype=torch.float32) for n, p in named},
         "optim": {n: {key: torch.empty(full_shape(p), dtype=torch.float32) for key in ADAM_MOMENTS} for n, p in named},
         "meta": {
@@ -640,8 +640,8 @@ def _set_zero3_partition(p: nn.Parameter, full: torch.Tensor, key: str | None) -
     DeepSpeed's own set_full_hp_param (behind safe_set_full_*) slices past the parameter's end on the last
     rank when it is padded to a multiple of the role size; here the slice stops at the end and the padding
     stays zero. Uses the stage-3 optimizer's partition lookup (pinned DeepSpeed range, checks.py)."""
-    partition, _ = p._z3_optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)
-    start = partition.numel() * p._z3_optimizer._get_param_partition_rank(p)
+    partition, _ = p._z3_optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)  # type: ignore[attr-defined]  # ZeRO-3's
+    start = partition.numel() * p._z3_optimizer._get_param_partition_rank(p)  # type: ignore[attr-defined]  # ZeRO-3's
     piece = full.reshape(-1)[start : start + partition.numel()]
     partition.data[: piece.numel()].copy_(piece)
     partition.data[piece.numel() :].zero_()

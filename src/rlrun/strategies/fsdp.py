@@ -40,7 +40,7 @@ def _fsdp_params_by_param(model: nn.Module) -> dict[int, object]:
     out: dict[int, object] = {}
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()  # type: ignore[operator]
+            state = module._get_fsdp_state()
             group = getattr(state, "_fsdp_param_group", None)
             for fsdp_param in getattr(group, "fsdp_params", None) or []:
                 out[id(getattr(fsdp_param, "sharded_param", None))] = fsdp_param
@@ -101,7 +101,7 @@ def home_params(model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
         if isinstance(p, DTensor):
             fsdp_param = by_param[id(p)]
             view.copy_(p.to_local())
-            p._local_tensor = view  # type: ignore[attr-defined]
+            p._local_tensor = view
             fsdp_param._sharded_param_data = view.view(-1)  # type: ignore[attr-defined]
         else:
             view.copy_(p)
@@ -137,7 +137,7 @@ class FSDPStrategy:
         module = unfilled.model if unfilled is not None else model
         assert isinstance(module, nn.Module)
         if self.gradient_checkpointing and trainable and hasattr(module, "gradient_checkpointing_enable"):
-            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]  # an HF model's method
         if not trainable and not self.reshard_after_forward:
             if self.bf16:
                 module.to(torch.bfloat16)  # on the meta device this costs nothing: no fp32 detour

@@ -11,11 +11,11 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlrun.checkpoint.checkpointer import Identity
 from rlrun.cli.parser import CliSpec
@@ -253,7 +253,11 @@ def with_adapters(
     of a random one-row head would not train it), and ScalarHeadModel keeps reading the body's hidden states."""
     scalar = isinstance(model.model, ScalarHeadModel)
     # a policy continues an adapter directory given as --pretrain (trained_policy); a reward model starts afresh
-    adapted = add_scalar_adapters(model, lora, seed) if scalar else trained_policy(model, source, seed)
+    adapted = (
+        add_scalar_adapters(model, lora, seed)
+        if scalar
+        else trained_policy(cast("Unfilled[PreTrainedModel]", model), source, seed)
+    )
     params = list(adapted.model.parameters())  # meta tensors: counting them allocates nothing
     total, trained = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
     get_logger(rank).info_once(
@@ -264,7 +268,7 @@ def with_adapters(
     return adapted
 
 
-def reward_model(source: PretrainedConfig, seed: int) -> Unfilled:
+def reward_model(source: PretrainedConfig, seed: int) -> Unfilled[ScalarHeadModel]:
     """The model to train as a reward model, unallocated: --pretrain's body (a causal LM or a classifier) with a
     fresh scalar head, identical on every rank."""
     hf = unfilled_scalar_model(source.pretrain, source, seed, fresh_head=True)

@@ -145,7 +145,7 @@ def records(path: str | DataSpec, max_samples: int, max_len: int) -> list[Mappin
     spec = path if isinstance(path, DataSpec) else DataSpec(path, flag="dataset")
     rows = read_sources(dataclasses.replace(spec, max_count=max_samples))
     if not rows:
-        raise DataError(f"Dataset {path!r} is empty; it needs at least one record.")
+        raise DataError(f"Dataset {str(path)!r} is empty; it needs at least one record.")
     rows = rows[:max_samples]  # OpenRLHF: select(range(min(max_samples, len)))
     for index, row in enumerate(rows):
         if not isinstance(row, Mapping):
@@ -166,15 +166,17 @@ def check_tokenizer(tokenizer: PreTrainedTokenizerBase, apply_chat_template: boo
         )
 
 
-def all_dropped(path: str, total: int, reasons: Counter[str], max_len: int) -> DataError:
+def all_dropped(path: str | DataSpec, total: int, reasons: Counter[str], max_len: int) -> DataError:
     listed = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common())
     return DataError(
-        f"Every one of the {total} records of {path!r} was dropped ({listed}); nothing is left to train on. "
+        f"Every one of the {total} records of {str(path)!r} was dropped ({listed}); nothing is left to train on. "
         f"Raise --max_len (now {max_len}) if prompts are too long, or check the keys and values of the records."
     )
 
 
-def finish(path: str, total: int, samples: list[T], reasons: Counter[str], truncated: int, max_len: int) -> Loaded[T]:
+def finish(
+    path: str | DataSpec, total: int, samples: list[T], reasons: Counter[str], truncated: int, max_len: int
+) -> Loaded[T]:
     if not samples:
         raise all_dropped(path, total, reasons, max_len)
     return Loaded(samples=samples, dropped=sum(reasons.values()), truncated=truncated)
@@ -242,7 +244,11 @@ def _sft_texts(
 
 
 def _pretrain_samples(
-    path: str, rows: list[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase, input_key: str, max_len: int
+    path: str | DataSpec,
+    rows: list[Mapping[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    input_key: str,
+    max_len: int,
 ) -> Loaded[Completion]:
     """OpenRLHF pretrain_mode: the input_key text as is, cut to max_len; no template, no EOS, nothing masked."""
     texts = []

@@ -23,7 +23,6 @@ from rlrun.supervised.datasets import Completion, Preference
 from rlrun.supervised.losses import dpo_loss, nll_term, pairwise_rm_loss, sequence_log_prob, token_nll
 
 S = TypeVar("S")
-S_contra = TypeVar("S_contra", contravariant=True)
 
 
 class Tally:
@@ -42,26 +41,29 @@ class Tally:
         return out
 
 
-class Task(Protocol, Generic[S_contra]):
+class Task(Protocol, Generic[S]):
     """One trainer's model(s) and loss. `model` is the trained (wrapped) model, stepped by the loop's Updater."""
 
     name: str  # "sft" | "rm" | "dpo": log and tracker names
     tally_keys: tuple[str, ...]  # every key `tally` may hold (a rank with no samples still sums zeros)
-    model: nn.Module
+
+    @property
+    def model(self) -> nn.Module: ...  # read-only, so a task may declare the model it wraps (a ScalarHeadModel)
+
     optimizer: torch.optim.Optimizer
     strategy: Strategy
     tally: Tally
 
-    def loss_tokens(self, sample: S_contra) -> int:
+    def loss_tokens(self, sample: S) -> int:
         """Tokens of `sample` a token-mean loss averages over (>= 1)."""
         ...
 
-    def micro_loss(self, samples: list[S_contra], num_tokens: float, num_seqs: float) -> torch.Tensor:
+    def micro_loss(self, samples: list[S], num_tokens: float, num_seqs: float) -> torch.Tensor:
         """The micro-batch's share of the global batch loss (normalised by the batch's tokens or samples per
         rank, see rlrun.roles.update); records its metric sums in `tally`."""
         ...
 
-    def score(self, samples: list[S_contra]) -> None:
+    def score(self, samples: list[S]) -> None:
         """Evaluation: record the metric sums of `samples` in `tally` (no gradient)."""
         ...
 

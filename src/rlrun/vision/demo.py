@@ -13,7 +13,7 @@ import random
 import shutil
 import tempfile
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig
@@ -68,7 +68,7 @@ def build_vl_tokenizer() -> PreTrainedTokenizerFast:
 def tiny_vl_config() -> Qwen2_5_VLConfig:
     """A ~0.2M-parameter Qwen2.5-VL: the text model of rlrun's tiny Qwen2 (head_dim 32, as vLLM's CPU attention
     needs) and a 2-block vision tower of width 32 (14-pixel patches, 2x2 merge, one windowed and one full block)."""
-    text = {
+    text: dict[str, Any] = {
         "vocab_size": VL_VOCAB_SIZE,
         "hidden_size": 64,
         "intermediate_size": 128,
@@ -142,6 +142,7 @@ def _image(label: str, blank: bool, rng: random.Random):  # -> PIL.Image.Image
     base = BLANK if blank else COLOURS[label]
     image = Image.new("RGB", (SIZE, SIZE), base)
     pixels = image.load()
+    assert pixels is not None  # an image in memory
     for _ in range(SIZE * SIZE // 8):  # speckles, so that no two pictures are byte-identical
         x, y = rng.randrange(SIZE), rng.randrange(SIZE)
         pixels[x, y] = tuple(min(255, max(0, c + rng.randint(-40, 40))) for c in base)
@@ -160,7 +161,7 @@ def write_colour_task(
     paths as `file://` URIs (OpenRLHF-M's), else relative to the data file's folder (a folder that may move)."""
     rng = random.Random(seed)
     os.makedirs(os.path.join(folder, "images"), exist_ok=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i in range(records):
         label = ("digits", "letters")[i % 2]
         image = _image(label, blank, rng)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ CPU_GATHER_PART_BYTES = 4 * 2**20  # per rank and all-gather, on CPU (gloo): see
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def is_sharded(t: torch.Tensor) -> bool:
+def is_sharded(t: torch.Tensor) -> TypeGuard[DTensor]:
     """Whether `t` is a DTensor: whole only through a collective over its mesh."""
     return isinstance(t, DTensor)
 
@@ -54,7 +54,7 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _is_dim0_sharded(p: torch.Tensor) -> bool:
+def _is_dim0_sharded(p: torch.Tensor) -> TypeGuard[DTensor]:
     """A parameter sharded the way FSDP2 does by default: Shard(0) over a 1-D mesh."""
     return isinstance(p, DTensor) and p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),) and p.dim() >= 1
 
@@ -183,7 +183,8 @@ class ParamBlock:
         sharded = []
         for name, p in self.named:
             if _is_dim0_sharded(p) and p.device_mesh.size() == 1:
-                plain[name] = p.detach().to_local()  # a one-rank mesh: the shard is the full tensor, no copy
+                # a one-rank mesh: the shard is the full tensor, no copy
+                plain[name] = p.detach().to_local()  # type: ignore[attr-defined]  # a DTensor's detach() is a DTensor
             elif _is_dim0_sharded(p):
                 sharded.append((name, p))
             else:
@@ -217,7 +218,7 @@ class ParamBlock:
         locals_ = [local_all[a : a + n] for a, n in zip(starts, part_sizes)]
         gathered = [gathered_all[world * a : world * (a + n)].view(world, n) for a, n in zip(starts, part_sizes)]
         for name, p in sharded:
-            shard = p.detach().to_local()
+            shard = p.detach().to_local()  # type: ignore[attr-defined]  # a DTensor's detach() is a DTensor
             piece = pieces[name]
             if shard.shape[0] != piece.rows[me]:
                 raise RuntimeError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,7 @@ class WeightSync:
             return  # actor ranks other than the root only take part in the FSDP all-gathers
         assert sync_group is not None
         # Metadata crosses the wire once, in the root's gather order; both sides derive the same plan.
-        meta = None
+        meta: dict[str, Any] | None = None
         if is_root:
             blocker = actor_params.zero_copy_blocker(wire_dtype, device)  # type: ignore[union-attr]
             meta = {
@@ -123,10 +124,10 @@ class WeightSync:
                 if blocker is None
                 else f"weight sync: the root packs its parameters into the send buckets ({blocker})"
             )
-        meta = broadcast_json(meta, actor_root, sync_group, device)
-        self.zero_copy = bool(meta["zero_copy"])  # type: ignore[index]
-        self.check_names = list(meta["check"])  # type: ignore[index]
-        params = meta["params"]  # type: ignore[index]
+        meta = cast("dict[str, Any]", broadcast_json(meta, actor_root, sync_group, device))  # the root's
+        self.zero_copy = bool(meta["zero_copy"])
+        self.check_names = list(meta["check"])
+        params = meta["params"]
         if engine_model is not None:
             self._check_engine_matches(params)
         groups = together([n for n, _ in params]) if together is not None else ()
@@ -223,16 +224,18 @@ class WeightSync:
         if self.sink is not None:
             self._receive_streamed(self.sink)
             return
+        # an engine rank that receives: it has its model and the sync group (see __init__)
+        assert self.engine_model is not None and self.group is not None
         works = [
             dist.broadcast(buffer[start:end], src=self.root, group=self.group, async_op=True)
             for buffer, chunks in zip(self.buffers, self.chunks)
             for start, end, _ in chunks
         ]
-        wait_all(works, self.group, self.device, "weight sync: a bucket broadcast")  # type: ignore[arg-type]
+        wait_all(works, self.group, self.device, "weight sync: a bucket broadcast")
         if self.check_names:
-            sent = broadcast_json(None, self.root, self.group, self.device)
-            targets = dict(self.engine_model.named_parameters())  # type: ignore[union-attr]
-            self._verify(sent, {n: _checksum(targets[n].data) for n in sent})  # type: ignore[union-attr]
+            sent = cast("dict[str, float]", broadcast_json(None, self.root, self.group, self.device))
+            targets = dict(self.engine_model.named_parameters())
+            self._verify(sent, {n: _checksum(targets[n].data) for n in sent})
 
     def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Colocated with a loader: each parameter as a new full tensor in the engines' dtype, gathered unit by unit

@@ -157,7 +157,7 @@ class SeedWorkerExtension:
                     for name in f.keys():
                         yield name, f.get_tensor(name)
 
-        self.reload_weights(weights_iterator=tensors())  # type: ignore[attr-defined] - the worker's, mixed in
+        self.reload_weights(weights_iterator=tensors())  # type: ignore[attr-defined]  # the worker's, mixed in
 
 
 def set_process_env(spec: EngineSpec) -> None:
@@ -240,7 +240,7 @@ class VLLMAdapter:
         from vllm import SamplingParams  # noqa: PLC0415
         from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
-        params = [SamplingParams(**kwargs) for kwargs in request_kwargs(sampling, seeds)]  # type: ignore[arg-type]
+        params = [SamplingParams(**kwargs) for kwargs in request_kwargs(sampling, seeds)]
         if not sampling.seeded:
             self.seed_sampler(batch_seed(seeds))
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]

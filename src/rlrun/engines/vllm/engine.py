@@ -15,7 +15,7 @@ import os
 import random
 import shutil
 import tempfile
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ def write_model_dir(
     with dummy weights and gets the real ones by the push before its first generate, so no model-sized file is
     written. Not save_pretrained: under torch.distributed it writes on global rank 0 only."""
     os.makedirs(path, exist_ok=True)
-    model.config.to_json_file(os.path.join(path, "config.json"))  # type: ignore[union-attr]
+    model.config.to_json_file(os.path.join(path, "config.json"))  # type: ignore[union-attr, operator]  # an HF model's config
     tokenizer.save_pretrained(path)
     if image_processor is not None:
         image_processor.save_pretrained(path)
@@ -292,8 +292,11 @@ class VLLMEngine(VLLMEngineBase):
         images: ImageRequests = None,
     ) -> Generation:
         """sample() with one given seed per row (the rows of several ranks sampled in one call)."""
-        tokens, logprobs = self.child.request(  # type: ignore[misc]
-            "generating", "generate", prompts, seeds, self.sampling_for(stop, max_new_tokens), images
+        tokens, logprobs = cast(  # the child's reply to "generate" (rlrun.engines.vllm.child)
+            "tuple[list[list[int]], list[list[float]]]",
+            self.child.request(
+                "generating", "generate", prompts, seeds, self.sampling_for(stop, max_new_tokens), images
+            ),
         )
         if self.sleeps:  # GPU --vllm_enable_sleep: asleep through scoring and training; the next push wakes it
             self.child.request("sleeping", "sleep")
@@ -327,7 +330,8 @@ class VLLMEngine(VLLMEngineBase):
 class RowExchange(Protocol):
     """Provided by rlrun.launch.transfer.EngineRowExchange (the engine's process group stays there)."""
 
-    is_leader: bool
+    @property
+    def is_leader(self) -> bool: ...
 
     def to_leader(self, mine: object) -> list[object] | None: ...
 

@@ -150,7 +150,7 @@ def pack(named: Sequence[tuple[str, torch.Tensor]]) -> Handoff:
     storages = distinct_storages(tensors)
     index = {(device, s.data_ptr()): i for i, s in enumerate(storages)}
     views = tuple(
-        View(n, index[_key(t)], t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        View(n, index[_key(t)], t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())  # type: ignore[arg-type]  # an int (SymInt: traced tensors only)
         for (n, _), t in zip(named, tensors)
     )
     whole = [torch.empty(0, dtype=torch.uint8, device=device).set_(s) for s in storages]

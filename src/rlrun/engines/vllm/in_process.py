@@ -78,7 +78,7 @@ def kept_set_num_threads() -> Iterator[None]:
     try:
         yield
     finally:
-        torch.set_num_threads = real  # type: ignore[assignment]
+        torch.set_num_threads = real
         torch.set_num_threads(threads)
 
 
