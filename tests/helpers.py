@@ -16,6 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The demo for 3 steps, with a prompt template (so a rerun from its config.yaml sees a value with a newline in it).
+# tests/rl/conftest.py's demo_3 fixture runs it once on 2 ranks for the tests that read that run.
+DEMO_3 = ["--config", "configs/demo.yaml", "--max_steps", "3", "--input_template", "Q: {}\nA:"]
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RLRUN_NO_PROGRESS": "1",

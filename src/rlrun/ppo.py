@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rlrun.launch.failures import leave
-from rlrun.rl.assembly import PPO
-from rlrun.run.skeleton import run_trainer
-
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Imported here rather than at the top: the processes a rank spawns (its vLLM engine child, reward workers) run
+    # this module again as their __main__ (multiprocessing's spawn), and need none of the trainer (seconds each).
+    from rlrun.rl.assembly import PPO  # noqa: PLC0415
+    from rlrun.run.skeleton import run_trainer  # noqa: PLC0415
+
     return run_trainer(PPO(), argv)
 
 
 if __name__ == "__main__":
+    from rlrun.launch.failures import leave
+
     leave(main())

@@ -70,19 +70,13 @@ def test_async_train_lags_exactly_one_weight_version(tmp_path):
     assert all(m["async/policy_lag"] == 1.0 for m in metrics)
 
 
-def test_partial_rollout_continues_responses_on_vllm(tmp_path):
+def test_partial_rollout_continues_responses_on_vllm(tmp_path, long_tailed_base):
     """--partial_rollout on a tensor-parallel vLLM engine (rank 0 actor, ranks 1-2 one engine at TP 2; the chunked
     path: --partial_rollout_tokens per call) with a long-tailed policy: it trains, no sample is more than
     --max_staleness versions old, and step 1 (generated and trained on the initial weights) matches the actor token
     for token, so both engine ranks' pools reached the one vLLM child together. (Whether samples span versions
     depends on timing; the pool tests check the chunked path's carry-over and the ranks' vote deterministically.)"""
-    import sys  # noqa: PLC0415
-
-    base = tmp_path / "long_tailed"
-    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); from helpers import "
-                    f"save_long_tailed_base; save_long_tailed_base(__import__('pathlib').Path({str(base)!r}), 5.0)"],
-                   cwd=REPO, check=True, capture_output=True, timeout=120)
-    code, out, metrics = run(DEMO + DISAGG + ["--pretrain", str(base), "--remote_rm_url", "demo", "--generate_max_len",
+    code, out, metrics = run(DEMO + DISAGG + ["--pretrain", long_tailed_base, "--remote_rm_url", "demo", "--generate_max_len",
                                               "32", "--actor_learning_rate", "1e-4", "--rollout_batch_size", "8",
                                               "--n_samples_per_prompt", "2", "--train_batch_size", "16",
                                               "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8",

@@ -32,23 +32,6 @@ def hf_greedy(model, prompts: list[list[int]], max_new: int, eos: int) -> list[l
     return out
 
 
-def tokens_per_s_vs_hf(engine, model, prompts: list[list[int]]) -> dict[str, float]:
-    """Generated tokens/s of `engine` and of HF generate on `model`, 32 new tokens per prompt, each timed on its
-    second call (the first warms up)."""
-    from rlrun.engines.base import HFEngine, SamplingSettings
-    from rlrun.models.tiny import EOS_ID, PAD_ID
-
-    settings = SamplingSettings(1.0, 1.0, 32, PAD_ID, EOS_ID)
-    engine.sampling = settings
-    out = {}
-    for name, e in (("vllm", engine), ("hf", HFEngine(model, settings, torch.device("cpu")))):
-        e.sample(prompts, seed=1)
-        t0 = time.perf_counter()
-        rows = e.sample(prompts, seed=2).responses
-        out[f"{name}_tokens_per_s"] = sum(map(len, rows)) / (time.perf_counter() - t0)
-    return out
-
-
 def main() -> None:
     import copy
 
@@ -135,8 +118,6 @@ def main() -> None:
         "unseeded_solo_rows_equal": sum(a == b for a, b in zip(unseeded_solo, unseeded)),
     }
     engine.seeded_requests = False
-    # Throughput on the same model: vLLM child vs HF generate, 32 prompts x 32 new tokens, EOS ignored by neither.
-    report.update(tokens_per_s_vs_hf(engine, model, [list(f"Say {i} letters:".encode()) for i in range(32)]))
     engine.close()
     report["child_exitcode"] = engine.child.proc.exitcode
     dist.destroy_process_group()

@@ -299,8 +299,10 @@ def unused_port() -> int:
 def test_harness_finds_and_kills_leftover_processes(tmp_path):
     """The leftover check is not vacuous: a process that outlives its launcher (own session, marker in argv) is
     reported, and killed."""
+    # The orphan's output goes nowhere: holding the launcher's pipe would only make the harness wait out its reader.
     orphan = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', "
-              f"{str(tmp_path / 'x')!r}], start_new_session=True)")
+              f"{str(tmp_path / 'x')!r}], start_new_session=True, stdout=subprocess.DEVNULL, "
+              "stderr=subprocess.DEVNULL)")
     out = launch_cmd([sys.executable, "-c", orphan, str(tmp_path / "x")], tmp_path)
     assert out.returncode == 0
     assert len(out.leftovers) == 1 and "time.sleep(60)" in out.leftovers[0]

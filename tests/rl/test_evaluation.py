@@ -12,7 +12,7 @@ from rlrun.rl.evaluation import TOTALS, finalize, local_totals, prompt_slice
 from rlrun.plan.plan import check_eval
 from rlrun.runtime.errors import ConfigError
 
-from helpers import run_rlrun
+from helpers import DEMO_3, run_rlrun
 
 
 def test_local_totals_by_hand() -> None:
@@ -97,7 +97,6 @@ def test_eval_defaults_match_openrlhf() -> None:
     assert not parse_args(["--eval_temperature", "0.7", "--eval_dataset", "d.jsonl"]).ignored
 
 
-DEMO = ["--config", "configs/demo.yaml", "--max_steps", "3"]
 TIMING = ("time/", "tokens_per_s", "eval/time")
 
 
@@ -107,7 +106,7 @@ def _no_timing(records: list[dict]) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_two_rank_run_logs_eval_and_keeps_training_identical(tmp_path) -> None:
+def test_two_rank_run_logs_eval_and_keeps_training_identical(tmp_path, demo_3) -> None:
     eval_file = tmp_path / "eval.jsonl"
     # 3 prompts over 2 engine ranks: an uneven share (1 + 2).
     eval_file.write_text("".join(json.dumps({"prompt": p, "label": lab}) + "\n" for p, lab in
@@ -115,7 +114,7 @@ def test_two_rank_run_logs_eval_and_keeps_training_identical(tmp_path) -> None:
                                   ("Write digits:", "digits")]))
     evals = ["--eval_dataset", str(eval_file), "--input_key", "prompt", "--label_key", "label", "--eval_steps", "2",
              "--eval_before_train", "--eval_n_samples_per_prompt", "2"]
-    with_eval = run_rlrun(2, DEMO + evals, tmp_path / "a")
+    with_eval = run_rlrun(2, DEMO_3 + evals, tmp_path / "a")
     assert with_eval.returncode == 0, with_eval.output[-3000:]
     steps = [(r["step"], "eval/reward" in r) for r in with_eval.metrics]
     assert steps == [(0, True), (1, False), (2, False), (2, True), (3, False)]
@@ -129,7 +128,7 @@ def test_two_rank_run_logs_eval_and_keeps_training_identical(tmp_path) -> None:
     assert "eval reward" in next(line for line in with_eval.output.splitlines() if "step 2/3 |" in line)
     assert "eval reward" in with_eval.output.split("step 1/3")[0]  # the evaluation before training
 
-    without = run_rlrun(2, DEMO, tmp_path / "b")
+    without = demo_3[1]  # the same run without the evaluations
     assert without.returncode == 0, without.output[-3000:]
     train_only = [r for r in with_eval.metrics if "eval/reward" not in r]
     assert _no_timing(train_only) == _no_timing(without.metrics)

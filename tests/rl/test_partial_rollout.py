@@ -21,7 +21,6 @@ from rlrun.rl.partial_rollout import PoolSettings, SequencePool
 from rlrun.plan.plan import plan
 from rlrun.runtime.errors import ConfigError
 
-from helpers import save_long_tailed_base
 from test_resume import _no_timing, _ok, torchrun
 
 TOK = build_byte_tokenizer()
@@ -30,8 +29,8 @@ CAP, N, PROMPTS_PER_STEP = 32, 2, 8
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> str:
-    return save_long_tailed_base(tmp_path_factory.mktemp("long_tailed"), logit=5.0)  # at 32 tokens: ~1 in 4 at the cap
+def base(long_tailed_base) -> str:
+    return long_tailed_base  # at 32 tokens: ~1 in 4 at the cap
 
 
 def _pool(base: str, staleness: int, native: bool = True) -> SequencePool:

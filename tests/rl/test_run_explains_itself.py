@@ -7,24 +7,24 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from helpers import REPO, run_rlrun, subprocess_env
+from helpers import DEMO_3, REPO, subprocess_env
 from rlrun.cli.parser import parse_args
 from rlrun.plan.plan import choose_generation
 
-ARGS = ["--config", "configs/demo.yaml", "--max_steps", "3", "--input_template", "Q: {}\nA:"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_demo_run_explains_itself(tmp_path) -> None:
+def test_demo_run_explains_itself(tmp_path, demo_3) -> None:
     pytest.importorskip("matplotlib")
-    save = tmp_path / "run"
-    res = run_rlrun(2, ARGS, save)
+    save, res = demo_3
     assert res.returncode == 0, res.output[-3000:]
     out = res.output
     info = re.findall(r"^\[rlrun [\d:]+ info\] (.*)$", out, re.M)
@@ -46,11 +46,12 @@ def test_demo_run_explains_itself(tmp_path) -> None:
     assert (save / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
     # The rerun's config is the run's: the same once generation is resolved (auto -> native) for both.
-    first = choose_generation(parse_args(ARGS + ["--save_path", str(save)]).config, cuda=False).config
+    first = choose_generation(parse_args(DEMO_3 + ["--save_path", str(save)]).config, cuda=False).config
     again = choose_generation(parse_args(["--config", str(save / "config.yaml")]).config, cuda=False).config
     assert again == first
 
-    # The report is drawn again from the metrics alone; the run's own facts stay.
+    # The report is drawn again from the metrics alone; the run's own facts stay (in a copy: the run is shared).
+    save = Path(shutil.copytree(save, tmp_path / "run"))
     (save / "summary.json").rename(save / "summary.before.json")
     (save / "curves.png").unlink()
     (save / "summary.json").write_text(json.dumps({"run": summary["run"]}))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import run_rlrun
+from helpers import DEMO_3, run_rlrun
 
 DEMO = ["--config", "configs/demo.yaml"]
 TIMING_KEYS = ("time/", "tokens_per_s")
@@ -86,14 +86,13 @@ def test_demo_learns_as_the_readme_claims(tmp_path, ranks, claimed_last):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_same_seed_same_metrics(tmp_path):
+def test_same_seed_same_metrics(tmp_path, demo_3):
     """Determinism on CPU: same seed and layout -> identical metrics (timings aside)."""
-    args = DEMO + ["--max_steps", "3"]
-    a = run_rlrun(2, args, tmp_path / "a")
-    b = run_rlrun(2, args, tmp_path / "b")
+    a = demo_3[1]
+    b = run_rlrun(2, DEMO_3, tmp_path / "b")
     assert a.returncode == 0 and b.returncode == 0, a.output[-2000:] + b.output[-2000:]
     assert _no_timing(a.metrics) == _no_timing(b.metrics)
-    c = run_rlrun(2, args + ["--seed", "7"], tmp_path / "c")
+    c = run_rlrun(2, DEMO_3 + ["--seed", "7"], tmp_path / "c")
     assert _no_timing(c.metrics) != _no_timing(a.metrics)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_sim import REPO, NetnsHosts, Procs, SlurmCluster, free_port, training_env
+from cluster_sim import REPO, NetnsHosts, Procs, SlurmCluster, assert_two_nodes_trained, free_port, training_env
 from helpers import teach_tiny_model
 
 LAUNCH = REPO / "scripts" / "runpod" / "launch.sh"
@@ -298,7 +298,7 @@ def test_two_pods_each_start_their_own_retriever(netns: NetnsHosts, procs: Procs
 
 def slurm_submit(slurm: SlurmCluster, tmp_path: Path, sbatch_args: list[str], train_args: list[str],
                  **env: str) -> tuple[int, str, Path]:
-    """sbatch --wait ppo.sh; (job exit code, job log, per-node log dir)."""
+    """sbatch ppo.sh, waiting for the job to end; (job exit code, job log, per-node log dir)."""
     log_dir = tmp_path / "logs"
     job_env = training_env(slurm.env(), RLRUN_LOG_DIR=str(log_dir), **env)
     rc, job_id, sbatch_out = slurm.sbatch_wait(
@@ -316,6 +316,8 @@ NODE_PORT = "$((%d + SLURM_NODEID))"
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_slurm_two_nodes_torchrun_one_service_per_node(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """ppo.sh on two nodes with its default rendezvous (c10d) and a node service each: also the plain two-node
+    c10d job of test_slurm_scripts.py (the service is a side process this training never calls)."""
     base = free_port()
     save = tmp_path / "out"
     rc, log, log_dir = slurm_submit(
@@ -323,7 +325,7 @@ def test_slurm_two_nodes_torchrun_one_service_per_node(slurm: SlurmCluster, tmp_
         RLRUN_NODE_SERVICE=reward_service(NODE_PORT % base),
         RLRUN_NODE_SERVICE_HEALTH=f"http://127.0.0.1:{NODE_PORT % base}/health")
     assert rc == 0, log
-    assert "training finished (exit 0)" in log and "saved the policy" in log, log
+    assert_two_nodes_trained(log, log_dir, save, slurm.node_names[0], "c10d")
     assert log.count("starting the node service on") == 2, log
     ports = {base, base + 1}
     for name in slurm.node_names:

@@ -122,25 +122,30 @@ def test_bad_input_is_one_line_on_every_rank_and_a_nonzero_exit(tmp_path) -> Non
 
 def test_dry_run_reads_the_data_as_training_will(tmp_path) -> None:
     """--dry_run is the Slurm scripts' preflight: the dataset is read and tokenized, its first sample shown as the
-    model sees it; a path this machine lacks is named, not an error; a bad key fails with one line, exit 2."""
-    def dry(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "rlrun.dpo", "--train_batch_size", "4", "--dry_run", *args],
-                              cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    model sees it; a path this machine lacks is named, not an error; a bad key fails with one line, exit 2. In process
+    (rlrun.dpo's main, as `python -m rlrun.dpo` calls it): scripts/slurm/train.sh's preflight runs it as a process in
+    tests/scripts/test_slurm_scripts.py."""
+    from rlrun.dpo import main
+
+    def dry(*args: str) -> tuple[int, str]:
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+            code = main(["--train_batch_size", "4", "--dry_run", *args])
+        return code, text.getvalue()
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(json.dumps({"prompt": "2+3?", "chosen": "5", "rejected": "6"}) + "\n")
-    proc = dry("--dataset", str(pairs), "--prompt_key", "prompt")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-2000:]
+    code, out = dry("--dataset", str(pairs), "--prompt_key", "prompt")
+    assert code == 0, out[-2000:]
     assert "1 ranks" in out and "4 samples per rank" in out
     assert f"--dataset {pairs}: 1 samples (0 dropped, 0 truncated at --max_len 512); the first as the model sees " \
            "it: {'prompt': '2+3?', 'chosen': '5 <|eos|>', 'rejected': '6 <|eos|>', 'margin': 0.0}" in out
     assert "memory plan of a CPU run" in out and re.search(r"^0 +\| 0 +\| policy,ref \| train +\|", out, re.M), out
-    proc = dry("--dataset", str(tmp_path / "elsewhere.jsonl"))
-    assert proc.returncode == 0 and "is not on this machine" in proc.stdout + proc.stderr
-    proc = dry("--dataset", str(pairs), "--chosen_key", "better")
-    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line]
-    assert proc.returncode == 2 and len(errors) == 1 and "better" in errors[0], errors
+    code, out = dry("--dataset", str(tmp_path / "elsewhere.jsonl"))
+    assert code == 0 and "is not on this machine" in out
+    code, out = dry("--dataset", str(pairs), "--chosen_key", "better")
+    errors = [line for line in out.splitlines() if "error" in line]
+    assert code == 2 and len(errors) == 1 and "better" in errors[0], errors
 
 
 
