@@ -11,6 +11,7 @@ from helpers import DEMO_3, RunResult, run_rlrun
 
 @pytest.fixture(scope="session")
 def demo_3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, RunResult]:
-    """DEMO_3 on 2 ranks, run once: (its save directory, the result). A test that changes the directory copies it."""
+    """DEMO_3 on 2 ranks, run once: (its save directory, the result). Tests read the result; test_run_explains_itself
+    also redraws the report in the directory."""
     save = tmp_path_factory.mktemp("demo_3") / "run"
     return save, run_rlrun(2, DEMO_3, save)

@@ -162,6 +162,27 @@ def test_schedule_sleeps_before_it_wakes_and_moves_each_part_once_per_change():
     assert calls[-2:] == [("wake", "actor", BOTH), ("wake", "ref", PARAMS)]
 
 
+def test_a_lora_base_reference_sleeps_as_the_actor_it_is():
+    """--lora_rank with a KL term: the reference is the actor's model with its adapters off, and the rank has no
+    reference strategy; the schedule holds the actor once (it used to list the reference as a model `False` and fail
+    with KeyError: Role.REF under --deepspeed_enable_sleep)."""
+    from types import SimpleNamespace
+
+    from rlrun.launch.layout import LayoutRequest
+    from rlrun.plan.layout import plan_layout
+    from rlrun.rl.assembly import sleep_schedule
+    from rlrun.rl.trainer import RankRoles
+
+    layout = plan_layout(LayoutRequest(need_critic=False, need_ref=False, need_reward=False, ref_is_actor_base=True), 1, 1)
+    model = _Model("actor")
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1)
+    actor = SimpleNamespace(model=model, updater=SimpleNamespace(optimizer=optimizer))
+    reference = SimpleNamespace(model=model, adapters_off=True)
+    roles = RankRoles(actor=actor, reference=reference, strategies={Role.ACTOR: _Recorder([])})  # type: ignore[arg-type]
+    schedule = sleep_schedule(layout, 0, roles, CPU, actor_scores=True)
+    assert [(s.role, s.model) for s in schedule.sleepers] == [(Role.ACTOR, model)]
+
+
 def test_sleep_off_means_no_schedule():
     schedule = SleepSchedule([], {}, rank=0)
     schedule.enter(Phase.GENERATE)  # no plan, no sleepers: nothing happens

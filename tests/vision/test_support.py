@@ -11,7 +11,7 @@ import pytest
 
 from rlrun.cli.parser import parse_args
 from rlrun.runtime.errors import ConfigError
-from rlrun.plan.checks import check_vision_run, vision_run_problem
+from rlrun.plan.generation import check_vision_run, vision_run_problem
 from rlrun.vision.demo import save_tiny_vl
 
 # the-laughing-monkey/OpenRLHF-M examples/scripts/tests/train_grpo_ray_qwen2_5_vl_mathv60k.sh, plus lmm-r1's

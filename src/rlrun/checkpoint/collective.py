@@ -20,10 +20,6 @@ from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rlrun.checkpoint import store as ckpt
 from rlrun.checkpoint import store as manifest
@@ -31,23 +27,6 @@ from rlrun.launch.transfer import broadcast_json, sum_over
 from rlrun.runtime.errors import StorageError, brief, storage_cause, storage_error
 from rlrun.runtime.log import get_logger
 from rlrun.runtime.phases import maybe_inject
-
-# ---- DCP ---------------------------------------------------------------------------------------------------------
-# Sharded, world-size-independent save/load of a role's model + optimizer (torch DCP).
-
-
-def save_role_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, group: dist.ProcessGroup) -> None:
-    """Collective over the role's group: each rank writes its own shards into `path`."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=group)
-
-
-def load_role_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, group: dist.ProcessGroup) -> None:
-    """Collective over the role's group; DCP reshards when the role now has a different size."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state: STATE_DICT_TYPE = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path, process_group=group)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def barrier(group: dist.ProcessGroup, timeout_s: float) -> None:

@@ -357,6 +357,10 @@ class PretrainedConfig:
     lora_dropout: float = opt(0.0, "Dropout on the LoRA adapters' input during training.")
 
 
+# --model_preset of the tiny vision-language policy (rlrun.vision.demo builds and saves it).
+VL_PRESET = "tiny-vl"
+
+
 @dataclass
 class ModelConfig(PretrainedConfig):
     """Models and reward sources."""

@@ -17,11 +17,9 @@ from typing import Generic, TypeVar
 
 from rlrun.algo.algorithms import gamma_override_warning
 from rlrun.cli.parser import CliSpec, ParsedArgs, parse_args
-from rlrun.config.schema import Config, RootConfig
+from rlrun.config.schema import VL_PRESET, Config, RootConfig
 from rlrun.config.supervised import DPOConfig, SupervisedConfig
 from rlrun.data.sources import missing_paths
-from rlrun.engines.base import REPORTS_LOG_PROBS, resolve_backend
-from rlrun.engines.decoder import unsupported_reason
 from rlrun.engines.vllm.placement import choose_host
 from rlrun.engines.vllm.placement import describe as describe_host
 from rlrun.launch.dist import uses_cuda
@@ -29,7 +27,6 @@ from rlrun.launch.env import DistEnv, read_node_label
 from rlrun.launch.layout import Layout, LayoutRequest, Role, RoleRequest, format_layout_table, layout_heading
 from rlrun.models.adapter_pretrain import resolve_adapter_pretrain
 from rlrun.models.hub import resolve, resolve_models
-from rlrun.models.loading import load_model_config
 from rlrun.models.lora import refuse_adapter_as_reference
 from rlrun.plan.checks import (
     check_batches,
@@ -37,12 +34,10 @@ from rlrun.plan.checks import (
     check_strategy,
     check_supervised,
     check_values,
-    check_vision_run,
 )
 from rlrun.plan.layout import plan_layout
 from rlrun.rewards.reward_fn import DEMO
-from rlrun.runtime.errors import ConfigError, MissingExtraError
-from rlrun.vision.demo import resolve_vl_preset
+from rlrun.runtime.errors import ConfigError
 
 C = TypeVar("C", bound=RootConfig)
 
@@ -77,7 +72,10 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
     # nodes the labels are gathered at start-up (rlrun.rl.assembly) and the placement is redone there.
     one_node = env.world_size == env.local_world_size
     labels = (read_node_label(),) if asks_node_labels(cfg) and one_node else None
-    first = plan(cfg, env.world_size, env.local_world_size, labels)  # bad layouts fail before choose_generation
+    first = plan(cfg, env.world_size, env.local_world_size, labels)
+    # Bad values and layouts have failed by now, in a second: what follows reads config.json with transformers.
+    from rlrun.plan.generation import check_vision_run, choose_generation  # noqa: PLC0415
+
     choice = choose_generation(cfg, uses_cuda(cfg.runtime.device))
     check_vision_run(choice.config)
     cfg = choice.config
@@ -113,7 +111,12 @@ def resolved_ppo_models(cfg: Config) -> Config:
     (downloaded now, unless this is a dry run or HF_HUB_OFFLINE=1); an adapter directory as --pretrain as its base
     with its LoRA settings in the config (the layout and the memory plan follow them)."""
     download = not cfg.runtime.dry_run
-    model, data = resolve_vl_preset(cfg.model, cfg.data, cfg.train.seed)
+    model, data = cfg.model, cfg.data
+    if model.model_preset == VL_PRESET and model.pretrain is None:
+        # Builds (once) and saves a tiny Qwen2.5-VL with transformers: imported only for the preset.
+        from rlrun.vision.demo import resolve_vl_preset  # noqa: PLC0415
+
+        model, data = resolve_vl_preset(model, data, cfg.train.seed)
     model = resolve_adapter_pretrain(resolve_models(model, download=download), download=download)
     cfg = replace(cfg, model=model, data=data)
     check_adapter_reference(cfg)
@@ -123,54 +126,6 @@ def resolved_ppo_models(cfg: Config) -> Config:
 def roles_of(layout: Layout, rank: int) -> str:
     """This rank's roles as its failure line names them ("actor,ref,engine")."""
     return ",".join(r.value for r in layout.roles_of(rank))
-
-
-# --dry_run --generation_backend vllm where vLLM is not installed (a login node, CI): planned all the same, since the
-# plan needs only the backend's name and its memory model; the real start checks the install (one line if missing).
-VLLM_ASSUMED = (
-    "vLLM is not installed here: the plan assumes it is on the nodes that run the job (the job itself "
-    "refuses to start without it)"
-)
-
-
-@dataclass(frozen=True)
-class GenerationChoice:
-    """--generation_backend resolved once, before planning, the same on every rank (a pure function of the config,
-    the policy's config.json and whether a GPU and vLLM are present), so that planning, building and the rollout
-    exchange all read one concrete backend."""
-
-    config: Config  # the run's config with generation_backend set to the chosen backend
-    why: str
-    assumed: str | None = None  # a dry run planned a backend not installed here: the line that says so
-
-    @property
-    def backend(self) -> str:
-        return self.config.generation.generation_backend
-
-
-def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
-    g = cfg.generation
-    try:
-        config = load_model_config(cfg.model)
-    except ConfigError:
-        if not cfg.runtime.dry_run:
-            raise
-        config = None  # --dry_run on a machine without the model (a login node): paths are only warnings there
-    assumed = None
-    blocker = None if config is None else unsupported_reason(config, g.prompt_max_len + g.generate_max_len)
-    try:
-        backend, why = resolve_backend(g.generation_backend, cuda, blocker)
-    except MissingExtraError:
-        if not (cfg.runtime.dry_run and g.generation_backend == "vllm"):
-            raise
-        backend, why, assumed = "vllm", "requested (not installed here)", VLLM_ASSUMED
-    if cfg.algo.is_correction_level != "off" and backend not in REPORTS_LOG_PROBS:
-        raise ConfigError(
-            f"--is_correction_level {cfg.algo.is_correction_level} needs the engine's sampled-token "
-            f"log-probs, but generation resolved to {backend} ({why}); use --generation_backend vllm, "
-            "or drop the flag"
-        )
-    return GenerationChoice(replace(cfg, generation=replace(g, generation_backend=backend)), why, assumed)
 
 
 def check_adapter_reference(cfg: Config) -> None:

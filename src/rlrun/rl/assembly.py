@@ -10,7 +10,7 @@ critic, reward model, and weight sync between actor and engines), the loop (rlru
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +19,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlrun.agents.episodes import EpisodeRunner, build_episode_runner
 from rlrun.algo.losses import ISCorrection
 from rlrun.checkpoint.checkpointer import Identity, JsonState, Part, SaveOnly
-from rlrun.cli.parser import PPO_CLI
 from rlrun.compat.openrlhf_checkpoint import InitPlan, init_from_openrlhf, plan_init
 from rlrun.config.schema import Config
 from rlrun.data.prompts import Prompts, PromptSampler
@@ -41,7 +40,7 @@ from rlrun.models.loading import (
 from rlrun.models.lora import add_scalar_adapters
 from rlrun.models.weights import Unfilled
 from rlrun.plan.memory_text import dry_run_memory
-from rlrun.plan.plan import PPOPlan, asks_node_labels, plan, plan_ppo, roles_of
+from rlrun.plan.plan import PPOPlan, asks_node_labels, plan, roles_of
 from rlrun.plan.preflight import ppo_eval_prompts, ppo_prompts, preflight, prompt_spec
 from rlrun.reporting.run_report import describe_roles, model_form, saved_outputs
 from rlrun.rewards.compute_score import load_compute_score_function
@@ -107,14 +106,8 @@ class Inputs:
     node_label: str | None  # this node's, when roles are pinned to labels
 
 
-class PPO:
-    """rlrun.ppo for the run skeleton (rlrun.run.skeleton.Trainer)."""
-
-    name = "ppo"
-    cli = PPO_CLI
-
-    def plan(self, argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
-        return plan_ppo(argv, env)
+class PPOTrainer:
+    """rlrun.ppo's trainer for the run skeleton (rlrun.run.skeleton.Trainer), imported once its plan holds."""
 
     def memory(self, planned: PPOPlan, env: DistEnv) -> tuple[list[str], list[str]]:
         assert planned.layout is not None

@@ -1,12 +1,13 @@
 """One run of any trainer on this rank, start to teardown: what rlrun.ppo, rlrun.sft, rlrun.rm and rlrun.dpo share.
 
-A trainer (rlrun.rl.assembly.PPO, rlrun.supervised.trainer's SFT, RM and DPO) supplies what differs as a `Trainer`:
-its plan, what it reads before the first collective, what it builds, what it exports. `run_trainer` does the rest,
-in this order:
+An entry module (rlrun.ppo, rlrun.sft, rlrun.rm, rlrun.dpo) declares an `Entry`: its command line, its plan, and its
+`Trainer` (rlrun.rl.assembly.PPOTrainer, rlrun.supervised.assembly.Supervised), imported once the plan holds, which
+supplies what differs: what it reads before the first collective, what it builds, what it exports. `run_trainer`
+does the rest, in this order:
 
 1. the launcher's environment; the command line parsed, resolved and planned on every rank, so that a bad flag,
-   value or layout is one `error:` line and exit status 2 before anything starts; `--dry_run` stops after its
-   report (the plan, the memory plan per rank, the preflight);
+   value or layout is one `error:` line and exit status 2 before anything starts (and before the trainer is
+   imported); `--dry_run` stops after its report (the plan, the memory plan per rank, the preflight);
 2. device and collective backend; the files the run reads, on every rank before the first collective (a bad path
    fails every rank alike), under --data_timeout; rank 0 checks its output folders and says where everything goes;
 3. the default group; the trainer's groups, models and loop; a resume from the newest checkpoint;
@@ -56,6 +57,7 @@ from rlrun.runtime.log import RankLogger, get_logger, quiet_third_party
 from rlrun.runtime.phases import Phase, PhaseTracker, run_phases, set_reporter
 
 P = TypeVar("P", bound=Planned[Any])  # a trainer's plan
+PC = TypeVar("PC", bound=Planned[Any], contravariant=True)  # the same, where only taken
 I = TypeVar("I")  # noqa: E741 - what a trainer reads before the first collective
 
 
@@ -119,13 +121,14 @@ class Built(Generic[J]):
     trained: list[nn.Module] = field(default_factory=list)  # this rank's trained models (a checkpoint's bulk)
 
 
-class Trainer(Protocol[P, I, J]):
-    """What one entry point (rlrun.ppo, sft, rm, dpo) supplies to the skeleton."""
+class Entry(Protocol[P, I, J]):
+    """What an entry module (rlrun.ppo, sft, rm, dpo) declares: its command line, its plan, and how to import its
+    trainer. The plan runs first, on every rank, with little imported (torch, rlrun's config and plan), so that a
+    bad flag, value or layout fails in about a second; the trainer's modules (transformers' models, DeepSpeed, the
+    roles: seconds) are imported after it holds."""
 
     @property
-    def cli(self) -> CliSpec:
-        """Its command line (read-only: a frozen dataclass's field or a class attribute provides it)."""
-        ...
+    def cli(self) -> CliSpec: ...
 
     @property
     def name(self) -> str:
@@ -137,41 +140,52 @@ class Trainer(Protocol[P, I, J]):
         models' config.json; raise the run's RlrunError on what would fail. Every rank, before anything starts."""
         ...
 
-    def memory(self, planned: P, env: DistEnv) -> tuple[list[str], list[str]]:
+    def trainer(self) -> Trainer[P, I, J]:
+        """The trainer (imports it)."""
+        ...
+
+
+class Trainer(Protocol[PC, I, J]):
+    """What a trainer supplies to the skeleton once its plan holds."""
+
+    def memory(self, planned: PC, env: DistEnv) -> tuple[list[str], list[str]]:
         """--dry_run's memory plan: (its lines, its problems); rank 0 writes --plan_json."""
         ...
 
-    def preflight(self, planned: P) -> list[str]:
+    def preflight(self, planned: PC) -> list[str]:
         """--dry_run: what the job reads first (data, chat template, reward file), read now; one line per thing."""
         ...
 
-    def read(self, planned: P, started: Started) -> I:
+    def read(self, planned: PC, started: Started) -> I:
         """The files the run reads (tokenizer, data), before the first collective (the skeleton bounds it by
         --data_timeout)."""
         ...
 
-    def announce(self, planned: P, inputs: I, env: DistEnv) -> list[str]:
+    def announce(self, planned: PC, inputs: I, env: DistEnv) -> list[str]:
         """Rank 0's start-up lines before the ones saying where everything goes."""
         ...
 
-    def build(self, planned: P, inputs: I, started: Started) -> Built[J]:
+    def build(self, planned: PC, inputs: I, started: Started) -> Built[J]:
         """The trainer's groups, models and loop, once the default group exists."""
         ...
 
-    def export(self, planned: P, inputs: I, built: Built[J]) -> dict[str, str]:
+    def export(self, planned: PC, inputs: I, built: Built[J]) -> dict[str, str]:
         """Save the trained model(s) (collective); what was saved where, for the summary."""
         ...
 
 
-def run_trainer(trainer: Trainer[P, I, J], argv: Sequence[str] | None = None) -> int:
-    """Run `trainer` with the command line `argv` on this rank; the process's exit status."""
+def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int:
+    """Run `entry`'s trainer with the command line `argv` on this rank; the process's exit status."""
     env = launch_environment()
     if env is None:
         return 2
     log = get_logger(env.rank)
     quiet_third_party(env.rank)  # before the hub downloads of plan()
-    planned = checked_on_every_rank(env, lambda: trainer.plan(argv, env))
+    planned = checked_on_every_rank(env, lambda: entry.plan(argv, env))
     if planned is None:
+        return 2
+    trainer = checked_on_every_rank(env, entry.trainer)
+    if trainer is None:
         return 2
     if planned.config.runtime.dry_run:
         return dry_run(trainer, planned, env, log)
@@ -192,11 +206,11 @@ def run_trainer(trainer: Trainer[P, I, J], argv: Sequence[str] | None = None) ->
             check_outputs(cfg, started.run_id, log)
             launched = f"world size {env.world_size}, launcher {env.launcher}"
             config, count = write_run_config(
-                cfg, trainer.cli.defaults, cfg.checkpoint.save_path, trainer.cli.prog, launched
+                cfg, entry.cli.defaults, cfg.checkpoint.save_path, entry.cli.prog, launched
             )
             for line in (
                 *trainer.announce(planned, inputs, env),
-                *announce(cfg.model, cfg.checkpoint, cfg.logging, trainer.cli.prog, config, count),
+                *announce(cfg.model, cfg.checkpoint, cfg.logging, entry.cli.prog, config, count),
             ):
                 log.info_once(line)
         failure.local_only = False  # from the first collective on, a failure may be this rank's alone
@@ -229,7 +243,7 @@ def run_trainer(trainer: Trainer[P, I, J], argv: Sequence[str] | None = None) ->
         job.begin()
         sink = (
             MetricsSink(
-                cfg.logging, cfg.checkpoint, job.total_steps, job.step, trainer=trainer.name, config=redacted(cfg)
+                cfg.logging, cfg.checkpoint, job.total_steps, job.step, trainer=entry.name, config=redacted(cfg)
             )
             if env.rank == 0
             else None

@@ -11,13 +11,15 @@ from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from rlrun.checkpoint.collective import load_role_state, save_role_state
 from rlrun.models.weights import Unfilled, WeightSource
 from rlrun.strategies.base import ALL_PARTS, OptimizerFactory, Part, StepOps, TorchSteps
 from rlrun.strategies.parking import SleepBook, awake_meanwhile
@@ -313,3 +315,20 @@ def full_state_dict(model: nn.Module, group: dist.ProcessGroup) -> dict[str, tor
         if keep:
             out[name] = full.cpu()
     return out
+
+
+# ---- checkpoints: sharded, world-size-independent save/load of a role's model + optimizer (torch DCP) ---------------
+
+
+def save_role_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, group: dist.ProcessGroup) -> None:
+    """Collective over the role's group: each rank writes its own shards into `path`."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=group)
+
+
+def load_role_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, group: dist.ProcessGroup) -> None:
+    """Collective over the role's group; DCP reshards when the role now has a different size."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state: STATE_DICT_TYPE = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path, process_group=group)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -88,8 +88,8 @@ class Data(Generic[S]):
 
 @dataclass(frozen=True)
 class Supervised(Generic[S]):
-    """One supervised entry point for the run skeleton: its command line, how it reads a data file, and how it
-    builds its task (rlrun.sft, rlrun.rm and rlrun.dpo declare theirs)."""
+    """One supervised entry point for the run skeleton (its Entry and its Trainer): its command line, how it reads a
+    data file, and how it builds its task (rlrun.sft, rlrun.rm and rlrun.dpo declare theirs)."""
 
     cli: CliSpec
     load: Callable[[Any, PreTrainedTokenizerBase, DataSpec], Loaded[S]]  # (config, tokenizer, sources) -> samples
@@ -105,6 +105,10 @@ class Supervised(Generic[S]):
 
     def plan(self, argv: Sequence[str] | None, env: DistEnv) -> Planned[SupervisedConfig]:
         return plan_supervised(argv, env, self.cli)
+
+    def trainer(self) -> Supervised[S]:
+        """Entry and trainer in one: an entry module that declares one has imported it already."""
+        return self
 
     def memory(self, planned: Planned[SupervisedConfig], env: DistEnv) -> tuple[list[str], list[str]]:
         return supervised_memory(planned.config, self.job, env.world_size, env.local_world_size, env.rank == 0)

@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from rlrun.config.schema import DataConfig, ModelConfig
+from rlrun.config.schema import VL_PRESET, DataConfig, ModelConfig
 from rlrun.models.tiny import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm
 
 # ---- the tiny model ----------------------------------------------------------------------------------------------
@@ -196,7 +196,7 @@ def write_colour_task(
     return out
 
 
-PRESET = "tiny-vl"
+PRESET = VL_PRESET
 VERSION = 2  # bump when the model or the task changes: older cache folders are then not reused
 
 

@@ -1,0 +1,102 @@
+"""The generation backend a run resolves to, and what a vision-language policy cannot do yet: planning that reads the
+policy's config.json (transformers), so rlrun.plan.plan imports it only once the values and the layout hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from rlrun.config.schema import Config
+from rlrun.engines.base import REPORTS_LOG_PROBS, resolve_backend
+from rlrun.engines.decoder import unsupported_reason
+from rlrun.models.architecture import is_vision_language
+from rlrun.models.loading import load_model_config
+from rlrun.runtime.errors import ConfigError, MissingExtraError
+
+# --dry_run --generation_backend vllm where vLLM is not installed (a login node, CI): planned all the same, since the
+# plan needs only the backend's name and its memory model; the real start checks the install (one line if missing).
+VLLM_ASSUMED = (
+    "vLLM is not installed here: the plan assumes it is on the nodes that run the job (the job itself "
+    "refuses to start without it)"
+)
+
+
+@dataclass(frozen=True)
+class GenerationChoice:
+    """--generation_backend resolved once, before planning, the same on every rank (a pure function of the config,
+    the policy's config.json and whether a GPU and vLLM are present), so that planning, building and the rollout
+    exchange all read one concrete backend."""
+
+    config: Config  # the run's config with generation_backend set to the chosen backend
+    why: str
+    assumed: str | None = None  # a dry run planned a backend not installed here: the line that says so
+
+    @property
+    def backend(self) -> str:
+        return self.config.generation.generation_backend
+
+
+def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
+    g = cfg.generation
+    try:
+        config = load_model_config(cfg.model)
+    except ConfigError:
+        if not cfg.runtime.dry_run:
+            raise
+        config = None  # --dry_run on a machine without the model (a login node): paths are only warnings there
+    assumed = None
+    blocker = None if config is None else unsupported_reason(config, g.prompt_max_len + g.generate_max_len)
+    try:
+        backend, why = resolve_backend(g.generation_backend, cuda, blocker)
+    except MissingExtraError:
+        if not (cfg.runtime.dry_run and g.generation_backend == "vllm"):
+            raise
+        backend, why, assumed = "vllm", "requested (not installed here)", VLLM_ASSUMED
+    if cfg.algo.is_correction_level != "off" and backend not in REPORTS_LOG_PROBS:
+        raise ConfigError(
+            f"--is_correction_level {cfg.algo.is_correction_level} needs the engine's sampled-token "
+            f"log-probs, but generation resolved to {backend} ({why}); use --generation_backend vllm, "
+            "or drop the flag"
+        )
+    return GenerationChoice(replace(cfg, generation=replace(g, generation_backend=backend)), why, assumed)
+
+
+# ---- vision-language runs ----------------------------------------------------------------------------------------
+# What a run with a vision-language policy can do today, checked before launch: each unsupported combination is
+# one ConfigError with the reason and what to do instead.
+
+
+def vision_run_problem(cfg: Config) -> str | None:
+    """Why this run cannot train its vision-language policy (None: it can, or the policy is text-only)."""
+    try:
+        config = load_model_config(cfg.model)
+    except ConfigError:
+        return None  # a --dry_run without the model here: planning says so
+    if not is_vision_language(config):
+        return None
+    if cfg.generation.generation_backend == "vllm" and cfg.resources.vllm_tensor_parallel_size > 1:
+        return (
+            "tensor-parallel vLLM engines (their ranks exchange prompts as text; use --vllm_tensor_parallel_size "
+            "1, "
+            "more engines instead)"
+        )
+    if cfg.agent.multi_turn:
+        return "multi-turn agents (their observations are text; episodes with images are not built yet)"
+    if cfg.train.partial_rollout:
+        return "--partial_rollout (its pool carries text rows only; use --async_train alone)"
+    if cfg.algo.needs_critic:
+        return (
+            "a critic (PPO's GAE; no value head runs on a vision-language model yet: use a critic-free estimator, "
+            "e.g. --advantage_estimator group_norm)"
+        )
+    if cfg.model.needs_reward_model:
+        return "--reward_pretrain (reward models read text only; use --remote_rm_url or --compute_score)"
+    if cfg.model.lora_rank > 0:
+        return "--lora_rank (adapters on a vision-language model are not wired yet; train every weight)"
+    return None
+
+
+def check_vision_run(cfg: Config) -> None:
+    if (problem := vision_run_problem(cfg)) is not None:
+        raise ConfigError(
+            f"--pretrain {cfg.model.pretrain} is a vision-language model, and rlrun does not yet run it with {problem}"
+        )
