@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,13 +52,23 @@ def run_rlrun(nproc: int, args: list[str], save_path: Path, timeout: float = 240
     return RunResult(proc.returncode, proc.stdout + proc.stderr, metrics)
 
 
+_HANDED_OUT: set[int] = set()
+_HANDING_OUT = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a test's own rendezvous)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a test's own rendezvous), never one this process
+    handed out before: worlds started from threads at once must not share a rendezvous port."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with _HANDING_OUT:
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
 
 
 def run_file_as_ranks(path: str, world: int, outdir: Path, timeout: float) -> None:

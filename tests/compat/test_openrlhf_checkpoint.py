@@ -109,26 +109,37 @@ def _needs_deepspeed() -> None:
         pytest.skip("deepspeed is not installed")
 
 
-def _write(outdir: Path, world: int, spec: dict[str, tuple[int, bool]]) -> Path:
+def _write(outdir: Path, world: int, spec: dict[str, tuple[int, bool]], worlds: int = 1) -> Path:
+    """The checkpoints of `spec`, written by `worlds` independent worlds of `world` ranks at once (each DeepSpeed
+    engine starts single-threaded, so two one-rank worlds use both cores), each config in OUTDIR/<name>."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from helpers import run_file_as_ranks
 
-    outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "spec.json").write_text(json.dumps(spec))
+    names = list(spec)
+    parts = [outdir / f"world{i}" for i in range(worlds)]
+    for i, part in enumerate(parts):
+        part.mkdir(parents=True, exist_ok=True)
+        (part / "spec.json").write_text(json.dumps({name: spec[name] for name in names[i::worlds]}))
     env_before = os.environ.get("DS_ACCELERATOR")
     os.environ["DS_ACCELERATOR"] = "cpu"
     try:
-        run_file_as_ranks(__file__, world, outdir, timeout=400)
+        with ThreadPoolExecutor(worlds) as pool:
+            list(pool.map(lambda part: run_file_as_ranks(__file__, world, part, timeout=400), parts))
     finally:
         if env_before is None:
             os.environ.pop("DS_ACCELERATOR", None)
+    for part in parts:
+        for name in json.loads((part / "spec.json").read_text()):
+            (part / name).rename(outdir / name)
     return outdir
 
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> Path:
     _needs_deepspeed()
-    return _write(tmp_path_factory.mktemp("orl1"), 1,
-                  {"z0": (0, False), "z1": (1, False), "z2": (2, False), "z3": (3, False), "z2bf16": (2, True)})
+    spec = {"z0": (0, False), "z1": (1, False), "z2": (2, False), "z3": (3, False), "z2bf16": (2, True)}
+    return _write(tmp_path_factory.mktemp("orl1"), 1, spec, worlds=2)
 
 
 @pytest.fixture(scope="module")
