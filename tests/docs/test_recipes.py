@@ -53,7 +53,7 @@ def test_recipe_dry_run_prints_layout_and_memory_plan(recipe, hub_env):
         assert "does not fit:" not in out, out[-3000:]
         assert "holds no tokenizer files (a config-only copy)" in out, out  # data read where the tokenizer is
         return
-    assert f"layout: {world} ranks ({per_node} per node" in out, out[-3000:]
+    assert f"layout: {world} rank{'s' if world > 1 else ''} ({per_node} per node" in out, out[-3000:]
     # planned with the native engine (no vLLM here): only engine ranks may be short of memory
     misfits = [line for line in out.splitlines() if "does not fit:" in line]
     assert all("does not fit: engine on ranks" in line for line in misfits), misfits

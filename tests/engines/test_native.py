@@ -45,7 +45,7 @@ def _model(arch: str, seed: int = 0) -> torch.nn.Module:
 
 def _engine(model: torch.nn.Module, temperature: float = 0.7, top_p: float = 1.0, new: int = 24,
             eos: int = EOS_ID) -> NativeEngine:
-    return NativeEngine(model, SamplingSettings(temperature, top_p, new, PAD_ID, eos), CPU, TOK)
+    return NativeEngine(model, SamplingSettings(temperature, top_p, new, PAD_ID, (eos,)), CPU, TOK)
 
 
 def _hf_log_probs(model: torch.nn.Module, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:

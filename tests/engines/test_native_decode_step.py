@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 
 def _engine(model: torch.nn.Module, mode: str, temperature: float = 0.7, top_p: float = 1.0, new: int = 24,
             eos: int = 10**6) -> NativeEngine:
-    engine = NativeEngine(model, SamplingSettings(temperature, top_p, new, PAD_ID, eos), CPU, TOK)
+    engine = NativeEngine(model, SamplingSettings(temperature, top_p, new, PAD_ID, (eos,)), CPU, TOK)
     engine.step_mode = mode
     return engine
 
@@ -110,7 +110,7 @@ def test_static_step_reads_no_unwritten_cache_memory(monkeypatch: pytest.MonkeyP
 
 def test_cuda_graph_off_cuda_says_so_once_and_decodes_as_without(capsys: pytest.CaptureFixture[str]) -> None:
     model = _model("qwen2")
-    settings = SamplingSettings(0.7, 1.0, 16, PAD_ID, 10**6)
+    settings = SamplingSettings(0.7, 1.0, 16, PAD_ID, (10**6,))
     engine = NativeEngine(model, settings, CPU, TOK, cuda_graph=True)
     assert engine.step_mode == "eager"
     assert capsys.readouterr().out.count("CUDA graphs need a CUDA device") == 1

@@ -23,7 +23,7 @@ SAME_LENGTH = [list(range(40 + i, 50 + i)) for i in range(7)]  # 7 distinct prom
 
 def _engine(model: torch.nn.Module, kv_cache_bytes: int | None, temperature: float = 0.7,
             eos: int = EOS_ID) -> NativeEngine:
-    return NativeEngine(model, SamplingSettings(temperature, 1.0, NEW, PAD_ID, eos), CPU, TOK,
+    return NativeEngine(model, SamplingSettings(temperature, 1.0, NEW, PAD_ID, (eos,)), CPU, TOK,
                         kv_cache_bytes=kv_cache_bytes)
 
 
@@ -154,7 +154,7 @@ def test_the_peak_estimate_covers_the_measured_prefill() -> None:
                          max_position_embeddings=32768)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    engine = NativeEngine(model, SamplingSettings(1.0, 1.0, 0, 0, 1), torch.device("meta"))
+    engine = NativeEngine(model, SamplingSettings(1.0, 1.0, 0, 0, (1,)), torch.device("meta"))
     assert engine.kv_row_bytes(2048, 0) == 24 * 2 * 2 * 64 * 2 * 2048
     estimate = 16 * engine.peak_row_bytes(2048, 0) / 2**30
     assert 1.94 <= estimate <= 1.5 * 1.94, estimate

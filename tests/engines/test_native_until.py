@@ -22,7 +22,7 @@ CAP = 40
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> NativeEngine:
     model = AutoModelForCausalLM.from_pretrained(save_long_tailed_base(tmp_path_factory.mktemp("long_tailed")))
-    return NativeEngine(model, SamplingSettings(1.0, 1.0, CAP, PAD_ID, EOS_ID), torch.device("cpu"), TOK)
+    return NativeEngine(model, SamplingSettings(1.0, 1.0, CAP, PAD_ID, (EOS_ID,)), torch.device("cpu"), TOK)
 
 
 def test_until_every_group_is_sample(engine):

@@ -34,7 +34,7 @@ def test_hf_engine_stops_each_row_at_its_stop_string() -> None:
     and rows without one are only cut by EOS or the cap."""
     model = build_causal_lm(tiny_model_config(), seed=0)
     sampling = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=24, pad_id=TOK.pad_token_id,
-                                eos_id=TOK.eos_token_id)
+                                end_ids=(TOK.eos_token_id,))
     engine = HFEngine(model, sampling, torch.device("cpu"), TOK)
     stop = ("a", "e")  # frequent single bytes, so most rows stop early
     out = engine.sample([ids("hello"), ids("x")] * 4, seed=3, stop=stop, max_new_tokens=12)

@@ -86,7 +86,7 @@ def test_pack_log_probs_and_diff_by_hand():
 
 def test_hf_engine_sample_is_generate_without_log_probs():
     model = build_causal_lm(tiny_model_config(), seed=1)
-    engine = HFEngine(model, SamplingSettings(0.7, 1.0, 12, PAD_ID, EOS_ID), torch.device("cpu"))
+    engine = HFEngine(model, SamplingSettings(0.7, 1.0, 12, PAD_ID, (EOS_ID,)), torch.device("cpu"))
     prompts = [list(b"Write some digits:"), list(b"Say:")]
     out = engine.sample(prompts, seed=3)
     assert out.responses == engine.generate(prompts, seed=3) and out.log_probs is None

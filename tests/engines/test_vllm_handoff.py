@@ -112,7 +112,7 @@ def test_engine_start_refuses_a_model_dev_shm_cannot_hold(monkeypatch):
     spawned = []
     monkeypatch.setattr("rlrun.engines.vllm.engine.EngineChild", lambda *a, **k: spawned.append(a))
     before = set(os.listdir(SHM_DIR))
-    sampling = SamplingSettings(1.0, 1.0, 4, PAD_ID, EOS_ID)
+    sampling = SamplingSettings(1.0, 1.0, 4, PAD_ID, (EOS_ID,))
     with pytest.raises(SharedMemoryError, match=r"needs \d+ bytes .* in /dev/shm, but only \d+ bytes .* are free: .*"
                                                 r"docker run --shm-size="):
         VLLMEngine(model, build_byte_tokenizer(), sampling, torch.device("cpu"), seed=0, max_model_len=64,
@@ -159,8 +159,8 @@ def test_harness_check_cuda_ipc_cpu_twin_hands_over_across_processes():
 
 def test_requests_carry_seeds_only_when_seeded():
     seeds = request_seeds(7, 4)
-    plain = request_kwargs(Sampling(0.7, 0.9, 16, EOS_ID, stop=("\n",)), seeds)
-    seeded = request_kwargs(Sampling(0.7, 0.9, 16, EOS_ID, stop=("\n",), seeded=True), seeds)
+    plain = request_kwargs(Sampling(0.7, 0.9, 16, (EOS_ID,), stop=("\n",)), seeds)
+    seeded = request_kwargs(Sampling(0.7, 0.9, 16, (EOS_ID,), stop=("\n",), seeded=True), seeds)
     assert len(plain) == len(seeded) == 4
     assert all("seed" not in kw for kw in plain)  # vLLM's batched sampler; one seed for the call instead
     assert [kw["seed"] for kw in seeded] == seeds  # one per request: the row does not depend on the batch
@@ -168,6 +168,9 @@ def test_requests_carry_seeds_only_when_seeded():
         assert {k: v for k, v in b.items() if k != "seed"} == a
         assert a["temperature"] == 0.7 and a["max_tokens"] == 16 and a["logprobs"] == 0 and a["stop"] == ["\n"]
     assert plain[0]["stop_token_ids"] is not plain[1]["stop_token_ids"]  # no list shared between requests
+    assert plain[0]["stop_token_ids"] == [EOS_ID]
+    # every id that ends a response (Qwen's <|im_end|> and <|endoftext|>) stops vLLM's request too
+    assert request_kwargs(Sampling(1.0, 1.0, 4, (151645, 151643)), [0])[0]["stop_token_ids"] == [151645, 151643]
 
 
 def test_batch_seed_is_a_function_of_the_rows_seeds():
@@ -181,12 +184,12 @@ def test_vllm_seeded_requests_flag_reaches_the_engines_sampling(monkeypatch):
     assert parse_args(["--vllm_seeded_requests"]).config.generation.vllm_seeded_requests is True
     monkeypatch.setattr(vllm_adapter, "installed_version", lambda: "0.32.0")
     model = build_causal_lm(tiny_model_config(), seed=0)
-    sampling = SamplingSettings(1.0, 1.0, 4, PAD_ID, EOS_ID)
+    sampling = SamplingSettings(1.0, 1.0, 4, PAD_ID, (EOS_ID,))
     engines = [VLLMEngineBase(model, build_byte_tokenizer(), sampling, torch.device("cpu"), 0, seeded)
                for seeded in (False, True)]
     try:
         assert engines[0].sampling_for((), None).seeded is False  # the default
-        assert engines[1].sampling_for((), 3) == Sampling(1.0, 1.0, 3, EOS_ID, (), seeded=True)
+        assert engines[1].sampling_for((), 3) == Sampling(1.0, 1.0, 3, (EOS_ID,), (), seeded=True)
     finally:
         for engine in engines:
             shutil.rmtree(engine.workdir, ignore_errors=True)

@@ -82,7 +82,7 @@ def test_planning_refuses_in_process_on_a_subset_before_anything_starts():
 
 def test_in_process_engine_called_directly_on_a_subset_refuses_before_importing_vllm():
     model = build_causal_lm(tiny_model_config(), seed=0)
-    sampling = SamplingSettings(1.0, 1.0, 4, PAD_ID, EOS_ID)
+    sampling = SamplingSettings(1.0, 1.0, 4, PAD_ID, (EOS_ID,))
     disagg = _layout(2, actor=_sized(1), vllm_num_engines=1)
     with pytest.raises(ConfigError, match=r"in-process vLLM engine .* cannot run here: the engine ranks \[1\] are not "
                                           r"the whole world of 2 ranks.*--vllm_engine_host child"):

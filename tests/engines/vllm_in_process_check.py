@@ -61,7 +61,7 @@ def main() -> None:
     actor = build_causal_lm(tiny_model_config(), seed=3)
     engine_model = copy.deepcopy(actor)
     max_new = 24
-    greedy = SamplingSettings(temperature=0.0, top_p=1.0, max_new_tokens=max_new, pad_id=PAD_ID, eos_id=EOS_ID)
+    greedy = SamplingSettings(temperature=0.0, top_p=1.0, max_new_tokens=max_new, pad_id=PAD_ID, end_ids=(EOS_ID,))
     # host RNG state before vLLM: it must be the same after construction
     random.seed(100 + rank)
     np.random.seed(100 + rank)
@@ -101,7 +101,7 @@ def main() -> None:
         engine.sampling = greedy
         out = engine.sample(prompts, seed=11)
         want = hf_greedy(actor, prompts, max_new, EOS_ID)
-        engine.sampling = SamplingSettings(1.0, 1.0, max_new, PAD_ID, EOS_ID)
+        engine.sampling = SamplingSettings(1.0, 1.0, max_new, PAD_ID, (EOS_ID,))
         sampled = engine.sample(prompts, seed=11)
         again = engine.sample(prompts, seed=11)
         other = engine.sample(prompts, seed=12)

@@ -49,7 +49,7 @@ def main() -> None:
     model = build_causal_lm(tiny_model_config(), seed=3)
     prompts = [list(f"Write {i} digits:".encode()) for i in range(8)]
     max_new = 24
-    greedy = SamplingSettings(temperature=0.0, top_p=1.0, max_new_tokens=max_new, pad_id=PAD_ID, eos_id=EOS_ID)
+    greedy = SamplingSettings(temperature=0.0, top_p=1.0, max_new_tokens=max_new, pad_id=PAD_ID, end_ids=(EOS_ID,))
     engine = VLLMEngine(copy.deepcopy(model), tok, greedy, torch.device("cpu"), seed=0, max_model_len=128, timeout_s=300)
     # The trainer's sync as it is for an engine on the actor's own rank: `model` stands for the actor, and each sync
     # goes bucket by bucket (small buckets: several) through the engine's sink to the child; the rank keeps no copy.
@@ -76,7 +76,7 @@ def main() -> None:
         out = engine.sample(prompts, seed=11)
         total = time.perf_counter() - t0
         want = hf_greedy(model, prompts, max_new, EOS_ID)
-        engine.sampling = SamplingSettings(1.0, 1.0, max_new, PAD_ID, EOS_ID)
+        engine.sampling = SamplingSettings(1.0, 1.0, max_new, PAD_ID, (EOS_ID,))
         sampled = engine.sample(prompts, seed=11)
         again = engine.sample(prompts, seed=11)
         lp_diff = max(abs(a - b) for p, r, lps in zip(prompts, sampled.responses, sampled.log_probs)
@@ -104,7 +104,7 @@ def main() -> None:
     }
     # --vllm_seeded_requests: each row's sample depends on its own seed only (alone, or in a reversed batch, it comes
     # out the same); without it, one seed per call: repeatable, but a row alone is sampled from other noise.
-    engine.sampling = SamplingSettings(1.0, 1.0, max_new, PAD_ID, EOS_ID)
+    engine.sampling = SamplingSettings(1.0, 1.0, max_new, PAD_ID, (EOS_ID,))
     seeds = request_seeds(21, len(prompts))
     unseeded = engine.sample_seeded(prompts, seeds).responses
     unseeded_again = engine.sample_seeded(prompts, seeds).responses

@@ -35,10 +35,10 @@ def base(long_tailed_base) -> str:
 
 def _pool(base: str, staleness: int, native: bool = True) -> SequencePool:
     model = AutoModelForCausalLM.from_pretrained(base)
-    sampling = SamplingSettings(1.0, 1.0, CAP, PAD_ID, EOS_ID)
+    sampling = SamplingSettings(1.0, 1.0, CAP, PAD_ID, (EOS_ID,))
     engine = (NativeEngine if native else HFEngine)(model, sampling, torch.device("cpu"), TOK)
     sampler = PromptSampler(len(IDS), 2 * PROMPTS_PER_STEP, seed=1, num_episodes=1)  # 2 engines: this is slot 1
-    return SequencePool(engine, IDS, sampler, 1, 2, PoolSettings(N, PROMPTS_PER_STEP, CAP, 8, staleness, EOS_ID, 7))
+    return SequencePool(engine, IDS, sampler, 1, 2, PoolSettings(N, PROMPTS_PER_STEP, CAP, 8, staleness, (EOS_ID,), 7))
 
 
 def _steps(pool: SequencePool, steps: int, ahead: int = 0) -> list[list]:

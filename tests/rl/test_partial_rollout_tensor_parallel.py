@@ -34,7 +34,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     ids = [tok.encode(r["prompt"]) for r in BUILTIN_PROMPTS]
     exchange = EngineRowExchange(dist.group.WORLD, cpu)
     model = AutoModelForCausalLM.from_pretrained(outdir / "base")
-    hf = HFEngine(model, SamplingSettings(1.0, 1.0, 32, PAD_ID, EOS_ID), cpu, tok)
+    hf = HFEngine(model, SamplingSettings(1.0, 1.0, 32, PAD_ID, (EOS_ID,)), cpu, tok)
     calls: list[int] = []
     votes: list[tuple[bool, bool]] = []
 
@@ -54,7 +54,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
         return agreed
 
     sampler = PromptSampler(len(ids), 2 * 4, seed=1, num_episodes=1)
-    pool = SequencePool(Collective(), ids, sampler, rank, 2, PoolSettings(2, 4, 32, 8, 2, EOS_ID, 7), vote)  # type: ignore[arg-type]
+    pool = SequencePool(Collective(), ids, sampler, rank, 2, PoolSettings(2, 4, 32, 8, 2, (EOS_ID,), 7), vote)  # type: ignore[arg-type]
     batches = []
     for step in range(5):
         looks = iter(range(10))

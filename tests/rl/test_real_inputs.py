@@ -102,3 +102,27 @@ def test_openrlhf_chat_message_prompts_learn_with_model_and_data_named_by_hub_id
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     # The system turn (rendered by the tokenizer's template as its own line) is in every second prompt.
     assert json.loads(rows.read_text().splitlines()[0])["context_messages"][0]["role"] == "system"
+
+
+@pytest.mark.timeout(600)
+def test_verl_gsm8k_and_math_as_released_dry_run_and_train(real_data, qwen_vocab_model, tmp_path):
+    """verl's GSM8K and MATH parquet (made from the released datasets as verl's scripts make them) in one verl
+    command line, with Qwen's real tokenizer and vocabulary (a tiny random model over it): --dry_run reads and
+    renders all 14,973 training prompts and cuts 1,500 of them at 128 real tokens; two packed GRPO steps then score
+    both data sources' responses with the built-in rules (a random model answers nothing right: reward 0, but an
+    unscorable data source would stop the run), and responses end at `<|im_end|>` long before the cap."""
+    files = f"[{real_data['verl_gsm8k']}/train.parquet,{real_data['verl_math']}/train.parquet]"
+    job = [f"data.train_files={files}", f"actor_rollout_ref.model.path={qwen_vocab_model}",
+           "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "data.train_batch_size=4",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.max_prompt_length=128",
+           "data.max_response_length=16", "trainer.total_training_steps=2", "trainer.logger=[console]"]
+    dry = run_rlrun(0, [*job, "--dry_run"], tmp_path / "dry")
+    assert dry.returncode == 0, dry.output[-3000:]
+    assert "14973 prompts (1500 truncated, 0 dropped at --prompt_max_len 128)" in dry.output
+    assert "vocab 151936" in dry.output and "its label: '72'" in dry.output
+    run = run_rlrun(0, [*job, "--packing_samples"], tmp_path / "run")
+    assert run.returncode == 0, run.output[-3000:]
+    assert [m["step"] for m in run.metrics] == [1, 2]
+    assert all(m["reward"] == 0.0 for m in run.metrics)
+    assert all(m["response_length"] < 16 for m in run.metrics)
+    assert "chosen per prompt by its data source (--compute_score builtin)" in run.output

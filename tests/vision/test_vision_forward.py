@@ -72,7 +72,7 @@ def _batch(vlm, rows: int = 4, new_tokens: int = 10):
         prompts.append(images.prepare(ids, tuple(Image.new("RGB", size, COLOURS[j]) for j in range(count)), f"r{i}"))
     ids = [prompts[i % 2][0] for i in range(rows)]
     vision = RowVision.of_rows([prompts[i % 2][1] for i in range(rows)])
-    engine = HFEngine(model, SamplingSettings(1.0, 1.0, new_tokens, tokenizer.pad_token_id, tokenizer.eos_token_id),
+    engine = HFEngine(model, SamplingSettings(1.0, 1.0, new_tokens, tokenizer.pad_token_id, (tokenizer.eos_token_id,)),
                       torch.device("cpu"), tokenizer)
     responses = engine.sample(ids, seed=3, vision=vision).responses
     batch = unpack_rows(pack_rows(ids, responses, 64, new_tokens, tokenizer.pad_token_id), 64)

@@ -414,20 +414,22 @@ def stop_properly_penalty(rewards: Tensor, truncated: Tensor, coef: float) -> Te
     return torch.where(truncated.bool(), penalised, rewards)
 
 
-def truncated_rows(responses: Tensor, response_len: Tensor, max_new_tokens: int, eos_token_id: int) -> Tensor:
+def truncated_rows(responses: Tensor, response_len: Tensor, max_new_tokens: int, end_ids: tuple[int, ...]) -> Tensor:
     """Which responses were cut off by the length limit: [B, r] ids, [B] lengths -> [B] bool.
 
-    responses are right-padded response ids (EOS kept). A response is truncated when it
-    reached max_new_tokens and its last token is not EOS: vLLM's finish_reason == "length",
-    which OpenRLHF's stop-properly penalty reads.
+    responses are right-padded response ids (the ending token kept). A response is truncated when it
+    reached max_new_tokens and its last token is none of `end_ids` (EOS and the model's other stop ids):
+    vLLM's finish_reason == "length", which OpenRLHF's stop-properly penalty reads.
     """
     last = responses.gather(1, (response_len.long() - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
-    return cut_by_length(last, response_len, max_new_tokens, eos_token_id)
+    return cut_by_length(last, response_len, max_new_tokens, end_ids)
 
 
-def cut_by_length(last_token: Tensor, response_len: Tensor, max_new_tokens: int, eos_token_id: int) -> Tensor:
-    """The truncation rule itself: [B] last response token, [B] lengths -> [B] bool (reached the limit, no EOS)."""
-    return (response_len >= max_new_tokens) & (last_token != eos_token_id)
+def cut_by_length(last_token: Tensor, response_len: Tensor, max_new_tokens: int, end_ids: tuple[int, ...]) -> Tensor:
+    """The truncation rule itself: [B] last response token, [B] lengths -> [B] bool (reached the limit, and the
+    last token ends no response)."""
+    ends = torch.tensor(end_ids, dtype=last_token.dtype, device=last_token.device)
+    return (response_len >= max_new_tokens) & ~torch.isin(last_token, ends)
 
 
 def dynamic_filter_keep(scores: Tensor, n_samples_per_prompt: int, reward_range: tuple[float, float]) -> Tensor:

@@ -56,7 +56,7 @@ class SamplingSettings:
     top_p: float
     max_new_tokens: int
     pad_id: int
-    eos_id: int
+    end_ids: tuple[int, ...]  # the ids that end a response (rlrun.models.loading.response_end_ids)
 
 
 @dataclass
@@ -209,14 +209,15 @@ class HFEngine(TorchEngine):
                 top_k=0,
                 max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
                 pad_token_id=s.pad_id,
-                eos_token_id=s.eos_id,
+                eos_token_id=list(s.end_ids),
                 **stop_kwargs,
                 **images,
             )
         responses = []
         for row in out[:, width:].tolist():
-            if s.eos_id in row:
-                row = row[: row.index(s.eos_id) + 1]
+            ends = [i for i, token in enumerate(row) if token in s.end_ids]
+            if ends:
+                row = row[: ends[0] + 1]
             if stop:  # generate stops a row after its stop string but pads it; cut exactly there
                 row = cut_at_stop(row, stop, self.tokenizer)  # type: ignore[arg-type]
             responses.append(row)

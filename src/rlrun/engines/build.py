@@ -33,16 +33,17 @@ def engine_dtype(bf16: bool, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if bf16 and device.type == "cuda" else torch.float32
 
 
-def sampling_settings(g: GenerationConfig, tokenizer: PreTrainedTokenizerBase) -> SamplingSettings:
-    return SamplingSettings(
-        g.temperature, g.top_p, g.generate_max_len, int(tokenizer.pad_token_id), int(tokenizer.eos_token_id)
-    )
+def sampling_settings(
+    g: GenerationConfig, tokenizer: PreTrainedTokenizerBase, end_ids: tuple[int, ...]
+) -> SamplingSettings:
+    return SamplingSettings(g.temperature, g.top_p, g.generate_max_len, int(tokenizer.pad_token_id), end_ids)
 
 
 def build_engine(
     g: GenerationConfig,
     unfilled: Unfilled,
     tokenizer: PreTrainedTokenizerBase,
+    end_ids: tuple[int, ...],
     *,
     layout: Layout,
     groups: Groups,
@@ -55,8 +56,8 @@ def build_engine(
 ) -> Engine:
     """This engine rank's engine over `unfilled` (the initial policy on the meta device, in the engines' dtype),
     for --generation_backend (already resolved from auto, rlrun.plan.plan). `image_processor`: a vision-language
-    policy's, None for a text policy."""
-    sampling = sampling_settings(g, tokenizer)
+    policy's, None for a text policy. `end_ids`: the ids that end a response (rlrun.models.loading)."""
+    sampling = sampling_settings(g, tokenizer, end_ids)
     if g.generation_backend == "vllm":
         return _vllm_engine(
             g,

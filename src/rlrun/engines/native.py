@@ -334,12 +334,13 @@ class NativeEngine(TorchEngine):
         ended = torch.zeros(rows, dtype=torch.bool, device=dev)  # finished, by original row
         limits = None if limits is None else limits.to(dev)
         stop_bytes = max((len(x.encode()) for x in stop), default=0) + _STOP_TAIL_SLACK
+        end_ids = torch.tensor(s.end_ids, device=dev)
         step: _StaticStep | None = None  # static mode: the step over this cache and these rows (None: build it)
         compact = GRAPH_COMPACT_FRACTION if static else COMPACT_FRACTION
         for t in range(new):
             token, lp = sample(logits, s.temperature, s.top_p, generator)
             out[active, t], out_lp[active, t] = token, lp
-            finished = (token == s.eos_id) & ~done
+            finished = torch.isin(token, end_ids) & ~done
             if stop:
                 finished |= self._stop_hits(out, active, done, t, stop, stop_bytes)
             if limits is not None:

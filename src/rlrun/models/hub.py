@@ -16,6 +16,7 @@ import re
 from functools import cache
 from typing import Any, Literal
 
+from rlrun.models.gguf import gguf_folder, is_gguf
 from rlrun.runtime.errors import ConfigError
 
 RepoType = Literal["model", "dataset"]
@@ -173,10 +174,15 @@ MODEL_FLAGS = ("pretrain", "reward_pretrain", "critic_pretrain")
 
 
 def resolve_models(model: Any, *, download: bool = True) -> Any:
-    """A config's model section with every hub id among MODEL_FLAGS replaced by its local snapshot folder."""
+    """A config's model section with every hub id among MODEL_FLAGS replaced by its local snapshot folder, and every
+    GGUF file by its dequantised folder (rlrun.models.gguf; converted once, a dry run included)."""
     found = {flag: getattr(model, flag) for flag in MODEL_FLAGS if getattr(model, flag, None) is not None}
     return dataclasses.replace(
-        model, **{flag: resolve(name, "model", flag, download=download) for flag, name in found.items()}
+        model,
+        **{
+            flag: gguf_folder(name, flag) if is_gguf(name) else resolve(name, "model", flag, download=download)
+            for flag, name in found.items()
+        },
     )
 
 

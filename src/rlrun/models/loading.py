@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 
 import torch
@@ -157,6 +158,36 @@ def load_tokenizer(model: PretrainedConfig) -> PreTrainedTokenizerBase:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def response_end_ids(model: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The token ids that end a response: the tokenizer's EOS first, then the others the model's
+    generation_config.json lists. A chat model often ends turns with one token and documents with another (Qwen2.5
+    and Qwen3: `<|im_end|>` and `<|endoftext|>`; a base model's tokenizer names only the second), and vLLM and HF
+    generate stop on every id listed there; so do rlrun's engines."""
+    ids = [int(tokenizer.eos_token_id)]
+    if model.pretrain is not None:
+        path = os.path.join(model_folder(model.pretrain, "pretrain"), "generation_config.json")
+        listed = _listed_eos(path)
+        ids += [i for i in listed if i not in ids]
+    return tuple(ids)
+
+
+def _listed_eos(path: str) -> list[int]:
+    """generation_config.json's eos_token_id (an int or a list), [] when the file or the key is absent."""
+    if not os.path.isfile(path):
+        return []
+    try:
+        with open(path) as f:
+            value = json.load(f).get("eos_token_id")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not readable JSON ({e}); fix or remove the file") from e
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, not {value!r}")
+    return [int(v) for v in values]
 
 
 def load_model_config(source: PretrainedConfig) -> HFConfig:

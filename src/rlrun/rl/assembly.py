@@ -34,6 +34,7 @@ from rlrun.models.loading import (
     load_reward_model,
     load_tokenizer,
     policy_weights,
+    response_end_ids,
     trained_policy,
     unfilled_causal_lm,
 )
@@ -97,6 +98,7 @@ class Inputs:
     """What a rank reads before the first collective: a bad path fails every rank alike there."""
 
     tokenizer: PreTrainedTokenizerBase
+    end_ids: tuple[int, ...]  # the token ids that end a response (EOS first)
     prompts: Prompts
     eval_prompts: Prompts | None
     sampler: PromptSampler
@@ -145,6 +147,7 @@ class PPOTrainer:
         load = cfg.checkpoint.load_openrlhf_checkpoint
         return Inputs(
             tokenizer,
+            response_end_ids(cfg.model, tokenizer),
             prompts,
             eval_prompts,
             sampler,
@@ -183,7 +186,7 @@ class PPOTrainer:
             cfg.algo,
             cfg.train,
             cfg.generation.generate_max_len,
-            int(inputs.tokenizer.eos_token_id),
+            inputs.end_ids,
             cfg.ref_is_actor_base,
         )
         rollouts = RolloutSource(
@@ -453,6 +456,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
             g,
             unfilled,
             inputs.tokenizer,
+            inputs.end_ids,
             layout=layout,
             groups=groups,
             device=device,

@@ -167,7 +167,7 @@ class Evaluator:
         length = torch.tensor([len(r) for r in responses])
         last = torch.tensor([r[-1] if r else -1 for r in responses])
         s = self.engine.sampling
-        return result.rewards.float(), length, cut_by_length(last, length, s.max_new_tokens, s.eos_id)
+        return result.rewards.float(), length, cut_by_length(last, length, s.max_new_tokens, s.end_ids)
 
 
 class _HasSampling(Protocol):

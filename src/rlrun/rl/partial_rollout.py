@@ -54,7 +54,7 @@ class PoolSettings:
     max_new_tokens: int  # --generate_max_len
     chunk_tokens: int  # --partial_rollout_tokens
     max_staleness: int  # --max_staleness
-    eos_id: int
+    end_ids: tuple[int, ...]  # the ids that end a response
     seed: int
 
     @property
@@ -187,7 +187,7 @@ class SequencePool:
             row.versions += [version] * len(kept)
             # finished: it stopped short of its limit (EOS, a stop), sampled EOS, or reached --generate_max_len;
             # a row that ran to a chunk's end, or was still running when the decode stopped early, goes on
-            row.done = end and (len(new) < limit or (bool(new) and new[-1] == self.s.eos_id)) or len(row.tokens) >= cap
+            row.done = end and (len(new) < limit or (bool(new) and new[-1] in self.s.end_ids)) or len(row.tokens) >= cap
         finished = [g for g in self.active if all(row.done for row in g)]
         self.active = [g for g in self.active if not all(row.done for row in g)]
         self.ready.extend(finished)

@@ -106,7 +106,7 @@ class RolloutSource:
                 generation.generate_max_len,
                 t.partial_rollout_tokens,
                 t.max_staleness,
-                int(tokenizer.eos_token_id),
+                engine.sampling.end_ids,
                 t.seed,
             )
             index = layout.engine_index_of(self.rank)

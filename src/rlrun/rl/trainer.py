@@ -59,7 +59,7 @@ class StepSettings:
     algo: AlgorithmConfig
     train: TrainConfig
     generate_max_len: int
-    eos_id: int  # the tokenizer's: --stop_properly_penalty_coef finds the responses cut off without it
+    end_ids: tuple[int, ...]  # the ids ending a response: --stop_properly_penalty_coef finds those cut off without one
     ref_by_actor: bool  # LoRA with a KL term: the actor's adapters-off forward scores the reference log-probs
 
 
@@ -276,7 +276,7 @@ class Trainer:
             scores = scores + penalty.to(scores.dtype)
             shaping["reward/overlong_frac"] = float((penalty < 0).float().mean())
         if a.stop_properly_penalty_coef is not None:
-            cut = truncated_rows(batch.sequences[:, -batch.response_width :], batch.response_len, R, self.s.eos_id)
+            cut = truncated_rows(batch.sequences[:, -batch.response_width :], batch.response_len, R, self.s.end_ids)
             scores = stop_properly_penalty(scores, cut, a.stop_properly_penalty_coef)
             shaping["reward/truncated_frac"] = float(cut.float().mean())
         in_reward = 0.0 if a.use_kl_loss else self.kl.value

@@ -10,9 +10,6 @@ import io
 import json
 import os
 import random
-import shutil
-import tempfile
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -21,6 +18,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from rlrun.config.schema import VL_PRESET, DataConfig, ModelConfig
 from rlrun.models.tiny import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm
+from rlrun.runtime.cache import built_once, cache_root
 
 # ---- the tiny model ----------------------------------------------------------------------------------------------
 # A tiny Qwen2.5-VL-class model built from config, saved the way `save_pretrained` lays a hub VLM out (config.json,
@@ -200,28 +198,6 @@ PRESET = VL_PRESET
 VERSION = 2  # bump when the model or the task changes: older cache folders are then not reused
 
 
-def cache_root() -> str:
-    """RLRUN_CACHE, else ~/.cache/rlrun."""
-    return os.environ.get("RLRUN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlrun")
-
-
-def _built(final: str, build: Callable[[str], object]) -> str:
-    if os.path.isdir(final):
-        return final
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix=".building-", dir=os.path.dirname(final))
-    try:
-        build(scratch)
-        try:
-            os.rename(scratch, final)
-        except OSError:
-            if not os.path.isdir(final):  # not another rank's finished folder: a real failure
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return final
-
-
 def resolve_vl_preset(m: ModelConfig, d: DataConfig, seed: int) -> tuple[ModelConfig, DataConfig]:
     """The model and data sections with --model_preset tiny-vl turned into --pretrain (the tiny Qwen2.5-VL for
     --seed) and, without --prompt_data, the colour task in OpenRLHF-M's layout (--input_key message --label_key
@@ -229,10 +205,10 @@ def resolve_vl_preset(m: ModelConfig, d: DataConfig, seed: int) -> tuple[ModelCo
     if m.model_preset != PRESET or m.pretrain is not None:
         return m, d
     root = os.path.join(cache_root(), f"{PRESET}-v{VERSION}")
-    model = _built(os.path.join(root, f"model-seed{seed}"), lambda path: save_tiny_vl(path, seed=seed))
+    model = built_once(os.path.join(root, f"model-seed{seed}"), lambda path: save_tiny_vl(path, seed=seed))
     m = dataclasses.replace(m, pretrain=model)
     if d.prompt_data is None:
-        data = _built(
+        data = built_once(
             os.path.join(root, "colour_task"), lambda path: write_colour_task(path, records=32, absolute=False)
         )
         d = dataclasses.replace(d, prompt_data=os.path.join(data, "colour_task.jsonl"))

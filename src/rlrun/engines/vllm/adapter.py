@@ -95,7 +95,7 @@ class Sampling:
     temperature: float
     top_p: float
     max_new_tokens: int
-    eos_id: int
+    end_ids: tuple[int, ...]  # the ids that end a response
     stop: tuple[str, ...] = ()  # strings that end a response (kept in it); needs detokenising
     # --vllm_seeded_requests: every request carries its own seed, so a row's sample does not depend on the batch
     # around it; vLLM then draws each seeded row's noise one row at a time (slower on big batches). Off: requests
@@ -116,7 +116,7 @@ def request_kwargs(sampling: Sampling, seeds: list[int]) -> list[dict[str, objec
             top_p=sampling.top_p,
             max_tokens=sampling.max_new_tokens,
             logprobs=0,
-            stop_token_ids=[sampling.eos_id],
+            stop_token_ids=list(sampling.end_ids),
             stop=list(sampling.stop) or None,
             include_stop_str_in_output=True,
             detokenize=bool(sampling.stop),

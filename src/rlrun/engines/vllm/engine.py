@@ -121,7 +121,7 @@ class VLLMEngineBase:
         return Sampling(
             temperature=s.temperature,
             top_p=s.top_p,
-            eos_id=s.eos_id,
+            end_ids=s.end_ids,
             stop=stop,
             max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
             seeded=self.seeded_requests,
