@@ -97,7 +97,8 @@ def accuracy(model_dir: str, questions: list[dict], max_new: int) -> tuple[dict[
         answers += tok.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     truths = [r["reward_model"]["ground_truth"] for r in questions]
     strict = [gsm8k_score(a, t) for a, t in zip(answers, truths, strict=True)]
-    last = [float(_reward_module().last_number(a) == t) for a, t in zip(answers, truths, strict=True)]
+    reading = _reward_module()
+    last = [float(reading.last_number(a) == t) for a, t in zip(answers, truths, strict=True)]
     return {"strict": sum(strict) / len(strict), "last_number": sum(last) / len(last)}, answers
 
 

@@ -74,13 +74,7 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from rlrun.models.gguf import gguf_folder
 
     cache = tmp_path_factory.mktemp("rlrun_cache")
-    before = os.environ.get("RLRUN_CACHE")
-    os.environ["RLRUN_CACHE"] = str(cache)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RLRUN_CACHE", str(cache))
         folder = gguf_folder(str(ra.smollm2_gguf()), "pretrain")
-    finally:
-        if before is None:
-            os.environ.pop("RLRUN_CACHE")
-        else:
-            os.environ["RLRUN_CACHE"] = before
     return {"gguf": ra.smollm2_gguf(), "folder": Path(folder), "cache": cache}

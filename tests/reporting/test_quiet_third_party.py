@@ -42,12 +42,15 @@ out = sys.argv[1]
 AutoModelForCausalLM.from_config(tiny_model_config()).save_pretrained(out)
 assert quiet_third_party(0)  # stderr is a pipe here
 AutoModelForSequenceClassification.from_pretrained(out, num_labels=1)
+import subprocess  # a process this one starts, drawing with tqdm directly (as transformers' GGUF dequantisation does)
+subprocess.run([sys.executable, "-c", "from tqdm.auto import tqdm; list(tqdm(range(3), desc='direct tqdm'))"], check=True)
 """
 
 
 def test_off_a_terminal_no_bars_and_one_line_reports(tmp_path) -> None:
     env = subprocess_env()
     env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+    env.pop("TQDM_DISABLE", None)
     proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "lm")], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -55,3 +58,4 @@ def test_off_a_terminal_no_bars_and_one_line_reports(tmp_path) -> None:
     reports = [line for line in after.splitlines() if "LOAD REPORT" in line]
     assert len(reports) == 1 and "1 missing (score.weight)" in reports[0], proc.stderr
     assert "Loading weights" not in after and "| MISSING" not in after and "\r" not in after, after
+    assert "direct tqdm" not in after, after

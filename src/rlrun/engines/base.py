@@ -215,9 +215,9 @@ class HFEngine(TorchEngine):
             )
         responses = []
         for row in out[:, width:].tolist():
-            ends = [i for i, token in enumerate(row) if token in s.end_ids]
-            if ends:
-                row = row[: ends[0] + 1]
+            end = next((i for i, token in enumerate(row) if token in s.end_ids), None)
+            if end is not None:
+                row = row[: end + 1]
             if stop:  # generate stops a row after its stop string but pads it; cut exactly there
                 row = cut_at_stop(row, stop, self.tokenizer)  # type: ignore[arg-type]
             responses.append(row)

@@ -8,11 +8,9 @@ template included. Training needs the full-precision weights anyway, so rlrun ke
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import os
-from collections.abc import Iterator
 
 from rlrun.runtime.cache import built_once, cache_root
 from rlrun.runtime.errors import ConfigError
@@ -51,9 +49,8 @@ def _convert(path: str, out: str, flag: str) -> None:
 
     folder, file = os.path.split(os.path.abspath(path))
     try:
-        with _quiet_progress():
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
     except (ValueError, KeyError, RuntimeError, OSError) as e:
         raise ConfigError(
             f"--{flag} {path}: transformers cannot read this GGUF file ({type(e).__name__}: {e}); its architecture or "
@@ -65,17 +62,3 @@ def _convert(path: str, out: str, flag: str) -> None:
         del model.config.quantization_config
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-
-
-@contextlib.contextmanager
-def _quiet_progress() -> Iterator[None]:
-    """transformers draws a progress bar per tensor while dequantising; a trainer's log keeps its own lines."""
-    before = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = before

@@ -105,6 +105,9 @@ def quiet_third_party(rank: int, stream: TextIO | None = None) -> bool:
         return False
     if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").strip().lower() not in ("0", "false", "no", "off"):
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when huggingface_hub is imported (here or in a child)
+        # tqdm's own default, for libraries that draw with it directly (transformers' GGUF dequantisation); tqdm reads
+        # it when imported, so it reaches the processes this one starts, not a tqdm already imported here
+        os.environ["TQDM_DISABLE"] = "1"
         # Already imported (every trainer has by now): switch them off in place. Looked up, not imported: this tier
         # depends on the standard library only.
         if (hub := sys.modules.get("huggingface_hub.utils")) is not None:
