@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlrun.rewards.rules import default_compute_score, gsm8k_answer, last_boxed, normalize_math
+from rlrun.rewards.rules import default_compute_score, gsm8k_answer
+from rlrun.rewards.verl_math import last_boxed, normalize_math
 
 
 @pytest.mark.parametrize("solution, truth, score", [

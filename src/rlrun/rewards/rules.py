@@ -1,6 +1,7 @@
 """verl's built-in rule scores, chosen per prompt by its data_source (verl's `default_compute_score`), written
-here from verl's behaviour (verl/utils/reward_score/: gsm8k.py, math_reward.py, search_r1_like_qa_em.py) and
-checked against cases with known verdicts (tests/rewards/test_rules.py).
+here from verl's behaviour (verl/utils/reward_score/: gsm8k.py, math_reward.py, search_r1_like_qa_em.py; the math
+scores of math_dapo.py, prime_math/ and geo3k.py in rlrun.rewards.verl_math) and checked against cases with known
+verdicts (tests/rewards/test_rules.py, tests/rewards/test_verl_math.py).
 
 `solution_str` is the response alone, decoded without special tokens, as verl's NaiveRewardManager passes it.
 - GSM8K (`openai/gsm8k`): the last `#### <number>` in the response's last 300 characters, commas removed, must
@@ -11,6 +12,15 @@ checked against cases with known verdicts (tests/rewards/test_rules.py).
   the last `<answer>...</answer>` equals one of `ground_truth["target"]` after SQuAD normalisation: 1.0 (0.25 for
   verl's names when the response has more than 10 answer tags), else 0.0. Search-R1's own scorer needs a second
   answer because it scores prompt + response; on the response alone one is enough.
+- DAPO (`math_dapo`, `math`, `math_dapo_reasoning`, and every name starting `aime`, case-sensitive as verl): the
+  `Answer:` line (or, with none, a box) against the truth: {"score": 1.0 or -1.0, "acc", "pred"}. Plain `math` is
+  DAPO's, not MATH's, as in verl.
+- NuminaMath (`numina_aops_forum`, `numina_synthetic_math`, `numina_amc_aime`, `numina_synthetic_amc`,
+  `numina_cn_k12`, `numina_olympiads`): PRIME's grader: 1.0 or 0.0. Geometry3K (`hiyouga/geometry3k`): mathruler's
+  grader, 0.9 for the answer plus 0.1 for the format. Both read LaTeX with pylatexenc (`pip install 'rlrun[math]'`).
+
+verl's code data (codecontests, apps, codeforces, taco) is scored by running the model's code, which needs a
+sandbox; rlrun has no built-in scorer for it (a --compute_score file can call one).
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ import re
 import string
 from collections.abc import Callable
 from typing import Any
+
+from rlrun.rewards.verl_math import NUMINA_SOURCES, geo3k_score, math_dapo_score, math_score, prime_math_score
 
 # ---- Search-R1's exact match -------------------------------------------------------------------------------------
 # Search-R1's exact-match reward (its verl/utils/reward_score/qa_em.py), with rlrun's label decoding.
@@ -108,133 +120,6 @@ def gsm8k_score(solution: str, ground_truth: Any) -> float:
     return 1.0 if answer is not None and answer == str(ground_truth) else 0.0
 
 
-# ---- MATH (Hendrycks' normalisation) -------------------------------------------------------------------------
-
-
-def last_boxed(text: str) -> str | None:
-    """The last `\\boxed{...}` (braces balanced), `\\boxed ...` (up to a `$`; it wins when present) or `\\fbox{...}`."""
-    if "\\boxed " in text:
-        return "\\boxed " + text.split("\\boxed ")[-1].split("$")[0]
-    start = text.rfind("\\boxed")
-    if start < 0:
-        start = text.rfind("\\fbox")
-        if start < 0:
-            return None
-    depth = 0
-    for end in range(start, len(text)):
-        if text[end] == "{":
-            depth += 1
-        elif text[end] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start : end + 1]
-    return None
-
-
-def unboxed(boxed: str) -> str:
-    """The content of `\\boxed{X}` or `\\boxed X`; ValueError for anything else (`\\fbox{}` included, as in verl)."""
-    if boxed.startswith("\\boxed "):
-        return boxed[len("\\boxed ") :]
-    if not (boxed.startswith("\\boxed{") and boxed.endswith("}")):
-        raise ValueError(f"not a \\boxed{{}} answer: {boxed[:40]!r}")
-    return boxed[len("\\boxed{") : -1]
-
-
-def _fix_fracs(text: str) -> str:
-    """`\\frac12` -> `\\frac{1}{2}`, `\\frac1{72}` -> `\\frac{1}{72}` (braces added to one-character arguments)."""
-    head, *rest = text.split("\\frac")
-    out = head
-    for part in rest:
-        out += "\\frac"
-        if part[0] == "{":  # an empty argument raises IndexError: the caller compares raw text then
-            out += part
-            continue
-        if len(part) < 2:
-            return text
-        num, den, tail = part[0], part[1], part[2:]
-        out += "{" + num + "}" + (den + tail if den == "{" else "{" + den + "}" + tail)
-    return out
-
-
-def _fix_a_slash_b(text: str) -> str:
-    """`3/4` -> `\\frac{3}{4}` when both sides are plain integers."""
-    parts = text.split("/")
-    if len(parts) != 2:
-        return text
-    try:
-        num, den = int(parts[0]), int(parts[1])
-    except ValueError:
-        return text
-    return f"\\frac{{{num}}}{{{den}}}" if text == f"{num}/{den}" else text
-
-
-def _remove_right_units(text: str) -> str:
-    """What precedes `\\text{ ` (a unit); more than one unit is an error (the caller compares raw text then)."""
-    if "\\text{ " not in text:
-        return text
-    parts = text.split("\\text{ ")
-    if len(parts) != 2:
-        raise ValueError("more than one unit")
-    return parts[0]
-
-
-def _fix_sqrt(text: str) -> str:
-    """`\\sqrt3` -> `\\sqrt{3}` (the first character only)."""
-    head, *rest = text.split("\\sqrt")
-    out = head
-    for part in rest:
-        if part[0] != "{":  # an empty argument raises IndexError: the caller compares raw text then
-            out += "\\sqrt{" + part[0] + "}" + part[1:]
-        else:
-            out += "\\sqrt" + part
-    return out
-
-
-def normalize_math(text: str) -> str:
-    """Hendrycks' MATH answer normalisation (verl's strip_string), in its order."""
-    text = text.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
-    text = text.replace("tfrac", "frac").replace("dfrac", "frac")
-    text = text.replace("\\left", "").replace("\\right", "")
-    text = text.replace("^{\\circ}", "").replace("^\\circ", "")
-    text = text.replace("\\$", "")
-    text = _remove_right_units(text)
-    text = text.replace("\\%", "")
-    text = text.replace(" .", " 0.").replace("{.", "{0.")
-    if not text:
-        return text
-    if text[0] == ".":
-        text = "0" + text
-    sides = text.split("=")
-    if len(sides) == 2 and len(sides[0]) <= 2:  # "k = 5" -> "5"
-        text = sides[1]
-    text = _fix_sqrt(text)
-    text = text.replace(" ", "")
-    text = _fix_fracs(text)
-    if text == "0.5":
-        text = "\\frac{1}{2}"
-    return _fix_a_slash_b(text)
-
-
-def math_equivalent(a: str | None, b: str | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    try:
-        return normalize_math(a) == normalize_math(b)
-    except Exception:  # noqa: BLE001 - a form the normalisation cannot take: the raw texts decide (as verl)
-        return a == b
-
-
-def math_score(solution: str, ground_truth: Any) -> float:
-    boxed = last_boxed(solution)
-    if boxed is None:
-        return 0.0
-    try:
-        answer = unboxed(boxed)
-    except ValueError:
-        return 0.0
-    return 1.0 if math_equivalent(answer, str(ground_truth)) else 0.0
-
-
 # ---- QA exact match (Search-R1) ---------------------------------------------------------------------------------
 
 MAX_ANSWER_TAGS = 10  # verl's search_r1_like_qa_em: more tags than this earn a quarter of the score
@@ -253,7 +138,7 @@ def qa_score(solution: str, ground_truth: Any, *, tag_penalty: bool) -> float:
 
 # ---- dispatch ---------------------------------------------------------------------------------------------------
 
-Scorer = Callable[[str, Any], float]
+Scorer = Callable[[str, Any], "float | dict[str, Any]"]
 
 _QA = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 SCORERS: dict[str, Scorer] = {
@@ -261,21 +146,41 @@ SCORERS: dict[str, Scorer] = {
     **{name: math_score for name in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")},
     **{f"searchR1_{name}": (lambda s, g: qa_score(s, g, tag_penalty=True)) for name in _QA},
     **{name: (lambda s, g: qa_score(s, g, tag_penalty=False)) for name in _QA},
+    **{name: math_dapo_score for name in ("math_dapo", "math", "math_dapo_reasoning")},
+    **{name: prime_math_score for name in NUMINA_SOURCES},
+    "hiyouga/geometry3k": geo3k_score,
 }
+# Names matched by how they start (verl: data_source.startswith("aime"), so "aime_2024" and "aime25", not "AIME_2024").
+PREFIX_SCORERS: dict[str, Scorer] = {"aime": math_dapo_score}
+# verl scores these by running the model's code (SandboxFusion, or prime_code's unsandboxed exec): not built in.
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+
+
+class UnknownDataSource(ValueError, NotImplementedError):
+    """No built-in rule score for a data_source: a ValueError as rlrun reports it, a NotImplementedError as verl's
+    default_compute_score raises it (so code written against verl's catches it too)."""
 
 
 def scorer_for(data_source: str | None) -> Scorer | None:
-    return SCORERS.get(data_source or "")
+    """The rule score for `data_source`: an exact name first, then a name's prefix (verl's order gives the same)."""
+    name = data_source or ""
+    if name in SCORERS:
+        return SCORERS[name]
+    return next((scorer for prefix, scorer in PREFIX_SCORERS.items() if name.startswith(prefix)), None)
 
 
 def default_compute_score(
     data_source: str | None, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
-) -> float:
-    """verl's default_compute_score for the data sources above; ValueError naming any other."""
+) -> float | dict[str, Any]:
+    """verl's default_compute_score for the data sources above (a float, or math_dapo's dict); ValueError naming any
+    other (UnknownDataSource). extra_info is ignored, as verl's scorers ignore it."""
     scorer = scorer_for(data_source)
     if scorer is None:
-        raise ValueError(
-            f"no built-in rule score for data_source {data_source!r}; built in: {sorted(SCORERS)}. "
-            "Pass --compute_score FILE.py (verl's custom_reward_function.path) for other data"
+        prefixes = ", ".join(f"{prefix}*" for prefix in PREFIX_SCORERS)
+        raise UnknownDataSource(
+            f"no built-in rule score for data_source {data_source!r}; built in: {sorted(SCORERS)} and {prefixes}. "
+            f"Code data ({', '.join(CODE_SOURCES)}) is scored by running the model's code, which needs a sandbox "
+            "rlrun does not build in. Pass --compute_score FILE.py (verl's custom_reward_function.path) for it and "
+            "for other data"
         )
     return scorer(solution_str, ground_truth)
