@@ -3,7 +3,8 @@
 # "Write some digits:" with digits, "... letters:" with lowercase letters):
 #
 #   SFT (rlrun.sft) -> reward model from the SFT model (rlrun.rm) -> PPO from the SFT model with that reward
-#   model (rlrun.ppo --reward_pretrain), and DPO from the SFT model (rlrun.dpo).
+#   model (rlrun.ppo --reward_pretrain), DPO from the SFT model (rlrun.dpo), and on-policy distillation of the SFT
+#   model into a fresh one (rlrun.ppo --teacher_pretrain, configs/distill_demo.yaml).
 #
 #   bash examples/pipeline/run.sh [OUT_DIR] [RANKS]      # from the repository root; defaults runs/pipeline, 2
 #
@@ -25,4 +26,5 @@ run rlrun.ppo --config configs/demo.yaml --pretrain "$OUT/sft" --reward_pretrain
     --actor_learning_rate 2e-3 --save_path "$OUT/ppo"
 run rlrun.dpo --pretrain "$OUT/sft" --dataset "$OUT/data/pairs.jsonl" --eval_dataset "$OUT/data/pairs_eval.jsonl" \
     --eval_before_train --eval_steps 8 "${BATCH[@]}" --learning_rate 5e-4 --beta 0.1 --save_path "$OUT/dpo"
-echo "pipeline done: $OUT/{sft,rm,ppo,dpo}"
+run rlrun.ppo --config configs/distill_demo.yaml --teacher_pretrain "$OUT/sft" --save_path "$OUT/distill"
+echo "pipeline done: $OUT/{sft,rm,ppo,dpo,distill}"

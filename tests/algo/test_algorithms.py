@@ -27,7 +27,8 @@ from rlrun.algo.algorithms import (
     shape_group_scores,
     token_level_rewards,
 )
-from rlrun.algo.losses import aggregate_loss, entropy_from_logits, log_probs_from_logits, policy_loss, value_loss
+from rlrun.algo.losses import aggregate_loss, entropy_from_logits, log_probs_from_logits, value_loss
+from rlrun.algo.policy_losses import policy_loss
 
 
 def t(x: object) -> torch.Tensor:
@@ -449,3 +450,22 @@ def test_log_probs_from_logits() -> None:
     lp16 = log_probs_from_logits(z.bfloat16(), lab, temperature=0.7)
     assert lp16.dtype == torch.bfloat16
     assert_close(lp16.float(), ref, atol=0.05, rtol=0.02)
+
+
+# ---------------------------------------------------------------- on-policy distillation
+
+
+def test_distilled_advantages_touch_only_their_own_token() -> None:
+    """A - coef * D position by position (a discount of 0), for every estimator; no reward at all with group_norm
+    leaves exactly -coef * D."""
+    from rlrun.algo.algorithms import distilled_advantages
+
+    mask = t([[1, 1, 1, 0], [1, 1, 0, 0]])
+    d = t([[0.5, -1.0, 2.0, 9.0], [0.25, 0.0, 7.0, 7.0]])
+    scores = t([0.0, 0.0])  # no reward: every group advantage is 0
+    adv, _ = compute_advantages("group_norm", scores, mask, n_samples_per_prompt=2)
+    assert_close(adv, torch.zeros(2, 4, dtype=torch.float64))
+    assert_close(distilled_advantages(adv, d, mask, 0.5), t([[-0.25, 0.5, -1.0, 0.0], [-0.125, 0.0, 0.0, 0.0]]))
+    for estimator in ("reinforce", "rloo", "dr_grpo"):
+        base, _ = compute_advantages(estimator, t([1.0, 0.0]), mask, n_samples_per_prompt=2)
+        assert_close(distilled_advantages(base, d, mask, 1.0), torch.where(mask.bool(), base - d, 0.0))

@@ -25,7 +25,8 @@ from rlrun.algo.algorithms import (
     sequence_mean_kl,
     shape_group_scores,
 )
-from rlrun.algo.losses import policy_loss, value_loss
+from rlrun.algo.losses import value_loss
+from rlrun.algo.policy_losses import policy_loss
 from rlrun.cli.parser import parse_args
 from rlrun.config.schema import Config
 from rlrun.plan.checks import check_values

@@ -280,3 +280,18 @@ def test_is_correction_threshold_single_value_is_an_upper_bound() -> None:
     two = parse_args(["--algo.advantage.is_correction_threshold", "0.5", "3", "--algo.advantage.is_correction_level",
                       "seq"]).config
     assert two.algo.is_correction_threshold == (0.5, 3.0) and two.algo.is_correction_level == "seq"
+
+
+def test_the_0_11_0_and_0_9_correction_spellings_map_onto_the_0_11_2_gates() -> None:
+    """OpenRLHF 0.10.2-0.11.0: --algo.advantage.is_correction_enable --algo.advantage.is_correction_type T;
+    0.9.4-0.10.1: --enable_vllm_is_correction --vllm_is_correction_type T --vllm_is_truncated_threshold LOW HIGH."""
+    from rlrun.algo.rollout_correction import ISWeights, RolloutCorrection
+    from rlrun.cli.parser import parse_args
+    from rlrun.plan.checks import rollout_correction_of
+
+    dotted = parse_args(["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type",
+                         "seq-mask-tis", "--algo.advantage.is_correction_threshold", "0.5", "2"]).config.algo
+    assert rollout_correction_of(dotted) == RolloutCorrection(ISWeights("token", (0.5, 2.0), "zero", "geo_mean",
+                                                                        gate_rows=True))
+    classic = parse_args(["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.4", "3"]).config.algo
+    assert rollout_correction_of(classic) == RolloutCorrection(ISWeights("token", (0.4, 3.0), "clamp"))  # tis

@@ -306,7 +306,8 @@ def test_turn_lengths_plain_verl_and_search_r1():
 
 def test_every_group_member_is_listed():
     assert {m.group for m in VERL_KEYS.values() if isinstance(m, Part)} == {"kl", "batch", "micro", "estimator",
-                                                                            "data", "clip", "turns", "lora"}
+                                                                            "data", "clip", "turns", "lora", "cov",
+                                                                            "distill"}
 
 
 # --- the seed scripts, as published -------------------------------------------------------------------------------
@@ -582,3 +583,62 @@ def test_a_key_standing_for_a_refused_flag_is_refused_and_the_status_table_says_
     rows = dict(verl_rows())
     for key in ("`trainer.critic_warmup`",):
         assert rows[key].startswith("refused at start-up"), (key, rows[key])
+
+
+# --- verl's 2026 algorithm keys: policy losses, rollout correction, distillation ----------------------------------
+
+
+def test_policy_loss_keys_set_the_loss_and_its_parameters() -> None:
+    a = cfg_of("actor_rollout_ref.actor.policy_loss.loss_mode=vanilla").algo
+    assert a.policy_loss_type == "ppo"
+    a = cfg_of("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "actor_rollout_ref.actor.policy_loss.clip_cov_ub=4",
+               "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.001").algo
+    assert (a.policy_loss_type, a.clip_cov_bounds, a.clip_cov_ratio) == ("clip_cov", (1.0, 4.0), 0.001)
+    a = cfg_of("actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov", "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=0.5",
+               "actor_rollout_ref.actor.tau_pos=2", "actor_rollout_ref.actor.policy_loss.dro_beta=0.1").algo
+    assert (a.kl_cov_coef, a.sapo_tau_pos, a.dro_beta) == (0.5, 2.0, 0.1)
+    for bad, named in (("bypass_mode", "algorithm.rollout_correction.bypass_mode=true"), ("clip-cov", "clip_cov")):
+        with pytest.raises(ConfigError, match=named):
+            cfg_of(f"actor_rollout_ref.actor.policy_loss.loss_mode={bad}")
+
+
+def test_rollout_correction_keys_map_one_to_one() -> None:
+    a = cfg_of("algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.rollout_is_threshold=0.5_5.0",
+               "algorithm.rollout_correction.rollout_rs=['seq_mean_k1','seq_max_k3']",
+               "algorithm.rollout_correction.rollout_rs_threshold=0.99_1.01,0.1",
+               "algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce",
+               "algorithm.rollout_correction.rollout_is_batch_normalize=true").algo
+    assert (a.rollout_is, a.rollout_is_threshold, a.rollout_rs, a.rollout_rs_threshold) == (
+        "sequence", "0.5_5.0", "seq_mean_k1,seq_max_k3", "0.99_1.01,0.1")
+    assert a.rollout_bypass and a.rollout_bypass_loss == "reinforce" and a.rollout_is_batch_normalize
+    assert cfg_of("algorithm.rollout_correction.rollout_is=null").algo.rollout_is == "off"  # verl's YAML default
+    with pytest.raises(ConfigError, match="rollout_token_veto_threshold: verl removed it"):
+        cfg_of("algorithm.rollout_correction.rollout_token_veto_threshold=1e-4")
+    ignored = parse_args(["actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is=token"]).ignored
+    assert any("verl writes the actor's copy from algorithm.rollout_correction" in line for line in ignored)
+
+
+def test_distillation_keys_with_verls_defaults() -> None:
+    teacher = "distillation.teacher_models.teacher_model.model_path=/models/teacher"
+    cfg = cfg_of("distillation.enabled=true", teacher)  # verl's YAML: k3 as a loss (GKD), task rewards kept
+    a = cfg.algo
+    assert cfg.model.teacher_pretrain == "/models/teacher"
+    assert (a.teacher_kl_estimator, a.teacher_kl_loss, a.distill_task_reward, a.teacher_kl_coef) == ("k3", True, True, 1.0)
+    cfg = cfg_of("distillation.enabled=true", teacher, "distillation.distillation_loss.loss_mode=k1",
+                 "distillation.distillation_loss.use_policy_gradient=true",
+                 "distillation.distillation_loss.use_task_rewards=false",
+                 "distillation.distillation_loss.distillation_loss_coef=0.3",  # verl: used only with task rewards
+                 "distillation.distillation_loss.loss_max_clamp=10", "distillation.n_gpus_per_node=2")
+    a = cfg.algo
+    assert (a.teacher_kl_estimator, a.teacher_kl_loss, a.distill_task_reward, a.teacher_kl_coef, a.teacher_kl_clamp) == (
+        "k1", False, False, 1.0, 10.0)
+    assert cfg.resources.teacher_num_gpus_per_node == 2
+    assert cfg_of(teacher).model.teacher_pretrain is None  # distillation.enabled is false by default
+    with pytest.raises(ConfigError, match="k1's gradient does not involve the teacher"):
+        cfg_of("distillation.enabled=true", teacher, "distillation.distillation_loss.loss_mode=kl")
+    with pytest.raises(ConfigError, match="top-k forward-KL modes are not implemented"):
+        cfg_of("distillation.enabled=true", teacher, "distillation.distillation_loss.loss_mode=forward_kl_topk")
+    with pytest.raises(ConfigError, match="rlrun distils from one teacher"):
+        cfg_of("distillation.teacher_models.math.model_path=/m")
+    with pytest.raises(ConfigError, match="needs distillation.teacher_models.teacher_model.model_path"):
+        cfg_of("distillation.enabled=true")

@@ -46,7 +46,7 @@ def test_disaggregated_engine_trains(tmp_path):
     # the engine rank keeps no policy: each sync streams through two bucket buffers into the child's reload
     assert "rank 1: weight syncs stream bucket by bucket to the vLLM child" in out, out[-3000:]
     for m in metrics:  # fp32 on CPU: engine and actor agree to ~1e-6, so nothing is clipped
-        assert abs(m["actor/engine_kl"]) < 1e-3 and m["actor/is_filter_frac"] == 0.0, m
+        assert abs(m["rollout_corr/kl"]) < 1e-3 and m["rollout_corr/is_filter_frac"] == 0.0, m
 
 
 def test_multi_turn_agent_episodes_on_vllm(tmp_path):

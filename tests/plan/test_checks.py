@@ -86,6 +86,26 @@ BAD_VALUES: list[tuple[list[str], list[str]]] = [
     (["--dist_timeout", "-5"], ["--dist_timeout", "-5.0"]),
     (["--remote_rm_url", "reward.py", "--reward_pretrain", "/models/rm"], ["--remote_rm_url", "--reward_pretrain"]),
     (["--flash_attn"], ["--flash_attn needs --bf16"]),
+    # policy losses and the rollout correction (rlrun.algo.policy_losses, rlrun.algo.rollout_correction)
+    (["--policy_loss_type", "dro"], ["--policy_loss_type dro", "--dro_beta"]),
+    (["--policy_loss_type", "clip_cov", "--clip_cov_bounds", "5", "1"], ["clip_cov", "lb < ub"]),
+    (["--policy_loss_type", "sapo", "--sapo_tau_neg", "0"], ["sapo", "--sapo_tau_pos/--sapo_tau_neg"]),
+    (["--rollout_is", "token", "--generation_backend", "hf"], ["--rollout_is token", "hf"]),
+    (["--rollout_correction", "bypass_pg_is", "--generation_backend", "hf"], ["--rollout_correction bypass_pg_is"]),
+    (["--rollout_is", "token", "--rollout_is_threshold", "two", "--generation_backend", "native"],
+     ["--rollout_is token --rollout_is_threshold two", "LOW_HIGH"]),
+    (["--rollout_rs", "token_k2", "--generation_backend", "native"], ["--rollout_rs token_k2", "rollout_rs_threshold"]),
+    (["--rollout_correction", "decoupled_seq_is", "--rollout_is", "token", "--generation_backend", "native"],
+     ["--rollout_correction decoupled_seq_is", "a whole verl preset", "--rollout_is token"]),
+    (["--rollout_correction", "no_such", "--generation_backend", "native"], ["no_such", "decoupled_token_is"]),
+    (["--is_correction_level", "token", "--rollout_is", "token", "--generation_backend", "native"],
+     ["--is_correction_level token", "--rollout_is token", "keep one"]),
+    (["--enable_vllm_is_correction", "--is_correction_level", "seq", "--generation_backend", "native"],
+     ["--enable_vllm_is_correction", "--is_correction_level seq", "keep one"]),
+    # on-policy distillation
+    (["--teacher_pretrain", "/t", "--teacher_kl_coef", "0"], ["--teacher_kl_coef", "drop --teacher_pretrain"]),
+    (["--teacher_pretrain", "/t", "--teacher_kl_loss"], ["--teacher_kl_loss", "k1", "k3"]),
+    (["--teacher_pretrain", "/t", "--teacher_temperature", "0"], ["--teacher_temperature", "0.0"]),
 ]
 
 

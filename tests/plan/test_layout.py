@@ -45,12 +45,12 @@ def check_invariants(layout: Layout) -> None:
 # (request, world_size, ranks_per_node, expected roles, expected engines)
 CASES = {
     "world1-auto": (LayoutRequest(), 1, 1, {A: (0,), C: (0,), RF: (0,), RW: (0,), E: (0,)}, ((0,),)),
-    "world2-auto-2nodes": (LayoutRequest(), 2, 1, {r: (0, 1) for r in Role}, ((0,), (1,))),
+    "world2-auto-2nodes": (LayoutRequest(need_teacher=True), 2, 1, {r: (0, 1) for r in Role}, ((0,), (1,))),
     "world3-auto-grpo": (
         LayoutRequest(need_critic=False, need_reward=False), 3, 3,
         {A: (0, 1, 2), RF: (0, 1, 2), E: (0, 1, 2)}, ((0,), (1,), (2,)),
     ),
-    "world4-auto-tp2": (LayoutRequest(vllm_tensor_parallel_size=2), 4, 2, {r: span(0, 4) for r in Role}, ((0, 1), (2, 3))),
+    "world4-auto-tp2": (LayoutRequest(vllm_tensor_parallel_size=2, need_teacher=True), 4, 2, {r: span(0, 4) for r in Role}, ((0, 1), (2, 3))),
     "world8-auto-tp4-noref": (
         LayoutRequest(need_ref=False, need_reward=False, vllm_tensor_parallel_size=4), 8, 8,
         {A: span(0, 8), C: span(0, 8), E: span(0, 8)}, (span(0, 4), span(4, 8)),
@@ -87,7 +87,7 @@ CASES = {
         {A: span(0, 6), C: span(0, 6), RF: span(0, 6), RW: span(0, 6), E: (6, 7)}, ((6, 7),),
     ),
     "world8-colocate-all-tp2": (
-        LayoutRequest(vllm_tensor_parallel_size=2, colocate_all_models=True, actor=rr(8)), 8, 8,
+        LayoutRequest(vllm_tensor_parallel_size=2, colocate_all_models=True, actor=rr(8), need_teacher=True), 8, 8,
         {r: span(0, 8) for r in Role}, ((0, 1), (2, 3), (4, 5), (6, 7)),
     ),
     "world8-colocate-all-engines-given-tp2": (
@@ -115,6 +115,21 @@ CASES = {
     "world2-engine-on-actor-explicit": (
         LayoutRequest(actor=rr(1), critic=rr(1), need_ref=False, need_reward=False), 2, 1,
         {A: (0,), C: (1,), E: (0,)}, ((0,),),
+    ),
+    # the distillation teacher: after the reference, on its own ranks, or the actor's (colocated or unsized)
+    "world8-teacher-own-block": (
+        LayoutRequest(actor=rr(2), ref=rr(2), teacher=rr(2), need_critic=False, need_reward=False, need_teacher=True,
+                      vllm_num_engines=2), 8, 8,
+        {A: (0, 1), RF: (2, 3), Role.TEACHER: (4, 5), E: (6, 7)}, ((6,), (7,)),
+    ),
+    "world4-teacher-colocated": (
+        LayoutRequest(actor=rr(2), need_critic=False, need_ref=False, need_reward=False, need_teacher=True,
+                      colocate_actor_teacher=True, vllm_num_engines=2), 4, 4,
+        {A: (0, 1), Role.TEACHER: (0, 1), E: (2, 3)}, ((2,), (3,)),
+    ),
+    "world2-teacher-auto": (
+        LayoutRequest(need_critic=False, need_ref=False, need_reward=False, need_teacher=True), 2, 2,
+        {A: (0, 1), Role.TEACHER: (0, 1), E: (0, 1)}, ((0,), (1,)),
     ),
 }
 
@@ -147,7 +162,7 @@ def test_placement(case: tuple[LayoutRequest, int, int, dict[Role, tuple[int, ..
 @pytest.mark.parametrize(("world", "tp"), [(w, t) for w in (1, 2, 3, 4, 8, 16) for t in (1, 2, 4) if w % t == 0])
 def test_auto_puts_everything_everywhere(world: int, tp: int) -> None:
     rpn = world if world < 8 else 8
-    layout = plan_layout(LayoutRequest(vllm_tensor_parallel_size=tp), world, rpn)
+    layout = plan_layout(LayoutRequest(vllm_tensor_parallel_size=tp, need_teacher=True), world, rpn)
     assert all(layout.ranks_of(r) == span(0, world) for r in Role)
     assert layout.engines == tuple(span(i, i + tp) for i in range(0, world, tp))
     assert layout.engine_colocated_with_actor
@@ -375,3 +390,13 @@ def test_error_rank_out_of_range() -> None:
     for query in (layout.roles_of, layout.group_names_of, layout.engine_index_of):
         with pytest.raises(LayoutError, match=r"rank 2 is outside world size 2; valid ranks are 0..1"):
             query(2)
+
+
+def test_a_teacher_block_that_does_not_add_up_names_its_size() -> None:
+    request = LayoutRequest(actor=rr(2), teacher=rr(3), need_critic=False, need_ref=False, need_reward=False,
+                            need_teacher=True, vllm_num_engines=1)
+    with pytest.raises(LayoutError, match=r"teacher 3.*world size 4"):
+        plan_layout(request, 4, 4)
+    unneeded = plan_layout(dataclasses.replace(request, need_teacher=False, teacher=rr(1)), 3, 3)
+    assert any("teacher: 1 rank requested but the teacher is not needed (no --teacher_pretrain" in w
+               for w in unneeded.warnings)

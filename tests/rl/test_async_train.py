@@ -60,12 +60,20 @@ def test_kill_mid_step_resumes_exactly(reference, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_async_still_learns(tmp_path):
+def test_async_still_learns_and_its_rollout_correction_sees_the_lag(tmp_path):
+    """One step off-policy, the engine's log-probs are those of the weights before the last update: verl's token TIS
+    (its decoupled_token_is preset) weighs pi_old / pi_engine, which now spreads around 1, and the run learns."""
     run = torchrun(3, ["--config", "configs/demo.yaml", "--max_steps", "40", "--async_train",
-                       "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1"], tmp_path, timeout=280)
+                       "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1", "--generation_backend", "native",
+                       "--rollout_correction", "decoupled_token_is"], tmp_path, timeout=280)
     _ok(run)
     rewards = [m["reward"] for m in run.metrics]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, rewards
+    first, later = run.metrics[0], run.metrics[1:]
+    assert abs(first["rollout_corr/kl"]) < 1e-4  # step 1's batch comes from the weights it trains from
+    assert max(m["rollout_corr/kl"] for m in later) > 1e-3
+    assert max(m["rollout_corr/rollout_is_std"] for m in later) > 0.05
+    assert all(m["rollout_corr/rollout_is_max"] <= 2.0 + 1e-6 for m in run.metrics)  # truncated at the threshold
 
 
 def _plan(*argv: str):

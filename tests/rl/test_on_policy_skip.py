@@ -84,7 +84,7 @@ ARGS = ["--config", "configs/demo.yaml", "--max_steps", "2", "--rollout_batch_si
         "--train_batch_size", "16", "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8",
         "--use_kl_loss", "--kl_estimator", "k3", "--init_kl_coef", "0.04"]
 # The same entry point with the skip turned off (the trainer reads the module-level function at each step).
-NO_SKIP = ("import sys, rlrun.rl.trainer as t; t.skips_old_log_probs = lambda train, algo: False; "
+NO_SKIP = ("import sys, rlrun.rl.trainer as t; t.skips_old_log_probs = lambda train, algo, distill=False: False; "
            "from rlrun.ppo import main; sys.exit(main(sys.argv[1:]))")
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForSequenceClassification
 
-from rlrun.algo.losses import policy_loss
+from rlrun.algo.policy_losses import policy_loss
 from rlrun.data.rollout import RolloutBatch, pack_rows, unpack_rows
 from rlrun.models.loading import ScalarHeadModel
 from rlrun.models.tiny import PAD_ID, build_causal_lm, tiny_model_config

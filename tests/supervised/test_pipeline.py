@@ -1,6 +1,6 @@
 """The offline pipeline example, end to end with real processes (torchrun, 2 ranks, gloo, the embedded tiny
-model): SFT -> reward model -> PPO under that reward model, and DPO from the SFT model (examples/pipeline/run.sh).
-Each stage must visibly learn."""
+model): SFT -> reward model -> PPO under that reward model, DPO from the SFT model, and the SFT model distilled into
+a fresh one on-policy (examples/pipeline/run.sh). Each stage must visibly learn."""
 
 from __future__ import annotations
 
@@ -61,3 +61,15 @@ def test_dpo_margin_and_accuracy_rise_from_the_sft_model(pipeline: Path) -> None
     # At step 0 the policy is its reference: every implicit reward, and so the margin, is exactly 0.
     assert before["eval/margin"] == 0.0 and before["eval/loss"] == pytest.approx(0.693147, abs=1e-5)
     assert after["eval/margin"] > 0.2 and after["eval/acc"] >= 0.85 and after["eval/loss"] < 0.6, after
+
+
+def test_distillation_moves_a_fresh_student_to_its_teacher_without_a_reward(pipeline: Path) -> None:
+    """configs/distill_demo.yaml: the student learns from each token's divergence to the SFT teacher alone
+    (--distill_task_reward false); the demo rule still scores every sample, and those scores rise with it."""
+    train, _ = _metrics(pipeline / "distill" / "metrics.jsonl")
+    kl = [r["distill/teacher_kl"] for r in train]
+    rewards = [r["reward"] for r in train]
+    assert statistics.mean(kl[-5:]) < statistics.mean(kl[:3]) / 4, [round(k, 3) for k in kl]
+    assert statistics.mean(rewards[-5:]) > statistics.mean(rewards[:3]) + 0.3, [round(r, 3) for r in rewards]
+    # pure distillation: the group advantages of the (unused) reward are 0, so what is left is the teacher's term
+    assert all(r["distill/teacher_logprob"] < 0 for r in train)

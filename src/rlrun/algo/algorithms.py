@@ -448,3 +448,17 @@ def dynamic_filter_keep(scores: Tensor, n_samples_per_prompt: int, reward_range:
     group_mean = (scores if scores.is_floating_point() else scores.float()).reshape(-1, n).mean(-1)
     keep = (group_mean > low) & (group_mean < high)
     return keep.repeat_interleave(n)
+
+
+# ---- on-policy distillation --------------------------------------------------------------------------------------
+# A frozen teacher scores the policy's own samples; the per-token divergence of the sampled token's log-probs is the
+# signal (Thinking Machines' on-policy distillation, slime --use-opd, verl's distillation, prime-rl's opd): the KL
+# estimates above of the student against the teacher (k1 = log pi_student - log pi_teacher, one sample of the reverse
+# KL; k2; k3 = verl's low_var_kl), bounded to [-10, 10] as every rlrun KL estimate (verl's examples clamp at 10 too).
+
+
+def distilled_advantages(advantages: Tensor, divergence: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """advantages - coef * divergence on response tokens: [B, T] -> [B, T]. Added after the estimator and its
+    whitening and never through the returns, so each token's teacher term stays at its own position (a discount of
+    0, as Thinking Machines' and slime's on-policy distillation; reward-to-go would sum later tokens' terms in)."""
+    return torch.where(mask.bool(), advantages - coef * divergence, 0.0)

@@ -34,12 +34,6 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
     "local_rank": (1, LAUNCHER),
     "ref_reward_offload": (0, NOT_YET),
     "enable_prefix_caching": (0, NOT_YET),
-    "enable_vllm_is_correction": (
-        0,
-        "OpenRLHF <= 0.10's spelling, whose meaning changed between releases; use "
-        "--is_correction_level token --is_correction_mode clip (TIS) or mask (ICEPOP)",
-    ),
-    "vllm_is_truncated_threshold": ("*", "OpenRLHF <= 0.10's spelling; use --is_correction_threshold LOW HIGH"),
     "vllm_generate_batch_size": (1, NOT_YET),
     "ds_tensor_parallel_size": (1, NOT_YET),
     "deepcompile": (0, NOT_YET),
@@ -73,6 +67,7 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
 # OpenRLHF train_ppo_ray flags spelled differently in rlrun: classic name -> rlrun field (the value passes unchanged).
 RENAMED_FLAGS: dict[str, str] = {
     "use_dynamic_batch": "dynamic_batch",
+    "vllm_is_truncated_threshold": "is_correction_threshold",  # OpenRLHF 0.9.1-0.10.1: LOW HIGH
 }
 
 
@@ -134,7 +129,7 @@ PPO_CLI = CliSpec(
     description="Ray-free RLHF: one torchrun/srun SPMD program. OpenRLHF train_ppo_ray flag names work.",
     config_cls=Config,
     ignored=IGNORED_FLAGS,
-    dotted=openrlhf_flags.OPENRLHF_DOTTED,
+    dotted={**openrlhf_flags.OPENRLHF_DOTTED, **openrlhf_flags.EARLIER_DOTTED},
     no_effect=NO_EFFECT_YET,
     renamed=RENAMED_FLAGS,
     verl_overrides=True,

@@ -245,6 +245,13 @@ OPENRLHF_DOTTED: dict[str, Meaning] = {
     **_optimizer("critic"),
 }
 
+# Dotted flags of OpenRLHF 0.10.2-0.11.0 that 0.11.2 replaced (its --algo.advantage.is_correction_level/mode/gating);
+# their meaning is the same correction (rlrun.plan.checks.openrlhf_settings).
+EARLIER_DOTTED: dict[str, Meaning] = {
+    "algo.advantage.is_correction_enable": Same("enable_vllm_is_correction", 0),
+    "algo.advantage.is_correction_type": Same("vllm_is_correction_type", 1),
+}
+
 # The two undotted flags 0.11.2 still has (--local_rank, --use_ms) are classic flags: rlrun.cli.parser.IGNORED_FLAGS.
 
 

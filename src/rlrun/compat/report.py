@@ -23,6 +23,9 @@ GROUP_FIELDS = {
     "clip": "eps_clip, eps_clip_low_high",
     "turns": "prompt_max_len, generate_max_len, max_turns, max_tokens_per_turn, max_obs_len",
     "lora": "lora_rank, lora_alpha, target_modules",
+    "cov": "clip_cov_bounds",
+    "distill": "teacher_pretrain, teacher_kl_estimator, teacher_kl_loss, distill_task_reward, teacher_kl_coef, "
+    "teacher_kl_clamp, teacher_num_nodes, teacher_num_gpus_per_node",
 }
 
 

@@ -25,7 +25,7 @@ from rlrun.config.fields import suggest
 from rlrun.runtime.errors import ConfigError
 
 Convert = Callable[[Any, str], Any]  # (verl value, key) -> rlrun value; raises ConfigError naming the key
-Group = Literal["kl", "batch", "micro", "estimator", "data", "clip", "turns", "lora"]
+Group = Literal["kl", "batch", "micro", "estimator", "data", "clip", "turns", "lora", "cov", "distill"]
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,34 @@ def _fully_async(value: Any) -> list[tuple[str, Any]]:
 
 
 FULLY_ASYNC = "verl's fully-async trainer setting; rlrun's --partial_rollout "
+
+# verl's registered policy losses (core_algos.py @register_policy_loss) -> --policy_loss_type
+LOSS_MODES = {
+    "vanilla": "ppo",
+    **{name: name for name in ("gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv")},
+    **{name: name for name in ("dppo_kl", "dro")},
+}
+_loss_mode = _choice(
+    LOSS_MODES,
+    "rlrun runs verl's vanilla, gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo, dppo_tv, dppo_kl and dro "
+    "(bypass_mode is what verl sets for algorithm.rollout_correction.bypass_mode=true: set that instead)",
+)
+
+
+def as_text(value: Any, key: str) -> str:
+    """a number or text, kept as text (verl's rollout_is_threshold: 2.0 or "0.5_5.0")"""
+    return str(value)
+
+
+def option_list(value: Any, key: str) -> str:
+    """one option, a comma list or a list of them: a comma list"""
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+RC = "algorithm.rollout_correction."
+D, DL, TEACHER = "distillation.", "distillation.distillation_loss.", "distillation.teacher_models.teacher_model."
+SERVER_TEACHER = "rlrun runs the teacher as a frozen model on its own ranks or the actor's, not an inference server"
+ACTOR_RC = "verl writes the actor's copy from algorithm.rollout_correction.*, which rlrun reads"
 # --- the key table ---------------------------------------------------------------------------------------------
 
 A, R, C = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "critic."
@@ -272,6 +300,27 @@ VERL_KEYS: dict[str, Meaning] = {
     A + "clip_ratio_high": Part("clip"),
     A + "clip_ratio_c": To("dual_clip"),
     A + "entropy_coeff": To("entropy_loss_coef"),
+    A + "policy_loss.loss_mode": To("policy_loss_type", _loss_mode),
+    A + "policy_loss.clip_cov_ratio": To("clip_cov_ratio"),
+    A + "policy_loss.clip_cov_lb": Part("cov"),
+    A + "policy_loss.clip_cov_ub": Part("cov"),
+    A + "policy_loss.kl_cov_ratio": To("kl_cov_ratio"),
+    A + "policy_loss.ppo_kl_coef": To("kl_cov_coef"),
+    A + "policy_loss.dro_beta": To("dro_beta"),
+    **{
+        A + "policy_loss.rollout_correction." + k: Skip(ACTOR_RC)
+        for k in (
+            "rollout_is",
+            "rollout_is_threshold",
+            "rollout_is_batch_normalize",
+            "rollout_rs",
+            "rollout_rs_threshold",
+            "bypass_mode",
+            "loss_type",
+        )
+    },
+    A + "tau_pos": To("sapo_tau_pos"),
+    A + "tau_neg": To("sapo_tau_neg"),
     A + "loss_agg_mode": To("loss_agg_mode"),
     A + "use_kl_loss": Part("kl"),
     A + "kl_loss_coef": Part("kl"),
@@ -372,8 +421,44 @@ VERL_KEYS: dict[str, Meaning] = {
     "algorithm.kl_ctrl.horizon": Part("kl"),
     "algorithm.no_think_rl": Skip("Search-R1 itself refuses no_think_rl (its generation raises ValueError)"),
     "algorithm.use_pf_ppo": Skip(NOT_YET),
+    # rollout correction (verl's RolloutCorrectionConfig)
+    RC + "rollout_is": To("rollout_is"),
+    RC + "rollout_is_threshold": To("rollout_is_threshold", as_text),
+    RC + "rollout_is_batch_normalize": To("rollout_is_batch_normalize", as_bool),
+    RC + "rollout_rs": To("rollout_rs", option_list),
+    RC + "rollout_rs_threshold": To("rollout_rs_threshold", as_text),
+    RC + "bypass_mode": To("rollout_bypass", as_bool),
+    RC + "loss_type": To("rollout_bypass_loss"),
+    RC + "rollout_rs_threshold_lower": Reject(
+        "verl removed it (#4544, 2026-01): give the lower bound in rollout_rs_threshold as LOW_HIGH"
+    ),
+    RC + "rollout_token_veto_threshold": Reject(
+        "verl removed it (#4544, 2026-01): use rollout_rs=seq_max_k2 (or seq_max_k3) with a threshold"
+    ),
     "algorithm.state_masking.start_state_marker": Skip(BY_PROVENANCE),
     "algorithm.state_masking.end_state_marker": Skip(BY_PROVENANCE),
+    # on-policy distillation (verl's distillation.*: one teacher, scored by the policy-gradient or the loss form)
+    D + "enabled": Part("distill"),
+    TEACHER + "model_path": Part("distill"),
+    D + "nnodes": Part("distill"),
+    D + "n_gpus_per_node": Part("distill"),
+    DL + "loss_mode": Part("distill"),
+    DL + "use_policy_gradient": Part("distill"),
+    DL + "use_task_rewards": Part("distill"),
+    DL + "distillation_loss_coef": Part("distill"),
+    DL + "loss_max_clamp": Part("distill"),
+    **{
+        DL + k: Skip("used by verl's top-k modes only, which rlrun does not implement")
+        for k in ("log_prob_min_clamp", "topk", "use_chunked_topk", "chunked_topk_chunk_size")
+    },
+    DL + "policy_loss_mode": Skip("the teacher term goes through the actor's own policy loss"),
+    **{
+        DL + k: Skip("the teacher term is clipped with the actor's clip range (one clip in rlrun)")
+        for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
+    },
+    D + "teacher_key": Skip("rlrun distils from one teacher"),
+    TEACHER + "key": Skip("rlrun distils from one teacher"),
+    TEACHER + "num_replicas": Skip(SERVER_TEACHER),
     # trainer
     "trainer.total_epochs": To("num_episodes"),
     "trainer.total_training_steps": To("max_steps"),
@@ -443,7 +528,6 @@ SKIPPED_SUBTREES: dict[str, str] = {
     "ray_init": RAY_ONLY,
     "sandbox_fusion": "verl's reward managers are not used; rlrun takes --remote_rm_url",
     "reward_kwargs": "verl's reward managers are not used; rlrun takes --remote_rm_url",
-    "rollout_correction": NOT_YET,
     "pf_ppo": NOT_YET,
     "filter_groups": NOT_YET,
 }
@@ -452,6 +536,13 @@ SKIPPED_SUBTREES: dict[str, str] = {
 def meaning_of(key: str) -> Meaning | None:
     if key in VERL_KEYS:
         return VERL_KEYS[key]
+    if key.startswith(TEACHER + "inference."):
+        return Skip(SERVER_TEACHER)
+    if key.startswith(D + "teacher_models.") and not key.startswith(TEACHER):
+        return Reject(
+            "rlrun distils from one teacher: give it as distillation.teacher_models.teacher_model.model_path "
+            "(routing samples to several teachers by distillation.teacher_key is not implemented)"
+        )
     for segment in key.split("."):
         if segment in SKIPPED_SUBTREES:
             return Skip(SKIPPED_SUBTREES[segment])

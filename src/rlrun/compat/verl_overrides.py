@@ -20,9 +20,12 @@ import yaml
 
 from rlrun.compat.argv import NOT_YET, Nargs, refused, split_override, take_values
 from rlrun.compat.verl_keys import (
+    DL,
     ESTIMATORS,
+    TEACHER,
     VERL_KEYS,
     A,
+    D,
     Expand,
     Group,
     Part,
@@ -186,6 +189,53 @@ def _clip(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
     return out
 
 
+def _cov(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
+    """policy_loss.clip_cov_lb / clip_cov_ub (verl defaults 1 and 5): --clip_cov_bounds LB UB."""
+    lb, ub = v.get(A + "policy_loss.clip_cov_lb", 1.0), v.get(A + "policy_loss.clip_cov_ub", 5.0)
+    return [("clip_cov_bounds", (1.0 if lb is None else lb, 5.0 if ub is None else ub))]
+
+
+# verl's distillation_loss.loss_mode (its kl_penalty names) -> --teacher_kl_estimator
+_DIVERGENCES = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
+
+
+def _distill(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
+    """verl's distillation.* (defaults of its distillation.yaml: loss_mode k3, use_policy_gradient false,
+    use_task_rewards true, distillation_loss_coef 1 used only with task rewards, loss_max_clamp null):
+    --teacher_pretrain and --teacher_kl_*. verl sums the teacher term at the loss level and rlrun the
+    policy-gradient form at the advantage level: the two agree wherever no token is clipped."""
+    if not as_bool(v.get(D + "enabled", False), D + "enabled"):
+        return []
+    if v.get(TEACHER + "model_path") is None:
+        raise ConfigError(f"{D}enabled=true needs {TEACHER}model_path (the teacher model)")
+    mode = str(v.get(DL + "loss_mode", "k3"))
+    if mode not in _DIVERGENCES:
+        raise ConfigError(
+            f"{DL}loss_mode={mode}: rlrun distils with the sampled token's k1, k2 or k3 (kl, mse, low_var_kl); "
+            "verl's abs and top-k forward-KL modes are not implemented"
+        )
+    gradient = as_bool(v.get(DL + "use_policy_gradient", False), DL + "use_policy_gradient")
+    if not gradient and _DIVERGENCES[mode] == "k1":
+        raise ConfigError(
+            f"{DL}loss_mode={mode} with use_policy_gradient=false: k1's gradient does not involve the teacher (verl "
+            "refuses it too); use k3, or use_policy_gradient=true"
+        )
+    task = as_bool(v.get(DL + "use_task_rewards", True), DL + "use_task_rewards")
+    out: list[Assignment] = [
+        ("teacher_pretrain", v[TEACHER + "model_path"]),
+        ("teacher_kl_estimator", _DIVERGENCES[mode]),
+        ("teacher_kl_loss", not gradient),
+        ("distill_task_reward", task),
+        ("teacher_kl_coef", v.get(DL + "distillation_loss_coef", 1.0) if task else 1.0),
+        ("teacher_kl_clamp", v.get(DL + "loss_max_clamp")),
+    ]
+    if D + "n_gpus_per_node" in v:
+        out.append(("teacher_num_gpus_per_node", as_int(v[D + "n_gpus_per_node"], D + "n_gpus_per_node")))
+    if D + "nnodes" in v:
+        out.append(("teacher_num_nodes", as_int(v[D + "nnodes"], D + "nnodes")))
+    return out
+
+
 def _turns(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
     """Lengths. verl: max_prompt_length and max_response_length are the prompt and response caps. Search-R1
     (max_turns=K set): max_response_length is per turn and there are K search turns plus a final answer turn,
@@ -285,6 +335,8 @@ GROUP_RULES: dict[Group, Rule] = {
     "clip": _clip,
     "turns": _turns,
     "lora": _lora,
+    "cov": _cov,
+    "distill": _distill,
 }
 
 

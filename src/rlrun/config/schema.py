@@ -33,6 +33,11 @@ def opt(default: Any, help: str, *, secret: bool = False, metavar: str | None = 
 AdvantageEstimator = Literal["gae", "group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"]
 GROUP_ESTIMATORS = frozenset({"group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"})
 NEEDS_GROUPS = frozenset({"group_norm", "dr_grpo", "rloo", "reinforce_baseline"})
+# rlrun.algo.policy_losses.PolicyLossType, named here so that reading a config imports no torch (a test keeps the
+# two equal).
+PolicyLossType = Literal[
+    "ppo", "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro"
+]
 
 
 @dataclass
@@ -45,6 +50,8 @@ class ResourceConfig:
     critic_num_gpus_per_node: int | None = opt(None, "Ranks per node for the critic.")
     ref_num_nodes: int | None = opt(None, "Nodes for the reference model.")
     ref_num_gpus_per_node: int | None = opt(None, "Ranks per node for the reference model.")
+    teacher_num_nodes: int | None = opt(None, "Nodes for the distillation teacher (--teacher_pretrain).")
+    teacher_num_gpus_per_node: int | None = opt(None, "Ranks per node for the distillation teacher.")
     reward_num_nodes: int | None = opt(None, "Nodes for the reward model.")
     reward_num_gpus_per_node: int | None = opt(None, "Ranks per node for the reward model.")
     vllm_num_engines: int | None = opt(
@@ -54,6 +61,7 @@ class ResourceConfig:
     )
     vllm_tensor_parallel_size: int = opt(1, "Ranks per generation engine.")
     colocate_actor_ref: bool = opt(False, "Reference model on the actor's ranks (same processes).")
+    colocate_actor_teacher: bool = opt(False, "Distillation teacher on the actor's ranks (same processes).")
     colocate_critic_reward: bool = opt(False, "Reward model on the critic's ranks.")
     colocate_all_models: bool = opt(False, "Every role, engines included, on the same ranks.")
     actor_node_label: str | None = opt(
@@ -62,6 +70,7 @@ class ResourceConfig:
     critic_node_label: str | None = opt(
         None, "Put the critic on nodes with this label (RLRUN_NODE_LABEL, else the host name)."
     )
+    teacher_node_label: str | None = opt(None, "Put the distillation teacher on nodes with this label.")
     ref_node_label: str | None = opt(
         None, "Put the reference model on nodes with this label (RLRUN_NODE_LABEL, else the host name)."
     )
@@ -180,14 +189,28 @@ class AlgorithmConfig:
         "1 + HIGH] (DAPO clip-higher). Unset: (eps_clip, "
         "eps_clip).",
     )
-    policy_loss_type: Literal["ppo", "gspo"] = opt(
+    policy_loss_type: PolicyLossType = opt(
         "ppo",
-        "ppo: per-token importance ratio. gspo: one ratio per "
-        "sequence, exp(token-mean log-ratio), with a per-sequence "
-        "loss mean (GSPO; use a small --eps_clip_low_high, e.g. "
-        "3e-4 4e-4).",
+        "The policy loss (verl's policy_loss.loss_mode; rlrun.algo.policy_losses): ppo (clipped ratio); gspo (one "
+        "ratio per sequence, use a small --eps_clip_low_high, e.g. 3e-4 4e-4); cispo (REINFORCE weighted by the "
+        "clipped, detached ratio: verl's example clips 10 0.2); sapo (a soft sigmoid gate, --sapo_tau_pos/neg); gpg "
+        "(-A log pi); clip_cov / kl_cov (covariance-selected tokens detached / penalised); geo_mean (GMPO, the "
+        "--eps_clip_low_high pair as log-space bounds, e.g. 0.4 0.4); dppo_tv / dppo_kl (probability trust region, "
+        "the pair as thresholds, e.g. 0.15 / 0.05; --dual_clip caps the ratio, default 3); dro (quadratic penalty, "
+        "--dro_beta).",
     )
-    dual_clip: float | None = opt(None, "Dual-clip constant (> 1).")
+    sapo_tau_pos: float = opt(1.0, "sapo: the gate's temperature for tokens with a positive advantage.")
+    sapo_tau_neg: float = opt(1.05, "sapo: the gate's temperature for the other tokens.")
+    clip_cov_ratio: float = opt(2e-4, "clip_cov: share of a micro-batch's tokens whose gradient is detached (>= 1).")
+    clip_cov_bounds: tuple[float, float] = opt(
+        (1.0, 5.0), "clip_cov: LB UB, the covariance window of the tokens it may detach."
+    )
+    kl_cov_ratio: float = opt(2e-4, "kl_cov: share of a micro-batch's tokens given the |log-ratio| penalty (>= 1).")
+    kl_cov_coef: float = opt(0.1, "kl_cov: the penalty's weight (verl's policy_loss.ppo_kl_coef).")
+    dro_beta: float | None = opt(None, "dro: the weight of its (log pi - log pi_old)^2 / 2 penalty (required, > 0).")
+    dual_clip: float | None = opt(
+        None, "Dual-clip constant (> 1; ppo, gspo). dppo_tv / dppo_kl: the cap of the truncated ratio (unset: 3)."
+    )
     value_clip: float | None = opt(0.5, "Value clip range (unset: no clipping).")
     normalize_reward: bool = opt(
         False,
@@ -253,6 +276,74 @@ class AlgorithmConfig:
     is_correction_threshold: tuple[float, float] = opt(
         (0.5, 5.0),
         "LOW HIGH bounds of the gated statistic (0 HIGH for an upper bound only, required for binary_kl/tv).",
+    )
+
+    teacher_kl_coef: float = opt(
+        1.0,
+        "--teacher_pretrain: weight of the teacher signal: with --teacher_kl_loss false each token's advantage gets "
+        "-coef * D (D: --teacher_kl_estimator of log pi_old - log pi_teacher; Thinking Machines, slime --opd-kl-coef, "
+        "verl's policy-gradient OPD); with true, coef * D(log pi - log pi_teacher) joins the loss (verl's GKD OPD).",
+    )
+    teacher_kl_estimator: Literal["k1", "k2", "k3"] = opt(
+        "k1", "The per-token divergence to the teacher (k1 = log-ratio: the reverse KL's sample; k2, k3 as for the KL)."
+    )
+    teacher_kl_loss: bool = opt(
+        False, "Backpropagate the divergence to the teacher as a loss term instead of adding it to the advantages."
+    )
+    teacher_kl_clamp: float | None = opt(
+        None, "Clamp each token's divergence to [-C, C] before use (verl's loss_max_clamp). Unset: no clamp."
+    )
+    teacher_temperature: float = opt(1.0, "The teacher's logits are divided by this (verl forces 1).")
+    distill_task_reward: bool = opt(
+        True,
+        "--teacher_pretrain: also learn from the reward (false: only from the teacher; the reward is still computed "
+        "and logged; verl's use_task_rewards).",
+    )
+    enable_vllm_is_correction: bool = opt(
+        False,
+        "OpenRLHF 0.9.4-0.11.0's correction switch (--algo.advantage.is_correction_enable): token weights "
+        "pi_actor / pi_engine by --vllm_is_correction_type within --is_correction_threshold LOW HIGH.",
+    )
+    vllm_is_correction_type: Literal["tis", "icepop", "seq-mask-tis"] = opt(
+        "tis",
+        "--enable_vllm_is_correction's kind: tis clamps each token's weight, icepop zeroes those outside, "
+        "seq-mask-tis zeroes whole sequences whose geometric-mean ratio is outside (= --is_correction_level "
+        "token/token/seq with --is_correction_mode clip/mask/mask).",
+    )
+    rollout_correction: str | None = opt(
+        None,
+        "A verl rollout-correction preset by name (RolloutCorrectionConfig's constructors: decoupled_token_is, "
+        "decoupled_seq_is, decoupled_token_icepop, decoupled_geo_rs, bypass_ppo_clip, bypass_pg_is, ...; "
+        "rlrun.algo.rollout_correction.VERL_PRESETS); instead of the --rollout_is/--rollout_rs flags.",
+    )
+    rollout_is: Literal["off", "token", "sequence"] = opt(
+        "off",
+        "verl's rollout_correction.rollout_is: importance weights pi_actor / pi_engine per token, or the sequence's "
+        "product on each of its tokens (needs the engine's log-probs: native or vllm).",
+    )
+    rollout_is_threshold: str = opt(
+        "2.0",
+        "--rollout_is's bound: a number truncates the weights above it (TIS); LOW_HIGH (e.g. 0.5_5.0) zeroes those "
+        "outside (IcePop).",
+    )
+    rollout_is_batch_normalize: bool = opt(False, "Divide the --rollout_is weights by their batch mean.")
+    rollout_rs: str | None = opt(
+        None,
+        "verl's rejection sampling: comma list of token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, "
+        "seq_max_k2/k3; tokens (or sequences) whose mismatch is outside --rollout_rs_threshold leave the update.",
+    )
+    rollout_rs_threshold: str | None = opt(
+        None, "--rollout_rs bounds, one or one per option: k1 LOW_HIGH (or HIGH: LOW = 1/HIGH), k2/k3 HIGH."
+    )
+    rollout_bypass: bool = opt(
+        False,
+        "verl's bypass_mode: the loss's old log-probs are the engine's (no actor scoring pass unless the KL "
+        "penalty needs it); weights and rejections from the current policy per micro-batch.",
+    )
+    rollout_bypass_loss: Literal["ppo_clip", "reinforce"] = opt(
+        "ppo_clip",
+        "--rollout_bypass: ppo_clip (the clipped ratio against the engine; weights only logged) or reinforce "
+        "(-A log pi times the --rollout_is weights).",
     )
 
     @property
@@ -381,6 +472,12 @@ class ModelConfig(PretrainedConfig):
         None, "Reward model directory (sequence-classification or value-head model scoring the last token)."
     )
     critic_pretrain: str | None = opt(None, "Critic initialisation. Unset: the reward model, else the policy.")
+    teacher_pretrain: str | None = opt(
+        None,
+        "On-policy distillation: a frozen teacher (HF directory or hub id, the policy's tokenizer) scores the "
+        "policy's own samples and the per-token reverse KL to it trains the policy (--teacher_kl_*); laid out like "
+        "the reference (--teacher_num_nodes/--teacher_num_gpus_per_node, --colocate_actor_teacher).",
+    )
     remote_rm_url: str | None = opt(
         None,
         "Reward from a local Python file defining reward_func(queries, prompts, "
@@ -399,7 +496,7 @@ class ModelConfig(PretrainedConfig):
         "verl's reward convention: a .py file defining compute_score(data_source, "
         "solution_str, ground_truth, extra_info) called per sample (a float, or a "
         "dict whose 'score' is the reward), or 'builtin' for rlrun's versions of "
-        "verl's rule scores (GSM8K, MATH, Search-R1 QA), chosen per prompt by its "
+        "verl's rule scores (GSM8K, MATH, DAPO/AIME, NuminaMath, Geometry3K, Search-R1 QA), chosen per prompt by its "
         "data source. The label is --label_key (verl: reward_model.ground_truth).",
     )
     compute_score_name: str = opt(

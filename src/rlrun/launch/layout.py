@@ -18,6 +18,7 @@ class Role(str, Enum):
     ACTOR = "actor"
     CRITIC = "critic"
     REF = "ref"
+    TEACHER = "teacher"
     REWARD = "reward"
     ENGINE = "engine"
 
@@ -42,12 +43,15 @@ class LayoutRequest:
     critic: RoleRequest = RoleRequest()
     ref: RoleRequest = RoleRequest()
     reward: RoleRequest = RoleRequest()
+    teacher: RoleRequest = RoleRequest()
     need_critic: bool = True
     need_ref: bool = True
     need_reward: bool = True
+    need_teacher: bool = False  # on-policy distillation (--teacher_pretrain)
     vllm_num_engines: int | None = None
     vllm_tensor_parallel_size: int = 1
     colocate_actor_ref: bool = False
+    colocate_actor_teacher: bool = False
     colocate_critic_reward: bool = False
     colocate_all_models: bool = False
     engine_node_label: str | None = None

@@ -9,11 +9,18 @@ import importlib.util
 import os
 from importlib.metadata import PackageNotFoundError, version
 
-from rlrun.algo.losses import ISCorrection
-from rlrun.algo.losses import check_settings as check_is_settings
+from rlrun.algo.policy_losses import PolicyLossParams, check_params
+from rlrun.algo.rollout_correction import (
+    RolloutCorrection,
+    check_openrlhf,
+    openrlhf_correction,
+    preset,
+    verl_correction,
+)
 from rlrun.config.schema import (
     NEEDS_GROUPS,
     RETRIEVER_RETRY_BACKOFF_S,
+    AlgorithmConfig,
     Config,
     OptimConfig,
     PretrainedConfig,
@@ -123,8 +130,6 @@ def check_values(cfg: Config) -> None:
     if g.vllm_kv_cache_memory_bytes is not None and g.vllm_kv_cache_memory_bytes <= 0:
         raise ConfigError(f"--vllm_kv_cache_memory_bytes must be > 0 bytes, got {g.vllm_kv_cache_memory_bytes}")
     _positive("eps_clip", a.eps_clip)
-    if a.dual_clip is not None and a.dual_clip <= 1:
-        raise ConfigError(f"--dual_clip must be > 1, got {a.dual_clip}")
     if a.value_clip is not None and a.value_clip <= 0:
         raise ConfigError(f"--value_clip must be > 0 (or unset), got {a.value_clip}")
     if not 0 <= a.gamma <= 1 or not 0 <= a.lambd <= 1:
@@ -171,6 +176,7 @@ def check_values(cfg: Config) -> None:
                 "of naming itself; raise --dist_timeout too, or lower --reward_timeout"
             )
     _positive("max_skipped_steps", t.max_skipped_steps)
+    _check_teacher(cfg)
     _check_reward_source(cfg)
 
 
@@ -179,10 +185,14 @@ def _check_algorithm_extras(cfg: Config) -> None:
     a, t = cfg.algo, cfg.train
     if a.eps_clip_low_high is not None:
         low, high = a.eps_clip_low_high
-        if not 0 < low < 1 or high <= 0:
+        # the PPO family clips the ratio to [1 - LOW, 1 + HIGH]; CISPO caps a weight (verl's example: LOW 10, no lower
+        # clip), GMPO bounds log-ratios and DPPO probability moves, where LOW >= 1 has a meaning
+        ppo_like = a.policy_loss_type in ("ppo", "gspo", "clip_cov")
+        if low <= 0 or high <= 0 or (ppo_like and low >= 1):
             raise ConfigError(
-                f"--eps_clip_low_high {low} {high}: needs 0 < LOW < 1 and HIGH > 0 "
-                "(the ratio is clipped to [1 - LOW, 1 + HIGH]), e.g. --eps_clip_low_high 0.2 0.28"
+                f"--eps_clip_low_high {low} {high}: needs {'0 < LOW < 1' if ppo_like else 'LOW > 0'} and HIGH > 0 "
+                f"(--policy_loss_type {a.policy_loss_type} clips the ratio to [1 - LOW, 1 + HIGH]), e.g. "
+                "--eps_clip_low_high 0.2 0.28"
             )
     if a.dynamic_filtering:
         if t.n_samples_per_prompt < 2:
@@ -202,23 +212,112 @@ def _check_algorithm_extras(cfg: Config) -> None:
         )
     if a.overlong_penalty_factor < 0:
         raise ConfigError(f"--overlong_penalty_factor must be >= 0, got {a.overlong_penalty_factor}")
-    correction = ISCorrection(
-        a.is_correction_level, a.is_correction_mode, a.is_correction_gating, *a.is_correction_threshold
-    )
-    if (problem := check_is_settings(correction)) is not None:
-        raise ConfigError(problem)
-    if a.is_correction_level != "off" and cfg.generation.generation_backend == "hf":
+    _check_policy_loss(a)
+    if (flags := correction_flags(a)) and cfg.generation.generation_backend == "hf":
         raise ConfigError(
-            f"--is_correction_level {a.is_correction_level} corrects the engine/actor log-prob mismatch "
-            "with the engine's sampled-token log-probs, which --generation_backend hf does not report; "
-            "use "
-            "--generation_backend vllm or native, or drop the flag"
+            f"{flags} corrects the engine/actor log-prob mismatch with the engine's sampled-token log-probs, which "
+            "--generation_backend hf does not report; use --generation_backend vllm or native, or drop the flag"
         )
     if a.stop_properly_penalty_coef is not None and a.stop_properly_penalty_coef > 1:
         raise ConfigError(
             f"--stop_properly_penalty_coef {a.stop_properly_penalty_coef}: use a value in [0, 1] "
             "(scales truncated rewards) or a negative one (replaces them)"
         )
+
+
+def loss_params(a: AlgorithmConfig) -> PolicyLossParams:
+    """--policy_loss_type's own parameters."""
+    return PolicyLossParams(
+        a.sapo_tau_pos, a.sapo_tau_neg, a.clip_cov_ratio, a.clip_cov_bounds, a.kl_cov_ratio, a.kl_cov_coef, a.dro_beta
+    )
+
+
+# OpenRLHF 0.9.4-0.11.0's --vllm_is_correction_type as 0.11.2's (level, mode) with gating "ratio".
+_OPENRLHF_TYPES = {"tis": ("token", "clip"), "icepop": ("token", "mask"), "seq-mask-tis": ("seq", "mask")}
+
+
+def openrlhf_settings(a: AlgorithmConfig) -> tuple[str, str, str, float, float] | None:
+    """OpenRLHF's correction as 0.11.2's (level, mode, gating, low, high), from either of its spellings; None: off."""
+    low, high = a.is_correction_threshold
+    if a.enable_vllm_is_correction:
+        level, mode = _OPENRLHF_TYPES[a.vllm_is_correction_type]
+        return level, mode, "ratio", low, high
+    if a.is_correction_level != "off":
+        return a.is_correction_level, a.is_correction_mode, a.is_correction_gating, low, high
+    return None
+
+
+def rollout_correction_of(a: AlgorithmConfig) -> RolloutCorrection:
+    """The run's rollout correction, from OpenRLHF's --is_correction_* or verl's --rollout_* (a preset or the
+    keys); _check_policy_loss refuses both at once. ValueError for verl settings that do not parse."""
+    if (openrlhf := openrlhf_settings(a)) is not None:
+        if a.policy_loss_type == "gspo":
+            # OpenRLHF's PolicyLoss takes GSPO's sequence ratio against the engine's log-probs instead of weighting.
+            return RolloutCorrection(bypass=True)
+        return openrlhf_correction(*openrlhf)
+    if a.rollout_correction is not None:
+        return preset(a.rollout_correction)
+    return verl_correction(
+        a.rollout_is,
+        a.rollout_is_threshold,
+        a.rollout_is_batch_normalize,
+        a.rollout_rs,
+        a.rollout_rs_threshold,
+        a.rollout_bypass,
+        a.rollout_bypass_loss,
+    )
+
+
+def _check_policy_loss(a: AlgorithmConfig) -> None:
+    """--policy_loss_type's parameters and the rollout correction's settings (one of OpenRLHF's or verl's)."""
+    if (problem := check_params(a.policy_loss_type, a.dual_clip, loss_params(a))) is not None:
+        flags = {"dual_clip": "--dual_clip", "dro_beta": "--dro_beta", "sapo": "--sapo_tau_pos/--sapo_tau_neg"}
+        named = next((flag for key, flag in flags.items() if key in problem), "")
+        raise ConfigError(f"--policy_loss_type {a.policy_loss_type}: {problem}" + (f"; set {named}" if named else ""))
+    if a.enable_vllm_is_correction and a.is_correction_level != "off":
+        raise ConfigError(
+            f"--enable_vllm_is_correction (--vllm_is_correction_type {a.vllm_is_correction_type}) and "
+            f"--is_correction_level {a.is_correction_level} are two releases' spellings of OpenRLHF's correction; "
+            "keep one"
+        )
+    openrlhf = openrlhf_settings(a)
+    if openrlhf is not None and (problem := check_openrlhf(*openrlhf)) is not None:
+        raise ConfigError(problem)
+    verl = [flag for flag in _verl_correction_flags(a) if not flag.startswith("--rollout_correction")]
+    if openrlhf is not None and (verl or a.rollout_correction is not None):
+        raise ConfigError(
+            f"{correction_flags(a)} (OpenRLHF's correction) and {' '.join(_verl_correction_flags(a))} (verl's) both "
+            "correct the engine/actor mismatch; keep one"
+        )
+    if a.rollout_correction is not None and verl:
+        raise ConfigError(
+            f"--rollout_correction {a.rollout_correction} is a whole verl preset; drop {' '.join(verl)} or the preset"
+        )
+    try:
+        rollout_correction_of(a)
+    except ValueError as exc:
+        raise ConfigError(f"{' '.join(_verl_correction_flags(a))}: {exc}") from None
+
+
+def _verl_correction_flags(a: AlgorithmConfig) -> list[str]:
+    """verl's rollout-correction flags set to something else than off, as typed."""
+    flags = [f"--rollout_correction {a.rollout_correction}"] if a.rollout_correction is not None else []
+    if a.rollout_is != "off":
+        flags.append(f"--rollout_is {a.rollout_is} --rollout_is_threshold {a.rollout_is_threshold}")
+    if a.rollout_rs is not None:
+        flags.append(f"--rollout_rs {a.rollout_rs} --rollout_rs_threshold {a.rollout_rs_threshold}")
+    if a.rollout_bypass:
+        flags.append(f"--rollout_bypass --rollout_bypass_loss {a.rollout_bypass_loss}")
+    return flags
+
+
+def correction_flags(a: AlgorithmConfig) -> str:
+    """The flags that turn a rollout correction on, as typed ("" when none does)."""
+    if a.enable_vllm_is_correction:
+        return f"--enable_vllm_is_correction --vllm_is_correction_type {a.vllm_is_correction_type}"
+    if a.is_correction_level != "off":
+        return f"--is_correction_level {a.is_correction_level}"
+    return " ".join(_verl_correction_flags(a)) if rollout_correction_of(a).active else ""
 
 
 def _check_dynamic_batch(cfg: Config) -> None:
@@ -265,6 +364,43 @@ def _check_partial_rollout(cfg: Config) -> None:
         )
 
 
+def distills_alone(cfg: Config) -> bool:
+    """On-policy distillation without a reward: --teacher_pretrain with --distill_task_reward false."""
+    return cfg.model.teacher_pretrain is not None and not cfg.algo.distill_task_reward
+
+
+def scores_nothing(cfg: Config) -> bool:
+    """Pure distillation with no reward source on the user's model or data: every sample scores 0 (on the demo's own
+    prompts and model the demo rule still scores, logged but not learned from)."""
+    m, given = cfg.model, (cfg.model.reward_pretrain, cfg.model.remote_rm_url, cfg.model.compute_score)
+    demo = m.pretrain is None and cfg.data.prompt_data is None
+    return distills_alone(cfg) and all(v is None for v in given) and not cfg.agent.multi_turn and not demo
+
+
+def pure_distillation_line(cfg: Config) -> str:
+    return f"reward: none; the policy learns from the teacher --teacher_pretrain {cfg.model.teacher_pretrain} alone"
+
+
+def _check_teacher(cfg: Config) -> None:
+    """--teacher_pretrain's settings (on-policy distillation)."""
+    a = cfg.algo
+    if cfg.model.teacher_pretrain is None:
+        return
+    if a.teacher_kl_coef <= 0:
+        raise ConfigError(
+            f"--teacher_kl_coef must be > 0 with --teacher_pretrain, got {a.teacher_kl_coef}; to train without the "
+            "teacher, drop --teacher_pretrain"
+        )
+    _positive("teacher_temperature", a.teacher_temperature)
+    _positive("teacher_kl_clamp", a.teacher_kl_clamp, allow_none=True)
+    if a.teacher_kl_loss and a.teacher_kl_estimator == "k1":
+        raise ConfigError(
+            "--teacher_kl_loss with --teacher_kl_estimator k1: the gradient of log pi - log pi_teacher does not "
+            "depend on the teacher; use k2 or k3 as the loss (verl's GKD default is k3), or the policy-gradient "
+            "form (drop --teacher_kl_loss)"
+        )
+
+
 def _check_reward_source(cfg: Config) -> None:
     """Exactly one reward source, never a guessed one: the demo rule scores only the demo's own prompts and
     model, so labelled data or a real model without a source is an error, not a run that learns nothing."""
@@ -281,7 +417,7 @@ def _check_reward_source(cfg: Config) -> None:
     if len(given) > 1:
         raise ConfigError(f"{' and '.join(given)} are all reward sources; choose one")
     _positive("reward_workers", m.reward_workers, allow_none=True)
-    if given or cfg.agent.multi_turn:
+    if given or cfg.agent.multi_turn or distills_alone(cfg):
         return
     if cfg.data.prompt_data is not None or m.pretrain is not None:
         what = " and ".join(
@@ -350,10 +486,10 @@ def _check_agent(cfg: Config) -> None:
                 "so a retriever that is down would be reported as a slow agent; raise --agent_timeout "
                 f"above {worst:g} or lower --retriever_timeout / --remote_rm_retries"
             )
-    if not ag.state_masking and cfg.algo.is_correction_level != "off":
+    if not ag.state_masking and (flags := correction_flags(cfg.algo)):
         raise ConfigError(
             "--state_masking false trains on observation tokens, which the engine did not sample and "
-            "has no log-probs for; --is_correction_level needs those: drop one of the two"
+            f"has no log-probs for; {flags} needs those: drop one of the two"
         )
 
 
@@ -451,7 +587,7 @@ def check_supervised(cfg: SupervisedConfig, world_size: int, prog: str) -> None:
 # safe_get/set_full_*, the ZeRO-1/2 optimizer's partition attributes and ZeRO-3's flat fp32 sub-groups).
 # Same range as setup.cfg's extra.
 DEEPSPEED_TESTED = ((0, 19, 8), (0, 20, 0))
-SHARDED_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
+SHARDED_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.TEACHER, Role.REWARD)
 
 
 def reference_is_base(model: PretrainedConfig, loss: DPOLossConfig) -> bool:

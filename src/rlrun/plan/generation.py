@@ -10,6 +10,7 @@ from rlrun.engines.base import REPORTS_LOG_PROBS, resolve_backend
 from rlrun.engines.decoder import unsupported_reason
 from rlrun.models.architecture import is_vision_language
 from rlrun.models.loading import load_model_config
+from rlrun.plan.checks import correction_flags
 from rlrun.runtime.errors import ConfigError, MissingExtraError
 
 # --dry_run --generation_backend vllm where vLLM is not installed (a login node, CI): planned all the same, since the
@@ -51,11 +52,10 @@ def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
         if not (cfg.runtime.dry_run and g.generation_backend == "vllm"):
             raise
         backend, why, assumed = "vllm", "requested (not installed here)", VLLM_ASSUMED
-    if cfg.algo.is_correction_level != "off" and backend not in REPORTS_LOG_PROBS:
+    if (flags := correction_flags(cfg.algo)) and backend not in REPORTS_LOG_PROBS:
         raise ConfigError(
-            f"--is_correction_level {cfg.algo.is_correction_level} needs the engine's sampled-token "
-            f"log-probs, but generation resolved to {backend} ({why}); use --generation_backend vllm, "
-            "or drop the flag"
+            f"{flags} needs the engine's sampled-token log-probs, but generation resolved to {backend} ({why}); use "
+            "--generation_backend vllm or native, or drop the flag"
         )
     return GenerationChoice(replace(cfg, generation=replace(g, generation_backend=backend)), why, assumed)
 
@@ -92,6 +92,8 @@ def vision_run_problem(cfg: Config) -> str | None:
         return "--reward_pretrain (reward models read text only; use --remote_rm_url or --compute_score)"
     if cfg.model.lora_rank > 0:
         return "--lora_rank (adapters on a vision-language model are not wired yet; train every weight)"
+    if cfg.model.teacher_pretrain is not None:
+        return "--teacher_pretrain (the teacher's forward takes no images yet)"
     return None
 
 

@@ -10,15 +10,17 @@ Semantics of ``plan_layout(request, world_size, ranks_per_node)``:
   every given ``num_nodes``, ``gpus_per_node``, ``vllm_num_engines`` and ``vllm_tensor_parallel_size`` (T) is
   >= 1. A role's size is ``(num_nodes or 1) * gpus_per_node`` ("gpus" are ranks); without ``gpus_per_node`` the
   role is unsized.
-* Needed roles: actor and engine always; critic, ref and reward when ``need_critic`` / ``need_ref`` /
-  ``need_reward``. A size given for a role that is not needed is ignored and reported in ``Layout.warnings``.
+* Needed roles: actor and engine always; critic, ref, reward and teacher when ``need_critic`` / ``need_ref`` /
+  ``need_reward`` / ``need_teacher``. A size given for a role that is not needed is ignored and reported in
+  ``Layout.warnings``.
 * Auto mode (no needed role sized, ``vllm_num_engines`` unset): every needed role on all ranks ("hybrid
   engine"), and ``world_size / T`` engines of T consecutive ranks. World size 1 puts everything on rank 0.
 * ``colocate_all_models``: all needed roles share one block of the actor's size (default: the world), which
   must fill the world; other given sizes must equal it. The engines fill the block: ``vllm_num_engines * T``
   must equal it (unset: block / T engines).
 * Otherwise blocks are laid out consecutively from rank 0 in this order: actor (+ ref with
-  ``colocate_actor_ref``, + engine when ``vllm_num_engines`` is unset), ref, critic (+ reward with
+  ``colocate_actor_ref``, + teacher with ``colocate_actor_teacher``, + engine when ``vllm_num_engines`` is unset),
+  ref, teacher, critic (+ reward with
   ``colocate_critic_reward``), reward, engine (``vllm_num_engines * T`` ranks). Unsized roles share the actor's
   ranks. An unsized actor takes the ranks the other blocks leave. Colocated roles with both sizes given must
   agree. The blocks must add up exactly to the world size.
@@ -29,8 +31,8 @@ Semantics of ``plan_layout(request, world_size, ranks_per_node)``:
 * The engine's ranks are either exactly the actor's ranks (weights are synced in place) or disjoint from them
   (weights are broadcast over ``sync``).
 * Groups, in this fixed order, skipping roles without ranks: ``world``; ``actor``, ``critic``, ``ref``,
-  ``reward``, ``engine``; ``engine.0``, ``engine.1``, ... (each engine's TP ranks); ``sync`` = actor rank 0 +
-  all engine ranks, only when the engine is disjoint from the actor.
+  ``teacher``, ``reward``, ``engine``; ``engine.0``, ``engine.1``, ... (each engine's TP ranks); ``sync`` = actor
+  rank 0 + all engine ranks, only when the engine is disjoint from the actor.
 
 Every error is a :class:`~rlrun.runtime.errors.LayoutError` whose message names all the sizes involved, the world size
 and the ranks per node, and says how to fix it.
@@ -127,11 +129,12 @@ def place_blocks(
 
 
 # Roles that hold a trained or frozen model and are sized by a RoleRequest; the engine is sized by vllm_*.
-_MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
+_MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.TEACHER, Role.REWARD)
 _WHY_NOT_NEEDED = {
     Role.CRITIC: "the advantage estimator needs no critic",
     Role.REF: "no KL penalty or KL loss is used",
     Role.REWARD: "rewards come from a function or URL",
+    Role.TEACHER: "no --teacher_pretrain is set",
 }
 
 
@@ -147,7 +150,12 @@ def _req(request: LayoutRequest, role: Role) -> RoleRequest:
 
 
 def _needs(request: LayoutRequest, role: Role) -> bool:
-    flags = {Role.CRITIC: request.need_critic, Role.REF: request.need_ref, Role.REWARD: request.need_reward}
+    flags = {
+        Role.CRITIC: request.need_critic,
+        Role.REF: request.need_ref,
+        Role.REWARD: request.need_reward,
+        Role.TEACHER: request.need_teacher,
+    }
     return flags.get(role, True)
 
 
@@ -166,7 +174,8 @@ def _context(request: LayoutRequest, world_size: int, ranks_per_node: int) -> st
         parts.append(text if _needs(request, role) else f"{text} (not needed)")
     engines = "auto" if request.vllm_num_engines is None else request.vllm_num_engines
     parts.append(f"engines {engines} x tensor parallel {request.vllm_tensor_parallel_size}")
-    parts += [f for f in ("colocate_actor_ref", "colocate_critic_reward", "colocate_all_models") if getattr(request, f)]
+    colocations = ("colocate_actor_ref", "colocate_actor_teacher", "colocate_critic_reward", "colocate_all_models")
+    parts += [f for f in colocations if getattr(request, f)]
     parts += [f"{role.value}_node_label {label!r}" for role, label in _asked_labels(request).items()]
     return f" [request: {', '.join(parts)}; world size {world_size}, {ranks_per_node} ranks per node]"
 
@@ -242,12 +251,15 @@ def _explicit_blocks(
         else:
             others.append((roles, size))
 
-    if Role.REF in needed:
-        if request.colocate_actor_ref:
-            actor_size = _pair_size(sizes, Role.ACTOR, Role.REF, "colocate_actor_ref", ctx)
-            actor_roles.append(Role.REF)
+    # the frozen policy-shaped models: on the actor's ranks when colocated, else a block of their own
+    for role, flag in ((Role.REF, "colocate_actor_ref"), (Role.TEACHER, "colocate_actor_teacher")):
+        if role not in needed:
+            continue
+        if getattr(request, flag):
+            actor_size = _pair_size({**sizes, Role.ACTOR: actor_size}, Role.ACTOR, role, flag, ctx)
+            actor_roles.append(role)
         else:
-            place((Role.REF,), sizes[Role.REF])
+            place((role,), sizes[role])
     if request.colocate_critic_reward and Role.CRITIC in needed and Role.REWARD in needed:
         place((Role.CRITIC, Role.REWARD), _pair_size(sizes, Role.CRITIC, Role.REWARD, "colocate_critic_reward", ctx))
     else:

@@ -194,7 +194,7 @@ def largest_tensor(s: ModelShape) -> int:
 HOST_RUNTIME_GPU = 2 * GIB  # per rank on a GPU node: the CUDA runtime's host side, torch, transformers, Python
 DEFAULT_GPU_GIB = 80.0  # an 80 GB A100/H100, when no GPU is here and --gpu_memory_gb is unset
 TRAINED = (Role.ACTOR, Role.CRITIC)
-MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
+MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.TEACHER, Role.REWARD)
 # Shown in this order; a rank's dicts hold only the non-zero ones.
 COMPONENTS = (
     "params",
@@ -317,7 +317,7 @@ def _trained_parts(role: Role, s: ModelShape, ranks: int, k: Knobs) -> Bytes:
 
 def _model_role(role: Role, s: ModelShape, ranks: int, k: Knobs) -> RoleMemory:
     n = s.parameters
-    logits = role in (Role.ACTOR, Role.REF)
+    logits = role in (Role.ACTOR, Role.REF, Role.TEACHER)
     score = {
         "gathered": _gathered(s, k, role in TRAINED),
         "activations": activation_bytes(s, k, k.micro_rollout, False),

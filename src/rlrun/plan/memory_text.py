@@ -68,7 +68,11 @@ def read_shapes(
         sources = {Role.REF: ("ref_pretrain", cfg.loss.ref_pretrain)} if job.reference else {}  # type: ignore
     else:  # the critic starts from --critic_pretrain, else the reward model, else the policy (rlrun.models.loading)
         critic = ("critic_pretrain", m.critic_pretrain) if m.critic_pretrain else ("reward_pretrain", m.reward_pretrain)
-        sources = {Role.REWARD: ("reward_pretrain", m.reward_pretrain), Role.CRITIC: critic}
+        sources = {
+            Role.REWARD: ("reward_pretrain", m.reward_pretrain),
+            Role.CRITIC: critic,
+            Role.TEACHER: ("teacher_pretrain", m.teacher_pretrain),
+        }
     shapes: dict[Role, ModelShape | None] = {role: None for role in sources}
     elsewhere: dict[str, list[str]] = {}
     notes: list[str] = []
@@ -89,7 +93,10 @@ def read_shapes(
         f"{' and '.join(roles)} ({where}): not on this machine, planned with the policy's shape"
         for where, roles in elsewhere.items()
     ]
-    return role_shapes(policy, shapes.get(Role.CRITIC), shapes.get(Role.REWARD), shapes.get(Role.REF)), notes
+    shaped = role_shapes(
+        policy, shapes.get(Role.CRITIC), shapes.get(Role.REWARD), shapes.get(Role.REF), shapes.get(Role.TEACHER)
+    )
+    return shaped, notes
 
 
 def _gib(value: int, digits: int = 1) -> str:
@@ -177,7 +184,7 @@ def _models_line(plan: MemoryPlan) -> str:
         f"{plan.labels.get(first.value, 'policy')}: {_billions(s.parameters)} parameters ({s.layers} layers, "
         f"hidden {s.hidden}, {s.heads} heads, {s.kv_heads} KV heads, vocab {s.vocab}{head})"
     )
-    for role in (Role.CRITIC, Role.REWARD, Role.REF):
+    for role in (Role.CRITIC, Role.REWARD, Role.REF, Role.TEACHER):
         if role is not first and role in present and (role is not Role.REF or s != plan.shapes[role]):
             line += f"; {plan.label(role.value)}: {_billions(plan.shapes[role].parameters)}"
     return line

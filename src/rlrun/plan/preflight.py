@@ -14,15 +14,16 @@ from typing import Any, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.config.schema import Config
+from rlrun.config.schema import Config, PretrainedConfig
 from rlrun.config.supervised import SupervisedConfig
 from rlrun.data.prompts import Prompts, load_prompt_records, prompt_keys, prompt_set
 from rlrun.data.sources import DataSpec, not_here
 from rlrun.models.architecture import is_vision_language
 from rlrun.models.loading import load_model_config, load_tokenizer, model_folder, tokenizer_missing
+from rlrun.plan.checks import pure_distillation_line, scores_nothing
 from rlrun.rewards.compute_score import load_compute_score_function
 from rlrun.rewards.reward_fn import load_reward_function
-from rlrun.runtime.errors import DataError
+from rlrun.runtime.errors import ConfigError, DataError
 from rlrun.vision.inputs import ImageInputs
 
 SHOWN_CHARS = 400  # of the first rendered prompt
@@ -114,14 +115,58 @@ def preflight(cfg: Config) -> list[str]:
             if prompts.ids
             else f"{name}: no prompt left"
         )
+    if cfg.model.teacher_pretrain is not None and tokenizer is not None:
+        if (unread := tokenizer_missing(teacher_source(cfg))) is None:
+            check_teacher_tokenizer(cfg, tokenizer)
+            lines.append(f"--teacher_pretrain {cfg.model.teacher_pretrain}: reads the policy's token ids as it does")
+        else:
+            lines.append(f"--teacher_pretrain {cfg.model.teacher_pretrain}: tokenizer not checked ({unread})")
     lines.append(_reward_line(cfg))
     return lines
+
+
+def teacher_source(cfg: Config) -> PretrainedConfig:
+    """Where --teacher_pretrain's model comes from, run as the policy runs (dtype, attention) without adapters."""
+    return dataclasses.replace(cfg.model, pretrain=cfg.model.teacher_pretrain, lora_rank=0)
+
+
+def check_teacher_tokenizer(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The teacher scores the policy's token ids, so it must read every id the policy can sample as the same token,
+    and end and pad responses alike. Not the configs' vocab_size, which pads differently across one family's sizes
+    (Qwen2.5-1.5B 151936, 7B 152064) with the same tokenizer; tokens past the policy's embedding rows (a tokenizer's
+    added unk, say) are never sampled and do not matter."""
+    teacher = teacher_source(cfg)
+    theirs = load_tokenizer(teacher)
+    sampled = load_model_config(cfg.model).get_text_config().vocab_size
+    mine, other = tokenizer.get_vocab(), theirs.get_vocab()
+    differ = [token for token, i in mine.items() if i < sampled and other.get(token) != i]
+    ends = [
+        name
+        for name in ("eos_token_id", "pad_token_id")
+        if getattr(tokenizer, name) is not None and getattr(tokenizer, name) != getattr(theirs, name)
+    ]
+    if differ or ends:
+        what = f"{len(differ)} of the policy's tokens (e.g. {differ[0]!r}) have other ids" if differ else ""
+        what += (" and " if what and ends else "") + (f"{'/'.join(ends)} differ" if ends else "")
+        raise ConfigError(
+            f"--teacher_pretrain {cfg.model.teacher_pretrain}'s tokenizer is not the policy's ({what}); the teacher "
+            "scores the policy's token ids, so it needs the same tokenizer (distillation across tokenizers is not "
+            "implemented)"
+        )
+    rows = load_model_config(teacher).get_text_config().vocab_size
+    if rows < sampled:
+        raise ConfigError(
+            f"--teacher_pretrain {cfg.model.teacher_pretrain} has {rows} embedding rows for the policy's {sampled}; "
+            "it cannot score every id the policy may sample"
+        )
 
 
 def _reward_line(cfg: Config) -> str:
     m = cfg.model
     if cfg.model.needs_reward_model:
         return f"reward: the reward model --reward_pretrain {m.reward_pretrain}"
+    if scores_nothing(cfg):
+        return pure_distillation_line(cfg)
     if cfg.agent.multi_turn:
         return "reward: from the agent's episodes (the agent file is imported at start-up)"
     path = m.compute_score if m.compute_score is not None else m.remote_rm_url

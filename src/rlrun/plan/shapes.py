@@ -253,12 +253,15 @@ def role_shapes(
     critic: ModelShape | None = None,
     reward: ModelShape | None = None,
     ref: ModelShape | None = None,
+    teacher: ModelShape | None = None,
 ) -> dict[Role, ModelShape]:
     """Each role's shape: the policy's for actor/engines, and for the reference unless it has its own (rlrun.dpo's
-    --ref_pretrain); a score-head body for critic/reward (their own config when given, else the policy's body)."""
+    --ref_pretrain); the distillation teacher's own (--teacher_pretrain); a score-head body for critic/reward (their
+    own config when given, else the policy's body)."""
     return {
         Role.ACTOR: policy,
         Role.REF: ref or policy,
+        Role.TEACHER: teacher or policy,
         Role.ENGINE: policy,
         Role.CRITIC: (critic or policy).scalar(),
         Role.REWARD: (reward or policy).scalar(),

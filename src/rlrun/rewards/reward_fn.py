@@ -243,6 +243,15 @@ def _load_builtin() -> RewardFunction:
     return RewardFunction(BUILTIN_SOURCE, openrlhf_style(reward_func))
 
 
+NO_REWARD_SOURCE = "no reward (on-policy distillation alone)"
+
+
+def no_reward() -> RewardFunction:
+    """Every sample scores 0: a run that learns from its distillation teacher alone (--distill_task_reward false)
+    with no reward source (slime's and prime-rl's pure on-policy distillation)."""
+    return RewardFunction(NO_REWARD_SOURCE, openrlhf_style(lambda queries, prompts, labels: [0.0] * len(queries)))
+
+
 def _load_file(path_text: str, timeout_s: float | None) -> RewardFunction:
     module = import_file(path_text, "reward file", RewardError, "reward_func(queries, prompts, labels)")
     fn = getattr(module, "reward_func", None)

@@ -17,7 +17,6 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlrun.agents.episodes import EpisodeRunner, build_episode_runner
-from rlrun.algo.losses import ISCorrection
 from rlrun.checkpoint.checkpointer import Identity, JsonState, Part, SaveOnly
 from rlrun.compat.openrlhf_checkpoint import InitPlan, init_from_openrlhf, plan_init
 from rlrun.config.schema import Config
@@ -40,19 +39,27 @@ from rlrun.models.loading import (
 )
 from rlrun.models.lora import add_scalar_adapters
 from rlrun.models.weights import Unfilled
+from rlrun.plan.checks import loss_params, pure_distillation_line, rollout_correction_of, scores_nothing
 from rlrun.plan.memory_text import dry_run_memory
 from rlrun.plan.plan import PPOPlan, asks_node_labels, plan, roles_of
-from rlrun.plan.preflight import ppo_eval_prompts, ppo_prompts, preflight, prompt_spec
+from rlrun.plan.preflight import (
+    check_teacher_tokenizer,
+    ppo_eval_prompts,
+    ppo_prompts,
+    preflight,
+    prompt_spec,
+    teacher_source,
+)
 from rlrun.reporting.run_report import describe_roles, model_form, saved_outputs
 from rlrun.rewards.compute_score import load_compute_score_function
-from rlrun.rewards.reward_fn import RewardFunction, load_reward_function
+from rlrun.rewards.reward_fn import RewardFunction, load_reward_function, no_reward
 from rlrun.rl.async_loop import AsyncTrainer, PendingRollout
 from rlrun.rl.dynamic_batch import role_budgets
 from rlrun.rl.evaluation import Evaluator
 from rlrun.rl.rollouts import RolloutSource
 from rlrun.rl.sleep import Sleeper, SleepSchedule
 from rlrun.rl.trainer import RankRoles, StepSettings, Trainer, skips_old_log_probs
-from rlrun.roles.actor import Actor, PolicyLossSettings, Reference
+from rlrun.roles.actor import Actor, Reference, policy_loss_settings
 from rlrun.roles.critic import Critic, RewardModel
 from rlrun.roles.export import save_critic, save_policy
 from rlrun.roles.update import Updater, make_optimizer, warmup_cosine
@@ -122,6 +129,8 @@ class PPOTrainer:
         cfg, log = planned.config, started.log
         assert planned.layout is not None
         tokenizer = load_tokenizer(cfg.model)
+        if cfg.model.teacher_pretrain is not None:
+            check_teacher_tokenizer(cfg, tokenizer)
         lg = cfg.logging
         evaluates = lg.eval_dataset is not None and (lg.eval_steps > 0 or lg.eval_before_train)
         with deadline(
@@ -188,6 +197,8 @@ class PPOTrainer:
             cfg.generation.generate_max_len,
             inputs.end_ids,
             cfg.ref_is_actor_base,
+            rollout_correction_of(cfg.algo),
+            distill=cfg.model.teacher_pretrain is not None,
         )
         rollouts = RolloutSource(
             cfg.train,
@@ -379,6 +390,8 @@ def build_reward_sources(cfg: Config, layout: Layout, rank: int, tokenizer: PreT
                 call_timeout_s=cfg.reward_call_timeout,
             )
         )
+    if scores_nothing(cfg):
+        return RewardSources(reward_fn=no_reward())
     return RewardSources(
         reward_fn=load_reward_function(
             m.remote_rm_url,
@@ -412,6 +425,8 @@ def describe_reward(cfg: Config) -> str:
         )
     if m.compute_score is not None:
         return f"reward: {m.compute_score_name}() of --compute_score {m.compute_score} (verl's convention), per sample"
+    if scores_nothing(cfg):
+        return pure_distillation_line(cfg)
     if m.remote_rm_url is None or m.remote_rm_url == "demo":
         return "reward: the demo rule (the fraction of response characters that are digits / letters, as asked)"
     kind = "reward_func() of" if m.remote_rm_url.endswith(".py") else "the HTTP endpoint"
@@ -469,21 +484,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         out.reward_fn, out.agents = inputs.sources.reward_fn, inputs.sources.agents
     if Role.ACTOR in mine:
         actor_strategy = out.strategies[Role.ACTOR] = _strategy(cfg, groups, Role.ACTOR, device)
-        eps_low, eps_high = a.eps_clip_low_high or (a.eps_clip, a.eps_clip)
-        settings = PolicyLossSettings(
-            eps_low,
-            a.dual_clip,
-            a.loss_agg_mode,
-            g.temperature,
-            a.entropy_loss_coef,
-            a.use_kl_loss,
-            a.kl_estimator,
-            eps_clip_high=eps_high,
-            loss_type=a.policy_loss_type,
-            is_correction=ISCorrection(
-                a.is_correction_level, a.is_correction_mode, a.is_correction_gating, *a.is_correction_threshold
-            ),
-        )
+        settings = policy_loss_settings(a, g.temperature, loss_params(a), rollout_correction_of(a))
         policy = trained_policy(next(policies), cfg.model, cfg.train.seed)
         if cfg.model.freeze_visual_encoder:
             freeze_vision_tower(policy.model)
@@ -514,6 +515,17 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         model = out.strategies[Role.REF].wrap(next(policies), trainable=False)
         out.reference = Reference(
             model, g.temperature, device, packing=cfg.train.packing_samples, logits_chunk=cfg.train.logits_chunk_size
+        )
+    if Role.TEACHER in mine:
+        out.strategies[Role.TEACHER] = _strategy(cfg, groups, Role.TEACHER, device)
+        of_teacher = teacher_source(cfg)
+        teacher = unfilled_causal_lm(of_teacher, cfg.train.seed, policy_weights(of_teacher, cfg.train.seed))
+        out.teacher = Reference(
+            out.strategies[Role.TEACHER].wrap(teacher, trainable=False),
+            a.teacher_temperature,
+            device,
+            packing=cfg.train.packing_samples,
+            logits_chunk=cfg.train.logits_chunk_size,
         )
     if Role.CRITIC in mine:
         strategy = out.strategies[Role.CRITIC] = _strategy(cfg, groups, Role.CRITIC, device)
@@ -555,7 +567,8 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
             rank,
             out,
             device,
-            actor_scores=not skips_old_log_probs(cfg.train, cfg.algo) or cfg.ref_is_actor_base,
+            actor_scores=not skips_old_log_probs(cfg.train, cfg.algo, cfg.model.teacher_pretrain is not None)
+            or cfg.ref_is_actor_base,
         )
     return out
 
@@ -576,6 +589,8 @@ def sleep_schedule(
     # A reference that is the actor's LoRA base (adapters switched off) is the actor's model: it sleeps as the actor.
     if roles.reference is not None and not roles.reference.adapters_off:
         sleepers.append(Sleeper(Role.REF, roles.strategies[Role.REF], roles.reference.model, None))
+    if roles.teacher is not None:
+        sleepers.append(Sleeper(Role.TEACHER, roles.strategies[Role.TEACHER], roles.teacher.model, None))
     if roles.reward_model is not None:
         sleepers.append(Sleeper(Role.REWARD, roles.strategies[Role.REWARD], roles.reward_model.model, None))
     return SleepSchedule.of(sleepers, layout, rank, actor_scores=actor_scores, device=device)

@@ -16,7 +16,7 @@ from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Role
 from rlrun.launch.transfer import max_over
 
-_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
+_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.TEACHER, Role.REWARD)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from rlrun.runtime.log import get_logger
 from rlrun.runtime.phases import Phase
 from rlrun.strategies.base import ALL_PARTS, Part, Strategy
 
-MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD)
+MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.TEACHER, Role.REWARD)
 NONE: frozenset[Part] = frozenset()
 PARAMS: frozenset[Part] = frozenset({Part.PARAMS})
 
@@ -50,6 +50,7 @@ def needs(actor_scores: bool) -> dict[Role, dict[Phase, frozenset[Part]]]:
         Role.ACTOR: actor,
         Role.CRITIC: {Phase.SCORE: PARAMS, Phase.TRAIN_CRITIC: ALL_PARTS},
         Role.REF: {Phase.SCORE: PARAMS},
+        Role.TEACHER: {Phase.SCORE: PARAMS},
         Role.REWARD: {Phase.SCORE: PARAMS},
     }
 
@@ -156,7 +157,7 @@ def describe(layout: Layout, actor_scores: bool) -> str:
         for role in models:
             for part in Part:
                 phases = [_named(p) for p, awake in plan.items() if awake is not None and part in awake[role]]
-                if part is Part.STATES and role in (Role.REF, Role.REWARD):
+                if part is Part.STATES and role in (Role.REF, Role.TEACHER, Role.REWARD):
                     continue  # frozen: parameters only
                 parts.append(f"{role.value} {part.value}: {', '.join(phases) or 'never'}")
         lines.append(f"  ranks {','.join(map(str, ranks))} ({', '.join(r.value for r in held)}): " + "; ".join(parts))

@@ -22,6 +22,7 @@ from rlrun.algo.algorithms import (
     RunningMoments,
     compute_advantages,
     compute_approx_kl,
+    distilled_advantages,
     dynamic_filter_keep,
     make_kl_controller,
     masked_mean,
@@ -30,6 +31,7 @@ from rlrun.algo.algorithms import (
     stop_properly_penalty,
     truncated_rows,
 )
+from rlrun.algo.rollout_correction import OFF, RolloutCorrection, correct
 from rlrun.config.schema import AlgorithmConfig, TrainConfig
 from rlrun.data.batching import RowLengths, derive_seed, minibatch_order, seed_everything, shard
 from rlrun.data.prompts import PromptSampler
@@ -38,6 +40,7 @@ from rlrun.engines.base import Engine
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import all_gather_vectors, broadcast_json
+from rlrun.plan.checks import rollout_correction_of
 from rlrun.rewards.reward_fn import RewardFunction
 from rlrun.rl.dynamic_batch import Budgets, scoring_order, unpermute
 from rlrun.rl.evaluation import Evaluator
@@ -45,6 +48,7 @@ from rlrun.rl.rollouts import RolloutSource, StepOutputs
 from rlrun.rl.sleep import SleepSchedule
 from rlrun.roles.actor import Actor, PolicyData, Reference
 from rlrun.roles.critic import Critic, RewardModel, ValueData
+from rlrun.runtime.errors import RlrunError
 from rlrun.runtime.log import get_logger
 from rlrun.runtime.memory import report_memory
 from rlrun.runtime.phases import Phase, PhaseTracker
@@ -61,6 +65,8 @@ class StepSettings:
     generate_max_len: int
     end_ids: tuple[int, ...]  # the ids ending a response: --stop_properly_penalty_coef finds those cut off without one
     ref_by_actor: bool  # LoRA with a KL term: the actor's adapters-off forward scores the reference log-probs
+    correction: RolloutCorrection = OFF  # the engine/actor mismatch correction (rlrun.algo.rollout_correction)
+    distill: bool = False  # --teacher_pretrain: a teacher scores the rollouts (on-policy distillation)
 
 
 @dataclass
@@ -70,6 +76,7 @@ class RankRoles:
     actor: Actor | None = None
     critic: Critic | None = None
     reference: Reference | None = None
+    teacher: Reference | None = None  # --teacher_pretrain's frozen model (on-policy distillation)
     reward_model: RewardModel | None = None
     reward_fn: RewardFunction | None = None  # an engine rank's, when a function or URL rewards its rollouts
     agents: EpisodeRunner | None = None  # multi-turn episodes (their rewards replace reward_fn)
@@ -148,8 +155,10 @@ class Trainer:
         """Score, advantages and the update of one batch (every rank; with --async_train every rank but the
         engines)."""
         batch = out.batch
+        bypass = self.s.correction.bypass
         with self.phase(Phase.SCORE, step):
             results = self.score(out)
+            weights, corrected = self.correct_rollouts(batch, results)
             kl, adv, ret, shaping = self.advantages(batch, results)
         minibatches = self.minibatches(step, batch.sequences.shape[0])
         lengths = RowLengths.of(batch) if self.budgets.on else None
@@ -157,11 +166,14 @@ class Trainer:
         with self.phase(Phase.TRAIN, step):
             if (actor := self.roles.actor) is not None:
                 budget = self.budgets.train.get(Role.ACTOR)
-                data = PolicyData(batch, results.get("old_log_probs"), adv, results.get("ref_log_probs"))
+                old = batch.engine_log_probs if bypass else results.get("old_log_probs")
+                teacher = results.get("teacher_log_probs") if self.s.algo.teacher_kl_loss else None
+                data = PolicyData(batch, old, adv, results.get("ref_log_probs"), weights, teacher)
                 loss = actor.loss(data, self.kl.value, budget, len(minibatches))
                 stats |= _prefixed("actor/", actor.updater.run(minibatches, batch.action_mask, loss, budget, lengths))
             if "old_log_probs" not in results:  # skipped in score: the training forward's log-probs stand in
-                results["old_log_probs"] = self.gather_on_policy_log_probs(batch)
+                on_policy = batch.engine_log_probs if bypass else self.gather_on_policy_log_probs(batch)
+                results["old_log_probs"] = on_policy  # type: ignore[assignment]  # bypass: the engine's are there
                 if "ref_log_probs" in results:
                     kl = compute_approx_kl(
                         results["old_log_probs"], results["ref_log_probs"], self.s.algo.kl_estimator, batch.action_mask
@@ -176,7 +188,7 @@ class Trainer:
         # adaptive controller, with n_steps = rollout_batch_size * n_samples_per_prompt rows.
         mean_kl = sequence_mean_kl(kl, batch.action_mask)
         self.kl.update(mean_kl, self.s.train.rollouts_per_step)
-        return Learned(results, mean_kl, adv, stats, shaping)
+        return Learned(results, mean_kl, adv, stats, shaping | corrected)
 
     def sync_weights(self) -> None:
         """Actor -> engines (collective over the actor and engine ranks), then the engine takes the new weights
@@ -201,10 +213,11 @@ class Trainer:
                 R,
                 r.reference and r.reference.log_probs,
             ),
+            ("teacher_log_probs", Role.TEACHER, R, r.teacher and r.teacher.log_probs),
             ("values", Role.CRITIC, R, r.critic and r.critic.values),
             ("scores", Role.REWARD, 1, r.reward_model and r.reward_model.score),
         ]
-        if skips_old_log_probs(self.s.train, self.s.algo):  # the update gathers them from its training forward
+        if skips_old_log_probs(self.s.train, self.s.algo, self.s.distill):  # the update's or the engine's stand in
             jobs = jobs[1:]
         for key, role, width, fn in jobs:
             if not self.layout.has(role):
@@ -242,6 +255,29 @@ class Trainer:
         out[rows_and_logp[:, 0].long()] = rows_and_logp[:, 1:]
         return out
 
+    # ---- rollout correction ---------------------------------------------------------------------------------------
+
+    def correct_rollouts(
+        self, batch: RolloutBatch, results: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """The rollout correction of the batch, identical on every rank: the importance weights [B, R] of the actor's
+        old log-probs against the engine's (None without them) and its metrics; rejection sampling leaves the
+        rejected tokens out of `batch`'s response mask before the advantages, as verl does. With --rollout_bypass the
+        loss does this per micro-batch (rlrun.roles.actor)."""
+        c = self.s.correction
+        if not c.needs_old_log_probs:
+            return None, {}
+        if batch.engine_log_probs is None:
+            raise RlrunError(
+                "the rollout correction needs the engine's log-prob of every sampled token, and this batch has none "
+                "(an agent's episodes without them, or an engine that does not report them): use "
+                "--generation_backend native or vllm, or drop the correction"
+            )
+        fixed = correct(results["old_log_probs"], batch.engine_log_probs, batch.action_mask, c)
+        if c.rejection:
+            batch.action_mask = batch.action_mask * fixed.keep.to(batch.action_mask.dtype)
+        return fixed.weights, fixed.metrics
+
     # ---- advantages ---------------------------------------------------------------------------------------------
 
     def advantages(
@@ -254,6 +290,8 @@ class Trainer:
         of filtered groups IN `batch`, so they drop out of every loss and token count downstream."""
         a, n = self.s.algo, self.s.train.n_samples_per_prompt
         scores = results["scores"].float()
+        if self.s.distill and not a.distill_task_reward:  # learn from the teacher alone; the reward is still logged
+            scores = torch.zeros_like(scores)
         shaping: dict[str, float] = {}
         if a.dynamic_filtering:
             keep = dynamic_filter_keep(scores, n, a.dynamic_filtering_reward_range)
@@ -293,7 +331,39 @@ class Trainer:
             reward_clip_range=a.reward_clip_range,
             std_norm=not a.no_advantage_std_norm,
         )
+        if "teacher_log_probs" in results:
+            adv, distilled = self.distill(adv, results, mask)
+            shaping |= distilled
         return kl, adv, ret, shaping
+
+    def distill(
+        self, adv: torch.Tensor, results: dict[str, torch.Tensor], mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """On-policy distillation: the divergence of the policy's sampled tokens from the teacher, its metrics, and
+        (without --teacher_kl_loss) the advantages minus --teacher_kl_coef times it. [B, R] in and out."""
+        a = self.s.algo
+        teacher = results["teacher_log_probs"]
+        # The actor's log-probs before the update (the loss term reads the current ones itself).
+        student = results["old_log_probs"] if "old_log_probs" in results else None
+        m = mask.bool()
+        metrics = {"distill/teacher_logprob": float(masked_mean(teacher, m))}
+        if student is None:  # --teacher_kl_loss on an on-policy step: the update's log-probs, logged after it
+            return adv, metrics
+        raw = compute_approx_kl(student, teacher, a.teacher_kl_estimator, m)
+        metrics["distill/teacher_kl"] = float(masked_mean(student - teacher, m))
+        if m.any():
+            metrics |= {
+                "distill/divergence": float(masked_mean(raw, m)),
+                "distill/divergence_max": float(raw[m].max()),
+                "distill/divergence_min": float(raw[m].min()),
+            }
+        if a.teacher_kl_loss:
+            return adv, metrics
+        divergence = raw
+        if a.teacher_kl_clamp is not None:
+            divergence = raw.clamp(-a.teacher_kl_clamp, a.teacher_kl_clamp)
+            metrics["distill/clamped_frac"] = float(masked_mean((divergence != raw).float(), m))
+        return distilled_advantages(adv, divergence, m, a.teacher_kl_coef), metrics
 
     # ---- update -------------------------------------------------------------------------------------------------
 
@@ -382,21 +452,26 @@ class Trainer:
             self.roles.actor.updater.load_state_dict(state["actor"])
 
 
-def skips_old_log_probs(train: TrainConfig, algo: AlgorithmConfig) -> bool:
-    """Whether Trainer.score skips the actor's "old log-probs" forward. True exactly when
+def skips_old_log_probs(train: TrainConfig, algo: AlgorithmConfig, distill: bool = False) -> bool:
+    """Whether Trainer.score skips the actor's "old log-probs" forward. True when nothing needs them before
+    training (the KL is not a reward penalty: --use_kl_loss, or no reference model, i.e. --init_kl_coef 0; no
+    teacher term in the advantages: `distill` without --teacher_kl_loss), and
 
+    * with --rollout_bypass (verl's bypass mode): the engine's log-probs are the loss's old ones; or
     * the update is on-policy: --max_epochs 1 and ONE mini-batch per rollout batch (--train_batch_size ==
       --rollout_batch_size * --n_samples_per_prompt), so the training forward runs on the same weights the
       scoring pass would and the PPO ratio can use its detached log-probs (ratio 1 in value, the same
-      gradient; TRL's GRPOTrainer does this), and
-    * nothing needs them before training: the KL is not a reward penalty (--use_kl_loss, or no reference
-      model, i.e. --init_kl_coef 0).
+      gradient; TRL's GRPOTrainer does this), and no rollout correction weighs them against the engine's.
 
     The logged `kl` (and the adaptive controller's input) and the engine-vs-actor log-prob diff are then
-    computed after training from the training forward's log-probs (Trainer.gather_on_policy_log_probs),
-    so they keep their meaning."""
+    computed after training from the training forward's log-probs (Trainer.gather_on_policy_log_probs; the
+    engine's in bypass mode), so they keep their meaning."""
+    unneeded = (algo.use_kl_loss or not algo.needs_ref) and not (distill and not algo.teacher_kl_loss)
+    correction = rollout_correction_of(algo)
+    if correction.bypass:
+        return unneeded
     on_policy = train.max_epochs == 1 and train.train_batch_size == train.rollouts_per_step
-    return on_policy and (algo.use_kl_loss or not algo.needs_ref)
+    return on_policy and unneeded and not correction.needs_old_log_probs
 
 
 def _prefixed(prefix: str, stats: dict[str, float]) -> dict[str, float]:

@@ -9,7 +9,10 @@ import torch
 from torch import nn
 
 from rlrun.algo.algorithms import compute_approx_kl
-from rlrun.algo.losses import ISCorrection, LossAggMode, PolicyLossType, aggregate_loss, policy_loss
+from rlrun.algo.losses import LossAggMode, aggregate_loss
+from rlrun.algo.policy_losses import PolicyLossParams, PolicyLossType, policy_loss
+from rlrun.algo.rollout_correction import OFF, RolloutCorrection, correct
+from rlrun.config.schema import AlgorithmConfig
 from rlrun.data.batching import TokenBudget, pad_responses, trim_padding
 from rlrun.data.rollout import RolloutBatch
 from rlrun.models.lora import adapters_disabled
@@ -28,7 +31,37 @@ class PolicyLossSettings:
     kl_estimator: str
     eps_clip_high: float | None = None  # upper clip range; None: eps_clip (symmetric)
     loss_type: PolicyLossType = "ppo"
-    is_correction: ISCorrection | None = None  # engine/actor mismatch correction (needs engine log-probs)
+    params: PolicyLossParams = PolicyLossParams()
+    correction: RolloutCorrection = OFF  # engine/actor mismatch correction (needs engine log-probs)
+    teacher_kl_coef: float = 0.0  # --teacher_kl_loss: the distillation term's weight
+    teacher_kl_estimator: str = "k3"
+    teacher_kl_clamp: float | None = None
+
+
+def policy_loss_settings(
+    a: AlgorithmConfig, temperature: float, params: PolicyLossParams, correction: RolloutCorrection
+) -> PolicyLossSettings:
+    """The actor's loss from the algorithm section and what rlrun.plan.checks made of it (temperature: the
+    sampler's, so that the ratio is taken against the distribution that sampled)."""
+    eps_low, eps_high = a.eps_clip_low_high or (a.eps_clip, a.eps_clip)
+    # verl's bypass "reinforce": -A log pi times the weights, which is rlrun's gpg loss with them.
+    loss_type = "gpg" if correction.bypass and correction.bypass_loss == "reinforce" else a.policy_loss_type
+    return PolicyLossSettings(
+        eps_low,
+        a.dual_clip,
+        a.loss_agg_mode,
+        temperature,
+        a.entropy_loss_coef,
+        a.use_kl_loss,
+        a.kl_estimator,
+        eps_clip_high=eps_high,
+        loss_type=loss_type,
+        params=params,
+        correction=correction,
+        teacher_kl_coef=a.teacher_kl_coef,
+        teacher_kl_estimator=a.teacher_kl_estimator,
+        teacher_kl_clamp=a.teacher_kl_clamp,
+    )
 
 
 @dataclass
@@ -36,9 +69,12 @@ class PolicyData:
     """Full-batch training inputs (every actor rank holds all rows). [B, R] unless noted."""
 
     batch: RolloutBatch
-    old_log_probs: torch.Tensor | None  # None: exactly on-policy, the ratio uses the detached training log-probs
+    # None: exactly on-policy, the ratio uses the detached training log-probs; with --rollout_bypass the engine's
+    old_log_probs: torch.Tensor | None
     advantages: torch.Tensor
     ref_log_probs: torch.Tensor | None
+    weights: torch.Tensor | None = None  # the rollout correction's importance weights (detached)
+    teacher_log_probs: torch.Tensor | None = None  # --teacher_kl_loss: the teacher's, for the distillation term
 
 
 class Actor:
@@ -84,7 +120,7 @@ class Actor:
 
         def micro_loss(
             rows: torch.Tensor, num_tokens: float, num_seqs: float
-        ) -> tuple[torch.Tensor, dict[str, torch.Tensor | int]]:
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float | int]]:
             part = data.batch.rows(rows)
             part = (trim_padding(part) if budget is not None else part).to(self.device)
             r = part.response_width  # [b, r] per-token tensors below: the full batch's columns cut to the part's
@@ -107,23 +143,33 @@ class Actor:
                 old_log_probs = cols(data.old_log_probs)
             m = part.action_mask
             norm = {"num_tokens": num_tokens, "num_seqs": num_seqs}
+            weights = None if data.weights is None else cols(data.weights)
+            policy_mask, corrected = m, {}
+            c = s.correction
+            if c.bypass and part.engine_log_probs is not None:
+                # verl's bypass mode: weights and rejections of the current policy against the engine, per micro-batch;
+                # rejected tokens leave the policy term only.
+                fix = correct(logp.detach(), part.engine_log_probs, m, c)
+                policy_mask, corrected = m * fix.keep.to(m.dtype), fix.metrics
+                weights = fix.weights if c.bypass_loss == "reinforce" else None
             loss, stats = policy_loss(
                 logp,
                 old_log_probs,
                 cols(data.advantages),
-                m,
+                policy_mask,
                 eps_clip=s.eps_clip,
                 eps_clip_high=s.eps_clip_high,
                 dual_clip=s.dual_clip,
                 loss_type=s.loss_type,
                 agg=s.agg,
                 **norm,
-                rollout_log_probs=part.engine_log_probs,
-                is_correction=s.is_correction,
+                weights=weights,
+                params=s.params,
             )
-            reported: dict[str, torch.Tensor | int] = {
+            reported: dict[str, torch.Tensor | float | int] = {
                 "policy_loss": loss.detach(),
                 **stats,
+                **corrected,
                 FED_TOKENS: fed_tokens(self.model, part, self.packing),
                 REAL_TOKENS: int(part.attention_mask.sum()),
             }
@@ -132,6 +178,13 @@ class Actor:
                 kl_loss = aggregate_loss(kl, m, s.agg, **norm)
                 loss = loss + kl_coef * kl_loss
                 reported["kl_loss"] = kl_loss.detach()
+            if data.teacher_log_probs is not None:  # verl's GKD-style distillation: D(pi || teacher) backpropagated
+                divergence = compute_approx_kl(logp, cols(data.teacher_log_probs), s.teacher_kl_estimator, m)  # type: ignore[arg-type]
+                if s.teacher_kl_clamp is not None:
+                    divergence = divergence.clamp(-s.teacher_kl_clamp, s.teacher_kl_clamp)
+                distill_loss = aggregate_loss(divergence, m, s.agg, **norm)
+                loss = loss + s.teacher_kl_coef * distill_loss
+                reported["distill_loss"] = distill_loss.detach()
             if entropy is not None:
                 ent = aggregate_loss(entropy, m, s.agg, **norm)
                 loss = loss - s.entropy_coef * ent  # type: ignore[operator]

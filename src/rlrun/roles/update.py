@@ -72,7 +72,7 @@ FED_TOKENS, REAL_TOKENS = "fed_tokens", "real_tokens"
 # Stats that are a micro-batch's share of its mini-batch's value (normalised by the whole mini-batch's tokens or
 # sequences, as the loss is): summed over a mini-batch's micro-batches, then averaged over the mini-batches, so the
 # logged loss is the mini-batch's loss whatever the micro-batch size (as OpenRLHF's per-micro-batch means are).
-LOSS_SHARES = frozenset({"policy_loss", "kl_loss", "entropy", "value_loss"})
+LOSS_SHARES = frozenset({"policy_loss", "kl_loss", "entropy", "value_loss", "distill_loss"})
 
 
 @dataclass
