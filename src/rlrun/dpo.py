@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlrun.cli.parser import CliSpec
-from rlrun.compat.openrlhf_flags import DPO_DOTTED, DPO_IGNORED
+from rlrun.compat.openrlhf_flags import DPO_DOTTED, DPO_IGNORED, SUPERVISED_RENAMED
 from rlrun.config.supervised import DPOConfig
 from rlrun.launch.failures import leave
 from rlrun.models.loading import unfilled_policy
@@ -23,6 +23,7 @@ CLI = CliSpec(
     config_cls=DPOConfig,
     ignored=DPO_IGNORED,
     dotted=DPO_DOTTED,
+    renamed=SUPERVISED_RENAMED,
     defaults={
         "ckpt_path": "./ckpt/checkpoints_dpo",
         "learning_rate": 1e-5,
@@ -46,6 +47,7 @@ def _build(cfg: DPOConfig, ctx: BuildContext) -> DPOTask:
         ctx.pad_id,
         cfg.train.packing_samples,
         DPOSettings(loss.beta, loss.label_smoothing, loss.ipo, loss.nll_loss_coef),
+        ctx.sp,
     )
 
 

@@ -9,7 +9,7 @@ from typing import Any, cast
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.cli.parser import CliSpec
-from rlrun.compat.openrlhf_flags import RM_DOTTED, RM_IGNORED
+from rlrun.compat.openrlhf_flags import RM_DOTTED, RM_IGNORED, SUPERVISED_RENAMED
 from rlrun.config.supervised import RMConfig
 from rlrun.data.sources import DataSpec
 from rlrun.launch.failures import leave
@@ -26,6 +26,7 @@ CLI = CliSpec(
     config_cls=RMConfig,
     ignored=RM_IGNORED,
     dotted=RM_DOTTED,
+    renamed=SUPERVISED_RENAMED,
     defaults={
         "ckpt_path": "./ckpt/checkpoints_rm",
         "learning_rate": 9e-6,
@@ -66,6 +67,7 @@ def _build(cfg: RMConfig, ctx: BuildContext) -> RewardModelTask:
         cfg.train.packing_samples,
         cfg.loss.loss,
         cfg.loss.margin_loss,
+        ctx.sp,
     )
 
 

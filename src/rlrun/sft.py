@@ -9,7 +9,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.cli.parser import CliSpec
-from rlrun.compat.openrlhf_flags import SFT_DOTTED, SFT_IGNORED
+from rlrun.compat.openrlhf_flags import SFT_DOTTED, SFT_IGNORED, SUPERVISED_RENAMED
 from rlrun.config.supervised import SFTConfig
 from rlrun.data.sources import DataSpec
 from rlrun.launch.failures import leave
@@ -26,6 +26,7 @@ CLI = CliSpec(
     config_cls=SFTConfig,
     ignored=SFT_IGNORED,
     dotted=SFT_DOTTED,
+    renamed=SUPERVISED_RENAMED,
     defaults={
         "ckpt_path": "./ckpt/checkpoints_sft",
         "learning_rate": 5e-6,
@@ -54,7 +55,7 @@ def _load(cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, path: str | DataSp
 
 def _build(cfg: SFTConfig, ctx: BuildContext) -> SFTTask:
     model, optimizer, strategy = trainable(unfilled_policy(cfg.model, cfg.train.seed), cfg.model, cfg.train, ctx)
-    return SFTTask(model, optimizer, strategy, ctx.device, ctx.pad_id, cfg.train.packing_samples)
+    return SFTTask(model, optimizer, strategy, ctx.device, ctx.pad_id, cfg.train.packing_samples, ctx.sp)
 
 
 TRAINER: Supervised[Any] = Supervised(CLI, _load, _build, SupervisedJob())

@@ -30,7 +30,7 @@ COMMON_FIELDS = {
     "apply_chat_template", "tokenizer_chat_template", "save_path", "ckpt_path", "save_steps", "load_checkpoint",
     "max_ckpt_num", "logging_steps", "eval_steps", "metrics_file", "use_wandb", "wandb_org", "wandb_project",
     "wandb_group", "wandb_run_name", "use_tensorboard", "device", "dist_backend", "dist_timeout", "dry_run",
-    "lora_rank", "lora_alpha", "target_modules", "lora_dropout", "save_merged",
+    "lora_rank", "lora_alpha", "target_modules", "lora_dropout", "save_merged", "sequence_parallel_size",
 }
 PAIR_FIELDS = {"prompt_key", "chosen_key", "rejected_key"}
 FIELDS = {

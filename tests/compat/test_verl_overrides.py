@@ -211,6 +211,29 @@ def test_clip_ratios():
                       "actor_rollout_ref.actor.clip_ratio_high=0.3").algo.eps_clip_low_high == (0.1, 0.3)
 
 
+A, REF = "actor_rollout_ref.actor.", "actor_rollout_ref.ref."
+
+
+@pytest.mark.parametrize("overrides, actor, ref, critic", [
+    # verl's remax example (examples/remax_trainer/run_qwen2.5_math_7b_sync_fsdp.sh): the actor's deprecated key;
+    # the reference follows it (oc.select), the critic keeps verl's default 1
+    ([A + "ulysses_sequence_parallel_size=2"], 2, None, 1),
+    ([A + "fsdp_config.ulysses_sequence_parallel_size=4"], 4, None, 1),
+    # the deprecated key wins only when > 1 (verl's ActorConfig.__post_init__)
+    ([A + "ulysses_sequence_parallel_size=1", A + "fsdp_config.ulysses_sequence_parallel_size=2"], 2, None, 1),
+    ([A + "ulysses_sequence_parallel_size=4", REF + "ulysses_sequence_parallel_size=1"], 4, 1, 1),
+    ([A + "ulysses_sequence_parallel_size=2", REF + "fsdp_config.ulysses_sequence_parallel_size=4"], 2, 4, 1),
+    # verl's ascend PPO example: actor and critic both 2
+    ([A + "ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=2"], 2, None, 2),
+    (["critic.fsdp.ulysses_sequence_parallel_size=4"], 1, None, 4),
+])
+def test_ulysses_sizes_follow_verl(overrides, actor, ref, critic):
+    cfg = cfg_of(*overrides)
+    assert cfg.train.sequence_parallel_size == actor
+    assert cfg.resources.ref_sequence_parallel_size == ref
+    assert cfg.resources.critic_sequence_parallel_size == critic
+
+
 def test_null_keeps_rlrun_default_where_a_value_is_needed():
     assert cfg_of("data.train_data_num=null") == Config()
     assert cfg_of("--max_steps", "3", "trainer.total_training_steps=null").train.max_steps is None
@@ -307,7 +330,7 @@ def test_turn_lengths_plain_verl_and_search_r1():
 def test_every_group_member_is_listed():
     assert {m.group for m in VERL_KEYS.values() if isinstance(m, Part)} == {"kl", "batch", "micro", "estimator",
                                                                             "data", "clip", "turns", "lora", "cov",
-                                                                            "distill"}
+                                                                            "distill", "sp"}
 
 
 # --- the seed scripts, as published -------------------------------------------------------------------------------

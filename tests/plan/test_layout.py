@@ -400,3 +400,31 @@ def test_a_teacher_block_that_does_not_add_up_names_its_size() -> None:
     unneeded = plan_layout(dataclasses.replace(request, need_teacher=False, teacher=rr(1)), 3, 3)
     assert any("teacher: 1 rank requested but the teacher is not needed (no --teacher_pretrain" in w
                for w in unneeded.warnings)
+
+
+def test_sequence_parallel_groups_split_each_role_into_consecutive_blocks() -> None:
+    """Colocated roles of one size share their blocks (one group each); the critic's own size makes its own; the
+    data-parallel coordinates count blocks, and the first rank of each block reports its rows."""
+    request = LayoutRequest(actor=rr(4), critic=rr(4), colocate_actor_ref=True, need_reward=False,
+                            sequence_parallel=((A, 2), (RF, 2), (C, 4)))
+    layout = plan_layout(request, 8, 8)
+    sp_groups = [g for g in layout.groups if g.name.startswith("sp.")]
+    assert sp_groups == [GroupSpec("sp.0-1", (0, 1)), GroupSpec("sp.2-3", (2, 3)), GroupSpec("sp.4-7", (4, 5, 6, 7))]
+    assert layout.sp_group_name(A, 3) == layout.sp_group_name(RF, 3) == "sp.2-3"
+    assert layout.sp_group_name(C, 5) == "sp.4-7"
+    assert [layout.data_parallel(A, r) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert layout.data_parallel(C, 6) == (0, 1)
+    assert layout.reporting_ranks(A) == (0, 2) and layout.reporting_ranks(C) == (4,)
+    assert "sp.0-1" in layout.group_names_of(1) and "sp.4-7" not in layout.group_names_of(1)
+    assert layout.sp_group_name(RW, 0) is None  # a role without SP, or not placed
+    assert plan_layout(request, 8, 8) == layout  # pure: every rank computes the same groups
+
+
+def test_sequence_parallel_sizes_must_divide_the_role_and_a_block_across_nodes_warns() -> None:
+    with pytest.raises(LayoutError, match=r"critic: its 4 ranks do not split into sequence-parallel groups of 3; "
+                                          r"give the role a multiple of 3 ranks"):
+        plan_layout(LayoutRequest(actor=rr(4), critic=rr(4), need_reward=False,
+                                  sequence_parallel=((A, 2), (C, 3))), 8, 8)
+    request = LayoutRequest(colocate_all_models=True, sequence_parallel=((A, 4),))
+    across = plan_layout(request, 8, 2)
+    assert any("crosses a node boundary (2 ranks per node)" in w for w in across.warnings), across.warnings

@@ -22,8 +22,8 @@ from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_
 from rlrun.plan.memory import kv_cache_bytes
 from rlrun.plan.shapes import GIB, SupervisedJob, Target, knobs_of
 from rlrun.plan.memory import plan_memory
-from rlrun.plan.memory_text import (dry_run_memory, format_plan, problem_lines, read_shapes, supervised_memory,
-                                  target_for)
+from rlrun.plan.memory_text import (dry_run_memory, format_plan, note_lines, plan_json, problem_lines, read_shapes,
+                                  supervised_memory, target_for)
 from rlrun.plan.shapes import model_shape
 from rlrun.vision.demo import tiny_vl_config
 from rlrun.plan.plan import plan
@@ -354,3 +354,50 @@ def test_supervised_dry_run_memory_prints_writes_json_and_skips_what_is_not_here
     cfg = _supervised("rlrun.dpo", ["--pretrain", str(model), "--ref_pretrain", "/elsewhere/ref", "--dataset", "p.jsonl"])
     lines, _ = supervised_memory(cfg, SupervisedJob(pairs=True, reference=True), 8, 8, False)
     assert "ref (--ref_pretrain /elsewhere/ref): not on this machine, planned with the policy's shape" in lines
+
+
+def test_sequence_parallelism_divides_the_per_token_work_and_lengthens_what_fits(tmp_path):
+    """--sequence_parallel_size N: activations and logits per rank / N, the all-to-all buffers (and the mask of rows
+    up to DENSE_MASK_COLUMNS) in their own column; the longest --generate_max_len that fits grows about N-fold."""
+    from rlrun.plan.memory import activation_bytes, ulysses_bytes
+    from rlrun.strategies.ulysses import DENSE_MASK_COLUMNS
+
+    grpo = ["--colocate_all_models", "--remote_rm_url", "demo", "--advantage_estimator", "group_norm", "--use_kl_loss",
+            "--n_samples_per_prompt", "8", "--rollout_batch_size", "16", "--train_batch_size", "128",
+            "--micro_train_batch_size", "1", "--micro_rollout_batch_size", "1", "--bf16", "--zero_stage", "3",
+            "--gradient_checkpointing", "--prompt_max_len", "1024", "--generate_max_len", "15360",
+            "--logits_chunk_size", "0", "--vllm_gpu_memory_utilization", "0.3", "--vllm_enable_sleep"]
+    plans = {sp: _job(tmp_path, *grpo, "--sequence_parallel_size", str(sp), world=8, config=LLAMA_2_7B)
+             for sp in (1, 2, 4)}
+    shape, k = plans[1][2].shapes[Role.ACTOR], plans[1][2].knobs
+    assert plans[2][2].knobs.sp_of(Role.ACTOR) == 2 and plans[2][2].knobs.sp_of(Role.REF) == 2
+    # the actor's training forward at sp 4 keeps a quarter of the activations, projects a quarter of the positions
+    assert activation_bytes(shape, k, 1, True, 4) == pytest.approx(activation_bytes(shape, k, 1, True) / 4, rel=1e-3)
+    assert "ulysses" not in plans[1][2].ranks[0].gpu
+    phases = {sp: m.ranks[0].phases["train_actor"] for sp, (_, _, m, _) in plans.items()}
+    assert phases[4] < phases[2] < phases[1]
+    # rows over DENSE_MASK_COLUMNS attend sequence by sequence: no [L, L] mask is counted
+    assert k.seq > DENSE_MASK_COLUMNS
+    assert ulysses_bytes(shape, k, 1, 2) < 2 * k.seq * shape.hidden * 2  # a layer's q/k/v in two layouts, no mask
+    short = dataclasses.replace(k, seq=4096, response=3072)
+    assert ulysses_bytes(shape, short, 1, 2) >= 4096 * 4096 * 3  # the cached mask and sdpa's bf16 copy
+    longest = {sp: plans[sp][2].longest for sp in plans}
+    assert all(len(runs) == 1 and runs[0][0] == tuple(range(8)) for runs in longest.values())
+    tokens = {sp: runs[0][1] for sp, runs in longest.items()}
+    assert tokens[1] < tokens[2] < tokens[4] and tokens[4] > 3 * tokens[1], tokens
+    line = next(line for line in note_lines(plans[4][2]) if line.startswith("longest --generate_max_len"))
+    assert "(sequence parallelism: actor 4, ref 4)" in line and f"ranks 0-7 (actor,ref,engine) {tokens[4]:,} tokens" in line
+    assert plan_json(plans[4][2], [])["longest_response"] == [{"ranks": list(range(8)), "tokens": tokens[4]}]
+
+
+def test_supervised_plans_say_the_longest_max_len_and_count_the_blocks(tmp_path):
+    model = _model_dir(tmp_path / "llama-2-7b", LLAMA_2_7B)
+    lengths = {}
+    for sp in (1, 4):
+        cfg = _supervised("rlrun.sft", ["--pretrain", str(model), "--dataset", "sft.jsonl", "--bf16", "--gpu_memory_gb",
+                                        "80", "--gradient_checkpointing", "--zero_stage", "3", "--micro_train_batch_size",
+                                        "1", "--max_len", "8192", "--sequence_parallel_size", str(sp)])
+        lines, _ = supervised_memory(cfg, SupervisedJob(), 8, 8, False)
+        line = next(line for line in lines if line.startswith("longest --max_len"))
+        lengths[sp] = int(re.search(r"ranks 0-7 \(model\) ([\d,]+) tokens", line).group(1).replace(",", ""))
+    assert lengths[4] > 3 * lengths[1], lengths

@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeGuard, get_args, get_origin, get_type_hints
 import yaml
 
 from rlrun.compat import openrlhf_flags, verl_overrides
-from rlrun.compat.argv import LAUNCHER, NOT_YET, QLORA, RAY_ONLY, Nargs, refused
+from rlrun.compat.argv import LAUNCHER, NOT_YET, QLORA, RAY_ONLY, RING_HEAD_STRIDE, Nargs, refused
 from rlrun.config.fields import FieldInfo, build_config, coerce, fields_of, suggest
 from rlrun.config.schema import Config
 from rlrun.runtime.errors import ConfigError
@@ -56,8 +56,7 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
     "freezing_actor_steps": (1, NOT_YET),
     "lr_scheduler": (1, "rlrun always uses linear warmup + cosine decay"),
     "aux_loss_coef": (1, NOT_YET),
-    "ring_attn_size": (1, NOT_YET),
-    "ring_head_stride": (1, NOT_YET),
+    "ring_head_stride": (1, RING_HEAD_STRIDE),
     "value_head_prefix": (1, NOT_YET),
     "perf": (0, NOT_YET),
     "use_ms": (0, "ModelScope hub: rlrun reads local paths and Hugging Face Hub ids"),
@@ -68,6 +67,7 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
 RENAMED_FLAGS: dict[str, str] = {
     "use_dynamic_batch": "dynamic_batch",
     "vllm_is_truncated_threshold": "is_correction_threshold",  # OpenRLHF 0.9.1-0.10.1: LOW HIGH
+    "ring_attn_size": "sequence_parallel_size",  # OpenRLHF's ring attention groups: rlrun's Ulysses groups
 }
 
 

@@ -52,6 +52,10 @@ def take_values(argv: Sequence[str], start: int, nargs: Nargs, flag: str) -> lis
 
 RAY_ONLY = "Ray-only: rlrun runs without Ray (torchrun/srun start the processes)"
 NOT_YET = "not implemented in rlrun yet; it has no effect"
+RING_HEAD_STRIDE = (
+    "not needed: rlrun runs --ring_attn_size as Ulysses sequence parallelism, which exchanges all attention heads "
+    "in one all-to-all per tensor"
+)
 LAUNCHER = "set by the launcher: torchrun/srun give every process its rank"
 
 # Peer flags and keys whose absence changes WHAT is trained: acting as if they were not given would silently train

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from rlrun.compat.argv import LAUNCHER, NOT_YET, QLORA, Nargs, refused, take_values
+from rlrun.compat.argv import LAUNCHER, NOT_YET, QLORA, RING_HEAD_STRIDE, Nargs, refused, take_values
 from rlrun.config.fields import FieldInfo, coerce, suggest
 from rlrun.runtime.errors import ConfigError
 
@@ -153,7 +153,7 @@ OPENRLHF_DOTTED: dict[str, Meaning] = {
     "ds.lora.alpha": Same("lora_alpha", 1),
     "ds.lora.target_modules": Same("target_modules", "*"),
     "ds.lora.dropout": Same("lora_dropout", 1),
-    "ds.ring_attn_size": Same("ring_attn_size", 1),
+    "ds.ring_attn_size": Same("sequence_parallel_size", 1),
     "ds.ring_attn_head_stride": Same("ring_head_stride", 1),
     "ds.value_head_prefix": Same("value_head_prefix", 1),
     "actor.gradient_checkpointing_enable": Same("gradient_checkpointing", 0),
@@ -494,10 +494,13 @@ _COMMON_IGNORED: dict[str, tuple[int | str, str]] = {
     "ds_tensor_parallel_size": (1, NOT_YET),
     "gradient_checkpointing_use_reentrant": (0, NOT_YET),
     "disable_fast_tokenizer": (0, NOT_YET),
-    "ring_attn_size": (1, NOT_YET),
-    "ring_head_stride": (1, NOT_YET),
+    "ring_head_stride": (1, RING_HEAD_STRIDE),
     "load_in_4bit": (0, QLORA),  # refused (reasons.CHANGES_TRAINING); the LoRA flags are fields
 }
+
+# Classic flags of all three trainers spelled differently in rlrun: OpenRLHF's ring attention groups act as
+# rlrun's Ulysses sequence parallelism (the dotted ds.ring_attn_size too).
+SUPERVISED_RENAMED: dict[str, str] = {"ring_attn_size": "sequence_parallel_size"}
 
 SFT_IGNORED: dict[str, tuple[int | str, str]] = {
     **_COMMON_IGNORED,

@@ -26,6 +26,7 @@ GROUP_FIELDS = {
     "cov": "clip_cov_bounds",
     "distill": "teacher_pretrain, teacher_kl_estimator, teacher_kl_loss, distill_task_reward, teacher_kl_coef, "
     "teacher_kl_clamp, teacher_num_nodes, teacher_num_gpus_per_node",
+    "sp": "sequence_parallel_size, ref_sequence_parallel_size, critic_sequence_parallel_size",
 }
 
 

@@ -25,7 +25,7 @@ from rlrun.config.fields import suggest
 from rlrun.runtime.errors import ConfigError
 
 Convert = Callable[[Any, str], Any]  # (verl value, key) -> rlrun value; raises ConfigError naming the key
-Group = Literal["kl", "batch", "micro", "estimator", "data", "clip", "turns", "lora", "cov", "distill"]
+Group = Literal["kl", "batch", "micro", "estimator", "data", "clip", "turns", "lora", "cov", "distill", "sp"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,6 @@ ONE_SCORING_BUDGET = (
     "rlrun scores rollouts with one token budget: "
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (--rollout_max_tokens_per_gpu)"
 )
-SEQ_PARALLEL = "sequence parallelism is " + NOT_YET
 FSDP2 = (
     "rlrun trains with FSDP2, the default, or DeepSpeed ZeRO-0/1/2 (ZeRO-3 with every model on every rank) with "
     "--strategy deepspeed; see --zero_stage, --adam_offload"
@@ -199,6 +198,7 @@ ACTOR_RC = "verl writes the actor's copy from algorithm.rollout_correction.*, wh
 # --- the key table ---------------------------------------------------------------------------------------------
 
 A, R, C = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "critic."
+REF = "actor_rollout_ref.ref."
 
 VERL_KEYS: dict[str, Meaning] = {
     # data
@@ -327,7 +327,8 @@ VERL_KEYS: dict[str, Meaning] = {
     A + "kl_loss_type": Part("kl"),
     A + "use_dynamic_bsz": To("dynamic_batch", as_bool),
     A + "ppo_max_token_len_per_gpu": To("train_max_tokens_per_gpu"),
-    A + "ulysses_sequence_parallel_size": Skip(SEQ_PARALLEL),
+    A + "ulysses_sequence_parallel_size": Part("sp"),
+    A + "fsdp_config.ulysses_sequence_parallel_size": Part("sp"),
     A + "use_torch_compile": Skip(NOT_YET),
     A + "strategy": Skip(FSDP2),
     A + "shuffle": Skip("rlrun always shuffles each rollout batch, seeded by --seed"),
@@ -338,7 +339,8 @@ VERL_KEYS: dict[str, Meaning] = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": Skip(ONE_MICRO),
     "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": Skip(ONE_SWITCH),
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": Skip(ONE_SCORING_BUDGET),
-    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": Skip(SEQ_PARALLEL),
+    REF + "ulysses_sequence_parallel_size": Part("sp"),
+    REF + "fsdp_config.ulysses_sequence_parallel_size": Part("sp"),
     "actor_rollout_ref.ref.use_torch_compile": Skip(NOT_YET),
     "actor_rollout_ref.ref.strategy": Skip(FSDP2),
     # rollout
@@ -405,7 +407,8 @@ VERL_KEYS: dict[str, Meaning] = {
     C + "use_dynamic_bsz": Skip(ONE_SWITCH),
     C + "ppo_max_token_len_per_gpu": Skip(SHARED),
     C + "forward_max_token_len_per_gpu": Skip(ONE_SCORING_BUDGET),
-    C + "ulysses_sequence_parallel_size": Skip(SEQ_PARALLEL),
+    C + "ulysses_sequence_parallel_size": Part("sp"),
+    C + "fsdp.ulysses_sequence_parallel_size": Part("sp"),
     C + "strategy": Skip(FSDP2),
     C + "shuffle": Skip("rlrun always shuffles each rollout batch, seeded by --seed"),
     # algorithm

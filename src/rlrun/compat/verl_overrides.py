@@ -22,9 +22,11 @@ from rlrun.compat.argv import NOT_YET, Nargs, refused, split_override, take_valu
 from rlrun.compat.verl_keys import (
     DL,
     ESTIMATORS,
+    REF,
     TEACHER,
     VERL_KEYS,
     A,
+    C,
     D,
     Expand,
     Group,
@@ -195,6 +197,26 @@ def _cov(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
     return [("clip_cov_bounds", (1.0 if lb is None else lb, 5.0 if ub is None else ub))]
 
 
+def _sp(v: Mapping[str, Any], world_size: int) -> list[Assignment]:
+    """verl's Ulysses sizes: the actor's ulysses_sequence_parallel_size (deprecated, it wins when > 1, as verl's
+    __post_init__) or its fsdp_config's; the reference's own keys, else the actor's (verl's oc.select); the critic's
+    own, else 1 (verl's default: the critic does not follow the actor)."""
+
+    def size(*keys: str) -> int | None:
+        given = [as_int(v[key], key) for key in keys if v.get(key) is not None]
+        return next((n for n in given if n > 1), given[0] if given else None)
+
+    actor = size(A + "ulysses_sequence_parallel_size", A + "fsdp_config.ulysses_sequence_parallel_size")
+    ref = size(REF + "ulysses_sequence_parallel_size", REF + "fsdp_config.ulysses_sequence_parallel_size")
+    critic = size(C + "ulysses_sequence_parallel_size", C + "fsdp.ulysses_sequence_parallel_size")
+    out: list[Assignment] = [("sequence_parallel_size", actor)] if actor is not None else []
+    if ref is not None:
+        out.append(("ref_sequence_parallel_size", ref))
+    if critic is not None or (actor or 1) > 1:
+        out.append(("critic_sequence_parallel_size", critic or 1))
+    return out
+
+
 # verl's distillation_loss.loss_mode (its kl_penalty names) -> --teacher_kl_estimator
 _DIVERGENCES = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
 
@@ -337,6 +359,7 @@ GROUP_RULES: dict[Group, Rule] = {
     "lora": _lora,
     "cov": _cov,
     "distill": _distill,
+    "sp": _sp,
 }
 
 

@@ -64,6 +64,8 @@ class ResourceConfig:
     colocate_actor_teacher: bool = opt(False, "Distillation teacher on the actor's ranks (same processes).")
     colocate_critic_reward: bool = opt(False, "Reward model on the critic's ranks.")
     colocate_all_models: bool = opt(False, "Every role, engines included, on the same ranks.")
+    ref_sequence_parallel_size: int | None = opt(None, "The reference model's (unset: --sequence_parallel_size).")
+    critic_sequence_parallel_size: int | None = opt(None, "The critic's (unset: --sequence_parallel_size).")
     actor_node_label: str | None = opt(
         None, "Put the actor on nodes with this label (each node's RLRUN_NODE_LABEL, else its host name)."
     )
@@ -534,6 +536,13 @@ class OptimConfig:
         "Score and train on packed rows: the real tokens of several sequences share a "
         "row "
         "(per-sequence position ids, block-diagonal attention) instead of padded rows.",
+    )
+    sequence_parallel_size: int = opt(
+        1,
+        "Ulysses sequence parallelism: groups of N consecutive ranks of each trained and scoring role "
+        "(rlrun.sft/rm/dpo: of all ranks) share every micro-batch's tokens (all-to-all of attention heads), so a "
+        "response N times as long fits; the role's ranks must divide by N. Needs packed rows (turned on with it). "
+        "OpenRLHF's --ring_attn_size and verl's ulysses_sequence_parallel_size set it.",
     )
     max_samples: int = opt(100_000_000, "Use at most this many records of the dataset (the first ones).")
     max_steps: int | None = opt(

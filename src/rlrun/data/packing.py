@@ -85,12 +85,14 @@ def assign_rows(lengths: list[int], capacity: int | None) -> list[list[int]]:
     return rows
 
 
-def pack_batch(batch: RolloutBatch, capacity: int | None, pad_id: int = 0) -> PackedBatch:
+def pack_batch(batch: RolloutBatch, capacity: int | None, pad_id: int = 0, width_multiple: int = 1) -> PackedBatch:
     """Pack every sequence of `batch` (on any device; the result is on the same one).
 
     capacity: the most tokens per packed row, at least the longest sequence; None packs all into ONE
     row (flash-attention's varlen path needs batch size 1). A sequence whose prompt is empty has no
     token before its first response token: that token's entry is left out (it scatters back as 0).
+    width_multiple: the row width is rounded up to a multiple of it (sequence parallelism splits the columns);
+    the added columns are tail padding like any other.
     """
     seqs = batch.sequences
     device = seqs.device
@@ -101,6 +103,7 @@ def pack_batch(batch: RolloutBatch, capacity: int | None, pad_id: int = 0) -> Pa
     lengths = [p + r for p, r in zip(prompt_len, response_len)]
     rows = assign_rows(lengths, capacity)
     width = max((sum(lengths[i] for i in row) for row in rows), default=1)
+    width = -(-width // width_multiple) * width_multiple
     ids = torch.full((max(len(rows), 1), width), pad_id, dtype=torch.long, device=device)
     pos = torch.zeros_like(ids)
     ar = torch.arange(width, device=device)

@@ -10,6 +10,15 @@ import torch.distributed as dist
 from rlrun.launch.layout import Layout, Role
 
 
+@dataclass(frozen=True)
+class SequenceParallel:
+    """A rank's sequence-parallel group: `size` consecutive ranks, this rank the `rank`-th of them."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+
+
 @dataclass
 class Groups:
     """The groups this rank belongs to, by layout name ("world", "actor", "engine.0", "sync", ...)."""
@@ -23,6 +32,16 @@ class Groups:
 
     def role(self, role: Role) -> dist.ProcessGroup | None:
         return self.member.get(role.value)
+
+    def sequence_parallel(self, role: Role) -> SequenceParallel | None:
+        """This rank's sequence-parallel group of `role` (None: the role has none, or this rank does not play it)."""
+        if role not in self.layout.roles_of(self.rank):
+            return None
+        name = self.layout.sp_group_name(role, self.rank)
+        if name is None:
+            return None
+        ranks = next(spec.ranks for spec in self.layout.groups if spec.name == name)
+        return SequenceParallel(self.member[name], len(ranks), ranks.index(self.rank))
 
     @property
     def world(self) -> dist.ProcessGroup:
@@ -63,6 +82,22 @@ def solo_group(timeout_s: float) -> dist.ProcessGroup:
         if r == rank:
             mine = group
     assert mine is not None
+    return mine
+
+
+def sequence_parallel_groups(size: int, timeout_s: float) -> SequenceParallel | None:
+    """The supervised trainers' sequence-parallel groups: blocks of `size` consecutive ranks, every block made by
+    every rank in rank order (as `solo_group`); this rank's block, or None for size 1."""
+    if size == 1:
+        return None
+    rank, world, timeout = dist.get_rank(), dist.get_world_size(), timedelta(seconds=timeout_s)
+    mine = None
+    for first in range(0, world, size):
+        ranks = list(range(first, first + size))
+        group = dist.new_group(ranks, timeout=timeout, group_desc=f"sp.{first}-{first + size - 1}")
+        if rank in ranks:
+            mine = SequenceParallel(group, size, rank - first)
+    assert mine is not None, (rank, world, size)  # check_supervised: the world divides by size
     return mine
 
 

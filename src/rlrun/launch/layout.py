@@ -61,6 +61,9 @@ class LayoutRequest:
     # from there): "sync" is the actor's first rank and each engine's first rank.
     sync_engine_leaders: bool = False
     ref_is_actor_base: bool = False  # LoRA: the actor scores the reference log-probs with its adapters off
+    # Ulysses sequence parallelism: each model role's ranks split into groups of this many consecutive ranks that
+    # share a micro-batch's tokens (absent: 1)
+    sequence_parallel: tuple[tuple[Role, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,10 +81,12 @@ class Layout:
     groups: tuple[GroupSpec, ...]
     warnings: tuple[str, ...] = ()
     node_labels: tuple[str, ...] | None = None  # one per node, when the placement knew them
+    sequence_parallel: Mapping[Role, int] = field(default_factory=dict, hash=False)  # > 1 only
 
     def __post_init__(self) -> None:
         # Read-only, so no module can change a layout the other ranks still hold.
         object.__setattr__(self, "roles", MappingProxyType(dict(self.roles)))
+        object.__setattr__(self, "sequence_parallel", MappingProxyType(dict(self.sequence_parallel)))
         actor, engine = set(self.ranks_of(Role.ACTOR)), set(self.ranks_of(Role.ENGINE))
         # Weight sync has two implementations (in place; broadcast to disjoint ranks); a partial overlap has none.
         if engine != actor and engine & actor:
@@ -115,6 +120,30 @@ class Layout:
         self._check_rank(rank)
         return next((i for i, ranks in enumerate(self.engines) if rank in ranks), None)
 
+    def sp_of(self, role: Role) -> int:
+        """The role's sequence-parallel size (1: none)."""
+        return self.sequence_parallel.get(role, 1)
+
+    def data_parallel(self, role: Role, rank: int) -> tuple[int, int]:
+        """(this rank's data-parallel index, the data-parallel size) within the role: the role's ranks in groups of
+        sp consecutive ranks, each group one data-parallel share."""
+        ranks, sp = self.ranks_of(role), self.sp_of(role)
+        return ranks.index(rank) // sp, len(ranks) // sp
+
+    def sp_group_name(self, role: Role, rank: int) -> str | None:
+        """The name of the sequence-parallel group `rank` shares with its role's other ranks (None: no SP)."""
+        sp = self.sp_of(role)
+        if sp == 1:
+            return None
+        ranks = self.ranks_of(role)
+        start = ranks.index(rank) // sp * sp
+        return sp_group_name(ranks[start : start + sp])
+
+    def reporting_ranks(self, role: Role) -> tuple[int, ...]:
+        """The role's ranks that report its per-row results: the first of each sequence-parallel group (all of
+        them without SP); the group's other ranks computed the same rows."""
+        return self.ranks_of(role)[:: self.sp_of(role)]
+
     @property
     def asynchronous(self) -> bool:
         """--async_train in effect: the engines have ranks of their own and a "learners" group exists."""
@@ -123,6 +152,10 @@ class Layout:
     @property
     def engine_colocated_with_actor(self) -> bool:
         return self.ranks_of(Role.ENGINE) == self.ranks_of(Role.ACTOR)
+
+
+def sp_group_name(ranks: Sequence[int]) -> str:
+    return f"sp.{ranks[0]}-{ranks[-1]}"
 
 
 # ---- printing ----------------------------------------------------------------------------------------------------

@@ -375,14 +375,16 @@ class ScalarHeadModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        **attention: object,
     ) -> torch.Tensor:
         """Padded rows: attention_mask (positions derived from it). Packed rows (rlrun.data.packing):
-        position_ids restarting per sequence and no mask. No KV cache: nothing reads it."""
+        position_ids restarting per sequence and no mask. No KV cache: nothing reads it. `attention`: keywords the
+        model hands to its attention layers (rlrun.strategies.ulysses's `ulysses`)."""
         if position_ids is None:
             assert attention_mask is not None, "pass attention_mask (padded rows) or position_ids (packed rows)"
             position_ids = position_ids_from(attention_mask)
         hidden = self.hf.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **attention
         ).last_hidden_state
         out = score_head(self.hf)(hidden).squeeze(-1).float()
         if self.output_norm is not None:

@@ -176,6 +176,7 @@ def check_values(cfg: Config) -> None:
                 "of naming itself; raise --dist_timeout too, or lower --reward_timeout"
             )
     _positive("max_skipped_steps", t.max_skipped_steps)
+    _check_sequence_parallel(cfg)
     _check_teacher(cfg)
     _check_reward_source(cfg)
 
@@ -381,6 +382,14 @@ def pure_distillation_line(cfg: Config) -> str:
     return f"reward: none; the policy learns from the teacher --teacher_pretrain {cfg.model.teacher_pretrain} alone"
 
 
+def _check_sequence_parallel(cfg: Config) -> None:
+    """--sequence_parallel_size and the per-role sizes: >= 1."""
+    r = cfg.resources
+    _positive("sequence_parallel_size", cfg.train.sequence_parallel_size)
+    for name in ("ref_sequence_parallel_size", "critic_sequence_parallel_size"):
+        _positive(name, getattr(r, name), allow_none=True)
+
+
 def _check_teacher(cfg: Config) -> None:
     """--teacher_pretrain's settings (on-policy distillation)."""
     a = cfg.algo
@@ -544,11 +553,20 @@ def check_supervised(cfg: SupervisedConfig, world_size: int, prog: str) -> None:
         raise ConfigError(f"--max_steps must be >= 1 (or unset), got {t.max_steps}")
     if not t.learning_rate > 0:
         raise ConfigError(f"--learning_rate must be > 0, got {t.learning_rate}")
-    if t.train_batch_size % world_size:
+    _positive("sequence_parallel_size", t.sequence_parallel_size)
+    sp = t.sequence_parallel_size
+    if world_size % sp:
         raise ConfigError(
-            f"--train_batch_size {t.train_batch_size} must be a multiple of the {world_size} ranks "
-            f"(each rank "
-            f"takes an equal share of every batch); use e.g. {max(1, t.train_batch_size // world_size) * world_size}"
+            f"--sequence_parallel_size {sp} does not divide the {world_size} ranks (blocks of {sp} consecutive ranks "
+            f"share each sample); use a divisor of {world_size}, or launch a multiple of {sp} ranks"
+        )
+    dp = world_size // sp
+    if t.train_batch_size % dp:
+        shares = f"{dp} data-parallel shares ({world_size} ranks / --sequence_parallel_size {sp})" if sp > 1 else ""
+        raise ConfigError(
+            f"--train_batch_size {t.train_batch_size} must be a multiple of the "
+            + (shares or f"{world_size} ranks")
+            + f" (each takes an equal share of every batch); use e.g. {max(1, t.train_batch_size // dp) * dp}"
         )
     if cfg.checkpoint.max_ckpt_num < 1:
         raise ConfigError(f"--max_ckpt_num must be >= 1, got {cfg.checkpoint.max_ckpt_num}")

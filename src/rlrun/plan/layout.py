@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from rlrun.launch.layout import GroupSpec, Layout, LayoutRequest, Role, RoleRequest, describe_nodes
+from rlrun.launch.layout import GroupSpec, Layout, LayoutRequest, Role, RoleRequest, describe_nodes, sp_group_name
 from rlrun.runtime.errors import LayoutError
 
 # ---- node-label placement ----------------------------------------------------------------------------------------
@@ -412,5 +412,46 @@ def plan_layout(
                 # The actor's first rank tells the engines it has trained (ReadyFlag): --partial_rollout's engines
                 # generate ahead until then. gloo, a few bytes: no NCCL communicator for it.
                 groups.append(GroupSpec("ready", (roles[Role.ACTOR][0], *roles[Role.ENGINE])))
+    sequence_parallel = _sequence_parallel(request, roles, ranks_per_node, ctx, warnings)
+    groups += _sp_groups(roles, sequence_parallel)
     labels = tuple(node_labels) if node_labels is not None else None
-    return Layout(world_size, ranks_per_node, roles, engines, tuple(groups), tuple(warnings), labels)
+    return Layout(world_size, ranks_per_node, roles, engines, tuple(groups), tuple(warnings), labels, sequence_parallel)
+
+
+def _sequence_parallel(
+    request: LayoutRequest, roles: Mapping[Role, tuple[int, ...]], rpn: int, ctx: str, warnings: list[str]
+) -> dict[Role, int]:
+    """Each placed model role's sequence-parallel size (> 1 only): its ranks must divide by it; a group crossing a
+    node boundary is a warning (four all-to-alls per layer over the network)."""
+    out = {}
+    for role, sp in request.sequence_parallel:
+        ranks = roles.get(role, ())
+        if sp < 1:
+            raise LayoutError(f"{role.value}: sequence-parallel size {sp} must be >= 1{ctx}")
+        if sp == 1 or not ranks:
+            continue
+        if len(ranks) % sp:
+            raise LayoutError(
+                f"{role.value}: its {len(ranks)} rank{'s' if len(ranks) > 1 else ''} do not split into "
+                f"sequence-parallel groups of {sp}; give the role a multiple of {sp} ranks or a sequence-parallel "
+                f"size that divides {len(ranks)}{ctx}"
+            )
+        if any(ranks[i] // rpn != ranks[i + sp - 1] // rpn for i in range(0, len(ranks), sp)):
+            warnings.append(
+                f"{role.value}: a sequence-parallel group of {sp} ranks crosses a node boundary ({rpn} ranks per "
+                "node); it works, but its all-to-alls go over the network"
+            )
+        out[role] = sp
+    return out
+
+
+def _sp_groups(roles: Mapping[Role, tuple[int, ...]], sequence_parallel: Mapping[Role, int]) -> list[GroupSpec]:
+    """One group per run of sp consecutive ranks of each role (colocated roles of one size share them), in role
+    order."""
+    specs: dict[str, GroupSpec] = {}
+    for role, sp in sequence_parallel.items():
+        ranks = roles[role]
+        for start in range(0, len(ranks), sp):
+            chunk = ranks[start : start + sp]
+            specs.setdefault(sp_group_name(chunk), GroupSpec(sp_group_name(chunk), chunk))
+    return list(specs.values())

@@ -37,6 +37,7 @@ from rlrun.plan.shapes import (
     lora_parameters,
     supervised_knobs,
 )
+from rlrun.strategies.ulysses import DENSE_MASK_COLUMNS
 
 # ---- the engines' side -------------------------------------------------------------------------------------------
 # The engines' side of the memory plan (rlrun.plan.memory): what a rank holds to take each weight sync
@@ -203,6 +204,7 @@ COMPONENTS = (
     "gathered",
     "activations",
     "logits",
+    "ulysses",
     "kv_cache",
     "vllm",
     "sync",
@@ -248,11 +250,11 @@ def _layer_activations(s: ModelShape, k: Knobs, mlp_width: int, saved: bool) -> 
     return e * (6 * s.hidden + 4 * mlp_width + 2 * s.kv_heads * s.head_dim) + 8 * s.hidden + scores
 
 
-def activation_bytes(s: ModelShape, k: Knobs, rows: int, train: bool) -> int:
+def activation_bytes(s: ModelShape, k: Knobs, rows: int, train: bool, sp: int = 1) -> int:
     """A micro-batch of `rows` rows of k.seq tokens: what a training forward keeps for backward (train), or a no-grad
-    forward's largest working set."""
+    forward's largest working set; with sequence parallelism a rank's 1/sp of the tokens."""
     widths = s.mlp_widths or (4 * s.hidden,) * s.layers  # a shape without them: a 4h MLP
-    tokens = rows * k.seq
+    tokens = rows * -(-k.seq // sp)
     widest = tokens * _layer_activations(s, k, max(widths), saved=train)
     if not train:
         return widest
@@ -262,9 +264,23 @@ def activation_bytes(s: ModelShape, k: Knobs, rows: int, train: bool) -> int:
     return sum(tokens * _layer_activations(s, k, w, saved=True) for w in widths) + final_norm
 
 
-def _logits(s: ModelShape, k: Knobs, rows: int, train: bool) -> int:
-    positions = rows * k.response if k.logits_chunk <= 0 else min(k.logits_chunk, rows * k.response)  # 0: unchunked
+def _logits(s: ModelShape, k: Knobs, rows: int, train: bool, sp: int = 1) -> int:
+    mine = rows * -(-k.response // sp)  # a sequence-parallel rank projects its own positions
+    positions = mine if k.logits_chunk <= 0 else min(k.logits_chunk, mine)  # 0: unchunked
     return positions * s.vocab * 4 * (3 if train else 2)
+
+
+def ulysses_bytes(s: ModelShape, k: Knobs, rows: int, sp: int) -> int:
+    """What sequence parallelism adds to a forward (rlrun.strategies.ulysses): one layer's all-to-all output beside
+    its input (q, and k and v repeated to lcm(kv heads, sp) heads, of L/sp tokens), and for rows of up to
+    DENSE_MASK_COLUMNS the block-diagonal causal mask over the gathered rows ([rows, L, L] bool, cached for the
+    micro-batch) with sdpa's additive copy in the compute dtype (wider rows attend sequence by sequence, maskless)."""
+    if sp == 1:
+        return 0
+    e = 2 if k.bf16 else 4
+    mask = rows * k.seq * k.seq * (1 + e) if k.seq <= DENSE_MASK_COLUMNS else 0
+    heads = s.heads + 2 * math.lcm(s.kv_heads, sp)
+    return mask + rows * -(-k.seq // sp) * heads * s.head_dim * e
 
 
 def _gathered(s: ModelShape, k: Knobs, trainable: bool, backward: bool = False) -> int:
@@ -317,11 +333,12 @@ def _trained_parts(role: Role, s: ModelShape, ranks: int, k: Knobs) -> Bytes:
 
 def _model_role(role: Role, s: ModelShape, ranks: int, k: Knobs) -> RoleMemory:
     n = s.parameters
-    logits = role in (Role.ACTOR, Role.REF, Role.TEACHER)
+    logits, sp = role in (Role.ACTOR, Role.REF, Role.TEACHER), k.sp_of(role)
     score = {
         "gathered": _gathered(s, k, role in TRAINED),
-        "activations": activation_bytes(s, k, k.micro_rollout, False),
-        "logits": _logits(s, k, k.micro_rollout, False) if logits else 0,
+        "activations": activation_bytes(s, k, k.micro_rollout, False, sp),
+        "logits": _logits(s, k, k.micro_rollout, False, sp) if logits else 0,
+        "ulysses": ulysses_bytes(s, k, k.micro_rollout, sp),
     }
     # FSDP2 below stage 3 keeps a trained model's gathered parameters after its no-grad forward (reshard_after_forward
     # False) until its training backward: they stay while the other roles on the rank score
@@ -344,8 +361,9 @@ def _model_role(role: Role, s: ModelShape, ranks: int, k: Knobs) -> RoleMemory:
     device = {key: value for key, value in parts.items() if key not in offloaded}
     train = {
         "gathered": _gathered(s, k, True, backward=True),
-        "activations": activation_bytes(s, k, k.micro_train, True),
-        "logits": _logits(s, k, k.micro_train, True) if logits else 0,
+        "activations": activation_bytes(s, k, k.micro_train, True, sp),
+        "logits": _logits(s, k, k.micro_train, True, sp) if logits else 0,
+        "ulysses": ulysses_bytes(s, k, k.micro_train, sp),
     }
     return RoleMemory(
         role,
@@ -548,6 +566,9 @@ class MemoryPlan:
     problems: list[Problem]
     ranks_per_node: int
     labels: Mapping[str, str] = dataclasses.field(default_factory=dict)  # printed names of roles and phases
+    # GPU plans: (ranks, the longest response in tokens they fit at these settings), per run of model ranks
+    longest: tuple[tuple[tuple[int, ...], int], ...] = ()
+    length_flag: str = "--generate_max_len"  # the flag that length is (rlrun.sft/rm/dpo: --max_len)
 
     def label(self, name: str) -> str:
         return self.labels.get(name, name)
@@ -678,6 +699,25 @@ def _problem(
     return Problem(tuple(r.rank for r in group), first.roles, first.gpu_total, tuple(fixes), tried=tried_all)
 
 
+def longest_response(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs, target: Target) -> int:
+    """The longest response (tokens, the prompt part kept) with which `rank` still fits the GPU at these settings:
+    a binary search of the estimate, which grows with the length (0: not even 128 tokens; capped at 2**21)."""
+    prompt = k.seq - k.response
+
+    def fits(length: int) -> bool:
+        return bool(
+            rank_memory(rank, layout, shapes, dataclasses.replace(k, seq=prompt + length, response=length), target).fits
+        )
+
+    low, high = 0, 2**21
+    if fits(high):
+        return high
+    while high - low > 128:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
 def plan_memory(
     cfg: Config, layout: Layout, shapes: Mapping[Role, ModelShape], target: Target, job: SupervisedJob | None = None
 ) -> MemoryPlan:
@@ -698,4 +738,23 @@ def plan_memory(
                 named.update(engine)
                 problems.append(Problem(engine, (Role.ENGINE,), ranks[engine[0]].gpu_total, fixes, why))
         problems = [p for p in problems if p.why or p.roles != (Role.ENGINE,) or not set(p.ranks) <= named]
-    return MemoryPlan(target, k, shapes, ranks, problems, layout.ranks_per_node, job.labels() if job else {})
+    longest = (
+        tuple(
+            (tuple(r.rank for r in g), longest_response(g[0].rank, layout, shapes, k, target))
+            for g in groups_of(ranks, host=False)
+            if any(role in MODEL_ROLES for role in g[0].roles)
+        )
+        if target.gpu
+        else ()
+    )
+    return MemoryPlan(
+        target,
+        k,
+        shapes,
+        ranks,
+        problems,
+        layout.ranks_per_node,
+        job.labels() if job else {},
+        longest,
+        "--max_len" if job else "--generate_max_len",
+    )

@@ -287,7 +287,26 @@ def note_lines(plan: MemoryPlan) -> list[str]:
             "nodes with vLLM installed auto picks vllm: pass --generation_backend vllm (vLLM need not be "
             "installed here) to plan that"
         )
-    return lines + lora_notes(plan)
+    return lines + lora_notes(plan) + longest_lines(plan)
+
+
+def longest_lines(plan: MemoryPlan) -> list[str]:
+    """The longest response each run of model ranks fits at these settings (GPU plans)."""
+    if not plan.longest:
+        return []
+    present = {role for r in plan.ranks for role in r.roles}
+    sp = ", ".join(f"{plan.label(role.value)} {size}" for role, size in plan.knobs.sequence_parallel if role in present)
+    parts = []
+    for ranks, length in plan.longest:
+        roles = ",".join(plan.label(role.value) for role in plan.ranks[ranks[0]].roles)
+        where = f"rank{'s' if len(ranks) > 1 else ''} {_span(list(ranks))} ({roles})"
+        parts.append(f"{where} {length:,} tokens" if length else f"{where} none")
+    return [
+        f"longest {plan.length_flag} that fits at these settings"
+        + (f" (sequence parallelism: {sp})" if sp else "")
+        + ": "
+        + "; ".join(parts)
+    ]
 
 
 def _component_json(parts: dict[str, int], total: int) -> dict[str, int]:
@@ -345,6 +364,7 @@ def plan_json(plan: MemoryPlan, notes: list[str]) -> dict[str, Any]:
             for p in plan.problems
         ],
         "advice": problem_lines(plan),
+        "longest_response": [{"ranks": list(ranks), "tokens": length} for ranks, length in plan.longest],
         "notes": notes + note_lines(plan),
     }
 

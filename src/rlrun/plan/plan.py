@@ -36,6 +36,12 @@ from rlrun.plan.checks import (
     check_values,
 )
 from rlrun.plan.layout import plan_layout
+from rlrun.plan.sequence_parallel import (
+    check_sequence_parallel_model,
+    check_sequence_parallel_models,
+    packed_for_sequence_parallel,
+    sequence_parallel_sizes,
+)
 from rlrun.rewards.reward_fn import DEMO
 from rlrun.runtime.errors import ConfigError
 
@@ -68,6 +74,10 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
     """rlrun.ppo's command line into its plan (raises the run's ConfigError/LayoutError on what would fail)."""
     parsed = parse_args(argv)
     cfg = resolved_ppo_models(parsed.config)
+    train, packed = packed_for_sequence_parallel(
+        cfg.train, max(sequence_parallel_sizes(cfg).values()), cfg.model.flash_attn
+    )
+    cfg = replace(cfg, train=train)
     # One node: its label is this process's own, so pinned roles are placed (and checked) now; with more
     # nodes the labels are gathered at start-up (rlrun.rl.assembly) and the placement is redone there.
     one_node = env.world_size == env.local_world_size
@@ -78,6 +88,7 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
 
     choice = choose_generation(cfg, uses_cuda(cfg.runtime.device))
     check_vision_run(choice.config)
+    check_sequence_parallel_models(choice.config, sequence_parallel_sizes(choice.config))
     cfg = choice.config
     the_plan = (
         first
@@ -98,7 +109,7 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
         )
     return PPOPlan(
         cfg,
-        warnings=(*parsed.ignored_under(choice.backend), *the_plan.warnings),
+        warnings=(*parsed.ignored_under(choice.backend), *packed, *the_plan.warnings),
         notes=tuple(notes),
         roles=roles_of(layout, env.rank),
         layout=layout,
@@ -165,6 +176,7 @@ def layout_request(cfg: Config) -> LayoutRequest:
         partial_rollout=cfg.train.continues_rollouts,
         # A vLLM child's tensor-parallel workers read the weights from the file its engine's first rank writes.
         sync_engine_leaders=cfg.generation.generation_backend == "vllm" and r.vllm_tensor_parallel_size > 1,
+        sequence_parallel=tuple(sequence_parallel_sizes(cfg).items()),
     )
 
 
@@ -196,7 +208,12 @@ def plan(cfg: Config, world_size: int, ranks_per_node: int, node_labels: Sequenc
     check_values(cfg)
     eval_warnings = check_eval(cfg)
     layout = plan_layout(layout_request(cfg), world_size, ranks_per_node, node_labels)
-    sizes = {role.value: len(layout.ranks_of(role)) for role in Role if layout.has(role) and role is not Role.ENGINE}
+    # rows split over each role's data-parallel shares (a sequence-parallel group shares its rows)
+    sizes = {
+        role.value: len(layout.ranks_of(role)) // layout.sp_of(role)
+        for role in Role
+        if layout.has(role) and role is not Role.ENGINE
+    }
     # The HF backend generates on every engine rank independently (TP needs vLLM).
     sizes["engine"] = len(layout.ranks_of(Role.ENGINE))
     check_batches(cfg, sizes)
@@ -299,17 +316,29 @@ def plan_supervised(argv: Sequence[str] | None, env: DistEnv, cli: CliSpec) -> P
     check_supervised(parsed.config, env.world_size, cli.prog)
     cfg = resolved_supervised_models(parsed.config)
     check_lora(cfg)  # reads --pretrain, so after it is resolved to a local path
-    t = cfg.train
+    sp = cfg.train.sequence_parallel_size
+    train, packed = packed_for_sequence_parallel(cfg.train, sp, cfg.model.flash_attn)
+    cfg = replace(cfg, train=train)
+    check_sequence_parallel_model(cfg.model, "pretrain", cfg.model.pretrain, sp, cli.prog)
+    if isinstance(cfg, DPOConfig) and cfg.loss.ref_pretrain is not None:
+        ref = replace(cfg.model, pretrain=cfg.loss.ref_pretrain)
+        check_sequence_parallel_model(ref, "ref_pretrain", ref.pretrain, sp, "the reference")
+    t, dp = cfg.train, env.world_size // sp
+    shard = (
+        f"every rank trains one data-parallel shard: {t.train_batch_size // dp} samples per rank"
+        if sp == 1
+        else f"{dp} data-parallel shards of {sp} sequence-parallel ranks: {t.train_batch_size // dp} samples per "
+        f"shard, a 1/{sp} token share of each per rank,"
+    )
     share = (
-        f"{cli.prog}: {env.world_size} ranks (launcher {env.launcher}), every rank trains one data-parallel "
-        f"shard: {t.train_batch_size // env.world_size} samples per rank and step in micro-batches of "
+        f"{cli.prog}: {env.world_size} ranks (launcher {env.launcher}), {shard} and step in micro-batches of "
         f"{t.micro_train_batch_size}; --strategy {t.strategy} --zero_stage {t.zero_stage}"
     )
     models = [("pretrain", cfg.model.pretrain)]
     if isinstance(cfg, DPOConfig):
         models.append(("ref_pretrain", cfg.loss.ref_pretrain))
     missing = missing_paths(models, [("dataset", cfg.data.dataset), ("eval_dataset", cfg.data.eval_dataset)])
-    return Planned(cfg, warnings=(*parsed.ignored, *missing), notes=(share,), roles=cli.prog.split()[-1])
+    return Planned(cfg, warnings=(*parsed.ignored, *packed, *missing), notes=(share,), roles=cli.prog.split()[-1])
 
 
 def resolved_supervised_models(cfg: SupervisedConfig) -> SupervisedConfig:

@@ -23,6 +23,7 @@ from typing import Any
 from rlrun.config.schema import Config
 from rlrun.launch.layout import Layout, Role
 from rlrun.models.architecture import tied_embeddings
+from rlrun.plan.sequence_parallel import sequence_parallel_sizes
 from rlrun.runtime.errors import ConfigError
 
 
@@ -326,6 +327,10 @@ class Knobs:
     lora_rank: int = 0  # --lora_rank (0: every weight is trained)
     lora_targets: tuple[str, ...] = ("all-linear",)  # --target_modules
     base_reference: bool = False  # the reference is the trained model with its adapters off (no reference model)
+    sequence_parallel: tuple[tuple[Role, int], ...] = ()  # roles with --sequence_parallel_size > 1 and their sizes
+
+    def sp_of(self, role: Role) -> int:
+        return dict(self.sequence_parallel).get(role, 1)
 
 
 @dataclass(frozen=True)
@@ -410,6 +415,7 @@ def knobs_of(cfg: Config, target: Target) -> Knobs:
         base_reference=cfg.ref_is_actor_base,
         sync_bucket=g.weight_sync_bucket_mb * MIB,
         vllm_host=g.vllm_engine_host,
+        sequence_parallel=tuple((role, sp) for role, sp in sequence_parallel_sizes(cfg).items() if sp > 1),
     )
 
 
@@ -433,4 +439,5 @@ def supervised_knobs(cfg: Any, target: Target, job: SupervisedJob) -> Knobs:
         ref_offload=cfg.loss.ref_offload and target.gpu if job.reference and not job.base_reference else None,
         ref_in_train=job.reference,
         base_reference=job.base_reference,
+        sequence_parallel=((job.trained, sp), (Role.REF, sp)) if (sp := cfg.train.sequence_parallel_size) > 1 else (),
     )

@@ -24,7 +24,7 @@ from rlrun.data.prompts import Prompts, PromptSampler
 from rlrun.engines.build import build_engine, engine_dtype
 from rlrun.engines.decoder import fused_groups
 from rlrun.launch.env import DistEnv, read_node_label
-from rlrun.launch.groups import Groups, build_groups
+from rlrun.launch.groups import Groups, SequenceParallel, build_groups
 from rlrun.launch.layout import Layout, Role, format_layout_table, layout_heading
 from rlrun.launch.transfer import gather_node_labels
 from rlrun.models.adapter_pretrain import lora_settings
@@ -68,6 +68,7 @@ from rlrun.runtime.errors import DataError
 from rlrun.runtime.log import get_logger
 from rlrun.runtime.phases import Phase, deadline
 from rlrun.runtime.secrets import redact_text
+from rlrun.strategies import ulysses
 from rlrun.strategies.base import ModelState, Strategy
 from rlrun.strategies.choose import make_strategy
 from rlrun.vision.inputs import quiet_output_view_warning
@@ -493,6 +494,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         model, updater = _updater(
             cfg, policy, actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout, Role.ACTOR, rank
         )
+        actor_sp = sequence_parallel(groups, Role.ACTOR, model)
         out.actor = Actor(
             model,
             updater,
@@ -500,6 +502,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
             device,
             packing=cfg.train.packing_samples,
             logits_chunk=cfg.train.logits_chunk_size,
+            sp=actor_sp,
         )
         if cfg.ref_is_actor_base:  # the layout has no reference ranks: the actor's base scores for it
             out.reference = Reference(
@@ -509,24 +512,18 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
                 packing=cfg.train.packing_samples,
                 logits_chunk=cfg.train.logits_chunk_size,
                 adapters_off=True,
+                sp=actor_sp,
             )
     if Role.REF in mine:
         out.strategies[Role.REF] = _strategy(cfg, groups, Role.REF, device)
         model = out.strategies[Role.REF].wrap(next(policies), trainable=False)
-        out.reference = Reference(
-            model, g.temperature, device, packing=cfg.train.packing_samples, logits_chunk=cfg.train.logits_chunk_size
-        )
+        out.reference = _frozen_policy(cfg, groups, Role.REF, model, g.temperature, device)
     if Role.TEACHER in mine:
         out.strategies[Role.TEACHER] = _strategy(cfg, groups, Role.TEACHER, device)
         of_teacher = teacher_source(cfg)
         teacher = unfilled_causal_lm(of_teacher, cfg.train.seed, policy_weights(of_teacher, cfg.train.seed))
-        out.teacher = Reference(
-            out.strategies[Role.TEACHER].wrap(teacher, trainable=False),
-            a.teacher_temperature,
-            device,
-            packing=cfg.train.packing_samples,
-            logits_chunk=cfg.train.logits_chunk_size,
-        )
+        model = out.strategies[Role.TEACHER].wrap(teacher, trainable=False)
+        out.teacher = _frozen_policy(cfg, groups, Role.TEACHER, model, a.teacher_temperature, device)
     if Role.CRITIC in mine:
         strategy = out.strategies[Role.CRITIC] = _strategy(cfg, groups, Role.CRITIC, device)
         critic: Unfilled = load_critic(cfg.model, cfg.train.seed, normalize=cfg.algo.normalize_reward)
@@ -535,13 +532,23 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         model, updater = _updater(
             cfg, critic, strategy, cfg.train.critic_learning_rate, opt_steps, layout, Role.CRITIC, rank
         )
-        out.critic = Critic(model, updater, a.value_clip, a.loss_agg_mode, device, packing=cfg.train.packing_samples)
+        out.critic = Critic(
+            model,
+            updater,
+            a.value_clip,
+            a.loss_agg_mode,
+            device,
+            packing=cfg.train.packing_samples,
+            sp=sequence_parallel(groups, Role.CRITIC, model),
+        )
     if Role.REWARD in mine:
         out.strategies[Role.REWARD] = _strategy(cfg, groups, Role.REWARD, device)
         model = out.strategies[Role.REWARD].wrap(
             load_reward_model(cfg.model, cfg.train.seed, normalize=cfg.algo.normalize_reward), trainable=False
         )
-        out.reward_model = RewardModel(model, device, packing=cfg.train.packing_samples)
+        out.reward_model = RewardModel(
+            model, device, packing=cfg.train.packing_samples, sp=sequence_parallel(groups, Role.REWARD, model)
+        )
     source = None
     if out.actor and actor_strategy:
         source = (
@@ -600,6 +607,28 @@ def optimizer_steps(cfg: Config, total_steps: int) -> int:
     return total_steps * cfg.train.max_epochs * (cfg.train.rollouts_per_step // cfg.train.train_batch_size)
 
 
+def _frozen_policy(
+    cfg: Config, groups: Groups, role: Role, model: torch.nn.Module, temperature: float, device: torch.device
+) -> Reference:
+    """The reference's or the teacher's scorer of the wrapped `model` (sequence-parallel when the role is)."""
+    return Reference(
+        model,
+        temperature,
+        device,
+        packing=cfg.train.packing_samples,
+        logits_chunk=cfg.train.logits_chunk_size,
+        sp=sequence_parallel(groups, role, model),
+    )
+
+
+def sequence_parallel(groups: Groups, role: Role, model: torch.nn.Module) -> SequenceParallel | None:
+    """This rank's sequence-parallel group of `role`, with the model's attention switched to Ulysses (None: no SP)."""
+    sp = groups.sequence_parallel(role)
+    if sp is not None:
+        ulysses.enable(model)
+    return sp
+
+
 def _strategy(cfg: Config, groups: Groups, role: Role, device: torch.device) -> Strategy:
     group = groups.role(role)
     assert group is not None, role
@@ -620,7 +649,7 @@ def _updater(
     t = cfg.train
     model, optimizer = strategy.wrap_trainable(model, lambda m: make_optimizer(m, lr, t.adam_betas, t.l2))
     scheduler = warmup_cosine(optimizer, total_opt_steps, t.lr_warmup_ratio)
-    ranks = layout.ranks_of(role)
+    dp_rank, dp_size = layout.data_parallel(role, rank)  # a sequence-parallel group trains one share together
     return model, Updater(
         model,
         strategy,
@@ -628,8 +657,8 @@ def _updater(
         scheduler,
         t.max_norm,
         t.micro_train_batch_size,
-        ranks.index(rank),
-        len(ranks),
+        dp_rank,
+        dp_size,
         max_nonfinite_in_a_row=t.max_skipped_steps,
         ops=strategy.step_ops(model),
     )

@@ -47,8 +47,10 @@ def role_budgets(t: TrainConfig, groups: Groups, device: torch.device) -> Budget
         if group is None:
             continue
         agree = functools.partial(max_over, group=group, device=device)
-        train[role] = TokenBudget(t.train_max_tokens_per_gpu, t.packing_samples, agree)
-        score[role] = TokenBudget(scoring, t.packing_samples, agree)
+        # a sequence-parallel group's micro-batch holds sp x the per-rank budget (each rank runs 1/sp of it; verl)
+        sp = groups.layout.sp_of(role)
+        train[role] = TokenBudget(t.train_max_tokens_per_gpu * sp, t.packing_samples, agree)
+        score[role] = TokenBudget(scoring * sp, t.packing_samples, agree)
     return Budgets(train, score)
 
 

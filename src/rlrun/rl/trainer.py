@@ -39,7 +39,7 @@ from rlrun.data.rollout import RolloutBatch, SlotPlan, engine_logprob_diff, pack
 from rlrun.engines.base import Engine
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
-from rlrun.launch.transfer import all_gather_vectors, broadcast_json
+from rlrun.launch.transfer import all_gather_vectors, broadcast_json, sum_over
 from rlrun.plan.checks import rollout_correction_of
 from rlrun.rewards.reward_fn import RewardFunction
 from rlrun.rl.dynamic_batch import Budgets, scoring_order, unpermute
@@ -48,6 +48,7 @@ from rlrun.rl.rollouts import RolloutSource, StepOutputs
 from rlrun.rl.sleep import SleepSchedule
 from rlrun.roles.actor import Actor, PolicyData, Reference
 from rlrun.roles.critic import Critic, RewardModel, ValueData
+from rlrun.roles.update import LOSS_SHARES
 from rlrun.runtime.errors import RlrunError
 from rlrun.runtime.log import get_logger
 from rlrun.runtime.memory import report_memory
@@ -170,7 +171,8 @@ class Trainer:
                 teacher = results.get("teacher_log_probs") if self.s.algo.teacher_kl_loss else None
                 data = PolicyData(batch, old, adv, results.get("ref_log_probs"), weights, teacher)
                 loss = actor.loss(data, self.kl.value, budget, len(minibatches))
-                stats |= _prefixed("actor/", actor.updater.run(minibatches, batch.action_mask, loss, budget, lengths))
+                done = actor.updater.run(minibatches, batch.action_mask, loss, budget, lengths)
+                stats |= _prefixed("actor/", self.whole_losses(Role.ACTOR, done))
             if "old_log_probs" not in results:  # skipped in score: the training forward's log-probs stand in
                 on_policy = batch.engine_log_probs if bypass else self.gather_on_policy_log_probs(batch)
                 results["old_log_probs"] = on_policy  # type: ignore[assignment]  # bypass: the engine's are there
@@ -182,7 +184,8 @@ class Trainer:
             if (critic := self.roles.critic) is not None:
                 budget = self.budgets.train.get(Role.CRITIC)
                 loss = critic.loss(ValueData(batch, results["values"], ret), budget)
-                stats |= _prefixed("critic/", critic.updater.run(minibatches, batch.action_mask, loss, budget, lengths))
+                done = critic.updater.run(minibatches, batch.action_mask, loss, budget, lengths)
+                stats |= _prefixed("critic/", self.whole_losses(Role.CRITIC, done))
             stats |= self.critic_stats_on_rank0(stats)
         # OpenRLHF's "kl": the mean over sequences of each one's token-mean KL; it also drives the
         # adaptive controller, with n_steps = rollout_batch_size * n_samples_per_prompt rows.
@@ -222,13 +225,17 @@ class Trainer:
         for key, role, width, fn in jobs:
             if not self.layout.has(role):
                 continue
-            widths[key], ranks[key] = width, self.layout.ranks_of(role)
+            # The ranks that report a key's rows: the role's, or with sequence parallelism the first of each group
+            # (its other ranks score the same rows with it).
+            widths[key], ranks[key] = width, self.layout.reporting_ranks(role)
             # Every rank knows every key's order (to put the gathered results back); the rows as they are, or dealt
             # by length (--dynamic_batch) so that the role's ranks score about the same tokens.
             orders[key] = scoring_order(batch, len(ranks[key]), self.budgets.on)
             if fn:
-                rows = orders[key][shard(B, len(ranks[key]), ranks[key].index(self.rank))]
-                mine[key] = fn(batch.rows(rows), self.budgets.score_micro(role, micro))
+                dp_rank, dp_size = self.layout.data_parallel(role, self.rank)
+                scored = fn(batch.rows(orders[key][shard(B, dp_size, dp_rank)]), self.budgets.score_micro(role, micro))
+                if self.rank in ranks[key]:
+                    mine[key] = scored
         plan = slot_plan(B, widths, ranks)
         flat = pack_slots(plan, self.rank, mine).to(self.comm_device)
         results = {key: unpermute(values, orders[key]) for key, values in self._gather_slots(plan, flat).items()}
@@ -246,9 +253,11 @@ class Trainer:
         """[B, R] on every rank: the actor's log-probs from its on-policy training forward (before the update),
         standing in for the scoring pass skipped by skips_old_log_probs. One all-gather."""
         B, R = batch.sequences.shape[0], batch.response_width
-        ranks = self.layout.ranks_of(Role.ACTOR)
+        ranks = self.layout.reporting_ranks(Role.ACTOR)  # a sequence-parallel group trained the same rows
         plan = slot_plan(B, {"old_log_probs": R + 1}, {"old_log_probs": ranks})
-        mine = {"old_log_probs": self.roles.actor.on_policy_log_probs()} if self.roles.actor is not None else {}
+        mine = (
+            {"old_log_probs": self.roles.actor.on_policy_log_probs()} if self.rank in ranks and self.roles.actor else {}
+        )
         flat = pack_slots(plan, self.rank, mine).to(self.comm_device)
         rows_and_logp = self._gather_slots(plan, flat)["old_log_probs"]
         out = torch.zeros(B, R)
@@ -376,6 +385,18 @@ class Trainer:
             for epoch in range(t.max_epochs)
             for mb in minibatch_order(rows, t.train_batch_size, derive_seed(t.seed, "minibatch", step, epoch))
         ]
+
+    def whole_losses(self, role: Role, stats: dict[str, float]) -> dict[str, float]:
+        """A trained role's logged losses as the whole mini-batch's, whatever the layout: each rank's value is its
+        tokens' part of the loss scaled by the data-parallel size (the normalisation its gradient needs), so their mean
+        over the role's ranks is the mini-batch's loss (OpenRLHF logs the ranks' mean too). Collective over the role's
+        group; a sequence-parallel group's ranks hold the same value."""
+        keys = sorted(k for k in stats if k in LOSS_SHARES)
+        group, ranks = self.groups.role(role), len(self.layout.ranks_of(role))
+        if not keys or group is None or ranks == 1:
+            return stats
+        totals = sum_over([stats[k] for k in keys], group, self.comm_device)
+        return stats | {k: total / ranks for k, total in zip(keys, totals)}
 
     def critic_stats_on_rank0(self, stats: dict[str, float]) -> dict[str, float]:
         """The critic's stats live on its first rank; rank 0 logs them (collective over the learners)."""

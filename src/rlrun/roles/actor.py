@@ -15,6 +15,7 @@ from rlrun.algo.rollout_correction import OFF, RolloutCorrection, correct
 from rlrun.config.schema import AlgorithmConfig
 from rlrun.data.batching import TokenBudget, pad_responses, trim_padding
 from rlrun.data.rollout import RolloutBatch
+from rlrun.launch.groups import SequenceParallel
 from rlrun.models.lora import adapters_disabled
 from rlrun.roles.forward import LOGITS_CHUNK, fed_tokens, over_micro_batches, policy_log_probs
 from rlrun.roles.update import FED_TOKENS, REAL_TOKENS, MicroLoss, Updater
@@ -86,8 +87,10 @@ class Actor:
         device: torch.device,
         packing: bool = False,
         logits_chunk: int = LOGITS_CHUNK,
+        sp: SequenceParallel | None = None,
     ) -> None:
         self.model = model
+        self.sp = sp  # this rank's sequence-parallel group (rlrun.strategies.ulysses)
         self.updater = updater
         self.settings = settings
         self.device = device
@@ -105,7 +108,9 @@ class Actor:
             batch,
             micro_batch,
             self.device,
-            lambda p: policy_log_probs(self.model, p, temp, packing=self.packing, logits_chunk=self.logits_chunk)[0],
+            lambda p: policy_log_probs(
+                self.model, p, temp, packing=self.packing, logits_chunk=self.logits_chunk, sp=self.sp
+            )[0],
         )
 
     def loss(self, data: PolicyData, kl_coef: float, budget: TokenBudget | None, minibatches: int) -> MicroLoss:
@@ -135,6 +140,7 @@ class Actor:
                 with_entropy=s.entropy_coef is not None,
                 packing=self.packing,
                 logits_chunk=self.logits_chunk,
+                sp=self.sp,
             )
             if data.old_log_probs is None:  # on-policy: ratio 1 in value, gradient d(logp) exactly (as TRL)
                 old_log_probs = logp.detach()
@@ -170,7 +176,7 @@ class Actor:
                 "policy_loss": loss.detach(),
                 **stats,
                 **corrected,
-                FED_TOKENS: fed_tokens(self.model, part, self.packing),
+                FED_TOKENS: fed_tokens(self.model, part, self.packing, self.sp.size if self.sp else 1),
                 REAL_TOKENS: int(part.attention_mask.sum()),
             }
             if s.use_kl_loss and data.ref_log_probs is not None:
@@ -214,10 +220,12 @@ class Reference:
         packing: bool = False,
         logits_chunk: int = LOGITS_CHUNK,
         adapters_off: bool = False,
+        sp: SequenceParallel | None = None,
     ) -> None:
         # The actor's model (adapters_off) keeps the mode the actor's update sets; a frozen copy is always in eval.
         self.model = model if adapters_off else model.eval()
         self.adapters_off = adapters_off
+        self.sp = sp  # this rank's sequence-parallel group (rlrun.strategies.ulysses)
         self.packing = packing  # --packing_samples: forward on packed rows (rlrun.data.packing)
         self.logits_chunk = logits_chunk  # --logits_chunk_size: positions per chunk of the vocab projection
         self.temperature = temperature
@@ -235,6 +243,6 @@ class Reference:
             micro_batch,
             self.device,
             lambda p: policy_log_probs(
-                self.model, p, self.temperature, packing=self.packing, logits_chunk=self.logits_chunk
+                self.model, p, self.temperature, packing=self.packing, logits_chunk=self.logits_chunk, sp=self.sp
             )[0],
         )

@@ -11,6 +11,7 @@ from torch import nn
 from rlrun.algo.losses import LossAggMode, value_loss
 from rlrun.data.batching import TokenBudget, trim_padding
 from rlrun.data.rollout import RolloutBatch
+from rlrun.launch.groups import SequenceParallel
 from rlrun.roles.forward import fed_tokens, over_micro_batches, sequence_scores, token_values
 from rlrun.roles.update import FED_TOKENS, REAL_TOKENS, MicroLoss, Updater
 
@@ -33,9 +34,11 @@ class Critic:
         agg: LossAggMode,
         device: torch.device,
         packing: bool = False,
+        sp: SequenceParallel | None = None,
     ) -> None:
         self.model = model
         self.packing = packing  # --packing_samples: forward on packed rows (rlrun.data.packing)
+        self.sp = sp  # this rank's sequence-parallel group (rlrun.strategies.ulysses)
         self.updater = updater
         self.value_clip = value_clip
         self.agg = agg
@@ -44,7 +47,11 @@ class Critic:
     def values(self, batch: RolloutBatch, micro_batch: int | TokenBudget) -> torch.Tensor:
         """[b, L] rollouts -> [b, R] values (micro_batch: rows, or a token budget)."""
         return over_micro_batches(
-            self.model, batch, micro_batch, self.device, lambda p: token_values(self.model, p, packing=self.packing)
+            self.model,
+            batch,
+            micro_batch,
+            self.device,
+            lambda p: token_values(self.model, p, packing=self.packing, sp=self.sp),
         )
 
     def loss(self, data: ValueData, budget: TokenBudget | None = None) -> MicroLoss:
@@ -57,7 +64,7 @@ class Critic:
             part = data.batch.rows(rows)
             part = (trim_padding(part) if budget is not None else part).to(self.device)
             r = part.response_width  # the full batch's [B, R] targets cut to the part's columns
-            values = token_values(self.model, part, packing=self.packing)
+            values = token_values(self.model, part, packing=self.packing, sp=self.sp)
             loss, stats = value_loss(
                 values,
                 data.old_values[rows, :r].to(self.device),
@@ -71,7 +78,7 @@ class Critic:
             return loss, {
                 "value_loss": loss.detach(),
                 **stats,
-                FED_TOKENS: fed_tokens(self.model, part, self.packing),
+                FED_TOKENS: fed_tokens(self.model, part, self.packing, self.sp.size if self.sp else 1),
                 REAL_TOKENS: int(part.attention_mask.sum()),
             }
 
@@ -83,13 +90,20 @@ class Critic:
 
 
 class RewardModel:
-    def __init__(self, model: nn.Module, device: torch.device, packing: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, device: torch.device, packing: bool = False, sp: SequenceParallel | None = None
+    ) -> None:
         self.model = model.eval()
         self.packing = packing  # --packing_samples: forward on packed rows (rlrun.data.packing)
+        self.sp = sp  # this rank's sequence-parallel group (rlrun.strategies.ulysses)
         self.device = device
 
     def score(self, batch: RolloutBatch, micro_batch: int | TokenBudget) -> torch.Tensor:
         """[b, L] rollouts -> [b] scores (micro_batch: rows, or a token budget)."""
         return over_micro_batches(
-            self.model, batch, micro_batch, self.device, lambda p: sequence_scores(self.model, p, packing=self.packing)
+            self.model,
+            batch,
+            micro_batch,
+            self.device,
+            lambda p: sequence_scores(self.model, p, packing=self.packing, sp=self.sp),
         )

@@ -21,7 +21,9 @@ from rlrun.data.batching import RowLengths, TokenBudget, pad_responses, restore_
 from rlrun.data.packing import PackedBatch, assign_rows, pack_batch
 from rlrun.data.rollout import RolloutBatch
 from rlrun.data.vision_batch import RowVision
+from rlrun.launch.groups import SequenceParallel
 from rlrun.models.loading import position_ids_from
+from rlrun.strategies.ulysses import UlyssesCall, gather_columns
 from rlrun.vision.inputs import packed_inputs, padded_inputs
 
 # Attention kernels that take packed sequences as ONE row and run varlen attention on it (cost
@@ -195,18 +197,53 @@ def projected_only(model: nn.Module, keep: torch.Tensor) -> Iterator[None]:
         handle.remove()
 
 
-def pack_for(model: nn.Module, part: RolloutBatch) -> PackedBatch:
+def pack_for(model: nn.Module, part: RolloutBatch, sp: SequenceParallel | None = None) -> PackedBatch:
     """Pack `part` for `model`'s attention kernel: one row for varlen kernels, else rows no wider than
-    the padded batch (a dense block-diagonal mask over a wider row would cost more than padding)."""
+    the padded batch (a dense block-diagonal mask over a wider row would cost more than padding); with sequence
+    parallelism, rows as wide as a multiple of its size (each rank takes its share of the columns)."""
     one_row = _attn_implementation(model) in _VARLEN_ATTENTION
-    return pack_batch(part, None if one_row else part.sequences.shape[1])
+    return pack_batch(part, None if one_row else part.sequences.shape[1], width_multiple=sp.size if sp else 1)
 
 
-def _packed_kwargs(model: nn.Module, part: RolloutBatch, packed: PackedBatch) -> dict:
+def _packed_kwargs(model: nn.Module, part: RolloutBatch, packed: PackedBatch, call: UlyssesCall | None = None) -> dict:
+    """The forward's inputs; with sequence parallelism this rank's columns, their global positions, and the call."""
+    if call is not None:
+        if part.vision is not None:
+            raise ValueError("sequence parallelism does not run vision-language inputs yet")
+        cols = call.columns
+        return {
+            "input_ids": packed.input_ids[:, cols],
+            "position_ids": packed.position_ids[:, cols],
+            "use_cache": False,
+            "ulysses": call,
+        }
     kwargs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False}
     if part.vision is not None:
         kwargs.update(packed_inputs(model, part, packed))
     return kwargs
+
+
+def _ulysses(sp: SequenceParallel | None, packed: PackedBatch) -> UlyssesCall | None:
+    return UlyssesCall(sp, packed.position_ids) if sp is not None and sp.size > 1 else None
+
+
+def _local_columns(packed: PackedBatch, call: UlyssesCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of the predicting positions: ([n, S/sp] bool, in its columns; their targets [N_r], read
+    from the whole row, so a position at a column boundary predicts the next rank's first token)."""
+    cols = call.columns
+    keep = packed.keep_mask()[:, cols]
+    rows, local = keep.nonzero(as_tuple=True)
+    flat = rows * packed.input_ids.shape[1] + local + cols.start
+    return keep, packed.input_ids.reshape(-1)[flat + 1]
+
+
+def _gathered(values: torch.Tensor, keep: torch.Tensor, call: UlyssesCall) -> torch.Tensor:
+    """Per-position values [N_r, c] at this rank's `keep` positions -> every rank's, [n * S, c] in row-major order
+    (differentiable: the gather's backward hands each rank its own)."""
+    dense = values.new_zeros(*keep.shape, values.shape[-1])
+    dense[keep] = values
+    full = gather_columns(dense, call.sp)
+    return full.reshape(-1, values.shape[-1])
 
 
 def packed_response_log_probs(
@@ -215,38 +252,58 @@ def packed_response_log_probs(
     temperature: float,
     with_entropy: bool = False,
     logits_chunk: int = LOGITS_CHUNK,
+    sp: SequenceParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same as response_log_probs on `part` ([b, L] -> [b, R], 0 where there is no response token),
-    computed on packed rows; the vocab projection runs on the N response positions only."""
-    packed = pack_for(model, part)
-    kwargs = _packed_kwargs(model, part, packed)
+    computed on packed rows; the vocab projection runs on the N response positions only. With sequence parallelism
+    each rank of `sp` runs its columns and projects its positions, and the per-token values are gathered."""
+    packed = pack_for(model, part, sp)
+    call = _ulysses(sp, packed)
+    kwargs = _packed_kwargs(model, part, packed, call)
+    if call is not None:
+        keep, targets = _local_columns(packed, call)
+    else:
+        keep, targets = packed.keep_mask(), packed.targets()
     if logits_chunk > 0 and chunkable_head(model):
         with (
-            projected_only(model, packed.keep_mask()),
-            vocab_log_probs(model, packed.targets().unsqueeze(0), temperature, logits_chunk, with_entropy),
+            projected_only(model, keep),
+            vocab_log_probs(model, targets.unsqueeze(0), temperature, logits_chunk, with_entropy),
         ):
-            per_token = model(**kwargs).logits[0]
-        return packed.scatter(per_token[:, 0]), packed.scatter(per_token[:, 1]) if with_entropy else None
-    with projected_only(model, packed.keep_mask()):
-        out = model(**kwargs)
-    logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # [N, V], in pred_index order
-    logp = log_probs_from_logits(logits.unsqueeze(0), packed.targets().unsqueeze(0), temperature)[0]
-    entropy = packed.scatter(entropy_from_logits(logits / temperature)) if with_entropy else None
-    return packed.scatter(logp), entropy
+            per_token = model(**kwargs).logits[0]  # [N or N_r, 1 or 2]
+    else:
+        with projected_only(model, keep):
+            out = model(**kwargs)
+        logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # [N or N_r, V], row-major order of keep
+        logp = log_probs_from_logits(logits.unsqueeze(0), targets.unsqueeze(0), temperature)[0]
+        parts = [logp] + ([entropy_from_logits(logits / temperature)] if with_entropy else [])
+        per_token = torch.stack(parts, dim=-1)
+    if call is not None:
+        per_token = _gathered(per_token, keep, call)[packed.pred_index]
+    return packed.scatter(per_token[:, 0]), packed.scatter(per_token[:, 1]) if with_entropy else None
 
 
-def packed_response_values(model: nn.Module, part: RolloutBatch) -> torch.Tensor:
+def _packed_head(model: nn.Module, part: RolloutBatch, sp: SequenceParallel | None) -> tuple[PackedBatch, torch.Tensor]:
+    """A scalar-head model on packed rows: (the packing, its values at every position [n * W])."""
+    packed = pack_for(model, part, sp)
+    call = _ulysses(sp, packed)
+    if call is None:
+        values = model(packed.input_ids, position_ids=packed.position_ids)  # [n, W]
+        return packed, values.reshape(-1)
+    cols = call.columns
+    local = model(packed.input_ids[:, cols], position_ids=packed.position_ids[:, cols], ulysses=call)  # [n, W/sp]
+    return packed, gather_columns(local.unsqueeze(-1), call.sp).reshape(-1)
+
+
+def packed_response_values(model: nn.Module, part: RolloutBatch, sp: SequenceParallel | None = None) -> torch.Tensor:
     """Same as response_values on `part` ([b, R], 0 where there is no response token), on packed rows."""
-    packed = pack_for(model, part)
-    values = model(packed.input_ids, position_ids=packed.position_ids)  # [n, W]
-    return packed.scatter(values.reshape(-1)[packed.pred_index])
+    packed, values = _packed_head(model, part, sp)
+    return packed.scatter(values[packed.pred_index])
 
 
-def packed_last_token_scores(model: nn.Module, part: RolloutBatch) -> torch.Tensor:
+def packed_last_token_scores(model: nn.Module, part: RolloutBatch, sp: SequenceParallel | None = None) -> torch.Tensor:
     """Same as last_token_scores on `part` ([b]), on packed rows."""
-    packed = pack_for(model, part)
-    values = model(packed.input_ids, position_ids=packed.position_ids)  # [n, W]
-    return values.reshape(-1)[packed.last_index]
+    packed, values = _packed_head(model, part, sp)
+    return values[packed.last_index]
 
 
 # ---- what the roles call ----------------------------------------------------------------------
@@ -260,11 +317,13 @@ def policy_log_probs(
     with_entropy: bool = False,
     packing: bool = False,
     logits_chunk: int = LOGITS_CHUNK,
+    sp: SequenceParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, L] rollouts -> response log-probs [b, R] (and entropy), padded or packed; the vocab projection runs
-    `logits_chunk` positions at a time (<= 0: whole micro-batch, the same numbers with more memory)."""
-    if packing:
-        return packed_response_log_probs(model, part, temperature, with_entropy, logits_chunk)
+    `logits_chunk` positions at a time (<= 0: whole micro-batch, the same numbers with more memory). `sp`: the
+    rank's sequence-parallel group (packed rows only)."""
+    if packing or sp is not None:
+        return packed_response_log_probs(model, part, temperature, with_entropy, logits_chunk, sp)
     return response_log_probs(
         model,
         part.sequences,
@@ -277,17 +336,21 @@ def policy_log_probs(
     )
 
 
-def token_values(model: nn.Module, part: RolloutBatch, *, packing: bool = False) -> torch.Tensor:
+def token_values(
+    model: nn.Module, part: RolloutBatch, *, packing: bool = False, sp: SequenceParallel | None = None
+) -> torch.Tensor:
     """[b, L] rollouts -> values before each response token [b, R], padded or packed."""
-    if packing:
-        return packed_response_values(model, part)
+    if packing or sp is not None:
+        return packed_response_values(model, part, sp)
     return response_values(model, part.sequences, part.attention_mask, part.response_width)
 
 
-def sequence_scores(model: nn.Module, part: RolloutBatch, *, packing: bool = False) -> torch.Tensor:
+def sequence_scores(
+    model: nn.Module, part: RolloutBatch, *, packing: bool = False, sp: SequenceParallel | None = None
+) -> torch.Tensor:
     """[b, L] rollouts -> scalar head at each sequence's last real token [b], padded or packed."""
-    if packing:
-        return packed_last_token_scores(model, part)
+    if packing or sp is not None:
+        return packed_last_token_scores(model, part, sp)
     return last_token_scores(model, part.sequences, part.attention_mask, part.response_len, part.response_width)
 
 
@@ -319,14 +382,15 @@ def over_micro_batches(
     return torch.cat(out)
 
 
-def fed_tokens(model: nn.Module, part: RolloutBatch, packing: bool) -> int:
-    """Token positions a forward over `part` feeds `model`: the [b, L] padded rows, or (--packing_samples) the
-    packed rows pack_for builds, n x W (one row of the real tokens for varlen kernels). Real tokens are
-    part.attention_mask.sum(); the difference is padding (the padded-token fraction of training)."""
-    if not packing:
+def fed_tokens(model: nn.Module, part: RolloutBatch, packing: bool, sp_size: int = 1) -> int:
+    """Token positions a forward over `part` feeds `model` (over a sequence-parallel group's ranks together): the
+    [b, L] padded rows, or (--packing_samples) the packed rows pack_for builds, n x W (one row of the real tokens for
+    varlen kernels; W a multiple of the group's size). Real tokens are part.attention_mask.sum(); the difference is
+    padding (the padded-token fraction of training)."""
+    if not packing and sp_size == 1:
         return part.sequences.numel()
     lengths = (part.prompt_len + part.response_len).tolist()
     one_row = _attn_implementation(model) in _VARLEN_ATTENTION
     rows = assign_rows(lengths, None if one_row else part.sequences.shape[1])
     width = max((sum(lengths[i] for i in row) for row in rows), default=1)
-    return max(len(rows), 1) * width
+    return max(len(rows), 1) * (-(-width // sp_size) * sp_size)

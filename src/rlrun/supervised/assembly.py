@@ -25,7 +25,7 @@ from rlrun.data.batching import seed_everything
 from rlrun.data.prompts import PromptSampler
 from rlrun.data.sources import DataSpec
 from rlrun.launch.env import DistEnv
-from rlrun.launch.groups import all_ranks_group, solo_group
+from rlrun.launch.groups import SequenceParallel, all_ranks_group, sequence_parallel_groups, solo_group
 from rlrun.launch.transfer import sum_over
 from rlrun.models.adapter_pretrain import lora_settings
 from rlrun.models.loading import ScalarHeadModel, trained_policy, unfilled_policy, unfilled_scalar_model
@@ -42,6 +42,7 @@ from rlrun.run.skeleton import Built, Started
 from rlrun.runtime.errors import DataError
 from rlrun.runtime.log import RankLogger, get_logger
 from rlrun.runtime.phases import deadline
+from rlrun.strategies import ulysses
 from rlrun.strategies.base import ModelState, Strategy
 from rlrun.strategies.choose import make_strategy
 from rlrun.supervised.datasets import Loaded
@@ -73,6 +74,13 @@ class BuildContext:
     rank: int
     pad_id: int
     solo: torch.distributed.ProcessGroup | None = None  # this rank alone: DeepSpeed's model-parallel group
+    sp: SequenceParallel | None = None  # this rank's sequence-parallel block (--sequence_parallel_size > 1)
+
+    def ulysses(self, model: nn.Module) -> nn.Module:
+        """`model` with its attention switched to Ulysses when this run is sequence-parallel."""
+        if self.sp is not None:
+            ulysses.enable(model)
+        return model
 
 
 @dataclass
@@ -180,9 +188,12 @@ class Supervised(Generic[S]):
         t = cfg.train
         group = all_ranks_group(cfg.runtime.dist_timeout)
         solo = solo_group(cfg.runtime.dist_timeout) if t.strategy == "deepspeed" else None
+        sp = sequence_parallel_groups(t.sequence_parallel_size, cfg.runtime.dist_timeout)
         task = self.build_task(
-            cfg, BuildContext(group, started.device, env.rank, int(inputs.tokenizer.pad_token_id), solo)
+            cfg, BuildContext(group, started.device, env.rank, int(inputs.tokenizer.pad_token_id), solo, sp)
         )
+        # the ranks of a sequence-parallel block train the same samples, a token shard each
+        dp_rank, dp_size = env.rank // t.sequence_parallel_size, env.world_size // t.sequence_parallel_size
         updater = Updater(
             task.model,
             task.strategy,
@@ -190,8 +201,8 @@ class Supervised(Generic[S]):
             warmup_cosine(task.optimizer, inputs.total_steps, t.lr_warmup_ratio),
             t.max_norm,
             t.micro_train_batch_size,
-            env.rank,
-            env.world_size,
+            dp_rank,
+            dp_size,
             max_nonfinite_in_a_row=t.max_skipped_steps,
             ops=task.strategy.step_ops(task.model),
         )
@@ -210,6 +221,7 @@ class Supervised(Generic[S]):
             started.phase,
             steps_per_epoch=inputs.sampler.steps_per_episode,
             eval_before_train=cfg.logging.eval_before_train,
+            sequence_parallel=t.sequence_parallel_size,
         )
         identity = Identity(task.name, t.strategy, "model", task.model, FIXED_ON_RESUME, what=task.name)
         return Built(
@@ -246,7 +258,7 @@ def trainable(
     wrapped, optimizer = strategy.wrap_trainable(
         model, lambda m: make_optimizer(m, train.learning_rate, train.adam_betas, train.l2)
     )
-    return wrapped, optimizer, strategy
+    return ctx.ulysses(wrapped), optimizer, strategy
 
 
 def with_adapters(
@@ -309,4 +321,4 @@ def dpo_reference(
         )
     ref_train: OptimConfig = dataclasses.replace(train, adam_offload=offload and train.strategy == "fsdp")
     strategy = make_strategy(ctx.group, ctx.device, source, ref_train, ctx.solo)
-    return strategy.wrap(unfilled_policy(source, train.seed), trainable=False)
+    return ctx.ulysses(strategy.wrap(unfilled_policy(source, train.seed), trainable=False))

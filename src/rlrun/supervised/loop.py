@@ -41,6 +41,9 @@ class Loop(Generic[S]):
     phase: PhaseTracker
     steps_per_epoch: int = 1
     eval_before_train: bool = False
+    # ranks per sequence-parallel block: each of them tallies its block's samples, so the sums over ranks count
+    # every sample that many times
+    sequence_parallel: int = 1
     step: int = 0  # steps done (restored from a checkpoint)
 
     def train_step(self, step: int) -> dict[str, Any]:
@@ -78,7 +81,9 @@ class Loop(Generic[S]):
         if not due:
             return None
         with self.phase(Phase.EVAL, steps_done - 1):
-            mine = list(self.eval_samples[self.rank :: self.world_size])
+            # a sequence-parallel block scores one share, a token shard per rank
+            dp_rank, dp_size = self.rank // self.sequence_parallel, self.world_size // self.sequence_parallel
+            mine = list(self.eval_samples[dp_rank::dp_size])
             self.task.model.eval()
             with torch.no_grad():
                 for rows in micro_batches(len(mine), self.micro_batch):
@@ -88,7 +93,8 @@ class Loop(Generic[S]):
 
     def _summed(self, local: dict[str, float]) -> dict[str, float]:
         keys = self.task.tally_keys  # the same on every rank, also one that scored nothing
-        return dict(zip(keys, self.sum_over_ranks([local.get(k, 0.0) for k in keys])))
+        summed = self.sum_over_ranks([local.get(k, 0.0) for k in keys])
+        return {key: value / self.sequence_parallel for key, value in zip(keys, summed)}
 
     def begin(self) -> None:
         pass

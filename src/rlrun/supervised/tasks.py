@@ -14,6 +14,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.data.rollout import RolloutBatch, pack_rows, unpack_rows
+from rlrun.launch.groups import SequenceParallel
 from rlrun.models.loading import ScalarHeadModel
 from rlrun.models.lora import adapters_disabled
 from rlrun.roles.export import save_causal_lm, save_scalar_model
@@ -120,6 +121,7 @@ class SFTTask:
     device: torch.device
     pad_id: int
     packing: bool
+    sp: SequenceParallel | None = None  # the rank's sequence-parallel block: it runs a token shard of each row
     name: str = "sft"
     tally_keys: tuple[str, ...] = ("nll", "tokens")
     tally: Tally = field(default_factory=Tally)
@@ -131,7 +133,7 @@ class SFTTask:
     def _nll(self, samples: list[Completion]) -> tuple[torch.Tensor, torch.Tensor]:
         """[b] summed NLL of each response, [b, r] response mask."""
         batch = sequences_batch([s.prompt for s in samples], [s.response for s in samples], self.pad_id).to(self.device)
-        log_probs, _ = policy_log_probs(self.model, batch, 1.0, packing=self.packing)
+        log_probs, _ = policy_log_probs(self.model, batch, 1.0, packing=self.packing, sp=self.sp)
         return token_nll(log_probs, batch.action_mask), batch.action_mask
 
     def micro_loss(self, samples: list[Completion], num_tokens: float, num_seqs: float) -> torch.Tensor:
@@ -183,6 +185,7 @@ class RewardModelTask:
     packing: bool
     loss_kind: Literal["sigmoid", "logexpsigmoid"]
     margin_loss: bool
+    sp: SequenceParallel | None = None
     name: str = "rm"
     tally_keys: tuple[str, ...] = ("loss", "correct", "chosen", "rejected", "pairs", "reward_sq")
     tally: Tally = field(default_factory=Tally)
@@ -197,7 +200,7 @@ class RewardModelTask:
         batch = sequences_batch(
             [s.prompt for s in samples] * 2, [s.chosen for s in samples] + [s.rejected for s in samples], self.pad_id
         ).to(self.device)
-        scores = sequence_scores(self.model, batch, packing=self.packing)
+        scores = sequence_scores(self.model, batch, packing=self.packing, sp=self.sp)
         return scores[: len(samples)], scores[len(samples) :]
 
     def _record(self, chosen: torch.Tensor, rejected: torch.Tensor, losses: torch.Tensor) -> None:
@@ -289,6 +292,7 @@ class DPOTask:
     pad_id: int
     packing: bool
     settings: DPOSettings
+    sp: SequenceParallel | None = None
     name: str = "dpo"
     tally_keys: tuple[str, ...] = ("loss", "correct", "chosen_reward", "rejected_reward", "pairs", "nll")
     tally: Tally = field(default_factory=Tally)
@@ -303,7 +307,7 @@ class DPOTask:
 
     def _sequence_log_probs(self, model: nn.Module, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """[2b] summed response log-probs and [2b, r] per-token log-probs (chosen rows first)."""
-        log_probs, _ = policy_log_probs(model, batch, 1.0, packing=self.packing)
+        log_probs, _ = policy_log_probs(model, batch, 1.0, packing=self.packing, sp=self.sp)
         return sequence_log_prob(log_probs, batch.action_mask), log_probs
 
     def _terms(self, samples: list[Preference]) -> tuple[torch.Tensor, torch.Tensor]:
