@@ -70,7 +70,7 @@ def test_lora_flags_in_classic_and_dotted_spellings_set_the_lora_fields(cli) -> 
     assert dotted.config == classic.config
 
 
-@pytest.mark.parametrize(("argv", "message"), [(["--model.aux_loss_coef", "0.1"], "not implemented in rlrun yet: it would"),
+@pytest.mark.parametrize(("argv", "message"), [(["--model.aux_loss_coef", "0.1"], "implemented for rlrun.ppo only: it would"),
                                                (["--load_in_4bit"], "QLoRA")])
 def test_openrlhf_flags_that_would_change_what_is_trained_are_refused(argv, message) -> None:
     with pytest.raises(ConfigError) as err:

@@ -55,7 +55,6 @@ IGNORED_FLAGS: dict[str, tuple[int | str, str]] = {
     "full_determinism": (0, "rlrun is deterministic on CPU by default"),
     "freezing_actor_steps": (1, NOT_YET),
     "lr_scheduler": (1, "rlrun always uses linear warmup + cosine decay"),
-    "aux_loss_coef": (1, NOT_YET),
     "ring_head_stride": (1, RING_HEAD_STRIDE),
     "value_head_prefix": (1, NOT_YET),
     "perf": (0, NOT_YET),
@@ -449,7 +448,7 @@ def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> Pa
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(spec)
     translated, peer_ignored, verl = _translate_peer_spellings(argv, parser, spec)
-    if (stop := refused(_flags_with_values(translated))) is not None:
+    if (stop := refused(_flags_with_values(translated), accepted=fields_of(spec.config_cls).keys())) is not None:
         raise ConfigError(stop)
     rest, ignored = _strip_ignored(translated, spec.ignored)
     ignored = peer_ignored + ignored

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 from rlrun.runtime.errors import ConfigError
@@ -79,7 +79,7 @@ CHANGES_TRAINING: dict[str, str] = {
     "actor_rollout_ref.model.lora.rank": _MEGATRON_LORA,
     "critic.model.lora.rank": _MEGATRON_LORA,
     "ptx_coef": "the pretraining (PTX) loss is not implemented in rlrun yet: it would train without it",
-    "aux_loss_coef": "the MoE auxiliary loss is not implemented in rlrun yet: it would train without it",
+    "aux_loss_coef": "the MoE auxiliary loss is implemented for rlrun.ppo only: it would train without it",
     "freezing_actor_steps": "freezing the actor for the first steps is not implemented in rlrun yet: it would train "
     "the actor from step 1",
     "enable_ema": "EMA weights are not implemented in rlrun yet: it would save the trained weights, not their average",
@@ -89,14 +89,16 @@ CHANGES_TRAINING: dict[str, str] = {
 OFF = frozenset({"0", "0.0", "false", "none", "null", "-1", "value_head", "train"})  # no EMA, no LoRA, the defaults
 
 
-def refused(given: list[tuple[str, str | None]]) -> str | None:
+def refused(given: list[tuple[str, str | None]], accepted: Collection[str] = ()) -> str | None:
     """The one error for the flags/keys as the user spelled them ("--load_in_4bit", "--data.image_key",
     "data.image_key"), each with its value (None: a switch), that would change what is trained; None when none
-    would."""
+    would. `accepted`: the trainer's own fields (--aux_loss_coef is rlrun.ppo's, refused by the supervised ones)."""
     hits = [
         (name, value)
         for name, value in given
-        if name.removeprefix("--") in CHANGES_TRAINING and (value is None or str(value).strip().lower() not in OFF)
+        if name.removeprefix("--") in CHANGES_TRAINING
+        and name.removeprefix("--") not in accepted
+        and (value is None or str(value).strip().lower() not in OFF)
     ]
     if not hits:
         return None

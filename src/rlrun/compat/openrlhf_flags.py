@@ -482,7 +482,7 @@ _COMMON_IGNORED: dict[str, tuple[int | str, str]] = {
     "min_lr_ratio": (1, MIN_LR_RATIO),
     "full_determinism": (0, "rlrun is deterministic on CPU by default"),
     "use_ms": (0, "ModelScope hub: rlrun reads local paths and Hugging Face Hub ids"),
-    "aux_loss_coef": (1, "the MoE load-balancing loss is not implemented in rlrun yet; it has no effect"),
+    "aux_loss_coef": (1, "the MoE load-balancing loss is implemented for rlrun.ppo only; it has no effect here"),
     "save_hf_ckpt": (0, NOT_YET),
     "disable_ds_ckpt": (0, NOT_YET),
     "max_ckpt_mem": (1, NOT_YET),

@@ -181,6 +181,13 @@ _loss_mode = _choice(
 )
 
 
+# verl's actor.router_replay.mode -> --router_replay (R2, replaying the actor's own first forward, is not in rlrun)
+_router_replay = _choice(
+    {"disabled": "off", "R3": "R3"},
+    "rlrun runs verl's disabled and R3 (R2, which replays the actor's own first forward, is not implemented yet)",
+)
+
+
 def as_text(value: Any, key: str) -> str:
     """a number or text, kept as text (verl's rollout_is_threshold: 2.0 or "0.5_5.0")"""
     return str(value)
@@ -301,6 +308,7 @@ VERL_KEYS: dict[str, Meaning] = {
     A + "clip_ratio_c": To("dual_clip"),
     A + "entropy_coeff": To("entropy_loss_coef"),
     A + "policy_loss.loss_mode": To("policy_loss_type", _loss_mode),
+    A + "router_replay.mode": To("router_replay", _router_replay),
     A + "policy_loss.clip_cov_ratio": To("clip_cov_ratio"),
     A + "policy_loss.clip_cov_lb": Part("cov"),
     A + "policy_loss.clip_cov_ub": Part("cov"),

@@ -280,6 +280,17 @@ class AlgorithmConfig:
         "LOW HIGH bounds of the gated statistic (0 HIGH for an upper bound only, required for binary_kl/tv).",
     )
 
+    aux_loss_coef: float = opt(
+        0.0,
+        "MoE policies: weight of the load-balancing loss added to the actor's (transformers' aux_loss, the "
+        "Switch-Transformer form, over the micro-batch's real tokens; OpenRLHF's --aux_loss_coef). 0: none.",
+    )
+    router_replay: Literal["off", "R3"] = opt(
+        "off",
+        "MoE policies: R3 records the experts each token went through when the engine sampled it and routes the "
+        "actor's and reference's forwards through the same ones (the router's probabilities still train; verl's "
+        "actor_rollout_ref.actor.router_replay.mode). off: each forward routes by itself.",
+    )
     teacher_kl_coef: float = opt(
         1.0,
         "--teacher_pretrain: weight of the teacher signal: with --teacher_kl_loss false each token's advantage gets "

@@ -190,6 +190,7 @@ def trim_padding(part: RolloutBatch) -> RolloutBatch:
         part.response_len,
         None if part.engine_log_probs is None else part.engine_log_probs[:, :r],
         part.vision,
+        None if part.routing is None else part.routing[:, cols],
     )
 
 

@@ -31,6 +31,8 @@ class PackedBatch:
                   token: the logits / value read for that response token
     out_row, out_col: [N] long, where that response token lives in the [b, R] layout
     last_index:   [b] long, flat index of each sequence's last real token
+    source:       [n, W] long, flat index (row * L + column) into the [b, L] batch of each packed token, -1 on
+                  a row's tail padding (what per-token inputs such as MoE routing follow)
     """
 
     input_ids: torch.Tensor
@@ -42,6 +44,7 @@ class PackedBatch:
     num_sequences: int
     response_width: int
     rows: tuple[tuple[int, ...], ...] = ()  # each packed row's sequences, in order (vision inputs follow it)
+    source: torch.Tensor | None = None
 
     def keep_mask(self) -> torch.Tensor:
         """[n, W] bool, True at pred_index: the vocab projection then runs on exactly those N positions, in
@@ -106,6 +109,7 @@ def pack_batch(batch: RolloutBatch, capacity: int | None, pad_id: int = 0, width
     width = -(-width // width_multiple) * width_multiple
     ids = torch.full((max(len(rows), 1), width), pad_id, dtype=torch.long, device=device)
     pos = torch.zeros_like(ids)
+    source = torch.full_like(ids, -1)
     ar = torch.arange(width, device=device)
     start = [0] * len(lengths)
     for r, row in enumerate(rows):
@@ -114,6 +118,7 @@ def pack_batch(batch: RolloutBatch, capacity: int | None, pad_id: int = 0, width
             n = lengths[i]
             ids[r, col : col + n] = seqs[i, P - prompt_len[i] : P + response_len[i]]
             pos[r, col : col + n] = ar[:n]
+            source[r, col : col + n] = i * seqs.shape[1] + P - prompt_len[i] + ar[:n]
             start[i] = r * width + col
             col += n
         pos[r, col:] = ar[: width - col]
@@ -138,4 +143,5 @@ def pack_batch(batch: RolloutBatch, capacity: int | None, pad_id: int = 0, width
         num_sequences=len(lengths),
         response_width=R,
         rows=tuple(tuple(row) for row in rows),
+        source=source,
     )

@@ -27,6 +27,8 @@ class RolloutBatch:
     prompt_len, response_len: [B] long
     engine_log_probs: [B, r] float or None, the engine's log-prob of each sampled response token (0 on padding)
     vision:         the rows' prompt images (vision-language policies), None for text
+    routing:        [B, p + r, layers, k] uint8 or None, the experts the engine routed each token to (a MoE policy
+                    with --router_replay R3; rlrun.models.moe.NO_ROUTE where none was recorded)
     """
 
     sequences: torch.Tensor
@@ -36,6 +38,7 @@ class RolloutBatch:
     response_len: torch.Tensor
     engine_log_probs: torch.Tensor | None = None
     vision: RowVision | None = None
+    routing: torch.Tensor | None = None
 
     @property
     def response_width(self) -> int:

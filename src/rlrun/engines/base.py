@@ -5,6 +5,7 @@ engine) sit behind the same surface."""
 from __future__ import annotations
 
 import importlib.util
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -13,6 +14,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.data.vision_batch import RowVision
+from rlrun.models.moe import engine_routing, recorded_calls
 from rlrun.runtime.errors import ConfigError
 from rlrun.vision.inputs import generate_inputs
 from rlrun.weight_sync.buckets import KeptModel, WeightReceiver
@@ -63,10 +65,13 @@ class SamplingSettings:
 class Generation:
     """responses[i]: response token ids of prompt i (EOS included when sampled); log_probs[i]: the
     engine's log-probability of each of those tokens as sampled (after temperature / top-p), or None
-    when the backend does not report them (HF: its scores would cost batch x length x vocab memory)."""
+    when the backend does not report them (HF: its scores would cost batch x length x vocab memory); routing[i]: the
+    experts each of prompt i's and its response's tokens went through, [prompt + response tokens, layers, k] uint8
+    (rlrun.models.moe; --router_replay R3 on a MoE policy), else None."""
 
     responses: list[list[int]]
     log_probs: list[list[float]] | None = None
+    routing: list[torch.Tensor] | None = None
 
 
 class Engine(Protocol):
@@ -157,6 +162,8 @@ class TorchEngine:
         self.weights: WeightReceiver | None = KeptModel(self.model)  # weight sync writes into the model
         self.sampling = sampling
         self.device = device
+        # --router_replay R3: sample() reports each token's experts (Generation.routing; a MoE policy)
+        self.record_routing = False
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         return self.sample(prompts, seed).responses
@@ -198,7 +205,10 @@ class HFEngine(TorchEngine):
         images = {} if vision is None else generate_inputs(self.model, ids.to(self.device), vision)
         # Sampling draws from the global RNG; a seed per (step, rank) makes rollouts reproducible
         # and resumable without saving generator state.
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        record: AbstractContextManager[list[torch.Tensor]] = (
+            recorded_calls(self.model) if self.record_routing else nullcontext([])
+        )
+        with record as calls, torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(seed)
             out = self.model.generate(  # type: ignore[operator]  # an HF model's method
                 input_ids=ids.to(self.device),
@@ -221,4 +231,7 @@ class HFEngine(TorchEngine):
             if stop:  # generate stops a row after its stop string but pads it; cut exactly there
                 row = cut_at_stop(row, stop, self.tokenizer)  # type: ignore[arg-type]
             responses.append(row)
-        return Generation(responses)
+        if not self.record_routing:
+            return Generation(responses)
+        lens = [len(p) for p in prompts], [len(r) for r in responses]
+        return Generation(responses, routing=engine_routing(calls, len(prompts), *lens))

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.config.schema import GenerationConfig
-from rlrun.engines.base import Engine, HFEngine, SamplingSettings
+from rlrun.engines.base import Engine, HFEngine, SamplingSettings, TorchEngine
 from rlrun.engines.native import NativeEngine
 from rlrun.launch.dist import before_teardown, world_size
 from rlrun.launch.groups import Groups
@@ -53,10 +53,12 @@ def build_engine(
     timeout_s: float,
     image_processor: Any = None,
     images_per_prompt: int = 0,
+    record_routing: bool = False,
 ) -> Engine:
     """This engine rank's engine over `unfilled` (the initial policy on the meta device, in the engines' dtype),
     for --generation_backend (already resolved from auto, rlrun.plan.plan). `image_processor`: a vision-language
-    policy's, None for a text policy. `end_ids`: the ids that end a response (rlrun.models.loading)."""
+    policy's, None for a text policy. `end_ids`: the ids that end a response (rlrun.models.loading).
+    `record_routing`: report each token's MoE experts (--router_replay R3; the native and HF backends)."""
     sampling = sampling_settings(g, tokenizer, end_ids)
     if g.generation_backend == "vllm":
         return _vllm_engine(
@@ -75,10 +77,13 @@ def build_engine(
         )
     if g.generation_backend == "native":  # planning resolved `auto` and checked the architecture
         budget = None if g.native_kv_cache_mb is None else g.native_kv_cache_mb * 2**20
-        return NativeEngine(
+        engine: TorchEngine = NativeEngine(
             unfilled.fill(device), sampling, device, tokenizer, kv_cache_bytes=budget, cuda_graph=g.native_cuda_graph
         )
-    return HFEngine(unfilled.fill(device), sampling, device, tokenizer)
+    else:
+        engine = HFEngine(unfilled.fill(device), sampling, device, tokenizer)
+    engine.record_routing = record_routing
+    return engine
 
 
 def _vllm_engine(

@@ -36,8 +36,8 @@ from torch import nn
 
 from rlrun.models.architecture import is_vision_language
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-_QK_NORM_TYPES = ("qwen3",)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
 
 def unsupported_reason(config: object, max_len: int) -> str | None:
@@ -131,6 +131,16 @@ class _MLP(Protocol):
     down_proj: nn.Linear
 
 
+class _Experts(Protocol):  # transformers 5's fused experts: [X, 2I, E] (gate rows, then up rows) and [X, E, I]
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+
+
+class _SparseMLP(Protocol):  # Qwen2-MoE / Qwen3-MoE / Mixtral sparse block (rlrun.models.moe)
+    gate: nn.Module  # the top-k router: weight [X, E], top_k, num_experts (norm_topk_prob on Qwen)
+    experts: _Experts
+
+
 class _Block(Protocol):
     self_attn: _Attention
     mlp: _MLP
@@ -181,17 +191,22 @@ def _lay_out_back_to_back(params: Sequence[torch.Tensor]) -> None:
 
 def _projections(
     block: _Block,
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor], list[torch.Tensor] | None]:
-    """A decoder block's parameters that run joined: q/k/v weights, their biases (None without), gate/up weights,
-    their biases (None without); in fused_groups' order."""
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """A decoder block's parameters that run joined: q/k/v weights, their biases (None without), gate/up weights
+    (None in a MoE layer), their biases (None without); in fused_groups' order."""
     attention = [block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj]
+    weights: list[torch.Tensor] = [m.weight for m in attention]
+    biases: list[torch.Tensor] | None = None if attention[0].bias is None else [m.bias for m in attention]
+    if _sparse(block) is not None:
+        return weights, biases, None, None  # a MoE layer: its experts run one by one (Decoder._experts)
     mlp = [block.mlp.gate_proj, block.mlp.up_proj]
-    return (
-        [m.weight for m in attention],
-        None if attention[0].bias is None else [m.bias for m in attention],
-        [m.weight for m in mlp],
-        None if mlp[0].bias is None else [m.bias for m in mlp],
-    )
+    return weights, biases, [m.weight for m in mlp], None if mlp[0].bias is None else [m.bias for m in mlp]
+
+
+def _sparse(block: _Block) -> _SparseMLP | None:
+    """The block's sparse MoE MLP (None: a dense SwiGLU)."""
+    mlp = block.mlp
+    return cast(_SparseMLP, mlp) if hasattr(mlp, "experts") and hasattr(mlp, "gate") else None
 
 
 @dataclass
@@ -201,7 +216,7 @@ class _Layer:
     block: _Block
     qkv_weight: torch.Tensor  # [(H + 2K) D, E]
     qkv_bias: torch.Tensor | None  # [(H + 2K) D]
-    gate_up: torch.Tensor  # [2 I, E]
+    gate_up: torch.Tensor | None  # [2 I, E]; None in a MoE layer
     gate_up_bias: torch.Tensor | None  # [2 I]
 
 
@@ -252,6 +267,8 @@ class Decoder:
                 if params is not None:
                     _lay_out_back_to_back(params)
         self.layers: list[_Layer] = []  # inside weights(): the joined projections of each block
+        # record_routing(): each MoE layer's top-k expert ids [B, S, k] of the forward running now, in layer order
+        self.routes: list[torch.Tensor] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -342,6 +359,41 @@ class Decoder:
         hidden = self._blocks(self.body.embed_tokens(tokens[:, None]), positions[:, None], cache, attend, slot)
         return self._logits(hidden[:, 0])
 
+    def take_routes(self) -> torch.Tensor:
+        """[B, S, layers, k] uint8: the expert ids every MoE layer chose for the last forward's tokens (recording
+        goes on for the next forward)."""
+        assert self.routes is not None, "Decoder.routes is None: set it to [] to record routing"
+        ids = torch.stack(self.routes, dim=2).to(torch.uint8)
+        self.routes = []
+        return ids
+
+    def _experts(self, mlp: _SparseMLP, h: torch.Tensor) -> torch.Tensor:
+        """A sparse MoE MLP on h [B, S, E] -> [B, S, E], as transformers' Qwen2-MoE / Qwen3-MoE / Mixtral blocks
+        compute it (router softmax in fp32, top-k, renormalised where the model does, each expert on its tokens;
+        Qwen2-MoE's sigmoid-gated shared expert added). Records the chosen ids when self.routes is a list."""
+        rows, new, width = h.shape
+        flat = h.reshape(-1, width)
+        router = mlp.gate
+        logits = F.linear(flat, router.weight)  # type: ignore[arg-type]  # [N, X]
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = probs.topk(int(router.top_k), dim=-1)  # type: ignore[arg-type]
+        if getattr(router, "norm_topk_prob", True):  # Mixtral's router always renormalises
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routes is not None:
+            self.routes.append(ids.view(rows, new, -1))
+        experts = mlp.experts
+        out = torch.zeros_like(flat)
+        for expert in ids.unique().tolist():
+            token, choice = (ids == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(flat[token], experts.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, experts.down_proj[expert]) * weights[token, choice, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        shared = getattr(mlp, "shared_expert", None)
+        if shared is not None:  # Qwen2-MoE
+            s = shared.down_proj(F.silu(shared.gate_proj(flat)) * shared.up_proj(flat))
+            out = out + torch.sigmoid(mlp.shared_expert_gate(flat)) * s  # type: ignore[attr-defined]
+        return out.view(rows, new, width)
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, E] -> logits [B, V] in fp32 (as HF's generate upcasts them)."""
         return self.model.lm_head(_rms_norm(hidden, self.body.norm.weight, self.eps)).float()
@@ -396,6 +448,11 @@ class Decoder:
             o_proj = block.self_attn.o_proj
             x = x + F.linear(out, o_proj.weight, o_proj.bias)
             h = _rms_norm(x, block.post_attention_layernorm.weight, self.eps)
+            sparse = _sparse(block)
+            if sparse is not None:
+                x = x + self._experts(sparse, h)
+                continue
+            assert layer.gate_up is not None  # a dense layer's
             gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).split(
                 [self.intermediate, self.intermediate], dim=-1
             )

@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlrun.engines.base import Generation, SamplingSettings, TorchEngine, cut_at_stop
 from rlrun.engines.decoder import Decoder, KVCache
+from rlrun.models.moe import NO_ROUTE, routing_shape
 from rlrun.runtime.errors import ConfigError, NonFiniteError
 from rlrun.runtime.log import get_logger
 
@@ -129,6 +130,8 @@ class NativeEngine(TorchEngine):
             if self.device.type != "cuda"
             else f"rope type {rope!r} reads positions on the host"
             if "dynamic" in rope or "longrope" in rope
+            else "the policy's MoE layers pick their experts' tokens on the host"
+            if routing_shape(self.model) is not None
             else None
         )
         if cuda_graph and blocker is None:
@@ -158,15 +161,25 @@ class NativeEngine(TorchEngine):
         # One generator for the call, drawn from batch after batch: a single batch samples exactly as one call always
         # did, and the draws each row gets depend only on the seed, the prompts and the batches (the budget).
         generator = torch.Generator(device=self.device).manual_seed(seed)
+        routing: list[torch.Tensor] | None = [torch.empty(0)] * len(prompts) if self.record_routing else None
         with self._weights():
             for batch in batches:
-                tokens, log_probs, lengths, _ = self._decode([prompts[i] for i in batch], new, generator, stop)
-                for i, row, lp, n in zip(batch, tokens.tolist(), log_probs.tolist(), lengths.tolist()):
+                routes: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if routing is not None else None
+                tokens, log_probs, lengths, _ = self._decode(
+                    [prompts[i] for i in batch], new, generator, stop, routes=routes
+                )
+                for j, (i, row, lp, n) in enumerate(zip(batch, tokens.tolist(), log_probs.tolist(), lengths.tolist())):
                     kept = row[:n]
                     if stop:  # a row stops at the token that completes a stop string; cut exactly there
                         kept = cut_at_stop(kept, stop, self.tokenizer)  # type: ignore[arg-type]
                     responses[i], lps[i] = kept, lp[: len(kept)]
-        return Generation(responses, lps)
+                    if routing is not None and routes:
+                        prompt_routes, response_routes = routes[0]
+                        width = prompt_routes.shape[1]
+                        routing[i] = torch.cat(
+                            [prompt_routes[j, width - len(prompts[i]) :], response_routes[j, : len(kept)]]
+                        )
+        return Generation(responses, lps, routing)
 
     @contextmanager
     def _weights(self) -> Iterator[None]:
@@ -308,11 +321,14 @@ class NativeEngine(TorchEngine):
         *,
         limits: torch.Tensor | None = None,
         until: Callable[[torch.Tensor], bool] | None = None,
+        routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One batch: (tokens [B, new], log-probs [B, new], lengths [B], finished [B] bool) on the CPU; row i's
         response is tokens[i, :lengths[i]]. Sampling draws from `generator`. limits [B]: each row's own cap on new
         tokens (at most `new`); until: called with the finished flags [B] where the loop looks at them, True stops
-        the decode early (the running rows keep what they have, not finished)."""
+        the decode early (the running rows keep what they have, not finished). routes: a list, to which the call
+        appends the MoE routing it ran (the prompts' [B, W, layers, k] and the sampled tokens' [B, new, layers, k]
+        uint8 on the CPU; rlrun.models.moe.NO_ROUTE for a token never fed back, the last of a row)."""
         s, dev = self.sampling, self.device
         rows, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((rows, width), s.pad_id, dtype=torch.long)
@@ -323,7 +339,11 @@ class NativeEngine(TorchEngine):
         ids, valid = ids.to(dev), valid.to(dev)
         static = self.step_mode != "eager"
         cache: KVCache = self.decoder.new_cache(rows, width + new, zeroed=static)
+        self.decoder.routes = None if routes is None else []
         logits = self.decoder.prefill(ids, valid[:, :width], cache)
+        if routes is not None:
+            prompt_routes = self.decoder.take_routes()
+            response_routes = torch.full((rows, new, *prompt_routes.shape[2:]), NO_ROUTE, dtype=torch.uint8, device=dev)
         positions = torch.tensor([len(p) for p in prompts], device=dev)
         out = torch.full((rows, new), s.pad_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros(rows, new, dtype=torch.float32, device=dev)
@@ -369,12 +389,17 @@ class NativeEngine(TorchEngine):
             valid[:, width + t] = True
             if not static:
                 logits = self.decoder.decode(token, positions, valid[:, : width + t + 1], cache)
+                if routes is not None:
+                    response_routes[active, t] = self.decoder.take_routes()[:, 0]
             else:
                 if step is None:
                     step = _StaticStep(self.decoder, cache, valid, capture=self.step_mode == "graph")
                     self.last_steps_built += 1
                 logits = step(token, positions, width + t)
             positions = positions + 1
+        if routes is not None:
+            routes.append((prompt_routes.cpu(), response_routes.cpu()))
+            self.decoder.routes = None
         return out.cpu(), out_lp.cpu(), lengths.cpu(), ended.cpu()
 
     def _stop_hits(

@@ -4,12 +4,14 @@ policy's config.json (transformers), so rlrun.plan.plan imports it only once the
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from rlrun.config.schema import Config
 from rlrun.engines.base import REPORTS_LOG_PROBS, resolve_backend
 from rlrun.engines.decoder import unsupported_reason
 from rlrun.models.architecture import is_vision_language
 from rlrun.models.loading import load_model_config
+from rlrun.models.moe import MAX_EXPERTS, config_routing_shape
 from rlrun.plan.checks import correction_flags
 from rlrun.runtime.errors import ConfigError, MissingExtraError
 
@@ -57,7 +59,48 @@ def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
             f"{flags} needs the engine's sampled-token log-probs, but generation resolved to {backend} ({why}); use "
             "--generation_backend vllm or native, or drop the flag"
         )
+    if config is not None:
+        check_moe_options(cfg, config, backend)
     return GenerationChoice(replace(cfg, generation=replace(g, generation_backend=backend)), why, assumed)
+
+
+def check_moe_options(cfg: Config, config: Any, backend: str) -> None:
+    """--router_replay and --aux_loss_coef against the policy (`config`, its HF config) and the backend: each
+    combination rlrun cannot run is one ConfigError naming the values and what to do."""
+    a, shape = cfg.algo, config_routing_shape(config)
+    dense = f"the policy ({getattr(config, 'model_type', '?')}) has no MoE layers"
+    if a.aux_loss_coef < 0:
+        raise ConfigError(f"--aux_loss_coef must be >= 0, got {a.aux_loss_coef}")
+    if a.aux_loss_coef > 0 and shape is None:
+        raise ConfigError(f"--aux_loss_coef {a.aux_loss_coef}: {dense}; drop the flag (or set it to 0)")
+    if a.aux_loss_coef > 0 and cfg.train.sequence_parallel_size > 1:
+        raise ConfigError(
+            f"--aux_loss_coef {a.aux_loss_coef} with --sequence_parallel_size {cfg.train.sequence_parallel_size}: "
+            "each rank would balance only its share of the tokens; not supported yet (drop one of them)"
+        )
+    if a.router_replay != "R3":
+        return
+    if shape is None:
+        raise ConfigError(f"--router_replay R3: {dense}; drop the flag")
+    if shape.experts > MAX_EXPERTS:
+        raise ConfigError(
+            f"--router_replay R3: {shape.experts} experts do not fit rlrun's uint8 routing (at most {MAX_EXPERTS})"
+        )
+    if backend == "vllm":
+        raise ConfigError(
+            "--router_replay R3 needs the engine to report each token's experts: rlrun's vLLM adapter does not read "
+            "them yet; use --generation_backend native or hf"
+        )
+    if cfg.train.continues_rollouts:
+        raise ConfigError(
+            "--router_replay R3 with --partial_rollout: a continued response's tokens were routed by several policy "
+            "versions, which rlrun does not record yet; drop one of them"
+        )
+    if cfg.agent.multi_turn:
+        raise ConfigError(
+            "--router_replay R3 with multi-turn agents is not supported yet: the environment's tokens "
+            "are never routed by the engine; drop one of them"
+        )
 
 
 # ---- vision-language runs ----------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any
 from rlrun.config.schema import Config
 from rlrun.launch.layout import Layout, Role
 from rlrun.models.architecture import tied_embeddings
+from rlrun.models.moe import is_sparse_layer
 from rlrun.plan.sequence_parallel import sequence_parallel_sizes
 from rlrun.runtime.errors import ConfigError
 
@@ -104,7 +105,7 @@ def _attention_biases(config: Any, kind: str) -> tuple[bool, bool]:
 def _mlp(config: Any, layer: int, hidden: int) -> int:
     """Parameters of one layer's MLP: dense SwiGLU, or routed experts + router (+ Qwen2-MoE's gated shared expert)."""
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    if not _is_sparse(config, layer):
+    if not is_sparse_layer(config, layer):
         inner = _need(config, "intermediate_size")
         return 3 * hidden * inner + (2 * inner + hidden if getattr(config, "mlp_bias", False) else 0)
     inner = getattr(config, "moe_intermediate_size", None) or _need(config, "intermediate_size")
@@ -117,28 +118,18 @@ def _mlp(config: Any, layer: int, hidden: int) -> int:
 def _mlp_width(config: Any, layer: int) -> int:
     """The inner width of the MLP one token of `layer` goes through: the dense SwiGLU's, or its top-k experts' plus
     a shared expert's (what its activations scale with)."""
-    if not _is_sparse(config, layer):
+    if not is_sparse_layer(config, layer):
         return _need(config, "intermediate_size")
     inner = getattr(config, "moe_intermediate_size", None) or _need(config, "intermediate_size")
     top_k = getattr(config, "num_experts_per_tok", None) or 1
     return top_k * inner + (getattr(config, "shared_expert_intermediate_size", None) or 0)
 
 
-def _is_sparse(config: Any, layer: int) -> bool:
-    """Whether `layer` routes to experts (the rule _mlp follows)."""
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    return (
-        bool(experts)
-        and layer not in (getattr(config, "mlp_only_layers", None) or ())
-        and (layer + 1) % (getattr(config, "decoder_sparse_step", 1) or 1) == 0
-    )
-
-
 def _linears(config: Any, hidden: int, q: int, kv: int, layers: int) -> tuple[Linear, ...]:
     """The body's nn.Linear layers by kind, summed over layers: attention's four projections in every layer, the
     dense SwiGLU's three in dense layers, a Qwen2-MoE shared expert's three and its [hidden, 1] gate in sparse ones
     (routed experts are fused tensors, not nn.Linear, in current transformers; routers vary by model)."""
-    sparse = sum(_is_sparse(config, i) for i in range(layers))
+    sparse = sum(is_sparse_layer(config, i) for i in range(layers))
     dense = layers - sparse
     out = [
         Linear("self_attn.q_proj", hidden, q, layers),
@@ -215,7 +206,7 @@ def model_shape(config: Any) -> ModelShape:
         hidden,
         head,
         _linears(c, hidden, q, kv, layers),
-        sum(_is_sparse(c, i) for i in range(layers)),
+        sum(is_sparse_layer(c, i) for i in range(layers)),
         vision_tower_parameters(config),
         tuple(_mlp_width(c, i) for i in range(layers)),
     )

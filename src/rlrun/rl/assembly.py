@@ -30,6 +30,7 @@ from rlrun.launch.transfer import gather_node_labels
 from rlrun.models.adapter_pretrain import lora_settings
 from rlrun.models.loading import (
     load_critic,
+    load_model_config,
     load_reward_model,
     load_tokenizer,
     policy_weights,
@@ -38,6 +39,7 @@ from rlrun.models.loading import (
     unfilled_causal_lm,
 )
 from rlrun.models.lora import add_scalar_adapters
+from rlrun.models.moe import config_routing_shape
 from rlrun.models.weights import Unfilled
 from rlrun.plan.checks import loss_params, pure_distillation_line, rollout_correction_of, scores_nothing
 from rlrun.plan.memory_text import dry_run_memory
@@ -215,6 +217,7 @@ class PPOTrainer:
             agents=roles.agents,
             episodes=cfg.agent.multi_turn,
             scored_later=cfg.model.needs_reward_model,
+            routing=config_routing_shape(load_model_config(cfg.model)) if cfg.algo.router_replay == "R3" else None,
         )
         evaluator = None
         if inputs.eval_prompts is not None:
@@ -481,6 +484,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
             timeout_s=cfg.runtime.dist_timeout,
             image_processor=images,
             images_per_prompt=cfg.data.max_images_per_prompt,
+            record_routing=cfg.algo.router_replay == "R3",
         )
         out.reward_fn, out.agents = inputs.sources.reward_fn, inputs.sources.agents
     if Role.ACTOR in mine:
@@ -513,6 +517,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
                 logits_chunk=cfg.train.logits_chunk_size,
                 adapters_off=True,
                 sp=actor_sp,
+                replay=cfg.algo.router_replay == "R3",
             )
     if Role.REF in mine:
         out.strategies[Role.REF] = _strategy(cfg, groups, Role.REF, device)
@@ -618,6 +623,7 @@ def _frozen_policy(
         packing=cfg.train.packing_samples,
         logits_chunk=cfg.train.logits_chunk_size,
         sp=sequence_parallel(groups, role, model),
+        replay=role is Role.REF and cfg.algo.router_replay == "R3",  # the teacher is another model
     )
 
 

@@ -24,6 +24,7 @@ from rlrun.engines.base import REPORTS_LOG_PROBS, Engine
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import EngineRowExchange, ReadyFlag, broadcast_json, gather_from, gather_vision
+from rlrun.models.moe import RoutingShape, pack_routing
 from rlrun.rewards.reward_fn import RewardFunction, reward_responses
 from rlrun.rl.partial_rollout import PoolSettings, SequencePool, alone
 
@@ -64,6 +65,7 @@ class LocalRollout:
     seconds: float = 0.0
     versions: torch.Tensor | None = None  # --partial_rollout: [b, 3] staleness, spans several versions, restarted
     vision: RowVision | None = None  # vision-language policies: the rows' prompt images
+    routing: torch.Tensor | None = None  # --router_replay R3: [b, P + R, layers, k] uint8 (rlrun.models.moe)
 
 
 class RolloutSource:
@@ -85,10 +87,13 @@ class RolloutSource:
         agents: EpisodeRunner | None,
         episodes: bool,
         scored_later: bool,
+        routing: RoutingShape | None = None,
     ) -> None:
         """`engine`, `reward_fn`, `agents`: an engine rank's (None elsewhere; its rollouts are rewarded by the
         function, or are agent episodes carrying their rewards). `episodes`: rollouts are agent episodes (their
-        masks mark the actions); `scored_later`: a reward model scores the batch in the score phase."""
+        masks mark the actions); `scored_later`: a reward model scores the batch in the score phase; `routing`: the
+        MoE policy's routing shape when the engines record it for --router_replay R3 (the same on every rank)."""
+        self.routing = routing
         self.train, self.generation, self.groups = train, generation, groups
         self.engine, self.reward_fn, self.agents = engine, reward_fn, agents
         self.episodes, self.scored_later = episodes, scored_later
@@ -168,6 +173,11 @@ class RolloutSource:
             generation = self.engine.sample(prompt_ids, seed, **images)
             responses, engine_lp = generation.responses, generation.log_probs
             self._reward(out, mine, responses)
+            if self.routing is not None:
+                if generation.routing is None:
+                    raise RuntimeError("--router_replay R3: the engine reported no routing")  # plan.checks refuses it
+                P, R = self.generation.prompt_max_len, self.generation.generate_max_len
+                out.routing = pack_routing(generation.routing, [len(p) for p in prompt_ids], P, R, self.routing)
         return self._pack(out, prompt_ids, responses, engine_lp, t0)
 
     def signal_trained(self) -> None:
@@ -221,6 +231,11 @@ class RolloutSource:
                 self.engine_ranks, mine.log_probs, (share, R), torch.float32, world, self.comm_device
             )
             batch.engine_log_probs = engine_lp.cpu()[:, : batch.response_width]
+        if self.routing is not None:
+            shape = (share, P + R, self.routing.layers, self.routing.top_k)
+            routing = gather_from(self.engine_ranks, mine.routing, shape, torch.uint8, world, self.comm_device)
+            p = batch.sequences.shape[1] - batch.response_width  # unpack_rows kept the step's longest prompt
+            batch.routing = routing.cpu()[:, P - p : P + batch.response_width]
         if self.episodes:  # observation tokens are not actions: the agents' masks replace the length-based one
             all_masks = gather_from(self.engine_ranks, mine.masks, (share, R), torch.float32, world, self.comm_device)
             batch.action_mask = all_masks.cpu()[:, : batch.response_width]

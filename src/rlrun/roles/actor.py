@@ -17,6 +17,7 @@ from rlrun.data.batching import TokenBudget, pad_responses, trim_padding
 from rlrun.data.rollout import RolloutBatch
 from rlrun.launch.groups import SequenceParallel
 from rlrun.models.lora import adapters_disabled
+from rlrun.models.moe import RoutingRun, routing_shape
 from rlrun.roles.forward import LOGITS_CHUNK, fed_tokens, over_micro_batches, policy_log_probs
 from rlrun.roles.update import FED_TOKENS, REAL_TOKENS, MicroLoss, Updater
 
@@ -37,6 +38,8 @@ class PolicyLossSettings:
     teacher_kl_coef: float = 0.0  # --teacher_kl_loss: the distillation term's weight
     teacher_kl_estimator: str = "k3"
     teacher_kl_clamp: float | None = None
+    aux_loss_coef: float = 0.0  # --aux_loss_coef: the MoE load-balancing loss's weight (rlrun.models.moe)
+    router_replay: bool = False  # --router_replay R3: forwards route tokens to the engine's recorded experts
 
 
 def policy_loss_settings(
@@ -62,6 +65,8 @@ def policy_loss_settings(
         teacher_kl_coef=a.teacher_kl_coef,
         teacher_kl_estimator=a.teacher_kl_estimator,
         teacher_kl_clamp=a.teacher_kl_clamp,
+        aux_loss_coef=a.aux_loss_coef,
+        router_replay=a.router_replay == "R3",
     )
 
 
@@ -99,6 +104,11 @@ class Actor:
         # (rows, [rows, R] detached log-probs) per micro-batch of the last on-policy update (PolicyData.old_log_probs
         # None): the trainer gathers them in place of the skipped scoring pass.
         self._on_policy: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.routing = routing_shape(model)  # None: a dense policy
+
+    def _moe(self) -> RoutingRun | None:
+        """A MoE policy's forward bookkeeping (replaying the engine's routing with --router_replay R3)."""
+        return None if self.routing is None else RoutingRun(replay=self.settings.router_replay)
 
     def log_probs(self, batch: RolloutBatch, micro_batch: int | TokenBudget) -> torch.Tensor:
         """[b, L] rollouts -> [b, R] log-probs under the current policy (micro_batch: rows, or a token budget)."""
@@ -109,7 +119,7 @@ class Actor:
             micro_batch,
             self.device,
             lambda p: policy_log_probs(
-                self.model, p, temp, packing=self.packing, logits_chunk=self.logits_chunk, sp=self.sp
+                self.model, p, temp, packing=self.packing, logits_chunk=self.logits_chunk, sp=self.sp, moe=self._moe()
             )[0],
         )
 
@@ -133,6 +143,7 @@ class Actor:
             def cols(t: torch.Tensor) -> torch.Tensor:
                 return t[rows, :r].to(self.device)
 
+            moe = self._moe()
             logp, entropy = policy_log_probs(
                 self.model,
                 part,
@@ -141,6 +152,7 @@ class Actor:
                 packing=self.packing,
                 logits_chunk=self.logits_chunk,
                 sp=self.sp,
+                moe=moe,
             )
             if data.old_log_probs is None:  # on-policy: ratio 1 in value, gradient d(logp) exactly (as TRL)
                 old_log_probs = logp.detach()
@@ -191,6 +203,11 @@ class Actor:
                 distill_loss = aggregate_loss(divergence, m, s.agg, **norm)
                 loss = loss + s.teacher_kl_coef * distill_loss
                 reported["distill_loss"] = distill_loss.detach()
+            if moe is not None and self.routing is not None:
+                aux, numbers = moe.metrics(self.routing.top_k)
+                reported.update(numbers)
+                if s.aux_loss_coef > 0:  # this micro-batch's share of the mini-batch's tokens, as its policy loss
+                    loss = loss + s.aux_loss_coef * aux * (m.sum() / num_tokens)
             if entropy is not None:
                 ent = aggregate_loss(entropy, m, s.agg, **norm)
                 loss = loss - s.entropy_coef * ent  # type: ignore[operator]
@@ -221,6 +238,7 @@ class Reference:
         logits_chunk: int = LOGITS_CHUNK,
         adapters_off: bool = False,
         sp: SequenceParallel | None = None,
+        replay: bool = False,
     ) -> None:
         # The actor's model (adapters_off) keeps the mode the actor's update sets; a frozen copy is always in eval.
         self.model = model if adapters_off else model.eval()
@@ -230,6 +248,7 @@ class Reference:
         self.logits_chunk = logits_chunk  # --logits_chunk_size: positions per chunk of the vocab projection
         self.temperature = temperature
         self.device = device
+        self.replay = replay  # --router_replay R3 on a MoE policy: route tokens to the engine's recorded experts
 
     def log_probs(self, batch: RolloutBatch, micro_batch: int | TokenBudget) -> torch.Tensor:
         """[b, L] rollouts -> [b, R] reference log-probs (micro_batch: rows, or a token budget)."""
@@ -243,6 +262,12 @@ class Reference:
             micro_batch,
             self.device,
             lambda p: policy_log_probs(
-                self.model, p, self.temperature, packing=self.packing, logits_chunk=self.logits_chunk, sp=self.sp
+                self.model,
+                p,
+                self.temperature,
+                packing=self.packing,
+                logits_chunk=self.logits_chunk,
+                sp=self.sp,
+                moe=RoutingRun(replay=True) if self.replay else None,
             )[0],
         )

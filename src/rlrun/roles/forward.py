@@ -8,7 +8,7 @@ also turns off transformers' packed-sequence detection from position ids.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from rlrun.data.rollout import RolloutBatch
 from rlrun.data.vision_batch import RowVision
 from rlrun.launch.groups import SequenceParallel
 from rlrun.models.loading import position_ids_from
+from rlrun.models.moe import RoutingRun, in_forward_order
 from rlrun.strategies.ulysses import UlyssesCall, gather_columns
 from rlrun.vision.inputs import packed_inputs, padded_inputs
 
@@ -120,13 +121,16 @@ def response_log_probs(
     with_entropy: bool = False,
     logits_chunk: int = LOGITS_CHUNK,
     vision: RowVision | None = None,
+    routing: torch.Tensor | None = None,
+    moe: RoutingRun | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, L] -> log-probs of the last `response_width` tokens [b, R] (and their entropy [b, R]).
 
     Logits are divided by the sampling temperature so the ratio is taken against the policy
     that actually sampled the tokens. Only the R + 1 last positions go through the vocab projection,
     `logits_chunk` positions at a time where the model allows it (chunkable_head; <= 0: all at once).
-    `vision`: the rows' images, for a vision-language policy (its pixels and multimodal positions join the call)."""
+    `vision`: the rows' images, for a vision-language policy (its pixels and multimodal positions join the call).
+    `moe`: a MoE policy's forward runs tapped (replaying `routing` [b, L, layers, k] when it says so)."""
     kwargs = {
         "input_ids": sequences,
         "attention_mask": attention_mask,
@@ -137,13 +141,15 @@ def response_log_probs(
     if vision is not None:
         kwargs.update(padded_inputs(model, sequences, attention_mask, vision))
     targets = sequences[:, -response_width:]
+    tap = nullcontext() if moe is None else moe.around(model, in_forward_order(routing, None), attention_mask.bool())
     if logits_chunk > 0 and chunkable_head(model):
         # The last of the R + 1 positions predicts past the sequence: a dummy target (0) keeps the head's input and
         # the targets aligned; that one extra row per sequence is dropped below.
-        with vocab_log_probs(model, F.pad(targets, (0, 1)), temperature, logits_chunk, with_entropy):
+        with tap, vocab_log_probs(model, F.pad(targets, (0, 1)), temperature, logits_chunk, with_entropy):
             per_token = model(**kwargs).logits[:, :-1]  # [b, R, 1 or 2]
         return per_token[..., 0], per_token[..., 1] if with_entropy else None
-    out = model(**kwargs)
+    with tap:
+        out = model(**kwargs)
     logits = out.logits[:, :-1, :].float()
     logp = log_probs_from_logits(logits, targets, temperature)
     entropy = entropy_from_logits(logits / temperature) if with_entropy else None
@@ -253,6 +259,7 @@ def packed_response_log_probs(
     with_entropy: bool = False,
     logits_chunk: int = LOGITS_CHUNK,
     sp: SequenceParallel | None = None,
+    moe: RoutingRun | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same as response_log_probs on `part` ([b, L] -> [b, R], 0 where there is no response token),
     computed on packed rows; the vocab projection runs on the N response positions only. With sequence parallelism
@@ -264,14 +271,16 @@ def packed_response_log_probs(
         keep, targets = _local_columns(packed, call)
     else:
         keep, targets = packed.keep_mask(), packed.targets()
+    tap = nullcontext() if moe is None else _packed_tap(moe, model, part, packed, call)
     if logits_chunk > 0 and chunkable_head(model):
         with (
+            tap,
             projected_only(model, keep),
             vocab_log_probs(model, targets.unsqueeze(0), temperature, logits_chunk, with_entropy),
         ):
             per_token = model(**kwargs).logits[0]  # [N or N_r, 1 or 2]
     else:
-        with projected_only(model, keep):
+        with tap, projected_only(model, keep):
             out = model(**kwargs)
         logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # [N or N_r, V], row-major order of keep
         logp = log_probs_from_logits(logits.unsqueeze(0), targets.unsqueeze(0), temperature)[0]
@@ -280,6 +289,15 @@ def packed_response_log_probs(
     if call is not None:
         per_token = _gathered(per_token, keep, call)[packed.pred_index]
     return packed.scatter(per_token[:, 0]), packed.scatter(per_token[:, 1]) if with_entropy else None
+
+
+def _packed_tap(
+    moe: RoutingRun, model: nn.Module, part: RolloutBatch, packed: PackedBatch, call: UlyssesCall | None
+) -> AbstractContextManager[None]:
+    """moe.around for a packed forward (this rank's columns with sequence parallelism)."""
+    assert packed.source is not None  # pack_batch sets it
+    source = packed.source if call is None else packed.source[:, call.columns]
+    return moe.around(model, in_forward_order(part.routing, source), source >= 0)
 
 
 def _packed_head(model: nn.Module, part: RolloutBatch, sp: SequenceParallel | None) -> tuple[PackedBatch, torch.Tensor]:
@@ -318,12 +336,13 @@ def policy_log_probs(
     packing: bool = False,
     logits_chunk: int = LOGITS_CHUNK,
     sp: SequenceParallel | None = None,
+    moe: RoutingRun | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, L] rollouts -> response log-probs [b, R] (and entropy), padded or packed; the vocab projection runs
     `logits_chunk` positions at a time (<= 0: whole micro-batch, the same numbers with more memory). `sp`: the
-    rank's sequence-parallel group (packed rows only)."""
+    rank's sequence-parallel group (packed rows only). `moe`: a MoE policy's routing bookkeeping (RoutingRun)."""
     if packing or sp is not None:
-        return packed_response_log_probs(model, part, temperature, with_entropy, logits_chunk, sp)
+        return packed_response_log_probs(model, part, temperature, with_entropy, logits_chunk, sp, moe)
     return response_log_probs(
         model,
         part.sequences,
@@ -333,6 +352,8 @@ def policy_log_probs(
         with_entropy,
         logits_chunk,
         part.vision,
+        part.routing,
+        moe,
     )
 
 
