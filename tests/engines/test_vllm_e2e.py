@@ -38,15 +38,25 @@ def _check_trained(code: int, out: str, metrics: list[dict], steps: int) -> None
     assert (Path(out.split("saved the policy (Hugging Face format) to ")[-1].split()[0]) / "config.json").exists()
 
 
-def test_disaggregated_engine_trains(tmp_path):
-    # with OpenRLHF's train/rollout mismatch correction on: the engine's log-probs reach the actor's loss
-    code, out, metrics = run(DEMO + DISAGG + ["--max_steps", "4", "--is_correction_level", "token",
+def test_disaggregated_async_engine_lags_exactly_one_weight_version(tmp_path):
+    """Rank 0 actor, rank 1 a vLLM engine, --async_train with OpenRLHF's train/rollout mismatch correction: the engine
+    rank keeps no policy (each sync streams through two bucket buffers into the child's reload); step 1's batch comes
+    from the weights the actor still has (diff ~0, fp32 on CPU: nothing clipped), and every later batch was generated
+    before the previous update, so the actor's old log-probs differ from the engine's by the size of one update (the
+    lag is real) and the correction, which reads the engine's log-probs, sees it."""
+    code, out, metrics = run(DEMO + DISAGG + ["--max_steps", "4", "--async_train", "--is_correction_level", "token",
                                               "--is_correction_mode", "clip"], tmp_path)
-    _check_trained(code, out, metrics, 4)
-    # the engine rank keeps no policy: each sync streams through two bucket buffers into the child's reload
+    assert code == 0, out[-4000:]
+    assert "generation backend vllm" in out and [m["step"] for m in metrics] == [1, 2, 3, 4], out[-2000:]
+    assert all(m["response_length"] > 0 for m in metrics)
+    assert (Path(out.split("saved the policy (Hugging Face format) to ")[-1].split()[0]) / "config.json").exists()
     assert "rank 1: weight syncs stream bucket by bucket to the vLLM child" in out, out[-3000:]
-    for m in metrics:  # fp32 on CPU: engine and actor agree to ~1e-6, so nothing is clipped
-        assert abs(m["rollout_corr/kl"]) < 1e-3 and m["rollout_corr/is_filter_frac"] == 0.0, m
+    diffs = [m["rollout/engine_vs_actor_logprob_diff"] for m in metrics]
+    assert diffs[0] < 1e-3 and all(d > 1e-3 for d in diffs[1:]), diffs
+    assert all(m["async/policy_lag"] == 1.0 for m in metrics)
+    first = metrics[0]
+    assert abs(first["rollout_corr/kl"]) < 1e-3 and first["rollout_corr/is_filter_frac"] == 0.0, first
+    assert max(abs(m["rollout_corr/kl"]) for m in metrics[1:]) > abs(first["rollout_corr/kl"]), metrics
 
 
 def test_multi_turn_agent_episodes_on_vllm(tmp_path):
@@ -57,17 +67,6 @@ def test_multi_turn_agent_episodes_on_vllm(tmp_path):
     _check_trained(code, out, metrics, 3)
     for m in metrics:
         assert m["agent/turns"] == 2.0 and m["agent/observation_tokens"] > 10, m
-
-
-def test_async_train_lags_exactly_one_weight_version(tmp_path):
-    # --async_train with engine log-probs: step 1's batch comes from the weights the actor still has (diff ~0);
-    # every later batch was generated before the previous update, so the actor's old log-probs differ from
-    # the engine's by the size of one update (the lag is real), and the IS correction sees it.
-    code, out, metrics = run(DEMO + DISAGG + ["--max_steps", "4", "--async_train"], tmp_path)
-    assert code == 0, out[-4000:]
-    diffs = [m["rollout/engine_vs_actor_logprob_diff"] for m in metrics]
-    assert diffs[0] < 1e-3 and all(d > 1e-3 for d in diffs[1:]), diffs
-    assert all(m["async/policy_lag"] == 1.0 for m in metrics)
 
 
 def test_partial_rollout_continues_responses_on_vllm(tmp_path, long_tailed_base):

@@ -3,11 +3,12 @@ config with transformers' own classes (2 layers, 8 experts, top-2), --router_rep
 token's experts, the rollout ships them as uint8, the actor's and the reference's forwards replay them) and
 --aux_loss_coef. FSDP2 ZeRO-3 on packed rows at 2 ranks learns, reports the MoE metrics, exports a checkpoint
 transformers loads, and resumed from its middle checkpoint ends bit for bit where it did; DeepSpeed ZeRO-2 at 4 ranks
-trains the same model."""
+trains a tiny Mixtral (4 experts, top-2, every layer sparse) the same way."""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ MOE = ("actor/moe/aux_loss", "actor/moe/max_expert_load", "actor/moe/router_mism
 
 @pytest.fixture(scope="module")
 def moe_task(tmp_path_factory) -> list[str]:
-    from transformers import Qwen3MoeConfig
+    from transformers import MixtralConfig, Qwen3MoeConfig
 
     from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
 
@@ -37,6 +38,14 @@ def moe_task(tmp_path_factory) -> list[str]:
     )
     build_causal_lm(config, seed=3).save_pretrained(root / "base")
     build_byte_tokenizer().save_pretrained(root / "base")
+    mixtral = MixtralConfig(
+        **{k: dense[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")},
+        hidden_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    build_causal_lm(mixtral, seed=4).save_pretrained(root / "mixtral")
+    build_byte_tokenizer().save_pretrained(root / "mixtral")
     return ["--config", "configs/demo.yaml", "--pretrain", str(root / "base"), "--remote_rm_url", "demo",
             "--router_replay", "R3", "--aux_loss_coef", "0.01", "--use_kl_loss", "--init_kl_coef", "0.01",
             "--dist_timeout", "60"]
@@ -79,9 +88,10 @@ def test_fsdp_zero3_learns_with_replay_exports_and_resumes_exactly(moe_task, tmp
     assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in saved)
 
 
-def test_deepspeed_zero2_trains_the_moe_policy_at_4_ranks(moe_task, tmp_path) -> None:
-    run = run_rlrun(4, [*moe_task, "--strategy", "deepspeed", "--zero_stage", "2", "--max_steps", "3"],
-                    tmp_path / "ds", timeout=300)
+def test_deepspeed_zero2_trains_a_mixtral_at_4_ranks(moe_task, tmp_path) -> None:
+    mixtral = str(Path(moe_task[moe_task.index("--pretrain") + 1]).parent / "mixtral")
+    run = run_rlrun(4, [*moe_task, "--pretrain", mixtral, "--strategy", "deepspeed", "--zero_stage", "2",
+                        "--max_steps", "3"], tmp_path / "ds", timeout=300)
     assert run.returncode == 0, run.output[-3000:]
     assert len(run.metrics) == 3 and all(all(key in m for key in MOE) for m in run.metrics)
     assert run.metrics[-1]["actor/moe/aux_loss"] > 0
