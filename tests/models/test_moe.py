@@ -245,6 +245,7 @@ def test_the_aux_loss_spreads_a_skewed_router() -> None:
     (["--router_replay", "R3"], "qwen3_moe", "vllm", "rlrun's vLLM adapter does not read them yet"),
     (["--router_replay", "R3", "--partial_rollout", "--async_train"], "mixtral", "native", "with --partial_rollout"),
     (["--aux_loss_coef", "0.01", "--sequence_parallel_size", "2"], "qwen2_moe", "hf", "--sequence_parallel_size 2"),
+    (["--lora_rank", "8"], "qwen3_moe", "native", "--lora_rank 8 with a MoE policy (qwen3_moe): PEFT wraps"),
 ])
 def test_moe_options_the_policy_or_backend_cannot_run_are_one_error(argv, kind, backend, message) -> None:
     from rlrun.cli.parser import parse_args
