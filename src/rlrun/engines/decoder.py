@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlrun.models.architecture import is_vision_language
+from rlrun.models.moe import renormalises
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe")
@@ -377,7 +378,7 @@ class Decoder:
         logits = F.linear(flat, router.weight)  # type: ignore[arg-type]  # [N, X]
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = probs.topk(int(router.top_k), dim=-1)  # type: ignore[arg-type]
-        if getattr(router, "norm_topk_prob", True):  # Mixtral's router always renormalises
+        if renormalises(router):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.routes is not None:
             self.routes.append(ids.view(rows, new, -1))

@@ -82,7 +82,7 @@ def config_routing_shape(config: Any) -> RoutingShape | None:
     return RoutingShape(layers, int(getattr(config, "num_experts_per_tok", 1) or 1), int(experts))
 
 
-def _renormalises(router: nn.Module) -> bool:
+def renormalises(router: nn.Module) -> bool:
     """Whether the router divides its top-k probabilities by their sum: Qwen's `norm_topk_prob`, always for Mixtral
     (whose router has no such flag)."""
     return bool(getattr(router, "norm_topk_prob", True))
@@ -109,7 +109,7 @@ def _replayed(router: nn.Module, logits: torch.Tensor, own: torch.Tensor, given:
     ids = torch.where(use[:, None], given.to(own.device, torch.long), own)
     probs = torch.softmax(logits.float(), dim=-1)
     weights = probs.gather(-1, ids)
-    if _renormalises(router):
+    if renormalises(router):
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
 
@@ -179,9 +179,9 @@ def expert_load(routed: Routed, valid: torch.Tensor | None = None) -> torch.Tens
     return torch.stack(rows)
 
 
-def mismatch_fraction(routed: Routed, replay: torch.Tensor) -> tuple[float, int]:
-    """(fraction, tokens): among the (token, layer) pairs with a recorded choice, the fraction whose router's own
-    top-k set differs from the replayed one (what the trainer would have routed otherwise)."""
+def mismatch_fraction(routed: Routed, replay: torch.Tensor) -> float:
+    """Among the (token, layer) pairs with a recorded choice, the fraction whose router's own top-k set differs from
+    the replayed one (what the trainer would have routed otherwise)."""
     differs, counted = 0, 0
     for layer in sorted(routed.own):
         given = replay[:, layer].to(routed.own[layer].device)
@@ -190,7 +190,7 @@ def mismatch_fraction(routed: Routed, replay: torch.Tensor) -> tuple[float, int]
         rec = given[use].long().sort(dim=-1).values
         differs += int((own != rec).any(dim=-1).sum())
         counted += int(use.sum())
-    return (differs / counted if counted else 0.0), counted
+    return differs / counted if counted else 0.0
 
 
 def pack_routing(
@@ -250,7 +250,7 @@ class RoutingRun:
         load = expert_load(self.routed, self.valid)
         numbers = {"moe/aux_loss": float(aux.detach()), "moe/max_expert_load": float(load.max(dim=-1).values.mean())}
         if self.given is not None:
-            numbers["moe/router_mismatch_frac"] = mismatch_fraction(self.routed, self.given)[0]
+            numbers["moe/router_mismatch_frac"] = mismatch_fraction(self.routed, self.given)
         return aux, numbers
 
 
@@ -281,12 +281,11 @@ def engine_routing(calls: list[torch.Tensor], rows: int, prompt_lens: list[int],
     per new token) -> per row [p_i + r_i, layers, k] uint8: its prompt tokens' routing and its response tokens' (the
     token sampled at step t is fed, and routed, at step t + 1; a token never fed gets NO_ROUTE)."""
     prefill = calls[0].view(rows, -1, *calls[0].shape[1:])
-    width = prefill.shape[1]
+    width, per_token = prefill.shape[1], prefill.shape[2:]
+    steps = len(calls) - 1  # [rows, steps, layers, k]: step t's fed token is response token t
+    decoded = torch.stack(calls[1:], dim=1) if steps else prefill.new_empty((rows, 0, *per_token))
     out = []
     for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
-        response = torch.full((r, *prefill.shape[2:]), NO_ROUTE, dtype=torch.uint8)
-        fed = min(r, len(calls) - 1)
-        if fed:
-            response[:fed] = torch.stack([calls[t + 1].view(rows, *prefill.shape[2:])[i] for t in range(fed)])
-        out.append(torch.cat([prefill[i, width - p :], response]))
+        never_fed = torch.full((max(r - steps, 0), *per_token), NO_ROUTE, dtype=torch.uint8)
+        out.append(torch.cat([prefill[i, width - p :], decoded[i, :r], never_fed]))
     return out

@@ -1,5 +1,6 @@
-"""The generation backend a run resolves to, and what a vision-language policy cannot do yet: planning that reads the
-policy's config.json (transformers), so rlrun.plan.plan imports it only once the values and the layout hold."""
+"""The generation backend a run resolves to, what a vision-language policy cannot do yet, and the MoE options a policy
+and its backend cannot run: planning that reads the policy's config.json (transformers), so rlrun.plan.plan imports
+it only once the values and the layout hold."""
 
 from __future__ import annotations
 
