@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,18 +39,71 @@ class RunResult:
 
 
 def run_rlrun(nproc: int, args: list[str], save_path: Path, timeout: float = 240, env: dict | None = None,
-              module: str = "rlrun.ppo", max_restarts: int = 0) -> RunResult:
-    """`torchrun --standalone --nproc_per_node N [--max-restarts R] -m MODULE ARGS` (or plain python for N=0)."""
+              module: str = "rlrun.ppo", max_restarts: int = 0, agent: bool = False) -> RunResult:
+    """`torchrun --standalone --nproc_per_node N [--max-restarts R] -m MODULE ARGS --save_path SAVE_PATH` (or plain
+    python for N=0), as run_module_world runs it."""
+    args = args + ["--save_path", str(save_path)]
+    returncode, output = run_module_world(nproc, module, args, env or subprocess_env(), timeout, max_restarts, agent)
+    metrics_file = save_path / "metrics.jsonl"
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    return RunResult(returncode, output, metrics)
+
+
+def run_module_world(nproc: int, module: str, args: list[str], env: dict[str, str], timeout: float,
+                     max_restarts: int = 0, agent: bool = False) -> tuple[int, str]:
+    """(exit code, stdout + stderr) of `torchrun --standalone --nproc_per_node N -m MODULE ARGS` (plain python for
+    N=0). The ranks are forked from the session's pre-imported server (tests/forked_world.py) unless the test needs
+    torchrun's agent (`agent`: its failure report is asserted; `max_restarts`), `env` sets a variable read at import
+    time, or RLRUN_TEST_LAUNCHER=torchrun asks for torchrun throughout. subprocess.TimeoutExpired after `timeout`
+    s, every rank killed."""
+    server = forked_server(env) if max_restarts == 0 and not agent else None
+    if server is not None:
+        world = max(nproc, 1)
+        with tempfile.TemporaryDirectory(prefix="rlrun_world") as logs:
+            out, err = Path(logs) / "out", Path(logs) / "err"
+            returncode, _ = server.run(("module", module), [args] * world, env, REPO, [out] * world, [err] * world,
+                                       free_port(), timeout, torchrun_env=nproc > 0)
+            return returncode, (out.read_text() if out.exists() else "") + (err.read_text() if err.exists() else "")
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                f"--max-restarts={max_restarts}", "-m", module]
     else:
         cmd = [sys.executable, "-m", module]
-    cmd += args + ["--save_path", str(save_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env or subprocess_env(), capture_output=True, text=True, timeout=timeout)
-    metrics_file = save_path / "metrics.jsonl"
-    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
-    return RunResult(proc.returncode, proc.stdout + proc.stderr, metrics)
+    # A session of its own, so that a timeout takes the workers down with the launcher.
+    proc = subprocess.Popen(cmd + args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        raise
+    return proc.returncode, stdout + stderr
+
+
+_SERVER: list = []
+_STARTING = threading.Lock()
+
+
+def forked_server(env: dict[str, str]):
+    """The session's forked_world.Server (started on first use), or None where `env` cannot be served by it."""
+    import atexit
+
+    import forked_world
+
+    if os.environ.get("RLRUN_TEST_LAUNCHER") == "torchrun":
+        return None
+    with _STARTING:  # worlds are started from threads at once
+        if not _SERVER:
+            server = forked_world.Server(Path(tempfile.mkdtemp(prefix="forked_world")), subprocess_env())
+            atexit.register(server.stop)
+            _SERVER.append(server)
+    server = _SERVER[0]
+    differences = forked_world.import_time_differences(env, server.env, server.set_by_imports)
+    if differences and os.environ.get("RLRUN_TEST_LAUNCHER_LOG"):
+        with open(os.environ["RLRUN_TEST_LAUNCHER_LOG"], "a") as log:
+            log.write(f"{os.environ.get('PYTEST_CURRENT_TEST')}: {differences}\n")
+    return None if differences else server
 
 
 _HANDED_OUT: set[int] = set()
@@ -74,19 +128,33 @@ def free_port() -> int:
 def run_file_as_ranks(path: str, world: int, outdir: Path, timeout: float) -> None:
     """Start `python PATH RANK WORLD PORT OUTDIR` for every rank of a fresh gloo world on a free port, wait for
     all of them (at most `timeout` seconds in total) and fail with the tail of each one's output if any did not
-    exit cleanly. The file's `__main__` block is the per-rank worker; it writes its results under OUTDIR."""
-    import time
-
+    exit cleanly. The file's `__main__` block is the per-rank worker; it writes its results under OUTDIR. The ranks
+    are forked from the session's pre-imported server where it can serve them (see run_rlrun)."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     # Each rank writes to a file, not a pipe: a rank blocked on a full pipe that nobody reads yet (while the
     # test waits on another rank) would hang both in their next collective.
     logs = [outdir / f"rank{r}.log" for r in range(world)]
+    for log in logs:
+        log.write_text("")
+    argv = [[str(r), str(world), str(port), str(outdir)] for r in range(world)]
+    server = forked_server(env)
+    if server is not None:
+        _, codes = server.run(("path", path), argv, env, REPO, logs, logs, port, timeout, torchrun_env=False)
+    else:
+        codes = _run_processes([[sys.executable, path, *a] for a in argv], env, logs, timeout)
+    assert all(c == 0 for c in codes), "\n".join(
+        f"rank {r} (exit {c}):\n{log.read_text()[-3000:]}" for r, (c, log) in enumerate(zip(codes, logs)))
+
+
+def _run_processes(cmds: list[list[str]], env: dict[str, str], logs: list[Path], timeout: float) -> list[int]:
+    """Start every command with its output in its log file; their exit codes (at most `timeout` s in all)."""
+    import time
+
     procs = []
-    for r, log in enumerate(logs):
+    for cmd, log in zip(cmds, logs):
         with open(log, "w") as sink:
-            procs.append(subprocess.Popen([sys.executable, path, str(r), str(world), str(port), str(outdir)], env=env,
-                                          stdout=sink, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
@@ -96,8 +164,7 @@ def run_file_as_ranks(path: str, world: int, outdir: Path, timeout: float) -> No
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(
-        f"rank {r} (exit {p.returncode}):\n{log.read_text()[-3000:]}" for r, (p, log) in enumerate(zip(procs, logs)))
+    return [p.returncode for p in procs]
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 15) -> int | None:

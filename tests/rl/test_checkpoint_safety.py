@@ -17,10 +17,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import REPO, RunResult, run_rlrun, start_reward_server, stop_process
 
-from rlrun.checkpoint import store as manifest
+from helpers import REPO, RunResult, run_rlrun, start_reward_server, stop_process
 from rlrun.checkpoint import store as ckpt
+from rlrun.checkpoint import store as manifest
 
 SMALL = ["--config", "configs/demo.yaml", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
          "--train_batch_size", "8", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "2",
@@ -28,8 +28,10 @@ SMALL = ["--config", "configs/demo.yaml", "--rollout_batch_size", "4", "--n_samp
 SECRET = "k3y-" + uuid.uuid4().hex
 
 
-def _run(save: Path, *args: str, nproc: int = 0, ckpt_path: Path | None = None, env: dict | None = None) -> RunResult:
-    return run_rlrun(nproc, SMALL + ["--ckpt_path", str(ckpt_path or save / "ckpt"), *args], save, timeout=240, env=env)
+def _run(save: Path, *args: str, nproc: int = 0, ckpt_path: Path | None = None, env: dict | None = None,
+         agent: bool = False) -> RunResult:
+    return run_rlrun(nproc, SMALL + ["--ckpt_path", str(ckpt_path or save / "ckpt"), *args], save, timeout=240, env=env,
+                     agent=agent)
 
 
 def _failed_lines(out: str) -> list[str]:
@@ -172,7 +174,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_behind(tmp_path, small_disk)
     """Probe 4, on two ranks: every rank says the same one line (path, the system's reason, the space needed and
     free), no DCP traceback, no temporary directory left."""
     root = small_disk / "ckpt"
-    run = _run(tmp_path, "--max_steps", "2", "--save_steps", "1", nproc=2, ckpt_path=root)
+    run = _run(tmp_path, "--max_steps", "2", "--save_steps", "1", nproc=2, ckpt_path=root, agent=True)
     assert run.returncode != 0
     lines = _failed_lines(run.output)
     assert len(lines) == 2, run.output[-3000:]

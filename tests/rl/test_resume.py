@@ -9,12 +9,9 @@ are shrunk so that a run is mostly process start-up.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +21,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from helpers import REPO, subprocess_env
+from helpers import run_module_world, subprocess_env
 from rlrun.checkpoint import store as ckpt
+
 N = 2  # save every N steps; the reference runs 2N
 STEPS = 2 * N
 SMALL = ["--config", "configs/demo.yaml", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
@@ -49,27 +47,21 @@ class Run:
 
 
 def torchrun(nproc: int, args: list[str], save: Path, *, fault: str | None = None, max_restarts: int = 0,
-             ckpt_path: Path | None = None, timeout: float = 200) -> Run:
-    """torchrun --standalone [--max-restarts R] -m rlrun.ppo ARGS --save_path SAVE --ckpt_path SAVE/ckpt."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", "rlrun.ppo", *args,
-           "--save_path", str(save), "--ckpt_path", str(ckpt_path or save / "ckpt")]
+             ckpt_path: Path | None = None, timeout: float = 200, agent: bool = False) -> Run:
+    """torchrun --standalone [--max-restarts R] -m rlrun.ppo ARGS --save_path SAVE --ckpt_path SAVE/ckpt (forked
+    ranks unless `agent` or `max_restarts` needs torchrun's agent: helpers.run_module_world)."""
+    args = [*args, "--save_path", str(save), "--ckpt_path", str(ckpt_path or save / "ckpt")]
     env = subprocess_env(**({"RLRUN_FAULT": fault} if fault else {}))
     if not fault:
         env.pop("RLRUN_FAULT", None)
     start = time.monotonic()
-    # A session of its own, so a timeout takes the workers down with the launcher.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        returncode, output = run_module_world(nproc, "rlrun.ppo", args, env, timeout, max_restarts, agent)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{output[-3000:]}")
+        pytest.fail(f"timed out after {timeout} s: rlrun.ppo {' '.join(args)}")
     metrics_file = save / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
-    return Run(proc.returncode, output, metrics, time.monotonic() - start, save)
+    return Run(returncode, output, metrics, time.monotonic() - start, save)
 
 
 def _ok(run: Run) -> None:
@@ -150,7 +142,8 @@ def test_all_checkpoints_corrupt_is_one_clear_error(reference, tmp_path):
     _copy_checkpoints(reference, tmp_path / "ckpt", N, STEPS)
     (tmp_path / "ckpt" / "step_00000002" / "actor" / "__0_0.distcp").unlink()
     (tmp_path / "ckpt" / "step_00000004" / ckpt.COMPLETE).write_text("{garbage")
-    run = torchrun(1, SMALL + GAE + ["--max_steps", "1", "--save_steps", str(N), "--load_checkpoint"], tmp_path)
+    run = torchrun(1, SMALL + GAE + ["--max_steps", "1", "--save_steps", str(N), "--load_checkpoint"], tmp_path,
+                   agent=True)
     assert run.returncode != 0
     assert run.output.count("warning] skipping checkpoint") == 2, run.output[-3000:]
     failed = [line for line in run.output.splitlines() if ": FAILED (" in line]
@@ -252,7 +245,8 @@ def test_checkpoint_of_a_different_architecture_fails_fast_and_clearly(reference
     _copy_checkpoints(reference, tmp_path / "ckpt", N)
 
     run = torchrun(2, SMALL + GAE + ["--pretrain", str(model_dir), "--remote_rm_url", "demo", "--max_steps", str(STEPS),
-                                     "--save_steps", str(N), "--load_checkpoint"], tmp_path, timeout=120)
+                                     "--save_steps", str(N), "--load_checkpoint"], tmp_path, timeout=120,
+                   agent=True)
     assert run.returncode != 0
     # Every rank stops at once with the same one-line reason (none is left waiting in a collective) ...
     # (searched in the whole output: two processes' lines can end up glued together in the pipe.)
