@@ -158,7 +158,7 @@ def _become_rank(request: dict, rank: int, world: int) -> None:
     for sig in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     env = dict(request["env"])
-    if request.get("torchrun_env", True):
+    if request["torchrun_env"]:
         env.update({
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
             "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(world),
@@ -192,8 +192,9 @@ class Server:
 
     def __init__(self, workdir: Path, env: dict[str, str]) -> None:
         self.sock_path = str(workdir / "forked_world.sock")
-        self.proc = subprocess.Popen([sys.executable, __file__, "serve", self.sock_path], env=env,
-                                     stdout=subprocess.PIPE, stderr=open(workdir / "server.err", "wb"), text=True)
+        with open(workdir / "server.err", "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, __file__, "serve", self.sock_path], env=env,
+                                         stdout=subprocess.PIPE, stderr=err, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line:
             raise RuntimeError(f"forked_world server did not start: {(workdir / 'server.err').read_text()[-3000:]}")

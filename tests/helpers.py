@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,9 +45,13 @@ def run_rlrun(nproc: int, args: list[str], save_path: Path, timeout: float = 240
     python for N=0), as run_module_world runs it."""
     args = args + ["--save_path", str(save_path)]
     returncode, output = run_module_world(nproc, module, args, env or subprocess_env(), timeout, max_restarts, agent)
+    return RunResult(returncode, output, read_metrics(save_path))
+
+
+def read_metrics(save_path: Path) -> list[dict]:
+    """The records of SAVE_PATH/metrics.jsonl ([] where the run wrote none)."""
     metrics_file = save_path / "metrics.jsonl"
-    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
-    return RunResult(returncode, output, metrics)
+    return [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
 
 
 def run_module_world(nproc: int, module: str, args: list[str], env: dict[str, str], timeout: float,
@@ -75,7 +80,7 @@ def run_module_world(nproc: int, module: str, args: list[str], env: dict[str, st
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise
     return proc.returncode, stdout + stderr

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from helpers import run_module_world, subprocess_env
+from helpers import read_metrics, run_module_world, subprocess_env
 from rlrun.checkpoint import store as ckpt
 
 N = 2  # save every N steps; the reference runs 2N
@@ -59,9 +59,7 @@ def torchrun(nproc: int, args: list[str], save: Path, *, fault: str | None = Non
         returncode, output = run_module_world(nproc, "rlrun.ppo", args, env, timeout, max_restarts, agent)
     except subprocess.TimeoutExpired:
         pytest.fail(f"timed out after {timeout} s: rlrun.ppo {' '.join(args)}")
-    metrics_file = save / "metrics.jsonl"
-    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
-    return Run(returncode, output, metrics, time.monotonic() - start, save)
+    return Run(returncode, output, read_metrics(save), time.monotonic() - start, save)
 
 
 def _ok(run: Run) -> None:
