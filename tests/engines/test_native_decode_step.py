@@ -92,6 +92,37 @@ def test_static_step_decodes_what_the_default_step_decodes() -> None:
         torch.testing.assert_close(torch.tensor(static.log_probs), torch.tensor(eager.log_probs), rtol=0, atol=1e-5)
 
 
+def test_bucketed_static_step_attends_over_its_span_and_decodes_what_the_default_step_decodes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The captured step's span (decode_bucket): each step attends over the filled positions rounded up to a
+    multiple of the bucket, never the whole capacity; one span built per bucket reached, again after rows are
+    dropped; tokens and log-probs those of the default step and of the whole-capacity static step."""
+    import rlrun.engines.decoder as decoder_module
+
+    seen: list[int] = []
+    real = decoder_module.decode_attention
+
+    def recording(q, keys, values, bias, scale):
+        seen.append(keys.shape[1])
+        return real(q, keys, values, bias, scale)
+
+    model = _model("qwen2")
+    new, bucket = 24, 5
+    eager = _engine(model, "eager", new=new).sample(PROMPTS, seed=5)
+    whole = _engine(model, "static", new=new).sample(PROMPTS, seed=5)
+    engine = _engine(model, "static", new=new)
+    engine.decode_bucket = bucket
+    monkeypatch.setattr(decoder_module, "decode_attention", recording)
+    bucketed = engine.sample(PROMPTS, seed=5)
+    assert bucketed.responses == eager.responses == whole.responses
+    torch.testing.assert_close(torch.tensor(bucketed.log_probs), torch.tensor(eager.log_probs), rtol=0, atol=1e-5)
+    capacity = max(len(p) for p in PROMPTS) + new
+    spans = sorted(set(seen))
+    assert all(s % bucket == 0 or s == capacity for s in spans), spans
+    assert min(spans) < capacity - bucket, spans  # early steps read far less than the capacity
+    assert engine.last_spans_built >= len(spans) and engine.last_steps_built >= 1
+
+
 def test_static_step_reads_no_unwritten_cache_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """The static step attends over the whole capacity: positions not written yet must be zeros, not what the
     memory held (NaN there would survive the mask as NaN * 0). Fresh caches here come out of NaN-filled memory."""

@@ -15,6 +15,7 @@ import pytest
 from helpers import DEMO_3, REPO, subprocess_env
 from rlrun.cli.parser import parse_args
 from rlrun.plan.generation import choose_generation
+from rlrun.plan.speed import resolve_speed
 
 
 
@@ -27,13 +28,18 @@ def test_demo_run_explains_itself(demo_3) -> None:
     out = res.output
     info = re.findall(r"^\[rlrun [\d:]+ info\] (.*)$", out, re.M)
     assert info[0].startswith("64 prompts") and "generation backend native" in info[0]
-    assert info[1] == "layout: 2 ranks (2 per node, launcher torchrun)"
+    # the speed settings, each with why and the flag that changes it (CPU: the defaults are off; rlrun.plan.speed)
+    assert info[1] == ("speed settings: fixed micro-batches of 8 rows to train, 16 to score (CPU default; by tokens: "
+                       "--dynamic_batch); padded rows, each micro-batch cut to its longest (packed: --packing_samples); "
+                       "log-probs over the vocabulary 1,024 positions at a time (--logits_chunk_size); native decode "
+                       "steps run eagerly (CPU default)"), info[1]
+    assert info[2] == "layout: 2 ranks (2 per node, launcher torchrun)"
     assert re.search(r"^rank \| node \| local \| roles\s+\| groups$", out, re.M)  # the table under it, once
     assert out.count("rank | node | local") == 1
-    assert info[2].startswith("reward: the demo rule")
-    assert info[3].startswith(f"outputs in {save}: the model (Hugging Face format), config.yaml, metrics.jsonl, "
+    assert info[3].startswith("reward: the demo rule")
+    assert info[4].startswith(f"outputs in {save}: the model (Hugging Face format), config.yaml, metrics.jsonl, "
                               "summary.json, curves.png; no checkpoints")
-    assert info[4].startswith(f"config: {save / 'config.yaml'} (") and "rerun with python -m rlrun.ppo --config" in info[4]
+    assert info[5].startswith(f"config: {save / 'config.yaml'} (") and "rerun with python -m rlrun.ppo --config" in info[5]
     assert {"config.yaml", "metrics.jsonl", "summary.json", "curves.png", "model.safetensors"} <= {p.name for p in save.iterdir()}
     end = info[info.index(f"saved the policy (Hugging Face format) to {save}") + 1:]
     assert end[0].startswith("summary: 3 steps") and "generated tokens/s" in end[0]
@@ -43,10 +49,12 @@ def test_demo_run_explains_itself(demo_3) -> None:
     assert summary["steps"] == 3 and summary["run"]["outcome"] == "finished" and summary["run"]["wall_s"] > 0
     assert (save / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
-    # The rerun's config is the run's: the same once generation is resolved (auto -> native) for both.
+    # The rerun's config is the run's: the same once generation (auto -> native) and the speed settings (unset ->
+    # the CPU's defaults, which config.yaml holds as resolved) are resolved for both.
     first = choose_generation(parse_args(DEMO_3 + ["--save_path", str(save)]).config, cuda=False).config
     again = choose_generation(parse_args(["--config", str(save / "config.yaml")]).config, cuda=False).config
-    assert again == first
+    assert again.train.dynamic_batch is False and again.generation.native_cuda_graph is False
+    assert resolve_speed(again, cuda=False) == resolve_speed(first, cuda=False)
 
     # The report is drawn again from the metrics alone; the run's own facts stay. (In the shared run's folder: the
     # summary names where it lies, and the other tests read the run's result, not its files.)

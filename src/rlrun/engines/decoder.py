@@ -339,9 +339,9 @@ class Decoder:
         """One new token per row: tokens [B], positions [B], valid [B, T] (the cached positions and this one);
         appends to the cache, returns logits [B, V] (fp32).
         slot ([1] long): static shapes instead, for a CUDA graph: this step's keys/values go to cache position
-        `slot` (read on the device, not the host), valid is [B, C] (the whole capacity; False on positions not
-        written yet, which a zeroed cache holds as zeros) and attention runs over all C positions; cache.length
-        is left alone."""
+        `slot` (read on the device, not the host), valid is [B, T] for a fixed span T <= the capacity that covers
+        slot (False on positions not written yet, which a zeroed cache holds as zeros) and attention runs over
+        those T positions; cache.length is left alone."""
         rows, T = valid.shape
         K = self.kv_heads
         # [B K, 1, T] fp32: 0 where a row may attend, -inf on its padding; shared by every layer of this step.
@@ -349,10 +349,11 @@ class Decoder:
         bias = bias[:, None, None].expand(rows, K, 1, T).reshape(rows * K, 1, T)
 
         def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+            # [:, :, :T]: with `slot` the layer hands over the whole capacity; rows and heads still merge as a view
             return decode_attention(
                 q.reshape(rows * K, -1, self.head_dim),
-                keys.reshape(rows * K, T, -1),
-                values.reshape(rows * K, T, -1),
+                keys[:, :, :T].reshape(rows * K, T, -1),
+                values[:, :, :T].reshape(rows * K, T, -1),
                 bias,
                 self.scale,
             ).view(rows, 1, -1)
@@ -410,8 +411,8 @@ class Decoder:
         self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, attend, slot: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x [B, S, E] at positions [B, S] (S new positions after cache.length; with `slot`, S = 1 at cache
-        position slot, attending over the whole capacity: see decode); `attend(q [B, S, H, D], keys [B, K, T, D],
-        values [B, K, T, D]) -> [B, S, H D]`."""
+        position slot, and attend gets the whole capacity to pick its span from: see decode); `attend(q [B, S, H, D],
+        keys [B, K, T, D], values [B, K, T, D]) -> [B, S, H D]`."""
         if not self.layers:
             raise RuntimeError("Decoder: a forward runs inside `with decoder.weights():` (it joins the projections)")
         rows, new = x.shape[:2]

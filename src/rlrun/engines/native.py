@@ -11,13 +11,16 @@ another, longest prompts first; the results come back in the prompts' order.
 
 CUDA graphs (`cuda_graph`, --native_cuda_graph): on a GPU each decode step can be captured once as a CUDA graph and
 replayed per token, instead of launching its few hundred kernels one by one from Python (at small models and
-batches a step is bound by those launches, not by the GPU). A graph needs static shapes, so that step attends over
-the whole cache capacity (prompt width + new tokens) under the mask rather than over the positions filled so far,
-writes its keys/values at a position held in a device tensor, and runs on a zeroed cache; dropping finished rows
-changes the batch, so it happens less often (GRAPH_COMPACT_FRACTION) and the step is captured again after it.
-Sampling stays outside the graph. The captured step gives the same logits, bit for bit, as that static step run
-without capture (what `step_mode = "static"` runs, on any device); against the default step (attention over the
-filled positions) its sums run over more (masked, zero) terms, so its logits may differ in the last bits.
+batches a step is bound by those launches, not by the GPU). A graph needs static shapes, so that step writes its
+keys/values at a position held in a device tensor, runs on a zeroed cache, and attends over a fixed span of the
+cache under the mask rather than over the positions filled so far. The span is the filled length rounded up to a
+multiple of `decode_bucket` positions (at most the capacity), with one graph captured per span as the rows grow, as
+vLLM and nano-vllm capture one per batch-size bucket: a step then reads at most `decode_bucket` positions more
+than it needs, instead of the whole capacity that the longest response will fill. Dropping finished rows changes
+the batch, so it happens less often (GRAPH_COMPACT_FRACTION) and the spans are captured again after it. Sampling
+stays outside the graph. The captured step gives the same logits, bit for bit, as that static step run without
+capture (what `step_mode = "static"` runs, on any device); against the default step (attention over the filled
+positions) its sums run over more (masked, zero) terms, so its logits may differ in the last bits.
 """
 
 from __future__ import annotations
@@ -82,6 +85,10 @@ GRAPH_COMPACT_FRACTION = 0.5
 # Steps between host reads of which rows finished (measured on an H200: reading every step cost 3 host syncs per
 # token; with stop strings the host decodes text every step anyway).
 SYNC_EVERY = 8
+# Cache positions per span of the captured decode step (see the module docstring). Each span costs one capture, a
+# warm-up step and a graph; 256 keeps that to 8 captures for a 2,048-token response, and a step attends over at most
+# 255 positions more than it needs: at 256-token responses that is the whole response, at 2,048 an eighth of it.
+DECODE_BUCKET = 256
 # Bytes of the longest stop string's UTF-8 text that a token can span at most (a byte-level token is >= 1 byte).
 _STOP_TAIL_SLACK = 4
 # GPU default budget: the share of the memory free at a call that its batches may plan to fill (KV cache plus the
@@ -110,14 +117,19 @@ class NativeEngine(TorchEngine):
         *,
         kv_cache_bytes: int | None = None,
         cuda_graph: bool = False,
+        decode_bucket: int = DECODE_BUCKET,
     ) -> None:
         """kv_cache_bytes: the KV cache budget of one call (--native_kv_cache_mb); None: on GPU derived at each call
         from the memory free then (GPU_FREE_FRACTION of it, less each row's activations), on CPU unbounded.
         cuda_graph: replay each decode step as a captured CUDA graph (--native_cuda_graph); on a device other than
-        CUDA it says so once and decodes as without it."""
+        CUDA it says so once and decodes as without it. decode_bucket: cache positions per span of the captured
+        step (the module docstring)."""
         super().__init__(model, sampling, device, tokenizer)
         if kv_cache_bytes is not None and kv_cache_bytes <= 0:
             raise ConfigError(f"NativeEngine: the KV cache budget must be > 0 bytes, got {kv_cache_bytes}")
+        if decode_bucket <= 0:
+            raise ConfigError(f"NativeEngine: decode_bucket must be > 0 cache positions, got {decode_bucket}")
+        self.decode_bucket = decode_bucket
         self.decoder = Decoder(self.model)
         self.kv_cache_bytes = kv_cache_bytes
         # "eager": the default step (attention over the filled positions); "graph": the static-shape step captured
@@ -140,7 +152,8 @@ class NativeEngine(TorchEngine):
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             get_logger(rank).info_once(f"--native_cuda_graph: {blocker}; the native engine decodes without a graph")
         self.last_batches = 0  # batches the last sample() call decoded one after another (tests, metrics)
-        self.last_steps_built = 0  # static/graph mode: decode steps the last call built (captured), one per batch+drop
+        self.last_steps_built = 0  # static/graph mode: decode steps the last call built, one per batch+drop
+        self.last_spans_built = 0  # static/graph mode: spans those steps ran (captured), one graph each
 
     @torch.no_grad()
     def sample(
@@ -393,9 +406,13 @@ class NativeEngine(TorchEngine):
                     response_routes[active, t] = self.decoder.take_routes()[:, 0]
             else:
                 if step is None:
-                    step = _StaticStep(self.decoder, cache, valid, capture=self.step_mode == "graph")
+                    step = _StaticStep(
+                        self.decoder, cache, valid, capture=self.step_mode == "graph", bucket=self.decode_bucket
+                    )
                     self.last_steps_built += 1
+                spans = len(step.spans)
                 logits = step(token, positions, width + t)
+                self.last_spans_built += len(step.spans) - spans
             positions = positions + 1
         if routes is not None:
             routes.append((prompt_routes.cpu(), response_routes.cpu()))
@@ -429,38 +446,55 @@ def _check_prompts(prompts: list[list[int]]) -> None:
 class _StaticStep:
     """One decode step of fixed shapes over a zeroed cache and its [B, C] mask `valid` (both the caller's, updated
     in place between steps): the token and position of each row and the cache position to write are copied into
-    buffers of its own, so the step reads the same addresses every time. capture: the first call captures it as a
-    CUDA graph (after a warm-up run of the same step: its writes are the ones the replay repeats), every call
-    replays it; else every call runs it eagerly (the same kernels: the graph's reference)."""
+    buffers of its own, so the step reads the same addresses every time. It attends over the first `span` cache
+    positions, the written ones rounded up to a multiple of `bucket` (at most C), one `_Span` per span reached.
+    capture: each span is captured as a CUDA graph on its first call (after a warm-up run of the same step: its
+    writes are the ones the replay repeats) and replayed after; else each call runs it eagerly (the same kernels:
+    the graph's reference)."""
 
-    def __init__(self, decoder: Decoder, cache: KVCache, valid: torch.Tensor, *, capture: bool) -> None:
+    def __init__(self, decoder: Decoder, cache: KVCache, valid: torch.Tensor, *, capture: bool, bucket: int) -> None:
         rows, device = valid.shape[0], valid.device
-        self.decoder, self.cache, self.valid, self.capture = decoder, cache, valid, capture
+        self.decoder, self.cache, self.valid, self.capture, self.bucket = decoder, cache, valid, capture, bucket
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None  # the graph's output buffer, rewritten by each replay
+        self.spans: dict[int, torch.cuda.CUDAGraph | None] = {}  # span -> its graph (None: run eagerly)
+        # Every span's graph writes its logits here, so that the graphs share one memory pool and no span keeps an
+        # output of its own ([B, V] fp32 each: 155 MB at 256 rows and Qwen's 151,936-token vocabulary).
+        self.logits: torch.Tensor | None = None
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
 
-    def _run(self) -> torch.Tensor:
-        return self.decoder.decode(self.tokens, self.positions, self.valid, self.cache, slot=self.slot)
+    def _run(self, span: int) -> torch.Tensor:
+        """The step attending over cache positions [0, span): valid[:, :span] is a view, so in-place updates of the
+        caller's mask reach a captured graph."""
+        return self.decoder.decode(self.tokens, self.positions, self.valid[:, :span], self.cache, slot=self.slot)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
-        """logits [B, V] of the step that writes cache position `slot` (valid[:, slot] must already be True)."""
+        """logits [B, V] of the step that writes cache position `slot` (valid[:, slot] must already be True). The
+        returned tensor is rewritten by the next call."""
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
         self.slot.fill_(slot)
+        span = min(self.valid.shape[1], -(-(slot + 1) // self.bucket) * self.bucket)
         if not self.capture:
-            return self._run()
-        if self.graph is None:
+            self.spans.setdefault(span, None)
+            return self._run(span)
+        graph = self.spans.get(span)
+        if graph is None:
             device = self.valid.device
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                self._run()  # warm-up outside capture (lazy cuBLAS state): writes what the replay writes again
+                warm = self._run(span)  # warm-up outside capture (lazy cuBLAS state); the replay repeats its writes
             torch.cuda.current_stream(device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # other threads may use CUDA
-                self.logits = self._run()
-        self.graph.replay()
+            if self.logits is None:
+                self.logits = torch.empty_like(warm)
+            del warm
+            graph = torch.cuda.CUDAGraph()
+            # spans only grow until the step is rebuilt, so the graphs replay in the order they were captured and
+            # never at once: sharing one pool is safe, and each graph's scratch is the pool's, not its own
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # other threads use CUDA
+                self.logits.copy_(self._run(span))
+            self.spans[span] = graph
+        graph.replay()
         return self.logits  # type: ignore[return-value]

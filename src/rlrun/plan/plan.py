@@ -42,6 +42,7 @@ from rlrun.plan.sequence_parallel import (
     packed_for_sequence_parallel,
     sequence_parallel_sizes,
 )
+from rlrun.plan.speed import resolve_speed, speed_line
 from rlrun.rewards.reward_fn import DEMO
 from rlrun.runtime.errors import ConfigError
 
@@ -65,6 +66,7 @@ class PPOPlan(Planned[Config]):
 
     layout: Layout | None = None
     generation_why: str = ""
+    speed: str = ""  # the start-up line naming the speed settings (rlrun.plan.speed)
 
 
 # ---- rlrun.ppo --------------------------------------------------------------------------------------------------
@@ -73,7 +75,8 @@ class PPOPlan(Planned[Config]):
 def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
     """rlrun.ppo's command line into its plan (raises the run's ConfigError/LayoutError on what would fail)."""
     parsed = parse_args(argv)
-    cfg = resolved_ppo_models(parsed.config)
+    cuda = uses_cuda(parsed.config.runtime.device)
+    cfg = resolve_speed(resolved_ppo_models(parsed.config), cuda)
     train, packed = packed_for_sequence_parallel(
         cfg.train, max(sequence_parallel_sizes(cfg).values()), cfg.model.flash_attn
     )
@@ -86,7 +89,7 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
     # Bad values and layouts have failed by now, in a second: what follows reads config.json with transformers.
     from rlrun.plan.generation import check_vision_run, choose_generation  # noqa: PLC0415
 
-    choice = choose_generation(cfg, uses_cuda(cfg.runtime.device))
+    choice = choose_generation(cfg, cuda)
     check_vision_run(choice.config)
     check_sequence_parallel_models(choice.config, sequence_parallel_sizes(choice.config))
     cfg = choice.config
@@ -114,6 +117,7 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
         roles=roles_of(layout, env.rank),
         layout=layout,
         generation_why=why,
+        speed=speed_line(parsed.config, cfg, cuda),
     )
 
 

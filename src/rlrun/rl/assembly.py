@@ -156,6 +156,7 @@ class PPOTrainer:
             f"{cfg.generation.generation_backend} ({planned.generation_why}), {started.backend} on "
             f"{started.device.type}"
         )
+        log.info_once(planned.speed)
         load = cfg.checkpoint.load_openrlhf_checkpoint
         return Inputs(
             tokenizer,

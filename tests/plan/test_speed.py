@@ -1,0 +1,83 @@
+"""The speed settings a run resolves (rlrun.plan.speed, issue 50 item 1): left unset, token-budget micro-batches and
+the captured native decode step are on with a CUDA device and off on CPU; a value given is kept as given; the
+start-up line names each setting, why it has its value and the flag that turns it off."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import REPO
+from rlrun.cli.parser import parse_args
+from rlrun.launch.env import DistEnv
+from rlrun.plan.checks import check_values
+from rlrun.plan.plan import plan_ppo
+from rlrun.plan.speed import resolve_speed, speed_line
+from rlrun.runtime.errors import ConfigError
+
+DEMO = ["--config", str(REPO / "configs" / "demo.yaml")]
+
+
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch):
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _resolved(*argv: str, cuda: bool):
+    requested = parse_args([*DEMO, *argv]).config
+    return requested, resolve_speed(requested, cuda)
+
+
+def test_unset_settings_take_the_devices_default():
+    requested, cpu = _resolved(cuda=False)
+    assert requested.train.dynamic_batch is None and requested.generation.native_cuda_graph is None
+    assert (cpu.train.dynamic_batch, cpu.generation.native_cuda_graph) == (False, False)
+    assert cpu.train.train_max_tokens_per_gpu == requested.train.train_max_tokens_per_gpu
+    _, gpu = _resolved(cuda=True)
+    assert (gpu.train.dynamic_batch, gpu.generation.native_cuda_graph) == (True, True)
+    assert gpu.train.train_max_tokens_per_gpu == 16192  # the demo's rows are far shorter: OpenRLHF's budget kept
+    check_values(gpu)
+
+
+@pytest.mark.parametrize("argv", [["--dynamic_batch", "false", "--native_cuda_graph", "false"],
+                                  ["--use_dynamic_batch=false", "--native_cuda_graph=false"]])
+def test_a_value_given_is_kept_on_a_gpu(argv):
+    _, gpu = _resolved(*argv, cuda=True)
+    assert (gpu.train.dynamic_batch, gpu.generation.native_cuda_graph) == (False, False)
+    _, cpu = _resolved("--dynamic_batch", "--native_cuda_graph", cuda=False)
+    assert (cpu.train.dynamic_batch, cpu.generation.native_cuda_graph) == (True, True)
+
+
+def test_a_default_budget_below_the_longest_row_is_raised_but_a_requested_one_fails():
+    """32K-token responses: the default-on budget becomes the longest row (a row is never split); with
+    --dynamic_batch asked for, the same budget is the user's mistake and fails naming both numbers."""
+    lengths = ["--prompt_max_len", "1024", "--generate_max_len", "32768", "--rollout_max_tokens_per_gpu", "8192"]
+    _, gpu = _resolved(*lengths, cuda=True)
+    assert gpu.train.train_max_tokens_per_gpu == gpu.train.rollout_max_tokens_per_gpu == 33792
+    check_values(gpu)
+    _, asked = _resolved(*lengths, "--dynamic_batch", cuda=True)
+    with pytest.raises(ConfigError, match=r"--train_max_tokens_per_gpu 16192 is below .* = 33792 tokens"):
+        check_values(asked)
+
+
+def test_the_line_names_each_setting_why_and_its_flag():
+    requested, gpu = _resolved("--generation_backend", "native", cuda=True)
+    line = speed_line(requested, gpu, cuda=True)
+    assert line == ("speed settings: token-budget micro-batches (GPU default; <= 16,192 tokens to train, 16,192 to "
+                    "score per rank: --train_max_tokens_per_gpu, --rollout_max_tokens_per_gpu; off: --dynamic_batch "
+                    "false); padded rows, each micro-batch cut to its longest (packed: --packing_samples); log-probs "
+                    "over the vocabulary 1,024 positions at a time (--logits_chunk_size); native decode steps "
+                    "captured as CUDA graphs (GPU default; off: --native_cuda_graph false)")
+    requested, off = _resolved("--generation_backend", "native", "--native_cuda_graph", "false", "--packing_samples",
+                               "--logits_chunk_size", "0", cuda=True)
+    line = speed_line(requested, off, cuda=True)
+    assert "packed rows (--packing_samples)" in line and "whole vocabulary at once (--logits_chunk_size 0)" in line
+    assert line.endswith("native decode steps run eagerly (as set; captured: --native_cuda_graph)")
+    requested, vllm = _resolved("--generation_backend", "vllm", cuda=True)
+    assert "native decode" not in speed_line(requested, vllm, cuda=True)
+
+
+def test_the_plan_carries_the_resolved_settings_and_the_line():
+    planned = plan_ppo([*DEMO, "--save_path", "/tmp/rlrun-speed-plan"], DistEnv(0, 0, 1, 1, "127.0.0.1", 29500, "single"))
+    assert planned.config.train.dynamic_batch is False and planned.config.generation.native_cuda_graph is False
+    assert planned.speed.startswith("speed settings: fixed micro-batches of 8 rows to train, 16 to score (CPU default")
