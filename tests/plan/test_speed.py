@@ -24,8 +24,13 @@ def _one_process(monkeypatch):
 
 
 def _resolved(*argv: str, cuda: bool):
-    requested = parse_args([*DEMO, *argv]).config
-    return requested, resolve_speed(requested, cuda)
+    parsed = parse_args([*DEMO, *argv])
+    return parsed.config, resolve_speed(parsed.config, cuda, parsed.explicit)
+
+
+def _line(*argv: str, cuda: bool) -> str:
+    parsed = parse_args([*DEMO, *argv])
+    return speed_line(parsed.config, resolve_speed(parsed.config, cuda, parsed.explicit), cuda, parsed.explicit)
 
 
 def test_unset_settings_take_the_devices_default():
@@ -33,17 +38,21 @@ def test_unset_settings_take_the_devices_default():
     assert requested.train.dynamic_batch is None and requested.generation.native_cuda_graph is None
     assert (cpu.train.dynamic_batch, cpu.generation.native_cuda_graph) == (False, False)
     assert cpu.train.train_max_tokens_per_gpu == requested.train.train_max_tokens_per_gpu
+    assert cpu.train.packing_samples is False
     _, gpu = _resolved(cuda=True)
-    assert (gpu.train.dynamic_batch, gpu.generation.native_cuda_graph) == (True, True)
+    assert (gpu.train.dynamic_batch, gpu.generation.native_cuda_graph, gpu.train.packing_samples) == (True, True, True)
     assert gpu.train.train_max_tokens_per_gpu == 16192  # the demo's rows are far shorter: OpenRLHF's budget kept
     check_values(gpu)
 
 
-@pytest.mark.parametrize("argv", [["--dynamic_batch", "false", "--native_cuda_graph", "false"],
-                                  ["--use_dynamic_batch=false", "--native_cuda_graph=false"]])
+@pytest.mark.parametrize("argv", [
+    ["--dynamic_batch", "false", "--native_cuda_graph", "false", "--packing_samples", "false"],
+    ["--use_dynamic_batch=false", "--native_cuda_graph=false", "--ds.packing_samples=false"],
+    ["--dynamic_batch", "false", "--native_cuda_graph", "false", "actor_rollout_ref.model.use_remove_padding=false"],
+])
 def test_a_value_given_is_kept_on_a_gpu(argv):
     _, gpu = _resolved(*argv, cuda=True)
-    assert (gpu.train.dynamic_batch, gpu.generation.native_cuda_graph) == (False, False)
+    assert (gpu.train.dynamic_batch, gpu.generation.native_cuda_graph, gpu.train.packing_samples) == (False,) * 3
     _, cpu = _resolved("--dynamic_batch", "--native_cuda_graph", cuda=False)
     assert (cpu.train.dynamic_batch, cpu.generation.native_cuda_graph) == (True, True)
 
@@ -61,20 +70,18 @@ def test_a_default_budget_below_the_longest_row_is_raised_but_a_requested_one_fa
 
 
 def test_the_line_names_each_setting_why_and_its_flag():
-    requested, gpu = _resolved("--generation_backend", "native", cuda=True)
-    line = speed_line(requested, gpu, cuda=True)
+    line = _line("--generation_backend", "native", cuda=True)
     assert line == ("speed settings: token-budget micro-batches (GPU default; <= 16,192 tokens to train, 16,192 to "
                     "score per rank: --train_max_tokens_per_gpu, --rollout_max_tokens_per_gpu; off: --dynamic_batch "
-                    "false); padded rows, each micro-batch cut to its longest (packed: --packing_samples); log-probs "
-                    "over the vocabulary 1,024 positions at a time (--logits_chunk_size); native decode steps "
-                    "captured as CUDA graphs (GPU default; off: --native_cuda_graph false)")
-    requested, off = _resolved("--generation_backend", "native", "--native_cuda_graph", "false", "--packing_samples",
-                               "--logits_chunk_size", "0", cuda=True)
-    line = speed_line(requested, off, cuda=True)
-    assert "packed rows (--packing_samples)" in line and "whole vocabulary at once (--logits_chunk_size 0)" in line
+                    "false); packed rows, each sequence attending by itself (GPU default; off: --packing_samples "
+                    "false); log-probs over the vocabulary 1,024 positions at a time (--logits_chunk_size); native "
+                    "decode steps captured as CUDA graphs (GPU default; off: --native_cuda_graph false)")
+    line = _line("--generation_backend", "native", "--native_cuda_graph", "false", "--packing_samples", "false",
+                 "--logits_chunk_size", "0", cuda=True)
+    assert "padded rows, each micro-batch cut to its longest (as set; packed: --packing_samples)" in line
+    assert "whole vocabulary at once (--logits_chunk_size 0)" in line
     assert line.endswith("native decode steps run eagerly (as set; captured: --native_cuda_graph)")
-    requested, vllm = _resolved("--generation_backend", "vllm", cuda=True)
-    assert "native decode" not in speed_line(requested, vllm, cuda=True)
+    assert "native decode" not in _line("--generation_backend", "vllm", cuda=True)
 
 
 def test_the_plan_carries_the_resolved_settings_and_the_line():

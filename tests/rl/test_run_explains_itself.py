@@ -30,7 +30,8 @@ def test_demo_run_explains_itself(demo_3) -> None:
     assert info[0].startswith("64 prompts") and "generation backend native" in info[0]
     # the speed settings, each with why and the flag that changes it (CPU: the defaults are off; rlrun.plan.speed)
     assert info[1] == ("speed settings: fixed micro-batches of 8 rows to train, 16 to score (CPU default; by tokens: "
-                       "--dynamic_batch); padded rows, each micro-batch cut to its longest (packed: --packing_samples); "
+                       "--dynamic_batch); padded rows, each micro-batch cut to its longest (CPU default; packed: "
+                       "--packing_samples); "
                        "log-probs over the vocabulary 1,024 positions at a time (--logits_chunk_size); native decode "
                        "steps run eagerly (CPU default)"), info[1]
     assert info[2] == "layout: 2 ranks (2 per node, launcher torchrun)"

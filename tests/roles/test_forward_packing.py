@@ -123,6 +123,52 @@ def test_policy_and_value_gradients_match_padded():
     assert max(float(g.abs().max()) for g in grads[True]) > 1e-3
 
 
+def test_sequence_by_sequence_attention_matches_padded(monkeypatch):
+    """Packed rows without flash-attention as runs attend them (strategies/ulysses.py without a split; the GPU
+    default packs): the micro-batch is one row of its real tokens, each sequence its own causal sdpa, and no mask is
+    built for it; log-probs, entropy, values, scores and gradients equal the padded forward's (fp32). A padded
+    forward of the same switched model still masks its padding."""
+    from helpers import assert_close_to_scale  # not at the top: the ranks run this file as __main__
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from rlrun.roles.forward import pack_for
+    from rlrun.strategies import ulysses
+
+    batch = varied_batch(seed=1)
+    plain, policy = build_causal_lm(tiny_model_config(), seed=3), build_causal_lm(tiny_model_config(), seed=3)
+    plain_critic, critic = scalar_model(), scalar_model()
+    assert ulysses.packs_by_sequence(policy) and ulysses.packs_by_sequence(critic)
+    ulysses.enable(policy)
+    ulysses.enable(critic)
+    assert pack_for(policy, batch).input_ids.shape[0] == 1 and pack_for(plain, batch).input_ids.shape[0] > 1
+    built = []
+    mask_fn = AttentionMaskInterface._global_mapping[ulysses.ULYSSES]
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, ulysses.ULYSSES,
+                        lambda *a, **k: built.append(1) or mask_fn(*a, **k))
+    adv = torch.linspace(-1, 1, batch.action_mask.numel()).view_as(batch.action_mask)
+    out = {}
+    for name, (lm, head, packing) in {"padded": (plain, plain_critic, False), "by_sequence": (policy, critic, True)}.items():
+        logp, entropy = policy_log_probs(lm, batch, 0.7, with_entropy=True, packing=packing)
+        loss, _ = policy_loss(logp, logp.detach() - 0.05, adv, batch.action_mask, eps_clip=0.2, dual_clip=None,
+                              agg="token-mean")
+        (loss + (entropy * batch.action_mask).sum()).backward()
+        values = token_values(head, batch, packing=packing)
+        ((values - 1.0) ** 2 * batch.action_mask).sum().backward()
+        with torch.no_grad():
+            scores = sequence_scores(head, batch, packing=packing)
+        out[name] = (_masked(logp, batch), _masked(entropy, batch), _masked(values, batch), scores,
+                     [p.grad for p in [*lm.parameters(), *head.parameters()]])
+    assert not built, "a packed forward built a mask"
+    for want, got in zip(out["padded"][:4], out["by_sequence"][:4]):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    for want, got in zip(out["padded"][4], out["by_sequence"][4]):
+        assert_close_to_scale(got, want)
+    with torch.no_grad():  # padded rows through the switched model: its padding is masked (sdpa's mask, built)
+        torch.testing.assert_close(policy_log_probs(policy, batch, 0.7)[0], policy_log_probs(plain, batch, 0.7)[0],
+                                   atol=ATOL, rtol=0)
+    assert built
+
+
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     # SGD, not Adam: Adam's first step is about lr * sign(grad), so a parameter whose true gradient is 0 (the key
     # bias: softmax ignores a constant shift) would move by +-lr on float noise alone.

@@ -546,8 +546,11 @@ class OptimConfig:
     packing_samples: bool = opt(
         False,
         "Score and train on packed rows: the real tokens of several sequences share a "
-        "row "
-        "(per-sequence position ids, block-diagonal attention) instead of padded rows.",
+        "row (per-sequence position ids) instead of padded rows. Text models on sdpa pack a "
+        "micro-batch into one row and attend each sequence by itself (flash-attention: its "
+        "varlen kernel; eager and vision-language models: a block-diagonal mask). rlrun.ppo: "
+        "on by default with a CUDA device (--packing_samples false turns it off); off on CPU "
+        "and for rlrun.sft/rm/dpo unless given.",
     )
     sequence_parallel_size: int = opt(
         1,

@@ -76,7 +76,7 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
     """rlrun.ppo's command line into its plan (raises the run's ConfigError/LayoutError on what would fail)."""
     parsed = parse_args(argv)
     cuda = uses_cuda(parsed.config.runtime.device)
-    cfg = resolve_speed(resolved_ppo_models(parsed.config), cuda)
+    cfg = resolve_speed(resolved_ppo_models(parsed.config), cuda, parsed.explicit)
     train, packed = packed_for_sequence_parallel(
         cfg.train, max(sequence_parallel_sizes(cfg).values()), cfg.model.flash_attn
     )
@@ -117,7 +117,7 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
         roles=roles_of(layout, env.rank),
         layout=layout,
         generation_why=why,
-        speed=speed_line(parsed.config, cfg, cuda),
+        speed=speed_line(parsed.config, cfg, cuda, parsed.explicit),
     )
 
 

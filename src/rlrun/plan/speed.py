@@ -1,8 +1,9 @@
 """The settings that decide how fast a PPO step runs, resolved once before planning and named in one start-up line.
 
-Left unset, `--dynamic_batch` and `--native_cuda_graph` take their device's default: on with a CUDA device, where
-token-budget micro-batches train on far less padding and a captured decode step replaces a few hundred kernel
-launches per token (the two together, measured on one H200 with the same GRPO job: 9.1 -> 3.1 s/step for the 0.5B
+Left unset, `--dynamic_batch`, `--packing_samples` and `--native_cuda_graph` take their device's default: on with a
+CUDA device, where token-budget micro-batches of packed rows train on no padding at all (each packed sequence
+attends by itself: rlrun.strategies.ulysses) and a captured decode step replaces a few hundred kernel launches per
+token (the two together, measured on one H200 with the same GRPO job: 9.1 -> 3.1 s/step for the 0.5B
 preset, 7.5 -> 4.5 s for a Qwen2.5-1.5B shape); off on CPU, where runs keep the fixed micro-batches their configs
 were written for (the CPU examples and tests) and no graph can be captured.
 A value given by flag, YAML or a peer's key is kept as given. The line says what each setting is, why, and how to
@@ -16,11 +17,14 @@ from dataclasses import replace
 from rlrun.config.schema import Config
 
 
-def resolve_speed(cfg: Config, cuda: bool) -> Config:
-    """`cfg` with --dynamic_batch and --native_cuda_graph set where they were left unset (None): `cuda`'s default.
+def resolve_speed(cfg: Config, cuda: bool, explicit: frozenset[str] = frozenset()) -> Config:
+    """`cfg` with --dynamic_batch and --native_cuda_graph set where they were left unset (None), and
+    --packing_samples where it is not in `explicit` (the fields the command line or YAML set): `cuda`'s default.
     A default-on token budget below the longest row (--prompt_max_len + --generate_max_len) is raised to it, since
     a row is never split and the user never asked for the budget; one the user asked for is checked as given."""
     t, g = cfg.train, cfg.generation
+    if cuda and "packing_samples" not in explicit:
+        t = replace(t, packing_samples=True)
     if t.dynamic_batch is None:
         t = replace(t, dynamic_batch=cuda)
         if cuda:
@@ -36,9 +40,9 @@ def resolve_speed(cfg: Config, cuda: bool) -> Config:
     return replace(cfg, train=t, generation=g)
 
 
-def speed_line(requested: Config, cfg: Config, cuda: bool) -> str:
+def speed_line(requested: Config, cfg: Config, cuda: bool, explicit: frozenset[str] = frozenset()) -> str:
     """One start-up line: the resolved speed settings of `cfg`, each with why it has its value (`requested`: the
-    config before resolve_speed) and the flag that changes it."""
+    config before resolve_speed, `explicit` the fields set) and the flag that changes it."""
     device = "GPU" if cuda else "CPU"
     t, g = cfg.train, cfg.generation
 
@@ -57,10 +61,11 @@ def speed_line(requested: Config, cfg: Config, cuda: bool) -> str:
             f"fixed micro-batches of {t.micro_train_batch_size} rows to train, {t.micro_rollout_batch_size} to score "
             f"({why(requested.train.dynamic_batch)}; by tokens: --dynamic_batch)"
         )
+    packing_why = "as set" if "packing_samples" in explicit or requested.train.packing_samples else f"{device} default"
     rows = (
-        "packed rows (--packing_samples)"
+        f"packed rows, each sequence attending by itself ({packing_why}; off: --packing_samples false)"
         if t.packing_samples
-        else "padded rows, each micro-batch cut to its longest (packed: --packing_samples)"
+        else f"padded rows, each micro-batch cut to its longest ({packing_why}; packed: --packing_samples)"
     )
     vocab = (
         f"log-probs over the vocabulary {t.logits_chunk_size:,} positions at a time (--logits_chunk_size)"

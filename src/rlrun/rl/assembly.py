@@ -499,7 +499,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         model, updater = _updater(
             cfg, policy, actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout, Role.ACTOR, rank
         )
-        actor_sp = sequence_parallel(groups, Role.ACTOR, model)
+        actor_sp = sequence_parallel(groups, Role.ACTOR, model, cfg.train.packing_samples)
         out.actor = Actor(
             model,
             updater,
@@ -545,15 +545,16 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
             a.loss_agg_mode,
             device,
             packing=cfg.train.packing_samples,
-            sp=sequence_parallel(groups, Role.CRITIC, model),
+            sp=sequence_parallel(groups, Role.CRITIC, model, cfg.train.packing_samples),
         )
     if Role.REWARD in mine:
         out.strategies[Role.REWARD] = _strategy(cfg, groups, Role.REWARD, device)
         model = out.strategies[Role.REWARD].wrap(
             load_reward_model(cfg.model, cfg.train.seed, normalize=cfg.algo.normalize_reward), trainable=False
         )
+        packing = cfg.train.packing_samples
         out.reward_model = RewardModel(
-            model, device, packing=cfg.train.packing_samples, sp=sequence_parallel(groups, Role.REWARD, model)
+            model, device, packing=packing, sp=sequence_parallel(groups, Role.REWARD, model, packing)
         )
     source = None
     if out.actor and actor_strategy:
@@ -623,15 +624,16 @@ def _frozen_policy(
         device,
         packing=cfg.train.packing_samples,
         logits_chunk=cfg.train.logits_chunk_size,
-        sp=sequence_parallel(groups, role, model),
+        sp=sequence_parallel(groups, role, model, cfg.train.packing_samples),
         replay=role is Role.REF and cfg.algo.router_replay == "R3",  # the teacher is another model
     )
 
 
-def sequence_parallel(groups: Groups, role: Role, model: torch.nn.Module) -> SequenceParallel | None:
-    """This rank's sequence-parallel group of `role`, with the model's attention switched to Ulysses (None: no SP)."""
+def sequence_parallel(groups: Groups, role: Role, model: torch.nn.Module, packing: bool) -> SequenceParallel | None:
+    """This rank's sequence-parallel group of `role`, with the model's attention switched to Ulysses (None: no SP).
+    Packed rows without SP switch it too where the model runs sdpa: each packed sequence then attends by itself."""
     sp = groups.sequence_parallel(role)
-    if sp is not None:
+    if sp is not None or (packing and ulysses.packs_by_sequence(model)):
         ulysses.enable(model)
     return sp
 

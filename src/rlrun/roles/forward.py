@@ -24,13 +24,14 @@ from rlrun.data.vision_batch import RowVision
 from rlrun.launch.groups import SequenceParallel
 from rlrun.models.loading import position_ids_from
 from rlrun.models.moe import RoutingRun, in_forward_order
-from rlrun.strategies.ulysses import UlyssesCall, gather_columns
+from rlrun.strategies.ulysses import ULYSSES, UlyssesCall, gather_columns, no_mask
 from rlrun.vision.inputs import packed_inputs, padded_inputs
 
-# Attention kernels that take packed sequences as ONE row and run varlen attention on it (cost
-# sum(n_i^2)); every other kernel gets a dense block-diagonal mask per row, so rows stay as wide as
-# the padded batch (cost per row unchanged, fewer rows).
-_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+# Attention kernels that take packed sequences as ONE row and run varlen attention on it (cost sum(n_i^2)):
+# flash-attention's, and rlrun's sequence-by-sequence sdpa (ULYSSES without a split: strategies/ulysses.py), which
+# needs the call below. Every other kernel gets a dense block-diagonal mask per row, so rows stay as wide as the
+# padded batch (cost per row unchanged, fewer rows).
+_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", ULYSSES)
 
 # Positions per chunk of the vocab projection for log-probs/entropy (--logits_chunk_size): the logits then take at most
 # LOGITS_CHUNK x V x 4 bytes at a time instead of response x V. <= 0: the whole micro-batch's logits at once.
@@ -207,8 +208,9 @@ def pack_for(model: nn.Module, part: RolloutBatch, sp: SequenceParallel | None =
     """Pack `part` for `model`'s attention kernel: one row for varlen kernels, else rows no wider than
     the padded batch (a dense block-diagonal mask over a wider row would cost more than padding); with sequence
     parallelism, rows as wide as a multiple of its size (each rank takes its share of the columns)."""
-    one_row = _attn_implementation(model) in _VARLEN_ATTENTION
-    return pack_batch(part, None if one_row else part.sequences.shape[1], width_multiple=sp.size if sp else 1)
+    multiple = 1 if sp is None else sp.size
+    one_row = multiple == 1 and _attn_implementation(model) in _VARLEN_ATTENTION
+    return pack_batch(part, None if one_row else part.sequences.shape[1], width_multiple=multiple)
 
 
 def _packed_kwargs(model: nn.Module, part: RolloutBatch, packed: PackedBatch, call: UlyssesCall | None = None) -> dict:
@@ -220,6 +222,7 @@ def _packed_kwargs(model: nn.Module, part: RolloutBatch, packed: PackedBatch, ca
         return {
             "input_ids": packed.input_ids[:, cols],
             "position_ids": packed.position_ids[:, cols],
+            "attention_mask": no_mask(packed.input_ids.device),
             "use_cache": False,
             "ulysses": call,
         }
@@ -229,8 +232,12 @@ def _packed_kwargs(model: nn.Module, part: RolloutBatch, packed: PackedBatch, ca
     return kwargs
 
 
-def _ulysses(sp: SequenceParallel | None, packed: PackedBatch) -> UlyssesCall | None:
-    return UlyssesCall(sp, packed.position_ids) if sp is not None and sp.size > 1 else None
+def _ulysses(model: nn.Module, sp: SequenceParallel | None, packed: PackedBatch) -> UlyssesCall | None:
+    """The call a packed forward passes: its sequence-parallel split, or (a model whose attention is ULYSSES without
+    one) its packed rows to attend sequence by sequence; None: the model's own kernel sees the packed positions."""
+    if sp is not None and sp.size > 1:
+        return UlyssesCall(sp, packed.position_ids)
+    return UlyssesCall(None, packed.position_ids) if _attn_implementation(model) == ULYSSES else None
 
 
 def _local_columns(packed: PackedBatch, call: UlyssesCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,6 +255,7 @@ def _gathered(values: torch.Tensor, keep: torch.Tensor, call: UlyssesCall) -> to
     (differentiable: the gather's backward hands each rank its own)."""
     dense = values.new_zeros(*keep.shape, values.shape[-1])
     dense[keep] = values
+    assert call.sp is not None  # a split call's
     full = gather_columns(dense, call.sp)
     return full.reshape(-1, values.shape[-1])
 
@@ -265,9 +273,9 @@ def packed_response_log_probs(
     computed on packed rows; the vocab projection runs on the N response positions only. With sequence parallelism
     each rank of `sp` runs its columns and projects its positions, and the per-token values are gathered."""
     packed = pack_for(model, part, sp)
-    call = _ulysses(sp, packed)
+    call = _ulysses(model, sp, packed)
     kwargs = _packed_kwargs(model, part, packed, call)
-    if call is not None:
+    if call is not None and call.split:
         keep, targets = _local_columns(packed, call)
     else:
         keep, targets = packed.keep_mask(), packed.targets()
@@ -286,7 +294,7 @@ def packed_response_log_probs(
         logp = log_probs_from_logits(logits.unsqueeze(0), targets.unsqueeze(0), temperature)[0]
         parts = [logp] + ([entropy_from_logits(logits / temperature)] if with_entropy else [])
         per_token = torch.stack(parts, dim=-1)
-    if call is not None:
+    if call is not None and call.split:
         per_token = _gathered(per_token, keep, call)[packed.pred_index]
     return packed.scatter(per_token[:, 0]), packed.scatter(per_token[:, 1]) if with_entropy else None
 
@@ -303,12 +311,19 @@ def _packed_tap(
 def _packed_head(model: nn.Module, part: RolloutBatch, sp: SequenceParallel | None) -> tuple[PackedBatch, torch.Tensor]:
     """A scalar-head model on packed rows: (the packing, its values at every position [n * W])."""
     packed = pack_for(model, part, sp)
-    call = _ulysses(sp, packed)
+    call = _ulysses(model, sp, packed)
     if call is None:
         values = model(packed.input_ids, position_ids=packed.position_ids)  # [n, W]
         return packed, values.reshape(-1)
     cols = call.columns
-    local = model(packed.input_ids[:, cols], position_ids=packed.position_ids[:, cols], ulysses=call)  # [n, W/sp]
+    local = model(  # [n, W/sp]
+        packed.input_ids[:, cols],
+        attention_mask=no_mask(packed.input_ids.device),
+        position_ids=packed.position_ids[:, cols],
+        ulysses=call,
+    )
+    if call.sp is None or not call.split:
+        return packed, local.reshape(-1)
     return packed, gather_columns(local.unsqueeze(-1), call.sp).reshape(-1)
 
 

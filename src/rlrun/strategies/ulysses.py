@@ -24,6 +24,11 @@ Design points, after verl's Ulysses (verl/utils/ulysses.py, models/transformers/
 
 Only sdpa runs inside (on CPU and GPU; flash-attention's varlen inner path is not wired yet: --flash_attn runs sdpa
 here, and a start-up line says so).
+
+Without sequence parallelism the same function attends packed rows without flash-attention (`UlyssesCall(None,
+positions)`, rlrun.roles.forward): the whole micro-batch is one row of its real tokens and each sequence is its own
+causal sdpa call, so attention costs sum(n_i^2) as flash-attention's varlen kernel does, not (sum n_i)^2 under a
+block-diagonal mask, and no [S, S] mask is built.
 Shapes: b rows, h query heads, kv key/value heads, s local columns, S = sp * s all columns, d head dim.
 """
 
@@ -38,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rlrun.launch.groups import SequenceParallel
 
@@ -51,15 +57,23 @@ DENSE_MASK_COLUMNS = 4096
 @dataclass
 class UlyssesCall:
     """One sequence-parallel forward: the group and the full packed positions [n, S] (S a multiple of sp), from which
-    each rank's columns and the full attention mask come. Passed to the model as the keyword `ulysses`."""
+    each rank's columns and the full attention mask come. Passed to the model as the keyword `ulysses`. sp None: no
+    split, the rank's own packed rows attended sequence by sequence (module docstring)."""
 
-    sp: SequenceParallel
+    sp: SequenceParallel | None
     position_ids: Tensor
     _masks: dict[int | None, Tensor] = field(default_factory=dict, repr=False)
     _segments: list[list[tuple[int, int]]] | None = field(default=None, repr=False)
 
     @property
+    def split(self) -> bool:
+        """The columns are split over the ranks of a group (else this rank holds the whole rows)."""
+        return self.sp is not None and self.sp.size > 1
+
+    @property
     def columns(self) -> slice:
+        if self.sp is None:
+            return slice(0, self.position_ids.shape[-1])
         width = self.position_ids.shape[-1] // self.sp.size
         return slice(self.sp.rank * width, (self.sp.rank + 1) * width)
 
@@ -194,10 +208,13 @@ def _attention(
     None). With no `ulysses` keyword, the model's own sdpa on what it was given."""
 
     call: UlyssesCall | None = kwargs.pop("ulysses", None)
-    if call is None or call.sp.size == 1:
+    if call is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    kwargs.pop("position_ids", None)  # the call's positions carry the packed sequences' structure
+    if call.sp is None or call.sp.size == 1:  # one rank's packed rows: each sequence its own causal attention
+        return _by_sequence(module, query, key, value, call, sliding_window, dropout, scaling, kwargs), None
     sp = call.sp
     heads, kv = query.shape[1], key.shape[1]
     if heads % sp.size:
@@ -215,7 +232,6 @@ def _attention(
         getattr(module, "layer_idx", None),
         getattr(module, "config", None),
     )
-    kwargs.pop("position_ids", None)  # local; the mask or the segments carry the full sequence's structure
     if call.dense:
         out, _ = sdpa_attention_forward(
             shim,  # type: ignore[arg-type]  # duck-typed: the attributes sdpa reads
@@ -235,7 +251,7 @@ def _attention(
 
 
 def _by_sequence(
-    shim: _Shim,
+    shim: _Shim | nn.Module,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -246,7 +262,7 @@ def _by_sequence(
     kwargs: dict[str, Any],
 ) -> Tensor:
     """Each packed sequence of the gathered rows as its own causal attention: q [b, h/sp, S, d], k/v [b, kv', S, d]
-    -> [b, S, h/sp, d]."""
+    -> [b, S, h/sp, d]. `shim`: the attention module, or what sdpa reads of it for this rank's heads."""
     rows = []
     for r, segments in enumerate(call.segments()):
         parts = []
@@ -273,8 +289,17 @@ def _by_sequence(
 
 
 def register() -> None:
-    """Make `ULYSSES` a valid attn_implementation (idempotent)."""
+    """Make `ULYSSES` a valid attn_implementation (idempotent). Its masks are sdpa's, so that a padded forward of an
+    enabled model still masks its padding (transformers builds no mask at all for a name it has no mask function
+    for); the calls with `ulysses` pass a placeholder mask instead (`no_mask`), so that none is built for them."""
     AttentionInterface.register(ULYSSES, _attention)
+    AttentionMaskInterface.register(ULYSSES, sdpa_mask)
+
+
+def no_mask(device: torch.device) -> Tensor:
+    """The attention_mask a forward with `ulysses` passes: a 4-D mask is taken as prepared, so transformers builds
+    none ([S, S] per row otherwise); _attention ignores it, since the call's positions say what attends to what."""
+    return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
 
 def hf_model(model: nn.Module) -> PreTrainedModel:
@@ -296,6 +321,19 @@ def enable(model: nn.Module) -> None:
         hf.set_attn_implementation({"text_config": ULYSSES})
     else:
         hf.set_attn_implementation(ULYSSES)
+
+
+def packs_by_sequence(model: nn.Module) -> bool:
+    """Whether `model`'s packed rows should attend sequence by sequence (one row, no mask): a text model on sdpa
+    that Ulysses' attention runs. flash-attention keeps its own varlen kernel, eager its exact op order, and a
+    vision-language model its own packed inputs."""
+    hf = hf_model(model)
+    config = hf.config
+    return (
+        config.get_text_config() is config
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+        and unsupported_reason(config, 1) is None
+    )
 
 
 def unsupported_reason(config: Any, sp: int) -> str | None:
