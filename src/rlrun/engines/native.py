@@ -166,7 +166,7 @@ class NativeEngine(TorchEngine):
         new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
         responses: list[list[int]] = [[] for _ in prompts]
         lps: list[list[float]] = [[] for _ in prompts]
-        self.last_batches = self.last_steps_built = 0
+        self.last_batches = self.last_steps_built = self.last_spans_built = 0
         if not prompts or new <= 0:
             return Generation(responses, lps)
         batches = self._batches(prompts, new)
