@@ -41,7 +41,8 @@ def test_unset_settings_take_the_devices_default():
     assert cpu.train.packing_samples is False
     _, gpu = _resolved(cuda=True)
     assert (gpu.train.dynamic_batch, gpu.generation.native_cuda_graph, gpu.train.packing_samples) == (True, True, True)
-    assert gpu.train.train_max_tokens_per_gpu == 16192  # the demo's rows are far shorter: OpenRLHF's budget kept
+    # the memory plan's micro-batches: the demo's 8 (training) and 16 (scoring) rows of 64 + 16 tokens
+    assert (gpu.train.train_max_tokens_per_gpu, gpu.train.rollout_max_tokens_per_gpu) == (8 * 80, 16 * 80)
     check_values(gpu)
 
 
@@ -57,23 +58,34 @@ def test_a_value_given_is_kept_on_a_gpu(argv):
     assert (cpu.train.dynamic_batch, cpu.generation.native_cuda_graph) == (True, True)
 
 
-def test_a_default_budget_below_the_longest_row_is_raised_but_a_requested_one_fails():
-    """32K-token responses: the default-on budget becomes the longest row (a row is never split); with
-    --dynamic_batch asked for, the same budget is the user's mistake and fails naming both numbers."""
-    lengths = ["--prompt_max_len", "1024", "--generate_max_len", "32768", "--rollout_max_tokens_per_gpu", "8192"]
+def test_a_default_budget_is_the_plans_micro_batch_and_a_given_one_is_checked():
+    """32K-token responses: the default-on budgets are the fixed micro-batches the plan counts (rows x the longest
+    row); a budget given below the longest row fails naming both numbers, --dynamic_batch asked for or not."""
+    lengths = ["--prompt_max_len", "1024", "--generate_max_len", "32768", "--micro_train_batch_size", "2",
+               "--micro_rollout_batch_size", "4"]
     _, gpu = _resolved(*lengths, cuda=True)
-    assert gpu.train.train_max_tokens_per_gpu == gpu.train.rollout_max_tokens_per_gpu == 33792
+    assert (gpu.train.train_max_tokens_per_gpu, gpu.train.rollout_max_tokens_per_gpu) == (2 * 33792, 4 * 33792)
     check_values(gpu)
-    _, asked = _resolved(*lengths, "--dynamic_batch", cuda=True)
-    with pytest.raises(ConfigError, match=r"--train_max_tokens_per_gpu 16192 is below .* = 33792 tokens"):
-        check_values(asked)
+    _, given = _resolved(*lengths, "--rollout_max_tokens_per_gpu", "50000", cuda=True)
+    assert (given.train.train_max_tokens_per_gpu, given.train.rollout_max_tokens_per_gpu) == (2 * 33792, 50000)
+    for extra in (["--rollout_max_tokens_per_gpu", "8192"], ["--dynamic_batch"]):
+        _, bad = _resolved(*lengths, *extra, cuda=True)
+        with pytest.raises(ConfigError, match=r"_max_tokens_per_gpu \d+ is below .* = 33792 tokens"):
+            check_values(bad)
+
+
+def test_a_dry_run_for_gpus_off_a_gpu_node_resolves_as_the_gpu_run():
+    planned = plan_ppo([*DEMO, "--dry_run", "--gpu_memory_gb", "80", "--save_path", "/tmp/rlrun-speed-plan"],
+                       DistEnv(0, 0, 1, 1, "127.0.0.1", 29500, "single"))
+    t = planned.config.train
+    assert t.dynamic_batch and t.packing_samples and planned.config.generation.native_cuda_graph
 
 
 def test_the_line_names_each_setting_why_and_its_flag():
     line = _line("--generation_backend", "native", cuda=True)
-    assert line == ("speed settings: token-budget micro-batches (GPU default; <= 16,192 tokens to train, 16,192 to "
-                    "score per rank: --train_max_tokens_per_gpu, --rollout_max_tokens_per_gpu; off: --dynamic_batch "
-                    "false); packed rows, each sequence attending by itself (GPU default; off: --packing_samples "
+    assert line == ("speed settings: token-budget micro-batches (GPU default; <= 640 tokens to train, 1,280 to "
+                    "score per rank, the memory plan's 8 and 16 rows of 80 tokens: --train_max_tokens_per_gpu, "
+                    "--rollout_max_tokens_per_gpu; off: --dynamic_batch false); packed rows, each sequence attending by itself (GPU default; off: --packing_samples "
                     "false); log-probs over the vocabulary 1,024 positions at a time (--logits_chunk_size); native "
                     "decode steps captured as CUDA graphs (GPU default; off: --native_cuda_graph false)")
     line = _line("--generation_backend", "native", "--native_cuda_graph", "false", "--packing_samples", "false",

@@ -618,7 +618,8 @@ class TrainConfig(OptimConfig):
         "--rollout_max_tokens_per_gpu), each cut to its own longest row, the same number on "
         "every rank of a role. Long-tailed response lengths then train on far less padding; "
         "the loss normalisation (whole mini-batch token/sequence mean) is unchanged. Unset: on "
-        "with a CUDA device (the budget raised to the longest row if below it), off on CPU.",
+        "with a CUDA device, budgets unless given the memory plan's micro-batches "
+        "(--micro_train_batch_size / --micro_rollout_batch_size rows of the longest row); off on CPU.",
     )
     train_max_tokens_per_gpu: int = opt(
         16192,

@@ -75,7 +75,10 @@ class PPOPlan(Planned[Config]):
 def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
     """rlrun.ppo's command line into its plan (raises the run's ConfigError/LayoutError on what would fail)."""
     parsed = parse_args(argv)
-    cuda = uses_cuda(parsed.config.runtime.device)
+    runtime = parsed.config.runtime
+    # a dry run planned for GPUs off a GPU node (--gpu_memory_gb) resolves the speed settings as the GPU run will
+    planned_gpu = runtime.dry_run and runtime.device != "cpu" and runtime.gpu_memory_gb is not None
+    cuda = uses_cuda(runtime.device) or planned_gpu
     cfg = resolve_speed(resolved_ppo_models(parsed.config), cuda, parsed.explicit)
     train, packed = packed_for_sequence_parallel(
         cfg.train, max(sequence_parallel_sizes(cfg).values()), cfg.model.flash_attn
@@ -89,7 +92,7 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
     # Bad values and layouts have failed by now, in a second: what follows reads config.json with transformers.
     from rlrun.plan.generation import check_vision_run, choose_generation  # noqa: PLC0415
 
-    choice = choose_generation(cfg, cuda)
+    choice = choose_generation(cfg, uses_cuda(runtime.device))
     check_vision_run(choice.config)
     check_sequence_parallel_models(choice.config, sequence_parallel_sizes(choice.config))
     cfg = choice.config

@@ -3,8 +3,8 @@
 Left unset, `--dynamic_batch`, `--packing_samples` and `--native_cuda_graph` take their device's default: on with a
 CUDA device, where token-budget micro-batches of packed rows train on no padding at all (each packed sequence
 attends by itself: rlrun.strategies.ulysses) and a captured decode step replaces a few hundred kernel launches per
-token (the two together, measured on one H200 with the same GRPO job: 9.1 -> 3.1 s/step for the 0.5B
-preset, 7.5 -> 4.5 s for a Qwen2.5-1.5B shape); off on CPU, where runs keep the fixed micro-batches their configs
+token (the two together with a 16K-token budget, measured on one H200 with the same GRPO job: 9.1 -> 3.1 s/step
+for the 0.5B preset, 7.5 -> 4.5 s for a Qwen2.5-1.5B shape); off on CPU, where runs keep the fixed micro-batches their configs
 were written for (the CPU examples and tests) and no graph can be captured.
 A value given by flag, YAML or a peer's key is kept as given. The line says what each setting is, why, and how to
 turn it off, so that a slow or surprising step can be traced to one flag.
@@ -20,8 +20,12 @@ from rlrun.config.schema import Config
 def resolve_speed(cfg: Config, cuda: bool, explicit: frozenset[str] = frozenset()) -> Config:
     """`cfg` with --dynamic_batch and --native_cuda_graph set where they were left unset (None), and
     --packing_samples where it is not in `explicit` (the fields the command line or YAML set): `cuda`'s default.
-    A default-on token budget below the longest row (--prompt_max_len + --generate_max_len) is raised to it, since
-    a row is never split and the user never asked for the budget; one the user asked for is checked as given."""
+
+    A default-on token budget is the memory plan's micro-batch: --micro_train_batch_size (scoring:
+    --micro_rollout_batch_size) rows of the longest row (--prompt_max_len + --generate_max_len), which is what the
+    plan counts activations for (rlrun.plan.memory), so a micro-batch by tokens never holds more than the plan
+    fits. Rows shorter than the longest then share a micro-batch instead of padding it. A budget the user set is
+    kept and checked as given."""
     t, g = cfg.train, cfg.generation
     if cuda and "packing_samples" not in explicit:
         t = replace(t, packing_samples=True)
@@ -29,11 +33,16 @@ def resolve_speed(cfg: Config, cuda: bool, explicit: frozenset[str] = frozenset(
         t = replace(t, dynamic_batch=cuda)
         if cuda:
             longest = g.prompt_max_len + g.generate_max_len
+            train = t.train_max_tokens_per_gpu
             scoring = t.rollout_max_tokens_per_gpu
             t = replace(
                 t,
-                train_max_tokens_per_gpu=max(t.train_max_tokens_per_gpu, longest),
-                rollout_max_tokens_per_gpu=None if scoring is None else max(scoring, longest),
+                train_max_tokens_per_gpu=(
+                    train if "train_max_tokens_per_gpu" in explicit else t.micro_train_batch_size * longest
+                ),
+                rollout_max_tokens_per_gpu=(
+                    scoring if "rollout_max_tokens_per_gpu" in explicit else t.micro_rollout_batch_size * longest
+                ),
             )
     if g.native_cuda_graph is None:
         g = replace(g, native_cuda_graph=cuda)
@@ -56,6 +65,13 @@ def speed_line(requested: Config, cfg: Config, cuda: bool, explicit: frozenset[s
             f"tokens to train, {scoring:,} to score per rank: --train_max_tokens_per_gpu, "
             "--rollout_max_tokens_per_gpu; off: --dynamic_batch false)"
         )
+        if requested.train.dynamic_batch is None:  # the budget is the plan's micro-batch: say where it comes from
+            longest = g.prompt_max_len + g.generate_max_len
+            batches = batches.replace(
+                " per rank:",
+                f" per rank, the memory plan's {t.micro_train_batch_size} and {t.micro_rollout_batch_size} rows of "
+                f"{longest:,} tokens:",
+            )
     else:
         batches = (
             f"fixed micro-batches of {t.micro_train_batch_size} rows to train, {t.micro_rollout_batch_size} to score "
