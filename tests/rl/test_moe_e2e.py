@@ -89,9 +89,11 @@ def test_fsdp_zero3_learns_with_replay_exports_and_resumes_exactly(moe_task, tmp
 
 
 def test_deepspeed_zero2_trains_a_mixtral_at_4_ranks(moe_task, tmp_path) -> None:
+    """Also packed rows under DeepSpeed: its engine's model attends each packed sequence by itself (the GPU
+    default's path, found through the engine's `module`)."""
     mixtral = str(Path(moe_task[moe_task.index("--pretrain") + 1]).parent / "mixtral")
     run = run_rlrun(4, [*moe_task, "--pretrain", mixtral, "--strategy", "deepspeed", "--zero_stage", "2",
-                        "--max_steps", "3"], tmp_path / "ds", timeout=300)
+                        "--packing_samples", "--max_steps", "3"], tmp_path / "ds", timeout=300)
     assert run.returncode == 0, run.output[-3000:]
     assert len(run.metrics) == 3 and all(all(key in m for key in MOE) for m in run.metrics)
     assert run.metrics[-1]["actor/moe/aux_loss"] > 0

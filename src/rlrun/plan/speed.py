@@ -4,8 +4,8 @@ Left unset, `--dynamic_batch`, `--packing_samples` and `--native_cuda_graph` tak
 CUDA device, where token-budget micro-batches of packed rows train on no padding at all (each packed sequence
 attends by itself: rlrun.strategies.ulysses) and a captured decode step replaces a few hundred kernel launches per
 token (the two together with a 16K-token budget, measured on one H200 with the same GRPO job: 9.1 -> 3.1 s/step
-for the 0.5B preset, 7.5 -> 4.5 s for a Qwen2.5-1.5B shape); off on CPU, where runs keep the fixed micro-batches their configs
-were written for (the CPU examples and tests) and no graph can be captured.
+for the 0.5B preset, 7.5 -> 4.5 s for a Qwen2.5-1.5B shape); off on CPU, where runs keep the fixed micro-batches
+their configs were written for (the CPU examples and tests) and no graph can be captured.
 A value given by flag, YAML or a peer's key is kept as given. The line says what each setting is, why, and how to
 turn it off, so that a slow or surprising step can be traced to one flag.
 """

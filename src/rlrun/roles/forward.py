@@ -181,8 +181,14 @@ def last_token_scores(
 
 
 def _attn_implementation(model: nn.Module) -> str | None:
-    config = getattr(model, "config", None) or getattr(getattr(model, "hf", None), "config", None)
-    return getattr(config, "_attn_implementation", None)
+    """The attention kernel of `model`'s transformers model, through rlrun's scalar-head wrapper (`hf`) and
+    DeepSpeed's engine (`module`, whose own `config` is DeepSpeed's)."""
+    for outer in (model, getattr(model, "module", None)):
+        for inner in (outer, getattr(outer, "hf", None)):
+            config = getattr(inner, "config", None)
+            if isinstance(config, PretrainedConfig):
+                return getattr(config, "_attn_implementation", None)
+    return None
 
 
 @contextmanager
