@@ -447,7 +447,7 @@ class _StaticStep:
     """One decode step of fixed shapes over a zeroed cache and its [B, C] mask `valid` (both the caller's, updated
     in place between steps): the token and position of each row and the cache position to write are copied into
     buffers of its own, so the step reads the same addresses every time. It attends over the first `span` cache
-    positions, the written ones rounded up to a multiple of `bucket` (at most C), one `_Span` per span reached.
+    positions, the written ones rounded up to a multiple of `bucket` (at most C), one graph per span reached.
     capture: each span is captured as a CUDA graph on its first call (after a warm-up run of the same step: its
     writes are the ones the replay repeats) and replayed after; else each call runs it eagerly (the same kernels:
     the graph's reference)."""
