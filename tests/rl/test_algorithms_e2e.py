@@ -1,5 +1,5 @@
 """Every policy loss of verl's registry and every kind of rollout correction learns on the demo (GRPO, one rank,
-the native engine, which reports the sampled tokens' log-probs): one interpreter runs them all
+the native engine, which reports the sampled tokens' log-probs): two interpreters side by side run them all
 (tests/rl/algorithm_runs.py), each for 24 steps, most runs a loss and a correction together. On one rank the engine and the actor compute the same
 probabilities, so the corrections' weights are ~1 here; tests/rl/test_async_train.py runs one against a real one-step
 mismatch, and tests/algo/test_rollout_correction.py checks their numbers."""
@@ -47,12 +47,24 @@ REJECTING = ("sapo", "clip_cov", "kl_cov")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
+    """Every run, in two interpreters side by side: each run is one rank on one thread (OMP_NUM_THREADS=1), so two
+    halves use the machine's two cores (each run is seeded by its own command line wherever it runs)."""
     out = tmp_path_factory.mktemp("algorithms")
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({name: [*flags, "--max_steps", str(STEPS)] for name, flags in RUNS.items()}))
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "rl" / "algorithm_runs.py"), str(spec), str(out)],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    names = sorted(RUNS)
+    procs = []
+    for half in (names[::2], names[1::2]):
+        spec = out / f"spec_{half[0]}.json"
+        spec.write_text(json.dumps({name: [*RUNS[name], "--max_steps", str(STEPS)] for name in half}))
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "rl" / "algorithm_runs.py"), str(spec),
+                                       str(out)], cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [proc.communicate(timeout=400)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()  # a no-op for a finished one; never leave a half running after a timeout
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, output[-4000:]
     return out
 
 
