@@ -21,9 +21,9 @@ def _train(*argv: str):
     return parse_args(list(argv)).config.train
 
 
-def test_defaults_are_openrlhfs_budgets_and_unset():
-    t = _train()  # unset: rlrun.plan.speed turns it on with a CUDA device (tests/plan/test_speed.py)
-    assert (t.dynamic_batch, t.train_max_tokens_per_gpu, t.rollout_max_tokens_per_gpu) == (None, 16192, None)
+def test_defaults_are_openrlhfs_and_off():
+    t = _train()  # rlrun.plan.speed turns it on with a CUDA device unless it is given (tests/plan/test_speed.py)
+    assert (t.dynamic_batch, t.train_max_tokens_per_gpu, t.rollout_max_tokens_per_gpu) == (False, 16192, None)
     assert not {"use_dynamic_batch", "train_max_tokens_per_gpu", "rollout_max_tokens_per_gpu"} & set(IGNORED_FLAGS)
 
 

@@ -30,12 +30,12 @@ def _resolved(*argv: str, cuda: bool):
 
 def _line(*argv: str, cuda: bool) -> str:
     parsed = parse_args([*DEMO, *argv])
-    return speed_line(parsed.config, resolve_speed(parsed.config, cuda, parsed.explicit), cuda, parsed.explicit)
+    return speed_line(resolve_speed(parsed.config, cuda, parsed.explicit), cuda, parsed.explicit)
 
 
 def test_unset_settings_take_the_devices_default():
     requested, cpu = _resolved(cuda=False)
-    assert requested.train.dynamic_batch is None and requested.generation.native_cuda_graph is None
+    assert cpu == requested  # the fields' own defaults are the CPU's
     assert (cpu.train.dynamic_batch, cpu.generation.native_cuda_graph) == (False, False)
     assert cpu.train.train_max_tokens_per_gpu == requested.train.train_max_tokens_per_gpu
     assert cpu.train.packing_samples is False

@@ -114,12 +114,12 @@ class GenerationConfig:
         "on GPU from the memory free when generation starts (less the activations), "
         "on CPU unbounded (one batch).",
     )
-    native_cuda_graph: bool | None = opt(
-        None,
+    native_cuda_graph: bool = opt(
+        False,
         "--generation_backend native on GPU: capture each decode step as a CUDA graph "
         "and replay it per token (fewer kernel launches; the step attends over the filled "
-        "cache rounded up to 256 positions, one graph per span). Unset: on with a CUDA device "
-        "where the policy allows it (not MoE, not dynamic rope). No effect on CPU.",
+        "cache rounded up to 256 positions, one graph per span). rlrun.ppo: on by default with a "
+        "CUDA device where the policy allows it (not MoE, not dynamic rope). No effect on CPU.",
     )
     vllm_gpu_memory_utilization: float = opt(
         0.95,
@@ -609,15 +609,15 @@ class TrainConfig(OptimConfig):
         "4 bytes; 0 = whole sequences (more memory, same numbers). Models whose forward "
         "transforms the logits (Gemma-2/3 soft-capping, Cohere, Granite) always use 0.",
     )
-    dynamic_batch: bool | None = opt(
-        None,
+    dynamic_batch: bool = opt(
+        False,
         "Form micro-batches by tokens instead of --micro_train_batch_size / "
         "--micro_rollout_batch_size (OpenRLHF's --use_dynamic_batch, verl's use_dynamic_bsz): "
         "rows are dealt to each role's ranks balanced by length, then sorted by length into "
         "micro-batches of at most --train_max_tokens_per_gpu tokens (scoring: "
         "--rollout_max_tokens_per_gpu), each cut to its own longest row, the same number on "
         "every rank of a role. Long-tailed response lengths then train on far less padding; "
-        "the loss normalisation (whole mini-batch token/sequence mean) is unchanged. Unset: on "
+        "the loss normalisation (whole mini-batch token/sequence mean) is unchanged. On by default "
         "with a CUDA device, budgets unless given the memory plan's micro-batches "
         "(--micro_train_batch_size / --micro_rollout_batch_size rows of the longest row); off on CPU.",
     )

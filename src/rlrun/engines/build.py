@@ -77,10 +77,8 @@ def build_engine(
         )
     if g.generation_backend == "native":  # planning resolved `auto` and checked the architecture
         budget = None if g.native_kv_cache_mb is None else g.native_kv_cache_mb * 2**20
-        # unset outside a planned run (rlrun.plan.speed resolves it there): the device's default
-        graph = device.type == "cuda" if g.native_cuda_graph is None else g.native_cuda_graph
         engine: TorchEngine = NativeEngine(
-            unfilled.fill(device), sampling, device, tokenizer, kv_cache_bytes=budget, cuda_graph=graph
+            unfilled.fill(device), sampling, device, tokenizer, kv_cache_bytes=budget, cuda_graph=g.native_cuda_graph
         )
     else:
         engine = HFEngine(unfilled.fill(device), sampling, device, tokenizer)

@@ -120,7 +120,7 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
         roles=roles_of(layout, env.rank),
         layout=layout,
         generation_why=why,
-        speed=speed_line(parsed.config, cfg, cuda, parsed.explicit),
+        speed=speed_line(cfg, cuda, parsed.explicit),
     )
 
 

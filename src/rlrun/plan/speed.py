@@ -16,72 +16,72 @@ from dataclasses import replace
 
 from rlrun.config.schema import Config
 
+# The settings that take the device's default when the command line, the YAML or a peer's key does not set them.
+DEVICE_DEFAULTS = ("dynamic_batch", "packing_samples", "native_cuda_graph")
 
-def resolve_speed(cfg: Config, cuda: bool, explicit: frozenset[str] = frozenset()) -> Config:
-    """`cfg` with --dynamic_batch and --native_cuda_graph set where they were left unset (None), and
-    --packing_samples where it is not in `explicit` (the fields the command line or YAML set): `cuda`'s default.
+
+def resolve_speed(cfg: Config, cuda: bool, explicit: frozenset[str]) -> Config:
+    """`cfg` with each of DEVICE_DEFAULTS not in `explicit` (the fields the command line or YAML set) on with `cuda`;
+    the fields' own defaults (off) are the CPU's.
 
     A default-on token budget is the memory plan's micro-batch: --micro_train_batch_size (scoring:
     --micro_rollout_batch_size) rows of the longest row (--prompt_max_len + --generate_max_len), which is what the
     plan counts activations for (rlrun.plan.memory), so a micro-batch by tokens never holds more than the plan
     fits. Rows shorter than the longest then share a micro-batch instead of padding it. A budget the user set is
     kept and checked as given."""
+    if not cuda:
+        return cfg
     t, g = cfg.train, cfg.generation
-    if cuda and "packing_samples" not in explicit:
+    if "packing_samples" not in explicit:
         t = replace(t, packing_samples=True)
-    if t.dynamic_batch is None:
-        t = replace(t, dynamic_batch=cuda)
-        if cuda:
-            longest = g.prompt_max_len + g.generate_max_len
-            train = t.train_max_tokens_per_gpu
-            scoring = t.rollout_max_tokens_per_gpu
-            t = replace(
-                t,
-                train_max_tokens_per_gpu=(
-                    train if "train_max_tokens_per_gpu" in explicit else t.micro_train_batch_size * longest
-                ),
-                rollout_max_tokens_per_gpu=(
-                    scoring if "rollout_max_tokens_per_gpu" in explicit else t.micro_rollout_batch_size * longest
-                ),
-            )
-    if g.native_cuda_graph is None:
-        g = replace(g, native_cuda_graph=cuda)
+    if "dynamic_batch" not in explicit:
+        longest = g.prompt_max_len + g.generate_max_len
+        t = replace(
+            t,
+            dynamic_batch=True,
+            train_max_tokens_per_gpu=(
+                t.train_max_tokens_per_gpu
+                if "train_max_tokens_per_gpu" in explicit
+                else t.micro_train_batch_size * longest
+            ),
+            rollout_max_tokens_per_gpu=(
+                t.rollout_max_tokens_per_gpu
+                if "rollout_max_tokens_per_gpu" in explicit
+                else t.micro_rollout_batch_size * longest
+            ),
+        )
+    if "native_cuda_graph" not in explicit:
+        g = replace(g, native_cuda_graph=True)
     return replace(cfg, train=t, generation=g)
 
 
-def speed_line(requested: Config, cfg: Config, cuda: bool, explicit: frozenset[str] = frozenset()) -> str:
-    """One start-up line: the resolved speed settings of `cfg`, each with why it has its value (`requested`: the
-    config before resolve_speed, `explicit` the fields set) and the flag that changes it."""
-    device = "GPU" if cuda else "CPU"
+def speed_line(cfg: Config, cuda: bool, explicit: frozenset[str]) -> str:
+    """One start-up line: the speed settings of `cfg` (resolved), each with why it has its value (`explicit`: the
+    fields set) and the flag that changes it."""
     t, g = cfg.train, cfg.generation
-
-    def why(value: bool | None) -> str:
-        return f"{device} default" if value is None else "as set"
-
+    why = {name: "as set" if name in explicit else f"{'GPU' if cuda else 'CPU'} default" for name in DEVICE_DEFAULTS}
     if t.dynamic_batch:
         scoring = t.rollout_max_tokens_per_gpu or t.train_max_tokens_per_gpu
-        batches = (
-            f"token-budget micro-batches ({why(requested.train.dynamic_batch)}; <= {t.train_max_tokens_per_gpu:,} "
-            f"tokens to train, {scoring:,} to score per rank: --train_max_tokens_per_gpu, "
-            "--rollout_max_tokens_per_gpu; off: --dynamic_batch false)"
+        source = (
+            ""
+            if "dynamic_batch" in explicit
+            else f", the memory plan's {t.micro_train_batch_size} and {t.micro_rollout_batch_size} rows of "
+            f"{g.prompt_max_len + g.generate_max_len:,} tokens"
         )
-        if requested.train.dynamic_batch is None:  # the budget is the plan's micro-batch: say where it comes from
-            longest = g.prompt_max_len + g.generate_max_len
-            batches = batches.replace(
-                " per rank:",
-                f" per rank, the memory plan's {t.micro_train_batch_size} and {t.micro_rollout_batch_size} rows of "
-                f"{longest:,} tokens:",
-            )
+        batches = (
+            f"token-budget micro-batches ({why['dynamic_batch']}; <= {t.train_max_tokens_per_gpu:,} tokens to train, "
+            f"{scoring:,} to score per rank{source}: --train_max_tokens_per_gpu, --rollout_max_tokens_per_gpu; off: "
+            "--dynamic_batch false)"
+        )
     else:
         batches = (
             f"fixed micro-batches of {t.micro_train_batch_size} rows to train, {t.micro_rollout_batch_size} to score "
-            f"({why(requested.train.dynamic_batch)}; by tokens: --dynamic_batch)"
+            f"({why['dynamic_batch']}; by tokens: --dynamic_batch)"
         )
-    packing_why = "as set" if "packing_samples" in explicit or requested.train.packing_samples else f"{device} default"
     rows = (
-        f"packed rows, each sequence attending by itself ({packing_why}; off: --packing_samples false)"
+        f"packed rows, each sequence attending by itself ({why['packing_samples']}; off: --packing_samples false)"
         if t.packing_samples
-        else f"padded rows, each micro-batch cut to its longest ({packing_why}; packed: --packing_samples)"
+        else f"padded rows, each micro-batch cut to its longest ({why['packing_samples']}; packed: --packing_samples)"
     )
     vocab = (
         f"log-probs over the vocabulary {t.logits_chunk_size:,} positions at a time (--logits_chunk_size)"
@@ -90,11 +90,10 @@ def speed_line(requested: Config, cfg: Config, cuda: bool, explicit: frozenset[s
     )
     parts = [batches, rows, vocab]
     if g.generation_backend == "native":
+        graph = why["native_cuda_graph"]
         parts.append(
-            f"native decode steps captured as CUDA graphs ({why(requested.generation.native_cuda_graph)}; "
-            "off: --native_cuda_graph false)"
+            f"native decode steps captured as CUDA graphs ({graph}; off: --native_cuda_graph false)"
             if g.native_cuda_graph and cuda
-            else f"native decode steps run eagerly ({why(requested.generation.native_cuda_graph)}"
-            + ("; captured: --native_cuda_graph)" if cuda else ")")
+            else f"native decode steps run eagerly ({graph}" + ("; captured: --native_cuda_graph)" if cuda else ")")
         )
     return "speed settings: " + "; ".join(parts)

@@ -328,8 +328,9 @@ def _packed_head(model: nn.Module, part: RolloutBatch, sp: SequenceParallel | No
         position_ids=packed.position_ids[:, cols],
         ulysses=call,
     )
-    if call.sp is None or not call.split:
+    if not call.split:
         return packed, local.reshape(-1)
+    assert call.sp is not None  # a split call's
     return packed, gather_columns(local.unsqueeze(-1), call.sp).reshape(-1)
 
 

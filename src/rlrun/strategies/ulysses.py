@@ -213,9 +213,10 @@ def _attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     kwargs.pop("position_ids", None)  # the call's positions carry the packed sequences' structure
-    if call.sp is None or call.sp.size == 1:  # one rank's packed rows: each sequence its own causal attention
+    if not call.split:  # one rank's packed rows: each sequence its own causal attention
         return _by_sequence(module, query, key, value, call, sliding_window, dropout, scaling, kwargs), None
     sp = call.sp
+    assert sp is not None  # a split call's
     heads, kv = query.shape[1], key.shape[1]
     if heads % sp.size:
         raise ValueError(f"{heads} attention heads do not split over sequence-parallel size {sp.size}")
