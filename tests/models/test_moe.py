@@ -12,21 +12,26 @@ import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+from rlrun.data.batching import TokenBudget
 from rlrun.data.packing import pack_batch
 from rlrun.data.rollout import pack_rows, unpack_rows
 from rlrun.engines.base import HFEngine, SamplingSettings
 from rlrun.engines.decoder import Decoder
 from rlrun.engines.native import NativeEngine
+from rlrun.models.loading import position_ids_from
 from rlrun.models.moe import (
     NO_ROUTE,
     RoutingRun,
     config_routing_shape,
+    in_batch_order,
     in_forward_order,
     load_balancing_loss,
     pack_routing,
+    routers,
     routing_shape,
     tapped,
 )
+from rlrun.roles.actor import Actor, PolicyLossSettings
 from rlrun.roles.forward import policy_log_probs
 
 VOCAB = 64
@@ -181,6 +186,49 @@ def test_packed_and_padded_forwards_replay_the_same_routing() -> None:
     assert 0 < numbers["moe/router_mismatch_frac"] <= 1  # the sampler's routers are another model's
 
 
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("micro", [2, TokenBudget(16)], ids=["rows", "token_budget"])
+def test_r2_records_the_scoring_routing_at_each_token_and_the_training_pass_replays_it(packing, micro) -> None:
+    """--router_replay R2: the actor's scoring pass (micro-batched, trimmed to each micro-batch's lengths by a
+    token budget, padded or packed) records each real token's experts at that token's column of the batch, NO_ROUTE
+    on padding; a later forward replaying them routes every recorded token through those experts even after the
+    router changed (which it would otherwise route elsewhere), and equals the scoring pass while nothing changed."""
+    model = _model("qwen3_moe")
+    engine = NativeEngine(_model("qwen3_moe", seed=1), _sampling(), torch.device("cpu"))
+    prompts = PROMPTS * 2
+    out = engine.sample(prompts, seed=7)
+    batch = unpack_rows(pack_rows(prompts, out.responses, 8, 6, 0), 8)
+    settings = PolicyLossSettings(0.2, None, "token-mean", 1.0, None, False, "k1", router_replay="R2")
+    actor = Actor(model, None, settings, torch.device("cpu"), packing=packing)  # type: ignore[arg-type]  # scoring only
+    scored = actor.log_probs(batch, micro)
+    recorded = actor.recorded_routing
+    shape = routing_shape(model)
+    assert recorded is not None and recorded.shape == (*batch.sequences.shape, shape.layers, shape.top_k)
+    real = batch.attention_mask.bool()
+    assert (recorded[~real] == NO_ROUTE).all() and (recorded[real] != NO_ROUTE).all()
+    with torch.no_grad(), tapped(model) as whole:  # the truth: one padded forward over every row
+        mask = batch.attention_mask
+        model(batch.sequences, attention_mask=mask, position_ids=position_ids_from(mask))
+    truth = whole.chosen_ids().view(recorded.shape)
+    assert torch.equal(recorded[real].sort(-1).values, truth[real].sort(-1).values)
+
+    batch.routing = recorded
+    mask = batch.action_mask.bool()
+    with torch.no_grad():
+        run = RoutingRun(replay=True)
+        again = policy_log_probs(model, batch, 1.0, packing=packing, moe=run)[0]
+        torch.testing.assert_close(again[mask], scored[mask], rtol=1e-5, atol=1e-5)
+        for router in routers(model):  # an update moved the routers
+            router.weight.add_(torch.randn_like(router.weight))
+        run = RoutingRun(replay=True)
+        policy_log_probs(model, batch, 1.0, packing=packing, moe=run)
+    assert run.routed is not None
+    replayed = in_batch_order(run.routed.chosen_ids(), tuple(batch.sequences.shape), run.source)
+    assert torch.equal(replayed[real].sort(-1).values, recorded[real].sort(-1).values)
+    _, numbers = run.metrics(shape.top_k)
+    assert numbers["moe/router_mismatch_frac"] > 0.05  # without replay these tokens would go elsewhere
+
+
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_replay_shrinks_the_gap_to_a_bf16_engine(kind) -> None:
     """The engine samples in bf16 (as vLLM does), the trainer scores in fp32: near-tied routers pick other experts
@@ -246,6 +294,9 @@ def test_the_aux_loss_spreads_a_skewed_router() -> None:
     (["--router_replay", "R3", "--partial_rollout", "--async_train"], "mixtral", "native", "with --partial_rollout"),
     (["--aux_loss_coef", "0.01", "--sequence_parallel_size", "2"], "qwen2_moe", "hf", "--sequence_parallel_size 2"),
     (["--lora_rank", "8"], "qwen3_moe", "native", "--lora_rank 8 with a MoE policy (qwen3_moe): PEFT wraps"),
+    (["--router_replay", "R2"], None, "vllm", "--router_replay R2: the policy (qwen2) has no MoE layers"),
+    (["--router_replay", "R2", "--sequence_parallel_size", "2"], "mixtral", "vllm",
+     "R2 with --sequence_parallel_size 2"),
 ])
 def test_moe_options_the_policy_or_backend_cannot_run_are_one_error(argv, kind, backend, message) -> None:
     from rlrun.cli.parser import parse_args
@@ -262,11 +313,15 @@ def test_moe_options_the_policy_or_backend_cannot_run_are_one_error(argv, kind, 
 
 def test_verl_and_openrlhf_spellings_set_replay_and_the_aux_loss() -> None:
     from rlrun.cli.parser import parse_args
+    from rlrun.plan.generation import check_moe_options
     from rlrun.runtime.errors import ConfigError
 
     cfg = parse_args(["actor_rollout_ref.actor.router_replay.mode=R3", "--actor.aux_loss_coef", "0.002"]).config
     assert (cfg.algo.router_replay, cfg.algo.aux_loss_coef) == ("R3", 0.002)
     assert parse_args(["actor_rollout_ref.actor.router_replay.mode=disabled"]).config.algo.router_replay == "off"
     assert parse_args(["--aux_loss_coef", "0.01"]).config.algo.aux_loss_coef == 0.01
-    with pytest.raises(ConfigError, match="R2, which replays the actor's own first forward, is not implemented"):
-        parse_args(["actor_rollout_ref.actor.router_replay.mode=R2"])
+    r2 = parse_args(["actor_rollout_ref.actor.router_replay.mode=R2"]).config
+    assert r2.algo.router_replay == "R2"
+    check_moe_options(r2, CONFIGS["mixtral"](), "vllm")  # R2 replays the trainer's own pass: any engine
+    with pytest.raises(ConfigError, match="router_replay.mode=R1: verl's modes are disabled, R2 and R3"):
+        parse_args(["actor_rollout_ref.actor.router_replay.mode=R1"])

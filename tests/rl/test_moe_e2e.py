@@ -1,9 +1,10 @@
 """A mixture-of-experts policy end to end (torchrun, gloo): GRPO on the demo task with a tiny Qwen3-MoE built from
 config with transformers' own classes (2 layers, 8 experts, top-2), --router_replay R3 (the native engine records each
 token's experts, the rollout ships them as uint8, the actor's and the reference's forwards replay them) and
---aux_loss_coef. FSDP2 ZeRO-3 on packed rows at 2 ranks learns, reports the MoE metrics, exports a checkpoint
-transformers loads, and resumed from its middle checkpoint ends bit for bit where it did; DeepSpeed ZeRO-2 at 4 ranks
-trains a tiny Mixtral (4 experts, top-2, every layer sparse) the same way."""
+--aux_loss_coef. FSDP2 ZeRO-3 on packed rows at 2 ranks reads the per-expert checkpoint a shard at a time, learns,
+reports the MoE metrics, streams an export transformers loads, and resumed from its middle checkpoint ends bit for bit where it did; DeepSpeed ZeRO-2 at 4 ranks
+trains a tiny Mixtral (4 experts, top-2, every layer sparse) with --router_replay R2 (the actor's scoring pass
+records the routing, its 4 ranks' shards are gathered, the training passes replay it) on token-budget micro-batches."""
 
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def test_fsdp_zero3_learns_with_replay_exports_and_resumes_exactly(moe_task, tmp
     run = run_rlrun(2, [*args, "--save_steps", str(SAVE), "--ckpt_path", str(tmp_path / "run" / "ckpt")],
                     tmp_path / "run", timeout=300)
     assert run.returncode == 0, run.output[-3000:]
+    assert "read whole on every rank" not in run.output  # the per-expert checkpoint is read a shard at a time
     assert len(run.metrics) == STEPS
     for m in run.metrics:
         assert all(key in m for key in MOE), sorted(m)
@@ -88,12 +90,16 @@ def test_fsdp_zero3_learns_with_replay_exports_and_resumes_exactly(moe_task, tmp
     assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in saved)
 
 
-def test_deepspeed_zero2_trains_a_mixtral_at_4_ranks(moe_task, tmp_path) -> None:
+def test_deepspeed_zero2_trains_a_mixtral_at_4_ranks_with_r2(moe_task, tmp_path) -> None:
     """Also packed rows under DeepSpeed: its engine's model attends each packed sequence by itself (the GPU
-    default's path, found through the engine's `module`)."""
+    default's path, found through the engine's `module`). R2's mismatch metric exists only where the training pass
+    had recorded routing to replay, i.e. the gather reached the actor."""
     mixtral = str(Path(moe_task[moe_task.index("--pretrain") + 1]).parent / "mixtral")
     run = run_rlrun(4, [*moe_task, "--pretrain", mixtral, "--strategy", "deepspeed", "--zero_stage", "2",
-                        "--packing_samples", "--max_steps", "3"], tmp_path / "ds", timeout=300)
+                        "--packing_samples", "--router_replay", "R2", "--dynamic_batch", "--train_batch_size", "64",
+                        "--max_steps", "3"],
+                    tmp_path / "ds", timeout=300)
     assert run.returncode == 0, run.output[-3000:]
     assert len(run.metrics) == 3 and all(all(key in m for key in MOE) for m in run.metrics)
     assert run.metrics[-1]["actor/moe/aux_loss"] > 0
+    assert all(m["actor/moe/router_mismatch_frac"] < 0.1 for m in run.metrics), [(m["actor/moe/router_mismatch_frac"], m.get("kl")) for m in run.metrics]

@@ -34,6 +34,7 @@ def _cfg(train: dict, algo: dict):
     ({}, {"init_kl_coef": 0.01, "kl_target": 0.1}, False),  # adaptive KL penalty in the reward
     ({"train_batch_size": 8}, {"use_kl_loss": True}, False),  # two mini-batches: the second is off-policy
     ({"max_epochs": 2}, {"use_kl_loss": True}, False),  # second epoch is off-policy
+    ({}, {"use_kl_loss": True, "router_replay": "R2"}, False),  # R2's training pass replays the scoring pass's routing
 ])
 def test_when_the_pass_is_skipped(train, algo, skips):
     cfg = _cfg(train, algo)

@@ -181,11 +181,8 @@ _loss_mode = _choice(
 )
 
 
-# verl's actor.router_replay.mode -> --router_replay (R2, replaying the actor's own first forward, is not in rlrun)
-_router_replay = _choice(
-    {"disabled": "off", "R3": "R3"},
-    "rlrun runs verl's disabled and R3 (R2, which replays the actor's own first forward, is not implemented yet)",
-)
+# verl's actor.router_replay.mode -> --router_replay
+_router_replay = _choice({"disabled": "off", "R2": "R2", "R3": "R3"}, "verl's modes are disabled, R2 and R3")
 
 
 def as_text(value: Any, key: str) -> str:

@@ -286,11 +286,12 @@ class AlgorithmConfig:
         "MoE policies: weight of the load-balancing loss added to the actor's (transformers' aux_loss, the "
         "Switch-Transformer form, over the micro-batch's real tokens; OpenRLHF's --aux_loss_coef). 0: none.",
     )
-    router_replay: Literal["off", "R3"] = opt(
+    router_replay: Literal["off", "R2", "R3"] = opt(
         "off",
         "MoE policies: R3 records the experts each token went through when the engine sampled it and routes the "
         "actor's and reference's forwards through the same ones (the router's probabilities still train; verl's "
-        "actor_rollout_ref.actor.router_replay.mode). off: each forward routes by itself.",
+        "actor_rollout_ref.actor.router_replay.mode). R2 records them in the actor's scoring pass and replays them "
+        "in its training passes (any engine). off: each forward routes by itself.",
     )
     teacher_kl_coef: float = opt(
         1.0,

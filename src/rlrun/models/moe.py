@@ -8,7 +8,8 @@ model's own forward (padded, packed, sequence-parallel, gradient-checkpointed) r
 - `tapped(model)` records what each router chose (and its logits, for the auxiliary loss);
 - `tapped(model, replay=ids)` makes each router pick the given experts instead (routing replay, verl's
   router_replay R3): the weights are the router's own softmax probabilities at those experts (renormalised as the
-  model renormalises its top-k), so the router's parameters still get gradients.
+  model renormalises its top-k), so the router's parameters still get gradients; verl's R2 replays what the actor's
+  own scoring forward recorded (`RoutingRun.recorded`) in its training passes.
 
 Why replay: the engine that sampled a token and the trainer that scores it compute the router's logits with other
 kernels (and often another precision); near a tie the top-k flips, that token goes through other experts, and its
@@ -207,6 +208,20 @@ def pack_routing(
     return out
 
 
+def in_batch_order(chosen: torch.Tensor, shape: tuple[int, int], source: torch.Tensor | None) -> torch.Tensor:
+    """The inverse of in_forward_order: a forward's routing [N, layers, k] -> [b, L, layers, k] (`shape` = (b, L)),
+    from the padded rows flattened (source None) or the packed positions `source` ([n, W] flat indices into [b, L],
+    -1 on padding). Positions no packed slot holds get NO_ROUTE."""
+    rows, width = shape
+    if source is None:
+        return chosen.reshape(rows, width, *chosen.shape[1:]).clone()
+    out = torch.full((rows * width, *chosen.shape[1:]), NO_ROUTE, dtype=chosen.dtype, device=chosen.device)
+    index = source.reshape(-1).to(chosen.device)
+    real = index >= 0
+    out[index[real]] = chosen[real]
+    return out.view(rows, width, *chosen.shape[1:])
+
+
 def in_forward_order(routing: torch.Tensor | None, source: torch.Tensor | None) -> torch.Tensor | None:
     """A batch's routing [b, L, layers, k] -> [N, layers, k] in the order a forward's routers see the tokens: the
     padded [b, L] rows flattened (source None), or the packed positions `source` ([n, W] flat indices into [b, L],
@@ -224,21 +239,34 @@ def in_forward_order(routing: torch.Tensor | None, source: torch.Tensor | None) 
 
 @dataclass
 class RoutingRun:
-    """One role's forward of a MoE policy: whether it replays the batch's recorded routing (--router_replay R3),
-    and, after the forward, what its routers did (`routed`), over which tokens (`valid` [N] bool) and against which
-    recorded choices (`given` [N, layers, k], None when the batch has none)."""
+    """One role's forward of a MoE policy: whether it replays the batch's recorded routing (--router_replay R2/R3),
+    and, after the forward, what its routers did (`routed`), over which tokens (`valid` [N] bool), against which
+    recorded choices (`given` [N, layers, k], None when the batch has none) and, for a packed forward, where its
+    tokens sit in the rows (`source` [n, W], rlrun.data.packing; None: the padded rows flattened)."""
 
     replay: bool
     routed: Routed | None = None
     valid: torch.Tensor | None = None
     given: torch.Tensor | None = None
+    source: torch.Tensor | None = None
 
     @contextmanager
-    def around(self, model: nn.Module, given: torch.Tensor | None, valid: torch.Tensor) -> Iterator[None]:
+    def around(
+        self, model: nn.Module, given: torch.Tensor | None, valid: torch.Tensor, source: torch.Tensor | None = None
+    ) -> Iterator[None]:
         """The model's forward inside runs tapped (replaying `given` when self.replay)."""
         with tapped(model, replay=given if self.replay else None) as routed:
             yield
-        self.routed, self.valid, self.given = routed, valid.reshape(-1), given
+        self.routed, self.valid, self.given, self.source = routed, valid.reshape(-1), given, source
+
+    def recorded(self, shape: tuple[int, int]) -> torch.Tensor:
+        """The experts the forward's tokens went through, laid out as its rows' tokens: [b, L, layers, k] uint8
+        (`shape` = (b, L)), NO_ROUTE on padding (what --router_replay R2 replays in the later passes)."""
+        assert self.routed is not None and self.valid is not None, "RoutingRun.recorded before a forward"
+        chosen = self.routed.chosen_ids()
+        if self.source is None:  # padded rows: their padding went through the routers too
+            chosen = chosen.masked_fill(~self.valid.to(chosen.device)[:, None, None], NO_ROUTE)
+        return in_batch_order(chosen, shape, self.source).cpu()
 
     def metrics(self, top_k: int) -> tuple[torch.Tensor, dict[str, float]]:
         """(the load-balancing loss of the forward, with grad; its numbers: moe/aux_loss, moe/max_expert_load (the

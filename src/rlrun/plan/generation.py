@@ -85,14 +85,22 @@ def check_moe_options(cfg: Config, config: Any, backend: str) -> None:
             f"--aux_loss_coef {a.aux_loss_coef} with --sequence_parallel_size {cfg.train.sequence_parallel_size}: "
             "each rank would balance only its share of the tokens; not supported yet (drop one of them)"
         )
-    if a.router_replay != "R3":
+    if a.router_replay == "off":
         return
     if shape is None:
-        raise ConfigError(f"--router_replay R3: {dense}; drop the flag")
+        raise ConfigError(f"--router_replay {a.router_replay}: {dense}; drop the flag")
     if shape.experts > MAX_EXPERTS:
         raise ConfigError(
-            f"--router_replay R3: {shape.experts} experts do not fit rlrun's uint8 routing (at most {MAX_EXPERTS})"
+            f"--router_replay {a.router_replay}: {shape.experts} experts do not fit rlrun's uint8 routing (at most "
+            f"{MAX_EXPERTS})"
         )
+    if a.router_replay == "R2":
+        if cfg.train.sequence_parallel_size > 1:
+            raise ConfigError(
+                f"--router_replay R2 with --sequence_parallel_size {cfg.train.sequence_parallel_size}: each rank's "
+                "scoring pass routes only its columns, which rlrun does not gather yet; use R3 or drop one of them"
+            )
+        return
     if backend == "vllm":
         raise ConfigError(
             "--router_replay R3 needs the engine to report each token's experts: rlrun's vLLM adapter does not read "

@@ -195,6 +195,8 @@ class PPOTrainer:
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
         groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend, solo=cfg.train.strategy == "deepspeed")
         roles = build_roles(cfg, layout, groups, device, inputs)
+        replay = cfg.algo.router_replay
+        routing = config_routing_shape(load_model_config(cfg.model)) if replay != "off" else None
         s = StepSettings(
             cfg.algo,
             cfg.train,
@@ -203,6 +205,7 @@ class PPOTrainer:
             cfg.ref_is_actor_base,
             rollout_correction_of(cfg.algo),
             distill=cfg.model.teacher_pretrain is not None,
+            recorded_routing=routing if replay == "R2" else None,
         )
         rollouts = RolloutSource(
             cfg.train,
@@ -218,7 +221,7 @@ class PPOTrainer:
             agents=roles.agents,
             episodes=cfg.agent.multi_turn,
             scored_later=cfg.model.needs_reward_model,
-            routing=config_routing_shape(load_model_config(cfg.model)) if cfg.algo.router_replay == "R3" else None,
+            routing=routing if replay == "R3" else None,
         )
         evaluator = None
         if inputs.eval_prompts is not None:

@@ -39,7 +39,8 @@ from rlrun.data.rollout import RolloutBatch, SlotPlan, engine_logprob_diff, pack
 from rlrun.engines.base import Engine
 from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
-from rlrun.launch.transfer import all_gather_vectors, broadcast_json, sum_over
+from rlrun.launch.transfer import all_gather_vectors, broadcast_json, gather_from, sum_over
+from rlrun.models.moe import RoutingShape
 from rlrun.plan.checks import rollout_correction_of
 from rlrun.rewards.reward_fn import RewardFunction
 from rlrun.rl.dynamic_batch import Budgets, scoring_order, unpermute
@@ -68,6 +69,8 @@ class StepSettings:
     ref_by_actor: bool  # LoRA with a KL term: the actor's adapters-off forward scores the reference log-probs
     correction: RolloutCorrection = OFF  # the engine/actor mismatch correction (rlrun.algo.rollout_correction)
     distill: bool = False  # --teacher_pretrain: a teacher scores the rollouts (on-policy distillation)
+    # --router_replay R2: the MoE policy's routing, which the actor's scoring pass records for its training passes
+    recorded_routing: RoutingShape | None = None
 
 
 @dataclass
@@ -241,6 +244,8 @@ class Trainer:
         results = {key: unpermute(values, orders[key]) for key, values in self._gather_slots(plan, flat).items()}
         if "scores" not in results:
             results["scores"] = out.scores
+        if self.s.recorded_routing is not None:  # skips_old_log_probs is False: the actor scored
+            batch.routing = self.gather_recorded_routing(batch, orders["old_log_probs"], self.s.recorded_routing)
         return results
 
     def _gather_slots(self, plan: SlotPlan, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -248,6 +253,18 @@ class Trainer:
         the engines with --async_train)."""
         assert self.learners is not None  # a learner's
         return unpack_slots(plan, all_gather_vectors(flat, self.learners).cpu(), self.learner_ranks)
+
+    def gather_recorded_routing(self, batch: RolloutBatch, order: torch.Tensor, shape: RoutingShape) -> torch.Tensor:
+        """--router_replay R2: [B, L, layers, k] uint8 on every rank, the experts each token went through in the
+        actor's scoring pass (its ranks' shards in the scoring `order`), which the training passes replay. One
+        gather, as large as R3's routing from the engines."""
+        assert self.learners is not None  # a learner's
+        B, L = batch.sequences.shape
+        ranks = self.layout.reporting_ranks(Role.ACTOR)
+        mine = self.roles.actor.recorded_routing if self.rank in ranks and self.roles.actor else None
+        share = (B // len(ranks), L, shape.layers, shape.top_k)
+        gathered = gather_from(ranks, mine, share, torch.uint8, self.learners, self.comm_device)
+        return unpermute(gathered.cpu(), order)
 
     def gather_on_policy_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         """[B, R] on every rank: the actor's log-probs from its on-policy training forward (before the update),
@@ -486,7 +503,10 @@ def skips_old_log_probs(train: TrainConfig, algo: AlgorithmConfig, distill: bool
 
     The logged `kl` (and the adaptive controller's input) and the engine-vs-actor log-prob diff are then
     computed after training from the training forward's log-probs (Trainer.gather_on_policy_log_probs; the
-    engine's in bypass mode), so they keep their meaning."""
+    engine's in bypass mode), so they keep their meaning. Never with --router_replay R2, whose training passes
+    replay the routing the scoring pass records (verl's actor always scores)."""
+    if algo.router_replay == "R2":
+        return False
     unneeded = (algo.use_kl_loss or not algo.needs_ref) and not (distill and not algo.teacher_kl_loss)
     correction = rollout_correction_of(algo)
     if correction.bypass:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -13,12 +14,12 @@ from rlrun.algo.losses import LossAggMode, aggregate_loss
 from rlrun.algo.policy_losses import PolicyLossParams, PolicyLossType, policy_loss
 from rlrun.algo.rollout_correction import OFF, RolloutCorrection, correct
 from rlrun.config.schema import AlgorithmConfig
-from rlrun.data.batching import TokenBudget, pad_responses, trim_padding
+from rlrun.data.batching import TokenBudget, pad_responses, restore_order, trim_padding
 from rlrun.data.rollout import RolloutBatch
 from rlrun.launch.groups import SequenceParallel
 from rlrun.models.lora import adapters_disabled
-from rlrun.models.moe import RoutingRun, routing_shape
-from rlrun.roles.forward import LOGITS_CHUNK, fed_tokens, over_micro_batches, policy_log_probs
+from rlrun.models.moe import NO_ROUTE, RoutingRun, RoutingShape, routing_shape
+from rlrun.roles.forward import LOGITS_CHUNK, fed_tokens, micro_parts, over_micro_batches, policy_log_probs
 from rlrun.roles.update import FED_TOKENS, REAL_TOKENS, MicroLoss, Updater
 
 
@@ -39,7 +40,9 @@ class PolicyLossSettings:
     teacher_kl_estimator: str = "k3"
     teacher_kl_clamp: float | None = None
     aux_loss_coef: float = 0.0  # --aux_loss_coef: the MoE load-balancing loss's weight (rlrun.models.moe)
-    router_replay: bool = False  # --router_replay R3: forwards route tokens to the engine's recorded experts
+    # --router_replay: R3 routes the forwards' tokens to the engine's recorded experts, R2 the training passes' to
+    # those of the actor's own scoring pass (which records them: Actor.log_probs)
+    router_replay: Literal["off", "R2", "R3"] = "off"
 
 
 def policy_loss_settings(
@@ -66,7 +69,7 @@ def policy_loss_settings(
         teacher_kl_estimator=a.teacher_kl_estimator,
         teacher_kl_clamp=a.teacher_kl_clamp,
         aux_loss_coef=a.aux_loss_coef,
-        router_replay=a.router_replay == "R3",
+        router_replay=a.router_replay,
     )
 
 
@@ -105,23 +108,48 @@ class Actor:
         # None): the trainer gathers them in place of the skipped scoring pass.
         self._on_policy: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.routing = routing_shape(model)  # None: a dense policy
+        # --router_replay R2: the experts the last log_probs call's tokens went through, [b, L, layers, k] uint8
+        self.recorded_routing: torch.Tensor | None = None
 
     def _moe(self) -> RoutingRun | None:
-        """A MoE policy's forward bookkeeping (replaying the engine's routing with --router_replay R3)."""
-        return None if self.routing is None else RoutingRun(replay=self.settings.router_replay)
+        """A MoE policy's forward bookkeeping (replaying the batch's recorded routing with --router_replay R2/R3)."""
+        return None if self.routing is None else RoutingRun(replay=self.settings.router_replay != "off")
+
+    def _log_probs_of(self, part: RolloutBatch, moe: RoutingRun | None) -> torch.Tensor:
+        s = self.settings
+        return policy_log_probs(
+            self.model, part, s.temperature, packing=self.packing, logits_chunk=self.logits_chunk, sp=self.sp, moe=moe
+        )[0]
 
     def log_probs(self, batch: RolloutBatch, micro_batch: int | TokenBudget) -> torch.Tensor:
-        """[b, L] rollouts -> [b, R] log-probs under the current policy (micro_batch: rows, or a token budget)."""
-        temp = self.settings.temperature
-        return over_micro_batches(
-            self.model,
-            batch,
-            micro_batch,
-            self.device,
-            lambda p: policy_log_probs(
-                self.model, p, temp, packing=self.packing, logits_chunk=self.logits_chunk, sp=self.sp, moe=self._moe()
-            )[0],
-        )
+        """[b, L] rollouts -> [b, R] log-probs under the current policy (micro_batch: rows, or a token budget). With
+        --router_replay R2 (a MoE policy) it also records the experts each token went through: recorded_routing."""
+        if self.settings.router_replay != "R2" or self.routing is None:
+            return over_micro_batches(
+                self.model, batch, micro_batch, self.device, lambda p: self._log_probs_of(p, self._moe())
+            )
+        return self._recording_log_probs(batch, micro_batch, self.routing)
+
+    @torch.no_grad()
+    def _recording_log_probs(
+        self, batch: RolloutBatch, micro_batch: int | TokenBudget, shape: RoutingShape
+    ) -> torch.Tensor:
+        """log_probs, keeping each micro-batch's routing at its rows' columns in recorded_routing (a trimmed part's
+        columns are the batch's from P - p on)."""
+        self.model.eval()
+        B, L = batch.sequences.shape
+        P = L - batch.response_width
+        recorded = torch.full((B, L, shape.layers, shape.top_k), NO_ROUTE, dtype=torch.uint8)
+        parts, outs = [], []
+        for rows, part in micro_parts(batch, micro_batch, self.device):
+            moe = RoutingRun(replay=False)
+            outs.append(pad_responses(self._log_probs_of(part, moe).float().cpu(), batch.response_width))
+            parts.append(rows)
+            b, width = part.sequences.shape
+            p = width - part.response_width
+            recorded[rows, P - p : P + part.response_width] = moe.recorded((b, width))
+        self.recorded_routing = recorded
+        return restore_order(parts, outs)
 
     def loss(self, data: PolicyData, kl_coef: float, budget: TokenBudget | None, minibatches: int) -> MicroLoss:
         """The policy loss of one update over `data` in `minibatches` mini-batches, for the actor's Updater:

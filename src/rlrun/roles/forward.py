@@ -311,7 +311,7 @@ def _packed_tap(
     """moe.around for a packed forward (this rank's columns with sequence parallelism)."""
     assert packed.source is not None  # pack_batch sets it
     source = packed.source if call is None else packed.source[:, call.columns]
-    return moe.around(model, in_forward_order(part.routing, source), source >= 0)
+    return moe.around(model, in_forward_order(part.routing, source), source >= 0, source)
 
 
 def _packed_head(model: nn.Module, part: RolloutBatch, sp: SequenceParallel | None) -> tuple[PackedBatch, torch.Tensor]:
@@ -401,6 +401,21 @@ def micro_batches(num_rows: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
 
 
+def micro_parts(
+    batch: RolloutBatch, micro_batch: int | TokenBudget, device: torch.device
+) -> Iterator[tuple[torch.Tensor, RolloutBatch]]:
+    """(row indices [b], those rows on `device`) per micro-batch of an inference pass: `micro_batch` rows at a time,
+    or (--dynamic_batch) by a token budget: micro-batches of similar lengths, each trimmed to its own longest prompt
+    and response, as many as on the role's other ranks (a collective)."""
+    if isinstance(micro_batch, TokenBudget):
+        for rows in micro_batch.split(RowLengths.of(batch)):
+            yield rows, trim_padding(batch.rows(rows)).to(device)
+        return
+    every = torch.arange(batch.sequences.shape[0])
+    for part in micro_batches(batch.sequences.shape[0], micro_batch):
+        yield every[part], batch.rows(part).to(device)
+
+
 @torch.no_grad()
 def over_micro_batches(
     model: nn.Module,
@@ -409,20 +424,14 @@ def over_micro_batches(
     device: torch.device,
     fn: Callable[[RolloutBatch], torch.Tensor],
 ) -> torch.Tensor:
-    """Inference in micro-batches: fn(part on device) -> [b, ...]; results on CPU in the rows' order.
-
-    micro_batch: rows per micro-batch, or (--dynamic_batch) a token budget: micro-batches of similar lengths, each
-    trimmed to its own longest prompt and response, as many as on the role's other ranks (a collective)."""
+    """Inference in micro-batches (`micro_parts`): fn(part on device) -> [b, ...]; results on CPU in the rows'
+    order, per-token ones [b, R] (a trimmed part's padded back)."""
     model.eval()
-    if isinstance(micro_batch, TokenBudget):
-        parts = micro_batch.split(RowLengths.of(batch))
-        width = batch.response_width
-        outs = [pad_responses(fn(trim_padding(batch.rows(rows)).to(device)).float().cpu(), width) for rows in parts]
-        return restore_order(parts, outs)
-    out = [
-        fn(batch.rows(rows).to(device)).float().cpu() for rows in micro_batches(batch.sequences.shape[0], micro_batch)
-    ]
-    return torch.cat(out)
+    parts, outs = [], []
+    for rows, part in micro_parts(batch, micro_batch, device):
+        parts.append(rows)
+        outs.append(pad_responses(fn(part).float().cpu(), batch.response_width))
+    return restore_order(parts, outs)
 
 
 def fed_tokens(model: nn.Module, part: RolloutBatch, packing: bool, sp_size: int = 1) -> int:
