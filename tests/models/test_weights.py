@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    MixtralConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
 from rlrun.config.schema import PretrainedConfig
 from rlrun.models.loading import load_causal_lm, policy_weights, unfilled_causal_lm, unfilled_scalar_model
@@ -76,6 +82,46 @@ def test_a_meta_build_allocates_no_parameter():
         model = AutoModelForCausalLM.from_config(tiny_model_config())
     assert all(p.is_meta for p in model.parameters())
     assert not any(b.is_meta for b in model.buffers())  # rotary frequencies are computed, never stored
+
+
+MOE = {"bos_token_id": 2, "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "num_experts_per_tok": 2, "pad_token_id": 0, "eos_token_id": 1}
+MOE_CONFIGS = {
+    "qwen3_moe": lambda: Qwen3MoeConfig(**MOE, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
+                                        num_experts=12, mlp_only_layers=[1]),
+    "qwen2_moe": lambda: Qwen2MoeConfig(**MOE, intermediate_size=48, moe_intermediate_size=16,
+                                        shared_expert_intermediate_size=24, num_experts=6),
+    "mixtral": lambda: MixtralConfig(**MOE, intermediate_size=16, num_local_experts=4),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MOE_CONFIGS))
+def test_moe_checkpoints_per_expert_are_read_into_the_fused_experts_a_slice_at_a_time(tmp_path, kind):
+    """save_pretrained writes one tensor per expert (Mixtral's under block_sparse_moe.experts.E.w1/w2/w3);
+    transformers 5 builds one fused tensor per layer. rlrun reads them by transformers' own conversion rules without
+    loading the checkpoint whole (no note): the same weights and logits as from_pretrained, and the rows of a
+    fused tensor (a sharded rank's experts) read only those experts' tensors (12 experts: their names sort by
+    number, not as text)."""
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(MOE_CONFIGS[kind]()).save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert any(".experts.3." in name for name in stored)  # the per-expert layout
+    source = PretrainedConfig(pretrain=str(tmp_path))
+    unfilled = unfilled_causal_lm(source, 0, policy_weights(source, 0))
+    assert unfilled.note is None
+    got = unfilled.fill(torch.device("cpu")).float()
+    want = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    gs, ws = got.state_dict(), want.state_dict()
+    assert gs.keys() == ws.keys() and all(torch.equal(gs[k], ws[k]) for k in ws)
+    ids = torch.arange(30, 42).view(2, 6)
+    with torch.no_grad():
+        assert torch.equal(got(input_ids=ids).logits, want(input_ids=ids).logits)
+    counting = Counting(unfilled.weights.source)
+    unfilled.weights.source = counting
+    fused = next(n for n in unfilled.weights.merges if n.endswith("gate_up_proj"))
+    assert torch.equal(unfilled.weights.read(fused, (1, 3)), ws[fused][1:3])
+    experts = {name.split(".experts.")[1].split(".")[0] for name in counting.read_elements}
+    assert experts == {"1", "2"} and sum(counting.read_elements.values()) == ws[fused][1:3].numel()
 
 
 def test_names_the_checkpoint_lacks_fall_back_to_a_whole_load_with_a_note(tmp_path):

@@ -36,6 +36,18 @@ def _tied_config():
     return cfg
 
 
+def _moe_config():
+    """A Qwen3-MoE whose experts transformers fuses per layer (and save_pretrained splits again per expert)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_experts=4,
+                          num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=8, tie_word_embeddings=False)
+
+
+MODELS = (("untied", tiny_model_config), ("tied", _tied_config), ("moe", _moe_config))
+
+
 def _strategy(kind: str, stage: int):
     import torch.distributed as dist
 
@@ -63,7 +75,8 @@ def _case(kind: str, stage: int, rank: int, outdir: Path) -> dict:
     out: dict = {}
     where = outdir / f"{kind}{stage}"
     sharded = kind == "fsdp" or stage == 3
-    for name, cfg in (("untied", tiny_model_config()), ("tied", _tied_config())):
+    for name, config in MODELS:
+        cfg = config()
         s = _strategy(kind, stage)
         s.full_state_dict = _whole  # type: ignore[method-assign]  # the stream must never gather the model whole
         model, opt = s.wrap_trainable(build_causal_lm(cfg, seed=3), lambda m: make_optimizer(m, 1e-3, (0.9, 0.95), 0.0))
@@ -157,13 +170,13 @@ def test_streamed_exports_are_what_save_pretrained_writes(tmp_path):
                    is_writer=True, strategy=WholeStrategy())
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     want = {}
-    for name, cfg in (("untied", tiny_model_config()), ("tied", _tied_config())):
+    for name, config in MODELS:
         ref = tmp_path / "ref" / name
-        build_causal_lm(cfg, seed=3).save_pretrained(ref)
+        build_causal_lm(config(), seed=3).save_pretrained(ref)
         want[name] = ref
     for case in got[0]:
         asleep = SLEEPS[case[:-1], int(case[-1])]
-        for name in ("untied", "tied", "asleep")[:3 if asleep else 2]:
+        for name in ("untied", "tied", "moe", *(("asleep",) if asleep else ())):
             path = tmp_path / case / name
             ref = want["untied" if name == "asleep" else name]
             assert {p.name for p in ref.iterdir()} <= {p.name for p in path.iterdir()}, (case, name)
@@ -198,14 +211,14 @@ def _shapes(model: torch.nn.Module):
     return {n: TensorSpec(tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
 
 
-def test_the_plan_names_what_save_pretrained_saves_and_declines_what_it_would_convert():
+def test_the_plan_names_what_save_pretrained_saves_and_splits_fused_experts(tmp_path):
     """A tied head is saved once, under the name transformers keeps (the embedding), and read from the one
     parameter; `_keys_to_ignore_on_save` are left out; a critic keeps both tied names, without its "hf." prefix.
-    An MoE model whose experts transformers fuses on load (and splits again on save) gets no plan: its export
-    gathers the model whole, as save_pretrained needs."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    An MoE model whose experts transformers fuses on load saves each expert's gate, up and down projection as a
+    slice of its layer's fused tensor, as save_pretrained splits them."""
+    from transformers import Qwen3MoeForCausalLM
 
-    from rlrun.roles.export import plan_weights
+    from rlrun.roles.export import Piece, plan_weights
 
     tied = build_causal_lm(_tied_config(), seed=0)
     plan = plan_weights(tied, _shapes(tied), as_transformers=True)
@@ -218,11 +231,16 @@ def test_the_plan_names_what_save_pretrained_saves_and_declines_what_it_would_co
     critic = plan_weights(tied, _shapes(tied), as_transformers=False, saved_name=lambda n: "x." + n)
     assert critic.sources["x.lm_head.weight"] == critic.sources["x.model.embed_tokens.weight"] == "model.embed_tokens.weight"
 
-    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-                                             num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=1, head_dim=8))
-    assert plan_weights(moe, _shapes(moe), as_transformers=True) is None
-    assert plan_weights(moe, _shapes(moe), as_transformers=False) is not None
+    moe = Qwen3MoeForCausalLM(_moe_config())
+    plan = plan_weights(moe, _shapes(moe), as_transformers=True)
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    assert plan.sources["model.layers.1.mlp.experts.3.up_proj.weight"] == fused
+    assert plan.pieces["model.layers.1.mlp.experts.3.up_proj.weight"] == Piece(3, 8, 16)  # [E, 2I, H], I = 8
+    assert plan.pieces["model.layers.1.mlp.experts.0.gate_proj.weight"] == Piece(0, 0, 8)
+    assert plan.layout.places["model.layers.1.mlp.experts.0.down_proj.weight"].spec.shape == (16, 8)
+    moe.save_pretrained(tmp_path)
+    assert set(plan.sources) == set(_tensors(tmp_path))
+    assert plan_weights(moe, _shapes(moe), as_transformers=False).pieces == {}
 
 
 if __name__ == "__main__":

@@ -43,13 +43,13 @@ from rlrun.models.lora import adapter_dir, adapter_weights, add_adapters, is_ada
 from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config_for_size
 from rlrun.models.weights import (
     Chained,
+    Converted,
     FileWeights,
     MemoryWeights,
-    Renamed,
     Unfilled,
     WeightSource,
+    conversions,
     missing,
-    model_names,
     open_weights,
     params_on_meta,
     state_dict_weights,
@@ -235,15 +235,16 @@ def _name_base(model: PreTrainedModel, folder: str) -> None:
 
 def unfilled_causal_lm(source: PretrainedConfig, seed: int, weights: WeightSource | None) -> Unfilled[PreTrainedModel]:
     """The policy, unallocated, with where its weights are (`policy_weights`): a strategy places it, whole or
-    sharded, then fills it. A checkpoint whose names are not the model's (transformers converts some, e.g. fused
-    MoE experts) is loaded whole by `from_pretrained` first (today's cost) and `note` says so."""
+    sharded, then fills it. Names transformers renames, and MoE experts it stacks, are read by its own rules
+    (rlrun.models.weights.conversions); a checkpoint converted otherwise is loaded whole by `from_pretrained` first
+    and `note` says so."""
     config = load_model_config(source)
     auto = policy_auto_class(config)
     model = _skeleton(auto, config, source, attn=source.pretrain is not None)
     note = None
-    if isinstance(weights, FileWeights) and missing(model, weights):  # hub names transformers renames on load
-        renamed = Renamed(weights, model_names(model, weights.names()))
-        weights = weights if missing(model, renamed) else renamed
+    if isinstance(weights, FileWeights) and missing(model, weights):  # names transformers converts on load
+        converted = Converted(weights, conversions(model, weights.names()))
+        weights = weights if missing(model, converted) else converted
     if weights is None or missing(model, weights):
         assert source.pretrain is not None
         adapter = checked_adapter(source.pretrain, "pretrain", policy=True)

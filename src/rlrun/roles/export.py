@@ -15,7 +15,8 @@ model (base + alpha/r * B @ A) in plain HF format with the tokenizer.
 No rank gathers a sharded model whole for an export: a model without adapters streams into its files one FSDP
 unit / ZeRO-3 block at a time (rlrun.roles.export), and an adapter whose base is on disk gathers only the
 adapters. The whole state is gathered on the writer only for --save_merged, for a base no folder holds, and for a
-model whose weights transformers converts on save (MoE experts).
+model whose weights transformers converts on save other than by renaming or splitting fused MoE experts back into
+the checkpoint's per-expert tensors (which stream: each expert's tensor is a slice of its gathered block).
 
 An export is what a user takes away from a run, so it refuses weights that are not finite (naming the tensor)
 unless asked (--export_nonfinite), and a refused write (disk full, read-only, permission) is one line naming
@@ -30,7 +31,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -71,9 +72,9 @@ if TYPE_CHECKING:
 # The files are the ones `save_pretrained` writes, decided by transformers' own rules run on stand-in tensors: tied
 # weights saved once under the name transformers keeps, `_keys_to_ignore_on_save` left out, names reverted to the
 # checkpoint's (transformers 5's `revert_weight_conversion`), the same file split and index. Where that cannot be
-# promised without the tensors themselves (a quantized model, a conversion that is more than a renaming: MoE experts
-# fused on load and split again on save; a dtype safetensors lacks), `plan_weights` says no and the export gathers
-# the whole model as before (rlrun.roles.export).
+# promised without the tensors themselves (a quantized model, a conversion that is more than a renaming or the split
+# of fused MoE experts into per-expert slices; a dtype safetensors lacks), `plan_weights` says no and the export
+# gathers the whole model as before (rlrun.roles.export).
 #
 # Exports refuse NaN/inf weights (naming the tensor) unless asked, and a refused write (disk full, read-only,
 # permission) is one line naming the path and the space needed.
@@ -124,13 +125,25 @@ def storage_errors(path: str, needs_bytes: int, flag: str) -> Iterator[None]:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """Rows [begin, end) of slice `index` (dim 0) of a source: one expert's tensor of a fused MoE parameter, saved in
+    the checkpoint's per-expert layout."""
+
+    index: int
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
 class WeightPlan:
     """What a streamed export writes: `sources[saved name]` is the parameter or buffer (the user model's name)
-    holding it; `buffers`: the sources that are buffers (read on the writer, never gathered)."""
+    holding it, all of it or `pieces[saved name]` of it; `buffers`: the sources that are buffers (read on the
+    writer, never gathered)."""
 
     sources: dict[str, str]
     layout: SafetensorsLayout
     buffers: frozenset[str]
+    pieces: dict[str, Piece] = field(default_factory=dict)
 
 
 def _entries(
@@ -172,24 +185,38 @@ def plan_weights(
     sources, specs, buffers = found
     if any(specs[s].dtype not in DTYPE_NAMES for s in sources.values()):
         return None
-    total_parameters = None
+    total_parameters, pieces = None, {}
     if as_transformers:
-        kept = _saved_by_transformers(cast(PreTrainedModel, model), sources)  # as_transformers
+        kept = _saved_by_transformers(cast(PreTrainedModel, model), sources, specs)  # as_transformers
         if kept is None:
             return None
-        sources = kept
+        sources = {k: source for k, (source, _) in kept.items()}
+        pieces = {k: piece for k, (_, piece) in kept.items() if piece is not None}
         total_parameters = sum(math.prod(specs[s].shape) for s in set(sources.values()) - buffers)
     else:
         sources = {saved_name(k): s for k, s in sources.items()}
-    layout = SafetensorsLayout({k: specs[s] for k, s in sources.items()}, total_parameters=total_parameters)
-    return WeightPlan(sources, layout, frozenset(buffers))
+    layout = SafetensorsLayout(
+        {k: _piece_spec(specs[s], pieces.get(k)) for k, s in sources.items()}, total_parameters=total_parameters
+    )
+    return WeightPlan(sources, layout, frozenset(buffers), pieces)
 
 
-def _saved_by_transformers(hf: PreTrainedModel, sources: dict[str, str]) -> dict[str, str] | None:
-    """{saved name: source} as save_pretrained names `hf`'s state dict, found by running transformers' own steps
-    on one-element stand-ins (one per source, so tied names share one, as tied tensors share storage): tied names
-    removed, ignored keys dropped, weight conversions reverted. None: a quantized model, or a conversion that
-    makes new tensors (more than a renaming)."""
+def _piece_spec(spec: TensorSpec, piece: Piece | None) -> TensorSpec:
+    return spec if piece is None else TensorSpec((piece.end - piece.begin, *spec.shape[2:]), spec.dtype)
+
+
+Saved = tuple[str, "Piece | None"]  # (source, the piece of it saved; None: all of it)
+
+
+def _saved_by_transformers(
+    hf: PreTrainedModel, sources: dict[str, str], specs: dict[str, TensorSpec]
+) -> dict[str, Saved] | None:
+    """{saved name: (source, piece)} as save_pretrained names and splits `hf`'s state dict, found by running
+    transformers' own steps on stand-ins: tied names removed, ignored keys dropped, weight conversions reverted.
+    A source of 1 or 2 dims gets a one-element stand-in (one per source, so tied names share one, as tied tensors
+    share storage) found again by identity; a 3-dim one (fused MoE experts) a [d0, d1, 1...] tensor numbering its
+    rows, so each tensor the conversion splits from it says which expert and rows it is. None: a quantized model, or
+    a conversion that makes anything else (new values, other splits)."""
     try:
         from transformers.core_model_loading import revert_weight_conversion  # noqa: PLC0415 - not in every version
         from transformers.modeling_utils import remove_tied_weights_from_state_dict  # noqa: PLC0415
@@ -197,7 +224,8 @@ def _saved_by_transformers(hf: PreTrainedModel, sources: dict[str, str]) -> dict
         return None
     if getattr(hf, "hf_quantizer", None) is not None:
         return None
-    stand_in = {s: torch.zeros(1) for s in set(sources.values())}
+    numbered = _Numbered({s: specs[s].shape for s in set(sources.values()) if len(specs[s].shape) >= 3})
+    stand_in = {s: numbered.stand_in(s) if s in numbered.first else torch.zeros(1) for s in set(sources.values())}
     state = {k: stand_in[s] for k, s in sources.items()}
     for key in getattr(hf, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
@@ -207,10 +235,58 @@ def _saved_by_transformers(hf: PreTrainedModel, sources: dict[str, str]) -> dict
     except Exception:  # noqa: BLE001 - a converter that needs real shapes makes new tensors: no stream
         return None
     owner = {id(t): s for s, t in stand_in.items()}
-    out = {k: owner.get(id(t)) for k, t in reverted.items()}
-    if any(s is None for s in out.values()) or len(set(out.values())) != len(out):
+    out: dict[str, Saved] = {}
+    for key, t in reverted.items():
+        found = (owner[id(t)], None) if id(t) in owner else numbered.piece_of(t)
+        if found is None:
+            return None
+        out[key] = found
+    if len(set(out.values())) != len(out) or not numbered.covered([saved for saved in out.values() if saved[1]]):
         return None
-    return out  # type: ignore[return-value]  # no None left
+    return out
+
+
+class _Numbered:
+    """Stand-ins for 3-dim sources numbering their [d0, d1] rows (int64, one range per source), and the pieces
+    tensors split from them are."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        self.shapes, self.first, start = shapes, {}, 0
+        for name in sorted(shapes):
+            self.first[name] = start
+            start += shapes[name][0] * shapes[name][1]
+
+    def stand_in(self, name: str) -> torch.Tensor:
+        d0, d1, *rest = self.shapes[name]
+        rows = torch.arange(self.first[name], self.first[name] + d0 * d1, dtype=torch.int64)
+        return rows.view(d0, d1, *[1] * len(rest))
+
+    def piece_of(self, t: torch.Tensor) -> Saved | None:
+        """The (source, piece) `t` is: consecutive rows of one slice of one stand-in; None otherwise."""
+        if t.dtype != torch.int64 or t.dim() < 2 or t.numel() != t.shape[0] or not t.numel():
+            return None
+        rows = t.reshape(-1)
+        first = int(rows[0])
+        if not torch.equal(rows, torch.arange(first, first + rows.numel())):
+            return None
+        name = next((n for n in self.first if self.first[n] <= first < self._end(n)), None)
+        if name is None:
+            return None
+        d1 = self.shapes[name][1]
+        index, begin = divmod(first - self.first[name], d1)
+        end = begin + rows.numel()
+        return (name, Piece(index, begin, end)) if end <= d1 and t.dim() == len(self.shapes[name]) - 1 else None
+
+    def _end(self, name: str) -> int:
+        return self.first[name] + self.shapes[name][0] * self.shapes[name][1]
+
+    def covered(self, saved: list[Saved]) -> bool:
+        """Whether the pieces cover every row of every numbered source exactly once."""
+        rows = {name: 0 for name in self.shapes}
+        for name, piece in saved:
+            assert piece is not None
+            rows[name] += piece.end - piece.begin
+        return all(rows[n] == self.shapes[n][0] * self.shapes[n][1] for n in self.shapes)
 
 
 def gather_named(
@@ -285,6 +361,7 @@ class _Sink:
     def __init__(self, plan: WeightPlan, path: str, flag: str, allow_nonfinite: bool) -> None:
         self.path, self.flag, self.allow_nonfinite = path, flag, allow_nonfinite
         self.needs = plan.layout.total_bytes
+        self.pieces = plan.pieces
         self.saved: dict[str, list[str]] = {}
         for key, source in plan.sources.items():
             self.saved.setdefault(source, []).append(key)
@@ -302,14 +379,21 @@ class _Sink:
         if self.failure is not None or source not in self.saved:
             return
         try:
-            if not self.allow_nonfinite and (count := nonfinite_count(tensor)):
-                self.bad.append((self.saved[source][0], count))
+            parts = [(key, self._part(key, tensor)) for key in self.saved[source]]
+            # tied names hold one tensor (counted once); the pieces of a fused tensor are named each
+            checked = parts if any(key in self.pieces for key, _ in parts) else parts[:1]
+            if not self.allow_nonfinite:
+                self.bad.extend((key, count) for key, part in checked if (count := nonfinite_count(part)))
             if not self.bad:
                 with storage_errors(self.path, self.needs, self.flag):
-                    for key in self.saved[source]:
-                        self.files.write(key, tensor)  # type: ignore[union-attr]  # set: no failure
+                    for key, part in parts:
+                        self.files.write(key, part)  # type: ignore[union-attr]  # set: no failure
         except Exception as exc:  # noqa: BLE001 - raised by finish, once every rank has gathered everything
             self.failure = exc
+
+    def _part(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        piece = self.pieces.get(key)
+        return tensor if piece is None else tensor[piece.index, piece.begin : piece.end]
 
     def finish(self) -> StreamedSafetensors:
         """The written files (not yet in place), or the first failure raised with the files removed."""
