@@ -16,7 +16,7 @@ from rlrun.data.batching import TokenBudget
 from rlrun.data.packing import pack_batch
 from rlrun.data.rollout import pack_rows, unpack_rows
 from rlrun.engines.base import HFEngine, SamplingSettings
-from rlrun.engines.decoder import Decoder
+from rlrun.engines.decoder import Decoder, expert_loop, grouped_experts
 from rlrun.engines.native import NativeEngine
 from rlrun.models.loading import position_ids_from
 from rlrun.models.moe import (
@@ -94,19 +94,66 @@ def test_engines_record_the_routing_the_models_own_forward_takes(kind, engine_cl
         assert (routing[fed:] == NO_ROUTE).all()
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
-def test_native_decoder_matches_the_hf_forward(kind) -> None:
+def test_native_decoder_matches_the_hf_forward(kind, grouped) -> None:
     model = _model(kind)
     ids = torch.tensor([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]])
     with torch.no_grad():
         want = model(ids).logits
     decoder = Decoder(model)
+    decoder.grouped_experts = grouped
+    assert decoder.experts_capturable() is grouped  # on CPU the default is the loop
     with decoder.weights():
         cache = decoder.new_cache(2, 8)
         first = decoder.prefill(ids[:, :4], torch.ones(2, 4, dtype=torch.bool), cache)
         step = decoder.decode(ids[:, 4], torch.tensor([4, 4]), torch.ones(2, 5, dtype=torch.bool), cache)
     torch.testing.assert_close(first, want[:, 3], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(step, want[:, 4], rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_experts_are_the_loop_without_a_host_sync() -> None:
+    """The grouped experts (one grouped matmul over the slots sorted by expert) give the expert loop's output, with
+    experts that get no token too; traced whole by torch.compile(fullgraph=True) in bf16 (the dtype CUDA's kernel
+    takes), which refuses any data-dependent step: the loop's `unique().tolist()` breaks it, so a decode step with
+    grouped experts can be captured as a CUDA graph and one with the loop cannot."""
+    torch.manual_seed(0)
+    rows, width, inner, experts, k = 37, 32, 16, 8, 2
+    flat, gate_up, down = torch.randn(rows, width), torch.randn(experts, 2 * inner, width), torch.randn(experts, width, inner)
+    weights, ids = torch.softmax(torch.randn(rows, experts), -1).topk(k)
+    torch.testing.assert_close(grouped_experts(flat, ids, weights, gate_up, down),
+                               expert_loop(flat, ids, weights, gate_up, down), rtol=1e-5, atol=1e-5)
+    few = torch.where(ids < 4, ids, 0)  # experts 4-7 get no token
+    torch.testing.assert_close(grouped_experts(flat, few, weights, gate_up, down),
+                               expert_loop(flat, few, weights, gate_up, down), rtol=1e-5, atol=1e-5)
+    bf16 = (flat.bfloat16(), ids, weights, gate_up.bfloat16(), down.bfloat16())
+    traced = torch.compile(grouped_experts, fullgraph=True, backend="eager")(*bf16)
+    torch.testing.assert_close(traced.float(), expert_loop(flat, ids, weights, gate_up, down), rtol=0.05, atol=1.0)
+    with pytest.raises(Exception, match="[Dd]ata.dependent|GuardOnDataDependent|unique"):
+        torch.compile(expert_loop, fullgraph=True, backend="eager")(*bf16)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_a_static_decode_step_with_grouped_experts_samples_what_the_default_step_does(kind) -> None:
+    """The captured step's reference (step_mode "static": fixed shapes, no capture on CPU) with grouped experts
+    decodes the default step's tokens, log-probs to 1e-5; recording routing (R3) decodes by the default step, whose
+    expert ids it keeps."""
+    model = _model(kind)
+    out = {}
+    for mode in ("eager", "static"):
+        engine = NativeEngine(model, _sampling(), torch.device("cpu"))
+        engine.decoder.grouped_experts = True
+        engine.step_mode = mode
+        out[mode] = engine.sample(PROMPTS, seed=4)
+        if mode == "static":
+            assert engine.last_steps_built >= 1
+    assert out["static"].responses == out["eager"].responses
+    for a, b in zip(out["static"].log_probs, out["eager"].log_probs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-5)
+    engine.record_routing = True
+    engine.last_steps_built = 0
+    recorded = engine.sample(PROMPTS, seed=4)
+    assert recorded.routing is not None and engine.last_steps_built == 0 and recorded.responses == out["eager"].responses
 
 
 @pytest.mark.parametrize("kind", sorted(CONFIGS))

@@ -199,7 +199,7 @@ def _projections(
     weights: list[torch.Tensor] = [m.weight for m in attention]
     biases: list[torch.Tensor] | None = None if attention[0].bias is None else [m.bias for m in attention]
     if _sparse(block) is not None:
-        return weights, biases, None, None  # a MoE layer: its experts run one by one (Decoder._experts)
+        return weights, biases, None, None  # a MoE layer: its experts run in Decoder._experts
     mlp = [block.mlp.gate_proj, block.mlp.up_proj]
     return weights, biases, [m.weight for m in mlp], None if mlp[0].bias is None else [m.bias for m in mlp]
 
@@ -219,6 +219,45 @@ class _Layer:
     qkv_bias: torch.Tensor | None  # [(H + 2K) D]
     gate_up: torch.Tensor | None  # [2 I, E]; None in a MoE layer
     gate_up_bias: torch.Tensor | None  # [2 I]
+
+
+def grouped_mm_runs(weight: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul (F.grouped_mm) runs on `weight`'s device and dtype: CUDA wants bf16."""
+    return hasattr(F, "grouped_mm") and weight.is_cuda and weight.dtype == torch.bfloat16
+
+
+def expert_loop(
+    flat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """Routed experts' output [N, E] for tokens flat [N, E] sent to experts ids [N, k] with weights [N, k]
+    (gate_up [X, 2I, E], down [X, E, I]): each expert with tokens on its own, as transformers' eager experts. Reads
+    on the host which experts have tokens."""
+    out = torch.zeros_like(flat)
+    for expert in ids.unique().tolist():
+        token, choice = (ids == expert).nonzero(as_tuple=True)
+        gate, up = F.linear(flat[token], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert]) * weights[token, choice, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def grouped_experts(
+    flat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """expert_loop's result with no host sync and fixed shapes: the N k (token, expert) slots sorted by expert, each
+    expert's run of slots through its projections by one grouped matmul (offsets on the device), the slots added
+    back into their tokens. What a captured decode step runs (transformers' grouped_mm experts do the same)."""
+    rows, k = ids.shape
+    slots = ids.reshape(-1)
+    order = slots.argsort(stable=True)  # [N k]: slots by expert
+    token = order // k
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))  # not bincount: its size syncs
+    offsets = counts.cumsum(0, dtype=torch.int32)  # each expert's end in the sorted slots
+    gate, up = F.grouped_mm(flat[token], gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    y = F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [N k, E]
+    y = y * weights.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(flat).index_add_(0, token, y.to(flat.dtype))
 
 
 class KVCache:
@@ -270,6 +309,10 @@ class Decoder:
         self.layers: list[_Layer] = []  # inside weights(): the joined projections of each block
         # record_routing(): each MoE layer's top-k expert ids [B, S, k] of the forward running now, in layer order
         self.routes: list[torch.Tensor] | None = None
+        # MoE layers: run every expert in one grouped matmul over the tokens sorted by expert (no host sync, so a
+        # decode step can be captured), or loop over the experts that have tokens; None: grouped where torch's
+        # kernel runs on the device (CUDA, bf16 experts), the loop elsewhere (faster on CPU)
+        self.grouped_experts: bool | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -369,6 +412,15 @@ class Decoder:
         self.routes = []
         return ids
 
+    def experts_capturable(self) -> bool:
+        """Whether every MoE layer runs without a host sync (grouped_experts), so a decode step can be captured; True
+        for a dense model."""
+        sparse = [mlp for block in self.blocks if (mlp := _sparse(block)) is not None]
+        return all(self._grouped(mlp.experts.gate_up_proj) for mlp in sparse)
+
+    def _grouped(self, weight: torch.Tensor) -> bool:
+        return grouped_mm_runs(weight) if self.grouped_experts is None else self.grouped_experts
+
     def _experts(self, mlp: _SparseMLP, h: torch.Tensor) -> torch.Tensor:
         """A sparse MoE MLP on h [B, S, E] -> [B, S, E], as transformers' Qwen2-MoE / Qwen3-MoE / Mixtral blocks
         compute it (router softmax in fp32, top-k, renormalised where the model does, each expert on its tokens;
@@ -384,12 +436,8 @@ class Decoder:
         if self.routes is not None:
             self.routes.append(ids.view(rows, new, -1))
         experts = mlp.experts
-        out = torch.zeros_like(flat)
-        for expert in ids.unique().tolist():
-            token, choice = (ids == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(flat[token], experts.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, experts.down_proj[expert]) * weights[token, choice, None]
-            out.index_add_(0, token, y.to(out.dtype))
+        run = grouped_experts if self._grouped(experts.gate_up_proj) else expert_loop
+        out = run(flat, ids, weights, experts.gate_up_proj, experts.down_proj)
         shared = getattr(mlp, "shared_expert", None)
         if shared is not None:  # Qwen2-MoE
             s = shared.down_proj(F.silu(shared.gate_proj(flat)) * shared.up_proj(flat))

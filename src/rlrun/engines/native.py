@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlrun.engines.base import Generation, SamplingSettings, TorchEngine, cut_at_stop
 from rlrun.engines.decoder import Decoder, KVCache
-from rlrun.models.moe import NO_ROUTE, routing_shape
+from rlrun.models.moe import NO_ROUTE
 from rlrun.runtime.errors import ConfigError, NonFiniteError
 from rlrun.runtime.log import get_logger
 
@@ -142,8 +142,9 @@ class NativeEngine(TorchEngine):
             if self.device.type != "cuda"
             else f"rope type {rope!r} reads positions on the host"
             if "dynamic" in rope or "longrope" in rope
-            else "the policy's MoE layers pick their experts' tokens on the host"
-            if routing_shape(self.model) is not None
+            else "the policy's MoE layers pick their experts' tokens on the host (torch's grouped matmul, which "
+            "does not, needs bf16 experts)"
+            if not self.decoder.experts_capturable()
             else None
         )
         if cuda_graph and blocker is None:
@@ -350,7 +351,8 @@ class NativeEngine(TorchEngine):
             ids[i, width - len(p) :] = torch.tensor(p)
             valid[i, width - len(p) : width] = True
         ids, valid = ids.to(dev), valid.to(dev)
-        static = self.step_mode != "eager"
+        # recording routing reads each step's expert ids, which a captured (or static) step does not keep: eager
+        static = self.step_mode != "eager" and routes is None
         cache: KVCache = self.decoder.new_cache(rows, width + new, zeroed=static)
         self.decoder.routes = None if routes is None else []
         logits = self.decoder.prefill(ids, valid[:, :width], cache)
