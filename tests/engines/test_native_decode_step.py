@@ -96,7 +96,9 @@ def test_bucketed_static_step_attends_over_its_span_and_decodes_what_the_default
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The captured step's span (decode_bucket): each step attends over the filled positions rounded up to a
     multiple of the bucket, never the whole capacity; one span built per bucket reached, again after rows are
-    dropped; tokens and log-probs those of the default step and of the whole-capacity static step."""
+    dropped; sampled tokens and log-probs those of the whole-capacity static step (the same kernels over more
+    masked positions), greedy ones the default step's. (Sampled tokens are not compared with the default step: its
+    attention sums over other lengths, ~1e-6 off, and a draw that close to a boundary takes another token.)"""
     import rlrun.engines.decoder as decoder_module
 
     seen: list[int] = []
@@ -108,14 +110,18 @@ def test_bucketed_static_step_attends_over_its_span_and_decodes_what_the_default
 
     model = _model("qwen2")
     new, bucket = 24, 5
-    eager = _engine(model, "eager", new=new).sample(PROMPTS, seed=5)
     whole = _engine(model, "static", new=new).sample(PROMPTS, seed=5)
     engine = _engine(model, "static", new=new)
     engine.decode_bucket = bucket
     monkeypatch.setattr(decoder_module, "decode_attention", recording)
     bucketed = engine.sample(PROMPTS, seed=5)
-    assert bucketed.responses == eager.responses == whole.responses
-    torch.testing.assert_close(torch.tensor(bucketed.log_probs), torch.tensor(eager.log_probs), rtol=0, atol=1e-5)
+    monkeypatch.undo()
+    assert bucketed.responses == whole.responses
+    torch.testing.assert_close(torch.tensor(bucketed.log_probs), torch.tensor(whole.log_probs), rtol=0, atol=1e-5)
+    greedy = _engine(model, "static", top_p=1e-9, new=new)
+    greedy.decode_bucket = bucket
+    eager = _engine(model, "eager", top_p=1e-9, new=new).sample(PROMPTS, seed=5)
+    assert greedy.sample(PROMPTS, seed=5).responses == eager.responses
     capacity = max(len(p) for p in PROMPTS) + new
     spans = sorted(set(seen))
     assert all(s % bucket == 0 or s == capacity for s in spans), spans
