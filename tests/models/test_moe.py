@@ -333,6 +333,32 @@ def test_the_aux_loss_spreads_a_skewed_router() -> None:
     assert loads[0] > 0.2 and loads[-1] < loads[0] - 0.05, loads  # uniform: 2 / 8 experts per token, 0.125
 
 
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_lora_on_a_moe_policy_adapts_attention_and_refuses_the_routed_experts(kind, tmp_path) -> None:
+    """--lora_rank with all-linear on a MoE policy puts adapters on the nn.Linear layers but the head and those
+    PEFT reads as the fused routed experts (Qwen3-MoE's gate/up/down_proj, here a dense layer's): attention everywhere,
+    Qwen2-MoE's shared expert; routers and experts stay frozen and unwrapped.
+    Naming per-expert projections explicitly is one ConfigError saying why."""
+    from rlrun.config.schema import PretrainedConfig
+    from rlrun.models.loading import policy_weights, unfilled_trained_policy
+    from rlrun.runtime.errors import ConfigError
+
+    _model(kind).save_pretrained(tmp_path)
+    source = PretrainedConfig(pretrain=str(tmp_path), lora_rank=4)
+    policy = unfilled_trained_policy(source, 0, policy_weights(source, 0)).fill(torch.device("cpu"))
+    adapted = {n.split(".lora_A.")[0].split(".layers.0.")[1] for n, _ in policy.named_parameters()
+               if ".lora_A." in n and ".layers.0." in n}
+    shared = {f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")} | {"mlp.shared_expert_gate"}
+    want = {f"self_attn.{p}_proj" for p in "qkvo"} | (shared if kind == "qwen2_moe" else set())
+    assert adapted == want
+    trained = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n for n in trained)
+    if kind == "qwen3_moe":  # the one of the three whose per-expert names PEFT maps onto the fused experts
+        explicit = PretrainedConfig(pretrain=str(tmp_path), lora_rank=4, target_modules=("q_proj", "gate_proj", "up_proj"))
+        with pytest.raises(ConfigError, match="puts LoRA on MoE routers or routed experts"):
+            unfilled_trained_policy(explicit, 0, policy_weights(explicit, 0))
+
+
 @pytest.mark.parametrize(("argv", "kind", "backend", "message"), [
     (["--router_replay", "R3"], None, "native", "--router_replay R3: the policy (qwen2) has no MoE layers"),
     (["--aux_loss_coef", "0.01"], None, "native", "--aux_loss_coef 0.01: the policy (qwen2) has no MoE layers"),
@@ -340,7 +366,6 @@ def test_the_aux_loss_spreads_a_skewed_router() -> None:
     (["--router_replay", "R3"], "qwen3_moe", "vllm", "rlrun's vLLM adapter does not read them yet"),
     (["--router_replay", "R3", "--partial_rollout", "--async_train"], "mixtral", "native", "with --partial_rollout"),
     (["--aux_loss_coef", "0.01", "--sequence_parallel_size", "2"], "qwen2_moe", "hf", "--sequence_parallel_size 2"),
-    (["--lora_rank", "8"], "qwen3_moe", "native", "--lora_rank 8 with a MoE policy (qwen3_moe): PEFT wraps"),
     (["--router_replay", "R2"], None, "vllm", "--router_replay R2: the policy (qwen2) has no MoE layers"),
     (["--router_replay", "R2", "--sequence_parallel_size", "2"], "mixtral", "vllm",
      "R2 with --sequence_parallel_size 2"),

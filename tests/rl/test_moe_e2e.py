@@ -97,7 +97,7 @@ def test_deepspeed_zero2_trains_a_mixtral_at_4_ranks_with_r2(moe_task, tmp_path)
     mixtral = str(Path(moe_task[moe_task.index("--pretrain") + 1]).parent / "mixtral")
     run = run_rlrun(4, [*moe_task, "--pretrain", mixtral, "--strategy", "deepspeed", "--zero_stage", "2",
                         "--packing_samples", "--router_replay", "R2", "--dynamic_batch", "--train_batch_size", "64",
-                        "--max_steps", "3"],
+                        "--lora_rank", "8", "--lora_alpha", "16", "--actor_learning_rate", "0.05", "--max_steps", "3"],
                     tmp_path / "ds", timeout=300)
     assert run.returncode == 0, run.output[-3000:]
     assert len(run.metrics) == 3 and all(all(key in m for key in MOE) for m in run.metrics)

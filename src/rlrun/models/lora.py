@@ -12,6 +12,7 @@ Names: PEFT's in-memory names (`...q_proj.lora_A.default.weight`) are `peft name
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -26,7 +27,8 @@ import torch
 from torch import nn
 
 from rlrun.config.schema import PretrainedConfig
-from rlrun.models.weights import Unfilled, WeightSource, open_weights
+from rlrun.models.moe import routers
+from rlrun.models.weights import Unfilled, WeightSource, open_weights, per_expert_names
 from rlrun.runtime.errors import ConfigError, MissingExtraError
 
 if TYPE_CHECKING:  # peft is imported when LoRA is asked for (_peft)
@@ -66,8 +68,19 @@ class LoraSettings:
         """PEFT's: the adapter's product B @ A is scaled by alpha / rank."""
         return self.alpha / self.rank
 
-    def peft_config(self) -> LoraConfig:
+    def peft_config(self, model: nn.Module | None = None) -> LoraConfig:
+        """PEFT's config. On a MoE `model`, all-linear names its nn.Linear layers but the output head and those named
+        as a checkpoint names one expert's projections (gate_proj, up_proj, down_proj; w1-w3): PEFT reads those
+        names, and its own all-linear, as the routed experts' fused parameters, which rlrun's weight loading and
+        sync do not read (add_adapters refuses adapters there)."""
         targets: str | list[str] = "all-linear" if self.target_modules == ("all-linear",) else list(self.target_modules)
+        if targets == "all-linear" and model is not None and routers(model):
+            head = getattr(model, "get_output_embeddings", None)
+            output = head() if callable(head) else None
+            linear = {
+                n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not output
+            }
+            targets = sorted(linear - _read_as_experts(model, linear & per_expert_names(model)))
         return _peft().LoraConfig(
             r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=self.dropout, bias="none"
         )
@@ -169,13 +182,22 @@ def add_adapters(
     try:
         with warnings.catch_warnings():  # PEFT asks transformers a deprecated question; not the user's concern
             warnings.simplefilter("ignore", FutureWarning)
-            wrapped = peft.get_peft_model(hf, settings.peft_config())
+            found = routers(hf)
+            moe = {name for name, m in hf.named_modules() if any(m is r for r in found) or name.endswith(".experts")}
+            wrapped = peft.get_peft_model(hf, settings.peft_config(hf))
     except ValueError as exc:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in hf.named_modules() if isinstance(m, nn.Linear)})
         raise ConfigError(
             f"--target_modules {' '.join(settings.target_modules)}: {exc} (this model's linear "
             f"layers: {', '.join(linear)}; or use all-linear)"
         ) from None
+    if routed := sorted({n for n, _ in wrapped.named_parameters() if is_adapter(n) and _under(n, moe)}):
+        raise ConfigError(
+            f"--target_modules {' '.join(settings.target_modules)} puts LoRA on MoE routers or routed experts "
+            f"({routed[0]}; PEFT reads {', '.join(sorted(per_expert_names(hf)))} as the fused experts): rlrun's weight "
+            "loading and sync do not read PEFT's adapters on fused experts yet; target the attention layers "
+            "(all-linear does)"
+        )
     if inner:
         setattr(parent, attr, wrapped)
     else:
@@ -189,6 +211,30 @@ def add_adapters(
     return Unfilled(
         outer, LoraWeights(unfilled.weights, shapes, seed, adapter), prefix=unfilled.prefix, note=unfilled.note
     )
+
+
+def _read_as_experts(model: nn.Module, names: set[str]) -> set[str]:
+    """The LoRA target names among `names` that PEFT applies to the fused routed experts (its transformers-5 mapping
+    of per-expert checkpoint names; e.g. Qwen3-MoE's gate_proj, not Qwen2-MoE's), found by adapting a copy."""
+    out = set()
+    for name in names:
+        probe = copy.deepcopy(model)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _peft().get_peft_model(probe, _peft().LoraConfig(r=1, target_modules=[name]))
+        except ValueError:  # "cannot convert up_proj without gate_proj": fused into the experts' gate_up_proj
+            out.add(name)
+            continue
+        if any(is_adapter(n) and ".experts." in n for n, _ in probe.named_parameters()):
+            out.add(name)
+    return out
+
+
+def _under(name: str, modules: set[str]) -> bool:
+    """Whether PEFT parameter `name` (base_model.model.<module>...) belongs to one of `modules` (HF names)."""
+    inner = name.removeprefix(PEFT_PREFIX) if name.startswith(PEFT_PREFIX) else name
+    return any(inner.startswith(m + ".") for m in modules)
 
 
 def add_scalar_adapters(unfilled: Unfilled, settings: LoraSettings, seed: int) -> Unfilled:

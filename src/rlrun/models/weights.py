@@ -94,6 +94,22 @@ def conversions(model: nn.Module, stored: Iterable[str]) -> Conversions:
     return Conversions(names, merges)
 
 
+def per_expert_names(model: nn.Module) -> set[str]:
+    """The module names transformers' conversion mapping gives one expert's tensors in a checkpoint (gate_proj,
+    up_proj, down_proj; Mixtral's w1, w2, w3): PEFT reads a LoRA target of such a name as the fused routed experts."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: PLC0415
+        from transformers.core_model_loading import WeightConverter  # noqa: PLC0415
+
+        rules = get_model_conversion_mapping(model)  # type: ignore[arg-type]  # any model: see the except
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return set()
+    patterns = [
+        p for c in rules if isinstance(c, WeightConverter) and _stacks_experts(c) for p in c._original_source_patterns
+    ]
+    return {p.split("*.")[-1].removesuffix(".weight") for p in patterns if "*." in p}
+
+
 def _stacks_experts(converter: object) -> bool:
     """A converter rlrun reads itself: stack per-expert tensors (MergeModulelist(dim=0)), then, for several source
     patterns, concatenate them along dim 1."""

@@ -70,12 +70,6 @@ def check_moe_options(cfg: Config, config: Any, backend: str) -> None:
     combination rlrun cannot run is one ConfigError naming the values and what to do."""
     a, shape = cfg.algo, config_routing_shape(config)
     dense = f"the policy ({getattr(config, 'model_type', '?')}) has no MoE layers"
-    if shape is not None and cfg.model.lora_rank > 0:
-        raise ConfigError(
-            f"--lora_rank {cfg.model.lora_rank} with a MoE policy ({getattr(config, 'model_type', '?')}): PEFT wraps "
-            "its fused routed experts, which rlrun's weight loading and sync do not read yet; train every weight "
-            "(drop --lora_rank)"
-        )
     if a.aux_loss_coef < 0:
         raise ConfigError(f"--aux_loss_coef must be >= 0, got {a.aux_loss_coef}")
     if a.aux_loss_coef > 0 and shape is None:
