@@ -13,9 +13,11 @@ from rlrun.compat.openrlhf_flags import SFT_DOTTED, SFT_IGNORED, SUPERVISED_RENA
 from rlrun.config.supervised import SFTConfig
 from rlrun.data.sources import DataSpec
 from rlrun.launch.failures import leave
-from rlrun.models.loading import unfilled_policy
+from rlrun.models.loading import load_model_config, unfilled_policy
+from rlrun.models.moe import config_routing_shape
 from rlrun.plan.shapes import SupervisedJob
 from rlrun.run.skeleton import run_trainer
+from rlrun.runtime.errors import ConfigError
 from rlrun.supervised.assembly import BuildContext, Supervised, trainable
 from rlrun.supervised.datasets import Completion, Loaded, load_completions
 from rlrun.supervised.tasks import SFTTask
@@ -53,9 +55,39 @@ def _load(cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, path: str | DataSp
     )
 
 
+def _check_aux(cfg: SFTConfig) -> None:
+    """--aux_loss_coef against the policy, before any weight is read: one ConfigError naming the value."""
+    coef = cfg.loss.aux_loss_coef
+    if coef < 0:
+        raise ConfigError(f"--aux_loss_coef must be >= 0, got {coef}")
+    if coef == 0:
+        return
+    config = load_model_config(cfg.model)
+    if config_routing_shape(config) is None:
+        raise ConfigError(
+            f"--aux_loss_coef {coef}: the policy ({getattr(config, 'model_type', '?')}) has no MoE layers; drop "
+            "the flag"
+        )
+    if cfg.train.sequence_parallel_size > 1:
+        raise ConfigError(
+            f"--aux_loss_coef {coef} with --sequence_parallel_size {cfg.train.sequence_parallel_size}: each rank "
+            "would balance only its share of the tokens; not supported yet (drop one of them)"
+        )
+
+
 def _build(cfg: SFTConfig, ctx: BuildContext) -> SFTTask:
+    _check_aux(cfg)
     model, optimizer, strategy = trainable(unfilled_policy(cfg.model, cfg.train.seed), cfg.model, cfg.train, ctx)
-    return SFTTask(model, optimizer, strategy, ctx.device, ctx.pad_id, cfg.train.packing_samples, ctx.sp)
+    return SFTTask(
+        model,
+        optimizer,
+        strategy,
+        ctx.device,
+        ctx.pad_id,
+        cfg.train.packing_samples,
+        ctx.sp,
+        aux_loss_coef=cfg.loss.aux_loss_coef,
+    )
 
 
 TRAINER: Supervised[Any] = Supervised(CLI, _load, _build, SupervisedJob())

@@ -34,7 +34,7 @@ COMMON_FIELDS = {
 }
 PAIR_FIELDS = {"prompt_key", "chosen_key", "rejected_key"}
 FIELDS = {
-    "sft": COMMON_FIELDS | {"input_key", "output_key", "pretrain_mode"},
+    "sft": COMMON_FIELDS | {"input_key", "output_key", "pretrain_mode", "aux_loss_coef"},
     "rm": COMMON_FIELDS | PAIR_FIELDS | {"loss", "margin_loss"},
     "dpo": COMMON_FIELDS | PAIR_FIELDS | {"beta", "ipo", "label_smoothing", "nll_loss_coef", "ref_pretrain",
                                           "ref_offload"},
@@ -200,7 +200,11 @@ def test_missing_fields_report_the_trainers_reason(trainer):
     assert resolve("ckpt.save_hf", fields, ignored, table) == Ignored(0, NOT_YET)
     assert resolve("data.dataset_probs", fields, ignored, table) == Same("dataset_probs", 1)
     assert resolve("data.dataset_split", fields, ignored, table) == Same("dataset_split", 1)
-    assert resolve("model.aux_loss_coef", fields, ignored, table).reason.startswith("the MoE load-balancing loss")
+    aux = resolve("model.aux_loss_coef", fields, ignored, table)
+    if trainer == "sft":
+        assert aux == Same("aux_loss_coef", 1)
+    else:
+        assert aux.reason.startswith("the MoE load-balancing loss")
     # A reported flag never resolves to a field the trainer lacks.
     for name in table:
         meaning = resolve(name, fields, ignored, table)

@@ -4,7 +4,9 @@ token's experts, the rollout ships them as uint8, the actor's and the reference'
 --aux_loss_coef. FSDP2 ZeRO-3 on packed rows at 2 ranks reads the per-expert checkpoint a shard at a time, learns,
 reports the MoE metrics, streams an export transformers loads, and resumed from its middle checkpoint ends bit for bit where it did; DeepSpeed ZeRO-2 at 4 ranks
 trains a tiny Mixtral (4 experts, top-2, every layer sparse) with --router_replay R2 (the actor's scoring pass
-records the routing, its 4 ranks' shards are gathered, the training passes replay it) on token-budget micro-batches."""
+records the routing, its 4 ranks' shards are gathered, the training passes replay it) on token-budget micro-batches,
+with LoRA on its attention; and rlrun.sft trains the Qwen3-MoE with the aux loss (here, beside the shared tiny MoE
+checkpoints)."""
 
 from __future__ import annotations
 
@@ -103,3 +105,26 @@ def test_deepspeed_zero2_trains_a_mixtral_at_4_ranks_with_r2(moe_task, tmp_path)
     assert len(run.metrics) == 3 and all(all(key in m for key in MOE) for m in run.metrics)
     assert run.metrics[-1]["actor/moe/aux_loss"] > 0
     assert all(m["actor/moe/router_mismatch_frac"] < 0.1 for m in run.metrics), [(m["actor/moe/router_mismatch_frac"], m.get("kl")) for m in run.metrics]
+
+
+def test_sft_trains_a_moe_with_the_aux_loss_at_2_ranks(moe_task, tmp_path) -> None:
+    """rlrun.sft with OpenRLHF's --aux_loss_coef on the tiny Qwen3-MoE (FSDP2, its per-expert checkpoint read a
+    shard at a time): the flag reaches the loss (moe/aux_loss and moe/max_expert_load in the metrics) and the NLL
+    falls."""
+    from rlrun.supervised.datasets import write_all
+
+    data = write_all(str(tmp_path / "data"), sft=32, pairs=8, eval_pairs=8)
+    base = moe_task[moe_task.index("--pretrain") + 1]
+    run = run_rlrun(2, ["--pretrain", base, "--dataset", data["sft"], "--output_key", "output", "--input_template",
+                        "{}", "--micro_train_batch_size", "4", "--train_batch_size", "8", "--learning_rate", "1e-2",
+                        "--aux_loss_coef", "0.01", "--max_epochs", "2"], tmp_path / "sft", module="rlrun.sft",
+                    timeout=300)
+    assert run.returncode == 0, run.output[-3000:]
+    assert "read whole on every rank" not in run.output
+    train = [m for m in run.metrics if any(k.endswith("moe/aux_loss") for k in m)]
+    assert len(train) >= 4, run.metrics[:2]
+    key = next(k for k in train[0] if k.endswith("moe/aux_loss"))
+    assert all(m[key] > 0 and 0 < m[key.replace("aux_loss", "max_expert_load")] <= 1 for m in train)
+    losses = [m[key.replace("moe/aux_loss", "loss")] for m in train]
+    assert losses[-1] < losses[0], losses
+

@@ -51,11 +51,24 @@ def test_classic_and_dotted_spellings_give_the_same_config() -> None:
 
 
 def test_openrlhf_flags_rlrun_does_not_act_on_are_reported() -> None:
-    parsed = parse_args(["--model.aux_loss_coef", "0", "--multiturn", "--overlap_comm", "--output_key", "o"], SFT_CLI)
+    parsed = parse_args(["--multiturn", "--overlap_comm", "--output_key", "o"], SFT_CLI)
     assert parsed.config.data.output_key == "o"
     text = "\n".join(parsed.ignored)
-    for flag in ("--model.aux_loss_coef", "--multiturn", "--overlap_comm"):
+    for flag in ("--multiturn", "--overlap_comm"):
         assert f"{flag}: ignored (" in text, text
+    assert "--model.aux_loss_coef: ignored (" in "\n".join(parse_args(["--model.aux_loss_coef", "0"], DPO_CLI).ignored)
+
+
+def test_sft_takes_the_moe_aux_loss_in_both_spellings_and_refuses_it_on_a_dense_policy() -> None:
+    from rlrun.sft import _check_aux
+
+    for argv in (["--aux_loss_coef", "0.01"], ["--model.aux_loss_coef", "0.01"]):
+        parsed = parse_args(argv, SFT_CLI)
+        assert parsed.config.loss.aux_loss_coef == 0.01 and not parsed.ignored
+    with pytest.raises(ConfigError, match=r"--aux_loss_coef 0.01: the policy \(qwen2\) has no MoE layers"):
+        _check_aux(parse_args(["--aux_loss_coef", "0.01"], SFT_CLI).config)
+    with pytest.raises(ConfigError, match="--aux_loss_coef must be >= 0, got -1"):
+        _check_aux(parse_args(["--aux_loss_coef", "-1"], SFT_CLI).config)
 
 
 @pytest.mark.parametrize("cli", [SFT_CLI, RM_CLI, DPO_CLI])
@@ -70,11 +83,13 @@ def test_lora_flags_in_classic_and_dotted_spellings_set_the_lora_fields(cli) -> 
     assert dotted.config == classic.config
 
 
-@pytest.mark.parametrize(("argv", "message"), [(["--model.aux_loss_coef", "0.1"], "implemented for rlrun.ppo only: it would"),
-                                               (["--load_in_4bit"], "QLoRA")])
-def test_openrlhf_flags_that_would_change_what_is_trained_are_refused(argv, message) -> None:
+@pytest.mark.parametrize(("argv", "message", "cli"), [
+    (["--model.aux_loss_coef", "0.1"], "implemented for rlrun.ppo and rlrun.sft only: it would", DPO_CLI),
+    (["--aux_loss_coef", "0.1"], "implemented for rlrun.ppo and rlrun.sft only: it would", RM_CLI),
+    (["--load_in_4bit"], "QLoRA", SFT_CLI)])
+def test_openrlhf_flags_that_would_change_what_is_trained_are_refused(argv, message, cli) -> None:
     with pytest.raises(ConfigError) as err:
-        parse_args([*argv, "--output_key", "o"], SFT_CLI)
+        parse_args(argv, cli)
     assert str(err.value).startswith(argv[0]) and message in str(err.value), err.value
 
 

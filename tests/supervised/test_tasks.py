@@ -92,3 +92,33 @@ def test_reward_model_scores_the_last_token_and_saves_openrlhf_statistics() -> N
     assert task.reward_stats == (summary["reward_mean"], summary["reward_std"])
     expected = torch.nn.functional.softplus(rejected - chosen).mean().item()
     assert summary["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_sft_on_a_moe_policy_adds_transformers_load_balancing_loss_and_reports_it(packing) -> None:
+    """--aux_loss_coef in rlrun.sft (OpenRLHF's train_sft flag): the micro-batch loss is the NLL plus coef x the
+    forward's load-balancing loss, which is transformers' own (output_router_logits over the rows' real tokens),
+    weighted by the micro-batch's share of the batch's tokens; the summary reports moe/aux_loss and
+    moe/max_expert_load."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_experts=8,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        router_aux_loss_coef=1.0)).float()
+    plain = SFTTask(model, None, None, CPU, PAD, packing=packing)  # type: ignore[arg-type]
+    coef = 0.5
+    with_aux = SFTTask(model, None, None, CPU, PAD, packing=packing, aux_loss_coef=coef)  # type: ignore[arg-type]
+    tokens = sum(plain.loss_tokens(c) for c in COMPLETIONS)
+    nll = plain.micro_loss(COMPLETIONS, num_tokens=tokens, num_seqs=3)
+    both = with_aux.micro_loss(COMPLETIONS, num_tokens=2 * tokens, num_seqs=3)  # half of a batch twice as large
+    batch = sequences_batch([c.prompt for c in COMPLETIONS], [c.response for c in COMPLETIONS], PAD)
+    with torch.no_grad():
+        hf = model(batch.sequences, attention_mask=batch.attention_mask, output_router_logits=True).aux_loss
+    torch.testing.assert_close(both, nll / 2 + coef * hf * 0.5, rtol=1e-5, atol=1e-6)
+    numbers = with_aux.summary(with_aux.tally.take(), evaluation=False)
+    assert numbers["moe/aux_loss"] == pytest.approx(hf.item(), rel=1e-5) and 1 / 8 <= numbers["moe/max_expert_load"] <= 1
+    both.backward()
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in
+               (m.mlp.gate for m in model.model.layers))

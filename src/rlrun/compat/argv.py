@@ -79,7 +79,8 @@ CHANGES_TRAINING: dict[str, str] = {
     "actor_rollout_ref.model.lora.rank": _MEGATRON_LORA,
     "critic.model.lora.rank": _MEGATRON_LORA,
     "ptx_coef": "the pretraining (PTX) loss is not implemented in rlrun yet: it would train without it",
-    "aux_loss_coef": "the MoE auxiliary loss is implemented for rlrun.ppo only: it would train without it",
+    "aux_loss_coef": "the MoE auxiliary loss is implemented for rlrun.ppo and rlrun.sft only: it would train "
+    "without it",
     "freezing_actor_steps": "freezing the actor for the first steps is not implemented in rlrun yet: it would train "
     "the actor from step 1",
     "enable_ema": "EMA weights are not implemented in rlrun yet: it would save the trained weights, not their average",
@@ -92,7 +93,8 @@ OFF = frozenset({"0", "0.0", "false", "none", "null", "-1", "value_head", "train
 def refused(given: list[tuple[str, str | None]], accepted: Collection[str] = ()) -> str | None:
     """The one error for the flags/keys as the user spelled them ("--load_in_4bit", "--data.image_key",
     "data.image_key"), each with its value (None: a switch), that would change what is trained; None when none
-    would. `accepted`: the trainer's own fields (--aux_loss_coef is rlrun.ppo's, refused by the supervised ones)."""
+    would. `accepted`: the trainer's own fields (--aux_loss_coef is rlrun.ppo's and rlrun.sft's, refused by rm and
+    dpo)."""
     hits = [
         (name, value)
         for name, value in given

@@ -482,7 +482,6 @@ _COMMON_IGNORED: dict[str, tuple[int | str, str]] = {
     "min_lr_ratio": (1, MIN_LR_RATIO),
     "full_determinism": (0, "rlrun is deterministic on CPU by default"),
     "use_ms": (0, "ModelScope hub: rlrun reads local paths and Hugging Face Hub ids"),
-    "aux_loss_coef": (1, "the MoE load-balancing loss is implemented for rlrun.ppo only; it has no effect here"),
     "save_hf_ckpt": (0, NOT_YET),
     "disable_ds_ckpt": (0, NOT_YET),
     "max_ckpt_mem": (1, NOT_YET),
@@ -508,8 +507,11 @@ SFT_IGNORED: dict[str, tuple[int | str, str]] = {
     "multiturn": (0, "multi-turn loss masks (every assistant turn) are not implemented in rlrun yet; it has no effect"),
 }
 
+_NO_AUX = (1, "the MoE load-balancing loss is implemented for rlrun.ppo and rlrun.sft only; it has no effect here")
+
 RM_IGNORED: dict[str, tuple[int | str, str]] = {
     **_COMMON_IGNORED,
+    "aux_loss_coef": _NO_AUX,
     "value_head_prefix": (
         1,
         "rlrun's reward model is a transformers sequence-classification model with its own head "
@@ -520,5 +522,6 @@ RM_IGNORED: dict[str, tuple[int | str, str]] = {
 
 DPO_IGNORED: dict[str, tuple[int | str, str]] = {
     **_COMMON_IGNORED,
+    "aux_loss_coef": _NO_AUX,
     "use_liger_kernel": (0, NOT_YET),
 }

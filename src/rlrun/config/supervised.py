@@ -98,6 +98,17 @@ class PairDataConfig(DatasetConfig):
 
 
 @dataclass
+class SFTLossConfig:
+    """SFT loss."""
+
+    aux_loss_coef: float = opt(
+        0.0,
+        "MoE policies: weight of the load-balancing loss added to the NLL (transformers' aux_loss over the "
+        "micro-batch's real tokens; OpenRLHF's --aux_loss_coef). 0: none.",
+    )
+
+
+@dataclass
 class RMLossConfig:
     """Reward-model loss."""
 
@@ -149,6 +160,7 @@ class _Shared:
 @dataclass
 class SFTConfig(_Shared):
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    loss: SFTLossConfig = field(default_factory=SFTLossConfig)
 
 
 @dataclass

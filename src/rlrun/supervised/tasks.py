@@ -17,6 +17,7 @@ from rlrun.data.rollout import RolloutBatch, pack_rows, unpack_rows
 from rlrun.launch.groups import SequenceParallel
 from rlrun.models.loading import ScalarHeadModel
 from rlrun.models.lora import adapters_disabled
+from rlrun.models.moe import RoutingRun, RoutingShape, routing_shape
 from rlrun.roles.export import save_causal_lm, save_scalar_model
 from rlrun.roles.forward import policy_log_probs, sequence_scores
 from rlrun.strategies.base import Strategy
@@ -122,32 +123,56 @@ class SFTTask:
     pad_id: int
     packing: bool
     sp: SequenceParallel | None = None  # the rank's sequence-parallel block: it runs a token shard of each row
+    aux_loss_coef: float = 0.0  # --aux_loss_coef on a MoE policy: the load-balancing loss's weight
     name: str = "sft"
-    tally_keys: tuple[str, ...] = ("nll", "tokens")
+    tally_keys: tuple[str, ...] = ("nll", "tokens", "aux_loss", "max_expert_load", "moe_tokens")
     tally: Tally = field(default_factory=Tally)
+    routing: RoutingShape | None = field(init=False)  # None: a dense policy
+
+    def __post_init__(self) -> None:
+        self.routing = routing_shape(self.model)
 
     def loss_tokens(self, sample: Completion) -> int:
         # sequences_batch moves the first token of a prompt-less sample into the prompt
         return max(1, len(sample.response) - (0 if sample.prompt else 1))
 
-    def _nll(self, samples: list[Completion]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[b] summed NLL of each response, [b, r] response mask."""
+    def _nll(self, samples: list[Completion]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """[b] summed NLL of each response, [b, r] response mask, and on a MoE policy the forward's load-balancing
+        loss (with grad; its numbers tallied, weighted by the response tokens)."""
         batch = sequences_batch([s.prompt for s in samples], [s.response for s in samples], self.pad_id).to(self.device)
-        log_probs, _ = policy_log_probs(self.model, batch, 1.0, packing=self.packing, sp=self.sp)
-        return token_nll(log_probs, batch.action_mask), batch.action_mask
+        shape = self.routing
+        moe = None if shape is None else RoutingRun(replay=False)
+        log_probs, _ = policy_log_probs(self.model, batch, 1.0, packing=self.packing, sp=self.sp, moe=moe)
+        aux = None
+        if moe is not None and shape is not None:
+            aux, numbers = moe.metrics(shape.top_k)
+            tokens = float(batch.action_mask.sum())
+            self.tally.add(
+                aux_loss=numbers["moe/aux_loss"] * tokens,
+                max_expert_load=numbers["moe/max_expert_load"] * tokens,
+                moe_tokens=tokens,
+            )
+        return token_nll(log_probs, batch.action_mask), batch.action_mask, aux
 
     def micro_loss(self, samples: list[Completion], num_tokens: float, num_seqs: float) -> torch.Tensor:
-        nll, mask = self._nll(samples)
+        nll, mask, aux = self._nll(samples)
         self.tally.add(nll=nll.detach().sum(), tokens=mask.sum())
-        return nll.sum() / num_tokens
+        loss = nll.sum() / num_tokens
+        if aux is not None and self.aux_loss_coef > 0:  # each micro-batch by its share of the batch's tokens
+            loss = loss + self.aux_loss_coef * aux * (mask.sum() / num_tokens)
+        return loss
 
     def score(self, samples: list[Completion]) -> None:
-        nll, mask = self._nll(samples)
+        nll, mask, _ = self._nll(samples)
         self.tally.add(nll=nll.sum(), tokens=mask.sum())
 
     def summary(self, sums: dict[str, float], *, evaluation: bool) -> dict[str, float]:
         loss = sums["nll"] / max(sums["tokens"], 1.0)
-        return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": sums["tokens"]}
+        out = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": sums["tokens"]}
+        if sums.get("moe_tokens", 0.0) > 0:
+            moe = sums["moe_tokens"]
+            out |= {"moe/aux_loss": sums["aux_loss"] / moe, "moe/max_expert_load": sums["max_expert_load"] / moe}
+        return out
 
     def save(
         self,
