@@ -97,6 +97,12 @@ def test_an_online_dry_run_keeps_a_name_the_hub_does_not_know(offline_cache, mon
     with pytest.raises(ConfigError, match="that this machine may read \\(GatedRepoError\\)"):
         hub.resolve("meta-llama/Meta-Llama-3-8B", "model", "pretrain", download=False)
 
+    def no_network(self, repo_id, **kwargs):  # what a login node without DNS raised: a traceback wall before
+        raise httpx2.ConnectError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(HfApi, "repo_info", no_network)
+    assert hub.resolve("Qwen/Qwen3-30B-A3B", "model", "pretrain", download=False) == "Qwen/Qwen3-30B-A3B"
+
 
 def test_cached_reads_the_hub_cache_layout_under_hf_hub_cache_or_hf_home(tmp_path, monkeypatch):
     files = tmp_path / "files"

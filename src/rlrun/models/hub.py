@@ -167,6 +167,8 @@ def resolve(name: str, repo_type: RepoType, flag: str, *, download: bool = True)
         raise ConfigError(
             f"--{flag} {name}: not in {where}, and the hub could not be asked about it: {str(exc).splitlines()[0]}"
         ) from None
+    except Exception:  # noqa: BLE001 - no network: the transport's own error (httpx, requests), not the hub's
+        return name  # as offline: planning says it is not on this machine
     return name
 
 
