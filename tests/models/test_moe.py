@@ -327,6 +327,8 @@ def test_the_aux_loss_spreads_a_skewed_router() -> None:
             model(ids)
         aux, numbers = run.metrics(2)
         loads.append(numbers["moe/max_expert_load"])
+        layers = [numbers[f"moe/max_expert_load/sparse_layer_{i}"] for i in range(routing_shape(model).layers)]
+        assert numbers["moe/max_expert_load"] == pytest.approx(sum(layers) / len(layers))
         optimizer.zero_grad()
         aux.backward()
         optimizer.step()

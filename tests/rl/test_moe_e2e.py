@@ -68,7 +68,7 @@ def test_fsdp_zero3_learns_with_replay_exports_and_resumes_exactly(moe_task, tmp
     assert "read whole on every rank" not in run.output  # the per-expert checkpoint is read a shard at a time
     assert len(run.metrics) == STEPS
     for m in run.metrics:
-        assert all(key in m for key in MOE), sorted(m)
+        assert all(key in m for key in (*MOE, "actor/moe/max_expert_load/sparse_layer_1")), sorted(m)
         assert 0 <= m["actor/moe/router_mismatch_frac"] <= 1 and m["actor/moe/aux_loss"] > 0
         assert m["rollout/engine_vs_actor_logprob_diff"] < 1e-4  # old log-probs replay the engine's routing
     rewards = [m["reward"] for m in run.metrics]

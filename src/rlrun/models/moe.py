@@ -270,13 +270,16 @@ class RoutingRun:
 
     def metrics(self, top_k: int) -> tuple[torch.Tensor, dict[str, float]]:
         """(the load-balancing loss of the forward, with grad; its numbers: moe/aux_loss, moe/max_expert_load (the
-        most loaded expert's share of its layer, averaged over layers: 1 / experts when balanced), and with
+        most loaded expert's share of its layer, averaged over layers: 1 / experts when balanced) and per sparse
+        layer (moe/max_expert_load/sparse_layer_I, the I-th layer that routes), and with
         recorded routing moe/router_mismatch_frac, the fraction of (token, layer) routings the trainer's router would
         have chosen otherwise)."""
         assert self.routed is not None, "RoutingRun.metrics before a forward"
         aux = load_balancing_loss(self.routed, top_k, self.valid)
         load = expert_load(self.routed, self.valid)
-        numbers = {"moe/aux_loss": float(aux.detach()), "moe/max_expert_load": float(load.max(dim=-1).values.mean())}
+        per_layer = load.max(dim=-1).values  # [layers]
+        numbers = {"moe/aux_loss": float(aux.detach()), "moe/max_expert_load": float(per_layer.mean())}
+        numbers |= {f"moe/max_expert_load/sparse_layer_{i}": float(v) for i, v in enumerate(per_layer.tolist())}
         if self.given is not None:
             numbers["moe/router_mismatch_frac"] = mismatch_fraction(self.routed, self.given)
         return aux, numbers
