@@ -100,3 +100,20 @@ def test_the_plan_carries_the_resolved_settings_and_the_line():
     planned = plan_ppo([*DEMO, "--save_path", "/tmp/rlrun-speed-plan"], DistEnv(0, 0, 1, 1, "127.0.0.1", 29500, "single"))
     assert planned.config.train.dynamic_batch is False and planned.config.generation.native_cuda_graph is False
     assert planned.speed.startswith("speed settings: fixed micro-batches of 8 rows to train, 16 to score (CPU default")
+
+
+def test_the_memory_plan_counts_a_given_budget_and_the_default_one_as_the_micro_batch():
+    """The plan's activations follow --dynamic_batch's budget: the default-on budget plans what the fixed
+    micro-batch does, and OpenRLHF's 16,192-token budget over 5,120-token rows plans 4 rows (rounded up), not 2."""
+    from rlrun.plan.shapes import Target, budget_rows, knobs_of
+
+    lengths = ["--prompt_max_len", "1024", "--generate_max_len", "4096", "--micro_train_batch_size", "2",
+               "--micro_rollout_batch_size", "4"]
+    target = Target(gpu=True, gpu_bytes=80 * 2**30, source="test")
+    fixed = knobs_of(_resolved(*lengths, "--dynamic_batch", "false", cuda=True)[1], target)
+    default = knobs_of(_resolved(*lengths, cuda=True)[1], target)
+    given = knobs_of(_resolved(*lengths, "--dynamic_batch", "--train_max_tokens_per_gpu", "16192", cuda=True)[1],
+                     target)
+    assert (fixed.micro_train, fixed.micro_rollout) == (default.micro_train, default.micro_rollout) == (2, 4)
+    assert (given.micro_train, given.micro_rollout) == (4, 4)  # scoring: the training budget, as OpenRLHF
+    assert budget_rows(2, None, 5120) == 2 and budget_rows(2, 100, 5120) == 1

@@ -386,14 +386,23 @@ def _training_knobs(cfg: Any, target: Target) -> dict[str, Any]:
     )
 
 
+def budget_rows(rows: int, budget: int | None, seq: int) -> int:
+    """The rows of `seq` tokens a micro-batch's activations are planned for: `rows` (the fixed micro-batch), or with
+    --dynamic_batch its token `budget` in whole longest rows, rounded up (a micro-batch holds at most `budget`
+    tokens, in rows of any length; the speed defaults' budget is `rows` x `seq`, the same plan)."""
+    return rows if budget is None else max(1, -(-budget // seq))
+
+
 def knobs_of(cfg: Config, target: Target) -> Knobs:
     """`cfg`'s generation_backend must be the resolved one (rlrun.plan.plan), not auto."""
     t, g = cfg.train, cfg.generation
+    seq = g.prompt_max_len + g.generate_max_len
+    scoring = t.rollout_max_tokens_per_gpu or t.train_max_tokens_per_gpu
     return Knobs(
         **_training_knobs(cfg, target),
-        micro_train=t.micro_train_batch_size,
-        micro_rollout=t.micro_rollout_batch_size,
-        seq=g.prompt_max_len + g.generate_max_len,
+        micro_train=budget_rows(t.micro_train_batch_size, t.train_max_tokens_per_gpu if t.dynamic_batch else None, seq),
+        micro_rollout=budget_rows(t.micro_rollout_batch_size, scoring if t.dynamic_batch else None, seq),
+        seq=seq,
         response=g.generate_max_len,
         model_sleep=t.deepspeed_enable_sleep and target.gpu,
         engine_sleep=g.vllm_enable_sleep and target.gpu,
