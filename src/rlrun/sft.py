@@ -14,10 +14,9 @@ from rlrun.config.supervised import SFTConfig
 from rlrun.data.sources import DataSpec
 from rlrun.launch.failures import leave
 from rlrun.models.loading import load_model_config, unfilled_policy
-from rlrun.models.moe import config_routing_shape
+from rlrun.plan.generation import check_aux_loss
 from rlrun.plan.shapes import SupervisedJob
 from rlrun.run.skeleton import run_trainer
-from rlrun.runtime.errors import ConfigError
 from rlrun.supervised.assembly import BuildContext, Supervised, trainable
 from rlrun.supervised.datasets import Completion, Loaded, load_completions
 from rlrun.supervised.tasks import SFTTask
@@ -56,23 +55,9 @@ def _load(cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, path: str | DataSp
 
 
 def _check_aux(cfg: SFTConfig) -> None:
-    """--aux_loss_coef against the policy, before any weight is read: one ConfigError naming the value."""
+    """--aux_loss_coef against the policy, before any weight is read (its config.json only when the flag is set)."""
     coef = cfg.loss.aux_loss_coef
-    if coef < 0:
-        raise ConfigError(f"--aux_loss_coef must be >= 0, got {coef}")
-    if coef == 0:
-        return
-    config = load_model_config(cfg.model)
-    if config_routing_shape(config) is None:
-        raise ConfigError(
-            f"--aux_loss_coef {coef}: the policy ({getattr(config, 'model_type', '?')}) has no MoE layers; drop "
-            "the flag"
-        )
-    if cfg.train.sequence_parallel_size > 1:
-        raise ConfigError(
-            f"--aux_loss_coef {coef} with --sequence_parallel_size {cfg.train.sequence_parallel_size}: each rank "
-            "would balance only its share of the tokens; not supported yet (drop one of them)"
-        )
+    check_aux_loss(coef, load_model_config(cfg.model) if coef > 0 else None, cfg.train.sequence_parallel_size)
 
 
 def _build(cfg: SFTConfig, ctx: BuildContext) -> SFTTask:

@@ -179,11 +179,11 @@ def add_adapters(
     for part in filter(None, parent_path.split(".")):
         parent = getattr(parent, part)
     hf = getattr(parent, attr) if inner else outer
+    found = routers(hf)
+    moe = {name for name, m in hf.named_modules() if any(m is r for r in found) or name.endswith(".experts")}
     try:
         with warnings.catch_warnings():  # PEFT asks transformers a deprecated question; not the user's concern
             warnings.simplefilter("ignore", FutureWarning)
-            found = routers(hf)
-            moe = {name for name, m in hf.named_modules() if any(m is r for r in found) or name.endswith(".experts")}
             wrapped = peft.get_peft_model(hf, settings.peft_config(hf))
     except ValueError as exc:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in hf.named_modules() if isinstance(m, nn.Linear)})
@@ -233,8 +233,7 @@ def _read_as_experts(model: nn.Module, names: set[str]) -> set[str]:
 
 def _under(name: str, modules: set[str]) -> bool:
     """Whether PEFT parameter `name` (base_model.model.<module>...) belongs to one of `modules` (HF names)."""
-    inner = name.removeprefix(PEFT_PREFIX) if name.startswith(PEFT_PREFIX) else name
-    return any(inner.startswith(m + ".") for m in modules)
+    return any(name.removeprefix(PEFT_PREFIX).startswith(m + ".") for m in modules)
 
 
 def add_scalar_adapters(unfilled: Unfilled, settings: LoraSettings, seed: int) -> Unfilled:

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol
 
 import torch
 from torch import nn
@@ -55,23 +55,41 @@ class Conversions:
     merges: dict[str, Merge]
 
 
+def _conversion_rules(model: nn.Module) -> list[Any]:
+    """transformers' conversion mapping for `model`'s class ([] when this transformers has no such API or none)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: PLC0415
+
+        return list(get_model_conversion_mapping(model))  # type: ignore[arg-type]  # any model: see the except
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+
+
+def _expert_converters(rules: list[Any]) -> list[Any]:
+    """The rules rlrun reads itself: per-expert tensors stacked (MergeModulelist(dim=0)), then, for several source
+    patterns, concatenated along dim 1."""
+    from transformers.core_model_loading import WeightConverter  # noqa: PLC0415 - only reached with rules
+
+    def stacks(converter: Any) -> bool:
+        kinds = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+        several = len(converter.source_patterns) > 1
+        return kinds == ([("MergeModulelist", 0), ("Concatenate", 1)] if several else [("MergeModulelist", 0)])
+
+    return [c for c in rules if isinstance(c, WeightConverter) and stacks(c)]
+
+
 def conversions(model: nn.Module, stored: Iterable[str]) -> Conversions:
     """What transformers' conversion mapping for `model` makes of the stored names (nothing when this transformers
     has no conversion mapping API or converts nothing rlrun reads)."""
-    none = Conversions({}, {})
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: PLC0415
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key  # noqa: PLC0415
-    except ImportError:
-        return none
-    try:
-        rules = get_model_conversion_mapping(model)  # type: ignore[arg-type]  # any model: see the except
-    except (AttributeError, TypeError, ValueError):
-        return none
+    rules = _conversion_rules(model)
+    if not rules:
+        return Conversions({}, {})
+    from transformers.core_model_loading import WeightRenaming, rename_source_key  # noqa: PLC0415
+
     renamings = [r for r in rules if isinstance(r, WeightRenaming)]
-    converters = [c for c in rules if isinstance(c, WeightConverter) and _stacks_experts(c)]
+    converters = _expert_converters(rules)
     if not renamings and not converters:
-        return none
+        return Conversions({}, {})
     params = dict(model.named_parameters())
     prefix = getattr(model, "base_model_prefix", None)
     names: dict[str, str] = {}
@@ -97,26 +115,9 @@ def conversions(model: nn.Module, stored: Iterable[str]) -> Conversions:
 def per_expert_names(model: nn.Module) -> set[str]:
     """The module names transformers' conversion mapping gives one expert's tensors in a checkpoint (gate_proj,
     up_proj, down_proj; Mixtral's w1, w2, w3): PEFT reads a LoRA target of such a name as the fused routed experts."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: PLC0415
-        from transformers.core_model_loading import WeightConverter  # noqa: PLC0415
-
-        rules = get_model_conversion_mapping(model)  # type: ignore[arg-type]  # any model: see the except
-    except (ImportError, AttributeError, TypeError, ValueError):
-        return set()
-    patterns = [
-        p for c in rules if isinstance(c, WeightConverter) and _stacks_experts(c) for p in c._original_source_patterns
-    ]
+    rules = _conversion_rules(model)
+    patterns = [p for c in _expert_converters(rules) for p in c._original_source_patterns] if rules else []
     return {p.split("*.")[-1].removesuffix(".weight") for p in patterns if "*." in p}
-
-
-def _stacks_experts(converter: object) -> bool:
-    """A converter rlrun reads itself: stack per-expert tensors (MergeModulelist(dim=0)), then, for several source
-    patterns, concatenate them along dim 1."""
-    ops = getattr(converter, "operations", [])
-    kinds = [(type(op).__name__, getattr(op, "dim", None)) for op in ops]
-    several = len(getattr(converter, "source_patterns", [])) > 1
-    return kinds == ([("MergeModulelist", 0), ("Concatenate", 1)] if several else [("MergeModulelist", 0)])
 
 
 def _numbers(name: str) -> tuple[int, ...]:

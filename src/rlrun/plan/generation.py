@@ -65,20 +65,29 @@ def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
     return GenerationChoice(replace(cfg, generation=replace(g, generation_backend=backend)), why, assumed)
 
 
+def check_aux_loss(coef: float, config: Any, sequence_parallel_size: int) -> None:
+    """--aux_loss_coef against the policy (`config`, its HF config) and sequence parallelism (rlrun.ppo's and
+    rlrun.sft's): one ConfigError naming the value and what to do."""
+    if coef < 0:
+        raise ConfigError(f"--aux_loss_coef must be >= 0, got {coef}")
+    if coef > 0 and config_routing_shape(config) is None:
+        raise ConfigError(
+            f"--aux_loss_coef {coef}: the policy ({getattr(config, 'model_type', '?')}) has no MoE layers; drop the "
+            "flag (or set it to 0)"
+        )
+    if coef > 0 and sequence_parallel_size > 1:
+        raise ConfigError(
+            f"--aux_loss_coef {coef} with --sequence_parallel_size {sequence_parallel_size}: each rank would balance "
+            "only its share of the tokens; not supported yet (drop one of them)"
+        )
+
+
 def check_moe_options(cfg: Config, config: Any, backend: str) -> None:
     """--router_replay and --aux_loss_coef against the policy (`config`, its HF config) and the backend: each
     combination rlrun cannot run is one ConfigError naming the values and what to do."""
     a, shape = cfg.algo, config_routing_shape(config)
     dense = f"the policy ({getattr(config, 'model_type', '?')}) has no MoE layers"
-    if a.aux_loss_coef < 0:
-        raise ConfigError(f"--aux_loss_coef must be >= 0, got {a.aux_loss_coef}")
-    if a.aux_loss_coef > 0 and shape is None:
-        raise ConfigError(f"--aux_loss_coef {a.aux_loss_coef}: {dense}; drop the flag (or set it to 0)")
-    if a.aux_loss_coef > 0 and cfg.train.sequence_parallel_size > 1:
-        raise ConfigError(
-            f"--aux_loss_coef {a.aux_loss_coef} with --sequence_parallel_size {cfg.train.sequence_parallel_size}: "
-            "each rank would balance only its share of the tokens; not supported yet (drop one of them)"
-        )
+    check_aux_loss(a.aux_loss_coef, config, cfg.train.sequence_parallel_size)
     if a.router_replay == "off":
         return
     if shape is None:

@@ -140,19 +140,19 @@ class SFTTask:
         """[b] summed NLL of each response, [b, r] response mask, and on a MoE policy the forward's load-balancing
         loss (with grad; its numbers tallied, weighted by the response tokens)."""
         batch = sequences_batch([s.prompt for s in samples], [s.response for s in samples], self.pad_id).to(self.device)
-        shape = self.routing
-        moe = None if shape is None else RoutingRun(replay=False)
+        moe = None if self.routing is None else RoutingRun(replay=False)
         log_probs, _ = policy_log_probs(self.model, batch, 1.0, packing=self.packing, sp=self.sp, moe=moe)
-        aux = None
-        if moe is not None and shape is not None:
-            aux, numbers = moe.metrics(shape.top_k)
-            tokens = float(batch.action_mask.sum())
-            self.tally.add(
-                aux_loss=numbers["moe/aux_loss"] * tokens,
-                max_expert_load=numbers["moe/max_expert_load"] * tokens,
-                moe_tokens=tokens,
-            )
-        return token_nll(log_probs, batch.action_mask), batch.action_mask, aux
+        nll, mask = token_nll(log_probs, batch.action_mask), batch.action_mask
+        if moe is None or self.routing is None:
+            return nll, mask, None
+        aux, numbers = moe.metrics(self.routing.top_k)
+        tokens = float(mask.sum())
+        self.tally.add(
+            aux_loss=numbers["moe/aux_loss"] * tokens,
+            max_expert_load=numbers["moe/max_expert_load"] * tokens,
+            moe_tokens=tokens,
+        )
+        return nll, mask, aux
 
     def micro_loss(self, samples: list[Completion], num_tokens: float, num_seqs: float) -> torch.Tensor:
         nll, mask, aux = self._nll(samples)
