@@ -39,16 +39,15 @@ from rlrun.models.adapter_pretrain import (
     saved_shapes,
 )
 from rlrun.models.architecture import AutoClass, policy_auto_class
+from rlrun.models.conversions import Converted, conversions
 from rlrun.models.lora import adapter_dir, adapter_weights, add_adapters, is_adapter, saved_adapter_name
 from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config_for_size
 from rlrun.models.weights import (
     Chained,
-    Converted,
     FileWeights,
     MemoryWeights,
     Unfilled,
     WeightSource,
-    conversions,
     missing,
     open_weights,
     params_on_meta,
@@ -236,7 +235,7 @@ def _name_base(model: PreTrainedModel, folder: str) -> None:
 def unfilled_causal_lm(source: PretrainedConfig, seed: int, weights: WeightSource | None) -> Unfilled[PreTrainedModel]:
     """The policy, unallocated, with where its weights are (`policy_weights`): a strategy places it, whole or
     sharded, then fills it. Names transformers renames, and MoE experts it stacks, are read by its own rules
-    (rlrun.models.weights.conversions); a checkpoint converted otherwise is loaded whole by `from_pretrained` first
+    (rlrun.models.conversions); a checkpoint converted otherwise is loaded whole by `from_pretrained` first
     and `note` says so."""
     config = load_model_config(source)
     auto = policy_auto_class(config)

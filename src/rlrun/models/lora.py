@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from rlrun.config.schema import PretrainedConfig
+from rlrun.models.conversions import per_expert_names
 from rlrun.models.moe import routers
-from rlrun.models.weights import Unfilled, WeightSource, open_weights, per_expert_names
+from rlrun.models.weights import Unfilled, WeightSource, open_weights
 from rlrun.runtime.errors import ConfigError, MissingExtraError
 
 if TYPE_CHECKING:  # peft is imported when LoRA is asked for (_peft)

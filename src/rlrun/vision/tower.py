@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from rlrun.models.weights import model_names
+from rlrun.models.conversions import model_names
 from rlrun.runtime.errors import ConfigError
 
 # Submodule names of the image encoder and its projector into the language model in transformers' VLM classes
