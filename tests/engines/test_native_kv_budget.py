@@ -1,5 +1,8 @@
-"""The native engine within a KV-cache budget: rows decoded in batches that fit it, results in the prompts' order,
-today's samples whenever one batch holds every row, a clear error for a row that cannot fit alone."""
+"""The native engine within a KV-cache budget: as many rows at once as it holds, each queued prompt prefilled into a
+finished row's place (continuous batching over a ring of cache columns), results in the prompts' order, today's
+samples whenever the budget holds every row, a clear error for a row that cannot fit alone. Every row's log-probs are
+checked against HF's teacher-forced ones for its own prompt, so a row that read another's keys or a stale column
+fails."""
 
 from __future__ import annotations
 
@@ -37,26 +40,28 @@ def _assert_hf_log_probs(model: torch.nn.Module, prompts: list[list[int]], out, 
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 7])
-def test_a_budget_of_k_rows_decodes_ceil_b_over_k_batches_in_the_prompts_order(k: int) -> None:
+def test_a_budget_of_k_rows_decodes_k_at_once_and_the_rest_in_finished_rows_places(k: int) -> None:
     model = _model("qwen2")
     engine = _engine(model, None)
     engine.kv_cache_bytes = k * engine.kv_row_bytes(10, NEW)
     out = engine.sample(SAME_LENGTH, seed=4)
-    assert engine.last_batches == math.ceil(len(SAME_LENGTH) / k)
+    assert (engine.last_batches, engine.last_admitted) == (1, len(SAME_LENGTH) - k)
     _assert_hf_log_probs(model, SAME_LENGTH, out)
 
 
 def test_a_one_row_budget_at_the_longest_prompt_decodes_one_row_at_a_time() -> None:
+    """Eight rows through one cache row: the ring of WIDTH + NEW columns wraps several times."""
     model = _model("qwen2")
     engine = _engine(model, None)
     engine.kv_cache_bytes = engine.kv_row_bytes(WIDTH, NEW)
     out = engine.sample(PROMPTS, seed=1)
-    assert engine.last_batches == len(PROMPTS)
+    assert engine.last_admitted == len(PROMPTS) - 1
     _assert_hf_log_probs(model, PROMPTS, out)
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS, [list(range(40, 100))] + [[41, 42]] * 7], ids=["mixed", "one_long"])
 def test_batches_go_longest_first_each_within_the_budget_at_its_own_width(prompts: list[list[int]]) -> None:
+    """The batches decoded one after another when routing is recorded (R3 follows each batch row in order)."""
     model = _model("qwen2")
     engine = _engine(model, None)
     width = max(map(len, prompts))
@@ -69,8 +74,8 @@ def test_batches_go_longest_first_each_within_the_budget_at_its_own_width(prompt
         assert len(batch) * engine.kv_row_bytes(max(len(prompts[i]) for i in batch), NEW) <= budget
     if len(prompts[0]) == 60:  # one long prompt: the short ones share a batch of six, not three batches of two
         assert [len(b) for b in batches] == [2, 6]
-        out = engine.sample(prompts, seed=0)
-        assert engine.last_batches == 2
+        out = engine.sample(prompts, seed=0)  # two rows at the long prompt's width, six prompts after them
+        assert (engine.last_batches, engine.last_admitted) == (1, 6)
         _assert_hf_log_probs(model, prompts, out)
 
 
@@ -89,7 +94,7 @@ def test_a_small_budget_is_deterministic_and_every_row_is_the_model_s() -> None:
     model = _model("llama")
     engine = _engine(model, 2 * _engine(model, None).kv_row_bytes(WIDTH, NEW))
     a = engine.sample(PROMPTS, seed=5)
-    assert engine.last_batches > 1
+    assert engine.last_admitted == len(PROMPTS) - 2
     assert engine.sample(PROMPTS, seed=5) == a
     assert engine.sample(PROMPTS, seed=6).responses != a.responses
     assert _engine(model, engine.kv_cache_bytes).sample(PROMPTS, seed=5) == a  # a fresh engine: the same samples
@@ -103,7 +108,7 @@ def test_stop_strings_end_rows_in_every_batch() -> None:
     engine.kv_cache_bytes = 3 * engine.kv_row_bytes(max(map(len, prompts)), 40)
     stop = ("a", "e", "o")
     out = engine.sample(prompts, seed=3, stop=stop, max_new_tokens=40)
-    assert engine.last_batches >= 4
+    assert engine.last_admitted == len(prompts) - 3
     stopped = 0
     for row in out.responses:
         assert 1 <= len(row) <= 40
@@ -171,5 +176,37 @@ def test_other_architectures_batch_alike() -> None:
                                                    * (WIDTH + NEW))
         engine.kv_cache_bytes = 3 * engine.kv_row_bytes(WIDTH, NEW)
         out = engine.sample(PROMPTS, seed=2)
-        assert engine.last_batches > 1
+        assert engine.last_admitted == len(PROMPTS) - 3
         _assert_hf_log_probs(model, PROMPTS, out)
+
+
+def test_the_captured_step_s_reference_admits_rows_over_its_spans_and_the_wrapped_ring() -> None:
+    """step_mode "static" (what a CUDA graph captures, uncaptured on CPU) with spans of 8 columns: the pool's ring
+    wraps, after which every step attends over the whole capacity, and every row is still its own prompt's."""
+    model = _model("qwen2")
+    engine = NativeEngine(model, SamplingSettings(0.7, 1.0, NEW, PAD_ID, (EOS_ID,)), CPU, TOK, decode_bucket=8)
+    engine.step_mode = "static"
+    engine.kv_cache_bytes = 2 * engine.kv_row_bytes(WIDTH, NEW)
+    out = engine.sample(PROMPTS, seed=3)
+    assert engine.last_admitted == len(PROMPTS) - 2 and engine.last_spans_built > 1
+    _assert_hf_log_probs(model, PROMPTS, out)
+
+
+def test_sample_until_stops_with_queued_rows_unstarted() -> None:
+    """--partial_rollout's call under a two-row budget: it stops once `need` groups are complete; the prompts still
+    waiting come back empty and unfinished (continued later), the rest are the model's."""
+    model = _model("qwen2")
+    engine = _engine(model, None)
+    engine.kv_cache_bytes = 2 * engine.kv_row_bytes(WIDTH, NEW)
+    groups = [0, 0, 1, 1, 2, 2, 3, 3]
+    out, finished = engine.sample_until(PROMPTS, 5, [NEW] * 8, groups, need=1)
+    assert finished[:2] == [True, True] and not all(finished)  # the first group was decoded first, in the first rows
+    assert any(response == [] and not f for response, f in zip(out.responses, finished))
+    started = [i for i, response in enumerate(out.responses) if response]
+    for i in started:
+        assert finished[i] or len(out.responses[i]) < NEW
+        torch.testing.assert_close(torch.tensor(out.log_probs[i]),
+                                   _hf_log_probs(model, PROMPTS[i], out.responses[i], 0.7), rtol=0, atol=2e-5)
+    every, finished = engine.sample_until(PROMPTS, 5, [NEW] * 8, groups, need=4)
+    assert all(finished) and engine.last_admitted == 6
+    _assert_hf_log_probs(model, PROMPTS, every)

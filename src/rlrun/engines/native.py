@@ -6,8 +6,11 @@ decoding padding until the longest row ends. Same seed, same prompts, same weigh
 samples (a generator of its own, seeded per call; the global RNG is untouched).
 
 Memory: the KV cache of a call's rows must fit a budget (`kv_cache_bytes`; by default on GPU what the memory free at
-the call allows, on CPU unbounded). When it cannot hold every row at once, the rows are decoded in batches, one after
-another, longest prompts first; the results come back in the prompts' order.
+the call allows, on CPU unbounded). When it cannot hold every row at once, it holds as many as it can at the longest
+prompt's width, and each row that finishes frees its place for the next prompt, prefilled there at the next look
+(continuous batching, as vLLM and nano-vllm schedule; the cache is a ring of columns instead of pages, see _decode).
+Only when MoE routing is recorded (R3) are the rows decoded in batches one after another, longest prompts first. The
+results come back in the prompts' order.
 
 CUDA graphs (`cuda_graph`, --native_cuda_graph): on a GPU each decode step can be captured once as a CUDA graph and
 replayed per token, instead of launching its few hundred kernels one by one from Python (at small models and
@@ -25,7 +28,9 @@ positions) its sums run over more (masked, zero) terms, so its logits may differ
 
 from __future__ import annotations
 
+import itertools
 import sys
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -153,6 +158,7 @@ class NativeEngine(TorchEngine):
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             get_logger(rank).info_once(f"--native_cuda_graph: {blocker}; the native engine decodes without a graph")
         self.last_batches = 0  # batches the last sample() call decoded one after another (tests, metrics)
+        self.last_admitted = 0  # rows of the last call that started in a finished row's place (continuous batching)
         self.last_steps_built = 0  # static/graph mode: decode steps the last call built, one per batch+drop
         self.last_spans_built = 0  # static/graph mode: spans those steps ran (captured), one graph each
 
@@ -167,20 +173,26 @@ class NativeEngine(TorchEngine):
         new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
         responses: list[list[int]] = [[] for _ in prompts]
         lps: list[list[float]] = [[] for _ in prompts]
-        self.last_batches = self.last_steps_built = self.last_spans_built = 0
+        self.last_batches = self.last_steps_built = self.last_spans_built = self.last_admitted = 0
         if not prompts or new <= 0:
             return Generation(responses, lps)
-        batches = self._batches(prompts, new)
-        self.last_batches = len(batches)
+        # Recording routing follows each batch row's tokens in order (R3): batches one after another. Else one decode
+        # of every row, as many at once as the budget holds, a queued prompt taking each finished row's place.
+        plan = (
+            [(batch, None) for batch in self._batches(prompts, new)]
+            if self.record_routing
+            else [(list(range(len(prompts))), self._slots(prompts, new))]
+        )
+        self.last_batches = len(plan)
         # One generator for the call, drawn from batch after batch: a single batch samples exactly as one call always
         # did, and the draws each row gets depend only on the seed, the prompts and the batches (the budget).
         generator = torch.Generator(device=self.device).manual_seed(seed)
         routing: list[torch.Tensor] | None = [torch.empty(0)] * len(prompts) if self.record_routing else None
         with self._weights():
-            for batch in batches:
+            for batch, slots in plan:
                 routes: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if routing is not None else None
                 tokens, log_probs, lengths, _ = self._decode(
-                    [prompts[i] for i in batch], new, generator, stop, routes=routes
+                    [prompts[i] for i in batch], new, generator, stop, slots=slots, routes=routes
                 )
                 for j, (i, row, lp, n) in enumerate(zip(batch, tokens.tolist(), log_probs.tolist(), lengths.tolist())):
                     kept = row[:n]
@@ -214,11 +226,10 @@ class NativeEngine(TorchEngine):
     ) -> tuple[Generation, list[bool]]:
         """Decode rows of several groups (groups[i]: row i's group) until `need` groups have every row finished (EOS,
         or limits[i] new tokens), then stop: (the responses so far, which rows finished). --partial_rollout takes the
-        finished groups and continues the others later, so a step does not wait for its longest response. When the
-        KV budget splits the rows into several batches, each batch runs to its end (correct, without the early stop)."""
+        finished groups and continues the others later, so a step does not wait for its longest response. Rows the
+        KV budget cannot hold at once wait for a finished row's place; those that never started come back empty."""
         _check_prompts(prompts)
         new = max(limits)
-        batches = self._batches(prompts, new)
         group_ids = torch.tensor(groups)
         size = torch.bincount(group_ids)
 
@@ -227,25 +238,14 @@ class NativeEngine(TorchEngine):
             return int(complete.sum()) >= need
 
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        responses: list[list[int]] = [[] for _ in prompts]
-        lps: list[list[float]] = [[] for _ in prompts]
-        done = [False] * len(prompts)
+        self.last_admitted = 0
         with self._weights():
-            for batch in batches:
-                until = enough if len(batches) == 1 else None
-                tokens, log_probs, lengths, finished = self._decode(
-                    [prompts[i] for i in batch],
-                    new,
-                    generator,
-                    (),
-                    limits=torch.tensor([limits[i] for i in batch]),
-                    until=until,
-                )
-                for i, row, lp, n, f in zip(
-                    batch, tokens.tolist(), log_probs.tolist(), lengths.tolist(), finished.tolist()
-                ):
-                    responses[i], lps[i], done[i] = row[:n], lp[:n], f
-        return Generation(responses, lps), done
+            tokens, log_probs, lengths, finished = self._decode(
+                prompts, new, generator, (), slots=self._slots(prompts, new), limits=torch.tensor(limits), until=enough
+            )
+        ns = lengths.tolist()
+        responses = [row[:n] for row, n in zip(tokens.tolist(), ns)]
+        return Generation(responses, [lp[:n] for lp, n in zip(log_probs.tolist(), ns)]), finished.tolist()
 
     def kv_row_bytes(self, width: int, new: int) -> int:
         """KV-cache bytes of one row of a batch whose longest prompt has `width` tokens, with `new` new tokens: keys
@@ -273,11 +273,9 @@ class NativeEngine(TorchEngine):
         step = 4 * _LOGIT_COPIES * vocab + ((8 + size) * H + 4 * K * D) * (width + new)
         return max(kv + width * position, int((1 + _KEEP_EXTRA) * kv) + step)
 
-    def _batches(self, prompts: list[list[int]], new: int) -> list[list[int]]:
-        """Indices into `prompts`, one list per batch to decode. Every row in one batch, in the prompts' order, when
-        the budget holds them all at the longest prompt's width (always on CPU without a budget); else longest
-        prompts first (similar widths share a batch: less padding), each batch as many rows as the budget holds at
-        the width of its own longest prompt."""
+    def _rows_that_fit(self, new: int) -> tuple[Callable[[int], int], int | None]:
+        """(rows the budget holds at a given longest-prompt width, the GPU memory the default budget takes, None when
+        a --native_kv_cache_mb budget or the CPU's no budget applies)."""
         free = None
         if self.kv_cache_bytes is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -290,6 +288,24 @@ class NativeEngine(TorchEngine):
                 return self.kv_cache_bytes // self.kv_row_bytes(width, new)
             return sys.maxsize if free is None else free // self.peak_row_bytes(width, new)
 
+        return rows_that_fit, free
+
+    def _slots(self, prompts: list[list[int]], new: int) -> int:
+        """Rows decoded at once: as many as the budget holds at the longest prompt's width (every row when it holds
+        them all, always on CPU without a budget)."""
+        rows_that_fit, free = self._rows_that_fit(new)
+        width = max(map(len, prompts))
+        rows = rows_that_fit(width)
+        if rows < 1:
+            raise ConfigError(self._too_long(width, new, free))
+        return min(rows, len(prompts))
+
+    def _batches(self, prompts: list[list[int]], new: int) -> list[list[int]]:
+        """Indices into `prompts`, one list per batch to decode one after another (recording routing: see sample).
+        Every row in one batch, in the prompts' order, when the budget holds them all at the longest prompt's width;
+        else longest prompts first (similar widths share a batch: less padding), each batch as many rows as the
+        budget holds at the width of its own longest prompt."""
+        rows_that_fit, free = self._rows_that_fit(new)
         if rows_that_fit(max(map(len, prompts))) >= len(prompts):
             return [list(range(len(prompts)))]
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: ties keep the prompts' order
@@ -333,77 +349,93 @@ class NativeEngine(TorchEngine):
         generator: torch.Generator,
         stop: tuple[str, ...],
         *,
+        slots: int | None = None,
         limits: torch.Tensor | None = None,
         until: Callable[[torch.Tensor], bool] | None = None,
         routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One batch: (tokens [B, new], log-probs [B, new], lengths [B], finished [B] bool) on the CPU; row i's
-        response is tokens[i, :lengths[i]]. Sampling draws from `generator`. limits [B]: each row's own cap on new
-        tokens (at most `new`); until: called with the finished flags [B] where the loop looks at them, True stops
-        the decode early (the running rows keep what they have, not finished). routes: a list, to which the call
-        appends the MoE routing it ran (the prompts' [B, W, layers, k] and the sampled tokens' [B, new, layers, k]
-        uint8 on the CPU; rlrun.models.moe.NO_ROUTE for a token never fed back, the last of a row)."""
+        """The rows of `prompts`: (tokens [P, new], log-probs [P, new], lengths [P], finished [P] bool) on the CPU; row
+        i's response is tokens[i, :lengths[i]]. Sampling draws from `generator`. slots: rows decoded at once (None:
+        all); the other prompts wait, and at each look at the finished rows (every SYNC_EVERY steps) the next ones are
+        prefilled into the cache rows of finished ones, which they then continue beside the others (continuous
+        batching). The cache is then a ring: every row writes the same column each step, a column that no live token
+        of any row holds, since no row spans more than the capacity (its prompt plus `new`); keys are cached
+        rotated, so attention does not care where in the ring they lie. limits [P]: each row's own cap on new
+        tokens (at most `new`); until: called with the finished flags [P] where the loop looks at them, True stops
+        the decode early (the running rows keep what they have, not finished; waiting ones come back empty).
+        routes (slots None only): a list, to which the call appends the MoE routing it ran (the prompts'
+        [P, W, layers, k] and the sampled tokens' [P, new, layers, k] uint8 on the CPU; rlrun.models.moe.NO_ROUTE for
+        a token never fed back, the last of a row)."""
         s, dev = self.sampling, self.device
-        rows, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((rows, width), s.pad_id, dtype=torch.long)
-        valid = torch.zeros(rows, width + new, dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            valid[i, width - len(p) : width] = True
-        ids, valid = ids.to(dev), valid.to(dev)
-        # recording routing reads each step's expert ids, which a captured (or static) step does not keep: eager
-        static = self.step_mode != "eager" and routes is None
-        cache: KVCache = self.decoder.new_cache(rows, width + new, zeroed=static)
+        total = len(prompts)
+        slots = total if slots is None else min(slots, total)
+        queue = deque(range(slots, total))
+        width = max(len(p) for p in prompts)  # over every prompt: any of them may start in a finished row's place
+        capacity = width + new
+        ids, prompt_valid = _left_padded(prompts[:slots], width, s.pad_id, dev)
+        valid = torch.zeros(slots, capacity, dtype=torch.bool, device=dev)
+        valid[:, :width] = prompt_valid
+        # recording routing reads each step's expert ids, which a captured (or static) step does not keep: eager; the
+        # ring writes its column through the static step's slot
+        static = (self.step_mode != "eager" and routes is None) or bool(queue)
+        cache: KVCache = self.decoder.new_cache(slots, capacity, zeroed=static)
         self.decoder.routes = None if routes is None else []
-        logits = self.decoder.prefill(ids, valid[:, :width], cache)
+        logits = self.decoder.prefill(ids, prompt_valid, cache)
         if routes is not None:
             prompt_routes = self.decoder.take_routes()
-            response_routes = torch.full((rows, new, *prompt_routes.shape[2:]), NO_ROUTE, dtype=torch.uint8, device=dev)
-        positions = torch.tensor([len(p) for p in prompts], device=dev)
-        out = torch.full((rows, new), s.pad_id, dtype=torch.long, device=dev)
-        out_lp = torch.zeros(rows, new, dtype=torch.float32, device=dev)
-        # rows still running at the end used every step; on the device, so a finished row costs no host sync
-        lengths = torch.full((rows,), new, dtype=torch.long, device=dev)
-        active = torch.arange(rows, device=dev)  # the original row of each batch row
-        done = torch.zeros(rows, dtype=torch.bool, device=dev)  # finished, not yet dropped
-        ended = torch.zeros(rows, dtype=torch.bool, device=dev)  # finished, by original row
-        limits = None if limits is None else limits.to(dev)
+            response_routes = torch.full(
+                (total, new, *prompt_routes.shape[2:]), NO_ROUTE, dtype=torch.uint8, device=dev
+            )
+        positions = torch.tensor([len(p) for p in prompts[:slots]], device=dev)
+        # column `new`: where a finished row writes until it is dropped or replaced (its response is cut by `lengths`)
+        out = torch.full((total, new + 1), s.pad_id, dtype=torch.long, device=dev)
+        out_lp = torch.zeros(total, new + 1, dtype=torch.float32, device=dev)
+        # rows that never started (until stopped first) have none; on the device, so a finished row costs no host sync
+        lengths = torch.zeros((total,), dtype=torch.long, device=dev)
+        active = torch.arange(slots, device=dev)  # the prompt of each batch row
+        age = torch.zeros(slots, dtype=torch.long, device=dev)  # tokens each batch row has sampled
+        done = torch.zeros(slots, dtype=torch.bool, device=dev)  # finished, not yet dropped or replaced
+        ended = torch.zeros(total, dtype=torch.bool, device=dev)  # finished, by prompt
+        caps = torch.full((total,), new, device=dev) if limits is None else limits.to(dev)
         stop_bytes = max((len(x.encode()) for x in stop), default=0) + _STOP_TAIL_SLACK
         end_ids = torch.tensor(s.end_ids, device=dev)
         step: _StaticStep | None = None  # static mode: the step over this cache and these rows (None: build it)
         compact = GRAPH_COMPACT_FRACTION if static else COMPACT_FRACTION
-        for t in range(new):
+        column, last_start = width, 0  # the next cache column (mod capacity); the step the latest rows started at
+        for t in itertools.count():
             token, lp = sample(logits, s.temperature, s.top_p, generator)
-            out[active, t], out_lp[active, t] = token, lp
+            at = torch.where(done, new, age)
+            out[active, at], out_lp[active, at] = token, lp
             finished = torch.isin(token, end_ids) & ~done
             if stop:
-                finished |= self._stop_hits(out, active, done, t, stop, stop_bytes)
-            if limits is not None:
-                finished |= (limits[active] <= t + 1) & ~done
-            lengths[active] = torch.where(finished, t + 1, lengths[active])
+                finished |= self._stop_hits(out, active, age, done, stop, stop_bytes)
+            finished |= (caps[active] <= age + 1) & ~done
+            lengths[active] = torch.where(done, lengths[active], age + 1)
             done |= finished
             ended[active] |= finished  # not ended[active[finished]]: a boolean index is a host sync every token
-            if t == new - 1:
-                ended[active] = True  # every row reached its cap
-                break
+            if not queue and t >= last_start + new - 1:
+                break  # every row reached its cap
+            admit: list[int] = []
             # Reading `done` on the host stalls the GPU's queue: look every SYNC_EVERY steps (finished rows meanwhile
             # decode a few tokens past their end, cut off by `lengths`).
             if stop or (t + 1) % SYNC_EVERY == 0:  # `until` looks here too: the same draws as sample() until it stops
                 running = int((~done).sum())
-                if running == 0:
+                if running == 0 and not queue:
                     break
                 if until is not None and until(ended):
-                    lengths[active[~done]] = t + 1
                     break
-                if len(active) - running >= max(1, int(compact * len(active))):
+                if queue and running < len(active):
+                    admit = done.nonzero()[:, 0].tolist()[: len(queue)]
+                elif not queue and len(active) - running >= max(1, int(compact * len(active))):
                     keep = (~done).nonzero()[:, 0]
                     active, token, positions, valid = active[keep], token[keep], positions[keep], valid[keep]
-                    done = done[keep]
+                    done, age = done[keep], age[keep]
                     cache.keep(keep)
                     step = None  # new cache and mask tensors: a captured step would read the old ones
-            valid[:, width + t] = True
+            slot = column % capacity
+            valid[:, slot] = True
             if not static:
-                logits = self.decoder.decode(token, positions, valid[:, : width + t + 1], cache)
+                logits = self.decoder.decode(token, positions, valid[:, : column + 1], cache)
                 if routes is not None:
                     response_routes[active, t] = self.decoder.take_routes()[:, 0]
             else:
@@ -413,31 +445,83 @@ class NativeEngine(TorchEngine):
                     )
                     self.last_steps_built += 1
                 spans = len(step.spans)
-                logits = step(token, positions, width + t)
+                logits = step(token, positions, slot, filled=min(capacity, column + 1))
                 self.last_spans_built += len(step.spans) - spans
-            positions = positions + 1
+            positions, age, column = positions + 1, age + (~done).long(), column + 1
+            if admit:
+                starting = [queue.popleft() for _ in admit]
+                self._admit(cache, valid, logits, [prompts[i] for i in starting], admit, column % capacity)
+                where = torch.tensor(admit, device=dev)
+                active[where] = torch.tensor(starting, device=dev)
+                positions[where] = torch.tensor([len(prompts[i]) for i in starting], device=dev)
+                age[where], done[where] = 0, False
+                last_start = t + 1
+                self.last_admitted += len(admit)
         if routes is not None:
             routes.append((prompt_routes.cpu(), response_routes.cpu()))
             self.decoder.routes = None
-        return out.cpu(), out_lp.cpu(), lengths.cpu(), ended.cpu()
+        return out[:, :new].cpu(), out_lp[:, :new].cpu(), lengths.cpu(), ended.cpu()
+
+    def _admit(
+        self,
+        cache: KVCache,
+        valid: torch.Tensor,
+        logits: torch.Tensor,
+        prompts: list[list[int]],
+        rows: list[int],
+        column: int,
+    ) -> None:
+        """Prefill `prompts` into cache rows `rows` (finished ones), each ending just before ring column `column`
+        (the next one written): their keys/values, their mask, and their last-position logits in place of the
+        finished rows' (the next draw samples their first tokens). Their prefill has a cache of its own, of the
+        prompts' width, beyond the budget's rows."""
+        width = max(map(len, prompts))
+        ids, prompt_valid = _left_padded(prompts, width, self.sampling.pad_id, valid.device)
+        scratch = self.decoder.new_cache(len(prompts), width)
+        first = self.decoder.prefill(ids, prompt_valid, scratch)
+        where = torch.tensor(rows, device=valid.device)[:, None]
+        columns = (torch.arange(column - width, column, device=valid.device) % valid.shape[1])[None, :]
+        for keys, values, new_keys, new_values in zip(cache.keys, cache.values, scratch.keys, scratch.values):
+            keys[where, :, columns] = new_keys.transpose(1, 2)  # [rows, width, K, D]: indexed dimensions go first
+            values[where, :, columns] = new_values.transpose(1, 2)
+        valid[where[:, 0]] = False
+        valid[where, columns] = prompt_valid
+        logits[where[:, 0]] = first
 
     def _stop_hits(
         self,
         out: torch.Tensor,
         active: torch.Tensor,
+        age: torch.Tensor,
         done: torch.Tensor,
-        t: int,
         stop: tuple[str, ...],
         tail_tokens: int,
     ) -> torch.Tensor:
-        """[B] bool: the running rows whose last tokens (up to step t) now contain a stop string."""
-        tail = out[active, max(0, t + 1 - tail_tokens) : t + 1].tolist()
-        running = (~done).tolist()
-        hits = [
-            running[i] and any(x in self.tokenizer.decode(row, skip_special_tokens=False) for x in stop)  # type: ignore[union-attr]
-            for i, row in enumerate(tail)
-        ]
+        """[B] bool: the running rows whose last tokens (up to each row's `age`) now contain a stop string."""
+        back = torch.arange(tail_tokens - 1, -1, -1, device=out.device)
+        tails = out[active[:, None], (age[:, None] - back).clamp(min=0)].tolist()  # [B, tail], oldest first
+        running, ages = (~done).tolist(), age.tolist()
+        tokenizer = self.tokenizer
+        assert tokenizer is not None  # sample() refuses stop strings without one
+
+        def hit(i: int, row: list[int]) -> bool:  # the row's last min(tail, age + 1) tokens
+            text = tokenizer.decode(row[max(0, tail_tokens - ages[i] - 1) :], skip_special_tokens=False)
+            return any(x in text for x in stop)
+
+        hits = [running[i] and hit(i, row) for i, row in enumerate(tails)]
         return torch.tensor(hits, dtype=torch.bool, device=out.device)
+
+
+def _left_padded(
+    prompts: list[list[int]], width: int, pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, width] long, valid [B, width] bool): the prompts right-aligned, pad_id before them."""
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        valid[i, width - len(p) :] = True
+    return ids.to(device), valid.to(device)
 
 
 def _check_prompts(prompts: list[list[int]]) -> None:
@@ -471,13 +555,14 @@ class _StaticStep:
         caller's mask reach a captured graph."""
         return self.decoder.decode(self.tokens, self.positions, self.valid[:, :span], self.cache, slot=self.slot)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
-        """logits [B, V] of the step that writes cache position `slot` (valid[:, slot] must already be True). The
-        returned tensor is rewritten by the next call."""
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int, filled: int) -> torch.Tensor:
+        """logits [B, V] of the step that writes cache position `slot` (valid[:, slot] must already be True), with
+        the first `filled` positions written (slot + 1 until a ring wraps, then all). The returned tensor is
+        rewritten by the next call."""
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
         self.slot.fill_(slot)
-        span = min(self.valid.shape[1], -(-(slot + 1) // self.bucket) * self.bucket)
+        span = min(self.valid.shape[1], -(-filled // self.bucket) * self.bucket)
         if not self.capture:
             self.spans.setdefault(span, None)
             return self._run(span)
