@@ -31,14 +31,14 @@ def test_cpu_mode_runs_checks_and_writes_results(tmp_path) -> None:
     out = tmp_path / "gpu_check"
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "harness.py"), "--cpu", "--out", str(out),
                            "--only", "engine_vs_hf", "grpo_packing", "decode_buckets", "packed_attention",
-                           "native_moe_graph", "vs_trl_0.5b", "vs_trl_1.5b_qwen_vocab", "--jobs", "1"],
+                           "native_moe_graph", "vs_trl_1.5b_qwen_vocab", "--jobs", "1"],
                           cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     results = {r["name"]: r for r in json.loads((out / "results.json").read_text())}
     assert {name: r["status"] for name, r in results.items()} == {"env": "pass", "engine_vs_hf": "pass",
                                                                   "grpo_packing": "pass", "decode_buckets": "pass",
                                                                   "packed_attention": "pass",
-                                                                  "native_moe_graph": "pass", "vs_trl_0.5b": "pass",
+                                                                  "native_moe_graph": "pass",
                                                                   "vs_trl_1.5b_qwen_vocab": "pass"}
     assert results["engine_vs_hf"]["numbers"]["lp_diff_max"] < 1e-3
     spans = results["decode_buckets"]["numbers"]
@@ -47,14 +47,14 @@ def test_cpu_mode_runs_checks_and_writes_results(tmp_path) -> None:
     assert packed["max_diff_packed_by_sequence"] < 1e-4 and packed["real_tokens"] < packed["padded_tokens"]
     assert results["native_moe_graph"]["numbers"]["greedy_rows_equal_loop"] == 4  # grouped experts: the loop's tokens
     assert results["grpo_packing"]["numbers"]["steps"] == 2
-    for name, params in (("vs_trl_0.5b", 107_456), ("vs_trl_1.5b_qwen_vocab", 9_798_208)):  # the real vocab's rows
-        side = results[name]["numbers"]
-        assert side["params"] == params, name
-        for trainer in ("trl", "rlrun"):  # both trained the job: phases within the step, MFU from the train phase
-            phases = sum(side[f"{trainer}_{p}_s"] for p in ("generate", "score", "train"))
-            assert 0 < phases <= side[f"{trainer}_s_per_step"] * 1.01, (name, trainer, side)
-            assert 0 < side[f"{trainer}_train_mfu"] < 1 and 0 < side[f"{trainer}_response_length"] <= 8
-        assert side["trl_over_rlrun"] == pytest.approx(side["trl_s_per_step"] / side["rlrun_s_per_step"], rel=0.05)
+    # TRL's GRPOTrainer and rlrun.ppo on one Qwen-vocab folder (vs_trl_0.5b differs only in the model it saves)
+    side = results["vs_trl_1.5b_qwen_vocab"]["numbers"]
+    assert side["params"] == 9_798_208  # 2 layers of width 64 over the real vocabulary's 151,936 rows
+    for trainer in ("trl", "rlrun"):  # both trained the job: phases within the step, MFU from the train phase
+        phases = sum(side[f"{trainer}_{p}_s"] for p in ("generate", "score", "train"))
+        assert 0 < phases <= side[f"{trainer}_s_per_step"] * 1.01, (trainer, side)
+        assert 0 < side[f"{trainer}_train_mfu"] < 1 and 0 < side[f"{trainer}_response_length"] <= 8
+    assert side["trl_over_rlrun"] == pytest.approx(side["trl_s_per_step"] / side["rlrun_s_per_step"], rel=0.05)
     assert (out / "logs.tar.gz").stat().st_size > 0
     assert "grpo_packing" in proc.stdout and "0 failed" in proc.stdout
 
