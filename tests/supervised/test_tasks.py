@@ -122,3 +122,37 @@ def test_sft_on_a_moe_policy_adds_transformers_load_balancing_loss_and_reports_i
     both.backward()
     assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in
                (m.mlp.gate for m in model.model.layers))
+
+
+def test_packed_rows_attend_sequence_by_sequence_and_give_the_padded_numbers() -> None:
+    """--packing_samples in rlrun.sft / rlrun.rm / rlrun.dpo: an sdpa text model's attention is switched so each packed
+    sequence attends by itself (one row, no [S, S] mask), as in rlrun.ppo; the losses and scores equal the padded ones."""
+    from rlrun.strategies.ulysses import ULYSSES
+    from rlrun.supervised.assembly import BuildContext
+
+    ctx = BuildContext(None, CPU, 0, PAD, packing=True)  # type: ignore[arg-type]  # no group is used
+    padded_sft = SFTTask(_policy(), None, None, CPU, PAD, packing=False)  # type: ignore[arg-type]
+    by_sequence = ctx.ulysses(_policy())
+    assert by_sequence.config._attn_implementation == ULYSSES
+    packed_sft = SFTTask(by_sequence, None, None, CPU, PAD, packing=True)  # type: ignore[arg-type]
+    torch.testing.assert_close(packed_sft.micro_loss(COMPLETIONS, 8, 3), padded_sft.micro_loss(COMPLETIONS, 8, 3),
+                               rtol=1e-5, atol=1e-6)
+    settings = DPOSettings(beta=0.1, label_smoothing=0.0, ipo=False, nll_loss_coef=0.0)
+    trained = _policy()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    padded_dpo = DPOTask(trained, None, None, _policy(), CPU, PAD, False, settings)  # type: ignore[arg-type]
+    want = padded_dpo.micro_loss(PAIRS, 3, 3)
+    packed_dpo = DPOTask(ctx.ulysses(trained), None, None, ctx.ulysses(_policy()), CPU, PAD, True,  # type: ignore[arg-type]
+                         settings)
+    torch.testing.assert_close(packed_dpo.micro_loss(PAIRS, 3, 3), want, rtol=1e-5, atol=1e-6)
+    hf = scalar_model_from(None, PretrainedConfig(attn_implementation="sdpa"), 3, torch.float32)
+    init_score_head(hf, 3)
+    chosen, rejected = RewardModelTask(ScalarHeadModel(hf), None, None, CPU, PAD, False, "sigmoid",  # type: ignore[arg-type]
+                                       False)._scores(PAIRS)
+    rm = ctx.ulysses(ScalarHeadModel(hf))
+    c2, r2 = RewardModelTask(rm, None, None, CPU, PAD, True, "sigmoid", False)._scores(PAIRS)  # type: ignore[arg-type]
+    torch.testing.assert_close(c2, chosen, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r2, rejected, rtol=1e-5, atol=1e-6)
+    assert hf.config._attn_implementation == ULYSSES

@@ -75,10 +75,13 @@ class BuildContext:
     pad_id: int
     solo: torch.distributed.ProcessGroup | None = None  # this rank alone: DeepSpeed's model-parallel group
     sp: SequenceParallel | None = None  # this rank's sequence-parallel block (--sequence_parallel_size > 1)
+    packing: bool = False  # --packing_samples
 
     def ulysses(self, model: nn.Module) -> nn.Module:
-        """`model` with its attention switched to Ulysses when this run is sequence-parallel."""
-        if self.sp is not None:
+        """`model` with its attention switched to Ulysses when this run is sequence-parallel, or packs rows that an
+        sdpa text model then attends sequence by sequence (each sequence costs n^2, not the packed row's width^2 under
+        a block-diagonal mask), as rlrun.ppo's packed rows do."""
+        if self.sp is not None or (self.packing and ulysses.packs_by_sequence(model)):
             ulysses.enable(model)
         return model
 
@@ -190,7 +193,10 @@ class Supervised(Generic[S]):
         solo = solo_group(cfg.runtime.dist_timeout) if t.strategy == "deepspeed" else None
         sp = sequence_parallel_groups(t.sequence_parallel_size, cfg.runtime.dist_timeout)
         task = self.build_task(
-            cfg, BuildContext(group, started.device, env.rank, int(inputs.tokenizer.pad_token_id), solo, sp)
+            cfg,
+            BuildContext(
+                group, started.device, env.rank, int(inputs.tokenizer.pad_token_id), solo, sp, t.packing_samples
+            ),
         )
         # the ranks of a sequence-parallel block train the same samples, a token shard each
         dp_rank, dp_size = env.rank // t.sequence_parallel_size, env.world_size // t.sequence_parallel_size
