@@ -474,7 +474,8 @@ class NativeEngine(TorchEngine):
         """Prefill `prompts` into cache rows `rows` (finished ones), each ending just before ring column `column`
         (the next one written): their keys/values, their mask, and their last-position logits in place of the
         finished rows' (the next draw samples their first tokens). Their prefill has a cache of its own, of the
-        prompts' width, beyond the budget's rows."""
+        prompts' width: within the share of each row's estimate (peak_row_bytes) that dropping finished rows would
+        take, as no row is dropped while prompts wait, when prompts are no longer than responses."""
         width = max(map(len, prompts))
         ids, prompt_valid = _left_padded(prompts, width, self.sampling.pad_id, valid.device)
         scratch = self.decoder.new_cache(len(prompts), width)
