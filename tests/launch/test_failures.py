@@ -18,6 +18,7 @@ table test; the hang test runs before it, alone, because its collective timeout 
 from __future__ import annotations
 
 import ast
+import functools
 import http.server
 import json
 import math
@@ -287,10 +288,18 @@ def reward_server():
     server.server_close()
 
 
-def unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@functools.cache
+def _refusing_socket() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+def refusing_port() -> int:
+    """A port whose connects are refused for as long as the tests run: bound here and never listening. A port merely
+    found free and let go could be taken by a rank's own socket (gloo binds ephemeral ports) before the reward call,
+    which then hung until its timeout instead of being refused."""
+    return _refusing_socket().getsockname()[1]
 
 
 # ---- the harness itself ------------------------------------------------------------------------------------
@@ -591,7 +600,7 @@ CASES: list[Case] = [
          failed={"rank": 2, "roles": "actor,engine", "phase": "generate", "step": 2}),
     # -- HTTP reward server ----------------------------------------------------------------------------------
     Case("reward_url_refused", 2,
-         lambda c: SMALL + SPLIT + ["--remote_rm_url", f"http://127.0.0.1:{unused_port()}/reward",
+         lambda c: SMALL + SPLIT + ["--remote_rm_url", f"http://127.0.0.1:{refusing_port()}/reward",
                                     "--remote_rm_retries", "2", "--remote_rm_timeout", "2"],
          ["FAILED", "failed after 2 attempts", "Connection refused"],
          failed={"rank": 1, "roles": "engine", "phase": "generate", "step": 1}),
