@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -118,8 +120,6 @@ _HANDING_OUT = threading.Lock()
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a test's own rendezvous), never one this process
     handed out before: worlds started from threads at once must not share a rendezvous port."""
-    import socket
-
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -128,6 +128,20 @@ def free_port() -> int:
             if port not in _HANDED_OUT:
                 _HANDED_OUT.add(port)
                 return port
+
+
+@functools.cache
+def _refusing_socket() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+def refusing_port() -> int:
+    """A port on 127.0.0.1 whose connects are refused for as long as the tests run: bound in this process and never
+    listening. A port merely found free and let go (free_port) can be taken by another socket (a rank's gloo pair
+    binds ephemeral ports) before the call, which is then accepted and never answered instead of refused."""
+    return _refusing_socket().getsockname()[1]
 
 
 def run_file_as_ranks(path: str, world: int, outdir: Path, timeout: float) -> None:

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import refusing_port
 from retriever_process import RetrieverProcess, start_retriever, stop_retriever
 
 from rlrun.agents.search_r1 import RetrieverClient, RetrieverError
@@ -161,7 +161,7 @@ def fake(request: pytest.FixtureRequest):
 
 
 def closed_port_url() -> str:
-    return f"http://127.0.0.1:{free_port()}/retrieve"
+    return f"http://127.0.0.1:{refusing_port()}/retrieve"
 
 
 def test_down_server_bounded_retries_then_one_error() -> None:

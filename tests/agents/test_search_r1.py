@@ -10,7 +10,7 @@ import asyncio
 import json
 
 import pytest
-from helpers import free_port
+from helpers import refusing_port
 from retriever_process import EXAMPLE_TRAIN, RetrieverProcess, start_retriever, stop_retriever
 
 from rlrun.agents.api import AgentInstanceBase
@@ -50,7 +50,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 def dead_client() -> RetrieverClient:
     """A client whose every search fails: proves that a step made no search."""
-    return RetrieverClient(f"http://127.0.0.1:{free_port()}/retrieve", topk=2, retries=1, timeout_s=2)
+    return RetrieverClient(f"http://127.0.0.1:{refusing_port()}/retrieve", topk=2, retries=1, timeout_s=2)
 
 
 def step(agent: SearchR1Agent, observation_text: str, action_text: str, turn: int, last_turn: bool = False,

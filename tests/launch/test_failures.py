@@ -18,13 +18,11 @@ table test; the hang test runs before it, alone, because its collective timeout 
 from __future__ import annotations
 
 import ast
-import functools
 import http.server
 import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -37,7 +35,7 @@ from typing import Callable
 import psutil
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, refusing_port
 
 FIXTURES = REPO / "tests" / "fixtures"
 TIMES_FILE = Path("/tmp/rlrun_failure_times.json")
@@ -286,20 +284,6 @@ def reward_server():
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
-
-
-@functools.cache
-def _refusing_socket() -> socket.socket:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    return s
-
-
-def refusing_port() -> int:
-    """A port whose connects are refused for as long as the tests run: bound here and never listening. A port merely
-    found free and let go could be taken by a rank's own socket (gloo binds ephemeral ports) before the reward call,
-    which then hung until its timeout instead of being refused."""
-    return _refusing_socket().getsockname()[1]
 
 
 # ---- the harness itself ------------------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import textwrap
 import threading
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import refusing_port
 from rlrun.rewards.reward_fn import RewardFunction, RewardResult, load_reward_function
 from rlrun.runtime.errors import RewardError
 
@@ -300,10 +300,7 @@ def test_http_wrong_length(server: Server) -> None:
 
 
 def test_http_connection_refused() -> None:
-    with socket.socket() as sock:  # bind then close: the port is free and nothing listens on it
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    fn = load_reward_function(f"http://127.0.0.1:{port}/r", retries=2, backoff_s=0.01)
+    fn = load_reward_function(f"http://127.0.0.1:{refusing_port()}/r", retries=2, backoff_s=0.01)
     with pytest.raises(RewardError, match=r"failed after 2 attempts: .*[Rr]efused"):
         fn(Q, P, L)
 
