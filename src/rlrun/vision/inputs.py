@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -25,11 +25,22 @@ from rlrun.data.vision_batch import PromptVision, RowVision
 from rlrun.runtime.errors import ConfigError, DataError
 
 
+class _PixelBounds(TypedDict, total=False):
+    """The resize bounds given (an absent key keeps the preprocessor_config.json's own)."""
+
+    min_pixels: int
+    max_pixels: int
+
+
 def load_image_processor(folder: str, min_pixels: int | None = None, max_pixels: int | None = None) -> Any:
     """The model's image processor (preprocessor_config.json), its resize bounds overridden where given."""
     from transformers import AutoImageProcessor  # noqa: PLC0415 - seconds of image-processing imports a text run skips
 
-    overrides = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+    overrides = _PixelBounds()
+    if min_pixels is not None:
+        overrides["min_pixels"] = min_pixels
+    if max_pixels is not None:
+        overrides["max_pixels"] = max_pixels
     try:
         return AutoImageProcessor.from_pretrained(folder, **overrides)
     except (OSError, ValueError) as exc:
