@@ -209,7 +209,7 @@ def load_seconds(ckpt: Path, rounds: int = 5) -> dict[str, float]:
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    from rlrun.config.schema import PretrainedConfig  # noqa: PLC0415
+    from rlrun.config.model import PretrainedConfig  # noqa: PLC0415
     from rlrun.models.loading import unfilled_policy  # noqa: PLC0415
 
     times: dict[str, list[float]] = {"from_pretrained + 2 deep copies": [], "meta build + fill, 3 roles": []}

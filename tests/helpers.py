@@ -336,12 +336,18 @@ def save_long_tailed_base(path: Path, logit: float = 4.0) -> str:
 def update_actor(actor, data, minibatches, kl_coef: float, budget=None) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """One actor update as the RL step runs it (rlrun.rl.trainer.Trainer.learn): the actor's loss through its update
     loop; the stats under actor/."""
+    return update_actor_seen(actor, data, minibatches, kl_coef, budget)[0]
+
+
+def update_actor_seen(actor, data, minibatches, kl_coef: float, budget=None):  # type: ignore[no-untyped-def]
+    """update_actor, and what its loss saw (PolicyLoss.seen: [rows, 1 + R], on-policy updates only, else None)."""
     from rlrun.data.batching import RowLengths
 
     lengths = RowLengths.of(data.batch) if budget is not None else None
     loss = actor.loss(data, kl_coef, budget, len(minibatches))
     stats = actor.updater.run(minibatches, data.batch.action_mask, loss, budget, lengths)
-    return {f"actor/{k}": v for k, v in stats.items()}
+    seen = loss.seen() if data.old_log_probs is None else None
+    return {f"actor/{k}": v for k, v in stats.items()}, seen
 
 
 def update_critic(critic, data, minibatches, budget=None) -> dict[str, float]:  # type: ignore[no-untyped-def]

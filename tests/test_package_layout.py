@@ -1,5 +1,5 @@
 """The package's shape (issue 22): the root holds only entry points and folders, every folder says in its
-`__init__` what lives there, imports between folders point down the tiers README's "Code layout" fixes, and no
+`__init__` what lives there, imports between folders point down the tiers docs/architecture.md's "Code layout" fixes, and no
 module imports itself back through others. Read from the source with `ast` (lazy and type-only imports count:
 they are dependencies too), so nothing here imports rlrun."""
 
@@ -12,11 +12,11 @@ from helpers import REPO
 
 PACKAGE = REPO / "src" / "rlrun"
 
-# What users start: `python -m rlrun.X` (and the compat report, which renders every entry point's flags).
+# What users start: `python -m rlrun.X`.
 ENTRY_MODULES = {"rlrun.ppo", "rlrun.sft", "rlrun.rm", "rlrun.dpo", "rlrun.retriever_server", "rlrun.reward_server",
-                 "rlrun.report", "rlrun.compat.report"}
+                 "rlrun.report"}
 
-# Bottom to top; a folder imports only folders of LOWER tiers (README.md, "Code layout", says the same).
+# Bottom to top; a folder imports only folders of LOWER tiers (docs/architecture.md, "Code layout", says the same).
 TIERS: list[set[str]] = [
     {"runtime", "algo"},
     {"config"},
@@ -77,7 +77,7 @@ def test_root_holds_only_entry_points_and_folders():
     loose = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     assert loose == {m.split(".")[1] for m in ENTRY_MODULES if m.count(".") == 1}
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert folders == set(TIER), "a new folder needs its tier in TIERS and in README's Code layout"
+    assert folders == set(TIER), "a new folder needs its tier in TIERS and in docs/architecture.md's Code layout"
 
 
 def test_every_folder_says_what_lives_there():
@@ -172,7 +172,8 @@ def test_the_config_check_sees_a_whole_config_parameter():
 
 
 def test_modules_are_ideas_not_fragments():
-    """Files by concept, not by a line budget (issue 45): at most 150 modules, half of them 150 lines or more."""
+    """Files by concept, not by a line budget (issue 45): half of the modules 150 lines or more, and no more of them
+    than concepts to hold (180: issue 61 gave each config section its owner's module)."""
     sizes = sorted(len(path.read_text().splitlines()) for path in _modules().values())
-    assert len(sizes) <= 150, len(sizes)
+    assert len(sizes) <= 180, len(sizes)
     assert sizes[(len(sizes) - 1) // 2] >= 150, sizes

@@ -28,11 +28,12 @@ from rlrun.algo.algorithms import (
 from rlrun.algo.losses import value_loss
 from rlrun.algo.policy_losses import policy_loss
 from rlrun.cli.parser import parse_args
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.plan.checks import check_values
 from rlrun.data.rollout import pack_rows, unpack_rows
 from rlrun.algo.algorithms import dynamic_filter_keep, overlong_penalty, stop_properly_penalty, truncated_rows
 from rlrun.algo.algorithms import RunningMoments
+from rlrun.rl.exchange import Scored
 from rlrun.rl.trainer import StepSettings, Trainer
 from rlrun.runtime.errors import ConfigError
 
@@ -287,6 +288,10 @@ def test_truncated_rows_is_finish_reason_length() -> None:
 # ---------------------------------------------------------------- the trainer's orchestration
 
 
+def _scored(scores: torch.Tensor, old_log_probs: torch.Tensor) -> Scored:
+    return Scored(scores, old_log_probs, ref_log_probs=None, teacher_log_probs=None, values=None)
+
+
 def _bare_trainer(cfg: Config) -> Trainer:
     """Trainer.advantages needs only its settings (the tokenizer's EOS id among them), the running reward statistics
     and the KL controller."""
@@ -303,11 +308,14 @@ def test_trainer_advantages_filter_penalties_and_order() -> None:
                       "--stop_properly_penalty_coef", "-0.5"]).config
     responses = [[5, 6, 7, 8], [2], [5, 6, 2], [5, 2]]
     batch = unpack_rows(pack_rows([[10]] * 4, responses, 2, 4, 0), 2)
-    results = {"scores": torch.tensor([1.0, 0.0, 1.0, 1.0]), "old_log_probs": torch.zeros(4, 4)}
+    scored = _scored(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.zeros(4, 4))
     tr = _bare_trainer(cfg)
-    kl, adv, ret, shaping = tr.advantages(batch, results)
-    # filter on RAW scores: group means 0.5 (kept), 1.0 (dropped)
-    assert batch.action_mask.tolist() == [[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    mask = batch.action_mask.clone()
+    out = tr.advantages(batch, scored, batch.action_mask)
+    kl, adv, ret, shaping = out.kl, out.advantages, out.returns, out.shaping
+    # filter on RAW scores: group means 0.5 (kept), 1.0 (dropped); the batch's own mask is left as it was
+    assert out.action_mask.tolist() == [[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert torch.equal(batch.action_mask, mask)
     # overlong (max 4, buffer 2, expected 2): lengths [4, 1, 3, 2] -> [-1, 0, -0.5, 0] -> [0, 0, 0.5, 1]
     # stop-properly: only row0 is cut off (4 tokens, no EOS) -> replaced by -0.5 -> [-0.5, 0, 0.5, 1]
     # dr_grpo group0: mean -0.25 -> [-0.25, 0.25] ; dropped group -> 0 everywhere
@@ -321,15 +329,15 @@ def test_trainer_advantages_filter_penalties_and_order() -> None:
 def test_normalize_reward_no_longer_runs_the_running_norm() -> None:
     """--normalize_reward is the reward model's config mean/std now; --running_reward_norm is the old one."""
     batch = unpack_rows(pack_rows([[10]] * 2, [[5, 2], [5, 2]], 2, 2, 0), 2)
-    results = {"scores": torch.tensor([1.0, 3.0]), "old_log_probs": torch.zeros(2, 2)}
+    scored = _scored(torch.tensor([1.0, 3.0]), torch.zeros(2, 2))
     base = ["--advantage_estimator", "reinforce", "--init_kl_coef", "0", "--no_advantage_std_norm"]
     tr = _bare_trainer(parse_args([*base, "--normalize_reward"]).config)
-    _, adv, _, _ = tr.advantages(batch, results)
+    adv = tr.advantages(batch, scored, batch.action_mask).advantages
     assert tr.moments.count == 0
     # reinforce, mean-centred only: [1, 3] - 2 on both tokens
     assert_close(adv, torch.tensor([[-1.0, -1.0], [1.0, 1.0]]))
     tr = _bare_trainer(parse_args([*base, "--running_reward_norm"]).config)
-    tr.advantages(batch, results)
+    tr.advantages(batch, scored, batch.action_mask)
     # running stats of [1, 3]: count 2, mean 2, population std 1
     assert (tr.moments.count, tr.moments.mean, tr.moments.std) == (2.0, 2.0, 1.0)
 

@@ -12,7 +12,7 @@ import torch
 
 from rlrun.algo.losses import aggregate_loss
 from rlrun.algo.policy_losses import POLICY_LOSS_TYPES, PolicyLossParams, check_params, policy_loss
-from rlrun.config.schema import PolicyLossType
+from rlrun.config.algorithm import PolicyLossType
 
 
 def t(x) -> torch.Tensor:

@@ -62,7 +62,7 @@ def test_cpu_mode_runs_checks_and_writes_results(tmp_path) -> None:
 def test_the_real_vocab_model_folder(tmp_path) -> None:
     """The 1.5B throughput runs' --pretrain (here in its CPU shape): Qwen2.5-1.5B-Instruct's published config with
     Qwen's real tokenizer and generation_config, read by rlrun as a user's Qwen folder."""
-    from rlrun.config.schema import PretrainedConfig
+    from rlrun.config.model import PretrainedConfig
     from rlrun.models.loading import load_model_config, load_tokenizer, response_end_ids
 
     folder = harness.qwen_1_5b_folder(tmp_path, cpu=True)

@@ -11,7 +11,7 @@ import pytest
 from rlrun.cli.parser import IGNORED_FLAGS, LAUNCHER, NOT_YET, RAY_ONLY, build_parser, parse_args, NO_EFFECT_YET
 from rlrun.compat.argv import CHANGES_TRAINING
 from rlrun.config.fields import fields_of
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.launch.layout import Role
 from rlrun.plan.plan import plan
 from rlrun.runtime.errors import ConfigError
@@ -126,12 +126,12 @@ RLRUN_FLAGS: list[tuple[str, list[str], object]] = [
 ]
 
 ALL_FLAGS = OPENRLHF_FLAGS + RLRUN_FLAGS
-BOOL_FIELDS = sorted(name for name, info in fields_of().items() if info.type is bool)
+BOOL_FIELDS = sorted(name for name, info in fields_of(Config).items() if info.type is bool)
 
 
 def _defaults_except(cfg: Config, name: str) -> None:
     """Every field but `name` still has its default: the flag landed on one field only."""
-    for other, info in fields_of().items():
+    for other, info in fields_of(Config).items():
         if other != name:
             assert getattr(getattr(cfg, info.section), other) == info.default, (name, other)
 
@@ -143,17 +143,17 @@ def test_flag_table_has_no_duplicates():
 
 def test_every_listed_flag_is_supported():
     """A field removed or renamed (and not moved to IGNORED_FLAGS) fails here."""
-    supported = set(fields_of()) | set(IGNORED_FLAGS)
+    supported = set(fields_of(Config)) | set(IGNORED_FLAGS)
     missing = [name for name, _, _ in ALL_FLAGS if name not in supported]
     assert not missing
     # And the parser really has a --flag for every field.
     parser_flags = {opt for action in build_parser()._actions for opt in action.option_strings}
-    assert {f"--{name}" for name in fields_of()} <= parser_flags
+    assert {f"--{name}" for name in fields_of(Config)} <= parser_flags
 
 
 def test_ignored_flags_are_not_fields():
     # A name in both would be stripped before parsing, so the field could never be set.
-    assert not set(IGNORED_FLAGS) & set(fields_of())
+    assert not set(IGNORED_FLAGS) & set(fields_of(Config))
 
 
 @pytest.mark.parametrize("name, values, expected", ALL_FLAGS, ids=[name for name, _, _ in ALL_FLAGS])
@@ -164,7 +164,7 @@ def test_flag_lands_on_its_field(name, values, expected):
         assert parsed.explicit == frozenset()
         assert len(parsed.ignored) == 1 and parsed.ignored[0].startswith(f"--{name}: ignored (")
         return
-    info = fields_of()[name]
+    info = fields_of(Config)[name]
     value = getattr(getattr(parsed.config, info.section), name)
     assert value == expected
     assert type(value) is type(expected)
@@ -181,20 +181,20 @@ SINGLE_VALUE = [f for f in ALL_FLAGS if len(f[1]) == 1 and f[0] not in IGNORED_F
 
 @pytest.mark.parametrize("name, values, expected", SINGLE_VALUE, ids=[f[0] for f in SINGLE_VALUE])
 def test_flag_equals_form(name, values, expected):
-    info = fields_of()[name]
+    info = fields_of(Config)[name]
     assert getattr(getattr(parse_args([f"--{name}={values[0]}"]).config, info.section), name) == expected
 
 
 @pytest.mark.parametrize("name", BOOL_FIELDS)
 def test_bool_flags_bare_or_with_value(name):
-    section = fields_of()[name].section
+    section = fields_of(Config)[name].section
     get = lambda argv: getattr(getattr(parse_args(argv).config, section), name)  # noqa: E731
     assert get([f"--{name}"]) is True
     assert get([f"--{name}", "--seed", "3"]) is True  # a bare flag does not swallow the next flag
     assert get([f"--{name}", "false"]) is False
     assert get([f"--{name}=true"]) is True
     assert get([f"--{name}=0"]) is False
-    assert get([]) is fields_of()[name].default
+    assert get([]) is fields_of(Config)[name].default
 
 
 def test_bare_use_wandb_is_on_with_key_from_environment():
@@ -420,10 +420,10 @@ def test_every_openrlhf_flag_in_one_command_line():
     cfg = parse_args(argv).config
     for name, _, expected in OPENRLHF_FLAGS:
         if name not in IGNORED_FLAGS:
-            info = fields_of()[name]
+            info = fields_of(Config)[name]
             assert getattr(getattr(cfg, info.section), name) == expected, name
 
 
 def test_config_sections_cover_all_flags():
     # Guards the table above against a section being dropped from Config.
-    assert {f.name for f in dataclasses.fields(Config)} == {i.section for i in fields_of().values()}
+    assert {f.name for f in dataclasses.fields(Config)} == {i.section for i in fields_of(Config).values()}

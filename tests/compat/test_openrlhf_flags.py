@@ -14,7 +14,7 @@ from rlrun.cli.parser import IGNORED_FLAGS, NOT_YET, RAY_ONLY, parse_args
 from rlrun.compat.openrlhf_flags import OPENRLHF_DOTTED, ByValue, Ignored, Same, resolve
 from rlrun.compat.argv import refused
 from rlrun.config.fields import fields_of
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.runtime.errors import ConfigError
 
 PEER_CLI = Path("/work/peers/openrlhf/cli/train_ppo_ray.py")
@@ -25,7 +25,7 @@ PENDING = {"eps_clip_low_high", "policy_loss_type", "dynamic_filtering", "dynami
            "running_reward_norm", "normalize_reward", "eval_dataset", "eval_split", "eval_steps", "eval_temperature",
            "eval_n_samples_per_prompt", "eval_before_train", "packing_samples"}
 
-FIELDS = fields_of()
+FIELDS = fields_of(Config)
 SAME = sorted(name for name, m in OPENRLHF_DOTTED.items() if isinstance(m, Same) and m.field in FIELDS)
 IGNORED = sorted(name for name in OPENRLHF_DOTTED if isinstance(resolve(name, FIELDS, IGNORED_FLAGS), Ignored))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rlrun.cli.parser import parse_args
-from rlrun.compat.report import verl_rows
+from compat_report import verl_rows
 from rlrun.runtime.errors import ConfigError
 
 M, CM = "actor_rollout_ref.model.", "critic.model."
@@ -120,3 +120,14 @@ def test_status_table_rows():
         assert rows[f"`{CM}{key}`"].startswith("supported"), rows[f"`{CM}{key}`"]
     assert rows[f"`{M}lora_adapter_path`"].startswith("rejected")
     assert rows[f"`{M}use_shm`"].startswith("ignored") and rows["`actor_rollout_ref.rollout.layered_summon`"].startswith("ignored")
+
+
+def test_the_status_table_in_the_docs_is_the_generated_one():
+    """docs/compat.md ends with what scripts/compat_report.py writes from today's flag tables (regenerate it:
+    `python scripts/compat_report.py`, pasted under "Status of every flag and key")."""
+    from pathlib import Path
+
+    from compat_report import markdown
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "compat.md").read_text()
+    assert doc.endswith(markdown()), "docs/compat.md's status table is stale: regenerate it with scripts/compat_report.py"

@@ -16,10 +16,10 @@ from rlrun.cli.parser import IGNORED_FLAGS, parse_args
 from rlrun.compat.verl_keys import BY_PROVENANCE, VERL_KEYS, Part, To
 from rlrun.compat.verl_overrides import parse_value, translate
 from rlrun.config.fields import fields_of
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.runtime.errors import ConfigError
 
-FIELDS = fields_of()
+FIELDS = fields_of(Config)
 PENDING = {"eval_dataset", "eval_steps", "eval_temperature", "eval_n_samples_per_prompt", "eval_before_train",
            "packing_samples", "eps_clip_low_high"}
 
@@ -598,7 +598,7 @@ def test_docs_list_every_verl_key():
 def test_a_key_standing_for_a_refused_flag_is_refused_and_the_status_table_says_so():
     """trainer.critic_warmup is --freezing_actor_steps, which rlrun refuses (ignoring it would train the actor from
     step 1): refused under the verl spelling too, its off value accepted, and docs/compat.md's generated row agrees."""
-    from rlrun.compat.report import verl_rows
+    from compat_report import verl_rows
 
     with pytest.raises(ConfigError, match=r"^trainer.critic_warmup 5: freezing the actor"):
         parse_args(["trainer.critic_warmup=5", "--remote_rm_url", "demo"])

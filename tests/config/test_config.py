@@ -11,7 +11,7 @@ from helpers import REPO
 
 from rlrun.cli.parser import build_parser, load_yaml, parse_args
 from rlrun.config.fields import build_config, coerce, fields_of, redacted
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.runtime.errors import ConfigError
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
@@ -258,7 +258,7 @@ def test_choice_error_suggests_close_choice():
 
 
 def test_coerce_round_trips_every_default():
-    for info in fields_of().values():
+    for info in fields_of(Config).values():
         assert coerce(info, info.default, "test") == info.default, info.name
 
 
@@ -286,14 +286,14 @@ def test_bare_use_wandb_means_key_from_environment():
 
 
 def test_every_field_has_help_text():
-    infos = fields_of()
+    infos = fields_of(Config)
     assert len(infos) > 80
     for info in infos.values():
         assert isinstance(info.help, str) and info.help.strip(), info.name
 
 
 def test_field_names_are_unique_and_sections_match_config():
-    infos = fields_of()
+    infos = fields_of(Config)
     assert {i.section for i in infos.values()} == set(SECTIONS)
     cfg = Config()
     for info in infos.values():
@@ -301,7 +301,7 @@ def test_field_names_are_unique_and_sections_match_config():
 
 
 def test_build_config_places_fields_in_their_sections():
-    cfg = build_config({"seed": 1, "bf16": True, "eps_clip": 0.1, "use_wandb": None})
+    cfg = build_config({"seed": 1, "bf16": True, "eps_clip": 0.1, "use_wandb": None}, Config)
     assert (cfg.train.seed, cfg.model.bf16, cfg.algo.eps_clip) == (1, True, 0.1)
 
 
@@ -313,7 +313,7 @@ def test_help_is_grouped_by_section():
         positions.append(text.index(f"\n{section}:\n"))
     assert positions == sorted(positions)  # sections in Config order
     # Each flag is listed under its own section's header.
-    infos = fields_of()
+    infos = fields_of(Config)
     for name in ("pretrain", "actor_num_gpus_per_node", "temperature", "seed", "eps_clip", "prompt_data",
                  "save_path", "use_wandb", "dry_run"):
         section = infos[name].section
@@ -336,5 +336,5 @@ def test_help_flag_prints_and_exits_zero(capsys):
 
 def test_help_shows_defaults():
     text = " ".join(build_parser().format_help().split())  # argparse wraps to the terminal width
-    assert math.isclose(fields_of()["eps_clip"].default, 0.2)
+    assert math.isclose(fields_of(Config)["eps_clip"].default, 0.2)
     assert "PPO clip range. (default: 0.2)" in text

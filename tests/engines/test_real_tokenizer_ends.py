@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from real_artefacts import ENDOFTEXT, IM_END, GSM8K_INSTRUCTION, released, save_qwen_vocab_model
-from rlrun.config.schema import PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.engines.base import Engine, HFEngine, SamplingSettings
 from rlrun.engines.native import NativeEngine
 from rlrun.models.loading import load_tokenizer, response_end_ids

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from rlrun.config.schema import PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.models.gguf import gguf_folder
 from rlrun.models.hub import resolve_models
 from rlrun.models.loading import load_tokenizer, response_end_ids

@@ -8,7 +8,7 @@ import pytest
 from peer_data import lay_out_hub_cache
 from transformers import AutoModelForCausalLM
 
-from rlrun.config.schema import PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.models import hub
 from rlrun.models.loading import load_causal_lm, load_tokenizer
 from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config

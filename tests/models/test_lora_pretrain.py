@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from helpers import WholeStrategy, save_tiny_base
-from rlrun.config.schema import PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.models import hub
 from rlrun.models.loading import (AdapterMerged, load_model_config, load_tokenizer, lora_settings, policy_weights,
                                   resolve_adapter_pretrain, tokenizer_missing, unfilled_causal_lm, unfilled_scalar_model,

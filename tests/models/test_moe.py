@@ -341,7 +341,7 @@ def test_lora_on_a_moe_policy_adapts_attention_and_refuses_the_routed_experts(ki
     PEFT reads as the fused routed experts (Qwen3-MoE's gate/up/down_proj, here a dense layer's): attention everywhere,
     Qwen2-MoE's shared expert; routers and experts stay frozen and unwrapped.
     Naming per-expert projections explicitly is one ConfigError saying why."""
-    from rlrun.config.schema import PretrainedConfig
+    from rlrun.config.model import PretrainedConfig
     from rlrun.models.loading import policy_weights, unfilled_trained_policy
     from rlrun.runtime.errors import ConfigError
 

@@ -20,7 +20,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from rlrun.config.schema import PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.models.loading import load_causal_lm, policy_weights, unfilled_causal_lm, unfilled_scalar_model
 from rlrun.models.tiny import build_causal_lm, tiny_model_config
 from rlrun.models.weights import FileWeights, params_on_meta

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from rlrun.cli.parser import parse_args
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.plan.checks import check_batches, check_values
 from rlrun.plan.plan import plan
 from rlrun.runtime.errors import ConfigError

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.plan.plan import plan
 from rlrun.runtime.errors import ConfigError
 from rlrun.plan import checks

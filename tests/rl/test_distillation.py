@@ -13,7 +13,7 @@ import pytest
 import rlrun.ppo
 from helpers import save_tiny_base
 from rlrun.cli.parser import parse_args
-from rlrun.config.schema import PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.models.loading import load_tokenizer
 from rlrun.plan.preflight import check_teacher_tokenizer
 from rlrun.runtime.errors import ConfigError

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from helpers import run_rlrun
 from test_resume import SMALL, _copy_checkpoints, _no_timing, _ok, torchrun
-from rlrun.config.schema import PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.data.rollout import RolloutBatch
 from rlrun.models.loading import load_causal_lm, unfilled_policy
 from rlrun.models.lora import LoraSettings, add_adapters, hf_name, is_adapter
@@ -111,7 +111,7 @@ def test_an_adapter_directory_with_a_kl_term_is_refused_in_one_line(tmp_path) ->
 
     import pytest
 
-    from rlrun.config.schema import Config
+    from rlrun.config.tree import Config
     from rlrun.plan.plan import check_adapter_reference
     from rlrun.runtime.errors import ConfigError
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import REPO, subprocess_env, update_actor
+from helpers import REPO, subprocess_env, update_actor, update_actor_seen
 from rlrun.config.fields import build_config
 from rlrun.data.rollout import pack_rows, unpack_rows
 from rlrun.models.tiny import PAD_ID, build_causal_lm, tiny_model_config
@@ -68,12 +68,11 @@ def test_actor_step_without_old_log_probs_is_the_same_step():
     scored, skipped = _actor(), _actor()
     old = scored.log_probs(batch, 2)
     stats_scored = update_actor(scored, PolicyData(batch, old, adv, ref), [torch.arange(4)], kl_coef=0.04)
-    stats_skipped = update_actor(skipped, PolicyData(batch, None, adv, ref), [torch.arange(4)], kl_coef=0.04)
+    stats_skipped, got = update_actor_seen(skipped, PolicyData(batch, None, adv, ref), [torch.arange(4)], kl_coef=0.04)
     for p, q in zip(scored.model.parameters(), skipped.model.parameters()):
         torch.testing.assert_close(q, p, atol=1e-6, rtol=0)
     assert abs(stats_scored["actor/policy_loss"] - stats_skipped["actor/policy_loss"]) < 1e-6
     # The skipped run hands back its pre-update log-probs: [row index, log-probs], the scored pass's values.
-    got = skipped.on_policy_log_probs()
     assert sorted(got[:, 0].tolist()) == [0.0, 1.0, 2.0, 3.0]
     rows = got[:, 0].long()
     torch.testing.assert_close(got[rows.argsort(), 1:] * batch.action_mask, old * batch.action_mask, atol=1e-6, rtol=0)
@@ -84,8 +83,8 @@ def test_actor_step_without_old_log_probs_is_the_same_step():
 ARGS = ["--config", "configs/demo.yaml", "--max_steps", "2", "--rollout_batch_size", "4", "--n_samples_per_prompt", "4",
         "--train_batch_size", "16", "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8",
         "--use_kl_loss", "--kl_estimator", "k3", "--init_kl_coef", "0.04"]
-# The same entry point with the skip turned off (the trainer reads the module-level function at each step).
-NO_SKIP = ("import sys, rlrun.rl.trainer as t; t.skips_old_log_probs = lambda train, algo, distill=False: False; "
+# The same entry point with the skip turned off (the assembly decides the branch once, from this function).
+NO_SKIP = ("import sys, rlrun.rl.assembly as a; a.skips_old_log_probs = lambda train, algo, distill=False: False; "
            "from rlrun.ppo import main; sys.exit(main(sys.argv[1:]))")
 
 

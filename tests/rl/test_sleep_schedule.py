@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.plan.checks import check_values
 from rlrun.launch.layout import Role
 from rlrun.rl.sleep import SleepSchedule, Sleeper, rank_plan

@@ -143,8 +143,9 @@ def _policy_inputs(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def _actor_grad(agg: str, batch: RolloutBatch, budget: TokenBudget | None, rank: int = 0, world: int = 1,
-                on_policy: bool = False) -> tuple[torch.Tensor, Actor, dict[str, float]]:
-    from helpers import update_actor  # not at the top: the ranks run this file as __main__
+                on_policy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """The actor's gradient, what its on-policy loss saw (None off-policy) and its stats."""
+    from helpers import update_actor_seen  # not at the top: the ranks run this file as __main__
 
     adv, old, ref = _policy_inputs(batch)
     model = build_causal_lm(tiny_model_config(), seed=0)
@@ -152,8 +153,9 @@ def _actor_grad(agg: str, batch: RolloutBatch, budget: TokenBudget | None, rank:
     settings = PolicyLossSettings(0.2, None, agg, 1.0, 0.01, True, "k3")  # KL loss and entropy on
     actor = Actor(model, updater, settings, CPU)
     rows = [torch.arange(len(batch.prompt_len))]
-    stats = update_actor(actor, PolicyData(batch, None if on_policy else old, adv, ref), rows, kl_coef=0.5, budget=budget)
-    return capture.grads[0], actor, stats
+    data = PolicyData(batch, None if on_policy else old, adv, ref)
+    stats, seen = update_actor_seen(actor, data, rows, kl_coef=0.5, budget=budget)
+    return capture.grads[0], seen, stats
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
@@ -179,9 +181,9 @@ def test_actor_gradient_of_uneven_micro_batches_equals_the_full_batch(agg):
 
 def test_on_policy_log_probs_of_trimmed_micro_batches_fill_the_full_width():
     batch = long_tailed_batch()
-    _, full, _ = _actor_grad("token-mean", batch, None, on_policy=True)
-    _, dynamic, _ = _actor_grad("token-mean", batch, TokenBudget(3 * (P + R)), on_policy=True)
-    a, b = full.on_policy_log_probs(), dynamic.on_policy_log_probs()
+    _, a, _ = _actor_grad("token-mean", batch, None, on_policy=True)
+    _, b, _ = _actor_grad("token-mean", batch, TokenBudget(3 * (P + R)), on_policy=True)
+    assert a is not None and b is not None
     assert a.shape == b.shape == (12, 1 + batch.response_width)
     a, b = a[a[:, 0].argsort()], b[b[:, 0].argsort()]
     mask = batch.action_mask.bool()

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from helpers import WholeStrategy, save_tiny_base
-from rlrun.config.schema import PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.models import hub
 from rlrun.models.loading import (ScalarHeadModel, load_tokenizer, policy_weights, unfilled_causal_lm,
                                   unfilled_scalar_model, unfilled_trained_policy)

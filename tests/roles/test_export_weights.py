@@ -113,7 +113,7 @@ def _case(kind: str, stage: int, rank: int, outdir: Path) -> dict:
 
 def _lora_policy(base: Path):
     """A rank-4 LoRA policy on the base saved in `base` (its adapters as rlrun initialises them), unfilled."""
-    from rlrun.config.schema import PretrainedConfig
+    from rlrun.config.model import PretrainedConfig
     from rlrun.models.loading import policy_weights, unfilled_trained_policy
 
     source = PretrainedConfig(pretrain=str(base), lora_rank=4)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers import run_rlrun
 from rlrun.checkpoint import store as ckpt
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.plan.plan import plan
 from rlrun.runtime.errors import ConfigError
 

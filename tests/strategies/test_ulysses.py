@@ -50,7 +50,7 @@ def _models():
     scalar-head critic; gradient checkpointing and LoRA on two of them."""
     from transformers import AutoModelForSequenceClassification, MistralConfig, Qwen2Config
 
-    from rlrun.config.schema import PretrainedConfig
+    from rlrun.config.model import PretrainedConfig
     from rlrun.models.loading import ScalarHeadModel
     from rlrun.models.lora import LoraSettings, add_adapters
     from rlrun.models.tiny import build_causal_lm

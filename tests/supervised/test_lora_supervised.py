@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from helpers import run_rlrun
-from rlrun.config.schema import PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.models.loading import load_causal_lm
 from rlrun.models.lora import hf_name, is_adapter
 from rlrun.runtime.errors import ConfigError

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlrun.config.schema import PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.models.loading import ScalarHeadModel, init_score_head, load_causal_lm, scalar_model_from
 from rlrun.supervised.tasks import sequences_batch
 from rlrun.supervised.datasets import Completion, Preference

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.data.prompts import PromptKeys, load_prompt_records
 from rlrun.data.sources import DataSpec
 from rlrun.models.tiny import build_byte_tokenizer

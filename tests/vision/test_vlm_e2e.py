@@ -43,7 +43,7 @@ def _tail(values: list[float], n: int = 5) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_vlm_demo_learns_what_only_the_image_says_and_not_from_blank_images(task, tmp_path):
-    """configs/vlm_demo.yaml as README runs it (--model_preset tiny-vl: model and data built into RLRUN_CACHE), with
+    """configs/vlm_demo.yaml as docs/features.md runs it (--model_preset tiny-vl: model and data built into RLRUN_CACHE), with
     --freeze_visual_encoder; then the same model on the same task with blank pictures."""
     env = subprocess_env(RLRUN_CACHE=str(tmp_path / "cache"))
     seen = run_rlrun(0, ["--config", "configs/vlm_demo.yaml", "--freeze_visual_encoder"], tmp_path / "seen",

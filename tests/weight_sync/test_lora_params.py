@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from rlrun.config.schema import PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.models.loading import load_causal_lm, unfilled_policy
 from rlrun.models.lora import LoraSettings, add_adapters
 

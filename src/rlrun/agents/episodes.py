@@ -22,7 +22,8 @@ from transformers import PreTrainedTokenizerBase
 
 from rlrun.agents.calls import AgentCalls, Instance
 from rlrun.agents.loader import load_agent_file
-from rlrun.config.schema import AgentConfig, GenerationConfig
+from rlrun.config.agent import AgentConfig
+from rlrun.config.generation import GenerationConfig
 from rlrun.data.batching import derive_seed
 from rlrun.engines.base import Generation
 from rlrun.runtime.errors import AgentError

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 
 from rlrun.agents.api import AgentInstanceBase
-from rlrun.config.schema import RETRIEVER_RETRY_BACKOFF_S
+from rlrun.config.agent import RETRIEVER_RETRY_BACKOFF_S
 from rlrun.rewards.rules import compute_score_em, golden_answers
 from rlrun.runtime.errors import ConfigError, RlrunError
 from rlrun.runtime.secrets import redact_url

@@ -10,7 +10,7 @@ caller's job.
 Shape conventions: ``B`` rows (sequences), ``T`` response positions.
 Masks are 0/1 (any dtype) with 1 on response tokens; responses are right-padded,
 but GAE/returns also tolerate holes in the mask (masked positions are skipped).
-Semantics follow OpenRLHF (models/utils.py, experience_maker.py, kl_controller.py)
+Semantics follow OpenRLHF (openrlhf/models/utils.py, experience_maker.py, kl_controller.py)
 and verl core_algos.py.
 """
 
@@ -40,7 +40,7 @@ _WHITENED: frozenset[str] = frozenset({"gae", "reinforce", "reinforce_baseline"}
 GAMMA_ONE_ESTIMATORS: frozenset[str] = _NEEDS_GROUP
 
 # OpenRLHF bounds every KL estimate to [-KL_CLAMP, KL_CLAMP] and k3's log-ratio from below at
-# -KL_CLAMP (models/utils.py, compute_approx_kl): a policy far from the reference gets a
+# -KL_CLAMP (openrlhf/models/utils.py, compute_approx_kl): a policy far from the reference gets a
 # bounded penalty, and no gradient, instead of an exploding one.
 KL_CLAMP = 10.0
 

@@ -6,7 +6,7 @@ aggregation are passed in.
 
 Shape conventions: ``B``/``b`` rows (a batch / a micro-batch), ``T`` response positions,
 ``V`` vocab. Masks are 0/1 (any dtype) with 1 on response tokens. Semantics follow
-OpenRLHF (models/utils.py, models/loss.py) and verl core_algos.py.
+OpenRLHF (openrlhf/models/utils.py, openrlhf/models/loss.py) and verl core_algos.py.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ One implementation (`RolloutCorrection`, `correct`) under both peers' settings:
   `rollout_is_batch_normalize`; `rollout_rs` rejection by k1/k2/k3 divergences per token or per sequence (sum, mean,
   max), which changes the response mask before the advantages; `bypass_mode`, where the loss's old log-probs are the
   engine's (`verl_correction`, and `VERL_PRESETS`: verl's RolloutCorrectionConfig constructors by name).
-- OpenRLHF 0.11's `--algo.advantage.is_correction_*` (models/loss.py PolicyLoss): token weights gated per token or
-  by each sequence's geometric-mean ratio (or the sampled token's binary KL / total variation), clamped into
+- OpenRLHF 0.11's `--algo.advantage.is_correction_*` (openrlhf/models/loss.py PolicyLoss): token weights gated per
+  token or by each sequence's geometric-mean ratio (or the sampled token's binary KL / total variation), clamped into
   [LOW, HIGH] (TIS) or zeroed outside it (ICEPOP, seq-mask-tis) (`openrlhf_correction`).
 
 The weights are constants (no gradient), 0 at padding; every log-ratio is bounded to +-20 before exp() (verl's

@@ -1,7 +1,7 @@
 """Command line: defaults < YAML (--config) < flags, OpenRLHF flag names, --help (a short usage, then every flag
 grouped by section).
 
-The parser is generated from ``rlrun.config.schema``; nothing here defines a setting.
+The parser is generated from the config tree (``rlrun.config.tree``); nothing here defines a setting.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import yaml
 from rlrun.compat import openrlhf_flags, verl_overrides
 from rlrun.compat.argv import LAUNCHER, NOT_YET, QLORA, RAY_ONLY, RING_HEAD_STRIDE, Nargs, refused
 from rlrun.config.fields import FieldInfo, build_config, coerce, fields_of, suggest
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.runtime.errors import ConfigError
 
 # OpenRLHF train_ppo_ray flags rlrun accepts but does not act on: name -> (values it takes, reason).
@@ -181,7 +181,7 @@ VERL_EXAMPLE = "actor_rollout_ref.rollout.n=8 actor_rollout_ref.actor.optim.lr=1
 
 @dataclass(frozen=True)
 class ParsedArgs:
-    config: Any  # an instance of the spec's config_cls (PPO: rlrun.config.schema.Config)
+    config: Any  # an instance of the spec's config_cls (PPO: rlrun.config.tree.Config)
     ignored: tuple[str, ...]  # one line per ignored flag, with the reason
     explicit: frozenset[str]  # fields set by YAML or flags (not defaults)
     vllm_acts_on: tuple[str, ...] = ()  # the lines of `ignored` that a vLLM backend acts on (VLLM_BACKEND_FIELDS)

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from rlrun.config.fields import fields_of, redacted
-from rlrun.config.schema import RootConfig
+from rlrun.config.tree import RootConfig
 
 CONFIG_FILE = "config.yaml"
 NOT_SAVED = frozenset({"dry_run", "plan_json", "gpu_memory_gb"})  # the preflight's, not the run's

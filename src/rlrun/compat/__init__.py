@@ -4,7 +4,7 @@
 its table ``verl_keys``): verl/Hydra ``key=value`` overrides. Both rewrite argv into rlrun's own (OpenRLHF classic)
 flag names before parsing, so precedence stays positional: later on the command line wins (``argv`` holds what
 they share). ``openrlhf_checkpoint`` reads OpenRLHF's saved DeepSpeed checkpoints and starts a run from one;
-``report`` (an entry point: `python -m rlrun.compat.report`) writes docs/compat.md from all of it.
+scripts/compat_report.py writes docs/compat.md from all of it.
 
-May import models/, config/ and runtime/ (report, as an entry point, anything).
+May import models/, config/ and runtime/.
 """

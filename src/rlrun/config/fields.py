@@ -6,16 +6,23 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
-from rlrun.config.schema import Config
 from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.secrets import MASK, redact_value
 
 T = TypeVar("T")
+
+
+def opt(default: Any, help: str, *, secret: bool = False, metavar: str | None = None) -> Any:
+    """A config field with its help text (every flag has one)."""
+    meta = {"help": help, "secret": secret, "metavar": metavar}
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,7 @@ class FieldInfo:
     metavar: str | None
 
 
-def fields_of(config_cls: type = Config) -> dict[str, FieldInfo]:
+def fields_of(config_cls: type) -> dict[str, FieldInfo]:
     """Every leaf field by its (unique) flag name."""
     out: dict[str, FieldInfo] = {}
     hints = get_type_hints(config_cls)
@@ -139,7 +146,7 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
     raise AssertionError(f"unsupported config type {tp} for {where}")
 
 
-def build_config(values: dict[str, Any], config_cls: type[T] = Config) -> T:  # type: ignore[assignment]
+def build_config(values: dict[str, Any], config_cls: type[T]) -> T:
     """A root config (PPO's Config, or a supervised trainer's) from already-coerced flat values keyed by field name."""
     infos = fields_of(config_cls)
     sections: dict[str, dict[str, Any]] = {}

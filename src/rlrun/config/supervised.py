@@ -1,7 +1,7 @@
 """The typed configuration trees of `rlrun.sft`, `rlrun.rm` and `rlrun.dpo`.
 
 Each trainer's root config is built from the sections every trainer shares (model, optimisation,
-templates, saving, tracking, runtime: defined once in rlrun.config.schema) plus its own data and loss
+templates, saving, tracking, runtime: each defined once in its own module of rlrun.config) plus its own data and loss
 fields; the command line is generated from it exactly as for PPO (rlrun.cli.parser).
 """
 
@@ -10,15 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlrun.config.schema import (
-    OptimConfig,
-    PretrainedConfig,
-    RuntimeConfig,
-    SavingConfig,
-    TemplateConfig,
-    TrackingConfig,
-    opt,
-)
+from rlrun.config.checkpoint import SavingConfig
+from rlrun.config.data import TemplateConfig
+from rlrun.config.fields import opt
+from rlrun.config.model import PretrainedConfig
+from rlrun.config.runtime import RuntimeConfig
+from rlrun.config.tracking import TrackingConfig
+from rlrun.config.training import OptimConfig
 
 
 @dataclass

@@ -11,7 +11,8 @@ from typing import Any, Protocol
 
 import torch
 
-from rlrun.config.schema import DataConfig, GenerationConfig
+from rlrun.config.data import DataConfig
+from rlrun.config.generation import GenerationConfig
 from rlrun.data import sources as records
 from rlrun.data.images import images_of
 from rlrun.data.sources import DataSpec, Messages, read_sources

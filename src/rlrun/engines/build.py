@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.config.schema import GenerationConfig
+from rlrun.config.generation import GenerationConfig
 from rlrun.engines.base import Engine, HFEngine, SamplingSettings, TorchEngine
 from rlrun.engines.native import NativeEngine
 from rlrun.launch.dist import before_teardown, world_size
@@ -101,10 +101,10 @@ def _vllm_engine(
     image_processor: Any,
     images_per_prompt: int,
 ) -> VLLMEngine | TensorParallelEngine | InProcessEngine:
-    """vLLM in this rank when the engine ranks are the whole world (vllm/placement.py); otherwise a vLLM child on
-    this rank (tensor parallel 1), or this rank's part of a tensor-parallel engine whose child runs on the engine's
-    first rank. Weight sync hands each sync to vLLM and the rank reads nothing (but a vision-language policy, for
-    vLLM's first file, into host memory and dropped once written)."""
+    """vLLM in this rank when the engine ranks are the whole world (engines/vllm/placement.py); otherwise a vLLM
+    child on this rank (tensor parallel 1), or this rank's part of a tensor-parallel engine whose child runs on the
+    engine's first rank. Weight sync hands each sync to vLLM and the rank reads nothing (but a vision-language policy,
+    for vLLM's first file, into host memory and dropped once written)."""
     from rlrun.engines.vllm.engine import TensorParallelEngine, VLLMEngine  # noqa: PLC0415 - optional extra
     from rlrun.engines.vllm.placement import choose_host  # noqa: PLC0415
 

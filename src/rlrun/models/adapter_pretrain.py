@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import torch
 
-from rlrun.config.schema import PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.models import hub
 from rlrun.models.lora import (
     ADAPTER_CONFIG,

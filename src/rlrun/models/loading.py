@@ -24,7 +24,7 @@ from transformers import (
 )
 from transformers import PretrainedConfig as HFConfig
 
-from rlrun.config.schema import ModelConfig, PretrainedConfig
+from rlrun.config.model import ModelConfig, PretrainedConfig
 from rlrun.models.adapter_pretrain import (
     REWARD_NORM_FILE,
     AdapterMerged,
@@ -371,7 +371,7 @@ class ScalarHeadModel(nn.Module):
         self.hf = hf_model
         self._no_split_modules = getattr(hf_model, "_no_split_modules", None)
         # OpenRLHF --normalize_reward: outputs become (x - mean) / std with the mean/std a reward-model
-        # trainer stored in config.json (models/model.py); a config without them leaves outputs as they are.
+        # trainer stored in config.json (openrlhf/models/model.py); a config without them leaves outputs as they are.
         self.output_norm = config_mean_std(hf_model.config) if normalize else None
 
     def gradient_checkpointing_enable(self, **kwargs: object) -> None:

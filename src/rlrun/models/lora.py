@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from rlrun.config.schema import PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.models.conversions import per_expert_names
 from rlrun.models.moe import routers
 from rlrun.models.weights import Unfilled, WeightSource, open_weights

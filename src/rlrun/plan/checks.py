@@ -17,16 +17,13 @@ from rlrun.algo.rollout_correction import (
     preset,
     verl_correction,
 )
-from rlrun.config.schema import (
-    NEEDS_GROUPS,
-    RETRIEVER_RETRY_BACKOFF_S,
-    AlgorithmConfig,
-    Config,
-    OptimConfig,
-    PretrainedConfig,
-    SavingConfig,
-)
+from rlrun.config.agent import RETRIEVER_RETRY_BACKOFF_S
+from rlrun.config.algorithm import NEEDS_GROUPS, AlgorithmConfig
+from rlrun.config.checkpoint import SavingConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.config.supervised import DPOConfig, DPOLossConfig, SupervisedConfig
+from rlrun.config.training import OptimConfig
+from rlrun.config.tree import Config
 from rlrun.launch.layout import Layout, Role
 from rlrun.models.lora import ADAPTER_CONFIG, refuse_adapter_as_reference
 from rlrun.runtime.errors import ConfigError

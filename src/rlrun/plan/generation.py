@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.engines.base import REPORTS_LOG_PROBS, resolve_backend
 from rlrun.engines.decoder import unsupported_reason
 from rlrun.models.architecture import is_vision_language

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.engines.vllm.adapter import CPU_KV_CACHE_GIB
 from rlrun.engines.vllm.placement import whole_world_problem
 from rlrun.launch.layout import Layout, Role

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from rlrun.config.schema import Config, RuntimeConfig
+from rlrun.config.runtime import RuntimeConfig
 from rlrun.config.supervised import SupervisedConfig
+from rlrun.config.tree import Config
 from rlrun.launch.layout import Layout, Role
 from rlrun.models.loading import load_model_config
 from rlrun.plan.memory import (

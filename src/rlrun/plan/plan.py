@@ -17,8 +17,9 @@ from typing import Generic, TypeVar
 
 from rlrun.algo.algorithms import gamma_override_warning
 from rlrun.cli.parser import CliSpec, ParsedArgs, parse_args
-from rlrun.config.schema import VL_PRESET, Config, RootConfig
+from rlrun.config.model import VL_PRESET
 from rlrun.config.supervised import DPOConfig, SupervisedConfig
+from rlrun.config.tree import Config, RootConfig
 from rlrun.data.sources import missing_paths
 from rlrun.engines.vllm.placement import choose_host
 from rlrun.engines.vllm.placement import describe as describe_host

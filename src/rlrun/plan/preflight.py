@@ -14,8 +14,9 @@ from typing import Any, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.config.schema import Config, PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.config.supervised import SupervisedConfig
+from rlrun.config.tree import Config
 from rlrun.data.prompts import Prompts, load_prompt_records, prompt_keys, prompt_set
 from rlrun.data.sources import DataSpec, not_here
 from rlrun.models.architecture import is_vision_language

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TypeVar
 
-from rlrun.config.schema import Config, OptimConfig, PretrainedConfig
+from rlrun.config.model import PretrainedConfig
+from rlrun.config.training import OptimConfig
+from rlrun.config.tree import Config
 from rlrun.launch.layout import Role
 from rlrun.runtime.errors import ConfigError
 

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.launch.layout import Layout, Role
 from rlrun.models.architecture import tied_embeddings
 from rlrun.models.moe import is_sparse_layer

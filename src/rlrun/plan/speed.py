@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 
 # The settings that take the device's default when the command line, the YAML or a peer's key does not set them.
 DEVICE_DEFAULTS = ("dynamic_batch", "packing_samples", "native_cuda_graph")

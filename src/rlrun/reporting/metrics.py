@@ -16,7 +16,8 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from rlrun.config.schema import SavingConfig, TrackingConfig
+from rlrun.config.checkpoint import SavingConfig
+from rlrun.config.tracking import TrackingConfig
 from rlrun.reporting.run_report import metrics_path, write_report
 from rlrun.reporting.summary import format_duration
 from rlrun.runtime.errors import ConfigError, MissingExtraError

@@ -11,7 +11,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rlrun.cli.run_config import CONFIG_FILE
-from rlrun.config.schema import PretrainedConfig, SavingConfig, TrackingConfig
+from rlrun.config.checkpoint import SavingConfig
+from rlrun.config.model import PretrainedConfig
+from rlrun.config.tracking import TrackingConfig
 from rlrun.reporting.summary import format_summary, outputs_beside, plot_curves, read_metrics, summarize, write_summary
 
 

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlrun.agents.episodes import EpisodeRunner, build_episode_runner
 from rlrun.checkpoint.checkpointer import Identity, JsonState, Part, SaveOnly
 from rlrun.compat.openrlhf_checkpoint import InitPlan, init_from_openrlhf, plan_init
-from rlrun.config.schema import Config
+from rlrun.config.tree import Config
 from rlrun.data.prompts import Prompts, PromptSampler
 from rlrun.engines.build import build_engine, engine_dtype
 from rlrun.engines.decoder import fused_groups
@@ -58,6 +58,7 @@ from rlrun.rewards.reward_fn import RewardFunction, load_reward_function, no_rew
 from rlrun.rl.async_loop import AsyncTrainer, PendingRollout
 from rlrun.rl.dynamic_batch import role_budgets
 from rlrun.rl.evaluation import Evaluator
+from rlrun.rl.exchange import Exchange
 from rlrun.rl.rollouts import RolloutSource
 from rlrun.rl.sleep import Sleeper, SleepSchedule
 from rlrun.rl.trainer import RankRoles, StepSettings, Trainer, skips_old_log_probs
@@ -204,6 +205,7 @@ class PPOTrainer:
             inputs.end_ids,
             cfg.ref_is_actor_base,
             rollout_correction_of(cfg.algo),
+            on_policy=skips_old_log_probs(cfg.train, cfg.algo, cfg.model.teacher_pretrain is not None),
             distill=cfg.model.teacher_pretrain is not None,
             recorded_routing=routing if replay == "R2" else None,
         )
@@ -248,19 +250,8 @@ class PPOTrainer:
         if roles.sleep is not None:
             phase.on_enter = roles.sleep.enter
         loop = AsyncTrainer if layout.asynchronous else Trainer
-        trainer = loop(
-            s,
-            layout,
-            groups,
-            roles,
-            rollouts,
-            inputs.sampler,
-            role_budgets(cfg.train, groups, device),
-            phase,
-            inputs.total_steps,
-            device,
-            evaluator,
-        )
+        exchange = Exchange(groups, role_budgets(cfg.train, groups, device), cfg.train.micro_rollout_batch_size, device)
+        trainer = loop(s, layout, exchange, roles, rollouts, inputs.sampler, phase, inputs.total_steps, evaluator)
         if inputs.openrlhf_init is not None:  # before --load_checkpoint: rlrun's own newer checkpoint wins
             with phase(Phase.LOAD, -1):
                 started.log.info_once(

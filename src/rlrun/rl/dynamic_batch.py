@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlrun.config.schema import TrainConfig
+from rlrun.config.training import TrainConfig
 from rlrun.data.batching import RowLengths, TokenBudget, balanced_order
 from rlrun.data.rollout import RolloutBatch
 from rlrun.launch.groups import Groups

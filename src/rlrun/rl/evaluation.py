@@ -26,7 +26,8 @@ from transformers import PreTrainedTokenizerBase
 
 from rlrun.agents.episodes import EpisodeRunner
 from rlrun.algo.algorithms import cut_by_length
-from rlrun.config.schema import LoggingConfig, TrainConfig
+from rlrun.config.tracking import LoggingConfig
+from rlrun.config.training import TrainConfig
 from rlrun.data.batching import derive_seed
 from rlrun.data.prompts import Prompts
 from rlrun.engines.base import Engine, SamplingSettings

@@ -15,7 +15,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.agents.episodes import EpisodeRunner, mean_stats
-from rlrun.config.schema import GenerationConfig, TrainConfig
+from rlrun.config.generation import GenerationConfig
+from rlrun.config.training import TrainConfig
 from rlrun.data.batching import derive_seed, shard
 from rlrun.data.prompts import Prompts, PromptSampler
 from rlrun.data.rollout import RolloutBatch, pack_log_probs, pack_rows, unpack_rows

@@ -11,8 +11,8 @@ the checkpointer saves. `--async_train` runs the same phases in another order (r
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, cast
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -32,24 +32,23 @@ from rlrun.algo.algorithms import (
     truncated_rows,
 )
 from rlrun.algo.rollout_correction import OFF, RolloutCorrection, correct
-from rlrun.config.schema import AlgorithmConfig, TrainConfig
-from rlrun.data.batching import RowLengths, derive_seed, minibatch_order, seed_everything, shard
+from rlrun.config.algorithm import AlgorithmConfig
+from rlrun.config.training import TrainConfig
+from rlrun.data.batching import RowLengths, derive_seed, minibatch_order, seed_everything
 from rlrun.data.prompts import PromptSampler
-from rlrun.data.rollout import RolloutBatch, SlotPlan, engine_logprob_diff, pack_slots, slot_plan, unpack_slots
+from rlrun.data.rollout import RolloutBatch, engine_logprob_diff
 from rlrun.engines.base import Engine
-from rlrun.launch.groups import Groups
 from rlrun.launch.layout import Layout, Role
-from rlrun.launch.transfer import all_gather_vectors, broadcast_json, gather_from, sum_over
 from rlrun.models.moe import RoutingShape
 from rlrun.plan.checks import rollout_correction_of
 from rlrun.rewards.reward_fn import RewardFunction
-from rlrun.rl.dynamic_batch import Budgets, scoring_order, unpermute
+from rlrun.rl.dynamic_batch import Budgets
 from rlrun.rl.evaluation import Evaluator
+from rlrun.rl.exchange import Exchange, Score, Scored, ScoringJob
 from rlrun.rl.rollouts import RolloutSource, StepOutputs
 from rlrun.rl.sleep import SleepSchedule
 from rlrun.roles.actor import Actor, PolicyData, Reference
 from rlrun.roles.critic import Critic, RewardModel, ValueData
-from rlrun.roles.update import LOSS_SHARES
 from rlrun.runtime.errors import RlrunError
 from rlrun.runtime.log import get_logger
 from rlrun.runtime.memory import report_memory
@@ -68,6 +67,9 @@ class StepSettings:
     end_ids: tuple[int, ...]  # the ids ending a response: --stop_properly_penalty_coef finds those cut off without one
     ref_by_actor: bool  # LoRA with a KL term: the actor's adapters-off forward scores the reference log-probs
     correction: RolloutCorrection = OFF  # the engine/actor mismatch correction (rlrun.algo.rollout_correction)
+    # The update is exactly on-policy and nothing needs the old log-probs before it (skips_old_log_probs): the
+    # scoring pass leaves them out and the update's own stand in.
+    on_policy: bool = False
     distill: bool = False  # --teacher_pretrain: a teacher scores the rollouts (on-policy distillation)
     # --router_replay R2: the MoE policy's routing, which the actor's scoring pass records for its training passes
     recorded_routing: RoutingShape | None = None
@@ -90,15 +92,27 @@ class RankRoles:
     sleep: SleepSchedule | None = None  # --deepspeed_enable_sleep: when this rank's models move on and off the device
 
 
+@dataclass(frozen=True)
+class Advantages:
+    """What the advantage estimation makes of a scored batch ([B, R] each), and what its reward shaping did."""
+
+    kl: torch.Tensor  # the per-token KL to the reference (zeros without one)
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    action_mask: torch.Tensor  # the response mask without the prompt groups --dynamic_filtering left out
+    shaping: dict[str, float]  # kept fraction, penalised fractions
+
+
 @dataclass
 class Learned:
     """What one update leaves for the step's metrics."""
 
-    results: dict[str, torch.Tensor]
+    batch: RolloutBatch  # as trained: its response mask without the tokens correction and filtering left out
+    scored: Scored  # old log-probs always filled in (on-policy: the update's)
     mean_kl: float
     advantages: torch.Tensor
     stats: dict[str, float]
-    shaping: dict[str, float]  # what the reward shaping did (kept fraction, penalised fractions)
+    shaping: dict[str, float]  # what the reward shaping and the rollout correction did
 
 
 class Trainer:
@@ -109,33 +123,24 @@ class Trainer:
         self,
         settings: StepSettings,
         layout: Layout,
-        groups: Groups,
+        exchange: Exchange,
         roles: RankRoles,
         rollouts: RolloutSource,
         sampler: PromptSampler,
-        budgets: Budgets,
         phase: PhaseTracker,
         total_steps: int,
-        device: torch.device,
         evaluator: Evaluator | None = None,
     ) -> None:
         self.s = settings
-        self.layout, self.groups, self.roles = layout, groups, roles
-        self.rollouts, self.sampler, self.budgets, self.phase = rollouts, sampler, budgets, phase
+        self.layout, self.exchange, self.roles = layout, exchange, roles
+        self.rollouts, self.sampler, self.phase = rollouts, sampler, phase
+        self.budgets: Budgets = exchange.budgets
         self.total_steps, self.evaluator = total_steps, evaluator
-        self.rank = groups.rank
+        self.rank = exchange.rank
         self.step = 0  # steps done
         a = settings.algo
         self.kl = make_kl_controller(a.init_kl_coef, a.kl_target, a.kl_horizon)
         self.moments = RunningMoments()  # --running_reward_norm's statistics over every score so far
-        # NCCL needs device tensors; gloo takes them too (staged through host memory by its CUDA collectives: ran on
-        # an H200 with --dist_backend gloo --device cuda), so the rollout exchange never moves them by hand.
-        self.comm_device = device
-        # Scoring and training collectives: every rank, or every rank but the engines when they generate meanwhile.
-        self.learners = groups.get("learners") if layout.asynchronous else groups.world
-        self.learner_ranks = [
-            r for r in range(layout.world_size) if not layout.asynchronous or r not in layout.ranks_of(Role.ENGINE)
-        ]
 
     # ---- the step ---------------------------------------------------------------------------------------------
 
@@ -158,43 +163,45 @@ class Trainer:
     def learn(self, step: int, out: StepOutputs) -> Learned:
         """Score, advantages and the update of one batch (every rank; with --async_train every rank but the
         engines)."""
-        batch = out.batch
-        bypass = self.s.correction.bypass
         with self.phase(Phase.SCORE, step):
-            results = self.score(out)
-            weights, corrected = self.correct_rollouts(batch, results)
-            kl, adv, ret, shaping = self.advantages(batch, results)
+            scored = self.score(out)
+            weights, kept, corrected = self.correct_rollouts(out.batch, scored)
+            adv = self.advantages(out.batch, scored, kept)
+        # The batch as trained: its mask without what correction and filtering left out, R2's routing to replay.
+        batch = replace(out.batch, action_mask=adv.action_mask, routing=_first(scored.routing, out.batch.routing))
         minibatches = self.minibatches(step, batch.sequences.shape[0])
         lengths = RowLengths.of(batch) if self.budgets.on else None
-        stats: dict[str, float] = {}
+        bypass = self.s.correction.bypass
+        kl, stats = adv.kl, dict[str, float]()
         with self.phase(Phase.TRAIN, step):
+            seen = None
             if (actor := self.roles.actor) is not None:
                 budget = self.budgets.train.get(Role.ACTOR)
-                old = batch.engine_log_probs if bypass else results.get("old_log_probs")
-                teacher = results.get("teacher_log_probs") if self.s.algo.teacher_kl_loss else None
-                data = PolicyData(batch, old, adv, results.get("ref_log_probs"), weights, teacher)
+                old = batch.engine_log_probs if bypass else scored.old_log_probs
+                teacher = scored.teacher_log_probs if self.s.algo.teacher_kl_loss else None
+                data = PolicyData(batch, old, adv.advantages, scored.ref_log_probs, weights, teacher)
                 loss = actor.loss(data, self.kl.value, budget, len(minibatches))
                 done = actor.updater.run(minibatches, batch.action_mask, loss, budget, lengths)
-                stats |= _prefixed("actor/", self.whole_losses(Role.ACTOR, done))
-            if "old_log_probs" not in results:  # skipped in score: the training forward's log-probs stand in
-                on_policy = batch.engine_log_probs if bypass else self.gather_on_policy_log_probs(batch)
-                results["old_log_probs"] = on_policy  # type: ignore[assignment]  # bypass: the engine's are there
-                if "ref_log_probs" in results:
-                    kl = compute_approx_kl(
-                        results["old_log_probs"], results["ref_log_probs"], self.s.algo.kl_estimator, batch.action_mask
-                    )
+                stats |= _prefixed("actor/", self.exchange.whole_losses(Role.ACTOR, done))
+                seen = loss.seen() if old is None else None
+            if self.s.on_policy:  # the scoring pass skipped the old log-probs: the update's stand in, and the KL
+                old = batch.engine_log_probs if bypass else self.exchange.on_policy_log_probs(batch, seen)
+                scored = replace(scored, old_log_probs=old)
+                if old is not None and scored.ref_log_probs is not None:
+                    kl = compute_approx_kl(old, scored.ref_log_probs, self.s.algo.kl_estimator, batch.action_mask)
         with self.phase(Phase.TRAIN_CRITIC, step):
             if (critic := self.roles.critic) is not None:
                 budget = self.budgets.train.get(Role.CRITIC)
-                loss = critic.loss(ValueData(batch, results["values"], ret), budget)
-                done = critic.updater.run(minibatches, batch.action_mask, loss, budget, lengths)
-                stats |= _prefixed("critic/", self.whole_losses(Role.CRITIC, done))
-            stats |= self.critic_stats_on_rank0(stats)
+                assert scored.values is not None  # the critic's ranks scored them
+                values = critic.loss(ValueData(batch, scored.values, adv.returns), budget)
+                done = critic.updater.run(minibatches, batch.action_mask, values, budget, lengths)
+                stats |= _prefixed("critic/", self.exchange.whole_losses(Role.CRITIC, done))
+            stats |= self.exchange.critic_stats_on_rank0(stats)
         # OpenRLHF's "kl": the mean over sequences of each one's token-mean KL; it also drives the
         # adaptive controller, with n_steps = rollout_batch_size * n_samples_per_prompt rows.
         mean_kl = sequence_mean_kl(kl, batch.action_mask)
         self.kl.update(mean_kl, self.s.train.rollouts_per_step)
-        return Learned(results, mean_kl, adv, stats, shaping | corrected)
+        return Learned(batch, scored, mean_kl, adv.advantages, stats, adv.shaping | corrected)
 
     def sync_weights(self) -> None:
         """Actor -> engines (collective over the actor and engine ranks), then the engine takes the new weights
@@ -205,132 +212,73 @@ class Trainer:
 
     # ---- score --------------------------------------------------------------------------------------------------
 
-    def score(self, out: StepOutputs) -> dict[str, torch.Tensor]:
-        """Each role computes its shard at the same time as the others; one all-gather returns all."""
-        batch, B, R = out.batch, out.batch.sequences.shape[0], out.batch.response_width
-        micro = self.s.train.micro_rollout_batch_size
+    def score(self, out: StepOutputs) -> Scored:
+        """Each role scores its shard of the batch at the same time as the others; one all-gather returns all
+        (rlrun.rl.exchange). The rollouts' own rewards stand where no reward model scores them."""
         r = self.roles
-        widths, ranks, mine, orders = {}, {}, {}, {}
         jobs = [
-            ("old_log_probs", Role.ACTOR, R, r.actor and r.actor.log_probs),
-            (
-                "ref_log_probs",
+            ScoringJob(
+                Score.REF_LOG_PROBS,
                 Role.ACTOR if self.s.ref_by_actor else Role.REF,
-                R,
-                r.reference and r.reference.log_probs,
+                r.reference.log_probs if r.reference else None,
             ),
-            ("teacher_log_probs", Role.TEACHER, R, r.teacher and r.teacher.log_probs),
-            ("values", Role.CRITIC, R, r.critic and r.critic.values),
-            ("scores", Role.REWARD, 1, r.reward_model and r.reward_model.score),
+            ScoringJob(Score.TEACHER_LOG_PROBS, Role.TEACHER, r.teacher.log_probs if r.teacher else None),
+            ScoringJob(Score.VALUES, Role.CRITIC, r.critic.values if r.critic else None),
+            ScoringJob(Score.SCORES, Role.REWARD, r.reward_model.score if r.reward_model else None),
         ]
-        if skips_old_log_probs(self.s.train, self.s.algo, self.s.distill):  # the update's or the engine's stand in
-            jobs = jobs[1:]
-        for key, role, width, fn in jobs:
-            if not self.layout.has(role):
-                continue
-            # The ranks that report a key's rows: the role's, or with sequence parallelism the first of each group
-            # (its other ranks score the same rows with it).
-            widths[key], ranks[key] = width, self.layout.reporting_ranks(role)
-            # Every rank knows every key's order (to put the gathered results back); the rows as they are, or dealt
-            # by length (--dynamic_batch) so that the role's ranks score about the same tokens.
-            orders[key] = scoring_order(batch, len(ranks[key]), self.budgets.on)
-            if fn:
-                dp_rank, dp_size = self.layout.data_parallel(role, self.rank)
-                scored = fn(batch.rows(orders[key][shard(B, dp_size, dp_rank)]), self.budgets.score_micro(role, micro))
-                if self.rank in ranks[key]:
-                    mine[key] = scored
-        plan = slot_plan(B, widths, ranks)
-        flat = pack_slots(plan, self.rank, mine).to(self.comm_device)
-        results = {key: unpermute(values, orders[key]) for key, values in self._gather_slots(plan, flat).items()}
-        if "scores" not in results:
-            results["scores"] = out.scores
-        if self.s.recorded_routing is not None:  # skips_old_log_probs is False: the actor scored
-            batch.routing = self.gather_recorded_routing(batch, orders["old_log_probs"], self.s.recorded_routing)
-        return results
-
-    def _gather_slots(self, plan: SlotPlan, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every learner's packed results -> {key: all rows} on CPU (the learners: the world, or every rank but
-        the engines with --async_train)."""
-        assert self.learners is not None  # a learner's
-        return unpack_slots(plan, all_gather_vectors(flat, self.learners).cpu(), self.learner_ranks)
-
-    def gather_recorded_routing(self, batch: RolloutBatch, order: torch.Tensor, shape: RoutingShape) -> torch.Tensor:
-        """--router_replay R2: [B, L, layers, k] uint8 on every rank, the experts each token went through in the
-        actor's scoring pass (its ranks' shards in the scoring `order`), which the training passes replay. One
-        gather, as large as R3's routing from the engines."""
-        assert self.learners is not None  # a learner's
-        B, L = batch.sequences.shape
-        ranks = self.layout.reporting_ranks(Role.ACTOR)
-        mine = self.roles.actor.recorded_routing if self.rank in ranks and self.roles.actor else None
-        share = (B // len(ranks), L, shape.layers, shape.top_k)
-        gathered = gather_from(ranks, mine, share, torch.uint8, self.learners, self.comm_device)
-        return unpermute(gathered.cpu(), order)
-
-    def gather_on_policy_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
-        """[B, R] on every rank: the actor's log-probs from its on-policy training forward (before the update),
-        standing in for the scoring pass skipped by skips_old_log_probs. One all-gather."""
-        B, R = batch.sequences.shape[0], batch.response_width
-        ranks = self.layout.reporting_ranks(Role.ACTOR)  # a sequence-parallel group trained the same rows
-        plan = slot_plan(B, {"old_log_probs": R + 1}, {"old_log_probs": ranks})
-        mine = (
-            {"old_log_probs": self.roles.actor.on_policy_log_probs()} if self.rank in ranks and self.roles.actor else {}
-        )
-        flat = pack_slots(plan, self.rank, mine).to(self.comm_device)
-        rows_and_logp = self._gather_slots(plan, flat)["old_log_probs"]
-        out = torch.zeros(B, R)
-        out[rows_and_logp[:, 0].long()] = rows_and_logp[:, 1:]
-        return out
+        if not self.s.on_policy:  # the update's own log-probs stand in for these on the on-policy branch
+            jobs.insert(0, ScoringJob(Score.OLD_LOG_PROBS, Role.ACTOR, r.actor.log_probs if r.actor else None))
+        scored = self.exchange.score(out.batch, jobs, rewards=out.scores)
+        if (shape := self.s.recorded_routing) is not None:  # R2: the actor's scoring pass recorded its routing
+            mine = r.actor.recorded_routing if r.actor is not None else None
+            scored = replace(scored, routing=self.exchange.recorded_routing(out.batch, shape, mine))
+        return scored
 
     # ---- rollout correction ---------------------------------------------------------------------------------------
 
     def correct_rollouts(
-        self, batch: RolloutBatch, results: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor | None, dict[str, float]]:
+        self, batch: RolloutBatch, scored: Scored
+    ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
         """The rollout correction of the batch, identical on every rank: the importance weights [B, R] of the actor's
-        old log-probs against the engine's (None without them) and its metrics; rejection sampling leaves the
-        rejected tokens out of `batch`'s response mask before the advantages, as verl does. With --rollout_bypass the
-        loss does this per micro-batch (rlrun.roles.actor)."""
+        old log-probs against the engine's (None without them), the response mask [B, R] without the tokens
+        rejection sampling leaves out (verl: before the advantages), and its metrics. With --rollout_bypass the loss
+        does this per micro-batch (rlrun.roles.actor)."""
         c = self.s.correction
         if not c.needs_old_log_probs:
-            return None, {}
+            return None, batch.action_mask, {}
+        assert scored.old_log_probs is not None  # a correction that needs them keeps the scoring pass
         if batch.engine_log_probs is None:
             raise RlrunError(
                 "the rollout correction needs the engine's log-prob of every sampled token, and this batch has none "
                 "(an agent's episodes without them, or an engine that does not report them): use "
                 "--generation_backend native or vllm, or drop the correction"
             )
-        fixed = correct(results["old_log_probs"], batch.engine_log_probs, batch.action_mask, c)
-        if c.rejection:
-            batch.action_mask = batch.action_mask * fixed.keep.to(batch.action_mask.dtype)
-        return fixed.weights, fixed.metrics
+        fixed = correct(scored.old_log_probs, batch.engine_log_probs, batch.action_mask, c)
+        kept = batch.action_mask * fixed.keep.to(batch.action_mask.dtype) if c.rejection else batch.action_mask
+        return fixed.weights, kept, fixed.metrics
 
     # ---- advantages ---------------------------------------------------------------------------------------------
 
-    def advantages(
-        self, batch: RolloutBatch, results: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
-        """Pure and identical on every rank: (KL [B, R], advantages [B, R], returns [B, R], what the shaping did).
+    def advantages(self, batch: RolloutBatch, scored: Scored, mask: torch.Tensor) -> Advantages:
+        """Identical on every rank; `mask` [B, R]: the response tokens left after the rollout correction.
 
-        Order as in OpenRLHF: dynamic filtering on the raw scores, then length penalties, then the
-        estimator's group baseline and the reward clip. --dynamic_filtering zeroes the response mask
-        of filtered groups IN `batch`, so they drop out of every loss and token count downstream."""
+        Order as in OpenRLHF: dynamic filtering on the raw scores, then length penalties, then the estimator's group
+        baseline and the reward clip. --dynamic_filtering leaves the filtered groups out of the returned mask, so they
+        drop out of every loss and token count downstream. Only the running reward statistics change."""
         a, n = self.s.algo, self.s.train.n_samples_per_prompt
-        scores = results["scores"].float()
+        scores = scored.scores.float()
         if self.s.distill and not a.distill_task_reward:  # learn from the teacher alone; the reward is still logged
             scores = torch.zeros_like(scores)
         shaping: dict[str, float] = {}
         if a.dynamic_filtering:
             keep = dynamic_filter_keep(scores, n, a.dynamic_filtering_reward_range)
-            batch.action_mask = batch.action_mask * keep.unsqueeze(1).to(batch.action_mask.dtype)
+            mask = mask * keep.unsqueeze(1).to(mask.dtype)
             shaping["dynamic_filtering/kept_frac"] = float(keep.float().mean())
-        mask = batch.action_mask
-        ref = results.get("ref_log_probs")
-        # No old log-probs (skips_old_log_probs): the KL is not in the reward; learn() computes the logged one.
-        kl = (
-            compute_approx_kl(results["old_log_probs"], ref, a.kl_estimator, mask)
-            if ref is not None and "old_log_probs" in results
-            else torch.zeros_like(mask)
-        )
+        old, ref = scored.old_log_probs, scored.ref_log_probs
+        # On the on-policy branch the KL is not in the reward: learn() computes the logged one after the update.
+        kl = compute_approx_kl(old, ref, a.kl_estimator, mask) if ref is not None and old is not None else None
+        if kl is None:
+            kl = torch.zeros_like(mask)
         if a.running_reward_norm:
             self.moments.update(scores)
             scores = self.moments.normalize(scores)
@@ -351,26 +299,24 @@ class Trainer:
             n_samples_per_prompt=n,
             kl=kl,
             kl_coef=in_reward,
-            values=results.get("values"),
+            values=scored.values,
             gamma=a.gamma,
             lambd=a.lambd,
             reward_clip_range=a.reward_clip_range,
             std_norm=not a.no_advantage_std_norm,
         )
-        if "teacher_log_probs" in results:
-            adv, distilled = self.distill(adv, results, mask)
+        if scored.teacher_log_probs is not None:
+            adv, distilled = self.distill(adv, scored.teacher_log_probs, old, mask)
             shaping |= distilled
-        return kl, adv, ret, shaping
+        return Advantages(kl, adv, ret, mask, shaping)
 
     def distill(
-        self, adv: torch.Tensor, results: dict[str, torch.Tensor], mask: torch.Tensor
+        self, adv: torch.Tensor, teacher: torch.Tensor, student: torch.Tensor | None, mask: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """On-policy distillation: the divergence of the policy's sampled tokens from the teacher, its metrics, and
-        (without --teacher_kl_loss) the advantages minus --teacher_kl_coef times it. [B, R] in and out."""
+        """On-policy distillation: the divergence of the policy's sampled tokens (`student`: the actor's log-probs
+        before the update) from the teacher, its metrics, and (without --teacher_kl_loss) the advantages minus
+        --teacher_kl_coef times it. [B, R] in and out."""
         a = self.s.algo
-        teacher = results["teacher_log_probs"]
-        # The actor's log-probs before the update (the loss term reads the current ones itself).
-        student = results["old_log_probs"] if "old_log_probs" in results else None
         m = mask.bool()
         metrics = {"distill/teacher_logprob": float(masked_mean(teacher, m))}
         if student is None:  # --teacher_kl_loss on an on-policy step: the update's log-probs, logged after it
@@ -403,37 +349,17 @@ class Trainer:
             for mb in minibatch_order(rows, t.train_batch_size, derive_seed(t.seed, "minibatch", step, epoch))
         ]
 
-    def whole_losses(self, role: Role, stats: dict[str, float]) -> dict[str, float]:
-        """A trained role's logged losses as the whole mini-batch's, whatever the layout: each rank's value is its
-        tokens' part of the loss scaled by the data-parallel size (the normalisation its gradient needs), so their mean
-        over the role's ranks is the mini-batch's loss (OpenRLHF logs the ranks' mean too). Collective over the role's
-        group; a sequence-parallel group's ranks hold the same value."""
-        keys = sorted(k for k in stats if k in LOSS_SHARES)
-        group, ranks = self.groups.role(role), len(self.layout.ranks_of(role))
-        if not keys or group is None or ranks == 1:
-            return stats
-        totals = sum_over([stats[k] for k in keys], group, self.comm_device)
-        return stats | {k: total / ranks for k, total in zip(keys, totals)}
-
-    def critic_stats_on_rank0(self, stats: dict[str, float]) -> dict[str, float]:
-        """The critic's stats live on its first rank; rank 0 logs them (collective over the learners)."""
-        if not self.layout.has(Role.CRITIC) or (src := self.layout.ranks_of(Role.CRITIC)[0]) == 0:
-            return {}
-        mine = {k: v for k, v in stats.items() if k.startswith("critic/")} if self.rank == src else None
-        assert self.learners is not None  # a learner's
-        return cast("dict[str, float]", broadcast_json(mine, src, self.learners, self.comm_device))
-
     # ---- metrics ------------------------------------------------------------------------------------------------
 
     def metrics(
         self, step: int, out: StepOutputs, learned: Learned, times: dict[str, float], step_time: float
     ) -> dict[str, float]:
-        mask, results = out.batch.action_mask, learned.results
+        mask, scored = learned.batch.action_mask, learned.scored
         generated = float(out.batch.response_len.sum())
         return {
             "step": step + 1,
             "episode": self.sampler.episode_of(step),
-            "reward": float(results["scores"].float().mean()),
+            "reward": float(scored.scores.float().mean()),
             "kl": learned.mean_kl,
             "kl_coef": self.kl.value,
             **learned.shaping,
@@ -441,7 +367,7 @@ class Trainer:
             "tokens_per_s": generated / step_time,
             "advantage_mean": float(masked_mean(learned.advantages, mask)),
             **out.extra_logs,
-            **engine_logprob_diff(out.batch, results["old_log_probs"]),
+            **(engine_logprob_diff(learned.batch, scored.old_log_probs) if scored.old_log_probs is not None else {}),
             **learned.stats,
             **times,
             "time/step": step_time,
@@ -517,3 +443,7 @@ def skips_old_log_probs(train: TrainConfig, algo: AlgorithmConfig, distill: bool
 
 def _prefixed(prefix: str, stats: dict[str, float]) -> dict[str, float]:
     return {f"{prefix}{k}": v for k, v in stats.items()}
+
+
+def _first(*values: torch.Tensor | None) -> torch.Tensor | None:
+    return next((v for v in values if v is not None), None)

@@ -13,14 +13,14 @@ from rlrun.algo.algorithms import compute_approx_kl
 from rlrun.algo.losses import LossAggMode, aggregate_loss
 from rlrun.algo.policy_losses import PolicyLossParams, PolicyLossType, policy_loss
 from rlrun.algo.rollout_correction import OFF, RolloutCorrection, correct
-from rlrun.config.schema import AlgorithmConfig
+from rlrun.config.algorithm import AlgorithmConfig
 from rlrun.data.batching import TokenBudget, pad_responses, restore_order, trim_padding
 from rlrun.data.rollout import RolloutBatch
 from rlrun.launch.groups import SequenceParallel
 from rlrun.models.lora import adapters_disabled
 from rlrun.models.moe import NO_ROUTE, RoutingRun, RoutingShape, routing_shape
 from rlrun.roles.forward import LOGITS_CHUNK, fed_tokens, micro_parts, over_micro_batches, policy_log_probs
-from rlrun.roles.update import FED_TOKENS, REAL_TOKENS, MicroLoss, Updater
+from rlrun.roles.update import FED_TOKENS, REAL_TOKENS, Updater
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,6 @@ class Actor:
         self.device = device
         self.packing = packing  # --packing_samples: forward on packed rows (rlrun.data.packing)
         self.logits_chunk = logits_chunk  # --logits_chunk_size: positions per chunk of the vocab projection
-        # (rows, [rows, R] detached log-probs) per micro-batch of the last on-policy update (PolicyData.old_log_probs
-        # None): the trainer gathers them in place of the skipped scoring pass.
-        self._on_policy: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.routing = routing_shape(model)  # None: a dense policy
         # --router_replay R2: the experts the last log_probs call's tokens went through, [b, L, layers, k] uint8
         self.recorded_routing: torch.Tensor | None = None
@@ -151,104 +148,111 @@ class Actor:
         self.recorded_routing = recorded
         return restore_order(parts, outs)
 
-    def loss(self, data: PolicyData, kl_coef: float, budget: TokenBudget | None, minibatches: int) -> MicroLoss:
-        """The policy loss of one update over `data` in `minibatches` mini-batches, for the actor's Updater:
-        micro-batch rows -> (the loss, its stats). budget: --dynamic_batch micro-batches by tokens, each trimmed to
-        its own longest prompt and response."""
-        s = self.settings
-        width = data.batch.response_width
+    def loss(self, data: PolicyData, kl_coef: float, budget: TokenBudget | None, minibatches: int) -> PolicyLoss:
+        """The policy loss of one update over `data` in `minibatches` mini-batches, for the actor's Updater (a
+        MicroLoss: micro-batch rows -> the loss and its stats). budget: --dynamic_batch micro-batches by tokens, each
+        trimmed to its own longest prompt and response."""
         if data.old_log_probs is None and minibatches != 1:
             raise ValueError(f"on-policy training (no old log-probs) needs exactly one mini-batch, got {minibatches}")
-        self._on_policy = []
+        return PolicyLoss(self, data, kl_coef, budget)
 
-        def micro_loss(
-            rows: torch.Tensor, num_tokens: float, num_seqs: float
-        ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float | int]]:
-            part = data.batch.rows(rows)
-            part = (trim_padding(part) if budget is not None else part).to(self.device)
-            r = part.response_width  # [b, r] per-token tensors below: the full batch's columns cut to the part's
 
-            def cols(t: torch.Tensor) -> torch.Tensor:
-                return t[rows, :r].to(self.device)
+class PolicyLoss:
+    """One update's policy loss (Actor.loss). Without old log-probs (the on-policy branch) the ratio uses the
+    training forward's own detached log-probs, and the loss keeps them per micro-batch: `seen()` gives the trainer
+    the log-probs of the policy before the update, in place of the scoring pass it skipped."""
 
-            moe = self._moe()
-            logp, entropy = policy_log_probs(
-                self.model,
-                part,
-                s.temperature,
-                with_entropy=s.entropy_coef is not None,
-                packing=self.packing,
-                logits_chunk=self.logits_chunk,
-                sp=self.sp,
-                moe=moe,
-            )
-            if data.old_log_probs is None:  # on-policy: ratio 1 in value, gradient d(logp) exactly (as TRL)
-                old_log_probs = logp.detach()
-                self._on_policy.append((rows, pad_responses(old_log_probs.float().cpu(), width)))
-            else:
-                old_log_probs = cols(data.old_log_probs)
-            m = part.action_mask
-            norm = {"num_tokens": num_tokens, "num_seqs": num_seqs}
-            weights = None if data.weights is None else cols(data.weights)
-            policy_mask, corrected = m, {}
-            c = s.correction
-            if c.bypass and part.engine_log_probs is not None:
-                # verl's bypass mode: weights and rejections of the current policy against the engine, per micro-batch;
-                # rejected tokens leave the policy term only.
-                fix = correct(logp.detach(), part.engine_log_probs, m, c)
-                policy_mask, corrected = m * fix.keep.to(m.dtype), fix.metrics
-                weights = fix.weights if c.bypass_loss == "reinforce" else None
-            loss, stats = policy_loss(
-                logp,
-                old_log_probs,
-                cols(data.advantages),
-                policy_mask,
-                eps_clip=s.eps_clip,
-                eps_clip_high=s.eps_clip_high,
-                dual_clip=s.dual_clip,
-                loss_type=s.loss_type,
-                agg=s.agg,
-                **norm,
-                weights=weights,
-                params=s.params,
-            )
-            reported: dict[str, torch.Tensor | float | int] = {
-                "policy_loss": loss.detach(),
-                **stats,
-                **corrected,
-                FED_TOKENS: fed_tokens(self.model, part, self.packing, self.sp.size if self.sp else 1),
-                REAL_TOKENS: int(part.attention_mask.sum()),
-            }
-            if s.use_kl_loss and data.ref_log_probs is not None:
-                kl = compute_approx_kl(logp, cols(data.ref_log_probs), s.kl_estimator, m)  # type: ignore[arg-type]
-                kl_loss = aggregate_loss(kl, m, s.agg, **norm)
-                loss = loss + kl_coef * kl_loss
-                reported["kl_loss"] = kl_loss.detach()
-            if data.teacher_log_probs is not None:  # verl's GKD-style distillation: D(pi || teacher) backpropagated
-                divergence = compute_approx_kl(logp, cols(data.teacher_log_probs), s.teacher_kl_estimator, m)  # type: ignore[arg-type]
-                if s.teacher_kl_clamp is not None:
-                    divergence = divergence.clamp(-s.teacher_kl_clamp, s.teacher_kl_clamp)
-                distill_loss = aggregate_loss(divergence, m, s.agg, **norm)
-                loss = loss + s.teacher_kl_coef * distill_loss
-                reported["distill_loss"] = distill_loss.detach()
-            if moe is not None and self.routing is not None:
-                aux, numbers = moe.metrics(self.routing.top_k)
-                reported.update(numbers)
-                if s.aux_loss_coef > 0:  # this micro-batch's share of the mini-batch's tokens, as its policy loss
-                    loss = loss + s.aux_loss_coef * aux * (m.sum() / num_tokens)
-            if entropy is not None:
-                ent = aggregate_loss(entropy, m, s.agg, **norm)
-                loss = loss - s.entropy_coef * ent  # type: ignore[operator]
-                reported["entropy"] = ent.detach()
-            return loss, reported
+    def __init__(self, actor: Actor, data: PolicyData, kl_coef: float, budget: TokenBudget | None) -> None:
+        self.actor, self.data, self.kl_coef, self.budget = actor, data, kl_coef, budget
+        self._seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, [rows, R] detached log-probs)
 
-        return micro_loss
+    def __call__(
+        self, rows: torch.Tensor, num_tokens: float, num_seqs: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float | int]]:
+        actor, data, s = self.actor, self.data, self.actor.settings
+        part = data.batch.rows(rows)
+        part = (trim_padding(part) if self.budget is not None else part).to(actor.device)
+        r = part.response_width  # [b, r] per-token tensors below: the full batch's columns cut to the part's
 
-    def on_policy_log_probs(self) -> torch.Tensor:
-        """[b, 1 + R] float: for each row this rank trained on in the last on-policy update, its global row
-        index, then its log-probs under the policy before the update (what the skipped scoring pass gives)."""
-        rows = torch.cat([r for r, _ in self._on_policy])
-        logp = torch.cat([lp for _, lp in self._on_policy])
+        def cols(t: torch.Tensor) -> torch.Tensor:
+            return t[rows, :r].to(actor.device)
+
+        moe = actor._moe()
+        logp, entropy = policy_log_probs(
+            actor.model,
+            part,
+            s.temperature,
+            with_entropy=s.entropy_coef is not None,
+            packing=actor.packing,
+            logits_chunk=actor.logits_chunk,
+            sp=actor.sp,
+            moe=moe,
+        )
+        if data.old_log_probs is None:  # on-policy: ratio 1 in value, gradient d(logp) exactly (as TRL)
+            old_log_probs = logp.detach()
+            self._seen.append((rows, pad_responses(old_log_probs.float().cpu(), data.batch.response_width)))
+        else:
+            old_log_probs = cols(data.old_log_probs)
+        m = part.action_mask
+        norm = {"num_tokens": num_tokens, "num_seqs": num_seqs}
+        weights = None if data.weights is None else cols(data.weights)
+        policy_mask, corrected = m, {}
+        c = s.correction
+        if c.bypass and part.engine_log_probs is not None:
+            # verl's bypass mode: weights and rejections of the current policy against the engine, per micro-batch;
+            # rejected tokens leave the policy term only.
+            fix = correct(logp.detach(), part.engine_log_probs, m, c)
+            policy_mask, corrected = m * fix.keep.to(m.dtype), fix.metrics
+            weights = fix.weights if c.bypass_loss == "reinforce" else None
+        loss, stats = policy_loss(
+            logp,
+            old_log_probs,
+            cols(data.advantages),
+            policy_mask,
+            eps_clip=s.eps_clip,
+            eps_clip_high=s.eps_clip_high,
+            dual_clip=s.dual_clip,
+            loss_type=s.loss_type,
+            agg=s.agg,
+            **norm,
+            weights=weights,
+            params=s.params,
+        )
+        reported: dict[str, torch.Tensor | float | int] = {
+            "policy_loss": loss.detach(),
+            **stats,
+            **corrected,
+            FED_TOKENS: fed_tokens(actor.model, part, actor.packing, actor.sp.size if actor.sp else 1),
+            REAL_TOKENS: int(part.attention_mask.sum()),
+        }
+        if s.use_kl_loss and data.ref_log_probs is not None:
+            kl = compute_approx_kl(logp, cols(data.ref_log_probs), s.kl_estimator, m)  # type: ignore[arg-type]
+            kl_loss = aggregate_loss(kl, m, s.agg, **norm)
+            loss = loss + self.kl_coef * kl_loss
+            reported["kl_loss"] = kl_loss.detach()
+        if data.teacher_log_probs is not None:  # verl's GKD-style distillation: D(pi || teacher) backpropagated
+            divergence = compute_approx_kl(logp, cols(data.teacher_log_probs), s.teacher_kl_estimator, m)  # type: ignore[arg-type]
+            if s.teacher_kl_clamp is not None:
+                divergence = divergence.clamp(-s.teacher_kl_clamp, s.teacher_kl_clamp)
+            distill_loss = aggregate_loss(divergence, m, s.agg, **norm)
+            loss = loss + s.teacher_kl_coef * distill_loss
+            reported["distill_loss"] = distill_loss.detach()
+        if moe is not None and actor.routing is not None:
+            aux, numbers = moe.metrics(actor.routing.top_k)
+            reported.update(numbers)
+            if s.aux_loss_coef > 0:  # this micro-batch's share of the mini-batch's tokens, as its policy loss
+                loss = loss + s.aux_loss_coef * aux * (m.sum() / num_tokens)
+        if entropy is not None:
+            ent = aggregate_loss(entropy, m, s.agg, **norm)
+            loss = loss - s.entropy_coef * ent  # type: ignore[operator]
+            reported["entropy"] = ent.detach()
+        return loss, reported
+
+    def seen(self) -> torch.Tensor:
+        """[b, 1 + R] float: for each row this rank trained on in the on-policy update, its global row index, then
+        its log-probs under the policy before the update (what the skipped scoring pass gives)."""
+        rows = torch.cat([r for r, _ in self._seen])
+        logp = torch.cat([lp for _, lp in self._seen])
         return torch.cat([rows.float().unsqueeze(1), logp], dim=1)
 
 

@@ -38,7 +38,7 @@ from rlrun.checkpoint.resume import check_ownership, is_restart, run_identity
 from rlrun.cli.parser import CliSpec
 from rlrun.cli.run_config import write_run_config
 from rlrun.config.fields import redacted
-from rlrun.config.schema import RootConfig
+from rlrun.config.tree import RootConfig
 from rlrun.launch.dist import (
     collective_device,
     init_distributed,

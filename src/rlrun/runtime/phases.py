@@ -4,7 +4,7 @@ cannot interrupt, and opt-in fault injection for failure tests.
 Phases (`Phase`, entered with `with tracker(Phase.SCORE, step):`): the one mechanism every loop uses. Entering a
 phase names it for the failure line a rank leaves, arms the watchdog, counts the phase's peak memory
 (rlrun.runtime.memory), runs the phase hook a loop attached (the RL loop's: sleep and wake the models,
-rlrun.rl.phases) and adds the phase's seconds to what `took()` returns.
+rlrun.rl.sleep) and adds the phase's seconds to what `took()` returns.
 
 The watchdog: if one phase runs longer than the collective timeout allows, every thread's
 Python stack is written to stderr and the process exits non-zero (a hung rank never outlives

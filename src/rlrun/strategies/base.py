@@ -1,4 +1,4 @@
-"""The surface every training strategy offers (FSDP2 in `fsdp.py`, DeepSpeed in `deepspeed_adapter.py`).
+"""The surface every training strategy offers (FSDP2 in `fsdp.py`, DeepSpeed in `deepspeed.py`).
 
 A strategy owns how ONE role's model is placed over that role's process group: wrapping, the optimizer
 step, full parameters for weight sync, full/sharded state for saving. Every collective it issues is on

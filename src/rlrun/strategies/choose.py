@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from rlrun.config.schema import OptimConfig, PretrainedConfig
+from rlrun.config.model import PretrainedConfig
+from rlrun.config.training import OptimConfig
 from rlrun.strategies.base import Strategy
 from rlrun.strategies.fsdp import FSDPStrategy
 

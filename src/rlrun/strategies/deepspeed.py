@@ -1,6 +1,5 @@
-"""DeepSpeed ZeRO-0/1/2 on one role's process group, ZeRO-3 on a role spanning the world. With
-`deepspeed_state.py` (checkpoint I/O) and `deepspeed_zero3.py` (ZeRO-3 gathers), the only modules that
-call `deepspeed`.
+"""DeepSpeed ZeRO-0/1/2 on one role's process group, ZeRO-3 on a role spanning the world: the only module that
+calls `deepspeed` (the engine, its ZeRO-3 gathers and its checkpoint I/O, each a section below).
 
 How it stays off the world group (../shared/DEEPSPEED.md §1, §4.1, measured with 0.19.8):
 - `mpu=RoleMPU` hands DeepSpeed the role's group as its data-parallel group, and a real one-rank
@@ -160,7 +159,7 @@ def ds_config(s: DSSettings, dp_size: int, *, trainable: bool, hidden_size: int 
 
 def zero3_buckets(hidden_size: int | None) -> dict[str, Any]:
     """The sizes transformers' DeepSpeed integration derives from the model for OpenRLHF's "auto" values
-    (integrations/deepspeed.py): parameters under 10 x hidden elements (norms, biases) stay whole on every
+    (transformers/integrations/deepspeed.py): parameters under 10 x hidden elements (norms, biases) stay whole on every
     rank, prefetch 0.9 x hidden^2 elements ahead, reduce in hidden^2 buckets. Without a hidden size
     DeepSpeed's own defaults apply."""
     if not hidden_size:
@@ -448,8 +447,7 @@ class DeepSpeedSteps:
 
 
 # ---- ZeRO-3 gathers ----------------------------------------------------------------------------------------------
-# Full parameters of a DeepSpeed ZeRO-3 model, gathered over its role's group (part of the DeepSpeed adapter:
-# only `deepspeed_adapter.py`, `deepspeed_state.py` and this module import deepspeed).
+# Full parameters of a DeepSpeed ZeRO-3 model, gathered over its role's group.
 #
 # Under ZeRO-3 every partitioned parameter is an empty placeholder outside a forward pass (`p.ds_shape` is its
 # real shape, `p.ds_tensor` this rank's flat slice). Weight sync and exports read full tensors block by block
@@ -562,8 +560,7 @@ def grouped(model: nn.Module, values: dict[str, torch.Tensor]) -> Iterator[list[
 
 
 # ---- training state by name --------------------------------------------------------------------------------------
-# A DeepSpeed engine's training state by parameter name, saved and loaded with torch DCP (part of the DeepSpeed
-# adapter: only `deepspeed_adapter.py`, `deepspeed_zero3.py` and this module import deepspeed).
+# A DeepSpeed engine's training state by parameter name, saved and loaded with torch DCP.
 #
 # rlrun never calls `engine.save_checkpoint`/`load_checkpoint` (hard-coded world barriers, `latest` written only
 # by global rank 0; ../shared/DEEPSPEED.md): a checkpoint is the full fp32 master weights and Adam moments,

@@ -8,7 +8,8 @@ down to its attention layers, gradient checkpointing's recompute included) runs 
 registered function is the model's own sdpa, so the same model still serves unsplit forwards (HF generate, evaluation).
 Nothing global is patched, so other models on the rank are untouched.
 
-Design points, after verl's Ulysses (verl/utils/ulysses.py, models/transformers/monkey_patch.py) and DeepSpeed-Ulysses:
+Design points, after verl's Ulysses (verl/utils/ulysses.py, verl/models/transformers/monkey_patch.py) and
+DeepSpeed-Ulysses:
 - Every rank of a group holds the whole micro-batch (rlrun's roles all hold the rollout batch): no data exchange, each
   takes its columns; positions stay global, so RoPE is exact.
 - GQA: when sp does not divide the KV heads they are repeated sp / gcd(KV, sp) times first (verl repeats max(sp // KV,

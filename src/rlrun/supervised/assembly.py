@@ -19,8 +19,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlrun.checkpoint.checkpointer import Identity
 from rlrun.cli.parser import CliSpec
-from rlrun.config.schema import OptimConfig, PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.config.supervised import DPOLossConfig, SupervisedConfig, SupervisedTrainConfig
+from rlrun.config.training import OptimConfig
 from rlrun.data.batching import seed_everything
 from rlrun.data.prompts import PromptSampler
 from rlrun.data.sources import DataSpec

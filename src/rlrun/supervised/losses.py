@@ -1,5 +1,5 @@
-"""Loss maths of rlrun.sft, rlrun.rm and rlrun.dpo, as OpenRLHF 0.11.2 computes it (models/loss.py,
-trainer/{sft,rm,dpo}_trainer.py).
+"""Loss maths of rlrun.sft, rlrun.rm and rlrun.dpo, as OpenRLHF 0.11.2 computes it (openrlhf/models/loss.py,
+openrlhf/trainer/{sft,rm,dpo}_trainer.py).
 
 Every function returns PER-SAMPLE terms, not a batch mean: the trainer sums the terms of a
 micro-batch and divides by a GLOBAL count (response tokens of the whole optimizer step for SFT,

@@ -16,7 +16,8 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from rlrun.config.schema import VL_PRESET, DataConfig, ModelConfig
+from rlrun.config.data import DataConfig
+from rlrun.config.model import VL_PRESET, ModelConfig
 from rlrun.models.tiny import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm
 from rlrun.runtime.cache import built_once, cache_root
 

@@ -77,7 +77,7 @@ class EngineSpec:
     tensor_parallel_size: int = 1  # > 1: vLLM's own "mp" workers in the child, weights through weights_dir
     weights_dir: str | None = None  # child host, tensor parallel > 1: where the engine rank writes pushed weights
     # In-process host: vLLM's external_launcher, one worker in this rank, its groups built over the whole
-    # torch.distributed world (which the caller has checked is exactly the engine ranks, see engines/hosting.py).
+    # torch.distributed world (which the caller has checked is exactly the engine ranks, see engines/vllm/placement.py).
     external_launcher: bool = False
     enable_sleep: bool = False  # --vllm_enable_sleep; acts on GPU only (vLLM rejects sleep mode on CPU)
     images_per_prompt: int = 0  # a vision-language policy: vLLM's limit_mm_per_prompt for images (0: a text model)
@@ -278,7 +278,8 @@ class VLLMAdapter:
             self.wake(("weights",))
         if self.reloads_from_memory:
             assert named is not None, "tensor parallel 1 reloads from tensors in memory"
-            # As they come: a stream (vllm_stream.py) yields each bucket only once the previous ones were loaded.
+            # As they come: a stream (engines/vllm/stream.py) yields each bucket only once the previous ones were
+            # loaded.
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         else:
             assert self.spec.weights_dir is not None and named is None, "the engine rank writes the weights file"

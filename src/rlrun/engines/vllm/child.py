@@ -7,9 +7,9 @@ torchrun variables are removed from its environment), so any rank can own one.
 Protocol (parent -> child, one reply each but for a stream): ("start", EngineSpec) -> ready; ("weights",) -> ack
 (tensor parallel > 1: the parent wrote the weights file the workers read); ("stream", Handoff|None, bucket
 plan|None), then ("bucket", k) for each bucket, each acked with k once the child copied it out of the parent's
-staging buffer, and one ack once vLLM has them all (tensor parallel 1: vllm_stream.py); ("generate", prompts, seeds,
-Sampling) -> (tokens, logprobs); ("sleep",) -> ack (GPU --vllm_enable_sleep); ("stop",) -> bye. Replies are
-("ok", payload) or ("error", "Type: message").
+staging buffer, and one ack once vLLM has them all (tensor parallel 1: engines/vllm/stream.py); ("generate",
+prompts, seeds, Sampling) -> (tokens, logprobs); ("sleep",) -> ack (GPU --vllm_enable_sleep); ("stop",) -> bye.
+Replies are ("ok", payload) or ("error", "Type: message").
 
 Every read on the parent side has a deadline and checks that the child is alive, so a child that
 dies, hangs or fails to start becomes one EngineChildError line, never a hang. The child dies with
@@ -116,7 +116,7 @@ def child_main(conn: Connection, parent_pid: int, log_path: str) -> None:
                 assert adapter is not None
                 adapter.reload_weights(None)
                 conn.send(("ok", None))
-            elif kind == "stream":  # weights bucket by bucket through the staging buffers (vllm_stream.py)
+            elif kind == "stream":  # weights bucket by bucket through the staging buffers (engines/vllm/stream.py)
                 assert adapter is not None
                 stream.update(msg[1], msg[2])
                 adapter.reload_weights(streamed_weights(conn, stream))

@@ -1,9 +1,9 @@
-"""VLLMEngine: the engine surface of roles/engine.py backed by a vLLM child process (tensor parallel T: the
-child runs vLLM's T workers; see tensor_parallel.py for how an engine's T ranks share it).
+"""VLLMEngine: the engine surface of engines/base.py backed by a vLLM child process (tensor parallel T: the
+child runs vLLM's T workers; TensorParallelEngine, below, is how an engine's T ranks share it).
 
 The rank keeps no copy of the policy: `model` lies on the meta device (it names the parameters), and WeightSync
 hands each bucket of a sync to `sink` as it is received (disaggregated) or gathered (colocated with the actor):
-vllm_stream.py, through two staging buffers to the child at tensor parallel 1, into the workers' weights file in
+engines/vllm/stream.py, through two staging buffers to the child at tensor parallel 1, into the workers' weights file in
 /dev/shm at tensor parallel > 1 (on the engine's first rank only). Free space on /dev/shm is checked before
 anything is put there.
 """

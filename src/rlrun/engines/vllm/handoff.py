@@ -1,9 +1,9 @@
 """Handing an engine rank's memory to its vLLM child process without copying it (no vLLM here).
 
-The parent sends the child, once, the storages of WeightSync's two staging buffers (vllm_stream.py) and where each
-tensor lies in them; the child rebuilds the same views over the same memory. Each weight sync then writes a bucket
-into a buffer, tells the child, and writes that buffer again only after the child acked that it copied the bucket
-out. A buffer that moved to other memory is sent again (`memory_key`).
+The parent sends the child, once, the storages of WeightSync's two staging buffers (engines/vllm/stream.py) and
+where each tensor lies in them; the child rebuilds the same views over the same memory. Each weight sync then writes
+a bucket into a buffer, tells the child, and writes that buffer again only after the child acked that it copied the
+bucket out. A buffer that moved to other memory is sent again (`memory_key`).
 
 - CPU: each storage is moved into shared memory in place (the tensors over it, WeightSync's buffers, follow it) and
   crosses the pipe as a file descriptor (torch.multiprocessing's default file_descriptor strategy: the segments

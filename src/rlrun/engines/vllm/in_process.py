@@ -1,7 +1,7 @@
-"""InProcessEngine: the engine surface of roles/engine.py backed by vLLM inside this rank (external_launcher).
+"""InProcessEngine: the engine surface of engines/base.py backed by vLLM inside this rank (external_launcher).
 
 Only for layouts whose engine ranks are the whole torch.distributed world, in consecutive tensor-parallel blocks
-from rank 0 (engines/hosting.py says why; the constructor refuses anything else). Every rank builds one `LLM`;
+from rank 0 (engines/vllm/placement.py says why; the constructor refuses anything else). Every rank builds one `LLM`;
 the T ranks of an engine form vLLM's tensor-parallel group, and each of them submits the SAME requests: on every
 sample() call the engine's ranks swap their prompts and per-row seeds (transfer.EngineRowExchange.to_all), all
 run the whole batch, and each keeps its own rows. Every rank of an engine must therefore call sample() the same

@@ -1,4 +1,8 @@
-"""The compatibility status table (docs/compat.md) generated from the flag tables: `python -m rlrun.compat.report`."""
+"""The compatibility status table (docs/compat.md) generated from rlrun's flag tables:
+`python scripts/compat_report.py > docs/compat.md` (after adding or changing a spelling in src/rlrun/compat/).
+
+A docs generator, outside the package: it reads every entry point's command line, which no module of rlrun may
+import (tests/test_package_layout.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,10 @@ from rlrun.compat.argv import CHANGES_TRAINING, NOT_YET
 from rlrun.compat.openrlhf_flags import ByValue, Ignored, Same, resolve
 from rlrun.compat.verl_overrides import GROUP_RULES
 from rlrun.config.fields import fields_of
+from rlrun.config.tree import Config
+from rlrun.dpo import CLI as DPO_CLI
+from rlrun.rm import CLI as RM_CLI
+from rlrun.sft import CLI as SFT_CLI
 
 GROUP_FIELDS = {
     "kl": "use_kl_loss, init_kl_coef, kl_estimator, kl_target, kl_horizon",
@@ -70,7 +78,7 @@ def _first_line(doc: str | None) -> str:
 
 
 def verl_rows() -> list[tuple[str, str]]:
-    fields = fields_of()
+    fields = fields_of(Config)
     rows = []
     for key, meaning in verl.VERL_KEYS.items():
         if isinstance(meaning, verl.To):
@@ -101,10 +109,6 @@ def verl_rows() -> list[tuple[str, str]]:
 def markdown() -> str:
     def table(rows: list[tuple[str, str]], head: str) -> str:
         return "\n".join([f"| {head} | status |", "|---|---|", *(f"| {a} | {b.replace('|', '/')} |" for a, b in rows)])
-
-    from rlrun.dpo import CLI as DPO_CLI  # noqa: PLC0415 - the entry points import this package
-    from rlrun.rm import CLI as RM_CLI  # noqa: PLC0415
-    from rlrun.sft import CLI as SFT_CLI  # noqa: PLC0415
 
     return (
         "\n\n".join(

@@ -1,0 +1,64 @@
+"""The multi-turn agent section (rlrun.ppo): OpenRLHF agent files and the built-in Search-R1 agent
+(rlrun.agents)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlrun.config.fields import opt
+
+RETRIEVER_RETRY_BACKOFF_S = 0.5  # the retriever client sleeps this * 2**(k-1) before retry k
+
+
+@dataclass
+class AgentConfig:
+    """Multi-turn agent rollouts: an environment answers each model turn (observation tokens are not actions)."""
+
+    agent_func_path: str | None = opt(
+        None,
+        "OpenRLHF agent file (.py) defining AgentInstance (reset/step, async) and "
+        "usually AgentExecutor; its rewards replace any reward source. Turns: see "
+        "--max_turns.",
+    )
+    retriever_url: str | None = opt(
+        None,
+        "Built-in Search-R1 agent: the retrieval server's POST URL (e.g. "
+        "http://127.0.0.1:8000/retrieve, see python -m rlrun.retriever_server); "
+        "reward = exact match of the last <answer> against the label's golden "
+        "answers.",
+    )
+    retriever_topk: int = opt(3, "Search-R1 agent: passages per search.")
+    retriever_timeout: float = opt(
+        10.0,
+        "Search-R1 agent: seconds per retrieval request (tried --remote_rm_retries "
+        "times with backoff, then the run fails naming the URL); all tries must fit "
+        "in --agent_timeout.",
+    )
+    max_turns: int | None = opt(
+        None,
+        "Most model turns per episode (each turn generates, then the agent steps). "
+        "Unset: until the agent says done or --generate_max_len is used up. Search-R1's "
+        "max_turns=K is K search turns plus a final answer turn, i.e. --max_turns K+1.",
+    )
+    max_tokens_per_turn: int | None = opt(
+        None,
+        "Most tokens generated in one turn (Search-R1's per-turn "
+        "max_response_length). Unset: what is left of --generate_max_len.",
+    )
+    max_obs_len: int | None = opt(
+        None,
+        "Most tokens of one observation (verl/Search-R1 max_obs_length); longer ones "
+        "keep their first tokens and are counted in agent/obs_truncated.",
+    )
+    state_masking: bool = opt(
+        True,
+        "Observation tokens carry no loss, KL or advantage (Search-R1 state_masking). "
+        "false: they are trained on like generated tokens.",
+    )
+    agent_timeout: float = opt(60.0, "Seconds one agent reset() or step() call may take before the run fails.")
+    agent_max_concurrency: int = opt(64, "Agent calls of one engine rank that run at once (asyncio).")
+
+    @property
+    def multi_turn(self) -> bool:
+        """Rollouts are agent episodes (their rewards are the reward)."""
+        return self.agent_func_path is not None or self.retriever_url is not None

@@ -1,0 +1,90 @@
+"""The generation section (rlrun.ppo): the backend, sampling, lengths and each backend's own settings, read by
+rlrun.engines (through rlrun.engines.build) and the rollout phase."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rlrun.config.fields import opt
+
+
+@dataclass
+class GenerationConfig:
+    """Rollout generation."""
+
+    generation_backend: Literal["auto", "native", "hf", "vllm"] = opt(
+        "auto",
+        "native: rlrun's own KV-cache decoder (Llama, Qwen2, Qwen3, Mistral; reports sampled-token log-probs); "
+        "hf: transformers generate; vllm: vLLM engines; auto: vllm when it is installed and a GPU is present, else "
+        "native "
+        "when the model's architecture allows it, else hf.",
+    )
+    temperature: float = opt(1.0, "Sampling temperature.")
+    top_p: float = opt(1.0, "Nucleus sampling threshold.")
+    prompt_max_len: int = opt(1024, "Max prompt tokens.")
+    prompt_overflow: Literal["truncate", "drop"] = opt(
+        "truncate",
+        "Prompts longer than --prompt_max_len: keep the "
+        "last tokens, or drop the record (counted in the "
+        "log either way).",
+    )
+    generate_max_len: int = opt(1024, "Max new tokens per response.")
+    native_kv_cache_mb: int | None = opt(
+        None,
+        "--generation_backend native: the KV cache budget of each engine rank "
+        "in "
+        "MiB; a rank's rollouts are generated in batches whose cache fits it. "
+        "Default: "
+        "on GPU from the memory free when generation starts (less the activations), "
+        "on CPU unbounded (one batch).",
+    )
+    native_cuda_graph: bool = opt(
+        False,
+        "--generation_backend native on GPU: capture each decode step as a CUDA graph "
+        "and replay it per token (fewer kernel launches; the step attends over the filled "
+        "cache rounded up to 256 positions, one graph per span). rlrun.ppo: on by default with a "
+        "CUDA device where the policy allows it (not MoE, not dynamic rope). No effect on CPU.",
+    )
+    vllm_gpu_memory_utilization: float = opt(
+        0.95,
+        "vLLM gpu_memory_utilization (GPU: the fraction of the whole GPU "
+        "one engine "
+        "rank may use; lower it when the actor shares the GPU, e.g. 0.3-0.5).",
+    )
+    vllm_kv_cache_memory_bytes: int | None = opt(
+        None,
+        "GPU: the KV cache size of each vLLM engine rank in bytes, "
+        "instead of "
+        "sizing it from --vllm_gpu_memory_utilization (more robust when "
+        "trainer "
+        "models share the GPU). CPU: no effect (VLLM_CPU_KVCACHE_SPACE sizes "
+        "it).",
+    )
+    vllm_enable_sleep: bool = opt(
+        False,
+        "GPU: vLLM sleeps (level 1: weights to host memory, KV cache freed) after "
+        "each "
+        "generate call and wakes for the next weight push; CPU: no effect (vLLM has no "
+        "sleep mode there).",
+    )
+    vllm_sync_backend: Literal["nccl", "gloo"] = opt("nccl", "Backend of the actor->engine weight-sync group on GPU.")
+    enforce_eager: bool = opt(False, "Disable CUDA graphs in vLLM (always eager on CPU).")
+    vllm_engine_host: Literal["auto", "child", "in_process"] = opt(
+        "auto",
+        "Where each vLLM engine runs. in_process: inside the rank (vLLM's external_launcher), only when the "
+        "engine ranks are the whole world (colocate all, or 1 rank); child: a spawned child process per engine "
+        "(any layout); auto: in_process when the layout allows it, else child.",
+    )
+    vllm_seeded_requests: bool = opt(
+        False,
+        "Give every vLLM request its own seed: a row's sample then does not depend "
+        "on the other rows of its generate call (batch size, order, host), but vLLM draws "
+        "seeded rows' noise one row at a time, which is slower on big batches. Off: "
+        "requests "
+        "carry no seed and vLLM samples the whole batch at once, from one seed per call "
+        "(a run "
+        "repeated on the same hardware samples alike; a row's sample depends on its "
+        "batch).",
+    )
+    weight_sync_bucket_mb: int = opt(256, "Size of each actor->engine weight-sync bucket (MiB).")
