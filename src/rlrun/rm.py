@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlrun.cli.parser import CliSpec
 from rlrun.compat.openrlhf_flags import RM_DOTTED, RM_IGNORED, SUPERVISED_RENAMED
-from rlrun.config.supervised import RMConfig
+from rlrun.config.supervised import DPOConfig, RMConfig
 from rlrun.data.sources import DataSpec
 from rlrun.launch.failures import leave
 from rlrun.models.loading import ScalarHeadModel
@@ -38,7 +38,7 @@ CLI = CliSpec(
 
 
 def load_pairs(
-    cfg: Any, tokenizer: PreTrainedTokenizerBase, path: str | DataSpec, task: PairTask = "reward_model"
+    cfg: RMConfig | DPOConfig, tokenizer: PreTrainedTokenizerBase, path: str | DataSpec, task: PairTask = "reward_model"
 ) -> Loaded[Preference]:
     """Preference pairs with the trainer's keys (rlrun.rm, and rlrun.dpo with task "dpo")."""
     d = cfg.data
@@ -48,8 +48,8 @@ def load_pairs(
         prompt_key=d.prompt_key,
         chosen_key=d.chosen_key,
         rejected_key=d.rejected_key,
-        input_template=d.input_template,
-        apply_chat_template=d.apply_chat_template,
+        input_template=cfg.template.input_template,
+        apply_chat_template=cfg.template.apply_chat_template,
         max_len=cfg.train.max_len,
         max_samples=cfg.train.max_samples,
         task=task,

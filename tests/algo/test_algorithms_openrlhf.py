@@ -368,8 +368,12 @@ def test_normalize_reward_uses_config_mean_std(reward_dir: Path, role: str) -> N
     for normalize, expected in ((False, 0.0), (True, (0.0 - 2.0) / 4.0)):
         flag = f"--{role}_pretrain"
         cfg = parse_args([flag, str(reward_dir), *(["--normalize_reward"] if normalize else [])]).config
-        load = load_reward_model if role == "reward" else load_critic
-        model = load(cfg.model, cfg.train.seed, normalize=cfg.algo.normalize_reward).fill(torch.device("cpu"))
+        norm = cfg.algo.normalize_reward
+        if role == "reward":
+            unfilled = load_reward_model(cfg.model, cfg.reward.reward_pretrain, cfg.train.seed, normalize=norm)
+        else:
+            unfilled = load_critic(cfg.model, cfg.critic.critic_pretrain, None, cfg.train.seed, normalize=norm)
+        model = unfilled.fill(torch.device("cpu"))
         with torch.no_grad():
             score_head(model.hf).weight.zero_()  # raw output 0 at every position
             out = model(ids, attn)

@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from rlrun.cli.parser import IGNORED_FLAGS, LAUNCHER, NOT_YET, RAY_ONLY, build_parser, parse_args, NO_EFFECT_YET
+from rlrun.cli.parser import IGNORED_FLAGS, LAUNCHER, NOT_YET, RAY_ONLY, RENAMED_FLAGS, build_parser, parse_args, NO_EFFECT_YET
 from rlrun.compat.argv import CHANGES_TRAINING
 from rlrun.config.fields import fields_of
 from rlrun.config.tree import Config
@@ -143,7 +143,7 @@ def test_flag_table_has_no_duplicates():
 
 def test_every_listed_flag_is_supported():
     """A field removed or renamed (and not moved to IGNORED_FLAGS) fails here."""
-    supported = set(fields_of(Config)) | set(IGNORED_FLAGS)
+    supported = set(fields_of(Config)) | set(IGNORED_FLAGS) | set(RENAMED_FLAGS)
     missing = [name for name, _, _ in ALL_FLAGS if name not in supported]
     assert not missing
     # And the parser really has a --flag for every field.
@@ -164,16 +164,17 @@ def test_flag_lands_on_its_field(name, values, expected):
         assert parsed.explicit == frozenset()
         assert len(parsed.ignored) == 1 and parsed.ignored[0].startswith(f"--{name}: ignored (")
         return
-    info = fields_of(Config)[name]
-    value = getattr(getattr(parsed.config, info.section), name)
+    field = RENAMED_FLAGS.get(name, name)  # an OpenRLHF name rlrun spells otherwise (--deepspeed_enable_sleep)
+    info = fields_of(Config)[field]
+    value = getattr(getattr(parsed.config, info.section), field)
     assert value == expected
     assert type(value) is type(expected)
-    assert parsed.explicit == {name}
+    assert parsed.explicit == {field}
     if name in NO_EFFECT_YET:  # kept in the config, but reported: nothing acts on it in this release
         assert parsed.ignored == (f"--{name}: has no effect ({NO_EFFECT_YET[name]})",)
     else:
         assert parsed.ignored == ()
-    _defaults_except(parsed.config, name)
+    _defaults_except(parsed.config, field)
 
 
 SINGLE_VALUE = [f for f in ALL_FLAGS if len(f[1]) == 1 and f[0] not in IGNORED_FLAGS]
@@ -181,8 +182,9 @@ SINGLE_VALUE = [f for f in ALL_FLAGS if len(f[1]) == 1 and f[0] not in IGNORED_F
 
 @pytest.mark.parametrize("name, values, expected", SINGLE_VALUE, ids=[f[0] for f in SINGLE_VALUE])
 def test_flag_equals_form(name, values, expected):
-    info = fields_of(Config)[name]
-    assert getattr(getattr(parse_args([f"--{name}={values[0]}"]).config, info.section), name) == expected
+    field = RENAMED_FLAGS.get(name, name)
+    info = fields_of(Config)[field]
+    assert getattr(getattr(parse_args([f"--{name}={values[0]}"]).config, info.section), field) == expected
 
 
 @pytest.mark.parametrize("name", BOOL_FIELDS)
@@ -377,13 +379,13 @@ def test_realistic_ppo_command_line():
     assert (r.ref_num_gpus_per_node, r.reward_num_gpus_per_node) == (8, 8)
     assert (r.vllm_num_engines, r.vllm_tensor_parallel_size, r.colocate_all_models) == (4, 2, True)
     assert cfg.model.pretrain == "OpenRLHF/Llama-3-8b-sft-mixture"
-    assert cfg.model.reward_pretrain == "OpenRLHF/Llama-3-8b-rm-700k"
+    assert cfg.reward.reward_pretrain == "OpenRLHF/Llama-3-8b-rm-700k"
     assert cfg.model.bf16 and cfg.model.gradient_checkpointing
     assert (cfg.train.rollout_batch_size, cfg.train.train_batch_size, cfg.train.micro_train_batch_size) == (1024, 128, 8)
     assert cfg.train.actor_learning_rate == 5e-7 and cfg.train.zero_stage == 3
-    assert cfg.train.deepspeed_enable_sleep  # with FSDP2 ZeRO-3, rlrun's default strategy: sleep works there too
+    assert cfg.train.sleep  # with FSDP2 ZeRO-3, rlrun's default strategy: sleep works there too
     assert cfg.algo.init_kl_coef == 0.01 and cfg.algo.normalize_reward
-    assert cfg.data.input_key == "context_messages" and cfg.data.apply_chat_template
+    assert cfg.data.input_key == "context_messages" and cfg.template.apply_chat_template
     assert cfg.generation.vllm_gpu_memory_utilization == 0.5 and cfg.generation.enforce_eager
     assert cfg.checkpoint.save_hf_ckpt and cfg.checkpoint.ckpt_path.endswith("ckpt/llama3-8b-rlhf")
     assert cfg.logging.use_wandb == "{wandb_token}"
@@ -403,9 +405,9 @@ def test_realistic_grpo_command_line():
     assert cfg.algo.advantage_estimator == "group_norm" and cfg.algo.use_kl_loss and cfg.algo.kl_estimator == "k3"
     assert cfg.algo.init_kl_coef == 1e-3 and cfg.train.n_samples_per_prompt == 8
     assert cfg.train.max_samples == 100_000_000
-    assert cfg.model.remote_rm_url == "/openrlhf/examples/python/reward_func.py"
+    assert cfg.reward.remote_rm_url == "/openrlhf/examples/python/reward_func.py"
     assert cfg.data.label_key == "label" and cfg.logging.use_tensorboard == "logs/grpo"
-    assert not cfg.algo.needs_critic and cfg.algo.needs_ref and not cfg.model.needs_reward_model
+    assert not cfg.algo.needs_critic and cfg.algo.needs_ref and not cfg.reward.needs_reward_model
     assert {line.split(":")[0] for line in parsed.ignored} == {
         "--ray_namespace",
         "--lr_scheduler", "--vllm_gpu_memory_utilization", "--vllm_enable_sleep", "--enforce_eager"}
@@ -420,8 +422,9 @@ def test_every_openrlhf_flag_in_one_command_line():
     cfg = parse_args(argv).config
     for name, _, expected in OPENRLHF_FLAGS:
         if name not in IGNORED_FLAGS:
-            info = fields_of(Config)[name]
-            assert getattr(getattr(cfg, info.section), name) == expected, name
+            field = RENAMED_FLAGS.get(name, name)
+            info = fields_of(Config)[field]
+            assert getattr(getattr(cfg, info.section), field) == expected, name
 
 
 def test_config_sections_cover_all_flags():

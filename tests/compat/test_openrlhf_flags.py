@@ -153,9 +153,9 @@ def test_meanings_read_from_openrlhf():
     assert (cfg.checkpoint.save_path, cfg.checkpoint.ckpt_path) == ("/final", "/ckpts")
     assert (cfg.train.train_batch_size, cfg.train.micro_train_batch_size, cfg.train.micro_rollout_batch_size) == (64, 2, 4)
     assert cfg.generation.generate_max_len == 256 and cfg.data.prompt_data == "p.jsonl"
-    assert (cfg.model.pretrain, cfg.model.critic_pretrain, cfg.model.remote_rm_url) == ("/m", "/c", "r.py")
+    assert (cfg.model.pretrain, cfg.critic.critic_pretrain, cfg.reward.remote_rm_url) == ("/m", "/c", "r.py")
     assert cfg.algo.init_kl_coef == 0.002 and cfg.algo.use_kl_loss and cfg.algo.entropy_loss_coef == 0.01
-    assert (cfg.train.actor_learning_rate, cfg.train.critic_learning_rate) == (5e-7, 9e-6)
+    assert (cfg.train.actor_learning_rate, cfg.critic.critic_learning_rate) == (5e-7, 9e-6)
     assert (cfg.train.l2, cfg.train.max_norm) == (0.1, 0.5)
 
 
@@ -261,7 +261,7 @@ def test_openrlhf_0_11_command_line_equals_the_0_9_one():
     assert len(new.ignored) == len(old.ignored)
     assert "--actor.lr_scheduler" in {line.split(":")[0] for line in new.ignored}
     assert "--lr_scheduler" in {line.split(":")[0] for line in old.ignored}
-    assert new.config.train.deepspeed_enable_sleep  # --ds.enable_sleep = --deepspeed_enable_sleep, acted on
+    assert new.config.train.sleep  # --ds.enable_sleep = --deepspeed_enable_sleep = --sleep, acted on
 
 
 
@@ -275,11 +275,11 @@ def test_is_correction_threshold_single_value_is_an_upper_bound() -> None:
     from rlrun.cli.parser import parse_args
 
     one = parse_args(["--algo.advantage.is_correction_threshold", "2.5", "--seed", "3"]).config
-    assert one.algo.is_correction_threshold == (0.0, 2.5) and one.train.seed == 3
-    assert parse_args(["--algo.advantage.is_correction_threshold=4"]).config.algo.is_correction_threshold == (0.0, 4.0)
+    assert one.correction.is_correction_threshold == (0.0, 2.5) and one.train.seed == 3
+    assert parse_args(["--algo.advantage.is_correction_threshold=4"]).config.correction.is_correction_threshold == (0.0, 4.0)
     two = parse_args(["--algo.advantage.is_correction_threshold", "0.5", "3", "--algo.advantage.is_correction_level",
                       "seq"]).config
-    assert two.algo.is_correction_threshold == (0.5, 3.0) and two.algo.is_correction_level == "seq"
+    assert two.correction.is_correction_threshold == (0.5, 3.0) and two.correction.is_correction_level == "seq"
 
 
 def test_the_0_11_0_and_0_9_correction_spellings_map_onto_the_0_11_2_gates() -> None:
@@ -287,11 +287,11 @@ def test_the_0_11_0_and_0_9_correction_spellings_map_onto_the_0_11_2_gates() -> 
     0.9.4-0.10.1: --enable_vllm_is_correction --vllm_is_correction_type T --vllm_is_truncated_threshold LOW HIGH."""
     from rlrun.algo.rollout_correction import ISWeights, RolloutCorrection
     from rlrun.cli.parser import parse_args
-    from rlrun.plan.checks import rollout_correction_of
+    from rlrun.compat.correction import resolve
 
     dotted = parse_args(["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type",
-                         "seq-mask-tis", "--algo.advantage.is_correction_threshold", "0.5", "2"]).config.algo
-    assert rollout_correction_of(dotted) == RolloutCorrection(ISWeights("token", (0.5, 2.0), "zero", "geo_mean",
-                                                                        gate_rows=True))
-    classic = parse_args(["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.4", "3"]).config.algo
-    assert rollout_correction_of(classic) == RolloutCorrection(ISWeights("token", (0.4, 3.0), "clamp"))  # tis
+                         "seq-mask-tis", "--algo.advantage.is_correction_threshold", "0.5", "2"]).config
+    assert resolve(dotted.correction, dotted.algo.policy_loss_type) == RolloutCorrection(
+        ISWeights("token", (0.5, 2.0), "zero", "geo_mean", gate_rows=True))
+    classic = parse_args(["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.4", "3"]).config
+    assert resolve(classic.correction, "ppo") == RolloutCorrection(ISWeights("token", (0.4, 3.0), "clamp"))  # tis

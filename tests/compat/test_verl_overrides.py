@@ -57,7 +57,7 @@ SIMPLE = [
     ("actor_rollout_ref.model.path=/models/qwen", "model", "pretrain", "/models/qwen"),
     ("actor_rollout_ref.model.enable_gradient_checkpointing=true", "model", "gradient_checkpointing", True),
     ("actor_rollout_ref.nccl_timeout=600", "runtime", "dist_timeout", 600.0),
-    ("critic.model.path=/models/critic", "model", "critic_pretrain", "/models/critic"),
+    ("critic.model.path=/models/critic", "critic", "critic_pretrain", "/models/critic"),
     ("actor_rollout_ref.actor.optim.lr=1e-6", "train", "actor_learning_rate", 1e-6),
     ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.285", "train", "lr_warmup_ratio", 0.285),
     ("actor_rollout_ref.actor.optim.weight_decay=0.01", "train", "l2", 0.01),
@@ -75,8 +75,8 @@ SIMPLE = [
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "resources", "vllm_tensor_parallel_size", 2),
     ("actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "generation", "vllm_gpu_memory_utilization", 0.6),
     ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32", "train", "micro_rollout_batch_size", 32),
-    ("critic.optim.lr=1e-5", "train", "critic_learning_rate", 1e-5),
-    ("critic.cliprange_value=0.2", "algo", "value_clip", 0.2),
+    ("critic.optim.lr=1e-5", "critic", "critic_learning_rate", 1e-5),
+    ("critic.cliprange_value=0.2", "critic", "value_clip", 0.2),
     ("algorithm.gamma=0.99", "algo", "gamma", 0.99),
     ("algorithm.lam=0.95", "algo", "lambd", 0.95),
     ("trainer.total_epochs=15", "train", "num_episodes", 15),
@@ -196,8 +196,8 @@ def test_grpo_without_std_is_dr_grpo_and_unknown_estimators_fail():
 
 
 def test_reward_model_only_when_enabled():
-    assert cfg_of("reward_model.model.path=/rm").model.reward_pretrain is None
-    assert cfg_of("reward_model.enable=True", "reward_model.model.path=/rm").model.reward_pretrain == "/rm"
+    assert cfg_of("reward_model.model.path=/rm").reward.reward_pretrain is None
+    assert cfg_of("reward_model.enable=True", "reward_model.model.path=/rm").reward.reward_pretrain == "/rm"
 
 
 def test_clip_ratios():
@@ -279,17 +279,17 @@ def test_verl_data_brings_verl_defaults_below_everything_the_user_says():
     """data.train_files names verl's data: prompt column `prompt`, label reward_model.ground_truth, and verl's default
     per-data-source scorer, unless the command line or YAML names something else (issue 24)."""
     cfg = cfg_of("data.train_files=/d/train.parquet")
-    assert (cfg.data.input_key, cfg.data.label_key, cfg.model.compute_score) == ("prompt", "reward_model.ground_truth",
+    assert (cfg.data.input_key, cfg.data.label_key, cfg.reward.compute_score) == ("prompt", "reward_model.ground_truth",
                                                                              "builtin")
     cfg = cfg_of("--label_key", "answer", "data.train_files=/d/t.parquet", "--remote_rm_url", "r.py")
-    assert (cfg.data.label_key, cfg.model.compute_score, cfg.model.remote_rm_url) == ("answer", None, "r.py")
+    assert (cfg.data.label_key, cfg.reward.compute_score, cfg.reward.remote_rm_url) == ("answer", None, "r.py")
     cfg = cfg_of("data.train_files=/d/t.parquet", "custom_reward_function.path=/s.py", "custom_reward_function.name=f",
                  "data.reward_fn_key=source")
-    assert (cfg.model.compute_score, cfg.model.compute_score_name, cfg.data.data_source_key) == ("/s.py", "f", "source")
+    assert (cfg.reward.compute_score, cfg.reward.compute_score_name, cfg.data.data_source_key) == ("/s.py", "f", "source")
     cfg = cfg_of("data.train_files=/d/t.parquet", "reward_model.enable=True", "reward_model.model.path=/rm")
-    assert (cfg.model.compute_score, cfg.model.reward_pretrain) == (None, "/rm")  # the RM's score replaces the rules
+    assert (cfg.reward.compute_score, cfg.reward.reward_pretrain) == (None, "/rm")  # the RM's score replaces the rules
     cfg = cfg_of("data.train_files=/d/t.parquet", "retriever.url=http://h/retrieve", "max_turns=2")
-    assert cfg.model.compute_score is None  # Search-R1: the agent's exact match is the reward
+    assert cfg.reward.compute_score is None  # Search-R1: the agent's exact match is the reward
     assert cfg_of("data.apply_chat_template_kwargs={enable_thinking: false}").data.apply_chat_template_kwargs == {
         "enable_thinking": False}
 
@@ -305,7 +305,7 @@ def test_overrides_and_flags_later_wins():
 
 def test_flag_values_are_never_read_as_overrides():
     cfg = cfg_of("--input_template", "Q=x {}", "--bf16", "data.train_batch_size=4", "--use_wandb", "trainer.nnodes=1")
-    assert cfg.data.input_template == "Q=x {}" and cfg.model.bf16 is True
+    assert cfg.template.input_template == "Q=x {}" and cfg.model.bf16 is True
     assert cfg.train.rollout_batch_size == 4 and cfg.logging.use_wandb == ""
 
 
@@ -464,8 +464,8 @@ def test_verl_ppo_seed_script():
     assert (cfg.train.rollout_batch_size, cfg.train.n_samples_per_prompt, cfg.train.train_batch_size) == (1024, 1, 256)
     assert (cfg.train.micro_train_batch_size, cfg.train.micro_rollout_batch_size) == (16, 32)
     assert (cfg.generation.prompt_max_len, cfg.generation.generate_max_len, cfg.generation.prompt_overflow) == (512, 512, "drop")
-    assert cfg.model.pretrain == cfg.model.critic_pretrain == "deepseek-ai/deepseek-llm-7b-chat"
-    assert (cfg.train.actor_learning_rate, cfg.train.critic_learning_rate) == (1e-6, 1e-5)
+    assert cfg.model.pretrain == cfg.critic.critic_pretrain == "deepseek-ai/deepseek-llm-7b-chat"
+    assert (cfg.train.actor_learning_rate, cfg.critic.critic_learning_rate) == (1e-6, 1e-5)
     assert cfg.model.gradient_checkpointing and cfg.generation.generation_backend == "vllm"
     assert cfg.resources.vllm_tensor_parallel_size == 4 and cfg.generation.vllm_gpu_memory_utilization == 0.4
     # verl with use_kl_loss=False and use_kl_in_reward=False: no KL, so no reference model.
@@ -512,10 +512,10 @@ def test_search_r1_ppo_seed_script():
     argv = [t for t in argv if not t.startswith("actor_rollout_ref.actor.use_kl_loss")
             and not t.startswith("actor_rollout_ref.actor.kl_loss")]
     cfg = parse_args(argv).config
-    assert cfg.algo.advantage_estimator == "gae" and cfg.model.critic_pretrain == "meta-llama/Llama-3.2-3B"
+    assert cfg.algo.advantage_estimator == "gae" and cfg.critic.critic_pretrain == "meta-llama/Llama-3.2-3B"
     # Search-R1's verl puts kl_ctrl.kl_coef into the reward when use_kl_loss is off.
     assert not cfg.algo.use_kl_loss and (cfg.algo.init_kl_coef, cfg.algo.kl_estimator) == (0.001, "k1")
-    assert cfg.train.n_samples_per_prompt == 1 and cfg.train.critic_learning_rate == 1e-5
+    assert cfg.train.n_samples_per_prompt == 1 and cfg.critic.critic_learning_rate == 1e-5
 
 
 # --- end to end: the seed command lines, trimmed to the tiny model, local data and 2 steps ------------------------
@@ -630,11 +630,11 @@ def test_rollout_correction_keys_map_one_to_one() -> None:
                "algorithm.rollout_correction.rollout_rs=['seq_mean_k1','seq_max_k3']",
                "algorithm.rollout_correction.rollout_rs_threshold=0.99_1.01,0.1",
                "algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce",
-               "algorithm.rollout_correction.rollout_is_batch_normalize=true").algo
+               "algorithm.rollout_correction.rollout_is_batch_normalize=true").correction
     assert (a.rollout_is, a.rollout_is_threshold, a.rollout_rs, a.rollout_rs_threshold) == (
         "sequence", "0.5_5.0", "seq_mean_k1,seq_max_k3", "0.99_1.01,0.1")
     assert a.rollout_bypass and a.rollout_bypass_loss == "reinforce" and a.rollout_is_batch_normalize
-    assert cfg_of("algorithm.rollout_correction.rollout_is=null").algo.rollout_is == "off"  # verl's YAML default
+    assert cfg_of("algorithm.rollout_correction.rollout_is=null").correction.rollout_is == "off"  # verl's YAML default
     with pytest.raises(ConfigError, match="rollout_token_veto_threshold: verl removed it"):
         cfg_of("algorithm.rollout_correction.rollout_token_veto_threshold=1e-4")
     ignored = parse_args(["actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is=token"]).ignored
@@ -644,19 +644,19 @@ def test_rollout_correction_keys_map_one_to_one() -> None:
 def test_distillation_keys_with_verls_defaults() -> None:
     teacher = "distillation.teacher_models.teacher_model.model_path=/models/teacher"
     cfg = cfg_of("distillation.enabled=true", teacher)  # verl's YAML: k3 as a loss (GKD), task rewards kept
-    a = cfg.algo
-    assert cfg.model.teacher_pretrain == "/models/teacher"
+    a = cfg.distill
+    assert cfg.distill.teacher_pretrain == "/models/teacher"
     assert (a.teacher_kl_estimator, a.teacher_kl_loss, a.distill_task_reward, a.teacher_kl_coef) == ("k3", True, True, 1.0)
     cfg = cfg_of("distillation.enabled=true", teacher, "distillation.distillation_loss.loss_mode=k1",
                  "distillation.distillation_loss.use_policy_gradient=true",
                  "distillation.distillation_loss.use_task_rewards=false",
                  "distillation.distillation_loss.distillation_loss_coef=0.3",  # verl: used only with task rewards
                  "distillation.distillation_loss.loss_max_clamp=10", "distillation.n_gpus_per_node=2")
-    a = cfg.algo
+    a = cfg.distill
     assert (a.teacher_kl_estimator, a.teacher_kl_loss, a.distill_task_reward, a.teacher_kl_coef, a.teacher_kl_clamp) == (
         "k1", False, False, 1.0, 10.0)
     assert cfg.resources.teacher_num_gpus_per_node == 2
-    assert cfg_of(teacher).model.teacher_pretrain is None  # distillation.enabled is false by default
+    assert cfg_of(teacher).distill.teacher_pretrain is None  # distillation.enabled is false by default
     with pytest.raises(ConfigError, match="k1's gradient does not involve the teacher"):
         cfg_of("distillation.enabled=true", teacher, "distillation.distillation_loss.loss_mode=kl")
     with pytest.raises(ConfigError, match="top-k forward-KL modes are not implemented"):

@@ -34,7 +34,7 @@ def test_defaults_without_any_source():
     cfg = parsed.config
     assert cfg.train.seed == 42 and cfg.train.rollout_batch_size == 1024
     assert cfg.algo.advantage_estimator == "gae" and cfg.algo.init_kl_coef == 0.01
-    assert cfg.algo.needs_critic and cfg.algo.needs_ref and not cfg.model.needs_reward_model
+    assert cfg.algo.needs_critic and cfg.algo.needs_ref and not cfg.reward.needs_reward_model
 
 
 NESTED = """
@@ -73,7 +73,7 @@ def test_yaml_overrides_defaults(tmp_path, text):
     assert cfg.train.adam_betas == (0.8, 0.9)
     assert cfg.algo.advantage_estimator == "group_norm"
     assert cfg.algo.reward_clip_range == (-3.0, 3.0)
-    assert cfg.algo.value_clip is None
+    assert cfg.critic.value_clip is None
     assert cfg.model.bf16 is True
     assert cfg.logging.use_tensorboard == "./tb"
     # Untouched fields keep their defaults.
@@ -91,7 +91,7 @@ def test_cli_overrides_yaml(tmp_path, text):
         cfg = parse_args(argv).config
         assert cfg.train.seed == 9
         assert cfg.model.bf16 is False
-        assert cfg.algo.value_clip == 0.3
+        assert cfg.critic.value_clip == 0.3
         assert cfg.train.rollout_batch_size == 64  # from YAML
         assert cfg.train.micro_train_batch_size == 4  # default
 

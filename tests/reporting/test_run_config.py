@@ -70,7 +70,7 @@ def test_secrets_stay_out_and_are_named(tmp_path) -> None:
     assert key not in text and "pw" not in text and "token=abc" not in text
     assert "Not stored as given (secrets): remote_rm_url, use_wandb (its key: set WANDB_API_KEY)" in text
     assert again.logging.use_wandb == ""  # on, the key from WANDB_API_KEY
-    assert again.model.remote_rm_url == "https://<redacted>@rm.example/score?<redacted>"
+    assert again.reward.remote_rm_url == "https://<redacted>@rm.example/score?<redacted>"
 
 
 def test_dry_run_settings_are_not_stored(tmp_path) -> None:

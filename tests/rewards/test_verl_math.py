@@ -284,7 +284,7 @@ def test_a_dapo_math_record_is_read_and_scored_as_verl(tmp_path):
     meta = prompts.meta(order)
     assert meta.data_sources == ["math_dapo"] * 3 + ["aime_2024"] and meta.extra_infos[0] == {"index": "9a9b6eb4"}
     responses = ["17 * 2 = 34.\nAnswer: 34", "Answer: 35", "so the product is \\boxed{34}", "Answer: $104$"]
-    score = load_compute_score_function(cfg.model.compute_score, cfg.model.compute_score_name)
+    score = load_compute_score_function(cfg.reward.compute_score, cfg.reward.compute_score_name)
     result = score([prompts.texts[i] + r for i, r in zip(order, responses)], [prompts.texts[i] for i in order],
                    meta.labels, responses=responses, data_sources=meta.data_sources, extra_infos=meta.extra_infos)
     assert result.rewards.tolist() == [1.0, -1.0, 1.0, 1.0]

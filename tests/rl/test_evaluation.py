@@ -91,9 +91,10 @@ def test_eval_warnings_when_nothing_would_run() -> None:
 
 
 def test_eval_defaults_match_openrlhf() -> None:
-    lg = parse_args([]).config.logging
+    cfg = parse_args([]).config
+    ev, lg = cfg.eval, cfg.logging
     # OpenRLHF 0.11.2 cli/train_ppo_ray.py: --eval.temperature 0.6, --eval.n_samples_per_prompt 4, --eval.steps -1.
-    assert (lg.eval_temperature, lg.eval_n_samples_per_prompt, lg.eval_steps, lg.eval_dataset) == (0.6, 4, -1, None)
+    assert (ev.eval_temperature, ev.eval_n_samples_per_prompt, lg.eval_steps, ev.eval_dataset) == (0.6, 4, -1, None)
     assert not parse_args(["--eval_temperature", "0.7", "--eval_dataset", "d.jsonl"]).ignored
 
 

@@ -191,8 +191,8 @@ def test_sleep_off_means_no_schedule():
 
 def test_deepspeed_zero3_sleep_is_refused_before_anything_starts():
     cfg = Config()
-    cfg.train.deepspeed_enable_sleep, cfg.train.strategy, cfg.train.zero_stage = True, "deepspeed", 3
-    with pytest.raises(ConfigError, match="--deepspeed_enable_sleep with --strategy deepspeed --zero_stage 3 is not "
+    cfg.train.sleep, cfg.train.strategy, cfg.train.zero_stage = True, "deepspeed", 3
+    with pytest.raises(ConfigError, match=r"--sleep \(OpenRLHF's --deepspeed_enable_sleep\) with --strategy deepspeed --zero_stage 3 is not "
                                           "supported.*use --zero_stage 1 or 2, or --strategy fsdp --zero_stage 3"):
         check_values(cfg)
     cfg.train.strategy = "fsdp"  # FSDP2 ZeRO-3 sleeps

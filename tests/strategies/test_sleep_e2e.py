@@ -42,7 +42,7 @@ def test_sleep_changes_nothing_but_memory(strategy, tmp_path):
     (plain_dir, plain), (slept_dir, slept) = runs[False], runs[True]
     assert "sleep:" not in plain.output
     # The plan is logged once, and each kind of move once with its size.
-    assert slept.output.count("--deepspeed_enable_sleep: each model's parts are awake only in these phases") == 1
+    assert slept.output.count("--sleep: each model's parts are awake only in these phases") == 1
     assert ("ranks 0,1 (actor, critic, ref, engine): actor parameters: score, train_actor, sync; actor optimizer "
             "states: train_actor; critic parameters: score, train_critic; critic optimizer states: train_critic; "
             "ref parameters: score") in slept.output

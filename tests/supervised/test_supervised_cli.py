@@ -32,7 +32,7 @@ def test_each_trainer_has_openrlhf_defaults() -> None:
     assert (sft.train.learning_rate, rm.train.learning_rate, dpo.train.learning_rate) == (5e-6, 9e-6, 1e-5)
     assert (sft.train.max_len, rm.train.max_len, dpo.train.max_len) == (2048, 512, 512)
     assert (sft.train.max_epochs, rm.train.micro_train_batch_size, dpo.train.micro_train_batch_size) == (2, 1, 8)
-    assert sft.data.input_template == "User: {}\nAssistant: " and dpo.data.input_template is None
+    assert sft.template.input_template == "User: {}\nAssistant: " and dpo.template.input_template is None
     assert (sft.checkpoint.ckpt_path, rm.checkpoint.ckpt_path) == ("./ckpt/checkpoints_sft", "./ckpt/checkpoints_rm")
     assert dpo.loss.beta == 0.1 and rm.loss.loss == "sigmoid"
 

@@ -38,15 +38,15 @@ def model(tmp_path_factory) -> str:
 def test_openrlhf_m_grpo_command_line_parses_and_passes(model):
     cfg = parse_args(shlex.split(OPENRLHF_M_GRPO.format(model=model))).config
     assert (cfg.data.input_key, cfg.data.label_key) == ("message", "answer")
-    assert cfg.model.freeze_prefix == ("visual",) and (cfg.data.min_pixels, cfg.data.max_pixels) == (3136, 501760)
+    assert cfg.vision.freeze_prefix == ("visual",) and (cfg.vision.min_pixels, cfg.vision.max_pixels) == (3136, 501760)
     assert vision_run_problem(cfg) is None
     dotted = parse_args(["--actor.freeze_visual_encoder", "--data.image_key", "pictures", "--data.max_images_per_prompt",
                          "2", "--pretrain", model, "--remote_rm_url", "demo"]).config  # OpenRLHF 0.11's spellings
-    assert dotted.model.freeze_visual_encoder and dotted.data.image_key == "pictures"
-    assert dotted.data.max_images_per_prompt == 2
+    assert dotted.vision.freeze_visual_encoder and dotted.vision.image_key == "pictures"
+    assert dotted.vision.max_images_per_prompt == 2
     verl = parse_args([f"actor_rollout_ref.model.path={model}", "data.image_key=imgs",
                        "actor_rollout_ref.actor.freeze_vision_tower=True", "--remote_rm_url", "demo"]).config
-    assert verl.data.image_key == "imgs" and verl.model.freeze_visual_encoder
+    assert verl.vision.image_key == "imgs" and verl.vision.freeze_visual_encoder
 
 
 @pytest.mark.parametrize("flags, named", [

@@ -143,8 +143,9 @@ def parse_is_threshold(threshold: float | str) -> tuple[float, float, OutOfBound
         raise ValueError(
             f"rollout_is_threshold {threshold!r} is neither a number (truncation) nor LOW_HIGH (IcePop, e.g. 0.5_5.0)"
         ) from None
-    if values[1] <= 0 or (sep and not 0 < values[0] <= values[1]):
-        raise ValueError(f"rollout_is_threshold {threshold!r} needs 0 < LOW <= HIGH (or one HIGH > 0)")
+    # NaN passes every comparison below as False (the weights would all be NaN, every update skipped): refused first
+    if not all(math.isfinite(v) for v in values) or values[1] <= 0 or (sep and not 0 < values[0] <= values[1]):
+        raise ValueError(f"rollout_is_threshold {threshold!r} needs finite 0 < LOW <= HIGH (or one finite HIGH > 0)")
     return values[0], values[1], "zero" if sep else "clamp"
 
 
@@ -172,8 +173,9 @@ def parse_rejection(options: str, thresholds: str | float | None) -> tuple[Rejec
             raise ValueError(f"rollout_rs_threshold entry {entry!r} for {name} is not a number or LOW_HIGH") from None
         if divergence != "k1" and sep:
             raise ValueError(f"rollout_rs {name} is bounded above only: give one number, not {entry!r}")
-        if high <= 0 or (low is not None and not 0 < low <= high):
-            raise ValueError(f"rollout_rs_threshold {entry!r} for {name} needs 0 < LOW <= HIGH")
+        finite = math.isfinite(high) and (low is None or math.isfinite(low))  # NaN would reject every token
+        if not finite or high <= 0 or (low is not None and not 0 < low <= high):
+            raise ValueError(f"rollout_rs_threshold {entry!r} for {name} needs finite 0 < LOW <= HIGH")
         rules.append(Rejection(divergence, reduce, low, high))  # type: ignore[arg-type]  # checked by check_choice
     return tuple(rules)
 
@@ -224,8 +226,8 @@ def check_openrlhf(level: str, mode: str, gating: str, low: float, high: float) 
             f"--is_correction_gating {gating} is a divergence, bounded from above only: give "
             f"--is_correction_threshold 0 {high:g}"
         )
-    if not 0 <= low <= high or high <= 0:
-        return f"--is_correction_threshold needs 0 <= LOW <= HIGH and HIGH > 0, got {low:g} {high:g}"
+    if not (math.isfinite(low) and math.isfinite(high)) or not 0 <= low <= high or high <= 0:
+        return f"--is_correction_threshold needs finite 0 <= LOW <= HIGH and HIGH > 0, got {low:g} {high:g}"
     return None
 
 

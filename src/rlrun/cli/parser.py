@@ -21,7 +21,7 @@ import yaml
 from rlrun.compat import openrlhf_flags, verl_overrides
 from rlrun.compat.argv import LAUNCHER, NOT_YET, QLORA, RAY_ONLY, RING_HEAD_STRIDE, Nargs, refused
 from rlrun.config.fields import FieldInfo, build_config, coerce, fields_of, suggest
-from rlrun.config.tree import Config
+from rlrun.config.tree import FORMER_SECTIONS, Config
 from rlrun.runtime.errors import ConfigError
 
 # OpenRLHF train_ppo_ray flags rlrun accepts but does not act on: name -> (values it takes, reason).
@@ -67,6 +67,7 @@ RENAMED_FLAGS: dict[str, str] = {
     "use_dynamic_batch": "dynamic_batch",
     "vllm_is_truncated_threshold": "is_correction_threshold",  # OpenRLHF 0.9.1-0.10.1: LOW HIGH
     "ring_attn_size": "sequence_parallel_size",  # OpenRLHF's ring attention groups: rlrun's Ulysses groups
+    "deepspeed_enable_sleep": "sleep",  # OpenRLHF's name; rlrun's sleep works under either strategy
 }
 
 
@@ -313,8 +314,11 @@ def build_parser(spec: CliSpec = PPO_CLI) -> argparse.ArgumentParser:
     return parser
 
 
-def load_yaml(path: str, config_cls: type = Config) -> dict[str, Any]:
-    """Flat {field: value} from a YAML file; sections may nest. Unknown keys are errors."""
+def load_yaml(path: str, config_cls: type = Config, renamed: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Flat {field: value} from a YAML file; sections may nest (also under a field's former section,
+    FORMER_SECTIONS). Unknown keys are errors; `renamed`: the peer spellings of a field's name (the command line's
+    aliases, e.g. deepspeed_enable_sleep), taken as that field."""
+    renamed = renamed or {}
     if not os.path.isfile(path):
         raise ConfigError(f"--config {path}: no such file")
     with open(path, encoding="utf-8") as fh:
@@ -330,8 +334,9 @@ def load_yaml(path: str, config_cls: type = Config) -> dict[str, Any]:
     for key, value in raw.items():
         if key in sections and isinstance(value, dict):
             for sub, sub_value in value.items():
+                sub = renamed.get(sub, sub)
                 info = infos.get(sub)
-                if info is not None and info.section != key:
+                if info is not None and info.section != key and FORMER_SECTIONS.get(sub) != key:
                     raise ConfigError(
                         f"--config {path}: unknown key '{key}.{sub}'; '{sub}' belongs in section '{info.section}'"
                     )
@@ -339,8 +344,8 @@ def load_yaml(path: str, config_cls: type = Config) -> dict[str, Any]:
                     valid = [i.name for i in infos.values() if i.section == key]
                     raise ConfigError(f"--config {path}: unknown key '{key}.{sub}'{suggest(str(sub), valid)}")
                 flat[sub] = sub_value
-        elif key in infos:
-            flat[key] = value
+        elif renamed.get(key, key) in infos:
+            flat[renamed.get(key, key)] = value
         elif key in sections:
             raise ConfigError(f"--config {path}: section '{key}' must be a mapping of field: value, got {value!r}")
         else:
@@ -464,7 +469,7 @@ def parse_args(argv: Sequence[str] | None = None, spec: CliSpec = PPO_CLI) -> Pa
             else f"unexpected argument '{flag}' (flags take the form --name value"
             + (", or key=value for verl keys)" if spec.verl_overrides else ")")
         )
-    values = load_yaml(known.config, spec.config_cls) if known.config else {}
+    values = load_yaml(known.config, spec.config_cls, spec.renamed) if known.config else {}
     defaults = {name: value for name, value in spec.defaults.items() if name not in values}
     for name, raw in vars(known).items():
         if name == "config":

@@ -145,7 +145,7 @@ OPENRLHF_DOTTED: dict[str, Meaning] = {
     "ds.use_liger_kernel": Same("use_liger_kernel", 0),
     "ds.grad_accum_dtype": Same("grad_accum_dtype", 1),
     "ds.overlap_comm": Same("overlap_comm", 0),
-    "ds.enable_sleep": Same("deepspeed_enable_sleep", 0),
+    "ds.enable_sleep": Same("sleep", 0),
     "ds.tensor_parallel_size": Same("ds_tensor_parallel_size", 1),
     "ds.packing_samples": Same("packing_samples", 0),
     "ds.load_in_4bit": Same("load_in_4bit", 0),

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlrun.config.fields import opt
+from rlrun.config.fields import opt, positive
+from rlrun.runtime.errors import ConfigError
 
 RETRIEVER_RETRY_BACKOFF_S = 0.5  # the retriever client sleeps this * 2**(k-1) before retry k
 
@@ -62,3 +63,24 @@ class AgentConfig:
     def multi_turn(self) -> bool:
         """Rollouts are agent episodes (their rewards are the reward)."""
         return self.agent_func_path is not None or self.retriever_url is not None
+
+    def check(self) -> None:
+        for name in ("max_turns", "max_tokens_per_turn", "max_obs_len"):
+            positive(name, getattr(self, name), allow_none=True)
+        for name in ("retriever_topk", "retriever_timeout", "agent_timeout", "agent_max_concurrency"):
+            positive(name, getattr(self, name))
+        if self.agent_func_path is not None and self.retriever_url is not None:
+            raise ConfigError(
+                f"--agent_func_path {self.agent_func_path} and --retriever_url {self.retriever_url} are both set; "
+                "--retriever_url runs the built-in Search-R1 agent: choose one agent"
+            )
+        if not self.multi_turn:
+            turn_flags = [
+                f"--{n}" for n in ("max_turns", "max_tokens_per_turn", "max_obs_len") if getattr(self, n) is not None
+            ]
+            turn_flags += [] if self.state_masking else ["--state_masking false"]
+            if turn_flags:
+                raise ConfigError(
+                    f"{', '.join(turn_flags)} shape multi-turn agent episodes; add --agent_func_path FILE.py "
+                    "or --retriever_url URL, or drop them"
+                )

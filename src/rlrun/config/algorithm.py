@@ -4,9 +4,13 @@ distillation, MoE routing, and the rollout correction in each peer's spelling (r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from rlrun.config.fields import opt
+from rlrun.config.fields import non_negative, opt, positive
+from rlrun.runtime.errors import ConfigError
+
+if TYPE_CHECKING:  # torch's; the section is read without it
+    from rlrun.algo.policy_losses import PolicyLossParams
 
 AdvantageEstimator = Literal["gae", "group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"]
 GROUP_ESTIMATORS = frozenset({"group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"})
@@ -67,7 +71,6 @@ class AlgorithmConfig:
     dual_clip: float | None = opt(
         None, "Dual-clip constant (> 1; ppo, gspo). dppo_tv / dppo_kl: the cap of the truncated ratio (unset: 3)."
     )
-    value_clip: float | None = opt(0.5, "Value clip range (unset: no clipping).")
     normalize_reward: bool = opt(
         False,
         "As OpenRLHF: (score - mean) / std with the mean/std stored in the reward "
@@ -108,31 +111,6 @@ class AlgorithmConfig:
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = opt(
         "token-mean", "How per-token losses are averaged."
     )
-    is_correction_level: Literal["off", "token", "seq"] = opt(
-        "off",
-        "Correct the engine/actor log-prob mismatch "
-        "(OpenRLHF 0.11 "
-        "--algo.advantage.is_correction_level; needs "
-        "--generation_backend vllm): gate each token, or "
-        "each sequence's mean, on the statistic below.",
-    )
-    is_correction_mode: Literal["mask", "clip"] = opt(
-        "mask",
-        "mask: drop units outside the threshold (survivors keep "
-        "their weight pi_train/pi_rollout); clip: clamp the "
-        "token weight into it (token level, ratio gating).",
-    )
-    is_correction_gating: Literal["ratio", "binary_kl", "tv"] = opt(
-        "ratio",
-        "Statistic the gate reads: the weight "
-        "pi_train/pi_rollout itself, or the "
-        "sampled token's binary KL / total "
-        "variation between the two.",
-    )
-    is_correction_threshold: tuple[float, float] = opt(
-        (0.5, 5.0),
-        "LOW HIGH bounds of the gated statistic (0 HIGH for an upper bound only, required for binary_kl/tv).",
-    )
 
     aux_loss_coef: float = opt(
         0.0,
@@ -146,73 +124,6 @@ class AlgorithmConfig:
         "actor_rollout_ref.actor.router_replay.mode). R2 records them in the actor's scoring pass and replays them "
         "in its training passes (any engine). off: each forward routes by itself.",
     )
-    teacher_kl_coef: float = opt(
-        1.0,
-        "--teacher_pretrain: weight of the teacher signal: with --teacher_kl_loss false each token's advantage gets "
-        "-coef * D (D: --teacher_kl_estimator of log pi_old - log pi_teacher; Thinking Machines, slime --opd-kl-coef, "
-        "verl's policy-gradient OPD); with true, coef * D(log pi - log pi_teacher) joins the loss (verl's GKD OPD).",
-    )
-    teacher_kl_estimator: Literal["k1", "k2", "k3"] = opt(
-        "k1", "The per-token divergence to the teacher (k1 = log-ratio: the reverse KL's sample; k2, k3 as for the KL)."
-    )
-    teacher_kl_loss: bool = opt(
-        False, "Backpropagate the divergence to the teacher as a loss term instead of adding it to the advantages."
-    )
-    teacher_kl_clamp: float | None = opt(
-        None, "Clamp each token's divergence to [-C, C] before use (verl's loss_max_clamp). Unset: no clamp."
-    )
-    teacher_temperature: float = opt(1.0, "The teacher's logits are divided by this (verl forces 1).")
-    distill_task_reward: bool = opt(
-        True,
-        "--teacher_pretrain: also learn from the reward (false: only from the teacher; the reward is still computed "
-        "and logged; verl's use_task_rewards).",
-    )
-    enable_vllm_is_correction: bool = opt(
-        False,
-        "OpenRLHF 0.9.4-0.11.0's correction switch (--algo.advantage.is_correction_enable): token weights "
-        "pi_actor / pi_engine by --vllm_is_correction_type within --is_correction_threshold LOW HIGH.",
-    )
-    vllm_is_correction_type: Literal["tis", "icepop", "seq-mask-tis"] = opt(
-        "tis",
-        "--enable_vllm_is_correction's kind: tis clamps each token's weight, icepop zeroes those outside, "
-        "seq-mask-tis zeroes whole sequences whose geometric-mean ratio is outside (= --is_correction_level "
-        "token/token/seq with --is_correction_mode clip/mask/mask).",
-    )
-    rollout_correction: str | None = opt(
-        None,
-        "A verl rollout-correction preset by name (RolloutCorrectionConfig's constructors: decoupled_token_is, "
-        "decoupled_seq_is, decoupled_token_icepop, decoupled_geo_rs, bypass_ppo_clip, bypass_pg_is, ...; "
-        "rlrun.algo.rollout_correction.VERL_PRESETS); instead of the --rollout_is/--rollout_rs flags.",
-    )
-    rollout_is: Literal["off", "token", "sequence"] = opt(
-        "off",
-        "verl's rollout_correction.rollout_is: importance weights pi_actor / pi_engine per token, or the sequence's "
-        "product on each of its tokens (needs the engine's log-probs: native or vllm).",
-    )
-    rollout_is_threshold: str = opt(
-        "2.0",
-        "--rollout_is's bound: a number truncates the weights above it (TIS); LOW_HIGH (e.g. 0.5_5.0) zeroes those "
-        "outside (IcePop).",
-    )
-    rollout_is_batch_normalize: bool = opt(False, "Divide the --rollout_is weights by their batch mean.")
-    rollout_rs: str | None = opt(
-        None,
-        "verl's rejection sampling: comma list of token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, "
-        "seq_max_k2/k3; tokens (or sequences) whose mismatch is outside --rollout_rs_threshold leave the update.",
-    )
-    rollout_rs_threshold: str | None = opt(
-        None, "--rollout_rs bounds, one or one per option: k1 LOW_HIGH (or HIGH: LOW = 1/HIGH), k2/k3 HIGH."
-    )
-    rollout_bypass: bool = opt(
-        False,
-        "verl's bypass_mode: the loss's old log-probs are the engine's (no actor scoring pass unless the KL "
-        "penalty needs it); weights and rejections from the current policy per micro-batch.",
-    )
-    rollout_bypass_loss: Literal["ppo_clip", "reinforce"] = opt(
-        "ppo_clip",
-        "--rollout_bypass: ppo_clip (the clipped ratio against the engine; weights only logged) or reinforce "
-        "(-A log pi times the --rollout_is weights).",
-    )
 
     @property
     def needs_critic(self) -> bool:
@@ -222,3 +133,60 @@ class AlgorithmConfig:
     def needs_ref(self) -> bool:
         """A KL term needs reference log-probs (from a reference model, or from the LoRA actor's base)."""
         return self.init_kl_coef > 0 or self.use_kl_loss
+
+    def loss_params(self) -> PolicyLossParams:
+        """--policy_loss_type's own parameters, as rlrun.algo.policy_losses takes them."""
+        from rlrun.algo.policy_losses import PolicyLossParams  # noqa: PLC0415 - the section is read without torch
+
+        return PolicyLossParams(
+            self.sapo_tau_pos,
+            self.sapo_tau_neg,
+            self.clip_cov_ratio,
+            self.clip_cov_bounds,
+            self.kl_cov_ratio,
+            self.kl_cov_coef,
+            self.dro_beta,
+        )
+
+    def check(self) -> None:
+        positive("eps_clip", self.eps_clip)
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lambd <= 1:
+            raise ConfigError(f"--gamma and --lambd must be in [0, 1], got {self.gamma} and {self.lambd}")
+        non_negative("init_kl_coef", self.init_kl_coef)
+        positive("kl_target", self.kl_target, allow_none=True)
+        positive("kl_horizon", self.kl_horizon)
+        low, high = self.reward_clip_range
+        if low >= high:
+            raise ConfigError(f"--reward_clip_range needs low < high, got {low} {high}")
+        if self.entropy_loss_coef is not None:
+            non_negative("entropy_loss_coef", self.entropy_loss_coef)
+        if self.eps_clip_low_high is not None:
+            low, high = self.eps_clip_low_high
+            # the PPO family clips the ratio to [1 - LOW, 1 + HIGH]; CISPO caps a weight (verl's example: LOW 10, no
+            # lower clip), GMPO bounds log-ratios and DPPO probability moves, where LOW >= 1 has a meaning
+            ppo_like = self.policy_loss_type in ("ppo", "gspo", "clip_cov")
+            if low <= 0 or high <= 0 or (ppo_like and low >= 1):
+                raise ConfigError(
+                    f"--eps_clip_low_high {low} {high}: needs {'0 < LOW < 1' if ppo_like else 'LOW > 0'} and HIGH > 0 "
+                    f"(--policy_loss_type {self.policy_loss_type} clips the ratio to [1 - LOW, 1 + HIGH]), e.g. "
+                    "--eps_clip_low_high 0.2 0.28"
+                )
+        low, high = self.dynamic_filtering_reward_range
+        if self.dynamic_filtering and low >= high:
+            raise ConfigError(
+                f"--dynamic_filtering_reward_range needs LOW < HIGH, got {low} {high} (e.g. 0 1 for 0/1 rewards)"
+            )
+        non_negative("overlong_penalty_factor", self.overlong_penalty_factor)
+        if self.stop_properly_penalty_coef is not None and self.stop_properly_penalty_coef > 1:
+            raise ConfigError(
+                f"--stop_properly_penalty_coef {self.stop_properly_penalty_coef}: use a value in [0, 1] "
+                "(scales truncated rewards) or a negative one (replaces them)"
+            )
+        from rlrun.algo.policy_losses import check_params  # noqa: PLC0415 - the section is read without torch
+
+        if (problem := check_params(self.policy_loss_type, self.dual_clip, self.loss_params())) is not None:
+            flags = {"dual_clip": "--dual_clip", "dro_beta": "--dro_beta", "sapo": "--sapo_tau_pos/--sapo_tau_neg"}
+            named = next((flag for key, flag in flags.items() if key in problem), "")
+            raise ConfigError(
+                f"--policy_loss_type {self.policy_loss_type}: {problem}" + (f"; set {named}" if named else "")
+            )

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlrun.config.fields import opt
+from rlrun.config.fields import opt, positive
+from rlrun.runtime.errors import ConfigError
 
 
 @dataclass
@@ -33,6 +34,11 @@ class SavingConfig:
     )
     ckpt_path: str = opt("./ckpt/checkpoints", "Directory of resumable checkpoints.")  # each trainer's own default
 
+    def check(self) -> None:
+        if self.save_steps == 0 or self.save_steps < -1:
+            raise ConfigError(f"--save_steps must be a positive number of steps or -1 (never), got {self.save_steps}")
+        positive("max_ckpt_num", self.max_ckpt_num)
+
 
 @dataclass
 class CheckpointConfig(SavingConfig):
@@ -40,7 +46,6 @@ class CheckpointConfig(SavingConfig):
 
     ckpt_path: str = opt("./ckpt/checkpoints_ppo", "Directory of resumable checkpoints.")
     save_hf_ckpt: bool = opt(False, "Also save the policy in HF format beside each checkpoint.")
-    save_value_network: bool = opt(False, "Also save the critic in HF format.")
     load_openrlhf_checkpoint: str | None = opt(
         None,
         "Start from an OpenRLHF DeepSpeed checkpoint: the --ckpt_path of "

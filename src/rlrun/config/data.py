@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlrun.config.fields import opt
+from rlrun.runtime.errors import ConfigError
 
 
 @dataclass
@@ -16,9 +17,15 @@ class TemplateConfig:
     input_template: str | None = opt(None, "Template with {} for the prompt.")
     apply_chat_template: bool = opt(False, "Wrap prompts with the tokenizer's chat template.")
 
+    def check(self) -> None:
+        if self.input_template is not None and "{}" not in self.input_template:
+            raise ConfigError(
+                f"--input_template must contain '{{}}' where the prompt goes, got {self.input_template!r}"
+            )
+
 
 @dataclass
-class DataConfig(TemplateConfig):
+class DataConfig:
     """Prompt data."""
 
     prompt_data: str | None = opt(
@@ -59,26 +66,6 @@ class DataConfig(TemplateConfig):
         "e.g. '{\"enable_thinking\": false}' (verl's "
         "data.apply_chat_template_kwargs).",
     )
-    image_key: str = opt(
-        "images",
-        "Vision-language policies: field holding each prompt's images, placed at the "
-        "prompt's <image> placeholders (verl's data.image_key). Images inside chat "
-        'messages ({"type": "image", "image": ...}, OpenRLHF-M) need no key.',
-    )
-    max_images_per_prompt: int = opt(
-        0,
-        "Vision-language policies: most images one prompt may hold (OpenRLHF's flag, "
-        "vLLM's limit_mm_per_prompt); a record with more is refused at start naming "
-        "it. 0: no limit (vLLM engines then take one image per prompt).",
-    )
-    min_pixels: int | None = opt(
-        None,
-        "Vision-language policies: smallest area (pixels) an image is resized to "
-        "(OpenRLHF-M's --min_pixels). Unset: the model's preprocessor_config.json.",
-    )
-    max_pixels: int | None = opt(
-        None,
-        "Vision-language policies: largest area (pixels) an image is resized to "
-        "(OpenRLHF-M's --max_pixels; fewer pixels, fewer image tokens). Unset: the "
-        "model's preprocessor_config.json.",
-    )
+
+    def check(self) -> None:
+        """Nothing to check alone: the records are read (and refused, naming them) at start-up."""

@@ -25,6 +25,22 @@ def opt(default: Any, help: str, *, secret: bool = False, metavar: str | None = 
     return field(default=default, metadata=meta)
 
 
+# ---- a section's own rules (its check(), raising ConfigError naming the flag and the value) ----------------------
+
+
+def positive(name: str, value: int | float | None, *, allow_none: bool = False) -> None:
+    """--name must be > 0 (or unset, with allow_none)."""
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(f"--{name} must be > 0, got {value}")
+
+
+def non_negative(name: str, value: int | float) -> None:
+    if value < 0:
+        raise ConfigError(f"--{name} must be >= 0, got {value}")
+
+
 @dataclass(frozen=True)
 class FieldInfo:
     section: str

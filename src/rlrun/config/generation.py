@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlrun.config.fields import opt
+from rlrun.config.fields import opt, positive
+from rlrun.runtime.errors import ConfigError
 
 
 @dataclass
@@ -88,3 +89,18 @@ class GenerationConfig:
         "batch).",
     )
     weight_sync_bucket_mb: int = opt(256, "Size of each actor->engine weight-sync bucket (MiB).")
+
+    def check(self) -> None:
+        positive("native_kv_cache_mb", self.native_kv_cache_mb, allow_none=True)
+        for name in ("prompt_max_len", "generate_max_len", "weight_sync_bucket_mb"):
+            positive(name, getattr(self, name))
+        if self.temperature <= 0:
+            raise ConfigError(f"--temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top_p must be in (0, 1], got {self.top_p}")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"--vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}"
+            )
+        if self.vllm_kv_cache_memory_bytes is not None and self.vllm_kv_cache_memory_bytes <= 0:
+            raise ConfigError(f"--vllm_kv_cache_memory_bytes must be > 0 bytes, got {self.vllm_kv_cache_memory_bytes}")

@@ -1,5 +1,5 @@
-"""The model sections: the model being trained and how it runs (every trainer: `PretrainedConfig`), and rlrun.ppo's
-other models and reward sources (`ModelConfig`)."""
+"""The model section (every trainer): the model being trained, where it comes from and how it runs (precision,
+attention, LoRA). The RL step's other models are their owners' sections (critic, distill, reward)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rlrun.config.fields import opt
+from rlrun.runtime.errors import ConfigError
 
 
 @dataclass
@@ -43,73 +44,38 @@ class PretrainedConfig:
     )
     lora_dropout: float = opt(0.0, "Dropout on the LoRA adapters' input during training.")
 
+    def check(self) -> None:
+        """Precision, attention and LoRA settings (caught here rather than by PEFT mid-build, or, for all-linear beside
+        module names, which PEFT reads as one more name, never)."""
+        if self.flash_attn and not self.bf16:
+            raise ConfigError(
+                "--flash_attn needs --bf16: flash-attention 2 runs only in half precision (its kernel "
+                "refuses fp32 inputs); add --bf16, or drop --flash_attn for PyTorch's SDPA"
+            )
+        rank = self.lora_rank
+        if rank < 0:
+            raise ConfigError(f"--lora_rank must be >= 0 (0: train every weight; LoRA: e.g. 8, 16 or 64), got {rank}")
+        if rank > 0 and self.lora_alpha <= 0:
+            raise ConfigError(
+                f"--lora_alpha must be > 0 with --lora_rank {rank} (the adapters' update is scaled by alpha "
+                f"/ rank; OpenRLHF's and verl's default is 16), got {self.lora_alpha}"
+            )
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(
+                f"--lora_dropout must be in [0, 1) (the chance of zeroing an adapter input), got {self.lora_dropout}"
+            )
+        targets = list(self.target_modules)
+        if any(not name.strip() for name in targets):
+            raise ConfigError(
+                f"--target_modules {targets} has an empty module name (a stray comma?); give names like "
+                "q_proj v_proj, or all-linear"
+            )
+        if "all-linear" in targets and len(targets) > 1:
+            raise ConfigError(
+                f"--target_modules {' '.join(targets)}: all-linear (every linear layer but the output head) "
+                "stands alone; give it alone, or only module names"
+            )
+
 
 # --model_preset of the tiny vision-language policy (rlrun.vision.demo builds and saves it).
 VL_PRESET = "tiny-vl"
-
-
-@dataclass
-class ModelConfig(PretrainedConfig):
-    """Models and reward sources."""
-
-    freeze_visual_encoder: bool = opt(
-        False,
-        "Vision-language policies: train the language model only; the vision "
-        "tower and its projector keep their weights (no gradients, no optimizer "
-        "state).",
-    )
-    freeze_prefix: tuple[str, ...] | None = opt(
-        None,
-        "Keep the actor's parameters whose names start with these fixed "
-        "(OpenRLHF-M's --freeze_prefix visual); checkpoint names and "
-        "the model's own both match.",
-    )
-    reward_pretrain: str | None = opt(
-        None, "Reward model directory (sequence-classification or value-head model scoring the last token)."
-    )
-    critic_pretrain: str | None = opt(None, "Critic initialisation. Unset: the reward model, else the policy.")
-    teacher_pretrain: str | None = opt(
-        None,
-        "On-policy distillation: a frozen teacher (HF directory or hub id, the policy's tokenizer) scores the "
-        "policy's own samples and the per-token reverse KL to it trains the policy (--teacher_kl_*); laid out like "
-        "the reference (--teacher_num_nodes/--teacher_num_gpus_per_node, --colocate_actor_teacher).",
-    )
-    remote_rm_url: str | None = opt(
-        None,
-        "Reward from a local Python file defining reward_func(queries, prompts, "
-        "labels), or an http(s):// endpoint; 'demo' is the demo's rule. With no "
-        "reward source at all only the demo runs (built-in prompts, embedded "
-        "model); anything else must name one.",
-    )
-    remote_rm_timeout: float = opt(
-        30.0, "Seconds to wait for each HTTP reward request (--remote_rm_url http(s)://...)."
-    )
-    remote_rm_retries: int = opt(
-        3, "Attempts per HTTP reward batch (connection errors, timeouts and 5xx are retried with backoff)."
-    )
-    compute_score: str | None = opt(
-        None,
-        "verl's reward convention: a .py file defining compute_score(data_source, "
-        "solution_str, ground_truth, extra_info) called per sample (a float, or a "
-        "dict whose 'score' is the reward), or 'builtin' for rlrun's versions of "
-        "verl's rule scores (GSM8K, MATH, DAPO/AIME, NuminaMath, Geometry3K, Search-R1 QA), chosen per prompt by its "
-        "data source. The label is --label_key (verl: reward_model.ground_truth).",
-    )
-    compute_score_name: str = opt(
-        "compute_score", "The function --compute_score calls in its file (verl's custom_reward_function.name)."
-    )
-    reward_workers: int | None = opt(
-        None,
-        "Processes scoring samples with --compute_score in parallel (1: in this "
-        "process). Unset: min(8, CPU cores / processes on the node).",
-    )
-    reward_timeout: float | None = opt(
-        None,
-        "Seconds one call of a reward file's reward_func may take on one batch; "
-        "past it the run fails naming the function and the batch. Unset: 0.8 x "
-        "--dist_timeout (the other ranks wait that long at most).",
-    )
-
-    @property
-    def needs_reward_model(self) -> bool:
-        return self.reward_pretrain is not None and self.remote_rm_url is None

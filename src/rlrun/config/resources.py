@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlrun.config.fields import opt
+from rlrun.config.fields import opt, positive
 
 
 @dataclass
@@ -50,3 +50,9 @@ class ResourceConfig:
     engine_node_label: str | None = opt(
         None, "Put the generation engines on nodes with this label (RLRUN_NODE_LABEL, else the host name)."
     )
+
+    def check(self) -> None:
+        """The sizes are checked with the world they are laid out on (rlrun.plan.layout); the sequence-parallel
+        sizes here."""
+        for name in ("ref_sequence_parallel_size", "critic_sequence_parallel_size"):
+            positive(name, getattr(self, name), allow_none=True)

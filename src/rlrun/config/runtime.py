@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlrun.config.fields import opt
+from rlrun.config.fields import opt, positive
 
 
 @dataclass
@@ -46,3 +46,8 @@ class RuntimeConfig:
         "what does not fit and what would) to this JSON file.",
         metavar="PATH",
     )
+
+    def check(self) -> None:
+        positive("dist_timeout", self.dist_timeout)
+        positive("data_timeout", self.data_timeout)
+        positive("gpu_memory_gb", self.gpu_memory_gb, allow_none=True)

@@ -12,11 +12,12 @@ from typing import Literal
 
 from rlrun.config.checkpoint import SavingConfig
 from rlrun.config.data import TemplateConfig
-from rlrun.config.fields import opt
+from rlrun.config.fields import opt, positive
 from rlrun.config.model import PretrainedConfig
 from rlrun.config.runtime import RuntimeConfig
 from rlrun.config.tracking import TrackingConfig
 from rlrun.config.training import OptimConfig
+from rlrun.runtime.errors import ConfigError
 
 
 @dataclass
@@ -27,6 +28,11 @@ class SupervisedTrainConfig(OptimConfig):
     max_len: int = opt(
         2048, "Most tokens of one sample (prompt + response); see each trainer's --help for what is cut or dropped."
     )
+
+    def check(self) -> None:
+        super().check()
+        positive("learning_rate", self.learning_rate)
+        positive("max_len", self.max_len)
 
 
 @dataclass
@@ -40,7 +46,7 @@ class SupervisedCheckpointConfig(SavingConfig):
 
 
 @dataclass
-class DatasetConfig(TemplateConfig):
+class DatasetConfig:
     """Training and evaluation data: sources as rlrun.ppo's --prompt_data (files, directories, hub ids, blends)."""
 
     dataset: str | None = opt(
@@ -63,6 +69,10 @@ class DatasetConfig(TemplateConfig):
     tokenizer_chat_template: str | None = opt(
         None, "A Jinja chat template replacing the tokenizer's own (with --apply_chat_template)."
     )
+
+    def check(self) -> None:
+        """Nothing to check alone (the trainer needs --dataset: rlrun.plan.checks.check_supervised says so, naming
+        the trainer)."""
 
 
 @dataclass
@@ -105,6 +115,9 @@ class SFTLossConfig:
         "micro-batch's real tokens; OpenRLHF's --aux_loss_coef). 0: none.",
     )
 
+    def check(self) -> None:
+        """--aux_loss_coef is checked with the policy it needs (a MoE one) when the model is read."""
+
 
 @dataclass
 class RMLossConfig:
@@ -117,6 +130,9 @@ class RMLossConfig:
         False,
         "sigmoid loss: subtract each record's 'margin' field from the reward difference (OpenRLHF's margin loss).",
     )
+
+    def check(self) -> None:
+        """Both settings are choices the command line already restricts."""
 
 
 @dataclass
@@ -143,12 +159,24 @@ class DPOLossConfig:
         "nothing to offload when --lora_rank scores the reference with the policy's base).",
     )
 
+    def check(self) -> None:
+        if not self.beta > 0:
+            raise ConfigError(f"--beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(
+                f"--label_smoothing must be in [0, 0.5) (the assumed label-flip probability), got "
+                f"{self.label_smoothing}"
+            )
+        if self.nll_loss_coef < 0:
+            raise ConfigError(f"--nll_loss_coef must be >= 0, got {self.nll_loss_coef}")
+
 
 @dataclass
 class _Shared:
     """The sections every supervised trainer has (in --help they come first, then data and loss)."""
 
     model: PretrainedConfig = field(default_factory=PretrainedConfig)
+    template: TemplateConfig = field(default_factory=TemplateConfig)
     train: SupervisedTrainConfig = field(default_factory=SupervisedTrainConfig)
     checkpoint: SupervisedCheckpointConfig = field(default_factory=SupervisedCheckpointConfig)
     logging: TrackingConfig = field(default_factory=TrackingConfig)

@@ -1,11 +1,11 @@
-"""The metrics sections: logging, trackers and evaluation cadence (every trainer: `TrackingConfig`), and rlrun.ppo's
-evaluation set (`LoggingConfig`)."""
+"""The metrics section (every trainer): logging cadence, the metrics file, wandb and TensorBoard, when evaluation
+runs (rlrun.ppo's evaluation set is rlrun.config.evaluation)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlrun.config.fields import opt
+from rlrun.config.fields import opt, positive
 
 
 @dataclass
@@ -31,17 +31,5 @@ class TrackingConfig:
     wandb_run_name: str | None = opt(None, "wandb run name.")
     use_tensorboard: str | None = opt(None, "TensorBoard log directory.")
 
-
-@dataclass
-class LoggingConfig(TrackingConfig):
-    """Metrics, trackers and evaluation."""
-
-    eval_dataset: str | None = opt(
-        None,
-        "Evaluation prompts, sources as for --prompt_data (same "
-        "--input_key/--label_key). Needs a reward function or URL (or an agent), not "
-        "--reward_pretrain.",
-    )
-    eval_split: str = opt("train", "Split of each --eval_dataset source (OpenRLHF's default: train).")
-    eval_temperature: float = opt(0.6, "Sampling temperature for evaluation.")
-    eval_n_samples_per_prompt: int = opt(4, "Responses per evaluation prompt (pass@N is logged when N > 1).")
+    def check(self) -> None:
+        positive("logging_steps", self.logging_steps)

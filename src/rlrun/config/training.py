@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlrun.config.fields import opt
+from rlrun.config.fields import non_negative, opt, positive
+from rlrun.runtime.errors import ConfigError
 
 
 @dataclass
@@ -69,6 +70,18 @@ class OptimConfig:
     def reduces_on_cpu(self) -> bool:
         """FSDP2 with --adam_offload keeps gradients on the CPU, so the gradient norm is reduced over CPU tensors."""
         return self.adam_offload and self.strategy == "fsdp"
+
+    def check(self) -> None:
+        for name in ("train_batch_size", "micro_train_batch_size", "max_epochs", "max_samples", "max_skipped_steps"):
+            positive(name, getattr(self, name))
+        positive("max_steps", self.max_steps, allow_none=True)
+        positive("sequence_parallel_size", self.sequence_parallel_size)
+        if not 0 <= self.lr_warmup_ratio <= 1:
+            raise ConfigError(f"--lr_warmup_ratio must be in [0, 1], got {self.lr_warmup_ratio}")
+        if self.max_norm < 0 or self.l2 < 0:
+            raise ConfigError(f"--max_norm and --l2 must be >= 0, got {self.max_norm} and {self.l2}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
 
 
 @dataclass
@@ -158,17 +171,12 @@ class TrainConfig(OptimConfig):
     )
     num_episodes: int = opt(1, "Passes over the prompt dataset.")
     actor_learning_rate: float = opt(1e-6, "Actor learning rate.")
-    critic_learning_rate: float = opt(9e-6, "Critic learning rate.")
-    deepspeed_enable_sleep: bool = opt(
+    sleep: bool = opt(
         False,
-        "Sleep, with either --strategy (OpenRLHF's name): each role's "
-        "parameters and its "
-        "gradients/optimizer state move to CPU memory between the phases that use them "
-        "and back "
-        "(bit-identical results), so colocated roles and engines fit one GPU; what "
-        "--adam_offload "
-        "already keeps on the CPU stays there. Not with --strategy deepspeed "
-        "--zero_stage 3.",
+        "With either --strategy (OpenRLHF's --deepspeed_enable_sleep is the same flag): each role's parameters and "
+        "its gradients/optimizer state move to CPU memory between the phases that use them and back (bit-identical "
+        "results), so colocated roles and engines fit one GPU; what --adam_offload already keeps on the CPU stays "
+        "there. Not with --strategy deepspeed --zero_stage 3.",
     )
 
     @property
@@ -180,3 +188,25 @@ class TrainConfig(OptimConfig):
         """--partial_rollout in effect: responses outlive a weight sync (--max_staleness 1 lets none: that is
         --async_train's loop, run as such)."""
         return self.partial_rollout and self.max_staleness > 1
+
+    def check(self) -> None:
+        super().check()
+        for name in ("rollout_batch_size", "micro_rollout_batch_size", "n_samples_per_prompt", "num_episodes"):
+            positive(name, getattr(self, name))
+        non_negative("actor_learning_rate", self.actor_learning_rate)
+        positive("train_max_tokens_per_gpu", self.train_max_tokens_per_gpu)
+        positive("rollout_max_tokens_per_gpu", self.rollout_max_tokens_per_gpu, allow_none=True)
+        if self.sleep and self.strategy == "deepspeed" and self.zero_stage == 3:
+            raise ConfigError(
+                "--sleep (OpenRLHF's --deepspeed_enable_sleep) with --strategy deepspeed --zero_stage 3 is not "
+                "supported (rlrun's DeepSpeed strategy runs ZeRO-0/1/2; DeepSpeed's own ZeRO-3 offload_states needs "
+                "FusedAdam on CUDA); use --zero_stage 1 or 2, or --strategy fsdp --zero_stage 3"
+            )
+        if self.partial_rollout:
+            positive("partial_rollout_tokens", self.partial_rollout_tokens)
+            positive("max_staleness", self.max_staleness)
+            if not self.async_train:
+                raise ConfigError(
+                    "--partial_rollout needs --async_train (as OpenRLHF's --train.partial_rollout_enable needs "
+                    "--train.async_enable): unfinished responses carry over while the learners train"
+                )

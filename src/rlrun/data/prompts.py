@@ -11,8 +11,9 @@ from typing import Any, Protocol
 
 import torch
 
-from rlrun.config.data import DataConfig
+from rlrun.config.data import DataConfig, TemplateConfig
 from rlrun.config.generation import GenerationConfig
+from rlrun.config.vision import VisionConfig
 from rlrun.data import sources as records
 from rlrun.data.images import images_of
 from rlrun.data.sources import DataSpec, Messages, read_sources
@@ -289,6 +290,8 @@ def prompt_keys(d: DataConfig) -> PromptKeys:
 
 def prompt_set(
     d: DataConfig,
+    t: TemplateConfig,
+    v: VisionConfig,
     g: GenerationConfig,
     tokenizer: Any,
     spec: DataSpec | None,
@@ -305,14 +308,14 @@ def prompt_set(
         format_prompt(
             r.prompt,
             tokenizer,
-            d.input_template,
-            d.apply_chat_template,
+            t.input_template,
+            t.apply_chat_template,
             d.apply_chat_template_kwargs,
             where=f"{source}: record {i}",
         )
         for i, r in enumerate(records)
     ]
-    check_images(records, source, vision=images is not None, most=d.max_images_per_prompt, policy=policy)
+    check_images(records, source, vision=images is not None, most=v.max_images_per_prompt, policy=policy)
     max_len = g.prompt_max_len
     if g.prompt_overflow == "drop":
         full, _ = tokenize_prompts(texts, tokenizer, 10**12)

@@ -24,7 +24,7 @@ from transformers import (
 )
 from transformers import PretrainedConfig as HFConfig
 
-from rlrun.config.model import ModelConfig, PretrainedConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.models.adapter_pretrain import (
     REWARD_NORM_FILE,
     AdapterMerged,
@@ -414,12 +414,14 @@ def config_mean_std(config: object) -> tuple[float, float] | None:
     return mean, std
 
 
-def load_critic(model: ModelConfig, seed: int, *, normalize: bool) -> Unfilled[ScalarHeadModel]:
-    """The critic, unallocated: --critic_pretrain, else --reward_pretrain, else the policy's body. A body that is
-    the policy's gets a fresh seeded head (OpenRLHF initialises the head only when the critic starts from the
+def load_critic(
+    model: PretrainedConfig, critic_pretrain: str | None, reward_pretrain: str | None, seed: int, *, normalize: bool
+) -> Unfilled[ScalarHeadModel]:
+    """The critic, unallocated: --critic_pretrain, else --reward_pretrain, else the policy's (`model`) body. A body
+    that is the policy's gets a fresh seeded head (OpenRLHF initialises the head only when the critic starts from the
     actor's model); a reward model or a saved critic keeps its own. `normalize`: --normalize_reward."""
-    path = model.critic_pretrain or model.reward_pretrain or model.pretrain
-    flag = next(f for f in ("critic_pretrain", "reward_pretrain", "pretrain") if getattr(model, f) == path)
+    sources = (("critic_pretrain", critic_pretrain), ("reward_pretrain", reward_pretrain), ("pretrain", model.pretrain))
+    flag, path = next(((f, p) for f, p in sources if p), sources[-1])
     if path is not None:
         _check_dir(flag, path)
     fresh = path is None or path == model.pretrain
@@ -440,11 +442,13 @@ def init_score_head(model: PreTrainedModel, seed: int) -> None:
         head.weight.copy_(seeded_head(model.config.hidden_size, seed).expand_as(head.weight))
 
 
-def load_reward_model(model: ModelConfig, seed: int, *, normalize: bool) -> Unfilled[ScalarHeadModel]:
-    """The reward model (--reward_pretrain), unallocated; `normalize`: --normalize_reward (its config's mean/std)."""
-    assert model.reward_pretrain is not None
-    _check_dir("reward_pretrain", model.reward_pretrain)
-    hf = unfilled_scalar_model(model.reward_pretrain, model, seed, flag="reward_pretrain")
+def load_reward_model(
+    model: PretrainedConfig, reward_pretrain: str, seed: int, *, normalize: bool
+) -> Unfilled[ScalarHeadModel]:
+    """The reward model (--reward_pretrain), unallocated, run like the policy (`model`: precision, attention);
+    `normalize`: --normalize_reward (its config's mean/std)."""
+    _check_dir("reward_pretrain", reward_pretrain)
+    hf = unfilled_scalar_model(reward_pretrain, model, seed, flag="reward_pretrain")
     return Unfilled(ScalarHeadModel(hf.model, normalize=normalize), hf.weights, prefix="hf.")
 
 

@@ -280,7 +280,7 @@ class StreamedSafetensors:
 def host_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of `t` (contiguous, on the CPU), borrowed while `t` lives. Not through `.numpy()`: that marks the
     storage non-resizable for good, and a tensor written here may be a parameter's own storage (DeepSpeed ZeRO-0-2,
-    a one-rank FSDP mesh), which --deepspeed_enable_sleep frees by resizing it to 0 bytes."""
+    a one-rank FSDP mesh), which --sleep frees by resizing it to 0 bytes."""
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return memoryview(b"")

@@ -55,7 +55,7 @@ def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
         if not (cfg.runtime.dry_run and g.generation_backend == "vllm"):
             raise
         backend, why, assumed = "vllm", "requested (not installed here)", VLLM_ASSUMED
-    if (flags := correction_flags(cfg.algo)) and backend not in REPORTS_LOG_PROBS:
+    if (flags := correction_flags(cfg)) and backend not in REPORTS_LOG_PROBS:
         raise ConfigError(
             f"{flags} needs the engine's sampled-token log-probs, but generation resolved to {backend} ({why}); use "
             "--generation_backend vllm or native, or drop the flag"
@@ -149,11 +149,11 @@ def vision_run_problem(cfg: Config) -> str | None:
             "a critic (PPO's GAE; no value head runs on a vision-language model yet: use a critic-free estimator, "
             "e.g. --advantage_estimator group_norm)"
         )
-    if cfg.model.needs_reward_model:
+    if cfg.reward.needs_reward_model:
         return "--reward_pretrain (reward models read text only; use --remote_rm_url or --compute_score)"
     if cfg.model.lora_rank > 0:
         return "--lora_rank (adapters on a vision-language model are not wired yet; train every weight)"
-    if cfg.model.teacher_pretrain is not None:
+    if cfg.distill.teacher_pretrain is not None:
         return "--teacher_pretrain (the teacher's forward takes no images yet)"
     return None
 

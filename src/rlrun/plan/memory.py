@@ -3,7 +3,7 @@ bytes and the host bytes it holds, by component, estimated from the models' conf
 rlrun.plan.memory over rlrun.plan.shapes), and what would make a rank that does not fit its GPU fit.
 
 For each run of ranks (same roles, same numbers) that does not fit, the advice estimates the rank again under each
-single change worth trying (--adam_offload, --zero_stage 3, --gradient_checkpointing, --deepspeed_enable_sleep,
+single change worth trying (--adam_offload, --zero_stage 3, --gradient_checkpointing, --sleep,
 --vllm_enable_sleep, vLLM in place of a native/hf engine, a lower --vllm_gpu_memory_utilization, rlrun.dpo's
 --ref_offload) and keeps those under which it fits, then more ranks for its models (up to 8x); when no single
 change is enough, all of them together, then with more ranks. Apart from the totals, a vLLM engine whose weights
@@ -166,7 +166,7 @@ def largest_tensor(s: ModelShape) -> int:
 #   batches whose cache fits --native_kv_cache_mb, or without it on a GPU what is free then (so its KV cache
 #   fills the GPU up to the usable bytes); on CPU without it, in one batch.
 # - Phases: colocated roles take turns (generate, score, train each trained role), so a rank's peak is its largest
-#   phase: everything resident plus that phase's working set. --deepspeed_enable_sleep parks (to pinned host memory)
+#   phase: everything resident plus that phase's working set. --sleep parks (to pinned host memory)
 #   the parts a phase does not use; --vllm_enable_sleep frees vLLM's memory outside generation (its weights go to host).
 # - Host memory: offloaded and parked parts, the HF export on its writer (global rank 0; the critic's first rank
 #   with --save_value_network: see _export_bytes), a tensor-parallel child engine's /dev/shm weights file on its
@@ -428,7 +428,7 @@ class RankMemory:
 
 
 def _awake(m: RoleMemory, phase: str, k: Knobs) -> Bytes:
-    """What of a role is on the device in a phase: everything, unless --deepspeed_enable_sleep parks what the
+    """What of a role is on the device in a phase: everything, unless --sleep parks what the
     phase does not use (rlrun.rl.sleep: parameters wake to score and to train, states only to train)."""
     if m.role is Role.ENGINE or not k.model_sleep:
         return add_bytes(m.params, m.states)
@@ -624,7 +624,7 @@ def _candidates(
             )
         )
     if Role.ENGINE in roles and models and not k.model_sleep:
-        out.append(("--deepspeed_enable_sleep", {"model_sleep": True}))
+        out.append(("--sleep", {"model_sleep": True}))
     if Role.ENGINE in roles and k.backend == "vllm" and not k.engine_sleep:
         out.append(("--vllm_enable_sleep", {"engine_sleep": True}))
     if Role.ENGINE in roles and k.backend != "vllm" and (tp := vllm_tp(k, shape, target)) is not None:

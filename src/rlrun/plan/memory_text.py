@@ -68,11 +68,12 @@ def read_shapes(
     if job is not None:  # cfg.loss: rlrun.dpo's DPOLossConfig
         sources = {Role.REF: ("ref_pretrain", cfg.loss.ref_pretrain)} if job.reference else {}  # type: ignore
     else:  # the critic starts from --critic_pretrain, else the reward model, else the policy (rlrun.models.loading)
-        critic = ("critic_pretrain", m.critic_pretrain) if m.critic_pretrain else ("reward_pretrain", m.reward_pretrain)
+        reward, start = cfg.reward.reward_pretrain, cfg.critic.critic_pretrain
+        critic = ("critic_pretrain", start) if start else ("reward_pretrain", reward)
         sources = {
-            Role.REWARD: ("reward_pretrain", m.reward_pretrain),
+            Role.REWARD: ("reward_pretrain", reward),
             Role.CRITIC: critic,
-            Role.TEACHER: ("teacher_pretrain", m.teacher_pretrain),
+            Role.TEACHER: ("teacher_pretrain", cfg.distill.teacher_pretrain),
         }
     shapes: dict[Role, ModelShape | None] = {role: None for role in sources}
     elsewhere: dict[str, list[str]] = {}

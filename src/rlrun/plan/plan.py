@@ -16,7 +16,9 @@ from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 from rlrun.algo.algorithms import gamma_override_warning
+from rlrun.algo.rollout_correction import OFF, RolloutCorrection
 from rlrun.cli.parser import CliSpec, ParsedArgs, parse_args
+from rlrun.compat import correction
 from rlrun.config.model import VL_PRESET
 from rlrun.config.supervised import DPOConfig, SupervisedConfig
 from rlrun.config.tree import Config, RootConfig
@@ -68,6 +70,8 @@ class PPOPlan(Planned[Config]):
     layout: Layout | None = None
     generation_why: str = ""
     speed: str = ""  # the start-up line naming the speed settings (rlrun.plan.speed)
+    # the rollout correction, resolved from whichever peer's spelling the run uses (rlrun.compat.correction)
+    correction: RolloutCorrection = OFF
 
 
 # ---- rlrun.ppo --------------------------------------------------------------------------------------------------
@@ -122,6 +126,7 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
         layout=layout,
         generation_why=why,
         speed=speed_line(cfg, cuda, parsed.explicit),
+        correction=correction.resolve(cfg.correction, cfg.algo.policy_loss_type),
     )
 
 
@@ -171,8 +176,8 @@ def layout_request(cfg: Config) -> LayoutRequest:
         need_critic=cfg.algo.needs_critic,
         need_ref=cfg.algo.needs_ref and not cfg.ref_is_actor_base,
         ref_is_actor_base=cfg.ref_is_actor_base,
-        need_reward=cfg.model.needs_reward_model,
-        need_teacher=cfg.model.teacher_pretrain is not None,
+        need_reward=cfg.reward.needs_reward_model,
+        need_teacher=cfg.distill.teacher_pretrain is not None,
         vllm_num_engines=r.vllm_num_engines,
         vllm_tensor_parallel_size=r.vllm_tensor_parallel_size,
         colocate_actor_ref=r.colocate_actor_ref,
@@ -276,29 +281,29 @@ def check_eval(cfg: Config) -> list[str]:
     """Evaluation settings, before anything starts; returns warnings. Eval rollouts are rewarded on the engine
     ranks, where only a reward function or URL lives (OpenRLHF 0.11.2 likewise requires --remote_rm_url for
     --eval_dataset)."""
-    lg = cfg.logging
-    if lg.eval_dataset is None:
+    lg, ev = cfg.logging, cfg.eval
+    if ev.eval_dataset is None:
         if lg.eval_steps > 0 or lg.eval_before_train:
             flag = f"--eval_steps {lg.eval_steps}" if lg.eval_steps > 0 else "--eval_before_train"
             # OpenRLHF command lines often carry --eval_steps without a dataset; it does nothing there either.
             return [f"{flag} has no effect without --eval_dataset; no evaluation will run"]
         return []
-    if cfg.model.needs_reward_model:
+    if cfg.reward.needs_reward_model:
         raise ConfigError(
-            f"--eval_dataset {lg.eval_dataset}: evaluation rewards responses on the generation ranks "
+            f"--eval_dataset {ev.eval_dataset}: evaluation rewards responses on the generation ranks "
             f"with "
             "a reward function or URL, but rewards come from --reward_pretrain (a reward model); pass "
             "--remote_rm_url FILE.py or http(s)://..., or drop --eval_dataset"
         )
     if lg.eval_steps == 0 or lg.eval_steps < -1:
         raise ConfigError(f"--eval_steps {lg.eval_steps} must be a positive step count, or -1 (never)")
-    if lg.eval_n_samples_per_prompt < 1:
-        raise ConfigError(f"--eval_n_samples_per_prompt {lg.eval_n_samples_per_prompt} must be >= 1")
-    if lg.eval_temperature <= 0:
-        raise ConfigError(f"--eval_temperature {lg.eval_temperature} must be > 0 (evaluation samples)")
+    if ev.eval_n_samples_per_prompt < 1:
+        raise ConfigError(f"--eval_n_samples_per_prompt {ev.eval_n_samples_per_prompt} must be >= 1")
+    if ev.eval_temperature <= 0:
+        raise ConfigError(f"--eval_temperature {ev.eval_temperature} must be > 0 (evaluation samples)")
     if lg.eval_steps == -1 and not lg.eval_before_train:
         return [
-            f"--eval_dataset {lg.eval_dataset} is set but --eval_steps is -1 and --eval_before_train is off; "
+            f"--eval_dataset {ev.eval_dataset} is set but --eval_steps is -1 and --eval_before_train is off; "
             "no evaluation will run"
         ]
     return []
@@ -307,12 +312,16 @@ def check_eval(cfg: Config) -> list[str]:
 def missing_path_warnings(cfg: Config) -> list[str]:
     """Paths this machine cannot see (hub ids not in its cache, other hosts' disks, an earlier stage's output):
     warnings, not errors, in a dry run; loading them later fails with a clear error."""
-    m = cfg.model
-    models = [("pretrain", m.pretrain), ("reward_pretrain", m.reward_pretrain), ("critic_pretrain", m.critic_pretrain)]
+    m = cfg.reward
+    models = [
+        ("pretrain", cfg.model.pretrain),
+        ("reward_pretrain", m.reward_pretrain),
+        ("critic_pretrain", cfg.critic.critic_pretrain),
+    ]
     if m.remote_rm_url not in (None, DEMO) and not m.remote_rm_url.startswith(("http://", "https://")):
         models.append(("remote_rm_url", m.remote_rm_url))
     # a data source is a path or a hub id, each optionally @DATA_DIR (rlrun.data.sources)
-    return missing_paths(models, [("prompt_data", cfg.data.prompt_data), ("eval_dataset", cfg.logging.eval_dataset)])
+    return missing_paths(models, [("prompt_data", cfg.data.prompt_data), ("eval_dataset", cfg.eval.eval_dataset)])
 
 
 # ---- rlrun.sft, rlrun.rm, rlrun.dpo -----------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def prompt_spec(cfg: Config) -> DataSpec | None:
 
 
 def eval_spec(cfg: Config) -> DataSpec | None:
-    e = cfg.logging
+    e = cfg.eval
     return (
         None if e.eval_dataset is None else DataSpec(e.eval_dataset, "eval_dataset", e.eval_split, seed=cfg.train.seed)
     )
@@ -55,6 +55,8 @@ def ppo_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase, spec: DataSpec 
     """`spec`'s prompts as the policy sees them, with a vision-language policy's image preprocessing."""
     return prompt_set(
         cfg.data,
+        cfg.template,
+        cfg.vision,
         cfg.generation,
         tokenizer,
         spec,
@@ -66,11 +68,11 @@ def ppo_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase, spec: DataSpec 
 
 def ppo_eval_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Prompts:
     """--eval_dataset, read, formatted and cut like the training prompts (--max_samples too, as OpenRLHF does)."""
-    assert cfg.logging.eval_dataset is not None
+    assert cfg.eval.eval_dataset is not None
     prompts = ppo_prompts(cfg, tokenizer, eval_spec(cfg))
     if not prompts.ids:
         raise DataError(
-            f"every prompt of --eval_dataset {cfg.logging.eval_dataset} is longer than --prompt_max_len "
+            f"every prompt of --eval_dataset {cfg.eval.eval_dataset} is longer than --prompt_max_len "
             f"{cfg.generation.prompt_max_len} and was dropped (--prompt_overflow drop); raise "
             "--prompt_max_len or use --prompt_overflow truncate"
         )
@@ -82,9 +84,9 @@ def image_inputs(cfg: Config) -> ImageInputs | None:
     config = load_model_config(cfg.model)
     if not is_vision_language(config):
         return None
-    d = cfg.data
+    v = cfg.vision
     assert cfg.model.pretrain is not None  # the embedded models are text-only
-    return ImageInputs(model_folder(cfg.model.pretrain, "pretrain"), config, d.min_pixels, d.max_pixels)
+    return ImageInputs(model_folder(cfg.model.pretrain, "pretrain"), config, v.min_pixels, v.max_pixels)
 
 
 def preflight(cfg: Config) -> list[str]:
@@ -93,7 +95,7 @@ def preflight(cfg: Config) -> list[str]:
     lines = []
     missing = tokenizer_missing(cfg.model)
     tokenizer = load_tokenizer(cfg.model) if missing is None else None
-    sets = [prompt_spec(cfg)] + ([eval_spec(cfg)] if cfg.logging.eval_dataset is not None else [])
+    sets = [prompt_spec(cfg)] + ([eval_spec(cfg)] if cfg.eval.eval_dataset is not None else [])
     for spec in sets:
         name = f"--{spec.flag} {spec.sources}" if spec is not None else "built-in prompts"
         if spec is not None and (elsewhere := not_here(spec.sources)):
@@ -116,19 +118,19 @@ def preflight(cfg: Config) -> list[str]:
             if prompts.ids
             else f"{name}: no prompt left"
         )
-    if cfg.model.teacher_pretrain is not None and tokenizer is not None:
+    if cfg.distill.teacher_pretrain is not None and tokenizer is not None:
         if (unread := tokenizer_missing(teacher_source(cfg))) is None:
             check_teacher_tokenizer(cfg, tokenizer)
-            lines.append(f"--teacher_pretrain {cfg.model.teacher_pretrain}: reads the policy's token ids as it does")
+            lines.append(f"--teacher_pretrain {cfg.distill.teacher_pretrain}: reads the policy's token ids as it does")
         else:
-            lines.append(f"--teacher_pretrain {cfg.model.teacher_pretrain}: tokenizer not checked ({unread})")
+            lines.append(f"--teacher_pretrain {cfg.distill.teacher_pretrain}: tokenizer not checked ({unread})")
     lines.append(_reward_line(cfg))
     return lines
 
 
 def teacher_source(cfg: Config) -> PretrainedConfig:
     """Where --teacher_pretrain's model comes from, run as the policy runs (dtype, attention) without adapters."""
-    return dataclasses.replace(cfg.model, pretrain=cfg.model.teacher_pretrain, lora_rank=0)
+    return dataclasses.replace(cfg.model, pretrain=cfg.distill.teacher_pretrain, lora_rank=0)
 
 
 def check_teacher_tokenizer(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -150,21 +152,21 @@ def check_teacher_tokenizer(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> 
         what = f"{len(differ)} of the policy's tokens (e.g. {differ[0]!r}) have other ids" if differ else ""
         what += (" and " if what and ends else "") + (f"{'/'.join(ends)} differ" if ends else "")
         raise ConfigError(
-            f"--teacher_pretrain {cfg.model.teacher_pretrain}'s tokenizer is not the policy's ({what}); the teacher "
+            f"--teacher_pretrain {cfg.distill.teacher_pretrain}'s tokenizer is not the policy's ({what}); the teacher "
             "scores the policy's token ids, so it needs the same tokenizer (distillation across tokenizers is not "
             "implemented)"
         )
     rows = load_model_config(teacher).get_text_config().vocab_size
     if rows < sampled:
         raise ConfigError(
-            f"--teacher_pretrain {cfg.model.teacher_pretrain} has {rows} embedding rows for the policy's {sampled}; "
+            f"--teacher_pretrain {cfg.distill.teacher_pretrain} has {rows} embedding rows for the policy's {sampled}; "
             "it cannot score every id the policy may sample"
         )
 
 
 def _reward_line(cfg: Config) -> str:
-    m = cfg.model
-    if cfg.model.needs_reward_model:
+    m = cfg.reward
+    if m.needs_reward_model:
         return f"reward: the reward model --reward_pretrain {m.reward_pretrain}"
     if scores_nothing(cfg):
         return pure_distillation_line(cfg)

@@ -55,9 +55,12 @@ def check_sequence_parallel_models(cfg: Config, sizes: dict[Role, int]) -> None:
     sources = {
         Role.ACTOR: ("pretrain", cfg.model.pretrain),
         Role.REF: ("pretrain", cfg.model.pretrain),
-        Role.CRITIC: ("critic_pretrain", cfg.model.critic_pretrain or cfg.model.reward_pretrain or cfg.model.pretrain),
-        Role.REWARD: ("reward_pretrain", cfg.model.reward_pretrain),
-        Role.TEACHER: ("teacher_pretrain", cfg.model.teacher_pretrain),
+        Role.CRITIC: (
+            "critic_pretrain",
+            cfg.critic.critic_pretrain or cfg.reward.reward_pretrain or cfg.model.pretrain,
+        ),
+        Role.REWARD: ("reward_pretrain", cfg.reward.reward_pretrain),
+        Role.TEACHER: ("teacher_pretrain", cfg.distill.teacher_pretrain),
     }
     for role, size in sizes.items():
         flag, path = sources[role]

@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlrun.agents.episodes import EpisodeRunner, build_episode_runner
+from rlrun.algo.rollout_correction import RolloutCorrection
 from rlrun.checkpoint.checkpointer import Identity, JsonState, Part, SaveOnly
 from rlrun.compat.openrlhf_checkpoint import InitPlan, init_from_openrlhf, plan_init
 from rlrun.config.tree import Config
@@ -41,7 +42,7 @@ from rlrun.models.loading import (
 from rlrun.models.lora import add_scalar_adapters
 from rlrun.models.moe import config_routing_shape
 from rlrun.models.weights import Unfilled
-from rlrun.plan.checks import loss_params, pure_distillation_line, rollout_correction_of, scores_nothing
+from rlrun.plan.checks import pure_distillation_line, scores_nothing
 from rlrun.plan.memory_text import dry_run_memory
 from rlrun.plan.plan import PPOPlan, asks_node_labels, plan, roles_of
 from rlrun.plan.preflight import (
@@ -133,15 +134,15 @@ class PPOTrainer:
         cfg, log = planned.config, started.log
         assert planned.layout is not None
         tokenizer = load_tokenizer(cfg.model)
-        if cfg.model.teacher_pretrain is not None:
+        if cfg.distill.teacher_pretrain is not None:
             check_teacher_tokenizer(cfg, tokenizer)
         lg = cfg.logging
-        evaluates = lg.eval_dataset is not None and (lg.eval_steps > 0 or lg.eval_before_train)
+        evaluates = cfg.eval.eval_dataset is not None and (lg.eval_steps > 0 or lg.eval_before_train)
         with deadline(
             cfg.runtime.data_timeout,
             lambda: DataError(
                 f"loading the prompts (--prompt_data {cfg.data.prompt_data}"
-                + (f", --eval_dataset {lg.eval_dataset}" if evaluates else "")
+                + (f", --eval_dataset {cfg.eval.eval_dataset}" if evaluates else "")
                 + f") took over --data_timeout "
                 f"{cfg.runtime.data_timeout:g} s; check the filesystem or network it comes from, or raise "
                 f"--data_timeout"
@@ -195,7 +196,7 @@ class PPOTrainer:
             phase.set(Phase.BUILD)
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
         groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend, solo=cfg.train.strategy == "deepspeed")
-        roles = build_roles(cfg, layout, groups, device, inputs)
+        roles = build_roles(cfg, layout, groups, device, inputs, planned.correction)
         replay = cfg.algo.router_replay
         routing = config_routing_shape(load_model_config(cfg.model)) if replay != "off" else None
         s = StepSettings(
@@ -204,9 +205,9 @@ class PPOTrainer:
             cfg.generation.generate_max_len,
             inputs.end_ids,
             cfg.ref_is_actor_base,
-            rollout_correction_of(cfg.algo),
-            on_policy=skips_old_log_probs(cfg.train, cfg.algo, cfg.model.teacher_pretrain is not None),
-            distill=cfg.model.teacher_pretrain is not None,
+            planned.correction,
+            on_policy=skips_old_log_probs(cfg.train, cfg.algo, cfg.distill, planned.correction),
+            distill=cfg.distill,
             recorded_routing=routing if replay == "R2" else None,
         )
         rollouts = RolloutSource(
@@ -222,13 +223,14 @@ class PPOTrainer:
             reward_fn=roles.reward_fn,
             agents=roles.agents,
             episodes=cfg.agent.multi_turn,
-            scored_later=cfg.model.needs_reward_model,
+            scored_later=cfg.reward.needs_reward_model,
             routing=routing if replay == "R3" else None,
         )
         evaluator = None
         if inputs.eval_prompts is not None:
-            lg = cfg.logging
+            lg, ev = cfg.logging, cfg.eval
             evaluator = Evaluator(
+                ev,
                 lg,
                 cfg.train,
                 cfg.generation.prompt_max_len,
@@ -242,8 +244,8 @@ class PPOTrainer:
                 agents=roles.agents,
             )
             started.log.info_once(
-                f"evaluating {len(inputs.eval_prompts.ids)} prompts x {lg.eval_n_samples_per_prompt} "
-                f"samples (temperature {lg.eval_temperature:g})"
+                f"evaluating {len(inputs.eval_prompts.ids)} prompts x {ev.eval_n_samples_per_prompt} "
+                f"samples (temperature {ev.eval_temperature:g})"
                 + (f" every {lg.eval_steps} steps" if lg.eval_steps > 0 else "")
                 + (" before training" if lg.eval_before_train else "")
             )
@@ -283,7 +285,7 @@ class PPOTrainer:
             merged=c.save_merged,
             image_processor=inputs.prompts.image_processor,
         )
-        critic = c.save_value_network and roles.critic is not None
+        critic = cfg.critic.save_value_network and roles.critic is not None
         if critic:
             assert roles.critic is not None  # `critic` says so
             save_critic(
@@ -339,7 +341,7 @@ def checkpoint_parts(cfg: Config, trainer: Trainer, inputs: Inputs) -> list[Part
             )
         )
         parts.append(JsonState(critic.updater, "critic_state.json", writer=first))
-        if c.save_value_network:
+        if cfg.critic.save_value_network:
             parts.append(
                 SaveOnly(
                     lambda path: save_critic(
@@ -375,9 +377,9 @@ def make_sampler(cfg: Config, prompts: Prompts) -> PromptSampler:
 def build_reward_sources(cfg: Config, layout: Layout, rank: int, tokenizer: PreTrainedTokenizerBase) -> RewardSources:
     """The rollout reward source of an engine rank (nothing elsewhere, or when a reward model scores). Imports
     a reward or agent file but contacts no server, so it is read before the first collective."""
-    if Role.ENGINE not in layout.roles_of(rank) or cfg.model.needs_reward_model:
+    if Role.ENGINE not in layout.roles_of(rank) or cfg.reward.needs_reward_model:
         return RewardSources()
-    m = cfg.model
+    m = cfg.reward
     if cfg.agent.multi_turn:
         return RewardSources(agents=build_episode_runner(cfg.agent, cfg.generation, tokenizer, m.remote_rm_retries))
     if m.compute_score is not None:
@@ -403,15 +405,15 @@ def build_reward_sources(cfg: Config, layout: Layout, rank: int, tokenizer: PreT
 
 def reward_workers(cfg: Config, layout: Layout) -> int:
     """--reward_workers, or up to 8 processes per rank sharing the node's cores with its other ranks."""
-    if cfg.model.reward_workers is not None:
-        return cfg.model.reward_workers
+    if cfg.reward.reward_workers is not None:
+        return cfg.reward.reward_workers
     return max(1, min(8, (os.cpu_count() or 1) // max(1, layout.ranks_per_node)))
 
 
 def describe_reward(cfg: Config) -> str:
     """Where a PPO run's rewards come from, in one line (URLs without credentials)."""
-    m, ag = cfg.model, cfg.agent
-    if cfg.model.needs_reward_model:
+    m, ag = cfg.reward, cfg.agent
+    if m.needs_reward_model:
         return f"reward: the reward model --reward_pretrain {m.reward_pretrain}"
     if ag.agent_func_path is not None:
         return f"reward: the episodes of the agent --agent_func_path {ag.agent_func_path}"
@@ -445,7 +447,9 @@ def layout_text(layout: Layout, env: DistEnv) -> str:
 # ---- the roles of a rank ----------------------------------------------------------------------------------------
 
 
-def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.device, inputs: Inputs) -> RankRoles:
+def build_roles(
+    cfg: Config, layout: Layout, groups: Groups, device: torch.device, inputs: Inputs, correction: RolloutCorrection
+) -> RankRoles:
     """Every role this rank plays, built in the same role order on every rank (so the groups' collectives cannot
     interleave), and weight sync from the actor to the engines."""
     rank = groups.rank
@@ -478,18 +482,18 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
             tensor_parallel_size=cfg.resources.vllm_tensor_parallel_size,
             timeout_s=cfg.runtime.dist_timeout,
             image_processor=images,
-            images_per_prompt=cfg.data.max_images_per_prompt,
+            images_per_prompt=cfg.vision.max_images_per_prompt,
             record_routing=cfg.algo.router_replay == "R3",
         )
         out.reward_fn, out.agents = inputs.sources.reward_fn, inputs.sources.agents
     if Role.ACTOR in mine:
         actor_strategy = out.strategies[Role.ACTOR] = _strategy(cfg, groups, Role.ACTOR, device)
-        settings = policy_loss_settings(a, g.temperature, loss_params(a), rollout_correction_of(a))
+        settings = policy_loss_settings(a, cfg.distill, g.temperature, a.loss_params(), correction)
         policy = trained_policy(next(policies), cfg.model, cfg.train.seed)
-        if cfg.model.freeze_visual_encoder:
+        if cfg.vision.freeze_visual_encoder:
             freeze_vision_tower(policy.model)
-        if cfg.model.freeze_prefix:
-            freeze_by_prefix(policy.model, cfg.model.freeze_prefix)
+        if cfg.vision.freeze_prefix:
+            freeze_by_prefix(policy.model, cfg.vision.freeze_prefix)
         model, updater = _updater(
             cfg, policy, actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout, Role.ACTOR, rank
         )
@@ -523,28 +527,35 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         of_teacher = teacher_source(cfg)
         teacher = unfilled_causal_lm(of_teacher, cfg.train.seed, policy_weights(of_teacher, cfg.train.seed))
         model = out.strategies[Role.TEACHER].wrap(teacher, trainable=False)
-        out.teacher = _frozen_policy(cfg, groups, Role.TEACHER, model, a.teacher_temperature, device)
+        out.teacher = _frozen_policy(cfg, groups, Role.TEACHER, model, cfg.distill.teacher_temperature, device)
     if Role.CRITIC in mine:
         strategy = out.strategies[Role.CRITIC] = _strategy(cfg, groups, Role.CRITIC, device)
-        critic: Unfilled = load_critic(cfg.model, cfg.train.seed, normalize=cfg.algo.normalize_reward)
+        critic: Unfilled = load_critic(
+            cfg.model,
+            cfg.critic.critic_pretrain,
+            cfg.reward.reward_pretrain,
+            cfg.train.seed,
+            normalize=cfg.algo.normalize_reward,
+        )
         if lora is not None:
             critic = add_scalar_adapters(critic, lora, cfg.train.seed)
         model, updater = _updater(
-            cfg, critic, strategy, cfg.train.critic_learning_rate, opt_steps, layout, Role.CRITIC, rank
+            cfg, critic, strategy, cfg.critic.critic_learning_rate, opt_steps, layout, Role.CRITIC, rank
         )
         out.critic = Critic(
             model,
             updater,
-            a.value_clip,
+            cfg.critic.value_clip,
             a.loss_agg_mode,
             device,
             packing=cfg.train.packing_samples,
             sp=sequence_parallel(groups, Role.CRITIC, model, cfg.train.packing_samples),
         )
-    if Role.REWARD in mine:
+    if Role.REWARD in mine and (reward_pretrain := cfg.reward.reward_pretrain) is not None:
         out.strategies[Role.REWARD] = _strategy(cfg, groups, Role.REWARD, device)
         model = out.strategies[Role.REWARD].wrap(
-            load_reward_model(cfg.model, cfg.train.seed, normalize=cfg.algo.normalize_reward), trainable=False
+            load_reward_model(cfg.model, reward_pretrain, cfg.train.seed, normalize=cfg.algo.normalize_reward),
+            trainable=False,
         )
         packing = cfg.train.packing_samples
         out.reward_model = RewardModel(
@@ -569,14 +580,13 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
         check_names=source.check_names() if isinstance(source, MergedLoraParams) else (),
         together=fused_groups if g.generation_backend == "native" else None,
     )
-    if cfg.train.deepspeed_enable_sleep:  # models move off the device between the phases that use them
+    if cfg.train.sleep:  # models move off the device between the phases that use them
         out.sleep = sleep_schedule(
             layout,
             rank,
             out,
             device,
-            actor_scores=not skips_old_log_probs(cfg.train, cfg.algo, cfg.model.teacher_pretrain is not None)
-            or cfg.ref_is_actor_base,
+            actor_scores=not skips_old_log_probs(cfg.train, cfg.algo, cfg.distill, correction) or cfg.ref_is_actor_base,
         )
     return out
 
@@ -584,7 +594,7 @@ def build_roles(cfg: Config, layout: Layout, groups: Groups, device: torch.devic
 def sleep_schedule(
     layout: Layout, rank: int, roles: RankRoles, device: torch.device, *, actor_scores: bool
 ) -> SleepSchedule:
-    """--deepspeed_enable_sleep: the schedule of this rank's models (rlrun.rl.sleep)."""
+    """--sleep: the schedule of this rank's models (rlrun.rl.sleep)."""
     sleepers = []
     if roles.actor is not None:
         sleepers.append(

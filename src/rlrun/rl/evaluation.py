@@ -26,7 +26,8 @@ from transformers import PreTrainedTokenizerBase
 
 from rlrun.agents.episodes import EpisodeRunner
 from rlrun.algo.algorithms import cut_by_length
-from rlrun.config.tracking import LoggingConfig
+from rlrun.config.evaluation import EvalConfig
+from rlrun.config.tracking import TrackingConfig
 from rlrun.config.training import TrainConfig
 from rlrun.data.batching import derive_seed
 from rlrun.data.prompts import Prompts
@@ -81,7 +82,8 @@ class Evaluator:
 
     def __init__(
         self,
-        lg: LoggingConfig,
+        ev: EvalConfig,
+        tracking: TrackingConfig,
         train: TrainConfig,
         prompt_max_len: int,
         layout: Layout,
@@ -97,10 +99,14 @@ class Evaluator:
         self.groups, self.prompts, self.tokenizer = groups, prompts, tokenizer
         self.seed, self.prompt_max_len = train.seed, prompt_max_len
         self.comm_device = comm_device
-        self.every, self.before_train, self.n = lg.eval_steps, lg.eval_before_train, lg.eval_n_samples_per_prompt
+        self.every, self.before_train, self.n = (
+            tracking.eval_steps,
+            tracking.eval_before_train,
+            ev.eval_n_samples_per_prompt,
+        )
         self.engine_ranks = layout.ranks_of(Role.ENGINE)
         self.engine, self.reward_fn, self.agents = engine, reward_fn, agents  # an engine rank's, else None
-        self.temperature = lg.eval_temperature
+        self.temperature = ev.eval_temperature
         # Rows per generate call: what one engine rank generates per training step, which is known to fit.
         self.chunk_rows = max(self.n, train.rollouts_per_step // max(1, len(self.engine_ranks)))
 

@@ -1,4 +1,4 @@
-"""When each role's model sleeps and wakes (--deepspeed_enable_sleep): the schedule of one rank.
+"""When each role's model sleeps and wakes (--sleep): the schedule of one rank.
 
 The run's phase tracker announces each phase as it begins (`SleepSchedule.enter` is its hook, rlrun.runtime.phases).
 On entering a phase in which this rank works, every part (parameters; optimizer states) a role needs in that phase
@@ -99,7 +99,7 @@ class SleepSchedule:
         log.info_once(describe(layout, actor_scores))
         if device.type == "cpu":
             log.info_once(
-                "--deepspeed_enable_sleep on CPU: the compute device is the CPU, so sleeping copies each "
+                "--sleep on CPU: the compute device is the CPU, so sleeping copies each "
                 "model's tensors into host buffers and frees the originals; it saves no memory overall"
             )
         return cls(sleepers, rank_plan(frozenset(layout.roles_of(rank)), actor_scores), rank)
@@ -145,7 +145,7 @@ def describe(layout: Layout, actor_scores: bool) -> str:
     for rank in range(layout.world_size):
         by_roles.setdefault(tuple(layout.roles_of(rank)), []).append(rank)
     lines = [
-        "--deepspeed_enable_sleep: each model's parts are awake only in these phases and asleep (off the "
+        "--sleep: each model's parts are awake only in these phases and asleep (off the "
         "device) otherwise; ranks move nothing in a phase in which they do no work"
     ]
     for held, ranks in by_roles.items():

@@ -2,7 +2,7 @@
 
 Every rank runs this same code; what it does in each phase depends on the roles it holds (rlrun.rl.assembly built
 them). Each phase is one `with self.phase(Phase.X, step):` block: it names the phase for the failure line, bounds it
-with the watchdog, moves the models it needs onto the device (--deepspeed_enable_sleep, rlrun.rl.sleep) and times
+with the watchdog, moves the models it needs onto the device (--sleep, rlrun.rl.sleep) and times
 it. Tensors cross ranks only through rlrun.launch.transfer. The run skeleton (rlrun.run.skeleton) calls
 `train_step` once per step and, between steps, `evaluate` and the checkpointer; the trainer is a torch `Stateful`
 the checkpointer saves. `--async_train` runs the same phases in another order (rlrun.rl.async_loop).
@@ -33,6 +33,7 @@ from rlrun.algo.algorithms import (
 )
 from rlrun.algo.rollout_correction import OFF, RolloutCorrection, correct
 from rlrun.config.algorithm import AlgorithmConfig
+from rlrun.config.distill import DistillConfig
 from rlrun.config.training import TrainConfig
 from rlrun.data.batching import RowLengths, derive_seed, minibatch_order, seed_everything
 from rlrun.data.prompts import PromptSampler
@@ -40,7 +41,6 @@ from rlrun.data.rollout import RolloutBatch, engine_logprob_diff
 from rlrun.engines.base import Engine
 from rlrun.launch.layout import Layout, Role
 from rlrun.models.moe import RoutingShape
-from rlrun.plan.checks import rollout_correction_of
 from rlrun.rewards.reward_fn import RewardFunction
 from rlrun.rl.dynamic_batch import Budgets
 from rlrun.rl.evaluation import Evaluator
@@ -70,7 +70,7 @@ class StepSettings:
     # The update is exactly on-policy and nothing needs the old log-probs before it (skips_old_log_probs): the
     # scoring pass leaves them out and the update's own stand in.
     on_policy: bool = False
-    distill: bool = False  # --teacher_pretrain: a teacher scores the rollouts (on-policy distillation)
+    distill: DistillConfig = field(default_factory=DistillConfig)  # on-policy distillation (a teacher, when on)
     # --router_replay R2: the MoE policy's routing, which the actor's scoring pass records for its training passes
     recorded_routing: RoutingShape | None = None
 
@@ -89,7 +89,7 @@ class RankRoles:
     engine: Engine | None = None
     weight_sync: WeightSync | None = None
     strategies: dict[Role, Strategy] = field(default_factory=dict)  # of the roles above that hold a model
-    sleep: SleepSchedule | None = None  # --deepspeed_enable_sleep: when this rank's models move on and off the device
+    sleep: SleepSchedule | None = None  # --sleep: when this rank's models move on and off the device
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ class Trainer:
             if (actor := self.roles.actor) is not None:
                 budget = self.budgets.train.get(Role.ACTOR)
                 old = batch.engine_log_probs if bypass else scored.old_log_probs
-                teacher = scored.teacher_log_probs if self.s.algo.teacher_kl_loss else None
+                teacher = scored.teacher_log_probs if self.s.distill.teacher_kl_loss else None
                 data = PolicyData(batch, old, adv.advantages, scored.ref_log_probs, weights, teacher)
                 loss = actor.loss(data, self.kl.value, budget, len(minibatches))
                 done = actor.updater.run(minibatches, batch.action_mask, loss, budget, lengths)
@@ -267,7 +267,9 @@ class Trainer:
         drop out of every loss and token count downstream. Only the running reward statistics change."""
         a, n = self.s.algo, self.s.train.n_samples_per_prompt
         scores = scored.scores.float()
-        if self.s.distill and not a.distill_task_reward:  # learn from the teacher alone; the reward is still logged
+        if (
+            self.s.distill.on and not self.s.distill.distill_task_reward
+        ):  # learn from the teacher alone; the reward is still logged
             scores = torch.zeros_like(scores)
         shaping: dict[str, float] = {}
         if a.dynamic_filtering:
@@ -316,7 +318,7 @@ class Trainer:
         """On-policy distillation: the divergence of the policy's sampled tokens (`student`: the actor's log-probs
         before the update) from the teacher, its metrics, and (without --teacher_kl_loss) the advantages minus
         --teacher_kl_coef times it. [B, R] in and out."""
-        a = self.s.algo
+        a = self.s.distill
         m = mask.bool()
         metrics = {"distill/teacher_logprob": float(masked_mean(teacher, m))}
         if student is None:  # --teacher_kl_loss on an on-policy step: the update's log-probs, logged after it
@@ -416,10 +418,12 @@ class Trainer:
             self.roles.actor.updater.load_state_dict(state["actor"])
 
 
-def skips_old_log_probs(train: TrainConfig, algo: AlgorithmConfig, distill: bool = False) -> bool:
+def skips_old_log_probs(
+    train: TrainConfig, algo: AlgorithmConfig, distill: DistillConfig | None = None, correction: RolloutCorrection = OFF
+) -> bool:
     """Whether Trainer.score skips the actor's "old log-probs" forward. True when nothing needs them before
     training (the KL is not a reward penalty: --use_kl_loss, or no reference model, i.e. --init_kl_coef 0; no
-    teacher term in the advantages: `distill` without --teacher_kl_loss), and
+    teacher term in the advantages: a teacher without --teacher_kl_loss), and
 
     * with --rollout_bypass (verl's bypass mode): the engine's log-probs are the loss's old ones; or
     * the update is on-policy: --max_epochs 1 and ONE mini-batch per rollout batch (--train_batch_size ==
@@ -433,8 +437,8 @@ def skips_old_log_probs(train: TrainConfig, algo: AlgorithmConfig, distill: bool
     replay the routing the scoring pass records (verl's actor always scores)."""
     if algo.router_replay == "R2":
         return False
-    unneeded = (algo.use_kl_loss or not algo.needs_ref) and not (distill and not algo.teacher_kl_loss)
-    correction = rollout_correction_of(algo)
+    teacher_in_advantages = distill is not None and distill.on and not distill.teacher_kl_loss
+    unneeded = (algo.use_kl_loss or not algo.needs_ref) and not teacher_in_advantages
     if correction.bypass:
         return unneeded
     on_policy = train.max_epochs == 1 and train.train_batch_size == train.rollouts_per_step

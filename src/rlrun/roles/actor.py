@@ -14,6 +14,7 @@ from rlrun.algo.losses import LossAggMode, aggregate_loss
 from rlrun.algo.policy_losses import PolicyLossParams, PolicyLossType, policy_loss
 from rlrun.algo.rollout_correction import OFF, RolloutCorrection, correct
 from rlrun.config.algorithm import AlgorithmConfig
+from rlrun.config.distill import DistillConfig
 from rlrun.data.batching import TokenBudget, pad_responses, restore_order, trim_padding
 from rlrun.data.rollout import RolloutBatch
 from rlrun.launch.groups import SequenceParallel
@@ -46,10 +47,14 @@ class PolicyLossSettings:
 
 
 def policy_loss_settings(
-    a: AlgorithmConfig, temperature: float, params: PolicyLossParams, correction: RolloutCorrection
+    a: AlgorithmConfig,
+    distill: DistillConfig,
+    temperature: float,
+    params: PolicyLossParams,
+    correction: RolloutCorrection,
 ) -> PolicyLossSettings:
-    """The actor's loss from the algorithm section and what rlrun.plan.checks made of it (temperature: the
-    sampler's, so that the ratio is taken against the distribution that sampled)."""
+    """The actor's loss from the algorithm and distillation sections and what rlrun.plan.checks made of them
+    (temperature: the sampler's, so that the ratio is taken against the distribution that sampled)."""
     eps_low, eps_high = a.eps_clip_low_high or (a.eps_clip, a.eps_clip)
     # verl's bypass "reinforce": -A log pi times the weights, which is rlrun's gpg loss with them.
     loss_type = "gpg" if correction.bypass and correction.bypass_loss == "reinforce" else a.policy_loss_type
@@ -65,9 +70,9 @@ def policy_loss_settings(
         loss_type=loss_type,
         params=params,
         correction=correction,
-        teacher_kl_coef=a.teacher_kl_coef,
-        teacher_kl_estimator=a.teacher_kl_estimator,
-        teacher_kl_clamp=a.teacher_kl_clamp,
+        teacher_kl_coef=distill.teacher_kl_coef,
+        teacher_kl_estimator=distill.teacher_kl_estimator,
+        teacher_kl_clamp=distill.teacher_kl_clamp,
         aux_loss_coef=a.aux_loss_coef,
         router_replay=a.router_replay,
     )

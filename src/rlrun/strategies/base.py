@@ -26,7 +26,7 @@ OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
 
 class Part(enum.Enum):
-    """What of a role's model sleeps and wakes separately (--deepspeed_enable_sleep)."""
+    """What of a role's model sleeps and wakes separately (--sleep)."""
 
     PARAMS = "parameters"  # weights and buffers: all a forward pass or a weight sync reads
     STATES = "optimizer states"  # gradients, optimizer state, fp32 master weights: only training needs them
@@ -120,7 +120,7 @@ class Strategy(GradClipper, ParamHoming, Protocol):
         """Inverse of save_state, on any number of role ranks. Collective over the role."""
         ...
 
-    # Sleep (--deepspeed_enable_sleep): local to this rank, never collective. save_state, load_state and
+    # Sleep (--sleep): local to this rank, never collective. save_state, load_state and
     # full_state_dict wake a sleeping model for their duration; forward passes and weight sync need it awake.
 
     def sleep(

@@ -13,7 +13,7 @@ ZeRO-3 keeps world barriers (init) and world broadcasts (its forward hooks' trac
 reroutes, so it runs only where the role IS the world (the supervised trainers, --colocate_all_models);
 planning refuses it elsewhere (rlrun.plan.checks), and sleep with it (validation).
 
-Sleep (--deepspeed_enable_sleep) parks storages itself (rlrun.strategies.parking) rather than calling
+Sleep (--sleep) parks storages itself (rlrun.strategies.parking) rather than calling
 `engine.offload_states()`: that refuses engines without an optimizer (the frozen reference and reward models),
 ZeRO-3 asserts FusedAdam (CUDA only), and on CPU it moves CPU tensors to the CPU and frees nothing, so it
 could not be tested here. Parking covers what offload_states moves (fp32 master partitions, optimizer state,
@@ -355,7 +355,7 @@ class DeepSpeedStrategy:
         with awake_meanwhile(self, model, optimizer):
             load_engine_state(self._engine(model), optimizer, path, self.group)
 
-    # ---- sleep (--deepspeed_enable_sleep) ---------------------------------------------------------
+    # ---- sleep (--sleep) ---------------------------------------------------------
 
     @staticmethod
     def _part(model: nn.Module, optimizer: torch.optim.Optimizer | None, part: Part) -> list[torch.Tensor]:

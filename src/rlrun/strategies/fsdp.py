@@ -198,7 +198,7 @@ class FSDPStrategy:
         with awake_meanwhile(self, model, optimizer):
             load_role_state(model, optimizer, path, self.group)
 
-    # ---- sleep (--deepspeed_enable_sleep) ---------------------------------------------------------
+    # ---- sleep (--sleep) ---------------------------------------------------------
 
     @staticmethod
     def _part(model: nn.Module, optimizer: torch.optim.Optimizer | None, part: Part) -> list[torch.Tensor]:

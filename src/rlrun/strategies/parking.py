@@ -146,14 +146,14 @@ class SleepBook:
     def require_awake(self, model: nn.Module, part: Part, what: str) -> None:
         if (id(model), part) in self._asleep:
             raise RlrunError(
-                f"{what} needs the model's {part.value}, which are asleep (--deepspeed_enable_sleep); "
+                f"{what} needs the model's {part.value}, which are asleep (--sleep); "
                 "the sleep schedule (rlrun.rl.sleep) must wake them first"
             )
 
 
 def _refuse(what: str):
     def hook(*_: object) -> None:
-        raise RlrunError(f"{what} (--deepspeed_enable_sleep); the sleep schedule (rlrun.rl.sleep) must wake it first")
+        raise RlrunError(f"{what} (--sleep); the sleep schedule (rlrun.rl.sleep) must wake it first")
 
     return hook
 

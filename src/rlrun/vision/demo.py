@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from rlrun.config.data import DataConfig
-from rlrun.config.model import VL_PRESET, ModelConfig
+from rlrun.config.model import VL_PRESET, PretrainedConfig
 from rlrun.models.tiny import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm
 from rlrun.runtime.cache import built_once, cache_root
 
@@ -199,7 +199,7 @@ PRESET = VL_PRESET
 VERSION = 2  # bump when the model or the task changes: older cache folders are then not reused
 
 
-def resolve_vl_preset(m: ModelConfig, d: DataConfig, seed: int) -> tuple[ModelConfig, DataConfig]:
+def resolve_vl_preset(m: PretrainedConfig, d: DataConfig, seed: int) -> tuple[PretrainedConfig, DataConfig]:
     """The model and data sections with --model_preset tiny-vl turned into --pretrain (the tiny Qwen2.5-VL for
     --seed) and, without --prompt_data, the colour task in OpenRLHF-M's layout (--input_key message --label_key
     answer)."""
