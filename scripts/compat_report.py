@@ -89,7 +89,7 @@ def verl_rows() -> list[tuple[str, str]]:
             else:
                 reason = IGNORED_FLAGS[meaning.field][1] if meaning.field in IGNORED_FLAGS else NOT_YET
                 status = (_refusal(key, meaning.field) or f"ignored ({reason})") + f"; would set `--{meaning.field}`"
-        elif isinstance(meaning, verl.Part):
+        elif isinstance(meaning, verl.GroupInput):
             rule = GROUP_RULES[meaning.group]
             status = (
                 f"supported, with related keys -> {GROUP_FIELDS[meaning.group]}: {_first_line(inspect.getdoc(rule))}"

@@ -302,7 +302,7 @@ class WholeStrategy:
 
     @contextlib.contextmanager
     def export_view(self, model):  # type: ignore[no-untyped-def]
-        from rlrun.weight_sync.blocks import ParamBlock
+        from rlrun.strategies.blocks import ParamBlock
 
         yield model, [ParamBlock(list(model.named_parameters()))]
 

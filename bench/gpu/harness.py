@@ -395,8 +395,9 @@ def check_engine_vs_hf(cpu: bool) -> Result:
     """Native engine vs HF on the same random model: prefill logits, teacher-forced log-probs of the engine's samples,
     tokens/s of both (alternating, median of 3), host syncs per decoded token."""
     import torch
-    from rlrun.engines.base import HFEngine, SamplingSettings
-    from rlrun.engines.native import NativeEngine
+    from rlrun.engines.hf import HFEngine
+    from rlrun.engines.protocol import SamplingSettings
+    from rlrun.engines.native.engine import NativeEngine
     from rlrun.roles.forward import response_log_probs
 
     device, model, vocab, new, prompts = _engine_workload(cpu)
@@ -471,8 +472,8 @@ def check_native_cuda_graph(cpu: bool) -> Result:
     tokens agree, reported); engine-vs-actor log-prob difference of the graph's samples; tokens/s with and without
     the graph (alternating, median of 3). On CPU (no capture): the static step uncaptured against the default one."""
     import torch
-    from rlrun.engines.base import SamplingSettings
-    from rlrun.engines.native import NativeEngine
+    from rlrun.engines.protocol import SamplingSettings
+    from rlrun.engines.native.engine import NativeEngine
     from rlrun.roles.forward import response_log_probs
 
     device, model, vocab, new, prompts = _engine_workload(cpu)
@@ -542,8 +543,8 @@ def check_decode_buckets(cpu: bool) -> Result:
     2,048-token response's step <= 1.5x a 256-token one's (reported; the 0.5B shape here, the issue's 3 ms is 1.5B).
     On CPU (no capture; tiny shapes, spans of 8): the static step with spans against the whole-capacity one."""
     import torch
-    from rlrun.engines.base import SamplingSettings
-    from rlrun.engines.native import DECODE_BUCKET, NativeEngine
+    from rlrun.engines.protocol import SamplingSettings
+    from rlrun.engines.native.engine import DECODE_BUCKET, NativeEngine
 
     device = torch.device("cpu" if cpu else "cuda")
     model = _model(cpu)
@@ -585,8 +586,8 @@ def check_native_moe_graph(cpu: bool) -> Result:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from rlrun.engines.base import SamplingSettings
-    from rlrun.engines.native import NativeEngine
+    from rlrun.engines.protocol import SamplingSettings
+    from rlrun.engines.native.engine import NativeEngine
 
     device = torch.device("cpu" if cpu else "cuda")
     shape = (dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
@@ -741,7 +742,7 @@ def check_prefill_memory(cpu: bool) -> Result:
     materialise [B, H, W, W] fp32 scores, B*H*W*W*4 bytes), and one layer's attention both ways: SDPA's enable_gqa
     with the boolean mask (what the engine does) against K/V repeated per query head."""
     import torch
-    from rlrun.engines.decoder import Decoder
+    from rlrun.engines.native.decoder import Decoder
     if cpu:
         return Result("prefill_memory", "skip", note="GPU only (peak memory from the CUDA allocator)")
     model = _model(cpu)

@@ -4,18 +4,18 @@ OpenRLHF's train_dpo flags, against a frozen reference model."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlrun.cli.parser import CliSpec
 from rlrun.compat.openrlhf_flags import DPO_DOTTED, DPO_IGNORED, SUPERVISED_RENAMED
-from rlrun.config.supervised import DPOConfig
+from rlrun.config.supervised import DPOConfig, SupervisedConfig
+from rlrun.launch.env import DistEnv
 from rlrun.launch.failures import leave
-from rlrun.models.loading import unfilled_policy
-from rlrun.plan.shapes import SupervisedJob
-from rlrun.rm import load_pairs
+from rlrun.plan.plan import Planned, plan_supervised
 from rlrun.run.skeleton import run_trainer
-from rlrun.supervised.assembly import BuildContext, Supervised, dpo_reference, trainable
-from rlrun.supervised.tasks import DPOSettings, DPOTask
+
+if TYPE_CHECKING:
+    from rlrun.supervised.assembly import Supervised
 
 CLI = CliSpec(
     prog="python -m rlrun.dpo",
@@ -34,30 +34,23 @@ CLI = CliSpec(
 )
 
 
-def _build(cfg: DPOConfig, ctx: BuildContext) -> DPOTask:
-    model, optimizer, strategy = trainable(unfilled_policy(cfg.model, cfg.train.seed), cfg.model, cfg.train, ctx)
-    reference = dpo_reference(cfg.model, cfg.loss, cfg.train, ctx)
-    loss = cfg.loss
-    return DPOTask(
-        model,
-        optimizer,
-        strategy,
-        reference,
-        ctx.device,
-        ctx.pad_id,
-        cfg.train.packing_samples,
-        DPOSettings(loss.beta, loss.label_smoothing, loss.ipo, loss.nll_loss_coef),
-        ctx.sp,
-    )
+class DPOEntry:
+    """rlrun.dpo's entry (rlrun.run.skeleton.Entry): the plan first, on every rank, the trainer once it holds."""
 
+    name = "dpo"
+    cli = CLI
 
-TRAINER: Supervised[Any] = Supervised(
-    CLI, lambda cfg, tok, path: load_pairs(cfg, tok, path, "dpo"), _build, SupervisedJob(pairs=True, reference=True)
-)
+    def plan(self, argv: Sequence[str] | None, env: DistEnv) -> Planned[SupervisedConfig]:
+        return plan_supervised(argv, env, CLI)
+
+    def trainer(self) -> Supervised[Any]:
+        from rlrun.supervised.trainers import DPO  # noqa: PLC0415 - the trainer, after the plan holds (Entry)
+
+        return DPO
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_trainer(TRAINER, argv)
+    return run_trainer(DPOEntry(), argv)
 
 
 if __name__ == "__main__":

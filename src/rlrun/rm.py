@@ -4,21 +4,18 @@ OpenRLHF's train_rm flags; the saved model is what `rlrun.ppo --reward_pretrain`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from rlrun.cli.parser import CliSpec
 from rlrun.compat.openrlhf_flags import RM_DOTTED, RM_IGNORED, SUPERVISED_RENAMED
-from rlrun.config.supervised import DPOConfig, RMConfig
-from rlrun.data.sources import DataSpec
+from rlrun.config.supervised import RMConfig, SupervisedConfig
+from rlrun.launch.env import DistEnv
 from rlrun.launch.failures import leave
-from rlrun.models.loading import ScalarHeadModel
-from rlrun.plan.shapes import SupervisedJob
+from rlrun.plan.plan import Planned, plan_supervised
 from rlrun.run.skeleton import run_trainer
-from rlrun.supervised.assembly import BuildContext, Supervised, reward_model, trainable
-from rlrun.supervised.datasets import Loaded, PairTask, Preference, load_preferences
-from rlrun.supervised.tasks import RewardModelTask
+
+if TYPE_CHECKING:
+    from rlrun.supervised.assembly import Supervised
 
 CLI = CliSpec(
     prog="python -m rlrun.rm",
@@ -37,47 +34,23 @@ CLI = CliSpec(
 )
 
 
-def load_pairs(
-    cfg: RMConfig | DPOConfig, tokenizer: PreTrainedTokenizerBase, path: str | DataSpec, task: PairTask = "reward_model"
-) -> Loaded[Preference]:
-    """Preference pairs with the trainer's keys (rlrun.rm, and rlrun.dpo with task "dpo")."""
-    d = cfg.data
-    return load_preferences(
-        path,
-        tokenizer,
-        prompt_key=d.prompt_key,
-        chosen_key=d.chosen_key,
-        rejected_key=d.rejected_key,
-        input_template=cfg.template.input_template,
-        apply_chat_template=cfg.template.apply_chat_template,
-        max_len=cfg.train.max_len,
-        max_samples=cfg.train.max_samples,
-        task=task,
-    )
+class RMEntry:
+    """rlrun.rm's entry (rlrun.run.skeleton.Entry): the plan first, on every rank, the trainer once it holds."""
 
+    name = "rm"
+    cli = CLI
 
-def _build(cfg: RMConfig, ctx: BuildContext) -> RewardModelTask:
-    model, optimizer, strategy = trainable(reward_model(cfg.model, cfg.train.seed), cfg.model, cfg.train, ctx)
-    return RewardModelTask(
-        cast(ScalarHeadModel, model),  # reward_model()'s, wrapped: a DeepSpeed engine forwards its attributes
-        optimizer,
-        strategy,
-        ctx.device,
-        ctx.pad_id,
-        cfg.train.packing_samples,
-        cfg.loss.loss,
-        cfg.loss.margin_loss,
-        ctx.sp,
-    )
+    def plan(self, argv: Sequence[str] | None, env: DistEnv) -> Planned[SupervisedConfig]:
+        return plan_supervised(argv, env, CLI)
 
+    def trainer(self) -> Supervised[Any]:
+        from rlrun.supervised.trainers import RM  # noqa: PLC0415 - the trainer, after the plan holds (Entry)
 
-TRAINER: Supervised[Any] = Supervised(
-    CLI, load_pairs, _build, SupervisedJob(pairs=True, scalar=True), eval_from_train=0.01
-)
+        return RM
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_trainer(TRAINER, argv)
+    return run_trainer(RMEntry(), argv)
 
 
 if __name__ == "__main__":

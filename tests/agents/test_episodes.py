@@ -13,7 +13,7 @@ import torch
 
 from rlrun.agents.calls import AgentCalls
 from rlrun.agents.episodes import EpisodeRunner, TurnLimits, mean_stats
-from rlrun.engines.base import Generation
+from rlrun.engines.protocol import Generation
 from rlrun.models.tiny import build_byte_tokenizer
 from rlrun.runtime.errors import AgentError
 

@@ -186,7 +186,7 @@ def test_episodes_through_the_runner(server: RetrieverProcess) -> None:
     """rlrun's episode runner + this agent + the live server; a scripted engine stands in for the model."""
     from rlrun.agents.calls import AgentCalls
     from rlrun.agents.episodes import EpisodeRunner, TurnLimits, mean_stats
-    from rlrun.engines.base import Generation
+    from rlrun.engines.protocol import Generation
     from rlrun.models.tiny import build_byte_tokenizer
 
     tok = build_byte_tokenizer()

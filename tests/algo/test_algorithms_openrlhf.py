@@ -417,10 +417,27 @@ def test_new_options_accepted() -> None:
 def test_gamma_override_is_reported_once_at_planning() -> None:
     """The plan (printed once by rank 0 before anything starts) names an ignored --gamma; a used one is silent."""
     from rlrun.cli.parser import parse_args
-    from rlrun.plan.plan import plan
+    from rlrun.plan.plan import lay_out
 
     batch = ["--rollout_batch_size", "4", "--train_batch_size", "8", "--micro_train_batch_size", "2"]
     grpo = parse_args(["--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--gamma", "0.9", *batch])
-    assert [w for w in plan(grpo.config, 1, 1).warnings if w.startswith("--gamma 0.9 is ignored")]
+    assert [w for w in lay_out(grpo.config, 1, 1).warnings if w.startswith("--gamma 0.9 is ignored")]
     reinforce = parse_args(["--advantage_estimator", "reinforce", "--gamma", "0.9", "--n_samples_per_prompt", "2", *batch])
-    assert not [w for w in plan(reinforce.config, 1, 1).warnings if "gamma" in w]
+    assert not [w for w in lay_out(reinforce.config, 1, 1).warnings if "gamma" in w]
+
+
+def test_no_correction_still_logs_the_mismatch_diagnostics() -> None:
+    """verl's `disabled` rollout-correction preset (and its default) is metrics-only: with the engine's and the actor's
+    log-probs both there, rollout_corr/* are logged and nothing is weighted or rejected (issue 61, item 7)."""
+    cfg = parse_args(["--rollout_correction", "disabled", "--generation_backend", "native"]).config
+    batch = unpack_rows(pack_rows([[10]] * 2, [[5, 2], [5, 2]], 2, 2, 0), 2)
+    batch.engine_log_probs = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]])
+    tr = _bare_trainer(cfg)
+    weights, mask, metrics = tr.correct_rollouts(batch, _scored(torch.tensor([1.0, 0.0]), torch.tensor([[-1.0, -1.0],
+                                                                                                        [-0.5, -0.5]])))
+    assert weights is None and torch.equal(mask, batch.action_mask)
+    # KL(rollout || train) by k1: mean(rollout - train) over the 4 tokens = (0 - 1 + 0 + 0) / 4
+    assert metrics["rollout_corr/kl"] == pytest.approx(-0.25)
+    assert {"rollout_corr/training_ppl", "rollout_corr/chi2_token", "rollout_corr/log_ppl_diff"} <= metrics.keys()
+    no_engine = unpack_rows(pack_rows([[10]] * 2, [[5, 2], [5, 2]], 2, 2, 0), 2)
+    assert tr.correct_rollouts(no_engine, _scored(torch.tensor([1.0, 0.0]), torch.zeros(2, 2)))[2] == {}

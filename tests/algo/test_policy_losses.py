@@ -267,3 +267,30 @@ def test_micro_batches_with_global_counts_give_the_full_batch_gradient(loss_type
     (part_grad,) = torch.autograd.grad(parts, logp)
     assert float(parts) == pytest.approx(float(full), rel=1e-9)
     assert torch.allclose(part_grad, full_grad, rtol=1e-9, atol=1e-12)
+
+
+def test_gspo_token_is_verls_gspo_each_token_its_own_advantage_and_gradient() -> None:
+    """verl's gspo (loss_mode=gspo -> gspo_token): the same value as OpenRLHF's form, but token t's gradient is
+    -A_t s_i / (L N) where OpenRLHF's spreads the sequence's mean advantage. Hand-computed, eps 0.2, old = 0:
+    row 0: log-ratios [0.3, 0, 0] -> s = e^0.1 = 1.105171 (inside the clip), A = [1, 0, -1];
+    row 1: log-ratios 1.5 -> s = e^1.5 = 4.481689, clipped 1.2, A = [-1, -2, -0.5]: max(-A s, -A 1.2) = -A s."""
+    delta, adv = [[0.3, 0.0, 0.0], [1.5, 1.5, 1.5]], [[1.0, 0.0, -1.0], [-1.0, -2.0, -0.5]]
+    s0, s1 = math.exp(0.1), math.exp(1.5)
+    expected = (0.0 + (1 + 2 + 0.5) * s1 / 3) / 2  # row 0's token mean is 0
+    loss, _, grad = run("gspo_token", delta, [[0, 0, 0]] * 2, adv, [[1, 1, 1]] * 2)
+    assert loss == pytest.approx(expected, rel=1e-6) and expected == pytest.approx(2.614319, abs=1e-6)
+    want = t([[-s0 / 6, 0.0, s0 / 6], [s1 / 6, 2 * s1 / 6, 0.5 * s1 / 6]])
+    assert torch.allclose(grad, want, atol=1e-6)
+    # OpenRLHF's form: the same value, every token of a row the row's mean-advantage gradient (row 0: mean A is 0)
+    loss_openrlhf, _, grad_openrlhf = run("gspo", delta, [[0, 0, 0]] * 2, adv, [[1, 1, 1]] * 2)
+    assert loss_openrlhf == pytest.approx(expected, rel=1e-6)
+    assert torch.allclose(grad_openrlhf, t([[0.0] * 3, [3.5 / 3 * s1 / 6] * 3]), atol=1e-6)
+    # no dual clip: a cap would have changed row 1 ([3, 6, 1.5] at dual_clip 3)
+    assert run("gspo_token", delta, [[0, 0, 0]] * 2, adv, [[1, 1, 1]] * 2, dual_clip=3.0)[0] == pytest.approx(expected)
+
+
+def test_verls_gspo_key_runs_verls_form() -> None:
+    from rlrun.cli.parser import parse_args
+
+    assert parse_args(["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"]).config.algo.policy_loss_type == "gspo_token"
+    assert parse_args(["--policy_loss_type", "gspo"]).config.algo.policy_loss_type == "gspo"

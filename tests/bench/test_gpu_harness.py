@@ -16,14 +16,14 @@ sys.path.insert(0, str(REPO / "bench" / "gpu"))
 import harness  # noqa: E402
 
 from rlrun.cli.parser import parse_args  # noqa: E402
-from rlrun.plan.plan import plan  # noqa: E402
+from rlrun.plan.plan import lay_out  # noqa: E402
 
 
 @pytest.mark.parametrize("run", harness.RUNS, ids=lambda r: r.name)
 def test_every_run_is_a_valid_job_at_its_world_size(run: harness.Run) -> None:
     cfg = parse_args(["--config", str(REPO / "configs" / run.config), "--device", "cuda",
                       "--max_steps", str(run.steps), *run.flags]).config
-    layout = plan(cfg, world_size=run.ranks, ranks_per_node=run.ranks).layout
+    layout = lay_out(cfg, world_size=run.ranks, ranks_per_node=run.ranks).layout
     assert layout.world_size == run.ranks
 
 

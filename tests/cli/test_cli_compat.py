@@ -13,7 +13,7 @@ from rlrun.compat.argv import CHANGES_TRAINING
 from rlrun.config.fields import fields_of
 from rlrun.config.tree import Config
 from rlrun.launch.layout import Role
-from rlrun.plan.plan import plan
+from rlrun.plan.plan import lay_out
 from rlrun.runtime.errors import ConfigError
 
 T = True  # a bare store-true flag
@@ -393,7 +393,7 @@ def test_realistic_ppo_command_line():
         "--ray_address", "--vllm_sync_with_ray", "--runtime-env-json",
         "--vllm_gpu_memory_utilization", "--vllm_enable_sleep", "--enforce_eager"]
     # The same command on 8 ranks of one node: every model and 4 TP-2 engines on all 8 ranks.
-    layout = plan(cfg, 8, 8).layout
+    layout = lay_out(cfg, 8, 8).layout
     for role in (Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD, Role.ENGINE):
         assert layout.ranks_of(role) == tuple(range(8))
     assert layout.engines == ((0, 1), (2, 3), (4, 5), (6, 7))
@@ -412,7 +412,7 @@ def test_realistic_grpo_command_line():
         "--ray_namespace",
         "--lr_scheduler", "--vllm_gpu_memory_utilization", "--vllm_enable_sleep", "--enforce_eager"}
     assert cfg.algo.eps_clip_low_high == (0.2, 0.28)
-    layout = plan(cfg, 8, 8).layout
+    layout = lay_out(cfg, 8, 8).layout
     assert layout.ranks_of(Role.ACTOR) == layout.ranks_of(Role.REF) == layout.ranks_of(Role.ENGINE) == tuple(range(8))
     assert not layout.has(Role.CRITIC) and not layout.has(Role.REWARD)
 

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import run_rlrun, subprocess_env
 from rlrun.cli.parser import IGNORED_FLAGS, parse_args
-from rlrun.compat.verl_keys import BY_PROVENANCE, VERL_KEYS, Part, To
+from rlrun.compat.verl_keys import BY_PROVENANCE, VERL_KEYS, GroupInput, To
 from rlrun.compat.verl_overrides import parse_value, translate
 from rlrun.config.fields import fields_of
 from rlrun.config.tree import Config
@@ -328,7 +328,7 @@ def test_turn_lengths_plain_verl_and_search_r1():
 
 
 def test_every_group_member_is_listed():
-    assert {m.group for m in VERL_KEYS.values() if isinstance(m, Part)} == {"kl", "batch", "micro", "estimator",
+    assert {m.group for m in VERL_KEYS.values() if isinstance(m, GroupInput)} == {"kl", "batch", "micro", "estimator",
                                                                             "data", "clip", "turns", "lora", "cov",
                                                                             "distill", "sp"}
 

@@ -9,7 +9,8 @@ import pytest
 
 from real_artefacts import GSM8K_INSTRUCTION, MATH_INSTRUCTION, released
 from rlrun.cli.parser import parse_args
-from rlrun.plan.preflight import ppo_prompts, prompt_spec
+from rlrun.data.prompts import prompt_spec
+from rlrun.plan.preflight import ppo_prompts
 from rlrun.rewards.rules import default_compute_score
 
 ASSISTANT = "<|im_start|>assistant\n"
@@ -17,7 +18,7 @@ ASSISTANT = "<|im_start|>assistant\n"
 
 def _prompts(argv: list[str], tokenizer, tmp_path):
     cfg = parse_args([*argv, "--pretrain", tokenizer.name_or_path, "--save_path", str(tmp_path)]).config
-    return ppo_prompts(cfg, tokenizer, prompt_spec(cfg))
+    return ppo_prompts(cfg, tokenizer, prompt_spec(cfg.data, cfg.train.seed))
 
 
 def _verl(folder, split: str, max_len: int, more: tuple[str, ...] = ()) -> list[str]:

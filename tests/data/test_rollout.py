@@ -7,7 +7,7 @@ import torch
 
 from rlrun.algo.algorithms import RunningMoments
 from rlrun.data.batching import derive_seed, minibatch_order, shard
-from rlrun.data.rollout import pack_slots, slot_plan, unpack_slots
+from rlrun.data.rollout import pack_slots, slot_layout, unpack_slots
 from rlrun.data.rollout import pack_rows, response_tokens, unpack_rows
 
 PAD = 99
@@ -40,7 +40,7 @@ def test_empty_response_keeps_one_masked_column():
 def test_result_slots_round_trip_through_a_simulated_all_gather():
     """4 ranks: actor on [0,1], ref on [2], reward model on [3]; B=4 rows, R=2."""
     B, R = 4, 2
-    plan = slot_plan(B, {"old_log_probs": R, "ref_log_probs": R, "scores": 1},
+    plan = slot_layout(B, {"old_log_probs": R, "ref_log_probs": R, "scores": 1},
                      {"old_log_probs": (0, 1), "ref_log_probs": (2,), "scores": (3,)})
     assert plan.total == 2 * R + 4 * R + 4
     full_logp = torch.arange(B * R, dtype=torch.float32).view(B, R)

@@ -8,11 +8,12 @@ import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from rlrun.engines.base import SamplingSettings, resolve_backend
-from rlrun.engines.decoder import fused_groups, unsupported_reason
-from rlrun.engines.native import NativeEngine
-from rlrun.engines.native import processed_log_probs
-from rlrun.weight_sync.buckets import bucket_size, entry_view, plan_buckets
+from rlrun.engines.build import resolve_backend
+from rlrun.engines.protocol import SamplingSettings
+from rlrun.engines.native.decoder import fused_groups, unsupported_reason
+from rlrun.engines.native.engine import NativeEngine
+from rlrun.engines.native.engine import processed_log_probs
+from rlrun.engines.receivers import bucket_size, entry_view, pack_buckets
 from rlrun.models.tiny import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm
 from rlrun.runtime.errors import ConfigError
 
@@ -164,7 +165,7 @@ def test_weight_sync_buckets_planned_with_fused_groups_are_what_the_decoder_runs
     biases = {"qwen2": 1, "llama": 2}.get(arch, 0)  # Qwen2: q/k/v biases; this Llama: MLP biases too
     assert len(groups) == layers * (2 + biases)
     params = dict(model.named_parameters())
-    buckets = plan_buckets([(n, p.shape, p.dtype) for n, p in params.items()], 4096, groups)
+    buckets = pack_buckets([(n, p.shape, p.dtype) for n, p in params.items()], 4096, groups)
     with torch.no_grad():
         for bucket in buckets:  # as WeightSync binds an engine: each parameter becomes a view into its bucket
             buffer = torch.empty(bucket_size(bucket), dtype=torch.uint8)

@@ -10,9 +10,9 @@ import copy
 import pytest
 import torch
 
-from rlrun.engines.base import SamplingSettings
-from rlrun.engines.decoder import decode_attention
-from rlrun.engines.native import NativeEngine
+from rlrun.engines.protocol import SamplingSettings
+from rlrun.engines.native.decoder import decode_attention
+from rlrun.engines.native.engine import NativeEngine
 from rlrun.models.tiny import PAD_ID
 from test_native import ARCHS, PROMPTS, TOK, _hf_log_probs, _model  # tests/engines/test_native.py's tiny models
 
@@ -99,7 +99,7 @@ def test_bucketed_static_step_attends_over_its_span_and_decodes_what_the_default
     dropped; sampled tokens and log-probs those of the whole-capacity static step (the same kernels over more
     masked positions), greedy ones the default step's. (Sampled tokens are not compared with the default step: its
     attention sums over other lengths, ~1e-6 off, and a draw that close to a boundary takes another token.)"""
-    import rlrun.engines.decoder as decoder_module
+    import rlrun.engines.native.decoder as decoder_module
 
     seen: list[int] = []
     real = decoder_module.decode_attention

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rlrun.engines.base import SamplingSettings
-from rlrun.engines.native import GPU_FREE_FRACTION, NativeEngine
+from rlrun.engines.protocol import SamplingSettings
+from rlrun.engines.native.engine import GPU_FREE_FRACTION, NativeEngine
 from rlrun.models.tiny import EOS_ID, PAD_ID
 from rlrun.runtime.errors import ConfigError
 from test_native import ARCHS, PROMPTS, TOK, _hf_log_probs, _model  # tests/engines/test_native.py's tiny models

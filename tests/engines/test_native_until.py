@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlrun.engines.base import SamplingSettings
-from rlrun.engines.native import NativeEngine
+from rlrun.engines.protocol import SamplingSettings
+from rlrun.engines.native.engine import NativeEngine
 from rlrun.models.tiny import BUILTIN_PROMPTS, EOS_ID, PAD_ID, build_byte_tokenizer
 
 from helpers import save_long_tailed_base

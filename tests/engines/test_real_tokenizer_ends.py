@@ -11,8 +11,9 @@ import torch
 
 from real_artefacts import ENDOFTEXT, IM_END, GSM8K_INSTRUCTION, released, save_qwen_vocab_model
 from rlrun.config.model import PretrainedConfig
-from rlrun.engines.base import Engine, HFEngine, SamplingSettings
-from rlrun.engines.native import NativeEngine
+from rlrun.engines.hf import HFEngine
+from rlrun.engines.protocol import Engine, SamplingSettings
+from rlrun.engines.native.engine import NativeEngine
 from rlrun.models.loading import load_tokenizer, response_end_ids
 
 CPU = torch.device("cpu")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from rlrun.engines.base import HFEngine, SamplingSettings
-from rlrun.engines.base import cut_at_stop
+from rlrun.engines.hf import HFEngine
+from rlrun.engines.protocol import SamplingSettings
+from rlrun.engines.protocol import cut_at_stop
 from rlrun.models.tiny import build_byte_tokenizer, build_causal_lm, tiny_model_config
 
 TOK = build_byte_tokenizer()

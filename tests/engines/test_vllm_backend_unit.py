@@ -11,8 +11,10 @@ import torch
 
 from rlrun.data.rollout import RolloutBatch, engine_logprob_diff, pack_log_probs
 from rlrun.engines.vllm import adapter as vllm_adapter
-from rlrun.engines import base as engine_module
-from rlrun.engines.base import HFEngine, SamplingSettings, resolve_backend
+from rlrun.engines import build as engine_module
+from rlrun.engines.build import resolve_backend
+from rlrun.engines.hf import HFEngine
+from rlrun.engines.protocol import SamplingSettings
 from rlrun.engines.vllm.adapter import EngineSpec, check_version
 from rlrun.engines.vllm.child import EngineChild, EngineChildError, scrub_torchrun_env
 from rlrun.engines.vllm.engine import request_seeds
@@ -84,12 +86,12 @@ def test_pack_log_probs_and_diff_by_hand():
     assert no_engine.rows(slice(0, 2)).engine_log_probs is None and engine_logprob_diff(no_engine, actor) == {}
 
 
-def test_hf_engine_sample_is_generate_without_log_probs():
+def test_hf_engine_samples_reproducibly_without_log_probs():
     model = build_causal_lm(tiny_model_config(), seed=1)
     engine = HFEngine(model, SamplingSettings(0.7, 1.0, 12, PAD_ID, (EOS_ID,)), torch.device("cpu"))
     prompts = [list(b"Write some digits:"), list(b"Say:")]
     out = engine.sample(prompts, seed=3)
-    assert out.responses == engine.generate(prompts, seed=3) and out.log_probs is None
+    assert out.responses == engine.sample(prompts, seed=3).responses and out.log_probs is None
     assert all(0 < len(r) <= 12 for r in out.responses)
 
 

@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from rlrun.cli.parser import parse_args
 from rlrun.models.safetensors import unshared
 from rlrun.engines.vllm import adapter as vllm_adapter
-from rlrun.engines.base import SamplingSettings
+from rlrun.engines.protocol import SamplingSettings
 from rlrun.engines.vllm.adapter import Sampling, batch_seed, request_kwargs, write_weights
-from rlrun.engines.vllm.engine import VLLMEngine, VLLMEngineBase, request_seeds
+from rlrun.engines.vllm.engine import VLLMEngine, VLLMEngineBase, VLLMOptions, request_seeds
 from rlrun.engines.vllm.handoff import (SHM_DIR, SharedMemoryError, check_shm, free_bytes, memory_key, pack, unpack,
                                         unshared_bytes)
 from rlrun.models.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
@@ -115,8 +115,8 @@ def test_engine_start_refuses_a_model_dev_shm_cannot_hold(monkeypatch):
     sampling = SamplingSettings(1.0, 1.0, 4, PAD_ID, (EOS_ID,))
     with pytest.raises(SharedMemoryError, match=r"needs \d+ bytes .* in /dev/shm, but only \d+ bytes .* are free: .*"
                                                 r"docker run --shm-size="):
-        VLLMEngine(model, build_byte_tokenizer(), sampling, torch.device("cpu"), seed=0, max_model_len=64,
-                   timeout_s=10, tensor_parallel_size=tp)
+        VLLMEngine(model, build_byte_tokenizer(), sampling, torch.device("cpu"),
+                   VLLMOptions(0, 0, 64, tensor_parallel_size=tp, timeout_s=10))
     assert not spawned and not [n for n in set(os.listdir(SHM_DIR)) - before if n.startswith("rlrun_vllm_w")]
 
 
@@ -185,7 +185,7 @@ def test_vllm_seeded_requests_flag_reaches_the_engines_sampling(monkeypatch):
     monkeypatch.setattr(vllm_adapter, "installed_version", lambda: "0.32.0")
     model = build_causal_lm(tiny_model_config(), seed=0)
     sampling = SamplingSettings(1.0, 1.0, 4, PAD_ID, (EOS_ID,))
-    engines = [VLLMEngineBase(model, build_byte_tokenizer(), sampling, torch.device("cpu"), 0, seeded)
+    engines = [VLLMEngineBase(model, build_byte_tokenizer(), sampling, torch.device("cpu"), VLLMOptions(0, 0, 64, seeded_requests=seeded))
                for seeded in (False, True)]
     try:
         assert engines[0].sampling_for((), None).seeded is False  # the default

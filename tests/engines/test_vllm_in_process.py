@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from rlrun.cli.parser import parse_args
-from rlrun.engines.base import SamplingSettings
+from rlrun.engines.protocol import SamplingSettings
 from rlrun.engines.vllm.placement import choose_host, whole_world_problem
+from rlrun.engines.vllm.engine import VLLMOptions
 from rlrun.engines.vllm.in_process import InProcessEngine, kept_host_rng
 from rlrun.launch.layout import Layout, LayoutRequest, Role
-from rlrun.plan.layout import plan_layout
+from rlrun.plan.placement import plan_layout
 from rlrun.models.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
-from rlrun.plan.plan import plan
+from rlrun.plan.plan import lay_out
 from rlrun.runtime.errors import ConfigError
 
 from vllm_lane import LANE_PYTHON, REPO, lane_env, needs_lane
@@ -75,9 +76,9 @@ def test_planning_refuses_in_process_on_a_subset_before_anything_starts():
             "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "4"]
     cfg = parse_args(argv).config
     with pytest.raises(ConfigError, match=r"engine ranks \[1\] are not the whole world of 2 ranks"):
-        plan(cfg, 2, 2)
+        lay_out(cfg, 2, 2)
     auto = parse_args([a if a != "in_process" else "auto" for a in argv]).config
-    assert plan(auto, 2, 2).layout.ranks_of(Role.ENGINE) == (1,)  # auto: the same layout runs with the child host
+    assert lay_out(auto, 2, 2).layout.ranks_of(Role.ENGINE) == (1,)  # auto: the same layout runs with the child host
 
 
 def test_in_process_engine_called_directly_on_a_subset_refuses_before_importing_vllm():
@@ -86,12 +87,12 @@ def test_in_process_engine_called_directly_on_a_subset_refuses_before_importing_
     disagg = _layout(2, actor=_sized(1), vllm_num_engines=1)
     with pytest.raises(ConfigError, match=r"in-process vLLM engine .* cannot run here: the engine ranks \[1\] are not "
                                           r"the whole world of 2 ranks.*--vllm_engine_host child"):
-        InProcessEngine(model, build_byte_tokenizer(), sampling, torch.device("cpu"), layout=disagg, world_size=2,
-                        rank=1, exchange=None, seed=0, max_model_len=64)  # type: ignore[arg-type]
+        InProcessEngine(model, build_byte_tokenizer(), sampling, torch.device("cpu"), VLLMOptions(1, 0, 64),
+                        layout=disagg, world_size=2, exchange=None)  # type: ignore[arg-type]
     whole = _layout(2)
     with pytest.raises(ConfigError, match=r"the layout is for 2 ranks but torch.distributed has 4"):
-        InProcessEngine(model, build_byte_tokenizer(), sampling, torch.device("cpu"), layout=whole, world_size=4,
-                        rank=0, exchange=None, seed=0, max_model_len=64)  # type: ignore[arg-type]
+        InProcessEngine(model, build_byte_tokenizer(), sampling, torch.device("cpu"), VLLMOptions(0, 0, 64),
+                        layout=whole, world_size=4, exchange=None)  # type: ignore[arg-type]
 
 
 def test_kept_host_rng_undoes_a_reseed():

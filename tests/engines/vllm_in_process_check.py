@@ -38,13 +38,14 @@ def train_step(actor: torch.nn.Module, rows: list[list[int]], lr: float) -> None
 
 
 def main() -> None:
-    from rlrun.engines.base import SamplingSettings
+    from rlrun.engines.protocol import SamplingSettings
+    from rlrun.engines.vllm.engine import VLLMOptions
     from rlrun.engines.vllm.in_process import InProcessEngine
     from rlrun.launch.groups import build_groups
-    from rlrun.weight_sync.blocks import param_blocks
-    from rlrun.weight_sync.sync import ParamSource, WeightSync
+    from rlrun.strategies.blocks import param_blocks
+    from rlrun.weight_sync.sync import ParamSource, WeightSync, WireFormat
     from rlrun.launch.layout import LayoutRequest
-    from rlrun.plan.layout import plan_layout
+    from rlrun.plan.placement import plan_layout
     from rlrun.launch.transfer import EngineRowExchange
     from rlrun.models.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
 
@@ -72,12 +73,10 @@ def main() -> None:
     torch.manual_seed(100 + rank)
     real_set_num_threads = torch.set_num_threads
     t0 = time.perf_counter()
-    engine = InProcessEngine(engine_model, tok, greedy, torch.device("cpu"), layout=layout, world_size=world, rank=rank,
-                             exchange=exchange, seed=0, max_model_len=128, tensor_parallel_size=tp)
+    engine = InProcessEngine(engine_model, tok, greedy, torch.device("cpu"), VLLMOptions(rank, 0, 128, tp),
+                             layout=layout, world_size=world, exchange=exchange)
     # What the trainer builds for a colocated layout: the engine is weight sync's loader and keeps no copy
-    sync = WeightSync(actor_params=ParamSource(actor, param_blocks), receiver=engine.weights, sync_group=None,
-                      actor_root=0, colocated=True, bucket_bytes=2**20, wire_dtype=torch.float32,
-                      device=torch.device("cpu"))
+    sync = WeightSync(actor_params=ParamSource(actor, param_blocks), receiver=engine.weights, sync_group=None, actor_root=0, colocated=True, wire=WireFormat(bucket_bytes=2 ** 20, dtype=torch.float32), device=torch.device('cpu'))
     report_meta = all(p.is_meta for p in engine.model.parameters())
     report: dict[str, object] = {"rank": rank, "tp": tp, "start_s": engine.start_s,
                                  "construct_s": time.perf_counter() - t0, "engine_on_meta": report_meta}

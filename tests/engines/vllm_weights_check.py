@@ -37,10 +37,10 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    from rlrun.engines.base import SamplingSettings
-    from rlrun.engines.vllm.engine import VLLMEngine, request_seeds
-    from rlrun.weight_sync.blocks import param_blocks
-    from rlrun.weight_sync.sync import ParamSource, WeightSync
+    from rlrun.engines.protocol import SamplingSettings
+    from rlrun.engines.vllm.engine import VLLMEngine, VLLMOptions, request_seeds
+    from rlrun.strategies.blocks import param_blocks
+    from rlrun.weight_sync.sync import ParamSource, WeightSync, WireFormat
     from rlrun.models.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
 
     torch.set_num_threads(1)
@@ -50,12 +50,10 @@ def main() -> None:
     prompts = [list(f"Write {i} digits:".encode()) for i in range(8)]
     max_new = 24
     greedy = SamplingSettings(temperature=0.0, top_p=1.0, max_new_tokens=max_new, pad_id=PAD_ID, end_ids=(EOS_ID,))
-    engine = VLLMEngine(copy.deepcopy(model), tok, greedy, torch.device("cpu"), seed=0, max_model_len=128, timeout_s=300)
+    engine = VLLMEngine(copy.deepcopy(model), tok, greedy, torch.device("cpu"), VLLMOptions(0, 0, 128, timeout_s=300))
     # The trainer's sync as it is for an engine on the actor's own rank: `model` stands for the actor, and each sync
     # goes bucket by bucket (small buckets: several) through the engine's sink to the child; the rank keeps no copy.
-    sync = WeightSync(actor_params=ParamSource(model, param_blocks), receiver=engine.weights, sync_group=None,
-                      actor_root=0, colocated=True, bucket_bytes=2**16, wire_dtype=torch.float32,
-                      device=torch.device("cpu"))
+    sync = WeightSync(actor_params=ParamSource(model, param_blocks), receiver=engine.weights, sync_group=None, actor_root=0, colocated=True, wire=WireFormat(bucket_bytes=2 ** 16, dtype=torch.float32), device=torch.device('cpu'))
     engine.child.wait_ready()
     report: dict[str, object] = {"start_s": engine.start_s, "checks": [], "buckets": sync.num_buckets,
                                  "engine_on_meta": all(p.is_meta for p in engine.model.parameters())}
@@ -89,7 +87,7 @@ def main() -> None:
         })
     # Multi-turn agents: a per-call token cap and stop strings. Greedy, with a stop string taken from the greedy
     # answer itself (its first printable ASCII byte), so vLLM must end that row exactly where rlrun's rule does.
-    from rlrun.engines.base import cut_at_stop
+    from rlrun.engines.protocol import cut_at_stop
 
     engine.sampling = greedy
     full = engine.sample(prompts, seed=5).responses

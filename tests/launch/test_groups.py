@@ -28,7 +28,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
 
     from rlrun.cli.parser import parse_args
     from rlrun.launch import groups as groups_module
-    from rlrun.plan.plan import plan
+    from rlrun.plan.plan import lay_out
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     calls: list = []
@@ -44,7 +44,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
         reward = [] if "--reward_pretrain" in flags else ["--remote_rm_url", "demo"]
         cfg = parse_args([*reward, "--rollout_batch_size", "8", "--train_batch_size", "8",
                           "--micro_train_batch_size", "1", "--micro_rollout_batch_size", "1", *flags]).config
-        layout = plan(cfg, world, world).layout
+        layout = lay_out(cfg, world, world).layout
         calls.clear()
         groups = groups_module.build_groups(layout, 60, "gloo", solo=True)
         out[name] = {"calls": list(calls), "member": sorted(groups.member),

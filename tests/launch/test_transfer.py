@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlrun.weight_sync.buckets import ALIGN, BucketEntry, BucketSink, KeptModel, bucket_size, entry_view, plan_buckets, plan_chunks
-from rlrun.weight_sync.sync import WeightSync
+from rlrun.engines.receivers import ALIGN, BucketEntry, BucketSink, KeptModel, bucket_size, entry_view, pack_buckets, chunk_bounds
+from rlrun.weight_sync.sync import WeightSync, WireFormat
 from rlrun.runtime.errors import RlrunError
 
 DIST_TIMEOUT_S = 60  # a collective that never completes raises after this long (generous: shared CI boxes)
@@ -40,7 +40,7 @@ PIPELINE_CASES = ((64, 1 << 20), (2048, 64), (1 << 30, 700), (1 << 30, 1 << 30))
 F32 = torch.float32
 
 
-# ---- plan_buckets / bucket_size / entry_view (pure) ---------------------------------------------
+# ---- pack_buckets / bucket_size / entry_view (pure) ---------------------------------------------
 
 
 def _params(*numels: int, dtype: torch.dtype = F32) -> list[tuple[str, torch.Size, torch.dtype]]:
@@ -49,7 +49,7 @@ def _params(*numels: int, dtype: torch.dtype = F32) -> list[tuple[str, torch.Siz
 
 def test_plan_preserves_order_and_aligns_every_offset():
     params = _params(3, 5, 1, 7, 2, 9) + [("scalar", torch.Size([]), torch.bfloat16), ("mat", torch.Size([3, 5]), torch.float16)]
-    buckets = plan_buckets(params, bucket_bytes=64)
+    buckets = pack_buckets(params, bucket_bytes=64)
     flat = [e for b in buckets for e in b]
     assert [e.name for e in flat] == [n for n, _, _ in params]
     for bucket in buckets:
@@ -65,26 +65,26 @@ def test_plan_preserves_order_and_aligns_every_offset():
 
 
 def test_plan_oversize_parameter_gets_its_own_bucket():
-    buckets = plan_buckets(_params(4, 100, 4, 4), bucket_bytes=64)  # p1 is 400 bytes
+    buckets = pack_buckets(_params(4, 100, 4, 4), bucket_bytes=64)  # p1 is 400 bytes
     assert [[e.name for e in b] for b in buckets] == [["p0"], ["p1"], ["p2", "p3"]]
     assert bucket_size(buckets[1]) == 400
-    assert plan_buckets(_params(100), bucket_bytes=64)[0][0] == BucketEntry("p0", (100,), F32, 0, 400)
+    assert pack_buckets(_params(100), bucket_bytes=64)[0][0] == BucketEntry("p0", (100,), F32, 0, 400)
 
 
 def test_plan_bucket_count_for_a_given_size():
     params = _params(*[256] * 10)  # ten 1 KiB tensors
-    assert len(plan_buckets(params, 1024)) == 10
-    assert len(plan_buckets(params, 2048)) == 5
-    assert len(plan_buckets(params, 3 * 1024)) == 4  # 3 + 3 + 3 + 1
-    assert len(plan_buckets(params, 1 << 30)) == 1
-    assert len(plan_buckets(_params(3, 3, 3), 32)) == 2  # 12 bytes padded to 16: two per 32-byte bucket
-    assert plan_buckets([], 1024) == []
+    assert len(pack_buckets(params, 1024)) == 10
+    assert len(pack_buckets(params, 2048)) == 5
+    assert len(pack_buckets(params, 3 * 1024)) == 4  # 3 + 3 + 3 + 1
+    assert len(pack_buckets(params, 1 << 30)) == 1
+    assert len(pack_buckets(_params(3, 3, 3), 32)) == 2  # 12 bytes padded to 16: two per 32-byte bucket
+    assert pack_buckets([], 1024) == []
 
 
 def test_entry_view_round_trips_every_dtype():
     params = [("a", torch.Size([3]), F32), ("b", torch.Size([2, 3]), torch.bfloat16), ("c", torch.Size([5]), torch.int64),
               ("d", torch.Size([]), torch.float16)]
-    (bucket,) = plan_buckets(params, 1 << 20)
+    (bucket,) = pack_buckets(params, 1 << 20)
     buffer = torch.zeros(bucket_size(bucket), dtype=torch.uint8)
     values = {"a": torch.randn(3), "b": torch.randn(2, 3).bfloat16(), "c": torch.arange(5) - 2, "d": torch.tensor(1.5).half()}
     for e in bucket:
@@ -234,12 +234,12 @@ def _engine_snapshot(engine: nn.Module) -> dict:
 
 class _CollectiveCounter:
     """Counts the collectives a block of code issues through the two gather entry points:
-    rlrun.weight_sync.blocks' byte all-gather ("block") and DTensor.full_tensor ("param")."""
+    rlrun.strategies.blocks' byte all-gather ("block") and DTensor.full_tensor ("param")."""
 
     def __enter__(self) -> "_CollectiveCounter":
         from torch.distributed.tensor import DTensor
 
-        import rlrun.weight_sync.blocks as pb
+        import rlrun.strategies.blocks as pb
 
         self.calls = {"block": 0, "param": 0}
         self._saved = (pb._all_gather_single, DTensor.full_tensor)
@@ -258,7 +258,7 @@ class _CollectiveCounter:
     def __exit__(self, *exc) -> None:
         from torch.distributed.tensor import DTensor
 
-        import rlrun.weight_sync.blocks as pb
+        import rlrun.strategies.blocks as pb
 
         pb._all_gather_single, DTensor.full_tensor = self._saved
 
@@ -273,8 +273,7 @@ def scenario_disaggregated(rank: int, world: int) -> dict:
     out: dict = {}
     if is_engine:
         out["before"] = {n: p.detach().clone() for n, p in engine.named_parameters()}
-    ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank in (0, 2, 3) else None,
-                    actor_root=0, colocated=False, bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
+    ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank in (0, 2, 3) else None, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
     out["num_buckets"] = ws.num_buckets
     out["zero_copy"] = ws.zero_copy
     out["plan"] = [[(e.name, e.offset, e.nbytes) for e in b] for b in ws.buckets]
@@ -342,9 +341,7 @@ def scenario_streamed(rank: int, world: int) -> dict:
         with torch.device("meta"):
             engine = TinyNet()
     sink = _RecordingSink(engine) if rank == 2 else None  # rank 3: the engine's other rank, its first takes them
-    ws = WeightSync(actor_params=source, receiver=sink, sync_group=sync_group if rank in (0, 2) else None,
-                    actor_root=0, colocated=False, bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"),
-                    check_names=["blocks.1.up.weight"] if rank == 0 else ())
+    ws = WeightSync(actor_params=source, receiver=sink, sync_group=sync_group if rank in (0, 2) else None, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'), check_names=['blocks.1.up.weight'] if rank == 0 else ())
     out: dict = {"num_buckets": ws.num_buckets, "buffer_sizes": [b.numel() for b in ws.buffers], "syncs": [],
                  "bucket_sizes": [bucket_size(b) for b in ws.buckets]}
     for k in range(2):
@@ -378,8 +375,7 @@ def scenario_colocated_streamed(rank: int, world: int) -> dict:
     with torch.device("meta"):
         engine = TinyNet()
     sink = _RecordingSink(engine) if rank == 0 else None  # rank 1: the engine's other rank, its first takes them
-    ws = WeightSync(actor_params=source, receiver=sink, sync_group=None, actor_root=0, colocated=True,
-                    bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
+    ws = WeightSync(actor_params=source, receiver=sink, sync_group=None, actor_root=0, colocated=True, wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
     out["num_buckets"], out["buffers"] = ws.num_buckets, len(ws.buffers)
     for k in range(2):
         train_step(k)
@@ -401,8 +397,7 @@ def scenario_colocated(rank: int, world: int) -> dict:
     on_block = rank in (0, 1)
     source, train_step, full = _actor(actor_group) if on_block else (None, None, None)
     engine = _seeded(100 + rank) if on_block else None
-    ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=None, actor_root=0, colocated=True,
-                    bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
+    ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=None, actor_root=0, colocated=True, wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
     out: dict = {"num_buckets": ws.num_buckets, "syncs": []}
     if on_block:
         out["before"] = {n: p.detach().clone() for n, p in engine.named_parameters()}
@@ -419,7 +414,7 @@ def scenario_colocated(rank: int, world: int) -> dict:
 def scenario_mismatch(rank: int, world: int) -> dict:
     """Actor ranks [0, 1] (plain model), engines [2, 3] with a different architecture: the engines
     raise at construction, naming the parameters. Two cases: a shape differs, a layer is missing."""
-    from rlrun.weight_sync.blocks import param_blocks
+    from rlrun.strategies.blocks import param_blocks
     from rlrun.weight_sync.sync import ParamSource
 
     sync_group = dist.new_group([0, 2, 3])
@@ -428,9 +423,7 @@ def scenario_mismatch(rank: int, world: int) -> dict:
         source = ParamSource(_seeded(1), param_blocks) if rank < 2 else None
         engine = _seeded(2, **engine_kwargs) if rank >= 2 else None
         try:
-            WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank != 1 else None,
-                       actor_root=0, colocated=False,
-                       bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
+            WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank != 1 else None, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
             out[case] = None
         except RlrunError as e:
             out[case] = str(e)
@@ -489,7 +482,7 @@ def scenario_blocks(rank: int, world: int) -> dict:
     number of collectives per block."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from rlrun.weight_sync.blocks import param_blocks
+    from rlrun.strategies.blocks import param_blocks
     from rlrun.strategies.fsdp import FSDPStrategy
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
@@ -522,7 +515,7 @@ def scenario_blocks(rank: int, world: int) -> dict:
     out["tiny_full"] = full
     out["tiny_expected"] = {n: t.clone() for n, t in strategy.full_params(model)}
 
-    import rlrun.weight_sync.blocks as pb
+    import rlrun.strategies.blocks as pb
 
     # FSDP over a one-rank group (an actor on one device): the shards are the full tensors, no collective
     solo_groups = [dist.new_group([r]) for r in range(world)]
@@ -559,9 +552,7 @@ def scenario_pipelined(rank: int, world: int) -> dict:
     out: dict = {"cases": []}
     for k, (bucket_bytes, chunk_bytes) in enumerate(PIPELINE_CASES):
         engine = _seeded(200 + 10 * k + rank) if is_engine else None
-        ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank in (0, 2, 3) else None,
-                        actor_root=0, colocated=False, bucket_bytes=bucket_bytes, wire_dtype=F32,
-                        device=torch.device("cpu"), chunk_bytes=chunk_bytes)
+        ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank in (0, 2, 3) else None, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=bucket_bytes, dtype=F32, chunk_bytes=chunk_bytes), device=torch.device('cpu'))
         if is_actor:
             train_step(10 + k)
         case: dict = {"num_buckets": ws.num_buckets, "chunks": [len(c) for c in ws.chunks],
@@ -596,9 +587,7 @@ def scenario_together(rank: int, world: int) -> dict:
     out: dict = {"cases": []}
     for k, (bucket_bytes, chunk_bytes) in enumerate(((64, 1 << 20), (600, 64), (1 << 30, 700))):
         engine = _seeded(300 + 10 * k + rank) if is_engine else None
-        ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank in (0, 2, 3) else None,
-                        actor_root=0, colocated=False, bucket_bytes=bucket_bytes, wire_dtype=F32,
-                        device=torch.device("cpu"), chunk_bytes=chunk_bytes, together=_tiny_groups)
+        ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank in (0, 2, 3) else None, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=bucket_bytes, dtype=F32, chunk_bytes=chunk_bytes, together=_tiny_groups), device=torch.device('cpu'))
         if is_actor:
             train_step(20 + k)
         ws.sync()
@@ -652,8 +641,7 @@ def scenario_zero_copy(rank: int, world: int) -> dict:
     if rank != 1:
         engine = _seeded(300 + rank) if rank in (2, 3) else None
         source = ParamSource(model, strategy.param_blocks, strategy) if rank == 0 else None
-        ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group, actor_root=0,
-                        colocated=False, bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"))
+        ws = WeightSync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
         out.update(zero_copy=ws.zero_copy, chunks=[len(c) for c in ws.chunks], buffers=len(ws.buffers))
         if rank == 0:
             out["homed_at_start"] = locals_in(ws.buffers)
@@ -696,16 +684,13 @@ def scenario_zero_copy(rank: int, world: int) -> dict:
 def scenario_timeout(rank: int, world: int) -> dict:
     """An engine whose root never sends: sync() must raise within the sync group's timeout (2 s),
     not hang. The root builds its WeightSync (the metadata broadcast) and then skips sync()."""
-    from rlrun.weight_sync.blocks import param_blocks
+    from rlrun.strategies.blocks import param_blocks
     from rlrun.weight_sync.sync import ParamSource
 
     sync_group = dist.new_group([0, 2], timeout=timedelta(seconds=2))
     out: dict = {}
     if rank in (0, 2):
-        ws = WeightSync(actor_params=ParamSource(_seeded(1), param_blocks) if rank == 0 else None,
-                        receiver=KeptModel(_seeded(2)) if rank == 2 else None, sync_group=sync_group, actor_root=0,
-                        colocated=False, bucket_bytes=BUCKET_BYTES, wire_dtype=F32, device=torch.device("cpu"),
-                        chunk_bytes=512)
+        ws = WeightSync(actor_params=ParamSource(_seeded(1), param_blocks) if rank == 0 else None, receiver=KeptModel(_seeded(2)) if rank == 2 else None, sync_group=sync_group, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32, chunk_bytes=512), device=torch.device('cpu'))
         if rank == 2:
             t0 = time.monotonic()
             try:
@@ -947,14 +932,14 @@ def test_groups_kept_together_land_back_to_back_in_the_engines_and_exact(launche
 def test_plan_keeps_groups_together_and_chunks_never_end_inside_one():
     # p1 and p3 (12 and 20 bytes) kept together at p1's place: back to back (12 is not a multiple of 16)
     params = _params(3, 3, 100, 5, 2)
-    (bucket,) = plan_buckets(params, 1 << 20, [["p1", "p3"]])
+    (bucket,) = pack_buckets(params, 1 << 20, [["p1", "p3"]])
     assert [(e.name, e.offset) for e in bucket] == [("p0", 0), ("p1", 16), ("p3", 28), ("p2", 48), ("p4", 448)]
-    assert plan_chunks(bucket, 1) == [(0, 16, 0), (16, 48, 2), (48, 448, 3), (448, 464, 4)]
+    assert chunk_bounds(bucket, 1) == [(0, 16, 0), (16, 48, 2), (48, 448, 3), (448, 464, 4)]
     # a group is never split: with 40-byte buckets p1+p3 (32 bytes) start a bucket of their own
-    assert [[e.name for e in b] for b in plan_buckets(params, 40, [["p1", "p3"]])] == [["p0"], ["p1", "p3"], ["p2"],
+    assert [[e.name for e in b] for b in pack_buckets(params, 40, [["p1", "p3"]])] == [["p0"], ["p1", "p3"], ["p2"],
                                                                                      ["p4"]]
     with pytest.raises(ValueError, match="absent"):
-        plan_buckets(params, 64, [["p1", "nope"]])
+        pack_buckets(params, 64, [["p1", "nope"]])
 
 
 def test_zero_copy_sync_sends_a_one_rank_actors_own_memory_and_trains_identically(launched):
@@ -991,12 +976,12 @@ def test_sync_raises_instead_of_hanging_when_the_root_never_sends(launched):
 
 
 def test_plan_chunks_tile_each_bucket_at_entry_boundaries():
-    (bucket,) = plan_buckets(_params(3, 5, 100, 1, 2), bucket_bytes=1 << 20)  # offsets 0, 16, 48, 448, 464
+    (bucket,) = pack_buckets(_params(3, 5, 100, 1, 2), bucket_bytes=1 << 20)  # offsets 0, 16, 48, 448, 464
     assert [e.offset for e in bucket] == [0, 16, 48, 448, 464]
-    assert plan_chunks(bucket, 32) == [(0, 48, 1), (48, 448, 2), (448, 480, 4)]
-    assert plan_chunks(bucket, 1 << 20) == [(0, 480, 4)]
-    assert plan_chunks(bucket, 1) == [(0, 16, 0), (16, 48, 1), (48, 448, 2), (448, 464, 3), (464, 480, 4)]
-    assert plan_chunks(bucket, 1 << 20)[-1][1] == bucket_size(bucket)
+    assert chunk_bounds(bucket, 32) == [(0, 48, 1), (48, 448, 2), (448, 480, 4)]
+    assert chunk_bounds(bucket, 1 << 20) == [(0, 480, 4)]
+    assert chunk_bounds(bucket, 1) == [(0, 16, 0), (16, 48, 1), (48, 448, 2), (448, 464, 3), (464, 480, 4)]
+    assert chunk_bounds(bucket, 1 << 20)[-1][1] == bucket_size(bucket)
 
 
 if __name__ == "__main__":

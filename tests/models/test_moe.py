@@ -15,9 +15,10 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from rlrun.data.batching import TokenBudget
 from rlrun.data.packing import pack_batch
 from rlrun.data.rollout import pack_rows, unpack_rows
-from rlrun.engines.base import HFEngine, SamplingSettings
-from rlrun.engines.decoder import Decoder, expert_loop, grouped_experts
-from rlrun.engines.native import NativeEngine
+from rlrun.engines.hf import HFEngine
+from rlrun.engines.protocol import SamplingSettings
+from rlrun.engines.native.decoder import Decoder, expert_loop, grouped_experts
+from rlrun.engines.native.engine import NativeEngine
 from rlrun.models.loading import position_ids_from
 from rlrun.models.moe import (
     NO_ROUTE,

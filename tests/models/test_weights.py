@@ -153,7 +153,7 @@ def test_a_critic_from_a_causal_lm_gets_a_seeded_head_and_a_reward_model_keeps_i
 def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     import torch.distributed as dist
 
-    from rlrun.weight_sync.blocks import full_tensor
+    from rlrun.strategies.blocks import full_tensor
     from rlrun.strategies.fsdp import FSDPStrategy
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -9,7 +9,7 @@ import pytest
 from rlrun.cli.parser import parse_args
 from rlrun.config.tree import Config
 from rlrun.plan.checks import check_batches, check_values
-from rlrun.plan.plan import plan
+from rlrun.plan.plan import lay_out
 from rlrun.runtime.errors import ConfigError
 
 
@@ -121,7 +121,7 @@ def test_check_values_rejects(argv, parts):
 def test_plan_runs_check_values_first(argv, parts):
     # plan() is what every rank calls before any process group exists.
     with pytest.raises(ConfigError):
-        plan(cfg_of(*argv), 1, 1)
+        lay_out(cfg_of(*argv), 1, 1)
 
 
 GOOD_VALUES: list[list[str]] = [
@@ -223,17 +223,17 @@ def test_check_batches_accepts(argv, sizes):
 def test_plan_checks_batches_against_the_layout():
     # Defaults on 3 ranks: 1024 rollouts do not split over 3 hybrid-engine ranks.
     with pytest.raises(ConfigError) as exc:
-        plan(cfg_of(), 3, 3)
+        lay_out(cfg_of(), 3, 3)
     assert_names(str(exc.value), "1024 rollouts", "3 actor ranks")
     # Disaggregated: the critic's 2 ranks x micro 4 = 8 must divide 12.
     cfg = cfg_of("--rollout_batch_size", "24", "--train_batch_size", "12", "--micro_train_batch_size", "4",
                  "--actor_num_gpus_per_node", "1", "--critic_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "1",
                  "--vllm_num_engines", "1")
     with pytest.raises(ConfigError) as exc:
-        plan(cfg, 5, 5)
+        lay_out(cfg, 5, 5)
     assert_names(str(exc.value), "--train_batch_size 12", "--micro_train_batch_size 4", "2 critic ranks", "= 8")
     # The same batch on a layout that fits.
-    the_plan = plan(cfg_of("--rollout_batch_size", "24", "--train_batch_size", "12", "--micro_train_batch_size", "4",
+    the_plan = lay_out(cfg_of("--rollout_batch_size", "24", "--train_batch_size", "12", "--micro_train_batch_size", "4",
                            "--actor_num_gpus_per_node", "1", "--critic_num_gpus_per_node", "1",
                            "--ref_num_gpus_per_node", "1", "--vllm_num_engines", "1"), 4, 4)
     assert the_plan.layout.world_size == 4

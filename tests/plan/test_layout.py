@@ -8,7 +8,7 @@ import re
 import pytest
 
 from rlrun.launch.layout import GroupSpec, Layout, LayoutRequest, Role, RoleRequest
-from rlrun.plan.layout import plan_layout
+from rlrun.plan.placement import plan_layout
 from rlrun.launch.layout import format_layout_table
 from rlrun.runtime.errors import LayoutError
 

@@ -7,7 +7,7 @@ import pytest
 from rlrun.launch.env import read_node_label
 from rlrun.launch.transfer import decode_label, encode_label, labels_per_node
 from rlrun.launch.layout import GroupSpec, LayoutRequest, Role, RoleRequest
-from rlrun.plan.layout import plan_layout
+from rlrun.plan.placement import plan_layout
 from rlrun.launch.layout import format_layout_table
 from rlrun.runtime.errors import LayoutError
 

@@ -26,7 +26,7 @@ from rlrun.plan.memory_text import (dry_run_memory, format_plan, note_lines, pla
                                   supervised_memory, target_for)
 from rlrun.plan.shapes import model_shape
 from rlrun.vision.demo import tiny_vl_config
-from rlrun.plan.plan import plan
+from rlrun.plan.plan import lay_out
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=300)
@@ -99,7 +99,7 @@ def test_vision_language_parameter_counts_include_the_vision_tower(config):
 def _job(tmp_path, *flags: str, world: int = 40, config: dict = LLAMA_2_70B):
     model = _model_dir(tmp_path / "model", config)
     cfg = parse_args(["--pretrain", str(model), "--generation_backend", "vllm", *flags]).config
-    layout = plan(cfg, world, 8).layout
+    layout = lay_out(cfg, world, 8).layout
     shapes, notes = read_shapes(cfg, layout)
     assert shapes is not None
     return cfg, layout, plan_memory(cfg, layout, shapes, GPU_80), notes
@@ -153,7 +153,7 @@ def test_deepspeed_accounting_per_stage(tmp_path):
                       "--remote_rm_url", "demo", "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
                       "--n_samples_per_prompt", "8", "--bf16", "--train_batch_size", "128", "--rollout_batch_size",
                       "128", "--vllm_num_engines", "8"]).config
-    layout = plan(cfg, 16, 8).layout  # planned as fsdp: the deepspeed extra need not be installed for the estimate
+    layout = lay_out(cfg, 16, 8).layout  # planned as fsdp: the deepspeed extra need not be installed for the estimate
     shapes, _ = read_shapes(cfg, layout)
     n = shapes[Role.ACTOR].parameters
     for stage, per_param in {0: (2, 2, 12), 1: (2, 2, 12 / 8), 2: (2, 2 / 8, 12 / 8), 3: (2 / 8, 2 / 8, 12 / 8)}.items():
@@ -197,7 +197,7 @@ def test_a_cpu_plan_puts_every_byte_in_host_memory(tmp_path):
                       "--rollout_batch_size", "4", "--train_batch_size", "4", "--micro_train_batch_size", "2",
                       "--micro_rollout_batch_size", "2", "--critic_num_gpus_per_node", "2",
                       "--colocate_all_models"]).config
-    layout = plan(cfg, 2, 2).layout
+    layout = lay_out(cfg, 2, 2).layout
     shapes, _ = read_shapes(cfg, layout)
     memory = plan_memory(cfg, layout, shapes, Target(False, 0, "--device cpu"))
     n = shapes[Role.ACTOR].parameters
@@ -233,7 +233,7 @@ def test_without_a_gpu_here_the_plan_is_a_cpu_runs_unless_gpus_are_named():
 def test_a_model_on_another_machine_skips_the_plan_and_says_why(tmp_path):
     cfg = parse_args(["--pretrain", "/nonexistent/llama", "--remote_rm_url", "demo", "--plan_json",
                       str(tmp_path / "plan.json")]).config
-    lines, problems = dry_run_memory(cfg, plan(cfg, 1, 1).layout, write_json=True)
+    lines, problems = dry_run_memory(cfg, lay_out(cfg, 1, 1).layout, write_json=True)
     assert lines == ["memory plan skipped: --pretrain /nonexistent/llama is not on this machine (the plan reads its "
                      "config.json)"] and problems == []
     assert json.loads((tmp_path / "plan.json").read_text())["skipped"] == lines[0]
@@ -265,7 +265,7 @@ def test_plan_json_from_a_real_dry_run_of_the_70b_job(tmp_path):
 def _supervised(module: str, argv: list[str]):
     import importlib
 
-    return parse_args(argv, importlib.import_module(module).TRAINER.cli).config
+    return parse_args(argv, importlib.import_module(module).CLI).config
 
 
 DPO_7B = ["--dataset", "pairs.jsonl", "--bf16", "--zero_stage", "3", "--gradient_checkpointing", "--flash_attn",

@@ -20,7 +20,7 @@ from rlrun.plan.shapes import GIB, SupervisedJob, Target
 from rlrun.plan.memory import plan_memory
 from rlrun.plan.memory_text import dry_run_memory, format_plan, note_lines, read_shapes, supervised_memory
 from rlrun.plan.shapes import lora_parameters, model_shape, unknown_targets
-from rlrun.plan.plan import plan
+from rlrun.plan.plan import lay_out
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=300)
@@ -95,7 +95,7 @@ def _ppo(tmp_path, *flags: str, world: int = 16):
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(LLAMA_2_7B))
     cfg = parse_args(["--pretrain", str(model), *GRPO_7B, *flags]).config
-    layout = plan(cfg, world, 8).layout
+    layout = lay_out(cfg, world, 8).layout
     shapes, _ = read_shapes(cfg, layout)
     return cfg, layout, plan_memory(cfg, layout, shapes, GPU_80)
 
@@ -154,7 +154,7 @@ def test_a_lora_critic_trains_its_adapters_and_value_head_and_unknown_targets_ar
     cfg = parse_args(["--pretrain", str(model), "--remote_rm_url", "demo", "--advantage_estimator", "gae", "--bf16",
                       "--init_kl_coef", "0", "--lora_rank", "16", "--target_modules", "q_proj", "v_proj", "c_attn",
                       "--gpu_memory_gb", "80"]).config
-    layout = plan(cfg, 8, 8).layout
+    layout = lay_out(cfg, 8, 8).layout
     shapes, _ = read_shapes(cfg, layout)
     memory = plan_memory(cfg, layout, shapes, GPU_80)
     rank = memory.ranks[0]
@@ -175,7 +175,7 @@ def _dpo(tmp_path, *flags: str):
     argv = ["--pretrain", str(model), "--dataset", "pairs.jsonl", "--bf16", "--zero_stage", "3",
             "--gradient_checkpointing", "--flash_attn", "--micro_train_batch_size", "1", "--max_len", "4096",
             "--gpu_memory_gb", "80", *flags]
-    return parse_args(argv, importlib.import_module("rlrun.dpo").TRAINER.cli).config
+    return parse_args(argv, importlib.import_module("rlrun.dpo").CLI).config
 
 
 def test_lora_dpo_scores_its_reference_on_the_policy_base(tmp_path):

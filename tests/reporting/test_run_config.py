@@ -39,7 +39,7 @@ def test_ppo_config_round_trips(tmp_path) -> None:
     assert text.startswith("# python -m rlrun.ppo: the settings of the run saved in")
     assert f"# Rerun: python -m rlrun.ppo --config {path}" in text and "world size 2, launcher torchrun" in text
     stored = yaml.safe_load(text)
-    assert stored["train"]["n_samples_per_prompt"] == 8 and stored["algo"]["is_correction_threshold"] == [0.5, 2.0]
+    assert stored["train"]["n_samples_per_prompt"] == 8 and stored["correction"]["is_correction_threshold"] == [0.5, 2.0]
     assert "seed" not in stored["train"]  # only what differs from the defaults
     assert count == sum(len(v) for v in stored.values())
 

@@ -16,7 +16,8 @@ import pytest
 from peer_data import write_parquet
 from rlrun.cli.parser import parse_args
 from rlrun.models.tiny import build_byte_tokenizer
-from rlrun.plan.preflight import ppo_prompts, prompt_spec
+from rlrun.data.prompts import prompt_spec
+from rlrun.plan.preflight import ppo_prompts
 from rlrun.rewards import verl_math
 from rlrun.rewards.compute_score import load_compute_score_function
 from rlrun.rewards.rules import UnknownDataSource, default_compute_score, scorer_for
@@ -278,7 +279,7 @@ def test_a_dapo_math_record_is_read_and_scored_as_verl(tmp_path):
     data = write_parquet(tmp_path / "dapo-math-17k.parquet", rows)
     cfg = parse_args([f"data.train_files={data}", "data.max_prompt_length=1024", "--save_path", str(tmp_path / "run"),
                       "--compute_score", "builtin"]).config
-    prompts = ppo_prompts(cfg, build_byte_tokenizer(), prompt_spec(cfg))
+    prompts = ppo_prompts(cfg, build_byte_tokenizer(), prompt_spec(cfg.data, cfg.train.seed))
     assert prompts.labels == ["34", "104"] and "What is 17 times 2?" in prompts.texts[0]
     order = [0, 0, 0, 1]
     meta = prompts.meta(order)

@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlrun.cli.parser import parse_args
-from rlrun.plan.plan import plan
+from rlrun.plan.plan import lay_out
 from test_resume import N, SMALL, STEPS, _assert_same_final_models, _no_timing, _ok, torchrun
 
 LAYOUT = ["--actor_num_gpus_per_node", "1", "--critic_num_gpus_per_node", "1", "--vllm_num_engines", "1"]
@@ -78,7 +78,7 @@ def test_async_still_learns_and_its_rollout_correction_sees_the_lag(tmp_path):
 
 def _plan(*argv: str):
     cfg = parse_args(["--n_samples_per_prompt", "2", *argv]).config
-    return plan(cfg, 4, 4)
+    return lay_out(cfg, 4, 4)
 
 
 def test_learners_group_or_a_clear_warning():

@@ -69,7 +69,7 @@ def test_runs_own_their_checkpoints_and_resume_says_what_changed(tmp_path, secre
     leaked = [str(p) for p in on_disk if SECRET.encode() in p.read_bytes()]
     assert not leaked, leaked
     stored = json.loads((root / "step_00000003" / ckpt.COMPLETE).read_text())
-    assert stored["meta"]["config"]["model"]["remote_rm_url"].endswith("/reward?<redacted>")
+    assert stored["meta"]["config"]["reward"]["remote_rm_url"].endswith("/reward?<redacted>")
     assert SECRET not in a.output
 
     b = _run(tmp_path / "b", "--max_steps", "1", "--save_steps", "1", ckpt_path=root)

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers import REPO, subprocess_env, update_actor, update_actor_seen
 from rlrun.config.fields import build_config
+from rlrun.config.tree import Config
 from rlrun.data.rollout import pack_rows, unpack_rows
 from rlrun.models.tiny import PAD_ID, build_causal_lm, tiny_model_config
 from rlrun.rl.trainer import skips_old_log_probs
@@ -24,7 +25,7 @@ ON_POLICY = {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "train_batch_si
 
 
 def _cfg(train: dict, algo: dict):
-    return build_config({**ON_POLICY, **train, **algo})
+    return build_config({**ON_POLICY, **train, **algo}, Config)
 
 
 @pytest.mark.parametrize(("train", "algo", "skips"), [
@@ -84,7 +85,7 @@ ARGS = ["--config", "configs/demo.yaml", "--max_steps", "2", "--rollout_batch_si
         "--train_batch_size", "16", "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8",
         "--use_kl_loss", "--kl_estimator", "k3", "--init_kl_coef", "0.04"]
 # The same entry point with the skip turned off (the assembly decides the branch once, from this function).
-NO_SKIP = ("import sys, rlrun.rl.assembly as a; a.skips_old_log_probs = lambda train, algo, distill=False: False; "
+NO_SKIP = ("import sys, rlrun.rl.assembly as a; a.skips_old_log_probs = lambda *args, **kwargs: False; "
            "from rlrun.ppo import main; sys.exit(main(sys.argv[1:]))")
 
 

@@ -14,11 +14,12 @@ from transformers import AutoModelForCausalLM
 
 from rlrun.cli.parser import parse_args
 from rlrun.data.prompts import PromptSampler
-from rlrun.engines.base import HFEngine, SamplingSettings
-from rlrun.engines.native import NativeEngine
+from rlrun.engines.hf import HFEngine
+from rlrun.engines.protocol import SamplingSettings
+from rlrun.engines.native.engine import NativeEngine
 from rlrun.models.tiny import BUILTIN_PROMPTS, EOS_ID, PAD_ID, build_byte_tokenizer
 from rlrun.rl.partial_rollout import PoolSettings, SequencePool
-from rlrun.plan.plan import plan
+from rlrun.plan.plan import lay_out
 from rlrun.runtime.errors import ConfigError
 
 from test_resume import _no_timing, _ok, torchrun
@@ -103,7 +104,7 @@ def test_staleness_one_is_async_train(tmp_path):
 
 
 def _plan(*argv: str):
-    return plan(parse_args(["--n_samples_per_prompt", "2", "--advantage_estimator", "group_norm", "--init_kl_coef",
+    return lay_out(parse_args(["--n_samples_per_prompt", "2", "--advantage_estimator", "group_norm", "--init_kl_coef",
                             "0", *argv]).config, 4, 4)
 
 

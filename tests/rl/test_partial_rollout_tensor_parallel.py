@@ -23,7 +23,8 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from rlrun.data.prompts import PromptSampler
-    from rlrun.engines.base import Generation, HFEngine, SamplingSettings
+    from rlrun.engines.hf import HFEngine
+    from rlrun.engines.protocol import Generation, SamplingSettings
     from rlrun.launch.transfer import EngineRowExchange
     from rlrun.models.tiny import BUILTIN_PROMPTS, EOS_ID, PAD_ID, build_byte_tokenizer
     from rlrun.rl.partial_rollout import PoolSettings, SequencePool

@@ -9,14 +9,14 @@ import torch
 from rlrun.config.tree import Config
 from rlrun.plan.checks import check_values
 from rlrun.launch.layout import Role
-from rlrun.rl.sleep import SleepSchedule, Sleeper, rank_plan
+from rlrun.rl.sleep import SleepSchedule, Sleeper, awake_by_phase
 from rlrun.runtime.phases import Phase
 from rlrun.runtime.errors import ConfigError, RlrunError
-from rlrun.strategies.base import Part
+from rlrun.strategies.base import SleepUnit
 from rlrun.strategies.parking import ParkedStorages, SleepBook, device_storages, held_bytes
 
 CPU = torch.device("cpu")
-P, S = Part.PARAMS, Part.STATES
+P, S = SleepUnit.PARAMS, SleepUnit.STATES
 BOTH, PARAMS, NONE = frozenset({P, S}), frozenset({P}), frozenset()
 
 
@@ -82,7 +82,7 @@ def test_book_keeps_the_other_part_and_guards_the_sleeping_one():
 
 def test_plan_when_every_role_shares_the_rank():
     """--colocate_all_models: peak = one role's full footprint (plus the parameters the phase reads)."""
-    plan = rank_plan(frozenset({Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD, Role.ENGINE}), actor_scores=True)
+    plan = awake_by_phase(frozenset({Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD, Role.ENGINE}), actor_scores=True)
     A, C, R, W = Role.ACTOR, Role.CRITIC, Role.REF, Role.REWARD
     assert plan == {
         Phase.GENERATE: {A: NONE, C: NONE, R: NONE, W: NONE},
@@ -95,20 +95,20 @@ def test_plan_when_every_role_shares_the_rank():
 
 def test_plan_of_ranks_that_work_in_few_phases():
     # The actor alone (engines elsewhere): generate and train_critic are not its business, nothing moves then.
-    actor_only = rank_plan(frozenset({Role.ACTOR}), actor_scores=True)
+    actor_only = awake_by_phase(frozenset({Role.ACTOR}), actor_scores=True)
     assert actor_only == {Phase.GENERATE: None, Phase.SCORE: {Role.ACTOR: PARAMS}, Phase.TRAIN: {Role.ACTOR: BOTH},
                           Phase.TRAIN_CRITIC: None, Phase.SYNC: {Role.ACTOR: PARAMS}}
     # GRPO with the KL as a loss, one mini-batch: the training forward gives the old log-probs, no actor in score.
-    grpo = rank_plan(frozenset({Role.ACTOR, Role.REF, Role.ENGINE}), actor_scores=False)
+    grpo = awake_by_phase(frozenset({Role.ACTOR, Role.REF, Role.ENGINE}), actor_scores=False)
     assert grpo[Phase.SCORE] == {Role.ACTOR: NONE, Role.REF: PARAMS}
     assert grpo[Phase.GENERATE] == {Role.ACTOR: NONE, Role.REF: NONE}
     assert grpo[Phase.TRAIN_CRITIC] is None
     # The reward model on ranks of its own: awake in score, and it never has a reason to sleep.
-    assert rank_plan(frozenset({Role.REWARD}), actor_scores=True) == {
+    assert awake_by_phase(frozenset({Role.REWARD}), actor_scores=True) == {
         Phase.GENERATE: None, Phase.SCORE: {Role.REWARD: PARAMS}, Phase.TRAIN: None, Phase.TRAIN_CRITIC: None,
         Phase.SYNC: None}
     # An engine alone holds no model: it works in generate and sync, with nothing to move.
-    assert rank_plan(frozenset({Role.ENGINE}), actor_scores=True) == {
+    assert awake_by_phase(frozenset({Role.ENGINE}), actor_scores=True) == {
         Phase.GENERATE: {}, Phase.SCORE: None, Phase.TRAIN: None, Phase.TRAIN_CRITIC: None, Phase.SYNC: {}}
 
 
@@ -145,7 +145,7 @@ def test_schedule_sleeps_before_it_wakes_and_moves_each_part_once_per_change():
     actor, ref = _Model("actor"), _Model("ref")
     sleepers = [Sleeper(Role.ACTOR, rec, actor, torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1)),  # type: ignore[arg-type]
                 Sleeper(Role.REF, rec, ref, None)]  # type: ignore[arg-type]
-    schedule = SleepSchedule(sleepers, rank_plan(frozenset({Role.ACTOR, Role.REF, Role.ENGINE}), True), rank=1)
+    schedule = SleepSchedule(sleepers, awake_by_phase(frozenset({Role.ACTOR, Role.REF, Role.ENGINE}), True), rank=1)
     for phase in (Phase.SYNC, Phase.GENERATE, Phase.SCORE, Phase.TRAIN, Phase.TRAIN_CRITIC, Phase.SYNC,
                   Phase.GENERATE):
         schedule.enter(phase)
@@ -169,7 +169,7 @@ def test_a_lora_base_reference_sleeps_as_the_actor_it_is():
     from types import SimpleNamespace
 
     from rlrun.launch.layout import LayoutRequest
-    from rlrun.plan.layout import plan_layout
+    from rlrun.plan.placement import plan_layout
     from rlrun.rl.assembly import sleep_schedule
     from rlrun.rl.trainer import RankRoles
 

@@ -21,7 +21,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rlrun.data.rollout import RolloutBatch, pack_rows, unpack_rows
 from rlrun.data.batching import (RowLengths, TokenBudget, balanced_order, balanced_shards, micro_batch_cost,
-                                      padded_tokens, plan_micro_batches, split_to_count, trim_padding)
+                                      padded_tokens, micro_batches_by_tokens, split_to_count, trim_padding)
 from rlrun.models.loading import ScalarHeadModel
 from rlrun.models.tiny import PAD_ID, build_causal_lm, tiny_model_config
 from rlrun.roles.actor import Actor, PolicyData, PolicyLossSettings
@@ -55,7 +55,7 @@ def long_tailed_batch(num: int = 12, seed: int = 0) -> RolloutBatch:
 @pytest.mark.parametrize("packed", [False, True])
 def test_plan_respects_the_budget_and_places_every_row_once(packed):
     lengths = lengths_of([3, 2, 5, 4, 1, 2, 6, 3], [20, 1, 2, 18, 3, 1, 2, 9])
-    plan = plan_micro_batches(lengths, 48, packed)
+    plan = micro_batches_by_tokens(lengths, 48, packed)
     assert sorted(i for mb in plan for i in mb) == list(range(8))
     p, r = lengths.prompt.tolist(), lengths.response.tolist()
     for mb in plan:
@@ -66,12 +66,12 @@ def test_plan_respects_the_budget_and_places_every_row_once(packed):
 
 def test_one_row_over_the_budget_is_an_error_naming_the_fix():
     with pytest.raises(ValueError, match=r"row 1 has 9 prompt \+ 30 response tokens, more than the token budget 32"):
-        plan_micro_batches(lengths_of([2, 9], [3, 30]), 32, False)
+        micro_batches_by_tokens(lengths_of([2, 9], [3, 30]), 32, False)
 
 
 def test_split_to_count_halves_the_costliest_micro_batch():
     lengths = lengths_of([1] * 6, [9, 9, 1, 1, 1, 1])
-    plan = plan_micro_batches(lengths, 40, False)  # 4 rows x (1 + 9) = 40 fill the first
+    plan = micro_batches_by_tokens(lengths, 40, False)  # 4 rows x (1 + 9) = 40 fill the first
     assert plan == [[0, 1, 2, 3], [4, 5]]
     assert split_to_count(plan, 3, lengths, False) == [[0, 1], [2, 3], [4, 5]]
     assert split_to_count(plan, 6, lengths, False) == [[0], [1], [2], [3], [4], [5]]
@@ -239,8 +239,8 @@ def test_padded_fraction_drops_by_a_third_on_long_tailed_lengths():
     pad_fixed, fed_fixed = padded_tokens(lengths, fixed)
     real = sum(prompt) + sum(response)
     whole_width = n * (max(prompt) + max(response))  # today: every micro-batch as wide as the step's longest row
-    budget = next(b for b in range(cap + 60, 100 * cap) if len(plan_micro_batches(lengths, b, False)) <= n // micro)
-    dynamic = split_to_count(plan_micro_batches(lengths, budget, False), n // micro, lengths, False)
+    budget = next(b for b in range(cap + 60, 100 * cap) if len(micro_batches_by_tokens(lengths, b, False)) <= n // micro)
+    dynamic = split_to_count(micro_batches_by_tokens(lengths, budget, False), n // micro, lengths, False)
     pad_dynamic, fed_dynamic = padded_tokens(lengths, dynamic)
     frac = {"whole_width": 1 - real / whole_width, "fixed": pad_fixed / fed_fixed, "dynamic": pad_dynamic / fed_dynamic}
     print(f"padded-token fraction: {frac} (budget {budget} tokens, {len(dynamic)} micro-batches)")
@@ -263,7 +263,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     budget = TokenBudget(64, agree=functools.partial(max_over, group=dist.group.WORLD, device=CPU))
     lengths = lengths_of([4] * 4, [3, 2, 4, 1] if rank == 0 else [50, 40, 45, 30])
-    alone = len(plan_micro_batches(lengths, 64, False))
+    alone = len(micro_batches_by_tokens(lengths, 64, False))
     parts = budget.split(lengths)
     (outdir / f"rank{rank}.json").write_text(json.dumps({"alone": alone, "parts": [p.tolist() for p in parts]}))
     dist.destroy_process_group()

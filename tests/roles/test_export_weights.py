@@ -69,7 +69,7 @@ def _case(kind: str, stage: int, rank: int, outdir: Path) -> dict:
     from rlrun.roles.export import save_causal_lm, save_scalar_model
     from rlrun.roles.export import NonFiniteWeights
     from rlrun.roles.update import make_optimizer
-    from rlrun.strategies.base import Part
+    from rlrun.strategies.base import SleepUnit
 
     tokenizer = build_byte_tokenizer()
     out: dict = {}
@@ -85,7 +85,7 @@ def _case(kind: str, stage: int, rank: int, outdir: Path) -> dict:
             if SLEEPS[kind, stage]:
                 s.sleep(model, opt)
                 save_causal_lm(model, tokenizer, str(where / "asleep"), is_writer=rank == 0, strategy=s)
-                out["still_asleep"] = s.asleep(model) == frozenset(Part)
+                out["still_asleep"] = s.asleep(model) == frozenset(SleepUnit)
                 s.wake(model, opt)
             with torch.no_grad():  # one NaN in rank 1's part of the last layer's down projection
                 module = model.module if hasattr(model, "module") else model
@@ -218,21 +218,21 @@ def test_the_plan_names_what_save_pretrained_saves_and_splits_fused_experts(tmp_
     slice of its layer's fused tensor, as save_pretrained splits them."""
     from transformers import Qwen3MoeForCausalLM
 
-    from rlrun.roles.export import Piece, plan_weights
+    from rlrun.roles.export import Piece, export_sources
 
     tied = build_causal_lm(_tied_config(), seed=0)
-    plan = plan_weights(tied, _shapes(tied), as_transformers=True)
+    plan = export_sources(tied, _shapes(tied), as_transformers=True)
     assert plan is not None and "lm_head.weight" not in plan.sources
     assert plan.sources["model.embed_tokens.weight"] == "model.embed_tokens.weight"
     assert set(plan.sources) == set(tied.state_dict()) - {"lm_head.weight"}
     assert plan.layout.index is None and plan.layout.name == "model.safetensors"
     tied._keys_to_ignore_on_save = ["model.norm.weight"]
-    assert "model.norm.weight" not in plan_weights(tied, _shapes(tied), as_transformers=True).sources
-    critic = plan_weights(tied, _shapes(tied), as_transformers=False, saved_name=lambda n: "x." + n)
+    assert "model.norm.weight" not in export_sources(tied, _shapes(tied), as_transformers=True).sources
+    critic = export_sources(tied, _shapes(tied), as_transformers=False, saved_name=lambda n: "x." + n)
     assert critic.sources["x.lm_head.weight"] == critic.sources["x.model.embed_tokens.weight"] == "model.embed_tokens.weight"
 
     moe = Qwen3MoeForCausalLM(_moe_config())
-    plan = plan_weights(moe, _shapes(moe), as_transformers=True)
+    plan = export_sources(moe, _shapes(moe), as_transformers=True)
     fused = "model.layers.1.mlp.experts.gate_up_proj"
     assert plan.sources["model.layers.1.mlp.experts.3.up_proj.weight"] == fused
     assert plan.pieces["model.layers.1.mlp.experts.3.up_proj.weight"] == Piece(3, 8, 16)  # [E, 2I, H], I = 8
@@ -240,7 +240,7 @@ def test_the_plan_names_what_save_pretrained_saves_and_splits_fused_experts(tmp_
     assert plan.layout.places["model.layers.1.mlp.experts.0.down_proj.weight"].spec.shape == (16, 8)
     moe.save_pretrained(tmp_path)
     assert set(plan.sources) == set(_tensors(tmp_path))
-    assert plan_weights(moe, _shapes(moe), as_transformers=False).pieces == {}
+    assert export_sources(moe, _shapes(moe), as_transformers=False).pieces == {}
 
 
 if __name__ == "__main__":

@@ -74,5 +74,5 @@ def test_the_stored_config_holds_no_secret():
     text = json.dumps(redacted(config))
     assert SECRET not in text and "0123456789abcdef" not in text
     stored = redacted(config)
-    assert stored["model"]["remote_rm_url"] == "http://<redacted>@rm:5000/reward?<redacted>"
+    assert stored["reward"]["remote_rm_url"] == "http://<redacted>@rm:5000/reward?<redacted>"
     assert stored["logging"]["use_wandb"] == MASK

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from helpers import run_rlrun
 from rlrun.checkpoint import store as ckpt
 from rlrun.config.tree import Config
-from rlrun.plan.plan import plan
+from rlrun.plan.plan import lay_out
 from rlrun.runtime.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -131,14 +131,14 @@ def test_zero3_refusal_names_the_role_its_ranks_and_the_alternative():
     cfg.resources.actor_num_gpus_per_node = 2
     cfg.resources.critic_num_gpus_per_node = 2
     with pytest.raises(ConfigError) as err:
-        plan(cfg, world_size=4, ranks_per_node=4)
+        lay_out(cfg, world_size=4, ranks_per_node=4)
     text = str(err.value)
     assert "\n" not in text
     assert "(actor: ranks 0-1) to span all 4 ranks" in text
     assert "stage3.py:914" in text and "--strategy fsdp --zero_stage 3" in text
     cfg.resources.actor_num_gpus_per_node = cfg.resources.critic_num_gpus_per_node = None
     cfg.resources.colocate_all_models = True  # every role on every rank: ZeRO-3 plans
-    plan(cfg, world_size=4, ranks_per_node=4)
+    lay_out(cfg, world_size=4, ranks_per_node=4)
 
 
 ZERO3 = ["--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--colocate_all_models", "--strategy", "deepspeed",

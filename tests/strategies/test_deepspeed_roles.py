@@ -118,7 +118,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     from rlrun.launch.groups import solo_group  # noqa: PLC0415
 
     solo = solo_group(120)
-    from rlrun.strategies.deepspeed import DeepSpeedStrategy  # noqa: PLC0415 - after the audit is in place
+    from rlrun.strategies.deepspeed import DeepSpeedStrategy, DSSettings  # noqa: PLC0415 - after the audit is in place
 
     role = "actor" if rank in ROLES["actor"]["ranks"] else "critic"
     spec = ROLES[role]
@@ -126,9 +126,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     cfg = tiny_model_config()
 
     def engine(stage: int, grp, micro: int, seed: int):
-        strategy = DeepSpeedStrategy(grp, torch.device("cpu"), bf16=False, zero_stage=stage, offload=False,
-                                     gradient_checkpointing=False, micro_batch=micro, max_norm=MAX_NORM,
-                                     solo_group=solo)
+        strategy = DeepSpeedStrategy(grp, torch.device("cpu"), DSSettings(stage, False, False, micro, MAX_NORM), gradient_checkpointing=False, solo_group=solo)
         model, opt = strategy.wrap_trainable(build_causal_lm(cfg, seed=seed), _adamw)
         upd = _updater(model, strategy, opt, micro, dist.get_rank(grp), dist.get_world_size(grp),
                        strategy.step_ops(model))

@@ -75,11 +75,10 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     from rlrun.launch.groups import solo_group  # noqa: PLC0415
 
     solo = solo_group(120)
-    from rlrun.strategies.deepspeed import DeepSpeedStrategy  # noqa: PLC0415
+    from rlrun.strategies.deepspeed import DeepSpeedStrategy, DSSettings  # noqa: PLC0415
 
     def strategy(stage: int, grp, micro: int) -> DeepSpeedStrategy:
-        return DeepSpeedStrategy(grp, torch.device("cpu"), bf16=False, zero_stage=stage, offload=False,
-                                 gradient_checkpointing=False, micro_batch=micro, max_norm=MAX_NORM, solo_group=solo)
+        return DeepSpeedStrategy(grp, torch.device("cpu"), DSSettings(stage, False, False, micro, MAX_NORM), gradient_checkpointing=False, solo_group=solo)
 
     def engine(stage: int, grp, micro: int, model: torch.nn.Module):
         s = strategy(stage, grp, micro)

@@ -91,7 +91,7 @@ def _case(kind: str, stage: int, rank: int, world: int, outdir: Path) -> dict:
     import torch.distributed as dist
 
     from rlrun.runtime.errors import RlrunError
-    from rlrun.strategies.base import Part
+    from rlrun.strategies.base import SleepUnit
 
     group, cpu = dist.group.WORLD, torch.device("cpu")
     from rlrun.launch.groups import solo_group
@@ -103,10 +103,9 @@ def _case(kind: str, stage: int, rank: int, world: int, outdir: Path) -> dict:
             from rlrun.strategies.fsdp import FSDPStrategy
 
             return FSDPStrategy(group, cpu, bf16=False, zero_stage=stage, offload=False, gradient_checkpointing=False)
-        from rlrun.strategies.deepspeed import DeepSpeedStrategy
+        from rlrun.strategies.deepspeed import DeepSpeedStrategy, DSSettings
 
-        return DeepSpeedStrategy(group, cpu, bf16=False, zero_stage=stage, offload=False, gradient_checkpointing=False,
-                                 micro_batch=2, max_norm=1.0, solo_group=solo)
+        return DeepSpeedStrategy(group, cpu, DSSettings(stage, False, False, 2, 1.0), gradient_checkpointing=False, solo_group=solo)
 
     def trained():
         s = strategy()
@@ -138,22 +137,22 @@ def _case(kind: str, stage: int, rank: int, world: int, outdir: Path) -> dict:
         except RlrunError as err:
             assert "asleep" in str(err)
     s.save_state(model, opt, str(outdir / f"{kind}{stage}"))  # collective: every rank of the role is asleep alike
-    assert s.asleep(model) == frozenset(Part) and set(_held(model, opt).values()) == {0}
+    assert s.asleep(model) == frozenset(SleepUnit) and set(_held(model, opt).values()) == {0}
     exported = s.full_state_dict(model)  # the final export's path: parameters woken meanwhile, then asleep again
-    assert s.asleep(model) == frozenset(Part) and set(_held(model, opt).values()) == {0}
+    assert s.asleep(model) == frozenset(SleepUnit) and set(_held(model, opt).values()) == {0}
     assert s.wake(model, opt) == moved
     awake_export = s.full_state_dict(model)
     assert exported.keys() == awake_export.keys() and (rank > 0 or exported)
     assert all(torch.equal(exported[k], awake_export[k]) for k in exported)
     assert all(torch.equal(a, b) for a, b in zip(_snapshot(model, opt), before)), (kind, stage)
     assert _held(model, opt) == awake
-    for parts in ({Part.STATES}, {Part.PARAMS}, set(Part)):
+    for parts in ({SleepUnit.STATES}, {SleepUnit.PARAMS}, set(SleepUnit)):
         s.sleep(model, opt, frozenset(parts))
-        if Part.PARAMS not in parts:  # a scoring forward while the optimizer state sleeps
+        if SleepUnit.PARAMS not in parts:  # a scoring forward while the optimizer state sleeps
             with torch.no_grad():
                 model(input_ids=TOKENS[:2], use_cache=False)
         s.wake(model, opt, frozenset(parts))
-        if parts == {Part.PARAMS}:
+        if parts == {SleepUnit.PARAMS}:
             norms.append(upd.run([torch.arange(8)], MASK, loss_of(model))["grad_norm"])
             twin_norms.append(twin_upd.run([torch.arange(8)], MASK, loss_of(twin))["grad_norm"])
     norms.append(upd.run([torch.arange(8)], MASK, loss_of(model))["grad_norm"])

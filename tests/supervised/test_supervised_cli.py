@@ -60,7 +60,7 @@ def test_openrlhf_flags_rlrun_does_not_act_on_are_reported() -> None:
 
 
 def test_sft_takes_the_moe_aux_loss_in_both_spellings_and_refuses_it_on_a_dense_policy() -> None:
-    from rlrun.sft import _check_aux
+    from rlrun.plan.plan import check_sft_aux_loss as _check_aux
 
     for argv in (["--aux_loss_coef", "0.01"], ["--model.aux_loss_coef", "0.01"]):
         parsed = parse_args(argv, SFT_CLI)

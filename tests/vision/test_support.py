@@ -60,6 +60,6 @@ def test_what_a_vlm_run_does_not_do_yet_is_refused_by_name(model, flags, named):
     cfg = parse_args(["--pretrain", model, "--remote_rm_url", "demo", "--advantage_estimator", "group_norm",
                       *flags]).config
     if "--reward_pretrain" in flags:  # a reward model scores (no reward function)
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remote_rm_url=None))
+        cfg = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, remote_rm_url=None))
     with pytest.raises(ConfigError, match=rf"is a vision-language model, and rlrun does not yet run it with {named}"):
         check_vision_run(cfg)

@@ -63,7 +63,8 @@ def test_preprocessing_expands_each_image_token_by_its_grid(vlm):
 
 def _batch(vlm, rows: int = 4, new_tokens: int = 10):
     from rlrun.data.rollout import pack_rows, unpack_rows
-    from rlrun.engines.base import HFEngine, SamplingSettings
+    from rlrun.engines.hf import HFEngine
+    from rlrun.engines.protocol import SamplingSettings
 
     _, config, tokenizer, model, images = vlm
     prompts = []

@@ -25,7 +25,7 @@ from rlrun.agents.loader import load_agent_file
 from rlrun.config.agent import AgentConfig
 from rlrun.config.generation import GenerationConfig
 from rlrun.data.batching import derive_seed
-from rlrun.engines.base import Generation
+from rlrun.engines.protocol import Generation
 from rlrun.runtime.errors import AgentError
 
 

@@ -10,8 +10,12 @@ Each loss follows the formula of verl 0.10's `verl/trainer/ppo/core_algos.py` (r
 paper, written from the math (tests/algo/test_policy_losses.py checks hand-computed cases):
 
 - ppo (verl `vanilla`): clipped ratio, optional dual clip (Schulman 2017; Ye 2020).
-- gspo: one ratio per sequence, exp(token-mean log-ratio) (Zheng 2025); OpenRLHF's PolicyLoss form, whose values and
-  gradients equal verl's.
+- gspo: one ratio per sequence, exp(token-mean log-ratio), the gradient through the sequence's mean (Zheng 2025):
+  OpenRLHF's PolicyLoss form (--policy_loss_type gspo).
+- gspo_token: verl's gspo (what verl's loss_mode=gspo maps to): the same value, but each token's loss is its own
+  advantage times the sequence ratio whose gradient reaches only that token's log-prob (the paper's GSPO-token), the
+  log-ratio clamped at 10 above, no dual clip. The two differ in their gradients when advantages vary within a
+  sequence (KL in the reward, token-level weights).
 - cispo: REINFORCE weighted by the clipped, detached ratio; no token loses its gradient (MiniMax-M1, 2025).
 - sapo: a smooth sigmoid gate sigma(tau (r - 1)) 4 / tau instead of the clip, tau by the advantage's sign (Qwen 2025).
 - gpg: plain -A log pi (GPG, Chu 2025); with rollout weights it is also verl's bypass-mode "reinforce".
@@ -45,7 +49,7 @@ from rlrun.algo.algorithms import check_choice, masked_mean
 from rlrun.algo.losses import LossAggMode, aggregate_loss
 
 PolicyLossType = Literal[
-    "ppo", "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro"
+    "ppo", "gspo", "gspo_token", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro"
 ]
 POLICY_LOSS_TYPES: tuple[str, ...] = get_args(PolicyLossType)
 
@@ -143,6 +147,21 @@ def _gspo(x: _Inputs) -> _PerToken:
     unclipped, clipped, per_token = _clipped_surrogate(x, ratio)
     stats = {**_clip_stats(x, ratio, unclipped, clipped), **_base_stats(x, ratio)}
     return _PerToken(_dual_clipped(x, per_token, stats), stats, agg="seq-mean-token-mean")
+
+
+# verl's gspo clamps each token's log-ratio at this before exp() (core_algos.compute_policy_loss_gspo)
+GSPO_TOKEN_MAX_LOG_RATIO = 10.0
+
+
+def _gspo_token(x: _Inputs) -> _PerToken:
+    # verl's gspo: log s_i,t = log pi_t - sg(log pi_t) + sg(mean_t log-ratio): the value is the sequence's ratio, the
+    # gradient each token's own; every token keeps its own advantage. No dual clip (verl's gspo has none).
+    seq = masked_mean(x.log_probs - x.old_log_probs, x.mask, dim=-1).detach()
+    log_ratio = x.log_probs - x.log_probs.detach() + seq.unsqueeze(-1)
+    ratio = log_ratio.clamp(-MAX_LOG_RATIO, GSPO_TOKEN_MAX_LOG_RATIO).exp()
+    unclipped, clipped, per_token = _clipped_surrogate(x, ratio)
+    stats = {**_clip_stats(x, ratio, unclipped, clipped), **_base_stats(x, ratio)}
+    return _PerToken(per_token, stats, agg="seq-mean-token-mean")
 
 
 def _cispo(x: _Inputs) -> _PerToken:
@@ -262,6 +281,7 @@ def _dro(x: _Inputs) -> _PerToken:
 _LOSSES: dict[str, Callable[[_Inputs], _PerToken]] = {
     "ppo": _ppo,
     "gspo": _gspo,
+    "gspo_token": _gspo_token,
     "cispo": _cispo,
     "sapo": _sapo,
     "gpg": _gpg,

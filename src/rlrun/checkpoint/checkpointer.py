@@ -24,6 +24,7 @@ from torch import nn
 from rlrun.checkpoint import store
 from rlrun.checkpoint.collective import restore_newest, save_checkpoint, write_parts
 from rlrun.checkpoint.resume import check_resume, run_record
+from rlrun.config.checkpoint import SavingConfig
 from rlrun.runtime.log import get_logger
 
 STATE_FILE = "trainer_state.json"
@@ -93,33 +94,45 @@ class Identity:
     what: str = "policy"  # the model, in the words of a mismatch message
 
 
+@dataclass(frozen=True)
+class Contents:
+    """What one rank's checkpoints hold: the loop's state (`state`, a torch Stateful; rank 0 writes it), this rank's
+    pieces (`parts`), what the checkpoint says of the run (`identity`), and the trained models (the bulk, named in a
+    disk-full message)."""
+
+    identity: Identity
+    state: Stateful
+    parts: Sequence[Part]
+    trained: Sequence[nn.Module] = ()
+
+
 class Checkpointer:
-    """Saves and restores one rank's parts of a run's checkpoints under `root` (collective over `group`, every
-    rank). `config`: the redacted config tree, stored with every checkpoint and compared on resume."""
+    """Saves and restores one rank's parts of a run's checkpoints under --ckpt_path (collective over `group`, every
+    rank of the `world_size`; each wait bounded by `timeout_s`). `config`: the redacted config tree, stored with
+    every checkpoint and compared on resume."""
 
     def __init__(
         self,
-        root: str,
+        saving: SavingConfig,
+        contents: Contents,
         *,
-        identity: Identity,
-        state: Stateful,
-        parts: Sequence[Part],
         config: dict[str, Any],
         run_id: str,
         world_size: int,
-        save_steps: int,
-        keep: int,
-        overwrite: bool,
         group: torch.distributed.ProcessGroup,
         device: torch.device,
         timeout_s: float,
-        trained: Sequence[nn.Module] = (),
     ) -> None:
-        self.root, self.identity, self.state, self.parts = root, identity, state, list(parts)
+        self.root, self.identity, self.state = saving.ckpt_path, contents.identity, contents.state
+        self.parts = list(contents.parts)
         self.config, self.run_id, self.world_size = config, run_id, world_size
-        self.save_steps, self.keep, self.overwrite = save_steps, keep, overwrite
+        self.save_steps, self.keep, self.overwrite = (
+            saving.save_steps,
+            saving.max_ckpt_num,
+            saving.overwrite_checkpoints,
+        )
         self.group, self.device, self.timeout_s = group, device, timeout_s
-        self.trained = list(trained)  # this rank's trained models: the checkpoint's bulk, for a disk-full message
+        self.trained = list(contents.trained)  # this rank's trained models: the checkpoint's bulk
         self.rank = torch.distributed.get_rank()
         self.log = get_logger(self.rank)
         self._saved_world_size = world_size  # the resumed checkpoint's, once found

@@ -2,10 +2,10 @@
 
 The checkpoint is read by rlrun.compat.openrlhf_checkpoint (HF-named fp32 weights). `apply_weights` copies such
 weights into a (possibly FSDP2- or DeepSpeed-wrapped) HF model after checking every name and shape. Two ways in:
-- `rlrun.ppo --load_openrlhf_checkpoint ROOT` (rlrun.compat.openrlhf_checkpoint: `plan_init` on every rank before the
-  first collective, then `init_from_openrlhf` after the roles are built): every actor/critic rank reads the files
-  itself and writes the full weights into its FSDP2 shard / DeepSpeed ZeRO-0/1/2 partition; no collective, no temp
-  files.
+- `rlrun.ppo --load_openrlhf_checkpoint ROOT` (rlrun.compat.openrlhf_checkpoint: `read_openrlhf_init` on every rank
+  before the first collective, then `init_from_openrlhf` after the roles are built): every actor/critic rank reads the
+  files itself and writes the full weights into its FSDP2 shard / DeepSpeed ZeRO-0/1/2 partition; no collective, no
+  temp files.
 - `python -m rlrun.compat.openrlhf_checkpoint ROOT OUT --pretrain HF_DIR [--critic_pretrain DIR] [--tag T]`
   (`convert`) writes `OUT/actor` and `OUT/critic` (HF directories for `--pretrain` / `--critic_pretrain`) and
   `OUT/openrlhf_state.json`.
@@ -57,8 +57,8 @@ if TYPE_CHECKING:  # transformers is imported where a conversion needs it
 # --load_openrlhf_checkpoint ROOT`) and rlrun.compat.openrlhf_checkpoint (writing the weights into HF models, and
 # the offline converter `python -m rlrun.compat.openrlhf_checkpoint`).
 
-Part = Literal["actor", "critic"]
-PART_DIRS: dict[Part, str] = {"actor": "_actor", "critic": "_critic"}
+TrainedRole = Literal["actor", "critic"]
+PART_DIRS: dict[TrainedRole, str] = {"actor": "_actor", "critic": "_critic"}
 LATEST = "latest"
 OPTIMIZER_NOTE = (
     "Adam moments are not read: rlrun starts a fresh optimizer and learning-rate schedule. (DeepSpeed keeps "
@@ -139,7 +139,7 @@ class OpenRLHFCheckpoint:
 # ---- locating the tag ---------------------------------------------------------------------------------------
 
 
-def part_dir(root: str, part: Part) -> str:
+def part_dir(root: str, part: TrainedRole) -> str:
     return os.path.join(root, PART_DIRS[part])
 
 
@@ -539,14 +539,14 @@ if __name__ == "__main__":
 # ---- starting a run from one -------------------------------------------------------------------------------------
 # `rlrun.ppo --load_openrlhf_checkpoint ROOT`: start the actor (and critic) from an OpenRLHF DeepSpeed checkpoint.
 #
-# `plan_init` runs on every rank before the first collective (cheap checks of the layout, rlrun.compat.
+# `read_openrlhf_init` runs on every rank before the first collective (cheap checks of the layout, rlrun.compat.
 # openrlhf_reader reads it); `init_from_openrlhf` runs after the roles are built: every actor/critic rank
 # reads the files itself and writes the full weights into its FSDP2 shard / DeepSpeed ZeRO-0/1/2 partition; no
 # collective, no temp files.
 
 
 @dataclass(frozen=True)
-class InitPlan:
+class OpenRLHFInit:
     """What --load_openrlhf_checkpoint will read, checked on every rank before the first collective."""
 
     root: str
@@ -559,7 +559,7 @@ class InitPlan:
         return int(client_state_of(self.actor).get("global_step", 0))
 
 
-def plan_init(root: str, *, run_has_critic: bool) -> InitPlan:
+def read_openrlhf_init(root: str, *, run_has_critic: bool) -> OpenRLHFInit:
     """Resolve the tag and check every file is there (reads only rank 0's model-states file, memory-mapped)."""
     try:
         tag = resolve_tag(os.path.abspath(root), None, name_tag=f"write the tag to use into {root}/_actor/latest")
@@ -578,7 +578,7 @@ def plan_init(root: str, *, run_has_critic: bool) -> InitPlan:
                 "at a tag they share"
             )
         critic = inspect_tag(tag_dir)
-    return InitPlan(root, tag, actor, critic)
+    return OpenRLHFInit(root, tag, actor, critic)
 
 
 def _lazy_weights(part: str, tag: str, files: TagFiles) -> dict[str, Any]:
@@ -604,7 +604,7 @@ def hf_module_of(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(inner, "hf", inner)  # type: ignore[arg-type]  # a DeepSpeed engine's .module is a Module
 
 
-def init_from_openrlhf(plan: InitPlan, actor: torch.nn.Module | None, critic: torch.nn.Module | None) -> str:
+def init_from_openrlhf(plan: OpenRLHFInit, actor: torch.nn.Module | None, critic: torch.nn.Module | None) -> str:
     """Overwrite the wrapped actor's (and critic's) weights with the checkpoint's; every rank of the role reads
     the files itself (no collective). Returns a line for the log."""
     if actor is not None:

@@ -4,7 +4,7 @@ Each key in ``VERL_KEYS`` means, with verl's semantics (verl 0.9 ``trainer/confi
 Search-R1's fork of it), one of:
 
 - ``To(field, convert)``: the rlrun field, the value converted (verl's enum names -> rlrun's);
-- ``Part(group)``: one input of a rule over several keys (verl_overrides' ``_kl``, ``_batch``, ...), e.g. verl's
+- ``GroupInput(group)``: one input of a rule over several keys (verl_overrides' ``_kl``, ``_batch``, ...), e.g. verl's
   mini batch counts prompts, so ``train_batch_size = ppo_mini_batch_size * rollout.n``;
 - ``Expand(rule)``: one key setting several fields (``trainer.logger``);
 - ``Skip(reason)``: accepted and reported as ignored; ``Reject(fix)``: a ConfigError with the fix.
@@ -35,7 +35,7 @@ class To:
 
 
 @dataclass(frozen=True)
-class Part:
+class GroupInput:
     group: Group
 
 
@@ -56,7 +56,7 @@ class Reject:
     fix: str
 
 
-Meaning = To | Part | Expand | Skip | Reject
+Meaning = To | GroupInput | Expand | Skip | Reject
 
 FORMAT_REWARD = (
     "Search-R1's format-reward variant (qa_em_format) is " + NOT_YET + "; rlrun's Search-R1 agent scores exact match"
@@ -171,7 +171,8 @@ FULLY_ASYNC = "verl's fully-async trainer setting; rlrun's --partial_rollout "
 # verl's registered policy losses (core_algos.py @register_policy_loss) -> --policy_loss_type
 LOSS_MODES = {
     "vanilla": "ppo",
-    **{name: name for name in ("gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv")},
+    "gspo": "gspo_token",  # verl's form: each token's own advantage and gradient (rlrun's gspo is OpenRLHF's)
+    **{name: name for name in ("sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv")},
     **{name: name for name in ("dppo_kl", "dro")},
 }
 _loss_mode = _choice(
@@ -206,13 +207,13 @@ REF = "actor_rollout_ref.ref."
 
 VERL_KEYS: dict[str, Meaning] = {
     # data
-    "data.train_files": Part("data"),
+    "data.train_files": GroupInput("data"),
     "data.val_files": To("eval_dataset", source_list),
-    "data.prompt_key": Part("data"),
+    "data.prompt_key": GroupInput("data"),
     "data.train_batch_size": To("rollout_batch_size"),  # prompts per step
     "data.val_batch_size": Skip("rlrun evaluates the whole eval set each time"),
-    "data.max_prompt_length": Part("turns"),
-    "data.max_response_length": Part("turns"),
+    "data.max_prompt_length": GroupInput("turns"),
+    "data.max_response_length": GroupInput("turns"),
     "data.filter_overlong_prompts": To("prompt_overflow", _overflow),
     "data.truncation": Skip(
         "rlrun drops overlong prompts (data.filter_overlong_prompts=True) or keeps their last tokens"
@@ -222,14 +223,14 @@ VERL_KEYS: dict[str, Meaning] = {
     "data.seed": Skip("rlrun seeds the prompt order with --seed"),
     "data.train_data_num": To("max_samples"),  # Search-R1: cap on training prompts (null: all)
     "data.val_data_num": Skip(NOT_YET),
-    "data.max_start_length": Part("turns"),
-    "data.max_obs_length": Part("turns"),
+    "data.max_start_length": GroupInput("turns"),
+    "data.max_obs_length": GroupInput("turns"),
     "data.return_raw_chat": Skip("rlrun keeps the raw prompt text for the reward anyway"),
     "data.return_raw_input_ids": Skip("rlrun keeps the raw prompt text for the reward anyway"),
     "data.tokenizer": Skip("rlrun uses the policy's tokenizer"),
     "data.trust_remote_code": Skip(NOT_YET),
     "data.image_key": To("image_key"),
-    "data.reward_fn_key": Part("data"),
+    "data.reward_fn_key": GroupInput("data"),
     "data.apply_chat_template_kwargs": To("apply_chat_template_kwargs"),
     "data.dataloader_num_workers": Skip("rlrun reads the prompt file once, in each process"),
     "data.filter_overlong_prompts_workers": Skip("rlrun reads the prompt file once, in each process"),
@@ -242,10 +243,10 @@ VERL_KEYS: dict[str, Meaning] = {
     "actor_rollout_ref.model.use_shm": Skip(SHM),
     "actor_rollout_ref.model.external_lib": Skip(NOT_YET),
     # LoRA (verl's FSDP workers, PEFT): one rule, as rlrun has one adapter setting for actor and critic
-    "actor_rollout_ref.model.lora_rank": Part("lora"),
-    "actor_rollout_ref.model.lora_alpha": Part("lora"),
-    "actor_rollout_ref.model.target_modules": Part("lora"),
-    "actor_rollout_ref.model.exclude_modules": Part("lora"),
+    "actor_rollout_ref.model.lora_rank": GroupInput("lora"),
+    "actor_rollout_ref.model.lora_alpha": GroupInput("lora"),
+    "actor_rollout_ref.model.target_modules": GroupInput("lora"),
+    "actor_rollout_ref.model.exclude_modules": GroupInput("lora"),
     "actor_rollout_ref.model.lora_adapter_path": Reject(ADAPTER_PATH),
     "actor_rollout_ref.hybrid_engine": Skip(
         "rlrun places engines by --vllm_num_engines (unset: on the actor's ranks, like verl's hybrid engine)"
@@ -259,14 +260,14 @@ VERL_KEYS: dict[str, Meaning] = {
     "critic.model.trust_remote_code": Skip(NOT_YET),
     "critic.model.tokenizer_path": Skip("rlrun uses the policy's tokenizer"),
     "critic.model.use_shm": Skip(SHM),
-    "critic.model.lora_rank": Part("lora"),
-    "critic.model.lora_alpha": Part("lora"),
-    "critic.model.target_modules": Part("lora"),
+    "critic.model.lora_rank": GroupInput("lora"),
+    "critic.model.lora_alpha": GroupInput("lora"),
+    "critic.model.target_modules": GroupInput("lora"),
     "critic.model.lora_adapter_path": Reject(
         "rlrun starts the critic from a model directory (critic.model.path), not from a saved LoRA adapter"
     ),
-    "reward_model.enable": Part("data"),
-    "reward_model.model.path": Part("data"),
+    "reward_model.enable": GroupInput("data"),
+    "reward_model.model.path": GroupInput("data"),
     "reward_model.micro_batch_size": Skip(ONE_MICRO),
     "reward_model.micro_batch_size_per_gpu": Skip(ONE_MICRO),
     "reward_model.reward_manager": Skip(
@@ -277,8 +278,8 @@ VERL_KEYS: dict[str, Meaning] = {
     "reward_model.structure_format_score": Skip(FORMAT_REWARD),
     "reward_model.final_format_score": Skip(FORMAT_REWARD),
     "reward_model.retrieval_score": Skip(FORMAT_REWARD),
-    "custom_reward_function.path": Part("data"),
-    "custom_reward_function.name": Part("data"),
+    "custom_reward_function.path": GroupInput("data"),
+    "custom_reward_function.name": GroupInput("data"),
     # actor optimisation
     A + "optim.lr": To("actor_learning_rate"),
     A + "optim.lr_warmup_steps_ratio": To("lr_warmup_ratio"),
@@ -296,19 +297,19 @@ VERL_KEYS: dict[str, Meaning] = {
     A + "optim.total_training_steps": Skip("verl fills it in at run time"),
     A + "grad_clip": To("max_norm"),
     A + "ppo_epochs": To("max_epochs"),
-    A + "ppo_mini_batch_size": Part("batch"),
-    A + "ppo_micro_batch_size": Part("micro"),
+    A + "ppo_mini_batch_size": GroupInput("batch"),
+    A + "ppo_micro_batch_size": GroupInput("micro"),
     A + "ppo_micro_batch_size_per_gpu": To("micro_train_batch_size"),
-    A + "clip_ratio": Part("clip"),
-    A + "clip_ratio_low": Part("clip"),
-    A + "clip_ratio_high": Part("clip"),
+    A + "clip_ratio": GroupInput("clip"),
+    A + "clip_ratio_low": GroupInput("clip"),
+    A + "clip_ratio_high": GroupInput("clip"),
     A + "clip_ratio_c": To("dual_clip"),
     A + "entropy_coeff": To("entropy_loss_coef"),
     A + "policy_loss.loss_mode": To("policy_loss_type", _loss_mode),
     A + "router_replay.mode": To("router_replay", _router_replay),
     A + "policy_loss.clip_cov_ratio": To("clip_cov_ratio"),
-    A + "policy_loss.clip_cov_lb": Part("cov"),
-    A + "policy_loss.clip_cov_ub": Part("cov"),
+    A + "policy_loss.clip_cov_lb": GroupInput("cov"),
+    A + "policy_loss.clip_cov_ub": GroupInput("cov"),
     A + "policy_loss.kl_cov_ratio": To("kl_cov_ratio"),
     A + "policy_loss.ppo_kl_coef": To("kl_cov_coef"),
     A + "policy_loss.dro_beta": To("dro_beta"),
@@ -327,13 +328,13 @@ VERL_KEYS: dict[str, Meaning] = {
     A + "tau_pos": To("sapo_tau_pos"),
     A + "tau_neg": To("sapo_tau_neg"),
     A + "loss_agg_mode": To("loss_agg_mode"),
-    A + "use_kl_loss": Part("kl"),
-    A + "kl_loss_coef": Part("kl"),
-    A + "kl_loss_type": Part("kl"),
+    A + "use_kl_loss": GroupInput("kl"),
+    A + "kl_loss_coef": GroupInput("kl"),
+    A + "kl_loss_type": GroupInput("kl"),
     A + "use_dynamic_bsz": To("dynamic_batch", as_bool),
     A + "ppo_max_token_len_per_gpu": To("train_max_tokens_per_gpu"),
-    A + "ulysses_sequence_parallel_size": Part("sp"),
-    A + "fsdp_config.ulysses_sequence_parallel_size": Part("sp"),
+    A + "ulysses_sequence_parallel_size": GroupInput("sp"),
+    A + "fsdp_config.ulysses_sequence_parallel_size": GroupInput("sp"),
     A + "use_torch_compile": Skip(NOT_YET),
     A + "strategy": Skip(FSDP2),
     A + "shuffle": Skip("rlrun always shuffles each rollout batch, seeded by --seed"),
@@ -344,14 +345,14 @@ VERL_KEYS: dict[str, Meaning] = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": Skip(ONE_MICRO),
     "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": Skip(ONE_SWITCH),
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": Skip(ONE_SCORING_BUDGET),
-    REF + "ulysses_sequence_parallel_size": Part("sp"),
-    REF + "fsdp_config.ulysses_sequence_parallel_size": Part("sp"),
+    REF + "ulysses_sequence_parallel_size": GroupInput("sp"),
+    REF + "fsdp_config.ulysses_sequence_parallel_size": GroupInput("sp"),
     "actor_rollout_ref.ref.use_torch_compile": Skip(NOT_YET),
     "actor_rollout_ref.ref.strategy": Skip(FSDP2),
     # rollout
     R + "name": To("generation_backend", _backend),
-    R + "n": Part("batch"),
-    R + "n_agent": Part("batch"),  # Search-R1: the batch is repeated n_agent times before generation
+    R + "n": GroupInput("batch"),
+    R + "n_agent": GroupInput("batch"),  # Search-R1: the batch is repeated n_agent times before generation
     R + "temperature": To("temperature"),
     R + "top_p": To("top_p"),
     R + "top_k": Skip("rlrun samples without top-k"),
@@ -364,7 +365,7 @@ VERL_KEYS: dict[str, Meaning] = {
     R + "layered_summon": Skip(
         "rlrun merges the LoRA actor's adapters and sends the weights one FSDP unit at a time already"
     ),
-    R + "log_prob_micro_batch_size": Part("micro"),
+    R + "log_prob_micro_batch_size": GroupInput("micro"),
     R + "log_prob_micro_batch_size_per_gpu": To("micro_rollout_batch_size"),
     R + "log_prob_use_dynamic_bsz": Skip(ONE_SWITCH),
     R + "log_prob_max_token_len_per_gpu": To("rollout_max_tokens_per_gpu"),
@@ -412,21 +413,21 @@ VERL_KEYS: dict[str, Meaning] = {
     C + "use_dynamic_bsz": Skip(ONE_SWITCH),
     C + "ppo_max_token_len_per_gpu": Skip(SHARED),
     C + "forward_max_token_len_per_gpu": Skip(ONE_SCORING_BUDGET),
-    C + "ulysses_sequence_parallel_size": Part("sp"),
-    C + "fsdp.ulysses_sequence_parallel_size": Part("sp"),
+    C + "ulysses_sequence_parallel_size": GroupInput("sp"),
+    C + "fsdp.ulysses_sequence_parallel_size": GroupInput("sp"),
     C + "strategy": Skip(FSDP2),
     C + "shuffle": Skip("rlrun always shuffles each rollout batch, seeded by --seed"),
     # algorithm
-    "algorithm.adv_estimator": Part("estimator"),
-    "algorithm.norm_adv_by_std_in_grpo": Part("estimator"),
+    "algorithm.adv_estimator": GroupInput("estimator"),
+    "algorithm.norm_adv_by_std_in_grpo": GroupInput("estimator"),
     "algorithm.gamma": To("gamma"),
     "algorithm.lam": To("lambd"),
-    "algorithm.use_kl_in_reward": Part("kl"),
-    "algorithm.kl_penalty": Part("kl"),
-    "algorithm.kl_ctrl.type": Part("kl"),
-    "algorithm.kl_ctrl.kl_coef": Part("kl"),
-    "algorithm.kl_ctrl.target_kl": Part("kl"),
-    "algorithm.kl_ctrl.horizon": Part("kl"),
+    "algorithm.use_kl_in_reward": GroupInput("kl"),
+    "algorithm.kl_penalty": GroupInput("kl"),
+    "algorithm.kl_ctrl.type": GroupInput("kl"),
+    "algorithm.kl_ctrl.kl_coef": GroupInput("kl"),
+    "algorithm.kl_ctrl.target_kl": GroupInput("kl"),
+    "algorithm.kl_ctrl.horizon": GroupInput("kl"),
     "algorithm.no_think_rl": Skip("Search-R1 itself refuses no_think_rl (its generation raises ValueError)"),
     "algorithm.use_pf_ppo": Skip(NOT_YET),
     # rollout correction (verl's RolloutCorrectionConfig)
@@ -446,15 +447,15 @@ VERL_KEYS: dict[str, Meaning] = {
     "algorithm.state_masking.start_state_marker": Skip(BY_PROVENANCE),
     "algorithm.state_masking.end_state_marker": Skip(BY_PROVENANCE),
     # on-policy distillation (verl's distillation.*: one teacher, scored by the policy-gradient or the loss form)
-    D + "enabled": Part("distill"),
-    TEACHER + "model_path": Part("distill"),
-    D + "nnodes": Part("distill"),
-    D + "n_gpus_per_node": Part("distill"),
-    DL + "loss_mode": Part("distill"),
-    DL + "use_policy_gradient": Part("distill"),
-    DL + "use_task_rewards": Part("distill"),
-    DL + "distillation_loss_coef": Part("distill"),
-    DL + "loss_max_clamp": Part("distill"),
+    D + "enabled": GroupInput("distill"),
+    TEACHER + "model_path": GroupInput("distill"),
+    D + "nnodes": GroupInput("distill"),
+    D + "n_gpus_per_node": GroupInput("distill"),
+    DL + "loss_mode": GroupInput("distill"),
+    DL + "use_policy_gradient": GroupInput("distill"),
+    DL + "use_task_rewards": GroupInput("distill"),
+    DL + "distillation_loss_coef": GroupInput("distill"),
+    DL + "loss_max_clamp": GroupInput("distill"),
     **{
         DL + k: Skip("used by verl's top-k modes only, which rlrun does not implement")
         for k in ("log_prob_min_clamp", "topk", "use_chunked_topk", "chunked_topk_chunk_size")
@@ -513,9 +514,9 @@ VERL_KEYS: dict[str, Meaning] = {
     "trainer.del_local_ckpt_after_load": Skip(NOT_YET),
     "trainer.ray_wait_register_center_timeout": Skip(RAY_ONLY),
     # Search-R1 top-level keys
-    "max_turns": Part("turns"),
-    "do_search": Part("turns"),
-    "retriever.url": Part("data"),
+    "max_turns": GroupInput("turns"),
+    "do_search": GroupInput("turns"),
+    "retriever.url": GroupInput("data"),
     "retriever.topk": To("retriever_topk"),
 }
 

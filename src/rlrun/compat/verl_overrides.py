@@ -2,7 +2,7 @@
 
 A bare ``key=value`` token (no leading ``--``; Hydra's ``+``/``++`` prefixes allowed) is a verl override; what
 each key means is the table in ``rlrun.compat.verl_keys``. Any key that is neither there nor under a skipped
-subtree is rejected with a suggestion. Keys that are parts of one setting (``Part``) are combined here by the
+subtree is rejected with a suggestion. Keys that are parts of one setting (``GroupInput``) are combined here by the
 rules over several keys.
 
 ``translate`` replaces each override by ``--field=value`` tokens at its own position (a group's tokens go
@@ -30,7 +30,7 @@ from rlrun.compat.verl_keys import (
     D,
     Expand,
     Group,
-    Part,
+    GroupInput,
     R,
     Reject,
     Skip,
@@ -459,7 +459,7 @@ def translate(
         elif isinstance(meaning, Reject):
             if value not in (None, ""):  # null is verl's default: nothing asked for
                 raise ConfigError(f"{key}: {meaning.fix}")
-        elif isinstance(meaning, Part):
+        elif isinstance(meaning, GroupInput):
             groups.setdefault(meaning.group, {})[key] = value
             group_at[meaning.group] = len(out)  # the group's tokens go where its last key is
             out.append(None)

@@ -18,7 +18,7 @@ NEEDS_GROUPS = frozenset({"group_norm", "dr_grpo", "rloo", "reinforce_baseline"}
 # rlrun.algo.policy_losses.PolicyLossType, named here so that reading a config imports no torch (a test keeps the
 # two equal).
 PolicyLossType = Literal[
-    "ppo", "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro"
+    "ppo", "gspo", "gspo_token", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro"
 ]
 
 
@@ -52,12 +52,13 @@ class AlgorithmConfig:
     policy_loss_type: PolicyLossType = opt(
         "ppo",
         "The policy loss (verl's policy_loss.loss_mode; rlrun.algo.policy_losses): ppo (clipped ratio); gspo (one "
-        "ratio per sequence, use a small --eps_clip_low_high, e.g. 3e-4 4e-4); cispo (REINFORCE weighted by the "
-        "clipped, detached ratio: verl's example clips 10 0.2); sapo (a soft sigmoid gate, --sapo_tau_pos/neg); gpg "
-        "(-A log pi); clip_cov / kl_cov (covariance-selected tokens detached / penalised); geo_mean (GMPO, the "
-        "--eps_clip_low_high pair as log-space bounds, e.g. 0.4 0.4); dppo_tv / dppo_kl (probability trust region, "
-        "the pair as thresholds, e.g. 0.15 / 0.05; --dual_clip caps the ratio, default 3); dro (quadratic penalty, "
-        "--dro_beta).",
+        "ratio per sequence, use a small --eps_clip_low_high, e.g. 3e-4 4e-4; OpenRLHF's form); gspo_token (verl's "
+        "gspo: each token's own advantage and gradient, no dual clip; verl's loss_mode=gspo); cispo (REINFORCE "
+        "weighted by the clipped, detached ratio: verl's example clips 10 0.2); sapo (a soft sigmoid gate, "
+        "--sapo_tau_pos/neg); gpg (-A log pi); clip_cov / kl_cov (covariance-selected tokens detached / penalised); "
+        "geo_mean (GMPO, the --eps_clip_low_high pair as log-space bounds, e.g. 0.4 0.4); dppo_tv / dppo_kl "
+        "(probability trust region, the pair as thresholds, e.g. 0.15 / 0.05; --dual_clip caps the ratio, default 3);"
+        " dro (quadratic penalty, --dro_beta).",
     )
     sapo_tau_pos: float = opt(1.0, "sapo: the gate's temperature for tokens with a positive advantage.")
     sapo_tau_neg: float = opt(1.05, "sapo: the gate's temperature for the other tokens.")
@@ -164,7 +165,7 @@ class AlgorithmConfig:
             low, high = self.eps_clip_low_high
             # the PPO family clips the ratio to [1 - LOW, 1 + HIGH]; CISPO caps a weight (verl's example: LOW 10, no
             # lower clip), GMPO bounds log-ratios and DPPO probability moves, where LOW >= 1 has a meaning
-            ppo_like = self.policy_loss_type in ("ppo", "gspo", "clip_cov")
+            ppo_like = self.policy_loss_type in ("ppo", "gspo", "gspo_token", "clip_cov")
             if low <= 0 or high <= 0 or (ppo_like and low >= 1):
                 raise ConfigError(
                     f"--eps_clip_low_high {low} {high}: needs {'0 < LOW < 1' if ppo_like else 'LOW > 0'} and HIGH > 0 "

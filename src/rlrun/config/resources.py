@@ -1,5 +1,5 @@
 """The role layout's section (rlrun.ppo): how many ranks and nodes each role takes, what shares ranks with what,
-and node labels; rlrun.plan.layout places the roles from it. OpenRLHF's flag names: 'gpus' means ranks."""
+and node labels; rlrun.plan.placement places the roles from it. OpenRLHF's flag names: 'gpus' means ranks."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class ResourceConfig:
     )
 
     def check(self) -> None:
-        """The sizes are checked with the world they are laid out on (rlrun.plan.layout); the sequence-parallel
+        """The sizes are checked with the world they are laid out on (rlrun.plan.placement); the sequence-parallel
         sizes here."""
         for name in ("ref_sequence_parallel_size", "critic_sequence_parallel_size"):
             positive(name, getattr(self, name), allow_none=True)

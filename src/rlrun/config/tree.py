@@ -60,6 +60,18 @@ class Config:
         return self.algo.needs_ref and self.model.lora_rank > 0
 
     @property
+    def distills_alone(self) -> bool:
+        """On-policy distillation without a reward: --teacher_pretrain with --distill_task_reward false."""
+        return self.distill.on and not self.distill.distill_task_reward
+
+    @property
+    def scores_nothing(self) -> bool:
+        """Pure distillation with no reward source on the user's model or data: every sample scores 0 (on the demo's
+        own prompts and model the demo rule still scores, logged but not learned from)."""
+        demo = self.model.pretrain is None and self.data.prompt_data is None
+        return self.distills_alone and not self.reward.sources() and not self.agent.multi_turn and not demo
+
+    @property
     def reward_call_timeout(self) -> float:
         """The bound on one reward-function call: --reward_timeout, or 0.8 x --dist_timeout."""
         return self.reward.reward_timeout if self.reward.reward_timeout is not None else 0.8 * self.runtime.dist_timeout

@@ -74,7 +74,7 @@ def micro_batch_cost(prompt: list[int], response: list[int], packed: bool) -> in
     return len(prompt) * (max(prompt) + max(response))
 
 
-def plan_micro_batches(lengths: RowLengths, max_tokens: int, packed: bool) -> list[list[int]]:
+def micro_batches_by_tokens(lengths: RowLengths, max_tokens: int, packed: bool) -> list[list[int]]:
     """Row indices of each micro-batch, every micro-batch costing at most `max_tokens` (micro_batch_cost).
 
     Rows are taken longest first and a micro-batch is closed when the next row would push it over the budget, so
@@ -142,7 +142,7 @@ class TokenBudget:
     def split(self, lengths: RowLengths) -> list[torch.Tensor]:
         """[b] rows -> row indices (into `lengths`) of each micro-batch, as many micro-batches as every other rank
         of the role runs. Collective over the role (agree)."""
-        plan = plan_micro_batches(lengths, self.max_tokens, self.packed)
+        plan = micro_batches_by_tokens(lengths, self.max_tokens, self.packed)
         count = self.agree(len(plan))
         return [torch.tensor(mb, dtype=torch.long) for mb in split_to_count(plan, count, lengths, self.packed)]
 

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from rlrun.config.data import DataConfig, TemplateConfig
+from rlrun.config.evaluation import EvalConfig
 from rlrun.config.generation import GenerationConfig
 from rlrun.config.vision import VisionConfig
 from rlrun.data import sources as records
@@ -282,6 +283,20 @@ class Prompts:
                         "or lower --max_pixels"
                     )
         return [done[i][0] for i in indices], RowVision.of_rows([done[i][1] for i in indices])
+
+
+def prompt_spec(d: DataConfig, seed: int) -> DataSpec | None:
+    """--prompt_data's sources (None: the built-in prompts)."""
+    return (
+        None
+        if d.prompt_data is None
+        else DataSpec(d.prompt_data, "prompt_data", d.prompt_split, d.prompt_data_probs, seed)
+    )
+
+
+def eval_spec(e: EvalConfig, seed: int) -> DataSpec | None:
+    """--eval_dataset's sources (None: no evaluation)."""
+    return None if e.eval_dataset is None else DataSpec(e.eval_dataset, "eval_dataset", e.eval_split, seed=seed)
 
 
 def prompt_keys(d: DataConfig) -> PromptKeys:

@@ -142,22 +142,22 @@ class Slot:
 
 
 @dataclass(frozen=True)
-class SlotPlan:
+class SlotLayout:
     slots: tuple[Slot, ...]
     total: int
 
 
-def slot_plan(num_rows: int, widths: dict[str, int], ranks: dict[str, tuple[int, ...]]) -> SlotPlan:
+def slot_layout(num_rows: int, widths: dict[str, int], ranks: dict[str, tuple[int, ...]]) -> SlotLayout:
     """widths/ranks keyed by result name, e.g. {"old_log_probs": R, "scores": 1}."""
     slots, offset = [], 0
     for key, width in widths.items():
         slot = Slot(key, ranks[key], num_rows // len(ranks[key]), width, offset)
         slots.append(slot)
         offset += slot.size
-    return SlotPlan(tuple(slots), offset)
+    return SlotLayout(tuple(slots), offset)
 
 
-def pack_slots(plan: SlotPlan, rank: int, values: dict[str, torch.Tensor]) -> torch.Tensor:
+def pack_slots(plan: SlotLayout, rank: int, values: dict[str, torch.Tensor]) -> torch.Tensor:
     """This rank's results ([rows_per_rank, width] each, for the roles it holds) -> [total]."""
     flat = torch.zeros(plan.total, dtype=torch.float32)
     for slot in plan.slots:
@@ -167,7 +167,7 @@ def pack_slots(plan: SlotPlan, rank: int, values: dict[str, torch.Tensor]) -> to
 
 
 def unpack_slots(
-    plan: SlotPlan, gathered: torch.Tensor, group_ranks: Sequence[int] | None = None
+    plan: SlotLayout, gathered: torch.Tensor, group_ranks: Sequence[int] | None = None
 ) -> dict[str, torch.Tensor]:
     """[group size, total] -> {key: [num_rows, width]} (scores come back as [num_rows]). Row i of `gathered`
     is global rank group_ranks[i] (default: the world, row = rank)."""

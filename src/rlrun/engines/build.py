@@ -1,31 +1,108 @@
-"""This rank's generation engine, built from the generation settings: the one place a backend is chosen by name.
+"""The one place a generation backend is chosen by name: which backend a run uses (`resolve_backend`), what
+planning may ask of each before any is built (the native decoder's `native_blocker`, vLLM's placement), and this
+rank's engine (`build_engine`).
 
-A backend is a module (native.py, base.py's HFEngine) or a folder (vllm/) of this package, and one branch of
-`build_engine`; a new one (SGLang next) is a folder beside vllm/ and a branch here, plus its settings in
-GenerationConfig. Every engine offers the same surface (rlrun.engines.base.Engine): sampling, and the weights
-weight sync hands it.
+A backend is a module (hf.py) or a folder (native/, vllm/) of this package, reached from outside only through this
+module; a new one (SGLang next) is a folder beside vllm/ and a branch here, plus its settings in GenerationConfig
+(tests/test_package_layout.py checks that nothing else imports a backend). Every engine offers the same surface
+(rlrun.engines.protocol.Engine): sampling, and the weights weight sync hands it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib.util
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.config.generation import GenerationConfig
-from rlrun.engines.base import Engine, HFEngine, SamplingSettings, TorchEngine
-from rlrun.engines.native import NativeEngine
+from rlrun.engines.hf import HFEngine
+from rlrun.engines.native.decoder import fused_groups, unsupported_reason
+from rlrun.engines.native.engine import NativeEngine
+from rlrun.engines.protocol import Engine, SamplingSettings, TorchEngine
+from rlrun.engines.vllm.adapter import CPU_KV_CACHE_GIB
+from rlrun.engines.vllm.placement import choose_host, whole_world_problem
+from rlrun.engines.vllm.placement import describe as describe_host
+from rlrun.launch.context import RankContext
 from rlrun.launch.dist import before_teardown, world_size
-from rlrun.launch.groups import Groups
-from rlrun.launch.layout import Layout, Role
+from rlrun.launch.layout import Role
 from rlrun.launch.transfer import EngineRowExchange
 from rlrun.models.weights import Unfilled
+from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.log import get_logger
 
 if TYPE_CHECKING:
     from rlrun.engines.vllm.engine import TensorParallelEngine, VLLMEngine
     from rlrun.engines.vllm.in_process import InProcessEngine
+
+
+# What the rest of rlrun reads of the backends besides building an engine: the native decoder's fused weight groups
+# (weight sync keeps them back to back) and what it cannot run; where a vLLM engine runs and what it holds on CPU
+# (planning and the memory plan).
+__all__ = [
+    "CPU_KV_CACHE_GIB",
+    "EngineImages",
+    "build_engine",
+    "choose_host",
+    "describe_host",
+    "engine_dtype",
+    "fused_groups",
+    "native_blocker",
+    "resolve_backend",
+    "whole_world_problem",
+]
+
+
+def native_blocker(config: object, max_len: int) -> str | None:
+    """Why rlrun's native decoder cannot run a policy of this HF config at `max_len` tokens (None: it can)."""
+    return unsupported_reason(config, max_len)
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def resolve_backend(
+    requested: str, cuda: bool, native_blocker: str | None = None
+) -> tuple[Literal["native", "hf", "vllm"], str]:
+    """(backend, why) for --generation_backend. `native_blocker`: why rlrun's decoder cannot run the policy
+    (native_blocker), None when it can. `auto`: vLLM when it is installed (in the tested
+    range) and a GPU is present, as OpenRLHF users expect; else native when it can run the policy (on CPU faster
+    than HF generate, and it reports log-probs); else HF."""
+    if requested == "vllm":
+        from rlrun.engines.vllm.adapter import check_version  # noqa: PLC0415 - no vllm import, metadata only
+
+        version = check_version()
+        return "vllm", f"requested: vLLM {version}" + (
+            "; no sleep mode on CPU (sleep/wake do nothing)" if not cuda else ""
+        )
+    if requested == "hf":
+        return "hf", "requested"
+    if requested == "native":
+        if native_blocker is not None:
+            raise ConfigError(
+                f"--generation_backend native cannot run this policy: {native_blocker}; use "
+                "--generation_backend hf (or auto)"
+            )
+        return "native", "requested"
+    vllm_note = ""
+    if cuda and vllm_available():
+        from rlrun.engines.vllm.adapter import SUPPORTED_TEXT, check_version, installed_version  # noqa: PLC0415
+
+        try:
+            version = check_version()
+        except ConfigError:
+            vllm_note = f"; vLLM {installed_version()} is installed but not used: rlrun supports {SUPPORTED_TEXT}"
+        else:
+            return "vllm", (
+                f"auto: vLLM {version} is installed and a GPU is present (rlrun's vLLM path has not run on "
+                "a GPU yet; --generation_backend native or hf avoids it)"
+            )
+    if native_blocker is not None:
+        return "hf", f"auto: the native engine cannot run this policy ({native_blocker})" + vllm_note
+    return "native", "auto: rlrun's KV-cache decoder runs this architecture" + vllm_note
 
 
 def engine_dtype(bf16: bool, device: torch.device) -> torch.dtype:
@@ -39,42 +116,33 @@ def sampling_settings(
     return SamplingSettings(g.temperature, g.top_p, g.generate_max_len, int(tokenizer.pad_token_id), end_ids)
 
 
+@dataclass(frozen=True)
+class EngineImages:
+    """A vision-language policy's: its image processor, and the most images one prompt may hold (vLLM's limit)."""
+
+    processor: Any
+    per_prompt: int = 1
+
+
 def build_engine(
+    ctx: RankContext,
     g: GenerationConfig,
     unfilled: Unfilled,
-    tokenizer: PreTrainedTokenizerBase,
     end_ids: tuple[int, ...],
     *,
-    layout: Layout,
-    groups: Groups,
-    device: torch.device,
-    seed: int,
     tensor_parallel_size: int,
     timeout_s: float,
-    image_processor: Any = None,
-    images_per_prompt: int = 0,
+    images: EngineImages | None = None,
     record_routing: bool = False,
 ) -> Engine:
     """This engine rank's engine over `unfilled` (the initial policy on the meta device, in the engines' dtype),
-    for --generation_backend (already resolved from auto, rlrun.plan.plan). `image_processor`: a vision-language
-    policy's, None for a text policy. `end_ids`: the ids that end a response (rlrun.models.loading).
-    `record_routing`: report each token's MoE experts (--router_replay R3; the native and HF backends)."""
-    sampling = sampling_settings(g, tokenizer, end_ids)
+    for --generation_backend (already resolved from auto, rlrun.plan.plan). `images`: a vision-language policy's,
+    None for a text policy. `end_ids`: the ids that end a response (rlrun.models.loading). `record_routing`: report
+    each token's MoE experts (--router_replay R3; the native and HF backends)."""
+    sampling = sampling_settings(g, ctx.tokenizer, end_ids)
     if g.generation_backend == "vllm":
-        return _vllm_engine(
-            g,
-            unfilled,
-            tokenizer,
-            sampling,
-            layout=layout,
-            groups=groups,
-            device=device,
-            seed=seed,
-            tp=tensor_parallel_size,
-            timeout_s=timeout_s,
-            image_processor=image_processor,
-            images_per_prompt=images_per_prompt,
-        )
+        return _vllm_engine(ctx, g, unfilled, sampling, tensor_parallel_size, timeout_s, images)
+    device, tokenizer = ctx.device, ctx.tokenizer
     if g.generation_backend == "native":  # planning resolved `auto` and checked the architecture
         budget = None if g.native_kv_cache_mb is None else g.native_kv_cache_mb * 2**20
         engine: TorchEngine = NativeEngine(
@@ -87,34 +155,26 @@ def build_engine(
 
 
 def _vllm_engine(
+    ctx: RankContext,
     g: GenerationConfig,
     unfilled: Unfilled,
-    tokenizer: PreTrainedTokenizerBase,
     sampling: SamplingSettings,
-    *,
-    layout: Layout,
-    groups: Groups,
-    device: torch.device,
-    seed: int,
     tp: int,
     timeout_s: float,
-    image_processor: Any,
-    images_per_prompt: int,
+    images: EngineImages | None,
 ) -> VLLMEngine | TensorParallelEngine | InProcessEngine:
     """vLLM in this rank when the engine ranks are the whole world (engines/vllm/placement.py); otherwise a vLLM
     child on this rank (tensor parallel 1), or this rank's part of a tensor-parallel engine whose child runs on the
     engine's first rank. Weight sync hands each sync to vLLM and the rank reads nothing (but a vision-language policy,
     for vLLM's first file, into host memory and dropped once written)."""
-    from rlrun.engines.vllm.engine import TensorParallelEngine, VLLMEngine  # noqa: PLC0415 - optional extra
-    from rlrun.engines.vllm.placement import choose_host  # noqa: PLC0415
+    from rlrun.engines.vllm.engine import TensorParallelEngine, VLLMEngine, VLLMOptions  # noqa: PLC0415 - optional
 
-    rank = groups.rank
+    layout, rank, device, tokenizer = ctx.layout, ctx.rank, ctx.device, ctx.tokenizer
     index = layout.engine_index_of(rank)
     assert index is not None
-    engine_group = groups.get(f"engine.{index}")
+    engine_group = ctx.groups.get(f"engine.{index}")
     assert engine_group is not None
     exchange = EngineRowExchange(engine_group, device)
-    max_model_len = g.prompt_max_len + g.generate_max_len
     if g.vllm_enable_sleep and device.type != "cuda" and rank == layout.ranks_of(Role.ENGINE)[0]:
         get_logger(rank)._emit(
             "info", "--vllm_enable_sleep: no effect on CPU (vLLM has no sleep mode there); the engines stay awake"
@@ -122,58 +182,22 @@ def _vllm_engine(
     in_process = choose_host(g.vllm_engine_host, layout, tp) == "in_process"
     # Weight sync hands every sync straight to vLLM (the gathered tensors in-process, a stream of buckets to a child):
     # the rank keeps no copy of the policy. A vision-language policy is read for vLLM's first file, and dropped.
-    if image_processor is not None and (in_process or exchange.is_leader):
+    if images is not None and (in_process or exchange.is_leader):
         policy = unfilled.fill(torch.device("cpu"))
     else:
         policy = unfilled.model
-    images = (
-        {}
-        if image_processor is None
-        else {"image_processor": image_processor, "images_per_prompt": max(1, images_per_prompt)}
-    )
+    options = VLLMOptions.of(g, rank=rank, seed=ctx.seed, tensor_parallel_size=tp, timeout_s=timeout_s)
+    if images is not None:
+        options = replace(options, image_processor=images.processor, images_per_prompt=max(1, images.per_prompt))
     if in_process:
         from rlrun.engines.vllm.in_process import InProcessEngine  # noqa: PLC0415
 
         engine = InProcessEngine(
-            policy,
-            tokenizer,
-            sampling,
-            device,
-            layout=layout,
-            world_size=world_size(),
-            rank=rank,
-            exchange=exchange,
-            seed=seed,
-            max_model_len=max_model_len,
-            tensor_parallel_size=tp,
-            enforce_eager=g.enforce_eager,
-            gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-            enable_sleep=g.vllm_enable_sleep,
-            kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes,
-            seeded_requests=g.vllm_seeded_requests,
-            **images,
+            policy, tokenizer, sampling, device, options, layout=layout, world_size=world_size(), exchange=exchange
         )
         before_teardown(engine.close)  # vLLM's groups go before the default group
         return engine
-    leader = None
-    if exchange.is_leader:
-        leader = VLLMEngine(
-            policy,
-            tokenizer,
-            sampling,
-            device,
-            seed=seed,
-            max_model_len=max_model_len,
-            timeout_s=timeout_s,
-            enforce_eager=g.enforce_eager,
-            gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-            rank=rank,
-            tensor_parallel_size=tp,
-            enable_sleep=g.vllm_enable_sleep,
-            kv_cache_memory_bytes=g.vllm_kv_cache_memory_bytes,
-            seeded_requests=g.vllm_seeded_requests,
-            **images,
-        )
+    leader = VLLMEngine(policy, tokenizer, sampling, device, options) if exchange.is_leader else None
     if tp == 1:
         assert leader is not None
         return leader

@@ -1,6 +1,6 @@
 """What a layout is: which ranks play which RLHF role, which engines they form, and which process groups to
 create. The request (`LayoutRequest`, one `RoleRequest` per model role) and the result (`Layout`);
-:func:`rlrun.plan.layout.plan_layout` turns one into the other.
+:func:`rlrun.plan.placement.plan_layout` turns one into the other.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def sp_group_name(ranks: Sequence[int]) -> str:
 # ---- printing ----------------------------------------------------------------------------------------------------
 # How a :class:`~rlrun.launch.layout.Layout` is described for humans: the per-rank table logged by ``--dry_run``
 # and after the node-label placement at start-up, and the short run-length summary of node labels that placement errors
-# quote. Pure string formatting; the planning itself is in rlrun.plan.layout.
+# quote. Pure string formatting; the planning itself is in rlrun.plan.placement.
 
 if TYPE_CHECKING:
     from rlrun.launch.env import DistEnv

@@ -154,7 +154,52 @@ def tokenizer_missing(model: PretrainedConfig) -> str | None:
     return None
 
 
-def load_tokenizer(model: PretrainedConfig) -> PreTrainedTokenizerBase:
+def teacher_source(model: PretrainedConfig, teacher: str | None) -> PretrainedConfig:
+    """Where --teacher_pretrain's model comes from, run as the policy (`model`) runs (dtype, attention), without
+    adapters."""
+    return dataclasses.replace(model, pretrain=teacher, lora_rank=0)
+
+
+def check_teacher_tokenizer(model: PretrainedConfig, teacher: str, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The teacher scores the policy's token ids, so it must read every id the policy can sample as the same token,
+    and end and pad responses alike. Not the configs' vocab_size, which pads differently across one family's sizes
+    (Qwen2.5-1.5B 151936, 7B 152064) with the same tokenizer; tokens past the policy's embedding rows (a tokenizer's
+    added unk, say) are never sampled and do not matter."""
+    source = teacher_source(model, teacher)
+    theirs = load_tokenizer(source)
+    sampled = load_model_config(model).get_text_config().vocab_size
+    mine, other = tokenizer.get_vocab(), theirs.get_vocab()
+    differ = [token for token, i in mine.items() if i < sampled and other.get(token) != i]
+    ends = [
+        name
+        for name in ("eos_token_id", "pad_token_id")
+        if getattr(tokenizer, name) is not None and getattr(tokenizer, name) != getattr(theirs, name)
+    ]
+    if differ or ends:
+        what = f"{len(differ)} of the policy's tokens (e.g. {differ[0]!r}) have other ids" if differ else ""
+        what += (" and " if what and ends else "") + (f"{'/'.join(ends)} differ" if ends else "")
+        raise ConfigError(
+            f"--teacher_pretrain {teacher}'s tokenizer is not the policy's ({what}); the teacher scores the policy's "
+            "token ids, so it needs the same tokenizer (distillation across tokenizers is not implemented)"
+        )
+    rows = load_model_config(source).get_text_config().vocab_size
+    if rows < sampled:
+        raise ConfigError(
+            f"--teacher_pretrain {teacher} has {rows} embedding rows for the policy's {sampled}; "
+            "it cannot score every id the policy may sample"
+        )
+
+
+def load_tokenizer(model: PretrainedConfig, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """--pretrain's tokenizer (the embedded byte tokenizer without one); `chat_template`: a Jinja template replacing
+    its own (rlrun.sft/rm/dpo's --tokenizer_chat_template)."""
+    tok = _load_tokenizer(model)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
+
+
+def _load_tokenizer(model: PretrainedConfig) -> PreTrainedTokenizerBase:
     if model.pretrain is None:
         return build_byte_tokenizer()
     _check_dir("pretrain", model.pretrain)

@@ -262,10 +262,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def has_adapters(model: nn.Module) -> bool:
-    return any(is_adapter(n) for n, _ in model.named_parameters())
-
-
 # ---- merging -------------------------------------------------------------------------------------------------
 
 
@@ -292,11 +288,6 @@ def merged_state_dict(state: Mapping[str, torch.Tensor], scaling: float) -> dict
             tensor = merged_weight(tensor, state[a], state[b], scaling)
         out[hf_name(name)] = tensor
     return out
-
-
-def adapter_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapter tensors of a PEFT model's full state, under the names PEFT saves them with."""
-    return {saved_adapter_name(n): t for n, t in state.items() if is_adapter(n)}
 
 
 # ---- adapter directories as --pretrain ------------------------------------------------------------------------

@@ -124,27 +124,10 @@ def _check_partial_rollout(cfg: Config) -> None:
         )
 
 
-def distills_alone(cfg: Config) -> bool:
-    """On-policy distillation without a reward: --teacher_pretrain with --distill_task_reward false."""
-    return cfg.distill.teacher_pretrain is not None and not cfg.distill.distill_task_reward
-
-
-def scores_nothing(cfg: Config) -> bool:
-    """Pure distillation with no reward source on the user's model or data: every sample scores 0 (on the demo's own
-    prompts and model the demo rule still scores, logged but not learned from)."""
-    m, given = cfg.model, (cfg.reward.reward_pretrain, cfg.reward.remote_rm_url, cfg.reward.compute_score)
-    demo = m.pretrain is None and cfg.data.prompt_data is None
-    return distills_alone(cfg) and all(v is None for v in given) and not cfg.agent.multi_turn and not demo
-
-
-def pure_distillation_line(cfg: Config) -> str:
-    return f"reward: none; the policy learns from the teacher --teacher_pretrain {cfg.distill.teacher_pretrain} alone"
-
-
 def _check_reward_source(cfg: Config) -> None:
     """Exactly one reward source, never a guessed one: the demo rule scores only the demo's own prompts and
     model, so labelled data or a real model without a source is an error, not a run that learns nothing."""
-    if cfg.reward.sources() or cfg.agent.multi_turn or distills_alone(cfg):
+    if cfg.reward.sources() or cfg.agent.multi_turn or cfg.distills_alone:
         return
     pretrain = cfg.model.pretrain
     if cfg.data.prompt_data is not None or pretrain is not None:

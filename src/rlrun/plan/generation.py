@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rlrun.config.tree import Config
-from rlrun.engines.base import REPORTS_LOG_PROBS, resolve_backend
-from rlrun.engines.decoder import unsupported_reason
+from rlrun.engines.build import native_blocker, resolve_backend
+from rlrun.engines.protocol import REPORTS_LOG_PROBS
 from rlrun.models.architecture import is_vision_language
 from rlrun.models.loading import load_model_config
 from rlrun.models.moe import MAX_EXPERTS, config_routing_shape
@@ -48,7 +48,7 @@ def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
             raise
         config = None  # --dry_run on a machine without the model (a login node): paths are only warnings there
     assumed = None
-    blocker = None if config is None else unsupported_reason(config, g.prompt_max_len + g.generate_max_len)
+    blocker = None if config is None else native_blocker(config, g.prompt_max_len + g.generate_max_len)
     try:
         backend, why = resolve_backend(g.generation_backend, cuda, blocker)
     except MissingExtraError:

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlrun.config.tree import Config
-from rlrun.engines.vllm.adapter import CPU_KV_CACHE_GIB
-from rlrun.engines.vllm.placement import whole_world_problem
+from rlrun.engines.build import CPU_KV_CACHE_GIB, whole_world_problem
 from rlrun.launch.layout import Layout, Role
 from rlrun.plan.shapes import (
     GIB,

@@ -3,7 +3,7 @@ on every rank before any process group, model or dataset exists. What `--dry_run
 
 PPO (`plan_ppo`): hub ids and presets resolved, the generation backend chosen (`choose_generation`: the same on
 every rank, from the config, the policy's config.json and whether a GPU and vLLM are present), every value and
-cross-field rule checked (rlrun.plan.checks), the roles laid out (rlrun.plan.layout) with the batch sizes checked
+cross-field rule checked (rlrun.plan.checks), the roles laid out (rlrun.plan.placement) with the batch sizes checked
 against them. The supervised trainers (`plan_supervised`): one data-parallel role on every rank, the same checks of
 what they share.
 """
@@ -20,11 +20,10 @@ from rlrun.algo.rollout_correction import OFF, RolloutCorrection
 from rlrun.cli.parser import CliSpec, ParsedArgs, parse_args
 from rlrun.compat import correction
 from rlrun.config.model import VL_PRESET
-from rlrun.config.supervised import DPOConfig, SupervisedConfig
+from rlrun.config.supervised import DPOConfig, SFTConfig, SupervisedConfig
 from rlrun.config.tree import Config, RootConfig
 from rlrun.data.sources import missing_paths
-from rlrun.engines.vllm.placement import choose_host
-from rlrun.engines.vllm.placement import describe as describe_host
+from rlrun.engines.build import choose_host, describe_host
 from rlrun.launch.dist import uses_cuda
 from rlrun.launch.env import DistEnv, read_node_label
 from rlrun.launch.layout import Layout, LayoutRequest, Role, RoleRequest, format_layout_table, layout_heading
@@ -38,7 +37,7 @@ from rlrun.plan.checks import (
     check_supervised,
     check_values,
 )
-from rlrun.plan.layout import plan_layout
+from rlrun.plan.placement import plan_layout
 from rlrun.plan.sequence_parallel import (
     check_sequence_parallel_model,
     check_sequence_parallel_models,
@@ -93,7 +92,7 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
     # nodes the labels are gathered at start-up (rlrun.rl.assembly) and the placement is redone there.
     one_node = env.world_size == env.local_world_size
     labels = (read_node_label(),) if asks_node_labels(cfg) and one_node else None
-    first = plan(cfg, env.world_size, env.local_world_size, labels)
+    first = lay_out(cfg, env.world_size, env.local_world_size, labels)
     # Bad values and layouts have failed by now, in a second: what follows reads config.json with transformers.
     from rlrun.plan.generation import check_vision_run, choose_generation  # noqa: PLC0415
 
@@ -104,7 +103,7 @@ def plan_ppo(argv: Sequence[str] | None, env: DistEnv) -> PPOPlan:
     the_plan = (
         first
         if choice.backend == parsed.config.generation.generation_backend
-        else plan(cfg, env.world_size, env.local_world_size, labels)
+        else lay_out(cfg, env.world_size, env.local_world_size, labels)
     )
     layout = the_plan.layout
     why = choice.why
@@ -210,12 +209,12 @@ def asks_node_labels(cfg: Config) -> bool:
 
 
 @dataclass(frozen=True)
-class Plan:
+class LaidOut:
     layout: Layout
     warnings: tuple[str, ...]
 
 
-def plan(cfg: Config, world_size: int, ranks_per_node: int, node_labels: Sequence[str] | None = None) -> Plan:
+def lay_out(cfg: Config, world_size: int, ranks_per_node: int, node_labels: Sequence[str] | None = None) -> LaidOut:
     """Validate values, lay out roles, check batch divisibility. Pure: no I/O but path checks.
     node_labels (one per node) honour --X_node_label; None: placed as if no label were asked."""
     check_values(cfg)
@@ -235,6 +234,11 @@ def plan(cfg: Config, world_size: int, ranks_per_node: int, node_labels: Sequenc
         choose_host(cfg.generation.vllm_engine_host, layout, cfg.resources.vllm_tensor_parallel_size)
     gamma = gamma_override_warning(cfg.algo.advantage_estimator, cfg.algo.gamma)
     algo_warnings = [gamma] if gamma is not None else []
+    if cfg.algo.policy_loss_type == "gspo_token" and cfg.algo.dual_clip is not None:
+        algo_warnings.append(
+            f"--dual_clip {cfg.algo.dual_clip:g} (verl's clip_ratio_c): no effect with --policy_loss_type gspo_token, "
+            "which has no dual clip (as verl's gspo)"
+        )
     check_partial_rollout_layout(cfg, layout)
     if cfg.train.partial_rollout and cfg.train.max_staleness == 1:
         algo_warnings.append(
@@ -250,7 +254,7 @@ def plan(cfg: Config, world_size: int, ranks_per_node: int, node_labels: Sequenc
             "--partial_rollout, "
             "--max_staleness bounds how many versions old a sample may be"
         )
-    return Plan(
+    return LaidOut(
         layout, tuple(layout.warnings) + tuple(eval_warnings) + tuple(algo_warnings) + tuple(missing_path_warnings(cfg))
     )
 
@@ -327,6 +331,16 @@ def missing_path_warnings(cfg: Config) -> list[str]:
 # ---- rlrun.sft, rlrun.rm, rlrun.dpo -----------------------------------------------------------------------------
 
 
+def check_sft_aux_loss(cfg: SFTConfig) -> None:
+    """--aux_loss_coef against the policy (its config.json, read only when the flag is set), before any process
+    group."""
+    from rlrun.models.loading import load_model_config  # noqa: PLC0415 - transformers' config classes
+    from rlrun.plan.generation import check_aux_loss  # noqa: PLC0415 - as plan_ppo imports it: after the fast checks
+
+    coef = cfg.loss.aux_loss_coef
+    check_aux_loss(coef, load_model_config(cfg.model) if coef > 0 else None, cfg.train.sequence_parallel_size)
+
+
 def plan_supervised(argv: Sequence[str] | None, env: DistEnv, cli: CliSpec) -> Planned[SupervisedConfig]:
     """A supervised trainer's command line into its plan: every rank trains one data-parallel share."""
     parsed: ParsedArgs = parse_args(argv, cli)
@@ -337,6 +351,8 @@ def plan_supervised(argv: Sequence[str] | None, env: DistEnv, cli: CliSpec) -> P
     train, packed = packed_for_sequence_parallel(cfg.train, sp, cfg.model.flash_attn)
     cfg = replace(cfg, train=train)
     check_sequence_parallel_model(cfg.model, "pretrain", cfg.model.pretrain, sp, cli.prog)
+    if isinstance(cfg, SFTConfig):
+        check_sft_aux_loss(cfg)
     if isinstance(cfg, DPOConfig) and cfg.loss.ref_pretrain is not None:
         ref = replace(cfg.model, pretrain=cfg.loss.ref_pretrain)
         check_sequence_parallel_model(ref, "ref_pretrain", ref.pretrain, sp, "the reference")

@@ -121,3 +121,8 @@ def saved_outputs(model: PretrainedConfig, saving: SavingConfig, **more: str) ->
         **({"checkpoints": saving.ckpt_path} if saving.ckpt_path and saving.save_steps > 0 else {}),
         "config": os.path.join(save, CONFIG_FILE),
     }
+
+
+def pure_distillation_line(teacher: str | None) -> str:
+    """Where the rewards come from when the policy learns from the teacher alone (Config.scores_nothing)."""
+    return f"reward: none; the policy learns from the teacher --teacher_pretrain {teacher} alone"

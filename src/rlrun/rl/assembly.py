@@ -11,56 +11,52 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlrun.agents.episodes import EpisodeRunner, build_episode_runner
+from rlrun.agents.episodes import build_episode_runner
 from rlrun.algo.rollout_correction import RolloutCorrection
 from rlrun.checkpoint.checkpointer import Identity, JsonState, Part, SaveOnly
-from rlrun.compat.openrlhf_checkpoint import InitPlan, init_from_openrlhf, plan_init
+from rlrun.compat.openrlhf_checkpoint import OpenRLHFInit, init_from_openrlhf, read_openrlhf_init
 from rlrun.config.tree import Config
-from rlrun.data.prompts import Prompts, PromptSampler
-from rlrun.engines.build import build_engine, engine_dtype
-from rlrun.engines.decoder import fused_groups
+from rlrun.data.prompts import Prompts, PromptSampler, prompt_spec
+from rlrun.engines.build import EngineImages, build_engine, engine_dtype, fused_groups
+from rlrun.engines.protocol import Engine
+from rlrun.launch.context import RankContext
 from rlrun.launch.env import DistEnv, read_node_label
 from rlrun.launch.groups import Groups, SequenceParallel, build_groups
 from rlrun.launch.layout import Layout, Role, format_layout_table, layout_heading
 from rlrun.launch.transfer import gather_node_labels
 from rlrun.models.adapter_pretrain import lora_settings
 from rlrun.models.loading import (
+    check_teacher_tokenizer,
     load_critic,
     load_model_config,
     load_reward_model,
     load_tokenizer,
     policy_weights,
     response_end_ids,
+    teacher_source,
     trained_policy,
     unfilled_causal_lm,
 )
 from rlrun.models.lora import add_scalar_adapters
 from rlrun.models.moe import config_routing_shape
 from rlrun.models.weights import Unfilled
-from rlrun.plan.checks import pure_distillation_line, scores_nothing
 from rlrun.plan.memory_text import dry_run_memory
-from rlrun.plan.plan import PPOPlan, asks_node_labels, plan, roles_of
-from rlrun.plan.preflight import (
-    check_teacher_tokenizer,
-    ppo_eval_prompts,
-    ppo_prompts,
-    preflight,
-    prompt_spec,
-    teacher_source,
-)
-from rlrun.reporting.run_report import describe_roles, model_form, saved_outputs
+from rlrun.plan.plan import PPOPlan, asks_node_labels, lay_out, roles_of
+from rlrun.plan.preflight import ppo_eval_prompts, ppo_prompts, preflight
+from rlrun.reporting.run_report import describe_roles, model_form, pure_distillation_line, saved_outputs
 from rlrun.rewards.compute_score import load_compute_score_function
-from rlrun.rewards.reward_fn import RewardFunction, load_reward_function, no_reward
+from rlrun.rewards.reward_fn import load_reward_function, no_reward
 from rlrun.rl.async_loop import AsyncTrainer, PendingRollout
 from rlrun.rl.dynamic_batch import role_budgets
 from rlrun.rl.evaluation import Evaluator
 from rlrun.rl.exchange import Exchange
 from rlrun.rl.rollouts import RolloutSource
+from rlrun.rl.sampling import Rewarding
 from rlrun.rl.sleep import Sleeper, SleepSchedule
 from rlrun.rl.trainer import RankRoles, StepSettings, Trainer, skips_old_log_probs
 from rlrun.roles.actor import Actor, Reference, policy_loss_settings
@@ -77,7 +73,7 @@ from rlrun.strategies.base import ModelState, Strategy
 from rlrun.strategies.choose import make_strategy
 from rlrun.vision.inputs import quiet_output_view_warning
 from rlrun.vision.tower import freeze_by_prefix, freeze_vision_tower
-from rlrun.weight_sync.sync import MergedLoraParams, ParamSource, WeightSync
+from rlrun.weight_sync.sync import MergedLoraParams, ParamSource, WeightSync, WireFormat
 
 TABLE_RANKS = 16  # a larger world's layout is one line at start-up (--dry_run prints its table)
 
@@ -98,14 +94,6 @@ FIXED_ON_RESUME = {
 
 
 @dataclass
-class RewardSources:
-    """What rewards an engine rank's rollouts: a reward function, or agents whose episodes carry rewards."""
-
-    reward_fn: RewardFunction | None = None
-    agents: EpisodeRunner | None = None
-
-
-@dataclass
 class Inputs:
     """What a rank reads before the first collective: a bad path fails every rank alike there."""
 
@@ -115,8 +103,8 @@ class Inputs:
     eval_prompts: Prompts | None
     sampler: PromptSampler
     total_steps: int
-    sources: RewardSources  # an engine rank's
-    openrlhf_init: InitPlan | None  # --load_openrlhf_checkpoint's files, checked
+    rewarding: Rewarding  # how rollouts get their rewards (the function or agents: an engine rank's)
+    openrlhf_init: OpenRLHFInit | None  # --load_openrlhf_checkpoint's files, checked
     node_label: str | None  # this node's, when roles are pinned to labels
 
 
@@ -134,8 +122,8 @@ class PPOTrainer:
         cfg, log = planned.config, started.log
         assert planned.layout is not None
         tokenizer = load_tokenizer(cfg.model)
-        if cfg.distill.teacher_pretrain is not None:
-            check_teacher_tokenizer(cfg, tokenizer)
+        if (teacher := cfg.distill.teacher_pretrain) is not None:
+            check_teacher_tokenizer(cfg.model, teacher, tokenizer)
         lg = cfg.logging
         evaluates = cfg.eval.eval_dataset is not None and (lg.eval_steps > 0 or lg.eval_before_train)
         with deadline(
@@ -148,7 +136,7 @@ class PPOTrainer:
                 f"--data_timeout"
             ),
         ):
-            prompts = ppo_prompts(cfg, tokenizer, prompt_spec(cfg))
+            prompts = ppo_prompts(cfg, tokenizer, prompt_spec(cfg.data, cfg.train.seed))
             eval_prompts = ppo_eval_prompts(cfg, tokenizer) if evaluates else None
         sampler = make_sampler(cfg, prompts)
         total_steps = min(sampler.total_steps, cfg.train.max_steps or sampler.total_steps)
@@ -167,8 +155,8 @@ class PPOTrainer:
             eval_prompts,
             sampler,
             total_steps,
-            build_reward_sources(cfg, planned.layout, started.env.rank, tokenizer),
-            plan_init(load, run_has_critic=cfg.algo.needs_critic) if load else None,
+            build_rewarding(cfg, planned.layout, started.env.rank, tokenizer),
+            read_openrlhf_init(load, run_has_critic=cfg.algo.needs_critic) if load else None,
             read_node_label() if asks_node_labels(cfg) else None,
         )
 
@@ -188,15 +176,16 @@ class PPOTrainer:
             phase.set(Phase.STARTUP)
             labels = gather_node_labels(inputs.node_label, env.local_world_size, started.comm_device)
             started.failure.local_only = True
-            layout = plan(cfg, env.world_size, env.local_world_size, labels).layout
+            layout = lay_out(cfg, env.world_size, env.local_world_size, labels).layout
             started.failure.local_only = False
             started.failure.roles = roles_of(layout, env.rank)
-            inputs.sources = build_reward_sources(cfg, layout, env.rank, inputs.tokenizer)  # engine ranks may move
+            inputs.rewarding = build_rewarding(cfg, layout, env.rank, inputs.tokenizer)  # engine ranks may move
             started.log.info_once("layout by node label:\n" + format_layout_table(layout))
             phase.set(Phase.BUILD)
         sync_backend = cfg.generation.vllm_sync_backend if device.type == "cuda" else None
         groups = build_groups(layout, cfg.runtime.dist_timeout, sync_backend, solo=cfg.train.strategy == "deepspeed")
-        roles = build_roles(cfg, layout, groups, device, inputs, planned.correction)
+        ctx = RankContext(layout, groups, device, cfg.train.seed, phase, inputs.tokenizer)
+        roles = build_roles(ctx, cfg, inputs, planned.correction)
         replay = cfg.algo.router_replay
         routing = config_routing_shape(load_model_config(cfg.model)) if replay != "off" else None
         s = StepSettings(
@@ -211,37 +200,20 @@ class PPOTrainer:
             recorded_routing=routing if replay == "R2" else None,
         )
         rollouts = RolloutSource(
+            ctx,
             cfg.train,
             cfg.generation,
-            layout,
-            groups,
             inputs.prompts,
             inputs.sampler,
-            inputs.tokenizer,
-            device,
-            engine=roles.engine,
-            reward_fn=roles.reward_fn,
-            agents=roles.agents,
-            episodes=cfg.agent.multi_turn,
-            scored_later=cfg.reward.needs_reward_model,
+            roles.engine,
+            roles.rewarding,
             routing=routing if replay == "R3" else None,
         )
         evaluator = None
         if inputs.eval_prompts is not None:
             lg, ev = cfg.logging, cfg.eval
             evaluator = Evaluator(
-                ev,
-                lg,
-                cfg.train,
-                cfg.generation.prompt_max_len,
-                layout,
-                groups,
-                inputs.eval_prompts,
-                inputs.tokenizer,
-                device,
-                engine=roles.engine,
-                reward_fn=roles.reward_fn,
-                agents=roles.agents,
+                ctx, ev, lg, cfg.train, cfg.generation, inputs.eval_prompts, roles.engine, roles.rewarding
             )
             started.log.info_once(
                 f"evaluating {len(inputs.eval_prompts.ids)} prompts x {ev.eval_n_samples_per_prompt} "
@@ -252,8 +224,8 @@ class PPOTrainer:
         if roles.sleep is not None:
             phase.on_enter = roles.sleep.enter
         loop = AsyncTrainer if layout.asynchronous else Trainer
-        exchange = Exchange(groups, role_budgets(cfg.train, groups, device), cfg.train.micro_rollout_batch_size, device)
-        trainer = loop(s, layout, exchange, roles, rollouts, inputs.sampler, phase, inputs.total_steps, evaluator)
+        exchange = Exchange(ctx, role_budgets(cfg.train, groups, device), cfg.train.micro_rollout_batch_size)
+        trainer = loop(ctx, s, exchange, roles, rollouts, inputs.total_steps, evaluator)
         if inputs.openrlhf_init is not None:  # before --load_checkpoint: rlrun's own newer checkpoint wins
             with phase(Phase.LOAD, -1):
                 started.log.info_once(
@@ -374,33 +346,33 @@ def make_sampler(cfg: Config, prompts: Prompts) -> PromptSampler:
     return PromptSampler(len(prompts.ids), cfg.train.rollout_batch_size, cfg.train.seed, cfg.train.num_episodes)
 
 
-def build_reward_sources(cfg: Config, layout: Layout, rank: int, tokenizer: PreTrainedTokenizerBase) -> RewardSources:
-    """The rollout reward source of an engine rank (nothing elsewhere, or when a reward model scores). Imports
-    a reward or agent file but contacts no server, so it is read before the first collective."""
+def build_rewarding(cfg: Config, layout: Layout, rank: int, tokenizer: PreTrainedTokenizerBase) -> Rewarding:
+    """How rollouts get their rewards: on an engine rank its reward function or agents (nothing elsewhere, nor when
+    a reward model scores). Imports a reward or agent file but contacts no server, so it is read before the first
+    collective."""
+    known = Rewarding(episodes=cfg.agent.multi_turn, scored_later=cfg.reward.needs_reward_model)
     if Role.ENGINE not in layout.roles_of(rank) or cfg.reward.needs_reward_model:
-        return RewardSources()
+        return known
     m = cfg.reward
     if cfg.agent.multi_turn:
-        return RewardSources(agents=build_episode_runner(cfg.agent, cfg.generation, tokenizer, m.remote_rm_retries))
+        return replace(known, agents=build_episode_runner(cfg.agent, cfg.generation, tokenizer, m.remote_rm_retries))
     if m.compute_score is not None:
-        return RewardSources(
-            reward_fn=load_compute_score_function(
-                m.compute_score,
-                m.compute_score_name,
-                workers=reward_workers(cfg, layout),
-                call_timeout_s=cfg.reward_call_timeout,
-            )
+        fn = load_compute_score_function(
+            m.compute_score,
+            m.compute_score_name,
+            workers=reward_workers(cfg, layout),
+            call_timeout_s=cfg.reward_call_timeout,
         )
-    if scores_nothing(cfg):
-        return RewardSources(reward_fn=no_reward())
-    return RewardSources(
-        reward_fn=load_reward_function(
+    elif cfg.scores_nothing:
+        fn = no_reward()
+    else:
+        fn = load_reward_function(
             m.remote_rm_url,
             timeout_s=m.remote_rm_timeout,
             retries=m.remote_rm_retries,
             call_timeout_s=cfg.reward_call_timeout,
         )
-    )
+    return replace(known, reward_fn=fn)
 
 
 def reward_workers(cfg: Config, layout: Layout) -> int:
@@ -426,8 +398,8 @@ def describe_reward(cfg: Config) -> str:
         )
     if m.compute_score is not None:
         return f"reward: {m.compute_score_name}() of --compute_score {m.compute_score} (verl's convention), per sample"
-    if scores_nothing(cfg):
-        return pure_distillation_line(cfg)
+    if cfg.scores_nothing:
+        return pure_distillation_line(cfg.distill.teacher_pretrain)
     if m.remote_rm_url is None or m.remote_rm_url == "demo":
         return "reward: the demo rule (the fraction of response characters that are digits / letters, as asked)"
     kind = "reward_func() of" if m.remote_rm_url.endswith(".py") else "the HTTP endpoint"
@@ -447,148 +419,148 @@ def layout_text(layout: Layout, env: DistEnv) -> str:
 # ---- the roles of a rank ----------------------------------------------------------------------------------------
 
 
-def build_roles(
-    cfg: Config, layout: Layout, groups: Groups, device: torch.device, inputs: Inputs, correction: RolloutCorrection
-) -> RankRoles:
+def build_roles(ctx: RankContext, cfg: Config, inputs: Inputs, correction: RolloutCorrection) -> RankRoles:
     """Every role this rank plays, built in the same role order on every rank (so the groups' collectives cannot
     interleave), and weight sync from the actor to the engines."""
-    rank = groups.rank
-    mine = set(layout.roles_of(rank))
-    out = RankRoles()
-    opt_steps = optimizer_steps(cfg, inputs.total_steps)
-    a, g, images = cfg.algo, cfg.generation, inputs.prompts.image_processor
-    actor_strategy = None
-    lora = lora_settings(cfg.model)  # adapters on the trained models (actor, critic); engines get merged weights
-    if images is not None:
+    mine = set(ctx.layout.roles_of(ctx.rank))
+    out = RankRoles(rewarding=inputs.rewarding)
+    if inputs.prompts.image_processor is not None:
         quiet_output_view_warning()
-    policies = _policies(cfg, sum(r in mine for r in (Role.ACTOR, Role.REF, Role.ENGINE)), rank)
+    policies = _policies(cfg, sum(r in mine for r in (Role.ACTOR, Role.REF, Role.ENGINE)), ctx.rank)
     if Role.ENGINE in mine:
         # Engines first: vLLM sizes its KV cache from the device memory free when it starts (and refuses a
         # --vllm_gpu_memory_utilization share that is not free), so it must start before the training models
         # claim theirs.
-        unfilled = next(policies)
-        # on the meta device: the weights are read in this dtype (the ignore: transformers types PreTrainedModel.to
-        # through functools.wraps, which mypy does not bind to the instance)
-        unfilled.model.to(engine_dtype(cfg.model.bf16, device))  # type: ignore[arg-type]
-        out.engine = build_engine(
-            g,
-            unfilled,
-            inputs.tokenizer,
-            inputs.end_ids,
-            layout=layout,
-            groups=groups,
-            device=device,
-            seed=cfg.train.seed,
-            tensor_parallel_size=cfg.resources.vllm_tensor_parallel_size,
-            timeout_s=cfg.runtime.dist_timeout,
-            image_processor=images,
-            images_per_prompt=cfg.vision.max_images_per_prompt,
-            record_routing=cfg.algo.router_replay == "R3",
-        )
-        out.reward_fn, out.agents = inputs.sources.reward_fn, inputs.sources.agents
+        out.engine = _engine(ctx, cfg, next(policies), inputs)
+    steps = optimizer_steps(cfg, inputs.total_steps)
     if Role.ACTOR in mine:
-        actor_strategy = out.strategies[Role.ACTOR] = _strategy(cfg, groups, Role.ACTOR, device)
-        settings = policy_loss_settings(a, cfg.distill, g.temperature, a.loss_params(), correction)
-        policy = trained_policy(next(policies), cfg.model, cfg.train.seed)
-        if cfg.vision.freeze_visual_encoder:
-            freeze_vision_tower(policy.model)
-        if cfg.vision.freeze_prefix:
-            freeze_by_prefix(policy.model, cfg.vision.freeze_prefix)
-        model, updater = _updater(
-            cfg, policy, actor_strategy, cfg.train.actor_learning_rate, opt_steps, layout, Role.ACTOR, rank
-        )
-        actor_sp = sequence_parallel(groups, Role.ACTOR, model, cfg.train.packing_samples)
-        out.actor = Actor(
-            model,
-            updater,
-            settings,
-            device,
-            packing=cfg.train.packing_samples,
-            logits_chunk=cfg.train.logits_chunk_size,
-            sp=actor_sp,
-        )
+        out.actor = _actor(ctx, cfg, next(policies), correction, steps, out.strategies)
         if cfg.ref_is_actor_base:  # the layout has no reference ranks: the actor's base scores for it
-            out.reference = Reference(
-                model,
-                g.temperature,
-                device,
-                packing=cfg.train.packing_samples,
-                logits_chunk=cfg.train.logits_chunk_size,
-                adapters_off=True,
-                sp=actor_sp,
-                replay=cfg.algo.router_replay == "R3",
-            )
+            out.reference = _base_reference(cfg, out.actor)
     if Role.REF in mine:
-        out.strategies[Role.REF] = _strategy(cfg, groups, Role.REF, device)
-        model = out.strategies[Role.REF].wrap(next(policies), trainable=False)
-        out.reference = _frozen_policy(cfg, groups, Role.REF, model, g.temperature, device)
+        out.reference = _frozen_policy(ctx, cfg, Role.REF, next(policies), cfg.generation.temperature, out.strategies)
     if Role.TEACHER in mine:
-        out.strategies[Role.TEACHER] = _strategy(cfg, groups, Role.TEACHER, device)
-        of_teacher = teacher_source(cfg)
-        teacher = unfilled_causal_lm(of_teacher, cfg.train.seed, policy_weights(of_teacher, cfg.train.seed))
-        model = out.strategies[Role.TEACHER].wrap(teacher, trainable=False)
-        out.teacher = _frozen_policy(cfg, groups, Role.TEACHER, model, cfg.distill.teacher_temperature, device)
+        source = teacher_source(cfg.model, cfg.distill.teacher_pretrain)
+        teacher = unfilled_causal_lm(source, cfg.train.seed, policy_weights(source, cfg.train.seed))
+        out.teacher = _frozen_policy(ctx, cfg, Role.TEACHER, teacher, cfg.distill.teacher_temperature, out.strategies)
     if Role.CRITIC in mine:
-        strategy = out.strategies[Role.CRITIC] = _strategy(cfg, groups, Role.CRITIC, device)
-        critic: Unfilled = load_critic(
-            cfg.model,
-            cfg.critic.critic_pretrain,
-            cfg.reward.reward_pretrain,
-            cfg.train.seed,
-            normalize=cfg.algo.normalize_reward,
-        )
-        if lora is not None:
-            critic = add_scalar_adapters(critic, lora, cfg.train.seed)
-        model, updater = _updater(
-            cfg, critic, strategy, cfg.critic.critic_learning_rate, opt_steps, layout, Role.CRITIC, rank
-        )
-        out.critic = Critic(
-            model,
-            updater,
-            cfg.critic.value_clip,
-            a.loss_agg_mode,
-            device,
-            packing=cfg.train.packing_samples,
-            sp=sequence_parallel(groups, Role.CRITIC, model, cfg.train.packing_samples),
-        )
+        out.critic = _critic(ctx, cfg, steps, out.strategies)
     if Role.REWARD in mine and (reward_pretrain := cfg.reward.reward_pretrain) is not None:
-        out.strategies[Role.REWARD] = _strategy(cfg, groups, Role.REWARD, device)
-        model = out.strategies[Role.REWARD].wrap(
-            load_reward_model(cfg.model, reward_pretrain, cfg.train.seed, normalize=cfg.algo.normalize_reward),
-            trainable=False,
-        )
-        packing = cfg.train.packing_samples
-        out.reward_model = RewardModel(
-            model, device, packing=packing, sp=sequence_parallel(groups, Role.REWARD, model, packing)
-        )
-    source = None
-    if out.actor and actor_strategy:
-        source = (
-            ParamSource(out.actor.model, actor_strategy.param_blocks, actor_strategy)
-            if lora is None
-            else MergedLoraParams(out.actor.model, actor_strategy.param_blocks, lora.scaling)
-        )
-    out.weight_sync = WeightSync(
-        actor_params=source,
-        receiver=out.engine.weights if out.engine else None,
-        sync_group=groups.get("sync"),
-        actor_root=layout.ranks_of(Role.ACTOR)[0],
-        colocated=layout.engine_colocated_with_actor,
-        bucket_bytes=g.weight_sync_bucket_mb * 2**20,
-        wire_dtype=engine_dtype(cfg.model.bf16, device),
-        device=device,
-        check_names=source.check_names() if isinstance(source, MergedLoraParams) else (),
-        together=fused_groups if g.generation_backend == "native" else None,
-    )
+        out.reward_model = _reward_model(ctx, cfg, reward_pretrain, out.strategies)
+    out.weight_sync = _weight_sync(ctx, cfg, out)
     if cfg.train.sleep:  # models move off the device between the phases that use them
-        out.sleep = sleep_schedule(
-            layout,
-            rank,
-            out,
-            device,
-            actor_scores=not skips_old_log_probs(cfg.train, cfg.algo, cfg.distill, correction) or cfg.ref_is_actor_base,
-        )
+        actor_scores = not skips_old_log_probs(cfg.train, cfg.algo, cfg.distill, correction) or cfg.ref_is_actor_base
+        out.sleep = sleep_schedule(ctx.layout, ctx.rank, out, ctx.device, actor_scores=actor_scores)
     return out
+
+
+def _engine(ctx: RankContext, cfg: Config, policy: Unfilled[PreTrainedModel], inputs: Inputs) -> Engine:
+    """This engine rank's engine over the initial policy, held in the engines' dtype."""
+    # on the meta device: the weights are read in this dtype (the ignore: transformers types PreTrainedModel.to
+    # through functools.wraps, which mypy does not bind to the instance)
+    policy.model.to(engine_dtype(cfg.model.bf16, ctx.device))  # type: ignore[arg-type]
+    processor = inputs.prompts.image_processor
+    return build_engine(
+        ctx,
+        cfg.generation,
+        policy,
+        inputs.end_ids,
+        tensor_parallel_size=cfg.resources.vllm_tensor_parallel_size,
+        timeout_s=cfg.runtime.dist_timeout,
+        images=None if processor is None else EngineImages(processor, cfg.vision.max_images_per_prompt),
+        record_routing=cfg.algo.router_replay == "R3",
+    )
+
+
+def _actor(
+    ctx: RankContext,
+    cfg: Config,
+    unfilled: Unfilled[PreTrainedModel],
+    correction: RolloutCorrection,
+    opt_steps: int,
+    strategies: dict[Role, Strategy],
+) -> Actor:
+    """The policy being trained: wrapped by its strategy, its optimizer and update loop, its loss settings."""
+    a, t = cfg.algo, cfg.train
+    strategy = strategies[Role.ACTOR] = _strategy(ctx, cfg, Role.ACTOR)
+    policy = trained_policy(unfilled, cfg.model, t.seed)
+    if cfg.vision.freeze_visual_encoder:
+        freeze_vision_tower(policy.model)
+    if cfg.vision.freeze_prefix:
+        freeze_by_prefix(policy.model, cfg.vision.freeze_prefix)
+    model, updater = _updater(ctx, cfg, policy, strategy, t.actor_learning_rate, opt_steps, Role.ACTOR)
+    settings = policy_loss_settings(a, cfg.distill, cfg.generation.temperature, a.loss_params(), correction)
+    sp = sequence_parallel(ctx.groups, Role.ACTOR, model, t.packing_samples)
+    return Actor(
+        model, updater, settings, ctx.device, packing=t.packing_samples, logits_chunk=t.logits_chunk_size, sp=sp
+    )
+
+
+def _base_reference(cfg: Config, actor: Actor) -> Reference:
+    """LoRA with a KL term: the actor's own model with its adapters switched off scores the reference log-probs."""
+    t = cfg.train
+    return Reference(
+        actor.model,
+        cfg.generation.temperature,
+        actor.device,
+        packing=t.packing_samples,
+        logits_chunk=t.logits_chunk_size,
+        adapters_off=True,
+        sp=actor.sp,
+        replay=cfg.algo.router_replay == "R3",
+    )
+
+
+def _critic(ctx: RankContext, cfg: Config, opt_steps: int, strategies: dict[Role, Strategy]) -> Critic:
+    """The value model (GAE): from --critic_pretrain, the reward model, or the policy's body; LoRA like the actor."""
+    c, t = cfg.critic, cfg.train
+    strategy = strategies[Role.CRITIC] = _strategy(ctx, cfg, Role.CRITIC)
+    critic: Unfilled = load_critic(
+        cfg.model, c.critic_pretrain, cfg.reward.reward_pretrain, t.seed, normalize=cfg.algo.normalize_reward
+    )
+    if (lora := lora_settings(cfg.model)) is not None:
+        critic = add_scalar_adapters(critic, lora, t.seed)
+    model, updater = _updater(ctx, cfg, critic, strategy, c.critic_learning_rate, opt_steps, Role.CRITIC)
+    sp = sequence_parallel(ctx.groups, Role.CRITIC, model, t.packing_samples)
+    return Critic(model, updater, c.value_clip, cfg.algo.loss_agg_mode, ctx.device, packing=t.packing_samples, sp=sp)
+
+
+def _reward_model(ctx: RankContext, cfg: Config, reward_pretrain: str, strategies: dict[Role, Strategy]) -> RewardModel:
+    """The frozen reward model (--reward_pretrain), run like the policy."""
+    strategy = strategies[Role.REWARD] = _strategy(ctx, cfg, Role.REWARD)
+    unfilled = load_reward_model(cfg.model, reward_pretrain, cfg.train.seed, normalize=cfg.algo.normalize_reward)
+    model = strategy.wrap(unfilled, trainable=False)
+    packing = cfg.train.packing_samples
+    return RewardModel(
+        model, ctx.device, packing=packing, sp=sequence_parallel(ctx.groups, Role.REWARD, model, packing)
+    )
+
+
+def _weight_sync(ctx: RankContext, cfg: Config, roles: RankRoles) -> WeightSync:
+    """The actor's weights to the engines after each update (merged with its adapters under LoRA)."""
+    g, lora = cfg.generation, lora_settings(cfg.model)
+    source = None
+    if roles.actor is not None:
+        strategy = roles.strategies[Role.ACTOR]
+        source = (
+            ParamSource(roles.actor.model, strategy.param_blocks, strategy)
+            if lora is None
+            else MergedLoraParams(roles.actor.model, strategy.param_blocks, lora.scaling)
+        )
+    return WeightSync(
+        actor_params=source,
+        receiver=roles.engine.weights if roles.engine else None,
+        sync_group=ctx.groups.get("sync"),
+        actor_root=ctx.layout.ranks_of(Role.ACTOR)[0],
+        colocated=ctx.layout.engine_colocated_with_actor,
+        wire=WireFormat(
+            bucket_bytes=g.weight_sync_bucket_mb * 2**20,
+            dtype=engine_dtype(cfg.model.bf16, ctx.device),
+            together=fused_groups if g.generation_backend == "native" else None,
+        ),
+        device=ctx.device,
+        check_names=source.check_names() if isinstance(source, MergedLoraParams) else (),
+    )
 
 
 def sleep_schedule(
@@ -619,16 +591,24 @@ def optimizer_steps(cfg: Config, total_steps: int) -> int:
 
 
 def _frozen_policy(
-    cfg: Config, groups: Groups, role: Role, model: torch.nn.Module, temperature: float, device: torch.device
+    ctx: RankContext,
+    cfg: Config,
+    role: Role,
+    unfilled: Unfilled[PreTrainedModel],
+    temperature: float,
+    strategies: dict[Role, Strategy],
 ) -> Reference:
-    """The reference's or the teacher's scorer of the wrapped `model` (sequence-parallel when the role is)."""
+    """The reference's or the teacher's scorer: the frozen model wrapped by the role's strategy (sequence-parallel
+    when the role is)."""
+    strategy = strategies[role] = _strategy(ctx, cfg, role)
+    model = strategy.wrap(unfilled, trainable=False)
     return Reference(
         model,
         temperature,
-        device,
+        ctx.device,
         packing=cfg.train.packing_samples,
         logits_chunk=cfg.train.logits_chunk_size,
-        sp=sequence_parallel(groups, role, model, cfg.train.packing_samples),
+        sp=sequence_parallel(ctx.groups, role, model, cfg.train.packing_samples),
         replay=role is Role.REF and cfg.algo.router_replay == "R3",  # the teacher is another model
     )
 
@@ -642,27 +622,26 @@ def sequence_parallel(groups: Groups, role: Role, model: torch.nn.Module, packin
     return sp
 
 
-def _strategy(cfg: Config, groups: Groups, role: Role, device: torch.device) -> Strategy:
-    group = groups.role(role)
+def _strategy(ctx: RankContext, cfg: Config, role: Role) -> Strategy:
+    group = ctx.groups.role(role)
     assert group is not None, role
-    return make_strategy(group, device, cfg.model, cfg.train, groups.solo)
+    return make_strategy(group, ctx.device, cfg.model, cfg.train, ctx.groups.solo)
 
 
 def _updater(
+    ctx: RankContext,
     cfg: Config,
     model: torch.nn.Module | Unfilled,
     strategy: Strategy,
     lr: float,
     total_opt_steps: int,
-    layout: Layout,
     role: Role,
-    rank: int,
 ) -> tuple[torch.nn.Module, Updater]:
     """Wrap a trainable model and build its optimizer, schedule and update loop; returns (wrapped model, updater)."""
     t = cfg.train
     model, optimizer = strategy.wrap_trainable(model, lambda m: make_optimizer(m, lr, t.adam_betas, t.l2))
     scheduler = warmup_cosine(optimizer, total_opt_steps, t.lr_warmup_ratio)
-    dp_rank, dp_size = layout.data_parallel(role, rank)  # a sequence-parallel group trains one share together
+    dp_rank, dp_size = ctx.layout.data_parallel(role, ctx.rank)  # a sequence-parallel group trains one share together
     return model, Updater(
         model,
         strategy,

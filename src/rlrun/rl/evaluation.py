@@ -19,23 +19,22 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from rlrun.agents.episodes import EpisodeRunner
 from rlrun.algo.algorithms import cut_by_length
 from rlrun.config.evaluation import EvalConfig
+from rlrun.config.generation import GenerationConfig
 from rlrun.config.tracking import TrackingConfig
 from rlrun.config.training import TrainConfig
 from rlrun.data.batching import derive_seed
 from rlrun.data.prompts import Prompts
-from rlrun.engines.base import Engine, SamplingSettings
-from rlrun.launch.groups import Groups
-from rlrun.launch.layout import Layout, Role
+from rlrun.engines.protocol import Engine, SamplingSettings
+from rlrun.launch.context import RankContext
+from rlrun.launch.layout import Role
 from rlrun.launch.transfer import all_gather_vectors
-from rlrun.rewards.reward_fn import PromptMeta, RewardFunction, reward_responses
+from rlrun.rl.sampling import Rewarding, sample_and_reward
 
 # Per-rank sums, added over engine ranks: [sum of per-prompt mean rewards, sum of per-prompt max rewards,
 # prompts, sum of response lengths, samples, truncated samples].
@@ -82,30 +81,28 @@ class Evaluator:
 
     def __init__(
         self,
+        ctx: RankContext,
         ev: EvalConfig,
         tracking: TrackingConfig,
         train: TrainConfig,
-        prompt_max_len: int,
-        layout: Layout,
-        groups: Groups,
+        generation: GenerationConfig,
         prompts: Prompts,
-        tokenizer: PreTrainedTokenizerBase,
-        comm_device: torch.device,
-        *,
         engine: Engine | None,
-        reward_fn: RewardFunction | None,
-        agents: EpisodeRunner | None,
+        rewarding: Rewarding,
     ) -> None:
-        self.groups, self.prompts, self.tokenizer = groups, prompts, tokenizer
-        self.seed, self.prompt_max_len = train.seed, prompt_max_len
-        self.comm_device = comm_device
+        """`engine`: an engine rank's (None elsewhere); `rewarding`: how its samples get their rewards (as the
+        rollouts': a reward function or agents, never a reward model)."""
+        self.groups, self.prompts, self.tokenizer = ctx.groups, prompts, ctx.tokenizer
+        self.seed, self.prompt_max_len = ctx.seed, generation.prompt_max_len
+        self.comm_device = ctx.device
+        layout = ctx.layout
         self.every, self.before_train, self.n = (
             tracking.eval_steps,
             tracking.eval_before_train,
             ev.eval_n_samples_per_prompt,
         )
         self.engine_ranks = layout.ranks_of(Role.ENGINE)
-        self.engine, self.reward_fn, self.agents = engine, reward_fn, agents  # an engine rank's, else None
+        self.engine, self.rewarding = engine, rewarding
         self.temperature = ev.eval_temperature
         # Rows per generate call: what one engine rank generates per training step, which is known to fit.
         self.chunk_rows = max(self.n, train.rollouts_per_step // max(1, len(self.engine_ranks)))
@@ -134,13 +131,7 @@ class Evaluator:
         for chunk, begin in enumerate(range(0, len(rows), per_chunk)):
             part = rows[begin : begin + per_chunk]
             seed = derive_seed(self.seed, "eval", steps_done, slot, chunk)
-            r, n, cut = self._chunk(
-                part,
-                [self.prompts.texts[i] for i in part],
-                [self.prompts.ids[i] for i in part],
-                self.prompts.meta(part),
-                seed,
-            )
+            r, n, cut = self._chunk(part, seed)
             rewards.append(r)
             lengths.append(n)
             truncated.append(cut)
@@ -151,30 +142,21 @@ class Evaluator:
             torch.cat(rewards).view(shape), torch.cat(lengths).view(shape), torch.cat(truncated).view(shape)
         )
 
-    def _chunk(
-        self, rows: list[int], texts: list[str], ids: list[list[int]], meta: PromptMeta, seed: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _chunk(self, rows: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rewards [b], response lengths [b], truncated [b]) of one generate call, or of one batch of agent
         episodes (length = actions and observations; truncated = ended by the token budget)."""
         assert self.engine is not None
-        if self.agents is not None:
-            episodes = self.agents.run(self.engine, texts, ids, meta.labels, seed)
-            return (
-                episodes.rewards.float(),
-                torch.tensor([len(r) for r in episodes.responses]),
-                torch.tensor(episodes.truncated),
-            )
-        assert self.reward_fn is not None
-        images: dict[str, Any] = {}  # VLM engines' vision=
-        if self.prompts.images is not None:
+        ids, vision = [self.prompts.ids[i] for i in rows], None
+        if self.prompts.images is not None and self.rewarding.agents is None:  # a vision-language policy's images
             ids, vision = self.prompts.with_images(rows, self.prompt_max_len)
-            images = {"vision": vision}
-        responses = self.engine.sample(ids, seed, **images).responses
-        result = reward_responses(self.reward_fn, texts, meta, responses, self.tokenizer)
-        length = torch.tensor([len(r) for r in responses])
-        last = torch.tensor([r[-1] if r else -1 for r in responses])
+        sampled = sample_and_reward(self.engine, self.rewarding, self.prompts, rows, ids, seed, self.tokenizer, vision)
+        assert sampled.rewards is not None  # a reward function or agents (planning refuses a reward model)
+        length = torch.tensor([len(r) for r in sampled.responses])
+        if sampled.truncated is not None:  # episodes: ended by the token budget
+            return sampled.rewards.float(), length, torch.tensor(sampled.truncated)
+        last = torch.tensor([r[-1] if r else -1 for r in sampled.responses])
         s = self.engine.sampling
-        return result.rewards.float(), length, cut_by_length(last, length, s.max_new_tokens, s.end_ids)
+        return sampled.rewards.float(), length, cut_by_length(last, length, s.max_new_tokens, s.end_ids)
 
 
 class _HasSampling(Protocol):

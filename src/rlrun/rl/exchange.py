@@ -18,8 +18,8 @@ from typing import cast
 import torch
 
 from rlrun.data.batching import TokenBudget, shard
-from rlrun.data.rollout import RolloutBatch, SlotPlan, pack_slots, slot_plan, unpack_slots
-from rlrun.launch.groups import Groups
+from rlrun.data.rollout import RolloutBatch, SlotLayout, pack_slots, slot_layout, unpack_slots
+from rlrun.launch.context import RankContext
 from rlrun.launch.layout import Role
 from rlrun.launch.transfer import all_gather_vectors, broadcast_json, gather_from, sum_over
 from rlrun.models.moe import RoutingShape
@@ -68,12 +68,13 @@ class Exchange:
     """The step's exchanges between ranks (module docstring). `micro_rows`: --micro_rollout_batch_size, the scoring
     micro-batch where no token budget applies."""
 
-    def __init__(self, groups: Groups, budgets: Budgets, micro_rows: int, comm_device: torch.device) -> None:
-        self.groups, self.layout, self.rank = groups, groups.layout, groups.rank
+    def __init__(self, ctx: RankContext, budgets: Budgets, micro_rows: int) -> None:
+        groups = ctx.groups
+        self.groups, self.layout, self.rank = groups, ctx.layout, groups.rank
         self.budgets, self.micro_rows = budgets, micro_rows
         # NCCL needs device tensors; gloo takes them too (staged through host memory by its CUDA collectives: ran on
         # an H200 with --dist_backend gloo --device cuda), so the exchange never moves them by hand.
-        self.device = comm_device
+        self.device = ctx.device
         asynchronous = self.layout.asynchronous
         self.learners = groups.get("learners") if asynchronous else groups.world
         engines = set(self.layout.ranks_of(Role.ENGINE)) if asynchronous else set()
@@ -100,7 +101,7 @@ class Exchange:
                 scored = job.scorer(rows, self.budgets.score_micro(job.role, self.micro_rows))
                 if self.rank in ranks[key]:
                     mine[key] = scored
-        plan = slot_plan(B, widths, ranks)
+        plan = slot_layout(B, widths, ranks)
         gathered = self._gather_slots(plan, pack_slots(plan, self.rank, mine))
         results = {key: unpermute(values, orders[key]) for key, values in gathered.items()}
         return Scored(
@@ -111,7 +112,7 @@ class Exchange:
             values=results.get(Score.VALUES.value),
         )
 
-    def _gather_slots(self, plan: SlotPlan, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _gather_slots(self, plan: SlotLayout, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every learner's packed results -> {result: all rows} on CPU."""
         assert self.learners is not None  # a learner's
         return unpack_slots(plan, all_gather_vectors(flat.to(self.device), self.learners).cpu(), self.learner_ranks)
@@ -136,7 +137,7 @@ class Exchange:
         B, R = batch.sequences.shape[0], batch.response_width
         ranks = self.layout.reporting_ranks(Role.ACTOR)  # a sequence-parallel group trained the same rows
         key = Score.OLD_LOG_PROBS.value
-        plan = slot_plan(B, {key: R + 1}, {key: ranks})
+        plan = slot_layout(B, {key: R + 1}, {key: ranks})
         shards = {key: mine} if self.rank in ranks and mine is not None else {}
         rows_and_logp = self._gather_slots(plan, pack_slots(plan, self.rank, shards))[key]
         out = torch.zeros(B, R)

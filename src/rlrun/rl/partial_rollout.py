@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 
 from rlrun.data.batching import derive_seed, shard
 from rlrun.data.prompts import PromptSampler
-from rlrun.engines.base import Engine
-from rlrun.engines.native import NativeEngine
+from rlrun.engines.protocol import Engine, SamplesUntil
 
 
 @dataclass
@@ -168,7 +167,7 @@ class SequencePool:
         self.chunks += 1
         prompts, cap, chunk = [row.prompt + row.tokens for row in rows], self.s.max_new_tokens, self.s.chunk_tokens
         room = [cap - len(row.tokens) for row in rows]
-        if isinstance(self.engine, NativeEngine):
+        if isinstance(self.engine, SamplesUntil):
             groups = [g for g, group in enumerate(self.active) for row in group if not row.done]
             if ahead:
                 limits, need = [min(chunk, r) for r in room], len(self.active)

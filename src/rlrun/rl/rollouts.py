@@ -9,25 +9,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, cast
+from typing import cast
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from rlrun.agents.episodes import EpisodeRunner, mean_stats
+from rlrun.agents.episodes import mean_stats
 from rlrun.config.generation import GenerationConfig
 from rlrun.config.training import TrainConfig
 from rlrun.data.batching import derive_seed, shard
 from rlrun.data.prompts import Prompts, PromptSampler
 from rlrun.data.rollout import RolloutBatch, pack_log_probs, pack_rows, unpack_rows
 from rlrun.data.vision_batch import RowVision
-from rlrun.engines.base import REPORTS_LOG_PROBS, Engine
-from rlrun.launch.groups import Groups
-from rlrun.launch.layout import Layout, Role
+from rlrun.engines.protocol import REPORTS_LOG_PROBS, Engine
+from rlrun.launch.context import RankContext
+from rlrun.launch.layout import Role
 from rlrun.launch.transfer import EngineRowExchange, ReadyFlag, broadcast_json, gather_from, gather_vision
 from rlrun.models.moe import RoutingShape, pack_routing
-from rlrun.rewards.reward_fn import RewardFunction, reward_responses
 from rlrun.rl.partial_rollout import PoolSettings, SequencePool, alone
+from rlrun.rl.sampling import Rewarding, reward_rows, sample_and_reward
 
 
 @dataclass
@@ -74,31 +73,23 @@ class RolloutSource:
 
     def __init__(
         self,
+        ctx: RankContext,
         train: TrainConfig,
         generation: GenerationConfig,
-        layout: Layout,
-        groups: Groups,
         prompts: Prompts,
         sampler: PromptSampler,
-        tokenizer: PreTrainedTokenizerBase,
-        comm_device: torch.device,
-        *,
         engine: Engine | None,
-        reward_fn: RewardFunction | None,
-        agents: EpisodeRunner | None,
-        episodes: bool,
-        scored_later: bool,
+        rewarding: Rewarding,
         routing: RoutingShape | None = None,
     ) -> None:
-        """`engine`, `reward_fn`, `agents`: an engine rank's (None elsewhere; its rollouts are rewarded by the
-        function, or are agent episodes carrying their rewards). `episodes`: rollouts are agent episodes (their
-        masks mark the actions); `scored_later`: a reward model scores the batch in the score phase; `routing`: the
-        MoE policy's routing shape when the engines record it for --router_replay R3 (the same on every rank)."""
+        """`engine`: an engine rank's (None elsewhere); `rewarding`: how its rollouts get their rewards; `routing`:
+        the MoE policy's routing shape when the engines record it for --router_replay R3 (the same on every rank)."""
         self.routing = routing
-        self.train, self.generation, self.groups = train, generation, groups
-        self.engine, self.reward_fn, self.agents = engine, reward_fn, agents
-        self.episodes, self.scored_later = episodes, scored_later
-        self.prompts, self.sampler, self.tokenizer, self.comm_device = prompts, sampler, tokenizer, comm_device
+        self.train, self.generation = train, generation
+        self.engine, self.rewarding = engine, rewarding
+        self.prompts, self.sampler = prompts, sampler
+        groups, layout = ctx.groups, ctx.layout
+        self.groups, self.tokenizer, self.comm_device = groups, ctx.tokenizer, ctx.device
         self.rank = groups.rank
         self.engine_ranks = layout.ranks_of(Role.ENGINE)
         self.asynchronous = layout.asynchronous
@@ -118,7 +109,7 @@ class RolloutSource:
             index = layout.engine_index_of(self.rank)
             assert index is not None  # an engine rank's
             engine_group = groups.get(f"engine.{index}") if len(layout.engines[index]) > 1 else None
-            vote = EngineRowExchange(engine_group, comm_device).any_rank if engine_group is not None else alone
+            vote = EngineRowExchange(engine_group, self.comm_device).any_rank if engine_group is not None else alone
             self.pool = SequencePool(
                 engine, prompts.ids, sampler, self.engine_ranks.index(self.rank), engines, settings, vote
             )
@@ -155,7 +146,7 @@ class RolloutSource:
             out.versions = torch.tensor(
                 [[row.staleness(step), len(set(row.versions)) > 1, row.restarted] for row in rows], dtype=torch.float32
             )
-            self._reward(out, mine, responses)
+            out.scores, out.extra = reward_rows(self.rewarding, self.prompts, mine, responses, self.tokenizer)
             return self._pack(out, prompt_ids, responses, engine_lp, t0)
         records = [i for i in self.sampler.indices(step) for _ in range(n)]
         mine = records[shard(len(records), len(self.engine_ranks), slot)]
@@ -163,23 +154,18 @@ class RolloutSource:
         if self.vision:
             prompt_ids, out.vision = self.prompts.with_images(mine, self.generation.prompt_max_len)
         seed = derive_seed(self.train.seed, "generate", step, slot)
-        if self.agents is not None:
-            texts, labels = [self.prompts.texts[i] for i in mine], self.prompts.meta(mine).labels
-            episodes = self.agents.run(self.engine, texts, prompt_ids, labels, seed)
-            prompt_ids, responses, engine_lp = episodes.prompts, episodes.responses, episodes.log_probs
-            out.scores, out.agent_stats = episodes.rewards, episodes.stats
-            out.masks = pack_log_probs(episodes.action_masks, self.generation.generate_max_len)
-        else:
-            images: dict[str, Any] = {} if out.vision is None else {"vision": out.vision}  # VLM engines' vision=
-            generation = self.engine.sample(prompt_ids, seed, **images)
-            responses, engine_lp = generation.responses, generation.log_probs
-            self._reward(out, mine, responses)
-            if self.routing is not None:
-                if generation.routing is None:
-                    raise RuntimeError("--router_replay R3: the engine reported no routing")  # plan.checks refuses it
-                P, R = self.generation.prompt_max_len, self.generation.generate_max_len
-                out.routing = pack_routing(generation.routing, [len(p) for p in prompt_ids], P, R, self.routing)
-        return self._pack(out, prompt_ids, responses, engine_lp, t0)
+        sampled = sample_and_reward(
+            self.engine, self.rewarding, self.prompts, mine, prompt_ids, seed, self.tokenizer, out.vision
+        )
+        out.scores, out.extra, out.agent_stats = sampled.rewards, sampled.extra, sampled.agent_stats
+        if sampled.action_masks is not None:  # episodes: observation tokens are not actions
+            out.masks = pack_log_probs(sampled.action_masks, self.generation.generate_max_len)
+        if self.routing is not None:
+            if sampled.routing is None:
+                raise RuntimeError("--router_replay R3: the engine reported no routing")  # plan.checks refuses it
+            P, R = self.generation.prompt_max_len, self.generation.generate_max_len
+            out.routing = pack_routing(sampled.routing, [len(p) for p in sampled.prompts], P, R, self.routing)
+        return self._pack(out, sampled.prompts, sampled.responses, sampled.log_probs, t0)
 
     def signal_trained(self) -> None:
         """On the actor's first rank, after each overlapped step's update: the engines may stop generating ahead."""
@@ -190,13 +176,6 @@ class RolloutSource:
         """The ready flags of the run have all arrived (before the process groups are destroyed)."""
         if self.flag is not None:
             self.flag.finish()
-
-    def _reward(self, out: LocalRollout, records: list[int], responses: list[list[int]]) -> None:
-        """The reward function's scores of single responses (none when a reward model scores them later)."""
-        if self.reward_fn is not None:
-            texts, meta = [self.prompts.texts[i] for i in records], self.prompts.meta(records)
-            result = reward_responses(self.reward_fn, texts, meta, responses, self.tokenizer)
-            out.scores, out.extra = result.rewards, {f"reward/{k}": v for k, v in result.extra_logs.items()}
 
     def _pack(
         self,
@@ -237,7 +216,7 @@ class RolloutSource:
             routing = gather_from(self.engine_ranks, mine.routing, shape, torch.uint8, world, self.comm_device)
             p = batch.sequences.shape[1] - batch.response_width  # unpack_rows kept the step's longest prompt
             batch.routing = routing.cpu()[:, P - p : P + batch.response_width]
-        if self.episodes:  # observation tokens are not actions: the agents' masks replace the length-based one
+        if self.rewarding.episodes:  # observation tokens are not actions: the agents' masks replace the lengths'
             all_masks = gather_from(self.engine_ranks, mine.masks, (share, R), torch.float32, world, self.comm_device)
             batch.action_mask = all_masks.cpu()[:, : batch.response_width]
             extra = mean_stats(
@@ -265,7 +244,7 @@ class RolloutSource:
         if self.partial:  # every row's staleness (versions behind the policy trained on it)
             versions = gather_from(self.engine_ranks, mine.versions, (share, 3), torch.float32, world, self.comm_device)
             extra.update(staleness_logs(versions.cpu()))
-        if self.scored_later:
+        if self.rewarding.scored_later:
             return StepOutputs(batch, torch.empty(0), extra)
         all_scores = gather_from(self.engine_ranks, mine.scores, (share,), torch.float32, world, self.comm_device).cpu()
         return StepOutputs(batch, all_scores, extra)

@@ -27,35 +27,35 @@ from torch import nn
 from rlrun.launch.layout import Layout, Role
 from rlrun.runtime.log import get_logger
 from rlrun.runtime.phases import Phase
-from rlrun.strategies.base import ALL_PARTS, Part, Strategy
+from rlrun.strategies.base import ALL_UNITS, SleepUnit, Strategy
 
 MODEL_ROLES = (Role.ACTOR, Role.CRITIC, Role.REF, Role.TEACHER, Role.REWARD)
-NONE: frozenset[Part] = frozenset()
-PARAMS: frozenset[Part] = frozenset({Part.PARAMS})
+NONE: frozenset[SleepUnit] = frozenset()
+PARAMS: frozenset[SleepUnit] = frozenset({SleepUnit.PARAMS})
 
 
 # The phases of a step in which models move (each of the others moves nothing; evaluation is generation's).
 LOOP_PHASES = (Phase.GENERATE, Phase.SCORE, Phase.TRAIN, Phase.TRAIN_CRITIC, Phase.SYNC)
 ENGINE_PHASES = frozenset({Phase.GENERATE, Phase.SYNC})
-Awake = dict[Role, frozenset[Part]]  # model role -> the parts awake during a phase
+Awake = dict[Role, frozenset[SleepUnit]]  # model role -> the parts awake during a phase
 
 
-def needs(actor_scores: bool) -> dict[Role, dict[Phase, frozenset[Part]]]:
+def needs(actor_scores: bool) -> dict[Role, dict[Phase, frozenset[SleepUnit]]]:
     """The parts each model role uses in each phase (absent: none). `actor_scores`: the actor computes the old
     log-probs in score (False when the training forward stands in, rlrun.rl.trainer.skips_old_log_probs)."""
-    actor = {Phase.TRAIN: ALL_PARTS, Phase.SYNC: PARAMS}
+    actor = {Phase.TRAIN: ALL_UNITS, Phase.SYNC: PARAMS}
     if actor_scores:
         actor[Phase.SCORE] = PARAMS
     return {
         Role.ACTOR: actor,
-        Role.CRITIC: {Phase.SCORE: PARAMS, Phase.TRAIN_CRITIC: ALL_PARTS},
+        Role.CRITIC: {Phase.SCORE: PARAMS, Phase.TRAIN_CRITIC: ALL_UNITS},
         Role.REF: {Phase.SCORE: PARAMS},
         Role.TEACHER: {Phase.SCORE: PARAMS},
         Role.REWARD: {Phase.SCORE: PARAMS},
     }
 
 
-def rank_plan(held: frozenset[Role], actor_scores: bool) -> dict[Phase, Awake | None]:
+def awake_by_phase(held: frozenset[Role], actor_scores: bool) -> dict[Phase, Awake | None]:
     """For each phase, the parts of each model role in `held` that are awake during it; None where a rank holding
     `held` works nothing in that phase (its models stay as they are)."""
     table = needs(actor_scores)
@@ -77,8 +77,8 @@ class Sleeper:
     optimizer: torch.optim.Optimizer | None  # None: a frozen model
 
     @property
-    def parts(self) -> frozenset[Part]:
-        return ALL_PARTS if self.optimizer is not None else PARAMS  # a frozen model has no gradients or optimizer
+    def parts(self) -> frozenset[SleepUnit]:
+        return ALL_UNITS if self.optimizer is not None else PARAMS  # a frozen model has no gradients or optimizer
 
 
 class SleepSchedule:
@@ -88,7 +88,9 @@ class SleepSchedule:
     def __init__(self, sleepers: list[Sleeper], plan: dict[Phase, Awake | None], rank: int) -> None:
         self.sleepers, self.plan = sleepers, plan
         self.log = get_logger(rank)
-        self._told: set[tuple[Role, frozenset[Part], Phase]] = set()  # each kind of move is logged once, with its size
+        self._told: set[tuple[Role, frozenset[SleepUnit], Phase]] = (
+            set()
+        )  # each kind of move is logged once, with its size
 
     @classmethod
     def of(
@@ -102,7 +104,7 @@ class SleepSchedule:
                 "--sleep on CPU: the compute device is the CPU, so sleeping copies each "
                 "model's tensors into host buffers and frees the originals; it saves no memory overall"
             )
-        return cls(sleepers, rank_plan(frozenset(layout.roles_of(rank)), actor_scores), rank)
+        return cls(sleepers, awake_by_phase(frozenset(layout.roles_of(rank)), actor_scores), rank)
 
     def enter(self, phase: Phase) -> None:
         """The phase hook of the run's PhaseTracker: called as each phase begins."""
@@ -149,15 +151,15 @@ def describe(layout: Layout, actor_scores: bool) -> str:
         "device) otherwise; ranks move nothing in a phase in which they do no work"
     ]
     for held, ranks in by_roles.items():
-        plan = rank_plan(frozenset(held), actor_scores)
+        plan = awake_by_phase(frozenset(held), actor_scores)
         models = [r for r in MODEL_ROLES if r in held]
         if not models:
             continue
         parts = []
         for role in models:
-            for part in Part:
+            for part in SleepUnit:
                 phases = [_named(p) for p, awake in plan.items() if awake is not None and part in awake[role]]
-                if part is Part.STATES and role in (Role.REF, Role.TEACHER, Role.REWARD):
+                if part is SleepUnit.STATES and role in (Role.REF, Role.TEACHER, Role.REWARD):
                     continue  # frozen: parameters only
                 parts.append(f"{role.value} {part.value}: {', '.join(phases) or 'never'}")
         lines.append(f"  ranks {','.join(map(str, ranks))} ({', '.join(r.value for r in held)}): " + "; ".join(parts))

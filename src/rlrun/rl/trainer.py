@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from rlrun.agents.episodes import EpisodeRunner
 from rlrun.algo.algorithms import (
     AdaptiveKLController,
     RunningMoments,
@@ -36,23 +35,23 @@ from rlrun.config.algorithm import AlgorithmConfig
 from rlrun.config.distill import DistillConfig
 from rlrun.config.training import TrainConfig
 from rlrun.data.batching import RowLengths, derive_seed, minibatch_order, seed_everything
-from rlrun.data.prompts import PromptSampler
 from rlrun.data.rollout import RolloutBatch, engine_logprob_diff
-from rlrun.engines.base import Engine
-from rlrun.launch.layout import Layout, Role
+from rlrun.engines.protocol import Engine
+from rlrun.launch.context import RankContext
+from rlrun.launch.layout import Role
 from rlrun.models.moe import RoutingShape
-from rlrun.rewards.reward_fn import RewardFunction
 from rlrun.rl.dynamic_batch import Budgets
 from rlrun.rl.evaluation import Evaluator
 from rlrun.rl.exchange import Exchange, Score, Scored, ScoringJob
 from rlrun.rl.rollouts import RolloutSource, StepOutputs
+from rlrun.rl.sampling import Rewarding
 from rlrun.rl.sleep import SleepSchedule
 from rlrun.roles.actor import Actor, PolicyData, Reference
 from rlrun.roles.critic import Critic, RewardModel, ValueData
 from rlrun.runtime.errors import RlrunError
 from rlrun.runtime.log import get_logger
 from rlrun.runtime.memory import report_memory
-from rlrun.runtime.phases import Phase, PhaseTracker
+from rlrun.runtime.phases import Phase
 from rlrun.strategies.base import Strategy
 from rlrun.weight_sync.sync import WeightSync
 
@@ -84,8 +83,7 @@ class RankRoles:
     reference: Reference | None = None
     teacher: Reference | None = None  # --teacher_pretrain's frozen model (on-policy distillation)
     reward_model: RewardModel | None = None
-    reward_fn: RewardFunction | None = None  # an engine rank's, when a function or URL rewards its rollouts
-    agents: EpisodeRunner | None = None  # multi-turn episodes (their rewards replace reward_fn)
+    rewarding: Rewarding = field(default_factory=Rewarding)  # how rollouts get their rewards (an engine rank's)
     engine: Engine | None = None
     weight_sync: WeightSync | None = None
     strategies: dict[Role, Strategy] = field(default_factory=dict)  # of the roles above that hold a model
@@ -121,22 +119,19 @@ class Trainer:
 
     def __init__(
         self,
+        ctx: RankContext,
         settings: StepSettings,
-        layout: Layout,
         exchange: Exchange,
         roles: RankRoles,
         rollouts: RolloutSource,
-        sampler: PromptSampler,
-        phase: PhaseTracker,
         total_steps: int,
         evaluator: Evaluator | None = None,
     ) -> None:
         self.s = settings
-        self.layout, self.exchange, self.roles = layout, exchange, roles
-        self.rollouts, self.sampler, self.phase = rollouts, sampler, phase
+        self.layout, self.exchange, self.roles, self.rollouts = ctx.layout, exchange, roles, rollouts
+        self.sampler, self.phase, self.rank = rollouts.sampler, ctx.phase, ctx.rank
         self.budgets: Budgets = exchange.budgets
         self.total_steps, self.evaluator = total_steps, evaluator
-        self.rank = exchange.rank
         self.step = 0  # steps done
         a = settings.algo
         self.kl = make_kl_controller(a.init_kl_coef, a.kl_target, a.kl_horizon)
@@ -242,18 +237,22 @@ class Trainer:
         """The rollout correction of the batch, identical on every rank: the importance weights [B, R] of the actor's
         old log-probs against the engine's (None without them), the response mask [B, R] without the tokens
         rejection sampling leaves out (verl: before the advantages), and its metrics. With --rollout_bypass the loss
-        does this per micro-batch (rlrun.roles.actor)."""
-        c = self.s.correction
+        does this per micro-batch (rlrun.roles.actor). Without a correction, where both log-probs exist, the metrics
+        are verl's mismatch diagnostics alone (rollout_corr/*)."""
+        c, old = self.s.correction, scored.old_log_probs
         if not c.needs_old_log_probs:
-            return None, batch.action_mask, {}
-        assert scored.old_log_probs is not None  # a correction that needs them keeps the scoring pass
+            if c.bypass or old is None or batch.engine_log_probs is None:
+                return None, batch.action_mask, {}
+            # No correction (verl's `disabled` preset is metrics-only): the mismatch diagnostics, as verl logs them
+            return None, batch.action_mask, correct(old, batch.engine_log_probs, batch.action_mask, OFF).metrics
+        assert old is not None  # a correction that needs them keeps the scoring pass
         if batch.engine_log_probs is None:
             raise RlrunError(
                 "the rollout correction needs the engine's log-prob of every sampled token, and this batch has none "
                 "(an agent's episodes without them, or an engine that does not report them): use "
                 "--generation_backend native or vllm, or drop the correction"
             )
-        fixed = correct(scored.old_log_probs, batch.engine_log_probs, batch.action_mask, c)
+        fixed = correct(old, batch.engine_log_probs, batch.action_mask, c)
         kept = batch.action_mask * fixed.keep.to(batch.action_mask.dtype) if c.rejection else batch.action_mask
         return fixed.weights, kept, fixed.metrics
 

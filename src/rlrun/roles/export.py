@@ -55,7 +55,7 @@ from rlrun.roles.actor import Actor
 from rlrun.roles.critic import Critic
 from rlrun.runtime.errors import ConfigError, storage_cause, storage_error
 from rlrun.strategies.base import Strategy
-from rlrun.weight_sync.blocks import GatherScratch, is_sharded
+from rlrun.strategies.blocks import GatherScratch, is_sharded
 
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel
@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 # weights saved once under the name transformers keeps, `_keys_to_ignore_on_save` left out, names reverted to the
 # checkpoint's (transformers 5's `revert_weight_conversion`), the same file split and index. Where that cannot be
 # promised without the tensors themselves (a quantized model, a conversion that is more than a renaming or the split
-# of fused MoE experts into per-expert slices; a dtype safetensors lacks), `plan_weights` says no and the export
+# of fused MoE experts into per-expert slices; a dtype safetensors lacks), `export_sources` says no and the export
 # gathers the whole model as before (rlrun.roles.export).
 #
 # Exports refuse NaN/inf weights (naming the tensor) unless asked, and a refused write (disk full, read-only,
@@ -135,7 +135,7 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class WeightPlan:
+class ExportSources:
     """What a streamed export writes: `sources[saved name]` is the parameter or buffer (the user model's name)
     holding it, all of it or `pieces[saved name]` of it; `buffers`: the sources that are buffers (read on the
     writer, never gathered)."""
@@ -167,13 +167,13 @@ def _entries(
     return sources, specs, {n for n in buffers.values() if n in used}
 
 
-def plan_weights(
+def export_sources(
     model: nn.Module,
     shapes: dict[str, TensorSpec],
     *,
     as_transformers: bool,
     saved_name: Callable[[str], str] = lambda name: name,
-) -> WeightPlan | None:
+) -> ExportSources | None:
     """The files a streamed export of `model` writes. `shapes`: every parameter's full shape and dtype (the
     blocks' `shapes()`). `as_transformers`: `model` is a transformers model, named as save_pretrained names it;
     otherwise every state-dict name is written under `saved_name(name)` (tied ones once each). None: streaming
@@ -198,7 +198,7 @@ def plan_weights(
     layout = SafetensorsLayout(
         {k: _piece_spec(specs[s], pieces.get(k)) for k, s in sources.items()}, total_parameters=total_parameters
     )
-    return WeightPlan(sources, layout, frozenset(buffers), pieces)
+    return ExportSources(sources, layout, frozenset(buffers), pieces)
 
 
 def _piece_spec(spec: TensorSpec, piece: Piece | None) -> TensorSpec:
@@ -307,7 +307,7 @@ def gather_named(
     return out
 
 
-PlanFor = Callable[[nn.Module, dict[str, TensorSpec]], "WeightPlan | None"]
+PlanFor = Callable[[nn.Module, dict[str, TensorSpec]], "ExportSources | None"]
 
 
 def stream_weights(
@@ -358,7 +358,7 @@ class _Sink:
     """The writer's side of a stream: each source tensor to its saved names, NaN/inf counted, the first failure
     kept (and nothing more written) until `finish` raises it with the files removed."""
 
-    def __init__(self, plan: WeightPlan, path: str, flag: str, allow_nonfinite: bool) -> None:
+    def __init__(self, plan: ExportSources, path: str, flag: str, allow_nonfinite: bool) -> None:
         self.path, self.flag, self.allow_nonfinite = path, flag, allow_nonfinite
         self.needs = plan.layout.total_bytes
         self.pieces = plan.pieces
@@ -481,7 +481,7 @@ def save_causal_lm(
         flag=flag,
         allow_nonfinite=allow_nonfinite,
         beside=beside,
-        plan_for=lambda module, shapes: plan_weights(module, shapes, as_transformers=True),
+        plan_for=lambda module, shapes: export_sources(module, shapes, as_transformers=True),
     ):
         return
     state = _export_state(model, strategy, is_writer=is_writer, merged=merged, prefix="", head=None)
@@ -556,7 +556,7 @@ def save_scalar_model(
         flag=flag,
         allow_nonfinite=allow_nonfinite,
         beside=lambda: _write_scalar_config(model.hf, path, tokenizer),
-        plan_for=lambda module, shapes: plan_weights(module, shapes, as_transformers=False, saved_name=_hf_key),
+        plan_for=lambda module, shapes: export_sources(module, shapes, as_transformers=False, saved_name=_hf_key),
     ):
         return
     state = _export_state(

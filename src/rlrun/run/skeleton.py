@@ -33,7 +33,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from torch import nn
 
-from rlrun.checkpoint.checkpointer import Checkpointer, Identity, Part
+from rlrun.checkpoint.checkpointer import Checkpointer, Contents, Identity, Part
 from rlrun.checkpoint.resume import check_ownership, is_restart, run_identity
 from rlrun.cli.parser import CliSpec
 from rlrun.cli.run_config import write_run_config
@@ -222,20 +222,14 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
         job = built.job
         c = cfg.checkpoint
         checkpointer = Checkpointer(
-            c.ckpt_path,
-            identity=built.identity,
-            state=job,
-            parts=built.parts,
+            c,
+            Contents(built.identity, job, built.parts, built.trained),
             config=redacted(cfg),
             run_id=started.run_id,
             world_size=env.world_size,
-            save_steps=c.save_steps,
-            keep=c.max_ckpt_num,
-            overwrite=c.overwrite_checkpoints,
             group=built.group,
             device=started.comm_device,
             timeout_s=cfg.runtime.dist_timeout,
-            trained=built.trained,
         )
         if c.load_checkpoint:
             with phase(Phase.LOAD, -1):

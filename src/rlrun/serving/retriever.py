@@ -168,24 +168,31 @@ def parse_request(payload: object, *, default_topk: int, max_queries: int, max_q
     return RetrieveRequest(queries=queries, topk=default_topk if topk is None else topk, return_scores=return_scores)
 
 
+@dataclass(frozen=True)
+class RetrievalLimits:
+    """What one /retrieve request gets by default and may ask at most (--topk, --max_queries, --max_query_chars)."""
+
+    topk: int
+    max_queries: int
+    max_query_chars: int
+
+
 class RetrieverHTTPServer(JsonHTTPServer):
     def __init__(
         self,
         address: tuple[str, int],
         index: Bm25Index,
+        limits: RetrievalLimits,
         *,
-        topk: int,
-        max_queries: int,
-        max_query_chars: int,
         token: str | None,
         max_request_bytes: int,
         request_timeout: float,
         quiet: bool,
     ) -> None:
         self.index = index
-        self.topk = topk
-        self.max_queries = max_queries
-        self.max_query_chars = max_query_chars
+        self.topk = limits.topk
+        self.max_queries = limits.max_queries
+        self.max_query_chars = limits.max_query_chars
         super().__init__(
             address,
             RetrieverHandler,
@@ -274,9 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lambda: RetrieverHTTPServer(
             (args.host, args.port),
             index,
-            topk=args.topk,
-            max_queries=args.max_queries,
-            max_query_chars=args.max_query_chars,
+            RetrievalLimits(args.topk, args.max_queries, args.max_query_chars),
             token=token,
             max_request_bytes=args.max_request_bytes,
             request_timeout=args.request_timeout,

@@ -20,19 +20,19 @@ from torch import nn
 
 from rlrun.models.weights import Unfilled
 from rlrun.runtime.errors import CheckpointError
-from rlrun.weight_sync.blocks import ParamBlock, ParamHoming
+from rlrun.strategies.blocks import ParamBlock, ParamHoming
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
 
-class Part(enum.Enum):
+class SleepUnit(enum.Enum):
     """What of a role's model sleeps and wakes separately (--sleep)."""
 
     PARAMS = "parameters"  # weights and buffers: all a forward pass or a weight sync reads
     STATES = "optimizer states"  # gradients, optimizer state, fp32 master weights: only training needs them
 
 
-ALL_PARTS = frozenset(Part)
+ALL_UNITS = frozenset(SleepUnit)
 
 
 class GradClipper(Protocol):
@@ -124,20 +124,20 @@ class Strategy(GradClipper, ParamHoming, Protocol):
     # full_state_dict wake a sleeping model for their duration; forward passes and weight sync need it awake.
 
     def sleep(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[SleepUnit] = ALL_UNITS
     ) -> int:
         """Move `parts` of `model` (and of its optimizer; None for a frozen model) off the compute device, freeing
         their device memory. Returns the bytes moved (0 for parts already asleep)."""
         ...
 
     def wake(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[SleepUnit] = ALL_UNITS
     ) -> int:
         """Inverse of sleep: the same tensors hold the same bytes on the compute device again. Returns the bytes
         moved."""
         ...
 
-    def asleep(self, model: nn.Module) -> frozenset[Part]:
+    def asleep(self, model: nn.Module) -> frozenset[SleepUnit]:
         """The parts of `model` asleep now."""
         ...
 

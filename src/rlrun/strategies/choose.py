@@ -20,18 +20,12 @@ def make_strategy(
     """The strategy for one role's models on `group` (planning/validation already checked the install,
     version and stage). `solo`: this rank's one-rank group, which DeepSpeed needs (launch/groups.py makes it)."""
     if train.strategy == "deepspeed":
-        from rlrun.strategies.deepspeed import DeepSpeedStrategy  # noqa: PLC0415 - optional extra
+        from rlrun.strategies.deepspeed import DeepSpeedStrategy, DSSettings  # noqa: PLC0415 - optional extra
 
+        t = train
+        settings = DSSettings(t.zero_stage, model.bf16, t.adam_offload, t.micro_train_batch_size, t.max_norm)
         return DeepSpeedStrategy(
-            group,
-            device,
-            bf16=model.bf16,
-            zero_stage=train.zero_stage,
-            offload=train.adam_offload,
-            gradient_checkpointing=model.gradient_checkpointing,
-            micro_batch=train.micro_train_batch_size,
-            max_norm=train.max_norm,
-            solo_group=_required(solo),
+            group, device, settings, gradient_checkpointing=model.gradient_checkpointing, solo_group=_required(solo)
         )
     return FSDPStrategy(
         group,

@@ -30,7 +30,7 @@ import contextlib
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import deepspeed
@@ -50,9 +50,9 @@ from torch import nn
 from rlrun.models.weights import Unfilled
 from rlrun.runtime.errors import RlrunError
 from rlrun.runtime.log import get_logger
-from rlrun.strategies.base import ALL_PARTS, GradClipper, OptimizerFactory, Part, StepOps
+from rlrun.strategies.base import ALL_UNITS, GradClipper, OptimizerFactory, SleepUnit, StepOps
+from rlrun.strategies.blocks import FullBlock, ParamBlock
 from rlrun.strategies.parking import SleepBook, awake_meanwhile
-from rlrun.weight_sync.blocks import FullBlock, ParamBlock
 
 _NEVER = 2**31 - 1  # steps_per_print: DeepSpeed's own progress lines stay off; rlrun logs metrics
 
@@ -115,8 +115,8 @@ _NO_HOMING = "DeepSpeed owns its parameters' memory (views into its flat buffers
 @dataclass(frozen=True)
 class DSSettings:
     zero_stage: int  # 0-3 (3 only on a role group spanning the world: planning refuses the rest)
-    bf16: bool  # effective (GPU only)
-    offload: bool  # effective: optimizer state + fp32 master on CPU, DeepSpeedCPUAdam (GPU only)
+    bf16: bool  # in effect on a GPU only
+    offload: bool  # optimizer state + fp32 master on CPU, DeepSpeedCPUAdam (in effect on a GPU only)
     micro_batch: int
     max_norm: float
 
@@ -188,16 +188,14 @@ class DeepSpeedStrategy:
         self,
         group: dist.ProcessGroup,
         device: torch.device,
+        settings: DSSettings,
         *,
-        bf16: bool,
-        zero_stage: int,
-        offload: bool,
         gradient_checkpointing: bool,
-        micro_batch: int,
-        max_norm: float,
         solo_group: dist.ProcessGroup,
     ) -> None:
-        """`solo_group`: this rank alone (rlrun.launch.groups.solo_group), DeepSpeed's model-parallel group."""
+        """`settings` as asked (bf16 and offload take effect on a GPU only); `solo_group`: this rank alone
+        (rlrun.launch.groups.solo_group), DeepSpeed's model-parallel group."""
+        zero_stage, cuda = settings.zero_stage, device.type == "cuda"
         if zero_stage not in (0, 1, 2, 3):
             raise RlrunError(f"DeepSpeedStrategy supports ZeRO stages 0-3, got {zero_stage}")
         if zero_stage == 3 and dist.get_world_size(group) != dist.get_world_size():
@@ -208,9 +206,7 @@ class DeepSpeedStrategy:
             )
         self.group = group
         self.device = device
-        self.settings = DSSettings(
-            zero_stage, bf16 and device.type == "cuda", offload and device.type == "cuda", micro_batch, max_norm
-        )
+        self.settings = replace(settings, bf16=settings.bf16 and cuda, offload=settings.offload and cuda)
         self.gradient_checkpointing = gradient_checkpointing
         self.mpu = RoleMPU(group, solo_group)
         self._sleep = SleepBook(device)
@@ -311,7 +307,7 @@ class DeepSpeedStrategy:
     def param_blocks(self, model: nn.Module) -> list[ParamBlock]:
         """ZeRO-0/1/2 keep whole (low-precision) parameters on every rank of the role: one block, no gather.
         ZeRO-3: one block per transformer block, each gather() collective over the role."""
-        self._sleep.require_awake(model, Part.PARAMS, "weight sync")
+        self._sleep.require_awake(model, SleepUnit.PARAMS, "weight sync")
         if self.settings.zero_stage == 3:
             return blocks(unwrap(model))  # type: ignore[return-value]  # the ParamBlock surface
         return [ParamBlock(list(unwrap(model).named_parameters()))]
@@ -330,7 +326,7 @@ class DeepSpeedStrategy:
             return full_tensors(unwrap(model), keep)
         if not keep:
             return {}
-        with awake_meanwhile(self, model, None, frozenset({Part.PARAMS})):
+        with awake_meanwhile(self, model, None, frozenset({SleepUnit.PARAMS})):
             return {k: v.detach().to("cpu", copy=True) for k, v in unwrap(model).state_dict().items()}
 
     @contextlib.contextmanager
@@ -338,7 +334,7 @@ class DeepSpeedStrategy:
         """ZeRO-3: one block per transformer block, gathered in turn; ZeRO-0/1/2: one block of the whole
         (low-precision) parameters every rank holds, no collective."""
         module = unwrap(model)
-        with awake_meanwhile(self, model, None, frozenset({Part.PARAMS})):
+        with awake_meanwhile(self, model, None, frozenset({SleepUnit.PARAMS})):
             if self.settings.zero_stage == 3:
                 yield module, blocks(module)  # type: ignore[misc]  # the ParamBlock surface
             else:
@@ -358,12 +354,12 @@ class DeepSpeedStrategy:
     # ---- sleep (--sleep) ---------------------------------------------------------
 
     @staticmethod
-    def _part(model: nn.Module, optimizer: torch.optim.Optimizer | None, part: Part) -> list[torch.Tensor]:
+    def _part(model: nn.Module, optimizer: torch.optim.Optimizer | None, part: SleepUnit) -> list[torch.Tensor]:
         """PARAMS: the module's parameters (under ZeRO-1/2 views into DeepSpeed's flat low-precision buffers) and
         buffers. STATES: gradients, the torch optimizer's state, and every tensor the ZeRO optimizer wrapper holds
         (fp32 master partitions, gradient partitions and buffers; parameter views among them are left to PARAMS)."""
         module = unwrap(model)
-        if part is Part.PARAMS:
+        if part is SleepUnit.PARAMS:
             return [*module.parameters(), *module.buffers()]
         out = [p.grad for p in module.parameters() if p.grad is not None]
         if optimizer is not None:
@@ -373,7 +369,7 @@ class DeepSpeedStrategy:
         return out
 
     def sleep(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[SleepUnit] = ALL_UNITS
     ) -> int:
         if self.settings.zero_stage == 3:  # validation refuses the flag with the reason; this guards direct use
             raise RlrunError(
@@ -381,16 +377,16 @@ class DeepSpeedStrategy:
             )
         moved = 0
         for part in sorted(parts, key=lambda p: p.value):
-            keep = self._part(model, optimizer, Part.PARAMS) if part is Part.STATES else []
+            keep = self._part(model, optimizer, SleepUnit.PARAMS) if part is SleepUnit.STATES else []
             moved += self._sleep.sleep(model, part, self._part(model, optimizer, part), keep, unwrap(model), optimizer)
         return moved
 
     def wake(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[SleepUnit] = ALL_UNITS
     ) -> int:
         return sum(self._sleep.wake(model, part) for part in sorted(parts, key=lambda p: p.value))
 
-    def asleep(self, model: nn.Module) -> frozenset[Part]:
+    def asleep(self, model: nn.Module) -> frozenset[SleepUnit]:
         return self._sleep.asleep(model)
 
 
@@ -502,7 +498,7 @@ def layer_groups(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
 
 class Zero3Block:
     """One group of ZeRO-3 parameters; `gather()` makes them whole for a moment and copies them out (the
-    same role as rlrun.weight_sync.blocks.ParamBlock). Collective over the role."""
+    same role as rlrun.strategies.blocks.ParamBlock). Collective over the role."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]]) -> None:
         self.named = named

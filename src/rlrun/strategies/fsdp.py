@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rlrun.models.weights import Unfilled, WeightSource
-from rlrun.strategies.base import ALL_PARTS, OptimizerFactory, Part, StepOps, TorchSteps
+from rlrun.strategies.base import ALL_UNITS, OptimizerFactory, SleepUnit, StepOps, TorchSteps
+from rlrun.strategies.blocks import ParamBlock, full_tensor, param_blocks
 from rlrun.strategies.parking import SleepBook, awake_meanwhile
-from rlrun.weight_sync.blocks import ParamBlock, full_tensor, param_blocks
 
 # ---- re-homing parameters ----------------------------------------------------------------------------------------
 # FSDP2 parameters that live in memory the caller owns: weight sync's send buckets (zero-copy send).
@@ -182,12 +182,12 @@ class FSDPStrategy:
         return TorchSteps()  # FSDP2 reduce-scatters gradients inside loss.backward()
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        with awake_meanwhile(self, model, None, frozenset({Part.PARAMS})):
+        with awake_meanwhile(self, model, None, frozenset({SleepUnit.PARAMS})):
             return full_state_dict(model, self.group)
 
     @contextlib.contextmanager
     def export_view(self, model: nn.Module) -> Iterator[tuple[nn.Module, list[ParamBlock]]]:
-        with awake_meanwhile(self, model, None, frozenset({Part.PARAMS})):
+        with awake_meanwhile(self, model, None, frozenset({SleepUnit.PARAMS})):
             yield model, param_blocks(model)
 
     def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
@@ -201,10 +201,10 @@ class FSDPStrategy:
     # ---- sleep (--sleep) ---------------------------------------------------------
 
     @staticmethod
-    def _part(model: nn.Module, optimizer: torch.optim.Optimizer | None, part: Part) -> list[torch.Tensor]:
+    def _part(model: nn.Module, optimizer: torch.optim.Optimizer | None, part: SleepUnit) -> list[torch.Tensor]:
         """The tensors of one part: sharded parameters and buffers, or gradients and optimizer state
         (DTensors: parking takes their local shards; with CPUOffloadPolicy they are on the CPU already and stay)."""
-        if part is Part.PARAMS:
+        if part is SleepUnit.PARAMS:
             return [*model.parameters(), *model.buffers()]
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         state = (
@@ -215,9 +215,9 @@ class FSDPStrategy:
         return grads + state
 
     def sleep(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[SleepUnit] = ALL_UNITS
     ) -> int:
-        if Part.PARAMS in parts:
+        if SleepUnit.PARAMS in parts:
             # A no-grad forward of a trainable model (reshard_after_forward=False) leaves its gathered parameters
             # registered; reshard so the module holds only its shards, the gathered copies are freed and
             # the next forward gathers again (the same values: nothing changed the shards meanwhile).
@@ -226,16 +226,16 @@ class FSDPStrategy:
                     module.reshard()
         moved = 0
         for part in sorted(parts, key=lambda p: p.value):
-            keep = self._part(model, optimizer, Part.PARAMS) if part is Part.STATES else []
+            keep = self._part(model, optimizer, SleepUnit.PARAMS) if part is SleepUnit.STATES else []
             moved += self._sleep.sleep(model, part, self._part(model, optimizer, part), keep, model, optimizer)
         return moved
 
     def wake(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part] = ALL_PARTS
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[SleepUnit] = ALL_UNITS
     ) -> int:
         return sum(self._sleep.wake(model, part) for part in sorted(parts, key=lambda p: p.value))
 
-    def asleep(self, model: nn.Module) -> frozenset[Part]:
+    def asleep(self, model: nn.Module) -> frozenset[SleepUnit]:
         return self._sleep.asleep(model)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
@@ -248,20 +248,20 @@ class FSDPStrategy:
         """(name, full tensor) for every parameter, one all-gather per parameter (tests and the
         benchmark's baseline; weight sync gathers per unit, `param_blocks`). Collective: every rank of
         the role must iterate."""
-        self._sleep.require_awake(model, Part.PARAMS, "full_params")
+        self._sleep.require_awake(model, SleepUnit.PARAMS, "full_params")
         for name, param in model.named_parameters():
             yield name, full_tensor(param.detach())
 
     def param_blocks(self, model: nn.Module) -> list[ParamBlock]:
         """The parameters grouped by FSDP unit, in gather order (see `param_blocks`)."""
-        self._sleep.require_awake(model, Part.PARAMS, "weight sync")
+        self._sleep.require_awake(model, SleepUnit.PARAMS, "weight sync")
         return param_blocks(model)
 
     def zero_copy_blocker(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
         return zero_copy_blocker(model, dtype, device)
 
     def home_params(self, model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
-        self._sleep.require_awake(model, Part.PARAMS, "weight sync")
+        self._sleep.require_awake(model, SleepUnit.PARAMS, "weight sync")
         home_params(model, views)
 
 

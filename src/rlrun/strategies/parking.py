@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from rlrun.runtime.errors import RlrunError
-from rlrun.strategies.base import Part
+from rlrun.strategies.base import SleepUnit
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -99,15 +99,15 @@ class SleepBook:
     """What one strategy has parked, per model and part, with the guards that make a sleeping model fail loudly."""
 
     device: torch.device
-    _asleep: dict[tuple[int, Part], _Asleep] = field(default_factory=dict)
+    _asleep: dict[tuple[int, SleepUnit], _Asleep] = field(default_factory=dict)
 
-    def asleep(self, model: nn.Module) -> frozenset[Part]:
-        return frozenset(part for part in Part if (id(model), part) in self._asleep)
+    def asleep(self, model: nn.Module) -> frozenset[SleepUnit]:
+        return frozenset(part for part in SleepUnit if (id(model), part) in self._asleep)
 
     def sleep(
         self,
         model: nn.Module,
-        part: Part,
+        part: SleepUnit,
         tensors: Iterable[torch.Tensor],
         keep: Iterable[torch.Tensor],
         guarded: nn.Module,
@@ -123,7 +123,7 @@ class SleepBook:
         storages = [s for ptr, s in device_storages(tensors, self.device).items() if ptr not in kept]
         parked = ParkedStorages(storages, self.device)
         guard = None
-        if part is Part.PARAMS:
+        if part is SleepUnit.PARAMS:
             guard = guarded.register_forward_pre_hook(
                 _refuse("a forward pass ran on a model whose parameters are asleep"), prepend=True
             )  # before FSDP2's own hook reads the shards
@@ -134,7 +134,7 @@ class SleepBook:
         self._asleep[key] = _Asleep(parked, guard)
         return parked.nbytes
 
-    def wake(self, model: nn.Module, part: Part) -> int:
+    def wake(self, model: nn.Module, part: SleepUnit) -> int:
         entry = self._asleep.pop((id(model), part), None)
         if entry is None:
             return 0
@@ -143,7 +143,7 @@ class SleepBook:
         entry.parked.restore()
         return entry.parked.nbytes
 
-    def require_awake(self, model: nn.Module, part: Part, what: str) -> None:
+    def require_awake(self, model: nn.Module, part: SleepUnit, what: str) -> None:
         if (id(model), part) in self._asleep:
             raise RlrunError(
                 f"{what} needs the model's {part.value}, which are asleep (--sleep); "
@@ -161,11 +161,11 @@ def _refuse(what: str):
 class SleepCapable(Protocol):
     """The three methods awake_meanwhile needs (both strategies have them)."""
 
-    def asleep(self, model: nn.Module) -> frozenset[Part]: ...
+    def asleep(self, model: nn.Module) -> frozenset[SleepUnit]: ...
 
-    def sleep(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part]) -> int: ...
+    def sleep(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[SleepUnit]) -> int: ...
 
-    def wake(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[Part]) -> int: ...
+    def wake(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[SleepUnit]) -> int: ...
 
 
 @contextlib.contextmanager
@@ -173,7 +173,7 @@ def awake_meanwhile(
     sleeper: SleepCapable,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    parts: frozenset[Part] = frozenset(Part),
+    parts: frozenset[SleepUnit] = frozenset(SleepUnit),
 ) -> Iterator[None]:
     """Wake what of `parts` sleeps in `model`, and put it back to sleep afterwards (checkpoints and exports read a
     model whatever the schedule). STATES need the `optimizer` to find its state again."""

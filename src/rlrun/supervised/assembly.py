@@ -1,15 +1,16 @@
 """The supervised trainers' assembly (rlrun.sft, rlrun.rm, rlrun.dpo) for the run skeleton (rlrun.run.skeleton).
 
-`Supervised` is what an entry module declares: its command line, how it reads a data file, how it builds its task
-(with the model builders here). Every rank trains one data-parallel share of one model on the all-ranks group, in
-the loop rlrun.supervised.loop runs. The only module of supervised/ that reads the whole config.
+`Supervised` is a trainer: how it reads a data file and builds its task (rlrun.supervised.trainers declares the
+three, with the model builders here). Every rank trains one data-parallel share of one model on the all-ranks group,
+in the loop rlrun.supervised.loop runs. The only modules of supervised/ that read the whole config: this one and
+trainers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
@@ -18,7 +19,6 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlrun.checkpoint.checkpointer import Identity
-from rlrun.cli.parser import CliSpec
 from rlrun.config.model import PretrainedConfig
 from rlrun.config.supervised import DPOLossConfig, SupervisedConfig, SupervisedTrainConfig
 from rlrun.config.training import OptimConfig
@@ -29,13 +29,13 @@ from rlrun.launch.env import DistEnv
 from rlrun.launch.groups import SequenceParallel, all_ranks_group, sequence_parallel_groups, solo_group
 from rlrun.launch.transfer import sum_over
 from rlrun.models.adapter_pretrain import lora_settings
-from rlrun.models.loading import ScalarHeadModel, trained_policy, unfilled_policy, unfilled_scalar_model
+from rlrun.models.loading import ScalarHeadModel, load_tokenizer, trained_policy, unfilled_policy, unfilled_scalar_model
 from rlrun.models.lora import LoraSettings, add_scalar_adapters
 from rlrun.models.weights import Unfilled
 from rlrun.plan.checks import reference_is_base
 from rlrun.plan.memory_text import supervised_memory
-from rlrun.plan.plan import Planned, plan_supervised
-from rlrun.plan.preflight import supervised_preflight, supervised_tokenizer
+from rlrun.plan.plan import Planned
+from rlrun.plan.preflight import supervised_preflight
 from rlrun.plan.shapes import SupervisedJob
 from rlrun.reporting.run_report import model_form, saved_outputs
 from rlrun.roles.update import Updater, make_optimizer, warmup_cosine
@@ -100,27 +100,15 @@ class Data(Generic[S]):
 
 @dataclass(frozen=True)
 class Supervised(Generic[S]):
-    """One supervised entry point for the run skeleton (its Entry and its Trainer): its command line, how it reads a
-    data file, and how it builds its task (rlrun.sft, rlrun.rm and rlrun.dpo declare theirs)."""
+    """One supervised trainer for the run skeleton (rlrun.run.skeleton.Trainer): how it reads a data file and how it
+    builds its task (rlrun.supervised.trainers declares rlrun.sft's, rlrun.rm's and rlrun.dpo's)."""
 
-    cli: CliSpec
     load: Callable[[Any, PreTrainedTokenizerBase, DataSpec], Loaded[S]]  # (config, tokenizer, sources) -> samples
     build_task: Callable[[Any, BuildContext], Task[S]]
     job: SupervisedJob  # what the trainer holds, for --dry_run's memory plan (rlrun.plan.shapes)
     # Without --eval_dataset, evaluate on this fraction of the first training samples (OpenRLHF's reward-model
     # trainer does, with 1%, for the reward mean/std it saves); 0: no evaluation.
     eval_from_train: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return self.cli.prog.split()[-1].removeprefix("rlrun.")
-
-    def plan(self, argv: Sequence[str] | None, env: DistEnv) -> Planned[SupervisedConfig]:
-        return plan_supervised(argv, env, self.cli)
-
-    def trainer(self) -> Supervised[S]:
-        """Entry and trainer in one: an entry module that declares one has imported it already."""
-        return self
 
     def memory(self, planned: Planned[SupervisedConfig], env: DistEnv) -> tuple[list[str], list[str]]:
         return supervised_memory(planned.config, self.job, env.world_size, env.local_world_size, env.rank == 0)
@@ -132,7 +120,7 @@ class Supervised(Generic[S]):
 
     def read(self, planned: Planned[SupervisedConfig], started: Started) -> Data[S]:
         cfg, log = planned.config, started.log
-        tokenizer = supervised_tokenizer(cfg)
+        tokenizer = load_tokenizer(cfg.model, cfg.data.tokenizer_chat_template)
         d, t = cfg.data, cfg.train
         assert d.dataset is not None  # check_supervised
         with deadline(

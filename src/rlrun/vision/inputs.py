@@ -18,10 +18,15 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from rlrun.config.model import PretrainedConfig as ModelSettings
+from rlrun.config.vision import VisionConfig
 from rlrun.data.images import load_image
 from rlrun.data.packing import PackedBatch
 from rlrun.data.rollout import RolloutBatch
 from rlrun.data.vision_batch import PromptVision, RowVision
+from rlrun.models.adapter_pretrain import model_folder
+from rlrun.models.architecture import is_vision_language
+from rlrun.models.loading import load_model_config
 from rlrun.runtime.errors import ConfigError, DataError
 
 
@@ -48,6 +53,15 @@ def load_image_processor(folder: str, min_pixels: int | None = None, max_pixels:
             f"{folder}: the vision-language model's image processor cannot be read ({exc}); its "
             "folder needs the preprocessor_config.json saved with the model"
         ) from exc
+
+
+def image_inputs(model: ModelSettings, v: VisionConfig) -> ImageInputs | None:
+    """A vision-language policy's image preprocessing (its --min_pixels/--max_pixels); None for a text policy."""
+    config = load_model_config(model)
+    if not is_vision_language(config):
+        return None
+    assert model.pretrain is not None  # the embedded models are text-only
+    return ImageInputs(model_folder(model.pretrain, "pretrain"), config, v.min_pixels, v.max_pixels)
 
 
 class ImageInputs:

@@ -9,30 +9,43 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlrun.launch.transfer import broadcast_json, wait_all
-from rlrun.models.lora import hf_name, is_adapter, lora_pairs, merge_into, merged_weight
-from rlrun.runtime.errors import RlrunError
-from rlrun.runtime.log import get_logger
-from rlrun.weight_sync.blocks import FullBlock, GatherScratch, ParamBlock, ParamHoming
-from rlrun.weight_sync.buckets import (
+from rlrun.engines.receivers import (
     BucketEntry,
     BucketSink,
     KeptModel,
     ParamLoader,
     WeightReceiver,
-    WireOrder,
     bucket_size,
+    chunk_bounds,
     entry_view,
-    plan_buckets,
-    plan_chunks,
-    two_staging,
+    pack_buckets,
 )
+from rlrun.launch.transfer import broadcast_json, wait_all
+from rlrun.models.lora import hf_name, is_adapter, lora_pairs, merge_into, merged_weight
+from rlrun.runtime.errors import RlrunError
+from rlrun.runtime.log import get_logger
+from rlrun.strategies.blocks import FullBlock, GatherScratch, ParamBlock, ParamHoming
+from rlrun.weight_sync.buckets import WireOrder, two_staging
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """How a sync goes on the wire: buckets of at most `bucket_bytes` in `dtype` (the engines'), broadcast in chunks
+    of about `chunk_bytes`; `together`: from the parameter names, the groups the engine runs as one tensor
+    (rlrun.engines.native.decoder's fused_groups), kept back to back in the buckets so that its receive buffers hold
+    them that way."""
+
+    bucket_bytes: int
+    dtype: torch.dtype
+    chunk_bytes: int = 16 * 2**20
+    together: Callable[[list[str]], Sequence[Sequence[str]]] | None = None
 
 
 class WeightSync:
@@ -62,18 +75,15 @@ class WeightSync:
         sync_group: dist.ProcessGroup | None,
         actor_root: int,
         colocated: bool,
-        bucket_bytes: int,
-        wire_dtype: torch.dtype,
+        wire: WireFormat,
         device: torch.device,
-        chunk_bytes: int = 16 * 2**20,
         check_names: Sequence[str] = (),
-        together: Callable[[list[str]], Sequence[Sequence[str]]] | None = None,
     ) -> None:
         """actor_params: this rank's actor parameters (None off the actor's ranks). receiver: how this rank's engine
-        takes each sync (rlrun.engines.base.Engine.weights); None off the engine ranks, and on an engine's ranks that
-        its first rank takes the weights for. together: from the parameter names, the groups the engine runs as one
-        tensor (rlrun.engines.decoder's fused_groups), kept back to back in the buckets so that its receive buffers
-        hold them that way; the same function on every rank of the sync (root and engines derive the same plan)."""
+        takes each sync (rlrun.engines.protocol.Engine.weights); None off the engine ranks, and on an engine's ranks
+        that its first rank takes the weights for. wire: the buckets' size, dtype, chunks and kept-together groups,
+        the same on every rank of the sync (root and engines derive the same plan from it)."""
+        bucket_bytes, wire_dtype, chunk_bytes, together = wire.bucket_bytes, wire.dtype, wire.chunk_bytes, wire.together
         engine_model = receiver.model if isinstance(receiver, (KeptModel, BucketSink)) else None
         sink = receiver if isinstance(receiver, BucketSink) else None
         loader = receiver if isinstance(receiver, ParamLoader) else None
@@ -104,7 +114,7 @@ class WeightSync:
         if colocated and sink is not None:
             # A colocated engine handing each bucket on: the rank packs its own gathers, nothing crosses the wire
             assert actor_params is not None
-            self.buckets = plan_buckets([(n, s, wire_dtype) for n, s, _ in actor_params.shapes()], bucket_bytes)
+            self.buckets = pack_buckets([(n, s, wire_dtype) for n, s, _ in actor_params.shapes()], bucket_bytes)
             self.buffers = two_staging(self.buckets, device)
             return
         if colocated or (not is_root and self.engine_model is None):
@@ -131,11 +141,11 @@ class WeightSync:
         if engine_model is not None:
             self._check_engine_matches(params)
         groups = together([n for n, _ in params]) if together is not None else ()
-        self.buckets = plan_buckets([(n, torch.Size(s), wire_dtype) for n, s in params], bucket_bytes, groups)
+        self.buckets = pack_buckets([(n, torch.Size(s), wire_dtype) for n, s in params], bucket_bytes, groups)
         if self.zero_copy:  # nothing to pack, so nothing to overlap: one broadcast per bucket, the wire's floor
             self.chunks = [[(0, bucket_size(b), len(b) - 1)] for b in self.buckets]
         else:
-            self.chunks = [plan_chunks(b, min(chunk_bytes, bucket_bytes)) for b in self.buckets]
+            self.chunks = [chunk_bounds(b, min(chunk_bytes, bucket_bytes)) for b in self.buckets]
         if (engine_model is None and not self.zero_copy) or sink is not None:
             # A packing root, or an engine handing each bucket on: two alternating staging buffers
             self.buffers = two_staging(self.buckets, device)

@@ -1,4 +1,4 @@
-"""VLLMEngine: the engine surface of engines/base.py backed by a vLLM child process (tensor parallel T: the
+"""VLLMEngine: the engine surface of engines/protocol.py backed by a vLLM child process (tensor parallel T: the
 child runs vLLM's T workers; TensorParallelEngine, below, is how an engine's T ranks share it).
 
 The rank keeps no copy of the policy: `model` lies on the meta device (it names the parameters), and WeightSync
@@ -15,14 +15,17 @@ import os
 import random
 import shutil
 import tempfile
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from rlrun.config.generation import GenerationConfig
 from rlrun.data.vision_batch import RowVision
-from rlrun.engines.base import Generation, SamplingSettings, cut_at_stop
+from rlrun.engines.protocol import Generation, SamplingSettings, cut_at_stop, refuse_images
+from rlrun.engines.receivers import WeightReceiver
 from rlrun.engines.vllm.adapter import EngineSpec, ImageRequests, Sampling, check_version, sleeps, write_weights
 from rlrun.engines.vllm.child import EngineChild
 from rlrun.engines.vllm.handoff import SHM_DIR, check_shm, file_bytes
@@ -30,7 +33,6 @@ from rlrun.engines.vllm.placement import gpu_utilization
 from rlrun.engines.vllm.stream import ChildStreamSink, EngineSink, WeightsFileSink
 from rlrun.runtime.log import get_logger
 from rlrun.vision.inputs import vision_token_ids
-from rlrun.weight_sync.buckets import WeightReceiver
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -73,6 +75,43 @@ def request_seeds(seed: int, count: int) -> list[int]:
     return [rng.getrandbits(31) for _ in range(count)]
 
 
+@dataclass(frozen=True)
+class VLLMOptions:
+    """How a vLLM engine starts: this rank, the run's seed and longest sequence, the engine's tensor-parallel size,
+    the --vllm_* settings, and a vision-language policy's image processor (None for text)."""
+
+    rank: int
+    seed: int
+    max_model_len: int
+    tensor_parallel_size: int = 1
+    timeout_s: float = 300.0  # child host: the bound on each request to the child
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
+    enable_sleep: bool = False
+    kv_cache_memory_bytes: int | None = None
+    seeded_requests: bool = False
+    image_processor: Any = None
+    images_per_prompt: int = 0
+
+    @classmethod
+    def of(
+        cls, g: GenerationConfig, *, rank: int, seed: int, tensor_parallel_size: int, timeout_s: float
+    ) -> VLLMOptions:
+        """The generation section's vLLM settings for this rank (images: set by the caller with replace)."""
+        return cls(
+            rank,
+            seed,
+            g.prompt_max_len + g.generate_max_len,
+            tensor_parallel_size,
+            timeout_s,
+            g.enforce_eager,
+            g.vllm_gpu_memory_utilization,
+            g.vllm_enable_sleep,
+            g.vllm_kv_cache_memory_bytes,
+            g.vllm_seeded_requests,
+        )
+
+
 class VLLMEngineBase:
     """What both vLLM hosts share: the policy's parameter names and shapes (`model`, on the meta device once the
     engine is built), the config-and-tokenizer directory vLLM starts from, per-row seeds from one seed, and the
@@ -88,12 +127,11 @@ class VLLMEngineBase:
         tokenizer: PreTrainedTokenizerBase,
         sampling: SamplingSettings,
         device: torch.device,
-        rank: int,
-        seeded_requests: bool = False,
-        image_processor: Any = None,
+        options: VLLMOptions,
     ) -> None:
         check_version()
-        self.seeded_requests = seeded_requests
+        rank, image_processor = options.rank, options.image_processor
+        self.seeded_requests = options.seeded_requests
         self.model = model.eval()
         self.model.requires_grad_(False)
         self.sampling = sampling
@@ -185,22 +223,12 @@ class VLLMEngine(VLLMEngineBase):
         tokenizer: PreTrainedTokenizerBase,
         sampling: SamplingSettings,
         device: torch.device,
-        *,
-        seed: int,
-        max_model_len: int,
-        timeout_s: float,
-        enforce_eager: bool = False,
-        gpu_memory_utilization: float = 0.9,
-        rank: int = 0,
-        tensor_parallel_size: int = 1,
-        enable_sleep: bool = False,
-        kv_cache_memory_bytes: int | None = None,
-        seeded_requests: bool = False,
-        image_processor: Any = None,
-        images_per_prompt: int = 0,
+        options: VLLMOptions,
     ) -> None:
         """`model` may lie on the meta device (but a vision-language policy's weights, read for vLLM's first file);
         it is moved there once the engine is built."""
+        o = options
+        rank, tensor_parallel_size, image_processor = o.rank, o.tensor_parallel_size, o.image_processor
         check_version()
         shm = SHM_DIR if os.path.isdir(SHM_DIR) else None
         # Before anything is written or the child is spawned: what the weight syncs will put in /dev/shm. Tensor
@@ -212,7 +240,7 @@ class VLLMEngine(VLLMEngineBase):
                 f"the vLLM engine's weights file (tensor parallel {tensor_parallel_size}: its workers read every "
                 "weight sync from a file in shared memory)",
             )
-        super().__init__(model, tokenizer, sampling, device, rank, seeded_requests, image_processor)
+        super().__init__(model, tokenizer, sampling, device, options)
         model_dir = self.model_dir
         self.weights_dir = None
         if tensor_parallel_size > 1:
@@ -226,24 +254,24 @@ class VLLMEngine(VLLMEngineBase):
         spec = EngineSpec(
             model_dir=model_dir,
             dtype=self.dtype_name,
-            seed=seed,
-            max_model_len=max_model_len,
+            seed=o.seed,
+            max_model_len=o.max_model_len,
             device=device.type,
-            enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_utilization(gpu_memory_utilization, device, rank),
+            enforce_eager=o.enforce_eager,
+            gpu_memory_utilization=gpu_utilization(o.gpu_memory_utilization, device, rank),
             cuda_visible_devices=_visible_gpus(device, tensor_parallel_size),
             tensor_parallel_size=tensor_parallel_size,
             weights_dir=self.weights_dir,
-            enable_sleep=enable_sleep,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            images_per_prompt=images_per_prompt,
+            enable_sleep=o.enable_sleep,
+            kv_cache_memory_bytes=o.kv_cache_memory_bytes,
+            images_per_prompt=o.images_per_prompt,
         )
         self.sleeps = sleeps(spec)
         log = get_logger(rank)
         self.child = EngineChild(
             spec,
             os.path.join(self.workdir, "engine.log"),
-            timeout_s,
+            o.timeout_s,
             on_ready=lambda s: log._emit(
                 "info",
                 f"rank {rank}: vLLM engine child ready in {s:.1f} s (spawn -> ready, "
@@ -350,8 +378,15 @@ class TensorParallelEngine:
         self.leader = leader
 
     def sample(
-        self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None, stop: tuple[str, ...] = ()
+        self,
+        prompts: list[list[int]],
+        seed: int,
+        *,
+        max_new_tokens: int | None = None,
+        stop: tuple[str, ...] = (),
+        vision: RowVision | None = None,
     ) -> Generation:
+        refuse_images(vision, "tensor-parallel vLLM")  # planning refuses vision-language runs on them
         parts = self.exchange.to_leader({"prompts": prompts, "seed": seed})
         answers: list[object] | None = None
         if self.leader is not None:

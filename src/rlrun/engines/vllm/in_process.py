@@ -1,4 +1,4 @@
-"""InProcessEngine: the engine surface of engines/base.py backed by vLLM inside this rank (external_launcher).
+"""InProcessEngine: the engine surface of engines/protocol.py backed by vLLM inside this rank (external_launcher).
 
 Only for layouts whose engine ranks are the whole torch.distributed world, in consecutive tensor-parallel blocks
 from rank 0 (engines/vllm/placement.py says why; the constructor refuses anything else). Every rank builds one `LLM`;
@@ -30,21 +30,21 @@ import random
 import shutil
 import time
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.engines.base import Generation, SamplingSettings
+from rlrun.engines.protocol import Generation, SamplingSettings
+from rlrun.engines.receivers import ParamLoader
 from rlrun.engines.vllm.adapter import EngineSpec, ImageRequests, VLLMAdapter, sleeps
-from rlrun.engines.vllm.engine import VLLMEngineBase
+from rlrun.engines.vllm.engine import VLLMEngineBase, VLLMOptions
 from rlrun.engines.vllm.placement import gpu_utilization, whole_world_problem
 from rlrun.launch.layout import Layout
 from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.log import get_logger
-from rlrun.weight_sync.buckets import ParamLoader
 
 
 class PeerExchange(Protocol):
@@ -103,24 +103,16 @@ class InProcessEngine(VLLMEngineBase, ParamLoader):
         tokenizer: PreTrainedTokenizerBase,
         sampling: SamplingSettings,
         device: torch.device,
+        options: VLLMOptions,
         *,
         layout: Layout,
         world_size: int,
-        rank: int,
         exchange: PeerExchange,
-        seed: int,
-        max_model_len: int,
-        tensor_parallel_size: int = 1,
-        enforce_eager: bool = False,
-        gpu_memory_utilization: float = 0.9,
-        enable_sleep: bool = False,
-        kv_cache_memory_bytes: int | None = None,
-        seeded_requests: bool = False,
-        image_processor: Any = None,
-        images_per_prompt: int = 0,
     ) -> None:
         """`model` may lie on the meta device (but a vision-language policy's weights, read for vLLM's first file);
         it is moved there once the engine is built. WeightSync hands each sync's gathered tensors to `load`."""
+        o = options
+        rank, tensor_parallel_size = o.rank, o.tensor_parallel_size
         # A subset of the world would hang inside vLLM with no error: refuse it here too, not only in planning.
         problem = whole_world_problem(layout, tensor_parallel_size)
         if problem is None and world_size != layout.world_size:
@@ -130,7 +122,7 @@ class InProcessEngine(VLLMEngineBase, ParamLoader):
                 f"the in-process vLLM engine (--vllm_engine_host in_process) cannot run here: {problem}; "
                 "use --vllm_engine_host child"
             )
-        super().__init__(model, tokenizer, sampling, device, rank, seeded_requests, image_processor)
+        super().__init__(model, tokenizer, sampling, device, options)
         self.exchange = exchange
         self.tensor_parallel_size = tensor_parallel_size
         # Every rank of a tensor-parallel group must build the same engine, seed included (each call reseeds it
@@ -138,16 +130,16 @@ class InProcessEngine(VLLMEngineBase, ParamLoader):
         self.spec = EngineSpec(
             model_dir=self.model_dir,
             dtype=self.dtype_name,
-            seed=seed,
-            max_model_len=max_model_len,
+            seed=o.seed,
+            max_model_len=o.max_model_len,
             device=device.type,
-            enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_utilization(gpu_memory_utilization, device, rank),
+            enforce_eager=o.enforce_eager,
+            gpu_memory_utilization=gpu_utilization(o.gpu_memory_utilization, device, rank),
             tensor_parallel_size=tensor_parallel_size,
             external_launcher=True,
-            enable_sleep=enable_sleep,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            images_per_prompt=images_per_prompt,
+            enable_sleep=o.enable_sleep,
+            kv_cache_memory_bytes=o.kv_cache_memory_bytes,
+            images_per_prompt=o.images_per_prompt,
         )
         self.sleeps = sleeps(self.spec)
         log = get_logger(rank)

@@ -28,9 +28,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from rlrun.engines.receivers import BucketEntry, BucketSink, bucket_size, entry_view
 from rlrun.engines.vllm.handoff import Handoff, check_shm, memory_key, pack, unpack, unshared_bytes
 from rlrun.models.safetensors import SafetensorsLayout, StreamedSafetensors, TensorSpec
-from rlrun.weight_sync.buckets import BucketEntry, BucketSink, bucket_size, entry_view
 
 WEIGHTS_FILE = "model.safetensors"
 _ONE_FILE = 2**62  # bytes per file: never split (the workers read every file of the directory anyway)

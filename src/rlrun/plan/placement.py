@@ -27,7 +27,7 @@ Semantics of ``plan_layout(request, world_size, ranks_per_node)``:
 * A role's ``gpus_per_node`` may not exceed ``ranks_per_node``, and an engine's tensor-parallel group may not
   cross a node boundary (errors). A role with ``num_nodes > 1`` whose ranks do not start on a node boundary or
   do not span exactly ``num_nodes`` nodes gets a warning: it works, only slower.
-* Node labels: see :mod:`rlrun.plan.layout` (``RoleRequest.node_label``, ``engine_node_label``).
+* Node labels: see :mod:`rlrun.plan.placement` (``RoleRequest.node_label``, ``engine_node_label``).
 * The engine's ranks are either exactly the actor's ranks (weights are synced in place) or disjoint from them
   (weights are broadcast over ``sync``).
 * Groups, in this fixed order, skipping roles without ranks: ``world``; ``actor``, ``critic``, ``ref``,
@@ -54,7 +54,7 @@ from rlrun.runtime.errors import LayoutError
 # label whose nodes lack the ranks, are errors naming every node's label. When the consecutive placement already honours
 # the labels (or none is asked, or ``node_labels=None`` before start-up) it is kept.
 #
-# Pure functions called by :func:`rlrun.plan.layout.plan_layout`, which builds the blocks; a block is
+# Pure functions called by :func:`rlrun.plan.placement.plan_layout`, which builds the blocks; a block is
 # ``(roles sharing the same consecutive ranks, how many ranks)``.
 
 _Block = tuple[tuple[Role, ...], int]

@@ -1,4 +1,5 @@
-"""NativeEngine: rollout sampling with rlrun's own KV-cache decoder (rlrun.engines.decoder) on the engine's HF model.
+"""NativeEngine: rollout sampling with rlrun's own KV-cache decoder (rlrun.engines.native.decoder) on the engine's HF
+model.
 
 Behind the same surface as HFEngine (generate / sample / load_weights, a `model` that weight sync writes into), and
 like vLLM it reports the log-probability of every sampled token and drops finished rows from the batch instead of
@@ -38,8 +39,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.engines.base import Generation, SamplingSettings, TorchEngine, cut_at_stop
-from rlrun.engines.decoder import Decoder, KVCache
+from rlrun.data.vision_batch import RowVision
+from rlrun.engines.native.decoder import Decoder, KVCache
+from rlrun.engines.protocol import Generation, SamplingSettings, TorchEngine, cut_at_stop, refuse_images
 from rlrun.models.moe import NO_ROUTE
 from rlrun.runtime.errors import ConfigError, NonFiniteError
 from rlrun.runtime.log import get_logger
@@ -164,8 +166,15 @@ class NativeEngine(TorchEngine):
 
     @torch.no_grad()
     def sample(
-        self, prompts: list[list[int]], seed: int, *, max_new_tokens: int | None = None, stop: tuple[str, ...] = ()
+        self,
+        prompts: list[list[int]],
+        seed: int,
+        *,
+        max_new_tokens: int | None = None,
+        stop: tuple[str, ...] = (),
+        vision: RowVision | None = None,
     ) -> Generation:
+        refuse_images(vision, "native")
         if stop and self.tokenizer is None:
             raise ValueError("NativeEngine needs its tokenizer for stop strings")
         _check_prompts(prompts)
