@@ -34,15 +34,15 @@ def test_a_teacher_with_the_policys_tokenizer_is_accepted_whatever_its_vocab_siz
     padded = _with_config(qwen_vocab_model, tmp_path / "teacher_7b_like", vocab_size=152064)
     cfg = parse_args(["--pretrain", str(qwen_vocab_model), "--teacher_pretrain", str(padded)]).config
     tokenizer = load_tokenizer(PretrainedConfig(pretrain=str(qwen_vocab_model)))
-    check_teacher_tokenizer(cfg, tokenizer)
+    check_teacher_tokenizer(cfg.model, cfg.distill.teacher_pretrain, tokenizer)
     other = save_tiny_base(tmp_path / "byte_teacher")
     cfg = parse_args(["--pretrain", str(qwen_vocab_model), "--teacher_pretrain", other]).config
     with pytest.raises(ConfigError, match=r"tokenizer is not the policy's .*distillation across tokenizers"):
-        check_teacher_tokenizer(cfg, tokenizer)
+        check_teacher_tokenizer(cfg.model, cfg.distill.teacher_pretrain, tokenizer)
     short = _with_config(qwen_vocab_model, tmp_path / "teacher_short", vocab_size=151000)
     cfg = parse_args(["--pretrain", str(qwen_vocab_model), "--teacher_pretrain", str(short)]).config
     with pytest.raises(ConfigError, match="151000 embedding rows for the policy's 151936"):
-        check_teacher_tokenizer(cfg, tokenizer)
+        check_teacher_tokenizer(cfg.model, cfg.distill.teacher_pretrain, tokenizer)
 
 
 def test_the_dry_run_checks_the_teacher_and_plans_it_with_its_own_shape(qwen_vocab_model, tmp_path, capsys,

@@ -58,10 +58,10 @@ def _strategy(kind: str, stage: int):
         return FSDPStrategy(dist.group.WORLD, cpu, bf16=False, zero_stage=stage, offload=False,
                             gradient_checkpointing=False)
     from rlrun.launch.groups import solo_group
-    from rlrun.strategies.deepspeed import DeepSpeedStrategy
+    from rlrun.strategies.deepspeed import DeepSpeedStrategy, DSSettings
 
-    return DeepSpeedStrategy(dist.group.WORLD, cpu, bf16=False, zero_stage=stage, offload=False,
-                             gradient_checkpointing=False, micro_batch=2, max_norm=1.0, solo_group=solo_group(120))
+    return DeepSpeedStrategy(dist.group.WORLD, cpu, DSSettings(stage, False, False, 2, 1.0), gradient_checkpointing=False,
+                             solo_group=solo_group(120))
 
 
 def _case(kind: str, stage: int, rank: int, outdir: Path) -> dict:

@@ -176,11 +176,10 @@ def _deepspeed_results(mine: RolloutBatch) -> dict:
     from deepspeed.utils import safe_get_full_grad
 
     from rlrun.launch.groups import solo_group
-    from rlrun.strategies.deepspeed import DeepSpeedStrategy
+    from rlrun.strategies.deepspeed import DeepSpeedStrategy, DSSettings
 
-    strategy = DeepSpeedStrategy(dist.group.WORLD, torch.device("cpu"), bf16=False, zero_stage=3, offload=False,
-                                 gradient_checkpointing=False, micro_batch=len(mine.sequences), max_norm=1.0,
-                                 solo_group=solo_group(120))
+    strategy = DeepSpeedStrategy(dist.group.WORLD, torch.device("cpu"), DSSettings(3, False, False, len(mine.sequences), 1.0),
+                                 gradient_checkpointing=False, solo_group=solo_group(120))
     engine, _ = strategy.wrap_trainable(build_causal_lm(tiny_model_config(), seed=3),
                                         lambda m: torch.optim.AdamW(m.parameters(), lr=0.0))
     assert chunkable_head(engine)

@@ -90,8 +90,8 @@ def chunk_bounds(bucket: list[BucketEntry], chunk_bytes: int) -> list[tuple[int,
 
 class BucketSink(abc.ABC):
     """An engine rank that keeps no copy of the policy and hands each bucket on: as it arrives in one of the two
-    staging buffers WeightSync receives into, to a file its vLLM workers read, or to its vLLM child through the
-    buffers' shared memory. rlrun.engines.vllm implements it; WeightSync only calls it."""
+    staging buffers the weight sync receives into, to a file its vLLM workers read, or to its vLLM child through the
+    buffers' shared memory. rlrun.engines.vllm implements it; the weight sync only calls it."""
 
     model: nn.Module  # the policy on the meta device: the parameters' names and shapes, checked against the actor's
 

@@ -1,7 +1,7 @@
 """Moving tensors between roles: the rollout and result exchanges, and the bounded waits every collective here shares.
 
 Tokens are small, so rollouts move simply (padded tensors + lengths, one gather). Weights move in
-rlrun.weight_sync.sync.
+rlrun.weight_sync.
 """
 
 from __future__ import annotations

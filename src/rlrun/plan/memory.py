@@ -84,7 +84,7 @@ def weights_file_bytes(rank: int, layout: Layout, shapes: Mapping[Role, ModelSha
 def sync_staging_bytes(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
     """Weight sync's two staging buffers: on the first rank of each vLLM engine with a child host, which receives or
     packs every sync into them, and on the actor's first rank, when it packs for engines on other ranks
-    (rlrun.weight_sync.sync). One per bucket parity, each as large as its largest bucket (--weight_sync_bucket_mb,
+    (rlrun.weight_sync.broadcast). One per bucket parity, each as large as its largest bucket (--weight_sync_bucket_mb,
     or a parameter larger than that, alone in its bucket), in the engines' dtype; one buffer when the whole model
     fits a bucket. None on a root whose actor's parameters live in the buckets (one FSDP rank in the wire dtype)."""
     actor = layout.ranks_of(Role.ACTOR)

@@ -73,7 +73,9 @@ from rlrun.strategies.base import ModelState, Strategy
 from rlrun.strategies.choose import make_strategy
 from rlrun.vision.inputs import quiet_output_view_warning
 from rlrun.vision.tower import freeze_by_prefix, freeze_vision_tower
-from rlrun.weight_sync.sync import MergedLoraParams, ParamSource, WeightSync, WireFormat
+from rlrun.weight_sync.sources import MergedLoraParams, ParamSource
+from rlrun.weight_sync.sync import WeightSync, build_weight_sync
+from rlrun.weight_sync.wire import WireFormat
 
 TABLE_RANKS = 16  # a larger world's layout is one line at start-up (--dry_run prints its table)
 
@@ -547,7 +549,7 @@ def _weight_sync(ctx: RankContext, cfg: Config, roles: RankRoles) -> WeightSync:
             if lora is None
             else MergedLoraParams(roles.actor.model, strategy.param_blocks, lora.scaling)
         )
-    return WeightSync(
+    return build_weight_sync(
         actor_params=source,
         receiver=roles.engine.weights if roles.engine else None,
         sync_group=ctx.groups.get("sync"),

@@ -1,8 +1,8 @@
 """Weights streamed to a vLLM child engine bucket by bucket, so its rank never holds a copy of the policy.
 
-An engine's first rank takes each weight sync in two bucket-sized staging buffers (WeightSync with a BucketSink,
-rlrun.weight_sync.sync: received from the actor's first rank, or packed from its own gathers when it is an actor
-rank too) and hands each bucket on as it is complete:
+An engine's first rank takes each weight sync in two bucket-sized staging buffers (a BucketSink: received from the
+actor's first rank, rlrun.weight_sync.broadcast, or packed from its own gathers when it is an actor rank too,
+rlrun.weight_sync.colocated) and hands each bucket on as it is complete:
 
 - tensor parallel 1 (`ChildStreamSink`): the child is handed the two buffers once (shared memory on CPU, CUDA IPC
   handles on a GPU: vllm_handoff). Per bucket the parent says "bucket k is in"; the child copies it out of the
