@@ -170,6 +170,35 @@ def test_malformed_yaml(tmp_path, text, match):
         parse_args(["--config", write(tmp_path, text)])
 
 
+@pytest.mark.parametrize("text, match", [
+    ("seed: 42\npretrain: x\nseed: 7\n", r"'seed' is given twice in one mapping \(lines 1 and 3\)"),
+    ("train:\n  seed: 42\n  micro_train_batch_size: 2\n  seed: 7\n", r"'seed' is given twice in one mapping \(lines 2 and 4\)"),
+    ("seed: 42\ntrain:\n  seed: 7\n", r"'seed' is given twice, as 'seed' and as 'train.seed'"),
+    ("model:\n  remote_rm_url: a\nreward:\n  remote_rm_url: b\n",
+     r"'remote_rm_url' is given twice, as 'model.remote_rm_url' and as 'reward.remote_rm_url'"),
+    ("sleep: true\ndeepspeed_enable_sleep: false\n", r"'sleep' is given twice, as 'sleep' and as 'deepspeed_enable_sleep'"),
+], ids=["flat_twice", "nested_twice", "flat_and_nested", "former_and_new_section", "peer_spelling"])
+def test_a_key_given_twice_is_an_error_naming_both_places(tmp_path, text, match):
+    """Issue 64: yaml.safe_load kept the last of two equal keys, and a flat key beside its section's was dropped, both
+    without a word."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=match) as exc:
+        parse_args(["--config", path])
+    assert path in str(exc.value) and "keep one" in str(exc.value)
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
+    """A mapping merged in with `<<` and one of its keys overridden is YAML's own meaning, not a duplicate."""
+    path = write(tmp_path, "train:\n  <<: {seed: 3, micro_train_batch_size: 2}\n  seed: 5\n")
+    assert load_yaml(path)["seed"] == 5 and load_yaml(path)["micro_train_batch_size"] == 2
+
+
+def test_a_mapping_flag_with_a_key_twice_is_refused():
+    info = next(i for i in fields_of(Config).values() if i.type is dict or getattr(i.type, "__origin__", None) is dict)
+    with pytest.raises(ConfigError, match="gives 'a' twice"):
+        coerce(info, '{"a": 1, "a": 2}', f"--{info.name}")
+
+
 def test_missing_yaml_file(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         parse_args(["--config", str(tmp_path / "nope.yaml")])

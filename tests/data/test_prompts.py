@@ -135,6 +135,25 @@ def test_missing_label_key(tmp_path: Path) -> None:
     assert "label_key 'answers'" in message and "Did you mean 'answer'?" in message
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_null_label_is_refused_like_a_missing_one(tmp_path: Path, kind: str) -> None:
+    """Issue 64: verl's layout with reward_model.ground_truth null (JSON null; in parquet the struct field's null) was
+    scored against None (reward 0) without a word; it is refused, naming the record."""
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "data_source": "openai/gsm8k",
+             "reward_model": {"style": "rule", "ground_truth": None if i == 2 else str(i)}} for i in range(4)]
+    if kind == "jsonl":
+        path = _write_jsonl(tmp_path / "v.jsonl", rows)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "v.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(DataError, match=r"record 2 has label_key 'reward_model.ground_truth' = null; .*fill it in"):
+        load_prompt_records(str(path), PromptKeys(label_key="reward_model.ground_truth"))
+    assert len(load_prompt_records(str(path), PromptKeys())) == 4  # without --label_key no label is read
+
+
 def test_non_string_prompt(tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"prompt": ["a", "list"]}])
     with pytest.raises(DataError, match=r"record 1 has 'prompt' = .*\(list\); a prompt must be a string or a list of "):

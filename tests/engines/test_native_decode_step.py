@@ -52,12 +52,14 @@ def test_decode_attention_keeps_bf16_scores_in_fp32() -> None:
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_bf16_engine_log_probs_are_close_to_the_hf_forward(arch: str) -> None:
     """A bf16 model: the engine's log-probs against HF's (SDPA) forward of the same bf16 model. The two round
-    differently (fused projections, another attention kernel), so close, not equal."""
+    differently (fused projections, another attention kernel), so close, not equal: over seeds 0-7 the mean
+    difference was 0.002-0.016 and the largest 0.015-0.12 (bf16 keeps 8 bits of these tiny models' logits, which
+    reach 30); the bounds leave twice that, and a wrong position or cache misses them by far."""
     model = copy.deepcopy(_model(arch)).to(torch.bfloat16)
     out = _engine(model, "eager", temperature=1.0).sample(PROMPTS, seed=1)
-    for prompt, response, lps in zip(PROMPTS, out.responses, out.log_probs):
-        want = _hf_log_probs(model, prompt, response, 1.0)
-        assert (torch.tensor(lps) - want).abs().max() < 0.1
+    gaps = torch.cat([(torch.tensor(lps) - _hf_log_probs(model, prompt, response, 1.0)).abs()
+                      for prompt, response, lps in zip(PROMPTS, out.responses, out.log_probs)])
+    assert float(gaps.mean()) < 0.03 and float(gaps.max()) < 0.25, (float(gaps.mean()), float(gaps.max()))
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

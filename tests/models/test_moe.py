@@ -93,6 +93,9 @@ def test_engines_record_the_routing_the_models_own_forward_takes(kind, engine_cl
         fed = len(tokens) - 1  # the last sampled token is never fed to the engine
         assert torch.equal(routing[:fed].sort(-1).values, own[:fed].sort(-1).values)
         assert (routing[fed:] == NO_ROUTE).all()
+    if engine_class is NativeEngine:  # one row's budget: batches one after another, the same draws per row
+        engine.kv_cache_bytes = engine.kv_row_bytes(max(map(len, PROMPTS)), _sampling().max_new_tokens)
+        assert engine.sample(PROMPTS, seed=3).responses == out.responses and engine.last_batches == len(PROMPTS)
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
@@ -280,9 +283,10 @@ def test_r2_records_the_scoring_routing_at_each_token_and_the_training_pass_repl
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_replay_shrinks_the_gap_to_a_bf16_engine(kind) -> None:
     """The engine samples in bf16 (as vLLM does), the trainer scores in fp32: near-tied routers pick other experts
-    for some tokens. Replaying the engine's routing lowers the engine-vs-trainer log-prob gap, most on the tokens it
-    moved (measured: qwen3_moe mean 5.9e-4 -> 5.7e-4, max 1.0e-2 -> 3.5e-3; mixtral 6.0e-4 -> 5.8e-4, 5.2e-3 ->
-    2.9e-3; 0.3-0.6 % of (token, layer) routings differ)."""
+    for some tokens. Replaying the engine's routing lowers the engine-vs-trainer log-prob gap on the rows whose
+    routing it moved, and changes nothing on the others (measured over seeds 0-3, moved rows: qwen3_moe mean
+    5.8-8.2e-4 -> 5.0-6.3e-4, max up to 8.4e-3 -> 2.1e-3; mixtral 5.4-7.8e-4 -> 4.1-5.6e-4, max up to 8.9e-3 ->
+    1.8e-3; 0.3-0.6 % of (token, layer) routings differ, in 11-18 of 128 rows)."""
     import copy
 
     from rlrun.data.rollout import pack_log_probs
@@ -301,12 +305,18 @@ def test_replay_shrinks_the_gap_to_a_bf16_engine(kind) -> None:
     batch.routing = full[:, P - (batch.sequences.shape[1] - batch.response_width) : P + batch.response_width]
     engine_lp = pack_log_probs(out.log_probs, R)[:, : batch.response_width]
     mask = batch.action_mask.bool()
-    run = RoutingRun(replay=True)
+    run, own_run = RoutingRun(replay=True), RoutingRun(replay=False)
     with torch.no_grad():
-        replayed = (policy_log_probs(model, batch, 1.0, moe=run)[0] - engine_lp).abs()[mask]
-        own = (policy_log_probs(model, batch, 1.0)[0] - engine_lp).abs()[mask]
+        replayed = (policy_log_probs(model, batch, 1.0, moe=run)[0] - engine_lp).abs()
+        own = (policy_log_probs(model, batch, 1.0, moe=own_run)[0] - engine_lp).abs()
     assert 0 < run.metrics(routing_shape(model).top_k)[1]["moe/router_mismatch_frac"] < 0.05
-    assert replayed.mean() < own.mean() and replayed.max() < 0.75 * own.max()
+    mine = own_run.recorded(tuple(batch.sequences.shape)).sort(-1).values
+    given = batch.routing.sort(-1).values
+    moved = ((mine != given) & (given != NO_ROUTE)).flatten(1).any(1)[:, None] & mask  # rows replay changed
+    kept = mask & ~moved
+    assert moved.any() and kept.any()
+    assert replayed[moved].mean() < own[moved].mean() and replayed[moved].max() <= own[moved].max()
+    assert torch.equal(replayed[kept], own[kept])  # the same experts: the same numbers
 
 
 def test_the_aux_loss_spreads_a_skewed_router() -> None:

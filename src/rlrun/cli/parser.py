@@ -20,7 +20,7 @@ import yaml
 
 from rlrun.compat import openrlhf_flags, verl_overrides
 from rlrun.compat.argv import LAUNCHER, NOT_YET, QLORA, RAY_ONLY, RING_HEAD_STRIDE, Nargs, refused
-from rlrun.config.fields import FieldInfo, build_config, coerce, fields_of, suggest
+from rlrun.config.fields import DuplicateKey, FieldInfo, build_config, coerce, fields_of, load_yaml_text, suggest
 from rlrun.config.tree import FORMER_SECTIONS, Config
 from rlrun.runtime.errors import ConfigError
 
@@ -323,7 +323,12 @@ def load_yaml(path: str, config_cls: type = Config, renamed: Mapping[str, str] |
         raise ConfigError(f"--config {path}: no such file")
     with open(path, encoding="utf-8") as fh:
         try:
-            raw = yaml.safe_load(fh) or {}
+            raw = load_yaml_text(fh) or {}
+        except DuplicateKey as exc:
+            raise ConfigError(
+                f"--config {path}: '{exc.key}' is given twice in one mapping (lines {exc.first_line} and "
+                f"{exc.second_line}); YAML would keep the last silently: keep one"
+            ) from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
@@ -331,21 +336,31 @@ def load_yaml(path: str, config_cls: type = Config, renamed: Mapping[str, str] |
     infos = fields_of(config_cls)
     sections = {f.name for f in dataclasses.fields(config_cls)}
     flat: dict[str, Any] = {}
+    written: dict[str, str] = {}  # field -> where the file gave it ('seed', 'train.seed', a peer's spelling)
+
+    def take(name: str, value: Any, spelled: str) -> None:
+        if name in written:
+            raise ConfigError(
+                f"--config {path}: '{name}' is given twice, as '{written[name]}' and as '{spelled}'; keep one"
+            )
+        written[name] = spelled
+        flat[name] = value
+
     for key, value in raw.items():
         if key in sections and isinstance(value, dict):
             for sub, sub_value in value.items():
-                sub = renamed.get(sub, sub)
-                info = infos.get(sub)
-                if info is not None and info.section != key and FORMER_SECTIONS.get(sub) != key:
+                name = renamed.get(sub, sub)
+                info = infos.get(name)
+                if info is not None and info.section != key and FORMER_SECTIONS.get(name) != key:
                     raise ConfigError(
-                        f"--config {path}: unknown key '{key}.{sub}'; '{sub}' belongs in section '{info.section}'"
+                        f"--config {path}: unknown key '{key}.{sub}'; '{name}' belongs in section '{info.section}'"
                     )
                 if info is None:
                     valid = [i.name for i in infos.values() if i.section == key]
                     raise ConfigError(f"--config {path}: unknown key '{key}.{sub}'{suggest(str(sub), valid)}")
-                flat[sub] = sub_value
+                take(name, sub_value, f"{key}.{sub}")
         elif renamed.get(key, key) in infos:
-            flat[renamed.get(key, key)] = value
+            take(renamed.get(key, key), value, str(key))
         elif key in sections:
             raise ConfigError(f"--config {path}: section '{key}' must be a mapping of field: value, got {value!r}")
         else:

@@ -25,6 +25,39 @@ def opt(default: Any, help: str, *, secret: bool = False, metavar: str | None = 
     return field(default=default, metadata=meta)
 
 
+# ---- YAML read strictly: a key given twice is an error, not the last one silently --------------------------------
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A mapping in the YAML holds `key` twice (lines are 1-based)."""
+
+    def __init__(self, key: Any, first_line: int, second_line: int) -> None:
+        super().__init__(f"key {key!r} appears twice (line {first_line} and line {second_line})")
+        self.key, self.first_line, self.second_line = key, first_line, second_line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping key given twice. Keys merged in with `<<` may still be overridden (the
+    merge's own meaning); only keys written out twice in one mapping are refused."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise DuplicateKey(key, seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_text(text: Any) -> Any:
+    """yaml.safe_load of a string or open file, refusing duplicate keys (DuplicateKey, a yaml.YAMLError)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: builds plain data only
+
+
 # ---- a section's own rules (its check(), raising ConfigError naming the flag and the value) ----------------------
 
 
@@ -101,7 +134,9 @@ def coerce(info: FieldInfo, value: Any, source: str) -> Any:
     if tp is dict or get_origin(tp) is dict:  # a mapping flag takes JSON (or YAML flow) text: --x '{"a": false}'
         if isinstance(value, str):
             try:
-                value = yaml.safe_load(value) if value.strip() else {}
+                value = load_yaml_text(value) if value.strip() else {}
+            except DuplicateKey as exc:
+                raise ConfigError(f"{where}: {value!r} gives {exc.key!r} twice; keep one") from None
             except yaml.YAMLError:
                 raise ConfigError(f"{where} must be a JSON object like '{{\"key\": value}}', got {value!r}") from None
         if not isinstance(value, dict):

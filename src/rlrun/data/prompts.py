@@ -69,6 +69,12 @@ def _to_record(row: Any, index: int, path: str, keys: PromptKeys) -> PromptRecor
         prompt, None if column is records.MISSING or column is None else column, at, keys.image_key
     )
     label = None if keys.label_key is None else records.plain(records.field(row, keys.label_key, "label_key", at))
+    if keys.label_key is not None and label is None:  # JSON null, a parquet null: scored against None, silently
+        raise DataError(
+            f"{at} has label_key {keys.label_key!r} = null; every record needs its label (a reward scored against "
+            "a missing label is 0 without a word): fill it in, drop the record, or leave --label_key unset if the "
+            "reward reads no label."
+        )
     source = records.lookup(row, keys.data_source_key)
     extra = records.plain(records.lookup(row, keys.extra_info_key))
     return PromptRecord(

@@ -3,8 +3,8 @@ model.
 
 Behind the same surface as HFEngine (generate / sample / load_weights, a `model` that weight sync writes into), and
 like vLLM it reports the log-probability of every sampled token and drops finished rows from the batch instead of
-decoding padding until the longest row ends. Same seed, same prompts, same weights (and same KV-cache budget): same
-samples (a generator of its own, seeded per call; the global RNG is untouched).
+decoding padding until the longest row ends. Same seed, same prompts, same weights: same samples, whatever the
+KV-cache budget (each row's draws are its own, rlrun.engines.native.draws; the global RNG is untouched).
 
 Memory: the KV cache of a call's rows must fit a budget (`kv_cache_bytes`; by default on GPU what the memory free at
 the call allows, on CPU unbounded). When it cannot hold every row at once, it holds as many as it can at the longest
@@ -41,14 +41,15 @@ from transformers import PreTrainedTokenizerBase
 
 from rlrun.data.vision_batch import RowVision
 from rlrun.engines.native.decoder import Decoder, KVCache
+from rlrun.engines.native.draws import draw_tokens, uniform
 from rlrun.engines.protocol import Generation, SamplingSettings, TorchEngine, cut_at_stop, refuse_images
 from rlrun.models.moe import NO_ROUTE
 from rlrun.runtime.errors import ConfigError, NonFiniteError
 from rlrun.runtime.log import get_logger
 
 # ---- sampling ----------------------------------------------------------------------------------------------------
-# Token sampling with the log-probability of each sampled token: HF's temperature and top-p warpers, then a draw
-# from a caller-owned generator (reproducible from a seed without touching the global RNG).
+# Token sampling with the log-probability of each sampled token: HF's temperature and top-p warpers, then each row's
+# own draw (rlrun.engines.native.draws: reproducible from a seed, whatever the batch, without the global RNG).
 
 
 def processed_log_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -68,20 +69,23 @@ def processed_log_probs(logits: torch.Tensor, temperature: float, top_p: float) 
 
 
 def sample(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+    logits: torch.Tensor, temperature: float, top_p: float, draws: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (tokens [B] long, their log-probabilities [B] fp32 under the processed distribution)."""
+    """logits [B, V], draws [B] in [0, 1) -> (tokens [B] long, their log-probabilities [B] fp32 under the processed
+    distribution). Non-finite logits give a non-finite log-prob (see check_finite)."""
     log_probs = processed_log_probs(logits, temperature, top_p)
-    try:
-        tokens = torch.multinomial(log_probs.exp(), 1, generator=generator)
-    except RuntimeError as exc:
-        if "probability tensor contains" not in str(exc):
-            raise
+    tokens = draw_tokens(log_probs.exp(), draws)
+    return tokens, log_probs.gather(1, tokens[:, None])[:, 0]
+
+
+def check_finite(broken: torch.Tensor) -> None:
+    """broken: a 0-d bool tensor, some sampled token's log-prob was not finite. Read on the host where the decode
+    loop reads anyway (every SYNC_EVERY steps and at its end), so the check costs no extra sync."""
+    if bool(broken):
         raise NonFiniteError(
             "the policy's next-token probabilities are NaN/inf: its weights are no longer finite "
             "(the run diverged; lower the learning rate, and resume from the last checkpoint)"
-        ) from None
-    return tokens[:, 0], log_probs.gather(1, tokens)[:, 0]
+        )
 
 
 # Finished rows stay in the batch until they are at least this fraction of it: dropping them copies the cache.
@@ -193,15 +197,12 @@ class NativeEngine(TorchEngine):
             else [(list(range(len(prompts))), self._slots(prompts, new))]
         )
         self.last_batches = len(plan)
-        # One generator for the call, drawn from batch after batch: a single batch samples exactly as one call always
-        # did, and the draws each row gets depend only on the seed, the prompts and the batches (the budget).
-        generator = torch.Generator(device=self.device).manual_seed(seed)
         routing: list[torch.Tensor] | None = [torch.empty(0)] * len(prompts) if self.record_routing else None
         with self._weights():
             for batch, slots in plan:
                 routes: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if routing is not None else None
                 tokens, log_probs, lengths, _ = self._decode(
-                    [prompts[i] for i in batch], new, generator, stop, slots=slots, routes=routes
+                    [prompts[i] for i in batch], new, seed, stop, slots=slots, routes=routes, indices=batch
                 )
                 for j, (i, row, lp, n) in enumerate(zip(batch, tokens.tolist(), log_probs.tolist(), lengths.tolist())):
                     kept = row[:n]
@@ -246,11 +247,10 @@ class NativeEngine(TorchEngine):
             complete = torch.bincount(group_ids, weights=finished.cpu().double(), minlength=len(size)) == size
             return int(complete.sum()) >= need
 
-        generator = torch.Generator(device=self.device).manual_seed(seed)
         self.last_admitted = 0
         with self._weights():
             tokens, log_probs, lengths, finished = self._decode(
-                prompts, new, generator, (), slots=self._slots(prompts, new), limits=torch.tensor(limits), until=enough
+                prompts, new, seed, (), slots=self._slots(prompts, new), limits=torch.tensor(limits), until=enough
             )
         ns = lengths.tolist()
         responses = [row[:n] for row, n in zip(tokens.tolist(), ns)]
@@ -355,24 +355,26 @@ class NativeEngine(TorchEngine):
         self,
         prompts: list[list[int]],
         new: int,
-        generator: torch.Generator,
+        seed: int,
         stop: tuple[str, ...],
         *,
         slots: int | None = None,
         limits: torch.Tensor | None = None,
         until: Callable[[torch.Tensor], bool] | None = None,
         routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        indices: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows of `prompts`: (tokens [P, new], log-probs [P, new], lengths [P], finished [P] bool) on the CPU; row
-        i's response is tokens[i, :lengths[i]]. Sampling draws from `generator`. slots: rows decoded at once (None:
-        all); the other prompts wait, and at each look at the finished rows (every SYNC_EVERY steps) the next ones are
-        prefilled into the cache rows of finished ones, which they then continue beside the others (continuous
-        batching). The cache is then a ring: every row writes the same column each step, a column that no live token
-        of any row holds, since no row spans more than the capacity (its prompt plus `new`); keys are cached
-        rotated, so attention does not care where in the ring they lie. limits [P]: each row's own cap on new
-        tokens (at most `new`); until: called with the finished flags [P] where the loop looks at them, True stops
-        the decode early (the running rows keep what they have, not finished; waiting ones come back empty).
-        routes (slots None only): a list, to which the call appends the MoE routing it ran (the prompts'
+        i's response is tokens[i, :lengths[i]]. Row i's k-th token is drawn from uniform(seed, indices[i], k)
+        (indices: the prompts' places in the call, default 0..P-1), so no row's tokens depend on its neighbours.
+        slots: rows decoded at once (None: all); the other prompts wait, and at each look at the finished rows (every
+        SYNC_EVERY steps) the next ones are prefilled into the cache rows of finished ones, which they then continue
+        beside the others (continuous batching). The cache is then a ring: every row writes the same column each
+        step, a column that no live token of any row holds, since no row spans more than the capacity (its prompt
+        plus `new`); keys are cached rotated, so attention does not care where in the ring they lie. limits [P]: each
+        row's own cap on new tokens (at most `new`); until: called with the finished flags [P] where the loop looks at
+        them, True stops the decode early (the running rows keep what they have, not finished; waiting ones come back
+        empty). routes (slots None only): a list, to which the call appends the MoE routing it ran (the prompts'
         [P, W, layers, k] and the sampled tokens' [P, new, layers, k] uint8 on the CPU; rlrun.models.moe.NO_ROUTE for
         a token never fed back, the last of a row)."""
         s, dev = self.sampling, self.device
@@ -406,13 +408,16 @@ class NativeEngine(TorchEngine):
         done = torch.zeros(slots, dtype=torch.bool, device=dev)  # finished, not yet dropped or replaced
         ended = torch.zeros(total, dtype=torch.bool, device=dev)  # finished, by prompt
         caps = torch.full((total,), new, device=dev) if limits is None else limits.to(dev)
+        places = torch.tensor(range(total) if indices is None else indices, device=dev)  # each prompt's draw key
+        broken = torch.zeros((), dtype=torch.bool, device=dev)  # a non-finite log-prob sampled (check_finite)
         stop_bytes = max((len(x.encode()) for x in stop), default=0) + _STOP_TAIL_SLACK
         end_ids = torch.tensor(s.end_ids, device=dev)
         step: _StaticStep | None = None  # static mode: the step over this cache and these rows (None: build it)
         compact = GRAPH_COMPACT_FRACTION if static else COMPACT_FRACTION
         column, last_start = width, 0  # the next cache column (mod capacity); the step the latest rows started at
         for t in itertools.count():
-            token, lp = sample(logits, s.temperature, s.top_p, generator)
+            token, lp = sample(logits, s.temperature, s.top_p, uniform(seed, places[active], age))
+            broken |= ~torch.isfinite(lp).all()
             at = torch.where(done, new, age)
             out[active, at], out_lp[active, at] = token, lp
             finished = torch.isin(token, end_ids) & ~done
@@ -428,6 +433,7 @@ class NativeEngine(TorchEngine):
             # Reading `done` on the host stalls the GPU's queue: look every SYNC_EVERY steps (finished rows meanwhile
             # decode a few tokens past their end, cut off by `lengths`).
             if stop or (t + 1) % SYNC_EVERY == 0:  # `until` looks here too: the same draws as sample() until it stops
+                check_finite(broken)
                 running = int((~done).sum())
                 if running == 0 and not queue:
                     break
@@ -445,8 +451,9 @@ class NativeEngine(TorchEngine):
             valid[:, slot] = True
             if not static:
                 logits = self.decoder.decode(token, positions, valid[:, : column + 1], cache)
-                if routes is not None:
-                    response_routes[active, t] = self.decoder.take_routes()[:, 0]
+                if routes is not None:  # a finished row's last token is fed on until the loop drops the row
+                    fed = self.decoder.take_routes()[:, 0]
+                    response_routes[active, t] = torch.where(done[:, None, None], NO_ROUTE, fed)
             else:
                 if step is None:
                     step = _StaticStep(
@@ -466,6 +473,7 @@ class NativeEngine(TorchEngine):
                 age[where], done[where] = 0, False
                 last_start = t + 1
                 self.last_admitted += len(admit)
+        check_finite(broken)
         if routes is not None:
             routes.append((prompt_routes.cpu(), response_routes.cpu()))
             self.decoder.routes = None
