@@ -20,6 +20,9 @@
 #SBATCH --exclusive
 #SBATCH --time=24:00:00
 #SBATCH --output=%x-%j.out
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --signal=B:TERM@300
 ##SBATCH --partition=gpu
 ##SBATCH --account=my-account
 

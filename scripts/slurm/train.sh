@@ -64,6 +64,15 @@
 #   RLRUN_NODE_SERVICE_HEALTH  URL that answers 200 when the service is ready (e.g.
 #                          http://127.0.0.1:8000/health); unset: the service just has to stay alive for 1 s.
 #   RLRUN_NODE_SERVICE_WAIT    seconds to wait for RLRUN_NODE_SERVICE_HEALTH (default 120).
+#   RLRUN_PREEMPT_GRACE    seconds a process may take to stop after a preemption notice (default 600): torchrun
+#                          waits this long for its workers (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) before killing them.
+#
+# Preemption and the time limit: SIGTERM or SIGUSR1 to this script (the --signal line below: TERM to the batch
+# shell 5 minutes before the time limit) or to the training processes (Slurm preempting the job) asks every rank to
+# finish its step, save a checkpoint and stop. The script then requeues the job (scontrol requeue: same job id, the
+# same command) and the requeued job resumes from that checkpoint by itself. The checkpoint goes to --ckpt_path, so
+# the run needs --save_steps > 0; the grace must cover one step and one save (the log prints both times). A
+# second signal more than 10 s after the first ends the processes at once; the newest sealed checkpoint is kept.
 #
 #SBATCH --job-name=rlrun
 #SBATCH --nodes=2
@@ -72,6 +81,9 @@
 #SBATCH --exclusive
 #SBATCH --time=24:00:00
 #SBATCH --output=%x-%j.out
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --signal=B:TERM@300
 ##SBATCH --partition=gpu
 ##SBATCH --account=my-account
 
@@ -177,6 +189,9 @@ fi
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export PYTHONUNBUFFERED=1
+grace="${RLRUN_PREEMPT_GRACE:-600}"
+[[ "$grace" =~ ^[0-9]+$ ]] || die "RLRUN_PREEMPT_GRACE must be a number of seconds, got '$grace'"
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$grace}"
 # Each torchrun restart round gets a fresh store for the workers (no keys left from the failed
 # attempt), instead of sharing the rendezvous store across attempts.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
@@ -188,6 +203,10 @@ fi
 log_dir="${RLRUN_LOG_DIR:-logs/${job_name}-${SLURM_JOB_ID}}"
 mkdir -p "$log_dir"
 log_dir="$(cd "$log_dir" && pwd)"
+# Rank 0 writes this file when it stopped on a preemption notice with a checkpoint (rlrun.run.preemption): the
+# processes' exit status cannot say so (torchrun reports its own).
+export RLRUN_PREEMPTED_FILE="$log_dir/.preempted-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}"
+rm -f "$RLRUN_PREEMPTED_FILE"
 
 srun_args=(--nodes="$nnodes" --kill-on-bad-exit=1 --label)
 if [[ -n "${RLRUN_CONTAINER_IMAGE:-}" ]]; then
@@ -253,6 +272,13 @@ node="${SLURM_NODEID:-0}"
 log="$RLRUN_NODE_LOG_DIR/node-${node}.log"
 py="${RLRUN_NODE_PYTHON:-$(command -v python || command -v python3 || echo python)}"
 say() { echo "rlrun: $*" | tee -a "$log"; }
+# A preemption notice is for the training processes (Slurm signals every process of the step): this shell and the
+# tee keeping the log must outlive it, or the step would end before the checkpoint. torchrun forwards the TERM it
+# hears to its workers, but has no handler for USR1 (its default action would end it): it ignores USR1, which its
+# workers hear from Slurm directly (rlrun installs its own handler over the inherited ignore).
+trap ':' TERM USR1
+keep_log() { trap '' TERM USR1; exec tee -a "$log"; }
+start() { trap '' USR1; exec "$@"; }
 if [[ -n "${RLRUN_NODE_SERVICE:-}" ]]; then
     # Once per node: by the node's torchrun task, or by local task 0 of the node's srun tasks. In
     # srun mode the node's tasks hand off through files in hand_off: local task 0 writes "up" once
@@ -274,7 +300,6 @@ if [[ -n "${RLRUN_NODE_SERVICE:-}" ]]; then
         # After a clean finish, wait (up to 10 min) for the node's other tasks; after a failure or a
         # signal Slurm ends the whole step anyway.
         trap 'rc=$?; [[ $rc == 0 && "$RLRUN_NODE_LAUNCH" == srun ]] && others_done; svc_stop_all; rm -rf "$hand_off"; exit $rc' EXIT
-        trap 'exit 143' TERM
         trap 'exit 130' INT
         node_service_up "$host" "$RLRUN_NODE_LOG_DIR/node-service-${host}.log" || exit 2
         [[ "$RLRUN_NODE_LAUNCH" == srun ]] && mkdir -p "$hand_off" && touch "$hand_off/up"
@@ -297,7 +322,7 @@ if [[ "$RLRUN_NODE_LAUNCH" == srun ]]; then
     if [[ "${SLURM_LOCALID:-0}" == 0 ]]; then
         echo "rlrun: node ${node}/${RLRUN_NODE_NNODES} ($(hostname)) head=${MASTER_ADDR}:${MASTER_PORT}, starting ${RLRUN_NODE_PROCS} task(s): ${py} -m ${RLRUN_NODE_TRAINER}" | tee -a "$log"
     fi
-    "$py" -m "$RLRUN_NODE_TRAINER" "$@" 2>&1 | tee -a "$log"
+    start "$py" -m "$RLRUN_NODE_TRAINER" "$@" 2>&1 | keep_log
     exit "${PIPESTATUS[0]}"
 fi
 if [[ -n "$RLRUN_NODE_TORCHRUN" ]]; then
@@ -321,7 +346,7 @@ else
     [[ -n "${SLURMD_NODENAME:-}" ]] && rdzv_args+=(--local_addr="$SLURMD_NODENAME")
 fi
 echo "rlrun: node ${node}/${RLRUN_NODE_NNODES} ($(hostname)) head=${RLRUN_NODE_HEAD}:${RLRUN_NODE_PORT}, starting torchrun with ${RLRUN_NODE_PROCS} process(es)" | tee -a "$log"
-"${torchrun[@]}" "${rdzv_args[@]}" -m "$RLRUN_NODE_TRAINER" "$@" 2>&1 | tee -a "$log"
+start "${torchrun[@]}" "${rdzv_args[@]}" -m "$RLRUN_NODE_TRAINER" "$@" 2>&1 | keep_log
 exit "${PIPESTATUS[0]}"
 NODE_SCRIPT
 
@@ -341,9 +366,31 @@ else
     [[ "$cpus_on_node" =~ ^[0-9]+$ ]] && step+=(--cpus-per-task="$cpus_on_node")
     say "starting one torchrun per node with srun"
 fi
-srun "${srun_args[@]}" "${step[@]}" bash -c "$node_script" rlrun-node "${args[@]}"
-rc=$?
+# The batch shell hears the time-limit notice (--signal=B:TERM@...): it passes it on to the step as USR1 (srun
+# forwards USR1 to every process of the step; on TERM it would also kill the step KillWait seconds later) and
+# waits on.
+srun_pid=""
+pass_notice() {
+    say "$1 received: the training processes finish their step, save a checkpoint and stop"
+    [[ -n "$srun_pid" ]] && kill -USR1 "$srun_pid" 2>/dev/null
+}
+trap 'pass_notice TERM' TERM
+trap 'pass_notice USR1' USR1
+srun "${srun_args[@]}" "${step[@]}" bash -c "$node_script" rlrun-node "${args[@]}" &
+srun_pid=$!
+while :; do
+    wait "$srun_pid"
+    rc=$?
+    kill -0 "$srun_pid" 2>/dev/null || break  # a notice interrupted the wait: srun still runs
+done
+trap - TERM USR1
 set -e
+if [[ -f "$RLRUN_PREEMPTED_FILE" ]]; then
+    say "training stopped on a preemption notice: $(<"$RLRUN_PREEMPTED_FILE"); requeueing job ${SLURM_JOB_ID}, which resumes from that checkpoint"
+    rm -f "$RLRUN_PREEMPTED_FILE"
+    scontrol requeue "$SLURM_JOB_ID" || say "scontrol requeue failed (Slurm may be requeueing the job itself); otherwise submit the same command with --load_checkpoint"
+    exit 0
+fi
 if ((rc == 0)); then
     say "training finished (exit 0); per-node logs in ${log_dir}"
 else

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers import read_metrics, run_module_world, subprocess_env
 from rlrun.checkpoint import store as ckpt
+from rlrun.run.preemption import MARKER_ENV
 
 N = 2  # save every N steps; the reference runs 2N
 STEPS = 2 * N
@@ -47,11 +48,14 @@ class Run:
 
 
 def torchrun(nproc: int, args: list[str], save: Path, *, fault: str | None = None, max_restarts: int = 0,
-             ckpt_path: Path | None = None, timeout: float = 200, agent: bool = False) -> Run:
+             ckpt_path: Path | None = None, timeout: float = 200, agent: bool = False,
+             env: dict[str, str] | None = None) -> Run:
     """torchrun --standalone [--max-restarts R] -m rlrun.ppo ARGS --save_path SAVE --ckpt_path SAVE/ckpt (forked
-    ranks unless `agent` or `max_restarts` needs torchrun's agent: helpers.run_module_world)."""
+    ranks unless `agent` or `max_restarts` needs torchrun's agent: helpers.run_module_world); `env`: more
+    variables."""
     args = [*args, "--save_path", str(save), "--ckpt_path", str(ckpt_path or save / "ckpt")]
-    env = subprocess_env(**({"RLRUN_FAULT": fault} if fault else {}))
+    extra = dict(env or {})
+    env = subprocess_env(**({"RLRUN_FAULT": fault} if fault else {}), **extra)
     if not fault:
         env.pop("RLRUN_FAULT", None)
     start = time.monotonic()
@@ -201,6 +205,40 @@ def test_kill_mid_save_restarts_and_leaves_a_loadable_checkpoint(reference, tmp_
         assert f"resumed from {ckpt.step_dir(str(run.ckpt), STEPS)} at step {STEPS}" in more.output
         assert [m["step"] for m in more.metrics] == list(range(1, STEPS + 2))
         _assert_clean_newest(more.ckpt, STEPS + 1)
+
+
+# ---- preemption ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_notice_one_rank_hears_mid_save_stops_every_rank_and_the_requeued_job_resumes_exactly(reference, tmp_path):
+    """Rank 1 alone hears SIGTERM while it writes the step-N checkpoint (issue 64: nothing handled it, and a
+    preempted job lost everything since the last save): the save completes, both ranks stop at that step boundary
+    (exit 0 under torchrun, so it restarts nothing), rank 0 says why and how to resume and writes the summary
+    (outcome preempted) and the marker the Slurm script requeues on; nothing is exported. The same command as a
+    requeued Slurm job (SLURM_RESTART_COUNT 1, no --load_checkpoint) resumes from step N and ends like the
+    uninterrupted run: metrics, policy and critic bit for bit."""
+    marker = tmp_path / "preempted"
+    args = SMALL + GAE + ["--max_steps", str(STEPS), "--save_steps", str(N)]
+    run = torchrun(2, args, tmp_path, fault=f"save_shards:{N - 1}:1:term", env={MARKER_ENV: str(marker)})
+    _ok(run)
+    saved = ckpt.step_dir(str(run.ckpt), N)
+    assert "rank 1: SIGTERM received: stopping after this step" in run.output, run.output[-3000:]
+    assert "rank 0: SIGTERM" not in run.output
+    assert f"preempted (a notice on another rank) after step {N}: checkpoint {saved}; the same command" in run.output
+    assert marker.read_text() == f"preempted after step {N}; checkpoint {saved}\n"
+    assert [m["step"] for m in run.metrics] == list(range(1, N + 1))
+    assert json.loads((tmp_path / "summary.json").read_text())["run"]["outcome"] == "preempted"
+    assert not (tmp_path / "model.safetensors").exists()
+    _assert_clean_newest(run.ckpt, N)
+
+    requeued = torchrun(2, args, tmp_path, env={"SLURM_RESTART_COUNT": "1"})
+    _ok(requeued)
+    assert f"Slurm requeued this job (1 time(s)): resuming from {run.ckpt}" in requeued.output
+    assert f"resumed from {saved} at step {N}" in requeued.output
+    assert _no_timing(requeued.metrics) == _no_timing(reference.metrics)
+    _assert_same_final_models(requeued, reference)
 
 
 # ---- resizing the world --------------------------------------------------------------------------

@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from cluster_sim import REPO, SlurmCluster, assert_two_nodes_trained, training_env
+from helpers import run_rlrun
 
 SCRIPT = REPO / "scripts" / "slurm" / "ppo.sh"
 TRAIN_SH = REPO / "scripts" / "slurm" / "train.sh"
@@ -49,15 +52,13 @@ def metrics_lines(save_path: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("script, job_log_name", [(PPO, "rlrun-ppo"), (TRAIN_SH_PPO, "rlrun")],
-                         ids=["ppo.sh", "train.sh-rlrun.ppo"])
-def test_one_node_torchrun_cpu_procs(slurm: SlurmCluster, tmp_path: Path, script: list[str],
-                                     job_log_name: str) -> None:
-    """No GPUs (--gres=none): RLRUN_PROCS_PER_NODE=2 processes under one torchrun on one node; the
-    same through ppo.sh and through `train.sh rlrun.ppo` (which names the running job rlrun-ppo)."""
+def test_one_node_torchrun_cpu_procs(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """No GPUs (--gres=none): RLRUN_PROCS_PER_NODE=2 processes under one torchrun on one node, through
+    `train.sh rlrun.ppo` (which names the running job rlrun-ppo); ppo.sh runs the same job, preempted twice, in
+    test_a_preempted_job_requeues_and_ends_as_if_uninterrupted."""
     save = tmp_path / "out"
     rc, log, log_dir = submit(slurm, tmp_path, ["--nodes", "1", "--gres", "none"],
-                              [*TRAIN, "--save_path", str(save)], script=script, job_name=job_log_name,
+                              [*TRAIN, "--save_path", str(save)], script=TRAIN_SH_PPO, job_name="rlrun",
                               RLRUN_PROCS_PER_NODE="2")
     assert rc == 0, log
     assert "(rlrun-ppo): python -m rlrun.ppo on 1 node(s)" in log, log
@@ -214,3 +215,91 @@ def test_copied_ppo_sh_finds_train_sh_or_says_so(slurm: SlurmCluster, tmp_path: 
     else:
         assert log.strip() == (f"rlrun: error: ppo.sh runs train.sh, which is not next to {mine / 'ppo.sh'}; copy "
                                "scripts/slurm/train.sh there too, or submit from an rlrun checkout"), log
+
+
+def _job(slurm: SlurmCluster, job_id: str, env: dict[str, str]) -> dict[str, str]:
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True,
+                           timeout=30)
+    return dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
+
+
+def _until(what: str, ready, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not after {timeout:.0f} s: {what}")
+        time.sleep(0.2)
+
+
+def _start_requeued(slurm: SlurmCluster, job_id: str, env: dict[str, str], restarts: int) -> None:
+    """Wait until the job is pending after its `restarts`-th requeue, then start it now: Slurm holds a requeued job
+    for a while (its begin time is set once the old processes are gone, so asking earlier does nothing)."""
+    _until(f"requeue {restarts}", lambda: (lambda j: j.get("Restarts") == str(restarts) and j.get("JobState") == "PENDING")(
+        _job(slurm, job_id, env)))
+    def running() -> bool:
+        if _job(slurm, job_id, env).get("JobState") == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, timeout=30)
+            time.sleep(1)
+            return False
+        return True
+    _until(f"start {restarts}", running)
+
+
+@pytest.mark.timeout(420)
+def test_a_preempted_job_requeues_and_ends_as_if_uninterrupted(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """ppo.sh as submitted (its #SBATCH --requeue, --open-mode=append, --signal=B:TERM@300): no GPUs
+    (--gres=none), RLRUN_PROCS_PER_NODE=2 processes under one torchrun on one node, 16 steps, a checkpoint every 8. Issue 64: nothing handled SIGTERM, so a preempted job
+    lost everything since its last checkpoint. Preempted twice here, both ways Slurm does it:
+    1. the time-limit notice: SIGTERM to the batch shell alone (what --signal=B:TERM sends; scancel --batch here),
+       which passes it on to the step as SIGUSR1; the ranks save the step they are in, train.sh requeues the job;
+    2. Slurm's own requeue (scontrol requeue, what preemption with PreemptMode=REQUEUE does): SIGTERM to every
+       process of the job; the ranks save within KillWait and Slurm requeues the job itself.
+    Each requeued start resumes from the newest checkpoint by itself; the job then completes with one metrics line
+    per step, equal to an uninterrupted 2-rank run's (outside Slurm), timings aside."""
+    save = tmp_path / "out"
+    base = [*TRAIN[:2], "--max_steps", "16", "--save_steps", "8"]
+    args = [*base, "--save_path", str(save), "--ckpt_path", str(save / "ckpt")]
+    log_dir = tmp_path / "logs"
+    env = training_env(slurm.env(), RLRUN_LOG_DIR=str(log_dir), RLRUN_PROCS_PER_NODE="2")
+    out = subprocess.run(["sbatch", "--parsable", "--output", str(tmp_path / "%x-%j.out"), "--chdir", str(REPO),
+                          "--time", "10", "--nodes", "1", "--gres", "none", *PPO, *args], env=env, capture_output=True,
+                         text=True, timeout=60)
+    job_id = out.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), out.stdout + out.stderr
+    try:
+        steps = lambda: len(metrics_lines(save))  # noqa: E731
+        for restarts, notice in ((0, ["scancel", "--signal=TERM", "--batch", job_id]), (1, ["scontrol", "requeue", job_id])):
+            if restarts:
+                _start_requeued(slurm, job_id, env, restarts)
+            before = steps()
+            _until("a step of this start", lambda: steps() > before)
+            subprocess.run(notice, env=env, check=True, timeout=30)
+        _start_requeued(slurm, job_id, env, 2)
+        _until("the job's end", lambda: _job(slurm, job_id, env).get("JobState") not in (
+            "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"), timeout=200)
+    finally:
+        subprocess.run(["scancel", job_id], env=env, timeout=30)
+    log = (tmp_path / f"rlrun-ppo-{job_id}.out").read_text(errors="replace")
+    assert _job(slurm, job_id, env)["JobState"] == "COMPLETED", log
+    stops = re.findall(r"preempted \((SIGUSR1|SIGTERM)\) after step (\d+): checkpoint (\S+);", log)
+    # The batch shell passes its notice on as SIGUSR1. Slurm's requeue signals the batch shell too, which passes it
+    # on as well: the ranks hear whichever comes first, and the other as a repeat.
+    assert len(stops) == 2 and stops[0][0] == "SIGUSR1" and stops[1][0] in ("SIGTERM", "SIGUSR1"), log
+    assert "TERM received: the training processes finish their step" in log, log  # the batch shell passed it on
+    assert f"requeueing job {job_id}, which resumes from that checkpoint" in log, log
+    for n, (_, step, checkpoint) in enumerate(stops, start=1):
+        assert f"Slurm requeued this job ({n} time(s)): resuming from {save / 'ckpt'}" in log, log
+        assert f"resumed from {checkpoint} at step {step}" in log, log
+    assert "training finished (exit 0)" in log and "saved the policy" in log, log
+    assert "(rlrun-ppo): python -m rlrun.ppo on 1 node(s)" in log, log
+    assert "2 process(es) per node, world size 2" in log, log
+    assert "0: rlrun: node 0/1" in log and "starting torchrun with 2 process(es)" in log, log
+    node_log = (log_dir / "node-0.log").read_text()
+    assert "saved the policy" in node_log and not node_log.startswith("0: ")  # per-node logs carry no prefix
+    assert json.loads((save / "summary.json").read_text())["run"]["outcome"] == "finished"
+    reference = run_rlrun(2, [*base, "--ckpt_path", str(tmp_path / "reference" / "ckpt")], tmp_path / "reference")
+    assert reference.returncode == 0, reference.output[-3000:]
+    timing = ("time/", "tokens_per_s")
+    same = lambda ms: [{k: v for k, v in m.items() if not k.startswith(timing)} for m in ms]  # noqa: E731
+    assert [m["step"] for m in metrics_lines(save)] == list(range(1, 17))
+    assert same(metrics_lines(save)) == same(reference.metrics)

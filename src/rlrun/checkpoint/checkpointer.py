@@ -137,6 +137,15 @@ class Checkpointer:
         self.log = get_logger(self.rank)
         self._saved_world_size = world_size  # the resumed checkpoint's, once found
 
+    @property
+    def saves(self) -> bool:
+        """Whether this run writes checkpoints at all (--save_steps > 0)."""
+        return self.save_steps > 0
+
+    def step_dir(self, steps_done: int) -> str:
+        """The directory of the checkpoint after `steps_done` steps."""
+        return store.step_dir(self.root, steps_done)
+
     def should_save(self, steps_done: int, total_steps: int) -> bool:
         every = self.save_steps
         return every > 0 and (steps_done % every == 0 or steps_done == total_steps)

@@ -203,13 +203,14 @@ class MetricsSink:
             for k, v in numeric.items():
                 self.tb.add_scalar(k, v, step)
 
-    def finish(self, log: RankLogger, saved: Mapping[str, str], wall_s: float) -> None:
-        """The normal end: close, then write and print the run's summary and curves (`saved`: {what: path} of
-        the trainer's outputs; `wall_s`: the run's time from start-up). A report that cannot be written is one
-        warning line, never a failed run."""
+    def finish(self, log: RankLogger, saved: Mapping[str, str], wall_s: float, outcome: str = "finished") -> None:
+        """The end of a run that did not fail (`outcome`: "finished", or "preempted": stopped with a checkpoint on
+        a notice): close, then write and print the run's summary and curves (`saved`: {what: path} of the trainer's
+        outputs; `wall_s`: the run's time from start-up). A report that cannot be written is one warning line,
+        never a failed run."""
         self.close(report=False)
         try:
-            lines, why = write_report(self.path, {"outcome": "finished", "wall_s": wall_s, "saved": dict(saved)})
+            lines, why = write_report(self.path, {"outcome": outcome, "wall_s": wall_s, "saved": dict(saved)})
         except Exception as exc:  # noqa: BLE001 - the training is done and saved; the report is a bonus
             log.warning_once(f"no run summary written beside {self.path}: {type(exc).__name__}: {exc}")
             return

@@ -12,7 +12,8 @@ does the rest, in this order:
    fails every rank alike), under --data_timeout; rank 0 checks its output folders and says where everything goes;
 3. the default group; the trainer's groups, models and loop; a resume from the newest checkpoint;
 4. the steps, written out below: each step, its evaluation when due, its metrics (rank 0), a checkpoint every
-   --save_steps;
+   --save_steps; a preemption notice (SIGTERM, SIGUSR1: rlrun.run.preemption) heard by any rank stops the run at
+   the step boundary with a checkpoint, and a requeued Slurm job resumes from it by itself;
 5. the export, rank 0's summary, teardown.
 
 Failure policy: a rank that fails prints ONE line (rank, roles, phase, step, error) and leaves at once with os._exit:
@@ -49,9 +50,11 @@ from rlrun.launch.dist import (
 )
 from rlrun.launch.env import DistEnv
 from rlrun.launch.failures import RankFailure, checked_on_every_rank, launch_environment
+from rlrun.launch.transfer import max_over
 from rlrun.plan.plan import Planned
 from rlrun.reporting.metrics import MetricsSink
 from rlrun.reporting.run_report import announce
+from rlrun.run.preemption import PREEMPTED_EXIT, PreemptionNotice, mark_preempted, requeued
 from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.log import RankLogger, get_logger, quiet_third_party
 from rlrun.runtime.phases import Phase, PhaseTracker, run_phases, set_reporter
@@ -196,7 +199,10 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
     phase = run_phases(env.rank, cfg.runtime.dist_timeout)
     failure = RankFailure(log, env.rank, planned.roles, phase, cfg.runtime.dist_timeout)
     set_reporter(failure.exit)  # a bound that passes (a hung reward function, a dataset that never loads) ends so
+    notice = PreemptionNotice(env.rank)
+    notice.install()  # from now on: a notice during start-up stops the run after its first step
     sink = None
+    preempted: tuple[int, str | None] | None = None  # (steps done, the checkpoint saved) when a notice stopped it
     try:
         device = resolve_device_and_precision(cfg.runtime.device, env.local_rank, cfg.runtime.tf32)
         backend = resolve_dist_backend(cfg.runtime.dist_backend, device, cpu_collectives=cfg.train.reduces_on_cpu)
@@ -231,7 +237,9 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
             device=started.comm_device,
             timeout_s=cfg.runtime.dist_timeout,
         )
-        if c.load_checkpoint:
+        if c.load_checkpoint or requeued():
+            if not c.load_checkpoint and env.rank == 0:
+                log.info_once(f"Slurm requeued this job ({requeued()} time(s)): resuming from {c.ckpt_path}")
             with phase(Phase.LOAD, -1):
                 checkpointer.restore()
         job.begin()
@@ -254,18 +262,62 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
                 sink.log(metrics, evals)
             elif sink is not None and evals is not None:
                 sink.log_eval(step + 1, evals)
-            if checkpointer.should_save(step + 1, job.total_steps):
+            saving = checkpointer.should_save(step + 1, job.total_steps)
+            if saving:
                 with phase(Phase.SAVE, step):
                     checkpointer.save(step + 1)
-        job.finish()
-        with phase(Phase.SAVE, job.step):
-            saved = trainer.export(planned, inputs, built)
+            # One small all-reduce a step (after the save, which a notice may come during): the ranks hear a notice
+            # at different moments, and all must stop together
+            stop = step + 1 < job.total_steps and max_over(int(notice.heard), built.group, device) > 0
+            if stop and not saving and checkpointer.saves:
+                with phase(Phase.SAVE, step):
+                    checkpointer.save(step + 1)
+            if stop:
+                preempted = (step + 1, checkpointer.step_dir(step + 1) if checkpointer.saves else None)
+                break
+        if preempted is None:
+            job.finish()
+            with phase(Phase.SAVE, job.step):
+                saved = trainer.export(planned, inputs, built)
+        else:
+            stop_preempted(notice, preempted, sink, log, time.monotonic() - started_s)
+            # No rank leaves before rank 0's report and marker exist: a launcher (srun --kill-on-bad-exit) may end
+            # the whole job when the first process exits.
+            max_over(0, built.group, device)
     except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
         failure.exit(exc)
+    if preempted is not None:
+        teardown()
+        # torchrun restarts workers that exit with a status other than 0 (unless it is stopping itself)
+        return 0 if "TORCHELASTIC_RESTART_COUNT" in os.environ else PREEMPTED_EXIT
     if sink is not None:  # rank 0's summary reads the metrics it logged
         sink.finish(log, saved, time.monotonic() - started_s)
     teardown()
     return 0
+
+
+def stop_preempted(
+    notice: PreemptionNotice,
+    preempted: tuple[int, str | None],
+    sink: MetricsSink | None,
+    log: RankLogger,
+    wall_s: float,
+) -> None:
+    """After a preemption notice stopped the run at a step boundary, rank 0 (the one with the metrics `sink`) says
+    so and how it resumes, and writes the summary and the marker file the Slurm script requeues on."""
+    steps, checkpoint = preempted
+    if sink is not None:
+        heard = notice.signal or "a notice on another rank"
+        if checkpoint is not None:
+            resume = f"checkpoint {checkpoint}; the same command with --load_checkpoint resumes it"
+        else:
+            resume = "no checkpoint (--save_steps -1): a restart begins again"
+        log.warning_once(
+            f"preempted ({heard}) after step {steps}: {resume} (a requeued Slurm job resumes by itself); "
+            f"exit status {PREEMPTED_EXIT} (0 under torchrun, which would restart workers that exit otherwise)"
+        )
+        mark_preempted(steps, checkpoint)
+        sink.finish(log, {"checkpoint": checkpoint} if checkpoint else {}, wall_s, outcome="preempted")
 
 
 def dry_run(trainer: Trainer[P, I, J], planned: P, env: DistEnv, log: RankLogger) -> int:
@@ -297,7 +349,7 @@ def check_outputs(cfg: RootConfig, run_id: str, log: RankLogger) -> None:
         replacing = check_ownership(
             saving.ckpt_path,
             run_id,
-            loads=saving.load_checkpoint,
+            loads=saving.load_checkpoint or requeued() > 0,
             overwrites=saving.overwrite_checkpoints,
             restarted=is_restart(),
         )

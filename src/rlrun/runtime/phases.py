@@ -12,9 +12,10 @@ its peers). A rank that has been in one phase for more than half the collective 
 writes its stacks if the launcher stops it (SIGTERM) — usually because a peer's collective timed
 out waiting for it — so the rank that hung shows where.
 
-Fault injection: RLRUN_FAULT="phase:step:rank[:kill|raise|hang]" makes that rank SIGKILL itself (or
-raise, or never return) when it reaches the phase at that step (0-based), on the first attempt only, so an
-elastic restart can recover. Phases are those of the run (startup excepted) plus "save_shards": inside a
+Fault injection: RLRUN_FAULT="phase:step:rank[:kill|raise|hang|term]" makes that rank SIGKILL itself (or
+raise, or never return, or send itself SIGTERM: a preemption notice heard there, rlrun.run.preemption) when it
+reaches the phase at that step (0-based), on the first attempt only (neither an elastic restart nor a requeued Slurm
+job), so a restart can recover. Phases are those of the run (startup excepted) plus "save_shards": inside a
 checkpoint save, after this rank wrote its shards and before the checkpoint is sealed. Nothing
 happens when the variable is unset.
 """
@@ -172,7 +173,9 @@ class PhaseTracker:
 
 def maybe_inject(phase: str, step: int, rank: int) -> None:
     spec = os.environ.get("RLRUN_FAULT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not spec or any(
+        os.environ.get(count, "0") != "0" for count in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+    ):
         return
     parts = spec.split(":")
     if parts[:3] != [phase, str(step), str(rank)]:
@@ -183,6 +186,9 @@ def maybe_inject(phase: str, step: int, rank: int) -> None:
     if mode == "hang":  # stuck where no bound of rlrun's reaches: only the watchdog ends it
         while True:
             time.sleep(3600)
+    if mode == "term":  # the handler runs at once (a signal to this process, from its main thread)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
