@@ -50,6 +50,15 @@ def run_rlrun(nproc: int, args: list[str], save_path: Path, timeout: float = 240
     return RunResult(returncode, output, read_metrics(save_path))
 
 
+# Keys whose values are wall-clock measurements: equal runs differ in them and only in them.
+TIMED_KEYS = ("time/", "tokens_per_s", "perf/", "eval/time")
+
+
+def untimed(metrics: list[dict]) -> list[dict]:
+    """METRICS without their wall-clock keys (TIMED_KEYS): what two equal runs must agree on exactly."""
+    return [{k: v for k, v in m.items() if not k.startswith(TIMED_KEYS)} for m in metrics]
+
+
 def read_metrics(save_path: Path) -> list[dict]:
     """The records of SAVE_PATH/metrics.jsonl ([] where the run wrote none)."""
     metrics_file = save_path / "metrics.jsonl"

@@ -946,21 +946,25 @@ def _bench_module(name: str):
 
 
 def matmul_flops(cpu: bool) -> float:
-    """FLOP/s of one square matmul on this device (bf16 8192^2 on a GPU, fp32 512^2 on the CPU), the median of 5
-    timed rounds: the peak the trainers' MFU is taken against (an H200 measured 790 TFLOP/s against 989 on paper)."""
+    """FLOP/s of one square matmul on this device, the median of 5 timed rounds: the peak the trainers' MFU is taken
+    against. On a GPU rlrun's own measure (rlrun.reporting.live.device_peak_flops: bf16 8192^2; an H200 measured 790
+    TFLOP/s against 989 on paper), so the harness and a run's perf/mfu/actor agree; on the CPU fp32 512^2 (the
+    mechanics only: rlrun reports no MFU there)."""
     import torch
 
-    n, dtype, device = (512, torch.float32, "cpu") if cpu else (8192, torch.bfloat16, "cuda")
-    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    from rlrun.reporting.live import device_peak_flops
+
+    if not cpu:
+        peak = device_peak_flops(torch.device("cuda"))
+        assert peak is not None
+        return peak
+    n = 512
+    a, b = (torch.randn(n, n) for _ in range(2))
     times = []
     for round_ in range(6):
-        if not cpu:
-            torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(10):
             a @ b
-        if not cpu:
-            torch.cuda.synchronize()
         if round_:  # the first round pays the kernel selection
             times.append(time.perf_counter() - start)
     return 10 * 2 * n**3 / statistics.median(times)

@@ -12,7 +12,7 @@ from rlrun.rl.evaluation import TOTALS, finalize, local_totals, prompt_slice
 from rlrun.plan.plan import check_eval
 from rlrun.runtime.errors import ConfigError
 
-from helpers import DEMO_3, run_rlrun
+from helpers import DEMO_3, run_rlrun, untimed
 
 
 def test_local_totals_by_hand() -> None:
@@ -98,11 +98,7 @@ def test_eval_defaults_match_openrlhf() -> None:
     assert not parse_args(["--eval_temperature", "0.7", "--eval_dataset", "d.jsonl"]).ignored
 
 
-TIMING = ("time/", "tokens_per_s", "eval/time")
 
-
-def _no_timing(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
 
 
 @pytest.mark.slow
@@ -132,4 +128,4 @@ def test_two_rank_run_logs_eval_and_keeps_training_identical(tmp_path, demo_3) -
     without = demo_3[1]  # the same run without the evaluations
     assert without.returncode == 0, without.output[-3000:]
     train_only = [r for r in with_eval.metrics if "eval/reward" not in r]
-    assert _no_timing(train_only) == _no_timing(without.metrics)
+    assert untimed(train_only) == untimed(without.metrics)

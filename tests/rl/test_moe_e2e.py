@@ -17,11 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import run_rlrun
+from helpers import run_rlrun, untimed
 from rlrun.checkpoint import store as ckpt
 
 STEPS, SAVE = 6, 3
-TIMING = ("time/", "tokens_per_s", "perf/")
 MOE = ("actor/moe/aux_loss", "actor/moe/max_expert_load", "actor/moe/router_mismatch_frac")
 
 
@@ -54,9 +53,6 @@ def moe_task(tmp_path_factory) -> list[str]:
             "--dist_timeout", "60"]
 
 
-def _numbers(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith(TIMING)} for m in metrics]
-
 
 def test_fsdp_zero3_learns_with_replay_exports_and_resumes_exactly(moe_task, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
@@ -87,7 +83,7 @@ def test_fsdp_zero3_learns_with_replay_exports_and_resumes_exactly(moe_task, tmp
     again = run_rlrun(2, [*args, "--load_checkpoint", "--ckpt_path", str(resumed / "ckpt")], resumed, timeout=300)
     assert again.returncode == 0, again.output[-3000:]
     assert [m["step"] for m in again.metrics] == list(range(SAVE + 1, STEPS + 1))
-    assert _numbers(again.metrics) == _numbers(run.metrics)[SAVE:]
+    assert untimed(again.metrics) == untimed(run.metrics)[SAVE:]
     final = load_file(resumed / "model.safetensors")
     assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in saved)
 

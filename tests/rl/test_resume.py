@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from helpers import read_metrics, run_module_world, subprocess_env
+from helpers import read_metrics, run_module_world, subprocess_env, untimed
 from rlrun.checkpoint import store as ckpt
 from rlrun.run.preemption import MARKER_ENV
 
@@ -31,7 +31,6 @@ SMALL = ["--config", "configs/demo.yaml", "--rollout_batch_size", "4", "--n_samp
          "--train_batch_size", "8", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "2",
          "--generate_max_len", "8", "--dist_timeout", "30"]
 GAE = ["--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--save_value_network"]
-TIMING_KEYS = ("time/", "tokens_per_s")
 
 
 @dataclass
@@ -69,9 +68,6 @@ def torchrun(nproc: int, args: list[str], save: Path, *, fault: str | None = Non
 def _ok(run: Run) -> None:
     assert run.returncode == 0, run.output[-4000:]
 
-
-def _no_timing(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith(TIMING_KEYS)} for m in metrics]
 
 
 def _assert_same_tensors(a: Path, b: Path) -> None:
@@ -131,7 +127,7 @@ def test_resume_is_exact_and_skips_a_corrupt_newest_checkpoint(reference, tmp_pa
     assert warnings == [(ckpt.step_dir(str(run.ckpt), STEPS), "actor/__1_0.distcp")], run.output[-3000:]
     assert f"resumed from {ckpt.step_dir(str(run.ckpt), N)} at step {N}" in run.output
     assert [m["step"] for m in run.metrics] == list(range(N + 1, STEPS + 1))
-    assert _no_timing(run.metrics) == _no_timing(reference.metrics[N:])
+    assert untimed(run.metrics) == untimed(reference.metrics[N:])
     _assert_same_final_models(run, reference)
     _assert_clean_newest(run.ckpt, STEPS)
 
@@ -173,7 +169,7 @@ def test_kill_mid_step_restarts_and_matches_the_uninterrupted_run(reference, tmp
     # (Which rank torchrun names as failed is a race: rank 0 often exits first on the broken connection.)
     assert f"resumed from {ckpt.step_dir(str(run.ckpt), N)} at step {N}" in run.output
     assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))
-    assert _no_timing(run.metrics) == _no_timing(reference.metrics)
+    assert untimed(run.metrics) == untimed(reference.metrics)
     _assert_same_final_models(run, reference)
     _assert_clean_newest(run.ckpt, STEPS)
 
@@ -194,7 +190,7 @@ def test_kill_mid_save_restarts_and_leaves_a_loadable_checkpoint(reference, tmp_
     assert f"skipping checkpoint {ckpt.tmp_dir(str(run.ckpt), STEPS)}: a save that did not finish" in run.output
     assert f"resumed from {ckpt.step_dir(str(run.ckpt), N)} at step {N}" in run.output
     assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))
-    assert _no_timing(run.metrics) == _no_timing(reference.metrics)
+    assert untimed(run.metrics) == untimed(reference.metrics)
     _assert_same_final_models(run, reference)
     _assert_clean_newest(run.ckpt, STEPS)
     if phase == "save_shards":
@@ -237,7 +233,7 @@ def test_a_notice_one_rank_hears_mid_save_stops_every_rank_and_the_requeued_job_
     _ok(requeued)
     assert f"Slurm requeued this job (1 time(s)): resuming from {run.ckpt}" in requeued.output
     assert f"resumed from {saved} at step {N}" in requeued.output
-    assert _no_timing(requeued.metrics) == _no_timing(reference.metrics)
+    assert untimed(requeued.metrics) == untimed(reference.metrics)
     _assert_same_final_models(requeued, reference)
 
 

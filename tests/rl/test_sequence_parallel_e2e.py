@@ -14,11 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import run_rlrun
+from helpers import run_rlrun, untimed
 from rlrun.checkpoint import store as ckpt
 
 STEPS, SAVE = 4, 2
-TIMING = ("time/", "tokens_per_s", "perf/")
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +47,6 @@ def long_task(tmp_path_factory) -> list[str]:
             "0.003", "--max_steps", str(STEPS), "--dist_timeout", "60"]
 
 
-def _numbers(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith(TIMING)} for m in metrics]
-
 
 def test_sp_2_and_4_train_like_sp_1_learn_and_resume_exactly(long_task, tmp_path) -> None:
     plain = run_rlrun(4, [*long_task, "--packing_samples"], tmp_path / "sp1", timeout=300)
@@ -62,10 +58,10 @@ def test_sp_2_and_4_train_like_sp_1_learn_and_resume_exactly(long_task, tmp_path
     ring = run_rlrun(4, [*long_task, "--ring_attn_size", "4", "--ring_head_stride", "2"], tmp_path / "sp4", timeout=300)
     assert ring.returncode == 0, ring.output[-3000:]
     assert "--ring_head_stride" in ring.output and "not needed" in ring.output
-    base = _numbers(plain.metrics)
+    base = untimed(plain.metrics)
     assert len(base) == STEPS
     for run in (split, ring):
-        for want, got in zip(base, _numbers(run.metrics), strict=True):
+        for want, got in zip(base, untimed(run.metrics), strict=True):
             assert got.keys() == want.keys()
             for key in want.keys() - {"actor/padded_token_frac"}:  # rows are padded to a multiple of sp
                 assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (key, want, got)
@@ -80,6 +76,6 @@ def test_sp_2_and_4_train_like_sp_1_learn_and_resume_exactly(long_task, tmp_path
                           str(resumed / "ckpt")], resumed, timeout=300)
     assert again.returncode == 0, again.output[-3000:]
     assert [m["step"] for m in again.metrics] == list(range(SAVE + 1, STEPS + 1))
-    assert _numbers(again.metrics) == _numbers(split.metrics)[SAVE:]
+    assert untimed(again.metrics) == untimed(split.metrics)[SAVE:]
     a, b = load_file(resumed / "model.safetensors"), load_file(tmp_path / "sp2" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

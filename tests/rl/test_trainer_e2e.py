@@ -6,14 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import DEMO_3, run_rlrun
+from helpers import DEMO_3, run_rlrun, untimed
 
 DEMO = ["--config", "configs/demo.yaml"]
-TIMING_KEYS = ("time/", "tokens_per_s")
 
-
-def _no_timing(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith(TIMING_KEYS)} for m in metrics]
 
 
 @pytest.mark.slow
@@ -91,9 +87,9 @@ def test_same_seed_same_metrics(tmp_path, demo_3):
     a = demo_3[1]
     b = run_rlrun(2, DEMO_3, tmp_path / "b")
     assert a.returncode == 0 and b.returncode == 0, a.output[-2000:] + b.output[-2000:]
-    assert _no_timing(a.metrics) == _no_timing(b.metrics)
+    assert untimed(a.metrics) == untimed(b.metrics)
     c = run_rlrun(2, DEMO_3 + ["--seed", "7"], tmp_path / "c")
-    assert _no_timing(c.metrics) != _no_timing(a.metrics)
+    assert untimed(c.metrics) != untimed(a.metrics)
 
 
 @pytest.mark.slow

@@ -47,3 +47,23 @@ def test_requeue_count_and_marker(tmp_path: Path) -> None:
     assert marker.read_text() == "preempted after step 7; checkpoint /ckpt/step_00000007\n"
     mark_preempted(7, None, {})  # no marker asked for: nothing written, no error
     assert PREEMPTED_EXIT == 75  # sysexits' EX_TEMPFAIL; scripts and users may test for it
+
+
+HELPER = """
+import os, signal, sys, time
+from rlrun.engines.vllm.child import _die_with_parent
+_die_with_parent(os.getppid())  # as the vLLM child does first
+for sig in (signal.SIGTERM, signal.SIGUSR1):  # Slurm's notices reach every process of the step
+    os.kill(os.getpid(), sig)
+time.sleep(0.2)
+print("alive", flush=True)
+"""
+
+
+def test_the_vllm_child_outlives_the_notices_its_rank_acts_on() -> None:
+    """Slurm sends a notice to every process of the step; the vLLM child used SIGUSR1 as its parent-death signal and
+    killed its whole group on it, so the time-limit notice ended the engine mid-step. It now ignores both notices
+    (its rank stops it after the save) and dies with its parent on SIGUSR2."""
+    proc = subprocess.run([sys.executable, "-c", HELPER], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "alive\n", proc.stdout + proc.stderr

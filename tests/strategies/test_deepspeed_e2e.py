@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM
 
-from helpers import run_rlrun
+from helpers import run_rlrun, untimed
 from rlrun.checkpoint import store as ckpt
 from rlrun.config.tree import Config
 from rlrun.plan.plan import lay_out
@@ -35,11 +35,7 @@ SMALL = ["--config", "configs/demo.yaml", "--rollout_batch_size", "4", "--n_samp
 LAYOUT = ["--actor_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "1"]
 DS = ["--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--gradient_checkpointing",
       "--strategy", "deepspeed", "--zero_stage", "2"]
-TIMING_KEYS = ("time/", "tokens_per_s")
 
-
-def _no_timing(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith(TIMING_KEYS)} for m in metrics]
 
 
 def _dcp(directory: Path, out: Path) -> dict:
@@ -94,7 +90,7 @@ def test_deepspeed_resume_is_exact(reference, tmp_path):
     assert res.returncode == 0, res.output[-4000:]
     assert f"resumed from {ckpt.step_dir(str(tmp_path / 'ckpt'), N)} at step {N}" in res.output
     assert [m["step"] for m in res.metrics] == list(range(N + 1, 2 * N + 1))
-    assert _no_timing(res.metrics) == _no_timing(ref.metrics[N:])
+    assert untimed(res.metrics) == untimed(ref.metrics[N:])
     _same_tensors(tmp_path / "model.safetensors", ref_save / "model.safetensors")
     # The critic (rank 2 only): its step-2N checkpoint, weights and Adam moments, bit for bit.
     step = Path(ckpt.step_dir(str(tmp_path / "ckpt"), 2 * N)).name
@@ -160,6 +156,6 @@ def test_zero3_with_every_role_on_every_rank_trains_and_resumes_exactly(tmp_path
     res = run_rlrun(2, SMALL + ZERO3 + ["--max_steps", str(2 * N), "--save_steps", str(N), "--load_checkpoint",
                                         "--ckpt_path", str(tmp_path / "resumed" / "ckpt")], tmp_path / "resumed", timeout=280)
     assert res.returncode == 0, res.output[-4000:]
-    assert _no_timing(res.metrics) == _no_timing(full.metrics[N:])
+    assert untimed(res.metrics) == untimed(full.metrics[N:])
     _same_tensors(tmp_path / "resumed" / "model.safetensors", tmp_path / "full" / "model.safetensors")
     AutoModelForCausalLM.from_pretrained(tmp_path / "full")

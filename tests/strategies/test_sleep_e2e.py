@@ -11,18 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import run_rlrun
+from helpers import run_rlrun, untimed
 
 SMALL = ["--config", "configs/demo.yaml", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
          "--train_batch_size", "8", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "2",
          "--generate_max_len", "8", "--dist_timeout", "60", "--advantage_estimator", "gae", "--init_kl_coef", "0.01",
          "--colocate_all_models", "--max_steps", "2", "--save_steps", "1"]
 STRATEGIES = {"fsdp": ["--strategy", "fsdp"], "deepspeed": ["--strategy", "deepspeed", "--zero_stage", "2"]}
-TIMING_KEYS = ("time/", "tokens_per_s")
 
-
-def _no_timing(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith(TIMING_KEYS)} for m in metrics]
 
 
 @pytest.mark.slow
@@ -51,7 +47,7 @@ def test_sleep_changes_nothing_but_memory(strategy, tmp_path):
                  "sleep: ref parameters (", "sleep: critic parameters ("):
         assert line in slept.output, line
     assert slept.output.count("sleep: actor parameters (") == 1
-    assert _no_timing(slept.metrics) == _no_timing(plain.metrics)
+    assert untimed(slept.metrics) == untimed(plain.metrics)
     a, b = load_file(plain_dir / "model.safetensors"), load_file(slept_dir / "model.safetensors")
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import RunResult, run_rlrun, subprocess_env
+from helpers import RunResult, run_rlrun, subprocess_env, untimed
 from rlrun.checkpoint import store as ckpt
 from rlrun.supervised.datasets import write_all
 
@@ -20,7 +20,6 @@ STEPS = 6
 SFT = ["--output_key", "output", "--input_template", "{}", "--train_batch_size", "8", "--micro_train_batch_size", "2",
        "--max_len", "48", "--learning_rate", "3e-3", "--max_steps", str(STEPS), "--save_steps", "2",
        "--dist_timeout", "30", "--lr_warmup_ratio", "0.2"]
-TIMING = ("time/",)
 
 
 def _sft(nproc: int, save: Path, data: Path, *extra: str, fault: str | None = None, max_restarts: int = 0) -> RunResult:
@@ -30,9 +29,6 @@ def _sft(nproc: int, save: Path, data: Path, *extra: str, fault: str | None = No
     return run_rlrun(nproc, ["--dataset", str(data), *SFT, "--ckpt_path", str(save / "ckpt"), *extra], save,
                      env=env, module="rlrun.sft", max_restarts=max_restarts)
 
-
-def _untimed(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith(TIMING)} for m in metrics]
 
 
 def _same_weights(a: Path, b: Path, **tolerance: float) -> None:
@@ -70,7 +66,7 @@ def test_killed_rank_restarts_and_ends_exactly_like_the_uninterrupted_run(refere
     run = _sft(2, tmp_path, data, "--load_checkpoint", fault=f"train:{3}:1", max_restarts=2)
     assert run.returncode == 0, run.output[-4000:]
     assert "resumed from" in run.output and "at step 2" in run.output, run.output[-3000:]
-    assert _untimed(run.metrics) == _untimed(reference.run.metrics)  # steps 3.. redone, earlier lines kept
+    assert untimed(run.metrics) == untimed(reference.run.metrics)  # steps 3.. redone, earlier lines kept
     _same_weights(tmp_path, reference.save)
     found, _ = ckpt.find_latest(str(tmp_path / "ckpt"))
     assert found is not None and found.step == STEPS and found.meta["trainer"] == "sft"

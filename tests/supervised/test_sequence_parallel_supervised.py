@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import run_rlrun
+from helpers import run_rlrun, untimed
 from rlrun.config.supervised import SFTConfig
 from rlrun.plan.checks import check_supervised
 from rlrun.runtime.errors import ConfigError
@@ -31,9 +31,6 @@ def data(tmp_path_factory) -> dict[str, str]:
     return write_all(str(tmp_path_factory.mktemp("data")), sft=32, pairs=32, eval_pairs=8)
 
 
-def _numbers(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
-
 
 @pytest.mark.parametrize("module, spelling", [("rlrun.sft", "--ring_attn_size"), ("rlrun.rm", "--ds.ring_attn_size"),
                                               ("rlrun.dpo", "--sequence_parallel_size")])
@@ -47,7 +44,7 @@ def test_two_blocks_of_two_train_like_two_data_parallel_ranks(module, spelling, 
     assert split.returncode == 0, split.output[-3000:]
     assert "sequence parallelism 2: Ulysses" in split.output and "not ring attention" in split.output
     assert "--packing_samples is on" in split.output  # packed rows are what the blocks split
-    a, b = _numbers(plain.metrics), _numbers(split.metrics)
+    a, b = untimed(plain.metrics), untimed(split.metrics)
     assert len(a) == len(b) == (2 if module == "rlrun.sft" else 3)  # pair trainers evaluate after the last step
     for x, y in zip(a, b):
         assert x.keys() == y.keys()

@@ -1,11 +1,12 @@
-"""The metrics section (every trainer): logging cadence, the metrics file, wandb and TensorBoard, when evaluation
-runs (rlrun.ppo's evaluation set is rlrun.config.evaluation)."""
+"""The metrics section (every trainer): logging cadence, the metrics file, wandb and TensorBoard, the live Prometheus
+endpoint and health lines, when evaluation runs (rlrun.ppo's evaluation set is rlrun.config.evaluation)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from rlrun.config.fields import opt, positive
+from rlrun.runtime.errors import ConfigError
 
 
 @dataclass
@@ -30,6 +31,27 @@ class TrackingConfig:
     wandb_group: str | None = opt(None, "wandb group.")
     wandb_run_name: str | None = opt(None, "wandb run name.")
     use_tensorboard: str | None = opt(None, "TensorBoard log directory.")
+    metrics_port: int | None = opt(
+        None,
+        "Serve Prometheus metrics from rank 0 on this port while the run runs (0: any free port, named in the log): "
+        "every logged number (rlrun_<key>), each rank's memory, the health warnings. Needs prometheus-client.",
+        metavar="PORT",
+    )
+    metrics_host: str = opt("0.0.0.0", "The address --metrics_port listens on (0.0.0.0: every interface).")
+    health_slow_factor: float = opt(
+        3.0, "Warn once when a phase takes more than this many times its median so far (0: never)."
+    )
+    health_logprob_gap: float = opt(
+        0.1,
+        "Warn once when the engine's log-probs differ from the trainer's by more than this on average "
+        "(rollout/engine_vs_actor_logprob_diff).",
+    )
 
     def check(self) -> None:
         positive("logging_steps", self.logging_steps)
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics_port must be a TCP port (0-65535; 0: any free one), got {self.metrics_port}")
+        for name in ("health_slow_factor", "health_logprob_gap"):
+            value = getattr(self, name)
+            if not (value >= 0 and value != float("inf")):
+                raise ConfigError(f"--{name} must be a finite number >= 0, got {value}")

@@ -38,6 +38,7 @@ SHOWN = (
     ("kl", "kl", ".4g"),
     ("response_length", "len", ".1f"),
     ("actor/policy_loss", "policy_loss", ".4g"),
+    ("perf/mfu/actor", "MFU", ".1%"),
     ("critic/value_loss", "value_loss", ".4g"),
     ("loss", "loss", ".4f"),
     ("acc", "acc", ".3f"),

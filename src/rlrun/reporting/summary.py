@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -158,6 +159,15 @@ def _curve(records: Sequence[Mapping[str, Any]], key: str) -> dict[str, float] |
     }
 
 
+# The steps' median throughput per device and actor MFU (rlrun.reporting.live), as the summary names them.
+PERF = (("throughput_per_device", "perf/throughput"), ("mfu_actor", "perf/mfu/actor"))
+
+
+def _median(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    values = sorted(v for r in records if (v := _number(r.get(key))) is not None)
+    return statistics.median(values) if values else None
+
+
 def summarize(records: Sequence[Mapping[str, Any]], metrics_path: str = "") -> dict[str, Any]:
     """The summary of a run's metric records (see the module docstring)."""
     train = [r for r in records if not is_eval(r)]
@@ -183,6 +193,7 @@ def summarize(records: Sequence[Mapping[str, Any]], metrics_path: str = "") -> d
             "phases_s": {p: s for p, s in phases.items() if s > 0},
         },
         "tokens_per_s": tokens / token_s if token_s > 0 else None,
+        **{name: _median(train, key) for name, key in PERF},
         "curves": curves,
         "skipped_updates": int(skipped),
     }
@@ -207,6 +218,10 @@ def format_summary(summary: Mapping[str, Any]) -> list[str]:
         head += f", {_seconds(total)} in steps ({t['per_step_s']:.2f} s/step{': ' + shares if shares else ''})"
     if summary.get("tokens_per_s") is not None:
         head += f", {summary['tokens_per_s']:.0f} generated tokens/s"
+    if summary.get("throughput_per_device") is not None:
+        head += f", {summary['throughput_per_device']:.0f} tokens/s per device"
+    if summary.get("mfu_actor") is not None:
+        head += f", MFU {summary['mfu_actor']:.1%}"
     run = summary.get("run", {})
     if run.get("wall_s") is not None:
         head += f"; {_seconds(run['wall_s'])} from start-up to the end"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import numbers
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -64,6 +65,9 @@ _WORKER_FN: ScoreFn | None = None
 
 def _worker_init(path: str, name: str) -> None:
     global _WORKER_FN
+    # The time-limit notice (SIGUSR1, which Slurm sends to every process of the step: rlrun.run.preemption) is the
+    # rank's to act on; SIGTERM keeps its default, since the pool stops a broken worker with it.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     _WORKER_FN = load_compute_score(path, name)
 
 

@@ -48,6 +48,8 @@ from rlrun.models.weights import Unfilled
 from rlrun.plan.memory_text import dry_run_memory
 from rlrun.plan.plan import PPOPlan, asks_node_labels, lay_out, roles_of
 from rlrun.plan.preflight import ppo_eval_prompts, ppo_prompts, preflight
+from rlrun.plan.shapes import model_shape
+from rlrun.reporting.live import PerfBasis, device_peak_flops, perf_line
 from rlrun.reporting.run_report import describe_roles, model_form, pure_distillation_line, saved_outputs
 from rlrun.rewards.compute_score import load_compute_score_function
 from rlrun.rewards.reward_fn import load_reward_function, no_reward
@@ -200,6 +202,7 @@ class PPOTrainer:
             on_policy=skips_old_log_probs(cfg.train, cfg.algo, cfg.distill, planned.correction),
             distill=cfg.distill,
             recorded_routing=routing if replay == "R2" else None,
+            perf=perf_basis(ctx, cfg) if ctx.rank == 0 else None,
         )
         rollouts = RolloutSource(
             ctx,
@@ -563,6 +566,19 @@ def _weight_sync(ctx: RankContext, cfg: Config, roles: RankRoles) -> WeightSync:
         device=ctx.device,
         check_names=source.check_names() if isinstance(source, MergedLoraParams) else (),
     )
+
+
+def perf_basis(ctx: RankContext, cfg: Config) -> PerfBasis:
+    """Rank 0: what the step's throughput and MFU are computed from (the peak measured on this rank's GPU, a
+    fraction of a second), said in one start-up line."""
+    basis = PerfBasis(
+        params=model_shape(load_model_config(cfg.model)).parameters,
+        devices=ctx.layout.world_size,
+        actor_devices=len(ctx.layout.ranks_of(Role.ACTOR)),
+        peak_flops=device_peak_flops(ctx.device),
+    )
+    get_logger(ctx.rank).info_once(perf_line(basis))
+    return basis
 
 
 def sleep_schedule(

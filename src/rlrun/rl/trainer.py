@@ -40,6 +40,7 @@ from rlrun.engines.protocol import Engine
 from rlrun.launch.context import RankContext
 from rlrun.launch.layout import Role
 from rlrun.models.moe import RoutingShape
+from rlrun.reporting.live import PerfBasis, perf_numbers
 from rlrun.rl.dynamic_batch import Budgets
 from rlrun.rl.evaluation import Evaluator
 from rlrun.rl.exchange import Exchange, Score, Scored, ScoringJob
@@ -72,6 +73,7 @@ class StepSettings:
     distill: DistillConfig = field(default_factory=DistillConfig)  # on-policy distillation (a teacher, when on)
     # --router_replay R2: the MoE policy's routing, which the actor's scoring pass records for its training passes
     recorded_routing: RoutingShape | None = None
+    perf: PerfBasis | None = None  # what perf/throughput and perf/mfu/actor are computed from (rank 0)
 
 
 @dataclass
@@ -357,6 +359,8 @@ class Trainer:
     ) -> dict[str, float]:
         mask, scored = learned.batch.action_mask, learned.scored
         generated = float(out.batch.response_len.sum())
+        tokens = generated + float(out.batch.prompt_len.sum())
+        perf = perf_numbers(self.s.perf, tokens, step_time, times.get("time/train")) if self.s.perf else {}
         return {
             "step": step + 1,
             "episode": self.sampler.episode_of(step),
@@ -372,6 +376,7 @@ class Trainer:
             **learned.stats,
             **times,
             "time/step": step_time,
+            **perf,
         }
 
     # ---- around the steps (called by the run skeleton) ----------------------------------------------------------

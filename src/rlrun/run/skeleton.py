@@ -39,6 +39,7 @@ from rlrun.checkpoint.resume import check_ownership, is_restart, run_identity
 from rlrun.cli.parser import CliSpec
 from rlrun.cli.run_config import write_run_config
 from rlrun.config.fields import redacted
+from rlrun.config.training import TrainConfig
 from rlrun.config.tree import RootConfig
 from rlrun.launch.dist import (
     collective_device,
@@ -50,13 +51,15 @@ from rlrun.launch.dist import (
 )
 from rlrun.launch.env import DistEnv
 from rlrun.launch.failures import RankFailure, checked_on_every_rank, launch_environment
-from rlrun.launch.transfer import max_over
+from rlrun.launch.transfer import all_gather_vectors, max_over
 from rlrun.plan.plan import Planned
+from rlrun.reporting.live import LiveReport
 from rlrun.reporting.metrics import MetricsSink
 from rlrun.reporting.run_report import announce
 from rlrun.run.preemption import PREEMPTED_EXIT, PreemptionNotice, mark_preempted, requeued
 from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.log import RankLogger, get_logger, quiet_third_party
+from rlrun.runtime.memory import rss_bytes
 from rlrun.runtime.phases import Phase, PhaseTracker, run_phases, set_reporter
 
 P = TypeVar("P", bound=Planned[Any])  # a trainer's plan
@@ -202,6 +205,7 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
     notice = PreemptionNotice(env.rank)
     notice.install()  # from now on: a notice during start-up stops the run after its first step
     sink = None
+    live: LiveReport | None = None  # rank 0: health lines and the --metrics_port endpoint
     preempted: tuple[int, str | None] | None = None  # (steps done, the checkpoint saved) when a notice stopped it
     try:
         device = resolve_device_and_precision(cfg.runtime.device, env.local_rank, cfg.runtime.tf32)
@@ -219,6 +223,10 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
                 *announce(cfg.model, cfg.checkpoint, cfg.logging, entry.cli.prog, config, count),
             ):
                 log.info_once(line)
+            live = LiveReport(cfg.logging, entry.name, staleness_bound(cfg))  # a taken port fails here, early
+            if live.endpoint is not None:
+                host, port = cfg.logging.metrics_host, live.endpoint.port
+                log.info_once(f"metrics: Prometheus text on http://{host}:{port}/metrics while the run runs")
         failure.local_only = False  # from the first collective on, a failure may be this rank's alone
         if (warning := restart_safety_warning(env)) is not None:
             log.warning_once(warning)
@@ -257,6 +265,10 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
             sink.log_eval(0, evals)
         for step in range(job.step, job.total_steps):
             metrics = job.train_step(step)
+            watched = memory_per_rank(built.group, started.comm_device) if cfg.logging.metrics_port is not None else []
+            if live is not None:
+                for line in live.step(metrics, watched):
+                    log.warning_once(line)
             evals = job.evaluate(step + 1)
             if sink is not None and (step + 1) % cfg.logging.logging_steps == 0:
                 sink.log(metrics, evals)
@@ -286,6 +298,8 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
             max_over(0, built.group, device)
     except BaseException as exc:  # noqa: BLE001 - every failure ends in the same one-line report
         failure.exit(exc)
+    if live is not None:
+        live.close()
     if preempted is not None:
         teardown()
         # torchrun restarts workers that exit with a status other than 0 (unless it is stopping itself)
@@ -337,6 +351,20 @@ def dry_run(trainer: Trainer[P, I, J], planned: P, env: DistEnv, log: RankLogger
     for line in checked or ():
         log.info_once(line)
     return 0 if checked is not None else 2
+
+
+def staleness_bound(cfg: RootConfig) -> int | None:
+    """--max_staleness where samples outlive a weight sync (rlrun.ppo --partial_rollout), for the health lines."""
+    train = cfg.train
+    return train.max_staleness if isinstance(train, TrainConfig) and train.continues_rollouts else None
+
+
+def memory_per_rank(group: torch.distributed.ProcessGroup, device: torch.device) -> list[tuple[float, float]]:
+    """Each rank's (resident set, CUDA allocator's allocated) bytes, on every rank: one small all-gather a step,
+    only with --metrics_port."""
+    gpu = torch.cuda.memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+    local = torch.tensor([float(rss_bytes() or 0), float(gpu)], dtype=torch.float64, device=device)
+    return [(float(rss), float(alloc)) for rss, alloc in all_gather_vectors(local, group).cpu().tolist()]
 
 
 def check_outputs(cfg: RootConfig, run_id: str, log: RankLogger) -> None:

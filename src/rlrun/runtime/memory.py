@@ -15,10 +15,19 @@ REPORT_ENV = "RLRUN_REPORT_MEMORY"  # set to 1: every rank logs its peak RSS aft
 
 def peak_rss_bytes() -> int | None:
     """VmHWM: the largest resident set this process has had (its peak host memory, file-backed pages included)."""
+    return _status_bytes("VmHWM:")
+
+
+def rss_bytes() -> int | None:
+    """VmRSS: this process's resident set now."""
+    return _status_bytes("VmRSS:")
+
+
+def _status_bytes(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass

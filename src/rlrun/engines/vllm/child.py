@@ -53,7 +53,10 @@ _SCRUB_PREFIXES = ("TORCHELASTIC_", "GROUP_", "ROLE_", "MASTER_")
 # child SIGKILL itself (as an out-of-memory kill would) or stop answering on its N-th (0-based) such request.
 FAULT_ENV = "RLRUN_VLLM_CHILD_FAULT"
 _PR_SET_PDEATHSIG = 1
-_DEATH_SIGNAL = signal.SIGUSR1  # not one vLLM handles itself
+# Not one vLLM handles itself, nor a preemption notice (SIGTERM, SIGUSR1: rlrun.run.preemption), which Slurm sends
+# to every process of the job: the notice is the parent rank's to act on, so the child ignores it.
+_DEATH_SIGNAL = signal.SIGUSR2
+_NOTICES = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class EngineChildError(RlrunError):
@@ -72,6 +75,8 @@ def _die_with_parent(parent_pid: int) -> None:
     group, so no vLLM process outlives the rank that owns it."""
     os.setpgrp()
     signal.signal(_DEATH_SIGNAL, lambda *_: os.killpg(0, signal.SIGKILL))
+    for notice in _NOTICES:  # the parent finishes its step with this engine, then stops it with "stop" or SIGKILL
+        signal.signal(notice, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, _DEATH_SIGNAL, 0, 0, 0)
