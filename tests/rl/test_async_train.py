@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from rlrun.cli.parser import parse_args
 from rlrun.plan.plan import lay_out
-from test_resume import N, SMALL, STEPS, _assert_same_final_models, _no_timing, _ok, torchrun
+from helpers import untimed
+from test_resume import N, SMALL, STEPS, _assert_same_final_models, _ok, torchrun
 
 LAYOUT = ["--actor_num_gpus_per_node", "1", "--critic_num_gpus_per_node", "1", "--vllm_num_engines", "1"]
 GAE = ["--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--save_value_network"]
@@ -35,7 +36,7 @@ def reference(tmp_path_factory):
 def test_batches_lag_one_weight_version(reference, tmp_path):
     sync = torchrun(3, SMALL + GAE + LAYOUT + ["--max_steps", str(STEPS)], tmp_path)
     _ok(sync)
-    a, s = _no_timing(reference.metrics), _no_timing(sync.metrics)
+    a, s = untimed(reference.metrics), untimed(sync.metrics)
     # Step 1's batch comes from the initial weights either way; from step 2 on the async batch was generated
     # before step 1's update, the synchronous one after it. (Samples of slightly different weights can agree,
     # so some later step differs, not necessarily each; the vLLM lane measures the lag on every token.)
@@ -54,7 +55,7 @@ def test_kill_mid_step_resumes_exactly(reference, tmp_path):
                    fault=f"train:{N}:0", max_restarts=2)
     _ok(run)
     assert f"at step {N}" in run.output
-    assert _no_timing(run.metrics) == _no_timing(reference.metrics)
+    assert untimed(run.metrics) == untimed(reference.metrics)
     _assert_same_final_models(run, reference)
 
 

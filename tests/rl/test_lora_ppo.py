@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from helpers import run_rlrun
-from test_resume import SMALL, _copy_checkpoints, _no_timing, _ok, torchrun
+from helpers import run_rlrun, untimed
+from test_resume import SMALL, _copy_checkpoints, _ok, torchrun
 from rlrun.config.model import PretrainedConfig
 from rlrun.data.rollout import RolloutBatch
 from rlrun.models.loading import load_causal_lm, unfilled_policy
@@ -73,7 +73,7 @@ def test_lora_critic_and_actor_resume_exactly_with_roles_on_their_own_ranks(tmp_
     resumed = torchrun(3, [*args, "--load_checkpoint"], tmp_path / "resumed")
     _ok(resumed)
     assert "resumed from" in resumed.output and [m["step"] for m in resumed.metrics] == [3, 4]
-    assert _no_timing(resumed.metrics) == _no_timing(straight.metrics[2:])
+    assert untimed(resumed.metrics) == untimed(straight.metrics[2:])
     for sub in ("", "critic"):
         adapters = [load_file(run.save / sub / "adapter_model.safetensors") for run in (straight, resumed)]
         assert adapters[0].keys() == adapters[1].keys()

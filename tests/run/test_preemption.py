@@ -5,13 +5,15 @@ runs that stop on a notice and resume: tests/rl/test_resume.py (torchrun) and te
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from helpers import REPO, subprocess_env
 
-from rlrun.run.preemption import MARKER_ENV, PREEMPTED_EXIT, mark_preempted, requeued
+from rlrun.run.preemption import MARKER_ENV, PREEMPTED_EXIT, launcher_stopping, mark_preempted, requeued
 
 CHILD = """
 import os, signal, sys, time
@@ -47,6 +49,78 @@ def test_requeue_count_and_marker(tmp_path: Path) -> None:
     assert marker.read_text() == "preempted after step 7; checkpoint /ckpt/step_00000007\n"
     mark_preempted(7, None, {})  # no marker asked for: nothing written, no error
     assert PREEMPTED_EXIT == 75  # sysexits' EX_TEMPFAIL; scripts and users may test for it
+
+
+WORKER = """
+import sys, time
+from rlrun.run import preemption
+preemption.PreemptionNotice(rank=1).install()
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+# The main thread waits in C code that no signal interrupts, with the GIL released: a stand-in for a rank waiting in
+# an NCCL collective on a dead peer (which needs a GPU), built from glibc's pthread_cond_wait on a condition nobody
+# signals (zeroed storage is glibc's static initializer for both).
+STUCK_WORKER = """
+import ctypes, sys
+from rlrun.run import preemption
+preemption.PreemptionNotice(rank=1).install()
+libc = ctypes.CDLL(None)
+mutex, cond = ctypes.create_string_buffer(64), ctypes.create_string_buffer(64)
+libc.pthread_mutex_lock(mutex)
+print("ready", flush=True)
+libc.pthread_cond_wait(cond, mutex)
+"""
+
+
+def _workers(script: str = WORKER) -> list[subprocess.Popen]:
+    """Two processes with one command line and one parent (this one), as torchrun starts a node's workers."""
+    env = subprocess_env(TORCHELASTIC_RUN_ID="test", LOCAL_WORLD_SIZE="2")
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return procs
+
+
+def test_sigterm_is_a_notice_while_the_node_s_workers_live_and_torchrun_stopping_them_once_one_ended() -> None:
+    """torchrun's own SIGTERM (a worker of its node ended: it stops the rest) ends a worker at once, as it always did;
+    the same signal while every worker lives is a preemption notice. Real processes and the real /proc."""
+    first, second = _workers()
+    first.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert first.poll() is None  # heard as a notice: it goes on to its step boundary
+    second.kill()
+    second.wait(10)
+    first.kill()
+    assert "SIGTERM received: stopping after this step" in first.communicate(timeout=10)[1]
+
+    first, second = _workers()
+    second.kill()
+    second.wait(10)  # reaped, as torchrun reaps a worker before it stops the others
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(10) == -signal.SIGTERM  # the default action: what torchrun expects of its workers
+    assert first.communicate(timeout=10)[1] == ""  # no notice line: this was no preemption
+
+
+def test_torchrun_s_stop_ends_a_worker_whose_main_thread_waits_outside_python() -> None:
+    """The handler cannot run while the main thread waits in C (STUCK_WORKER's stand-in for a collective); the
+    thread the signal wakes ends the process STOP_GRACE_S later, and says so."""
+    first, second = _workers(STUCK_WORKER)
+    second.kill()
+    second.wait(10)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(30) == -signal.SIGKILL
+    assert "stopped by torchrun while waiting outside Python" in first.communicate(timeout=10)[1]
+
+
+def test_launcher_stopping_reads_the_launcher_s_environment() -> None:
+    assert not launcher_stopping({})  # outside torchrun a SIGTERM is always a notice
+    assert not launcher_stopping({"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "1"})  # this process is its own one
+    assert launcher_stopping({"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2"})  # its sibling is missing
+    assert not launcher_stopping({"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "two"})
 
 
 HELPER = """

@@ -223,11 +223,12 @@ def _job(slurm: SlurmCluster, job_id: str, env: dict[str, str]) -> dict[str, str
     return dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
 
 
-def _until(what: str, ready, timeout: float = 120) -> None:
+def _until(what: str, ready, timeout: float = 120, seen=lambda: "") -> None:
+    """Wait for ready(); past the timeout, an error with what `seen()` tells (a job's state and log)."""
     deadline = time.monotonic() + timeout
     while not ready():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"not after {timeout:.0f} s: {what}")
+            raise TimeoutError(f"not after {timeout:.0f} s: {what}\n{seen()}")
         time.sleep(0.2)
 
 
@@ -236,6 +237,10 @@ def _start_requeued(slurm: SlurmCluster, job_id: str, env: dict[str, str], resta
     for a while (its begin time is set once the old processes are gone, so asking earlier does nothing)."""
     _until(f"requeue {restarts}", lambda: (lambda j: j.get("Restarts") == str(restarts) and j.get("JobState") == "PENDING")(
         _job(slurm, job_id, env)))
+    # The requeue revoked the old run's credential on the node, and a credential issued within the same second counts
+    # as revoked ("Killing non-startable batch JobId=1: Job credential revoked" in slurmctld's log, and the job is
+    # gone): Slurm's own hold on a requeued job is what avoids it, so a start forced now must wait that second out.
+    time.sleep(2)
     def running() -> bool:
         if _job(slurm, job_id, env).get("JobState") == "PENDING":
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, timeout=30)
@@ -272,7 +277,8 @@ def test_a_preempted_job_requeues_and_ends_as_if_uninterrupted(slurm: SlurmClust
             if restarts:
                 _start_requeued(slurm, job_id, env, restarts)
             before = steps()
-            _until("a step of this start", lambda: steps() > before)
+            _until("a step of this start", lambda: steps() > before, seen=lambda: _job(slurm, job_id, env).get(
+                "JobState", "?") + "\n" + "".join(p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("*.out")))
             subprocess.run(notice, env=env, check=True, timeout=30)
         _start_requeued(slurm, job_id, env, 2)
         _until("the job's end", lambda: _job(slurm, job_id, env).get("JobState") not in (
