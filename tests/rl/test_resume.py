@@ -236,6 +236,17 @@ def test_a_notice_one_rank_hears_mid_save_stops_every_rank_and_the_requeued_job_
     assert untimed(requeued.metrics) == untimed(reference.metrics)
     _assert_same_final_models(requeued, reference)
 
+    # A requeued run that saves nothing (--save_steps -1, OpenRLHF's default) has nothing of its own in --ckpt_path:
+    # what lies there is another run's (here the one above), and it starts over instead of resuming from it.
+    fresh = tmp_path / "fresh"
+    over = torchrun(2, SMALL + GAE + ["--max_steps", "1", "--save_steps", "-1"], fresh, ckpt_path=run.ckpt,
+                    env={"SLURM_RESTART_COUNT": "1"})
+    _ok(over)
+    assert "Slurm requeued this job (1 time(s)): --save_steps -1 saved no checkpoint: starting over" in over.output
+    assert "resumed from" not in over.output
+    assert [m["step"] for m in over.metrics] == [1]
+    assert over.metrics[0]["reward"] == reference.metrics[0]["reward"]  # the initial policy's rollouts
+
 
 # ---- resizing the world --------------------------------------------------------------------------
 
