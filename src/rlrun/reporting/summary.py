@@ -164,7 +164,7 @@ PERF = (("throughput_per_device", "perf/throughput"), ("mfu_actor", "perf/mfu/ac
 
 
 def _median(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
-    values = sorted(v for r in records if (v := _number(r.get(key))) is not None)
+    values = [v for r in records if (v := _number(r.get(key))) is not None]
     return statistics.median(values) if values else None
 
 

@@ -20,6 +20,7 @@ from rlrun.agents.episodes import build_episode_runner
 from rlrun.algo.rollout_correction import RolloutCorrection
 from rlrun.checkpoint.checkpointer import Identity, JsonState, Part, SaveOnly
 from rlrun.compat.openrlhf_checkpoint import OpenRLHFInit, init_from_openrlhf, read_openrlhf_init
+from rlrun.config.model import PretrainedConfig
 from rlrun.config.tree import Config
 from rlrun.data.prompts import Prompts, PromptSampler, prompt_spec
 from rlrun.engines.build import EngineImages, build_engine, engine_dtype, fused_groups
@@ -202,7 +203,7 @@ class PPOTrainer:
             on_policy=skips_old_log_probs(cfg.train, cfg.algo, cfg.distill, planned.correction),
             distill=cfg.distill,
             recorded_routing=routing if replay == "R2" else None,
-            perf=perf_basis(ctx, cfg) if ctx.rank == 0 else None,
+            perf=perf_basis(ctx, cfg.model) if ctx.rank == 0 else None,
         )
         rollouts = RolloutSource(
             ctx,
@@ -568,11 +569,11 @@ def _weight_sync(ctx: RankContext, cfg: Config, roles: RankRoles) -> WeightSync:
     )
 
 
-def perf_basis(ctx: RankContext, cfg: Config) -> PerfBasis:
+def perf_basis(ctx: RankContext, model: PretrainedConfig) -> PerfBasis:
     """Rank 0: what the step's throughput and MFU are computed from (the peak measured on this rank's GPU, a
     fraction of a second), said in one start-up line."""
     basis = PerfBasis(
-        params=model_shape(load_model_config(cfg.model)).parameters,
+        params=model_shape(load_model_config(model)).parameters,
         devices=ctx.layout.world_size,
         actor_devices=len(ctx.layout.ranks_of(Role.ACTOR)),
         peak_flops=device_peak_flops(ctx.device),

@@ -248,10 +248,11 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
         # A requeued job resumes by itself from what it saved; a run that saves nothing (--save_steps -1) has
         # nothing of its own there, and what --ckpt_path holds is another run's (its ownership is checked only
         # for runs that save)
-        resumes = c.load_checkpoint or (requeued() > 0 and checkpointer.saves)
-        if requeued() and not c.load_checkpoint and env.rank == 0:
+        restarts = requeued()
+        resumes = c.load_checkpoint or (restarts > 0 and checkpointer.saves)
+        if restarts and not c.load_checkpoint and env.rank == 0:
             log.info_once(
-                f"Slurm requeued this job ({requeued()} time(s)): "
+                f"Slurm requeued this job ({restarts} time(s)): "
                 + (f"resuming from {c.ckpt_path}" if resumes else "--save_steps -1 saved no checkpoint: starting over")
             )
         if resumes:

@@ -9,16 +9,18 @@ ParamSource (rlrun.weight_sync.sources) and hand the engine what its receiver ta
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.distributed as dist
 
 from rlrun.engines.receivers import WeightReceiver
 from rlrun.weight_sync.broadcast import BroadcastSync
 from rlrun.weight_sync.colocated import ColocatedSync
 from rlrun.weight_sync.sources import ParamSource
 from rlrun.weight_sync.wire import WireFormat
+
+if TYPE_CHECKING:  # annotations only: the broadcasts themselves are BroadcastSync's
+    import torch.distributed as dist
 
 
 class WeightSync(Protocol):
