@@ -4,6 +4,7 @@ log-prob plumbing. Runs in the main venv (and in the lane)."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from rlrun.engines.build import resolve_backend
 from rlrun.engines.hf import HFEngine
 from rlrun.engines.protocol import SamplingSettings
 from rlrun.engines.vllm.adapter import EngineSpec, check_version
-from rlrun.engines.vllm.child import EngineChild, EngineChildError, scrub_torchrun_env
+from rlrun.engines.vllm.child import EngineChild, EngineChildError, RestartBudget, fault_action, scrub_torchrun_env
 from rlrun.engines.vllm.engine import request_seeds
 from rlrun.models.tiny import EOS_ID, PAD_ID, build_causal_lm, tiny_model_config
 from rlrun.runtime.errors import ConfigError, MissingExtraError
@@ -108,6 +109,29 @@ def test_child_killed_while_starting_is_one_clear_error(tmp_path, monkeypatch):
     child.stop()
 
 
+def test_restart_budget_counts_restarts_in_a_sliding_window_and_ends_the_job_past_it():
+    budget = RestartBudget(max_restarts=2, window_s=100.0)
+    died = EngineChildError("vLLM engine child (pid 7) died while generating (killed by signal 9)")
+    budget.spend(died, now=0.0)
+    budget.spend(died, now=50.0)
+    with pytest.raises(EngineChildError, match=r"died while generating \(killed by signal 9\); not restarted again: "
+                                                r"2 of 2 restarts \(--max_engine_restarts\) within the last 100 s "
+                                                r"\(--engine_restart_window\) are spent"):
+        budget.spend(died, now=99.0)
+    budget.spend(died, now=120.0)  # the restart at 0 s has left the window
+    assert budget.total == 3
+    with pytest.raises(EngineChildError) as off:  # 0: the failure itself, as before restarts existed
+        RestartBudget(0, 100.0).spend(died)
+    assert off.value is died
+
+
+def test_fault_hook_counts_an_engines_requests_over_its_children():
+    spec = "generate:1:kill,stream:3+:hang"
+    assert [fault_action(spec, "generate", i) for i in range(3)] == [None, "kill", None]
+    assert [fault_action(spec, "stream", i) for i in range(2, 5)] == [None, "hang", "hang"]
+    assert fault_action(spec, "start", 1) is None and fault_action("start:0", "start", 0) == "kill"
+
+
 def test_child_that_stops_answering_is_stopped_after_the_timeout(tmp_path, monkeypatch):
     monkeypatch.setenv("RLRUN_VLLM_CHILD_FAULT", "start:0:hang")
     child = EngineChild(_spec(tmp_path), str(tmp_path / "engine.log"), timeout_s=4)
@@ -127,3 +151,15 @@ def test_child_whose_start_fails_reports_the_error(tmp_path):
         time.sleep(0.1)
     assert not child.proc.is_alive()
     child.stop()
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--max_engine_restarts", "-1"], "--max_engine_restarts must be >= 0, got -1"),
+    (["--engine_restart_window", "0"], "--engine_restart_window must be > 0, got 0.0"),
+])
+def test_restart_flags_are_checked_at_start_up(flags, error):
+    from rlrun.cli.parser import parse_args
+    from rlrun.plan.checks import check_sections
+
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        check_sections(parse_args(["--remote_rm_url", "demo", *flags]).config)

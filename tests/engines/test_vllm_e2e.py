@@ -59,14 +59,22 @@ def test_disaggregated_async_engine_lags_exactly_one_weight_version(tmp_path):
     assert max(abs(m["rollout_corr/kl"]) for m in metrics[1:]) > abs(first["rollout_corr/kl"]), metrics
 
 
-def test_multi_turn_agent_episodes_on_vllm(tmp_path):
-    # the two-turn example environment on a disaggregated vLLM engine: observation tokens carry engine
-    # log-prob 0 and mask 0, so the engine/actor diff (over action tokens) still shows exact weights
+def test_multi_turn_agent_episodes_on_vllm_go_on_when_the_engine_child_dies(tmp_path):
+    """The two-turn example environment on a disaggregated vLLM engine: observation tokens carry engine log-prob 0 and
+    mask 0, so the engine/actor diff (over action tokens) still shows exact weights. The engine rank's child is
+    SIGKILLed in step 2's first turn (its 3rd generate request): the rank starts a new child, gives it the last
+    sync's weights (its host copy), and the episodes go on from the failed turn with the same seeds. Every step's
+    diff stays ~0: the new child serves exactly the current weights."""
     code, out, metrics = run(["--config", "configs/multiturn_demo.yaml", "--generation_backend", "vllm",
-                              "--dist_timeout", "240", "--max_steps", "3"] + DISAGG, tmp_path)
+                              "--dist_timeout", "240", "--max_steps", "3"] + DISAGG, tmp_path,
+                             RLRUN_VLLM_CHILD_FAULT="generate:2:kill")
     _check_trained(code, out, metrics, 3)
     for m in metrics:
         assert m["agent/turns"] == 2.0 and m["agent/observation_tokens"] > 10, m
+    assert [m["engine/restarts"] for m in metrics] == [0.0, 1.0, 1.0], metrics
+    restarts = [line for line in out.splitlines() if "restarting it with the last sync's weights" in line]
+    assert len(restarts) == 1 and "rank 1: vLLM engine child" in restarts[0], out[-3000:]
+    assert "died while generating (killed by signal 9)" in restarts[0] and "restart 1 of the run" in restarts[0]
 
 
 def test_partial_rollout_continues_responses_on_vllm(tmp_path, long_tailed_base):
@@ -74,7 +82,11 @@ def test_partial_rollout_continues_responses_on_vllm(tmp_path, long_tailed_base)
     path: --partial_rollout_tokens per call) with a long-tailed policy: it trains, no sample is more than
     --max_staleness versions old, and step 1 (generated and trained on the initial weights) matches the actor token
     for token, so both engine ranks' pools reached the one vLLM child together. (Whether samples span versions
-    depends on timing; the pool tests check the chunked path's carry-over and the ranks' vote deterministically.)"""
+    depends on timing; the pool tests check the chunked path's carry-over and the ranks' vote deterministically.)
+
+    The tensor-parallel child: rank 1 hosts it with 2 workers (vLLM's mp executor), rank 2 hands it its prompts and
+    gets its rows back; only rank 1 receives the weights (the sync group is ranks 0 and 1), streaming each bucket into
+    the safetensors file in /dev/shm both workers read."""
     code, out, metrics = run(DEMO + DISAGG + ["--pretrain", long_tailed_base, "--remote_rm_url", "demo", "--generate_max_len",
                                               "32", "--actor_learning_rate", "1e-4", "--rollout_batch_size", "8",
                                               "--n_samples_per_prompt", "2", "--train_batch_size", "16",
@@ -87,6 +99,10 @@ def test_partial_rollout_continues_responses_on_vllm(tmp_path, long_tailed_base)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
     assert metrics[0]["rollout/engine_vs_actor_logprob_diff"] < 1e-3 and metrics[0]["async/staleness_max"] == 0
     assert all(1 <= m["async/staleness_mean"] <= m["async/staleness_max"] <= 2 for m in metrics[1:])
+    assert "tensor parallel 2" in out and out.count("vLLM engine child started") == 1, out[-3000:]
+    assert "rank 1: weight syncs stream bucket by bucket into the weights file" in out, out[-3000:]
+    groups = dict(re.findall(r"^(\d+)\s+\|.*\|\s+(\S+)$", out, re.M))  # the layout table: rank -> its groups
+    assert "sync" in groups["1"].split(",") and "sync" not in groups["2"].split(","), out[-3000:]
 
 
 def test_vision_language_grpo_on_a_vllm_engine(tmp_path):
@@ -108,38 +124,33 @@ def test_vision_language_grpo_on_a_vllm_engine(tmp_path):
         assert m["rollout/engine_vs_actor_logprob_diff"] < 0.05, m
 
 
-def test_tensor_parallel_engine_trains(tmp_path):
-    # rank 0 actor; ranks 1-2 one engine at tensor parallel 2: rank 1 hosts the vLLM child with 2 workers (vLLM's
-    # mp executor), rank 2 hands it its prompts and gets its rows back. Only rank 1 receives the weights (the sync
-    # group is ranks 0 and 1), streaming each bucket into the safetensors file in /dev/shm both workers read; the
-    # engine/actor log-prob diff shows they are exact on every row.
-    code, out, metrics = run(DEMO + ["--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1",
-                                     "--vllm_tensor_parallel_size", "2", "--max_steps", "2"], tmp_path, timeout=600, nproc=3)
-    _check_trained(code, out, metrics, 2)  # step 2 samples from the weights synced after step 1
-    assert "tensor parallel 2" in out and out.count("vLLM engine child started") == 1, out[-3000:]
-    assert "rank 1: weight syncs stream bucket by bucket into the weights file" in out, out[-3000:]
-    groups = dict(re.findall(r"^(\d+)\s+\|.*\|\s+(\S+)$", out, re.M))  # the layout table: rank -> its groups
-    assert "sync" in groups["1"].split(",") and "sync" not in groups["2"].split(","), out[-3000:]
-
-
-def test_colocated_tensor_parallel_child_engine_trains(tmp_path):
-    # one engine of tensor parallel 2 on both actor ranks, hosted by a child on rank 0: rank 0 packs each bucket of
-    # its own gathers into the workers' weights file, rank 1 only takes part in the gathers (it keeps nothing); with
-    # per-request seeds (the other child-host runs: one seed per generate call)
+def test_colocated_tensor_parallel_child_engine_trains_and_is_restarted_from_its_weights_file(tmp_path):
+    """One engine of tensor parallel 2 on both actor ranks, hosted by a child on rank 0: rank 0 packs each bucket of
+    its own gathers into the workers' weights file, rank 1 only takes part in the gathers (it keeps nothing); with
+    per-request seeds (the other child-host runs: one seed per generate call). The child is SIGKILLed on its 2nd
+    generate request (step 2): rank 0 starts a new one (2 new workers), which reads the weights file again (at tensor
+    parallel > 1 the file is the copy a restart needs: no other is kept), and step 2's exact match shows it serves
+    the weights synced after step 1."""
     code, out, metrics = run(DEMO + ["--max_steps", "2", "--vllm_engine_host", "child", "--colocate_all_models",
                                      "--vllm_tensor_parallel_size", "2", "--vllm_seeded_requests"], tmp_path,
-                             timeout=600)
+                             timeout=600, RLRUN_VLLM_CHILD_FAULT="generate:1:kill")
     _check_trained(code, out, metrics, 2)
     assert out.count("vLLM engine child started") == 1, out[-3000:]
     assert "rank 0: weight syncs stream bucket by bucket into the weights file" in out, out[-3000:]
+    assert "keeps no copy of the policy" in out and "keeps a host copy" not in out, out[-3000:]
+    restarts = [line for line in out.splitlines() if "restarting it with the last sync's weights" in line]
+    assert len(restarts) == 1 and "rank 0: vLLM engine child" in restarts[0], out[-3000:]
+    assert [m["engine/restarts"] for m in metrics] == [0.0, 1.0], metrics
 
 
-def test_engine_child_killed_mid_run_fails_the_job(tmp_path):
-    # the child SIGKILLs itself on its second generate request (step 2), as an OOM kill would
-    code, out, _ = run(DEMO + DISAGG + ["--max_steps", "4"], tmp_path, timeout=420,
-                       RLRUN_VLLM_CHILD_FAULT="generate:1")
+def test_engine_child_that_keeps_failing_ends_the_job_with_one_line(tmp_path):
+    # the child dies on its second generate request (step 2), and the one started in its place as it starts
+    code, out, _ = run(DEMO + DISAGG + ["--max_steps", "4", "--max_engine_restarts", "1"], tmp_path, timeout=420,
+                       RLRUN_VLLM_CHILD_FAULT="generate:1:kill,start:1+:kill")
     assert code != 0, out[-3000:]
     failed = [line for line in out.splitlines() if line.startswith("[rlrun") and "FAILED (" in line]
     assert len(failed) == 1, out[-3000:]
     assert "rank 1" in failed[0] and "phase generate at step 2" in failed[0], failed[0]
-    assert "EngineChildError: vLLM engine child" in failed[0] and "died while generating (killed by signal 9)" in failed[0]
+    assert "EngineChildError: vLLM engine child" in failed[0] and "died while starting vLLM (killed by signal 9)" in failed[0]
+    assert "restarting it with the last sync's weights (restart 1 of the run" in out, out[-3000:]
+    assert "not restarted again: 1 of 1 restarts (--max_engine_restarts) within the last 3600 s" in failed[0], failed[0]

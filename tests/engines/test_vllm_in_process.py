@@ -125,9 +125,9 @@ def test_vllm_flags_are_reported_only_without_the_vllm_backend():
 # ---- the real engine (lane venv) -------------------------------------------------------------------
 
 
-def _torchrun(args: list[str], nproc: int, timeout: float) -> subprocess.CompletedProcess:
+def _torchrun(args: list[str], nproc: int, timeout: float, **env: str) -> subprocess.CompletedProcess:
     cmd = [str(LANE_PYTHON), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    return subprocess.run(cmd, cwd=REPO, env=lane_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env=lane_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
 @needs_lane
@@ -160,8 +160,8 @@ def test_in_process_engine_matches_the_actor_after_each_training_step(tp):
 DEMO = ["-m", "rlrun.ppo", "--config", "configs/demo.yaml", "--generation_backend", "vllm", "--dist_timeout", "240"]
 
 
-def _train(args: list[str], save: Path, timeout: float = 540) -> tuple[str, list[dict]]:
-    proc = _torchrun(DEMO + args + ["--save_path", str(save)], 2, timeout)
+def _train(args: list[str], save: Path, timeout: float = 540, **env: str) -> tuple[str, list[dict]]:
+    proc = _torchrun(DEMO + args + ["--save_path", str(save)], 2, timeout, **env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     metrics = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
@@ -173,6 +173,10 @@ def _train(args: list[str], save: Path, timeout: float = 540) -> tuple[str, list
 @needs_lane
 @pytest.mark.slow
 def test_in_process_host_learns_and_samples_exactly_as_the_child_host(tmp_path):
+    """And the child host's run is the same although each rank's child is SIGKILLed (as an out-of-memory kill would
+    be) during the weight sync after step 11 (its 12th "stream", the first sync's included): the rank takes the rest
+    of the sync without it (the sync is collective: the other rank's gathers go on), then starts a new child and
+    gives it the weights from its host copy."""
     steps = ["--max_steps", "24"]
     out, inproc = _train(steps, tmp_path / "in_process")  # the default layout: every rank an engine -> in-process
     assert out.count("in-process vLLM engine ready") == 2 and "vLLM engine child started" not in out, out[-3000:]
@@ -182,8 +186,14 @@ def test_in_process_host_learns_and_samples_exactly_as_the_child_host(tmp_path):
     rewards = [m["reward"] for m in inproc]
     assert len(rewards) == 24
     assert np.mean(rewards[-4:]) > np.mean(rewards[:3]) + 0.15, [round(r, 3) for r in rewards]  # it learns
-    out, child = _train(steps + ["--vllm_engine_host", "child"], tmp_path / "child")
+    out, child = _train(steps + ["--vllm_engine_host", "child"], tmp_path / "child",
+                        RLRUN_VLLM_CHILD_FAULT="stream:11:kill")
     assert out.count("vLLM engine child started") == 2 and "in-process vLLM" not in out, out[-3000:]
+    restarts = [line for line in out.splitlines() if "restarting it with the last sync's weights" in line]
+    assert len(restarts) == 2 and all("died while loading weights" in r for r in restarts), out[-3000:]
+    # every engine rank's restarts, over the run: counted in the step metrics (from step 12's generate on)
+    assert [m["engine/restarts"] for m in child] == [0.0] * 11 + [2.0] * 13, [m["engine/restarts"] for m in child]
+    assert "keeps a host copy of each" in out
     # engine ranks == actor ranks on the child host: each rank packs its own gathers into the staging buffers it
     # streams to its child
     assert out.count("weight syncs stream bucket by bucket to the vLLM child") == 2, out[-3000:]

@@ -186,6 +186,13 @@ def test_a_7b_grpo_job_on_8_gpus_fits_and_colocated_vllm_at_095_does_not(tmp_pat
     _, _, child, _ = _job(tmp_path, *grpo, "--vllm_engine_host", "child", world=8, config=LLAMA_2_7B)
     assert child.ranks[0].gpu["params"] == colocated.ranks[0].gpu["params"]
     assert child.ranks[0].gpu["sync"] == 2 * 256 * 2**20 and "sync" not in colocated.ranks[0].gpu
+    # the 8 disaggregated engines are children at tensor parallel 1: each keeps a host copy of every sync (the bf16
+    # policy) to restart a failed child with, none with --max_engine_restarts 0 (and none at all in-process)
+    n = memory.shapes[Role.ACTOR].parameters
+    assert all(memory.ranks[r].host["sync"] == 2 * n for r in range(8, 16)) and "sync" not in memory.ranks[0].host
+    _, _, no_restarts, _ = _job(tmp_path, *grpo, "--vllm_num_engines", "8", "--max_engine_restarts", "0", world=16,
+                                config=LLAMA_2_7B)
+    assert all("sync" not in r.host for r in no_restarts.ranks) and "sync" not in colocated.ranks[0].host
     # OpenRLHF's colocated recipe: vLLM frees its memory outside generation, the models park theirs during it
     _, _, asleep, _ = _job(tmp_path, *grpo, "--vllm_enable_sleep", "--deepspeed_enable_sleep", world=8, config=LLAMA_2_7B)
     assert asleep.fits and asleep.ranks[0].phase == "generate" and asleep.ranks[0].host["params"] > 0

@@ -1,4 +1,4 @@
-"""Skipping the actor's "old log-probs" pass when the update is exactly on-policy (trainer.skips_old_log_probs):
+"""Skipping the actor's "old log-probs" pass when the update is exactly on-policy (assembly.skips_old_log_probs):
 when it applies, and that it changes neither the trained weights nor the logged KL."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from rlrun.config.fields import build_config
 from rlrun.config.tree import Config
 from rlrun.data.rollout import pack_rows, unpack_rows
 from rlrun.models.tiny import PAD_ID, build_causal_lm, tiny_model_config
-from rlrun.rl.trainer import skips_old_log_probs
+from rlrun.rl.assembly import skips_old_log_probs
 from rlrun.roles.actor import Actor, PolicyData, PolicyLossSettings
 from rlrun.roles.update import make_optimizer, warmup_cosine
 from rlrun.roles.update import Updater

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlrun.config.fields import opt, positive
+from rlrun.config.fields import non_negative, opt, positive
 from rlrun.runtime.errors import ConfigError
 
 
@@ -89,11 +89,22 @@ class GenerationConfig:
         "batch).",
     )
     weight_sync_bucket_mb: int = opt(256, "Size of each actor->engine weight-sync bucket (MiB).")
+    max_engine_restarts: int = opt(
+        3,
+        "vLLM engines hosted in a child process (--vllm_engine_host child, or auto where the layout needs one): a "
+        "child that dies, stops answering or fails a request is restarted in place, given the last sync's weights, and "
+        "its request sent again with the same seeds, at most this many times within --engine_restart_window seconds; "
+        "one more failure ends the job. At tensor parallel 1 the rank keeps a host copy of each weight sync for it "
+        "(the policy in its engine dtype). 0: a failed child ends the job and no copy is kept.",
+    )
+    engine_restart_window: float = opt(3600.0, "Seconds over which --max_engine_restarts counts an engine's restarts.")
 
     def check(self) -> None:
         positive("native_kv_cache_mb", self.native_kv_cache_mb, allow_none=True)
         for name in ("prompt_max_len", "generate_max_len", "weight_sync_bucket_mb"):
             positive(name, getattr(self, name))
+        non_negative("max_engine_restarts", self.max_engine_restarts)
+        positive("engine_restart_window", self.engine_restart_window)
         if self.temperature <= 0:
             raise ConfigError(f"--temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -81,6 +81,11 @@ class Engine(Protocol):
     weights: WeightReceiver | None
     sampling: SamplingSettings  # read on every call (evaluation swaps it for its own temperature)
 
+    @property
+    def restarts(self) -> int:
+        """Times this rank's engine was restarted in place after it failed (a vLLM child: --max_engine_restarts)."""
+        ...
+
     def sample(
         self,
         prompts: list[list[int]],
@@ -137,6 +142,11 @@ class TorchEngine:
         self.device = device
         # --router_replay R3: sample() reports each token's experts (Generation.routing; a MoE policy)
         self.record_routing = False
+
+    @property
+    def restarts(self) -> int:
+        """Never: the engine runs in the rank's own process (its failure is the rank's)."""
+        return 0
 
     def sample(
         self,

@@ -81,6 +81,14 @@ def weights_file_bytes(rank: int, layout: Layout, shapes: Mapping[Role, ModelSha
     return (2 if k.bf16 else 4) * shapes[Role.ACTOR].parameters
 
 
+def restart_copy_bytes(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
+    """The host copy of each sync a tensor-parallel-1 child engine's rank keeps to restart a failed child with
+    (--max_engine_restarts > 0; rlrun.engines.vllm.stream.WeightCopy). At T > 1 the weights file is that copy."""
+    if not k.engine_restarts or not vllm_child(layout, k) or (rank,) not in layout.engines:
+        return 0
+    return (2 if k.bf16 else 4) * shapes[Role.ACTOR].parameters
+
+
 def sync_staging_bytes(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
     """Weight sync's two staging buffers: on the first rank of each vLLM engine with a child host, which receives or
     packs every sync into them, and on the actor's first rank, when it packs for engines on other ranks
@@ -486,7 +494,7 @@ def rank_memory(
         {
             "runtime": runtime,
             "export": _export(rank, layout, shapes, k),
-            "sync": weights_file_bytes(rank, layout, shapes, k),
+            "sync": weights_file_bytes(rank, layout, shapes, k) + restart_copy_bytes(rank, layout, shapes, k),
         },
     )
     node = rank // layout.ranks_per_node

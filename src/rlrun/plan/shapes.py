@@ -313,6 +313,7 @@ class Knobs:
     export_merged: bool = False  # --save_merged (with --lora_rank: the export gathers the whole model to merge it)
     engine_tp: int | None = None  # ranks per engine instead of the layout's (advice only)
     vllm_host: str = "auto"  # --vllm_engine_host: a colocated child keeps a policy copy, an in-process engine none
+    engine_restarts: bool = False  # --max_engine_restarts > 0: a child host at TP 1 keeps a host copy of each sync
     ref_offload: bool | None = None  # rlrun.dpo's --ref_offload (None: the trainer has no such flag)
     ref_in_train: bool = False  # rlrun.dpo: the reference scores inside the policy's training step
     lora_rank: int = 0  # --lora_rank (0: every weight is trained)
@@ -415,6 +416,7 @@ def knobs_of(cfg: Config, target: Target) -> Knobs:
         base_reference=cfg.ref_is_actor_base,
         sync_bucket=g.weight_sync_bucket_mb * MIB,
         vllm_host=g.vllm_engine_host,
+        engine_restarts=g.max_engine_restarts > 0,
         sequence_parallel=tuple((role, sp) for role, sp in sequence_parallel_sizes(cfg).items() if sp > 1),
     )
 

@@ -17,10 +17,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlrun.agents.episodes import build_episode_runner
-from rlrun.algo.rollout_correction import RolloutCorrection
+from rlrun.algo.rollout_correction import OFF, RolloutCorrection
 from rlrun.checkpoint.checkpointer import Identity, JsonState, Part, SaveOnly
 from rlrun.compat.openrlhf_checkpoint import OpenRLHFInit, init_from_openrlhf, read_openrlhf_init
+from rlrun.config.algorithm import AlgorithmConfig
+from rlrun.config.distill import DistillConfig
 from rlrun.config.model import PretrainedConfig
+from rlrun.config.training import TrainConfig
 from rlrun.config.tree import Config
 from rlrun.data.prompts import Prompts, PromptSampler, prompt_spec
 from rlrun.engines.build import EngineImages, build_engine, engine_dtype, fused_groups
@@ -61,7 +64,7 @@ from rlrun.rl.exchange import Exchange
 from rlrun.rl.rollouts import RolloutSource
 from rlrun.rl.sampling import Rewarding
 from rlrun.rl.sleep import Sleeper, SleepSchedule
-from rlrun.rl.trainer import RankRoles, StepSettings, Trainer, skips_old_log_probs
+from rlrun.rl.trainer import RankRoles, StepSettings, Trainer
 from rlrun.roles.actor import Actor, Reference, policy_loss_settings
 from rlrun.roles.critic import Critic, RewardModel
 from rlrun.roles.export import save_critic, save_policy
@@ -686,3 +689,30 @@ def _policies(cfg: Config, count: int, rank: int) -> Iterator[Unfilled[PreTraine
         if unfilled.note:
             get_logger(rank).warning_once(unfilled.note)
         yield unfilled
+
+
+def skips_old_log_probs(
+    train: TrainConfig, algo: AlgorithmConfig, distill: DistillConfig | None = None, correction: RolloutCorrection = OFF
+) -> bool:
+    """Whether Trainer.score skips the actor's "old log-probs" forward. True when nothing needs them before
+    training (the KL is not a reward penalty: --use_kl_loss, or no reference model, i.e. --init_kl_coef 0; no
+    teacher term in the advantages: a teacher without --teacher_kl_loss), and
+
+    * with --rollout_bypass (verl's bypass mode): the engine's log-probs are the loss's old ones; or
+    * the update is on-policy: --max_epochs 1 and ONE mini-batch per rollout batch (--train_batch_size ==
+      --rollout_batch_size * --n_samples_per_prompt), so the training forward runs on the same weights the
+      scoring pass would and the PPO ratio can use its detached log-probs (ratio 1 in value, the same
+      gradient; TRL's GRPOTrainer does this), and no rollout correction weighs them against the engine's.
+
+    The logged `kl` (and the adaptive controller's input) and the engine-vs-actor log-prob diff are then
+    computed after training from the training forward's log-probs (Trainer.gather_on_policy_log_probs; the
+    engine's in bypass mode), so they keep their meaning. Never with --router_replay R2, whose training passes
+    replay the routing the scoring pass records (verl's actor always scores)."""
+    if algo.router_replay == "R2":
+        return False
+    teacher_in_advantages = distill is not None and distill.on and not distill.teacher_kl_loss
+    unneeded = (algo.use_kl_loss or not algo.needs_ref) and not teacher_in_advantages
+    if correction.bypass:
+        return unneeded
+    on_policy = train.max_epochs == 1 and train.train_batch_size == train.rollouts_per_step
+    return on_policy and unneeded and not correction.needs_old_log_probs

@@ -241,6 +241,10 @@ class RolloutSource:
                     ),
                 )
             )
+        if self.generation.generation_backend == "vllm":  # resolved at start: the same on every rank
+            restarts = torch.tensor([float(self.engine.restarts)]) if self.engine is not None else None
+            counts = gather_from(self.engine_ranks, restarts, (1,), torch.float32, world, self.comm_device)
+            extra["engine/restarts"] = float(counts.sum())  # over the run, every engine rank's
         if self.partial:  # every row's staleness (versions behind the policy trained on it)
             versions = gather_from(self.engine_ranks, mine.versions, (share, 3), torch.float32, world, self.comm_device)
             extra.update(staleness_logs(versions.cpu()))

@@ -42,7 +42,7 @@ Awake = dict[Role, frozenset[SleepUnit]]  # model role -> the parts awake during
 
 def needs(actor_scores: bool) -> dict[Role, dict[Phase, frozenset[SleepUnit]]]:
     """The parts each model role uses in each phase (absent: none). `actor_scores`: the actor computes the old
-    log-probs in score (False when the training forward stands in, rlrun.rl.trainer.skips_old_log_probs)."""
+    log-probs in score (False when the training forward stands in, rlrun.rl.assembly.skips_old_log_probs)."""
     actor = {Phase.TRAIN: ALL_UNITS, Phase.SYNC: PARAMS}
     if actor_scores:
         actor[Phase.SCORE] = PARAMS

@@ -67,8 +67,8 @@ class StepSettings:
     end_ids: tuple[int, ...]  # the ids ending a response: --stop_properly_penalty_coef finds those cut off without one
     ref_by_actor: bool  # LoRA with a KL term: the actor's adapters-off forward scores the reference log-probs
     correction: RolloutCorrection = OFF  # the engine/actor mismatch correction (rlrun.algo.rollout_correction)
-    # The update is exactly on-policy and nothing needs the old log-probs before it (skips_old_log_probs): the
-    # scoring pass leaves them out and the update's own stand in.
+    # The update is exactly on-policy and nothing needs the old log-probs before it
+    # (rlrun.rl.assembly.skips_old_log_probs): the scoring pass leaves them out and the update's own stand in.
     on_policy: bool = False
     distill: DistillConfig = field(default_factory=DistillConfig)  # on-policy distillation (a teacher, when on)
     # --router_replay R2: the MoE policy's routing, which the actor's scoring pass records for its training passes
@@ -420,33 +420,6 @@ class Trainer:
         self.moments = RunningMoments(**state["reward_moments"])
         if self.roles.actor is not None:
             self.roles.actor.updater.load_state_dict(state["actor"])
-
-
-def skips_old_log_probs(
-    train: TrainConfig, algo: AlgorithmConfig, distill: DistillConfig | None = None, correction: RolloutCorrection = OFF
-) -> bool:
-    """Whether Trainer.score skips the actor's "old log-probs" forward. True when nothing needs them before
-    training (the KL is not a reward penalty: --use_kl_loss, or no reference model, i.e. --init_kl_coef 0; no
-    teacher term in the advantages: a teacher without --teacher_kl_loss), and
-
-    * with --rollout_bypass (verl's bypass mode): the engine's log-probs are the loss's old ones; or
-    * the update is on-policy: --max_epochs 1 and ONE mini-batch per rollout batch (--train_batch_size ==
-      --rollout_batch_size * --n_samples_per_prompt), so the training forward runs on the same weights the
-      scoring pass would and the PPO ratio can use its detached log-probs (ratio 1 in value, the same
-      gradient; TRL's GRPOTrainer does this), and no rollout correction weighs them against the engine's.
-
-    The logged `kl` (and the adaptive controller's input) and the engine-vs-actor log-prob diff are then
-    computed after training from the training forward's log-probs (Trainer.gather_on_policy_log_probs; the
-    engine's in bypass mode), so they keep their meaning. Never with --router_replay R2, whose training passes
-    replay the routing the scoring pass records (verl's actor always scores)."""
-    if algo.router_replay == "R2":
-        return False
-    teacher_in_advantages = distill is not None and distill.on and not distill.teacher_kl_loss
-    unneeded = (algo.use_kl_loss or not algo.needs_ref) and not teacher_in_advantages
-    if correction.bypass:
-        return unneeded
-    on_policy = train.max_epochs == 1 and train.train_batch_size == train.rollouts_per_step
-    return on_policy and unneeded and not correction.needs_old_log_probs
 
 
 def _prefixed(prefix: str, stats: dict[str, float]) -> dict[str, float]:

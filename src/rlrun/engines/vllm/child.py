@@ -31,8 +31,7 @@ from multiprocessing.connection import Connection
 import torch.multiprocessing as tmp
 
 from rlrun.engines.vllm.adapter import EngineSpec
-from rlrun.engines.vllm.stream import StreamState, streamed_weights
-from rlrun.runtime.errors import RlrunError
+from rlrun.engines.vllm.stream import ChildLinkError, StreamState, streamed_weights
 
 # torchrun / elastic variables: a child that sees them would think it is a rank of the trainer's world.
 _SCRUB_EXACT = (
@@ -49,8 +48,10 @@ _SCRUB_EXACT = (
     "ROLE_NAME",
 )
 _SCRUB_PREFIXES = ("TORCHELASTIC_", "GROUP_", "ROLE_", "MASTER_")
-# Test hook: RLRUN_VLLM_CHILD_FAULT="request:N[:kill|hang]" (request: start, weights or generate) makes the
-# child SIGKILL itself (as an out-of-memory kill would) or stop answering on its N-th (0-based) such request.
+# Test hook: RLRUN_VLLM_CHILD_FAULT="request:N[+][:kill|hang][,...]" (request: start, weights, stream, generate or
+# sleep) makes the child SIGKILL itself (as an out-of-memory kill would) or stop answering on the engine's N-th
+# (0-based; "N+": N-th and every later) such request. Counted over the engine's children: a restarted child
+# (rlrun.engines.vllm.engine) goes on from the requests its predecessors were sent.
 FAULT_ENV = "RLRUN_VLLM_CHILD_FAULT"
 _PR_SET_PDEATHSIG = 1
 # Not one vLLM handles itself, nor a preemption notice (SIGTERM, SIGUSR1: rlrun.run.preemption), which Slurm sends
@@ -59,8 +60,34 @@ _DEATH_SIGNAL = signal.SIGUSR2
 _NOTICES = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class EngineChildError(RlrunError):
+class EngineChildError(ChildLinkError):
     """The vLLM engine child process failed, died or stopped answering."""
+
+
+class RestartBudget:
+    """How many times an engine's child may be replaced: at most `max_restarts` within any `window_s` seconds
+    (--max_engine_restarts, --engine_restart_window); one more failure ends the job with one line."""
+
+    def __init__(self, max_restarts: int, window_s: float) -> None:
+        self.max_restarts, self.window_s = max_restarts, window_s
+        self.times: deque[float] = deque()
+        self.total = 0  # restarts over the run, for the engine/restarts metric
+
+    def spend(self, failure: ChildLinkError, now: float | None = None) -> None:
+        """Count one restart after `failure`, or raise it as the job's end when the window's budget is spent."""
+        if self.max_restarts == 0:
+            raise failure
+        now = time.monotonic() if now is None else now
+        while self.times and now - self.times[0] > self.window_s:
+            self.times.popleft()
+        if len(self.times) >= self.max_restarts:
+            raise EngineChildError(
+                f"{failure}; not restarted again: {len(self.times)} of {self.max_restarts} restarts "
+                f"(--max_engine_restarts) within the last {self.window_s:g} s (--engine_restart_window) are spent; a "
+                "failure that repeats on every restart is no transient one: its log says why"
+            )
+        self.times.append(now)
+        self.total += 1
 
 
 def scrub_torchrun_env(env: dict[str, str]) -> None:
@@ -93,8 +120,9 @@ def _redirect_output(log_path: str) -> None:
     os.close(fd)
 
 
-def child_main(conn: Connection, parent_pid: int, log_path: str) -> None:
-    """Entry point of the child (spawned; runs until "stop" or the parent's death)."""
+def child_main(conn: Connection, parent_pid: int, log_path: str, sent_before: dict[str, int]) -> None:
+    """Entry point of the child (spawned; runs until "stop" or the parent's death). `sent_before`: the requests of
+    each kind the engine's earlier children were sent (the fault hook counts from there)."""
     _die_with_parent(parent_pid)
     _redirect_output(log_path)
     scrub_torchrun_env(os.environ)  # type: ignore[arg-type]
@@ -103,7 +131,7 @@ def child_main(conn: Connection, parent_pid: int, log_path: str) -> None:
 
     adapter = None
     stream = StreamState()
-    seen: dict[str, int] = {}
+    seen = dict(sent_before)
     while True:
         try:
             msg = conn.recv()
@@ -149,12 +177,23 @@ def child_main(conn: Connection, parent_pid: int, log_path: str) -> None:
                 return
 
 
+def fault_action(spec: str, kind: str, index: int) -> str | None:
+    """What FAULT_ENV's `spec` does on the `index`-th request of `kind`: "kill", "hang" or None."""
+    for item in filter(None, spec.split(",")):
+        parts = item.split(":")
+        at = parts[1] if len(parts) > 1 else ""
+        hit = at == str(index) or (at.endswith("+") and at[:-1].isdigit() and index >= int(at[:-1]))
+        if parts[0] == kind and hit:
+            return "hang" if parts[2:3] == ["hang"] else "kill"
+    return None
+
+
 def _maybe_fault(spec: str, kind: str, index: int) -> None:
-    parts = spec.split(":")
-    if parts[:2] != [kind, str(index)]:
+    action = fault_action(spec, kind, index)
+    if action is None:
         return
-    print(f"injected fault ({FAULT_ENV}={spec})", file=sys.stderr, flush=True)
-    if parts[2:3] == ["hang"]:
+    print(f"injected fault ({FAULT_ENV}={spec}: {action} on {kind} request {index})", file=sys.stderr, flush=True)
+    if action == "hang":
         while True:
             time.sleep(3600)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -173,9 +212,16 @@ class EngineChild:
     """Parent-side handle of one vLLM child. start() returns at once; requests block until the reply."""
 
     def __init__(
-        self, spec: EngineSpec, log_path: str, timeout_s: float, on_ready: Callable[[float], None] | None = None
+        self,
+        spec: EngineSpec,
+        log_path: str,
+        timeout_s: float,
+        on_ready: Callable[[float], None] | None = None,
+        sent_before: dict[str, int] | None = None,
     ) -> None:
+        """`sent_before`: the requests of each kind an engine's earlier children were sent (a restart's child)."""
         self.spec, self.log_path, self.timeout_s = spec, log_path, timeout_s
+        self.sent = dict(sent_before or {})  # requests sent by kind, this child's predecessors' included
         self.on_ready = on_ready  # called once with the spawn -> ready seconds
         self.ready = False
         self.start_s: float | None = None  # spawn -> ready
@@ -183,10 +229,13 @@ class EngineChild:
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self._t_spawn = time.perf_counter()
         # Not daemonic: vLLM may start helper processes, which daemonic processes cannot.
-        self.proc = ctx.Process(target=child_main, args=(child_conn, os.getpid(), log_path), name="rlrun-vllm-engine")
+        self.proc = ctx.Process(
+            target=child_main, args=(child_conn, os.getpid(), log_path, dict(self.sent)), name="rlrun-vllm-engine"
+        )
         self.proc.start()
         child_conn.close()
         self.conn.send(("start", spec))
+        self._count("start")
 
     @property
     def pid(self) -> int | None:
@@ -212,6 +261,10 @@ class EngineChild:
             self.conn.send(msg)
         except (BrokenPipeError, ConnectionResetError, EOFError):
             self._raise_dead(doing)
+        self._count(str(msg[0]))
+
+    def _count(self, kind: str) -> None:
+        self.sent[kind] = self.sent.get(kind, 0) + 1
 
     def reply(self, doing: str) -> object:
         """The next reply's payload, within --dist_timeout (EngineChildError on an error reply or a dead child)."""

@@ -6,6 +6,11 @@ hands each bucket of a sync to `sink` as it is received (disaggregated) or gathe
 engines/vllm/stream.py, through two staging buffers to the child at tensor parallel 1, into the workers' weights file in
 /dev/shm at tensor parallel > 1 (on the engine's first rank only). Free space on /dev/shm is checked before
 anything is put there.
+
+A child that dies, stops answering or fails a request is restarted in place (--max_engine_restarts within
+--engine_restart_window): a new child is given the last sync's weights (the sink's host copy, or the weights file)
+and the failed request is sent again with the same seeds, so the step goes on with the rows it would have had. No
+collective is involved: the other ranks wait for this one in their next collective (--dist_timeout bounds the restart).
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ from rlrun.data.vision_batch import RowVision
 from rlrun.engines.protocol import Generation, SamplingSettings, cut_at_stop, refuse_images
 from rlrun.engines.receivers import WeightReceiver
 from rlrun.engines.vllm.adapter import EngineSpec, ImageRequests, Sampling, check_version, sleeps, write_weights
-from rlrun.engines.vllm.child import EngineChild
+from rlrun.engines.vllm.child import EngineChild, RestartBudget
 from rlrun.engines.vllm.handoff import SHM_DIR, check_shm, file_bytes
 from rlrun.engines.vllm.placement import gpu_utilization
-from rlrun.engines.vllm.stream import ChildStreamSink, EngineSink, WeightsFileSink
+from rlrun.engines.vllm.stream import ChildLinkError, ChildStreamSink, EngineSink, WeightCopy, WeightsFileSink
 from rlrun.runtime.log import get_logger
 from rlrun.vision.inputs import vision_token_ids
 
@@ -90,6 +95,8 @@ class VLLMOptions:
     enable_sleep: bool = False
     kv_cache_memory_bytes: int | None = None
     seeded_requests: bool = False
+    max_restarts: int = 0  # child host: restarts of a failed child within restart_window_s (0: a failure ends the job)
+    restart_window_s: float = 3600.0
     image_processor: Any = None
     images_per_prompt: int = 0
 
@@ -109,6 +116,8 @@ class VLLMOptions:
             g.vllm_enable_sleep,
             g.vllm_kv_cache_memory_bytes,
             g.vllm_seeded_requests,
+            g.max_engine_restarts,
+            g.engine_restart_window,
         )
 
 
@@ -145,6 +154,11 @@ class VLLMEngineBase:
         write_model_dir(model, tokenizer, self.model_dir, image_processor)
         if image_processor is not None:  # vLLM builds a vision-language model from real weights (VLLMAdapter says why)
             write_weights(self.model.named_parameters(), self.model_dir)
+
+    @property
+    def restarts(self) -> int:
+        """Times this rank's engine was restarted in place: the child host's; an in-process engine never is."""
+        return 0
 
     @property
     def dtype_name(self) -> str:
@@ -267,26 +281,22 @@ class VLLMEngine(VLLMEngineBase):
             images_per_prompt=o.images_per_prompt,
         )
         self.sleeps = sleeps(spec)
-        log = get_logger(rank)
-        self.child = EngineChild(
-            spec,
-            os.path.join(self.workdir, "engine.log"),
-            o.timeout_s,
-            on_ready=lambda s: log._emit(
-                "info",
-                f"rank {rank}: vLLM engine child ready in {s:.1f} s (spawn -> ready, "
-                "overlapped with the rest of start-up)",
-            ),
-        )
+        self.spec, self.rank, self.timeout_s = spec, rank, o.timeout_s
+        self.log = get_logger(rank)
+        self.budget = RestartBudget(o.max_restarts, o.restart_window_s)
+        self.child = self._spawn({}, "overlapped with the rest of start-up")
         atexit.register(self.close)
         self.drop_weights()
+        copy = WeightCopy(pinned=device.type == "cuda") if o.max_restarts > 0 and self.weights_dir is None else None
         self.sink: EngineSink = (
-            ChildStreamSink(self.child, self.model, device)
+            ChildStreamSink(self.child, self.model, device, copy)
             if self.weights_dir is None
             else WeightsFileSink(self.child, self.model, self.weights_dir)
         )
+        if o.max_restarts > 0:
+            self.sink.on_failure = self._restart
         self.weights = self.sink
-        log._emit(
+        self.log._emit(
             "info",
             f"rank {rank}: weight syncs stream bucket by bucket "
             + (
@@ -294,13 +304,67 @@ class VLLMEngine(VLLMEngineBase):
                 if self.weights_dir is None
                 else "into the weights file of the engine's tensor-parallel workers"
             )
-            + "; this rank keeps no copy of the policy",
+            + (
+                "; this rank keeps no copy of the policy"
+                if copy is None
+                else f"; this rank keeps a host copy of each ({file_bytes(self.model.parameters()) / 2**30:.2f} GiB) "
+                "for restarting a failed child (--max_engine_restarts 0: none)"
+            ),
         )
-        log._emit(
+        self.log._emit(
             "info",
             f"rank {rank}: vLLM engine child started (pid {self.child.pid}, tensor parallel "
             f"{tensor_parallel_size}, log {self.child.log_path})",
         )
+
+    def _spawn(self, sent_before: dict[str, int], when: str) -> EngineChild:
+        """A new child (its log appends to the engine's). `sent_before`: the requests its predecessors were sent."""
+        rank, log = self.rank, self.log
+        return EngineChild(
+            self.spec,
+            os.path.join(self.workdir, "engine.log"),
+            self.timeout_s,
+            on_ready=lambda s: log._emit(
+                "info", f"rank {rank}: vLLM engine child ready in {s:.1f} s (spawn -> ready, {when})"
+            ),
+            sent_before=sent_before,
+        )
+
+    @property
+    def restarts(self) -> int:
+        return self.budget.total
+
+    def _restart(self, failure: ChildLinkError) -> None:
+        """A new child in place of the failed one, given the last sync's weights; again while the new one fails too,
+        until the restart budget is spent (which raises the failure: the job ends with it)."""
+        while True:
+            self.budget.spend(failure)
+            first = (str(failure).splitlines() or [""])[0]
+            self.log._emit(
+                "warning",
+                f"rank {self.rank}: {first}; restarting it with the last sync's weights (restart "
+                f"{self.budget.total} of the run; --max_engine_restarts {self.budget.max_restarts} per "
+                f"{self.budget.window_s:g} s)",
+            )
+            self.child.stop(timeout_s=1.0)  # killed already when it failed; its pipe is closed
+            self.child = self._spawn(self.child.sent, f"restart {self.budget.total}")
+            self.sink.attach(self.child)
+            try:
+                if self.sink.has_weights:
+                    self.sink.replay()
+                else:  # before the first sync: the next one gives it the weights
+                    self.child.wait_ready()
+                return
+            except ChildLinkError as err:
+                failure = err
+
+    def _request(self, doing: str, *msg: object) -> object:
+        """A request to the child; a failed child is restarted (with the weights) and the request sent again."""
+        while True:
+            try:
+                return self.child.request(doing, *msg)
+            except ChildLinkError as failure:
+                self._restart(failure)
 
     # ---- weights ------------------------------------------------------------------------------
 
@@ -322,12 +386,10 @@ class VLLMEngine(VLLMEngineBase):
         """sample() with one given seed per row (the rows of several ranks sampled in one call)."""
         tokens, logprobs = cast(  # the child's reply to "generate" (rlrun.engines.vllm.child)
             "tuple[list[list[int]], list[list[float]]]",
-            self.child.request(
-                "generating", "generate", prompts, seeds, self.sampling_for(stop, max_new_tokens), images
-            ),
+            self._request("generating", "generate", prompts, seeds, self.sampling_for(stop, max_new_tokens), images),
         )
         if self.sleeps:  # GPU --vllm_enable_sleep: asleep through scoring and training; the next push wakes it
-            self.child.request("sleeping", "sleep")
+            self._request("sleeping", "sleep")
         return self.finish(tokens, logprobs, stop)
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -412,6 +474,10 @@ class TensorParallelEngine:
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         return self.sample(prompts, seed).responses
+
+    @property
+    def restarts(self) -> int:
+        return self.leader.restarts if self.leader is not None else 0
 
     def load_weights(self) -> None:
         if self.leader is not None:
