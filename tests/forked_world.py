@@ -36,7 +36,8 @@ from pathlib import Path
 # HF_HUB_DISABLE_PROGRESS_BARS, TQDM_DISABLE: rlrun.runtime.log.quiet_third_party sets both in every rank, and in
 # the test process when a test calls it, and switches an already imported hub off in place.)
 RUNTIME_VARS = ("RLRUN_", "WANDB_", "PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK",
-                "HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE")
+                "HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE",
+                "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID")  # rlrun.run.preemption, rlrun.checkpoint.resume
 ENTRY_MODULES = ("rlrun.ppo", "rlrun.sft", "rlrun.rm", "rlrun.dpo")
 # What a rank imports later anyway (the tiny models' classes, the curves' matplotlib); never deepspeed or vLLM, whose
 # presence changes how a run behaves (rlrun.launch.failures.leave) and which set process-wide state when imported.
@@ -209,7 +210,8 @@ class Server:
         err[r]; (torchrun-like exit code, each rank's exit code). On `timeout` every rank is killed and
         subprocess.TimeoutExpired raised, as subprocess.run does."""
         request = {"target": list(target), "argv": argv, "env": env, "cwd": str(cwd), "out": [str(p) for p in out],
-                   "err": [str(p) for p in err], "port": port, "run_id": uuid.uuid4().hex,
+                   "err": [str(p) for p in err], "port": port,
+                   "run_id": env.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex,  # torchrun --rdzv_id, or its own
                    "torchrun_env": torchrun_env}
         deadline = time.monotonic() + timeout
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from rlrun.checkpoint import store as ckpt
-from rlrun.checkpoint.resume import check_ownership, config_digest, is_restart, run_identity, run_record
+from rlrun.checkpoint.resume import (
+    can_create,
+    check_ownership,
+    config_digest,
+    is_restart,
+    preemption_dir,
+    run_identity,
+    run_record,
+)
 from rlrun.checkpoint.store import CheckpointError
 
 
@@ -75,3 +84,16 @@ def test_unsealed_and_legacy_directories(tmp_path):
     _seal(root, 1, None)  # sealed before runs were recorded: still another run's
     with pytest.raises(CheckpointError, match="written by an earlier rlrun"):
         check_ownership(str(root), "run-b", loads=False, overwrites=False, restarted=True)
+
+
+def test_a_run_without_periodic_checkpoints_saves_a_preemption_in_a_directory_named_by_its_run(tmp_path):
+    root = tmp_path / "ckpt"
+    slurm = run_identity({"TORCHELASTIC_RUN_ID": "rlrun-4242", "SLURM_JOB_ID": "4242"})
+    assert preemption_dir(str(root), slurm) == str(root / "preempted-torchrun-rlrun-4242")
+    # creatable without creating anything: the nearest existing ancestor is a writable directory
+    assert can_create(preemption_dir(str(root), slurm)) and not root.exists()
+    (tmp_path / "file").write_text("")
+    assert not can_create(str(tmp_path / "file" / "preempted-x"))  # below a file
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    assert can_create(str(locked)) and (os.geteuid() == 0 or not can_create(str(locked / "ckpt" / "preempted-x")))

@@ -34,7 +34,7 @@ def test_a_metrics_file_elsewhere_is_named(tmp_path) -> None:
     path, count = write_run_config(cfg, SFT_CLI.defaults, cfg.checkpoint.save_path, SFT_CLI.prog)
     where, _ = announce(cfg.model, cfg.checkpoint, cfg.logging, SFT_CLI.prog, path, count)
     assert where == (f"outputs: the model (Hugging Face format) and config.yaml in {tmp_path / 'm'}; exp.jsonl, "
-                     f"exp_summary.json, exp_curves.png in {tmp_path / 'logs'}; no checkpoints (--save_steps -1)")
+                     f"exp_summary.json, exp_curves.png in {tmp_path / 'logs'}; no checkpoints (--save_steps -1) but one a preemption notice asks for")
 
 
 @pytest.mark.parametrize("args, text", [

@@ -236,16 +236,31 @@ def test_a_notice_one_rank_hears_mid_save_stops_every_rank_and_the_requeued_job_
     assert untimed(requeued.metrics) == untimed(reference.metrics)
     _assert_same_final_models(requeued, reference)
 
-    # A requeued run that saves nothing (--save_steps -1, OpenRLHF's default) has nothing of its own in --ckpt_path:
-    # what lies there is another run's (here the one above), and it starts over instead of resuming from it.
-    fresh = tmp_path / "fresh"
-    over = torchrun(2, SMALL + GAE + ["--max_steps", "1", "--save_steps", "-1"], fresh, ckpt_path=run.ckpt,
-                    env={"SLURM_RESTART_COUNT": "1"})
-    _ok(over)
-    assert "Slurm requeued this job (1 time(s)): --save_steps -1 saved no checkpoint: starting over" in over.output
-    assert "resumed from" not in over.output
-    assert [m["step"] for m in over.metrics] == [1]
-    assert over.metrics[0]["reward"] == reference.metrics[0]["reward"]  # the initial policy's rollouts
+    # A run that saves no checkpoints (--save_steps -1, OpenRLHF's default) still saves one when a notice stops it,
+    # in a directory of its own under --ckpt_path (here the one above, which holds the other run's step-N checkpoint);
+    # requeued (the same job: the same run id), it resumes from that one, never from the other run's
+    job = {"TORCHELASTIC_RUN_ID": "rlrun-4242"}  # what scripts/slurm/train.sh gives torchrun (--rdzv_id)
+    fresh, own = tmp_path / "fresh", run.ckpt / "preempted-torchrun-rlrun-4242"
+    args = SMALL + GAE + ["--max_steps", str(STEPS), "--save_steps", "-1"]
+    stopped = torchrun(2, args, fresh, ckpt_path=run.ckpt, fault="train:0:1:term", env=job)
+    _ok(stopped)
+    assert (f"preempted (a notice on another rank) after step 1: checkpoint {ckpt.step_dir(str(own), 1)}; the same "
+            f"command with --load_checkpoint --ckpt_path {own} resumes it") in stopped.output, stopped.output[-3000:]
+    assert [m["step"] for m in stopped.metrics] == [1] and ckpt.step_dir(str(run.ckpt), N) != ckpt.step_dir(str(own), 1)
+    again = torchrun(2, args, fresh, ckpt_path=run.ckpt, env={**job, "SLURM_RESTART_COUNT": "1"})
+    _ok(again)
+    assert f"Slurm requeued this job (1 time(s)): resuming from {own}" in again.output, again.output[-3000:]
+    assert f"resumed from {ckpt.step_dir(str(own), 1)} at step 1" in again.output
+    assert untimed(again.metrics) == untimed(reference.metrics)  # training as if it had never stopped
+    _assert_same_final_models(again, reference)
+    # another job (another id) finds nothing of its own there, and starts over
+    other = torchrun(2, SMALL + GAE + ["--max_steps", "1", "--save_steps", "-1"], tmp_path / "other",
+                     ckpt_path=run.ckpt, env={"TORCHELASTIC_RUN_ID": "rlrun-4343", "SLURM_RESTART_COUNT": "1"})
+    _ok(other)
+    assert ("Slurm requeued this job (1 time(s)): --save_steps -1, and no preemption saved a checkpoint of this job: "
+            "starting over") in other.output
+    assert "resumed from" not in other.output
+    assert other.metrics[0]["reward"] == reference.metrics[0]["reward"]  # the initial policy's rollouts
 
 
 # ---- resizing the world --------------------------------------------------------------------------

@@ -38,6 +38,30 @@ def run_identity(environ: Mapping[str, str] | None = None) -> str:
     return f"run-{uuid.uuid4().hex[:16]}"
 
 
+def preemption_dir(ckpt_path: str, run_id: str) -> str:
+    """Where a run that saves no checkpoints (--save_steps -1) saves the one a preemption notice asks for: a
+    directory of its own under --ckpt_path, named by the run's id, which a requeued Slurm job keeps, so the requeued
+    job finds it there and nothing else in it is another run's."""
+    return os.path.join(ckpt_path, f"preempted-{run_id}")
+
+
+def holds_checkpoint(root: str) -> bool:
+    """Whether `root` holds a sealed checkpoint."""
+    return bool(_sealed_runs(root))
+
+
+def can_create(path: str) -> bool:
+    """Whether this process could create `path` (its nearest existing ancestor is a writable directory), without
+    creating anything."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return False
+        probe = parent
+    return os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK)
+
+
 def config_digest(config: Mapping[str, Any]) -> str:
     """A short digest of a (redacted) config dict: equal configs, equal digests."""
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]

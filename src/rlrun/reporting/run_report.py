@@ -51,7 +51,7 @@ def announce(
     where += (
         f"; checkpoints every {every} steps in {saving.ckpt_path}"
         if every > 0 and saving.ckpt_path
-        else "; no checkpoints (--save_steps -1)"
+        else "; no checkpoints (--save_steps -1) but one a preemption notice asks for"
     )
     trackers = [f"TensorBoard {logging.use_tensorboard}"] if logging.use_tensorboard else []
     trackers += (

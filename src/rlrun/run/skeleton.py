@@ -28,14 +28,21 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from rlrun.checkpoint.checkpointer import Checkpointer, Contents, Identity, Part
-from rlrun.checkpoint.resume import check_ownership, is_restart, run_identity
+from rlrun.checkpoint.resume import (
+    can_create,
+    check_ownership,
+    holds_checkpoint,
+    is_restart,
+    preemption_dir,
+    run_identity,
+)
 from rlrun.cli.parser import CliSpec
 from rlrun.cli.run_config import write_run_config
 from rlrun.config.fields import redacted
@@ -206,7 +213,7 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
     notice.install()  # from now on: a notice during start-up stops the run after its first step
     sink = None
     live: LiveReport | None = None  # rank 0: health lines and the --metrics_port endpoint
-    preempted: tuple[int, str | None] | None = None  # (steps done, the checkpoint saved) when a notice stopped it
+    preempted: Preempted | None = None  # when a notice stopped the run
     try:
         device = resolve_device_and_precision(cfg.runtime.device, env.local_rank, cfg.runtime.tf32)
         backend = resolve_dist_backend(cfg.runtime.dist_backend, device, cpu_collectives=cfg.train.reduces_on_cpu)
@@ -235,8 +242,16 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
         built = trainer.build(planned, inputs, started)
         job = built.job
         c = cfg.checkpoint
+        # A run that saves no checkpoints (--save_steps -1, OpenRLHF's default) still saves one when a preemption
+        # notice stops it, in a directory of its own under --ckpt_path: the requeued job resumes from it, and
+        # nothing there is another run's
+        own = (
+            c
+            if c.save_steps > 0 or c.load_checkpoint
+            else replace(c, ckpt_path=preemption_dir(c.ckpt_path, started.run_id))
+        )
         checkpointer = Checkpointer(
-            c,
+            own,
             Contents(built.identity, job, built.parts, built.trained),
             config=redacted(cfg),
             run_id=started.run_id,
@@ -245,15 +260,17 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
             device=started.comm_device,
             timeout_s=cfg.runtime.dist_timeout,
         )
-        # A requeued job resumes by itself from what it saved; a run that saves nothing (--save_steps -1) has
-        # nothing of its own there, and what --ckpt_path holds is another run's (its ownership is checked only
-        # for runs that save)
+        # A requeued job resumes by itself from what it saved (with --save_steps -1: only what a preemption saved)
         restarts = requeued()
-        resumes = c.load_checkpoint or (restarts > 0 and checkpointer.saves)
+        resumes = c.load_checkpoint or restarts > 0
         if restarts and not c.load_checkpoint and env.rank == 0:
             log.info_once(
                 f"Slurm requeued this job ({restarts} time(s)): "
-                + (f"resuming from {c.ckpt_path}" if resumes else "--save_steps -1 saved no checkpoint: starting over")
+                + (
+                    f"resuming from {checkpointer.root}"
+                    if checkpointer.saves or holds_checkpoint(checkpointer.root)
+                    else "--save_steps -1, and no preemption saved a checkpoint of this job: starting over"
+                )
             )
         if resumes:
             with phase(Phase.LOAD, -1):
@@ -289,11 +306,17 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
             # One small all-reduce a step (after the save, which a notice may come during): the ranks hear a notice
             # at different moments, and all must stop together
             stop = step + 1 < job.total_steps and max_over(int(notice.heard), built.group, device) > 0
-            if stop and not saving and checkpointer.saves:
+            if stop and not saving and (checkpointer.saves or notice_savable(checkpointer.root, built.group, device)):
                 with phase(Phase.SAVE, step):
                     checkpointer.save(step + 1)
+                saving = True
             if stop:
-                preempted = (step + 1, checkpointer.step_dir(step + 1) if checkpointer.saves else None)
+                resume = (
+                    "--load_checkpoint"
+                    if checkpointer.root == c.ckpt_path
+                    else f"--load_checkpoint --ckpt_path {checkpointer.root}"
+                )
+                preempted = Preempted(step + 1, checkpointer.step_dir(step + 1) if saving else None, resume)
                 break
         if preempted is None:
             job.finish()
@@ -318,22 +341,38 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
     return 0
 
 
+@dataclass(frozen=True)
+class Preempted:
+    """How a notice stopped the run: after `steps` steps, with the checkpoint saved then (None: none could be), which
+    the same command with `resume` continues."""
+
+    steps: int
+    checkpoint: str | None
+    resume: str
+
+
+def notice_savable(root: str, group: torch.distributed.ProcessGroup, device: torch.device) -> bool:
+    """Whether every rank can create a run's preemption checkpoint under `root` (--save_steps -1 runs, which did not
+    check --ckpt_path at start-up: a notice then stops the run without one rather than failing it)."""
+    return max_over(int(not can_create(root)), group, device) == 0
+
+
 def stop_preempted(
     notice: PreemptionNotice,
-    preempted: tuple[int, str | None],
+    preempted: Preempted,
     sink: MetricsSink | None,
     log: RankLogger,
     wall_s: float,
 ) -> None:
     """After a preemption notice stopped the run at a step boundary, rank 0 (the one with the metrics `sink`) says
     so and how it resumes, and writes the summary and the marker file the Slurm script requeues on."""
-    steps, checkpoint = preempted
+    steps, checkpoint = preempted.steps, preempted.checkpoint
     if sink is not None:
         heard = notice.signal or "a notice on another rank"
         if checkpoint is not None:
-            resume = f"checkpoint {checkpoint}; the same command with --load_checkpoint resumes it"
+            resume = f"checkpoint {checkpoint}; the same command with {preempted.resume} resumes it"
         else:
-            resume = "no checkpoint (--save_steps -1): a restart begins again"
+            resume = "no checkpoint (--ckpt_path is not writable on every rank): a restart begins again"
         log.warning_once(
             f"preempted ({heard}) after step {steps}: {resume} (a requeued Slurm job resumes by itself); "
             f"exit status {PREEMPTED_EXIT} (0 under torchrun, which would restart workers that exit otherwise)"
