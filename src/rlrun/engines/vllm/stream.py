@@ -151,19 +151,21 @@ class ChildStreamSink(EngineSink):
         self._started()
         if self.copy is not None:
             self.copy.begin(buckets)
-        named = [(str(i), b) for i, b in enumerate(buffers)]
-        if memory_key(named) != self._sent_key and self.device.type == "cpu":
-            check_shm(unshared_bytes(buffers), "handing the vLLM engine child its weight sync buffers (shared memory)")
         self._plan, self._buffers = buckets, buffers
         self._with_child(self._open)
 
     def _open(self) -> None:
         """Announce a sync; the first one to a child also hands it the buffers (CPU: moved into shared memory, in
-        place) and the bucket plan, which it keeps for every later one."""
+        place, after checking /dev/shm has room) and the bucket plan, which it keeps for every later one."""
         named = [(str(i), b) for i, b in enumerate(self._buffers)]
         handoff: Handoff | None = None
         plan = None
         if memory_key(named) != self._sent_key:
+            if self.device.type == "cpu":
+                check_shm(
+                    unshared_bytes(self._buffers),
+                    "handing the vLLM engine child its weight sync buffers (shared memory)",
+                )
             handoff, plan = pack(named), self._plan
             self._sent_key = memory_key(named)
         self._acked, self._count = 0, len(self._plan)
