@@ -27,7 +27,7 @@ from rlrun.engines.vllm.placement import choose_host, whole_world_problem
 from rlrun.engines.vllm.placement import describe as describe_host
 from rlrun.launch.context import RankContext
 from rlrun.launch.dist import before_teardown, world_size
-from rlrun.launch.layout import Role
+from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import EngineRowExchange
 from rlrun.models.weights import Unfilled
 from rlrun.runtime.errors import ConfigError
@@ -103,6 +103,13 @@ def resolve_backend(
     if native_blocker is not None:
         return "hf", f"auto: the native engine cannot run this policy ({native_blocker})" + vllm_note
     return "native", "auto: rlrun's KV-cache decoder runs this architecture" + vllm_note
+
+
+def restarts_engines(g: GenerationConfig, layout: Layout) -> bool:
+    """Whether this run's engines restart in place when they fail: vLLM children with --max_engine_restarts > 0
+    (the backend resolved; the same answer on every rank)."""
+    hosted = g.generation_backend == "vllm" and choose_host(g.vllm_engine_host, layout, len(layout.engines[0]))
+    return hosted == "child" and g.max_engine_restarts > 0
 
 
 def engine_dtype(bf16: bool, device: torch.device) -> torch.dtype:

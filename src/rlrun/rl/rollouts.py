@@ -20,8 +20,8 @@ from rlrun.data.batching import derive_seed, shard
 from rlrun.data.prompts import Prompts, PromptSampler
 from rlrun.data.rollout import RolloutBatch, pack_log_probs, pack_rows, unpack_rows
 from rlrun.data.vision_batch import RowVision
+from rlrun.engines.build import restarts_engines
 from rlrun.engines.protocol import REPORTS_LOG_PROBS, Engine
-from rlrun.engines.vllm.placement import choose_host
 from rlrun.launch.context import RankContext
 from rlrun.launch.layout import Role
 from rlrun.launch.transfer import EngineRowExchange, ReadyFlag, broadcast_json, gather_from, gather_vision
@@ -119,13 +119,7 @@ class RolloutSource:
         self.flag = ReadyFlag(ready) if ready is not None else None  # the group exists only for partial rollouts
         # a vision-language policy: the engine ranks read and preprocess the images, and send them with the rows
         self.vision = prompts.images is not None
-        # engines that restart (vLLM children with --max_engine_restarts > 0) report their count each step; the same
-        # on every rank (the backend is resolved at start, the host follows from the layout)
-        self.counts_restarts = (
-            generation.generation_backend == "vllm"
-            and generation.max_engine_restarts > 0
-            and choose_host(generation.vllm_engine_host, layout, len(layout.engines[0])) == "child"
-        )
+        self.counts_restarts = restarts_engines(generation, layout)  # they report their count each step
 
     def generate(self, step: int) -> StepOutputs:
         """Engine ranks sample their share (single responses, or agent episodes); every rank receives the
