@@ -378,3 +378,34 @@ def assert_close_to_scale(actual, expected, *, rtol: float = 1e-4, scale_tol: fl
 
     scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=scale_tol * scale, msg=msg or None)
+
+
+# ---- a tiny native engine with sharp logits (the gateway and environment tests) ------------------------------------
+SHARP_TEMPERATURE = 0.9
+SHARP_CAP = 12  # most new tokens per call
+
+
+def sharp_native_engine():  # type: ignore[no-untyped-def]  - a rlrun NativeEngine
+    """rlrun's native engine on a tiny random Qwen2 over the byte tokenizer, its logits sharpened so log-probs are far
+    from uniform (a wrong one shows)."""
+    from transformers import Qwen2Config
+
+    from rlrun.engines.native.engine import NativeEngine
+    from rlrun.engines.protocol import SamplingSettings
+    from rlrun.models.tiny import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm
+
+    cfg = Qwen2Config(vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      max_position_embeddings=256, pad_token_id=PAD_ID, eos_token_id=EOS_ID, num_attention_heads=4,
+                      num_key_value_heads=2)
+    model = build_causal_lm(cfg, seed=3).eval()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(4.0)
+    settings = SamplingSettings(SHARP_TEMPERATURE, 1.0, SHARP_CAP, PAD_ID, (EOS_ID,))
+    return NativeEngine(model, settings, torch.device("cpu"), build_byte_tokenizer())
+
+
+def hf_log_probs(model, temperature: float, prompt: list[int], response: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """log p(response token | prefix) under logits / temperature, from one HF forward of prompt + response."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0]

@@ -25,7 +25,8 @@ from rlrun.agents.loader import load_agent_file
 from rlrun.config.agent import AgentConfig
 from rlrun.config.generation import GenerationConfig
 from rlrun.data.batching import derive_seed
-from rlrun.engines.protocol import Generation
+from rlrun.data.prompts import Prompts
+from rlrun.engines.protocol import Engine, Generation
 from rlrun.runtime.errors import AgentError
 
 
@@ -108,6 +109,17 @@ def mean_stats(sums: list[dict[str, float]]) -> dict[str, float]:
     return {f"agent/{k}": v / n for k, v in sorted(total.items())} if n else {}
 
 
+class EpisodeSource(Protocol):
+    """Where an engine rank's multi-turn episodes come from: OpenRLHF agent classes and Search-R1 (EpisodeRunner),
+    or agent programs behind the gateway (rlrun.environments.programs)."""
+
+    def episodes(
+        self, engine: Engine, prompts: Prompts, rows: list[int], prompt_ids: list[list[int]], seed: int
+    ) -> Episodes:
+        """One episode per row: `prompts`' records `rows` (tokenised as `prompt_ids`), sampled from `seed`."""
+        ...
+
+
 class EpisodeRunner:
     """Runs episodes with one agent instance each (made by `factory`), on whatever engine it is given."""
 
@@ -115,6 +127,12 @@ class EpisodeRunner:
         self, factory: Callable[[], Instance], tokenizer: PreTrainedTokenizerBase, limits: TurnLimits, calls: AgentCalls
     ) -> None:
         self.factory, self.tokenizer, self.limits, self.calls = factory, tokenizer, limits, calls
+
+    def episodes(
+        self, engine: Engine, prompts: Prompts, rows: list[int], prompt_ids: list[list[int]], seed: int
+    ) -> Episodes:
+        texts, labels = [prompts.texts[i] for i in rows], prompts.meta(rows).labels
+        return self.run(engine, texts, prompt_ids, labels, seed)
 
     def run(
         self,

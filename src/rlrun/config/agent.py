@@ -35,6 +35,21 @@ class AgentConfig:
         "times with backoff, then the run fails naming the URL); all tries must fit "
         "in --agent_timeout.",
     )
+    agent_command: str | None = opt(
+        None,
+        "A black-box agent program run once per episode (e.g. 'python my_agent.py'): it samples through the "
+        "gateway's OpenAI API (OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL set for it), reads its prompt row "
+        'as one JSON line on stdin and prints {"reward": x} last; its calls\' exact ids are the training row '
+        "(docs/environments.md).",
+    )
+    gateway_host: str = opt(
+        "127.0.0.1",
+        "Address the token gateway of each engine rank listens on (--agent_command); 0.0.0.0 for every "
+        "interface. Requests need the run's key as a bearer token.",
+    )
+    gateway_port: int = opt(
+        0, "Port of the first engine rank's token gateway (engine rank k: this + k); 0 picks a free port."
+    )
     max_turns: int | None = opt(
         None,
         "Most model turns per episode (each turn generates, then the agent steps). "
@@ -62,18 +77,30 @@ class AgentConfig:
     @property
     def multi_turn(self) -> bool:
         """Rollouts are agent episodes (their rewards are the reward)."""
-        return self.agent_func_path is not None or self.retriever_url is not None
+        return any(v is not None for v in (self.agent_func_path, self.retriever_url, self.agent_command))
 
     def check(self) -> None:
         for name in ("max_turns", "max_tokens_per_turn", "max_obs_len"):
             positive(name, getattr(self, name), allow_none=True)
         for name in ("retriever_topk", "retriever_timeout", "agent_timeout", "agent_max_concurrency"):
             positive(name, getattr(self, name))
-        if self.agent_func_path is not None and self.retriever_url is not None:
+        chosen = [
+            f"--{n} {v}"
+            for n in ("agent_func_path", "retriever_url", "agent_command")
+            if (v := getattr(self, n)) is not None
+        ]
+        if len(chosen) > 1:
             raise ConfigError(
-                f"--agent_func_path {self.agent_func_path} and --retriever_url {self.retriever_url} are both set; "
-                "--retriever_url runs the built-in Search-R1 agent: choose one agent"
+                f"{' and '.join(chosen)} are all set; each runs the episodes its own way (--retriever_url: the "
+                "built-in Search-R1 agent): choose one agent"
             )
+        if self.agent_command is not None and self.max_obs_len is not None:
+            raise ConfigError(
+                f"--max_obs_len {self.max_obs_len} with --agent_command: a program's observations are whatever its "
+                "next request adds to the conversation, never cut by rlrun; drop --max_obs_len"
+            )
+        if not 0 <= self.gateway_port < 65536:
+            raise ConfigError(f"--gateway_port {self.gateway_port} is not a port; use 0 (a free one) to 65535")
         if not self.multi_turn:
             turn_flags = [
                 f"--{n}" for n in ("max_turns", "max_tokens_per_turn", "max_obs_len") if getattr(self, n) is not None
@@ -81,6 +108,6 @@ class AgentConfig:
             turn_flags += [] if self.state_masking else ["--state_masking false"]
             if turn_flags:
                 raise ConfigError(
-                    f"{', '.join(turn_flags)} shape multi-turn agent episodes; add --agent_func_path FILE.py "
-                    "or --retriever_url URL, or drop them"
+                    f"{', '.join(turn_flags)} shape multi-turn agent episodes; add --agent_func_path FILE.py, "
+                    "--retriever_url URL or --agent_command PROGRAM, or drop them"
                 )

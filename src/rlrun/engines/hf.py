@@ -25,6 +25,7 @@ class HFEngine(TorchEngine):
         max_new_tokens: int | None = None,
         stop: tuple[str, ...] = (),
         vision: RowVision | None = None,
+        keys: list[int] | None = None,  # generate draws from the global generator: batch-dependent, keys or not
     ) -> Generation:
         s = self.sampling
         stop_kwargs: dict = {}

@@ -94,12 +94,16 @@ class Engine(Protocol):
         max_new_tokens: int | None = None,
         stop: tuple[str, ...] = (),
         vision: RowVision | None = None,
+        keys: list[int] | None = None,
     ) -> Generation:
         """Prompt token ids -> each prompt's response ids (EOS included when it was sampled) and, where the backend
         reports them, the sampled tokens' log-probabilities. max_new_tokens: this call's cap (default the settings');
         stop: strings that end a response early (multi-turn agents): a response ends at the first token that
         completes one, that token included (cut_at_stop). vision: the rows' images, for the backends that run
-        vision-language policies (HF, vLLM); a text-only backend refuses them (planning refuses the pairing first)."""
+        vision-language policies (HF, vLLM); a text-only backend refuses them (planning refuses the pairing first).
+        keys: each row's draw key (default: its place in the call): with the native engine, and vLLM with
+        --vllm_seeded_requests, a row's sample is a function of (seed, key) whatever else the call holds, so rows
+        whose calls are batched by timing (the gateway's) sample the same in every run; HF ignores them."""
         ...
 
     def load_weights(self) -> None:
@@ -156,6 +160,7 @@ class TorchEngine:
         max_new_tokens: int | None = None,
         stop: tuple[str, ...] = (),
         vision: RowVision | None = None,
+        keys: list[int] | None = None,
     ) -> Generation:
         raise NotImplementedError  # each backend's
 

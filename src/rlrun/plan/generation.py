@@ -60,6 +60,11 @@ def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
             f"{flags} needs the engine's sampled-token log-probs, but generation resolved to {backend} ({why}); use "
             "--generation_backend vllm or native, or drop the flag"
         )
+    if cfg.agent.agent_command is not None and backend not in REPORTS_LOG_PROBS:
+        raise ConfigError(
+            f"--agent_command samples through the token gateway, which answers with each sampled token's log-prob, but "
+            f"generation resolved to {backend} ({why}); use --generation_backend native or vllm"
+        )
     if config is not None:
         check_moe_options(cfg, config, backend)
     return GenerationChoice(replace(cfg, generation=replace(g, generation_backend=backend)), why, assumed)

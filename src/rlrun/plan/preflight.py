@@ -106,6 +106,8 @@ def _reward_line(cfg: Config) -> str:
         return f"reward: the reward model --reward_pretrain {m.reward_pretrain}"
     if cfg.scores_nothing:
         return pure_distillation_line(cfg.distill.teacher_pretrain)
+    if cfg.agent.agent_command is not None:
+        return "reward: what each episode's --agent_command prints (programs start with the first rollouts)"
     if cfg.agent.multi_turn:
         return "reward: from the agent's episodes (the agent file is imported at start-up)"
     path = m.compute_score if m.compute_score is not None else m.remote_rm_url

@@ -28,6 +28,7 @@ from rlrun.config.tree import Config
 from rlrun.data.prompts import Prompts, PromptSampler, prompt_spec
 from rlrun.engines.build import EngineImages, build_engine, engine_dtype, fused_groups
 from rlrun.engines.protocol import Engine
+from rlrun.environments.programs import build_program_episodes
 from rlrun.launch.context import RankContext
 from rlrun.launch.env import DistEnv, read_node_label
 from rlrun.launch.groups import Groups, SequenceParallel, build_groups
@@ -363,6 +364,10 @@ def build_rewarding(cfg: Config, layout: Layout, rank: int, tokenizer: PreTraine
     if Role.ENGINE not in layout.roles_of(rank) or cfg.reward.needs_reward_model:
         return known
     m = cfg.reward
+    if cfg.agent.agent_command is not None:
+        slot = layout.ranks_of(Role.ENGINE).index(rank)
+        served = cfg.model.pretrain or "rlrun-demo"
+        return replace(known, agents=build_program_episodes(cfg.agent, cfg.generation, tokenizer, served, slot))
     if cfg.agent.multi_turn:
         return replace(known, agents=build_episode_runner(cfg.agent, cfg.generation, tokenizer, m.remote_rm_retries))
     if m.compute_score is not None:
@@ -398,6 +403,8 @@ def describe_reward(cfg: Config) -> str:
         return f"reward: the reward model --reward_pretrain {m.reward_pretrain}"
     if ag.agent_func_path is not None:
         return f"reward: the episodes of the agent --agent_func_path {ag.agent_func_path}"
+    if ag.agent_command is not None:
+        return f"reward: what each episode's --agent_command {ag.agent_command!r} prints (through the token gateway)"
     if ag.retriever_url is not None:
         return f"reward: the built-in Search-R1 agent's episodes (retriever {redact_text(ag.retriever_url)})"
     if m.compute_score == "builtin":

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlrun.agents.episodes import EpisodeRunner
+from rlrun.agents.episodes import EpisodeSource
 from rlrun.data.prompts import Prompts
 from rlrun.data.vision_batch import RowVision
 from rlrun.engines.protocol import Engine
@@ -22,7 +22,7 @@ class Rewarding:
     and `scored_later` every rank knows."""
 
     reward_fn: RewardFunction | None = None  # single responses, scored as they are sampled
-    agents: EpisodeRunner | None = None  # multi-turn episodes: their step rewards are the reward
+    agents: EpisodeSource | None = None  # multi-turn episodes: their own rewards are the reward
     episodes: bool = False  # the rollouts are agent episodes (their masks mark the actions)
     scored_later: bool = False  # a reward model scores the batch in the score phase
 
@@ -74,8 +74,7 @@ def sample_and_reward(
     """`prompts`' records `rows` (as `prompt_ids`, with a vision-language policy's `vision`) sampled from `seed`
     and rewarded: agent episodes, or single responses the reward function scores."""
     if rewarding.agents is not None:
-        texts, labels = [prompts.texts[i] for i in rows], prompts.meta(rows).labels
-        episodes = rewarding.agents.run(engine, texts, prompt_ids, labels, seed)
+        episodes = rewarding.agents.episodes(engine, prompts, rows, prompt_ids, seed)
         return Sampled(
             episodes.prompts,
             episodes.responses,

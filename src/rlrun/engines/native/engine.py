@@ -177,6 +177,7 @@ class NativeEngine(TorchEngine):
         max_new_tokens: int | None = None,
         stop: tuple[str, ...] = (),
         vision: RowVision | None = None,
+        keys: list[int] | None = None,
     ) -> Generation:
         refuse_images(vision, "native")
         if stop and self.tokenizer is None:
@@ -202,7 +203,13 @@ class NativeEngine(TorchEngine):
             for batch, slots in plan:
                 routes: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if routing is not None else None
                 tokens, log_probs, lengths, _ = self._decode(
-                    [prompts[i] for i in batch], new, seed, stop, slots=slots, routes=routes, indices=batch
+                    [prompts[i] for i in batch],
+                    new,
+                    seed,
+                    stop,
+                    slots=slots,
+                    routes=routes,
+                    indices=batch if keys is None else [keys[i] for i in batch],
                 )
                 for j, (i, row, lp, n) in enumerate(zip(batch, tokens.tolist(), log_probs.tolist(), lengths.tolist())):
                     kept = row[:n]

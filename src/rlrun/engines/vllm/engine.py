@@ -28,6 +28,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.config.generation import GenerationConfig
+from rlrun.data.batching import derive_seed
 from rlrun.data.vision_batch import RowVision
 from rlrun.engines.protocol import Generation, SamplingSettings, cut_at_stop, refuse_images
 from rlrun.engines.receivers import WeightReceiver
@@ -78,6 +79,11 @@ def request_seeds(seed: int, count: int) -> list[int]:
     (rlrun.engines.vllm.adapter.batch_seed)."""
     rng = random.Random(seed)
     return [rng.getrandbits(31) for _ in range(count)]
+
+
+def keyed_seeds(seed: int, keys: list[int]) -> list[int]:
+    """One seed per row, a pure function of (seed, the row's key) (the gateway's requests: rlrun.gateway.server)."""
+    return [derive_seed(seed, "row", key) & 0x7FFFFFFF for key in keys]
 
 
 @dataclass(frozen=True)
@@ -205,6 +211,7 @@ class VLLMEngineBase:
         max_new_tokens: int | None = None,
         stop: tuple[str, ...] = (),
         vision: RowVision | None = None,
+        keys: list[int] | None = None,
     ) -> Generation:
         """`vision`: the rows' images (a vision-language policy); vLLM gets each row's decoded images and its prompt
         with one image token per image, and checks that it expanded them to the rows' own lengths."""
@@ -213,9 +220,8 @@ class VLLMEngineBase:
             assert self.image_token is not None, "the engine was built without the policy's image processor"
             images = (vision.row_images(), [len(p) for p in prompts])
             prompts = [one_token_per_image(p, self.image_token) for p in prompts]
-        return self.sample_seeded(
-            prompts, request_seeds(seed, len(prompts)), max_new_tokens=max_new_tokens, stop=stop, images=images
-        )
+        seeds = request_seeds(seed, len(prompts)) if keys is None else keyed_seeds(seed, keys)
+        return self.sample_seeded(prompts, seeds, max_new_tokens=max_new_tokens, stop=stop, images=images)
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         return self.sample(prompts, seed).responses
@@ -447,8 +453,11 @@ class TensorParallelEngine:
         max_new_tokens: int | None = None,
         stop: tuple[str, ...] = (),
         vision: RowVision | None = None,
+        keys: list[int] | None = None,
     ) -> Generation:
         refuse_images(vision, "tensor-parallel vLLM")  # planning refuses vision-language runs on them
+        if keys is not None:  # planning refuses agents on tensor-parallel vLLM engines
+            raise ValueError("tensor-parallel vLLM engines seed each rank's share of a call; they take no row keys")
         parts = self.exchange.to_leader({"prompts": prompts, "seed": seed})
         answers: list[object] | None = None
         if self.leader is not None:

@@ -1,0 +1,293 @@
+"""Black-box agent programs (--agent_command): each episode is one run of the user's program, which talks to the
+model only through the OpenAI API of a gateway session (rlrun.gateway), and says its reward on stdout.
+
+The program gets, per episode:
+  * OPENAI_BASE_URL (the session's `.../s/<id>/v1`), OPENAI_API_KEY (the run's gateway key) and OPENAI_MODEL;
+  * on stdin one JSON line: {"prompt": the record's prompt as the data holds it (text or a message list),
+    "text": the prompt as the policy sees it (templated), "label", "data_source", "extra_info", "index"};
+and prints, as the last line of its stdout, {"reward": x} (a finite number).
+
+The training row is built from the session's calls, never from the program's text: the first call's prompt ids are
+the row's prompt; each call's sampled ids are actions (the engine's log-probs kept); the ids between one call's
+reply and the next call's prompt (the tool results and turn markers the program's next request added) are
+observation tokens (mask 0). A call whose prompt does not extend the previous call's prompt + reply (the program
+re-rendered or edited its history) starts a new branch, which rlrun does not train yet: the episode keeps its first
+branch, and the calls left out are counted (agent/calls_off_branch).
+
+A failed episode (non-zero exit, no reward line, more than --agent_timeout seconds, no model call, a prompt over
+--prompt_max_len) trains nothing: its action mask is all zeros and its reward is the mean of its prompt group's
+good episodes, so it moves neither the loss nor its group's baseline; agent/failed counts them, and a batch where
+more than half fail ends the run with the first failure's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from rlrun.agents.episodes import Episodes
+from rlrun.config.agent import AgentConfig
+from rlrun.config.generation import GenerationConfig
+from rlrun.data.prompts import Prompts
+from rlrun.engines.protocol import Engine
+from rlrun.gateway.server import Gateway, Recorded, Session
+from rlrun.gateway.wire import Limits
+from rlrun.runtime.errors import AgentError
+
+STDERR_TAIL = 300  # characters of a failed program's stderr kept for its message
+
+
+@dataclass(frozen=True)
+class ProgramLimits:
+    response_budget: int  # tokens of actions + observations per episode (--generate_max_len)
+    prompt_max_len: int
+    timeout_s: float  # one episode, start to exit (--agent_timeout)
+    max_concurrency: int  # programs running at once on this engine rank
+    state_masking: bool = True  # observation tokens carry no loss
+
+
+@dataclass
+class Outcome:
+    """One program run: its reward, or why it failed."""
+
+    reward: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class Row:
+    """An episode's training row, from its session's first branch."""
+
+    prompt: list[int]
+    response: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    calls: int = 0
+    off_branch: int = 0
+    truncated: bool = False
+
+
+def branch_row(calls: list[Recorded], limits: ProgramLimits) -> Row:
+    """The row of a session's first branch: the calls that each extend the previous call's prompt and reply."""
+    first = calls[0].call.prompt
+    row = Row(prompt=list(first))
+    context = list(first)  # the prompt + everything the branch holds so far
+    for k, rec in enumerate(calls):
+        prompt = rec.call.prompt
+        if k and prompt[: len(context)] != context:
+            row.off_branch += 1
+            continue
+        bridge = prompt[len(context) :]
+        _extend(row, bridge, 0 if limits.state_masking else 1, [0.0] * len(bridge), limits)
+        _extend(row, rec.done.tokens, 1, rec.done.log_probs, limits)
+        context = prompt + rec.done.tokens
+        row.calls += 1
+    return row
+
+
+def _extend(row: Row, tokens: list[int], mask: int, log_probs: list[float], limits: ProgramLimits) -> None:
+    room = limits.response_budget - len(row.response)
+    if len(tokens) > room:
+        row.truncated = True
+        tokens, log_probs = tokens[:room], log_probs[:room]
+    row.response += tokens
+    row.mask += [mask] * len(tokens)
+    row.log_probs += log_probs
+
+
+def parse_reward(stdout: str) -> float:
+    """The reward of the last non-empty stdout line, {"reward": x}; ValueError naming what is wrong."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError('printed nothing; its last stdout line must be {"reward": <number>}')
+    last = lines[-1].strip()
+    try:
+        value = json.loads(last)
+    except ValueError:
+        raise ValueError(f'last stdout line {last[:120]!r} is not JSON; print {{"reward": <number>}} last') from None
+    reward = value.get("reward") if isinstance(value, dict) else None
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise ValueError(f'last stdout line {last[:120]!r} has no finite number "reward"')
+    return float(reward)
+
+
+class ProgramEpisodes:
+    """The episodes of one engine rank's agent programs, sampled through its gateway."""
+
+    def __init__(
+        self,
+        command: str,
+        limits: ProgramLimits,
+        tokenizer: PreTrainedTokenizerBase,
+        open_gateway: Callable[[], Gateway],
+    ) -> None:
+        self.argv = shlex.split(command)
+        self.limits, self.tokenizer = limits, tokenizer
+        self._open_gateway = open_gateway  # started with the first episodes: the port is taken on the engine rank
+        self.gateway: Gateway | None = None
+        self.phases = 0  # rollout phases run: the weight version answers name
+
+    def episodes(
+        self, engine: Engine, prompts: Prompts, rows: list[int], prompt_ids: list[list[int]], seed: int
+    ) -> Episodes:
+        """Run one program per row (at most max_concurrency at once) while this thread samples their requests."""
+        if self.gateway is None:
+            self.gateway = self._open_gateway()
+        gateway = self.gateway
+        sessions = [gateway.open_session() for _ in rows]
+        with ThreadPoolExecutor(self.limits.max_concurrency, thread_name_prefix="rlrun-program") as pool:
+            runs: list[Future[Outcome]] = [
+                pool.submit(self._run, session, self._stdin(prompts, i, k))
+                for k, (i, session) in enumerate(zip(rows, sessions))
+            ]
+            gateway.serve(engine, seed, self.phases, until=lambda: all(r.done() for r in runs))
+            outcomes = [r.result() for r in runs]
+        for session in sessions:
+            gateway.close_session(session)
+        self.phases += 1
+        return self._rows(prompts, rows, prompt_ids, sessions, outcomes)
+
+    def _stdin(self, prompts: Prompts, i: int, index: int) -> bytes:
+        record = prompts.records[i]
+        line = {
+            "prompt": record.prompt,
+            "text": prompts.texts[i],
+            "label": record.label,
+            "data_source": record.data_source,
+            "extra_info": record.extra_info,
+            "index": index,
+        }
+        return (json.dumps(line, default=str) + "\n").encode("utf-8")
+
+    def _run(self, session: Session, stdin: bytes) -> Outcome:
+        """One program, start to exit, bounded by --agent_timeout (its whole process group is killed then)."""
+        assert self.gateway is not None
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": session.base_url,
+            "OPENAI_API_KEY": self.gateway.token,
+            "OPENAI_MODEL": self.gateway.limits.model,
+        }
+        try:
+            proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                start_new_session=True,  # its children are killed with it
+            )
+        except OSError as exc:
+            return Outcome(error=f"--agent_command {shlex.join(self.argv)} cannot start: {exc}")
+        try:
+            out, err = proc.communicate(stdin, timeout=self.limits.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return Outcome(error=f"ran longer than --agent_timeout {self.limits.timeout_s:g}s and was killed")
+        if proc.returncode != 0:
+            tail = " ".join(err.decode("utf-8", "replace").split())[-STDERR_TAIL:]
+            return Outcome(error=f"exited with status {proc.returncode}" + (f" ({tail})" if tail else ""))
+        try:
+            return Outcome(reward=parse_reward(out.decode("utf-8", "replace")))
+        except ValueError as exc:
+            return Outcome(error=str(exc))
+
+    def _rows(
+        self,
+        prompts: Prompts,
+        rows: list[int],
+        prompt_ids: list[list[int]],
+        sessions: list[Session],
+        outcomes: list[Outcome],
+    ) -> Episodes:
+        built: list[Row] = []
+        for ids, session, outcome in zip(prompt_ids, sessions, outcomes):
+            row = branch_row(session.calls, self.limits) if session.calls else Row(prompt=list(ids))
+            if outcome.error is None and not session.calls:
+                outcome.error = "made no model call through OPENAI_BASE_URL"
+            if outcome.error is None and len(row.prompt) > self.limits.prompt_max_len:
+                outcome.error = f"its first prompt has {len(row.prompt)} tokens, over --prompt_max_len"
+            built.append(row)
+        failed = [k for k, o in enumerate(outcomes) if o.error is not None]
+        if len(failed) * 2 > len(outcomes):
+            first = failed[0]
+            raise AgentError(
+                f"{len(failed)} of {len(outcomes)} agent program episodes failed on this engine rank; the first "
+                f"(row {first}, --agent_command {shlex.join(self.argv)}) {outcomes[first].error}"
+            )
+        rewards = _rewards(outcomes, [prompts.texts[i] for i in rows])
+        for k in failed:  # trains nothing: no action, the row's shape kept
+            row = built[k]
+            row.prompt = row.prompt[-self.limits.prompt_max_len :]
+            row.response = row.response or [int(self.tokenizer.pad_token_id)]
+            row.mask, row.log_probs = [0] * len(row.response), [0.0] * len(row.response)
+        stats = {
+            "episodes": float(len(built)),
+            "failed": float(len(failed)),
+            "turns": float(sum(r.calls for r in built)),
+            "calls_off_branch": float(sum(r.off_branch for r in built)),
+            "budget_cut": float(sum(r.truncated for r in built)),
+        }
+        return Episodes(
+            prompts=[r.prompt for r in built],
+            responses=[r.response for r in built],
+            action_masks=[r.mask for r in built],
+            log_probs=[r.log_probs for r in built],
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            truncated=[r.truncated for r in built],
+            stats=stats,
+        )
+
+
+def _rewards(outcomes: list[Outcome], groups: list[str]) -> list[float]:
+    """Each good episode's reward; a failed one gets the mean of its prompt group's good ones (0 when none is
+    good), so that it moves neither its group's mean nor, having no action, the loss."""
+    good: dict[str, list[float]] = {}
+    for o, g in zip(outcomes, groups):
+        if o.reward is not None and o.error is None:
+            good.setdefault(g, []).append(o.reward)
+    return [
+        o.reward if o.reward is not None and o.error is None else sum(good.get(g, [0.0])) / len(good.get(g, [0.0]))
+        for o, g in zip(outcomes, groups)
+    ]
+
+
+def build_program_episodes(
+    a: AgentConfig, g: GenerationConfig, tokenizer: PreTrainedTokenizerBase, model: str, slot: int
+) -> ProgramEpisodes:
+    """--agent_command's episodes on engine rank number `slot`, whose gateway serves `model` (the name its programs
+    see in OPENAI_MODEL) on --gateway_port + slot (a free port when --gateway_port is 0)."""
+    assert a.agent_command is not None
+    limits = ProgramLimits(
+        response_budget=g.generate_max_len,
+        prompt_max_len=g.prompt_max_len,
+        timeout_s=a.agent_timeout,
+        max_concurrency=a.agent_max_concurrency,
+        state_masking=a.state_masking,
+    )
+    served = Limits(
+        model=model,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        max_tokens=a.max_tokens_per_turn or g.generate_max_len,
+        max_model_len=g.prompt_max_len + g.generate_max_len,
+    )
+
+    def open_gateway() -> Gateway:
+        port = a.gateway_port + slot if a.gateway_port else 0
+        return Gateway(
+            served, tokenizer, host=a.gateway_host, port=port, answer_timeout=a.agent_timeout, max_calls=a.max_turns
+        )
+
+    return ProgramEpisodes(a.agent_command, limits, tokenizer, open_gateway)
