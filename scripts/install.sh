@@ -103,6 +103,9 @@ fi
 if [[ $want_test == 1 ]]; then  # the vLLM lane (.venv-vllm): never fails the install, its tests skip loudly
   run bash scripts/ci/install_vllm_lane.sh || echo "rlrun install: !!! vLLM lane (.venv-vllm) NOT installed; tests/engines vLLM tests will SKIP !!!"
 fi
+if [[ $want_test == 1 ]]; then  # the OpenEnv lane (.venv-openenv): never fails the install, its tests skip loudly
+  run bash scripts/ci/install_openenv_lane.sh || echo "rlrun install: !!! OpenEnv lane (.venv-openenv) NOT installed; the OpenEnv tests will SKIP !!!"
+fi
 if [[ $dry == 1 ]]; then
   echo "rlrun install: dry run, nothing changed (target: $where)"
 else

@@ -2,6 +2,7 @@
 # Refresh the locks of resolved versions that `scripts/install.sh --test` (and so CI) installs:
 #   requirements/test-lock.txt       .venv: rlrun[test] (setup.cfg) and the data packages (requirements/artefacts.in)
 #   requirements/vllm-lane-lock.txt  .venv-vllm: requirements/vllm-lane.in (scripts/ci/install_vllm_lane.sh)
+#   requirements/openenv-lane-lock.txt  .venv-openenv: requirements/openenv-lane.in (scripts/ci/install_openenv_lane.sh)
 # Each is a clean resolve: pip's own resolver in an empty scratch venv (`pip install --dry-run --report`), under
 # the torch pin install.sh uses (torch==2.13.0, RLRUN_TORCH_VERSION). Nothing is installed.
 # A refresh is a deliberate commit: install from the new lock in a fresh clone and run README's whole test command
@@ -29,6 +30,7 @@ artefacts=$(grep -vE '^\s*(#|$)' requirements/artefacts.in)
 # shellcheck disable=SC2086 - one requirement per word
 "${pip[@]}" --report "$scratch/artefacts.json" --no-deps $artefacts
 "${pip[@]}" --report "$scratch/vllm.json" -c "$scratch/torch.txt" -r requirements/vllm-lane.in -e .
+"${pip[@]}" --report "$scratch/openenv.json" -r requirements/openenv-lane.in
 
 header() {  # $1: what the lock is for
   echo "# $1"
@@ -43,9 +45,13 @@ header() {  # $1: what the lock is for
   header "The versions scripts/ci/install_vllm_lane.sh installs into .venv-vllm (requirements/vllm-lane.in)."
   "$PY" scripts/lib/lockfile.py write "$scratch/vllm.json"
 } > "$scratch/vllm-lane-lock.txt"
+{
+  header "The versions scripts/ci/install_openenv_lane.sh installs into .venv-openenv (requirements/openenv-lane.in)."
+  "$PY" scripts/lib/lockfile.py write "$scratch/openenv.json"
+} > "$scratch/openenv-lane-lock.txt"
 
 status=0
-for lock in test-lock.txt vllm-lane-lock.txt; do
+for lock in test-lock.txt vllm-lane-lock.txt openenv-lane-lock.txt; do
   if [[ -f requirements/$lock ]]; then
     echo "requirements/$lock against a fresh resolve:"
     "$PY" scripts/lib/lockfile.py diff "requirements/$lock" "$scratch/$lock"
@@ -56,4 +62,4 @@ done
 if [[ $check == 1 ]]; then
   exit $status
 fi
-echo "rlrun lock: wrote requirements/test-lock.txt and requirements/vllm-lane-lock.txt; run the whole suite on them before committing"
+echo "rlrun lock: wrote requirements/test-lock.txt, vllm-lane-lock.txt and openenv-lane-lock.txt; run the whole suite on them before committing"

@@ -51,6 +51,15 @@ def test_the_vllm_lane_lock_pins_its_inputs() -> None:
     assert pins["torch"] == "2.13.0"
 
 
+def test_the_openenv_lane_lock_pins_its_inputs() -> None:
+    pins = lockfile.read_pins(REPO / "requirements" / "openenv-lane-lock.txt")
+    for line in (REPO / "requirements" / "openenv-lane.in").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            req = Requirement(line)
+            assert req.specifier.contains(pins[lockfile.normalised(req.name)]), req
+    assert pins["mcp"].startswith("1."), pins["mcp"]  # why the lane exists: verifiers 0.4 needs mcp 2
+
+
 def test_this_environment_is_the_lock() -> None:
     """What the suite runs on is what the lock says (install.sh --test applied it), torch aside where kept."""
     differ = []

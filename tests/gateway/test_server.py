@@ -138,7 +138,7 @@ REFUSALS = {
     # what the request asks -> (status, words of the message)
     "temperature 0": ({"temperature": 0.0}, 400, "Unsupported value: 'temperature'"),
     "top_p": ({"top_p": 0.5}, 400, "'top_p'"),
-    "over the cap": ({"max_tokens": CAP + 1}, 400, f"cap of {CAP}"),
+    "over the cap": ({"max_tokens": CAP + 1}, 400, f"Only at most {CAP}, this run's cap"),
     "top_logprobs": ({"logprobs": True, "top_logprobs": 5}, 400, "top_logprobs"),
     "n 2": ({"n": 2}, 400, "'n'"),
     "stream": ({"stream": True}, 400, "'stream'"),

@@ -130,7 +130,8 @@ def _int(params: Mapping[str, Any], name: str) -> int | None:
 
 
 def _max_tokens(params: Mapping[str, Any], prompt_len: int, limits: Limits) -> int:
-    asked = _int(params, "max_completion_tokens") or _int(params, "max_tokens")
+    name = "max_completion_tokens" if params.get("max_completion_tokens") is not None else "max_tokens"
+    asked = _int(params, name)
     room = limits.max_model_len - prompt_len
     if room < 1:
         raise WireError(
@@ -141,11 +142,13 @@ def _max_tokens(params: Mapping[str, Any], prompt_len: int, limits: Limits) -> i
             code="context_length_exceeded",
         )
     if asked is not None and asked > limits.max_tokens:
-        raise WireError(
-            HTTPStatus.BAD_REQUEST,
-            f"max_tokens {asked} is over this run's cap of {limits.max_tokens} new tokens per call "
-            "(--generate_max_len, or --max_tokens_per_turn): ask for fewer",
-            param="max_tokens",
+        # OpenAI's "Unsupported value" form: a client that adapts (OpenEnv's validate_llm) drops the field and gets
+        # the run's cap
+        raise _unsupported(
+            name,
+            asked,
+            f"at most {limits.max_tokens}, this run's cap of new tokens per call (--generate_max_len, "
+            "or --max_tokens_per_turn),",
         )
     return min(asked or limits.max_tokens, room)
 
