@@ -105,6 +105,19 @@ def test_a_call_samples_the_same_whichever_calls_share_its_batch():
     assert alone[0] != alone[1] != alone[2]  # the same prompt, different draws per session
 
 
+def test_a_wave_of_64_connections_is_answered_in_one_or_two_engine_calls(served):
+    """A step's episodes connect at once: none is reset (socketserver's default backlog is 5), and the gateway
+    waits for the wave before it samples."""
+    gateway, engine = served
+    body = {"model": "tiny", "token_ids": [65, 66], "sampling_params": {"max_tokens": 3, "logprobs": 1}}
+    statuses: list[int] = []
+    batches = gateway.batches
+    serve_while(gateway, engine, [lambda: statuses.append(
+        _post(gateway.url + "/inference/v1/generate", body, gateway.token)[0]) for _ in range(64)])
+    assert statuses == [200] * 64
+    assert gateway.batches - batches <= 2
+
+
 def _post(url: str, body: dict, key: str | None) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)

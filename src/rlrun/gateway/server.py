@@ -53,6 +53,9 @@ class Session:
     submitted: int = 0  # calls sent to the engine so far
 
 
+LINGER_S = 0.02  # a batch waits this long for one more request (HTTP threads read and tokenise each first)...
+GATHER_S = 0.25  # ...and no longer than this in all: small beside an engine call's decode
+
 # A call's draw key: session number x CALL_KEYS + its call number (sessionless calls: past every session's keys).
 CALL_KEYS = 1 << 12
 
@@ -171,15 +174,22 @@ class Gateway:
                 first = self._queue.get(timeout=poll_s)
             except queue.Empty:
                 continue
-            batch = [first]
-            while True:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            batch = [first] + self._gather()
             live = [p for p in batch if not p.abandoned]
             if live:
                 self._sample(engine, live, seed, version)
+
+    def _gather(self) -> list[_Pending]:
+        """The requests that follow the first closely: taken until none comes for LINGER_S, at most GATHER_S, so
+        a wave of requests sent at once (a step's episodes) is one engine call, not a first one and the rest."""
+        out: list[_Pending] = []
+        until = time.monotonic() + GATHER_S
+        while (left := until - time.monotonic()) > 0:
+            try:
+                out.append(self._queue.get(timeout=min(LINGER_S, left)))
+            except queue.Empty:
+                break
+        return out
 
     def _sample(self, engine: Engine, batch: list[_Pending], seed: int, version: int) -> None:
         """One engine call per distinct set of stop strings (the engine ends a batch's rows at one set)."""
@@ -236,6 +246,9 @@ class Gateway:
 
 
 class _GatewayHTTPServer(JsonHTTPServer):
+    # A step's episodes connect at once; socketserver's default backlog of 5 resets the connections beyond it.
+    request_queue_size = 1024
+
     def __init__(self, gateway: Gateway, address: tuple[str, int]) -> None:
         self.gateway = gateway
         super().__init__(
