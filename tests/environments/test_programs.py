@@ -140,7 +140,7 @@ def test_most_episodes_failing_ends_the_run_with_the_first_reason(tmp_path, mode
     with pytest.raises(AgentError) as err:
         source.episodes(tiny_engine(), prompts, [0, 1, 2], prompts.ids, seed=1)
     message = str(err.value)
-    assert message.startswith("2 of 3 agent program episodes failed") and words in message, message
+    assert message.startswith("2 of 3 agent program episodes (--agent_command") and words in message, message
     assert "\n" not in message
     source.gateway.close()
 

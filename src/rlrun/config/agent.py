@@ -42,6 +42,18 @@ class AgentConfig:
         'as one JSON line on stdin and prints {"reward": x} last; its calls\' exact ids are the training row '
         "(docs/environments.md).",
     )
+    env_id: str | None = opt(
+        None,
+        "A verifiers 0.4 taskset id (prime-rl's env.taskset.id): an importable module or package whose __all__ "
+        "exports one Taskset. Its tasks are the prompts; each episode runs through the token gateway "
+        "(docs/environments.md).",
+    )
+    env_harness: str = opt(
+        "rlrun-chat",
+        "The verifiers harness of --env_id's episodes (prime-rl's env.agent.harness.id): default rlrun's "
+        "in-process chat harness (no network).",
+    )
+    env_args: str | None = opt(None, "--env_id's taskset config fields, as a JSON object.")
     gateway_host: str = opt(
         "127.0.0.1",
         "Address the token gateway of each engine rank listens on (--agent_command); 0.0.0.0 for every "
@@ -77,7 +89,7 @@ class AgentConfig:
     @property
     def multi_turn(self) -> bool:
         """Rollouts are agent episodes (their rewards are the reward)."""
-        return any(v is not None for v in (self.agent_func_path, self.retriever_url, self.agent_command))
+        return any(v is not None for v in (self.agent_func_path, self.retriever_url, self.agent_command, self.env_id))
 
     def check(self) -> None:
         for name in ("max_turns", "max_tokens_per_turn", "max_obs_len"):
@@ -86,7 +98,7 @@ class AgentConfig:
             positive(name, getattr(self, name))
         chosen = [
             f"--{n} {v}"
-            for n in ("agent_func_path", "retriever_url", "agent_command")
+            for n in ("agent_func_path", "retriever_url", "agent_command", "env_id")
             if (v := getattr(self, n)) is not None
         ]
         if len(chosen) > 1:

@@ -319,11 +319,13 @@ def prompt_set(
     max_samples: int,
     images: ImagePreparer | None,
     policy: str,
+    records: list[PromptRecord] | None = None,
 ) -> Prompts:
     """`spec`'s records (None: the built-in prompts) formatted and tokenised as the policy sees them, cut or dropped at
     --prompt_max_len (--prompt_overflow). `images`: a vision-language policy's preprocessing, None for a text policy
-    (`policy`: its name, for the message that refuses images it would not see)."""
-    records = load_prompt_records(spec, prompt_keys(d), max_samples)
+    (`policy`: its name, for the message that refuses images it would not see). `records`: read elsewhere (a
+    verifiers taskset's tasks, rlrun.data.tasksets), in place of spec's."""
+    records = load_prompt_records(spec, prompt_keys(d), max_samples) if records is None else records
     source = spec.sources if spec is not None else "<built-in prompts>"
     texts = [
         format_prompt(

@@ -30,9 +30,8 @@ import signal
 import subprocess
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.agents.episodes import Episodes
@@ -40,9 +39,9 @@ from rlrun.config.agent import AgentConfig
 from rlrun.config.generation import GenerationConfig
 from rlrun.data.prompts import Prompts
 from rlrun.engines.protocol import Engine
+from rlrun.environments.rows import Outcome, Row, extend, finish
 from rlrun.gateway.server import Gateway, Recorded, Session
 from rlrun.gateway.wire import Limits
-from rlrun.runtime.errors import AgentError
 
 STDERR_TAIL = 300  # characters of a failed program's stderr kept for its message
 
@@ -56,27 +55,6 @@ class ProgramLimits:
     state_masking: bool = True  # observation tokens carry no loss
 
 
-@dataclass
-class Outcome:
-    """One program run: its reward, or why it failed."""
-
-    reward: float | None = None
-    error: str | None = None
-
-
-@dataclass
-class Row:
-    """An episode's training row, from its session's first branch."""
-
-    prompt: list[int]
-    response: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    calls: int = 0
-    off_branch: int = 0
-    truncated: bool = False
-
-
 def branch_row(calls: list[Recorded], limits: ProgramLimits) -> Row:
     """The row of a session's first branch: the calls that each extend the previous call's prompt and reply."""
     first = calls[0].call.prompt
@@ -88,21 +66,11 @@ def branch_row(calls: list[Recorded], limits: ProgramLimits) -> Row:
             row.off_branch += 1
             continue
         bridge = prompt[len(context) :]
-        _extend(row, bridge, 0 if limits.state_masking else 1, [0.0] * len(bridge), limits)
-        _extend(row, rec.done.tokens, 1, rec.done.log_probs, limits)
+        extend(row, bridge, 0 if limits.state_masking else 1, [0.0] * len(bridge), limits.response_budget)
+        extend(row, rec.done.tokens, 1, rec.done.log_probs, limits.response_budget)
         context = prompt + rec.done.tokens
         row.calls += 1
     return row
-
-
-def _extend(row: Row, tokens: list[int], mask: int, log_probs: list[float], limits: ProgramLimits) -> None:
-    room = limits.response_budget - len(row.response)
-    if len(tokens) > room:
-        row.truncated = True
-        tokens, log_probs = tokens[:room], log_probs[:room]
-    row.response += tokens
-    row.mask += [mask] * len(tokens)
-    row.log_probs += log_probs
 
 
 def parse_reward(stdout: str) -> float:
@@ -216,51 +184,10 @@ class ProgramEpisodes:
             row = branch_row(session.calls, self.limits) if session.calls else Row(prompt=list(ids))
             if outcome.error is None and not session.calls:
                 outcome.error = "made no model call through OPENAI_BASE_URL"
-            if outcome.error is None and len(row.prompt) > self.limits.prompt_max_len:
-                outcome.error = f"its first prompt has {len(row.prompt)} tokens, over --prompt_max_len"
             built.append(row)
-        failed = [k for k, o in enumerate(outcomes) if o.error is not None]
-        if len(failed) * 2 > len(outcomes):
-            first = failed[0]
-            raise AgentError(
-                f"{len(failed)} of {len(outcomes)} agent program episodes failed on this engine rank; the first "
-                f"(row {first}, --agent_command {shlex.join(self.argv)}) {outcomes[first].error}"
-            )
-        rewards = _rewards(outcomes, [prompts.texts[i] for i in rows])
-        for k in failed:  # trains nothing: no action, the row's shape kept
-            row = built[k]
-            row.prompt = row.prompt[-self.limits.prompt_max_len :]
-            row.response = row.response or [int(self.tokenizer.pad_token_id)]
-            row.mask, row.log_probs = [0] * len(row.response), [0.0] * len(row.response)
-        stats = {
-            "episodes": float(len(built)),
-            "failed": float(len(failed)),
-            "turns": float(sum(r.calls for r in built)),
-            "calls_off_branch": float(sum(r.off_branch for r in built)),
-            "budget_cut": float(sum(r.truncated for r in built)),
-        }
-        return Episodes(
-            prompts=[r.prompt for r in built],
-            responses=[r.response for r in built],
-            action_masks=[r.mask for r in built],
-            log_probs=[r.log_probs for r in built],
-            rewards=torch.tensor(rewards, dtype=torch.float32),
-            truncated=[r.truncated for r in built],
-            stats=stats,
-        )
-
-
-def _rewards(outcomes: list[Outcome], groups: list[str]) -> list[float]:
-    """Each good episode's reward; a failed one gets the mean of its prompt group's good ones (0 when none is
-    good), so that it moves neither its group's mean nor, having no action, the loss."""
-    good: dict[str, list[float]] = {}
-    for o, g in zip(outcomes, groups):
-        if o.reward is not None and o.error is None:
-            good.setdefault(g, []).append(o.reward)
-    return [
-        o.reward if o.reward is not None and o.error is None else sum(good.get(g, [0.0])) / len(good.get(g, [0.0]))
-        for o, g in zip(outcomes, groups)
-    ]
+        what = f"agent program episodes (--agent_command {shlex.join(self.argv)})"
+        groups = [prompts.texts[i] for i in rows]
+        return finish(built, outcomes, groups, self.limits.prompt_max_len, int(self.tokenizer.pad_token_id), what)
 
 
 def build_program_episodes(

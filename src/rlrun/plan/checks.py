@@ -156,6 +156,11 @@ def _check_agent(cfg: Config) -> None:
         )
     if not cfg.agent.multi_turn:
         return
+    if ag.env_id is not None and cfg.data.prompt_data is not None:
+        raise ConfigError(
+            f"--env_id {ag.env_id} with --prompt_data {cfg.data.prompt_data}: the taskset's tasks are the prompts; "
+            "drop --prompt_data (--env_args chooses the taskset's split or subset)"
+        )
     if m.remote_rm_url is not None or m.reward_pretrain is not None or m.compute_score is not None:
         source = (
             f"--remote_rm_url {m.remote_rm_url}"

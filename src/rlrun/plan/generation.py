@@ -60,9 +60,10 @@ def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
             f"{flags} needs the engine's sampled-token log-probs, but generation resolved to {backend} ({why}); use "
             "--generation_backend vllm or native, or drop the flag"
         )
-    if cfg.agent.agent_command is not None and backend not in REPORTS_LOG_PROBS:
+    gateway = "--agent_command" if cfg.agent.agent_command is not None else "--env_id" if cfg.agent.env_id else None
+    if gateway is not None and backend not in REPORTS_LOG_PROBS:
         raise ConfigError(
-            f"--agent_command samples through the token gateway, which answers with each sampled token's log-prob, but "
+            f"{gateway} samples through the token gateway, which answers with each sampled token's log-prob, but "
             f"generation resolved to {backend} ({why}); use --generation_backend native or vllm"
         )
     if config is not None:

@@ -18,6 +18,7 @@ from rlrun.config.supervised import SupervisedConfig
 from rlrun.config.tree import Config
 from rlrun.data.prompts import Prompts, eval_spec, load_prompt_records, prompt_keys, prompt_set, prompt_spec
 from rlrun.data.sources import DataSpec, not_here
+from rlrun.data.tasksets import taskset_records
 from rlrun.models.loading import check_teacher_tokenizer, load_tokenizer, teacher_source, tokenizer_missing
 from rlrun.reporting.run_report import pure_distillation_line
 from rlrun.rewards.compute_score import load_compute_score_function
@@ -33,7 +34,12 @@ S = TypeVar("S")
 
 
 def ppo_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase, spec: DataSpec | None) -> Prompts:
-    """`spec`'s prompts as the policy sees them, with a vision-language policy's image preprocessing."""
+    """`spec`'s prompts as the policy sees them, with a vision-language policy's image preprocessing; with --env_id,
+    the taskset's tasks."""
+    a = cfg.agent
+    records = None
+    if a.env_id is not None and spec is None:  # the training prompts (an --eval_dataset is still a file)
+        records = taskset_records(a.env_id, a.env_args, a.env_harness, a.max_turns, cfg.train.max_samples)
     return prompt_set(
         cfg.data,
         cfg.template,
@@ -44,6 +50,7 @@ def ppo_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase, spec: DataSpec 
         cfg.train.max_samples,
         image_inputs(cfg.model, cfg.vision),
         policy=str(cfg.model.pretrain or cfg.model.model_preset),
+        records=records,
     )
 
 
@@ -108,6 +115,8 @@ def _reward_line(cfg: Config) -> str:
         return pure_distillation_line(cfg.distill.teacher_pretrain)
     if cfg.agent.agent_command is not None:
         return "reward: what each episode's --agent_command prints (programs start with the first rollouts)"
+    if cfg.agent.env_id is not None:
+        return f"reward: the rubric of the verifiers taskset --env_id {cfg.agent.env_id}"
     if cfg.agent.multi_turn:
         return "reward: from the agent's episodes (the agent file is imported at start-up)"
     path = m.compute_score if m.compute_score is not None else m.remote_rm_url

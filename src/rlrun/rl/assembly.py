@@ -29,6 +29,7 @@ from rlrun.data.prompts import Prompts, PromptSampler, prompt_spec
 from rlrun.engines.build import EngineImages, build_engine, engine_dtype, fused_groups
 from rlrun.engines.protocol import Engine
 from rlrun.environments.programs import build_program_episodes
+from rlrun.environments.tasksets import build_taskset_episodes
 from rlrun.launch.context import RankContext
 from rlrun.launch.env import DistEnv, read_node_label
 from rlrun.launch.groups import Groups, SequenceParallel, build_groups
@@ -364,10 +365,14 @@ def build_rewarding(cfg: Config, layout: Layout, rank: int, tokenizer: PreTraine
     if Role.ENGINE not in layout.roles_of(rank) or cfg.reward.needs_reward_model:
         return known
     m = cfg.reward
+    served, slot = cfg.model.pretrain or "rlrun-demo", layout.ranks_of(Role.ENGINE).index(rank)
     if cfg.agent.agent_command is not None:
-        slot = layout.ranks_of(Role.ENGINE).index(rank)
-        served = cfg.model.pretrain or "rlrun-demo"
         return replace(known, agents=build_program_episodes(cfg.agent, cfg.generation, tokenizer, served, slot))
+    if cfg.agent.env_id is not None:
+        episodes = build_taskset_episodes(
+            cfg.agent, cfg.generation, tokenizer, served, cfg.model.pretrain, slot, cfg.train.max_samples
+        )
+        return replace(known, agents=episodes)
     if cfg.agent.multi_turn:
         return replace(known, agents=build_episode_runner(cfg.agent, cfg.generation, tokenizer, m.remote_rm_retries))
     if m.compute_score is not None:
@@ -403,6 +408,8 @@ def describe_reward(cfg: Config) -> str:
         return f"reward: the reward model --reward_pretrain {m.reward_pretrain}"
     if ag.agent_func_path is not None:
         return f"reward: the episodes of the agent --agent_func_path {ag.agent_func_path}"
+    if ag.env_id is not None:
+        return f"reward: the rubric of the verifiers taskset --env_id {ag.env_id} (episodes through the token gateway)"
     if ag.agent_command is not None:
         return f"reward: what each episode's --agent_command {ag.agent_command!r} prints (through the token gateway)"
     if ag.retriever_url is not None:
