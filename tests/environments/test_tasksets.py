@@ -16,7 +16,7 @@ from rlrun.data.tasksets import env_args
 from rlrun.environments.tasksets import build_taskset_episodes
 from rlrun.models.tiny import build_byte_tokenizer
 from rlrun.plan.preflight import ppo_prompts
-from rlrun.runtime.errors import ConfigError
+from rlrun.runtime.errors import AgentError, ConfigError
 
 sys.path.insert(0, str(REPO / "examples" / "tasksets"))  # as PYTHONPATH=examples/tasksets puts it for a run
 TOK = build_byte_tokenizer()
@@ -62,3 +62,20 @@ def test_a_taskset_that_does_not_load_or_bad_args_are_one_clear_error():
         from rlrun.plan.checks import check_values
 
         check_values(parse_args([*ARGS, "--prompt_data", "x.jsonl"]).config)
+
+
+def test_an_episode_that_fails_trains_nothing_and_most_failing_is_one_line():
+    """Task 2's prompt does not fit --prompt_max_len + --generate_max_len: the gateway refuses it (400), the harness
+    fails, verifiers records the error; that row has no action and its group's mean reward, the others train."""
+    cfg = parse_args(["--env_id", "long_prompt_taskset", "--generate_max_len", "8", "--prompt_max_len", "64",
+                      "--temperature", str(SHARP_TEMPERATURE)]).config
+    prompts = ppo_prompts(cfg, TOK, None)
+    source = build_taskset_episodes(cfg.agent, cfg.generation, TOK, "tiny", None, 0, cfg.train.max_samples)
+    engine = sharp_native_engine()
+    eps = source.episodes(engine, prompts, [0, 1, 2, 3], [prompts.ids[i] for i in range(4)], seed=1)
+    assert eps.stats["failed"] == 1
+    assert sum(eps.action_masks[2]) == 0 and all(sum(eps.action_masks[k]) > 0 for k in (0, 1, 3))
+    assert eps.rewards.tolist() == [1.0, 1.0, 0.0, 1.0]  # its own group (its prompt) has no good episode: 0
+    with pytest.raises(AgentError, match=r"^3 of 4 verifiers episodes \(--env_id\) failed on this engine rank"):
+        source.episodes(engine, prompts, [2, 2, 2, 0], [prompts.ids[i] for i in (2, 2, 2, 0)], seed=1)
+    source.close()

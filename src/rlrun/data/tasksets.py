@@ -42,10 +42,9 @@ def env_args(text: str | None) -> dict[str, Any]:
     return value
 
 
-@functools.lru_cache(maxsize=4)
 def load_environment(env_id: str, args_text: str | None, harness: str, max_turns: int | None) -> Any:
-    """The verifiers environment of taskset `env_id` with `harness`, on a local subprocess runtime (cached: the
-    records and the episodes of a rank share it)."""
+    """The verifiers environment of taskset `env_id` with `harness`, on a local subprocess runtime: a new one per
+    call (an environment's locks belong to the event loop that first runs it)."""
     vf = verifiers_v1()
     agent: dict[str, Any] = {"harness": {"id": harness}, "runtime": {"type": "subprocess"}}
     if max_turns is not None:
@@ -63,7 +62,8 @@ def load_environment(env_id: str, args_text: str | None, harness: str, max_turns
 
 @functools.lru_cache(maxsize=4)
 def tasks_of(env_id: str, args_text: str | None, harness: str, max_turns: int | None, count: int) -> tuple:
-    """The taskset's first `count` tasks (at most MOST_TASKS of an endless one), in its order."""
+    """The taskset's first `count` tasks (at most MOST_TASKS of an endless one), in its order (cached: the records
+    and the episodes of a rank share them)."""
     env = load_environment(env_id, args_text, harness, max_turns)
     tasks = []
     for task in env.taskset:

@@ -80,6 +80,21 @@ class ModelCalls:
     model: str
 
 
+_LOOP: list[asyncio.AbstractEventLoop] = []
+_LOOP_LOCK = threading.Lock()
+
+
+def verifiers_loop() -> asyncio.AbstractEventLoop:
+    """The process's one event loop for verifiers (in a daemon thread): verifiers keeps module-level asyncio locks,
+    which belong to the first loop that takes them."""
+    with _LOOP_LOCK:
+        if not _LOOP:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, daemon=True, name="rlrun-verifiers").start()
+            _LOOP.append(loop)
+        return _LOOP[0]
+
+
 class TasksetEpisodes:
     """One engine rank's verifiers episodes: an event loop of their own (in a thread, with verifiers' interception
     server kept up between steps) runs them while the rank's thread serves their calls through the gateway."""
@@ -91,8 +106,7 @@ class TasksetEpisodes:
         self._open_gateway = open_gateway
         self.gateway: Gateway | None = None
         self.phases = 0
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, daemon=True, name="rlrun-verifiers").start()
+        self._loop = verifiers_loop()
         self._serving: Any = None
 
     def _start(self) -> Gateway:
@@ -119,7 +133,6 @@ class TasksetEpisodes:
         if self.gateway is not None:
             self.gateway.close()
             self.gateway = None
-        self._loop.call_soon_threadsafe(self._loop.stop)
 
     def episodes(
         self, engine: Engine, prompts: Prompts, rows: list[int], prompt_ids: list[list[int]], seed: int
