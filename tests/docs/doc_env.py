@@ -91,6 +91,9 @@ def dry_run(module: str, argv: list[str], world: int = 1, per_node: int | None =
     launch = {} if world == 1 and per_node is None else {
         "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(per_node or world)}
     out = io.StringIO()
+    # The run is imported here, not started: a PYTHONPATH the command sets reaches this interpreter's path instead
+    added = [str(REPO / p) for p in (env or {}).get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = added
     with environment({**(env or {}), **launch}), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         hub.resolve.cache_clear()
         try:
@@ -99,6 +102,8 @@ def dry_run(module: str, argv: list[str], world: int = 1, per_node: int | None =
             rc = exc.code if isinstance(exc.code, int) else 1
         finally:
             hub.resolve.cache_clear()
+            for path in added:
+                sys.path.remove(path)
     return rc, out.getvalue()
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from rlrun.config.fields import opt, positive
 from rlrun.runtime.errors import ConfigError
@@ -54,6 +55,14 @@ class AgentConfig:
         "in-process chat harness (no network).",
     )
     env_args: str | None = opt(None, "--env_id's taskset config fields, as a JSON object.")
+    openenv_url: str | None = opt(
+        None,
+        "A running OpenEnv server's base URL (e.g. http://127.0.0.1:8000): each episode is one WebSocket session "
+        "(reset with the record's extra_info, one step per model reply; docs/environments.md).",
+    )
+    openenv_reward: Literal["sum", "last"] = opt(
+        "sum", "An OpenEnv episode's reward: the sum of its step rewards, or the last."
+    )
     gateway_host: str = opt(
         "127.0.0.1",
         "Address the token gateway of each engine rank listens on (--agent_command); 0.0.0.0 for every "
@@ -89,7 +98,8 @@ class AgentConfig:
     @property
     def multi_turn(self) -> bool:
         """Rollouts are agent episodes (their rewards are the reward)."""
-        return any(v is not None for v in (self.agent_func_path, self.retriever_url, self.agent_command, self.env_id))
+        sources = (self.agent_func_path, self.retriever_url, self.agent_command, self.env_id, self.openenv_url)
+        return any(v is not None for v in sources)
 
     def check(self) -> None:
         for name in ("max_turns", "max_tokens_per_turn", "max_obs_len"):
@@ -98,7 +108,7 @@ class AgentConfig:
             positive(name, getattr(self, name))
         chosen = [
             f"--{n} {v}"
-            for n in ("agent_func_path", "retriever_url", "agent_command", "env_id")
+            for n in ("agent_func_path", "retriever_url", "agent_command", "env_id", "openenv_url")
             if (v := getattr(self, n)) is not None
         ]
         if len(chosen) > 1:

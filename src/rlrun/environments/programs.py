@@ -39,9 +39,8 @@ from rlrun.config.agent import AgentConfig
 from rlrun.config.generation import GenerationConfig
 from rlrun.data.prompts import Prompts
 from rlrun.engines.protocol import Engine
-from rlrun.environments.rows import Outcome, Row, extend, finish
+from rlrun.environments.rows import Outcome, Row, extend, finish, gateway_opener
 from rlrun.gateway.server import Gateway, Recorded, Session
-from rlrun.gateway.wire import Limits
 
 STDERR_TAIL = 300  # characters of a failed program's stderr kept for its message
 
@@ -203,18 +202,5 @@ def build_program_episodes(
         max_concurrency=a.agent_max_concurrency,
         state_masking=a.state_masking,
     )
-    served = Limits(
-        model=model,
-        temperature=g.temperature,
-        top_p=g.top_p,
-        max_tokens=a.max_tokens_per_turn or g.generate_max_len,
-        max_model_len=g.prompt_max_len + g.generate_max_len,
-    )
-
-    def open_gateway() -> Gateway:
-        port = a.gateway_port + slot if a.gateway_port else 0
-        return Gateway(
-            served, tokenizer, host=a.gateway_host, port=port, answer_timeout=a.agent_timeout, max_calls=a.max_turns
-        )
-
-    return ProgramEpisodes(a.agent_command, limits, tokenizer, open_gateway)
+    opener = gateway_opener(a, g, tokenizer, model, slot, max_calls=True)
+    return ProgramEpisodes(a.agent_command, limits, tokenizer, opener)

@@ -8,12 +8,22 @@ engine rank's episodes in a step fail.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from rlrun.agents.episodes import Episodes
+from rlrun.config.agent import AgentConfig
+from rlrun.config.generation import GenerationConfig
+from rlrun.gateway.server import Gateway
+from rlrun.gateway.wire import Limits
 from rlrun.runtime.errors import AgentError
+from rlrun.runtime.log import get_logger
 
 
 @dataclass
@@ -64,6 +74,12 @@ def finish(
             f"{len(failed)} of {len(outcomes)} {what} failed on this engine rank; the first (row {first}) "
             f"{outcomes[first].error}"
         )
+    if failed:  # one line per step and engine rank: what the counted failures were
+        first = failed[0]
+        get_logger(int(os.environ.get("RANK", "0"))).rank_warning(
+            f"{len(failed)} of {len(outcomes)} {what} failed and train nothing (agent/failed); the first (row "
+            f"{first}) {outcomes[first].error}"
+        )
     rewards = _rewards(outcomes, groups)
     for k in failed:  # trains nothing: no action, the row's shape kept
         row = built[k]
@@ -102,3 +118,37 @@ def _rewards(outcomes: list[Outcome], groups: list[str]) -> list[float]:
         o.reward if o.reward is not None and o.error is None else sum(good.get(g, [0.0])) / len(good.get(g, [0.0]))
         for o, g in zip(outcomes, groups)
     ]
+
+
+_LOOP: list[asyncio.AbstractEventLoop] = []
+_LOOP_LOCK = threading.Lock()
+
+
+def episode_loop() -> asyncio.AbstractEventLoop:
+    """The process's one event loop for environments' episodes (in a daemon thread): verifiers keeps module-level
+    asyncio locks, which belong to the first loop that takes them."""
+    with _LOOP_LOCK:
+        if not _LOOP:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, daemon=True, name="rlrun-episodes").start()
+            _LOOP.append(loop)
+        return _LOOP[0]
+
+
+def gateway_opener(
+    a: AgentConfig, g: GenerationConfig, tokenizer: PreTrainedTokenizerBase, model: str, slot: int, max_calls: bool
+) -> Callable[[], Gateway]:
+    """How engine rank number `slot` opens its gateway, with its first episodes: serving `model` on --gateway_host,
+    port --gateway_port + slot (a free one when --gateway_port is 0), the run's sampling settings and a call cap of
+    --max_tokens_per_turn (else --generate_max_len); with `max_calls`, --max_turns calls per session."""
+    cap = a.max_tokens_per_turn or g.generate_max_len
+    served = Limits(model, g.temperature, g.top_p, cap, g.prompt_max_len + g.generate_max_len)
+
+    def open_gateway() -> Gateway:
+        port = a.gateway_port + slot if a.gateway_port else 0
+        calls = a.max_turns if max_calls else None
+        return Gateway(
+            served, tokenizer, host=a.gateway_host, port=port, answer_timeout=a.agent_timeout, max_calls=calls
+        )
+
+    return open_gateway

@@ -16,7 +16,6 @@ import asyncio
 import atexit
 import os
 import tempfile
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,9 +29,8 @@ from rlrun.config.generation import GenerationConfig
 from rlrun.data.prompts import Prompts
 from rlrun.data.tasksets import load_environment, tasks_of, verifiers_v1
 from rlrun.engines.protocol import Engine
-from rlrun.environments.rows import Outcome, Row, extend, finish
+from rlrun.environments.rows import Outcome, Row, episode_loop, extend, finish, gateway_opener
 from rlrun.gateway.server import Gateway, Session
-from rlrun.gateway.wire import Limits
 
 KEY_VARIABLE = "RLRUN_GATEWAY_KEY"  # verifiers' client reads its API key from a variable it is told the name of
 
@@ -80,21 +78,6 @@ class ModelCalls:
     model: str
 
 
-_LOOP: list[asyncio.AbstractEventLoop] = []
-_LOOP_LOCK = threading.Lock()
-
-
-def verifiers_loop() -> asyncio.AbstractEventLoop:
-    """The process's one event loop for verifiers (in a daemon thread): verifiers keeps module-level asyncio locks,
-    which belong to the first loop that takes them."""
-    with _LOOP_LOCK:
-        if not _LOOP:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, daemon=True, name="rlrun-verifiers").start()
-            _LOOP.append(loop)
-        return _LOOP[0]
-
-
 class TasksetEpisodes:
     """One engine rank's verifiers episodes: an event loop of their own (in a thread, with verifiers' interception
     server kept up between steps) runs them while the rank's thread serves their calls through the gateway."""
@@ -106,7 +89,7 @@ class TasksetEpisodes:
         self._open_gateway = open_gateway
         self.gateway: Gateway | None = None
         self.phases = 0
-        self._loop = verifiers_loop()
+        self._loop = episode_loop()
         self._serving: Any = None
 
     def _start(self) -> Gateway:
@@ -209,12 +192,7 @@ def build_taskset_episodes(
             renderer_model_name=tokenizer_source,
         )
 
-    served = Limits(model, g.temperature, g.top_p, cap, g.prompt_max_len + g.generate_max_len)
-
-    def open_gateway() -> Gateway:
-        port = a.gateway_port + slot if a.gateway_port else 0
-        return Gateway(served, tokenizer, host=a.gateway_host, port=port, answer_timeout=a.agent_timeout)
-
     sampling = vf.SamplingConfig(temperature=g.temperature, top_p=g.top_p, max_tokens=cap)
     limits = EpisodeLimits(g.generate_max_len, g.prompt_max_len, a.agent_timeout, int(tokenizer.pad_token_id))
-    return TasksetEpisodes(env, tasks, ModelCalls(client, sampling, model), open_gateway, limits)
+    opener = gateway_opener(a, g, tokenizer, model, slot, max_calls=False)
+    return TasksetEpisodes(env, tasks, ModelCalls(client, sampling, model), opener, limits)

@@ -60,7 +60,9 @@ def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
             f"{flags} needs the engine's sampled-token log-probs, but generation resolved to {backend} ({why}); use "
             "--generation_backend vllm or native, or drop the flag"
         )
-    gateway = "--agent_command" if cfg.agent.agent_command is not None else "--env_id" if cfg.agent.env_id else None
+    a = cfg.agent
+    sources = (("--agent_command", a.agent_command), ("--env_id", a.env_id), ("--openenv_url", a.openenv_url))
+    gateway = next((flag for flag, value in sources if value is not None), None)
     if gateway is not None and backend not in REPORTS_LOG_PROBS:
         raise ConfigError(
             f"{gateway} samples through the token gateway, which answers with each sampled token's log-prob, but "

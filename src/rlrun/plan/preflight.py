@@ -117,6 +117,8 @@ def _reward_line(cfg: Config) -> str:
         return "reward: what each episode's --agent_command prints (programs start with the first rollouts)"
     if cfg.agent.env_id is not None:
         return f"reward: the rubric of the verifiers taskset --env_id {cfg.agent.env_id}"
+    if cfg.agent.openenv_url is not None:
+        return "reward: the OpenEnv server's step rewards (the server is contacted when the run starts)"
     if cfg.agent.multi_turn:
         return "reward: from the agent's episodes (the agent file is imported at start-up)"
     path = m.compute_score if m.compute_score is not None else m.remote_rm_url

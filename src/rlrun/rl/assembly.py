@@ -28,6 +28,7 @@ from rlrun.config.tree import Config
 from rlrun.data.prompts import Prompts, PromptSampler, prompt_spec
 from rlrun.engines.build import EngineImages, build_engine, engine_dtype, fused_groups
 from rlrun.engines.protocol import Engine
+from rlrun.environments.openenv import build_openenv_episodes
 from rlrun.environments.programs import build_program_episodes
 from rlrun.environments.tasksets import build_taskset_episodes
 from rlrun.launch.context import RankContext
@@ -368,6 +369,8 @@ def build_rewarding(cfg: Config, layout: Layout, rank: int, tokenizer: PreTraine
     served, slot = cfg.model.pretrain or "rlrun-demo", layout.ranks_of(Role.ENGINE).index(rank)
     if cfg.agent.agent_command is not None:
         return replace(known, agents=build_program_episodes(cfg.agent, cfg.generation, tokenizer, served, slot))
+    if cfg.agent.openenv_url is not None:
+        return replace(known, agents=build_openenv_episodes(cfg.agent, cfg.generation, tokenizer, served, slot))
     if cfg.agent.env_id is not None:
         episodes = build_taskset_episodes(
             cfg.agent, cfg.generation, tokenizer, served, cfg.model.pretrain, slot, cfg.train.max_samples
@@ -408,6 +411,8 @@ def describe_reward(cfg: Config) -> str:
         return f"reward: the reward model --reward_pretrain {m.reward_pretrain}"
     if ag.agent_func_path is not None:
         return f"reward: the episodes of the agent --agent_func_path {ag.agent_func_path}"
+    if ag.openenv_url is not None:
+        return f"reward: the {ag.openenv_reward} of the OpenEnv server's step rewards ({redact_text(ag.openenv_url)})"
     if ag.env_id is not None:
         return f"reward: the rubric of the verifiers taskset --env_id {ag.env_id} (episodes through the token gateway)"
     if ag.agent_command is not None:

@@ -37,6 +37,9 @@ class RankLogger:
         if self.rank == 0:
             self._emit("error", message)
 
+    def rank_warning(self, message: str) -> None:
+        self._emit("warning", f"rank {self.rank}: {message}")
+
     def rank_error(self, message: str) -> None:
         self._emit("error", f"rank {self.rank}: {message}")
 

@@ -1,0 +1,278 @@
+"""OpenEnv servers as the episode source (--openenv_url): each episode is one WebSocket session of the server (its
+`/ws` route, what OpenEnv's own EnvClient uses; HTTP /reset and /step make a new environment per call), spoken by
+rlrun itself: openenv is never imported here (it cannot share a venv with verifiers 0.4).
+
+An episode: `reset` with the record's fields as keyword arguments (its `label`, when it has one, and its
+`extra_info`; the server keeps those its reset takes) and an episode id; the first model turn reads the record's
+prompt with the reset observation's text appended to its last user message, through the chat template (longer than
+--prompt_max_len: its last tokens, counted in agent/prompt_truncated); each reply
+becomes the server's action (below), `step` answers with an observation, a reward and `done`; the observation's text
+becomes the next user turn, appended as ids after the reply (observation tokens, mask 0: the chat template's turn
+markers around it, exactly as the template renders a conversation); the episode ends at `done`, at --max_turns or
+when --generate_max_len is used up. Its reward is the sum of the step rewards (--openenv_reward last: the last one).
+The model samples through the gateway (in process: the rank's own engine, batched across episodes), so the row is
+the session's ids (rlrun.environments.rows).
+
+The reply as an action (the server's GET /schema): an action with one text field (besides `metadata`) gets the reply
+text in it; any other action schema gets the reply parsed as a JSON object. An observation as text: its one text
+field, or its fields as JSON. A server error, a malformed action or a dropped connection fails the episode (trains
+nothing, counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from rlrun.agents.episodes import Episodes
+from rlrun.config.agent import AgentConfig
+from rlrun.config.generation import GenerationConfig
+from rlrun.data.prompts import Prompts
+from rlrun.data.sources import render
+from rlrun.engines.protocol import Engine
+from rlrun.environments.programs import ProgramLimits, branch_row
+from rlrun.environments.rows import Outcome, Row, episode_loop, finish, gateway_opener
+from rlrun.gateway.server import Gateway, Session
+from rlrun.gateway.wire import Call
+from rlrun.runtime.errors import ConfigError, MissingExtraError
+
+CONNECT_TIMEOUT_S = 30.0
+PROBE = ("\x00USER\x00", "\x00REPLY\x00", "\x00OBS\x00")  # marks no chat template or model writes
+
+
+class EpisodeFailed(Exception):
+    """The server or the model's reply ended the episode: the message says why."""
+
+
+# ---- the server's schema -----------------------------------------------------------------------------------------
+
+
+def text_field(schema: dict) -> str | None:
+    """The action's one text field (besides `metadata`), or None when it has another shape."""
+    fields = {k: v for k, v in (schema.get("properties") or {}).items() if k != "metadata"}
+    texts = [k for k, v in fields.items() if v.get("type") == "string"]
+    return texts[0] if len(fields) == 1 and len(texts) == 1 else None
+
+
+def action_of(reply: str, field: str | None) -> dict:
+    """The server's action from the model's reply text (see the module docstring)."""
+    if field is not None:
+        return {field: reply}
+    start, end = reply.find("{"), reply.rfind("}")
+    try:
+        action = json.loads(reply[start : end + 1]) if 0 <= start < end else None
+    except ValueError:
+        action = None
+    if not isinstance(action, dict):
+        raise EpisodeFailed(f"the reply {reply[:80]!r} is not a JSON object of the server's action")
+    return action
+
+
+def observation_text(observation: dict) -> str:
+    fields = {k: v for k, v in observation.items() if k != "metadata"}
+    texts = [v for v in fields.values() if isinstance(v, str)]
+    return texts[0] if len(fields) == 1 and texts else json.dumps(fields, sort_keys=True, default=str)
+
+
+def read_schema(url: str) -> str | None:
+    """The action's text field from GET {url}/schema (None: replies are parsed as JSON)."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/schema", timeout=CONNECT_TIMEOUT_S) as response:
+            schema = json.loads(response.read())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"--openenv_url {url}: GET /schema failed ({exc}); start the OpenEnv server first (uvicorn "
+            "pkg.server.app:app --port N) and pass its base URL"
+        ) from None
+    return text_field(schema.get("action") or {})
+
+
+# ---- turns as ids ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bridge:
+    """The chat template's text around a user turn that follows a reply: what comes after the reply (its end marker
+    when the model did not sample it, the user header) and after the user's text (the generation prompt)."""
+
+    before: str
+    after: str
+    end: str  # the reply's end marker as the template writes it (dropped when the model sampled it)
+
+    def text(self, observation: str, reply_ended: bool) -> str:
+        before = self.before[len(self.end) :] if reply_ended and self.before.startswith(self.end) else self.before
+        return before + observation + self.after
+
+
+def chat_bridge(tokenizer: PreTrainedTokenizerBase) -> Bridge:
+    """The bridge, read off the template once by rendering a conversation of marker strings."""
+    user, reply, obs = PROBE
+    if not getattr(tokenizer, "chat_template", None):
+        return Bridge("\n", "\n", "")
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    text = render(tokenizer, [*messages, {"role": "user", "content": obs}], True, "the chat template")
+    between = text[text.index(reply) + len(reply) : text.index(obs)]
+    eos = str(tokenizer.eos_token or "")
+    return Bridge(between, text[text.index(obs) + len(obs) :], eos if between.startswith(eos) else "")
+
+
+def first_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list, observation: str) -> list[int]:
+    """The record's prompt with the reset observation appended to its last user message, through the template."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if observation:
+        last = max((k for k, m in enumerate(messages) if m.get("role") == "user"), default=None)
+        if last is None:
+            messages.append({"role": "user", "content": observation})
+        else:
+            messages[last]["content"] = f"{messages[last]['content']}\n\n{observation}"
+    if getattr(tokenizer, "chat_template", None):
+        text = render(tokenizer, messages, True, "the episode's prompt")
+    else:
+        text = "\n\n".join(str(m["content"]) for m in messages) + "\n"
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---- the episodes ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpenEnvSettings:
+    url: str
+    action_field: str | None  # None: replies are parsed as JSON
+    last_reward: bool  # --openenv_reward last
+    max_turns: int | None
+    max_tokens: int  # per call
+
+
+class OpenEnvEpisodes:
+    """One engine rank's OpenEnv episodes: each a WebSocket session on the process's event loop for environments,
+    its model calls queued on the gateway that this rank's thread serves."""
+
+    def __init__(
+        self,
+        settings: OpenEnvSettings,
+        limits: ProgramLimits,
+        tokenizer: PreTrainedTokenizerBase,
+        open_gateway: Callable[[], Gateway],
+    ) -> None:
+        self.settings, self.limits, self.tokenizer = settings, limits, tokenizer
+        self._open_gateway = open_gateway
+        self.gateway: Gateway | None = None
+        self.bridge = chat_bridge(tokenizer)
+        self.end_ids: set[int] = set()
+        self.phases = 0
+
+    def episodes(
+        self, engine: Engine, prompts: Prompts, rows: list[int], prompt_ids: list[list[int]], seed: int
+    ) -> Episodes:
+        if self.gateway is None:
+            self.gateway = self._open_gateway()
+        gateway, loop = self.gateway, episode_loop()
+        self.end_ids = set(engine.sampling.end_ids)
+        sessions = [gateway.open_session() for _ in rows]
+        slots = asyncio.run_coroutine_threadsafe(_semaphore(self.limits.max_concurrency), loop).result()
+        runs = [
+            asyncio.run_coroutine_threadsafe(self._bounded(slots, gateway, session, prompts, i, k), loop)
+            for k, (i, session) in enumerate(zip(rows, sessions))
+        ]
+        gateway.serve(engine, seed, self.phases, until=lambda: all(r.done() for r in runs))
+        built = []
+        outcomes = [r.result() for r in runs]
+        for ids, session, outcome in zip(prompt_ids, sessions, outcomes):
+            built.append(branch_row(session.calls, self.limits) if session.calls else Row(prompt=list(ids)))
+            if outcome.error is None and not session.calls:
+                outcome.error = "made no model call"
+            gateway.close_session(session)
+        self.phases += 1
+        groups = [prompts.texts[i] for i in rows]
+        pad = int(self.tokenizer.pad_token_id)
+        what = f"OpenEnv episodes (--openenv_url {self.settings.url})"
+        return finish(built, outcomes, groups, self.limits.prompt_max_len, pad, what)
+
+    async def _bounded(
+        self, slots: asyncio.Semaphore, gateway: Gateway, session: Session, prompts: Prompts, i: int, k: int
+    ) -> Outcome:
+        """One episode, once a slot is free (--agent_max_concurrency), within --agent_timeout."""
+        try:
+            async with slots:
+                return await asyncio.wait_for(self._one(gateway, session, prompts, i, k), self.limits.timeout_s)
+        except asyncio.TimeoutError:
+            return Outcome(error=f"took longer than --agent_timeout {self.limits.timeout_s:g}s")
+        except EpisodeFailed as exc:
+            return Outcome(error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - a server's failure ends its episode, counted
+            return Outcome(error=f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+
+    async def _one(self, gateway: Gateway, session: Session, prompts: Prompts, i: int, k: int) -> Outcome:
+        try:
+            from websockets.asyncio.client import connect  # noqa: PLC0415 - the openenv extra's
+        except ImportError:
+            raise MissingExtraError("websockets", "openenv", "--openenv_url") from None
+        s, record = self.settings, prompts.records[i]
+        url = s.url.replace("http://", "ws://", 1).replace("https://", "wss://", 1).rstrip("/") + "/ws"
+        rewards: list[float] = []
+        async with connect(url, open_timeout=CONNECT_TIMEOUT_S, max_size=2**24) as ws:
+            label = {} if record.label is None else {"label": record.label}
+            kwargs = {**label, **(record.extra_info or {}), "episode_id": f"rlrun-{self.phases}-{k}"}
+            observation, _, done = await _exchange(ws, {"type": "reset", "data": kwargs})
+            ids = first_prompt(self.tokenizer, record.prompt, observation_text(observation))
+            cut = float(len(ids) > self.limits.prompt_max_len)  # keeps its last tokens, as agents' prompts do
+            ids = ids[-self.limits.prompt_max_len :]
+            turn = 0
+            while not done:
+                call = Call(prompt=ids, max_tokens=min(s.max_tokens, self.limits.response_budget), logprobs=True)
+                reply = await asyncio.get_running_loop().run_in_executor(None, gateway.submit, call, session)
+                text = str(self.tokenizer.decode(reply.tokens, skip_special_tokens=True))
+                observation, reward, done = await _exchange(
+                    ws, {"type": "step", "data": action_of(text, s.action_field)}
+                )
+                rewards.append(reward)
+                turn += 1
+                used = len(ids) + len(reply.tokens) - len(session.calls[0].call.prompt)
+                if done or turn == s.max_turns or used >= self.limits.response_budget:
+                    break
+                ended = bool(reply.tokens) and reply.tokens[-1] in self.end_ids
+                bridge = self.bridge.text(observation_text(observation), ended)
+                ids = ids + reply.tokens + self.tokenizer.encode(bridge, add_special_tokens=False)
+            await ws.send(json.dumps({"type": "close"}))
+        if not rewards:
+            raise EpisodeFailed("the server said done at reset; there was nothing to act on")
+        metrics = {"steps": float(len(rewards)), "prompt_truncated": cut}
+        return Outcome(reward=rewards[-1] if s.last_reward else sum(rewards), metrics=metrics)
+
+
+async def _semaphore(size: int) -> asyncio.Semaphore:
+    return asyncio.Semaphore(size)  # made on the loop that uses it
+
+
+async def _exchange(ws: Any, message: dict) -> tuple[dict, float, bool]:
+    """One request of the session and its answer: (observation, reward, done), or EpisodeFailed with the server's
+    error."""
+    await ws.send(json.dumps(message))
+    answer = json.loads(await ws.recv())
+    data = answer.get("data") or {}
+    if answer.get("type") != "observation":
+        why = " ".join(str(data.get("message", data)).split())[:300]
+        raise EpisodeFailed(f"the server answered {message['type']} with {answer.get('type')}: {why}")
+    reward = data.get("reward")
+    return data.get("observation") or {}, float(reward) if reward is not None else 0.0, bool(data.get("done"))
+
+
+def build_openenv_episodes(
+    a: AgentConfig, g: GenerationConfig, tokenizer: PreTrainedTokenizerBase, model: str, slot: int
+) -> OpenEnvEpisodes:
+    """--openenv_url's episodes on engine rank number `slot` (its gateway serves them in process; --gateway_port
+    opens it to outside callers too)."""
+    assert a.openenv_url is not None
+    cap = a.max_tokens_per_turn or g.generate_max_len
+    settings = OpenEnvSettings(a.openenv_url, read_schema(a.openenv_url), a.openenv_reward == "last", a.max_turns, cap)
+    limits = ProgramLimits(
+        g.generate_max_len, g.prompt_max_len, a.agent_timeout, a.agent_max_concurrency, a.state_masking
+    )
+    return OpenEnvEpisodes(settings, limits, tokenizer, gateway_opener(a, g, tokenizer, model, slot, max_calls=False))
