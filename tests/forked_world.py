@@ -37,7 +37,8 @@ from pathlib import Path
 # the test process when a test calls it, and switches an already imported hub off in place.)
 RUNTIME_VARS = ("RLRUN_", "WANDB_", "PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK",
                 "HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE",
-                "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID")  # rlrun.run.preemption, rlrun.checkpoint.resume
+                "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID",  # rlrun.run.preemption, rlrun.checkpoint.resume
+                "PYTHONPATH")  # a rank puts its entries on its path (_on_path): packages a run imports by name
 ENTRY_MODULES = ("rlrun.ppo", "rlrun.sft", "rlrun.rm", "rlrun.dpo")
 # What a rank imports later anyway (the tiny models' classes, the curves' matplotlib); never deepspeed or vLLM, whose
 # presence changes how a run behaves (rlrun.launch.failures.leave) and which set process-wide state when imported.
@@ -170,6 +171,7 @@ def _become_rank(request: dict, rank: int, world: int) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(request["cwd"])
+    _on_path(env.get("PYTHONPATH", ""))
     for fd, path in ((1, request["out"][rank]), (2, request["err"][rank])):
         target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(target, fd)
@@ -183,6 +185,14 @@ def _become_rank(request: dict, rank: int, world: int) -> None:
         sys.path[0] = request["cwd"]
         runpy.run_module(name, run_name="__main__", alter_sys=True)
     sys.exit(0)
+
+
+def _on_path(pythonpath: str) -> None:
+    """PYTHONPATH's entries this process's path lacks, put where the interpreter puts them at start-up (after the
+    script's folder): a package the run imports by name (a verifiers taskset id) is found. A module the server
+    imported before the fork stays the one it imported."""
+    missing = [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p and os.path.abspath(p) not in sys.path]
+    sys.path[1:1] = missing
 
 
 # ---- client ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A verifiers 0.4 taskset trains the demo policy: `rlrun.ppo --env_id chars_taskset` on two ranks, as a
 prime-rl user names an environment (its taskset id: a package on the Python path, here examples/tasksets through
 PYTHONPATH), each
-engine rank running verifiers episodes whose calls its token gateway serves."""
+engine rank running verifiers episodes whose calls its token gateway serves. The ranks are forked from the session's
+pre-imported process, which puts PYTHONPATH's entries on their path as a fresh interpreter would."""
 
 from __future__ import annotations
 
