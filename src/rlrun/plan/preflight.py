@@ -75,13 +75,25 @@ def preflight(cfg: Config) -> list[str]:
     tokenizer = load_tokenizer(cfg.model) if missing is None else None
     seed = cfg.train.seed
     sets = [prompt_spec(cfg.data, seed)] + ([eval_spec(cfg.eval, seed)] if cfg.eval.eval_dataset is not None else [])
+    a = cfg.agent
     for spec in sets:
-        name = f"--{spec.flag} {spec.sources}" if spec is not None else "built-in prompts"
+        tasks = spec is None and a.env_id is not None
+        name = (
+            f"--{spec.flag} {spec.sources}"
+            if spec is not None
+            else f"--env_id {a.env_id}"
+            if tasks
+            else "built-in prompts"
+        )
         if spec is not None and (elsewhere := not_here(spec.sources)):
             lines.append(f"{name}: not read ({', '.join(elsewhere)} is not on this machine)")
             continue
         if tokenizer is None:
-            records = load_prompt_records(spec, prompt_keys(cfg.data), cfg.train.max_samples)
+            records = (
+                taskset_records(a.env_id, a.env_args, a.env_harness, a.max_turns, cfg.train.max_samples)
+                if tasks and a.env_id is not None
+                else load_prompt_records(spec, prompt_keys(cfg.data), cfg.train.max_samples)
+            )
             lines.append(
                 f"{name}: {len(records)} records read (not rendered: {missing}, so neither is its tokenizer "
                 "or chat template)"
@@ -104,7 +116,23 @@ def preflight(cfg: Config) -> list[str]:
         else:
             lines.append(f"--teacher_pretrain {cfg.distill.teacher_pretrain}: tokenizer not checked ({unread})")
     lines.append(_reward_line(cfg))
+    if (gateway := _gateway_line(cfg)) is not None:
+        lines.append(gateway)
     return lines
+
+
+def _gateway_line(cfg: Config) -> str | None:
+    """Where the token gateway listens and what it holds, for the sources that sample through it."""
+    a, g = cfg.agent, cfg.generation
+    if a.agent_command is None and a.env_id is None and a.openenv_url is None:
+        return None
+    where = f"port {a.gateway_port} + its engine number" if a.gateway_port else "a free port"
+    return (
+        f"token gateway: each engine rank serves vLLM's and OpenAI's API on {a.gateway_host}, {where}, while its "
+        f"rollouts run (model calls of at most {a.max_tokens_per_turn or g.generate_max_len} new tokens at "
+        f"--temperature {g.temperature:g} --top_p {g.top_p:g}); each episode's calls are kept as ids and log-probs "
+        "until its row is built (about 70 bytes per token, not in the memory plan)"
+    )
 
 
 def _reward_line(cfg: Config) -> str:
