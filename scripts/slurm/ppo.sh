@@ -27,6 +27,9 @@
 ##SBATCH --account=my-account
 
 set -euo pipefail
+# The time-limit notice of a short job comes at once (see train.sh): a handler, not an ignore, so that train.sh,
+# which this shell becomes, can still set its own.
+trap ':' TERM
 
 # Slurm runs a spool copy of this file, so train.sh is looked up next to the file that was submitted
 # (scontrol knows its path, relative to where sbatch ran), else next to $0 (run with bash by hand),

@@ -91,6 +91,10 @@ set -euo pipefail
 
 say() { echo "rlrun: $*"; }
 die() { echo "rlrun: error: $*" >&2; exit 2; }
+# A notice that comes before training starts has nothing to save: say so and go on. A job whose --time is at most
+# the --signal lead (300 s above) gets the time-limit notice as it starts, and the shell's default action would end
+# it at once; after a preemption's notice Slurm stops the job itself. The training step's handler is set at its start.
+trap 'say "TERM received before training started: nothing to save yet, going on (a --time of at most 5 minutes gets the --signal notice at once)"' TERM
 
 # The trainer: checked before anything else, so a typo costs one line and no allocation time.
 trainer="${1:-}"
