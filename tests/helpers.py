@@ -409,3 +409,24 @@ def hf_log_probs(model, temperature: float, prompt: list[int], response: list[in
     with torch.no_grad():
         logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float() / temperature
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+# ---- lanes: venvs of their own for packages that cannot share .venv (vLLM's CPU build, openenv) --------------------
+def lane_skip(python: Path, package: str, name: str, installer: str, untested: str):  # type: ignore[no-untyped-def]
+    """A skipif marker for the tests that need the lane venv at `python` with `package` installed, loud in the log
+    when it is missing or broken (name: "vLLM"; installer: its scripts/ci script; untested: what goes untested)."""
+    import pytest
+
+    problem = None
+    if not python.exists():
+        problem = (f"!!! {name.upper()} LANE NOT INSTALLED: {python} is missing; run bash scripts/ci/{installer} (CI "
+                   f"runs it from scripts/install.sh --test). {untested} UNTESTED in this run. !!!")
+    else:
+        probe = subprocess.run([str(python), "-c", f"import importlib.metadata as m; print(m.version('{package}'))"],
+                               capture_output=True, text=True, timeout=60)
+        if probe.returncode != 0:
+            problem = (f"!!! {name} LANE BROKEN: {python} has no {package} ({probe.stderr.strip()[-200:]}). "
+                       "UNTESTED. !!!")
+    if problem is not None:  # loud in the log, not only in -ra's summary
+        print(f"\n{problem}\n", file=sys.stderr)
+    return pytest.mark.skipif(problem is not None, reason=problem or "")

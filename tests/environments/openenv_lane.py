@@ -12,34 +12,18 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+from helpers import lane_skip
 
 REPO = Path(__file__).resolve().parents[2]
 OPENENV_PYTHON = REPO / ".venv-openenv" / "bin" / "python"
 
 
-def _lane_problem() -> str | None:
-    if not OPENENV_PYTHON.exists():
-        return (f"!!! OPENENV LANE NOT INSTALLED: {OPENENV_PYTHON} is missing; run bash scripts/ci/"
-                "install_openenv_lane.sh (CI runs it from scripts/install.sh --test). The OpenEnv tests are "
-                "UNTESTED in this run. !!!")
-    probe = subprocess.run([str(OPENENV_PYTHON), "-c", "import importlib.metadata as m; print(m.version('openenv'))"],
-                           capture_output=True, text=True, timeout=60)
-    if probe.returncode != 0:
-        return f"!!! OPENENV LANE BROKEN: {OPENENV_PYTHON} has no openenv ({probe.stderr.strip()[-200:]}). !!!"
-    return None
-
-
-_PROBLEM = _lane_problem()
-needs_openenv = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
-if _PROBLEM is not None:  # loud in the log, not only in -ra's summary
-    print(f"\n{_PROBLEM}\n", file=sys.stderr)
+needs_openenv = lane_skip(OPENENV_PYTHON, "openenv", "OpenEnv", "install_openenv_lane.sh", "The OpenEnv tests are")
 
 
 def lane_env(**extra: str) -> dict[str, str]:
