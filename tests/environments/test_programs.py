@@ -18,7 +18,8 @@ from helpers import SHARP_TEMPERATURE as TEMPERATURE
 from helpers import hf_log_probs
 from helpers import sharp_native_engine as tiny_engine
 from rlrun.data.prompts import PromptRecord, Prompts
-from rlrun.environments.programs import ProgramEpisodes, ProgramLimits, branch_row, parse_reward
+from rlrun.environments.programs import ProgramEpisodes, branch_row, parse_reward
+from rlrun.environments.rows import EpisodeLimits
 from rlrun.gateway.server import Gateway, Recorded
 from rlrun.gateway.wire import Call, Completion, Limits
 from rlrun.models.tiny import build_byte_tokenizer
@@ -54,7 +55,7 @@ def prompts_of(texts: list[str], label: str = "ab") -> Prompts:
 def episodes_for(tmp_path, source: str, *, timeout: float = 60.0, budget: int = 40) -> ProgramEpisodes:
     program = tmp_path / "agent.py"
     program.write_text(source)
-    limits = ProgramLimits(response_budget=budget, prompt_max_len=64, timeout_s=timeout, max_concurrency=4)
+    limits = EpisodeLimits(response_budget=budget, prompt_max_len=64, timeout_s=timeout, max_concurrency=4)
     served = Limits("tiny", TEMPERATURE, 1.0, CAP, 128)
     return ProgramEpisodes(f"{sys.executable} {program}", limits, TOK, lambda: Gateway(served, TOK, answer_timeout=30))
 
@@ -150,13 +151,13 @@ def _rec(prompt: list[int], tokens: list[int]) -> Recorded:
 
 
 def test_a_call_that_rewrites_history_is_left_out_of_the_row_and_counted():
-    limits = ProgramLimits(response_budget=9, prompt_max_len=16, timeout_s=1, max_concurrency=1)
+    limits = EpisodeLimits(response_budget=9, prompt_max_len=16, timeout_s=1, max_concurrency=1)
     calls = [_rec([1, 2], [3, 4]), _rec([1, 2, 3, 5], [6]), _rec([1, 2, 3, 4, 7], [8, 9, 10, 11, 12])]
     row = branch_row(calls, limits)
     assert row.prompt == [1, 2] and row.off_branch == 1 and row.calls == 2
     assert row.response == [3, 4, 7, 8, 9, 10, 11, 12]
     assert row.mask == [1, 1, 0, 1, 1, 1, 1, 1] and not row.truncated
-    cut = branch_row(calls, ProgramLimits(response_budget=5, prompt_max_len=16, timeout_s=1, max_concurrency=1))
+    cut = branch_row(calls, EpisodeLimits(response_budget=5, prompt_max_len=16, timeout_s=1, max_concurrency=1))
     assert cut.response == [3, 4, 7, 8, 9] and cut.truncated
 
 

@@ -36,8 +36,8 @@ from rlrun.config.generation import GenerationConfig
 from rlrun.data.prompts import Prompts
 from rlrun.data.sources import render
 from rlrun.engines.protocol import Engine
-from rlrun.environments.programs import ProgramLimits, branch_row
-from rlrun.environments.rows import Outcome, Row, episode_loop, finish, gateway_opener
+from rlrun.environments.programs import branch_row
+from rlrun.environments.rows import EpisodeLimits, Outcome, Row, episode_limits, episode_loop, finish, gateway_opener
 from rlrun.gateway.server import Gateway, Session
 from rlrun.gateway.wire import Call
 from rlrun.runtime.errors import ConfigError, MissingExtraError
@@ -157,7 +157,7 @@ class OpenEnvEpisodes:
     def __init__(
         self,
         settings: OpenEnvSettings,
-        limits: ProgramLimits,
+        limits: EpisodeLimits,
         tokenizer: PreTrainedTokenizerBase,
         open_gateway: Callable[[], Gateway],
     ) -> None:
@@ -272,7 +272,5 @@ def build_openenv_episodes(
     assert a.openenv_url is not None
     cap = a.max_tokens_per_turn or g.generate_max_len
     settings = OpenEnvSettings(a.openenv_url, read_schema(a.openenv_url), a.openenv_reward == "last", a.max_turns, cap)
-    limits = ProgramLimits(
-        g.generate_max_len, g.prompt_max_len, a.agent_timeout, a.agent_max_concurrency, a.state_masking
-    )
+    limits = episode_limits(a, g)
     return OpenEnvEpisodes(settings, limits, tokenizer, gateway_opener(a, g, tokenizer, model, slot, max_calls=False))

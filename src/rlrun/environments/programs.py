@@ -30,7 +30,6 @@ import signal
 import subprocess
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
@@ -39,22 +38,13 @@ from rlrun.config.agent import AgentConfig
 from rlrun.config.generation import GenerationConfig
 from rlrun.data.prompts import Prompts
 from rlrun.engines.protocol import Engine
-from rlrun.environments.rows import Outcome, Row, extend, finish, gateway_opener
+from rlrun.environments.rows import EpisodeLimits, Outcome, Row, episode_limits, extend, finish, gateway_opener
 from rlrun.gateway.server import Gateway, Recorded, Session
 
 STDERR_TAIL = 300  # characters of a failed program's stderr kept for its message
 
 
-@dataclass(frozen=True)
-class ProgramLimits:
-    response_budget: int  # tokens of actions + observations per episode (--generate_max_len)
-    prompt_max_len: int
-    timeout_s: float  # one episode, start to exit (--agent_timeout)
-    max_concurrency: int  # programs running at once on this engine rank
-    state_masking: bool = True  # observation tokens carry no loss
-
-
-def branch_row(calls: list[Recorded], limits: ProgramLimits) -> Row:
+def branch_row(calls: list[Recorded], limits: EpisodeLimits) -> Row:
     """The row of a session's first branch: the calls that each extend the previous call's prompt and reply."""
     first = calls[0].call.prompt
     row = Row(prompt=list(first))
@@ -94,7 +84,7 @@ class ProgramEpisodes:
     def __init__(
         self,
         command: str,
-        limits: ProgramLimits,
+        limits: EpisodeLimits,
         tokenizer: PreTrainedTokenizerBase,
         open_gateway: Callable[[], Gateway],
     ) -> None:
@@ -195,12 +185,6 @@ def build_program_episodes(
     """--agent_command's episodes on engine rank number `slot`, whose gateway serves `model` (the name its programs
     see in OPENAI_MODEL) on --gateway_port + slot (a free port when --gateway_port is 0)."""
     assert a.agent_command is not None
-    limits = ProgramLimits(
-        response_budget=g.generate_max_len,
-        prompt_max_len=g.prompt_max_len,
-        timeout_s=a.agent_timeout,
-        max_concurrency=a.agent_max_concurrency,
-        state_masking=a.state_masking,
-    )
+    limits = episode_limits(a, g)
     opener = gateway_opener(a, g, tokenizer, model, slot, max_calls=True)
     return ProgramEpisodes(a.agent_command, limits, tokenizer, opener)

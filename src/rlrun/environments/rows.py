@@ -26,6 +26,21 @@ from rlrun.runtime.errors import AgentError
 from rlrun.runtime.log import get_logger
 
 
+@dataclass(frozen=True)
+class EpisodeLimits:
+    response_budget: int  # tokens of actions + observations per episode (--generate_max_len)
+    prompt_max_len: int
+    timeout_s: float  # one episode, start to end (--agent_timeout)
+    max_concurrency: int  # episodes running at once on this engine rank (--agent_max_concurrency)
+    state_masking: bool = True  # observation tokens carry no loss
+
+
+def episode_limits(a: AgentConfig, g: GenerationConfig) -> EpisodeLimits:
+    return EpisodeLimits(
+        g.generate_max_len, g.prompt_max_len, a.agent_timeout, a.agent_max_concurrency, a.state_masking
+    )
+
+
 @dataclass
 class Outcome:
     """One episode's end: its reward, or why it failed."""

@@ -29,7 +29,16 @@ from rlrun.config.generation import GenerationConfig
 from rlrun.data.prompts import Prompts
 from rlrun.data.tasksets import load_environment, tasks_of, verifiers_v1
 from rlrun.engines.protocol import Engine
-from rlrun.environments.rows import Outcome, Row, episode_loop, extend, finish, gateway_opener
+from rlrun.environments.rows import (
+    EpisodeLimits,
+    Outcome,
+    Row,
+    episode_limits,
+    episode_loop,
+    extend,
+    finish,
+    gateway_opener,
+)
 from rlrun.gateway.server import Gateway, Session
 
 KEY_VARIABLE = "RLRUN_GATEWAY_KEY"  # verifiers' client reads its API key from a variable it is told the name of
@@ -61,14 +70,6 @@ def trace_row(trace: Any, budget: int) -> tuple[Row, Outcome]:
 
 
 @dataclass(frozen=True)
-class EpisodeLimits:
-    budget: int  # response tokens per row (--generate_max_len)
-    prompt_max_len: int
-    timeout_s: float  # one episode (--agent_timeout)
-    pad_id: int
-
-
-@dataclass(frozen=True)
 class ModelCalls:
     """How an episode's model calls are made: verifiers' training client for a gateway session, the sampling
     settings verifiers sends, the served model's name."""
@@ -83,9 +84,15 @@ class TasksetEpisodes:
     server kept up between steps) runs them while the rank's thread serves their calls through the gateway."""
 
     def __init__(
-        self, env: Any, tasks: tuple, calls: ModelCalls, open_gateway: Callable[[], Gateway], limits: EpisodeLimits
+        self,
+        env: Any,
+        tasks: tuple,
+        calls: ModelCalls,
+        open_gateway: Callable[[], Gateway],
+        limits: EpisodeLimits,
+        pad_id: int,
     ) -> None:
-        self.env, self.tasks, self.calls, self.limits = env, tasks, calls, limits
+        self.env, self.tasks, self.calls, self.limits, self.pad_id = env, tasks, calls, limits, pad_id
         self._open_gateway = open_gateway
         self.gateway: Gateway | None = None
         self.phases = 0
@@ -140,7 +147,7 @@ class TasksetEpisodes:
         self.phases += 1
         groups = [prompts.texts[i] for i in rows]
         lim = self.limits
-        return finish(built, outcomes, groups, lim.prompt_max_len, lim.pad_id, "verifiers episodes (--env_id)")
+        return finish(built, outcomes, groups, lim.prompt_max_len, self.pad_id, "verifiers episodes (--env_id)")
 
     async def _one(self, task: Any, session: Session) -> tuple[Row, Outcome]:
         from verifiers.v1.clients import ModelContext  # noqa: PLC0415 - the optional extra's
@@ -156,7 +163,7 @@ class TasksetEpisodes:
         if not episode.traces:
             first = episode.errors[0] if episode.errors else "no trace"
             return Row(prompt=[]), Outcome(error=f"ended without a trace ({first})")
-        return trace_row(episode.traces[0], self.limits.budget)
+        return trace_row(episode.traces[0], self.limits.response_budget)
 
 
 def build_taskset_episodes(
@@ -193,6 +200,6 @@ def build_taskset_episodes(
         )
 
     sampling = vf.SamplingConfig(temperature=g.temperature, top_p=g.top_p, max_tokens=cap)
-    limits = EpisodeLimits(g.generate_max_len, g.prompt_max_len, a.agent_timeout, int(tokenizer.pad_token_id))
+    limits = episode_limits(a, g)
     opener = gateway_opener(a, g, tokenizer, model, slot, max_calls=False)
-    return TasksetEpisodes(env, tasks, ModelCalls(client, sampling, model), opener, limits)
+    return TasksetEpisodes(env, tasks, ModelCalls(client, sampling, model), opener, limits, int(tokenizer.pad_token_id))
