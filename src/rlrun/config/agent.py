@@ -10,6 +10,9 @@ from rlrun.config.fields import opt, positive
 from rlrun.runtime.errors import ConfigError
 
 RETRIEVER_RETRY_BACKOFF_S = 0.5  # the retriever client sleeps this * 2**(k-1) before retry k
+# The sources of multi-turn episodes (one at most); the last four sample through the token gateway.
+GATEWAY_SOURCES = ("agent_command", "env_id", "openenv_url", "environment_factory")
+EPISODE_SOURCES = ("agent_func_path", "retriever_url", *GATEWAY_SOURCES)
 
 
 @dataclass
@@ -60,6 +63,12 @@ class AgentConfig:
         "A running OpenEnv server's base URL (e.g. http://127.0.0.1:8000): each episode is one WebSocket session "
         "(reset with the record's extra_info, one step per model reply; docs/environments.md).",
     )
+    environment_factory: str | None = opt(
+        None,
+        "A TRL environment class (TRL's environment_factory), as module:Class or path/to/file.py:Class: one "
+        "instance per episode, reset(**row), its public methods the model's tools (called through the chat "
+        "template's tool calls), get_reward() its reward (docs/environments.md).",
+    )
     openenv_reward: Literal["sum", "last"] = opt(
         "sum", "An OpenEnv episode's reward: the sum of its step rewards, or the last."
     )
@@ -98,19 +107,19 @@ class AgentConfig:
     @property
     def multi_turn(self) -> bool:
         """Rollouts are agent episodes (their rewards are the reward)."""
-        sources = (self.agent_func_path, self.retriever_url, self.agent_command, self.env_id, self.openenv_url)
-        return any(v is not None for v in sources)
+        return any(getattr(self, n) is not None for n in EPISODE_SOURCES)
+
+    @property
+    def gateway_source(self) -> str | None:
+        """The flag of the chosen source that samples through the token gateway (None: no such source)."""
+        return next((f"--{n}" for n in GATEWAY_SOURCES if getattr(self, n) is not None), None)
 
     def check(self) -> None:
         for name in ("max_turns", "max_tokens_per_turn", "max_obs_len"):
             positive(name, getattr(self, name), allow_none=True)
         for name in ("retriever_topk", "retriever_timeout", "agent_timeout", "agent_max_concurrency"):
             positive(name, getattr(self, name))
-        chosen = [
-            f"--{n} {v}"
-            for n in ("agent_func_path", "retriever_url", "agent_command", "env_id", "openenv_url")
-            if (v := getattr(self, n)) is not None
-        ]
+        chosen = [f"--{n} {v}" for n in EPISODE_SOURCES if (v := getattr(self, n)) is not None]
         if len(chosen) > 1:
             raise ConfigError(
                 f"{' and '.join(chosen)} are all set; each runs the episodes its own way (--retriever_url: the "

@@ -33,6 +33,7 @@ class PromptRecord:
     extra_info: dict[str, Any] | None = None  # verl's extra_info column, for compute_score
     images: tuple[Any, ...] = ()  # the prompt's images in order (rlrun.data.images), loaded where it is generated
     base_dir: str | None = None  # the data file's folder: relative image paths are also looked for there
+    columns: Mapping[str, Any] | None = None  # the record's columns but its images (PromptKeys.columns)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class PromptKeys:
     data_source_key: str = "data_source"
     extra_info_key: str = "extra_info"
     image_key: str = "images"  # verl's data.image_key: images placed at the prompt's <image> placeholders
+    columns: bool = False  # keep every column of the record (a TRL environment's reset(**row) reads them)
 
 
 def _to_record(row: Any, index: int, path: str, keys: PromptKeys) -> PromptRecord:
@@ -84,6 +86,7 @@ def _to_record(row: Any, index: int, path: str, keys: PromptKeys) -> PromptRecor
         extra if isinstance(extra, dict) else None,
         images,
         _folder(path) if images else None,
+        {k: records.plain(v) for k, v in row.items() if k != keys.image_key} if keys.columns else None,
     )
 
 
@@ -109,7 +112,8 @@ def load_prompt_records(
     if spec is None:
         from rlrun.models.tiny import BUILTIN_PROMPTS  # noqa: PLC0415 - tiny imports transformers; file loading never does
 
-        source, rows, keys = "<built-in prompts>", list(BUILTIN_PROMPTS), PromptKeys("prompt", "label")
+        source, rows = "<built-in prompts>", list(BUILTIN_PROMPTS)
+        keys = PromptKeys("prompt", "label", columns=keys.columns)
     else:
         source, rows = spec.sources, read_sources(dataclasses.replace(spec, max_count=max_samples))
     if not rows:

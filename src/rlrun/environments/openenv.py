@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,18 +36,21 @@ from rlrun.config.generation import GenerationConfig
 from rlrun.data.prompts import Prompts
 from rlrun.data.sources import render
 from rlrun.engines.protocol import Engine
-from rlrun.environments.programs import branch_row
-from rlrun.environments.rows import EpisodeLimits, Outcome, Row, episode_limits, episode_loop, finish, gateway_opener
+from rlrun.environments.rows import (
+    EpisodeFailed,
+    EpisodeLimits,
+    InProcessSessions,
+    Outcome,
+    episode_limits,
+    finish,
+    gateway_opener,
+)
 from rlrun.gateway.server import Gateway, Session
 from rlrun.gateway.wire import Call
 from rlrun.runtime.errors import ConfigError, MissingExtraError
 
 CONNECT_TIMEOUT_S = 30.0
 PROBE = ("\x00USER\x00", "\x00REPLY\x00", "\x00OBS\x00")  # marks no chat template or model writes
-
-
-class EpisodeFailed(Exception):
-    """The server or the model's reply ended the episode: the message says why."""
 
 
 # ---- the server's schema -----------------------------------------------------------------------------------------
@@ -162,52 +165,23 @@ class OpenEnvEpisodes:
         open_gateway: Callable[[], Gateway],
     ) -> None:
         self.settings, self.limits, self.tokenizer = settings, limits, tokenizer
-        self._open_gateway = open_gateway
-        self.gateway: Gateway | None = None
+        self.sessions = InProcessSessions(open_gateway, limits)
         self.bridge = chat_bridge(tokenizer)
         self.end_ids: set[int] = set()
-        self.phases = 0
 
     def episodes(
         self, engine: Engine, prompts: Prompts, rows: list[int], prompt_ids: list[list[int]], seed: int
     ) -> Episodes:
-        if self.gateway is None:
-            self.gateway = self._open_gateway()
-        gateway, loop = self.gateway, episode_loop()
         self.end_ids = set(engine.sampling.end_ids)
-        sessions = [gateway.open_session() for _ in rows]
-        slots = asyncio.run_coroutine_threadsafe(_semaphore(self.limits.max_concurrency), loop).result()
-        runs = [
-            asyncio.run_coroutine_threadsafe(self._bounded(slots, gateway, session, prompts, i, k), loop)
-            for k, (i, session) in enumerate(zip(rows, sessions))
-        ]
-        gateway.serve(engine, seed, self.phases, until=lambda: all(r.done() for r in runs))
-        built = []
-        outcomes = [r.result() for r in runs]
-        for ids, session, outcome in zip(prompt_ids, sessions, outcomes):
-            built.append(branch_row(session.calls, self.limits) if session.calls else Row(prompt=list(ids)))
-            if outcome.error is None and not session.calls:
-                outcome.error = "made no model call"
-            gateway.close_session(session)
-        self.phases += 1
+
+        def episode(gateway: Gateway, session: Session, i: int, k: int) -> Coroutine[Any, Any, Outcome]:
+            return self._one(gateway, session, prompts, i, k)
+
+        built, outcomes = self.sessions.run(engine, seed, rows, prompt_ids, episode)
         groups = [prompts.texts[i] for i in rows]
         pad = int(self.tokenizer.pad_token_id)
         what = f"OpenEnv episodes (--openenv_url {self.settings.url})"
         return finish(built, outcomes, groups, self.limits.prompt_max_len, pad, what)
-
-    async def _bounded(
-        self, slots: asyncio.Semaphore, gateway: Gateway, session: Session, prompts: Prompts, i: int, k: int
-    ) -> Outcome:
-        """One episode, once a slot is free (--agent_max_concurrency), within --agent_timeout."""
-        try:
-            async with slots:
-                return await asyncio.wait_for(self._one(gateway, session, prompts, i, k), self.limits.timeout_s)
-        except asyncio.TimeoutError:
-            return Outcome(error=f"took longer than --agent_timeout {self.limits.timeout_s:g}s")
-        except EpisodeFailed as exc:
-            return Outcome(error=str(exc))
-        except Exception as exc:  # noqa: BLE001 - a server's failure ends its episode, counted
-            return Outcome(error=f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
 
     async def _one(self, gateway: Gateway, session: Session, prompts: Prompts, i: int, k: int) -> Outcome:
         try:
@@ -219,7 +193,7 @@ class OpenEnvEpisodes:
         rewards: list[float] = []
         async with connect(url, open_timeout=CONNECT_TIMEOUT_S, max_size=2**24) as ws:
             label = {} if record.label is None else {"label": record.label}
-            kwargs = {**label, **(record.extra_info or {}), "episode_id": f"rlrun-{self.phases}-{k}"}
+            kwargs = {**label, **(record.extra_info or {}), "episode_id": f"rlrun-{self.sessions.phases}-{k}"}
             observation, _, done = await _exchange(ws, {"type": "reset", "data": kwargs})
             ids = first_prompt(self.tokenizer, record.prompt, observation_text(observation))
             cut = float(len(ids) > self.limits.prompt_max_len)  # keeps its last tokens, as agents' prompts do
@@ -245,10 +219,6 @@ class OpenEnvEpisodes:
             raise EpisodeFailed("the server said done at reset; there was nothing to act on")
         metrics = {"steps": float(len(rewards)), "prompt_truncated": cut}
         return Outcome(reward=rewards[-1] if s.last_reward else sum(rewards), metrics=metrics)
-
-
-async def _semaphore(size: int) -> asyncio.Semaphore:
-    return asyncio.Semaphore(size)  # made on the loop that uses it
 
 
 async def _exchange(ws: Any, message: dict) -> tuple[dict, float, bool]:

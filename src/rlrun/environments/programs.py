@@ -38,28 +38,10 @@ from rlrun.config.agent import AgentConfig
 from rlrun.config.generation import GenerationConfig
 from rlrun.data.prompts import Prompts
 from rlrun.engines.protocol import Engine
-from rlrun.environments.rows import EpisodeLimits, Outcome, Row, episode_limits, extend, finish, gateway_opener
-from rlrun.gateway.server import Gateway, Recorded, Session
+from rlrun.environments.rows import EpisodeLimits, Outcome, Row, branch_row, episode_limits, finish, gateway_opener
+from rlrun.gateway.server import Gateway, Session
 
 STDERR_TAIL = 300  # characters of a failed program's stderr kept for its message
-
-
-def branch_row(calls: list[Recorded], limits: EpisodeLimits) -> Row:
-    """The row of a session's first branch: the calls that each extend the previous call's prompt and reply."""
-    first = calls[0].call.prompt
-    row = Row(prompt=list(first))
-    context = list(first)  # the prompt + everything the branch holds so far
-    for k, rec in enumerate(calls):
-        prompt = rec.call.prompt
-        if k and prompt[: len(context)] != context:
-            row.off_branch += 1
-            continue
-        bridge = prompt[len(context) :]
-        extend(row, bridge, 0 if limits.state_masking else 1, [0.0] * len(bridge), limits.response_budget)
-        extend(row, rec.done.tokens, 1, rec.done.log_probs, limits.response_budget)
-        context = prompt + rec.done.tokens
-        row.calls += 1
-    return row
 
 
 def parse_reward(stdout: str) -> float:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -20,7 +21,8 @@ from transformers import PreTrainedTokenizerBase
 from rlrun.agents.episodes import Episodes
 from rlrun.config.agent import AgentConfig
 from rlrun.config.generation import GenerationConfig
-from rlrun.gateway.server import Gateway
+from rlrun.engines.protocol import Engine
+from rlrun.gateway.server import Gateway, Recorded, Session
 from rlrun.gateway.wire import Limits
 from rlrun.runtime.errors import AgentError
 from rlrun.runtime.log import get_logger
@@ -39,6 +41,10 @@ def episode_limits(a: AgentConfig, g: GenerationConfig) -> EpisodeLimits:
     return EpisodeLimits(
         g.generate_max_len, g.prompt_max_len, a.agent_timeout, a.agent_max_concurrency, a.state_masking
     )
+
+
+class EpisodeFailed(Exception):
+    """The environment or the model's reply ended the episode: the message says why."""
 
 
 @dataclass
@@ -72,6 +78,24 @@ def extend(row: Row, tokens: list[int], mask: int, log_probs: list[float], budge
     row.response += tokens
     row.mask += [mask] * len(tokens)
     row.log_probs += log_probs
+
+
+def branch_row(calls: list[Recorded], limits: EpisodeLimits) -> Row:
+    """The row of a session's first branch: the calls that each extend the previous call's prompt and reply."""
+    first = calls[0].call.prompt
+    row = Row(prompt=list(first))
+    context = list(first)  # the prompt + everything the branch holds so far
+    for k, rec in enumerate(calls):
+        prompt = rec.call.prompt
+        if k and prompt[: len(context)] != context:
+            row.off_branch += 1
+            continue
+        bridge = prompt[len(context) :]
+        extend(row, bridge, 0 if limits.state_masking else 1, [0.0] * len(bridge), limits.response_budget)
+        extend(row, rec.done.tokens, 1, rec.done.log_probs, limits.response_budget)
+        context = prompt + rec.done.tokens
+        row.calls += 1
+    return row
 
 
 def finish(
@@ -167,3 +191,87 @@ def gateway_opener(
         )
 
     return open_gateway
+
+
+# One episode of an in-process source: (the gateway, its session, the prompt record's index, its place in the batch).
+EpisodeRun = Callable[[Gateway, Session, int, int], Coroutine[Any, Any, Outcome]]
+
+
+class InProcessSessions:
+    """An engine rank's gateway for episodes that run in this process (opened with the first ones: the port is taken
+    on the engine rank) and the rollout phases it has served (the weight version its answers name)."""
+
+    def __init__(self, open_gateway: Callable[[], Gateway], limits: EpisodeLimits) -> None:
+        self._open_gateway, self.limits = open_gateway, limits
+        self.gateway: Gateway | None = None
+        self.phases = 0
+
+    def run(
+        self, engine: Engine, seed: int, rows: list[int], prompt_ids: list[list[int]], episode: EpisodeRun
+    ) -> tuple[list[Row], list[Outcome]]:
+        """One episode per record of `rows` on the episode loop (at most --agent_max_concurrency at once, each within
+        --agent_timeout) while this thread samples their calls; each episode's row is its session's first branch
+        (the record's prompt ids and no action when it made no call, which fails it)."""
+        if self.gateway is None:
+            self.gateway = self._open_gateway()
+        gateway, limits, loop = self.gateway, self.limits, episode_loop()
+        sessions = [gateway.open_session() for _ in rows]
+        slots = asyncio.run_coroutine_threadsafe(_semaphore(limits.max_concurrency), loop).result()
+        runs = [
+            asyncio.run_coroutine_threadsafe(_bounded(slots, episode(gateway, session, i, k), limits.timeout_s), loop)
+            for k, (i, session) in enumerate(zip(rows, sessions))
+        ]
+        gateway.serve(engine, seed, self.phases, until=lambda: all(r.done() for r in runs))
+        self.phases += 1
+        built, outcomes = [], []
+        for ids, session, run in zip(prompt_ids, sessions, runs):
+            outcome = run.result()
+            built.append(branch_row(session.calls, limits) if session.calls else Row(prompt=list(ids)))
+            if outcome.error is None and not session.calls:
+                outcome.error = "made no model call"
+            outcomes.append(outcome)
+            gateway.close_session(session)
+        return built, outcomes
+
+
+async def _semaphore(size: int) -> asyncio.Semaphore:
+    return asyncio.Semaphore(size)  # made on the loop that uses it
+
+
+async def _bounded(slots: asyncio.Semaphore, episode: Coroutine[Any, Any, Outcome], timeout_s: float) -> Outcome:
+    """One episode, once a slot is free, within `timeout_s`; what ends it early is its outcome's error."""
+    try:
+        async with slots:
+            return await asyncio.wait_for(episode, timeout_s)
+    except asyncio.TimeoutError:
+        return Outcome(error=f"took longer than --agent_timeout {timeout_s:g}s")
+    except EpisodeFailed as exc:
+        return Outcome(error=str(exc))
+    except Exception as exc:  # noqa: BLE001 - an environment's failure ends its episode, counted
+        return Outcome(error=f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+
+
+async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` on a daemon thread of its own, awaited: a user's blocking call (an environment's reset
+    or tool) that outlives --agent_timeout is abandoned there and never holds up the process's exit, as a pool
+    thread would."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is None:
+            done.set_result(value)
+        else:
+            done.set_exception(error)
+
+    def work() -> None:
+        try:
+            value, error = fn(*args, **kwargs), None
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting episode
+            value, error = None, exc
+        loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=work, daemon=True, name="rlrun-env-call").start()
+    return await done

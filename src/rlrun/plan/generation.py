@@ -60,9 +60,7 @@ def choose_generation(cfg: Config, cuda: bool) -> GenerationChoice:
             f"{flags} needs the engine's sampled-token log-probs, but generation resolved to {backend} ({why}); use "
             "--generation_backend vllm or native, or drop the flag"
         )
-    a = cfg.agent
-    sources = (("--agent_command", a.agent_command), ("--env_id", a.env_id), ("--openenv_url", a.openenv_url))
-    gateway = next((flag for flag, value in sources if value is not None), None)
+    gateway = cfg.agent.gateway_source
     if gateway is not None and backend not in REPORTS_LOG_PROBS:
         raise ConfigError(
             f"{gateway} samples through the token gateway, which answers with each sampled token's log-prob, but "

@@ -40,6 +40,9 @@ def ppo_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase, spec: DataSpec 
     records = None
     if a.env_id is not None and spec is None:  # the training prompts (an --eval_dataset is still a file)
         records = taskset_records(a.env_id, a.env_args, a.env_harness, a.max_turns, cfg.train.max_samples)
+    elif a.environment_factory is not None:  # reset(**row) reads every column
+        keys = dataclasses.replace(prompt_keys(cfg.data), columns=True)
+        records = load_prompt_records(spec, keys, cfg.train.max_samples)
     return prompt_set(
         cfg.data,
         cfg.template,
@@ -124,7 +127,7 @@ def preflight(cfg: Config) -> list[str]:
 def _gateway_line(cfg: Config) -> str | None:
     """Where the token gateway listens and what it holds, for the sources that sample through it."""
     a, g = cfg.agent, cfg.generation
-    if a.agent_command is None and a.env_id is None and a.openenv_url is None:
+    if a.gateway_source is None:
         return None
     where = f"port {a.gateway_port} + its engine number" if a.gateway_port else "a free port"
     return (
@@ -147,6 +150,10 @@ def _reward_line(cfg: Config) -> str:
         return f"reward: the rubric of the verifiers taskset --env_id {cfg.agent.env_id}"
     if cfg.agent.openenv_url is not None:
         return "reward: the OpenEnv server's step rewards (the server is contacted when the run starts)"
+    if cfg.agent.environment_factory is not None:
+        added = " + the reward function" if m.remote_rm_url or m.compute_score else ""
+        spec = cfg.agent.environment_factory
+        return f"reward: get_reward() of --environment_factory {spec}{added} (imported at start-up)"
     if cfg.agent.multi_turn:
         return "reward: from the agent's episodes (the agent file is imported at start-up)"
     path = m.compute_score if m.compute_score is not None else m.remote_rm_url

@@ -28,6 +28,7 @@ from rlrun.config.tree import Config
 from rlrun.data.prompts import Prompts, PromptSampler, prompt_spec
 from rlrun.engines.build import EngineImages, build_engine, engine_dtype, fused_groups
 from rlrun.engines.protocol import Engine
+from rlrun.environments.factory import build_factory_episodes
 from rlrun.environments.openenv import build_openenv_episodes
 from rlrun.environments.programs import build_program_episodes
 from rlrun.environments.tasksets import build_taskset_episodes
@@ -59,7 +60,7 @@ from rlrun.plan.shapes import model_shape
 from rlrun.reporting.live import PerfBasis, device_peak_flops, perf_line
 from rlrun.reporting.run_report import describe_roles, model_form, pure_distillation_line, saved_outputs
 from rlrun.rewards.compute_score import load_compute_score_function
-from rlrun.rewards.reward_fn import load_reward_function, no_reward
+from rlrun.rewards.reward_fn import RewardFunction, load_reward_function, no_reward
 from rlrun.rl.async_loop import AsyncTrainer, PendingRollout
 from rlrun.rl.dynamic_batch import role_budgets
 from rlrun.rl.evaluation import Evaluator
@@ -376,25 +377,35 @@ def build_rewarding(cfg: Config, layout: Layout, rank: int, tokenizer: PreTraine
             cfg.agent, cfg.generation, tokenizer, served, cfg.model.pretrain, slot, cfg.train.max_samples
         )
         return replace(known, agents=episodes)
+    if cfg.agent.environment_factory is not None:
+        fn = reward_function(cfg, layout) if m.remote_rm_url is not None or m.compute_score is not None else None
+        data = cfg.data.apply_chat_template_kwargs
+        trl = build_factory_episodes(cfg.agent, cfg.generation, data, tokenizer, fn, served, slot)
+        return replace(known, agents=trl)
     if cfg.agent.multi_turn:
         return replace(known, agents=build_episode_runner(cfg.agent, cfg.generation, tokenizer, m.remote_rm_retries))
+    return replace(known, reward_fn=reward_function(cfg, layout))
+
+
+def reward_function(cfg: Config, layout: Layout) -> RewardFunction:
+    """The run's reward function: --compute_score's, none for pure distillation, else --remote_rm_url's (the demo
+    rule when unset)."""
+    m = cfg.reward
     if m.compute_score is not None:
-        fn = load_compute_score_function(
+        return load_compute_score_function(
             m.compute_score,
             m.compute_score_name,
             workers=reward_workers(cfg, layout),
             call_timeout_s=cfg.reward_call_timeout,
         )
-    elif cfg.scores_nothing:
-        fn = no_reward()
-    else:
-        fn = load_reward_function(
-            m.remote_rm_url,
-            timeout_s=m.remote_rm_timeout,
-            retries=m.remote_rm_retries,
-            call_timeout_s=cfg.reward_call_timeout,
-        )
-    return replace(known, reward_fn=fn)
+    if cfg.scores_nothing:
+        return no_reward()
+    return load_reward_function(
+        m.remote_rm_url,
+        timeout_s=m.remote_rm_timeout,
+        retries=m.remote_rm_retries,
+        call_timeout_s=cfg.reward_call_timeout,
+    )
 
 
 def reward_workers(cfg: Config, layout: Layout) -> int:
@@ -415,6 +426,9 @@ def describe_reward(cfg: Config) -> str:
         return f"reward: the {ag.openenv_reward} of the OpenEnv server's step rewards ({redact_text(ag.openenv_url)})"
     if ag.env_id is not None:
         return f"reward: the rubric of the verifiers taskset --env_id {ag.env_id} (episodes through the token gateway)"
+    if ag.environment_factory is not None:
+        added = " + the reward function over each transcript" if m.remote_rm_url or m.compute_score else ""
+        return f"reward: get_reward() of --environment_factory {ag.environment_factory}{added} (via the token gateway)"
     if ag.agent_command is not None:
         return f"reward: what each episode's --agent_command {ag.agent_command!r} prints (through the token gateway)"
     if ag.retriever_url is not None:
