@@ -78,23 +78,30 @@ def job(args: argparse.Namespace, data: Path, reward: Path, out: Path) -> list[s
     ]
 
 
-def accuracy(model_dir: str, questions: list[dict], max_new: int) -> tuple[dict[str, float], list[str]]:
-    """Greedy exact match of `model_dir` on verl-format GSM8K rows: by rlrun's built-in rule (verl's strict `#### N`)
-    and by the last number (the training reward's reading)."""
+def greedy_replies(model_dir: str, conversations: list[list[dict]], max_new: int) -> list[str]:
+    """Greedy HF generate of `model_dir` on each conversation, rendered by its chat template with the generation
+    prompt (as training renders a prompt), in batches of 16."""
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
-    from rlrun.rewards.rules import gsm8k_score  # noqa: PLC0415
-
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    texts = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in questions]
-    answers: list[str] = []
+    texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    replies: list[str] = []
     for start in range(0, len(texts), 16):
         batch = tok(texts[start : start + 16], return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**batch, do_sample=False, max_new_tokens=max_new, pad_token_id=tok.pad_token_id)
-        answers += tok.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        replies += tok.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    return replies
+
+
+def accuracy(model_dir: str, questions: list[dict], max_new: int) -> tuple[dict[str, float], list[str]]:
+    """Greedy exact match of `model_dir` on verl-format GSM8K rows: by rlrun's built-in rule (verl's strict `#### N`)
+    and by the last number (the training reward's reading)."""
+    from rlrun.rewards.rules import gsm8k_score  # noqa: PLC0415
+
+    answers = greedy_replies(model_dir, [r["prompt"] for r in questions], max_new)
     truths = [r["reward_model"]["ground_truth"] for r in questions]
     strict = [gsm8k_score(a, t) for a, t in zip(answers, truths, strict=True)]
     reading = _reward_module()

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
-import subprocess
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 from helpers import lane_skip
+
+from rlrun.environments.openenv_app import start_app
 
 REPO = Path(__file__).resolve().parents[2]
 OPENENV_PYTHON = REPO / ".venv-openenv" / "bin" / "python"
@@ -34,29 +31,11 @@ def lane_env(**extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def openenv_server(app: str, cwd: Path, timeout: float = 90.0) -> Iterator[str]:
-    """`uvicorn APP` in the OpenEnv lane on a free loopback port (cwd on its path); yields its base URL once GET
-    /health answers, and stops it after."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([str(OPENENV_PYTHON), "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
-                             "--log-level", "warning"], cwd=cwd, env=lane_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
+def openenv_server(app: str, cwd: Path) -> Iterator[str]:
+    """`uvicorn APP` in the OpenEnv lane on a free loopback port (cwd on its path), started by rlrun's own starter
+    (what --openenv_app runs); yields its base URL once GET /health answers, and stops it after."""
+    server = start_app(app, str(OPENENV_PYTHON), str(cwd), lane_env())
     try:
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the OpenEnv server did not start: {proc.communicate(timeout=5)[0][-2000:]}")
-            time.sleep(0.3)
-        yield url
+        yield server.url
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        server.stop()

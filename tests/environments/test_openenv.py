@@ -5,16 +5,22 @@ observation between them in the chat template's turn markers (mask 0); the rewar
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import SHARP_TEMPERATURE, hf_log_probs, refusing_port, sharp_native_engine
-from openenv_lane import needs_openenv, openenv_server
+from helpers import REPO, SHARP_TEMPERATURE, hf_log_probs, refusing_port, sharp_native_engine
+from openenv_lane import OPENENV_PYTHON, lane_env, needs_openenv, openenv_server
 from rlrun.cli.parser import parse_args
 from rlrun.data.prompts import PromptRecord, Prompts
 from rlrun.environments.openenv import build_openenv_episodes
+from rlrun.environments.openenv_app import start_app
 from rlrun.models.tiny import EOS_ID, build_byte_tokenizer
 from rlrun.runtime.errors import AgentError, ConfigError
 
@@ -78,5 +84,38 @@ def test_a_server_error_fails_its_episode_and_most_failing_is_one_line(server):
 
 
 def test_a_server_that_is_not_there_is_one_clear_error_before_any_episode():
-    with pytest.raises(ConfigError, match=r"--openenv_url http://127.0.0.1:\d+: GET /schema failed"):
+    with pytest.raises(ConfigError, match=r"--openenv_url http://127.0.0.1:\d+: GET http://127.0.0.1:\d+/schema failed"):
         _source(f"http://127.0.0.1:{refusing_port()}")
+
+
+@needs_openenv
+def test_an_app_that_does_not_start_is_one_clear_error_with_its_output():
+    with pytest.raises(ConfigError, match=r"--openenv_app no_such_env_module:app .* exited with status 3 "
+                       '.*Could not import module "no_such_env_module"'):
+        start_app("no_such_env_module:app", str(OPENENV_PYTHON), str(HERE), lane_env())
+
+
+@needs_openenv
+def test_a_started_server_dies_with_the_rank_that_started_it(tmp_path):
+    """A rank killed outright (SIGKILL: no atexit) takes its --openenv_app server with it (PR_SET_PDEATHSIG)."""
+    code = ("import sys, time; from rlrun.environments.openenv_app import start_app; "
+            f"s = start_app('openenv_chars_server:app', {str(OPENENV_PYTHON)!r}, {str(HERE)!r}); "
+            "print(s.url, s.process.pid, flush=True); time.sleep(120)")
+    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+    url, pid = rank.stdout.readline().split()
+    assert urllib.request.urlopen(url + "/health", timeout=5).status == 200
+    rank.kill()
+    rank.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while _alive(int(pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(int(pid))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,14 +1,16 @@
-"""An OpenEnv server trains the demo policy: `rlrun.ppo --openenv_url URL` on two ranks against a real OpenEnv 0.10
-server (tests/environments/openenv_chars_server.py, uvicorn in the OpenEnv lane), two steps per episode, the reset
-told each prompt's label."""
+"""An OpenEnv server trains the demo policy: `rlrun.ppo --openenv_app module:app` on two ranks, each engine rank
+starting its own real OpenEnv 0.10 server (tests/environments/openenv_chars_server.py, uvicorn in the OpenEnv lane:
+--openenv_python) and speaking to it as to any --openenv_url; two steps per episode, the reset told each prompt's
+label."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
-from helpers import run_rlrun
-from openenv_lane import needs_openenv, openenv_server
+from helpers import run_rlrun, subprocess_env
+from openenv_lane import OPENENV_PYTHON, needs_openenv
 
 
 @needs_openenv
@@ -19,12 +21,14 @@ def test_an_openenv_server_s_episodes_learn(tmp_path):
     episode took its two steps; the replies' engine log-probs are the actor's (the observation tokens between them
     are not counted as actions). Some prompts with the reset's observation run past the demo's --prompt_max_len 64:
     they keep their last tokens (agent/prompt_truncated) rather than fail."""
-    with openenv_server("openenv_chars_server:app", Path(__file__).resolve().parent) as url:
-        args = ["--config", "configs/demo.yaml", "--openenv_url", url, "--max_steps", "20", "--rollout_batch_size",
-                "8", "--train_batch_size", "32", "--generate_max_len", "48", "--max_tokens_per_turn", "6"]
-        res = run_rlrun(2, args, tmp_path)
+    here = str(Path(__file__).resolve().parent)
+    args = ["--config", "configs/demo.yaml", "--openenv_app", "openenv_chars_server:app", "--openenv_python",
+            str(OPENENV_PYTHON), "--max_steps", "20", "--rollout_batch_size", "8", "--train_batch_size", "32",
+            "--generate_max_len", "48", "--max_tokens_per_turn", "6"]
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    res = run_rlrun(2, args, tmp_path, env=subprocess_env(PYTHONPATH=path))
     assert res.returncode == 0, res.output[-3000:]
-    assert "reward: the sum of the OpenEnv server's step rewards" in res.output
+    assert "reward: the sum of the step rewards of --openenv_app openenv_chars_server:app" in res.output
     rewards = [m["reward"] for m in res.metrics]
     assert len(rewards) == 20
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.4, rewards

@@ -11,7 +11,7 @@ from rlrun.runtime.errors import ConfigError
 
 RETRIEVER_RETRY_BACKOFF_S = 0.5  # the retriever client sleeps this * 2**(k-1) before retry k
 # The sources of multi-turn episodes (one at most); the last four sample through the token gateway.
-GATEWAY_SOURCES = ("agent_command", "env_id", "openenv_url", "environment_factory")
+GATEWAY_SOURCES = ("agent_command", "env_id", "openenv_url", "openenv_app", "environment_factory")
 EPISODE_SOURCES = ("agent_func_path", "retriever_url", *GATEWAY_SOURCES)
 
 
@@ -68,6 +68,14 @@ class AgentConfig:
         "A TRL environment class (TRL's environment_factory), as module:Class or path/to/file.py:Class: one "
         "instance per episode, reset(**row), its public methods the model's tools (called through the chat "
         "template's tool calls), get_reward() its reward (docs/environments.md).",
+    )
+    openenv_app: str | None = opt(
+        None,
+        "An OpenEnv server's app as uvicorn takes it (module:app, e.g. my_env.server.app:app): each engine rank "
+        "starts one on loopback (python -m uvicorn, --openenv_python) and stops it at the end; then as --openenv_url.",
+    )
+    openenv_python: str | None = opt(
+        None, "The interpreter that runs --openenv_app's server (a venv with openenv and uvicorn); default: this one."
     )
     openenv_reward: Literal["sum", "last"] = opt(
         "sum", "An OpenEnv episode's reward: the sum of its step rewards, or the last."
@@ -129,6 +137,11 @@ class AgentConfig:
             raise ConfigError(
                 f"--max_obs_len {self.max_obs_len} with --agent_command: a program's observations are whatever its "
                 "next request adds to the conversation, never cut by rlrun; drop --max_obs_len"
+            )
+        if self.openenv_python is not None and self.openenv_app is None:
+            raise ConfigError(
+                f"--openenv_python {self.openenv_python} runs --openenv_app's server; add --openenv_app module:app "
+                "or drop it"
             )
         if not 0 <= self.gateway_port < 65536:
             raise ConfigError(f"--gateway_port {self.gateway_port} is not a port; use 0 (a free one) to 65535")

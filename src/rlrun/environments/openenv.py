@@ -36,6 +36,7 @@ from rlrun.config.generation import GenerationConfig
 from rlrun.data.prompts import Prompts
 from rlrun.data.sources import render
 from rlrun.engines.protocol import Engine
+from rlrun.environments.openenv_app import start_app
 from rlrun.environments.rows import (
     EpisodeFailed,
     EpisodeLimits,
@@ -48,6 +49,7 @@ from rlrun.environments.rows import (
 from rlrun.gateway.server import Gateway, Session
 from rlrun.gateway.wire import Call
 from rlrun.runtime.errors import ConfigError, MissingExtraError
+from rlrun.runtime.secrets import redact_text
 
 CONNECT_TIMEOUT_S = 30.0
 PROBE = ("\x00USER\x00", "\x00REPLY\x00", "\x00OBS\x00")  # marks no chat template or model writes
@@ -83,15 +85,17 @@ def observation_text(observation: dict) -> str:
     return texts[0] if len(fields) == 1 and texts else json.dumps(fields, sort_keys=True, default=str)
 
 
-def read_schema(url: str) -> str | None:
-    """The action's text field from GET {url}/schema (None: replies are parsed as JSON)."""
+def read_schema(url: str, source: str) -> str | None:
+    """The action's text field from GET {url}/schema (None: replies are parsed as JSON); `source`: the flag that
+    named the server."""
     try:
         with urllib.request.urlopen(f"{url.rstrip('/')}/schema", timeout=CONNECT_TIMEOUT_S) as response:
             schema = json.loads(response.read())
     except (OSError, ValueError) as exc:
         raise ConfigError(
-            f"--openenv_url {url}: GET /schema failed ({exc}); start the OpenEnv server first (uvicorn "
-            "pkg.server.app:app --port N) and pass its base URL"
+            f"{source}: GET {url}/schema failed ({exc}); start the OpenEnv server first (uvicorn "
+            "pkg.server.app:app --port N) and pass its base URL, or let rlrun start it (--openenv_app "
+            "pkg.server.app:app)"
         ) from None
     return text_field(schema.get("action") or {})
 
@@ -147,6 +151,7 @@ def first_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list, observa
 @dataclass(frozen=True)
 class OpenEnvSettings:
     url: str
+    source: str  # the flag that named the server, for messages
     action_field: str | None  # None: replies are parsed as JSON
     last_reward: bool  # --openenv_reward last
     max_turns: int | None
@@ -180,7 +185,7 @@ class OpenEnvEpisodes:
         built, outcomes = self.sessions.run(engine, seed, rows, prompt_ids, episode)
         groups = [prompts.texts[i] for i in rows]
         pad = int(self.tokenizer.pad_token_id)
-        what = f"OpenEnv episodes (--openenv_url {self.settings.url})"
+        what = f"OpenEnv episodes ({self.settings.source})"
         return finish(built, outcomes, groups, self.limits.prompt_max_len, pad, what)
 
     async def _one(self, gateway: Gateway, session: Session, prompts: Prompts, i: int, k: int) -> Outcome:
@@ -237,10 +242,14 @@ async def _exchange(ws: Any, message: dict) -> tuple[dict, float, bool]:
 def build_openenv_episodes(
     a: AgentConfig, g: GenerationConfig, tokenizer: PreTrainedTokenizerBase, model: str, slot: int
 ) -> OpenEnvEpisodes:
-    """--openenv_url's episodes on engine rank number `slot` (its gateway serves them in process; --gateway_port
-    opens it to outside callers too)."""
-    assert a.openenv_url is not None
+    """--openenv_url's episodes on engine rank number `slot`, or --openenv_app's on a server this rank starts (its
+    gateway serves them in process; --gateway_port opens it to outside callers too)."""
+    if a.openenv_app is not None:
+        url, source = start_app(a.openenv_app, a.openenv_python).url, f"--openenv_app {a.openenv_app}"
+    else:
+        assert a.openenv_url is not None
+        url, source = a.openenv_url, f"--openenv_url {redact_text(a.openenv_url)}"
     cap = a.max_tokens_per_turn or g.generate_max_len
-    settings = OpenEnvSettings(a.openenv_url, read_schema(a.openenv_url), a.openenv_reward == "last", a.max_turns, cap)
+    settings = OpenEnvSettings(url, source, read_schema(url, source), a.openenv_reward == "last", a.max_turns, cap)
     limits = episode_limits(a, g)
     return OpenEnvEpisodes(settings, limits, tokenizer, gateway_opener(a, g, tokenizer, model, slot, max_calls=False))

@@ -150,6 +150,8 @@ def _reward_line(cfg: Config) -> str:
         return f"reward: the rubric of the verifiers taskset --env_id {cfg.agent.env_id}"
     if cfg.agent.openenv_url is not None:
         return "reward: the OpenEnv server's step rewards (the server is contacted when the run starts)"
+    if cfg.agent.openenv_app is not None:
+        return f"reward: the step rewards of --openenv_app {cfg.agent.openenv_app} (each engine rank starts one)"
     if cfg.agent.environment_factory is not None:
         added = " + the reward function" if m.remote_rm_url or m.compute_score else ""
         spec = cfg.agent.environment_factory

@@ -370,7 +370,7 @@ def build_rewarding(cfg: Config, layout: Layout, rank: int, tokenizer: PreTraine
     served, slot = cfg.model.pretrain or "rlrun-demo", layout.ranks_of(Role.ENGINE).index(rank)
     if cfg.agent.agent_command is not None:
         return replace(known, agents=build_program_episodes(cfg.agent, cfg.generation, tokenizer, served, slot))
-    if cfg.agent.openenv_url is not None:
+    if cfg.agent.openenv_url is not None or cfg.agent.openenv_app is not None:
         return replace(known, agents=build_openenv_episodes(cfg.agent, cfg.generation, tokenizer, served, slot))
     if cfg.agent.env_id is not None:
         episodes = build_taskset_episodes(
@@ -424,6 +424,8 @@ def describe_reward(cfg: Config) -> str:
         return f"reward: the episodes of the agent --agent_func_path {ag.agent_func_path}"
     if ag.openenv_url is not None:
         return f"reward: the {ag.openenv_reward} of the OpenEnv server's step rewards ({redact_text(ag.openenv_url)})"
+    if ag.openenv_app is not None:
+        return f"reward: the {ag.openenv_reward} of the step rewards of --openenv_app {ag.openenv_app} (started here)"
     if ag.env_id is not None:
         return f"reward: the rubric of the verifiers taskset --env_id {ag.env_id} (episodes through the token gateway)"
     if ag.environment_factory is not None:
