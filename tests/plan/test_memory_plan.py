@@ -408,3 +408,22 @@ def test_supervised_plans_say_the_longest_max_len_and_count_the_blocks(tmp_path)
         line = next(line for line in lines if line.startswith("longest --max_len"))
         lengths[sp] = int(re.search(r"ranks 0-7 \(model\) ([\d,]+) tokens", line).group(1).replace(",", ""))
     assert lengths[4] > 3 * lengths[1], lengths
+
+
+def test_the_gateway_s_records_are_in_an_engine_rank_s_host_memory():
+    """An engine rank of a gateway source holds, per row, each call's context (up to prompt + response ids) and the
+    sampled ids with their log-probs: 4 rollouts over 2 engine ranks, 3 calls (--max_turns), 64 + 16 tokens:
+    2 x (3 x 80 x 36 + 16 x 68) bytes. Without a gateway source, none."""
+    flags = ["--model_preset", "3m", "--device", "cpu", "--rollout_batch_size", "4", "--train_batch_size", "4",
+             "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "2", "--prompt_max_len", "64",
+             "--generate_max_len", "16", "--generation_backend", "native"]
+    cfg = parse_args([*flags, "--agent_command", "python agent.py", "--max_turns", "3"]).config
+    layout = lay_out(cfg, 2, 2).layout
+    shapes, _ = read_shapes(cfg, layout)
+    memory = plan_memory(cfg, layout, shapes, Target(False, 0, "--device cpu"))
+    assert [r.host["gateway"] for r in memory.ranks] == [2 * (3 * 80 * 36 + 16 * 68)] * 2
+    per_turn = parse_args([*flags, "--env_id", "chars_taskset", "--max_tokens_per_turn", "5"]).config  # 4 calls
+    assert plan_memory(per_turn, layout, shapes, Target(False, 0, "")).ranks[0].host["gateway"] == \
+        2 * (4 * 80 * 36 + 16 * 68)
+    plain = parse_args([*flags, "--remote_rm_url", "demo"]).config
+    assert all("gateway" not in r.host for r in plan_memory(plain, layout, shapes, Target(False, 0, "")).ranks)

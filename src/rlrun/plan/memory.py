@@ -107,6 +107,23 @@ def sync_staging_bytes(rank: int, layout: Layout, shapes: Mapping[Role, ModelSha
     return _two_buckets(shapes[Role.ACTOR], k)
 
 
+# A recorded call's ids are Python ints in a list (8 B slot + a 28 B int object, small ids shared), its log-probs
+# Python floats (8 + 24 B)
+GATEWAY_ID_BYTES = 36
+GATEWAY_LOGPROB_BYTES = 32
+
+
+def gateway_bytes(rank: int, layout: Layout, k: Knobs) -> int:
+    """What an engine rank's token gateway records while a step's episodes run (rlrun.gateway.server.Session): each
+    of its rows' calls keeps its prompt ids (the whole context so far, up to prompt + response tokens) and its
+    sampled ids with their log-probs (up to the response budget in all), until the row is built."""
+    if not k.gateway_calls or Role.ENGINE not in layout.roles_of(rank):
+        return 0
+    rows = -(-k.rollouts // max(1, len(layout.ranks_of(Role.ENGINE))))
+    per_row = k.gateway_calls * k.seq * GATEWAY_ID_BYTES + k.response * (GATEWAY_ID_BYTES + GATEWAY_LOGPROB_BYTES)
+    return rows * per_row
+
+
 def _two_buckets(s: ModelShape, k: Knobs) -> int:
     wire = 2 if k.bf16 else 4
     model = wire * s.parameters
@@ -216,6 +233,7 @@ COMPONENTS = (
     "vllm",
     "sync",
     "export",
+    "gateway",
     "runtime",
 )
 
@@ -494,6 +512,7 @@ def rank_memory(
         {
             "runtime": runtime,
             "export": _export(rank, layout, shapes, k),
+            "gateway": gateway_bytes(rank, layout, k),
             "sync": weights_file_bytes(rank, layout, shapes, k) + restart_copy_bytes(rank, layout, shapes, k),
         },
     )

@@ -134,7 +134,7 @@ def _gateway_line(cfg: Config) -> str | None:
         f"token gateway: each engine rank serves vLLM's and OpenAI's API on {a.gateway_host}, {where}, while its "
         f"rollouts run (model calls of at most {a.max_tokens_per_turn or g.generate_max_len} new tokens at "
         f"--temperature {g.temperature:g} --top_p {g.top_p:g}); each episode's calls are kept as ids and log-probs "
-        "until its row is built (about 70 bytes per token, not in the memory plan)"
+        "until its row is built (the memory plan's host `gateway` part)"
     )
 
 

@@ -320,6 +320,7 @@ class Knobs:
     lora_targets: tuple[str, ...] = ("all-linear",)  # --target_modules
     base_reference: bool = False  # the reference is the trained model with its adapters off (no reference model)
     sequence_parallel: tuple[tuple[Role, int], ...] = ()  # roles with --sequence_parallel_size > 1 and their sizes
+    gateway_calls: int = 0  # model calls an episode through the token gateway may make (0: no such source)
 
     def sp_of(self, role: Role) -> int:
         return dict(self.sequence_parallel).get(role, 1)
@@ -418,7 +419,17 @@ def knobs_of(cfg: Config, target: Target) -> Knobs:
         vllm_host=g.vllm_engine_host,
         engine_restarts=g.max_engine_restarts > 0,
         sequence_parallel=tuple((role, sp) for role, sp in sequence_parallel_sizes(cfg).items() if sp > 1),
+        gateway_calls=gateway_calls(cfg),
     )
+
+
+def gateway_calls(cfg: Config) -> int:
+    """The model calls one gateway episode may make: --max_turns, else as many calls of --max_tokens_per_turn as
+    --generate_max_len holds (one without it); 0 without a gateway source."""
+    a, g = cfg.agent, cfg.generation
+    if a.gateway_source is None:
+        return 0
+    return a.max_turns or -(-g.generate_max_len // (a.max_tokens_per_turn or g.generate_max_len))
 
 
 def supervised_knobs(cfg: Any, target: Target, job: SupervisedJob) -> Knobs:
