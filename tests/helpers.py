@@ -430,3 +430,25 @@ def lane_skip(python: Path, package: str, name: str, installer: str, untested: s
     if problem is not None:  # loud in the log, not only in -ra's summary
         print(f"\n{problem}\n", file=sys.stderr)
     return pytest.mark.skipif(problem is not None, reason=problem or "")
+
+
+class ScriptedToolEngine:
+    """Stand-in for a model on a ChatML tokenizer (no tiny model writes a tool call on cue). Reply n of an episode (n:
+    the assistant turns its prompt holds) is replies[n], or bad[n] when the prompt asks for "the bad tool"; log-probs
+    -0.01, -0.02, ... per token."""
+
+    def __init__(self, tok, replies: list[str], bad: list[str]) -> None:  # type: ignore[no-untyped-def]
+        from types import SimpleNamespace
+
+        self.tok, self.replies, self.bad = tok, replies, bad
+        self.sampling = SimpleNamespace(end_ids=(tok.convert_tokens_to_ids("<|im_end|>"),))
+
+    def sample(self, prompts, seed, *, max_new_tokens=None, stop=(), keys=None):  # type: ignore[no-untyped-def]
+        from rlrun.engines.protocol import Generation
+
+        out = []
+        for p in prompts:
+            text = self.tok.decode(p)
+            script = self.bad if "the bad tool" in text else self.replies
+            out.append(self.tok.encode(script[text.count("<|im_start|>assistant") - 1], add_special_tokens=False))
+        return Generation(out, [[-0.01 * (j + 1) for j in range(len(r))] for r in out])

@@ -77,6 +77,18 @@ def test_multi_turn_agent_episodes_on_vllm_go_on_when_the_engine_child_dies_mid_
     assert "died while loading weights" in restarts[0] and "restart 1 of the run" in restarts[0], restarts
 
 
+def test_a_gateway_source_samples_on_in_process_vllm_engines(tmp_path):
+    """A TRL environment class (--environment_factory) on the default layout's in-process vLLM engines: its episodes'
+    calls reach vLLM through the token gateway, each with its own seed (--vllm_seeded_requests: the gateway's keys),
+    and the rows are vLLM's exact ids and log-probs (the engine/actor diff stays ~0 as the weights move)."""
+    code, out, metrics = run(DEMO + ["--environment_factory", "examples/trl_env/chars_env.py:CharsEnv",
+                                     "--remote_rm_url", "demo", "--vllm_seeded_requests", "--max_steps", "3",
+                                     "--rollout_batch_size", "8", "--train_batch_size", "32"], tmp_path)
+    _check_trained(code, out, metrics, 3)
+    assert out.count("in-process vLLM engine ready") == 2, out[-3000:]
+    assert all(m["agent/failed"] == 0 and m["agent/turns"] == 1 and m["reward"] >= 0.5 for m in metrics), metrics
+
+
 def test_partial_rollout_continues_responses_on_vllm(tmp_path, long_tailed_base):
     """--partial_rollout on a tensor-parallel vLLM engine (rank 0 actor, ranks 1-2 one engine at TP 2; the chunked
     path: --partial_rollout_tokens per call) with a long-tailed policy: it trains, no sample is more than

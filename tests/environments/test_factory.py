@@ -16,6 +16,7 @@ import pytest
 import trl
 from trl.trainer.grpo_trainer import GRPOTrainer
 
+from helpers import ScriptedToolEngine
 from rlrun.cli.parser import parse_args
 from rlrun.data.prompts import PromptRecord, Prompts
 from rlrun.environments.factory import build_factory_episodes, tool_suffix, tools_of
@@ -35,25 +36,6 @@ def tok(qwen_tokenizer):
     tok = copy.deepcopy(qwen_tokenizer)
     tok.chat_template = QWEN25
     return tok
-
-
-class ScriptedToolEngine:
-    """Stand-in for a model. Reply n of an episode (n: the assistant turns its prompt holds) is replies[n], or
-    bad[n] when the prompt asks for "the bad tool"; log-probs -0.01, -0.02, ... per token."""
-
-    def __init__(self, tok, replies: list[str], bad: list[str]) -> None:
-        self.tok, self.replies, self.bad = tok, replies, bad
-        self.sampling = SimpleNamespace(end_ids=(tok.convert_tokens_to_ids("<|im_end|>"),))
-
-    def sample(self, prompts, seed, *, max_new_tokens=None, stop=(), keys=None):
-        from rlrun.engines.protocol import Generation
-
-        out = []
-        for p in prompts:
-            text = self.tok.decode(p)
-            script = self.bad if "the bad tool" in text else self.replies
-            out.append(self.tok.encode(script[text.count("<|im_start|>assistant") - 1], add_special_tokens=False))
-        return Generation(out, [[-0.01 * (j + 1) for j in range(len(r))] for r in out])
 
 
 def _source(tok, *extra: str):

@@ -166,6 +166,21 @@ class TasksetEpisodes:
         return trace_row(episode.traces[0], self.limits.response_budget)
 
 
+def renderer_config(tokenizer: PreTrainedTokenizerBase, source: str) -> Any:
+    """How verifiers renders the policy's chats: the model's own renderer when renderers knows the model by its hub
+    id (`source`, --pretrain as given: Qwen3, GLM, Llama 3, ...), else the chat template (renderers' default) with
+    Hermes JSON tool calls read from replies (`<tool_call>{...}</tool_call>`, renderers' "qwen3" parser) when the
+    tokenizer has that token, as Qwen2.5 and other Hermes-style chat models do (without it, a taskset that offers
+    tools fails its episodes with renderers' own message)."""
+    from renderers import AutoRendererConfig, DefaultRendererConfig  # noqa: PLC0415 - verifiers' dependency
+    from renderers.base import MODEL_RENDERER_MAP  # noqa: PLC0415
+
+    if source in MODEL_RENDERER_MAP:
+        return AutoRendererConfig()
+    vocab = tokenizer.get_vocab()
+    return DefaultRendererConfig(tool_parser="qwen3" if "<tool_call>" in vocab and "</tool_call>" in vocab else None)
+
+
 def build_taskset_episodes(
     a: AgentConfig,
     g: GenerationConfig,
@@ -181,7 +196,6 @@ def build_taskset_episodes(
     assert a.env_id is not None
     verifiers_v1()
     import verifiers.v1 as vf  # noqa: PLC0415
-    from renderers import DefaultRendererConfig  # noqa: PLC0415 - verifiers' dependency
     from verifiers.v1.configs.client import TrainClientConfig  # noqa: PLC0415
 
     env = load_environment(a.env_id, a.env_args, a.env_harness, a.max_turns)
@@ -190,12 +204,13 @@ def build_taskset_episodes(
         tokenizer_source = tempfile.mkdtemp(prefix="rlrun_tokenizer_")
         tokenizer.save_pretrained(tokenizer_source)
     cap = a.max_tokens_per_turn or g.generate_max_len
+    renderer = renderer_config(tokenizer, tokenizer_source)
 
     def client(session: Session) -> Any:
         return TrainClientConfig(
             base_url=session.base_url,
             api_key_var=KEY_VARIABLE,
-            renderer=DefaultRendererConfig(),
+            renderer=renderer,
             renderer_model_name=tokenizer_source,
         )
 
