@@ -433,15 +433,16 @@ def lane_skip(python: Path, package: str, name: str, installer: str, untested: s
 
 
 class ScriptedToolEngine:
-    """Stand-in for a model on a ChatML tokenizer (no tiny model writes a tool call on cue). Reply n of an episode (n:
-    the assistant turns its prompt holds) is replies[n], or bad[n] when the prompt asks for "the bad tool"; log-probs
-    -0.01, -0.02, ... per token."""
+    """Stand-in for a model (no tiny model writes a tool call, or only valid text, on cue). Reply n of an episode (n:
+    the assistant turns its prompt holds, counted by the chat template's `turn` marker) is replies[n], or bad[n] when
+    the prompt asks for "the bad tool"; log-probs -0.01, -0.02, ... per token. ChatML by default."""
 
-    def __init__(self, tok, replies: list[str], bad: list[str]) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, tok, replies: list[str], bad: list[str], turn: str = "<|im_start|>assistant",  # type: ignore[no-untyped-def]
+                 end: str = "<|im_end|>") -> None:
         from types import SimpleNamespace
 
-        self.tok, self.replies, self.bad = tok, replies, bad
-        self.sampling = SimpleNamespace(end_ids=(tok.convert_tokens_to_ids("<|im_end|>"),))
+        self.tok, self.replies, self.bad, self.turn = tok, replies, bad, turn
+        self.sampling = SimpleNamespace(end_ids=(tok.convert_tokens_to_ids(end),))
 
     def sample(self, prompts, seed, *, max_new_tokens=None, stop=(), keys=None):  # type: ignore[no-untyped-def]
         from rlrun.engines.protocol import Generation
@@ -450,5 +451,5 @@ class ScriptedToolEngine:
         for p in prompts:
             text = self.tok.decode(p)
             script = self.bad if "the bad tool" in text else self.replies
-            out.append(self.tok.encode(script[text.count("<|im_start|>assistant") - 1], add_special_tokens=False))
+            out.append(self.tok.encode(script[text.count(self.turn) - 1], add_special_tokens=False))
         return Generation(out, [[-0.01 * (j + 1) for j in range(len(r))] for r in out])

@@ -43,14 +43,17 @@ def env_args(text: str | None) -> dict[str, Any]:
 
 
 def load_environment(env_id: str, args_text: str | None, harness: str, max_turns: int | None) -> Any:
-    """The verifiers environment of taskset `env_id` with `harness`, on a local subprocess runtime: a new one per
-    call (an environment's locks belong to the event loop that first runs it)."""
+    """The verifiers environment of taskset `env_id` with `harness` in every seat of its env (`agent` for a plain
+    taskset; a taskset exporting its own Env names its seats, e.g. a game's `player`, a user simulation's `assistant`
+    and `user`), on a local subprocess runtime: a new one per call (an environment's locks belong to the event loop
+    that first runs it)."""
     vf = verifiers_v1()
     agent: dict[str, Any] = {"harness": {"id": harness}, "runtime": {"type": "subprocess"}}
     if max_turns is not None:
         agent["max_turns"] = max_turns
-    config = {"taskset": {"id": env_id, **env_args(args_text)}, "agent": agent}
     try:
+        seats = env_seats(env_id)
+        config = {"taskset": {"id": env_id, **env_args(args_text)}, **{seat: agent for seat in seats}}
         return vf.load_environment(vf.resolve_env_config(config))
     except (ImportError, ValueError, TypeError, KeyError) as exc:
         raise ConfigError(
@@ -58,6 +61,15 @@ def load_environment(env_id: str, args_text: str | None, harness: str, max_turns
             f"{' '.join(str(exc).split())[:400]}. The id names an importable module or package whose __all__ "
             "exports one Taskset subclass"
         ) from None
+
+
+def env_seats(env_id: str) -> list[str]:
+    """The agent seats of the taskset's env (its config's AgentConfig fields, as verifiers reads them)."""
+    vf = verifiers_v1()
+    from verifiers.v1.utils.loaders import env_config_type  # noqa: PLC0415 - the optional extra's
+
+    fields = env_config_type(env_id).model_fields
+    return [name for name, f in fields.items() if isinstance(f.default, vf.AgentConfig)] or ["agent"]
 
 
 @functools.lru_cache(maxsize=4)

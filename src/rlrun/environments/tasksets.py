@@ -163,7 +163,10 @@ class TasksetEpisodes:
         if not episode.traces:
             first = episode.errors[0] if episode.errors else "no trace"
             return Row(prompt=[]), Outcome(error=f"ended without a trace ({first})")
-        return trace_row(episode.traces[0], self.limits.response_budget)
+        trainable = [t for t in episode.traces if t.agent is None or t.agent.trainable]
+        if not trainable:
+            return Row(prompt=[]), Outcome(error="no trainable seat made a trace (a user simulation's only)")
+        return trace_row(trainable[0], self.limits.response_budget)
 
 
 def renderer_config(tokenizer: PreTrainedTokenizerBase, source: str) -> Any:
