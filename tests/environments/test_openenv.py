@@ -119,3 +119,23 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize(("properties", "required", "field"), [
+    ({"metadata": {"type": "object"}, "message": {"type": "string"}}, ["message"], "message"),
+    ({"guess": {"type": "string"}, "confidence": {"type": "number", "default": 0.5}}, ["guess"], "guess"),
+    ({"command": {"type": "string"}}, [], "command"),
+    ({"command": {"type": "string"}, "steps": {"type": "integer"}}, ["command", "steps"], None),
+    ({"x": {"type": "integer"}, "y": {"type": "integer"}}, ["x", "y"], None),
+    ({"a": {"type": "string"}, "b": {"type": "string"}}, ["a", "b"], None),
+])
+def test_the_reply_fills_the_action_s_one_text_field_or_is_read_as_json(properties, required, field):
+    """OpenEnv actions as pydantic writes their schema (metadata has a default): the reply text goes into the one text
+    field a reply can fill alone; any other action is the reply's JSON object."""
+    from rlrun.environments.openenv import EpisodeFailed, action_of, text_field
+
+    assert text_field({"properties": properties, "required": required}) == field
+    if field is None:
+        assert action_of('I move {"x": 1, "y": 2} now', None) == {"x": 1, "y": 2}
+        with pytest.raises(EpisodeFailed, match="is not a JSON object of the server's action"):
+            action_of("left", None)

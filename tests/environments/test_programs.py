@@ -52,12 +52,13 @@ def prompts_of(texts: list[str], label: str = "ab") -> Prompts:
     return Prompts(texts, [TOK.encode(t, add_special_tokens=False) for t in texts], records, 0, 0)
 
 
-def episodes_for(tmp_path, source: str, *, timeout: float = 60.0, budget: int = 40) -> ProgramEpisodes:
+def episodes_for(tmp_path, source: str, *, timeout: float = 60.0, budget: int = 40, reward_fn=None) -> ProgramEpisodes:
     program = tmp_path / "agent.py"
     program.write_text(source)
     limits = EpisodeLimits(response_budget=budget, prompt_max_len=64, timeout_s=timeout, max_concurrency=4)
     served = Limits("tiny", TEMPERATURE, 1.0, CAP, 128)
-    return ProgramEpisodes(f"{sys.executable} {program}", limits, TOK, lambda: Gateway(served, TOK, answer_timeout=30))
+    return ProgramEpisodes(f"{sys.executable} {program}", limits, TOK, reward_fn,
+                           lambda: Gateway(served, TOK, answer_timeout=30))
 
 
 def test_an_openai_sdk_program_s_two_turns_become_one_row_of_the_engine_s_ids(tmp_path):
@@ -170,3 +171,33 @@ def test_the_reward_line_is_checked(stdout, words):
         parse_reward(stdout)
     assert parse_reward('log\n{"reward": 0.25}\n\n') == 0.25
     assert json.loads('{"reward": 1}')["reward"] == parse_reward('{"reward": 1}')
+
+
+LENGTH_REWARD = """
+import torch
+
+def reward_func(queries, prompts, labels, **kwargs):
+    return torch.tensor([float(len(q) - len(p)) for q, p in zip(queries, prompts)])
+"""
+
+
+def test_a_reward_function_scores_the_transcript_added_to_the_printed_reward_or_alone(tmp_path):
+    """With --remote_rm_url FILE.py the reward file's score over the record's prompt + the session's decoded response
+    (replies and the observation between them) is added to what the program prints, or is the reward of a program
+    that prints none."""
+    from rlrun.rewards.reward_fn import load_reward_function
+
+    (tmp_path / "reward.py").write_text(LENGTH_REWARD)
+    fn = load_reward_function(str(tmp_path / "reward.py"))
+    engine, prompts = tiny_engine(), prompts_of(["7+5=", "9*9="])
+    silent = SDK_AGENT.rsplit("print(json.dumps", 1)[0]  # its last line: the chatter
+    for source, printed in ((SDK_AGENT, True), (silent, False)):
+        (tmp_path / "run").mkdir(exist_ok=True)
+        eps = episodes_for(tmp_path / "run", source, reward_fn=fn).episodes(engine, prompts, [0, 1], prompts.ids, 5)
+        assert eps.stats["failed"] == 0
+        for k in range(2):
+            text = TOK.decode(eps.responses[k], skip_special_tokens=True)
+            replies = TOK.decode([t for t, m in zip(eps.responses[k], eps.action_masks[k]) if m],
+                                 skip_special_tokens=True)
+            own = sum(c.isdigit() for c in replies) / max(1, len(replies)) + 2 if printed else 0.0
+            assert eps.rewards[k].item() == pytest.approx(len(text) + own, abs=1e-5)

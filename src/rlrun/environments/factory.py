@@ -47,6 +47,7 @@ from rlrun.environments.rows import (
     EpisodeLimits,
     InProcessSessions,
     Outcome,
+    add_transcript_rewards,
     episode_limits,
     finish,
     gateway_opener,
@@ -54,7 +55,7 @@ from rlrun.environments.rows import (
 )
 from rlrun.gateway.server import Gateway, Session
 from rlrun.gateway.wire import Call, tool_calls
-from rlrun.rewards.reward_fn import RewardFunction, reward_responses
+from rlrun.rewards.reward_fn import RewardFunction
 from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.pyfile import import_file, one_line
 
@@ -224,13 +225,8 @@ class FactoryEpisodes:
             return self._one(gateway, session, self.pool[k], prompts, i)
 
         built, outcomes = self.sessions.run(engine, seed, rows, prompt_ids, episode)
-        good = [k for k, o in enumerate(outcomes) if o.error is None]
-        if self.reward_fn is not None and good:  # TRL's reward_funcs, added to get_reward's
-            texts, meta = [prompts.texts[rows[k]] for k in good], prompts.meta([rows[k] for k in good])
-            responses = [built[k].response for k in good]
-            scored = reward_responses(self.reward_fn, texts, meta, responses, self.tokenizer).rewards.tolist()
-            for k, value in zip(good, scored):
-                outcomes[k].reward = (outcomes[k].reward or 0.0) + value
+        if self.reward_fn is not None:  # TRL's reward_funcs, added to get_reward's
+            add_transcript_rewards(self.reward_fn, prompts, rows, built, outcomes, self.tokenizer)
         groups = [prompts.texts[i] for i in rows]
         what = f"episodes of --environment_factory {self.env.spec}"
         return finish(built, outcomes, groups, self.limits.prompt_max_len, int(self.tokenizer.pad_token_id), what)

@@ -13,8 +13,9 @@ when --generate_max_len is used up. Its reward is the sum of the step rewards (-
 The model samples through the gateway (in process: the rank's own engine, batched across episodes), so the row is
 the session's ids (rlrun.environments.rows).
 
-The reply as an action (the server's GET /schema): an action with one text field (besides `metadata`) gets the reply
-text in it; any other action schema gets the reply parsed as a JSON object. An observation as text: its one text
+The reply as an action (the server's GET /schema): an action with one text field (besides `metadata`), or one required
+text field and only optional others, gets the reply text in it; any other action schema gets the reply parsed as a
+JSON object. An observation as text: its one text
 field, or its fields as JSON. A server error, a malformed action or a dropped connection fails the episode (trains
 nothing, counted).
 """
@@ -59,10 +60,15 @@ PROBE = ("\x00USER\x00", "\x00REPLY\x00", "\x00OBS\x00")  # marks no chat templa
 
 
 def text_field(schema: dict) -> str | None:
-    """The action's one text field (besides `metadata`), or None when it has another shape."""
+    """The action's text field: its one string field besides `metadata`, or its one required string field when the
+    others have defaults; None when it has another shape (replies are then parsed as JSON)."""
     fields = {k: v for k, v in (schema.get("properties") or {}).items() if k != "metadata"}
     texts = [k for k, v in fields.items() if v.get("type") == "string"]
-    return texts[0] if len(fields) == 1 and len(texts) == 1 else None
+    required = [k for k in texts if k in (schema.get("required") or [])]
+    needed = [k for k in fields if k in (schema.get("required") or [])]
+    if len(fields) == 1 and len(texts) == 1:
+        return texts[0]
+    return required[0] if len(required) == 1 and needed == required else None
 
 
 def action_of(reply: str, field: str | None) -> dict:

@@ -5,7 +5,9 @@ The program gets, per episode:
   * OPENAI_BASE_URL (the session's `.../s/<id>/v1`), OPENAI_API_KEY (the run's gateway key) and OPENAI_MODEL;
   * on stdin one JSON line: {"prompt": the record's prompt as the data holds it (text or a message list),
     "text": the prompt as the policy sees it (templated), "label", "data_source", "extra_info", "index"};
-and prints, as the last line of its stdout, {"reward": x} (a finite number).
+and prints, as the last line of its stdout, {"reward": x} (a finite number). With a reward function set
+(--remote_rm_url, --compute_score), its score over the record and the session's decoded response is added; a program
+that prints no reward line then has that score alone.
 
 The training row is built from the session's calls, never from the program's text: the first call's prompt ids are
 the row's prompt; each call's sampled ids are actions (the engine's log-probs kept); the ids between one call's
@@ -38,8 +40,18 @@ from rlrun.config.agent import AgentConfig
 from rlrun.config.generation import GenerationConfig
 from rlrun.data.prompts import Prompts
 from rlrun.engines.protocol import Engine
-from rlrun.environments.rows import EpisodeLimits, Outcome, Row, branch_row, episode_limits, finish, gateway_opener
+from rlrun.environments.rows import (
+    EpisodeLimits,
+    Outcome,
+    Row,
+    add_transcript_rewards,
+    branch_row,
+    episode_limits,
+    finish,
+    gateway_opener,
+)
 from rlrun.gateway.server import Gateway, Session
+from rlrun.rewards.reward_fn import RewardFunction
 
 STDERR_TAIL = 300  # characters of a failed program's stderr kept for its message
 
@@ -68,10 +80,11 @@ class ProgramEpisodes:
         command: str,
         limits: EpisodeLimits,
         tokenizer: PreTrainedTokenizerBase,
+        reward_fn: RewardFunction | None,
         open_gateway: Callable[[], Gateway],
     ) -> None:
         self.argv = shlex.split(command)
-        self.limits, self.tokenizer = limits, tokenizer
+        self.limits, self.tokenizer, self.reward_fn = limits, tokenizer, reward_fn
         self._open_gateway = open_gateway  # started with the first episodes: the port is taken on the engine rank
         self.gateway: Gateway | None = None
         self.phases = 0  # rollout phases run: the weight version answers name
@@ -139,8 +152,8 @@ class ProgramEpisodes:
             return Outcome(error=f"exited with status {proc.returncode}" + (f" ({tail})" if tail else ""))
         try:
             return Outcome(reward=parse_reward(out.decode("utf-8", "replace")))
-        except ValueError as exc:
-            return Outcome(error=str(exc))
+        except ValueError as exc:  # no reward line: the reward function's score alone, when there is one
+            return Outcome() if self.reward_fn is not None else Outcome(error=str(exc))
 
     def _rows(
         self,
@@ -156,17 +169,25 @@ class ProgramEpisodes:
             if outcome.error is None and not session.calls:
                 outcome.error = "made no model call through OPENAI_BASE_URL"
             built.append(row)
+        if self.reward_fn is not None:
+            add_transcript_rewards(self.reward_fn, prompts, rows, built, outcomes, self.tokenizer)
         what = f"agent program episodes (--agent_command {shlex.join(self.argv)})"
         groups = [prompts.texts[i] for i in rows]
         return finish(built, outcomes, groups, self.limits.prompt_max_len, int(self.tokenizer.pad_token_id), what)
 
 
 def build_program_episodes(
-    a: AgentConfig, g: GenerationConfig, tokenizer: PreTrainedTokenizerBase, model: str, slot: int
+    a: AgentConfig,
+    g: GenerationConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    reward_fn: RewardFunction | None,
+    model: str,
+    slot: int,
 ) -> ProgramEpisodes:
     """--agent_command's episodes on engine rank number `slot`, whose gateway serves `model` (the name its programs
-    see in OPENAI_MODEL) on --gateway_port + slot (a free port when --gateway_port is 0)."""
+    see in OPENAI_MODEL) on --gateway_port + slot (a free port when --gateway_port is 0). `reward_fn`: the run's
+    reward function when one is set, added to each program's printed reward (or alone, when it prints none)."""
     assert a.agent_command is not None
     limits = episode_limits(a, g)
     opener = gateway_opener(a, g, tokenizer, model, slot, max_calls=True)
-    return ProgramEpisodes(a.agent_command, limits, tokenizer, opener)
+    return ProgramEpisodes(a.agent_command, limits, tokenizer, reward_fn, opener)

@@ -21,9 +21,11 @@ from transformers import PreTrainedTokenizerBase
 from rlrun.agents.episodes import Episodes
 from rlrun.config.agent import AgentConfig
 from rlrun.config.generation import GenerationConfig
+from rlrun.data.prompts import Prompts
 from rlrun.engines.protocol import Engine
 from rlrun.gateway.server import Gateway, Recorded, Session
 from rlrun.gateway.wire import Limits
+from rlrun.rewards.reward_fn import RewardFunction, reward_responses
 from rlrun.runtime.errors import AgentError
 from rlrun.runtime.log import get_logger
 
@@ -144,6 +146,26 @@ def finish(
         truncated=[r.truncated for r in built],
         stats=stats,
     )
+
+
+def add_transcript_rewards(
+    reward_fn: RewardFunction,
+    prompts: Prompts,
+    rows: list[int],
+    built: list[Row],
+    outcomes: list[Outcome],
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """The run's reward function (--remote_rm_url, --compute_score) over each good episode's record and decoded
+    response (replies and what the environment put between them), added to the episode's own reward."""
+    good = [k for k, o in enumerate(outcomes) if o.error is None]
+    if not good:
+        return
+    texts, meta = [prompts.texts[rows[k]] for k in good], prompts.meta([rows[k] for k in good])
+    responses = [built[k].response for k in good]
+    scored = reward_responses(reward_fn, texts, meta, responses, tokenizer).rewards.tolist()
+    for k, value in zip(good, scored):
+        outcomes[k].reward = (outcomes[k].reward or 0.0) + value
 
 
 def _rewards(outcomes: list[Outcome], groups: list[str]) -> list[float]:

@@ -167,7 +167,7 @@ def _check_agent(cfg: Config) -> None:
             f"--reward_pretrain {m.reward_pretrain} with --environment_factory: a reward model is not one of TRL's "
             "reward sources here; score with get_reward() or --remote_rm_url FILE.py"
         )
-    if (scored and ag.environment_factory is None) or m.reward_pretrain is not None:
+    if (scored and ag.environment_factory is None and ag.agent_command is None) or m.reward_pretrain is not None:
         source = (
             f"--remote_rm_url {m.remote_rm_url}"
             if m.remote_rm_url is not None

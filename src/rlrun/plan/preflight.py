@@ -145,7 +145,8 @@ def _reward_line(cfg: Config) -> str:
     if cfg.scores_nothing:
         return pure_distillation_line(cfg.distill.teacher_pretrain)
     if cfg.agent.agent_command is not None:
-        return "reward: what each episode's --agent_command prints (programs start with the first rollouts)"
+        added = " + the reward function" if m.remote_rm_url or m.compute_score else ""
+        return f"reward: what each episode's --agent_command prints{added} (programs start with the first rollouts)"
     if cfg.agent.env_id is not None:
         return f"reward: the rubric of the verifiers taskset --env_id {cfg.agent.env_id}"
     if cfg.agent.openenv_url is not None:
