@@ -14,7 +14,7 @@ from pathlib import Path
 
 from helpers import lane_skip
 
-from rlrun.environments.openenv_app import start_app
+from rlrun.environments.openenv import start_app
 
 REPO = Path(__file__).resolve().parents[2]
 OPENENV_PYTHON = REPO / ".venv-openenv" / "bin" / "python"

@@ -20,7 +20,7 @@ from openenv_lane import OPENENV_PYTHON, lane_env, needs_openenv, openenv_server
 from rlrun.cli.parser import parse_args
 from rlrun.data.prompts import PromptRecord, Prompts
 from rlrun.environments.openenv import build_openenv_episodes
-from rlrun.environments.openenv_app import start_app
+from rlrun.environments.openenv import start_app
 from rlrun.models.tiny import EOS_ID, build_byte_tokenizer
 from rlrun.runtime.errors import AgentError, ConfigError
 
@@ -98,7 +98,7 @@ def test_an_app_that_does_not_start_is_one_clear_error_with_its_output():
 @needs_openenv
 def test_a_started_server_dies_with_the_rank_that_started_it(tmp_path):
     """A rank killed outright (SIGKILL: no atexit) takes its --openenv_app server with it (PR_SET_PDEATHSIG)."""
-    code = ("import sys, time; from rlrun.environments.openenv_app import start_app; "
+    code = ("import sys, time; from rlrun.environments.openenv import start_app; "
             f"s = start_app('openenv_chars_server:app', {str(OPENENV_PYTHON)!r}, {str(HERE)!r}); "
             "print(s.url, s.process.pid, flush=True); time.sleep(120)")
     rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
