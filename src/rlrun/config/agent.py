@@ -54,7 +54,7 @@ class AgentConfig:
     )
     env_harness: str = opt(
         "rlrun-chat",
-        "The verifiers harness of --env_id's episodes (prime-rl's env.agent.harness.id): default rlrun's "
+        "The verifiers harness of --env_id's episodes, in every seat (prime-rl's env.<seat>.harness.id): rlrun's "
         "in-process chat harness (no network).",
     )
     env_args: str | None = opt(None, "--env_id's taskset config fields, as a JSON object.")
