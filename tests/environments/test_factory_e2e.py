@@ -32,14 +32,17 @@ def test_a_trl_environment_class_s_episodes_learn(tmp_path):
 def test_a_trl_environment_class_s_episodes_run_on_an_async_engine_rank(tmp_path):
     """--async_train with the engine on a rank of its own and a LoRA policy (the engine gets the merged weights): the
     gateway serves the episodes while the actor trains; step 1's rows come from the actor's own weights, later ones
-    from the previous version (the lag shows in the engine-vs-actor log-prob gap, as async training's does)."""
+    from the previous version (the lag shows in the engine-vs-actor log-prob gap, as async training's does), and
+    OpenRLHF's rollout correction weighs them by the gateway's engine log-probs."""
     args = ["--config", "configs/demo.yaml", "--environment_factory", "examples/trl_env/chars_env.py:CharsEnv",
             "--remote_rm_url", "demo", "--max_steps", "5", "--rollout_batch_size", "8", "--train_batch_size", "32",
             "--async_train", "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1",
-            "--generation_backend", "native", "--lora_rank", "8"]
+            "--generation_backend", "native", "--lora_rank", "8", "--enable_vllm_is_correction"]
     res = run_rlrun(2, args, tmp_path)
     assert res.returncode == 0, res.output[-3000:]
     assert "saved the policy as a LoRA adapter" in res.output
     assert len(res.metrics) == 5 and all(m["agent/failed"] == 0 and m["reward"] >= 0.5 for m in res.metrics)
     gaps = [m["rollout/engine_vs_actor_logprob_diff"] for m in res.metrics]
     assert gaps[0] < 1e-4 and all(g > 1e-3 for g in gaps[1:]), gaps
+    weights = [(m["rollout_corr/rollout_is_mean"], m["rollout_corr/rollout_is_std"]) for m in res.metrics]
+    assert weights[0] == (1.0, 0.0) and all(std > 0 for _, std in weights[1:]), weights
