@@ -44,3 +44,11 @@ class CharsEnv(Environment):
 
 
 app = create_app(CharsEnv, ReplyAction, TaskObservation, env_name="chars", max_concurrent_envs=64)
+
+
+class OneSessionCharsEnv(CharsEnv):
+    SUPPORTS_CONCURRENT_SESSIONS = False
+
+
+# As most OpenEnv servers are made: create_app's defaults, one WebSocket session at a time
+single = create_app(OneSessionCharsEnv, ReplyAction, TaskObservation, env_name="chars")

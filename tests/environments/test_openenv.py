@@ -139,3 +139,15 @@ def test_the_reply_fills_the_action_s_one_text_field_or_is_read_as_json(properti
         assert action_of('I move {"x": 1, "y": 2} now', None) == {"x": 1, "y": 2}
         with pytest.raises(EpisodeFailed, match="is not a JSON object of the server's action"):
             action_of("left", None)
+
+
+@needs_openenv
+def test_a_server_that_holds_one_session_at_a_time_serves_every_episode_in_turn():
+    """create_app's default (max_concurrent_envs 1): the other episodes' resets are refused with CAPACITY_REACHED;
+    each waits (backing off) and takes the session when it is free, so every episode runs and none fails."""
+    with openenv_server("openenv_chars_server:single", HERE) as url:
+        source, engine = _source(url), sharp_native_engine()
+        prompts = _prompts(["digits", "letters", "digits", "letters"])
+        eps = source.episodes(engine, prompts, [0, 1, 2, 3], prompts.ids, seed=4)
+    assert eps.stats["failed"] == 0 and eps.stats["steps"] == 8
+    assert eps.stats["server_full_waits"] > 0

@@ -27,6 +27,7 @@ import asyncio
 import atexit
 import contextlib
 import ctypes
+import itertools
 import json
 import os
 import signal
@@ -63,6 +64,10 @@ from rlrun.runtime.errors import ConfigError, MissingExtraError
 from rlrun.runtime.secrets import redact_text
 
 CONNECT_TIMEOUT_S = 30.0
+# A full server (every session it may hold taken) is asked again after 0.1 s, doubling up to 2 s, within the
+# episode's --agent_timeout
+FULL_WAIT_S = 0.1
+FULL_WAIT_MAX_S = 2.0
 PROBE = ("\x00USER\x00", "\x00REPLY\x00", "\x00OBS\x00")  # marks no chat template or model writes
 
 
@@ -302,45 +307,67 @@ class OpenEnvEpisodes:
             raise MissingExtraError("websockets", "openenv", "--openenv_url") from None
         s, record = self.settings, prompts.records[i]
         url = s.url.replace("http://", "ws://", 1).replace("https://", "wss://", 1).rstrip("/") + "/ws"
-        rewards: list[float] = []
-        async with connect(url, open_timeout=CONNECT_TIMEOUT_S, max_size=2**24) as ws:
-            label = {} if record.label is None else {"label": record.label}
-            kwargs = {**label, **(record.extra_info or {}), "episode_id": f"rlrun-{self.sessions.phases}-{k}"}
-            observation, _, done = await _exchange(ws, {"type": "reset", "data": kwargs})
-            ids = first_prompt(self.tokenizer, record.prompt, observation_text(observation))
-            cut = float(len(ids) > self.limits.prompt_max_len)  # keeps its last tokens, as agents' prompts do
-            ids = ids[-self.limits.prompt_max_len :]
-            turn = 0
-            while not done:
-                call = Call(prompt=ids, max_tokens=min(s.max_tokens, self.limits.response_budget), logprobs=True)
-                reply = await asyncio.get_running_loop().run_in_executor(None, gateway.submit, call, session)
-                text = str(self.tokenizer.decode(reply.tokens, skip_special_tokens=True))
-                observation, reward, done = await _exchange(
-                    ws, {"type": "step", "data": action_of(text, s.action_field)}
-                )
-                rewards.append(reward)
-                turn += 1
-                used = len(ids) + len(reply.tokens) - len(session.calls[0].call.prompt)
-                if done or turn == s.max_turns or used >= self.limits.response_budget:
-                    break
-                ended = bool(reply.tokens) and reply.tokens[-1] in self.end_ids
-                bridge = self.bridge.text(observation_text(observation), ended)
-                ids = ids + reply.tokens + self.tokenizer.encode(bridge, add_special_tokens=False)
-            await ws.send(json.dumps({"type": "close"}))
+        label = {} if record.label is None else {"label": record.label}
+        episode_id = f"rlrun-{self.sessions.phases}-{k}"
+        reset = {"type": "reset", "data": {**label, **(record.extra_info or {}), "episode_id": episode_id}}
+        for waits in itertools.count():
+            async with connect(url, open_timeout=CONNECT_TIMEOUT_S, max_size=2**24) as ws:
+                try:
+                    observation, _, done = await _exchange(ws, reset)
+                except ServerFull:  # its sessions are all taken (OpenEnv's default is one): wait for one
+                    await asyncio.sleep(min(FULL_WAIT_MAX_S, FULL_WAIT_S * 2**waits))
+                    continue
+                rewards, cut = await self._play(gateway, session, ws, record.prompt, observation, done)
+                await ws.send(json.dumps({"type": "close"}))
+                break
         if not rewards:
             raise EpisodeFailed("the server said done at reset; there was nothing to act on")
-        metrics = {"steps": float(len(rewards)), "prompt_truncated": cut}
+        metrics = {"steps": float(len(rewards)), "prompt_truncated": cut, "server_full_waits": float(waits)}
         return Outcome(reward=rewards[-1] if s.last_reward else sum(rewards), metrics=metrics)
+
+    async def _play(
+        self, gateway: Gateway, session: Session, ws: Any, prompt: str | list, observation: dict, done: bool
+    ) -> tuple[list[float], float]:
+        """The episode's steps after its reset: the step rewards, and whether the first prompt was cut."""
+        s = self.settings
+        ids = first_prompt(self.tokenizer, prompt, observation_text(observation))
+        cut = float(len(ids) > self.limits.prompt_max_len)  # keeps its last tokens, as agents' prompts do
+        ids = ids[-self.limits.prompt_max_len :]
+        rewards: list[float] = []
+        while not done:
+            call = Call(prompt=ids, max_tokens=min(s.max_tokens, self.limits.response_budget), logprobs=True)
+            reply = await asyncio.get_running_loop().run_in_executor(None, gateway.submit, call, session)
+            text = str(self.tokenizer.decode(reply.tokens, skip_special_tokens=True))
+            observation, reward, done = await _exchange(ws, {"type": "step", "data": action_of(text, s.action_field)})
+            rewards.append(reward)
+            used = len(ids) + len(reply.tokens) - len(session.calls[0].call.prompt)
+            if done or len(rewards) == s.max_turns or used >= self.limits.response_budget:
+                break
+            ended = bool(reply.tokens) and reply.tokens[-1] in self.end_ids
+            bridge = self.bridge.text(observation_text(observation), ended)
+            ids = ids + reply.tokens + self.tokenizer.encode(bridge, add_special_tokens=False)
+        return rewards, cut
+
+
+class ServerFull(EpisodeFailed):
+    """The server holds as many sessions as it may (OpenEnv's CAPACITY_REACHED)."""
 
 
 async def _exchange(ws: Any, message: dict) -> tuple[dict, float, bool]:
     """One request of the session and its answer: (observation, reward, done), or EpisodeFailed with the server's
     error."""
-    await ws.send(json.dumps(message))
+    from websockets.exceptions import ConnectionClosed  # noqa: PLC0415 - the openenv extra's
+
+    try:
+        await ws.send(json.dumps(message))
+    except ConnectionClosed:
+        pass  # a server that refused the session (full) said why before it closed: read that below
     answer = json.loads(await ws.recv())
     data = answer.get("data") or {}
     if answer.get("type") != "observation":
         why = " ".join(str(data.get("message", data)).split())[:300]
+        if data.get("code") == "CAPACITY_REACHED":
+            raise ServerFull(why)
         raise EpisodeFailed(f"the server answered {message['type']} with {answer.get('type')}: {why}")
     reward = data.get("reward")
     return data.get("observation") or {}, float(reward) if reward is not None else 0.0, bool(data.get("done"))
