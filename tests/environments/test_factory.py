@@ -9,6 +9,7 @@ samples from a real model."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 from types import SimpleNamespace
 
@@ -133,3 +134,20 @@ def test_a_class_that_breaks_trl_s_contract_is_one_clear_error(tok, spec, messag
     cfg = parse_args(["--environment_factory", spec]).config
     with pytest.raises(ConfigError, match=message):
         build_factory_episodes(cfg.agent, cfg.generation, {}, tok, None, "tiny", 0)
+
+
+def test_reset_gets_the_dataset_s_columns_as_trl_passes_them(tmp_path, tok):
+    """--prompt_data in TRL's conversational format with extra columns: with --environment_factory the records keep
+    every column (images aside), which reset(**row) receives as TRL passes the dataset row."""
+    from rlrun.data.prompts import prompt_spec
+    from rlrun.plan.preflight import ppo_prompts
+
+    rows = [{"prompt": [{"role": "user", "content": "Find it."}], "answer": "7", "meta": {"level": 2}},
+            {"prompt": [{"role": "user", "content": "Find it."}], "answer": "3", "meta": {"level": 1}}]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = ["--prompt_data", str(data), "--input_key", "prompt", "--prompt_max_len", "400"]
+    cfg = parse_args([*flags, "--environment_factory", f"{HERE}/trl_guess_env.py:GuessEnv"]).config
+    assert [r.columns for r in ppo_prompts(cfg, tok, prompt_spec(cfg.data, 0)).records] == rows
+    plain = parse_args([*flags, "--remote_rm_url", "demo"]).config
+    assert all(r.columns is None for r in ppo_prompts(plain, tok, prompt_spec(plain.data, 0)).records)  # only here
