@@ -118,6 +118,12 @@ class AgentConfig:
         return any(getattr(self, n) is not None for n in EPISODE_SOURCES)
 
     @property
+    def adds_reward_function(self) -> bool:
+        """The chosen source's episodes take the run's reward function besides their own reward (TRL classes, as
+        TRL adds reward_funcs; agent programs)."""
+        return self.environment_factory is not None or self.agent_command is not None
+
+    @property
     def gateway_source(self) -> str | None:
         """The flag of the chosen source that samples through the token gateway (None: no such source)."""
         return next((f"--{n}" for n in GATEWAY_SOURCES if getattr(self, n) is not None), None)

@@ -56,6 +56,11 @@ class RewardConfig:
     def needs_reward_model(self) -> bool:
         return self.reward_pretrain is not None and self.remote_rm_url is None
 
+    @property
+    def names_reward_function(self) -> bool:
+        """A reward function is named (--remote_rm_url or --compute_score)."""
+        return self.remote_rm_url is not None or self.compute_score is not None
+
     def sources(self) -> list[str]:
         """The reward sources given, as typed."""
         given = (

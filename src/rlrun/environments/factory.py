@@ -98,12 +98,13 @@ def tools_of(instance: Any) -> list[Callable[..., Any]]:
 
 @dataclass(frozen=True)
 class EnvironmentClass:
-    """What the probe instance showed: the factory, whether it owns a reward, its tools' names."""
+    """What the probe showed: the factory and whether its class owns a reward; the probe instance itself, the first of
+    the episodes' pool (as TRL keeps it: a constructor may be costly)."""
 
     spec: str
     factory: Callable[[], Any]
     owns_reward: bool
-    tools: tuple[str, ...]
+    first: Any
 
 
 def probe(spec: str) -> EnvironmentClass:
@@ -118,8 +119,7 @@ def probe(spec: str) -> EnvironmentClass:
         raise ConfigError(f"--environment_factory {spec}: making an instance raised {one_line(exc)}") from None
     if not callable(getattr(instance, "reset", None)):
         raise ConfigError(f"--environment_factory {spec}: {type(instance).__name__} defines no reset(**row) method")
-    tools = tools_of(instance)
-    for tool in tools:
+    for tool in tools_of(instance):
         try:
             get_json_schema(tool)
         except Exception as exc:  # noqa: BLE001 - transformers' DocstringParsingException, TypeError, ...
@@ -128,7 +128,7 @@ def probe(spec: str) -> EnvironmentClass:
                 f"({one_line(exc)}); give it type hints and a docstring with an Args: section, as TRL requires"
             ) from None
     owns = callable(getattr(type(instance), "get_reward", None))
-    return EnvironmentClass(spec, factory, owns, tuple(t.__name__ for t in tools))
+    return EnvironmentClass(spec, factory, owns, instance)
 
 
 # ---- turns as ids ------------------------------------------------------------------------------------------------
@@ -211,13 +211,11 @@ class FactoryEpisodes:
     ) -> None:
         self.env, self.turns, self.limits, self.tokenizer, self.reward_fn = env, turns, limits, tokenizer, reward_fn
         self.sessions = InProcessSessions(open_gateway, limits)
-        self.pool: list[Any] = []  # instances, made as a batch first needs them, reused after
-        self.end_ids: set[int] = set()
+        self.pool: list[Any] = [env.first]  # instances, made as a batch first needs them, reused after
 
     def episodes(
         self, engine: Engine, prompts: Prompts, rows: list[int], prompt_ids: list[list[int]], seed: int
     ) -> Episodes:
-        self.end_ids = set(engine.sampling.end_ids)
         while len(self.pool) < len(rows):
             self.pool.append(self.env.factory())
 
@@ -259,8 +257,7 @@ class FactoryEpisodes:
                 content, ok = await call_tool(tool, function["name"], function["arguments"])
                 calls, failures = calls + 1, failures + (not ok)
                 messages.append({"role": "tool", "name": function["name"], "content": content})
-            ended = bool(reply.tokens) and reply.tokens[-1] in self.end_ids
-            suffix = tool_suffix(self.tokenizer, messages, ended, t.template_kwargs)
+            suffix = tool_suffix(self.tokenizer, messages, gateway.at_end(reply), t.template_kwargs)
             ids = ids + reply.tokens + self.tokenizer.encode(suffix, add_special_tokens=False)
         reward = await _reward(instance) if self.env.owns_reward else None  # else the reward function's alone
         return Outcome(reward=reward, metrics={"tool_calls": float(calls), "tool_failures": float(failures)})

@@ -284,12 +284,10 @@ class OpenEnvEpisodes:
         self.settings, self.limits, self.tokenizer = settings, limits, tokenizer
         self.sessions = InProcessSessions(open_gateway, limits)
         self.bridge = chat_bridge(tokenizer)
-        self.end_ids: set[int] = set()
 
     def episodes(
         self, engine: Engine, prompts: Prompts, rows: list[int], prompt_ids: list[list[int]], seed: int
     ) -> Episodes:
-        self.end_ids = set(engine.sampling.end_ids)
 
         def episode(gateway: Gateway, session: Session, i: int, k: int) -> Coroutine[Any, Any, Outcome]:
             return self._one(gateway, session, prompts, i, k)
@@ -343,8 +341,7 @@ class OpenEnvEpisodes:
             used = len(ids) + len(reply.tokens) - len(session.calls[0].call.prompt)
             if done or len(rewards) == s.max_turns or used >= self.limits.response_budget:
                 break
-            ended = bool(reply.tokens) and reply.tokens[-1] in self.end_ids
-            bridge = self.bridge.text(observation_text(observation), ended)
+            bridge = self.bridge.text(observation_text(observation), gateway.at_end(reply))
             ids = ids + reply.tokens + self.tokenizer.encode(bridge, add_special_tokens=False)
         return rewards, cut
 

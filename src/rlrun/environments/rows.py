@@ -28,6 +28,7 @@ from rlrun.gateway.wire import Limits
 from rlrun.rewards.reward_fn import RewardFunction, reward_responses
 from rlrun.runtime.errors import AgentError
 from rlrun.runtime.log import get_logger
+from rlrun.runtime.pyfile import one_line
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,7 @@ async def _bounded(slots: asyncio.Semaphore, episode: Coroutine[Any, Any, Outcom
     except EpisodeFailed as exc:
         return Outcome(error=str(exc))
     except Exception as exc:  # noqa: BLE001 - an environment's failure ends its episode, counted
-        return Outcome(error=f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+        return Outcome(error=one_line(exc)[:300])
 
 
 async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

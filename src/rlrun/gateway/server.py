@@ -131,6 +131,11 @@ class Gateway:
         with self._lock:
             return self._sessions.get(sid)
 
+    def at_end(self, done: Completion) -> bool:
+        """The reply ends with one of the serving engine's end ids (so a chat template's end marker after it is
+        already there)."""
+        return bool(done.tokens) and done.tokens[-1] in self.end_ids
+
     # -- the HTTP threads' side ----------------------------------------------------------------------------------
     def submit(self, call: Call, session: Session | None) -> Completion:
         """Queue one call and wait (at most answer_timeout) for the engine thread to sample it."""

@@ -161,13 +161,12 @@ def _check_agent(cfg: Config) -> None:
             f"--env_id {ag.env_id} with --prompt_data {cfg.data.prompt_data}: the taskset's tasks are the prompts; "
             "drop --prompt_data (--env_args chooses the taskset's split or subset)"
         )
-    scored = m.remote_rm_url is not None or m.compute_score is not None
     if ag.environment_factory is not None and m.reward_pretrain is not None:
         raise ConfigError(
             f"--reward_pretrain {m.reward_pretrain} with --environment_factory: a reward model is not one of TRL's "
             "reward sources here; score with get_reward() or --remote_rm_url FILE.py"
         )
-    if (scored and ag.environment_factory is None and ag.agent_command is None) or m.reward_pretrain is not None:
+    if (m.names_reward_function and not ag.adds_reward_function) or m.reward_pretrain is not None:
         source = (
             f"--remote_rm_url {m.remote_rm_url}"
             if m.remote_rm_url is not None

@@ -145,7 +145,7 @@ def _reward_line(cfg: Config) -> str:
     if cfg.scores_nothing:
         return pure_distillation_line(cfg.distill.teacher_pretrain)
     if cfg.agent.agent_command is not None:
-        added = " + the reward function" if m.remote_rm_url or m.compute_score else ""
+        added = " + the reward function" if m.names_reward_function else ""
         return f"reward: what each episode's --agent_command prints{added} (programs start with the first rollouts)"
     if cfg.agent.env_id is not None:
         return f"reward: the rubric of the verifiers taskset --env_id {cfg.agent.env_id}"
@@ -154,7 +154,7 @@ def _reward_line(cfg: Config) -> str:
     if cfg.agent.openenv_app is not None:
         return f"reward: the step rewards of --openenv_app {cfg.agent.openenv_app} (each engine rank starts one)"
     if cfg.agent.environment_factory is not None:
-        added = " + the reward function" if m.remote_rm_url or m.compute_score else ""
+        added = " + the reward function" if m.names_reward_function else ""
         spec = cfg.agent.environment_factory
         return f"reward: get_reward() of --environment_factory {spec}{added} (imported at start-up)"
     if cfg.agent.multi_turn:

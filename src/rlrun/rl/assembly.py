@@ -368,9 +368,8 @@ def build_rewarding(cfg: Config, layout: Layout, rank: int, tokenizer: PreTraine
         return known
     m = cfg.reward
     served, slot = cfg.model.pretrain or "rlrun-demo", layout.ranks_of(Role.ENGINE).index(rank)
-    scored = m.remote_rm_url is not None or m.compute_score is not None
+    fn = reward_function(cfg, layout) if cfg.agent.adds_reward_function and m.names_reward_function else None
     if cfg.agent.agent_command is not None:
-        fn = reward_function(cfg, layout) if scored else None
         return replace(known, agents=build_program_episodes(cfg.agent, cfg.generation, tokenizer, fn, served, slot))
     if cfg.agent.openenv_url is not None or cfg.agent.openenv_app is not None:
         return replace(known, agents=build_openenv_episodes(cfg.agent, cfg.generation, tokenizer, served, slot))
@@ -380,7 +379,6 @@ def build_rewarding(cfg: Config, layout: Layout, rank: int, tokenizer: PreTraine
         )
         return replace(known, agents=episodes)
     if cfg.agent.environment_factory is not None:
-        fn = reward_function(cfg, layout) if scored else None
         data = cfg.data.apply_chat_template_kwargs
         trl = build_factory_episodes(cfg.agent, cfg.generation, data, tokenizer, fn, served, slot)
         return replace(known, agents=trl)
@@ -431,10 +429,10 @@ def describe_reward(cfg: Config) -> str:
     if ag.env_id is not None:
         return f"reward: the rubric of the verifiers taskset --env_id {ag.env_id} (episodes through the token gateway)"
     if ag.environment_factory is not None:
-        added = " + the reward function over each transcript" if m.remote_rm_url or m.compute_score else ""
+        added = " + the reward function over each transcript" if m.names_reward_function else ""
         return f"reward: get_reward() of --environment_factory {ag.environment_factory}{added} (via the token gateway)"
     if ag.agent_command is not None:
-        added = " + the reward function over each transcript" if m.remote_rm_url or m.compute_score else ""
+        added = " + the reward function over each transcript" if m.names_reward_function else ""
         return f"reward: what each episode's --agent_command {ag.agent_command!r} prints{added} (via the token gateway)"
     if ag.retriever_url is not None:
         return f"reward: the built-in Search-R1 agent's episodes (retriever {redact_text(ag.retriever_url)})"
