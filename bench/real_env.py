@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 TASKSETS = REPO / "examples" / "tasksets"
 sys.path[:0] = [str(REPO / "src"), str(REPO / "tests"), str(TASKSETS)]
 
-from real_model import greedy_replies  # noqa: E402 - this folder's GSM8K bench: the same greedy reading
+from real_model import greedy_replies, grpo_arguments, train  # noqa: E402 - this folder's GSM8K bench's
 
 
 def job(args: argparse.Namespace, gguf: str, out: Path) -> list[str]:
@@ -74,19 +73,10 @@ def accuracy(model_dir: str, questions: list[tuple[str, int]], max_new: int) -> 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=25)
-    p.add_argument("--prompts", type=int, default=6, help="prompts per step")
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt (GRPO's group)")
-    p.add_argument("--max_new", type=int, default=16, help="response tokens (training and evaluation)")
-    p.add_argument("--lr", type=float, default=2e-5)
-    # rlrun samples from the whole distribution (HF generate's default top_k 50 is sharper): measured on 48 training
-    # sums, 0.7 gives 0/64 right at the first step, 0.5 about 17 %, 0.3 about 21 %
-    p.add_argument("--temperature", type=float, default=0.5)
-    p.add_argument("--eval", type=int, default=200, help="held-out sums (the test split has 200)")
-    p.add_argument("--workdir", type=Path, default=None, help="default: a new temporary folder")
-    p.add_argument("--json", type=Path, default=None, help="write the results here")
-    args = p.parse_args()
+    # temperature: rlrun samples from the whole distribution (HF generate's default top_k 50 is sharper): measured on
+    # 48 training sums, 0.7 gives 0/48 right at the first step, 0.5 about 17 %, 0.3 about 21 %
+    args = grpo_arguments(__doc__, steps=25, prompts=6, samples=8, max_new=16, lr=2e-5, temperature=0.5,
+                          held_out=(200, "held-out sums (the test split has 200)"))
 
     import real_artefacts as ra  # noqa: PLC0415
 
@@ -105,12 +95,7 @@ def main() -> None:
     before, before_replies = accuracy(base, questions, args.max_new)
     t1 = time.perf_counter()
     out = work / "run"
-    proc = subprocess.run([sys.executable, "-m", "rlrun.ppo", *job(args, gguf, out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=6 * 3600)
-    if proc.returncode != 0:
-        raise SystemExit(f"the GRPO run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    t2 = time.perf_counter()
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics, trained = train(job(args, gguf, out), env, out)
     after, after_replies = accuracy(str(out), questions, args.max_new)
     rewards = [m["reward"] for m in metrics]
     k = max(1, min(5, len(rewards) // 3))
@@ -123,7 +108,7 @@ def main() -> None:
         "training_reward": {"first": mean(rewards[:k]), "last": mean(rewards[-k:]), "steps": k, "all": rewards},
         "failed_episodes": sum(m.get("agent/failed", 0.0) for m in metrics),
         "response_length": [m["response_length"] for m in metrics],
-        "seconds": {"eval_before": t1 - t0, "train": t2 - t1, "per_step": (t2 - t1) / max(1, len(metrics))},
+        "seconds": {"eval_before": t1 - t0, "train": trained, "per_step": trained / max(1, len(metrics))},
         "replies": {"before": before_replies[:5], "after": after_replies[:5]},
     }
     text = json.dumps(result, indent=1)

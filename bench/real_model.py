@@ -118,18 +118,37 @@ def _reward_module():  # type: ignore[no-untyped-def]
     return module
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
-    p.add_argument("--samples", type=int, default=4, help="samples per prompt (GRPO's group)")
-    p.add_argument("--max_new", type=int, default=160, help="response tokens (training and evaluation)")
-    p.add_argument("--lr", type=float, default=2e-6)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--eval", type=int, default=48, help="held-out GSM8K test questions")
+def grpo_arguments(doc: str, steps: int, prompts: int, samples: int, max_new: int, lr: float, temperature: float,
+                   held_out: tuple[int, str]) -> argparse.Namespace:
+    """This folder's real-model benches' command line, with their defaults (held_out: the count and its help)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--prompts", type=int, default=prompts, help="prompts per step")
+    p.add_argument("--samples", type=int, default=samples, help="samples per prompt (GRPO's group)")
+    p.add_argument("--max_new", type=int, default=max_new, help="response tokens (training and evaluation)")
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--eval", type=int, default=held_out[0], help=held_out[1])
     p.add_argument("--workdir", type=Path, default=None, help="default: a new temporary folder")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def train(argv: list[str], env: dict[str, str], out: Path) -> tuple[list[dict], float]:
+    """`python -m rlrun.ppo ARGV` saving to `out`: its metrics lines and its seconds (SystemExit with its output's
+    tail when it fails)."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "rlrun.ppo", *argv], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=6 * 3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"the GRPO run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    seconds = time.perf_counter() - start
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], seconds
+
+
+def main() -> None:
+    args = grpo_arguments(__doc__, steps=20, prompts=4, samples=4, max_new=160, lr=2e-6, temperature=1.0,
+                          held_out=(48, "held-out GSM8K test questions"))
 
     import tempfile  # noqa: PLC0415
 
@@ -152,12 +171,7 @@ def main() -> None:
     before, before_answers = accuracy(base, held_out, args.max_new)
     t1 = time.perf_counter()
     out = work / "run"
-    proc = subprocess.run([sys.executable, "-m", "rlrun.ppo", *job(args, data, reward, out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=6 * 3600)
-    if proc.returncode != 0:
-        raise SystemExit(f"the GRPO run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    t2 = time.perf_counter()
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics, trained = train(job(args, data, reward, out), env, out)
     after, after_answers = accuracy(str(out), held_out, args.max_new)
     rewards = [m["reward"] for m in metrics]
     k = max(1, min(5, len(rewards) // 3))
@@ -168,7 +182,7 @@ def main() -> None:
         "reward": {"first": rewards[:k], "last": rewards[-k:], "all": rewards},
         "format_rate": {"before": _format_rate(before_answers), "after": _format_rate(after_answers)},
         "response_length": [m["response_length"] for m in metrics],
-        "seconds": {"eval_before": t1 - t0, "train": t2 - t1, "per_step": (t2 - t1) / max(1, len(metrics))},
+        "seconds": {"eval_before": t1 - t0, "train": trained, "per_step": trained / max(1, len(metrics))},
         "sample_after": after_answers[0][-400:] if after_answers else "",
     }
     text = json.dumps(result, indent=1)
