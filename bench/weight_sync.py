@@ -132,7 +132,7 @@ def disaggregated_bench(rank: int, args: argparse.Namespace) -> None:
     from rlrun.strategies.blocks import param_blocks
     from rlrun.engines.receivers import KeptModel, bucket_size, entry_view
     from rlrun.weight_sync.sources import ParamSource
-    from rlrun.weight_sync.sync import build_weight_sync
+    from rlrun.weight_sync.sync import Route, build_weight_sync
     from rlrun.weight_sync.wire import WireFormat
     from rlrun.strategies.fsdp import FSDPStrategy
 
@@ -188,7 +188,7 @@ def disaggregated_bench(rank: int, args: argparse.Namespace) -> None:
     bucket_mbs = sorted({args.bucket_mb, *[float(x) for x in args.sweep_mb.split(",") if x]})
     for bucket_mb, chunk_mb in itertools.product(bucket_mbs, chunk_mbs):
         model = make_model(1 if is_root else 2 + rank)
-        ws = build_weight_sync(actor_params=ParamSource(model, param_blocks) if is_root else None, receiver=None if is_root else KeptModel(model), sync_group=group, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=int(bucket_mb * 2 ** 20), dtype=dtype, chunk_bytes=int(chunk_mb * 2 ** 20)), device=cpu)
+        ws = build_weight_sync(actor_params=ParamSource(model, param_blocks) if is_root else None, receiver=None if is_root else KeptModel(model), route=Route(root_group=group), wire=WireFormat(bucket_bytes=int(bucket_mb * 2 ** 20), dtype=dtype, chunk_bytes=int(chunk_mb * 2 ** 20)), device=cpu)
         syncs.append((ws, model, [b.data_ptr() for b in ws.buffers]))
         chunks = sum(len(c) for c in ws.chunks)
         if args.previous and chunk_mb == chunk_mbs[0]:
@@ -215,7 +215,7 @@ def disaggregated_bench(rank: int, args: argparse.Namespace) -> None:
             if is_root:
                 model = root_strategy.wrap(model)
                 source = ParamSource(model, root_strategy.param_blocks, root_strategy)
-            ws = build_weight_sync(actor_params=source, receiver=None if is_root else KeptModel(model), sync_group=group, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=int(bucket_mb * 2 ** 20), dtype=dtype), device=cpu)
+            ws = build_weight_sync(actor_params=source, receiver=None if is_root else KeptModel(model), route=Route(root_group=group), wire=WireFormat(bucket_bytes=int(bucket_mb * 2 ** 20), dtype=dtype), device=cpu)
             assert ws.zero_copy, "the one-rank FSDP2 root did not take the zero-copy send"
             syncs.append((ws, model, [b.data_ptr() for b in ws.buffers]))
             methods.append({"method": "rlrun WeightSync, zero-copy", "bucket_mb": bucket_mb,
@@ -301,7 +301,7 @@ def colocated_bench(rank: int, args: argparse.Namespace) -> None:
 
     from rlrun.engines.receivers import KeptModel
     from rlrun.weight_sync.sources import ParamSource
-    from rlrun.weight_sync.sync import build_weight_sync
+    from rlrun.weight_sync.sync import Route, build_weight_sync
     from rlrun.weight_sync.wire import WireFormat
     from rlrun.models.tiny import build_causal_lm, tiny_model_config_for_size
     import rlrun.strategies.blocks as fsdp  # the per-unit all-gather lives there
@@ -314,7 +314,7 @@ def colocated_bench(rank: int, args: argparse.Namespace) -> None:
     actor = strategy.wrap(build_causal_lm(config, seed=1), trainable=False)
     engine = build_causal_lm(config, seed=2)
     targets = dict(engine.named_parameters())
-    ws = build_weight_sync(actor_params=ParamSource(actor, strategy.param_blocks), receiver=KeptModel(engine), sync_group=None, actor_root=0, colocated=True, wire=WireFormat(bucket_bytes=256 * 2 ** 20, dtype=torch.float32), device=cpu)
+    ws = build_weight_sync(actor_params=ParamSource(actor, strategy.param_blocks), receiver=KeptModel(engine), route=Route(colocated=True), wire=WireFormat(bucket_bytes=256 * 2 ** 20, dtype=torch.float32), device=cpu)
 
     def per_param() -> None:
         with torch.no_grad():
@@ -357,7 +357,7 @@ def colocated_bench(rank: int, args: argparse.Namespace) -> None:
                 p.fill_(0.01)
     lora_engine = build_causal_lm(config, seed=2)
     lora_source = MergedLoraParams(lora_actor, strategy.param_blocks, lora.scaling)
-    lora_ws = build_weight_sync(actor_params=lora_source, receiver=KeptModel(lora_engine), sync_group=None, actor_root=0, colocated=True, wire=WireFormat(bucket_bytes=256 * 2 ** 20, dtype=torch.float32), device=cpu, check_names=lora_source.check_names())
+    lora_ws = build_weight_sync(actor_params=lora_source, receiver=KeptModel(lora_engine), route=Route(colocated=True), wire=WireFormat(bucket_bytes=256 * 2 ** 20, dtype=torch.float32), device=cpu, check_names=lora_source.check_names())
     methods = [{"method": "per parameter (full_tensor)", "fn": per_param},
                {"method": "per FSDP unit (WeightSync)", "fn": ws.sync},
                {"method": "LoRA r16, merged per unit", "fn": lora_ws.sync}]

@@ -44,7 +44,7 @@ def main() -> None:
     from rlrun.launch.groups import build_groups
     from rlrun.strategies.blocks import param_blocks
     from rlrun.weight_sync.sources import ParamSource
-    from rlrun.weight_sync.sync import build_weight_sync
+    from rlrun.weight_sync.sync import Route, build_weight_sync
     from rlrun.weight_sync.wire import WireFormat
     from rlrun.launch.layout import LayoutRequest
     from rlrun.plan.placement import plan_layout
@@ -78,7 +78,7 @@ def main() -> None:
     engine = InProcessEngine(engine_model, tok, greedy, torch.device("cpu"), VLLMOptions(rank, 0, 128, tp),
                              layout=layout, world_size=world, exchange=exchange)
     # What the trainer builds for a colocated layout: the engine is weight sync's loader and keeps no copy
-    sync = build_weight_sync(actor_params=ParamSource(actor, param_blocks), receiver=engine.weights, sync_group=None, actor_root=0, colocated=True, wire=WireFormat(bucket_bytes=2 ** 20, dtype=torch.float32), device=torch.device('cpu'))
+    sync = build_weight_sync(actor_params=ParamSource(actor, param_blocks), receiver=engine.weights, route=Route(colocated=True), wire=WireFormat(bucket_bytes=2 ** 20, dtype=torch.float32), device=torch.device('cpu'))
     report_meta = all(p.is_meta for p in engine.model.parameters())
     report: dict[str, object] = {"rank": rank, "tp": tp, "start_s": engine.start_s,
                                  "construct_s": time.perf_counter() - t0, "engine_on_meta": report_meta}

@@ -41,7 +41,7 @@ def main() -> None:
     from rlrun.engines.vllm.engine import VLLMEngine, VLLMOptions, request_seeds
     from rlrun.strategies.blocks import param_blocks
     from rlrun.weight_sync.sources import ParamSource
-    from rlrun.weight_sync.sync import build_weight_sync
+    from rlrun.weight_sync.sync import Route, build_weight_sync
     from rlrun.weight_sync.wire import WireFormat
     from rlrun.models.tiny import EOS_ID, PAD_ID, build_byte_tokenizer, build_causal_lm, tiny_model_config
 
@@ -55,7 +55,7 @@ def main() -> None:
     engine = VLLMEngine(copy.deepcopy(model), tok, greedy, torch.device("cpu"), VLLMOptions(0, 0, 128, timeout_s=300))
     # The trainer's sync as it is for an engine on the actor's own rank: `model` stands for the actor, and each sync
     # goes bucket by bucket (small buckets: several) through the engine's sink to the child; the rank keeps no copy.
-    sync = build_weight_sync(actor_params=ParamSource(model, param_blocks), receiver=engine.weights, sync_group=None, actor_root=0, colocated=True, wire=WireFormat(bucket_bytes=2 ** 16, dtype=torch.float32), device=torch.device('cpu'))
+    sync = build_weight_sync(actor_params=ParamSource(model, param_blocks), receiver=engine.weights, route=Route(colocated=True), wire=WireFormat(bucket_bytes=2 ** 16, dtype=torch.float32), device=torch.device('cpu'))
     engine.child.wait_ready()
     report: dict[str, object] = {"start_s": engine.start_s, "checks": [], "buckets": sync.num_buckets,
                                  "engine_on_meta": all(p.is_meta for p in engine.model.parameters())}

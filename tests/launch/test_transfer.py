@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlrun.engines.receivers import ALIGN, BucketEntry, BucketSink, KeptModel, bucket_size, entry_view, pack_buckets, chunk_bounds
-from rlrun.weight_sync.sync import build_weight_sync
+from rlrun.weight_sync.sync import Route, build_weight_sync
 from rlrun.weight_sync.wire import WireFormat
 from rlrun.runtime.errors import RlrunError
 
@@ -274,7 +274,7 @@ def scenario_disaggregated(rank: int, world: int) -> dict:
     out: dict = {}
     if is_engine:
         out["before"] = {n: p.detach().clone() for n, p in engine.named_parameters()}
-    ws = build_weight_sync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank in (0, 2, 3) else None, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
+    ws = build_weight_sync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, route=Route(root_group=sync_group if rank in (0, 2, 3) else None), wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
     out["num_buckets"] = ws.num_buckets
     out["zero_copy"] = ws.zero_copy
     out["plan"] = [[(e.name, e.offset, e.nbytes) for e in b] for b in ws.buckets]
@@ -342,7 +342,7 @@ def scenario_streamed(rank: int, world: int) -> dict:
         with torch.device("meta"):
             engine = TinyNet()
     sink = _RecordingSink(engine) if rank == 2 else None  # rank 3: the engine's other rank, its first takes them
-    ws = build_weight_sync(actor_params=source, receiver=sink, sync_group=sync_group if rank in (0, 2) else None, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'), check_names=['blocks.1.up.weight'] if rank == 0 else ())
+    ws = build_weight_sync(actor_params=source, receiver=sink, route=Route(root_group=sync_group if rank in (0, 2) else None), wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'), check_names=['blocks.1.up.weight'] if rank == 0 else ())
     out: dict = {"num_buckets": ws.num_buckets, "buffer_sizes": [b.numel() for b in ws.buffers], "syncs": [],
                  "bucket_sizes": [bucket_size(b) for b in ws.buckets]}
     for k in range(2):
@@ -376,7 +376,7 @@ def scenario_colocated_streamed(rank: int, world: int) -> dict:
     with torch.device("meta"):
         engine = TinyNet()
     sink = _RecordingSink(engine) if rank == 0 else None  # rank 1: the engine's other rank, its first takes them
-    ws = build_weight_sync(actor_params=source, receiver=sink, sync_group=None, actor_root=0, colocated=True, wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
+    ws = build_weight_sync(actor_params=source, receiver=sink, route=Route(colocated=True), wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
     out["num_buckets"], out["buffers"] = ws.num_buckets, len(ws.buffers)
     for k in range(2):
         train_step(k)
@@ -398,7 +398,7 @@ def scenario_colocated(rank: int, world: int) -> dict:
     on_block = rank in (0, 1)
     source, train_step, full = _actor(actor_group) if on_block else (None, None, None)
     engine = _seeded(100 + rank) if on_block else None
-    ws = build_weight_sync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=None, actor_root=0, colocated=True, wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
+    ws = build_weight_sync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, route=Route(colocated=True), wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
     out: dict = {"num_buckets": ws.num_buckets, "syncs": []}
     if on_block:
         out["before"] = {n: p.detach().clone() for n, p in engine.named_parameters()}
@@ -424,7 +424,7 @@ def scenario_mismatch(rank: int, world: int) -> dict:
         source = ParamSource(_seeded(1), param_blocks) if rank < 2 else None
         engine = _seeded(2, **engine_kwargs) if rank >= 2 else None
         try:
-            build_weight_sync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank != 1 else None, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
+            build_weight_sync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, route=Route(root_group=sync_group if rank != 1 else None), wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
             out[case] = None
         except RlrunError as e:
             out[case] = str(e)
@@ -553,7 +553,7 @@ def scenario_pipelined(rank: int, world: int) -> dict:
     out: dict = {"cases": []}
     for k, (bucket_bytes, chunk_bytes) in enumerate(PIPELINE_CASES):
         engine = _seeded(200 + 10 * k + rank) if is_engine else None
-        ws = build_weight_sync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank in (0, 2, 3) else None, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=bucket_bytes, dtype=F32, chunk_bytes=chunk_bytes), device=torch.device('cpu'))
+        ws = build_weight_sync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, route=Route(root_group=sync_group if rank in (0, 2, 3) else None), wire=WireFormat(bucket_bytes=bucket_bytes, dtype=F32, chunk_bytes=chunk_bytes), device=torch.device('cpu'))
         if is_actor:
             train_step(10 + k)
         case: dict = {"num_buckets": ws.num_buckets, "chunks": [len(c) for c in ws.chunks],
@@ -588,7 +588,7 @@ def scenario_together(rank: int, world: int) -> dict:
     out: dict = {"cases": []}
     for k, (bucket_bytes, chunk_bytes) in enumerate(((64, 1 << 20), (600, 64), (1 << 30, 700))):
         engine = _seeded(300 + 10 * k + rank) if is_engine else None
-        ws = build_weight_sync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group if rank in (0, 2, 3) else None, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=bucket_bytes, dtype=F32, chunk_bytes=chunk_bytes, together=_tiny_groups), device=torch.device('cpu'))
+        ws = build_weight_sync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, route=Route(root_group=sync_group if rank in (0, 2, 3) else None), wire=WireFormat(bucket_bytes=bucket_bytes, dtype=F32, chunk_bytes=chunk_bytes, together=_tiny_groups), device=torch.device('cpu'))
         if is_actor:
             train_step(20 + k)
         ws.sync()
@@ -642,7 +642,7 @@ def scenario_zero_copy(rank: int, world: int) -> dict:
     if rank != 1:
         engine = _seeded(300 + rank) if rank in (2, 3) else None
         source = ParamSource(model, strategy.param_blocks, strategy) if rank == 0 else None
-        ws = build_weight_sync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, sync_group=sync_group, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
+        ws = build_weight_sync(actor_params=source, receiver=KeptModel(engine) if engine is not None else None, route=Route(root_group=sync_group), wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32), device=torch.device('cpu'))
         out.update(zero_copy=ws.zero_copy, chunks=[len(c) for c in ws.chunks], buffers=len(ws.buffers))
         if rank == 0:
             out["homed_at_start"] = locals_in(ws.buffers)
@@ -691,7 +691,7 @@ def scenario_timeout(rank: int, world: int) -> dict:
     sync_group = dist.new_group([0, 2], timeout=timedelta(seconds=2))
     out: dict = {}
     if rank in (0, 2):
-        ws = build_weight_sync(actor_params=ParamSource(_seeded(1), param_blocks) if rank == 0 else None, receiver=KeptModel(_seeded(2)) if rank == 2 else None, sync_group=sync_group, actor_root=0, colocated=False, wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32, chunk_bytes=512), device=torch.device('cpu'))
+        ws = build_weight_sync(actor_params=ParamSource(_seeded(1), param_blocks) if rank == 0 else None, receiver=KeptModel(_seeded(2)) if rank == 2 else None, route=Route(root_group=sync_group), wire=WireFormat(bucket_bytes=BUCKET_BYTES, dtype=F32, chunk_bytes=512), device=torch.device('cpu'))
         if rank == 2:
             t0 = time.monotonic()
             try:

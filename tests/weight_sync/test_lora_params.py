@@ -31,7 +31,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     import torch.distributed as dist
 
     from rlrun.engines.receivers import KeptModel
-    from rlrun.weight_sync.sync import build_weight_sync
+    from rlrun.weight_sync.sync import Route, build_weight_sync
     from rlrun.weight_sync.wire import WireFormat
     from rlrun.roles.update import make_optimizer
     from rlrun.runtime.errors import RlrunError
@@ -52,7 +52,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
                 p.fill_(0.1)
     engine = load_causal_lm(PretrainedConfig(), SEED)
     params = MergedLoraParams(actor, strategy.param_blocks, settings.scaling)
-    sync = build_weight_sync(actor_params=params, receiver=KeptModel(engine), sync_group=None, actor_root=0, colocated=True, wire=WireFormat(bucket_bytes=2 ** 20, dtype=torch.float32), device=torch.device('cpu'), check_names=params.check_names())
+    sync = build_weight_sync(actor_params=params, receiver=KeptModel(engine), route=Route(colocated=True), wire=WireFormat(bucket_bytes=2 ** 20, dtype=torch.float32), device=torch.device('cpu'), check_names=params.check_names())
     sync.sync()  # delivered: passes
     merged = dict(params.full())
     weights = engine.state_dict()

@@ -89,6 +89,13 @@ class GenerationConfig:
         "batch).",
     )
     weight_sync_bucket_mb: int = opt(256, "Size of each actor->engine weight-sync bucket (MiB).")
+    weight_sync_senders: Literal["all", "root"] = opt(
+        "all",
+        "Engines on ranks of their own: 'all' = every actor rank sends its own shard, in the engines' dtype (no rank "
+        "gathers the model; with several engine ranks each takes a share and passes it on to the others); 'root' = "
+        "the actor's first rank gathers the model and broadcasts it. A LoRA actor (merged weights) and an actor on "
+        "one rank send from the root either way.",
+    )
     max_engine_restarts: int = opt(
         3,
         "vLLM engines hosted in a child process (--vllm_engine_host child, or auto where the layout needs one): a "

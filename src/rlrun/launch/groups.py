@@ -61,7 +61,7 @@ def build_groups(layout: Layout, timeout_s: float, sync_backend: str | None = No
     timeout = timedelta(seconds=timeout_s)
     groups = Groups(rank=rank, layout=layout)
     for spec in layout.groups:
-        backend = sync_backend if spec.name == "sync" else "gloo" if spec.name == "ready" else None
+        backend = sync_backend if spec.name in ("sync", "sync.senders") else "gloo" if spec.name == "ready" else None
         group = dist.new_group(list(spec.ranks), timeout=timeout, backend=backend, group_desc=spec.name)
         if rank in spec.ranks:
             groups.member[spec.name] = group

@@ -27,7 +27,7 @@ from rlrun.engines.build import choose_host, describe_host
 from rlrun.launch.dist import uses_cuda
 from rlrun.launch.env import DistEnv, read_node_label
 from rlrun.launch.layout import Layout, LayoutRequest, Role, RoleRequest, format_layout_table, layout_heading
-from rlrun.models.adapter_pretrain import resolve_adapter_pretrain
+from rlrun.models.adapter_pretrain import lora_settings, resolve_adapter_pretrain
 from rlrun.models.hub import resolve, resolve_models
 from rlrun.models.lora import refuse_adapter_as_reference
 from rlrun.plan.checks import (
@@ -188,6 +188,7 @@ def layout_request(cfg: Config) -> LayoutRequest:
         partial_rollout=cfg.train.continues_rollouts,
         # A vLLM child's tensor-parallel workers read the weights from the file its engine's first rank writes.
         sync_engine_leaders=cfg.generation.generation_backend == "vllm" and r.vllm_tensor_parallel_size > 1,
+        many_senders=cfg.generation.weight_sync_senders == "all" and lora_settings(cfg.model) is None,
         sequence_parallel=tuple(sequence_parallel_sizes(cfg).items()),
     )
 

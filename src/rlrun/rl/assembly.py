@@ -84,7 +84,7 @@ from rlrun.strategies.choose import make_strategy
 from rlrun.vision.inputs import quiet_output_view_warning
 from rlrun.vision.tower import freeze_by_prefix, freeze_vision_tower
 from rlrun.weight_sync.sources import MergedLoraParams, ParamSource
-from rlrun.weight_sync.sync import WeightSync, build_weight_sync
+from rlrun.weight_sync.sync import Route, WeightSync, build_weight_sync
 from rlrun.weight_sync.wire import WireFormat
 
 TABLE_RANKS = 16  # a larger world's layout is one line at start-up (--dry_run prints its table)
@@ -595,9 +595,12 @@ def _weight_sync(ctx: RankContext, cfg: Config, roles: RankRoles) -> WeightSync:
     return build_weight_sync(
         actor_params=source,
         receiver=roles.engine.weights if roles.engine else None,
-        sync_group=ctx.groups.get("sync"),
-        actor_root=ctx.layout.ranks_of(Role.ACTOR)[0],
-        colocated=ctx.layout.engine_colocated_with_actor,
+        route=Route(
+            colocated=ctx.layout.engine_colocated_with_actor,
+            root_group=ctx.groups.get("sync"),
+            actor_ranks=ctx.layout.ranks_of(Role.ACTOR),
+            senders_group=ctx.groups.get("sync.senders"),
+        ),
         wire=WireFormat(
             bucket_bytes=g.weight_sync_bucket_mb * 2**20,
             dtype=engine_dtype(cfg.model.bf16, ctx.device),

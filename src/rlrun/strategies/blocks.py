@@ -3,9 +3,10 @@
 An FSDP2 model's block is one FSDP unit (a `fully_shard`ed module, its own parameters only); an
 unsharded model is one block. `ParamBlock.gather` is collective over the unit's mesh; `FullBlock`
 holds the result and writes each full parameter straight into its destination (a send bucket, an
-engine's weight). `ParamHoming` is the strategy surface that lets weight sync's root send a one-rank
-actor's parameters without a copy. The strategies (rlrun.strategies) hand their blocks to
-rlrun.launch.transfer through these types.
+engine's weight). `ParamBlock.holdings` is the other view: what THIS rank holds of each parameter (no
+collective), so that every actor rank can send its own shard (rlrun.weight_sync.senders). `ParamHoming` is the
+strategy surface that lets weight sync's root send a one-rank actor's parameters without a copy. The strategies
+(rlrun.strategies) hand their blocks to rlrun.launch.transfer through these types.
 """
 
 from __future__ import annotations
@@ -140,6 +141,67 @@ class FullBlock:
         return self.write(name, torch.empty(shape, dtype=dtype, device=device))
 
 
+@dataclass(frozen=True)
+class Holding:
+    """What one rank holds of a parameter, as a flat range of the full tensor's elements, and who holds the rest.
+
+    spans: (global rank, first element, end element) of every rank's part, in element order, covering the full
+    tensor exactly once (replicas share out a replicated tensor evenly). start/flat: this rank's own elements
+    [start, start + flat.numel()) of the flattened full tensor (a replicated tensor: all of it), a view, not a copy."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    spans: tuple[tuple[int, int, int], ...]
+    start: int
+    flat: torch.Tensor
+
+    @property
+    def stop(self) -> int:
+        """The end of this rank's own elements."""
+        return self.start + self.flat.numel()
+
+    def piece(self, begin: int, end: int) -> torch.Tensor:
+        """Elements [begin, end) of the full tensor, from this rank's own part (no copy)."""
+        if not (self.start <= begin <= end <= self.stop):
+            raise ValueError(
+                f"{self.name}: elements [{begin}, {end}) are outside this rank's part {self.start, self.stop}"
+            )
+        return self.flat[begin - self.start : end - self.start]
+
+
+class NotHeldInSpans(Exception):
+    """A parameter whose placement has no Holding (a 2-D mesh, a shard on another dim): the caller falls back."""
+
+
+def even_spans(numel: int, ranks: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """A tensor every rank in `ranks` holds whole, shared out: torch.chunk's split of its elements (empty tails
+    left out)."""
+    chunk = -(-numel // len(ranks)) if numel else 0
+    spans = ((r, min(i * chunk, numel), min((i + 1) * chunk, numel)) for i, r in enumerate(ranks))
+    return tuple(s for s in spans if s[2] > s[1])
+
+
+def holding(name: str, p: torch.Tensor, replicas: tuple[int, ...]) -> Holding:
+    """This rank's part of parameter `p` (FSDP2's dim-0 shard over a 1-D mesh; a tensor that is not a DTensor,
+    or one over a one-rank mesh, is held whole by each rank of `replicas`). Raises NotHeldInSpans otherwise."""
+    if _is_dim0_sharded(p) and p.device_mesh.size() > 1:
+        local = p.detach().to_local()  # type: ignore[attr-defined]  # a DTensor's detach() is a DTensor
+        ranks = [int(r) for r in p.device_mesh.mesh.flatten().tolist()]
+        inner = math.prod(p.shape[1:])
+        chunk = -(-p.shape[0] // len(ranks))
+        spans = tuple(
+            (r, min(i * chunk, p.shape[0]) * inner, min((i + 1) * chunk, p.shape[0]) * inner)
+            for i, r in enumerate(ranks)
+        )
+        me = p.device_mesh.get_local_rank()
+        return Holding(name, p.shape, p.dtype, tuple(s for s in spans if s[2] > s[1]), spans[me][1], local.reshape(-1))
+    if is_sharded(p) and not (_is_dim0_sharded(p) and p.device_mesh.size() == 1):
+        raise NotHeldInSpans(f"{name} is a DTensor placed {tuple(p.placements)} over a {p.device_mesh.ndim}-D mesh")
+    whole = p.detach().to_local() if is_sharded(p) else p.detach()  # type: ignore[attr-defined]
+    return Holding(name, p.shape, p.dtype, even_spans(whole.numel(), replicas), 0, whole.reshape(-1))
+
+
 class GatherScratch:
     """Byte buffers reused by successive block gathers, grown on demand. Reuse matters on CPU: a
     fresh multi-MiB buffer per gather is a fresh mmap, and first-touching its pages (page faults and
@@ -174,6 +236,11 @@ class ParamBlock:
 
     def shapes(self) -> list[tuple[str, torch.Size, torch.dtype]]:
         return [(n, p.shape, p.dtype) for n, p in self.named]  # DTensor.shape is the full (global) shape
+
+    def holdings(self, replicas: tuple[int, ...]) -> list[Holding]:
+        """What this rank holds of each parameter (no collective); `replicas`: the ranks that each hold a tensor
+        that is not sharded (the role's ranks). Raises NotHeldInSpans for a placement it cannot describe."""
+        return [holding(name, p, replicas) for name, p in self.named]
 
     @torch.no_grad()
     def gather(self, scratch: GatherScratch | None = None) -> FullBlock:

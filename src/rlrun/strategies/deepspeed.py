@@ -51,7 +51,7 @@ from rlrun.models.weights import Unfilled
 from rlrun.runtime.errors import RlrunError
 from rlrun.runtime.log import get_logger
 from rlrun.strategies.base import ALL_UNITS, GradClipper, OptimizerFactory, SleepUnit, StepOps
-from rlrun.strategies.blocks import FullBlock, ParamBlock
+from rlrun.strategies.blocks import FullBlock, Holding, ParamBlock, holding
 from rlrun.strategies.parking import SleepBook, awake_meanwhile
 
 _NEVER = 2**31 - 1  # steps_per_print: DeepSpeed's own progress lines stay off; rlrun logs metrics
@@ -506,6 +506,12 @@ class Zero3Block:
     def shapes(self) -> list[tuple[str, torch.Size, torch.dtype]]:
         return [(n, full_shape(p), p.dtype) for n, p in self.named]
 
+    def holdings(self, replicas: tuple[int, ...]) -> list[Holding]:
+        """What this rank holds of each parameter (no collective): ZeRO-3's partition of the flattened parameter,
+        ceil(numel / world) elements per rank of its partition group, the last one padded (DeepSpeed's
+        _partition_param); a parameter that is not partitioned is held whole by every rank of `replicas`."""
+        return [_zero3_holding(n, p) if is_partitioned(p) else holding(n, p, replicas) for n, p in self.named]
+
     @torch.no_grad()
     def gather(self, scratch: object = None) -> FullBlock:
         """`scratch` is accepted for the ParamBlock surface and unused: DeepSpeed gathers into its own buffers."""
@@ -514,6 +520,15 @@ class Zero3Block:
             plain = {n: p.detach().clone() for n, p in self.named}
         meta = {n: (t.shape, t.dtype) for n, t in plain.items()}
         return FullBlock(list(plain), meta, plain, [], {})
+
+
+def _zero3_holding(name: str, p: torch.Tensor) -> Holding:
+    numel, part = p.ds_numel, p.ds_tensor.numel()  # type: ignore[attr-defined]  # ZeRO-3's
+    ranks = dist.get_process_group_ranks(p.ds_process_group)  # type: ignore[attr-defined]
+    spans = tuple((r, i * part, min((i + 1) * part, numel)) for i, r in enumerate(ranks) if i * part < numel)
+    start = part * dist.get_rank(p.ds_process_group)  # type: ignore[attr-defined]
+    flat = p.ds_tensor.detach().reshape(-1)[: max(0, min(part, numel - start))]  # type: ignore[attr-defined]
+    return Holding(name, full_shape(p), p.dtype, spans, start, flat)
 
 
 def blocks(model: nn.Module) -> list[Zero3Block]:

@@ -35,10 +35,9 @@ from rlrun.engines.receivers import (
     pack_buckets,
 )
 from rlrun.launch.transfer import broadcast_json, wait_all
-from rlrun.runtime.errors import RlrunError
 from rlrun.runtime.log import get_logger
 from rlrun.strategies.blocks import GatherScratch
-from rlrun.weight_sync.buckets import WireOrder, two_staging
+from rlrun.weight_sync.buckets import WireOrder, bind_engine_views, check_engine_matches, two_staging
 from rlrun.weight_sync.sources import ParamSource
 from rlrun.weight_sync.wire import WireFormat, checksum, scratch_for, verify
 
@@ -78,7 +77,7 @@ class BroadcastSync:
         assert sync_group is not None, "the root and every receiving engine rank are in the sync group"
         params = self._agree_on_params(actor_params, sync_group)
         if self.engine_model is not None:
-            _check_engine_matches(self.engine_model, params)
+            check_engine_matches(self.engine_model, params)
         groups = wire.together([n for n, _ in params]) if wire.together is not None else ()
         self.buckets = pack_buckets([(n, torch.Size(s), wire.dtype) for n, s in params], wire.bucket_bytes, groups)
         if self.zero_copy:  # nothing to pack, so nothing to overlap: one broadcast per bucket, the wire's floor
@@ -89,7 +88,7 @@ class BroadcastSync:
             # A packing root, or an engine handing each bucket on: two alternating staging buffers
             self.buffers = two_staging(self.buckets, device)
         elif self.engine_model is not None:
-            self._bind_engine_views(self.engine_model)
+            self.buffers = bind_engine_views(self.engine_model, self.buckets, device)
         else:
             assert actor_params is not None
             self.buffers = [torch.empty(bucket_size(b), dtype=torch.uint8, device=device) for b in self.buckets]
@@ -121,20 +120,6 @@ class BroadcastSync:
         """Parameter name -> its view into its bucket's buffer (one buffer per bucket), for `names` or all."""
         views = {e.name: entry_view(buffer, e) for bucket, buffer in zip(self.buckets, self.buffers) for e in bucket}
         return views if names is None else {n: views[n] for n in names}
-
-    def _bind_engine_views(self, model: nn.Module) -> None:
-        """Each engine parameter moves into its bucket's receive buffer, keeping its value. Bucket by bucket: a
-        parameter's old memory goes as soon as its bucket is bound (a group kept together shares one bucket), so
-        the engine holds its weights plus one bucket at most, never two copies of the model."""
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for bucket in self.buckets:
-                buffer = torch.empty(bucket_size(bucket), dtype=torch.uint8, device=self.device)
-                for e in bucket:
-                    view = entry_view(buffer, e)
-                    view.copy_(params[e.name].data)
-                    params[e.name].data = view
-                self.buffers.append(buffer)
 
     @property
     def num_buckets(self) -> int:
@@ -247,17 +232,3 @@ class BroadcastSync:
             broadcast_json(checks, self.root, self.group, self.device)
         if self.zero_copy and strays and self.actor_params.zero_copy_blocker(self.wire_dtype, self.device) is None:
             self.actor_params.home(self._views(strays))
-
-
-def _check_engine_matches(model: nn.Module, params: list[list[Any]]) -> None:
-    """The engine's parameters have the root's names and shapes (one clear error before any bucket is bound)."""
-    mine = {n: list(p.shape) for n, p in model.named_parameters()}
-    theirs = {n: s for n, s in params}
-    if mine != theirs:
-        missing = sorted(set(theirs) - set(mine))[:3]
-        extra = sorted(set(mine) - set(theirs))[:3]
-        shape = [f"{n} (engine {mine[n]}, actor {theirs[n]})" for n in theirs if n in mine and mine[n] != theirs[n]][:3]
-        raise RlrunError(
-            f"weight sync: the engine model does not match the actor (missing on engine: {missing}, "
-            f"only on engine: {extra}, shape differs: {shape}); both must load the same architecture"
-        )

@@ -1,11 +1,16 @@
-"""The sender's side of weight sync's buckets: the order chunks go on the wire in, and the staging buffers (the
-bucket format and the engines' receivers: rlrun.engines.receivers)."""
+"""Weight sync's buckets on both sides: the order the root's chunks go on the wire in, the staging buffers, and an
+engine model's parameters bound into its receive buffers (the bucket format and the engines' receivers:
+rlrun.engines.receivers)."""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from rlrun.engines.receivers import BucketEntry, bucket_size
+import torch
+from torch import nn
+
+from rlrun.engines.receivers import BucketEntry, bucket_size, entry_view
+from rlrun.runtime.errors import RlrunError
 
 
 class WireOrder:
@@ -46,3 +51,35 @@ def two_staging(buckets: list[list[BucketEntry]], device: torch.device) -> list[
     there is one bucket."""
     sizes = [bucket_size(b) for b in buckets]
     return [torch.empty(max(sizes[i::2]), dtype=torch.uint8, device=device) for i in range(min(2, len(sizes)))]
+
+
+def bind_engine_views(model: nn.Module, buckets: list[list[BucketEntry]], device: torch.device) -> list[torch.Tensor]:
+    """Each engine parameter moves into its bucket's receive buffer, keeping its value; the buffers, one per bucket.
+    Bucket by bucket: a parameter's old memory goes as soon as its bucket is bound (a group kept together shares one
+    bucket), so the engine holds its weights plus one bucket at most, never two copies of the model."""
+    params = dict(model.named_parameters())
+    buffers = []
+    with torch.no_grad():
+        for bucket in buckets:
+            buffer = torch.empty(bucket_size(bucket), dtype=torch.uint8, device=device)
+            for e in bucket:
+                view = entry_view(buffer, e)
+                view.copy_(params[e.name].data)
+                params[e.name].data = view
+            buffers.append(buffer)
+    return buffers
+
+
+def check_engine_matches(model: nn.Module, params: list[list[Any]]) -> None:
+    """The engine's parameters have the actor's names and shapes ([name, shape] pairs; one clear error before any
+    bucket is bound)."""
+    mine = {n: list(p.shape) for n, p in model.named_parameters()}
+    theirs = {n: list(s) for n, s, *_ in params}
+    if mine != theirs:
+        missing = sorted(set(theirs) - set(mine))[:3]
+        extra = sorted(set(mine) - set(theirs))[:3]
+        shape = [f"{n} (engine {mine[n]}, actor {theirs[n]})" for n in theirs if n in mine and mine[n] != theirs[n]][:3]
+        raise RlrunError(
+            f"weight sync: the engine model does not match the actor (missing on engine: {missing}, "
+            f"only on engine: {extra}, shape differs: {shape}); both must load the same architecture"
+        )

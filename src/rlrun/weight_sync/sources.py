@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from rlrun.models.lora import hf_name, is_adapter, lora_pairs, merge_into, merged_weight
-from rlrun.strategies.blocks import FullBlock, GatherScratch, ParamBlock, ParamHoming
+from rlrun.strategies.blocks import FullBlock, GatherScratch, Holding, NotHeldInSpans, ParamBlock, ParamHoming
 
 
 class ParamSource:
@@ -40,6 +40,19 @@ class ParamSource:
     def blocks(self) -> list[ParamBlock]:
         """Each block's gather() is collective over the actor group."""
         return self._param_blocks(self.model)
+
+    def holdings(self, replicas: tuple[int, ...]) -> list[Holding]:
+        """What this rank holds of each parameter, in gather order (no collective): what it sends when every actor
+        rank sends its own part (rlrun.weight_sync.senders). `replicas`: the actor's ranks."""
+        return [h for block in self.blocks() for h in block.holdings(replicas)]
+
+    def senders_blocker(self, replicas: tuple[int, ...]) -> str | None:
+        """Why the actor's ranks cannot each send their own part (None: they can)."""
+        try:
+            self.holdings(replicas)
+        except NotHeldInSpans as e:
+            return str(e)
+        return None
 
     def shapes(self) -> list[tuple[str, torch.Size, torch.dtype]]:
         """(name, full shape, dtype) in gather order (no collective)."""
@@ -118,6 +131,9 @@ class MergedLoraParams(ParamSource):
 
     def zero_copy_blocker(self, dtype: torch.dtype, device: torch.device) -> str | None:
         return "LoRA: the engines get base + adapter merged, computed per unit"
+
+    def senders_blocker(self, replicas: tuple[int, ...]) -> str | None:
+        return "LoRA: a merged weight needs a unit's whole adapters, so the actor's first rank merges and sends"
 
     def blocks(self) -> list[MergedBlock]:  # type: ignore[override]
         return [MergedBlock(b, self.scaling) for b in self._param_blocks(self.model)]

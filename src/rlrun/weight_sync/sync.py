@@ -1,26 +1,30 @@
 """Weight sync: the actor's weights to the engines after each update, by one of two mechanisms.
 
 Colocated (engine ranks == actor ranks, rlrun.weight_sync.colocated): each rank writes its own gathers into its
-engine; nothing else crosses the wire. Disaggregated (rlrun.weight_sync.broadcast): the actor's first rank
-broadcasts byte buckets to the engines' ranks on the sync group rlrun.launch made. Both read the actor through a
+engine; nothing else crosses the wire. Disaggregated, by default (rlrun.weight_sync.senders): every actor rank sends
+its own shard to the engines' ranks on the many-senders group rlrun.launch made. Disaggregated from one rank
+(rlrun.weight_sync.broadcast: an actor on one rank, a LoRA actor whose merged weights need whole adapters, a
+placement the senders cannot describe, or --weight_sync_senders root): the actor's first rank gathers the model and
+broadcasts byte buckets on the sync group. Both read the actor through a
 ParamSource (rlrun.weight_sync.sources) and hand the engine what its receiver takes (rlrun.engines.receivers).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from rlrun.engines.receivers import WeightReceiver
+from rlrun.runtime.log import get_logger
 from rlrun.weight_sync.broadcast import BroadcastSync
 from rlrun.weight_sync.colocated import ColocatedSync
+from rlrun.weight_sync.senders import ManySendersSync, agree_on_senders, sender_ranks
 from rlrun.weight_sync.sources import ParamSource
 from rlrun.weight_sync.wire import WireFormat
-
-if TYPE_CHECKING:  # annotations only: the broadcasts themselves are BroadcastSync's
-    import torch.distributed as dist
 
 
 class WeightSync(Protocol):
@@ -33,22 +37,40 @@ class WeightSync(Protocol):
         """Collective over the actor group (and, disaggregated, the sync group)."""
 
 
+@dataclass(frozen=True)
+class Route:
+    """Where a sync goes. Colocated: each engine shares its actor rank. Otherwise over the groups rlrun.launch made:
+    `root_group` ("sync": the actor's first rank and the receiving engine ranks) and, for an actor on several ranks,
+    `senders_group` ("sync.senders": every actor rank and the receiving engine ranks); None on a rank outside it."""
+
+    colocated: bool = False
+    root_group: dist.ProcessGroup | None = None
+    actor_ranks: tuple[int, ...] = (0,)
+    senders_group: dist.ProcessGroup | None = None
+
+
 def build_weight_sync(
     *,
     actor_params: ParamSource | None,
     receiver: WeightReceiver | None,
-    sync_group: dist.ProcessGroup | None,
-    actor_root: int,
-    colocated: bool,
+    route: Route,
     wire: WireFormat,
     device: torch.device,
     check_names: Sequence[str] = (),
 ) -> WeightSync:
     """This rank's side of the sync. actor_params: this rank's actor parameters (None off the actor's ranks).
     receiver: how this rank's engine takes each sync (rlrun.engines.protocol.Engine.weights); None off the engine
-    ranks, and on an engine's ranks that its first rank takes the weights for. sync_group (disaggregated only): the
-    root and the receiving engine ranks. wire: the buckets' size, dtype, chunks and kept-together groups, the same
-    on every rank. check_names: merged weights compared on both sides after every sync (LoRA)."""
-    if colocated:
+    ranks, and on an engine's ranks that its first rank takes the weights for. wire: the buckets' size, dtype, chunks
+    and kept-together groups, the same on every rank. check_names: merged weights compared on both sides after every
+    sync (LoRA). With a senders group, its ranks first agree whether every actor rank can send its own part."""
+    if route.colocated:
         return ColocatedSync(actor_params, receiver, wire, device, check_names)
-    return BroadcastSync(actor_params, receiver, sync_group, actor_root, wire, device, check_names)
+    if (group := route.senders_group) is not None:
+        senders, receivers = sender_ranks(group, route.actor_ranks)
+        meta = agree_on_senders(actor_params, group, senders, device)
+        if meta["blocker"] is None:
+            return ManySendersSync(actor_params, receiver, group, senders, receivers, meta["params"], wire, device)
+        if dist.get_rank() == senders[0]:
+            get_logger(senders[0]).info_once(f"weight sync: from the actor's first rank ({meta['blocker']})")
+    root = route.actor_ranks[0]
+    return BroadcastSync(actor_params, receiver, route.root_group, root, wire, device, check_names)

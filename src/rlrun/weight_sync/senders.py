@@ -1,0 +1,251 @@
+"""Weight sync from every actor rank: each sends only what it holds of each parameter (its FSDP2 or ZeRO-3 shard;
+its share of a tensor every actor rank holds whole), cast to the engines' dtype before it moves. No rank gathers the
+model, and no actor rank sends more than its part, whatever the number of engines.
+
+The plan (the same on every rank, from the first actor rank's metadata, agreed once at construction). Both sides pack
+the parameters into the root path's buckets (rlrun.engines.receivers.pack_buckets), so an engine's receive buffers
+are the same as there. Within bucket k, actor rank i's elements of each parameter in it, back to back in the bucket's
+order, are its stripe (k, i): one point-to-point message. Stripe (k, i) goes to engine rank i mod E (E receiving
+engine ranks). With one engine rank that is all (direct); with several (striped), every engine rank then sends the
+stripes it took on to the other engine ranks, so an actor rank's link carries its shard once per sync and the engine
+ranks exchange the rest among themselves. Each engine rank takes a bucket's stripes into one receive staging buffer
+and copies each piece into its place in the bucket: an engine that keeps the weights (KeptModel) has its parameters
+as views into per-bucket buffers, as on the root path; a BucketSink gets each bucket in one of two staging buffers.
+
+An actor rank double-buffers its stripes (two stripe-sized buffers, about a bucket / actor ranks each): it packs
+stripe k + 1 while stripe k is on the wire, and refills a buffer once its previous stripe arrived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlrun.engines.receivers import BucketEntry, BucketSink, KeptModel, WeightReceiver, entry_view, pack_buckets
+from rlrun.launch.transfer import broadcast_json, wait_all
+from rlrun.runtime.errors import RlrunError
+from rlrun.runtime.log import get_logger
+from rlrun.weight_sync.buckets import bind_engine_views, check_engine_matches, two_staging
+from rlrun.weight_sync.sources import ParamSource
+from rlrun.weight_sync.wire import WireFormat
+
+Spans = list[tuple[int, int, int]]  # (global rank, first element, end element) of a parameter's parts
+
+
+@dataclass(frozen=True)
+class Stripe:
+    """What one actor rank sends of one bucket: its elements of each parameter in it, back to back."""
+
+    sender: int  # global rank
+    pieces: tuple[tuple[BucketEntry, int, int], ...]  # (entry, first element, end element), in bucket order
+
+    @property
+    def numel(self) -> int:
+        return sum(end - begin for _, begin, end in self.pieces)
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent and received in its last sync (counted as they are posted)."""
+
+    sent: int = 0
+    received: int = 0
+
+
+def agree_on_senders(
+    actor_params: ParamSource | None, group: dist.ProcessGroup, senders: tuple[int, ...], device: torch.device
+) -> dict[str, Any]:
+    """The first actor rank's parameter list ([name, shape, spans] in its gather order), or why the actor's ranks
+    cannot each send their own part ({"blocker": ...}), on every rank of `group` (one broadcast)."""
+    meta: dict[str, Any] | None = None
+    if dist.get_rank() == senders[0]:
+        assert actor_params is not None
+        blocker = actor_params.senders_blocker(senders)
+        params = [] if blocker else [[h.name, list(h.shape), h.spans] for h in actor_params.holdings(senders)]
+        meta = {"blocker": blocker, "params": params}
+    return cast("dict[str, Any]", broadcast_json(meta, senders[0], group, device))
+
+
+def plan_stripes(
+    buckets: list[list[BucketEntry]], spans: dict[str, Spans], senders: tuple[int, ...]
+) -> list[list[Stripe]]:
+    """Per bucket, each sender's stripe in sender order (a sender that holds nothing of a bucket has none)."""
+    plan = []
+    for bucket in buckets:
+        stripes = []
+        for sender in senders:
+            pieces = tuple((e, begin, end) for e in bucket for r, begin, end in spans[e.name] if r == sender)
+            if pieces:
+                stripes.append(Stripe(sender, pieces))
+        plan.append(stripes)
+    return plan
+
+
+class ManySendersSync:
+    """The actor's weights from all its ranks to the engines' ranks, after each update (module docstring)."""
+
+    def __init__(
+        self,
+        actor_params: ParamSource | None,
+        receiver: WeightReceiver | None,
+        group: dist.ProcessGroup,
+        senders: tuple[int, ...],
+        receivers: tuple[int, ...],
+        params: list[list[Any]],
+        wire: WireFormat,
+        device: torch.device,
+    ) -> None:
+        """Every rank of `group` (the actor's ranks `senders`, the engines' receiving ranks `receivers`); `params`:
+        agree_on_senders' list."""
+        self.actor_params, self.group, self.device = actor_params, group, device
+        self.senders, self.receivers = senders, receivers
+        self.rank = dist.get_rank()
+        self.sink = receiver if isinstance(receiver, BucketSink) else None
+        has_model = isinstance(receiver, (KeptModel, BucketSink)) and self.rank in receivers
+        self.engine_model: nn.Module | None = receiver.model if has_model else None  # type: ignore[union-attr]
+        if self.engine_model is not None:
+            check_engine_matches(self.engine_model, params)
+        names = [n for n, _, _ in params]
+        groups = wire.together(names) if wire.together is not None else ()
+        self.buckets = pack_buckets([(n, torch.Size(s), wire.dtype) for n, s, _ in params], wire.bucket_bytes, groups)
+        self.stripes = plan_stripes(self.buckets, {n: [tuple(s) for s in spans] for n, _, spans in params}, senders)
+        self.traffic = Traffic()
+        self.dtype = wire.dtype
+        self.buffers: list[torch.Tensor] = []  # engines: their bucket buffers (one per bucket, or a sink's two)
+        self.staging: list[torch.Tensor] = []  # actor ranks: two stripe buffers; engines: one bucket's stripes
+        if self.rank in senders:
+            assert actor_params is not None
+            self._check_holdings(actor_params, params)
+            mine = [s.numel for stripes in self.stripes for s in stripes if s.sender == self.rank]
+            self.staging = [
+                torch.empty(max(mine[i::2]), dtype=self.dtype, device=device) for i in range(min(2, len(mine)))
+            ]
+            if self.rank == senders[0]:
+                get_logger(self.rank).info_once(self.describe())
+        elif self.engine_model is not None:
+            self.buffers = (
+                two_staging(self.buckets, device)
+                if self.sink is not None
+                else bind_engine_views(self.engine_model, self.buckets, device)
+            )
+            most = max(sum(s.numel for s in stripes) for stripes in self.stripes)
+            self.staging = [torch.empty(most, dtype=wire.dtype, device=device)]
+
+    def _check_holdings(self, actor_params: ParamSource, params: list[list[Any]]) -> None:
+        """This rank holds what the plan says it sends (the first actor rank's view of the placement)."""
+        held = {h.name: h for h in actor_params.holdings(self.senders)}
+        for name, _, spans in params:
+            for r, begin, end in spans:
+                if r == self.rank and (name not in held or not held[name].start <= begin <= end <= held[name].stop):
+                    raise RlrunError(
+                        f"weight sync: actor rank {self.rank} does not hold elements [{begin}, {end}) of {name}, "
+                        "which the first actor rank's placement gives it: the actor's ranks shard the model differently"
+                    )
+
+    def describe(self) -> str:
+        """The start-up line: who sends what to whom."""
+        e, a = len(self.receivers), len(self.senders)
+        fan = (
+            "direct"
+            if e == 1
+            else f"striped: each engine rank takes the shards of {-(-a // e)} actor rank(s) and passes them on "
+            "to the other engine ranks"
+        )
+        mine = max(sum(s.numel for ss in self.stripes for s in ss if s.sender == r) for r in self.senders)
+        total = sum(s.numel for ss in self.stripes for s in ss)
+        size = self.dtype.itemsize
+        return (
+            f"weight sync: many senders: each of the {a} actor ranks sends its own shard in {self.dtype} "
+            f"(at most {mine * size / 2**20:.1f} MiB of the model's {total * size / 2**20:.1f} MiB) to {e} engine "
+            f"rank(s), {fan}"
+        )
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+    def sync(self) -> None:
+        """Collective over the group: every actor rank and every receiving engine rank calls it."""
+        self.traffic = Traffic()
+        if self.actor_params is not None and self.rank in self.senders:
+            self._send(self.actor_params)
+        elif self.engine_model is not None:
+            self._receive()
+
+    def _post(self, op: Callable[..., dist.Work | None], tensor: torch.Tensor, peer: int) -> dist.Work:
+        """An isend or irecv with `peer` (a global rank of the group)."""
+        work = op(tensor, peer, group=self.group)
+        assert work is not None, "both ends of a weight-sync message are in its group"
+        return work
+
+    def _direct(self, sender: int) -> int:
+        return self.receivers[self.senders.index(sender) % len(self.receivers)]
+
+    def _send(self, actor_params: ParamSource) -> None:
+        """Pack each of this rank's stripes (cast to the wire dtype as it is copied) and post it to its engine rank;
+        a staging buffer is refilled once the stripe before it in that buffer arrived."""
+        held = {h.name: h for h in actor_params.holdings(self.senders)}
+        pending: list[list[dist.Work]] = [[], []]
+        mine = [s for stripes in self.stripes for s in stripes if s.sender == self.rank]
+        with torch.no_grad():
+            for i, stripe in enumerate(mine):
+                wait_all(pending[i % 2], self.group, self.device, "weight sync: a stripe to an engine rank")
+                buffer = self.staging[i % 2][: stripe.numel]
+                at = 0
+                for e, begin, end in stripe.pieces:
+                    buffer[at : at + end - begin].copy_(held[e.name].piece(begin, end))
+                    at += end - begin
+                pending[i % 2] = [self._post(dist.isend, buffer, self._direct(self.rank))]
+                self.traffic.sent += buffer.numel() * buffer.element_size()
+        wait_all(pending[0] + pending[1], self.group, self.device, "weight sync: a stripe to an engine rank")
+
+    def _receive(self) -> None:
+        """Bucket by bucket: this rank's stripes from their actor ranks, then the exchange with the other engine
+        ranks (each sends on what it took), then every piece into its place in the bucket."""
+        assert self.engine_model is not None
+        if self.sink is not None:
+            self.sink.start(self.buckets, self.buffers)
+        staging = self.staging[0]
+        for k, stripes in enumerate(self.stripes):
+            at, places = 0, {}
+            for s in stripes:
+                places[s.sender] = staging[at : at + s.numel]
+                at += s.numel
+            mine = [s for s in stripes if self._direct(s.sender) == self.rank]
+            works = [self._post(dist.irecv, places[s.sender], s.sender) for s in mine]
+            wait_all(works, self.group, self.device, "weight sync: a stripe from an actor rank")
+            works = []
+            for other in self.receivers:
+                if other == self.rank:
+                    continue
+                works += [self._post(dist.isend, places[s.sender], other) for s in mine]
+                works += [
+                    self._post(dist.irecv, places[s.sender], other) for s in stripes if self._direct(s.sender) == other
+                ]
+            wait_all(works, self.group, self.device, "weight sync: a stripe from another engine rank")
+            self.traffic.received += at * self.dtype.itemsize  # every stripe of the bucket, direct or passed on
+            passed_on = sum(s.numel for s in mine) * (len(self.receivers) - 1)
+            self.traffic.sent += passed_on * self.dtype.itemsize
+            if self.sink is not None and k >= 2:
+                self.sink.release(k - 2)
+            buffer = self.buffers[k % 2] if self.sink is not None else self.buffers[k]
+            for s in stripes:
+                place, at = places[s.sender], 0
+                for e, begin, end in s.pieces:
+                    entry_view(buffer, e).view(-1)[begin:end].copy_(place[at : at + end - begin])
+                    at += end - begin
+            if self.sink is not None:
+                self.sink.take(k)
+        if self.sink is not None:
+            self.sink.finish()
+
+
+def sender_ranks(group: dist.ProcessGroup, actor_ranks: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the actor's ranks, the engines' receiving ranks) of a many-senders group, in its rank order."""
+    members = dist.get_process_group_ranks(group)
+    return tuple(r for r in members if r in actor_ranks), tuple(r for r in members if r not in actor_ranks)
