@@ -10,6 +10,7 @@ This file is also the per-rank worker (`python test_many_senders.py RANK WORLD P
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -64,24 +65,37 @@ def seeded(seed: int) -> Tied:
     return Tied()
 
 
-class NewBytes(TorchDispatchMode):
-    """Bytes of every new tensor made while active (views and in-place results are not new memory)."""
+class PeakBytes(TorchDispatchMode):
+    """The most bytes of new tensors alive at once while active (views and in-place results are not new memory; a
+    tensor counts until its Python object is gone)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.bytes = 0
+        self.live = self.peak = 0
+
+    def _gone(self, nbytes: int) -> None:
+        self.live -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if not any(r.alias_info is not None for r in func._schema.returns):
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor):
-                    self.bytes += t.numel() * t.element_size()
+                    nbytes = t.numel() * t.element_size()
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._gone, nbytes)
         return out
 
 
+# Each update's learning rate: a full sync first; a small step (few bf16 weights change: a sparse delta); a skipped
+# step (nothing changes); a large step (most change: dense again)
+LRS = (0.05, 1e-6, 0.0, 0.05)
+
+
 def scenario(layout: str, rank: int) -> dict:
-    """Every rank runs it (groups are made by every rank, in the same order)."""
+    """Every rank runs it (groups are made by every rank, in the same order). Three syncs side by side into three
+    engine copies: the root path, many senders, many senders with delta; then a corrupted engine value."""
     from rlrun.engines.receivers import KeptModel
     from rlrun.strategies.fsdp import FSDPStrategy
     from rlrun.weight_sync.senders import ManySendersSync
@@ -102,41 +116,60 @@ def scenario(layout: str, rank: int) -> dict:
         strategy = FSDPStrategy(actor_group, cpu, bf16=False, zero_stage=3, offload=False, gradient_checkpointing=False)
         model = strategy.wrap(seeded(1))
         source = ParamSource(model, strategy.param_blocks, strategy)
-    root_engine = KeptModel(seeded(2).to(BF16)) if rank in receivers else None
-    many_engine = KeptModel(seeded(3).to(BF16)) if rank in receivers else None
+    kinds = ("root", "many", "delta")
+    kept = {kind: KeptModel(seeded(2 + i).to(BF16)) for i, kind in enumerate(kinds)} if rank in receivers else {}
     root_route = Route(root_group=root_group if rank in (0, *receivers) else None, actor_ranks=actor_ranks)
-    senders = senders_group if rank in (*actor_ranks, *receivers) else None
-    common = dict(actor_params=source, wire=wire, device=cpu)
-    root = build_weight_sync(receiver=root_engine, route=root_route, **common)
-    many = build_weight_sync(receiver=many_engine, route=replace(root_route, senders_group=senders), **common)
-    assert isinstance(many, ManySendersSync)
+    many_route = replace(root_route, senders_group=senders_group if rank in (*actor_ranks, *receivers) else None)
+    syncs = {
+        kind: build_weight_sync(
+            actor_params=source,
+            receiver=kept.get(kind),
+            route=root_route if kind == "root" else many_route,
+            wire=replace(wire, delta=kind == "delta"),
+            device=cpu,
+        )
+        for kind in kinds
+    }
+    many, delta = syncs["many"], syncs["delta"]
+    assert isinstance(many, ManySendersSync) and isinstance(delta, ManySendersSync) and delta.delta
     out: dict = {"syncs": [], "buckets": many.num_buckets}
     if model is not None:
         out["shard_bytes"] = sum(h.flat.numel() * BF16.itemsize for h in source.holdings(actor_ranks))
         out["staging_bytes"] = sum(t.numel() * t.element_size() for t in many.staging)
+        out["delta_copy_bytes"] = delta.last.numel() * delta.last.element_size()
         opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    for step in range(3):
-        if model is not None:
+    for step, lr in enumerate(LRS):
+        if model is not None and lr:
+            for group in opt.param_groups:
+                group["lr"] = lr
             g = torch.Generator().manual_seed(step * 100 + rank)
             model(torch.randint(0, 37, (4, 6), generator=g)).logsumexp(-1).mean().backward()
             opt.step()
             opt.zero_grad()
-        root_counted = NewBytes()
-        with root_counted:
-            root.sync()
-        counted = NewBytes()
-        with counted:
-            many.sync()
-        snap: dict = {"sent": many.traffic.sent, "received": many.traffic.received, "allocated": counted.bytes,
-                      "root_allocated": root_counted.bytes}
-        if many_engine is not None and root_engine is not None:
-            snap["many"] = {n: p.detach().clone() for n, p in many_engine.model.named_parameters()}
-            snap["root"] = {n: p.detach().clone() for n, p in root_engine.model.named_parameters()}
+        snap: dict = {}
+        for kind, sync in syncs.items():
+            counted = PeakBytes()
+            with counted:
+                sync.sync()
+            traffic = getattr(sync, "traffic", None)
+            snap[kind] = {"allocated": counted.peak, "sent": traffic.sent if traffic else None,
+                          "received": traffic.received if traffic else None}
+            if kind in kept:
+                snap[kind]["engine"] = {n: p.detach().clone() for n, p in kept[kind].model.named_parameters()}
         if model is not None and strategy is not None:
             full = {n: t.to(BF16) for n, t in strategy.full_params(model)}
             if rank == 0:
                 snap["actor"] = full
         out["syncs"].append(snap)
+    # A corrupted engine copy: the next delta sync (nothing changed) must say so on that engine rank, and only there
+    if rank == receivers[-1]:
+        with torch.no_grad():
+            dict(kept["delta"].model.named_parameters())["blocks.1.down.bias"][3] += 1
+    try:
+        delta.sync()
+        out["corrupted"] = None
+    except Exception as e:  # noqa: BLE001 - the test checks its type and words
+        out["corrupted"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -151,19 +184,23 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_engines_get_the_root_paths_weights_bit_for_bit_after_every_sync(results, layout):
+    """Many senders and many senders with delta, after each of a large step, a small step, a skipped step and a large
+    step: every engine rank's copy equals the root path's, and the actor's weights in bf16, bit for bit."""
     actors, engines = LAYOUTS[layout]
     ranks = results[layout]
-    for k in range(3):
+    for k in range(len(LRS)):
         actor = ranks[0]["syncs"][k]["actor"]
         assert "embed.weight" in actor and "head.weight" not in actor  # tied: one parameter, sent once
         if k:
-            assert not torch.equal(actor["blocks.0.gate_up.weight"], ranks[0]["syncs"][k - 1]["actor"]["blocks.0.gate_up.weight"])
+            moved = not torch.equal(actor["blocks.0.gate_up.weight"], ranks[0]["syncs"][k - 1]["actor"]["blocks.0.gate_up.weight"])
+            assert moved == (LRS[k] != 0)
         for e in range(actors, actors + engines):
             snap = ranks[e]["syncs"][k]
-            assert list(snap["many"]) == list(snap["root"])
-            for name, value in snap["root"].items():
-                assert value.dtype == BF16 and torch.equal(snap["many"][name], value), (layout, k, e, name)
-                assert torch.equal(value, actor[name])
+            for kind in ("many", "delta"):
+                assert list(snap[kind]["engine"]) == list(snap["root"]["engine"])
+                for name, value in snap["root"]["engine"].items():
+                    assert value.dtype == BF16 and torch.equal(snap[kind]["engine"][name], value), (layout, k, e, name)
+                    assert torch.equal(value, actor[name])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -174,18 +211,42 @@ def test_each_actor_rank_sends_its_shard_once_in_the_wire_dtype_and_allocates_un
     assert sum(ranks[a]["shard_bytes"] for a in range(actors)) == model_bytes  # the shards tile the model
     assert len({ranks[a]["shard_bytes"] for a in range(actors)}) > 1  # uneven: a tail rank holds fewer rows
     assert ranks[0]["buckets"] > 2
-    assert ranks[0]["syncs"][0]["root_allocated"] > 0  # the meter sees allocations: the root path's first gathers
+    assert ranks[0]["syncs"][0]["root"]["allocated"] > 0  # the meter sees allocations: the root path's first gathers
     for a in range(actors):
         assert ranks[a]["staging_bytes"] <= BUCKET_BYTES
+        assert ranks[a]["delta_copy_bytes"] == ranks[a]["shard_bytes"]  # delta keeps its shard's last sync, no more
         for snap in ranks[a]["syncs"]:
-            assert ranks[a]["shard_bytes"] <= snap["sent"] <= 1.05 * ranks[a]["shard_bytes"]
-            assert snap["received"] == 0
-            assert snap["allocated"] <= BUCKET_BYTES
+            assert ranks[a]["shard_bytes"] <= snap["many"]["sent"] <= 1.05 * ranks[a]["shard_bytes"]
+            assert snap["many"]["received"] == 0
+            assert snap["many"]["allocated"] <= BUCKET_BYTES and snap["delta"]["allocated"] <= BUCKET_BYTES
     for e in range(actors, actors + engines):  # every engine rank gets the whole model; with several, each passes on
         for snap in ranks[e]["syncs"]:  # what it took from its actor ranks to the others
-            assert snap["received"] == model_bytes
-    passed_on = sum(ranks[e]["syncs"][0]["sent"] for e in range(actors, actors + engines))
+            assert snap["many"]["received"] == model_bytes
+    passed_on = sum(ranks[e]["syncs"][0]["many"]["sent"] for e in range(actors, actors + engines))
     assert passed_on == model_bytes * (engines - 1)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_delta_sync_sends_what_changed_and_a_drifted_engine_copy_is_one_clear_error(results, layout):
+    """Delta: the first sync is full; after a small step the actor ranks send under 10 % of a full sync; after a
+    skipped step only the headers; after a large step most parts go dense again. A value changed on one engine rank
+    since the last sync fails that rank's next sync with one error naming the part, and no other rank."""
+    actors, engines = LAYOUTS[layout]
+    ranks = results[layout]
+    full = [sum(ranks[a]["syncs"][k]["many"]["sent"] for a in range(actors)) for k in range(len(LRS))]
+    delta = [sum(ranks[a]["syncs"][k]["delta"]["sent"] for a in range(actors)) for k in range(len(LRS))]
+    headers = sum(16 for a in range(actors) for _ in range(ranks[0]["buckets"]))  # at most one per stripe
+    assert full[0] <= delta[0] <= full[0] + headers
+    assert 0 < delta[1] <= 0.1 * full[1], (delta, full)
+    assert delta[2] <= headers
+    assert delta[3] > 0.5 * full[3]
+    for r in range(WORLD):
+        error = ranks[r]["corrupted"]
+        if r == actors + engines - 1:
+            assert error.startswith("RlrunError: weight sync: after a delta sync engine rank")
+            assert "blocks.1.down.bias" in error and "--weight_sync_delta" in error
+        else:
+            assert error is None
 
 
 DEMO_2_1 = ["--config", "configs/demo.yaml", "--max_steps", "8", "--actor_num_gpus_per_node", "2",

@@ -96,6 +96,14 @@ class GenerationConfig:
         "the actor's first rank gathers the model and broadcasts it. A LoRA actor (merged weights) and an actor on "
         "one rank send from the root either way.",
     )
+    weight_sync_delta: bool = opt(
+        False,
+        "Engines on ranks of their own that keep the weights (rlrun's native engine): after the first sync, each "
+        "actor rank sends only the elements of its shard whose bits changed since its last sync (index + value, "
+        "written over the engine's copy: exact), or the part dense when more changed; every part's checksum is "
+        "verified on the engines each sync. Each actor rank keeps a copy of its shard in the engines' dtype. "
+        "Ignored (full syncs, said at start-up) for vLLM engines and a LoRA actor.",
+    )
     max_engine_restarts: int = opt(
         3,
         "vLLM engines hosted in a child process (--vllm_engine_host child, or auto where the layout needs one): a "

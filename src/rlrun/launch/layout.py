@@ -60,8 +60,8 @@ class LayoutRequest:
     # Disjoint engines take the weights on their first rank only (a vLLM child's tensor-parallel workers read them
     # from there): "sync" is the actor's first rank and each engine's first rank.
     sync_engine_leaders: bool = False
-    # Disjoint engines and an actor on several ranks: "sync.senders" holds every actor rank and the engines'
-    # receiving ranks, so that each actor rank sends its own shard (rlrun.weight_sync.senders)
+    # Disjoint engines: "sync.senders" holds every actor rank and the engines' receiving ranks, so that each actor
+    # rank sends its own shard (rlrun.weight_sync.senders; used for an actor on several ranks, or a delta sync)
     many_senders: bool = False
     ref_is_actor_base: bool = False  # LoRA: the actor scores the reference log-probs with its adapters off
     # Ulysses sequence parallelism: each model role's ranks split into groups of this many consecutive ranks that

@@ -393,7 +393,7 @@ def plan_layout(
         # Disjoint engines receive new weights by broadcast from actor rank 0, which gathers them first.
         receivers = tuple(e[0] for e in engines) if request.sync_engine_leaders else roles[Role.ENGINE]
         groups.append(GroupSpec("sync", (roles[Role.ACTOR][0], *receivers)))
-        if request.many_senders and len(roles[Role.ACTOR]) > 1:
+        if request.many_senders:
             groups.append(GroupSpec("sync.senders", (*roles[Role.ACTOR], *receivers)))
     if request.async_train:
         shared = sorted(

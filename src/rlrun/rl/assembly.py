@@ -605,6 +605,7 @@ def _weight_sync(ctx: RankContext, cfg: Config, roles: RankRoles) -> WeightSync:
             bucket_bytes=g.weight_sync_bucket_mb * 2**20,
             dtype=engine_dtype(cfg.model.bf16, ctx.device),
             together=fused_groups if g.generation_backend == "native" else None,
+            delta=g.weight_sync_delta,
         ),
         device=ctx.device,
         check_names=source.check_names() if isinstance(source, MergedLoraParams) else (),

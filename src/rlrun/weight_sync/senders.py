@@ -31,6 +31,7 @@ from rlrun.launch.transfer import broadcast_json, wait_all
 from rlrun.runtime.errors import RlrunError
 from rlrun.runtime.log import get_logger
 from rlrun.weight_sync.buckets import bind_engine_views, check_engine_matches, two_staging
+from rlrun.weight_sync.delta import DENSE, apply_changes, changes, checksum, header, pieces_checksum
 from rlrun.weight_sync.sources import ParamSource
 from rlrun.weight_sync.wire import WireFormat
 
@@ -118,12 +119,18 @@ class ManySendersSync:
         self.dtype = wire.dtype
         self.buffers: list[torch.Tensor] = []  # engines: their bucket buffers (one per bucket, or a sink's two)
         self.staging: list[torch.Tensor] = []  # actor ranks: two stripe buffers; engines: one bucket's stripes
+        self.delta = wire.delta and self._all_take_deltas(receiver)
+        self.first = True  # the first sync is dense: the engines' copies are not the actor's yet
+        self.mine = [s for stripes in self.stripes for s in stripes if s.sender == self.rank]
+        self.last_at = [sum(s.numel for s in self.mine[:i]) for i in range(len(self.mine))]
+        # delta: a copy of what this rank sent last, in the wire dtype (its shard)
+        self.last = torch.empty(sum(s.numel for s in self.mine) if self.delta else 0, dtype=self.dtype, device=device)
         if self.rank in senders:
             assert actor_params is not None
             self._check_holdings(actor_params, params)
-            mine = [s.numel for stripes in self.stripes for s in stripes if s.sender == self.rank]
+            sizes = [s.numel for s in self.mine]
             self.staging = [
-                torch.empty(max(mine[i::2]), dtype=self.dtype, device=device) for i in range(min(2, len(mine)))
+                torch.empty(max(sizes[i::2]), dtype=self.dtype, device=device) for i in range(min(2, len(sizes)))
             ]
             if self.rank == senders[0]:
                 get_logger(self.rank).info_once(self.describe())
@@ -135,6 +142,19 @@ class ManySendersSync:
             )
             most = max(sum(s.numel for s in stripes) for stripes in self.stripes)
             self.staging = [torch.empty(most, dtype=wire.dtype, device=device)]
+
+    def _all_take_deltas(self, receiver: WeightReceiver | None) -> bool:
+        """Whether every receiving engine rank keeps the weights between syncs (a delta is applied to them); one
+        all-reduce over the group. A BucketSink (vLLM) hands each sync on and keeps no copy: full syncs then."""
+        takes = self.rank not in self.receivers or isinstance(receiver, KeptModel)
+        flag = torch.tensor([1 if takes else 0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        if not flag.item() and self.rank == self.senders[0]:
+            get_logger(self.rank).info_once(
+                "weight sync: --weight_sync_delta needs engines that keep the weights "
+                "between syncs (vLLM's do not): every sync is full"
+            )
+        return bool(flag.item())
 
     def _check_holdings(self, actor_params: ParamSource, params: list[list[Any]]) -> None:
         """This rank holds what the plan says it sends (the first actor rank's view of the placement)."""
@@ -162,7 +182,7 @@ class ManySendersSync:
         return (
             f"weight sync: many senders: each of the {a} actor ranks sends its own shard in {self.dtype} "
             f"(at most {mine * size / 2**20:.1f} MiB of the model's {total * size / 2**20:.1f} MiB) to {e} engine "
-            f"rank(s), {fan}"
+            f"rank(s), {fan}" + ("; delta: only the elements changed since the last sync" if self.delta else "")
         )
 
     @property
@@ -187,62 +207,117 @@ class ManySendersSync:
         return self.receivers[self.senders.index(sender) % len(self.receivers)]
 
     def _send(self, actor_params: ParamSource) -> None:
-        """Pack each of this rank's stripes (cast to the wire dtype as it is copied) and post it to its engine rank;
-        a staging buffer is refilled once the stripe before it in that buffer arrived."""
+        """Pack each of this rank's stripes (cast to the wire dtype as it is copied) and post it to its engine rank
+        (delta: its changes since the last sync, or the stripe when they are as large); a staging buffer is refilled
+        once the stripe before it in that buffer arrived."""
         held = {h.name: h for h in actor_params.holdings(self.senders)}
         pending: list[list[dist.Work]] = [[], []]
-        mine = [s for stripes in self.stripes for s in stripes if s.sender == self.rank]
+        kept: list[list[torch.Tensor]] = [[], []]  # what each buffer's sends read, alive until they complete
         with torch.no_grad():
-            for i, stripe in enumerate(mine):
+            for i, (stripe, at_last) in enumerate(zip(self.mine, self.last_at)):
                 wait_all(pending[i % 2], self.group, self.device, "weight sync: a stripe to an engine rank")
                 buffer = self.staging[i % 2][: stripe.numel]
                 at = 0
                 for e, begin, end in stripe.pieces:
                     buffer[at : at + end - begin].copy_(held[e.name].piece(begin, end))
                     at += end - begin
-                pending[i % 2] = [self._post(dist.isend, buffer, self._direct(self.rank))]
-                self.traffic.sent += buffer.numel() * buffer.element_size()
+                kept[i % 2] = self._encode(buffer, at_last) if self.delta else [buffer]
+                pending[i % 2] = [self._post(dist.isend, m, self._direct(self.rank)) for m in kept[i % 2]]
+                self.traffic.sent += sum(m.numel() * m.element_size() for m in kept[i % 2])
         wait_all(pending[0] + pending[1], self.group, self.device, "weight sync: a stripe to an engine rank")
+        self.first = False
+
+    def _encode(self, stripe: torch.Tensor, at_last: int) -> list[torch.Tensor]:
+        """A stripe's messages in delta mode: its header, then its changed elements since this rank's last sync (index,
+        value) or the whole stripe (the first sync; or when the changes are as large). Updates the kept copy."""
+        last = self.last[at_last : at_last + stripe.numel()]
+        found = None if self.first else changes(stripe, last)
+        last.copy_(stripe)
+        total = checksum(stripe)
+        if found is None:
+            return [header(DENSE, total, self.device), stripe]
+        index, values = found
+        return [header(index.numel(), total, self.device), *([index, values] if index.numel() else [])]
+
+    def _take(self, stripe: Stripe, place: torch.Tensor, source: int) -> list[torch.Tensor]:
+        """A stripe's messages from `source` (dense: into `place`; delta: its header, then what it announces)."""
+        what = "weight sync: a stripe from an actor rank or another engine rank"
+        if not self.delta:
+            wait_all([self._post(dist.irecv, place, source)], self.group, self.device, what)
+            return [place]
+        head = torch.empty(2, dtype=torch.int64, device=self.device)
+        wait_all([self._post(dist.irecv, head, source)], self.group, self.device, what)
+        count = int(head[0])
+        if count == DENSE:
+            body = [place]
+        else:
+            body = [torch.empty(count, dtype=torch.int32, device=self.device), place.new_empty(count)] if count else []
+        wait_all([self._post(dist.irecv, m, source) for m in body], self.group, self.device, what)
+        return [head, *body]
 
     def _receive(self) -> None:
         """Bucket by bucket: this rank's stripes from their actor ranks, then the exchange with the other engine
-        ranks (each sends on what it took), then every piece into its place in the bucket."""
+        ranks (each sends on what it took), then every piece into its place in the bucket. Delta: each stripe's
+        checksum is compared with the engine's copy after the update, and a mismatch raises once the sync is over
+        (the other ranks are not left waiting)."""
         assert self.engine_model is not None
         if self.sink is not None:
             self.sink.start(self.buckets, self.buffers)
         staging = self.staging[0]
+        wrong: list[str] = []
         for k, stripes in enumerate(self.stripes):
             at, places = 0, {}
             for s in stripes:
                 places[s.sender] = staging[at : at + s.numel]
                 at += s.numel
             mine = [s for s in stripes if self._direct(s.sender) == self.rank]
-            works = [self._post(dist.irecv, places[s.sender], s.sender) for s in mine]
-            wait_all(works, self.group, self.device, "weight sync: a stripe from an actor rank")
-            works = []
-            for other in self.receivers:
-                if other == self.rank:
-                    continue
-                works += [self._post(dist.isend, places[s.sender], other) for s in mine]
-                works += [
-                    self._post(dist.irecv, places[s.sender], other) for s in stripes if self._direct(s.sender) == other
-                ]
-            wait_all(works, self.group, self.device, "weight sync: a stripe from another engine rank")
-            self.traffic.received += at * self.dtype.itemsize  # every stripe of the bucket, direct or passed on
-            passed_on = sum(s.numel for s in mine) * (len(self.receivers) - 1)
-            self.traffic.sent += passed_on * self.dtype.itemsize
+            got = {s.sender: self._take(s, places[s.sender], s.sender) for s in mine}
+            passing = [
+                self._post(dist.isend, m, other)
+                for other in self.receivers
+                if other != self.rank
+                for s in mine
+                for m in got[s.sender]
+            ]
+            for s in stripes:
+                if s.sender not in got:
+                    got[s.sender] = self._take(s, places[s.sender], self._direct(s.sender))
+            wait_all(passing, self.group, self.device, "weight sync: a stripe to another engine rank")
+            self.traffic.received += sum(m.numel() * m.element_size() for ms in got.values() for m in ms)
+            self.traffic.sent += sum(m.numel() * m.element_size() for s in mine for m in got[s.sender]) * (
+                len(self.receivers) - 1
+            )
             if self.sink is not None and k >= 2:
                 self.sink.release(k - 2)
             buffer = self.buffers[k % 2] if self.sink is not None else self.buffers[k]
             for s in stripes:
-                place, at = places[s.sender], 0
-                for e, begin, end in s.pieces:
-                    entry_view(buffer, e).view(-1)[begin:end].copy_(place[at : at + end - begin])
-                    at += end - begin
+                self._apply(buffer, s, got[s.sender], places[s.sender])
+                if self.delta and pieces_checksum(buffer, s.pieces) != int(got[s.sender][0][1]):
+                    wrong.append(
+                        f"bucket {k}, actor rank {s.sender}'s part ({', '.join(e.name for e, _, _ in s.pieces[:3])})"
+                    )
             if self.sink is not None:
                 self.sink.take(k)
         if self.sink is not None:
             self.sink.finish()
+        if wrong:
+            raise RlrunError(
+                f"weight sync: after a delta sync engine rank {self.rank}'s weights differ from the actor's in "
+                f"{len(wrong)} part(s), first {wrong[0]}: its copy changed since the last sync (or an update was "
+                "lost); run without --weight_sync_delta to send every weight each sync"
+            )
+
+    def _apply(self, buffer: torch.Tensor, stripe: Stripe, got: list[torch.Tensor], place: torch.Tensor) -> None:
+        """A stripe's messages into the bucket `buffer`: the whole stripe piece by piece (it arrived in `place`), or
+        its changes (delta: index and values after the header; none when nothing changed)."""
+        if self.delta and int(got[0][0]) != DENSE:
+            if len(got) == 3:
+                apply_changes(buffer, stripe.pieces, got[1], got[2])
+            return
+        at = 0
+        for e, begin, end in stripe.pieces:
+            entry_view(buffer, e).view(-1)[begin:end].copy_(place[at : at + end - begin])
+            at += end - begin
 
 
 def sender_ranks(group: dist.ProcessGroup, actor_ranks: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:

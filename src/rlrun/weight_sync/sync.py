@@ -65,7 +65,7 @@ def build_weight_sync(
     sync (LoRA). With a senders group, its ranks first agree whether every actor rank can send its own part."""
     if route.colocated:
         return ColocatedSync(actor_params, receiver, wire, device, check_names)
-    if (group := route.senders_group) is not None:
+    if (group := route.senders_group) is not None and (len(route.actor_ranks) > 1 or wire.delta):
         senders, receivers = sender_ranks(group, route.actor_ranks)
         meta = agree_on_senders(actor_params, group, senders, device)
         if meta["blocker"] is None:
@@ -73,4 +73,9 @@ def build_weight_sync(
         if dist.get_rank() == senders[0]:
             get_logger(senders[0]).info_once(f"weight sync: from the actor's first rank ({meta['blocker']})")
     root = route.actor_ranks[0]
+    if wire.delta and dist.get_rank() == root:
+        get_logger(root).info_once(
+            "weight sync: --weight_sync_delta needs every actor rank to send its own part (not a LoRA actor, not "
+            "--weight_sync_senders root): every sync is full"
+        )
     return BroadcastSync(actor_params, receiver, route.root_group, root, wire, device, check_names)

@@ -24,6 +24,7 @@ class WireFormat:
     dtype: torch.dtype
     chunk_bytes: int = 16 * 2**20
     together: Callable[[list[str]], Sequence[Sequence[str]]] | None = None
+    delta: bool = False  # --weight_sync_delta: after the first sync, each part's changed elements (many senders)
 
 
 def scratch_for(device: torch.device) -> GatherScratch | None:
