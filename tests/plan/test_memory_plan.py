@@ -120,9 +120,11 @@ def test_the_70b_actor_at_zero3_needs_zeros_16_bytes_per_parameter_and_fits_with
     assert actor.host["export"] == 4 * 32000 * 8192 and "export" not in memory.ranks[1].host
     assert any("not on this machine, planned with the policy's shape" in note for note in notes)  # ./reward-model-70b
     lines = problem_lines(memory)
-    # weight sync's two send staging buffers on the actor's first rank: bf16, each the 500 MiB embedding's size
-    assert actor.gpu["sync"] == 2 * 2 * 32000 * 8192 and "sync" not in memory.ranks[1].gpu
-    actor_line = next(line for line in lines if "actor on rank 0:" in line)
+    # weight sync from many senders: every actor rank's two stripe buffers, each an eighth of the largest bucket (bf16,
+    # the 500 MiB embedding alone)
+    bucket = 2 * 32000 * 8192
+    assert all(memory.ranks[r].gpu["sync"] == 2 * bucket // 8 for r in layout.ranks_of(Role.ACTOR))
+    actor_line = next(line for line in lines if "actor on ranks 0-7:" in line)  # every actor rank alike
     assert "--adam_offload" in actor_line and "24 actor ranks (--actor_num_nodes 3" in actor_line
     # The two engines of tensor parallel 4 keep no copy of the policy (weight sync streams to vLLM): each rank holds
     # vLLM's share only; each engine's first rank also the two bucket-sized buffers it receives into, and on its
@@ -132,9 +134,10 @@ def test_the_70b_actor_at_zero3_needs_zeros_16_bytes_per_parameter_and_fits_with
         leader, *others = (memory.ranks[r] for r in engine)
         share = leader.gpu["vllm"]
         assert 70 * GIB < share < 80 * GIB and leader.fits and all(r.fits for r in others)
-        # (vLLM's share is fitted to what the rank leaves it: the leader's is smaller by its buffers)
-        assert leader.gpu == {"vllm": share, "sync": 2 * 2 * 32000 * 8192}
-        assert all(r.gpu == {"vllm": share + 2 * 2 * 32000 * 8192} for r in others)
+        # (vLLM's share is fitted to what the rank leaves it: the leader's is smaller by its buffers: the two it hands
+        # on from and the one it takes the actor ranks' stripes into)
+        assert leader.gpu == {"vllm": share, "sync": 3 * bucket}
+        assert all(r.gpu == {"vllm": share + 3 * bucket} for r in others)
         assert leader.host["sync"] == 2 * n and all("sync" not in r.host for r in others)
     assert not [line for line in lines if "engine on ranks" in line]
 
@@ -255,7 +258,7 @@ def test_plan_json_from_a_real_dry_run_of_the_70b_job(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = proc.stdout + proc.stderr
-    assert "memory plan, GiB per rank" in log and "does not fit: actor on rank 0:" in log
+    assert "memory plan, GiB per rank" in log and "does not fit: actor on ranks 0-7:" in log
     plan_doc = json.loads(out.read_text())
     assert len(plan_doc["ranks"]) == 40 and plan_doc["fits"] is False
     first = plan_doc["ranks"][0]
@@ -427,3 +430,35 @@ def test_the_gateway_s_records_are_in_an_engine_rank_s_host_memory():
         2 * (4 * 80 * 36 + 16 * 68)
     plain = parse_args([*flags, "--remote_rm_url", "demo"]).config
     assert all("gateway" not in r.host for r in plan_memory(plain, layout, shapes, Target(False, 0, "")).ranks)
+
+
+@pytest.mark.parametrize(("actors", "engines"), [(4, 4), (6, 2)])
+def test_the_plan_counts_weight_syncs_buffers_from_many_senders_within_5_percent(tmp_path, actors, engines):
+    """Llama-2-7B's shapes (untied 500 MiB embedding and head, bf16 on the wire, 256 MiB buckets), native engines on
+    ranks of their own, --weight_sync_delta: the plan's sync bytes per rank against the buffers rlrun.weight_sync.senders
+    allocates for the same parameters (its own bucket and stripe plan over FSDP2's dim-0 shards): each actor rank's
+    two stripe buffers plus its shard's last sync, each engine rank's receive staging."""
+    from rlrun.engines.receivers import pack_buckets
+    from rlrun.strategies.blocks import dim0_spans
+    from rlrun.weight_sync.senders import plan_stripes, receive_staging, stripe_buffers
+
+    model = _model_dir(tmp_path / "model", LLAMA_2_7B)
+    cfg = parse_args(["--pretrain", str(model), "--generation_backend", "native", "--bf16", "--weight_sync_delta",
+                      "--actor_num_gpus_per_node", str(actors), "--vllm_num_engines", str(engines),
+                      "--remote_rm_url", "demo", "--init_kl_coef", "0", "--rollout_batch_size", "96",
+                      "--train_batch_size", "96", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "2"]).config
+    layout = lay_out(cfg, actors + engines, actors + engines).layout
+    shapes, _ = read_shapes(cfg, layout)
+    memory = plan_memory(cfg, layout, shapes, GPU_80)
+    actor_ranks = layout.ranks_of(Role.ACTOR)
+    assert len(actor_ranks) == actors and len(layout.ranks_of(Role.ENGINE)) == engines
+    with torch.device("meta"):
+        params = list(AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model)).named_parameters())
+    buckets = pack_buckets([(n, p.shape, torch.bfloat16) for n, p in params], 256 * 2**20)
+    stripes = plan_stripes(buckets, {n: list(dim0_spans(p.shape, actor_ranks)) for n, p in params}, actor_ranks)
+    for rank in actor_ranks:
+        shard = sum(end - begin for n, p in params for r, begin, end in dim0_spans(p.shape, actor_ranks) if r == rank)
+        measured = 2 * (sum(stripe_buffers(stripes, rank)) + shard)
+        assert memory.ranks[rank].gpu["sync"] == pytest.approx(measured, rel=0.05), rank
+    for rank in layout.ranks_of(Role.ENGINE):
+        assert memory.ranks[rank].gpu["sync"] == pytest.approx(2 * receive_staging(stripes), rel=0.05), rank

@@ -90,18 +90,31 @@ def restart_copy_bytes(rank: int, layout: Layout, shapes: Mapping[Role, ModelSha
 
 
 def sync_staging_bytes(rank: int, layout: Layout, shapes: Mapping[Role, ModelShape], k: Knobs) -> int:
-    """Weight sync's two staging buffers: on the first rank of each vLLM engine with a child host, which receives or
-    packs every sync into them, and on the actor's first rank, when it packs for engines on other ranks
-    (rlrun.weight_sync.broadcast). One per bucket parity, each as large as its largest bucket (--weight_sync_bucket_mb,
-    or a parameter larger than that, alone in its bucket), in the engines' dtype; one buffer when the whole model
-    fits a bucket. None on a root whose actor's parameters live in the buckets (one FSDP rank in the wire dtype)."""
-    actor = layout.ranks_of(Role.ACTOR)
-    if not actor or not layout.has(Role.ENGINE):
+    """Weight sync's buffers, allocated once and resident in every phase (bucket: --weight_sync_bucket_mb, or a
+    parameter larger than that, alone in its bucket; the whole model when it fits one; in the engines' dtype):
+    - a vLLM child engine's first rank receives or packs every sync into two staging buffers, one per bucket parity;
+    - engines on ranks of their own, from many senders (rlrun.weight_sync.senders): each actor rank packs its
+      stripes into two buffers of about a bucket / actor ranks each, and with --weight_sync_delta keeps its shard's
+      last sync; each receiving engine rank takes a bucket's stripes into one more bucket;
+    - from the root (rlrun.weight_sync.broadcast): the actor's first rank packs into two staging buffers, none when
+      its actor's parameters live in the buckets (one FSDP rank in the wire dtype)."""
+    actor, engine = layout.ranks_of(Role.ACTOR), layout.ranks_of(Role.ENGINE)
+    if not actor or not engine:
         return 0
-    if vllm_child(layout, k) and any(rank == e[0] for e in layout.engines):
-        return _two_buckets(shapes[Role.ACTOR], k)
-    if rank != actor[0] or Role.ENGINE in layout.roles_of(rank):
-        return 0  # the root packs only for engines on other ranks
+    child = vllm_child(layout, k) and any(rank == e[0] for e in layout.engines)
+    staging = _two_buckets(shapes[Role.ACTOR], k) if child else 0
+    if set(actor) & set(engine):
+        return staging  # colocated: each rank's own gathers
+    s, wire = shapes[Role.ACTOR], 2 if k.bf16 else 4
+    bucket = min(wire * s.parameters, max(k.sync_bucket, wire * largest_tensor(s)))
+    if k.many_senders and (len(actor) > 1 or k.sync_delta):
+        if rank in actor:
+            stripes = min(2, -(-wire * s.parameters // bucket)) * -(-bucket // len(actor))
+            return stripes + (-(-wire * s.parameters // len(actor)) if k.sync_delta else 0)
+        receives = rank in engine and (k.backend != "vllm" or any(rank == e[0] for e in layout.engines))
+        return staging + (bucket if receives else 0)
+    if rank != actor[0]:
+        return staging
     if len(actor) == 1 and k.strategy == "fsdp" and not k.bf16:  # zero-copy send
         return 0
     return _two_buckets(shapes[Role.ACTOR], k)

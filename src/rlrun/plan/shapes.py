@@ -321,6 +321,8 @@ class Knobs:
     base_reference: bool = False  # the reference is the trained model with its adapters off (no reference model)
     sequence_parallel: tuple[tuple[Role, int], ...] = ()  # roles with --sequence_parallel_size > 1 and their sizes
     gateway_calls: int = 0  # model calls an episode through the token gateway may make (0: no such source)
+    many_senders: bool = False  # --weight_sync_senders all, no LoRA: every actor rank sends its shard to the engines
+    sync_delta: bool = False  # --weight_sync_delta: each actor rank keeps its shard's last sync
 
     def sp_of(self, role: Role) -> int:
         return dict(self.sequence_parallel).get(role, 1)
@@ -420,6 +422,8 @@ def knobs_of(cfg: Config, target: Target) -> Knobs:
         engine_restarts=g.max_engine_restarts > 0,
         sequence_parallel=tuple((role, sp) for role, sp in sequence_parallel_sizes(cfg).items() if sp > 1),
         gateway_calls=gateway_calls(cfg),
+        many_senders=g.weight_sync_senders == "all" and cfg.model.lora_rank == 0,
+        sync_delta=g.weight_sync_delta,
     )
 
 

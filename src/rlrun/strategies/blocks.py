@@ -182,20 +182,24 @@ def even_spans(numel: int, ranks: tuple[int, ...]) -> tuple[tuple[int, int, int]
     return tuple(s for s in spans if s[2] > s[1])
 
 
+def dim0_spans(shape: torch.Size, ranks: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """The element spans of a tensor sharded on dim 0 over `ranks` as FSDP2 does (torch.chunk: ceil(rows / world)
+    rows each, the tail shorter or empty; empty ones left out)."""
+    rows, inner = shape[0], math.prod(shape[1:])
+    chunk = -(-rows // len(ranks))
+    spans = ((r, min(i * chunk, rows) * inner, min((i + 1) * chunk, rows) * inner) for i, r in enumerate(ranks))
+    return tuple(s for s in spans if s[2] > s[1])
+
+
 def holding(name: str, p: torch.Tensor, replicas: tuple[int, ...]) -> Holding:
     """This rank's part of parameter `p` (FSDP2's dim-0 shard over a 1-D mesh; a tensor that is not a DTensor,
     or one over a one-rank mesh, is held whole by each rank of `replicas`). Raises NotHeldInSpans otherwise."""
     if _is_dim0_sharded(p) and p.device_mesh.size() > 1:
         local = p.detach().to_local()  # type: ignore[attr-defined]  # a DTensor's detach() is a DTensor
-        ranks = [int(r) for r in p.device_mesh.mesh.flatten().tolist()]
-        inner = math.prod(p.shape[1:])
-        chunk = -(-p.shape[0] // len(ranks))
-        spans = tuple(
-            (r, min(i * chunk, p.shape[0]) * inner, min((i + 1) * chunk, p.shape[0]) * inner)
-            for i, r in enumerate(ranks)
-        )
+        ranks = tuple(int(r) for r in p.device_mesh.mesh.flatten().tolist())
         me = p.device_mesh.get_local_rank()
-        return Holding(name, p.shape, p.dtype, tuple(s for s in spans if s[2] > s[1]), spans[me][1], local.reshape(-1))
+        start = min(me * -(-p.shape[0] // len(ranks)), p.shape[0]) * math.prod(p.shape[1:])
+        return Holding(name, p.shape, p.dtype, dim0_spans(p.shape, ranks), start, local.reshape(-1))
     if is_sharded(p) and not (_is_dim0_sharded(p) and p.device_mesh.size() == 1):
         raise NotHeldInSpans(f"{name} is a DTensor placed {tuple(p.placements)} over a {p.device_mesh.ndim}-D mesh")
     whole = p.detach().to_local() if is_sharded(p) else p.detach()  # type: ignore[attr-defined]

@@ -87,6 +87,17 @@ def plan_stripes(
     return plan
 
 
+def stripe_buffers(stripes: list[list[Stripe]], sender: int) -> list[int]:
+    """The elements of `sender`'s two stripe buffers (its stripes alternate between them; one if it has one)."""
+    sizes = [s.numel for bucket in stripes for s in bucket if s.sender == sender]
+    return [max(sizes[i::2]) for i in range(min(2, len(sizes)))]
+
+
+def receive_staging(stripes: list[list[Stripe]]) -> int:
+    """The elements of an engine rank's receive staging: the stripes of its largest bucket."""
+    return max(sum(s.numel for s in bucket) for bucket in stripes)
+
+
 class ManySendersSync:
     """The actor's weights from all its ranks to the engines' ranks, after each update (module docstring)."""
 
@@ -128,10 +139,8 @@ class ManySendersSync:
         if self.rank in senders:
             assert actor_params is not None
             self._check_holdings(actor_params, params)
-            sizes = [s.numel for s in self.mine]
-            self.staging = [
-                torch.empty(max(sizes[i::2]), dtype=self.dtype, device=device) for i in range(min(2, len(sizes)))
-            ]
+            sizes = stripe_buffers(self.stripes, self.rank)
+            self.staging = [torch.empty(n, dtype=self.dtype, device=device) for n in sizes]
             if self.rank == senders[0]:
                 get_logger(self.rank).info_once(self.describe())
         elif self.engine_model is not None:
@@ -140,8 +149,7 @@ class ManySendersSync:
                 if self.sink is not None
                 else bind_engine_views(self.engine_model, self.buckets, device)
             )
-            most = max(sum(s.numel for s in stripes) for stripes in self.stripes)
-            self.staging = [torch.empty(most, dtype=wire.dtype, device=device)]
+            self.staging = [torch.empty(receive_staging(self.stripes), dtype=wire.dtype, device=device)]
 
     def _all_take_deltas(self, receiver: WeightReceiver | None) -> bool:
         """Whether every receiving engine rank keeps the weights between syncs (a delta is applied to them); one
