@@ -29,6 +29,19 @@ each table. Both parts check that the engines end bit-identical to the actor.
     python bench/weight_sync.py --only disaggregated --chunk_mb 4,16,64 --sweep_mb ''
     python bench/weight_sync.py --world 4 --size_mb 100 --bucket_mb 64 --sweep_mb 16,256
 
+--senders instead compares, side by side in one world of 8 ranks, at each actor/engine layout of --layouts (2/1,
+4/1, 4/4, 6/2), an FSDP2 actor of --size_mb fp32 MiB synced into bf16 engines (rlrun's native engine keeps them):
+  root      today's path before issue 63: the actor's first rank gathers every unit and broadcasts the buckets;
+  many      every actor rank sends its own shard in bf16 (rlrun.weight_sync.senders);
+  delta     many with --weight_sync_delta, after an update that moves every weight by 1e-6 (Adam's step at lr 1e-6
+            is about that: each element moves by about lr), so a few % of the bf16 weights change;
+seconds (median, min, max of --repeats rounds, each after one such update), MiB sent by the busiest actor rank and
+received per engine rank (counted by the syncs: the root path's root posts each bucket once and the backend fans it
+out), the most bytes of new tensors alive at once during a sync (max over the actor ranks; LiveTensorBytes) and the
+sync's resident buffers on an actor rank; every engine is checked bit-identical to the actor after every round:
+
+    python bench/weight_sync.py --senders [--size_mb 64] [--layouts 4/4,6/2] [--repeats 5]
+
 --demo_phases instead runs the demo for a few steps and prints each phase's share of a step:
 
     python bench/weight_sync.py --demo_phases [--demo_nproc 2] [--demo_steps 6]
@@ -37,6 +50,7 @@ each table. Both parts check that the engines end bit-identical to the actor.
 from __future__ import annotations
 
 import argparse
+import resource
 import itertools
 import json
 import math
@@ -405,6 +419,172 @@ def run_transfer_bench(args: argparse.Namespace) -> None:
     mp.spawn(bench_worker, args=(args, free_port()), nprocs=args.world, join=True)
 
 
+# ---- many senders vs the root path -----------------------------------------------------------------------------
+
+SENDER_KINDS = ("root", "many", "delta")
+
+
+def senders_worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    """One rank of the --senders world: every layout in turn (every rank makes every group, in the same order)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world,
+                            timeout=timedelta(seconds=600))
+    rows = [senders_layout(rank, args, *map(int, layout.split("/"))) for layout in args.layouts.split(",")]
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    dist.destroy_process_group()
+
+
+def _units(size_mb: float, num_tensors: int):
+    """A transformer-shaped module of fp32 parameters (tensor_shapes), ten tensors per FSDP unit."""
+    import torch
+    from torch import nn
+
+    class Unit(nn.Module):
+        def __init__(self, shapes) -> None:
+            super().__init__()
+            self.weights = nn.ParameterList(nn.Parameter(torch.randn(s) * 0.02) for s in shapes)
+
+    class Model(nn.Module):
+        _no_split_modules = ["Unit"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            shapes = tensor_shapes(size_mb, num_tensors, 4)
+            self.units = nn.ModuleList(Unit(shapes[i : i + 10]) for i in range(0, len(shapes), 10))
+
+    torch.manual_seed(0)
+    return Model()
+
+
+def senders_layout(rank: int, args: argparse.Namespace, actors: int, engines: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from rlrun.engines.receivers import KeptModel
+    from rlrun.runtime.memory import LiveTensorBytes
+    from rlrun.strategies.fsdp import FSDPStrategy
+    from rlrun.weight_sync.sources import ParamSource
+    from rlrun.weight_sync.sync import Route, build_weight_sync
+    from rlrun.weight_sync.wire import WireFormat
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    actor_ranks, receivers = tuple(range(actors)), tuple(range(actors, actors + engines))
+    members = (*actor_ranks, *receivers)
+    groups = [dist.new_group(list(r)) for r in (actor_ranks, (0, *receivers), members, members)]
+    actor_group, root_group, senders_group, everyone = (g if rank in r else None for g, r in
+                                                        zip(groups, (actor_ranks, (0, *receivers), members, members)))
+    row: dict = {"layout": f"{actors}/{engines}"}
+    if rank not in members:
+        dist.barrier()
+        return row
+    source = model = engine_copies = None
+    if rank in actor_ranks:
+        strategy = FSDPStrategy(actor_group, cpu, bf16=False, zero_stage=3, offload=False, gradient_checkpointing=False)
+        model = strategy.wrap(_units(args.size_mb, args.num_tensors))
+        source = ParamSource(model, strategy.param_blocks, strategy)
+    else:
+        engine_copies = {kind: KeptModel(_units(args.size_mb, args.num_tensors).to(bf16)) for kind in SENDER_KINDS}
+    wire = WireFormat(bucket_bytes=int(args.bucket_mb * 2**20), dtype=bf16)
+    root_route = Route(root_group=root_group, actor_ranks=actor_ranks)
+    syncs = {kind: build_weight_sync(actor_params=source, receiver=engine_copies[kind] if engine_copies else None,
+                                     route=root_route if kind == "root" else Route(root_group=root_group,
+                                     actor_ranks=actor_ranks, senders_group=senders_group),
+                                     wire=WireFormat(wire.bucket_bytes, bf16, delta=kind == "delta"), device=cpu)
+             for kind in SENDER_KINDS}
+    times: dict[str, list[float]] = {kind: [] for kind in SENDER_KINDS}
+    cpu = {kind: 0.0 for kind in SENDER_KINDS}  # this rank's CPU seconds per sync (user + system, its threads too)
+    stats = {kind: {"sent": 0, "received": 0, "peak": 0} for kind in SENDER_KINDS}
+    identical = True
+    for round_ in range(args.warmup + args.repeats + 1):
+        if model is not None and round_:  # an update like Adam's at lr 1e-6: every weight moves by about 1e-6
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p).sign_() * 1e-6)
+        measure = round_ == args.warmup + args.repeats  # the last round measures memory, untimed (the meter slows
+        for kind, sync in syncs.items():  # every op down)
+            live = LiveTensorBytes()
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            if measure:
+                with live:
+                    sync.sync()
+            else:
+                seconds = _timed(everyone, sync.sync)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            if round_ < args.warmup:  # the first sync: buffers made, a delta's first (full) sync
+                continue
+            if not measure:
+                times[kind].append(seconds)
+                cpu[kind] += (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / args.repeats
+            stats[kind] = {"sent": max(stats[kind]["sent"], sync.traffic.sent),
+                           "received": max(stats[kind]["received"], sync.traffic.received),
+                           "peak": max(stats[kind]["peak"], live.peak)}
+        full = {n: t.to(bf16) for n, t in strategy.full_params(model)} if model is not None else None
+        if rank == 0:
+            dist.broadcast_object_list([full], src=0, group=everyone)
+        else:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=everyone)
+            full = box[0]
+        if engine_copies:
+            identical &= all(torch.equal(p, full[n]) for kept in engine_copies.values()
+                             for n, p in kept.model.named_parameters())
+    resident = {kind: sum(t.numel() * t.element_size() for t in getattr(sync, "staging", [])) +
+                (sync.last.numel() * sync.last.element_size() if getattr(sync, "last", None) is not None else 0) +
+                (sum(t.numel() * t.element_size() for t in sync.buffers) if kind == "root" and rank == 0 else 0)
+                for kind, sync in syncs.items()}
+    mine = torch.tensor([[stats[k]["sent"], stats[k]["received"], stats[k]["peak"], resident[k]] for k in SENDER_KINDS],
+                        dtype=torch.float64)
+    actor_max, engine_max = mine.clone() * (rank in actor_ranks), mine.clone() * (rank in receivers)
+    for t in (actor_max, engine_max):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=everyone)
+    cpu_sum = torch.tensor([cpu[k] for k in SENDER_KINDS], dtype=torch.float64)
+    dist.all_reduce(cpu_sum, group=everyone)
+    ok = torch.tensor([1.0 if identical else 0.0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=everyone)
+    dist.barrier()
+    for i, kind in enumerate(SENDER_KINDS):
+        row[kind] = {"median_s": _median(times[kind]), "min_s": min(times[kind]), "max_s": max(times[kind]),
+                     "actor_sent_mib": float(actor_max[i, 0]) / 2**20, "engine_received_mib": float(engine_max[i, 1]) / 2**20,
+                     "actor_peak_new_mib": float(actor_max[i, 2]) / 2**20,
+                     "actor_resident_mib": float(actor_max[i, 3]) / 2**20, "cpu_s": float(cpu_sum[i])}
+    row["identical"] = bool(ok.item())
+    row["shard_bf16_mib"] = args.size_mb / 2 / actors
+    return row
+
+
+def run_senders_bench(args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    args.world = max(sum(map(int, layout.split("/"))) for layout in args.layouts.split(","))
+    with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
+        args.out = str(Path(tmp) / "rows.json")
+        mp.spawn(senders_worker, args=(args, free_port()), nprocs=args.world, join=True)
+        rows = json.loads(Path(args.out).read_text())
+    print(f"\nweight sync, {args.size_mb:g} MiB fp32 actor (FSDP2) -> bf16 engines, {args.bucket_mb:g} MiB buckets, "
+          f"{args.repeats} rounds, {os.cpu_count()} CPU cores, load {_load()}")
+    print("| actor/engine | path | median s (min-max) | vs root | CPU s, all ranks | busiest actor rank sends MiB | engine rank receives "
+          "MiB | actor: new tensors during a sync MiB | actor: resident sync buffers MiB | engines exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        for kind in SENDER_KINDS:
+            r = row[kind]
+            print(f"| {row['layout']} | {kind} | {r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f}) | "
+                  f"{r['median_s'] / row['root']['median_s']:.2f} | {r['cpu_s']:.3f} | {r['actor_sent_mib']:.2f} | "
+                  f"{r['engine_received_mib']:.2f} | {r['actor_peak_new_mib']:.2f} | {r['actor_resident_mib']:.2f} | "
+                  f"{'yes' if row['identical'] else 'NO'} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"size_mb": args.size_mb, "bucket_mb": args.bucket_mb,
+                                               "repeats": args.repeats, "rows": rows}, indent=1))
+    if not all(row["identical"] for row in rows):
+        sys.exit("an engine's weights differ from the actor's")
+
+
 # ---- the demo's phase shares ------------------------------------------------------------------------
 
 PHASES = ("time/generate", "time/score", "time/train", "time/sync")
@@ -464,6 +644,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="skip the previous algorithm's row (pack a whole bucket, then a blocking broadcast)")
     p.add_argument("--quick", action="store_true",
                    help="small and fast: 64 MiB / 100 tensors, 16 MiB buckets in 4 MiB chunks, 5 rounds, colocated preset 3m")
+    p.add_argument("--senders", action="store_true", help="many senders vs the root path (see above) instead")
+    p.add_argument("--layouts", default="2/1,4/1,4/4,6/2", help="--senders: actor/engine ranks, comma-separated")
+    p.add_argument("--json", default="", help="--senders: also write the table's numbers to this file")
     p.add_argument("--demo_phases", action="store_true", help="time the demo's phases instead")
     p.add_argument("--demo_steps", type=int, default=6)
     p.add_argument("--demo_nproc", type=int, default=0, help="0: plain python; N: torchrun with N ranks")
@@ -474,6 +657,9 @@ def main(argv: list[str] | None = None) -> None:
         args.repeats, args.colocated_preset, args.no_naive = 5, "3m", True
     if args.demo_phases:
         run_demo_phases(args)
+        return
+    if args.senders:
+        run_senders_bench(args)
         return
     if args.world < 2:
         p.error("--world must be >= 2 (the actor root and at least one engine rank)")

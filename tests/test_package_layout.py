@@ -174,9 +174,9 @@ def test_the_config_check_sees_a_whole_config_parameter():
 def test_modules_are_ideas_not_fragments():
     """Files by concept, not by a line budget (issue 45): half of the modules 150 lines or more, and no more of them
     than concepts to hold (180: issue 61 gave each config section its owner's module; 190: issue 62, the token gateway
-    and the environment sources; 191: its TRL environment classes)."""
+    and the environment sources; 191: its TRL environment classes; 192: issue 63, the many senders' delta encoding)."""
     sizes = sorted(len(path.read_text().splitlines()) for path in _modules().values())
-    assert len(sizes) <= 191, len(sizes)
+    assert len(sizes) <= 192, len(sizes)
     assert sizes[(len(sizes) - 1) // 2] >= 150, sizes
 
 

@@ -10,15 +10,13 @@ new storage until its tensor is freed), against which the plan's working set mus
 
 from __future__ import annotations
 
-import weakref
 
 import pytest
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from rlrun.plan.memory import activation_bytes
+from rlrun.runtime.memory import LiveTensorBytes
 from rlrun.plan.shapes import Knobs
 from rlrun.plan.shapes import model_shape
 
@@ -60,39 +58,12 @@ def _saved_bytes(model, ids: torch.Tensor) -> int:
     return sum(saved.values())
 
 
-class _LiveBytes(TorchDispatchMode):
-    """The peak of the bytes of op outputs alive at once: each new storage counts until the tensor that brought it is
-    freed (what a caching allocator's max_memory_allocated sees of a forward, inputs made before it left out)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key, size = storage.data_ptr(), storage.nbytes()
-                if size and key not in self.seen:
-                    self.seen.add(key)
-                    self.live += size
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(t, self._free, key, size)
-        return out
-
-    def _free(self, key: int, size: int) -> None:
-        self.live -= size
-        self.seen.discard(key)
-
-
 def _no_grad_working_set(model, seq: int) -> int:
     """Peak bytes alive in a no-grad forward of the decoder body over ROWS rows of `seq` tokens (its input included)."""
     ids = torch.randint(0, 300, (ROWS, seq))
     with torch.no_grad():
         x = model.model.embed_tokens(ids)
-        with _LiveBytes() as live:
+        with LiveTensorBytes() as live:
             model.model(inputs_embeds=x, use_cache=False)
     return live.peak + x.nbytes
 

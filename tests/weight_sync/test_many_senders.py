@@ -10,7 +10,6 @@ This file is also the per-rank worker (`python test_many_senders.py RANK WORLD P
 from __future__ import annotations
 
 import sys
-import weakref
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -19,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 WORLD = 8
 LAYOUTS = {"4+4": (4, 4), "6+2": (6, 2)}
@@ -65,29 +63,6 @@ def seeded(seed: int) -> Tied:
     return Tied()
 
 
-class PeakBytes(TorchDispatchMode):
-    """The most bytes of new tensors alive at once while active (views and in-place results are not new memory; a
-    tensor counts until its Python object is gone)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-
-    def _gone(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        if not any(r.alias_info is not None for r in func._schema.returns):
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    nbytes = t.numel() * t.element_size()
-                    self.live += nbytes
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(t, self._gone, nbytes)
-        return out
-
-
 # Each update's learning rate: a full sync first; a small step (few bf16 weights change: a sparse delta); a skipped
 # step (nothing changes); a large step (most change: dense again)
 LRS = (0.05, 1e-6, 0.0, 0.05)
@@ -97,6 +72,7 @@ def scenario(layout: str, rank: int) -> dict:
     """Every rank runs it (groups are made by every rank, in the same order). Three syncs side by side into three
     engine copies: the root path, many senders, many senders with delta; then a corrupted engine value."""
     from rlrun.engines.receivers import KeptModel
+    from rlrun.runtime.memory import LiveTensorBytes
     from rlrun.strategies.fsdp import FSDPStrategy
     from rlrun.weight_sync.senders import ManySendersSync
     from rlrun.weight_sync.sources import ParamSource
@@ -148,7 +124,7 @@ def scenario(layout: str, rank: int) -> dict:
             opt.zero_grad()
         snap: dict = {}
         for kind, sync in syncs.items():
-            counted = PeakBytes()
+            counted = LiveTensorBytes()
             with counted:
                 sync.sync()
             traffic = getattr(sync, "traffic", None)

@@ -95,7 +95,8 @@ def sync_staging_bytes(rank: int, layout: Layout, shapes: Mapping[Role, ModelSha
     - a vLLM child engine's first rank receives or packs every sync into two staging buffers, one per bucket parity;
     - engines on ranks of their own, from many senders (rlrun.weight_sync.senders): each actor rank packs its
       stripes into two buffers of about a bucket / actor ranks each, and with --weight_sync_delta keeps its shard's
-      last sync; each receiving engine rank takes a bucket's stripes into one more bucket;
+      last sync; each receiving engine rank takes the stripes into two more buckets (bucket k + 1's arrive while
+      bucket k's are placed);
     - from the root (rlrun.weight_sync.broadcast): the actor's first rank packs into two staging buffers, none when
       its actor's parameters live in the buckets (one FSDP rank in the wire dtype)."""
     actor, engine = layout.ranks_of(Role.ACTOR), layout.ranks_of(Role.ENGINE)
@@ -112,7 +113,7 @@ def sync_staging_bytes(rank: int, layout: Layout, shapes: Mapping[Role, ModelSha
             stripes = min(2, -(-wire * s.parameters // bucket)) * -(-bucket // len(actor))
             return stripes + (-(-wire * s.parameters // len(actor)) if k.sync_delta else 0)
         receives = rank in engine and (k.backend != "vllm" or any(rank == e[0] for e in layout.engines))
-        return staging + (bucket if receives else 0)
+        return staging + (min(2, -(-wire * s.parameters // bucket)) * bucket if receives else 0)
     if rank != actor[0]:
         return staging
     if len(actor) == 1 and k.strategy == "fsdp" and not k.bf16:  # zero-copy send

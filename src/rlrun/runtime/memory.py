@@ -1,4 +1,5 @@
-"""This process's own memory, as the kernel counts it (Linux /proc; None elsewhere)."""
+"""This process's own memory, as the kernel counts it (Linux /proc; None elsewhere), and the tensor bytes a piece of
+code holds at once (LiveTensorBytes: what benches and tests measure a device's working set with on CPU)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import weakref
 from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from rlrun.runtime.log import RankLogger
 
@@ -165,3 +172,36 @@ def return_freed_memory() -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """While active: the peak of the bytes of op outputs alive at once (each new storage counts until the tensor that
+    brought it is freed; views and in-place results bring none). What a caching allocator's max_memory_allocated
+    would see of the code run inside, tensors made before it left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out  # a view or an in-place result: memory that existed before
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                try:
+                    storage = t.untyped_storage()
+                    key, size = storage.data_ptr(), storage.nbytes()
+                except RuntimeError:  # a storage the op left without memory (FSDP2 frees its unsharded ones)
+                    continue
+                if size and key not in self.seen:
+                    self.seen.add(key)
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._free, key, size)
+        return out
+
+    def _free(self, key: int, size: int) -> None:
+        self.live -= size
+        self.seen.discard(key)

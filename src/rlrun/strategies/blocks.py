@@ -191,6 +191,15 @@ def dim0_spans(shape: torch.Size, ranks: tuple[int, ...]) -> tuple[tuple[int, in
     return tuple(s for s in spans if s[2] > s[1])
 
 
+def local_data_ptr(p: torch.Tensor) -> int:
+    """Where this rank's part of `p` lives now: a DTensor's local shard, a ZeRO-3 partition, or the tensor. Read
+    without a dispatch (DTensor's `_local_tensor`: `to_local()` costs an op per parameter, per sync)."""
+    if isinstance(p, DTensor):
+        return int(p._local_tensor.data_ptr())
+    partition = getattr(p, "ds_tensor", None)
+    return int((partition if partition is not None else p).data_ptr())
+
+
 def holding(name: str, p: torch.Tensor, replicas: tuple[int, ...]) -> Holding:
     """This rank's part of parameter `p` (FSDP2's dim-0 shard over a 1-D mesh; a tensor that is not a DTensor,
     or one over a one-rank mesh, is held whole by each rank of `replicas`). Raises NotHeldInSpans otherwise."""

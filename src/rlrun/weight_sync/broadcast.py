@@ -39,7 +39,7 @@ from rlrun.runtime.log import get_logger
 from rlrun.strategies.blocks import GatherScratch
 from rlrun.weight_sync.buckets import WireOrder, bind_engine_views, check_engine_matches, two_staging
 from rlrun.weight_sync.sources import ParamSource
-from rlrun.weight_sync.wire import WireFormat, checksum, scratch_for, verify
+from rlrun.weight_sync.wire import Traffic, WireFormat, checksum, scratch_for, verify
 
 
 class BroadcastSync:
@@ -72,6 +72,7 @@ class BroadcastSync:
         self.buffers: list[torch.Tensor] = []  # engines: one receive buffer per bucket; root: the 2 staging buffers
         self._scratch = scratch_for(device)
         self.zero_copy = False
+        self.traffic = Traffic()
         if dist.get_rank() != actor_root and self.engine_model is None:
             return  # actor ranks other than the root only take part in the FSDP all-gathers
         assert sync_group is not None, "the root and every receiving engine rank are in the sync group"
@@ -127,6 +128,10 @@ class BroadcastSync:
 
     def sync(self) -> None:
         """Collective over the actor group and the sync group; every actor and engine rank calls it."""
+        # the root posts every bucket once (the backend fans it out to the engine ranks); each engine rank receives it
+        model = sum(bucket_size(b) for b in self.buckets)
+        self.traffic = Traffic(sent=model if self.actor_params is not None and self.buckets else 0)
+        self.traffic.received = model if self.engine_model is not None else 0
         if self.actor_params is not None and dist.get_rank() != self.root:
             scratch = self._scratch or GatherScratch()
             for block in self.actor_params.blocks():  # take part in the all-gathers, send nothing

@@ -25,7 +25,7 @@ from rlrun.engines.receivers import (
 from rlrun.strategies.blocks import GatherScratch
 from rlrun.weight_sync.buckets import two_staging
 from rlrun.weight_sync.sources import ParamSource
-from rlrun.weight_sync.wire import WireFormat, checksum, scratch_for, verify
+from rlrun.weight_sync.wire import Traffic, WireFormat, checksum, scratch_for, verify
 
 
 class ColocatedSync:
@@ -41,6 +41,7 @@ class ColocatedSync:
         check_names: Sequence[str] = (),
     ) -> None:
         self.actor_params, self.device, self.wire_dtype = actor_params, device, wire.dtype
+        self.traffic = Traffic()  # nothing crosses the wire but the actor's own all-gathers
         self.check_names = list(check_names)
         self.engine_model = receiver.model if isinstance(receiver, KeptModel) else None
         self.sink = receiver if isinstance(receiver, BucketSink) else None

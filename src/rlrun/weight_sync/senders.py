@@ -30,10 +30,11 @@ from rlrun.engines.receivers import BucketEntry, BucketSink, KeptModel, WeightRe
 from rlrun.launch.transfer import broadcast_json, wait_all
 from rlrun.runtime.errors import RlrunError
 from rlrun.runtime.log import get_logger
+from rlrun.strategies.blocks import Holding
 from rlrun.weight_sync.buckets import bind_engine_views, check_engine_matches, two_staging
-from rlrun.weight_sync.delta import DENSE, apply_changes, changes, checksum, header, pieces_checksum
+from rlrun.weight_sync.delta import DENSE, apply_changes, changes, checksum, header, positions
 from rlrun.weight_sync.sources import ParamSource
-from rlrun.weight_sync.wire import WireFormat
+from rlrun.weight_sync.wire import Traffic, WireFormat
 
 Spans = list[tuple[int, int, int]]  # (global rank, first element, end element) of a parameter's parts
 
@@ -50,12 +51,15 @@ class Stripe:
         return sum(end - begin for _, begin, end in self.pieces)
 
 
-@dataclass
-class Traffic:
-    """Bytes this rank sent and received in its last sync (counted as they are posted)."""
+@dataclass(frozen=True)
+class Taking:
+    """Stripes whose first receives are posted (rlrun.weight_sync.senders.ManySendersSync._post_take)."""
 
-    sent: int = 0
-    received: int = 0
+    stripes: list[Stripe]
+    places: dict[int, torch.Tensor]  # sender -> where its stripe lands when it comes dense
+    source: Callable[[Stripe], int]  # the rank each stripe comes from
+    works: list[dist.Work]
+    firsts: dict[int, torch.Tensor]  # sender -> its first message (dense: its place; delta: its header)
 
 
 def agree_on_senders(
@@ -132,6 +136,7 @@ class ManySendersSync:
         self.staging: list[torch.Tensor] = []  # actor ranks: two stripe buffers; engines: one bucket's stripes
         self.delta = wire.delta and self._all_take_deltas(receiver)
         self.first = True  # the first sync is dense: the engines' copies are not the actor's yet
+        self._packed: tuple[list[Holding], list[tuple[list[torch.Tensor], list[torch.Tensor]]]] | None = None
         self.mine = [s for stripes in self.stripes for s in stripes if s.sender == self.rank]
         self.last_at = [sum(s.numel for s in self.mine[:i]) for i in range(len(self.mine))]
         # delta: a copy of what this rank sent last, in the wire dtype (its shard)
@@ -149,7 +154,14 @@ class ManySendersSync:
                 if self.sink is not None
                 else bind_engine_views(self.engine_model, self.buckets, device)
             )
-            self.staging = [torch.empty(receive_staging(self.stripes), dtype=wire.dtype, device=device)]
+            # two: bucket k + 1's stripes arrive while bucket k's are passed on and placed
+            count = min(2, len(self.stripes))
+            size = receive_staging(self.stripes)
+            self.staging = [torch.empty(size, dtype=wire.dtype, device=device) for _ in range(count)]
+            # made once (views cost more than the copies through them): per bucket, where each stripe arrives and,
+            # per stripe, its pieces' sources there and targets in the bucket buffer
+            self.places = [self._places(k) for k in range(len(self.stripes))]
+            self.pieces = [[self._piece_views(k, s) for s in stripes] for k, stripes in enumerate(self.stripes)]
 
     def _all_take_deltas(self, receiver: WeightReceiver | None) -> bool:
         """Whether every receiving engine rank keeps the weights between syncs (a delta is applied to them); one
@@ -218,26 +230,39 @@ class ManySendersSync:
         """Pack each of this rank's stripes (cast to the wire dtype as it is copied) and post it to its engine rank
         (delta: its changes since the last sync, or the stripe when they are as large); a staging buffer is refilled
         once the stripe before it in that buffer arrived."""
-        held = {h.name: h for h in actor_params.holdings(self.senders)}
+        packing = self._packing(actor_params.holdings(self.senders))
         pending: list[list[dist.Work]] = [[], []]
         kept: list[list[torch.Tensor]] = [[], []]  # what each buffer's sends read, alive until they complete
         with torch.no_grad():
-            for i, (stripe, at_last) in enumerate(zip(self.mine, self.last_at)):
+            for i, (stripe, at_last, (sources, targets)) in enumerate(zip(self.mine, self.last_at, packing)):
                 wait_all(pending[i % 2], self.group, self.device, "weight sync: a stripe to an engine rank")
                 buffer = self.staging[i % 2][: stripe.numel]
-                at = 0
-                for e, begin, end in stripe.pieces:
-                    buffer[at : at + end - begin].copy_(held[e.name].piece(begin, end))
-                    at += end - begin
+                torch._foreach_copy_(targets, sources)
                 kept[i % 2] = self._encode(buffer, at_last) if self.delta else [buffer]
                 pending[i % 2] = [self._post(dist.isend, m, self._direct(self.rank)) for m in kept[i % 2]]
                 self.traffic.sent += sum(m.numel() * m.element_size() for m in kept[i % 2])
         wait_all(pending[0] + pending[1], self.group, self.device, "weight sync: a stripe to an engine rank")
         self.first = False
 
+    def _packing(self, held: list[Holding]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Per stripe of this rank: (its pieces in this rank's parameters, their places in the stripe's staging
+        buffer). Made again only when the parameters moved (ParamSource.holdings gives a new list then)."""
+        if self._packed is None or self._packed[0] is not held:
+            by_name = {h.name: h for h in held}
+            plan = []
+            for i, stripe in enumerate(self.mine):
+                sources, targets, at = [], [], 0
+                for e, begin, end in stripe.pieces:
+                    sources.append(by_name[e.name].piece(begin, end))
+                    targets.append(self.staging[i % 2][at : at + end - begin])
+                    at += end - begin
+                plan.append((sources, targets))
+            self._packed = (held, plan)
+        return self._packed[1]
+
     def _encode(self, stripe: torch.Tensor, at_last: int) -> list[torch.Tensor]:
-        """A stripe's messages in delta mode: its header, then its changed elements since this rank's last sync (index,
-        value) or the whole stripe (the first sync; or when the changes are as large). Updates the kept copy."""
+        """A stripe's messages in delta mode: its header, then its changed elements since this rank's last sync (gaps,
+        values) or the whole stripe (the first sync; or when the changes are as large). Updates the kept copy."""
         last = self.last[at_last : at_last + stripe.numel()]
         found = None if self.first else changes(stripe, last)
         last.copy_(stripe)
@@ -247,49 +272,81 @@ class ManySendersSync:
         index, values = found
         return [header(index.numel(), total, self.device), *([index, values] if index.numel() else [])]
 
-    def _take(self, stripe: Stripe, place: torch.Tensor, source: int) -> list[torch.Tensor]:
-        """A stripe's messages from `source` (dense: into `place`; delta: its header, then what it announces)."""
-        what = "weight sync: a stripe from an actor rank or another engine rank"
+    def _post_take(
+        self, stripes: list[Stripe], places: dict[int, torch.Tensor], source: Callable[[Stripe], int]
+    ) -> Taking:
+        """Post the first receive of each stripe, from its `source` (dense: the stripe into its place; delta: its
+        header); _finish_take completes them."""
         if not self.delta:
-            wait_all([self._post(dist.irecv, place, source)], self.group, self.device, what)
-            return [place]
-        head = torch.empty(2, dtype=torch.int64, device=self.device)
-        wait_all([self._post(dist.irecv, head, source)], self.group, self.device, what)
-        count = int(head[0])
-        if count == DENSE:
-            body = [place]
+            firsts = {s.sender: places[s.sender] for s in stripes}
         else:
-            body = [torch.empty(count, dtype=torch.int32, device=self.device), place.new_empty(count)] if count else []
-        wait_all([self._post(dist.irecv, m, source) for m in body], self.group, self.device, what)
-        return [head, *body]
+            firsts = {s.sender: torch.empty(2, dtype=torch.int64, device=self.device) for s in stripes}
+        works = [self._post(dist.irecv, firsts[s.sender], source(s)) for s in stripes]
+        return Taking(stripes, places, source, works, firsts)
+
+    def _finish_take(self, taking: Taking) -> dict[int, list[torch.Tensor]]:
+        """The stripes' messages by sender, once arrived (delta: the bodies their headers announce, posted at once)."""
+        stripes, places, source, firsts = taking.stripes, taking.places, taking.source, taking.firsts
+        what = "weight sync: a stripe from an actor rank or another engine rank"
+        wait_all(taking.works, self.group, self.device, what)
+        if not self.delta:
+            return {s.sender: [firsts[s.sender]] for s in stripes}
+        got = {}
+        for s in stripes:
+            head, place = firsts[s.sender], places[s.sender]
+            count = int(head[0])
+            if count == DENSE:
+                got[s.sender] = [head, place]
+            else:
+                index = torch.empty(count, dtype=torch.int16, device=self.device)
+                got[s.sender] = [head, index, place.new_empty(count)] if count else [head]
+        bodies = [self._post(dist.irecv, m, source(s)) for s in stripes for m in got[s.sender][1:]]
+        wait_all(bodies, self.group, self.device, what)
+        return got
+
+    def _places(self, k: int) -> dict[int, torch.Tensor]:
+        """Where bucket k's stripes arrive: back to back in the receive staging of its parity."""
+        staging, at, places = self.staging[k % len(self.staging)], 0, {}
+        for s in self.stripes[k]:
+            places[s.sender] = staging[at : at + s.numel]
+            at += s.numel
+        return places
+
+    def _piece_views(self, k: int, stripe: Stripe) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(each piece in the stripe's place, each piece in bucket k's buffer), as flat views."""
+        buffer = self.buffers[k % 2] if self.sink is not None else self.buffers[k]
+        place, at, sources, targets = self.places[k][stripe.sender], 0, [], []
+        for e, begin, end in stripe.pieces:
+            sources.append(place[at : at + end - begin])
+            targets.append(entry_view(buffer, e).view(-1)[begin:end])
+            at += end - begin
+        return sources, targets
 
     def _receive(self) -> None:
-        """Bucket by bucket: this rank's stripes from their actor ranks, then the exchange with the other engine
-        ranks (each sends on what it took), then every piece into its place in the bucket. Delta: each stripe's
-        checksum is compared with the engine's copy after the update, and a mismatch raises once the sync is over
-        (the other ranks are not left waiting)."""
+        """Bucket by bucket: this rank's stripes from their actor ranks (bucket k + 1's posted while bucket k is
+        passed on and placed), then the exchange with the other engine ranks (each sends on what it took), then
+        every piece into its place in the bucket. Delta: each stripe's checksum is compared with the engine's copy
+        after the update, and a mismatch raises once the sync is over (the other ranks are not left waiting)."""
         assert self.engine_model is not None
         if self.sink is not None:
             self.sink.start(self.buckets, self.buffers)
-        staging = self.staging[0]
         wrong: list[str] = []
+
+        def direct(k: int) -> list[Stripe]:
+            return [s for s in self.stripes[k] if self._direct(s.sender) == self.rank]
+
+        ahead = self._post_take(direct(0), self.places[0], lambda s: s.sender)
         for k, stripes in enumerate(self.stripes):
-            at, places = 0, {}
-            for s in stripes:
-                places[s.sender] = staging[at : at + s.numel]
-                at += s.numel
-            mine = [s for s in stripes if self._direct(s.sender) == self.rank]
-            got = {s.sender: self._take(s, places[s.sender], s.sender) for s in mine}
-            passing = [
-                self._post(dist.isend, m, other)
-                for other in self.receivers
-                if other != self.rank
-                for s in mine
-                for m in got[s.sender]
-            ]
-            for s in stripes:
-                if s.sender not in got:
-                    got[s.sender] = self._take(s, places[s.sender], self._direct(s.sender))
+            mine = direct(k)
+            got = self._finish_take(ahead)
+            if k + 1 < len(self.stripes):
+                ahead = self._post_take(direct(k + 1), self.places[k + 1], lambda s: s.sender)
+            # passed on in the order _finish_take posts its receives: every stripe's header, then every body
+            order = [got[s.sender][0] for s in mine] + [m for s in mine for m in got[s.sender][1:]]
+            others = [r for r in self.receivers if r != self.rank]
+            passing = [self._post(dist.isend, m, other) for other in others for m in order]
+            passed = [s for s in stripes if s.sender not in got]
+            got.update(self._finish_take(self._post_take(passed, self.places[k], lambda s: self._direct(s.sender))))
             wait_all(passing, self.group, self.device, "weight sync: a stripe to another engine rank")
             self.traffic.received += sum(m.numel() * m.element_size() for ms in got.values() for m in ms)
             self.traffic.sent += sum(m.numel() * m.element_size() for s in mine for m in got[s.sender]) * (
@@ -298,9 +355,9 @@ class ManySendersSync:
             if self.sink is not None and k >= 2:
                 self.sink.release(k - 2)
             buffer = self.buffers[k % 2] if self.sink is not None else self.buffers[k]
-            for s in stripes:
-                self._apply(buffer, s, got[s.sender], places[s.sender])
-                if self.delta and pieces_checksum(buffer, s.pieces) != int(got[s.sender][0][1]):
+            for s, (sources, targets) in zip(stripes, self.pieces[k]):
+                self._apply(buffer, s, got[s.sender], sources, targets)
+                if self.delta and sum(map(checksum, targets)) != int(got[s.sender][0][1]):
                     wrong.append(
                         f"bucket {k}, actor rank {s.sender}'s part ({', '.join(e.name for e, _, _ in s.pieces[:3])})"
                     )
@@ -315,17 +372,21 @@ class ManySendersSync:
                 "lost); run without --weight_sync_delta to send every weight each sync"
             )
 
-    def _apply(self, buffer: torch.Tensor, stripe: Stripe, got: list[torch.Tensor], place: torch.Tensor) -> None:
-        """A stripe's messages into the bucket `buffer`: the whole stripe piece by piece (it arrived in `place`), or
-        its changes (delta: index and values after the header; none when nothing changed)."""
+    def _apply(
+        self,
+        buffer: torch.Tensor,
+        stripe: Stripe,
+        got: list[torch.Tensor],
+        sources: list[torch.Tensor],
+        targets: list[torch.Tensor],
+    ) -> None:
+        """A stripe's messages into the bucket `buffer`: the whole stripe piece by piece (it arrived where `sources`
+        view it), or its changes (delta: gaps and values after the header; none when nothing changed)."""
         if self.delta and int(got[0][0]) != DENSE:
             if len(got) == 3:
-                apply_changes(buffer, stripe.pieces, got[1], got[2])
+                apply_changes(buffer, stripe.pieces, positions(got[1]), got[2])
             return
-        at = 0
-        for e, begin, end in stripe.pieces:
-            entry_view(buffer, e).view(-1)[begin:end].copy_(place[at : at + end - begin])
-            at += end - begin
+        torch._foreach_copy_(targets, sources)
 
 
 def sender_ranks(group: dist.ProcessGroup, actor_ranks: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -4,12 +4,21 @@ actor's strategy, rlrun.strategies.blocks), or, for a LoRA actor, the merged wei
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from rlrun.models.lora import hf_name, is_adapter, lora_pairs, merge_into, merged_weight
-from rlrun.strategies.blocks import FullBlock, GatherScratch, Holding, NotHeldInSpans, ParamBlock, ParamHoming
+from rlrun.strategies.blocks import (
+    FullBlock,
+    GatherScratch,
+    Holding,
+    NotHeldInSpans,
+    ParamBlock,
+    ParamHoming,
+    local_data_ptr,
+)
 
 
 class ParamSource:
@@ -25,6 +34,7 @@ class ParamSource:
         self.model = model
         self._param_blocks = param_blocks
         self._homing = homing
+        self._held: tuple[tuple[Any, ...], list[Holding]] | None = None
 
     def zero_copy_blocker(self, dtype: torch.dtype, device: torch.device) -> str | None:
         """Why the root cannot send the parameters' own memory (None: it can, after `home`)."""
@@ -43,8 +53,12 @@ class ParamSource:
 
     def holdings(self, replicas: tuple[int, ...]) -> list[Holding]:
         """What this rank holds of each parameter, in gather order (no collective): what it sends when every actor
-        rank sends its own part (rlrun.weight_sync.senders). `replicas`: the actor's ranks."""
-        return [h for block in self.blocks() for h in block.holdings(replicas)]
+        rank sends its own part (rlrun.weight_sync.senders). `replicas`: the actor's ranks. Kept while the parts stay
+        where they are (a wake from --sleep, a load, moves them: then described again)."""
+        key = (replicas, *(local_data_ptr(p) for p in self.model.parameters()))
+        if self._held is None or self._held[0] != key:
+            self._held = (key, [h for block in self.blocks() for h in block.holdings(replicas)])
+        return self._held[1]
 
     def senders_blocker(self, replicas: tuple[int, ...]) -> str | None:
         """Why the actor's ranks cannot each send their own part (None: they can)."""

@@ -24,7 +24,7 @@ from rlrun.weight_sync.broadcast import BroadcastSync
 from rlrun.weight_sync.colocated import ColocatedSync
 from rlrun.weight_sync.senders import ManySendersSync, agree_on_senders, sender_ranks
 from rlrun.weight_sync.sources import ParamSource
-from rlrun.weight_sync.wire import WireFormat
+from rlrun.weight_sync.wire import Traffic, WireFormat
 
 
 class WeightSync(Protocol):
@@ -32,6 +32,8 @@ class WeightSync(Protocol):
 
     @property
     def num_buckets(self) -> int: ...
+
+    traffic: Traffic  # what the last sync moved on this rank
 
     def sync(self) -> None:
         """Collective over the actor group (and, disaggregated, the sync group)."""

@@ -27,6 +27,14 @@ class WireFormat:
     delta: bool = False  # --weight_sync_delta: after the first sync, each part's changed elements (many senders)
 
 
+@dataclass
+class Traffic:
+    """Bytes this rank put on the wire and took off it in its last sync."""
+
+    sent: int = 0
+    received: int = 0
+
+
 def scratch_for(device: torch.device) -> GatherScratch | None:
     """The gather scratch a sync keeps for its lifetime: on CPU one (a fresh buffer per sync costs page faults); on
     an accelerator none (the caching allocator reuses the memory, and holding a unit's gather buffer through
