@@ -118,16 +118,19 @@ def test_partial_rollout_continues_responses_on_vllm(tmp_path, long_tailed_base)
 
 
 def test_vision_language_grpo_on_a_vllm_engine(tmp_path):
-    """The VLM demo (tiny Qwen2.5-VL, image prompts) with a disaggregated vLLM engine: vLLM gets each prompt's
+    """The VLM demo (tiny Qwen2.5-VL, image prompts; 2 actor ranks) with a disaggregated vLLM engine: vLLM gets each prompt's
     images and expands them to the same tokens as rlrun's processor (the rows the actor scores), and its sampled-token
     log-probs match the actor's with the images (the multimodal positions and pixels agree on both sides). The lane
     has no torchvision build for its CPU torch: tests/engines/no_torchvision stands in for the video half of the
     processor, which images never use."""
     code, out, metrics = run(["--config", "configs/vlm_demo.yaml", "--generation_backend", "vllm", "--dist_timeout",
-                              "240", "--max_steps", "2"] + DISAGG, tmp_path, RLRUN_CACHE=str(tmp_path / "cache"),
+                              "240", "--max_steps", "2", "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1"],
+                             tmp_path, nproc=3, RLRUN_CACHE=str(tmp_path / "cache"),
                              PYTHONPATH=str(REPO / "tests" / "engines" / "no_torchvision"))
     assert code == 0, out[-4000:]
     assert "generation backend vllm" in out and [m["step"] for m in metrics] == [1, 2], out[-2000:]
+    # both actor ranks send their shards of the VLM (vision tower included) to the engine's child, bucket by bucket
+    assert "each of the 2 actor ranks sends its own shard" in out, out[-3000:]
     for m in metrics:  # step 2 after one sync of the whole VLM
         # The engines never sample the 4 vision tokens, which renormalises vLLM's distribution over the rest (~1-2% of
         # the mass on this fresh tiny model: measured diffs 0.011, 0.019, 0.023); wrong pixels or positions on either

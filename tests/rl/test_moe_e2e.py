@@ -124,3 +124,15 @@ def test_sft_trains_a_moe_with_the_aux_loss_at_2_ranks(moe_task, tmp_path) -> No
     losses = [m[key.replace("moe/aux_loss", "loss")] for m in train]
     assert losses[-1] < losses[0], losses
 
+
+
+def test_moe_engines_on_their_own_rank_train_alike_from_many_senders_with_delta_and_from_the_root(moe_task, tmp_path):
+    """2 FSDP2 actor ranks + 1 native engine rank: the experts' 3-D weights, sharded on their first dimension, sent
+    by both actor ranks (with --weight_sync_delta after the first sync) give every step the numbers the root path's
+    syncs give, R3's replay included."""
+    layout = ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1", "--max_steps", "3"]
+    many = run_rlrun(3, [*moe_task, *layout, "--weight_sync_delta"], tmp_path / "many", timeout=300)
+    root = run_rlrun(3, [*moe_task, *layout, "--weight_sync_senders", "root"], tmp_path / "root", timeout=300)
+    assert many.returncode == 0 and root.returncode == 0, many.output[-3000:] + root.output[-3000:]
+    assert "each of the 2 actor ranks sends its own shard" in many.output and "delta: only the elements" in many.output
+    assert len(many.metrics) == 3 and untimed(many.metrics) == untimed(root.metrics)

@@ -10,7 +10,9 @@ starts on the meta device and is partitioned one parameter at a time as it is re
 - a frozen model under ZeRO-3 (the reference/reward placement) computes the same logits as the plain model;
 - save after step 2, load into a fresh engine, step 3: bit-identical to the uninterrupted step 3;
 - the 2-rank ZeRO-3 checkpoint loads into a 1-rank ZeRO-2 engine (stage and size change) and continues the same;
-- parameters whose size is not a multiple of the role size (padded partitions) save and load exactly.
+- parameters whose size is not a multiple of the role size (padded partitions) save and load exactly;
+- what each rank holds of each parameter (ZeRO-3's partitions, padded ones included) tiles the full parameter: the
+  parts every rank sends in a many-senders weight sync are the model.
 
 Run as a script (`python test_deepspeed_zero3.py RANK WORLD PORT OUTDIR`) it is one rank.
 """
@@ -103,6 +105,8 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     out["num_blocks"] = len(blocks)
     out["shapes"] = [shape for b in blocks for shape in b.shapes()]
     out["synced"] = {n: full.full(n) for b in blocks for full in [b.gather()] for n in full.names}
+    # what each rank sends itself when every actor rank sends its own part (rlrun.weight_sync.senders)
+    out["holdings"] = {h.name: (h.spans, h.start, h.flat.clone()) for b in blocks for h in b.holdings((0, 1))}
     out["export"] = s.full_state_dict(model)
 
     # The frozen placement: a partitioned model's forward against the plain model's.
@@ -125,6 +129,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: Path) -> None:
     odd_sched = {k: v for k, v in upd3.scheduler.state_dict().items() if k != "lr_lambdas"}
     upd3.run([torch.arange(8)], MASK, _odd_loss(odd))
     out["odd_final"] = s3.full_state_dict(odd)
+    out["odd_holdings"] = {h.name: (h.spans, h.start, h.flat.clone()) for b in s3.param_blocks(odd) for h in b.holdings((0, 1))}
     torch.manual_seed(7)
     s4, odd2, opt4, upd4 = engine(3, role, 2, _Odd())
     s4.load_state(odd2, opt4, str(outdir / "odd"))
@@ -178,6 +183,16 @@ def test_zero3_on_a_role_spanning_the_world(tmp_path):
     assert set(r0["odd_final"]) == {"a.weight", "b.weight"}
     for n, value in r0["odd_final"].items():
         assert torch.equal(r0["odd_resumed"][n], value), n
+
+    for full, key in ((r0["synced"], "holdings"), (r0["odd_final"], "odd_holdings")):
+        assert r0[key].keys() == r1[key].keys() == full.keys()
+        for n, value in full.items():
+            spans = r0[key][n][0]
+            assert spans == r1[key][n][0] and [r for r, _, _ in spans] == [0, 1]  # both ranks agree who holds what
+            assert spans[0][1] == 0 and spans[0][2] == spans[1][1] and spans[1][2] == value.numel()
+            parts = [r[key][n] for r in (r0, r1)]
+            assert [start for _, start, _ in parts] == [begin for _, begin, _ in spans]
+            assert torch.equal(torch.cat([flat for _, _, flat in parts]), value.reshape(-1)), n
 
     for n in names:  # different stage, 1 rank, micro-batches of 4: same math, different reduction order
         torch.testing.assert_close(r0["restaged"][n], r0["export"][n], rtol=1e-4, atol=1e-5)
