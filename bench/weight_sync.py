@@ -35,6 +35,7 @@ each table. Both parts check that the engines end bit-identical to the actor.
   many      every actor rank sends its own shard in bf16 (rlrun.weight_sync.senders);
   delta     many with --weight_sync_delta, after an update that moves every weight by 1e-6 (Adam's step at lr 1e-6
             is about that: each element moves by about lr), so a few % of the bf16 weights change;
+and, with --lora_preset, a LoRA actor into native engines: merged (the path before issue 63) vs the adapters alone;
 seconds (median, min, max of --repeats rounds, each after one such update), MiB sent by the busiest actor rank and
 received per engine rank (counted by the syncs: the root path's root posts each bucket once and the backend fans it
 out), the most bytes of new tensors alive at once during a sync (max over the actor ranks; LiveTensorBytes) and the
@@ -434,6 +435,8 @@ def senders_worker(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world,
                             timeout=timedelta(seconds=600))
     rows = [senders_layout(rank, args, *map(int, layout.split("/"))) for layout in args.layouts.split(",")]
+    if args.lora_preset:
+        rows += [adapters_layout(rank, args, *map(int, layout.split("/"))) for layout in args.layouts.split(",")]
     if rank == 0:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     dist.destroy_process_group()
@@ -557,6 +560,80 @@ def senders_layout(rank: int, args: argparse.Namespace, actors: int, engines: in
     return row
 
 
+def adapters_layout(rank: int, args: argparse.Namespace, actors: int, engines: int) -> dict:
+    """A LoRA actor (rank 16, all-linear, FSDP2, --lora_preset) into native engines: the merged weights (the path
+    before issue 63) against the adapters alone; seconds, bytes, and the engines' logits after the last sync."""
+    import torch
+    import torch.distributed as dist
+
+    from rlrun.config.model import PretrainedConfig
+    from rlrun.engines.native.engine import NativeEngine
+    from rlrun.engines.protocol import SamplingSettings
+    from rlrun.models.loading import load_causal_lm, unfilled_policy
+    from rlrun.models.lora import LoraSettings, add_adapters
+    from rlrun.roles.update import make_optimizer
+    from rlrun.strategies.fsdp import FSDPStrategy
+    from rlrun.weight_sync.sources import AdapterParams, MergedLoraParams
+    from rlrun.weight_sync.sync import Route, build_weight_sync
+    from rlrun.weight_sync.wire import WireFormat
+
+    cpu = torch.device("cpu")
+    actor_ranks, receivers = tuple(range(actors)), tuple(range(actors, actors + engines))
+    members = (*actor_ranks, *receivers)
+    specs = (actor_ranks, (0, *receivers), members)
+    actor_group, root_group, everyone = (g if rank in r else None for g, r in zip([dist.new_group(list(r)) for r in specs], specs))
+    row: dict = {"layout": f"{actors}/{engines}", "lora": args.lora_preset}
+    if rank not in members:
+        dist.barrier()
+        return row
+    source = PretrainedConfig(model_preset=args.lora_preset, lora_rank=16, lora_alpha=32)
+    settings = LoraSettings.of(source)
+    params = {}
+    engines_of = {}
+    if rank in actor_ranks:
+        strategy = FSDPStrategy(actor_group, cpu, bf16=False, zero_stage=3, offload=False, gradient_checkpointing=False)
+        actor, _ = strategy.wrap_trainable(add_adapters(unfilled_policy(source, 0), settings, 0),
+                                           lambda m: make_optimizer(m, 1e-3, (0.9, 0.95), 0.0))
+        with torch.no_grad():
+            for name, p in actor.named_parameters():
+                if ".lora_B." in name:
+                    p.normal_(0, 0.01)
+        params = {"merged": MergedLoraParams(actor, strategy.param_blocks, settings.scaling),
+                  "adapters": AdapterParams(actor, strategy.param_blocks)}
+    else:
+        sampling = SamplingSettings(1.0, 1.0, 4, 0, (1,))
+        engines_of = {kind: NativeEngine(load_causal_lm(source, 0), sampling, cpu) for kind in ("merged", "adapters")}
+        engines_of["adapters"].run_adapters(settings.scaling)
+    route = Route(root_group=root_group, actor_ranks=actor_ranks)
+    syncs = {kind: build_weight_sync(actor_params=params.get(kind), receiver=engines_of[kind].weights if engines_of else None,
+                                     route=route, wire=WireFormat(int(args.bucket_mb * 2**20), torch.float32), device=cpu,
+                                     check_names=params[kind].check_names() if params else ())
+             for kind in ("merged", "adapters")}
+    times: dict[str, list[float]] = {kind: [] for kind in syncs}
+    for round_ in range(args.warmup + args.repeats):
+        for kind, sync in syncs.items():
+            seconds = _timed(everyone, sync.sync)
+            if round_ >= args.warmup:
+                times[kind].append(seconds)
+    close = torch.tensor([1.0])
+    if engines_of:
+        ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
+        out = {}
+        for kind, engine in engines_of.items():
+            with engine.decoder.weights():
+                out[kind] = engine.decoder.prefill(ids, torch.ones_like(ids, dtype=torch.bool), engine.decoder.new_cache(1, 8))
+        close[0] = float(torch.allclose(out["merged"], out["adapters"], rtol=1e-4, atol=1e-4))
+    sent = torch.tensor([float(syncs[k].traffic.sent) for k in syncs], dtype=torch.float64)
+    dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=everyone)
+    dist.all_reduce(close, op=dist.ReduceOp.MIN, group=everyone)
+    dist.barrier()
+    for i, kind in enumerate(syncs):
+        row[kind] = {"median_s": _median(times[kind]), "min_s": min(times[kind]), "max_s": max(times[kind]),
+                     "root_sent_mib": float(sent[i]) / 2**20}
+    row["same_logits"] = bool(close.item())
+    return row
+
+
 def run_senders_bench(args: argparse.Namespace) -> None:
     import torch.multiprocessing as mp
 
@@ -572,16 +649,29 @@ def run_senders_bench(args: argparse.Namespace) -> None:
           "MiB | actor: new tensors during a sync MiB | actor: resident sync buffers MiB | engines exact |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
+        if "lora" in row:
+            continue
         for kind in SENDER_KINDS:
             r = row[kind]
             print(f"| {row['layout']} | {kind} | {r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f}) | "
                   f"{r['median_s'] / row['root']['median_s']:.2f} | {r['cpu_s']:.3f} | {r['actor_sent_mib']:.2f} | "
                   f"{r['engine_received_mib']:.2f} | {r['actor_peak_new_mib']:.2f} | {r['actor_resident_mib']:.2f} | "
                   f"{'yes' if row['identical'] else 'NO'} |")
+    lora_rows = [row for row in rows if "lora" in row]
+    if lora_rows:
+        print(f"\nLoRA (rank 16, all-linear, fp32, preset {args.lora_preset}) into native engines: merged vs adapters only")
+        print("| actor/engine | path | median s (min-max) | vs merged | root sends MiB | engines' logits agree |")
+        print("|---|---|---|---|---|---|")
+        for row in lora_rows:
+            for kind in ("merged", "adapters"):
+                r = row[kind]
+                print(f"| {row['layout']} | {kind} | {r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f}) | "
+                      f"{r['median_s'] / row['merged']['median_s']:.2f} | {r['root_sent_mib']:.2f} | "
+                      f"{'yes' if row['same_logits'] else 'NO'} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"size_mb": args.size_mb, "bucket_mb": args.bucket_mb,
                                                "repeats": args.repeats, "rows": rows}, indent=1))
-    if not all(row["identical"] for row in rows):
+    if not all(row.get("identical", row.get("same_logits")) for row in rows):
         sys.exit("an engine's weights differ from the actor's")
 
 
@@ -647,6 +737,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--senders", action="store_true", help="many senders vs the root path (see above) instead")
     p.add_argument("--layouts", default="2/1,4/1,4/4,6/2", help="--senders: actor/engine ranks, comma-separated")
     p.add_argument("--json", default="", help="--senders: also write the table's numbers to this file")
+    p.add_argument("--lora_preset", default="3m", help="--senders: also LoRA merged vs adapters on this tiny model "
+                   "preset (tiny, 3m, 100m; '' to skip)")
     p.add_argument("--demo_phases", action="store_true", help="time the demo's phases instead")
     p.add_argument("--demo_steps", type=int, default=6)
     p.add_argument("--demo_nproc", type=int, default=0, help="0: plain python; N: torchrun with N ranks")

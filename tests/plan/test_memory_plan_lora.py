@@ -201,3 +201,14 @@ def test_lora_dpo_scores_its_reference_on_the_policy_base(tmp_path):
     assert not dpo.for_config(other).base_reference
     lines, _ = supervised_memory(other, dpo, 8, 8, False)
     assert "policy,ref" in lines[0] and "no reference model" not in lines[0]
+
+
+def test_lora_on_native_engines_plans_the_sync_of_the_adapters_alone(tmp_path):
+    """The 7B LoRA job with native engines on ranks of their own: the actor's first rank packs the adapters (bf16)
+    into its send staging, not two buckets of the merged model as with vLLM engines."""
+    flags = ("--lora_rank", "8", "--lora_alpha", "16", "--target_modules", "all-linear", "--vllm_num_engines", "8",
+             "--actor_num_gpus_per_node", "8")
+    _, _, native = _ppo(tmp_path, *flags, "--generation_backend", "native")
+    _, _, vllm = _ppo(tmp_path, *flags, "--generation_backend", "vllm")
+    assert native.ranks[0].gpu["sync"] == 2 * 19_988_480  # the adapters, in bf16
+    assert vllm.ranks[0].gpu["sync"] == 2 * 256 * 2**20  # two buckets of the merged model

@@ -11,6 +11,7 @@ module; a new one (SGLang next) is a folder beside vllm/ and a branch here, plus
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlrun.config.generation import GenerationConfig
 from rlrun.engines.hf import HFEngine
-from rlrun.engines.native.decoder import fused_groups, unsupported_reason
+from rlrun.engines.native.decoder import ADAPTABLE, fused_groups, unsupported_reason
 from rlrun.engines.native.engine import NativeEngine
 from rlrun.engines.protocol import Engine, SamplingSettings, TorchEngine
 from rlrun.engines.vllm.adapter import CPU_KV_CACHE_GIB
@@ -110,6 +111,21 @@ def restarts_engines(g: GenerationConfig, layout: Layout) -> bool:
     (the backend resolved; the same answer on every rank)."""
     hosted = g.generation_backend == "vllm" and choose_host(g.vllm_engine_host, layout, len(layout.engines[0]))
     return hosted == "child" and g.max_engine_restarts > 0
+
+
+def runs_adapters(backend: str, target_modules: Sequence[str], dense: bool) -> bool:
+    """Whether this run's engines run a LoRA policy's adapters beside their base weights, so that each weight sync
+    sends the adapters alone: the native decoder, on a `dense` model (no MoE layer), with adapters on the projections
+    it runs (all-linear, or names among ADAPTABLE). Elsewhere (vLLM, HF generate, a MoE, other targets) the engines
+    take the merged weights. The same answer on every rank (config alone)."""
+    targets = set(target_modules) <= {"all-linear", *ADAPTABLE}
+    return backend == "native" and dense and targets
+
+
+def take_adapters(engine: Engine | None, scaling: float) -> None:
+    """Make a native engine keep its base weights and take the actor's adapters each sync (see runs_adapters)."""
+    if isinstance(engine, NativeEngine):
+        engine.run_adapters(scaling)
 
 
 def engine_dtype(bf16: bool, device: torch.device) -> torch.dtype:

@@ -6,7 +6,7 @@ gathered parameter), which rlrun.weight_sync drives."""
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +131,21 @@ class KeptModel:
     model: nn.Module
 
 
+@dataclass(frozen=True)
+class KeptAdapters:
+    """An engine that keeps its base weights and runs a LoRA policy's adapters beside them (rlrun's native decoder):
+    each sync sends the adapters alone. `adopt` makes the engine's adapter tensors for the actor's adapters ([name,
+    shape] pairs, the names under the base model's modules) and returns the module holding them, which the sync then
+    keeps as a KeptModel's model."""
+
+    adopt: Callable[[list[tuple[str, list[int]]]], nn.Module]
+
+    def kept(self, shapes: Iterable[tuple[str, Sequence[int]]]) -> KeptModel:
+        return KeptModel(self.adopt([(name, list(shape)) for name, shape in shapes]))
+
+
 # How an engine rank takes each weight sync: the one weight interface of an engine
 # (rlrun.engines.protocol.Engine.weights).
-# It keeps the weights in a model, hands each bucket on, or loads each parameter as it is gathered.
-WeightReceiver = KeptModel | BucketSink | ParamLoader
+# It keeps the weights in a model, hands each bucket on, loads each parameter as it is gathered, or keeps its base
+# weights and takes a LoRA policy's adapters.
+WeightReceiver = KeptModel | BucketSink | ParamLoader | KeptAdapters

@@ -98,7 +98,8 @@ def sync_staging_bytes(rank: int, layout: Layout, shapes: Mapping[Role, ModelSha
       last sync; each receiving engine rank takes the stripes into two more buckets (bucket k + 1's arrive while
       bucket k's are placed);
     - from the root (rlrun.weight_sync.broadcast): the actor's first rank packs into two staging buffers, none when
-      its actor's parameters live in the buckets (one FSDP rank in the wire dtype)."""
+      its actor's parameters live in the buckets (one FSDP rank in the wire dtype); a LoRA actor whose engines run
+      the adapters (rlrun.engines.build.runs_adapters) packs the adapters alone."""
     actor, engine = layout.ranks_of(Role.ACTOR), layout.ranks_of(Role.ENGINE)
     if not actor or not engine:
         return 0
@@ -116,6 +117,9 @@ def sync_staging_bytes(rank: int, layout: Layout, shapes: Mapping[Role, ModelSha
         return staging + (min(2, -(-wire * s.parameters // bucket)) * bucket if receives else 0)
     if rank != actor[0]:
         return staging
+    if k.adapter_sync and not s.moe_layers:  # LoRA on native engines: the adapters alone
+        sent = wire * lora_parameters(s, k.lora_rank, k.lora_targets)
+        return sent if sent <= k.sync_bucket else 2 * k.sync_bucket
     if len(actor) == 1 and k.strategy == "fsdp" and not k.bf16:  # zero-copy send
         return 0
     return _two_buckets(shapes[Role.ACTOR], k)

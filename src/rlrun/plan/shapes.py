@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlrun.config.tree import Config
+from rlrun.engines.build import runs_adapters
 from rlrun.launch.layout import Layout, Role
 from rlrun.models.architecture import tied_embeddings
 from rlrun.models.moe import is_sparse_layer
@@ -323,6 +324,7 @@ class Knobs:
     gateway_calls: int = 0  # model calls an episode through the token gateway may make (0: no such source)
     many_senders: bool = False  # --weight_sync_senders all, no LoRA: every actor rank sends its shard to the engines
     sync_delta: bool = False  # --weight_sync_delta: each actor rank keeps its shard's last sync
+    adapter_sync: bool = False  # LoRA on native engines: each sync sends the adapters alone (engines.build)
 
     def sp_of(self, role: Role) -> int:
         return dict(self.sequence_parallel).get(role, 1)
@@ -424,6 +426,8 @@ def knobs_of(cfg: Config, target: Target) -> Knobs:
         gateway_calls=gateway_calls(cfg),
         many_senders=g.weight_sync_senders == "all" and cfg.model.lora_rank == 0,
         sync_delta=g.weight_sync_delta,
+        # the model's density is the shape's (sync_staging_bytes)
+        adapter_sync=cfg.model.lora_rank > 0 and runs_adapters(g.generation_backend, cfg.model.target_modules, True),
     )
 
 

@@ -26,7 +26,7 @@ from rlrun.config.model import PretrainedConfig
 from rlrun.config.training import TrainConfig
 from rlrun.config.tree import Config
 from rlrun.data.prompts import Prompts, PromptSampler, prompt_spec
-from rlrun.engines.build import EngineImages, build_engine, engine_dtype, fused_groups
+from rlrun.engines.build import EngineImages, build_engine, engine_dtype, fused_groups, runs_adapters, take_adapters
 from rlrun.engines.protocol import Engine
 from rlrun.environments.factory import build_factory_episodes
 from rlrun.environments.openenv import build_openenv_episodes
@@ -83,7 +83,7 @@ from rlrun.strategies.base import ModelState, Strategy
 from rlrun.strategies.choose import make_strategy
 from rlrun.vision.inputs import quiet_output_view_warning
 from rlrun.vision.tower import freeze_by_prefix, freeze_vision_tower
-from rlrun.weight_sync.sources import MergedLoraParams, ParamSource
+from rlrun.weight_sync.sources import AdapterParams, MergedLoraParams, ParamSource
 from rlrun.weight_sync.sync import Route, WeightSync, build_weight_sync
 from rlrun.weight_sync.wire import WireFormat
 
@@ -582,15 +582,26 @@ def _reward_model(ctx: RankContext, cfg: Config, reward_pretrain: str, strategie
 
 
 def _weight_sync(ctx: RankContext, cfg: Config, roles: RankRoles) -> WeightSync:
-    """The actor's weights to the engines after each update (merged with its adapters under LoRA)."""
+    """The actor's weights to the engines after each update; under LoRA its adapters alone where the engine runs
+    them beside its base weights (the native decoder, on a dense model), else merged into the base weights."""
     g, lora = cfg.generation, lora_settings(cfg.model)
-    source = None
+    dense = config_routing_shape(load_model_config(cfg.model)) is None
+    adapters = lora is not None and runs_adapters(g.generation_backend, lora.target_modules, dense)
+    if adapters and lora is not None:
+        take_adapters(roles.engine, lora.scaling)
+    source: ParamSource | None = None
     if roles.actor is not None:
         strategy = roles.strategies[Role.ACTOR]
-        source = (
-            ParamSource(roles.actor.model, strategy.param_blocks, strategy)
-            if lora is None
-            else MergedLoraParams(roles.actor.model, strategy.param_blocks, lora.scaling)
+        if lora is None:
+            source = ParamSource(roles.actor.model, strategy.param_blocks, strategy)
+        elif adapters:
+            source = AdapterParams(roles.actor.model, strategy.param_blocks)
+        else:
+            source = MergedLoraParams(roles.actor.model, strategy.param_blocks, lora.scaling)
+    if adapters and ctx.rank == ctx.layout.ranks_of(Role.ACTOR)[0]:
+        get_logger(ctx.rank).info_once(
+            "weight sync: LoRA adapters only (the native engines keep the base weights and run the adapters beside "
+            "them)"
         )
     return build_weight_sync(
         actor_params=source,
@@ -608,7 +619,7 @@ def _weight_sync(ctx: RankContext, cfg: Config, roles: RankRoles) -> WeightSync:
             delta=g.weight_sync_delta,
         ),
         device=ctx.device,
-        check_names=source.check_names() if isinstance(source, MergedLoraParams) else (),
+        check_names=source.check_names() if isinstance(source, (MergedLoraParams, AdapterParams)) else (),
     )
 
 

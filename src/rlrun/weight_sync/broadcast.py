@@ -27,6 +27,7 @@ from torch import nn
 from rlrun.engines.receivers import (
     BucketEntry,
     BucketSink,
+    KeptAdapters,
     KeptModel,
     WeightReceiver,
     bucket_size,
@@ -73,10 +74,13 @@ class BroadcastSync:
         self._scratch = scratch_for(device)
         self.zero_copy = False
         self.traffic = Traffic()
-        if dist.get_rank() != actor_root and self.engine_model is None:
+        adapters = receiver if isinstance(receiver, KeptAdapters) and sync_group is not None else None
+        if dist.get_rank() != actor_root and self.engine_model is None and adapters is None:
             return  # actor ranks other than the root only take part in the FSDP all-gathers
         assert sync_group is not None, "the root and every receiving engine rank are in the sync group"
         params = self._agree_on_params(actor_params, sync_group)
+        if adapters is not None:  # the engine makes its adapter tensors for the actor's adapters
+            self.engine_model = adapters.kept((n, s) for n, s in params).model
         if self.engine_model is not None:
             check_engine_matches(self.engine_model, params)
         groups = wire.together([n for n, _ in params]) if wire.together is not None else ()

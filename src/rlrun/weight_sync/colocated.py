@@ -16,6 +16,7 @@ import torch
 from rlrun.engines.receivers import (
     BucketEntry,
     BucketSink,
+    KeptAdapters,
     KeptModel,
     ParamLoader,
     WeightReceiver,
@@ -43,6 +44,9 @@ class ColocatedSync:
         self.actor_params, self.device, self.wire_dtype = actor_params, device, wire.dtype
         self.traffic = Traffic()  # nothing crosses the wire but the actor's own all-gathers
         self.check_names = list(check_names)
+        if isinstance(receiver, KeptAdapters):  # the engine makes its adapter tensors for the actor's adapters
+            assert actor_params is not None
+            receiver = receiver.kept((n, s) for n, s, _ in actor_params.shapes())
         self.engine_model = receiver.model if isinstance(receiver, KeptModel) else None
         self.sink = receiver if isinstance(receiver, BucketSink) else None
         self.loader = receiver if isinstance(receiver, ParamLoader) else None

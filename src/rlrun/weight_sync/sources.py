@@ -1,5 +1,6 @@
 """What the weight sync sends: the actor's parameters, grouped by FSDP unit in gather order (a thin adapter over the
-actor's strategy, rlrun.strategies.blocks), or, for a LoRA actor, the merged weights under the base model's names."""
+actor's strategy, rlrun.strategies.blocks), or, for a LoRA actor, the merged weights under the base model's names, or
+its adapters alone (for an engine that runs them beside its base weights)."""
 
 from __future__ import annotations
 
@@ -159,3 +160,34 @@ class MergedLoraParams(ParamSource):
             hf_name(base) for b in self._param_blocks(self.model) for base in lora_pairs([n for n, _ in b.named])
         ]
         return list(dict.fromkeys(adapted[:1] + adapted[-1:]))
+
+
+# ---- LoRA adapters alone -----------------------------------------------------------------------------------------
+# For an engine that keeps the base weights it loaded and runs the adapters beside them (rlrun.engines.receivers
+# .KeptAdapters): each sync sends lora_A and lora_B only (0.5-5 % of the weights), under the base model's module names.
+
+
+class AdapterParams(ParamSource):
+    """The LoRA actor's adapters as the weight sync's source (hf names: `model.layers.0.self_attn.q_proj.lora_A
+    .default.weight`), gathered per FSDP unit like the rest and sent from the actor's first rank."""
+
+    def __init__(self, model: nn.Module, param_blocks: Callable[[nn.Module], list[ParamBlock]]) -> None:
+        super().__init__(model, lambda m: _adapters_only(param_blocks(m)), None)
+
+    def zero_copy_blocker(self, dtype: torch.dtype, device: torch.device) -> str | None:
+        return "LoRA adapters: packed from their FSDP units"
+
+    def senders_blocker(self, replicas: tuple[int, ...]) -> str | None:
+        return "LoRA adapters: a few MiB, sent from the actor's first rank"
+
+    def check_names(self) -> list[str]:
+        """Adapters the sync verifies on the engines: the first and last B (zero until trained: a sync that sent
+        nothing leaves the engine's at zero)."""
+        names = [n for n, _, _ in self.shapes() if ".lora_B." in n]
+        return list(dict.fromkeys(names[:1] + names[-1:]))
+
+
+def _adapters_only(blocks: list[ParamBlock]) -> list[ParamBlock]:
+    """Each unit's adapter parameters under hf names, as a block of the unit's own kind (its gather collective)."""
+    kept = [type(b)([(hf_name(n), p) for n, p in b.named if is_adapter(n)]) for b in blocks]
+    return [b for b in kept if b.named]

@@ -17,7 +17,8 @@ it can:
 - a decode step can also run with static shapes (`decode(..., slot=)`: the cache written at a position given as a
   tensor, attention over the whole capacity under the mask), the step a CUDA graph captures (rlrun.engines.native).
 The HF model stays the source of truth: nothing here is trained or saved, and the decoder holds no weight of its own
-between calls (`Decoder.weights()` reads them at the start of each).
+between calls (`Decoder.weights()` reads them at the start of each). A LoRA policy's adapters can run beside the base
+projections as PEFT runs them, base(x) + scaling * B(A(x)) (`Adapters`): weight sync then sends the adapters alone.
 
 Shapes: B rows, W prompt width (left-padded), S new positions, T cached positions (after the new ones), C cache
 capacity, H query heads, K key/value heads, G = H / K, D head dim, E hidden size, I intermediate size, V vocab.
@@ -25,6 +26,7 @@ capacity, H query heads, K key/value heads, G = H / K, D head dim, E hidden size
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -99,6 +101,73 @@ def fused_groups(names: Iterable[str]) -> list[list[str]]:
                 if all(n in present for n in group):
                     groups.append(group)
     return sorted(groups)
+
+
+# ---- LoRA adapters beside the base projections ------------------------------------------------------------------
+# Named as the actor's adapters under the base model's module names (rlrun.weight_sync.sources.AdapterParams).
+
+ADAPTED = re.compile(
+    r"^model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.lora_([AB])\.default\.weight$"
+)
+ADAPTABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # --target_modules it runs
+
+
+def adapter_blocker(names: Iterable[str]) -> str | None:
+    """Why the decoder cannot run adapters with these parameter names (None: it can)."""
+    other = [n for n in names if not ADAPTED.match(n)]
+    return None if not other else f"adapters outside a decoder layer's attention and dense MLP projections: {other[0]}"
+
+
+def _tree(shapes: Sequence[tuple[str, Sequence[int]]], dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A module whose named_parameters are exactly `shapes` (zeros), the dotted names as nested submodules."""
+    root = nn.Module()
+    for name, shape in shapes:
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(torch.zeros(tuple(shape), dtype=dtype, device=device), False))
+    return root
+
+
+class Adapters:
+    """LoRA adapters the decoder adds to its projections as PEFT does: scaling * B(A(x)), A [r, in], B [out, r].
+    `module` holds them under their names (weight sync keeps its parameters as a KeptModel's: they are read at each
+    forward, so a sync's new values are used from the next call on)."""
+
+    def __init__(
+        self, shapes: Sequence[tuple[str, Sequence[int]]], scaling: float, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        if (why := adapter_blocker(n for n, _ in shapes)) is not None:
+            raise ValueError(f"the native decoder cannot run these LoRA adapters: {why}")
+        self.module = _tree(shapes, dtype, device)
+        self.scaling = scaling
+        params = dict(self.module.named_parameters())
+        self.by_layer: dict[int, dict[str, tuple[nn.Parameter, nn.Parameter]]] = {}
+        for name in params:
+            match = ADAPTED.match(name)
+            assert match is not None
+            if match.group(3) == "A":
+                layer, proj = int(match.group(1)), match.group(2)
+                b_name = name.replace(".lora_A.", ".lora_B.")
+                self.by_layer.setdefault(layer, {})[proj] = (params[name], params[b_name])
+
+    def delta(self, layer: int, projections: Sequence[tuple[str, int]], x: torch.Tensor) -> torch.Tensor | None:
+        """x [..., in] -> [..., sum of outs]: each of `projections` (name, out features)' scaling * B(A(x)) side by
+        side as the joined projection's output lies (zeros for one without an adapter); None: none has one."""
+        found = self.by_layer.get(layer, {})
+        if not any(name in found for name, _ in projections):
+            return None
+        parts = []
+        for name, out in projections:
+            if name in found:
+                a, b = found[name]
+                parts.append(F.linear(F.linear(x, a), b) * self.scaling)
+            else:
+                parts.append(x.new_zeros((*x.shape[:-1], out)))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 # ---- the HF modules the decoder reads ------------------------------------------------------------------------------
@@ -313,6 +382,7 @@ class Decoder:
         # decode step can be captured), or loop over the experts that have tokens; None: grouped where torch's
         # kernel runs on the device (CUDA, bf16 experts), the loop elsewhere (faster on CPU)
         self.grouped_experts: bool | None = None
+        self.adapters: Adapters | None = None  # a LoRA policy's adapters, run beside the base projections
 
     @property
     def dtype(self) -> torch.dtype:
@@ -342,6 +412,13 @@ class Decoder:
             yield copied
         finally:
             self.layers = []
+
+    def _adapted(
+        self, y: torch.Tensor, layer: int, projections: Sequence[tuple[str, int]], x: torch.Tensor
+    ) -> torch.Tensor:
+        """A projection's output y [..., out] of input x [..., in], with its adapters' product added (if any)."""
+        delta = None if self.adapters is None else self.adapters.delta(layer, projections, x)
+        return y if delta is None else y + delta
 
     def new_cache(self, rows: int, capacity: int, zeroed: bool = False) -> KVCache:
         """zeroed: positions not written yet hold zeros, not whatever the memory held (a NaN there would survive the
@@ -471,6 +548,9 @@ class Decoder:
             block = layer.block
             h = _rms_norm(x, block.input_layernorm.weight, self.eps)
             qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+            qkv = self._adapted(
+                qkv, i, (("self_attn.q_proj", H * D), ("self_attn.k_proj", K * D), ("self_attn.v_proj", K * D)), h
+            )
             qk = qkv[..., : (H + K) * D].view(rows, new, H + K, D)
             if self.qk_norm:
                 attention = block.self_attn
@@ -496,18 +576,25 @@ class Decoder:
                 values = cache.values[i].index_copy_(2, slot, new_values)
             out = attend(qk[:, :, :H], keys, values)
             o_proj = block.self_attn.o_proj
-            x = x + F.linear(out, o_proj.weight, o_proj.bias)
+            x = x + self._adapted(
+                F.linear(out, o_proj.weight, o_proj.bias), i, (("self_attn.o_proj", o_proj.weight.shape[0]),), out
+            )
             h = _rms_norm(x, block.post_attention_layernorm.weight, self.eps)
             sparse = _sparse(block)
             if sparse is not None:
                 x = x + self._experts(sparse, h)
                 continue
             assert layer.gate_up is not None  # a dense layer's
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).split(
-                [self.intermediate, self.intermediate], dim=-1
+            gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)
+            gate_up = self._adapted(
+                gate_up, i, (("mlp.gate_proj", self.intermediate), ("mlp.up_proj", self.intermediate)), h
             )
+            gate, up = gate_up.split([self.intermediate, self.intermediate], dim=-1)
             down = block.mlp.down_proj
-            x = x + F.linear(F.silu(gate) * up, down.weight, down.bias)
+            act = F.silu(gate) * up
+            x = x + self._adapted(
+                F.linear(act, down.weight, down.bias), i, (("mlp.down_proj", down.weight.shape[0]),), act
+            )
         if slot is None:
             cache.length = end
         return x

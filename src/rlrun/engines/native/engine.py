@@ -40,9 +40,10 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.data.vision_batch import RowVision
-from rlrun.engines.native.decoder import Decoder, KVCache
+from rlrun.engines.native.decoder import Adapters, Decoder, KVCache
 from rlrun.engines.native.draws import draw_tokens, uniform
 from rlrun.engines.protocol import Generation, SamplingSettings, TorchEngine, cut_at_stop, refuse_images
+from rlrun.engines.receivers import KeptAdapters
 from rlrun.models.moe import NO_ROUTE
 from rlrun.runtime.errors import ConfigError, NonFiniteError
 from rlrun.runtime.log import get_logger
@@ -167,6 +168,16 @@ class NativeEngine(TorchEngine):
         self.last_admitted = 0  # rows of the last call that started in a finished row's place (continuous batching)
         self.last_steps_built = 0  # static/graph mode: decode steps the last call built, one per batch+drop
         self.last_spans_built = 0  # static/graph mode: spans those steps ran (captured), one graph each
+
+    def run_adapters(self, scaling: float) -> None:
+        """A LoRA policy: keep the base weights this engine loaded and run the actor's adapters beside them (each
+        weight sync then sends the adapters alone; rlrun.engines.receivers.KeptAdapters)."""
+
+        def adopt(shapes: list[tuple[str, list[int]]]) -> nn.Module:
+            self.decoder.adapters = Adapters(shapes, scaling, self.decoder.dtype, self.decoder.device)
+            return self.decoder.adapters.module
+
+        self.weights = KeptAdapters(adopt)
 
     @torch.no_grad()
     def sample(
