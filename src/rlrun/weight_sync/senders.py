@@ -237,7 +237,8 @@ class ManySendersSync:
             for i, (stripe, at_last, (sources, targets)) in enumerate(zip(self.mine, self.last_at, packing)):
                 wait_all(pending[i % 2], self.group, self.device, "weight sync: a stripe to an engine rank")
                 buffer = self.staging[i % 2][: stripe.numel]
-                torch._foreach_copy_(targets, sources)
+                for target, source in zip(targets, sources):  # not _foreach_copy_: its CUDA fast path has cast mixed
+                    target.copy_(source)  # source dtypes wrongly (pytorch 173383), and a unit may mix fp32 and bf16
                 kept[i % 2] = self._encode(buffer, at_last) if self.delta else [buffer]
                 pending[i % 2] = [self._post(dist.isend, m, self._direct(self.rank)) for m in kept[i % 2]]
                 self.traffic.sent += sum(m.numel() * m.element_size() for m in kept[i % 2])
