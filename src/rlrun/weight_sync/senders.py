@@ -292,18 +292,46 @@ class ManySendersSync:
         wait_all(taking.works, self.group, self.device, what)
         if not self.delta:
             return {s.sender: [firsts[s.sender]] for s in stripes}
-        got = {}
-        for s in stripes:
-            head, place = firsts[s.sender], places[s.sender]
-            count = int(head[0])
-            if count == DENSE:
-                got[s.sender] = [head, place]
-            else:
-                index = torch.empty(count, dtype=torch.int16, device=self.device)
-                got[s.sender] = [head, index, place.new_empty(count)] if count else [head]
+        got = {s.sender: [firsts[s.sender], *self._bodies(firsts[s.sender], places[s.sender])] for s in stripes}
         bodies = [self._post(dist.irecv, m, source(s)) for s in stripes for m in got[s.sender][1:]]
         wait_all(bodies, self.group, self.device, what)
         return got
+
+    def _bodies(self, head: torch.Tensor, place: torch.Tensor) -> list[torch.Tensor]:
+        """Delta: where what a stripe's header announces arrives (the whole stripe into its place, or its changes
+        into new tensors; nothing when none changed)."""
+        count = int(head[0])
+        if count == DENSE:
+            return [place]
+        return [torch.empty(count, dtype=torch.int16, device=self.device), place.new_empty(count)] if count else []
+
+    def _exchange(self, sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]]) -> None:
+        """Point-to-point messages both ways between engine ranks, issued as one batch: NCCL runs a pair's sends and
+        receives on one stream, so two ranks that each sent first would wait for each other (batch_isend_irecv
+        groups them); gloo issues them one by one."""
+        ops = [dist.P2POp(dist.isend, t, peer, self.group) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, self.group) for t, peer in receives]
+        if ops:
+            works = dist.batch_isend_irecv(ops)
+            wait_all(works, self.group, self.device, "weight sync: stripes between engine ranks")
+
+    def _pass_on(self, k: int, mine: list[Stripe], got: dict[int, list[torch.Tensor]]) -> None:
+        """Bucket k among the engine ranks: each sends every other the stripes it took from its actor ranks and
+        receives theirs (delta: the headers first, then what they announce), into `got` by sender."""
+        others = [r for r in self.receivers if r != self.rank]
+        passed = [s for s in self.stripes[k] if s.sender not in got]
+        places = self.places[k]
+        if not self.delta:
+            sends = [(got[s.sender][0], other) for other in others for s in mine]
+            self._exchange(sends, [(places[s.sender], self._direct(s.sender)) for s in passed])
+            got.update((s.sender, [places[s.sender]]) for s in passed)
+            return
+        heads = {s.sender: torch.empty(2, dtype=torch.int64, device=self.device) for s in passed}
+        sends = [(got[s.sender][0], other) for other in others for s in mine]
+        self._exchange(sends, [(heads[s.sender], self._direct(s.sender)) for s in passed])
+        got.update((s.sender, [heads[s.sender], *self._bodies(heads[s.sender], places[s.sender])]) for s in passed)
+        sends = [(m, other) for other in others for s in mine for m in got[s.sender][1:]]
+        self._exchange(sends, [(m, self._direct(s.sender)) for s in passed for m in got[s.sender][1:]])
 
     def _places(self, k: int) -> dict[int, torch.Tensor]:
         """Where bucket k's stripes arrive: back to back in the receive staging of its parity."""
@@ -342,13 +370,7 @@ class ManySendersSync:
             got = self._finish_take(ahead)
             if k + 1 < len(self.stripes):
                 ahead = self._post_take(direct(k + 1), self.places[k + 1], lambda s: s.sender)
-            # passed on in the order _finish_take posts its receives: every stripe's header, then every body
-            order = [got[s.sender][0] for s in mine] + [m for s in mine for m in got[s.sender][1:]]
-            others = [r for r in self.receivers if r != self.rank]
-            passing = [self._post(dist.isend, m, other) for other in others for m in order]
-            passed = [s for s in stripes if s.sender not in got]
-            got.update(self._finish_take(self._post_take(passed, self.places[k], lambda s: self._direct(s.sender))))
-            wait_all(passing, self.group, self.device, "weight sync: a stripe to another engine rank")
+            self._pass_on(k, mine, got)
             self.traffic.received += sum(m.numel() * m.element_size() for ms in got.values() for m in ms)
             self.traffic.sent += sum(m.numel() * m.element_size() for s in mine for m in got[s.sender]) * (
                 len(self.receivers) - 1
