@@ -585,8 +585,9 @@ def _weight_sync(ctx: RankContext, cfg: Config, roles: RankRoles) -> WeightSync:
     """The actor's weights to the engines after each update; under LoRA its adapters alone where the engine runs
     them beside its base weights (the native decoder, on a dense model), else merged into the base weights."""
     g, lora = cfg.generation, lora_settings(cfg.model)
-    dense = config_routing_shape(load_model_config(cfg.model)) is None
-    adapters = lora is not None and runs_adapters(g.generation_backend, lora.target_modules, dense)
+    adapters = lora is not None and runs_adapters(  # the config is read only for a LoRA run
+        g.generation_backend, lora.target_modules, config_routing_shape(load_model_config(cfg.model)) is None
+    )
     if adapters and lora is not None:
         take_adapters(roles.engine, lora.scaling)
     source: ParamSource | None = None

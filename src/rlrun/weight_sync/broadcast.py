@@ -74,7 +74,13 @@ class BroadcastSync:
         self._scratch = scratch_for(device)
         self.zero_copy = False
         self.traffic = Traffic()
+        self.wire_bytes = 0  # every bucket's bytes (none on a rank outside the sync)
         adapters = receiver if isinstance(receiver, KeptAdapters) and sync_group is not None else None
+        if wire.delta and dist.get_rank() == actor_root:
+            get_logger(actor_root).info_once(
+                "weight sync: --weight_sync_delta needs every actor rank to send its own part (not a LoRA actor, not "
+                "--weight_sync_senders root): every sync is full"
+            )
         if dist.get_rank() != actor_root and self.engine_model is None and adapters is None:
             return  # actor ranks other than the root only take part in the FSDP all-gathers
         assert sync_group is not None, "the root and every receiving engine rank are in the sync group"
@@ -85,6 +91,7 @@ class BroadcastSync:
             check_engine_matches(self.engine_model, params)
         groups = wire.together([n for n, _ in params]) if wire.together is not None else ()
         self.buckets = pack_buckets([(n, torch.Size(s), wire.dtype) for n, s in params], wire.bucket_bytes, groups)
+        self.wire_bytes = sum(bucket_size(b) for b in self.buckets)
         if self.zero_copy:  # nothing to pack, so nothing to overlap: one broadcast per bucket, the wire's floor
             self.chunks = [[(0, bucket_size(b), len(b) - 1)] for b in self.buckets]
         else:
@@ -133,9 +140,10 @@ class BroadcastSync:
     def sync(self) -> None:
         """Collective over the actor group and the sync group; every actor and engine rank calls it."""
         # the root posts every bucket once (the backend fans it out to the engine ranks); each engine rank receives it
-        model = sum(bucket_size(b) for b in self.buckets)
-        self.traffic = Traffic(sent=model if self.actor_params is not None and self.buckets else 0)
-        self.traffic.received = model if self.engine_model is not None else 0
+        self.traffic = Traffic(
+            sent=self.wire_bytes if self.actor_params is not None else 0,
+            received=self.wire_bytes if self.engine_model is not None else 0,
+        )
         if self.actor_params is not None and dist.get_rank() != self.root:
             scratch = self._scratch or GatherScratch()
             for block in self.actor_params.blocks():  # take part in the all-gathers, send nothing

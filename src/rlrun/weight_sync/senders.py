@@ -73,6 +73,8 @@ def agree_on_senders(
         blocker = actor_params.senders_blocker(senders)
         params = [] if blocker else [[h.name, list(h.shape), h.spans] for h in actor_params.holdings(senders)]
         meta = {"blocker": blocker, "params": params}
+        if blocker is not None:
+            get_logger(senders[0]).info_once(f"weight sync: from the actor's first rank ({blocker})")
     return cast("dict[str, Any]", broadcast_json(meta, senders[0], group, device))
 
 
@@ -278,10 +280,7 @@ class ManySendersSync:
     ) -> Taking:
         """Post the first receive of each stripe, from its `source` (dense: the stripe into its place; delta: its
         header); _finish_take completes them."""
-        if not self.delta:
-            firsts = {s.sender: places[s.sender] for s in stripes}
-        else:
-            firsts = {s.sender: torch.empty(2, dtype=torch.int64, device=self.device) for s in stripes}
+        firsts = {s.sender: self._first(places[s.sender]) for s in stripes}
         works = [self._post(dist.irecv, firsts[s.sender], source(s)) for s in stripes]
         return Taking(stripes, places, source, works, firsts)
 
@@ -290,17 +289,22 @@ class ManySendersSync:
         stripes, places, source, firsts = taking.stripes, taking.places, taking.source, taking.firsts
         what = "weight sync: a stripe from an actor rank or another engine rank"
         wait_all(taking.works, self.group, self.device, what)
-        if not self.delta:
-            return {s.sender: [firsts[s.sender]] for s in stripes}
         got = {s.sender: [firsts[s.sender], *self._bodies(firsts[s.sender], places[s.sender])] for s in stripes}
         bodies = [self._post(dist.irecv, m, source(s)) for s in stripes for m in got[s.sender][1:]]
         wait_all(bodies, self.group, self.device, what)
         return got
 
-    def _bodies(self, head: torch.Tensor, place: torch.Tensor) -> list[torch.Tensor]:
-        """Delta: where what a stripe's header announces arrives (the whole stripe into its place, or its changes
-        into new tensors; nothing when none changed)."""
-        count = int(head[0])
+    def _first(self, place: torch.Tensor) -> torch.Tensor:
+        """Where a stripe's first message arrives: the stripe itself into its place, or (delta) its header."""
+        return torch.empty(2, dtype=torch.int64, device=self.device) if self.delta else place
+
+    def _bodies(self, first: torch.Tensor, place: torch.Tensor) -> list[torch.Tensor]:
+        """Where the messages after a stripe's first arrive: none (dense: the first was the stripe); delta: what its
+        header announces (the whole stripe into its place, or its changes into new tensors; nothing when none
+        changed)."""
+        if not self.delta:
+            return []
+        count = int(first[0])
         if count == DENSE:
             return [place]
         return [torch.empty(count, dtype=torch.int16, device=self.device), place.new_empty(count)] if count else []
@@ -317,19 +321,14 @@ class ManySendersSync:
 
     def _pass_on(self, k: int, mine: list[Stripe], got: dict[int, list[torch.Tensor]]) -> None:
         """Bucket k among the engine ranks: each sends every other the stripes it took from its actor ranks and
-        receives theirs (delta: the headers first, then what they announce), into `got` by sender."""
+        receives theirs (the first messages, then what delta's headers announce), into `got` by sender."""
         others = [r for r in self.receivers if r != self.rank]
         passed = [s for s in self.stripes[k] if s.sender not in got]
         places = self.places[k]
-        if not self.delta:
-            sends = [(got[s.sender][0], other) for other in others for s in mine]
-            self._exchange(sends, [(places[s.sender], self._direct(s.sender)) for s in passed])
-            got.update((s.sender, [places[s.sender]]) for s in passed)
-            return
-        heads = {s.sender: torch.empty(2, dtype=torch.int64, device=self.device) for s in passed}
+        firsts = {s.sender: self._first(places[s.sender]) for s in passed}
         sends = [(got[s.sender][0], other) for other in others for s in mine]
-        self._exchange(sends, [(heads[s.sender], self._direct(s.sender)) for s in passed])
-        got.update((s.sender, [heads[s.sender], *self._bodies(heads[s.sender], places[s.sender])]) for s in passed)
+        self._exchange(sends, [(firsts[s.sender], self._direct(s.sender)) for s in passed])
+        got.update((s.sender, [firsts[s.sender], *self._bodies(firsts[s.sender], places[s.sender])]) for s in passed)
         sends = [(m, other) for other in others for s in mine for m in got[s.sender][1:]]
         self._exchange(sends, [(m, self._direct(s.sender)) for s in passed for m in got[s.sender][1:]])
 
@@ -341,9 +340,13 @@ class ManySendersSync:
             at += s.numel
         return places
 
+    def _bucket_buffer(self, k: int) -> torch.Tensor:
+        """Bucket k's buffer on an engine rank: its own (kept weights), or a sink's staging buffer of its parity."""
+        return self.buffers[k % 2] if self.sink is not None else self.buffers[k]
+
     def _piece_views(self, k: int, stripe: Stripe) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(each piece in the stripe's place, each piece in bucket k's buffer), as flat views."""
-        buffer = self.buffers[k % 2] if self.sink is not None else self.buffers[k]
+        buffer = self._bucket_buffer(k)
         place, at, sources, targets = self.places[k][stripe.sender], 0, [], []
         for e, begin, end in stripe.pieces:
             sources.append(place[at : at + end - begin])
@@ -377,7 +380,7 @@ class ManySendersSync:
             )
             if self.sink is not None and k >= 2:
                 self.sink.release(k - 2)
-            buffer = self.buffers[k % 2] if self.sink is not None else self.buffers[k]
+            buffer = self._bucket_buffer(k)
             for s, (sources, targets) in zip(stripes, self.pieces[k]):
                 self._apply(buffer, s, got[s.sender], sources, targets)
                 if self.delta and sum(map(checksum, targets)) != int(got[s.sender][0][1]):

@@ -13,18 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.distributed as dist
 
 from rlrun.engines.receivers import WeightReceiver
-from rlrun.runtime.log import get_logger
 from rlrun.weight_sync.broadcast import BroadcastSync
 from rlrun.weight_sync.colocated import ColocatedSync
 from rlrun.weight_sync.senders import ManySendersSync, agree_on_senders, sender_ranks
 from rlrun.weight_sync.sources import ParamSource
 from rlrun.weight_sync.wire import Traffic, WireFormat
+
+if TYPE_CHECKING:  # annotations only: the messages themselves are the mechanisms'
+    import torch.distributed as dist
 
 
 class WeightSync(Protocol):
@@ -72,12 +73,5 @@ def build_weight_sync(
         meta = agree_on_senders(actor_params, group, senders, device)
         if meta["blocker"] is None:
             return ManySendersSync(actor_params, receiver, group, senders, receivers, meta["params"], wire, device)
-        if dist.get_rank() == senders[0]:
-            get_logger(senders[0]).info_once(f"weight sync: from the actor's first rank ({meta['blocker']})")
     root = route.actor_ranks[0]
-    if wire.delta and dist.get_rank() == root:
-        get_logger(root).info_once(
-            "weight sync: --weight_sync_delta needs every actor rank to send its own part (not a LoRA actor, not "
-            "--weight_sync_senders root): every sync is full"
-        )
     return BroadcastSync(actor_params, receiver, route.root_group, root, wire, device, check_names)
