@@ -235,8 +235,9 @@ class _Parser(argparse.ArgumentParser):
 def spelling_examples(spec: CliSpec) -> dict[str, str]:
     """The same settings in each spelling the entry point accepts: {'classic': '--a 1 ...', 'dotted': ...,
     'verl': ...}."""
-    pairs = SPELLING_EXAMPLES["ppo" if spec.verl_overrides else "supervised"]
     infos = fields_of(spec.config_cls)
+    # the settings this entry point has (rlrun.tinker's learning rate comes with each request)
+    pairs = [(n, v) for n, v in SPELLING_EXAMPLES["ppo" if spec.verl_overrides else "supervised"] if n in infos]
     dotted = {m.field: name for name, m in reversed(spec.dotted.items()) if isinstance(m, openrlhf_flags.Same)}
     out = {
         "classic": " ".join(f"--{name} {value}" for name, value in pairs),

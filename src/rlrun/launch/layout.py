@@ -157,6 +157,15 @@ class Layout:
         return self.ranks_of(Role.ENGINE) == self.ranks_of(Role.ACTOR)
 
 
+def colocated_layout(world_size: int, ranks_per_node: int) -> Layout:
+    """Every rank an actor rank with an in-process engine of its own beside it (rlrun.tinker's native or HF engines,
+    which need no group): the actor's group is the world."""
+    ranks = tuple(range(world_size))
+    engines = tuple((r,) for r in ranks)
+    groups = (GroupSpec("world", ranks), GroupSpec(Role.ACTOR.value, ranks))
+    return Layout(world_size, ranks_per_node, {Role.ACTOR: ranks, Role.ENGINE: ranks}, engines, groups)
+
+
 def sp_group_name(ranks: Sequence[int]) -> str:
     return f"sp.{ranks[0]}-{ranks[-1]}"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -86,6 +86,20 @@ def broadcast_json(obj: object, src: int, group: dist.ProcessGroup, device: torc
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(payload, src=src, group=group)
     return json.loads(bytes(payload.cpu().tolist()).decode())
+
+
+def gather_json(obj: object, group: dist.ProcessGroup, device: torch.device) -> list[Any] | None:
+    """Every rank's small JSON-able `obj`, in group-rank order, on the group's first rank (None on the others): two
+    all-gathers (the sizes, then the padded bytes). JSON, never pickle, as broadcast_json."""
+    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)
+    sizes = all_gather_vectors(torch.tensor([payload.numel()], dtype=torch.int64, device=device), group)[:, 0]
+    width = int(sizes.max())
+    padded = torch.zeros(width, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    rows = all_gather_vectors(padded, group).cpu()
+    if dist.get_rank(group) != 0:
+        return None
+    return [json.loads(bytes(row[: int(n)].tolist()).decode()) for row, n in zip(rows, sizes.tolist())]
 
 
 def gather_vision(

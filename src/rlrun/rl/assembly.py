@@ -22,6 +22,7 @@ from rlrun.checkpoint.checkpointer import Identity, JsonState, Part, SaveOnly
 from rlrun.compat.openrlhf_checkpoint import OpenRLHFInit, init_from_openrlhf, read_openrlhf_init
 from rlrun.config.algorithm import AlgorithmConfig
 from rlrun.config.distill import DistillConfig
+from rlrun.config.generation import GenerationConfig
 from rlrun.config.model import PretrainedConfig
 from rlrun.config.training import TrainConfig
 from rlrun.config.tree import Config
@@ -582,23 +583,39 @@ def _reward_model(ctx: RankContext, cfg: Config, reward_pretrain: str, strategie
 
 
 def _weight_sync(ctx: RankContext, cfg: Config, roles: RankRoles) -> WeightSync:
-    """The actor's weights to the engines after each update; under LoRA its adapters alone where the engine runs
-    them beside its base weights (the native decoder, on a dense model), else merged into the base weights."""
-    g, lora = cfg.generation, lora_settings(cfg.model)
+    actor = roles.actor
+    strategy = roles.strategies[Role.ACTOR] if actor is not None else None
+    return policy_weight_sync(
+        ctx, cfg.model, cfg.generation, roles.engine, None if actor is None else actor.model, strategy
+    )
+
+
+def policy_weight_sync(
+    ctx: RankContext,
+    model: PretrainedConfig,
+    g: GenerationConfig,
+    engine: Engine | None,
+    actor: torch.nn.Module | None,
+    strategy: Strategy | None,
+) -> WeightSync:
+    """The actor's weights to the engines after each update (rlrun.ppo, rlrun.tinker); under LoRA its adapters alone
+    where the engine runs them beside its base weights (the native decoder, on a dense model), else merged into the
+    base weights. `actor` and `strategy`: this rank's trained policy and its strategy (None off the actor's ranks)."""
+    lora = lora_settings(model)
     adapters = lora is not None and runs_adapters(  # the config is read only for a LoRA run
-        g.generation_backend, lora.target_modules, config_routing_shape(load_model_config(cfg.model)) is None
+        g.generation_backend, lora.target_modules, config_routing_shape(load_model_config(model)) is None
     )
     if adapters and lora is not None:
-        take_adapters(roles.engine, lora.scaling)
+        take_adapters(engine, lora.scaling)
     source: ParamSource | None = None
-    if roles.actor is not None:
-        strategy = roles.strategies[Role.ACTOR]
+    if actor is not None:
+        assert strategy is not None
         if lora is None:
-            source = ParamSource(roles.actor.model, strategy.param_blocks, strategy)
+            source = ParamSource(actor, strategy.param_blocks, strategy)
         elif adapters:
-            source = AdapterParams(roles.actor.model, strategy.param_blocks)
+            source = AdapterParams(actor, strategy.param_blocks)
         else:
-            source = MergedLoraParams(roles.actor.model, strategy.param_blocks, lora.scaling)
+            source = MergedLoraParams(actor, strategy.param_blocks, lora.scaling)
     if adapters and ctx.rank == ctx.layout.ranks_of(Role.ACTOR)[0]:
         get_logger(ctx.rank).info_once(
             "weight sync: LoRA adapters only (the native engines keep the base weights and run the adapters beside "
@@ -606,7 +623,7 @@ def _weight_sync(ctx: RankContext, cfg: Config, roles: RankRoles) -> WeightSync:
         )
     return build_weight_sync(
         actor_params=source,
-        receiver=roles.engine.weights if roles.engine else None,
+        receiver=engine.weights if engine else None,
         route=Route(
             colocated=ctx.layout.engine_colocated_with_actor,
             root_group=ctx.groups.get("sync"),
@@ -615,7 +632,7 @@ def _weight_sync(ctx: RankContext, cfg: Config, roles: RankRoles) -> WeightSync:
         ),
         wire=WireFormat(
             bucket_bytes=g.weight_sync_bucket_mb * 2**20,
-            dtype=engine_dtype(cfg.model.bf16, ctx.device),
+            dtype=engine_dtype(model.bf16, ctx.device),
             together=fused_groups if g.generation_backend == "native" else None,
             delta=g.weight_sync_delta,
         ),

@@ -27,9 +27,9 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -121,6 +121,14 @@ class Job(Protocol):
 
 
 J = TypeVar("J", bound=Job)
+
+
+@runtime_checkable
+class Serves(Protocol):
+    """A job driven by requests instead of steps (rlrun.tinker): `serve` runs until `stopping()` (a preemption notice
+    heard) says to stop, then the run ends as after its last step (finish, export, teardown)."""
+
+    def serve(self, stopping: Callable[[], bool]) -> None: ...
 
 
 @dataclass
@@ -288,6 +296,8 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
         evals = job.evaluate(0) if job.step == 0 else None
         if sink is not None and evals is not None:
             sink.log_eval(0, evals)
+        if isinstance(job, Serves):  # the request-driven loop instead of the steps
+            job.serve(lambda: notice.heard)
         for step in range(job.step, job.total_steps):
             metrics = job.train_step(step)
             watched = memory_per_rank(built.group, started.comm_device) if cfg.logging.metrics_port is not None else []
