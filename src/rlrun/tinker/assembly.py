@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.checkpoint.checkpointer import Identity, Part
@@ -27,10 +28,13 @@ from rlrun.models.loading import (
     trained_policy,
     unfilled_causal_lm,
 )
+from rlrun.reporting.run_report import model_form, saved_outputs
 from rlrun.rl.assembly import policy_weight_sync
+from rlrun.roles.export import save_causal_lm
 from rlrun.roles.forward import LOGITS_CHUNK
 from rlrun.roles.update import make_optimizer
 from rlrun.run.skeleton import Built, Started
+from rlrun.runtime.log import get_logger
 from rlrun.strategies.base import ModelState
 from rlrun.strategies.choose import make_strategy
 from rlrun.tinker.job import Serving, Snapshots, Worker
@@ -142,8 +146,22 @@ class TinkerTrainer:
         return Built(job, identity, parts, groups.world, [model])
 
     def export(self, planned: TinkerPlan, inputs: Inputs, built: Built[Serving]) -> dict[str, str]:
-        """Nothing: a Tinker client saves what it wants (save_state), when it wants."""
+        """When the job stops (SIGTERM, or a preemption notice): the model as trained so far, in Hugging Face format,
+        to --save_path (a client saves what it wants during the session with save_state)."""
         if inputs.server is not None:
             inputs.server.shutdown()
             inputs.server.server_close()
-        return {}
+        c, policy = planned.config.checkpoint, built.job.worker.policy
+        save_causal_lm(
+            policy.model,
+            inputs.tokenizer,
+            c.save_path,
+            is_writer=built.job.front is not None,
+            strategy=policy.strategy,
+            allow_nonfinite=c.export_nonfinite,
+            merged=c.save_merged,
+        )
+        get_logger(torch.distributed.get_rank()).info_once(
+            f"saved the model {model_form(planned.config.model, c)} to {c.save_path}"
+        )
+        return saved_outputs(planned.config.model, c)

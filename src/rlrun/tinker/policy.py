@@ -20,7 +20,7 @@ from rlrun.algo.losses import log_probs_from_logits
 from rlrun.launch.transfer import gather_json
 from rlrun.models.loading import position_ids_from
 from rlrun.roles.forward import chunkable_head, vocab_log_probs
-from rlrun.strategies.base import GradClipper
+from rlrun.strategies.base import Strategy
 from rlrun.tinker.losses import LOSSES
 
 
@@ -79,14 +79,14 @@ class TrainedPolicy:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        clipper: GradClipper,
+        strategy: Strategy,
         group: torch.distributed.ProcessGroup,
         device: torch.device,
         comm_device: torch.device,
         micro_batch: int,
         logits_chunk: int,
     ) -> None:
-        self.model, self.optimizer, self.clipper = model, optimizer, clipper
+        self.model, self.optimizer, self.strategy = model, optimizer, strategy
         self.group, self.device, self.comm_device = group, device, comm_device
         self.rank, self.world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         self.micro_batch, self.logits_chunk = micro_batch, logits_chunk
@@ -146,7 +146,7 @@ class TrainedPolicy:
             group["betas"] = (adam.beta1, adam.beta2)
             group["eps"] = adam.eps
             group["weight_decay"] = adam.weight_decay
-        norm = self.clipper.clip_grad_norm(self.model, adam.grad_clip_norm)
+        norm = self.strategy.clip_grad_norm(self.model, adam.grad_clip_norm)
         finite = math.isfinite(norm)
         if finite:
             self.optimizer.step()

@@ -45,10 +45,11 @@ from rlrun.tinker.policy import Adam, Passed
 from rlrun.tinker.wire import (
     BadRequest,
     Sampled,
+    checked_forward_backward,
     forward_backward_output,
     parse,
-    read_forward_backward,
     sample_response,
+    unpack_forward_backward,
 )
 
 PROTOBUF = "application/x-protobuf"
@@ -303,14 +304,15 @@ class Front:
         ).model_dump(mode="json", exclude_none=True)
 
     def forward_backward(self, body: bytes, encoding: str | None) -> dict[str, Any]:
-        request = read_forward_backward(body, encoding, self.served.max_len)
+        msg = unpack_forward_backward(body, encoding)
 
         def make() -> Pending:
+            request = checked_forward_backward(msg, self.served.max_len)
             call = Forward(request.data, request.loss_fn, request.config, request.backward)
             return self._pending(call, lambda passed: _proto(forward_backward_output(passed)))
 
-        rid = self._ordered(request.model_id, request.seq_id, make)
-        return {"request_id": rid, "model_id": request.model_id}
+        rid = self._ordered(msg.model_id, msg.seq_id, make)
+        return {"request_id": rid, "model_id": msg.model_id}
 
     def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
         req = parse(tt.OptimStepRequest, body)

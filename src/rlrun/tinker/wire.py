@@ -55,7 +55,12 @@ class ForwardBackward:
 
 
 def read_forward_backward(body: bytes, encoding: str | None, max_len: int) -> ForwardBackward:
-    """The protobuf body of POST /forward_backward (zstd-compressed when `encoding` says so)."""
+    """The protobuf body of POST /forward_backward (zstd-compressed when `encoding` says so), checked."""
+    return checked_forward_backward(unpack_forward_backward(body, encoding), max_len)
+
+
+def unpack_forward_backward(body: bytes, encoding: str | None) -> pb.ForwardBackwardRequest:
+    """The message, not yet checked (its model and seq_id name the request a refusal spends)."""
     if encoding == "zstd":
         try:
             body = zstandard.ZstdDecompressor().decompressobj().decompress(body)
@@ -64,9 +69,13 @@ def read_forward_backward(body: bytes, encoding: str | None, max_len: int) -> Fo
     elif encoding not in (None, "", "identity"):
         raise BadRequest(f"forward_backward: Content-Encoding {encoding!r} is not supported (zstd or none)")
     try:
-        msg = pb.ForwardBackwardRequest.FromString(body)
+        return pb.ForwardBackwardRequest.FromString(body)
     except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends: the body is not the message
         raise BadRequest(f"forward_backward: the body is not a ForwardBackwardRequest ({exc})") from None
+
+
+def checked_forward_backward(msg: pb.ForwardBackwardRequest, max_len: int) -> ForwardBackward:
+    """The request as the ranks run it: a loss rlrun computes, its config and every datum's inputs checked."""
     name = msg.loss_fn
     if name in UNSUPPORTED_LOSSES:
         raise BadRequest(f"loss_fn {name} is not supported by rlrun.tinker: {UNSUPPORTED_LOSSES[name]}")
