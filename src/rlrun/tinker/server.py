@@ -564,8 +564,9 @@ class TinkerHandler(JsonHandler):
         path = self.path.split("?", 1)[0]
         front = self.server.front
         try:
-            self._check_key()
             route = path.removeprefix(_PREFIX + "/")
+            if route not in ("healthz", "health"):  # liveness needs no key (load balancers, readiness probes)
+                self._check_key()
             if route in ("healthz", "health"):
                 answer: dict[str, Any] = {"status": "ok"}
             elif route == "get_server_capabilities":
