@@ -28,7 +28,7 @@ TIERS: list[set[str]] = [
     {"roles", "agents", "weight_sync", "gateway"},
     {"plan", "environments"},
     {"run"},
-    {"rl", "supervised"},
+    {"rl", "supervised", "tinker"},
 ]
 TIER = {folder: level for level, folders in enumerate(TIERS) for folder in folders}
 
@@ -174,9 +174,11 @@ def test_the_config_check_sees_a_whole_config_parameter():
 def test_modules_are_ideas_not_fragments():
     """Files by concept, not by a line budget (issue 45): half of the modules 150 lines or more, and no more of them
     than concepts to hold (180: issue 61 gave each config section its owner's module; 190: issue 62, the token gateway
-    and the environment sources; 191: its TRL environment classes; 192: issue 63, the many senders' delta encoding)."""
+    and the environment sources; 191: its TRL environment classes; 192: issue 63, the many senders' delta encoding; 204: issue
+    65, rlrun.tinker: its server, wire formats, calls, request loop, policy, sampler, losses, plan, assembly, entry and
+    config section)."""
     sizes = sorted(len(path.read_text().splitlines()) for path in _modules().values())
-    assert len(sizes) <= 192, len(sizes)
+    assert len(sizes) <= 204, len(sizes)
     assert sizes[(len(sizes) - 1) // 2] >= 150, sizes
 
 

@@ -22,12 +22,11 @@ from rlrun.checkpoint.checkpointer import Identity, JsonState, Part, SaveOnly
 from rlrun.compat.openrlhf_checkpoint import OpenRLHFInit, init_from_openrlhf, read_openrlhf_init
 from rlrun.config.algorithm import AlgorithmConfig
 from rlrun.config.distill import DistillConfig
-from rlrun.config.generation import GenerationConfig
 from rlrun.config.model import PretrainedConfig
 from rlrun.config.training import TrainConfig
 from rlrun.config.tree import Config
 from rlrun.data.prompts import Prompts, PromptSampler, prompt_spec
-from rlrun.engines.build import EngineImages, build_engine, engine_dtype, fused_groups, runs_adapters, take_adapters
+from rlrun.engines.build import EngineImages, build_engine, engine_dtype
 from rlrun.engines.protocol import Engine
 from rlrun.environments.factory import build_factory_episodes
 from rlrun.environments.openenv import build_openenv_episodes
@@ -84,9 +83,7 @@ from rlrun.strategies.base import ModelState, Strategy
 from rlrun.strategies.choose import make_strategy
 from rlrun.vision.inputs import quiet_output_view_warning
 from rlrun.vision.tower import freeze_by_prefix, freeze_vision_tower
-from rlrun.weight_sync.sources import AdapterParams, MergedLoraParams, ParamSource
-from rlrun.weight_sync.sync import Route, WeightSync, build_weight_sync
-from rlrun.weight_sync.wire import WireFormat
+from rlrun.weight_sync.sync import WeightSync, policy_weight_sync
 
 TABLE_RANKS = 16  # a larger world's layout is one line at start-up (--dry_run prints its table)
 
@@ -587,57 +584,6 @@ def _weight_sync(ctx: RankContext, cfg: Config, roles: RankRoles) -> WeightSync:
     strategy = roles.strategies[Role.ACTOR] if actor is not None else None
     return policy_weight_sync(
         ctx, cfg.model, cfg.generation, roles.engine, None if actor is None else actor.model, strategy
-    )
-
-
-def policy_weight_sync(
-    ctx: RankContext,
-    model: PretrainedConfig,
-    g: GenerationConfig,
-    engine: Engine | None,
-    actor: torch.nn.Module | None,
-    strategy: Strategy | None,
-) -> WeightSync:
-    """The actor's weights to the engines after each update (rlrun.ppo, rlrun.tinker); under LoRA its adapters alone
-    where the engine runs them beside its base weights (the native decoder, on a dense model), else merged into the
-    base weights. `actor` and `strategy`: this rank's trained policy and its strategy (None off the actor's ranks)."""
-    lora = lora_settings(model)
-    adapters = lora is not None and runs_adapters(  # the config is read only for a LoRA run
-        g.generation_backend, lora.target_modules, config_routing_shape(load_model_config(model)) is None
-    )
-    if adapters and lora is not None:
-        take_adapters(engine, lora.scaling)
-    source: ParamSource | None = None
-    if actor is not None:
-        assert strategy is not None
-        if lora is None:
-            source = ParamSource(actor, strategy.param_blocks, strategy)
-        elif adapters:
-            source = AdapterParams(actor, strategy.param_blocks)
-        else:
-            source = MergedLoraParams(actor, strategy.param_blocks, lora.scaling)
-    if adapters and ctx.rank == ctx.layout.ranks_of(Role.ACTOR)[0]:
-        get_logger(ctx.rank).info_once(
-            "weight sync: LoRA adapters only (the native engines keep the base weights and run the adapters beside "
-            "them)"
-        )
-    return build_weight_sync(
-        actor_params=source,
-        receiver=engine.weights if engine else None,
-        route=Route(
-            colocated=ctx.layout.engine_colocated_with_actor,
-            root_group=ctx.groups.get("sync"),
-            actor_ranks=ctx.layout.ranks_of(Role.ACTOR),
-            senders_group=ctx.groups.get("sync.senders"),
-        ),
-        wire=WireFormat(
-            bucket_bytes=g.weight_sync_bucket_mb * 2**20,
-            dtype=engine_dtype(model.bf16, ctx.device),
-            together=fused_groups if g.generation_backend == "native" else None,
-            delta=g.weight_sync_delta,
-        ),
-        device=ctx.device,
-        check_names=source.check_names() if isinstance(source, (MergedLoraParams, AdapterParams)) else (),
     )
 
 

@@ -29,7 +29,6 @@ from rlrun.models.loading import (
     unfilled_causal_lm,
 )
 from rlrun.reporting.run_report import model_form, saved_outputs
-from rlrun.rl.assembly import policy_weight_sync
 from rlrun.roles.export import save_causal_lm
 from rlrun.roles.forward import LOGITS_CHUNK
 from rlrun.roles.update import make_optimizer
@@ -42,6 +41,7 @@ from rlrun.tinker.plan import TinkerPlan
 from rlrun.tinker.policy import TrainedPolicy
 from rlrun.tinker.sampler import Sampler
 from rlrun.tinker.server import Front, Served, TinkerHTTPServer, start_server
+from rlrun.weight_sync.sync import policy_weight_sync
 
 
 @dataclass

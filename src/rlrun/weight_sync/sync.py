@@ -17,11 +17,22 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from rlrun.config.generation import GenerationConfig
+from rlrun.config.model import PretrainedConfig
+from rlrun.engines.build import engine_dtype, fused_groups, runs_adapters, take_adapters
+from rlrun.engines.protocol import Engine
 from rlrun.engines.receivers import WeightReceiver
+from rlrun.launch.context import RankContext
+from rlrun.launch.layout import Role
+from rlrun.models.adapter_pretrain import lora_settings
+from rlrun.models.loading import load_model_config
+from rlrun.models.moe import config_routing_shape
+from rlrun.runtime.log import get_logger
+from rlrun.strategies.base import Strategy
 from rlrun.weight_sync.broadcast import BroadcastSync
 from rlrun.weight_sync.colocated import ColocatedSync
 from rlrun.weight_sync.senders import ManySendersSync, agree_on_senders, sender_ranks
-from rlrun.weight_sync.sources import ParamSource
+from rlrun.weight_sync.sources import AdapterParams, MergedLoraParams, ParamSource
 from rlrun.weight_sync.wire import Traffic, WireFormat
 
 if TYPE_CHECKING:  # annotations only: the messages themselves are the mechanisms'
@@ -75,3 +86,54 @@ def build_weight_sync(
             return ManySendersSync(actor_params, receiver, group, senders, receivers, meta["params"], wire, device)
     root = route.actor_ranks[0]
     return BroadcastSync(actor_params, receiver, route.root_group, root, wire, device, check_names)
+
+
+def policy_weight_sync(
+    ctx: RankContext,
+    model: PretrainedConfig,
+    g: GenerationConfig,
+    engine: Engine | None,
+    actor: torch.nn.Module | None,
+    strategy: Strategy | None,
+) -> WeightSync:
+    """The actor's weights to the engines after each update (rlrun.ppo, rlrun.tinker); under LoRA its adapters alone
+    where the engine runs them beside its base weights (the native decoder, on a dense model), else merged into the
+    base weights. `actor` and `strategy`: this rank's trained policy and its strategy (None off the actor's ranks)."""
+    lora = lora_settings(model)
+    adapters = lora is not None and runs_adapters(  # the config is read only for a LoRA run
+        g.generation_backend, lora.target_modules, config_routing_shape(load_model_config(model)) is None
+    )
+    if adapters and lora is not None:
+        take_adapters(engine, lora.scaling)
+    source: ParamSource | None = None
+    if actor is not None:
+        assert strategy is not None
+        if lora is None:
+            source = ParamSource(actor, strategy.param_blocks, strategy)
+        elif adapters:
+            source = AdapterParams(actor, strategy.param_blocks)
+        else:
+            source = MergedLoraParams(actor, strategy.param_blocks, lora.scaling)
+    if adapters and ctx.rank == ctx.layout.ranks_of(Role.ACTOR)[0]:
+        get_logger(ctx.rank).info_once(
+            "weight sync: LoRA adapters only (the native engines keep the base weights and run the adapters beside "
+            "them)"
+        )
+    return build_weight_sync(
+        actor_params=source,
+        receiver=engine.weights if engine else None,
+        route=Route(
+            colocated=ctx.layout.engine_colocated_with_actor,
+            root_group=ctx.groups.get("sync"),
+            actor_ranks=ctx.layout.ranks_of(Role.ACTOR),
+            senders_group=ctx.groups.get("sync.senders"),
+        ),
+        wire=WireFormat(
+            bucket_bytes=g.weight_sync_bucket_mb * 2**20,
+            dtype=engine_dtype(model.bf16, ctx.device),
+            together=fused_groups if g.generation_backend == "native" else None,
+            delta=g.weight_sync_delta,
+        ),
+        device=ctx.device,
+        check_names=source.check_names() if isinstance(source, (MergedLoraParams, AdapterParams)) else (),
+    )
