@@ -6,9 +6,11 @@
 #   sbatch --nodes=4 --gres=gpu:8 --time=48:00:00 --partition=gpu scripts/slurm/train.sh rm ...
 #   RLRUN_LAUNCH=srun sbatch scripts/slurm/train.sh dpo ...   # one task per GPU, no torchrun
 #   sbatch scripts/slurm/ppo.sh --config configs/my_run.yaml  # = train.sh rlrun.ppo, with ppo.sh's defaults
+#   sbatch scripts/slurm/train.sh tinker --pretrain MODEL --lora_rank 32 --tinker_host 0.0.0.0  # the Tinker API
+#       on the first node's port 8000 (docs/tinker.md); point the SDK's base_url at it
 #
-# The first argument names the trainer: rlrun.ppo, rlrun.sft, rlrun.rm or rlrun.dpo (or just ppo,
-# sft, rm, dpo). Everything after it goes to `python -m <trainer>` unchanged (or set RLRUN_CONFIG to
+# The first argument names the trainer: rlrun.ppo, rlrun.sft, rlrun.rm, rlrun.dpo or rlrun.tinker (or just ppo,
+# sft, rm, dpo, tinker). Everything after it goes to `python -m <trainer>` unchanged (or set RLRUN_CONFIG to
 # a YAML file; it is passed as `--config FILE` before the other flags). Submit from the directory
 # the paths in your flags are relative to (or use `sbatch --chdir DIR`); when that directory is a
 # checkout of rlrun, its src/ is put on PYTHONPATH.
@@ -99,9 +101,9 @@ trap 'say "TERM received before training started: nothing to save yet, going on 
 # The trainer: checked before anything else, so a typo costs one line and no allocation time.
 trainer="${1:-}"
 case "$trainer" in
-    rlrun.ppo | rlrun.sft | rlrun.rm | rlrun.dpo) ;;
-    ppo | sft | rm | dpo) trainer="rlrun.$trainer" ;;
-    *) die "the first argument names the trainer: rlrun.ppo, rlrun.sft, rlrun.rm or rlrun.dpo (or ppo, sft, rm, dpo), got '${1:-}'; e.g. sbatch scripts/slurm/train.sh rlrun.dpo --config FILE" ;;
+    rlrun.ppo | rlrun.sft | rlrun.rm | rlrun.dpo | rlrun.tinker) ;;
+    ppo | sft | rm | dpo | tinker) trainer="rlrun.$trainer" ;;
+    *) die "the first argument names the trainer: rlrun.ppo, rlrun.sft, rlrun.rm, rlrun.dpo or rlrun.tinker (or ppo, sft, rm, dpo, tinker), got '${1:-}'; e.g. sbatch scripts/slurm/train.sh rlrun.dpo --config FILE" ;;
 esac
 shift
 

@@ -81,6 +81,8 @@ def entry(module: str):
 
     if module in ("rlrun.ppo", "rlrun.sft", "rlrun.rm", "rlrun.dpo"):
         return importlib.import_module(module).main
+    if module == "rlrun.tinker":  # a package: its __main__ holds main
+        return importlib.import_module("rlrun.tinker.__main__").main
     raise ValueError(f"{module} has no dry run")
 
 
@@ -112,7 +114,7 @@ TORCHRUN_FLAGS_WITH_VALUE = {"nproc_per_node", "nproc-per-node", "nnodes", "max-
                              "rdzv-backend", "rdzv_endpoint", "rdzv-endpoint", "rdzv_id", "rdzv-id", "node_rank",
                              "node-rank", "master_addr", "master-addr", "master_port", "master-port", "log-dir", "log_dir",
                              "redirects", "tee", "rdzv_conf", "rdzv-conf", "monitor-interval", "monitor_interval"}
-TRAINERS = ("rlrun.ppo", "rlrun.sft", "rlrun.rm", "rlrun.dpo")
+TRAINERS = ("rlrun.ppo", "rlrun.sft", "rlrun.rm", "rlrun.dpo", "rlrun.tinker")
 
 
 def shell_commands(markdown: str) -> list[tuple[int, str]]:
