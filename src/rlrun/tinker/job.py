@@ -109,6 +109,10 @@ class Worker:
         raise AssertionError(f"no call {call!r}")
 
 
+# Sample requests with equal settings that arrive less than WAVE_GAP_S apart, for at most WAVE_S, run as one call.
+WAVE_GAP_S, WAVE_S = 0.02, 0.25
+
+
 class Serving:
     """rlrun.tinker's job for the run skeleton: no steps; `serve` runs requests until stopped (rank 0 holds the API
     front, the other ranks None)."""
@@ -188,9 +192,13 @@ class Serving:
             self.front.work.put(first)  # failed by close() with the others
             return []
         taken = [first]
+        # A wave of sample requests (a cookbook loop sends one per prompt group at once) arrives over some
+        # milliseconds: wait while they keep coming, so that they share one engine call rather than the first
+        # decoding alone
+        deadline = time.monotonic() + WAVE_S
         while isinstance(first.call, Sample):
             try:
-                more = self.front.work.get_nowait()
+                more = self.front.work.get(timeout=max(0.0, min(WAVE_GAP_S, deadline - time.monotonic())))
             except queue.Empty:
                 break
             if isinstance(more.call, Sample) and more.call.params == first.call.params:
