@@ -17,7 +17,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
 from helpers import free_port
-from rlrun.tinker.calls import Forward, OptimStep, Sample, SyncSampler
+from rlrun.tinker.calls import Forward, OptimStep, ResetAdapters, Sample, Score, SyncSampler
 from rlrun.tinker.server import Front, Result, Served, start_server
 from rlrun.tinker.wire import BadRequest
 
@@ -85,7 +85,7 @@ def test_one_model_per_job_with_the_served_name_and_rank() -> None:
     with pytest.raises(BadRequest, match="LoRA rank 8 asked.*--lora_rank 8"):
         front.create_model({"session_id": "s", "model_seq_id": 0, "base_model": "org/tiny", "lora_config": {"rank": 8}})
     front.create_model({"session_id": "s", "model_seq_id": 0, "base_model": "org/tiny"})
-    with pytest.raises(BadRequest, match="already serves model s:train:0"):
+    with pytest.raises(BadRequest, match="already trains model s:train:0 .full fine-tuning"):
         front.create_model({"session_id": "t", "model_seq_id": 0, "base_model": "org/tiny"})
     with pytest.raises(BadRequest, match="unknown model_id 'x:train:0'"):
         front.optim_step(_optim("x:train:0", 1))
@@ -110,9 +110,38 @@ def test_samplers_sample_the_newest_weights_only() -> None:
     path = f"tinker://{model}/sampler_weights/v1"
     newest = front.create_sampling_session({"session_id": "s", "sampling_session_seq_id": 1, "model_path": path})
     front.asample({**asked, "sampling_session_id": newest["sampling_session_id"]})
-    with pytest.raises(BadRequest, match="prompt_logprobs, top_k"):
-        front.asample({**asked, "sampling_session_id": newest["sampling_session_id"], "prompt_logprobs": True,
+    with pytest.raises(BadRequest, match="topk_sample_logprobs, top_k"):
+        front.asample({**asked, "sampling_session_id": newest["sampling_session_id"], "topk_sample_logprobs": 2,
                        "sampling_params": {**params, "top_k": 5}})
+
+
+def test_compute_logprobs_runs_where_the_trained_model_holds_the_weights() -> None:
+    """compute_logprobs (prompt_logprobs, one sample of one token) runs on the trained model: on the newest sampler
+    weights before the next step, or with a LoRA job's adapters off for a base-model session; never on weights the
+    trained model no longer holds."""
+    front, model = _front(lora_rank=8)
+    base = front.create_sampling_session({"session_id": "s", "sampling_session_seq_id": 0, "base_model": "org/tiny"})
+    ask = {"sampling_session_id": base["sampling_session_id"], "prompt": {"chunks": [{"tokens": [1, 2, 3],
+           "type": "encoded_text"}]}, "sampling_params": {"max_tokens": 1, "seed": 3}, "prompt_logprobs": True}
+    front.asample(ask)
+    front.optim_step(_optim(model, 1))
+    front.asample(ask)  # a LoRA job's base: the adapters off
+    front.save_weights_for_sampler({"model_id": model, "sampling_session_seq_id": 1, "seq_id": 2})
+    newest = next(sid for sid, session in front.samplers.items() if session.version == 1)
+    front.asample({**ask, "sampling_session_id": newest})
+    front.optim_step(_optim(model, 3))
+    with pytest.raises(BadRequest, match="compute_logprobs on weights version 1: the trained model no longer"):
+        front.asample({**ask, "sampling_session_id": newest})
+    with pytest.raises(BadRequest, match="num_samples 1, max_tokens 1"):
+        front.asample({**ask, "sampling_params": {"max_tokens": 4}})
+    scores = [c for c in _queued(front) if isinstance(c, Score)]
+    assert [s.base for s in scores] == [False, True, False]
+    # a LoRA job starts a fresh model by putting its adapters back
+    again = front.create_model({"session_id": "t", "model_seq_id": 0, "base_model": "org/tiny",
+                                "lora_config": {"rank": 8}})
+    assert again["model_id"] == "t:train:0" and isinstance(_queued(front)[-1], ResetAdapters)
+    with pytest.raises(BadRequest, match="replaced by a later"):
+        front.optim_step(_optim(model, 4))
 
 
 def _post(port: int, route: str, body: dict, key: str = "tml-right") -> tuple[int, dict]:

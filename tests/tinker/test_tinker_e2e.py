@@ -135,6 +135,13 @@ def test_two_ranks_full_fine_tuning(base: str, tmp_path: Path, monkeypatch: pyte
                 want = direct_log_probs(reference, [72, 101, 108, *s.tokens])[-len(s.tokens):]
                 torch.testing.assert_close(torch.tensor(s.logprobs), want, atol=1e-4, rtol=0)
 
+        # compute_logprobs on the newest sampler weights: the trained model's own log-probs
+        scored = sampler.compute_logprobs(types.ModelInput.from_ints(DATA[0][0])).result()
+        assert scored[0] is None
+        with torch.no_grad():
+            torch.testing.assert_close(torch.tensor(scored[1:]), direct_log_probs(reference, DATA[0][0]),
+                                       atol=2e-5, rtol=0)
+
         # a bad request is refused on rank 0, and the job goes on
         rl = types.Datum(model_input=types.ModelInput.from_ints([1, 2]),
                          loss_fn_inputs={"target_tokens": [2, 3], "logprobs": [-1.0, -1.0], "advantages": [1.0, 1.0]})
@@ -172,8 +179,9 @@ def reward(tokens: list[int]) -> float:
 
 def test_one_rank_lora_rl_loop_raises_reward(base: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINKER_API_KEY", KEY)
-    # SIGTERM reaches the job (as from Slurm or Ctrl-C) in the forward_backward after the tenth step: it finishes that
-    # request, exports the model and exits 0
+    # SIGTERM reaches the job (as from Slurm or Ctrl-C) in the forward_backward after a tenth step: it finishes that
+    # request, exports the model and exits 0 (the first model's tenth step passes no forward_backward: RLRUN_FAULT
+    # fires once, on the fresh model's)
     args = ["--pretrain", base, "--lora_rank", "8", "--lora_alpha", "16"]
     with tinker_job(1, args, tmp_path, {"RLRUN_FAULT": "train:10:0:term"}) as job:
         service = tinker.ServiceClient(base_url=job.url)
@@ -204,7 +212,25 @@ def test_one_rank_lora_rl_loop_raises_reward(base: str, tmp_path: Path, monkeypa
             means.append(sum(scores) / len(scores))
             training.forward_backward(data, "importance_sampling").result()
             training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-        training.forward_backward(data[:1], "importance_sampling").result()
+        # a base-model client's compute_logprobs: the LoRA model with its adapters off (the cookbook's KL reference)
+        base_client = service.create_sampling_client(base_model=base).result()
+        scored = base_client.compute_logprobs(types.ModelInput.from_ints([55, 55, 55, 49, 55])).result()
+        reference = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+        with torch.no_grad():
+            want = direct_log_probs(reference, [55, 55, 55, 49, 55])
+        torch.testing.assert_close(torch.tensor(scored[1:]), want, atol=2e-5, rtol=0)
+        # a second create_model starts a fresh model (the adapters as they began): the base model's log-probs again
+        fresh = service.create_lora_training_client(base_model=base, rank=8).result()
+        probe = types.Datum(model_input=types.ModelInput.from_ints([55, 55, 55, 49]),
+                            loss_fn_inputs={"target_tokens": [55, 55, 49, 55], "weights": [1.0] * 4})
+        again = fresh.forward([probe], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+        torch.testing.assert_close(again, want[-4:], atol=2e-5, rtol=0)
+        with pytest.raises(tinker.BadRequestError, match="replaced"):
+            training.forward([probe], "cross_entropy").result()
+        for _ in range(10):
+            fresh.forward_backward([probe], "cross_entropy").result()
+            fresh.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        fresh.forward_backward([probe], "cross_entropy").result()  # the SIGTERM comes in this one
     assert job.returncode == 0, job.output[-3000:]
     print("rewards", [round(m, 3) for m in means])
     assert sum(means[-3:]) / 3 > sum(means[:3]) / 3 + 0.1, means

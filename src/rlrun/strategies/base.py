@@ -83,6 +83,11 @@ class Strategy(GradClipper, ParamHoming, Protocol):
 
     group: torch.distributed.ProcessGroup
 
+    def release_gathered(self, model: nn.Module) -> None:
+        """After a no-grad forward of a trainable model: drop the full parameters it left gathered, so that the
+        module holds its shards again (what the optimizer steps and a reset writes) and the next forward gathers."""
+        ...
+
     def wrap(self, model: nn.Module | Unfilled, *, trainable: bool = True) -> nn.Module:
         """A frozen (trainable=False) model ready for forward passes on this role's ranks. An `Unfilled` model is
         placed first and filled after: a rank reads only what it keeps."""

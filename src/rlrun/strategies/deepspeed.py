@@ -293,6 +293,9 @@ class DeepSpeedStrategy:
     def step_ops(self, model: nn.Module) -> StepOps:
         return DeepSpeedSteps(self._engine(model), clipped_by_rlrun(self.settings))
 
+    def release_gathered(self, model: nn.Module) -> None:
+        """Nothing: ZeRO gathers around each module's forward and releases after it."""
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
         """ZeRO-0 only (ZeRO-1/2 clip inside engine.step): the module's gradients are whole and identical on
         every rank after engine.backward's all-reduce, so this is local. Returns the norm before clipping."""

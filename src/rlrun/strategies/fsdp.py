@@ -218,12 +218,7 @@ class FSDPStrategy:
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, parts: frozenset[SleepUnit] = ALL_UNITS
     ) -> int:
         if SleepUnit.PARAMS in parts:
-            # A no-grad forward of a trainable model (reshard_after_forward=False) leaves its gathered parameters
-            # registered; reshard so the module holds only its shards, the gathered copies are freed and
-            # the next forward gathers again (the same values: nothing changed the shards meanwhile).
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+            self.release_gathered(model)
         moved = 0
         for part in sorted(parts, key=lambda p: p.value):
             keep = self._part(model, optimizer, SleepUnit.PARAMS) if part is SleepUnit.STATES else []
@@ -237,6 +232,14 @@ class FSDPStrategy:
 
     def asleep(self, model: nn.Module) -> frozenset[SleepUnit]:
         return self._sleep.asleep(model)
+
+    def release_gathered(self, model: nn.Module) -> None:
+        # A no-grad forward of a trainable model (reshard_after_forward=False) leaves its gathered parameters
+        # registered; reshard so the module holds only its shards, the gathered copies are freed and the next
+        # forward gathers again (from the shards, whatever changed them meanwhile).
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
         """Clip over all shards; returns the total norm before clipping (inf/nan when non-finite)."""

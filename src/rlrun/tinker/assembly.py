@@ -20,6 +20,7 @@ from rlrun.launch.context import RankContext
 from rlrun.launch.env import DistEnv
 from rlrun.launch.groups import build_groups
 from rlrun.launch.layout import Role, colocated_layout
+from rlrun.models.adapter_pretrain import lora_settings
 from rlrun.models.loading import (
     load_model_config,
     load_tokenizer,
@@ -126,6 +127,7 @@ class TinkerTrainer:
             started.comm_device,
             t.micro_train_batch_size,
             LOGITS_CHUNK,
+            lora=lora_settings(cfg.model) is not None,
         )
         identity = Identity("tinker", t.strategy, "model", model if env.rank == 0 else None, {})
         parts: list[Part] = [ModelState(strategy, model, optimizer, "model")]

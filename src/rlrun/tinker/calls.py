@@ -80,9 +80,29 @@ class Sample:
     params: SampleParams
 
 
-Call = Keepalive | Stop | Forward | OptimStep | SyncSampler | SaveState | LoadState | Sample
+@dataclass(frozen=True)
+class Score:
+    """compute_logprobs (a sample of one token with prompt_logprobs) on the trained model: `base` with its LoRA
+    adapters off."""
+
+    kind: ClassVar[str] = "score"
+    prompts: list[list[int]]
+    keys: list[int]
+    temperature: float
+    base: bool
+
+
+@dataclass(frozen=True)
+class ResetAdapters:
+    """create_model again on a LoRA job: the adapters and Adam start over."""
+
+    kind: ClassVar[str] = "reset_adapters"
+
+
+Call = Keepalive | Stop | Forward | OptimStep | SyncSampler | SaveState | LoadState | Sample | Score | ResetAdapters
 _KINDS: dict[str, type] = {
-    c.kind: c for c in (Keepalive, Stop, Forward, OptimStep, SyncSampler, SaveState, LoadState, Sample)
+    c.kind: c
+    for c in (Keepalive, Stop, Forward, OptimStep, SyncSampler, SaveState, LoadState, Sample, Score, ResetAdapters)
 }
 
 

@@ -26,7 +26,19 @@ from rlrun.runtime.log import get_logger
 from rlrun.runtime.phases import Phase, PhaseTracker
 from rlrun.runtime.pyfile import one_line
 from rlrun.tinker import calls
-from rlrun.tinker.calls import Call, Forward, Keepalive, LoadState, OptimStep, Sample, SaveState, Stop, SyncSampler
+from rlrun.tinker.calls import (
+    Call,
+    Forward,
+    Keepalive,
+    LoadState,
+    OptimStep,
+    ResetAdapters,
+    Sample,
+    SaveState,
+    Score,
+    Stop,
+    SyncSampler,
+)
 from rlrun.tinker.policy import TrainedPolicy
 from rlrun.tinker.sampler import Sampler
 from rlrun.tinker.server import Front, Pending, Result
@@ -98,6 +110,12 @@ class Worker:
         if isinstance(call, Sample):
             with self.phase(Phase.GENERATE, step):
                 return self.sampler.sample(call)
+        if isinstance(call, Score):
+            with self.phase(Phase.SCORE, step):
+                return self.policy.score(call.prompts, call.keys, call.temperature, call.base)
+        if isinstance(call, ResetAdapters):
+            self.policy.reset_adapters()
+            return None
         if isinstance(call, SaveState):
             with self.phase(Phase.SAVE, step):
                 self.snapshots.save(self.policy, call.directory)
@@ -111,6 +129,8 @@ class Worker:
 
 # Sample requests with equal settings that arrive less than WAVE_GAP_S apart, for at most WAVE_S, run as one call.
 WAVE_GAP_S, WAVE_S = 0.02, 0.25
+# How long rank 0 keeps answering after a failure, for the clients to fetch their failed futures.
+FAILURE_GRACE_S = 10.0
 
 
 class Serving:
@@ -169,7 +189,11 @@ class Serving:
         except BaseException as exc:
             if self.front is not None:
                 self.front.close(f"rlrun.tinker stopped: {one_line(exc)}")
-                time.sleep(0.5)  # the long-polling clients take their answers before the process leaves
+                # the clients fetch their failed futures before the process leaves (a client whose poll finds the
+                # port closed would retry for minutes): until each is fetched, FAILURE_GRACE_S at most
+                deadline = time.monotonic() + FAILURE_GRACE_S
+                while self.front.futures.undelivered_failures() and time.monotonic() < deadline:
+                    time.sleep(0.05)
             raise
         if self.front is not None:
             self.front.close("rlrun.tinker is shutting down (a stop signal)")

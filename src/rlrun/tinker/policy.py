@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 from rlrun.algo.losses import log_probs_from_logits
 from rlrun.launch.transfer import gather_json
 from rlrun.models.loading import position_ids_from
+from rlrun.models.lora import adapters_disabled
 from rlrun.roles.forward import chunkable_head, vocab_log_probs
 from rlrun.strategies.base import Strategy
 from rlrun.tinker.losses import LOSSES
@@ -49,6 +51,15 @@ class Adam:
     eps: float = 1e-12
     weight_decay: float = 0.0
     grad_clip_norm: float = 0.0  # 0: no clipping
+
+
+@dataclass(frozen=True)
+class Scored:
+    """compute_logprobs's results on rank 0, per prompt: its tokens' log-probs after the first, and the token drawn
+    after it with that token's log-prob."""
+
+    prompt_log_probs: list[list[float]]
+    drawn: list[tuple[int, float]]
 
 
 @dataclass
@@ -85,12 +96,15 @@ class TrainedPolicy:
         comm_device: torch.device,
         micro_batch: int,
         logits_chunk: int,
+        lora: bool,
     ) -> None:
         self.model, self.optimizer, self.strategy = model, optimizer, strategy
         self.group, self.device, self.comm_device = group, device, comm_device
         self.rank, self.world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         self.micro_batch, self.logits_chunk = micro_batch, logits_chunk
         self.steps = 0  # optimizer steps taken (a checkpoint's step)
+        # LoRA: the adapters' first values (small), so that a new create_model can start from them again
+        self._initial = [t.detach().clone() for t in self._trained()] if lora else []
 
     def forward(
         self, data: Sequence[Datum], loss_fn: str, config: Mapping[str, float], *, backward: bool
@@ -113,6 +127,8 @@ class TrainedPolicy:
                 (total * self.world).backward()
             log_probs += [logp[: len(d.tokens)].tolist() for logp, d in zip(per_token.detach(), part)]
             losses += [float(t.detach()) for t in terms]
+        if not backward:  # a later load or reset writes the shards: the module must not keep gathered copies
+            self.strategy.release_gathered(self.model)
         gathered = gather_json({"log_probs": log_probs, "losses": losses}, self.group, self.comm_device)
         if gathered is None:
             return None
@@ -137,6 +153,61 @@ class TrainedPolicy:
                 return self.model(**kwargs).logits[..., 0].float()
         logits = self.model(**kwargs).logits.float()
         return log_probs_from_logits(logits, target)
+
+    def score(self, prompts: Sequence[list[int]], keys: Sequence[int], temperature: float, base: bool) -> Scored | None:
+        """compute_logprobs's request, on the trained model (`base`: with its LoRA adapters off, the base model):
+        each prompt's log-probs of its tokens after the first, and one token drawn from the distribution after it
+        (at `temperature`, by its key), with that token's log-prob. On rank 0 (None elsewhere). Collective."""
+        mine = list(share(len(prompts), self.world, self.rank))
+        rounds = math.ceil(math.ceil(len(prompts) / self.world) / self.micro_batch)
+        self.model.train(False)
+        out: list[list[float]] = []
+        drawn: list[tuple[int, float]] = []
+        with torch.no_grad(), adapters_disabled(self.model) if base else nullcontext():
+            for k in range(rounds):
+                part = [prompts[i] for i in mine[k * self.micro_batch : (k + 1) * self.micro_batch]]
+                data = [Datum(p, {"target_tokens": [*p[1:], 0]}) for p in part]
+                per_token = self._log_probs(data)
+                out += [lp[: len(p) - 1].tolist() for lp, p in zip(per_token, part)]
+                last = self._last_logits(part)  # [b, V]
+                for row, i in zip(last, mine[k * self.micro_batch : (k + 1) * self.micro_batch]):
+                    logp = torch.log_softmax(row.float() / temperature, -1)
+                    generator = torch.Generator().manual_seed(int(keys[i]))
+                    token = int(torch.multinomial(logp.exp().cpu(), 1, generator=generator))
+                    drawn.append((token, float(logp[token])))
+            # inside the adapters' context: PEFT turns requires_grad on again when it closes, on the parameters the
+            # module holds, which must be the shards the optimizer steps rather than gathered copies
+            self.strategy.release_gathered(self.model)
+        gathered = gather_json({"prompt": out, "drawn": drawn}, self.group, self.comm_device)
+        if gathered is None:
+            return None
+        return Scored([lp for g in gathered for lp in g["prompt"]], [tuple(d) for g in gathered for d in g["drawn"]])
+
+    def _last_logits(self, rows: Sequence[list[int]]) -> torch.Tensor:
+        """[b, V] logits after each row's last token (rows left-padded; one dummy row on a rank without any)."""
+        rows = list(rows) or [[0]]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device=self.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask), use_cache=False, logits_to_keep=1
+        )
+        return out.logits[:, -1, :]
+
+    def reset_adapters(self) -> None:
+        """A fresh LoRA model (create_model again on a LoRA job): the adapters as they started, Adam's state cleared,
+        the step count at 0. Nothing is gathered: each rank restores its own shards of the adapters."""
+        with torch.no_grad():
+            for param, initial in zip(self._trained(), self._initial):
+                param.copy_(initial)
+        self.optimizer.state.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps = 0
+
+    def _trained(self) -> list[torch.Tensor]:
+        """This rank's local tensors of the trained parameters (FSDP2 DTensors' shards): the optimizer's, not the
+        module's (after a no-grad forward FSDP2 may leave gathered copies registered there)."""
+        return [getattr(p, "_local_tensor", p) for group in self.optimizer.param_groups for p in group["params"]]
 
     def optim_step(self, adam: Adam) -> dict[str, float]:
         """One AdamW step over the accumulated gradients with `adam`'s settings, then the gradients cleared. A non-

@@ -36,12 +36,14 @@ from rlrun.tinker.calls import (
     Forward,
     LoadState,
     OptimStep,
+    ResetAdapters,
     Sample,
     SampleParams,
     SaveState,
+    Score,
     SyncSampler,
 )
-from rlrun.tinker.policy import Adam, Passed
+from rlrun.tinker.policy import Adam, Passed, Scored
 from rlrun.tinker.wire import (
     BadRequest,
     Sampled,
@@ -77,6 +79,7 @@ class Futures:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._results: dict[str, Result | None] = {}
+        self._delivered: set[str] = set()
         self._ids = itertools.count(1)
 
     def create(self) -> str:
@@ -99,12 +102,23 @@ class Futures:
             self._cond.notify_all()
 
     def wait(self, rid: str, timeout_s: float) -> Result | None:
-        """The result of `rid` once done; None while pending after `timeout_s`. KeyError: an id never handed out."""
+        """The result of `rid` once done (then counted as delivered); None while pending after `timeout_s`.
+        KeyError: an id never handed out."""
         with self._cond:
             if rid not in self._results:
                 raise KeyError(rid)
             self._cond.wait_for(lambda: self._results[rid] is not None, timeout_s)
-            return self._results[rid]
+            result = self._results[rid]
+            if result is not None:
+                self._delivered.add(rid)
+            return result
+
+    def undelivered_failures(self) -> int:
+        """Failed futures no client has fetched yet."""
+        with self._cond:
+            return sum(
+                1 for rid, r in self._results.items() if r is not None and r.error and rid not in self._delivered
+            )
 
 
 # ---- the work queue ------------------------------------------------------------------------------------------------
@@ -170,6 +184,7 @@ class Front:
         self.replaced: set[str] = set()  # model ids a later load replaced
         self.samplers: dict[str, SamplerSession] = {}
         self.sampler_version = 0  # the newest weights sent to the engines (0: the base model)
+        self.trained_since_sync = False  # the trained model moved on from the engines' newest weights
         self.sampler_paths: dict[str, int] = {}  # tinker:// path of a named sampler save -> its version
         self._sampler_ids = itertools.count()
         self._saves = itertools.count(1)
@@ -192,7 +207,10 @@ class Front:
         if self.model is not None and model_id == self.model.model_id:
             return self.model
         if model_id in self.replaced:
-            raise BadRequest(f"model {model_id} was replaced by a later load_weights; use the training client it made")
+            raise BadRequest(
+                f"model {model_id} was replaced by a later create_model or load_weights; use the training client "
+                "it made"
+            )
         raise BadRequest(f"unknown model_id {model_id!r}; create_model first (this job serves one model)")
 
     def _ordered(self, model_id: str, seq_id: int | None, make: Callable[[], Pending]) -> str:
@@ -273,15 +291,23 @@ class Front:
             )
         if req.optimizer_config is not None and req.optimizer_config.type != "adamw":
             raise BadRequest(f"optimizer {req.optimizer_config.type} is not supported; rlrun.tinker runs AdamW")
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        answer = {"model_id": model_id, "type": "create_model"}
         with self._lock:
-            if self.model is not None:
+            if self.model is None:
+                self.model = Model(model_id, req.base_model)
+                return {"request_id": self._done(answer), "model_id": model_id}
+            if not self.served.lora_rank:
                 raise BadRequest(
-                    f"this job already serves model {self.model.model_id} (one model per job); continue with it, "
-                    "or load a checkpoint with create_training_client_from_state"
+                    f"this job already trains model {self.model.model_id} (full fine-tuning: one model per job, the "
+                    "base weights are not kept); continue with it, load a checkpoint with "
+                    "create_training_client_from_state, or restart the job for a fresh model"
                 )
-            model_id = f"{req.session_id}:train:{req.model_seq_id}"
+            # a LoRA job starts a fresh model by putting its adapters back: the one before is replaced
+            self.replaced.add(self.model.model_id)
             self.model = Model(model_id, req.base_model)
-        return {"request_id": self._done({"model_id": model_id, "type": "create_model"}), "model_id": model_id}
+            self.trained_since_sync = True
+            return {"request_id": self._future(ResetAdapters(), lambda _: _json(answer)), "model_id": model_id}
 
     def _check_base(self, base_model: str | None) -> None:
         if base_model is not None and base_model != self.served.model_name:
@@ -324,6 +350,7 @@ class Front:
             adam = Adam(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
             if not adam.learning_rate >= 0:
                 raise BadRequest(f"learning_rate must be >= 0, got {adam.learning_rate}")
+            self.trained_since_sync = True
             return self._pending(OptimStep(adam), lambda metrics: _json({"type": "optim_step", "metrics": metrics}))
 
         return {"request_id": self._ordered(req.model_id, req.seq_id, make), "model_id": req.model_id}
@@ -347,6 +374,7 @@ class Front:
         def make() -> Pending:
             with self._lock:
                 self.sampler_version += 1
+                self.trained_since_sync = False
                 version = self.sampler_version
                 if req.path is not None:
                     path = f"tinker://{req.model_id}/sampler_weights/{_checked_name(req.path)}"
@@ -379,6 +407,7 @@ class Front:
             raise BadRequest("load_weights needs model_id, or session_id and model_seq_id")
         answer = {"path": req.path, "model_id": model_id, "type": "load_weights"}
         call = LoadState(directory, bool(req.optimizer))
+        self.trained_since_sync = True
         if req.model_id is not None:
             make = lambda: self._pending(call, lambda _: _json(answer))  # noqa: E731 - the ordered queue's maker
             return {"request_id": self._ordered(model_id, req.seq_id, make), "model_id": model_id}
@@ -429,6 +458,8 @@ class Front:
     def asample(self, body: dict[str, Any]) -> dict[str, Any]:
         req = parse(tt.SampleRequest, body)
         session = self._sampling_session(req)
+        if req.prompt_logprobs:
+            return self._compute_logprobs(req, session)
         params = self._sample_params(req)
         prompt = _tokens(req.prompt)
         if not prompt:
@@ -452,6 +483,59 @@ class Front:
             rid = self._future(call, lambda sampled: _proto(sample_response(sampled)))
         return {"request_id": rid, "sample_sequence_ids": ids}
 
+    def _compute_logprobs(self, req: tt.SampleRequest, session: SamplerSession) -> dict[str, Any]:
+        """A sample request with prompt_logprobs (the SDK's compute_logprobs: one sample of one token) runs on the
+        trained model: when it holds the session's weights (the newest sampler weights and no step since), or with
+        its LoRA adapters off for a base-model session."""
+        p = req.sampling_params
+        prompt = _tokens(req.prompt)
+        if p.max_tokens != 1 or req.num_samples != 1:
+            raise BadRequest(
+                "prompt_logprobs is supported for compute_logprobs's requests (num_samples 1, max_tokens 1) only, got "
+                f"num_samples {req.num_samples}, max_tokens {p.max_tokens}"
+            )
+        self._refuse_unsupported(req, ("prompt_logprobs",))
+        if not p.temperature > 0:
+            raise BadRequest(f"temperature must be > 0 (rlrun's engines sample), got {p.temperature}")
+        if not 2 <= len(prompt) <= self.served.max_len:
+            raise BadRequest(f"prompt_logprobs needs a prompt of 2..{self.served.max_len} tokens, got {len(prompt)}")
+        with self._lock:
+            current = session.version == self.sampler_version and not self.trained_since_sync
+            base = not current and session.version == 0 and self.served.lora_rank > 0
+            if not current and not base:
+                raise BadRequest(
+                    f"compute_logprobs on weights version {session.version}: the trained model no longer holds them "
+                    "(rlrun.tinker scores with the trained model: the newest sampler weights before the next step, "
+                    "or a LoRA job's base model)"
+                )
+            draw = p.seed if p.seed is not None else next(self._draws) + 2**40
+            call = Score([prompt], [derive_seed("tinker", draw, 0) & 0xFFFFFFFF], float(p.temperature), base)
+
+            def respond(scored: Scored) -> Result:
+                token, log_prob = scored.drawn[0]
+                return _proto(sample_response([Sampled([token], [log_prob], False)], scored.prompt_log_probs[0]))
+
+            rid = self._future(call, respond)
+        return {"request_id": rid, "sample_sequence_ids": [f"seq-{uuid.uuid4().hex[:12]}"]}
+
+    def _refuse_unsupported(self, req: tt.SampleRequest, allowed: tuple[str, ...] = ()) -> None:
+        p = req.sampling_params
+        unsupported = [
+            name
+            for name, asked in (
+                ("prompt_logprobs", bool(req.prompt_logprobs)),
+                ("topk_prompt_logprobs", req.topk_prompt_logprobs > 0),
+                ("topk_sample_logprobs", req.topk_sample_logprobs > 0),
+                ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
+                ("prompt_alt_tokens_k", req.prompt_alt_tokens_k > 0),
+                ("record_stability_info", bool(req.record_stability_info)),
+                ("top_k", p.top_k not in (-1, 0)),
+            )
+            if asked and name not in allowed
+        ]
+        if unsupported:
+            raise BadRequest(f"rlrun.tinker does not support {', '.join(unsupported)} in sample requests (v1)")
+
     def _sampling_session(self, req: tt.SampleRequest) -> SamplerSession:
         if req.sampling_session_id is not None:
             session = self.samplers.get(req.sampling_session_id)
@@ -468,21 +552,7 @@ class Front:
 
     def _sample_params(self, req: tt.SampleRequest) -> SampleParams:
         p = req.sampling_params
-        unsupported = [
-            name
-            for name, asked in (
-                ("prompt_logprobs", bool(req.prompt_logprobs)),
-                ("topk_prompt_logprobs", req.topk_prompt_logprobs > 0),
-                ("topk_sample_logprobs", req.topk_sample_logprobs > 0),
-                ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
-                ("prompt_alt_tokens_k", req.prompt_alt_tokens_k > 0),
-                ("record_stability_info", bool(req.record_stability_info)),
-                ("top_k", p.top_k not in (-1, 0)),
-            )
-            if asked
-        ]
-        if unsupported:
-            raise BadRequest(f"rlrun.tinker does not support {', '.join(unsupported)} in sample requests (v1)")
+        self._refuse_unsupported(req)
         if not 1 <= req.num_samples <= 4096:
             raise BadRequest(f"num_samples must be in 1..4096, got {req.num_samples}")
         if not p.temperature > 0:
@@ -515,7 +585,7 @@ class Front:
         }
 
     def close(self, reason: str) -> None:
-        """The job stops: every pending future fails with `reason`, and later requests get a 503 saying it."""
+        """The job stops: every pending future fails with `reason`, and later requests get a 410 saying it."""
         self.closed = reason
         self.futures.fail_pending(reason)
 
@@ -592,7 +662,7 @@ class TinkerHandler(JsonHandler):
             route = path.removeprefix(_PREFIX + "/")
             body = self._read_body()
             if front.closed is not None and route not in ("retrieve_future", "telemetry", "session_heartbeat"):
-                raise HttpError(HTTPStatus.SERVICE_UNAVAILABLE, front.closed)
+                raise HttpError(HTTPStatus.GONE, front.closed)  # the SDK raises a 410 at once (a 503 it retries)
             if route == "retrieve_future":
                 self._retrieve(_json_body(body))
             elif route == "forward_backward":
@@ -604,7 +674,8 @@ class TinkerHandler(JsonHandler):
                     self._send_json(HTTPStatus.OK, front.post(route, _json_body(body)))
                 except KeyError:
                     raise HttpError(HTTPStatus.NOT_FOUND, f"rlrun.tinker does not serve POST {path}") from None
-        except BadRequest as exc:
+        except BadRequest as exc:  # the client's mistake, said in the job's log too (what the SDK raised, and why)
+            get_logger(0).warning_once(f"rlrun.tinker refused POST {path}: {exc}")
             self._error(HTTPStatus.BAD_REQUEST, str(exc))
         except HttpError as exc:
             self._error(exc.status, str(exc))

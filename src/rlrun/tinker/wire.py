@@ -152,8 +152,12 @@ class Sampled:
     stopped: bool
 
 
-def sample_response(sequences: Sequence[Sampled]) -> bytes:
+def sample_response(sequences: Sequence[Sampled], prompt_log_probs: Sequence[float] | None = None) -> bytes:
+    """SampleResponse; `prompt_log_probs`: the prompt's tokens after the first (the first has none: NaN, which the
+    SDK reads as None)."""
     out = pb.SampleResponse()
+    if prompt_log_probs is not None:
+        out.prompt_logprobs = np.asarray([np.nan, *prompt_log_probs], dtype=np.float32).tobytes()
     for s in sequences:
         out.sequences.add(
             stop_reason=pb.STOP_REASON_STOP if s.stopped else pb.STOP_REASON_LENGTH,
