@@ -139,8 +139,8 @@ def test_train_sh_unknown_trainer_fails_at_once(slurm: SlurmCluster, tmp_path: P
     rc, log, log_dir = submit(slurm, tmp_path, ["--nodes", "1", "--gres", "none"], TRAIN,
                               script=[str(TRAIN_SH), trainer], job_name="rlrun")
     assert rc == 2, log
-    expected = (f"rlrun: error: the first argument names the trainer: rlrun.ppo, rlrun.sft, rlrun.rm or "
-                f"rlrun.dpo (or ppo, sft, rm, dpo), got '{trainer}'")
+    expected = (f"rlrun: error: the first argument names the trainer: rlrun.ppo, rlrun.sft, rlrun.rm, rlrun.dpo or "
+                f"rlrun.tinker (or ppo, sft, rm, dpo, tinker), got '{trainer}'")
     assert log.startswith(expected) and len(log.strip().splitlines()) == 1, log
     assert not log_dir.exists()
 

@@ -4,7 +4,7 @@ Two ranks, full fine-tuning: per-datum log-probs and loss:sum equal a direct com
 optim_step the model equals a single-process AdamW reference (so 2 ranks = 1 rank, uneven datum counts included);
 sampling is deterministic per seed and reports the model's own log-probs; a bad request leaves the job alive; a
 client idle past --dist_timeout finds it alive; save_state / create_training_client_from_state round-trips; the loss
-falls; a rank failure ends the job with rlrun's one line and the client gets an error, not a hang.
+falls; SIGTERM stops every rank between requests and exports the model.
 
 One rank, LoRA: an RL loop written as cookbook loops are (save_weights_and_get_sampling_client, sample, score,
 importance_sampling, optim_step) raises its reward, with the native engine running the adapters it is sent.
@@ -97,8 +97,9 @@ ADAM = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight
 def test_two_ranks_full_fine_tuning(base: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINKER_API_KEY", KEY)
     args = ["--pretrain", base, "--dist_timeout", "12", "--tinker_keepalive", "2", "--micro_train_batch_size", "1"]
-    # rank 1 fails inside the forward_backward that follows the fifth optimizer step (the end of the session)
-    with tinker_job(2, args, tmp_path, {"RLRUN_FAULT": "train:5:1:raise"}) as job:
+    # SIGTERM reaches rank 0 in the forward_backward after the fifth optimizer step (the end of the session): the
+    # request completes, every rank stops, the model is exported
+    with tinker_job(2, args, tmp_path, {"RLRUN_FAULT": "train:5:0:term"}) as job:
         service = tinker.ServiceClient(base_url=job.url)
         training = service.create_lora_training_client(base_model=base, rank=0).result()
         data = [datum(tokens, weights) for tokens, weights in DATA]
@@ -165,11 +166,9 @@ def test_two_ranks_full_fine_tuning(base: str, tmp_path: Path, monkeypatch: pyte
         for _ in range(4):  # the restored model continues from step 1: steps 2-5
             restored.forward_backward(data, "cross_entropy").result()
             restored.optim_step(types.AdamParams(**ADAM)).result()
-        with pytest.raises(tinker.RequestFailedError, match="rlrun.tinker stopped"):
-            restored.forward_backward(data, "cross_entropy").result()
-    assert job.returncode not in (0, None)
-    failed = [line for line in job.output.splitlines() if "FAILED" in line]
-    assert any("rank 1" in line and "injected fault" in line for line in failed), job.output[-3000:]
+        restored.forward_backward(data, "cross_entropy").result()
+    assert job.returncode == 0, job.output[-3000:]
+    assert (tmp_path / "save" / "model.safetensors").exists()
 
 
 def reward(tokens: list[int]) -> float:

@@ -31,7 +31,6 @@ from rlrun.models.loading import (
 )
 from rlrun.reporting.run_report import model_form, saved_outputs
 from rlrun.roles.export import save_causal_lm
-from rlrun.roles.forward import LOGITS_CHUNK
 from rlrun.roles.update import make_optimizer
 from rlrun.run.skeleton import Built, Started
 from rlrun.runtime.log import get_logger
@@ -126,7 +125,6 @@ class TinkerTrainer:
             started.device,
             started.comm_device,
             t.micro_train_batch_size,
-            LOGITS_CHUNK,
             lora=lora_settings(cfg.model) is not None,
         )
         identity = Identity("tinker", t.strategy, "model", model if env.rank == 0 else None, {})

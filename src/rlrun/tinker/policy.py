@@ -21,7 +21,7 @@ from rlrun.algo.losses import log_probs_from_logits
 from rlrun.launch.transfer import gather_json
 from rlrun.models.loading import position_ids_from
 from rlrun.models.lora import adapters_disabled
-from rlrun.roles.forward import chunkable_head, vocab_log_probs
+from rlrun.roles.forward import LOGITS_CHUNK, chunkable_head, vocab_log_probs
 from rlrun.strategies.base import Strategy
 from rlrun.tinker.losses import LOSSES
 
@@ -95,13 +95,12 @@ class TrainedPolicy:
         device: torch.device,
         comm_device: torch.device,
         micro_batch: int,
-        logits_chunk: int,
         lora: bool,
     ) -> None:
         self.model, self.optimizer, self.strategy = model, optimizer, strategy
         self.group, self.device, self.comm_device = group, device, comm_device
         self.rank, self.world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-        self.micro_batch, self.logits_chunk = micro_batch, logits_chunk
+        self.micro_batch = micro_batch
         self.steps = 0  # optimizer steps taken (a checkpoint's step)
         # LoRA: the adapters' first values (small), so that a new create_model can start from them again
         self._initial = [t.detach().clone() for t in self._trained()] if lora else []
@@ -148,8 +147,8 @@ class TrainedPolicy:
         target = torch.tensor([t + [0] * (width - len(t)) for t in targets], device=self.device)
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=self.device)
         kwargs = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from(mask), "use_cache": False}
-        if self.logits_chunk > 0 and chunkable_head(self.model):
-            with vocab_log_probs(self.model, target, 1.0, self.logits_chunk, with_entropy=False):
+        if chunkable_head(self.model):
+            with vocab_log_probs(self.model, target, 1.0, LOGITS_CHUNK, with_entropy=False):
                 return self.model(**kwargs).logits[..., 0].float()
         logits = self.model(**kwargs).logits.float()
         return log_probs_from_logits(logits, target)
