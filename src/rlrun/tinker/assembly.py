@@ -22,7 +22,6 @@ from rlrun.launch.groups import build_groups
 from rlrun.launch.layout import Role, colocated_layout
 from rlrun.models.adapter_pretrain import lora_settings
 from rlrun.models.loading import (
-    load_model_config,
     load_tokenizer,
     policy_weights,
     response_end_ids,
@@ -74,7 +73,7 @@ class TinkerTrainer:
                 model_name=s.tinker_model_name or "",
                 tokenizer_id=cfg.model.pretrain or "",
                 lora_rank=cfg.model.lora_rank,
-                arch=type(load_model_config(cfg.model)).__name__,
+                arch=planned.arch,
                 max_len=cfg.train.max_len,
                 ckpt_root=cfg.checkpoint.ckpt_path,
                 max_tokens_cap=cfg.sampler.max_tokens_cap,

@@ -29,6 +29,7 @@ class TinkerPlan(Planned[TinkerConfig]):
 
     backend: str = "native"
     backend_why: str = ""
+    arch: str = ""  # the model's config class (get_info's arch), read once here
     api_key: str | None = None
 
 
@@ -56,9 +57,8 @@ def plan_tinker(argv: Sequence[str] | None, env: DistEnv, cli: CliSpec) -> Tinke
     model = resolve_adapter_pretrain(resolve_models(cfg.model, download=download), download=download)
     cfg = replace(cfg, model=model)
     cuda = uses_cuda(rt.device)
-    backend, why = resolve_backend(
-        cfg.sampler.generation_backend, cuda, native_blocker(load_model_config(model), t.max_len)
-    )
+    config = load_model_config(model)
+    backend, why = resolve_backend(cfg.sampler.generation_backend, cuda, native_blocker(config, t.max_len))
     name = cfg.serve.tinker_model_name or parsed.config.model.pretrain or f"rlrun-preset-{model.model_preset}"
     cfg = replace(cfg, serve=replace(cfg.serve, tinker_model_name=name))
     share = (
@@ -73,5 +73,6 @@ def plan_tinker(argv: Sequence[str] | None, env: DistEnv, cli: CliSpec) -> Tinke
         roles="tinker",
         backend=backend,
         backend_why=why,
+        arch=type(config).__name__,
         api_key=key,
     )

@@ -43,7 +43,7 @@ from rlrun.tinker.calls import (
     Score,
     SyncSampler,
 )
-from rlrun.tinker.policy import Adam, Passed, Scored
+from rlrun.tinker.policy import Adam, Scored
 from rlrun.tinker.wire import (
     BadRequest,
     Sampled,
@@ -190,6 +190,7 @@ class Front:
         self._saves = itertools.count(1)
         self._draws = itertools.count()
         self.closed: str | None = None  # why the job stopped taking requests
+        self.routes = self._routes()  # the JSON routes, built once
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def _future(self, call: Call, respond: Callable[[Any], Result]) -> str:
@@ -253,7 +254,7 @@ class Front:
     # -- routes ----------------------------------------------------------------------------------------------------
     def post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         """A JSON route's answer (BadRequest: 400; KeyError: 404)."""
-        handler = self._routes().get(route)
+        handler = self.routes.get(route)
         if handler is None:
             raise KeyError(route)
         return handler(body)
@@ -745,6 +746,3 @@ def start_server(front: Front, host: str, port: int, max_request_bytes: int) -> 
     server.front = front
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
     return server
-
-
-__all__ = ["Front", "Passed", "Pending", "Result", "Sampled", "Served", "start_server"]
