@@ -129,6 +129,8 @@ class Worker:
 
 # Sample requests with equal settings that arrive less than WAVE_GAP_S apart, for at most WAVE_S, run as one call.
 WAVE_GAP_S, WAVE_S = 0.02, 0.25
+# How often rank 0, waiting for a request, checks for a stop notice.
+STOP_POLL_S = 0.2
 # How long rank 0 keeps answering after a failure, for the clients to fetch their failed futures.
 FAILURE_GRACE_S = 10.0
 
@@ -208,10 +210,16 @@ class Serving:
         if self._held is not None:
             first, self._held = self._held, None
         else:
-            try:
-                first = self.front.work.get(timeout=self.keepalive_s)
-            except queue.Empty:
-                return []
+            # a stop notice is heard within STOP_POLL_S, not after a keepalive period (Slurm's grace before its
+            # SIGKILL can be shorter than --tinker_keepalive)
+            deadline = time.monotonic() + self.keepalive_s
+            while True:
+                try:
+                    first = self.front.work.get(timeout=max(0.0, min(STOP_POLL_S, deadline - time.monotonic())))
+                    break
+                except queue.Empty:
+                    if stopping() or time.monotonic() >= deadline:
+                        return []
         if stopping():
             self.front.work.put(first)  # failed by close() with the others
             return []
