@@ -176,14 +176,14 @@ def test_in_process_host_learns_and_samples_exactly_as_the_child_host(tmp_path):
     """And the child host's run is the same, and learns, although each rank's child is SIGKILLed (as an out-of-memory
     kill would be) in the middle of step 6's generation (its 6th generate request): the rank starts a new child, gives
     it the last sync's weights from its host copy and sends the request again with the same seeds."""
-    steps = ["--max_steps", "24"]
+    steps = ["--max_steps", "12"]  # the demo's reward: ~0.1 over steps 1-3, ~0.39 over 9-12
     out, inproc = _train(steps, tmp_path / "in_process")  # the default layout: every rank an engine -> in-process
     assert out.count("in-process vLLM engine ready") == 2 and "vLLM engine child started" not in out, out[-3000:]
     # in-process, each sync's gathered tensors go straight into vLLM (no rank keeps a copy); the child host re-reads
     # the rank's copy: the same weights either way, so the same run
     assert "no rank keeps a copy of the policy" in out, out[-3000:]
     rewards = [m["reward"] for m in inproc]
-    assert len(rewards) == 24
+    assert len(rewards) == 12
     assert np.mean(rewards[-4:]) > np.mean(rewards[:3]) + 0.15, [round(r, 3) for r in rewards]  # it learns
     out, child = _train(steps + ["--vllm_engine_host", "child"], tmp_path / "child",
                         RLRUN_VLLM_CHILD_FAULT="generate:5:kill")
@@ -191,7 +191,7 @@ def test_in_process_host_learns_and_samples_exactly_as_the_child_host(tmp_path):
     restarts = [line for line in out.splitlines() if "restarting it with the last sync's weights" in line]
     assert len(restarts) == 2 and all("died while generating (killed by signal 9)" in r for r in restarts), out[-3000:]
     # every engine rank's restarts, over the run: counted in the step metrics (from step 6 on), never trained as rows
-    assert [m["engine/restarts"] for m in child] == [0.0] * 5 + [2.0] * 19, [m["engine/restarts"] for m in child]
+    assert [m["engine/restarts"] for m in child] == [0.0] * 5 + [2.0] * 7, [m["engine/restarts"] for m in child]
     assert "keeps a host copy of each" in out
     # engine ranks == actor ranks on the child host: each rank packs its own gathers into the staging buffers it
     # streams to its child
