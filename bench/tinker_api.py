@@ -7,7 +7,7 @@ Same model (the "3m" preset Qwen2 over the byte tokenizer, saved as a Hugging Fa
   * training: `python -m rlrun.sft` on the samples (--train_batch_size 16, micro-batches of 8) vs a client sending
     the same 16 samples per step as forward_backward (cross_entropy on the response tokens) + optim_step to
     `python -m rlrun.tinker`; tokens/s = trained tokens / median step time (the first step left out: warm-up);
-  * sampling: 64 prompts x 64 new tokens, one `engine.sample` call on a native engine in this process vs 64
+  * sampling: 64 prompts x 64 new tokens, one `engine.sample` call on a native engine in a process of its own vs 64
     concurrent SDK sample requests (the server runs requests with equal settings as one engine call).
 Reported: each side's median, and the ratios (SDK / rlrun's own).
 """
@@ -125,9 +125,17 @@ def sdk_runs(model: Path, data: list[tuple[str, str]], steps: int, prompts: list
 
 
 def engine_rates(model: Path, prompts: list[list[int]], new: int, rounds: int) -> list[float]:
+    """The engine's own tokens/s, in a process of its own started with the server's environment (OMP_NUM_THREADS
+    set before torch starts, as the server has it); no stop tokens (the SDK side's stop=[]): every row its max_tokens."""
+    spec = json.dumps({"model": str(model), "prompts": prompts, "new": new, "rounds": rounds})
+    out = subprocess.run([sys.executable, __file__, "--engine_only", spec], check=True, env=ENV, cwd=REPO,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def engine_only(model: Path, prompts: list[list[int]], new: int, rounds: int) -> list[float]:
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(2)
     settings = SamplingSettings(1.0, 1.0, new, PAD_ID, ())
     engine = NativeEngine(AutoModelForCausalLM.from_pretrained(model).eval(), settings, torch.device("cpu"),
                           build_byte_tokenizer())
@@ -144,7 +152,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--engine_only", default=None, help=argparse.SUPPRESS)  # engine_rates' child
     args = parser.parse_args()
+    if args.engine_only:
+        spec = json.loads(args.engine_only)
+        print(json.dumps(engine_only(Path(spec["model"]), spec["prompts"], spec["new"], spec["rounds"])))
+        return
     with tempfile.TemporaryDirectory(prefix="tinker_bench") as tmp:
         root = Path(tmp)
         model = model_dir(root)

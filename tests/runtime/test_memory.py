@@ -16,10 +16,12 @@ from rlrun.runtime.memory import REPORT_ENV, peak_rss_bytes, report_memory
 # touching every page, with a 64 KiB block after each (from the heap under either setting: it pins the heap above
 # it), frees the big ones, and prints the resident MiB kept.
 _PROBE = """
-import ctypes, ctypes.util, sys
-from rlrun.runtime.memory import return_freed_memory
-if sys.argv[1] == "fixed":
+import contextlib, ctypes, ctypes.util, sys
+from rlrun.runtime.memory import return_freed_memory, reuse_heap
+if sys.argv[1] in ("fixed", "decode"):
     assert return_freed_memory()
+decoding = reuse_heap() if sys.argv[1] == "decode" else contextlib.nullcontext()
+decoding.__enter__()
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -36,13 +38,21 @@ for _ in range(count):
 for p in big:
     libc.free(p)
 print(rss() - base)
+decoding.__exit__(None, None, None)
+print(rss() - base)
 """
 
 
 def _kept_mib(mode: str, block: int = 8 * 2**20, count: int = 40) -> float:
+    return _kept_in_and_after(mode, block, count)[1]
+
+
+def _kept_in_and_after(mode: str, block: int = 8 * 2**20, count: int = 40) -> tuple[float, float]:
+    """The resident MiB kept of the freed blocks: right after the frees, and once `mode`'s block is left."""
     out = subprocess.run([sys.executable, "-c", _PROBE, mode, str(block), str(count)], capture_output=True, text=True,
                          timeout=120, check=True)
-    return float(out.stdout.strip())
+    inside, after = map(float, out.stdout.split())
+    return inside, after
 
 
 def test_freed_large_blocks_go_back_to_the_system():
@@ -53,6 +63,14 @@ def test_freed_large_blocks_go_back_to_the_system():
     # A ZeRO-3 block's k/v projections and a micro-batch's activations are blocks of this size (bench/README.md).
     kept = _kept_mib("fixed", block=512 * 2**10, count=160)
     assert kept < 20, f"{kept:.0f} MiB of 80 MiB freed in 512 KiB blocks stayed resident"
+
+
+def test_decoding_reuses_the_heap_and_returns_it_after():
+    """Phase.GENERATE and EVAL run inside reuse_heap: freed blocks stay in the heap for the next token's tensors
+    (glibc's default behaviour: no fresh pages to fault in), and leaving it trims them back to the system."""
+    inside, after = _kept_in_and_after("decode")
+    assert inside > 200, f"only {inside:.0f} MiB of 320 MiB freed stayed in the heap while decoding"
+    assert after < 40, f"{after:.0f} MiB of 320 MiB freed stayed resident after decoding"
 
 
 def test_the_memory_line_is_off_unless_asked(capsys, monkeypatch):

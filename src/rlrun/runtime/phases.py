@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from rlrun.runtime.memory import PHASE_PEAKS
+from rlrun.runtime.memory import PHASE_PEAKS, reuse_heap
 
 
 class Phase(enum.Enum):
@@ -57,6 +57,10 @@ class Phase(enum.Enum):
     @property
     def reported(self) -> str:
         return Phase.TRAIN.value if self is Phase.TRAIN_CRITIC else self.value
+
+
+# The phases that decode token by token (runtime.memory.reuse_heap: the heap serves them as glibc's default would).
+DECODING = frozenset({Phase.GENERATE, Phase.EVAL})
 
 
 def run_phases(rank: int, dist_timeout: float) -> PhaseTracker:
@@ -133,7 +137,11 @@ class PhaseTracker:
             maybe_inject(name, step, self.rank)
             if self.on_enter is not None:
                 self.on_enter(phase)
-            yield
+            if phase in DECODING:
+                with reuse_heap():
+                    yield
+            else:
+                yield
         finally:
             PHASE_PEAKS.exit(name)
             faulthandler.cancel_dump_traceback_later()
