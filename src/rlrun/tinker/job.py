@@ -254,7 +254,7 @@ def _merged(pendings: list[Pending]) -> Call:
 
 def _resolve(front: Front, pendings: list[Pending], result: Any) -> None:
     """Rank 0: each request's future from the call's result (a merged sample's rows split back per request)."""
-    start = 0
+    start, outcomes = 0, {}
     for pending in pendings:
         part = result
         if len(pendings) > 1:
@@ -264,4 +264,5 @@ def _resolve(front: Front, pendings: list[Pending], result: Any) -> None:
             outcome = pending.respond(part)
         except Exception as exc:  # noqa: BLE001 - one request's answer failing must not end the job
             outcome = Result(error=f"rlrun.tinker could not encode the result: {one_line(exc)}", category="server")
-        front.futures.resolve(pending.request_id, outcome)
+        outcomes[pending.request_id] = outcome
+    front.futures.resolve_all(outcomes)

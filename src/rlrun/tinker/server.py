@@ -89,8 +89,13 @@ class Futures:
             return rid
 
     def resolve(self, rid: str, result: Result) -> None:
+        self.resolve_all({rid: result})
+
+    def resolve_all(self, results: dict[str, Result]) -> None:
+        """Several at once: the waiting pollers wake once, not once per result (a wave of 64 sample requests would
+        wake its 64 pollers 64 times each)."""
         with self._cond:
-            self._results[rid] = result
+            self._results.update(results)
             self._cond.notify_all()
 
     def fail_pending(self, message: str) -> None:
