@@ -18,7 +18,7 @@ from tinker.types.forward_backward_request import ForwardBackwardRequest
 
 from helpers import free_port
 from rlrun.tinker.calls import Forward, OptimStep, ResetAdapters, Sample, Score, SyncSampler
-from rlrun.tinker.server import Front, Result, Served, start_server
+from rlrun.tinker.server import Front, Futures, Result, Served, start_server
 from rlrun.tinker.wire import BadRequest
 
 SERVED = Served("org/tiny", "/nowhere", 0, "Qwen2Config", 64, "/tmp/rlrun-tinker-test", 16)
@@ -195,3 +195,24 @@ def test_http_key_futures_and_errors(tmp_path: Path, monkeypatch: pytest.MonkeyP
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_failing_job_waits_until_its_failed_futures_are_fetched() -> None:
+    """The failure path's drain (job.Serving waits on it before the process leaves): it returns as soon as every
+    failed future was fetched, and after its bound when one never is; a future resolved normally does not hold it."""
+    futures = Futures()
+    done, failed, never = futures.create(), futures.create(), futures.create()
+    futures.resolve(done, Result(body=b"{}"))
+    futures.fail_pending("rlrun.tinker stopped: rank 1 failed")
+    assert futures.wait(failed, 0)
+    drained = threading.Event()
+    waiter = threading.Thread(target=lambda: (futures.drain_failures(30), drained.set()))
+    waiter.start()
+    assert not drained.wait(0.3)  # `never` is still unfetched
+    assert futures.wait(never, 0).error == "rlrun.tinker stopped: rank 1 failed"
+    assert drained.wait(5)
+    waiter.join()
+    other = Futures()
+    other.create()
+    other.fail_pending("stopped")
+    other.drain_failures(0.05)  # nobody fetches: returns at its bound

@@ -193,9 +193,7 @@ class Serving:
                 self.front.close(f"rlrun.tinker stopped: {one_line(exc)}")
                 # the clients fetch their failed futures before the process leaves (a client whose poll finds the
                 # port closed would retry for minutes): until each is fetched, FAILURE_GRACE_S at most
-                deadline = time.monotonic() + FAILURE_GRACE_S
-                while self.front.futures.undelivered_failures() and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                self.front.futures.drain_failures(FAILURE_GRACE_S)
             raise
         if self.front is not None:
             self.front.close("rlrun.tinker is shutting down (a stop signal)")

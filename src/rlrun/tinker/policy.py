@@ -23,6 +23,7 @@ from rlrun.models.loading import position_ids_from
 from rlrun.models.lora import adapters_disabled
 from rlrun.roles.forward import LOGITS_CHUNK, chunkable_head, vocab_log_probs
 from rlrun.strategies.base import Strategy
+from rlrun.strategies.parking import local
 from rlrun.tinker.losses import LOSSES
 
 
@@ -206,7 +207,7 @@ class TrainedPolicy:
     def _trained(self) -> list[torch.Tensor]:
         """This rank's local tensors of the trained parameters (FSDP2 DTensors' shards): the optimizer's, not the
         module's (after a no-grad forward FSDP2 may leave gathered copies registered there)."""
-        return [getattr(p, "_local_tensor", p) for group in self.optimizer.param_groups for p in group["params"]]
+        return [local(p) for group in self.optimizer.param_groups for p in group["params"]]
 
     def optim_step(self, adam: Adam) -> dict[str, float]:
         """One AdamW step over the accumulated gradients with `adam`'s settings, then the gradients cleared. A non-

@@ -116,13 +116,16 @@ class Futures:
             result = self._results[rid]
             if result is not None:
                 self._delivered.add(rid)
+                if result.error:
+                    self._cond.notify_all()  # a drain_failures waits for this
             return result
 
-    def undelivered_failures(self) -> int:
-        """Failed futures no client has fetched yet."""
+    def drain_failures(self, timeout_s: float) -> None:
+        """Wait until every failed future was fetched by a client, `timeout_s` at most."""
         with self._cond:
-            return sum(
-                1 for rid, r in self._results.items() if r is not None and r.error and rid not in self._delivered
+            self._cond.wait_for(
+                lambda: all(r is None or not r.error or rid in self._delivered for rid, r in self._results.items()),
+                timeout_s,
             )
 
 
