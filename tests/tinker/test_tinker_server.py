@@ -11,15 +11,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import tinker
-from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
+import tinker
 from helpers import free_port
 from rlrun.tinker.calls import Forward, OptimStep, ResetAdapters, Sample, Score, SyncSampler
-from rlrun.tinker.server import Front, Futures, Result, Served, start_server
+from rlrun.tinker.http_api import start_server
+from rlrun.tinker.server import Front, Futures, Result, Served
 from rlrun.tinker.wire import BadRequest
+from tinker import types
 
 SERVED = Served("org/tiny", "/nowhere", 0, "Qwen2Config", 64, "/tmp/rlrun-tinker-test", 16)
 

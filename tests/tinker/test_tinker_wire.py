@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import zstandard
-from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
 from rlrun.tinker.policy import Passed
 from rlrun.tinker.wire import BadRequest, Sampled, forward_backward_output, read_forward_backward, sample_response
+from tinker import types
 
 
 def _body(data: list[types.Datum], loss_fn: str = "cross_entropy", config: dict | None = None, **kw) -> bytes:

@@ -172,9 +172,11 @@ class JsonHandler(BaseHTTPRequestHandler):
 
     # -- responses -----------------------------------------------------------------------------
     def _send_json(self, status: HTTPStatus, body: dict, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body, allow_nan=False).encode("utf-8")
+        self._send(status, "application/json", json.dumps(body, allow_nan=False).encode("utf-8"), headers)
+
+    def _send(self, status: HTTPStatus, content_type: str, data: bytes, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         for key, value in (headers or {}).items():
             self.send_header(key, value)

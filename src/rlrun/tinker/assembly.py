@@ -35,11 +35,12 @@ from rlrun.run.skeleton import Built, Started
 from rlrun.runtime.log import get_logger
 from rlrun.strategies.base import ModelState
 from rlrun.strategies.choose import make_strategy
+from rlrun.tinker.http_api import TinkerHTTPServer, start_server
 from rlrun.tinker.job import Serving, Snapshots, Worker
 from rlrun.tinker.plan import TinkerPlan
 from rlrun.tinker.policy import TrainedPolicy
 from rlrun.tinker.sampler import Sampler
-from rlrun.tinker.server import Front, Served, TinkerHTTPServer, start_server
+from rlrun.tinker.server import Front, Served
 from rlrun.weight_sync.sync import policy_weight_sync
 
 
