@@ -18,6 +18,7 @@ import tinker
 from helpers import free_port
 from rlrun.tinker.calls import Forward, OptimStep, ResetAdapters, Sample, Score, SyncSampler
 from rlrun.tinker.http_api import start_server
+from rlrun.tinker import server
 from rlrun.tinker.server import Front, Futures, Result, Served
 from rlrun.tinker.wire import BadRequest
 from tinker import types
@@ -217,3 +218,19 @@ def test_a_failing_job_waits_until_its_failed_futures_are_fetched() -> None:
     other.create()
     other.fail_pending("stopped")
     other.drain_failures(0.05)  # nobody fetches: returns at its bound
+
+
+def test_a_fetched_result_is_dropped_after_its_keep_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long session does not hold every answer: a result fetched once stays fetchable for KEEP_DELIVERED_S (a
+    retried poll), then the next request drops it; a result not fetched yet is kept."""
+    futures = Futures()
+    fetched, unfetched = futures.create(), futures.create()
+    futures.resolve_all({fetched: Result(body=b"1"), unfetched: Result(body=b"2")})
+    assert futures.wait(fetched, 0).body == b"1"
+    futures.create()
+    assert futures.wait(fetched, 0).body == b"1"  # within its keep time: fetched again
+    monkeypatch.setattr(server, "KEEP_DELIVERED_S", 0.0)
+    futures.create()
+    with pytest.raises(KeyError):
+        futures.wait(fetched, 0)
+    assert futures.wait(unfetched, 0).body == b"2"

@@ -17,6 +17,7 @@ import json
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,17 +67,23 @@ class Result:
     category: str = "user"
 
 
+# A result fetched is kept this long for a client that fetches it again (a retried poll), then dropped: a long session
+# must not hold every answer it ever gave.
+KEEP_DELIVERED_S = 600.0
+
+
 class Futures:
     """The request ids handed out and their results; `wait` blocks until one is done (or the bound passes)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._results: dict[str, Result | None] = {}
-        self._delivered: set[str] = set()
+        self._delivered: dict[str, float] = {}  # request id -> when first fetched (monotonic), oldest first
         self._ids = itertools.count(1)
 
     def create(self) -> str:
         with self._cond:
+            self._expire()
             rid = f"req-{next(self._ids)}"
             self._results[rid] = None
             return rid
@@ -108,10 +115,19 @@ class Futures:
             self._cond.wait_for(lambda: self._results[rid] is not None, timeout_s)
             result = self._results[rid]
             if result is not None:
-                self._delivered.add(rid)
+                self._delivered.setdefault(rid, time.monotonic())
                 if result.error:
                     self._cond.notify_all()  # a drain_failures waits for this
             return result
+
+    def _expire(self) -> None:
+        """Drop the results fetched more than KEEP_DELIVERED_S ago (under the lock)."""
+        cutoff = time.monotonic() - KEEP_DELIVERED_S
+        while self._delivered:
+            rid, fetched = next(iter(self._delivered.items()))
+            if fetched > cutoff:
+                break
+            del self._delivered[rid], self._results[rid]
 
     def drain_failures(self, timeout_s: float) -> None:
         """Wait until every failed future was fetched by a client, `timeout_s` at most."""
