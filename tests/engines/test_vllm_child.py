@@ -38,3 +38,22 @@ def test_child_engine_matches_hf_after_each_weight_sync():
     assert seeded["solo_equal"] and seeded["reversed_equal"] and seeded["unseeded_repeat_equal"], seeded
     assert seeded["unseeded_solo_rows_equal"] < 8, seeded
     assert report["child_exitcode"] == 0  # stop() ends the child cleanly
+
+
+def test_child_engine_runs_a_lora_policys_adapters_loaded_by_name_each_sync():
+    """Adapter-only LoRA sync on vLLM (engines/vllm/lora.py): the base weights are read at start, each sync's adapters
+    are loaded under a new name and checked on arrival; vLLM samples as HF does on the merged model."""
+    proc = subprocess.run([str(LANE_PYTHON), str(REPO / "tests/engines/vllm_lora_check.py")], cwd=REPO,
+                          env=lane_env(), capture_output=True, text=True, timeout=420)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(lines[-1][len("RESULT "):])
+    checks = report["checks"]
+    assert report["engine_on_meta"], report  # the rank keeps no copy of the base weights once vLLM read them
+    for i, c in enumerate(checks):
+        assert c["greedy_equal"] and c["max_logprob_diff"] < 1e-4, c  # vLLM's base + adapters == HF's merged model
+        assert c["version"] == f"rlrun-policy-v{i + 1}" and c["versions_on_disk"] == [f"v{i + 1}"], c
+    # round 0: B is zero, so the policy is the base; then the trained adapters make vLLM's answers differ from it
+    assert checks[0]["base_greedy_equal"] and not checks[1]["base_greedy_equal"], checks
+    # a version whose file differs from what the sync sent is refused on arrival, naming it and both sums
+    assert "rlrun-policy-v4 did not arrive whole in vLLM" in (report["corrupt_error"] or ""), report

@@ -203,12 +203,17 @@ def test_lora_dpo_scores_its_reference_on_the_policy_base(tmp_path):
     assert "policy,ref" in lines[0] and "no reference model" not in lines[0]
 
 
-def test_lora_on_native_engines_plans_the_sync_of_the_adapters_alone(tmp_path):
-    """The 7B LoRA job with native engines on ranks of their own: the actor's first rank packs the adapters (bf16)
-    into its send staging, not two buckets of the merged model as with vLLM engines."""
-    flags = ("--lora_rank", "8", "--lora_alpha", "16", "--target_modules", "all-linear", "--vllm_num_engines", "8",
-             "--actor_num_gpus_per_node", "8")
-    _, _, native = _ppo(tmp_path, *flags, "--generation_backend", "native")
-    _, _, vllm = _ppo(tmp_path, *flags, "--generation_backend", "vllm")
-    assert native.ranks[0].gpu["sync"] == 2 * 19_988_480  # the adapters, in bf16
-    assert vllm.ranks[0].gpu["sync"] == 2 * 256 * 2**20  # two buckets of the merged model
+def test_lora_on_native_and_vllm_engines_plans_the_sync_of_the_adapters_alone(tmp_path):
+    """The 7B LoRA job with native or (tensor parallel 1) vLLM engines on ranks of their own: the actor's first rank
+    packs the adapters (bf16) into its send staging and a vLLM child's rank stages nothing; tensor-parallel vLLM
+    engines take the merged model, two buckets of it."""
+    flags = ("--lora_rank", "8", "--lora_alpha", "16", "--target_modules", "all-linear", "--actor_num_gpus_per_node",
+             "8")
+    _, _, native = _ppo(tmp_path, *flags, "--vllm_num_engines", "8", "--generation_backend", "native")
+    _, _, vllm = _ppo(tmp_path, *flags, "--vllm_num_engines", "8", "--generation_backend", "vllm")
+    _, _, vllm_tp = _ppo(tmp_path, *flags, "--vllm_num_engines", "4", "--vllm_tensor_parallel_size", "2",
+                         "--generation_backend", "vllm")
+    assert native.ranks[0].gpu["sync"] == vllm.ranks[0].gpu["sync"] == 2 * 19_988_480  # the adapters, in bf16
+    assert "sync" not in vllm.ranks[8].gpu  # a vLLM child's rank stages nothing: the adapters go to vLLM as a file
+    assert vllm_tp.ranks[0].gpu["sync"] == 2 * 256 * 2**20  # two buckets of the merged model
+    assert vllm_tp.ranks[8].gpu["sync"] == 2 * 256 * 2**20  # each tensor-parallel child's first rank stages them

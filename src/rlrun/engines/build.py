@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlrun.config.generation import GenerationConfig
+from rlrun.config.model import PretrainedConfig
 from rlrun.engines.hf import HFEngine
 from rlrun.engines.native.decoder import ADAPTABLE, fused_groups, unsupported_reason
 from rlrun.engines.native.engine import NativeEngine
@@ -30,6 +31,11 @@ from rlrun.launch.context import RankContext
 from rlrun.launch.dist import before_teardown, world_size
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import EngineRowExchange
+from rlrun.models.adapter_pretrain import lora_settings
+from rlrun.models.architecture import is_vision_language
+from rlrun.models.loading import load_model_config
+from rlrun.models.lora import LoraSettings
+from rlrun.models.moe import config_routing_shape
 from rlrun.models.weights import Unfilled
 from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.log import get_logger
@@ -113,19 +119,31 @@ def restarts_engines(g: GenerationConfig, layout: Layout) -> bool:
     return hosted == "child" and g.max_engine_restarts > 0
 
 
-def runs_adapters(backend: str, target_modules: Sequence[str], dense: bool) -> bool:
+def runs_adapters(
+    backend: str, target_modules: Sequence[str], dense: bool, tensor_parallel_size: int, vision: bool
+) -> bool:
     """Whether this run's engines run a LoRA policy's adapters beside their base weights, so that each weight sync
-    sends the adapters alone: the native decoder, on a `dense` model (no MoE layer), with adapters on the projections
-    it runs (all-linear, or names among ADAPTABLE). Elsewhere (vLLM, HF generate, a MoE, other targets) the engines
-    take the merged weights. The same answer on every rank (config alone)."""
-    targets = set(target_modules) <= {"all-linear", *ADAPTABLE}
-    return backend == "native" and dense and targets
+    sends the adapters alone: on a `dense` model (no MoE layer) with adapters on the projections rlrun's decoder runs
+    (all-linear, or names among ADAPTABLE), the native decoder, and vLLM at tensor parallel 1 on a text policy (it
+    loads each sync's adapters by name: engines/vllm/lora.py). Elsewhere (HF generate, a MoE, other targets,
+    tensor-parallel vLLM, a vision-language policy on vLLM) the engines take the merged weights. The same answer on
+    every rank (config alone)."""
+    if not (dense and set(target_modules) <= {"all-linear", *ADAPTABLE}):
+        return False
+    return backend == "native" or (backend == "vllm" and tensor_parallel_size == 1 and not vision)
 
 
-def take_adapters(engine: Engine | None, scaling: float) -> None:
-    """Make a native engine keep its base weights and take the actor's adapters each sync (see runs_adapters)."""
-    if isinstance(engine, NativeEngine):
-        engine.run_adapters(scaling)
+def engine_adapters(model: PretrainedConfig, g: GenerationConfig, tensor_parallel_size: int) -> LoraSettings | None:
+    """The LoRA adapters this run's engines run beside their base weights (runs_adapters), or None: the run trains
+    no adapters, or its engines take the merged weights. Reads the model's config.json for a LoRA run only."""
+    lora = lora_settings(model)
+    if lora is None:
+        return None
+    config = load_model_config(model)
+    dense = config_routing_shape(config) is None
+    vision = is_vision_language(config)
+    runs = runs_adapters(g.generation_backend, lora.target_modules, dense, tensor_parallel_size, vision)
+    return lora if runs else None
 
 
 def engine_dtype(bf16: bool, device: torch.device) -> torch.dtype:
@@ -153,24 +171,28 @@ def build_engine(
     unfilled: Unfilled,
     end_ids: tuple[int, ...],
     *,
-    tensor_parallel_size: int,
     timeout_s: float,
     images: EngineImages | None = None,
     record_routing: bool = False,
+    adapters: LoraSettings | None = None,
 ) -> Engine:
     """This engine rank's engine over `unfilled` (the initial policy on the meta device, in the engines' dtype),
     for --generation_backend (already resolved from auto, rlrun.plan.plan). `images`: a vision-language policy's,
     None for a text policy. `end_ids`: the ids that end a response (rlrun.models.loading). `record_routing`: report
-    each token's MoE experts (--router_replay R3; the native and HF backends)."""
+    each token's MoE experts (--router_replay R3; the native and HF backends). `adapters`: a LoRA policy's, which the
+    engine runs beside its base weights (engine_adapters; None: it takes the merged weights each sync)."""
     sampling = sampling_settings(g, ctx.tokenizer, end_ids)
     if g.generation_backend == "vllm":
-        return _vllm_engine(ctx, g, unfilled, sampling, tensor_parallel_size, timeout_s, images)
+        return _vllm_engine(ctx, g, unfilled, sampling, timeout_s, images, adapters)
     device, tokenizer = ctx.device, ctx.tokenizer
     if g.generation_backend == "native":  # planning resolved `auto` and checked the architecture
         budget = None if g.native_kv_cache_mb is None else g.native_kv_cache_mb * 2**20
-        engine: TorchEngine = NativeEngine(
+        native = NativeEngine(
             unfilled.fill(device), sampling, device, tokenizer, kv_cache_bytes=budget, cuda_graph=g.native_cuda_graph
         )
+        if adapters is not None:
+            native.run_adapters(adapters.scaling)
+        engine: TorchEngine = native
     else:
         engine = HFEngine(unfilled.fill(device), sampling, device, tokenizer)
     engine.record_routing = record_routing
@@ -182,19 +204,20 @@ def _vllm_engine(
     g: GenerationConfig,
     unfilled: Unfilled,
     sampling: SamplingSettings,
-    tp: int,
     timeout_s: float,
     images: EngineImages | None,
+    adapters: LoraSettings | None,
 ) -> VLLMEngine | TensorParallelEngine | InProcessEngine:
     """vLLM in this rank when the engine ranks are the whole world (engines/vllm/placement.py); otherwise a vLLM
     child on this rank (tensor parallel 1), or this rank's part of a tensor-parallel engine whose child runs on the
     engine's first rank. Weight sync hands each sync to vLLM and the rank reads nothing (but a vision-language policy,
-    for vLLM's first file, into host memory and dropped once written)."""
+    or a LoRA policy's base weights, for vLLM's first file, into host memory and dropped once written)."""
     from rlrun.engines.vllm.engine import TensorParallelEngine, VLLMEngine, VLLMOptions  # noqa: PLC0415 - optional
 
     layout, rank, device, tokenizer = ctx.layout, ctx.rank, ctx.device, ctx.tokenizer
     index = layout.engine_index_of(rank)
     assert index is not None
+    tp = len(layout.engines[index])  # the layout's engines are --vllm_tensor_parallel_size ranks each
     engine_group = ctx.groups.get(f"engine.{index}")
     assert engine_group is not None
     exchange = EngineRowExchange(engine_group, device)
@@ -205,13 +228,14 @@ def _vllm_engine(
     in_process = choose_host(g.vllm_engine_host, layout, tp) == "in_process"
     # Weight sync hands every sync straight to vLLM (the gathered tensors in-process, a stream of buckets to a child):
     # the rank keeps no copy of the policy. A vision-language policy is read for vLLM's first file, and dropped.
-    if images is not None and (in_process or exchange.is_leader):
+    if (images is not None or adapters is not None) and (in_process or exchange.is_leader):
         policy = unfilled.fill(torch.device("cpu"))
     else:
         policy = unfilled.model
     options = VLLMOptions.of(g, rank=rank, seed=ctx.seed, tensor_parallel_size=tp, timeout_s=timeout_s)
     if images is not None:
         options = replace(options, image_processor=images.processor, images_per_prompt=max(1, images.per_prompt))
+    options = replace(options, lora=adapters)
     if in_process:
         from rlrun.engines.vllm.in_process import InProcessEngine  # noqa: PLC0415
 

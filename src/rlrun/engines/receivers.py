@@ -144,6 +144,21 @@ class KeptAdapters:
         return KeptModel(self.adopt([(name, list(shape)) for name, shape in shapes]))
 
 
+def adapter_module(shapes: Sequence[tuple[str, Sequence[int]]], dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The module an engine keeps a LoRA policy's adapters in (KeptAdapters.adopt): its named_parameters are exactly
+    `shapes` (zeros, no grad), the dotted names as nested submodules."""
+    root = nn.Module()
+    for name, shape in shapes:
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(torch.zeros(tuple(shape), dtype=dtype, device=device), False))
+    return root
+
+
 # How an engine rank takes each weight sync: the one weight interface of an engine
 # (rlrun.engines.protocol.Engine.weights).
 # It keeps the weights in a model, hands each bucket on, loads each parameter as it is gathered, or keeps its base

@@ -99,15 +99,18 @@ def sync_staging_bytes(rank: int, layout: Layout, shapes: Mapping[Role, ModelSha
       bucket k's are placed);
     - from the root (rlrun.weight_sync.broadcast): the actor's first rank packs into two staging buffers, none when
       its actor's parameters live in the buckets (one FSDP rank in the wire dtype); a LoRA actor whose engines run
-      the adapters (rlrun.engines.build.runs_adapters) packs the adapters alone."""
+      the adapters (rlrun.engines.build.runs_adapters) packs the adapters alone, and a vLLM child then stages none."""
     actor, engine = layout.ranks_of(Role.ACTOR), layout.ranks_of(Role.ENGINE)
     if not actor or not engine:
         return 0
-    child = vllm_child(layout, k) and any(rank == e[0] for e in layout.engines)
-    staging = _two_buckets(shapes[Role.ACTOR], k) if child else 0
+    s = shapes[Role.ACTOR]
+    # the model's density (and for vLLM its text-only policy) is the shape's: engines.build.engine_adapters
+    adapters = k.adapter_sync and not s.moe_layers and not (k.backend == "vllm" and s.vision)
+    child = vllm_child(layout, k) and any(rank == e[0] for e in layout.engines) and not adapters
+    staging = _two_buckets(s, k) if child else 0
     if set(actor) & set(engine):
         return staging  # colocated: each rank's own gathers
-    s, wire = shapes[Role.ACTOR], 2 if k.bf16 else 4
+    wire = 2 if k.bf16 else 4
     bucket = min(wire * s.parameters, max(k.sync_bucket, wire * largest_tensor(s)))
     if k.many_senders and (len(actor) > 1 or k.sync_delta):
         if rank in actor:
@@ -117,7 +120,7 @@ def sync_staging_bytes(rank: int, layout: Layout, shapes: Mapping[Role, ModelSha
         return staging + (min(2, -(-wire * s.parameters // bucket)) * bucket if receives else 0)
     if rank != actor[0]:
         return staging
-    if k.adapter_sync and not s.moe_layers:  # LoRA on native engines: the adapters alone
+    if adapters:  # LoRA on native or vLLM engines: the adapters alone
         sent = wire * lora_parameters(s, k.lora_rank, k.lora_targets)
         return sent if sent <= k.sync_bucket else 2 * k.sync_bucket
     if len(actor) == 1 and k.strategy == "fsdp" and not k.bf16:  # zero-copy send

@@ -324,7 +324,7 @@ class Knobs:
     gateway_calls: int = 0  # model calls an episode through the token gateway may make (0: no such source)
     many_senders: bool = False  # --weight_sync_senders all, no LoRA: every actor rank sends its shard to the engines
     sync_delta: bool = False  # --weight_sync_delta: each actor rank keeps its shard's last sync
-    adapter_sync: bool = False  # LoRA on native engines: each sync sends the adapters alone (engines.build)
+    adapter_sync: bool = False  # LoRA on native or vLLM engines: each sync sends the adapters alone (engines.build)
 
     def sp_of(self, role: Role) -> int:
         return dict(self.sequence_parallel).get(role, 1)
@@ -426,8 +426,11 @@ def knobs_of(cfg: Config, target: Target) -> Knobs:
         gateway_calls=gateway_calls(cfg),
         many_senders=g.weight_sync_senders == "all" and cfg.model.lora_rank == 0,
         sync_delta=g.weight_sync_delta,
-        # the model's density is the shape's (sync_staging_bytes)
-        adapter_sync=cfg.model.lora_rank > 0 and runs_adapters(g.generation_backend, cfg.model.target_modules, True),
+        # the model's density and vision tower are the shape's (sync_staging_bytes)
+        adapter_sync=cfg.model.lora_rank > 0
+        and runs_adapters(
+            g.generation_backend, cfg.model.target_modules, True, cfg.resources.vllm_tensor_parallel_size, False
+        ),
     )
 
 

@@ -26,7 +26,7 @@ from rlrun.config.model import PretrainedConfig
 from rlrun.config.training import TrainConfig
 from rlrun.config.tree import Config
 from rlrun.data.prompts import Prompts, PromptSampler, prompt_spec
-from rlrun.engines.build import EngineImages, build_engine, engine_dtype
+from rlrun.engines.build import EngineImages, build_engine, engine_adapters, engine_dtype
 from rlrun.engines.protocol import Engine
 from rlrun.environments.factory import build_factory_episodes
 from rlrun.environments.openenv import build_openenv_episodes
@@ -508,10 +508,10 @@ def _engine(ctx: RankContext, cfg: Config, policy: Unfilled[PreTrainedModel], in
         cfg.generation,
         policy,
         inputs.end_ids,
-        tensor_parallel_size=cfg.resources.vllm_tensor_parallel_size,
         timeout_s=cfg.runtime.dist_timeout,
         images=None if processor is None else EngineImages(processor, cfg.vision.max_images_per_prompt),
         record_routing=cfg.algo.router_replay == "R3",
+        adapters=engine_adapters(cfg.model, cfg.generation, cfg.resources.vllm_tensor_parallel_size),
     )
 
 
@@ -583,7 +583,13 @@ def _weight_sync(ctx: RankContext, cfg: Config, roles: RankRoles) -> WeightSync:
     actor = roles.actor
     strategy = roles.strategies[Role.ACTOR] if actor is not None else None
     return policy_weight_sync(
-        ctx, cfg.model, cfg.generation, roles.engine, None if actor is None else actor.model, strategy
+        ctx,
+        cfg.model,
+        cfg.generation,
+        roles.engine,
+        None if actor is None else actor.model,
+        strategy,
+        engine_adapters(cfg.model, cfg.generation, cfg.resources.vllm_tensor_parallel_size),
     )
 
 

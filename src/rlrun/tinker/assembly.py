@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from rlrun.checkpoint.checkpointer import Identity, Part
 from rlrun.config.fields import redacted
 from rlrun.config.generation import GenerationConfig
-from rlrun.engines.build import build_engine, engine_dtype
+from rlrun.engines.build import build_engine, engine_adapters, engine_dtype
 from rlrun.launch.context import RankContext
 from rlrun.launch.env import DistEnv
 from rlrun.launch.groups import build_groups
@@ -110,13 +110,19 @@ class TinkerTrainer:
         weights = policy_weights(cfg.model, t.seed)
         for_engine = unfilled_causal_lm(cfg.model, t.seed, weights)
         for_engine.model.to(engine_dtype(cfg.model.bf16, started.device))  # type: ignore[arg-type]  # meta tensors
+        adapters = engine_adapters(cfg.model, generation, 1)
         engine = build_engine(
-            ctx, generation, for_engine, inputs.end_ids, tensor_parallel_size=1, timeout_s=rt.dist_timeout
+            ctx,
+            generation,
+            for_engine,
+            inputs.end_ids,
+            timeout_s=rt.dist_timeout,
+            adapters=adapters,
         )
         strategy = make_strategy(group, started.device, cfg.model, t)
         policy = trained_policy(unfilled_causal_lm(cfg.model, t.seed, weights), cfg.model, t.seed)
         model, optimizer = strategy.wrap_trainable(policy, lambda m: make_optimizer(m, 1e-4, (0.9, 0.95), 0.0))
-        sync = policy_weight_sync(ctx, cfg.model, generation, engine, model, strategy)
+        sync = policy_weight_sync(ctx, cfg.model, generation, engine, model, strategy, adapters)
         trained = TrainedPolicy(
             model,
             optimizer,

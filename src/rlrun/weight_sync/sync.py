@@ -19,14 +19,13 @@ import torch
 
 from rlrun.config.generation import GenerationConfig
 from rlrun.config.model import PretrainedConfig
-from rlrun.engines.build import engine_dtype, fused_groups, runs_adapters, take_adapters
+from rlrun.engines.build import engine_dtype, fused_groups
 from rlrun.engines.protocol import Engine
 from rlrun.engines.receivers import WeightReceiver
 from rlrun.launch.context import RankContext
 from rlrun.launch.layout import Role
 from rlrun.models.adapter_pretrain import lora_settings
-from rlrun.models.loading import load_model_config
-from rlrun.models.moe import config_routing_shape
+from rlrun.models.lora import LoraSettings
 from rlrun.runtime.log import get_logger
 from rlrun.strategies.base import Strategy
 from rlrun.weight_sync.broadcast import BroadcastSync
@@ -95,29 +94,26 @@ def policy_weight_sync(
     engine: Engine | None,
     actor: torch.nn.Module | None,
     strategy: Strategy | None,
+    adapters: LoraSettings | None,
 ) -> WeightSync:
     """The actor's weights to the engines after each update (rlrun.ppo, rlrun.tinker); under LoRA its adapters alone
-    where the engine runs them beside its base weights (the native decoder, on a dense model), else merged into the
-    base weights. `actor` and `strategy`: this rank's trained policy and its strategy (None off the actor's ranks)."""
+    where the engines run them beside their base weights (`adapters`: rlrun.engines.build.engine_adapters, the
+    settings the engines were built with), else merged into the base weights. `actor` and `strategy`: this rank's
+    trained policy and its strategy (None off the actor's ranks)."""
     lora = lora_settings(model)
-    adapters = lora is not None and runs_adapters(  # the config is read only for a LoRA run
-        g.generation_backend, lora.target_modules, config_routing_shape(load_model_config(model)) is None
-    )
-    if adapters and lora is not None:
-        take_adapters(engine, lora.scaling)
     source: ParamSource | None = None
     if actor is not None:
         assert strategy is not None
         if lora is None:
             source = ParamSource(actor, strategy.param_blocks, strategy)
-        elif adapters:
+        elif adapters is not None:
             source = AdapterParams(actor, strategy.param_blocks)
         else:
             source = MergedLoraParams(actor, strategy.param_blocks, lora.scaling)
-    if adapters and ctx.rank == ctx.layout.ranks_of(Role.ACTOR)[0]:
+    if adapters is not None and ctx.rank == ctx.layout.ranks_of(Role.ACTOR)[0]:
         get_logger(ctx.rank).info_once(
-            "weight sync: LoRA adapters only (the native engines keep the base weights and run the adapters beside "
-            "them)"
+            f"weight sync: LoRA adapters only (the {g.generation_backend} engines keep the base weights and run the "
+            "adapters beside them)"
         )
     return build_weight_sync(
         actor_params=source,

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlrun.engines.receivers import adapter_module
 from rlrun.models.architecture import is_vision_language
 from rlrun.models.moe import renormalises
 
@@ -118,20 +119,6 @@ def adapter_blocker(names: Iterable[str]) -> str | None:
     return None if not other else f"adapters outside a decoder layer's attention and dense MLP projections: {other[0]}"
 
 
-def _tree(shapes: Sequence[tuple[str, Sequence[int]]], dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """A module whose named_parameters are exactly `shapes` (zeros), the dotted names as nested submodules."""
-    root = nn.Module()
-    for name, shape in shapes:
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, nn.Parameter(torch.zeros(tuple(shape), dtype=dtype, device=device), False))
-    return root
-
-
 class Adapters:
     """LoRA adapters the decoder adds to its projections as PEFT does: scaling * B(A(x)), A [r, in], B [out, r].
     `module` holds them under their names (weight sync keeps its parameters as a KeptModel's: they are read at each
@@ -142,7 +129,7 @@ class Adapters:
     ) -> None:
         if (why := adapter_blocker(n for n, _ in shapes)) is not None:
             raise ValueError(f"the native decoder cannot run these LoRA adapters: {why}")
-        self.module = _tree(shapes, dtype, device)
+        self.module = adapter_module(shapes, dtype, device)
         self.scaling = scaling
         params = dict(self.module.named_parameters())
         self.by_layer: dict[int, dict[str, tuple[nn.Parameter, nn.Parameter]]] = {}

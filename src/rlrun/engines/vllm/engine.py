@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -31,12 +32,14 @@ from rlrun.config.generation import GenerationConfig
 from rlrun.data.batching import derive_seed
 from rlrun.data.vision_batch import RowVision
 from rlrun.engines.protocol import Generation, SamplingSettings, cut_at_stop, refuse_images
-from rlrun.engines.receivers import WeightReceiver
+from rlrun.engines.receivers import KeptAdapters, WeightReceiver
 from rlrun.engines.vllm.adapter import EngineSpec, ImageRequests, Sampling, check_version, sleeps, write_weights
 from rlrun.engines.vllm.child import EngineChild, RestartBudget
 from rlrun.engines.vllm.handoff import SHM_DIR, check_shm, file_bytes
+from rlrun.engines.vllm.lora import AdapterFiles, AdapterVersion, vllm_lora_rank
 from rlrun.engines.vllm.placement import gpu_utilization
 from rlrun.engines.vllm.stream import ChildLinkError, ChildStreamSink, EngineSink, WeightCopy, WeightsFileSink
+from rlrun.models.lora import LoraSettings
 from rlrun.runtime.log import get_logger
 from rlrun.vision.inputs import vision_token_ids
 
@@ -105,6 +108,9 @@ class VLLMOptions:
     restart_window_s: float = 3600.0
     image_processor: Any = None
     images_per_prompt: int = 0
+    # A LoRA policy whose adapters the engine runs beside the base weights (rlrun.engines.build.engine_adapters;
+    # `model` then holds the base weights, written for vLLM's start): each sync loads the adapters alone.
+    lora: LoraSettings | None = None
 
     @classmethod
     def of(
@@ -158,8 +164,14 @@ class VLLMEngineBase:
         self.image_token: int | None = getattr(model.config, "image_token_id", None) if image_processor else None
         self.banned = tuple(vision_token_ids(model)) if image_processor is not None else ()
         write_model_dir(model, tokenizer, self.model_dir, image_processor)
-        if image_processor is not None:  # vLLM builds a vision-language model from real weights (VLLMAdapter says why)
+        # vLLM builds a vision-language model from real weights (VLLMAdapter says why), and runs a LoRA policy's
+        # adapters beside the base weights it read at start
+        if image_processor is not None or options.lora is not None:
             write_weights(self.model.named_parameters(), self.model_dir)
+        self.lora_rank = 0 if options.lora is None else vllm_lora_rank(options.lora.rank)
+        self.adapters = None if options.lora is None else AdapterFiles(options.lora, os.path.join(self.workdir, "lora"))
+        if self.adapters is not None:
+            self.weights = KeptAdapters(self.adapters.adopt)  # each sync writes the adapters into its module
 
     @property
     def restarts(self) -> int:
@@ -171,8 +183,13 @@ class VLLMEngineBase:
         return _DTYPES[next(self.model.parameters()).dtype]
 
     def drop_weights(self) -> None:
-        """Keep only the parameters' names and shapes (a vision-language policy's were read for vLLM's first file)."""
+        """Keep only the parameters' names and shapes (a vision-language or LoRA policy's were read for vLLM's first
+        file)."""
         self.model.to("meta")
+
+    def next_adapter(self) -> AdapterVersion | None:
+        """After a sync: a LoRA policy's adapters as it left them, written for vLLM as a new version (else None)."""
+        return None if self.adapters is None else self.adapters.next_version()
 
     def sampling_for(self, stop: tuple[str, ...], max_new_tokens: int | None) -> Sampling:
         s = self.sampling
@@ -285,15 +302,18 @@ class VLLMEngine(VLLMEngineBase):
             enable_sleep=o.enable_sleep,
             kv_cache_memory_bytes=o.kv_cache_memory_bytes,
             images_per_prompt=o.images_per_prompt,
+            lora_rank=self.lora_rank,
         )
         self.sleeps = sleeps(spec)
         self.spec, self.rank, self.timeout_s = spec, rank, o.timeout_s
+        self.adapter: AdapterVersion | None = None  # a LoRA policy's: the adapters the child samples with
         self.log = get_logger(rank)
         self.budget = RestartBudget(o.max_restarts, o.restart_window_s)
         self.child = self._spawn({}, "overlapped with the rest of start-up")
         atexit.register(self.close)
         self.drop_weights()
-        copy = WeightCopy(pinned=device.type == "cuda") if o.max_restarts > 0 and self.weights_dir is None else None
+        restartable = o.max_restarts > 0 and self.weights_dir is None and self.adapters is None
+        copy = WeightCopy(pinned=device.type == "cuda") if restartable else None
         self.sink: EngineSink = (
             ChildStreamSink(self.child, self.model, device, copy)
             if self.weights_dir is None
@@ -301,22 +321,23 @@ class VLLMEngine(VLLMEngineBase):
         )
         if o.max_restarts > 0:
             self.sink.on_failure = self._restart
-        self.weights = self.sink
-        self.log._emit(
-            "info",
-            f"rank {rank}: weight syncs stream bucket by bucket "
-            + (
-                "to the vLLM child"
-                if self.weights_dir is None
-                else "into the weights file of the engine's tensor-parallel workers"
+        if self.adapters is None:
+            self.weights = self.sink
+            self.log._emit(
+                "info",
+                f"rank {rank}: weight syncs stream bucket by bucket "
+                + (
+                    "to the vLLM child"
+                    if self.weights_dir is None
+                    else "into the weights file of the engine's tensor-parallel workers"
+                )
+                + (
+                    "; this rank keeps no copy of the policy"
+                    if copy is None
+                    else f"; this rank keeps a host copy of each ({file_bytes(self.model.parameters()) / 2**30:.2f} "
+                    "GiB) for restarting a failed child (--max_engine_restarts 0: none)"
+                ),
             )
-            + (
-                "; this rank keeps no copy of the policy"
-                if copy is None
-                else f"; this rank keeps a host copy of each ({file_bytes(self.model.parameters()) / 2**30:.2f} GiB) "
-                "for restarting a failed child (--max_engine_restarts 0: none)"
-            ),
-        )
         self.log._emit(
             "info",
             f"rank {rank}: vLLM engine child started (pid {self.child.pid}, tensor parallel "
@@ -356,7 +377,11 @@ class VLLMEngine(VLLMEngineBase):
             self.child = self._spawn(self.child.sent, f"restart {self.budget.total}")
             self.sink.attach(self.child)
             try:
-                if self.sink.has_weights:
+                if self.adapters is not None:  # the base weights are its start's; the adapters go again
+                    self.child.wait_ready()
+                    if self.adapter is not None:
+                        self.child.request("loading the LoRA adapters", "adapter", self.adapter)
+                elif self.sink.has_weights:
                     self.sink.replay()
                 else:  # before the first sync: the next one gives it the weights
                     self.child.wait_ready()
@@ -375,8 +400,18 @@ class VLLMEngine(VLLMEngineBase):
     # ---- weights ------------------------------------------------------------------------------
 
     def load_weights(self) -> None:
-        """Nothing to do: the sink loaded the weights during the sync. Records how long that took."""
-        self.last_sync_s = self.sink.last_sync_s
+        """A LoRA policy: the child loads the adapters the sync left. Else nothing to do: the sink loaded the weights
+        during the sync. Records how long that took."""
+        version = self.next_adapter()
+        if version is None:
+            self.last_sync_s = self.sink.last_sync_s
+            return
+        t0 = time.perf_counter()
+        self._request("loading the LoRA adapters", "adapter", version)
+        self.adapter = version
+        assert self.adapters is not None
+        self.adapters.drop_previous()
+        self.last_sync_s = time.perf_counter() - t0
 
     # ---- generation ---------------------------------------------------------------------------
 

@@ -140,6 +140,7 @@ class InProcessEngine(VLLMEngineBase, ParamLoader):
             enable_sleep=o.enable_sleep,
             kv_cache_memory_bytes=o.kv_cache_memory_bytes,
             images_per_prompt=o.images_per_prompt,
+            lora_rank=self.lora_rank,
         )
         self.sleeps = sleeps(self.spec)
         log = get_logger(rank)
@@ -156,12 +157,13 @@ class InProcessEngine(VLLMEngineBase, ParamLoader):
             f"rank {rank}: in-process vLLM engine ready in {self.start_s:.1f} s (external_launcher, "
             f"tensor parallel {tensor_parallel_size})",
         )
-        self.weights = self  # weight sync hands it each parameter as the actor is gathered (`load`)
         self.drop_weights()
-        log.info_once(
-            "weight syncs hand the gathered tensors straight to the in-process vLLM engines; no rank keeps "
-            "a copy of the policy"
-        )
+        if self.adapters is None:
+            self.weights = self  # weight sync hands it each parameter as the actor is gathered (`load`)
+            log.info_once(
+                "weight syncs hand the gathered tensors straight to the in-process vLLM engines; no rank keeps "
+                "a copy of the policy"
+            )
 
     # ---- weights ------------------------------------------------------------------------------
 
@@ -174,7 +176,17 @@ class InProcessEngine(VLLMEngineBase, ParamLoader):
         self.last_sync_s = time.perf_counter() - t0
 
     def load_weights(self) -> None:
-        """Nothing to do: vLLM took the weights during the sync (`load`)."""
+        """A LoRA policy: vLLM loads the adapters the sync left. Else nothing to do: vLLM took the weights during the
+        sync (`load`)."""
+        version = self.next_adapter()
+        if version is None:
+            return
+        assert self.adapter is not None and self.adapters is not None, "the engine is closed"
+        t0 = time.perf_counter()
+        with kept_host_rng(self.device):
+            self.adapter.load_adapter(version)
+        self.adapters.drop_previous()
+        self.last_sync_s = time.perf_counter() - t0
 
     # ---- generation ---------------------------------------------------------------------------
 
