@@ -93,7 +93,7 @@ class AdapterFiles:
         path = os.path.join(self.root, f"v{self.version}")
         os.makedirs(path, exist_ok=True)
         params = self.module.named_parameters()
-        named = {PEFT_PREFIX + saved_adapter_name(n): p.detach().contiguous() for n, p in params}
+        named = {PEFT_PREFIX + saved_adapter_name(n): p.detach().cpu().contiguous() for n, p in params}
         save_file(named, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
         self.settings.peft_config().save_pretrained(path)  # PEFT's own adapter_config.json
         pairs = [(p, named[n.replace(".lora_A.", ".lora_B.")]) for n, p in named.items() if ".lora_A." in n]
