@@ -51,10 +51,21 @@ def test_requeue_count_and_marker(tmp_path: Path) -> None:
     assert PREEMPTED_EXIT == 75  # sysexits' EX_TEMPFAIL; scripts and users may test for it
 
 
-WORKER = """
+# A job's last words (rlrun.tinker's rank 0 answers its clients): said before torchrun's stop ends the process,
+# and only then (a notice is no stop).
+LAST_WORDS = """
+import os, time
+def last_words():
+    time.sleep(0.5)  # held up this long, the process still says them whole
+    os.write(2, b"last words\\n")
+"""
+
+WORKER = LAST_WORDS + """
 import sys, time
 from rlrun.run import preemption
-preemption.PreemptionNotice(rank=1).install()
+notice = preemption.PreemptionNotice(rank=1)
+notice.last_words = last_words
+notice.install()
 print("ready", flush=True)
 time.sleep(30)
 """
@@ -63,10 +74,12 @@ time.sleep(30)
 # The main thread waits in C code that no signal interrupts, with the GIL released: a stand-in for a rank waiting in
 # an NCCL collective on a dead peer (which needs a GPU), built from glibc's pthread_cond_wait on a condition nobody
 # signals (zeroed storage is glibc's static initializer for both).
-STUCK_WORKER = """
+STUCK_WORKER = LAST_WORDS + """
 import ctypes, sys
 from rlrun.run import preemption
-preemption.PreemptionNotice(rank=1).install()
+notice = preemption.PreemptionNotice(rank=1)
+notice.last_words = last_words
+notice.install()
 libc = ctypes.CDLL(None)
 mutex, cond = ctypes.create_string_buffer(64), ctypes.create_string_buffer(64)
 libc.pthread_mutex_lock(mutex)
@@ -86,8 +99,9 @@ def _workers(script: str = WORKER) -> list[subprocess.Popen]:
 
 
 def test_sigterm_is_a_notice_while_the_node_s_workers_live_and_torchrun_stopping_them_once_one_ended() -> None:
-    """torchrun's own SIGTERM (a worker of its node ended: it stops the rest) ends a worker at once, as it always did;
-    the same signal while every worker lives is a preemption notice. Real processes and the real /proc."""
+    """torchrun's own SIGTERM (a worker of its node ended: it stops the rest) ends a worker at once, as it always did,
+    once the job said its last words; the same signal while every worker lives is a preemption notice (no last
+    words). Real processes and the real /proc."""
     first, second = _workers()
     first.send_signal(signal.SIGTERM)
     time.sleep(1.0)
@@ -95,25 +109,27 @@ def test_sigterm_is_a_notice_while_the_node_s_workers_live_and_torchrun_stopping
     second.kill()
     second.wait(10)
     first.kill()
-    assert "SIGTERM received: stopping after this step" in first.communicate(timeout=10)[1]
+    said = first.communicate(timeout=10)[1]
+    assert "SIGTERM received: stopping after this step" in said and "last words" not in said
 
     first, second = _workers()
     second.kill()
     second.wait(10)  # reaped, as torchrun reaps a worker before it stops the others
     first.send_signal(signal.SIGTERM)
     assert first.wait(10) == -signal.SIGTERM  # the default action: what torchrun expects of its workers
-    assert first.communicate(timeout=10)[1] == ""  # no notice line: this was no preemption
+    assert first.communicate(timeout=10)[1] == "last words\n"  # and no notice line: this was no preemption
 
 
 def test_torchrun_s_stop_ends_a_worker_whose_main_thread_waits_outside_python() -> None:
     """The handler cannot run while the main thread waits in C (STUCK_WORKER's stand-in for a collective); the
-    thread the signal wakes ends the process STOP_GRACE_S later, and says so."""
+    thread the signal wakes says the job's last words STOP_GRACE_S later, then ends the process, and says so."""
     first, second = _workers(STUCK_WORKER)
     second.kill()
     second.wait(10)
     first.send_signal(signal.SIGTERM)
     assert first.wait(30) == -signal.SIGKILL
-    assert "stopped by torchrun while waiting outside Python" in first.communicate(timeout=10)[1]
+    said = first.communicate(timeout=10)[1]
+    assert said.index("last words") < said.index("stopped by torchrun while waiting outside Python"), said
 
 
 def test_launcher_stopping_reads_the_launcher_s_environment() -> None:

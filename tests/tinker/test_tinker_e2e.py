@@ -171,6 +171,30 @@ def test_two_ranks_full_fine_tuning(base: str, tmp_path: Path, monkeypatch: pyte
     assert (tmp_path / "save" / "model.safetensors").exists()
 
 
+@pytest.mark.timeout(150)  # the SDK would retry a closed port for minutes: a failure here, not a wait
+def test_a_rank_that_dies_mid_request_fails_the_request_with_rlruns_line(base: str, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 SIGKILLed inside a forward_backward: the client's request fails with rlrun.tinker's line, in seconds,
+    whichever comes first on rank 0, its own collective's failure or the launcher's SIGTERM (which stops the rest when
+    a worker ends: rank 0 then answers its clients before it goes, run.preemption's last words), never a port found
+    closed that the SDK would retry for minutes; rank 0 also takes the SDK's telemetry report of the failure, which the
+    SDK sends before it raises (30 s of waiting when the server is gone; 0.1 s here); the job ends non-zero."""
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+    args = ["--pretrain", base, "--dist_timeout", "60", "--micro_train_batch_size", "1"]
+    with tinker_job(2, args, tmp_path, {"RLRUN_FAULT": "train:1:1:kill"}) as job:
+        training = tinker.ServiceClient(base_url=job.url).create_lora_training_client(base_model=base, rank=0).result()
+        data = [datum(tokens, weights) for tokens, weights in DATA]
+        training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(types.AdamParams(**ADAM)).result()
+        started = time.monotonic()
+        with pytest.raises(tinker.RequestFailedError, match="rlrun.tinker stopped") as failed:
+            training.forward_backward(data, "cross_entropy").result()  # rank 1 dies in this one
+        waited = time.monotonic() - started
+    assert job.returncode != 0, job.output[-3000:]
+    print("rank 0 saw:", "the launcher's stop" if "another rank of the job ended" in str(failed.value) else
+          "its collective fail", "| client waited", round(waited, 1), "s")
+
+
 def reward(tokens: list[int]) -> float:
     """The fraction of sampled tokens that are the digit '7' (byte 55)."""
     return sum(t == 55 for t in tokens) / max(len(tokens), 1)

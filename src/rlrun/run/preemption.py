@@ -30,7 +30,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 
@@ -45,6 +45,9 @@ MARKER_ENV = "RLRUN_PREEMPTED_FILE"
 # How long the watching thread leaves torchrun's stop to the main thread's handler (which ends the process with
 # SIGTERM's own status, as torchrun reports it) before it ends the process with SIGKILL.
 STOP_GRACE_S = 2.0
+# The most a job's last words (PreemptionNotice.last_words) may hold torchrun's stop up: well inside the 30 s torchrun
+# waits after its SIGTERM before it sends SIGKILL.
+LAST_WORDS_S = 20.0
 
 
 class PreemptionNotice:
@@ -54,6 +57,13 @@ class PreemptionNotice:
         self.rank = rank
         self.signal: str | None = None
         self.at: float | None = None
+        # What a job must still say when torchrun stops this process because another worker ended (rlrun.tinker's
+        # rank 0 fails its clients' pending requests and waits until they fetched that): bounded by the job, and
+        # said once, by whichever of the main thread's handler and the watching thread comes first.
+        self.last_words: Callable[[], None] | None = None
+        self._words_lock = threading.Lock()
+        self._words_started = False
+        self._words_said = threading.Event()
 
     def install(self) -> None:
         """Take the notice signals from now on (main thread only, as Python's signal module requires); under
@@ -83,8 +93,24 @@ class PreemptionNotice:
             signums = os.read(read_end, 64)
             if signal.SIGTERM in signums and self.at is None and launcher_stopping():
                 time.sleep(STOP_GRACE_S)
+                self._say_last_words()
                 _say(f"rank {self.rank}: stopped by torchrun while waiting outside Python (another worker ended)")
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def _say_last_words(self) -> None:
+        """The job's last words, once; a second caller waits until they are said (LAST_WORDS_S at most)."""
+        with self._words_lock:
+            first, self._words_started = not self._words_started, True
+        if not first:
+            self._words_said.wait(LAST_WORDS_S)
+            return
+        try:
+            if self.last_words is not None:
+                self.last_words()
+        except Exception as exc:  # noqa: BLE001 - the process ends either way; say why the words were cut
+            _say(f"rank {self.rank}: {type(exc).__name__} while answering before the stop: {exc}")
+        finally:
+            self._words_said.set()
 
     @property
     def heard(self) -> bool:
@@ -95,6 +121,7 @@ class PreemptionNotice:
         now = time.monotonic()
         if self.at is None and signum == signal.SIGTERM and launcher_stopping():
             # torchrun stopping this worker after another one of its node ended: the default action, as before
+            self._say_last_words()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return

@@ -130,6 +130,11 @@ class Serves(Protocol):
 
     def serve(self, stopping: Callable[[], bool]) -> None: ...
 
+    def last_words(self) -> None:
+        """torchrun is stopping this process because another rank ended: what the job's clients must still be told
+        before it goes (bounded, inside run.preemption.LAST_WORDS_S)."""
+        ...
+
 
 @dataclass
 class Built(Generic[J]):
@@ -297,6 +302,7 @@ def run_trainer(entry: Entry[P, I, J], argv: Sequence[str] | None = None) -> int
         if sink is not None and evals is not None:
             sink.log_eval(0, evals)
         if isinstance(job, Serves):  # the request-driven loop instead of the steps
+            notice.last_words = job.last_words
             job.serve(lambda: notice.heard)
         for step in range(job.step, job.total_steps):
             metrics = job.train_step(step)

@@ -199,6 +199,17 @@ class Serving:
             self.front.close("rlrun.tinker is shutting down (a stop signal)")
             get_logger(0).info_once(f"rlrun.tinker: stopped after {self.requests} requests")
 
+    def last_words(self) -> None:
+        """Rank 0, when torchrun stops it because another rank ended (before this rank's collective failed, or while
+        it waited outside Python): the pending requests fail with that, and the clients fetch them before the process
+        goes (a poll finding the port closed would be retried for minutes)."""
+        if self.front is not None:
+            self.front.close(
+                "rlrun.tinker stopped: another rank of the job ended and torchrun stopped the rest (that rank's log "
+                "has its failure)"
+            )
+            self.front.futures.drain_failures(FAILURE_GRACE_S)
+
     def _idle(self, stopping: Callable[[], bool]) -> Call:
         return Stop() if self.front is not None and stopping() else Keepalive()
 

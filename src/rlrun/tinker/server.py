@@ -70,6 +70,10 @@ class Result:
 # A result fetched is kept this long for a client that fetches it again (a retried poll), then dropped: a long session
 # must not hold every answer it ever gave.
 KEEP_DELIVERED_S = 600.0
+# The SDK raises a failed request (not a user error) only once its telemetry report of it was sent, and waits 30 s
+# for that when the server is gone (tinker/lib/telemetry.py FLUSH_TIMEOUT): a failing job takes that report, a few
+# seconds at most, before it leaves.
+FAILURE_REPORT_S = 3.0
 
 
 class Futures:
@@ -80,6 +84,7 @@ class Futures:
         self._results: dict[str, Result | None] = {}
         self._delivered: dict[str, float] = {}  # request id -> when first fetched (monotonic), oldest first
         self._ids = itertools.count(1)
+        self._reported = 0.0  # when a client's telemetry last arrived (monotonic)
 
     def create(self) -> str:
         with self._cond:
@@ -129,13 +134,23 @@ class Futures:
                 break
             del self._delivered[rid], self._results[rid]
 
+    def reported(self) -> None:
+        """A client's telemetry arrived (the SDK's report of a failure it is about to raise)."""
+        with self._cond:
+            self._reported = time.monotonic()
+            self._cond.notify_all()
+
     def drain_failures(self, timeout_s: float) -> None:
-        """Wait until every failed future was fetched by a client, `timeout_s` at most."""
+        """Wait until every failed future was fetched by a client, `timeout_s` at most, then for the report the SDK
+        sends before it raises the failure (FAILURE_REPORT_S at most)."""
         with self._cond:
             self._cond.wait_for(
                 lambda: all(r is None or not r.error or rid in self._delivered for rid, r in self._results.items()),
                 timeout_s,
             )
+            fetched = [at for rid, at in self._delivered.items() if (r := self._results.get(rid)) and r.error]
+            if fetched:
+                self._cond.wait_for(lambda: self._reported >= max(fetched), FAILURE_REPORT_S)
 
 
 # ---- the work queue ------------------------------------------------------------------------------------------------
@@ -282,7 +297,7 @@ class Front:
             "client/dynamic_config": lambda b: {},
             "create_session": self.create_session,
             "session_heartbeat": lambda b: {"type": "session_heartbeat"},
-            "telemetry": lambda b: {"status": "accepted"},
+            "telemetry": self.telemetry,
             "create_model": self.create_model,
             "get_info": self.get_info,
             "optim_step": self.optim_step,
@@ -601,6 +616,11 @@ class Front:
                 {"model_name": s.model_name, "max_context_length": s.max_len, "trainable": True, "sampleable": True}
             ]
         }
+
+    def telemetry(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Accepted and dropped; its arrival tells a failing job the client has its failure (drain_failures)."""
+        self.futures.reported()
+        return {"status": "accepted"}
 
     def close(self, reason: str) -> None:
         """The job stops: every pending future fails with `reason`, and later requests get a 410 saying it."""
