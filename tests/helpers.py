@@ -325,6 +325,23 @@ def save_tiny_base(path: Path, seed: int = 5) -> str:
     return str(path)
 
 
+def save_trained_adapter(source, out: Path):  # type: ignore[no-untyped-def]  - a PretrainedConfig; the nn.Module saved
+    """A LoRA policy of `source` whose adapters moved off their start (noise 0.1), saved to `out` as --save_path holds
+    it (with --save_merged): an adapter directory for --pretrain."""
+    from rlrun.models.loading import load_tokenizer, policy_weights, unfilled_trained_policy
+    from rlrun.models.lora import is_adapter
+    from rlrun.roles.export import save_causal_lm
+
+    model = unfilled_trained_policy(source, 0, policy_weights(source, 0)).fill(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_adapter(name):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    save_causal_lm(model, load_tokenizer(source), str(out), is_writer=True, strategy=WholeStrategy(), merged=True)
+    return model
+
+
 def save_long_tailed_base(path: Path, logit: float = 4.0) -> str:
     """save_tiny_base's model with long-tailed response lengths (most short, a few at any cap, as reasoning policies
     have), for --partial_rollout: EOS's head row is set along the mean of the final hidden states over random tokens,

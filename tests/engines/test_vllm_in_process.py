@@ -216,19 +216,27 @@ def test_in_process_tensor_parallel_2_with_colocate_all_models_trains(tmp_path):
 @needs_lane
 @pytest.mark.slow
 def test_lora_adapters_alone_reach_vllm_each_sync_on_both_hosts(tmp_path):
-    """--lora_rank on vLLM engines: each sync sends the adapters alone and vLLM loads them under a new name
-    (engines/vllm/lora.py); the engines sample exactly the actor's policy every step (the sync's diff metric), on the
-    child host also after its children are SIGKILLed at step 6 (the new child reads the base weights at start and is
-    given the last sync's adapters), and the policy learns."""
-    lora = ["--lora_rank", "8", "--lora_alpha", "16", "--target_modules", "all-linear", "--max_steps", "16"]
-    out, child = _train(lora + ["--vllm_engine_host", "child", "--max_engine_restarts", "1"], tmp_path / "child",
+    """A saved LoRA adapter directory as --pretrain on vLLM engines: vLLM reads the base model's own files at start
+    (linked, not written: the engines start from the base alone, not base + adapter merged), each sync sends the
+    adapters alone and vLLM loads them under a new name (engines/vllm/lora.py). The engines sample exactly the
+    actor's policy every step (the sync's diff metric), on the child host also after its children are SIGKILLed at
+    step 6 (the new child reads the base again and is given the last sync's adapters), and the policy learns."""
+    from helpers import save_tiny_base, save_trained_adapter
+    from rlrun.config.model import PretrainedConfig
+
+    lora = tmp_path / "lora"
+    save_trained_adapter(PretrainedConfig(pretrain=save_tiny_base(tmp_path / "base"), lora_rank=8, lora_alpha=16,
+                                          target_modules=("all-linear",)), lora)
+    args = ["--pretrain", str(lora), "--remote_rm_url", "demo", "--max_steps", "16"]
+    out, child = _train(args + ["--vllm_engine_host", "child", "--max_engine_restarts", "1"], tmp_path / "child",
                         RLRUN_VLLM_CHILD_FAULT="generate:5:kill")
     assert "weight sync: LoRA adapters only (the vllm engines keep the base weights" in out, out[-3000:]
+    assert f"vLLM engines read the base weights at start from {tmp_path / 'base'} (linked)" in out, out[-3000:]
     assert "weight syncs stream bucket by bucket" not in out and "keeps a host copy" not in out, out[-3000:]
     assert [m["engine/restarts"] for m in child] == [0.0] * 5 + [2.0] * 11, [m["engine/restarts"] for m in child]
     rewards = [m["reward"] for m in child]
-    assert np.mean(rewards[-4:]) > np.mean(rewards[:3]) + 0.1, [round(r, 3) for r in rewards]  # ~0.08 -> ~0.23
-    out, inproc = _train(lora, tmp_path / "in_process")  # every rank an engine: the in-process host
+    assert np.mean(rewards[-4:]) > np.mean(rewards[:3]) + 0.1, [round(r, 3) for r in rewards]  # it learns
+    out, inproc = _train(args, tmp_path / "in_process")  # every rank an engine: the in-process host
     assert out.count("in-process vLLM engine ready") == 2 and "adapters only (the vllm engines" in out, out[-3000:]
     # the same base weights, the same adapters, the same seeds: the two hosts (one restarted) give the same run
     assert [m["reward"] for m in inproc] == rewards, ([m["reward"] for m in inproc], rewards)

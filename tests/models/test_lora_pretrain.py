@@ -15,7 +15,7 @@ from peer_data import lay_out_hub_cache
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from helpers import WholeStrategy, save_tiny_base
+from helpers import save_tiny_base, save_trained_adapter
 from rlrun.config.model import PretrainedConfig
 from rlrun.models import hub
 from rlrun.models.loading import (AdapterMerged, load_model_config, load_tokenizer, lora_settings, policy_weights,
@@ -33,16 +33,7 @@ pytest.importorskip("peft")
 save_base = save_tiny_base
 
 
-def export(source: PretrainedConfig, out: Path) -> nn.Module:
-    """A LoRA policy whose adapters moved off their start, saved as --save_path holds it (with --save_merged)."""
-    model = unfilled_trained_policy(source, 0, policy_weights(source, 0)).fill(CPU)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if is_adapter(name):
-                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-    save_causal_lm(model, load_tokenizer(source), str(out), is_writer=True, strategy=WholeStrategy(), merged=True)
-    return model
+export = save_trained_adapter
 
 
 @pytest.fixture

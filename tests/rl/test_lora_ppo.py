@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from helpers import run_rlrun, untimed
+from helpers import run_rlrun, save_tiny_base, save_trained_adapter, untimed
 from test_resume import SMALL, _copy_checkpoints, _ok, torchrun
 from rlrun.config.model import PretrainedConfig
 from rlrun.data.rollout import RolloutBatch
@@ -123,3 +123,19 @@ def test_an_adapter_directory_with_a_kl_term_is_refused_in_one_line(tmp_path) ->
         check_adapter_reference(cfg)
     cfg.algo.init_kl_coef = 0.0
     check_adapter_reference(cfg)  # no KL term: the adapter trains on
+
+
+def test_an_adapter_directory_goes_on_training_on_native_engines_that_run_its_adapters(tmp_path) -> None:
+    """--pretrain an adapter directory with native engines, which run the adapters beside their base weights: the
+    engines start from the base alone (the frozen copies' start is base + adapter merged) and the first sync gives them
+    the saved adapters, so they sample the actor's policy; started from the merged base, every sync's adapters were
+    added a second time."""
+    lora = tmp_path / "lora"
+    save_trained_adapter(PretrainedConfig(pretrain=save_tiny_base(tmp_path / "base"), lora_rank=4, lora_alpha=8,
+                                          target_modules=("q_proj", "v_proj", "down_proj")), lora)
+    run = run_rlrun(2, ["--config", "configs/demo.yaml", "--pretrain", str(lora), "--remote_rm_url", "demo",
+                        "--max_steps", "3"], tmp_path / "out")
+    assert run.returncode == 0, run.output[-4000:]
+    assert "weight sync: LoRA adapters only (the native engines" in run.output, run.output[-3000:]
+    diffs = [m["rollout/engine_vs_actor_logprob_diff"] for m in run.metrics]
+    assert len(diffs) == 3 and max(diffs) < 1e-4, diffs

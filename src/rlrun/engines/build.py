@@ -31,12 +31,12 @@ from rlrun.launch.context import RankContext
 from rlrun.launch.dist import before_teardown, world_size
 from rlrun.launch.layout import Layout, Role
 from rlrun.launch.transfer import EngineRowExchange
-from rlrun.models.adapter_pretrain import lora_settings
+from rlrun.models.adapter_pretrain import AdapterMerged, lora_settings
 from rlrun.models.architecture import is_vision_language
 from rlrun.models.loading import load_model_config
 from rlrun.models.lora import LoraSettings
 from rlrun.models.moe import config_routing_shape
-from rlrun.models.weights import Unfilled
+from rlrun.models.weights import FileWeights, Unfilled
 from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.log import get_logger
 
@@ -128,7 +128,8 @@ def runs_adapters(
     loads each sync's adapters by name: engines/vllm/lora.py). Elsewhere (HF generate, a MoE, other targets,
     tensor-parallel vLLM, a vision-language policy on vLLM) the engines take the merged weights. The same answer on
     every rank (config alone)."""
-    if not (dense and set(target_modules) <= {"all-linear", *ADAPTABLE}):
+    # a target is a module name or, as an adapter directory saved by rlrun lists them, a module's full path
+    if not (dense and {t.rsplit(".", 1)[-1] for t in target_modules} <= {"all-linear", *ADAPTABLE}):
         return False
     return backend == "native" or (backend == "vllm" and tensor_parallel_size == 1 and not vision)
 
@@ -182,6 +183,8 @@ def build_engine(
     each token's MoE experts (--router_replay R3; the native and HF backends). `adapters`: a LoRA policy's, which the
     engine runs beside its base weights (engine_adapters; None: it takes the merged weights each sync)."""
     sampling = sampling_settings(g, ctx.tokenizer, end_ids)
+    if adapters is not None:
+        unfilled = base_alone(unfilled)
     if g.generation_backend == "vllm":
         return _vllm_engine(ctx, g, unfilled, sampling, timeout_s, images, adapters)
     device, tokenizer = ctx.device, ctx.tokenizer
@@ -197,6 +200,22 @@ def build_engine(
         engine = HFEngine(unfilled.fill(device), sampling, device, tokenizer)
     engine.record_routing = record_routing
     return engine
+
+
+def base_alone(unfilled: Unfilled) -> Unfilled:
+    """An engine that runs the adapters beside its base weights starts from the base alone: an adapter directory as
+    --pretrain reads as base + adapter merged (the frozen copies' start), to which every sync's adapters would be
+    added a second time. The trainer's first sync (before any generation) gives the engine the saved adapters."""
+    if isinstance(unfilled.weights, AdapterMerged):
+        return replace(unfilled, weights=unfilled.weights.base)
+    return unfilled
+
+
+def _base_files(unfilled: Unfilled) -> tuple[str, ...]:
+    """The model's own safetensors files and index when its weights are exactly them (names unprefixed), else ()."""
+    weights = unfilled.weights
+    files = weights.model_safetensors() if isinstance(weights, FileWeights) and not unfilled.prefix else None
+    return tuple(files or ())
 
 
 def _vllm_engine(
@@ -228,14 +247,16 @@ def _vllm_engine(
     in_process = choose_host(g.vllm_engine_host, layout, tp) == "in_process"
     # Weight sync hands every sync straight to vLLM (the gathered tensors in-process, a stream of buckets to a child):
     # the rank keeps no copy of the policy. A vision-language policy is read for vLLM's first file, and dropped.
-    if (images is not None or adapters is not None) and (in_process or exchange.is_leader):
+    # A LoRA policy's base weights: vLLM reads the pretrained safetensors files as they are, where they are those
+    base_files = _base_files(unfilled) if adapters is not None else ()
+    if (images is not None or (adapters is not None and not base_files)) and (in_process or exchange.is_leader):
         policy = unfilled.fill(torch.device("cpu"))
     else:
         policy = unfilled.model
     options = VLLMOptions.of(g, rank=rank, seed=ctx.seed, tensor_parallel_size=tp, timeout_s=timeout_s)
     if images is not None:
         options = replace(options, image_processor=images.processor, images_per_prompt=max(1, images.per_prompt))
-    options = replace(options, lora=adapters)
+    options = replace(options, lora=adapters, base_files=base_files)
     if in_process:
         from rlrun.engines.vllm.in_process import InProcessEngine  # noqa: PLC0415
 

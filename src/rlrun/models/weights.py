@@ -88,10 +88,12 @@ class FileWeights:
         self.path = path
         self._file_of: dict[str, str] = {}
         self._open: dict[str, object] = {}
+        self._index: str | None = None
         for index, single in _INDEXES:
             if index is not None and os.path.isfile(os.path.join(path, index)):
                 with open(os.path.join(path, index)) as f:
                     self._file_of = dict(json.load(f)["weight_map"])
+                self._index = index
                 break
             if os.path.isfile(os.path.join(path, single)):
                 self._file_of = {name: single for name in self._names_in(single)}
@@ -121,6 +123,14 @@ class FileWeights:
     def names(self) -> list[str]:
         """Every stored tensor's name."""
         return list(self._file_of)
+
+    def model_safetensors(self) -> list[str] | None:
+        """The full paths of a model's safetensors files and their index, which another reader (vLLM) can be given
+        as they are; None for .bin files or a PEFT adapter's."""
+        files = sorted(set(self._file_of.values()))
+        if not all(f.endswith(".safetensors") for f in files) or files == ["adapter_model.safetensors"]:
+            return None
+        return [os.path.join(self.path, f) for f in [*files, *([self._index] if self._index else [])]]
 
     def _names_in(self, file: str) -> list[str]:
         handle = self._handle(file)

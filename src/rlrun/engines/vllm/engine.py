@@ -108,9 +108,11 @@ class VLLMOptions:
     restart_window_s: float = 3600.0
     image_processor: Any = None
     images_per_prompt: int = 0
-    # A LoRA policy whose adapters the engine runs beside the base weights (rlrun.engines.build.engine_adapters;
-    # `model` then holds the base weights, written for vLLM's start): each sync loads the adapters alone.
+    # A LoRA policy whose adapters the engine runs beside the base weights (rlrun.engines.build.engine_adapters):
+    # each sync loads the adapters alone. vLLM reads the base at start from `base_files` (the pretrained model's
+    # safetensors files and index, linked into its directory), or when there are none from `model`, written there.
     lora: LoraSettings | None = None
+    base_files: tuple[str, ...] = ()
 
     @classmethod
     def of(
@@ -165,8 +167,16 @@ class VLLMEngineBase:
         self.banned = tuple(vision_token_ids(model)) if image_processor is not None else ()
         write_model_dir(model, tokenizer, self.model_dir, image_processor)
         # vLLM builds a vision-language model from real weights (VLLMAdapter says why), and runs a LoRA policy's
-        # adapters beside the base weights it read at start
-        if image_processor is not None or options.lora is not None:
+        # adapters beside the base weights it read at start: the pretrained files as they are, else written
+        for path in options.base_files:
+            os.symlink(path, os.path.join(self.model_dir, os.path.basename(path)))
+        if options.lora is not None:
+            get_logger(rank).info_once(
+                "vLLM engines read the base weights at start from "
+                + (os.path.dirname(options.base_files[0]) + " (linked)" if options.base_files else "this rank's copy")
+                + "; each weight sync sends the LoRA adapters alone"
+            )
+        if image_processor is not None or (options.lora is not None and not options.base_files):
             write_weights(self.model.named_parameters(), self.model_dir)
         self.lora_rank = 0 if options.lora is None else vllm_lora_rank(options.lora.rank)
         self.adapters = None if options.lora is None else AdapterFiles(options.lora, os.path.join(self.workdir, "lora"))
