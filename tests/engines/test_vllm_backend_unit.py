@@ -163,3 +163,24 @@ def test_restart_flags_are_checked_at_start_up(flags, error):
 
     with pytest.raises(ConfigError, match=re.escape(error)):
         check_sections(parse_args(["--remote_rm_url", "demo", *flags]).config)
+
+
+@pytest.mark.parametrize(("backend", "tp", "targets", "rank", "runs"), [
+    ("native", 1, ("all-linear",), 8, True),
+    ("vllm", 1, ("q_proj", "v_proj"), 8, True),
+    ("vllm", 1, ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"), 8, True),  # rlrun's own export
+    ("vllm", 2, ("all-linear",), 8, False),  # each tensor-parallel worker holds a slice: merged syncs
+    ("vllm", 1, ("all-linear",), 1024, False),  # past vLLM's largest max_lora_rank (512)
+    ("hf", 1, ("all-linear",), 8, False),
+    ("native", 1, ("q_proj", "lm_head"), 8, False),  # an adapter the decoder does not run
+])
+def test_which_lora_runs_sync_the_adapters_alone(backend, tp, targets, rank, runs):
+    """engines.build.engine_adapters: the one decision the engine and the weight sync share."""
+    from rlrun.config.generation import GenerationConfig
+    from rlrun.config.model import PretrainedConfig
+    from rlrun.engines.build import engine_adapters
+
+    model = PretrainedConfig(lora_rank=rank, lora_alpha=16, target_modules=list(targets))
+    settings = engine_adapters(model, GenerationConfig(generation_backend=backend), tp)
+    assert (settings is not None) == runs
+    assert engine_adapters(PretrainedConfig(), GenerationConfig(generation_backend=backend), tp) is None  # no LoRA

@@ -25,6 +25,7 @@ from rlrun.engines.native.decoder import ADAPTABLE, fused_groups, unsupported_re
 from rlrun.engines.native.engine import NativeEngine
 from rlrun.engines.protocol import Engine, SamplingSettings, TorchEngine
 from rlrun.engines.vllm.adapter import CPU_KV_CACHE_GIB
+from rlrun.engines.vllm.lora import VLLM_LORA_RANKS
 from rlrun.engines.vllm.placement import choose_host, whole_world_problem
 from rlrun.engines.vllm.placement import describe as describe_host
 from rlrun.launch.context import RankContext
@@ -144,7 +145,8 @@ def engine_adapters(model: PretrainedConfig, g: GenerationConfig, tensor_paralle
     dense = config_routing_shape(config) is None
     vision = is_vision_language(config)
     runs = runs_adapters(g.generation_backend, lora.target_modules, dense, tensor_parallel_size, vision)
-    return lora if runs else None
+    too_wide = g.generation_backend == "vllm" and lora.rank > VLLM_LORA_RANKS[-1]  # vLLM's largest max_lora_rank
+    return lora if runs and not too_wide else None
 
 
 def engine_dtype(bf16: bool, device: torch.device) -> torch.dtype:
