@@ -210,12 +210,15 @@ def test_one_rank_lora_rl_loop_raises_reward(base: str, tmp_path: Path, monkeypa
         service = tinker.ServiceClient(base_url=job.url)
         training = service.create_lora_training_client(base_model=base, rank=8).result()
         prompts = [[55, 55, 55], [49, 55], [55, 50, 55], [51]]
-        params = types.SamplingParams(max_tokens=6, temperature=1.0)
         means = []
-        for _ in range(10):
+        for it in range(10):
             sampler = training.save_weights_and_get_sampling_client().result()
-            futures = [sampler.sample(types.ModelInput.from_ints(p), num_samples=8, sampling_params=params)
-                       for p in prompts]
+            # seeded: an unseeded request draws by its arrival among the concurrent four (server.py), which varies
+            # from run to run, and so did the reward curve (stuck at 0 in one run of three)
+            futures = [sampler.sample(types.ModelInput.from_ints(p), num_samples=8,
+                                      sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0,
+                                                                           seed=100 * it + i))
+                       for i, p in enumerate(prompts)]
             data, scores = [], []
             for prompt, future in zip(prompts, futures):
                 group = future.result().sequences

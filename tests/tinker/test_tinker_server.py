@@ -201,7 +201,8 @@ def test_http_key_futures_and_errors(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 def test_a_failing_job_waits_until_its_failed_futures_are_fetched() -> None:
     """The failure path's drain (job.Serving waits on it before the process leaves): it returns as soon as every
-    failed future was fetched, and after its bound when one never is; a future resolved normally does not hold it."""
+    failed future was fetched and a client's telemetry (the SDK's report of the failure, which it sends before it
+    raises) came after, and after its bounds when one never is; a future resolved normally does not hold it."""
     futures = Futures()
     done, failed, never = futures.create(), futures.create(), futures.create()
     futures.resolve(done, Result(body=b"{}"))
@@ -212,6 +213,8 @@ def test_a_failing_job_waits_until_its_failed_futures_are_fetched() -> None:
     waiter.start()
     assert not drained.wait(0.3)  # `never` is still unfetched
     assert futures.wait(never, 0).error == "rlrun.tinker stopped: rank 1 failed"
+    assert not drained.wait(0.3)  # fetched, but the SDK's report of it has not come yet
+    futures.reported()
     assert drained.wait(5)
     waiter.join()
     other = Futures()

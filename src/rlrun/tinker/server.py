@@ -71,7 +71,7 @@ class Result:
 # must not hold every answer it ever gave.
 KEEP_DELIVERED_S = 600.0
 # The SDK raises a failed request (not a user error) only once its telemetry report of it was sent, and waits 30 s
-# for that when the server is gone (tinker/lib/telemetry.py FLUSH_TIMEOUT): a failing job takes that report, a few
+# for that when the server is gone (the SDK telemetry module's FLUSH_TIMEOUT): a failing job takes that report, a few
 # seconds at most, before it leaves.
 FAILURE_REPORT_S = 3.0
 
