@@ -51,9 +51,9 @@ def test_child_engine_runs_a_lora_policys_adapters_loaded_by_name_each_sync():
     checks = report["checks"]
     assert report["engine_on_meta"], report  # the rank keeps no copy of the base weights once vLLM read them
     for i, c in enumerate(checks):
-        # vLLM adds the adapters' product in its own LoRA kernels (another reduction order than PEFT's): 1e-5 to 1.1e-4
-        # measured over runs; adapters that did not arrive are off by 1e-1 or more
-        assert c["greedy_equal"] and c["max_logprob_diff"] < 5e-4, c
+        # vLLM adds the adapters' product in its own LoRA kernels, in another order than PEFT: 8.6e-6 at most here
+        # (adapters that did not arrive are off by 1e-1 or more)
+        assert c["greedy_equal"] and c["max_logprob_diff"] < 1e-4, c
         assert c["version"] == f"rlrun-policy-v{i + 1}" and c["versions_on_disk"] == [f"v{i + 1}"], c
     # round 0: B is zero, so the policy is the base; then the trained adapters make vLLM's answers differ from it
     assert checks[0]["base_greedy_equal"] and not checks[1]["base_greedy_equal"], checks

@@ -40,6 +40,7 @@ def main() -> None:
     base = build_causal_lm(tiny_model_config(), seed=3)
     settings = LoraSettings.of(PretrainedConfig(lora_rank=4, lora_alpha=8, target_modules=["all-linear"]))
     assert settings is not None
+    torch.manual_seed(3)  # PEFT draws A from the global generator
     actor = get_peft_model(copy.deepcopy(base), settings.peft_config())  # the actor's module tree under LoRA
     prompts = [list(f"Write {i} digits:".encode()) for i in range(6)]
     max_new = 16
