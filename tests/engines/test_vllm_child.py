@@ -13,12 +13,17 @@ from vllm_lane import LANE_PYTHON, REPO, lane_env, needs_lane
 pytestmark = [needs_lane, pytest.mark.slow]
 
 
-def test_child_engine_matches_hf_after_each_weight_sync():
-    proc = subprocess.run([str(LANE_PYTHON), str(REPO / "tests/engines/vllm_weights_check.py")], cwd=REPO,
+def _lane_report(script: str) -> dict:
+    """Run tests/engines/SCRIPT under the lane's python; its RESULT line."""
+    proc = subprocess.run([str(LANE_PYTHON), str(REPO / "tests/engines" / script)], cwd=REPO,
                           env=lane_env(), capture_output=True, text=True, timeout=420)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_child_engine_matches_hf_after_each_weight_sync():
+    report = _lane_report("vllm_weights_check.py")
     checks = report["checks"]
     # round 0: the initial weights; 1: updated in place; 2: the actor's parameters in new memory. Each sync streams
     # through the two staging buffers, several buckets, and the engine's rank keeps no copy of the policy
@@ -43,11 +48,7 @@ def test_child_engine_matches_hf_after_each_weight_sync():
 def test_child_engine_runs_a_lora_policys_adapters_loaded_by_name_each_sync():
     """Adapter-only LoRA sync on vLLM (engines/vllm/lora.py): the base weights are read at start, each sync's adapters
     are loaded under a new name and checked on arrival; vLLM samples as HF does on the PEFT model."""
-    proc = subprocess.run([str(LANE_PYTHON), str(REPO / "tests/engines/vllm_lora_check.py")], cwd=REPO,
-                          env=lane_env(), capture_output=True, text=True, timeout=420)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(lines[-1][len("RESULT "):])
+    report = _lane_report("vllm_lora_check.py")
     checks = report["checks"]
     assert report["engine_on_meta"], report  # the rank keeps no copy of the base weights once vLLM read them
     for i, c in enumerate(checks):
