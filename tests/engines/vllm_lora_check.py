@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -71,8 +72,8 @@ def main() -> None:
         report["checks"].append({  # type: ignore[union-attr]
             "round": round_, "greedy_equal": out.responses == hf_greedy(actor, prompts, max_new, EOS_ID),
             "base_greedy_equal": out.responses == hf_greedy(base, prompts, max_new, EOS_ID),
-            "max_logprob_diff": lp_diff, "version": engine.adapter.name if engine.adapter else None,
-            "versions_on_disk": sorted(p.name for p in __import__("pathlib").Path(engine.adapters.root).iterdir()),
+            "max_logprob_diff": lp_diff, "version": engine.adapters.current.name if engine.adapters.current else None,
+            "versions_on_disk": sorted(p.name for p in Path(engine.adapters.root).iterdir()),
         })
     # An adapter file that differs from what the sync sent (here: one value changed after the sums were taken) is
     # refused by the arrival check, in one line

@@ -316,7 +316,6 @@ class VLLMEngine(VLLMEngineBase):
         )
         self.sleeps = sleeps(spec)
         self.spec, self.rank, self.timeout_s = spec, rank, o.timeout_s
-        self.adapter: AdapterVersion | None = None  # a LoRA policy's: the adapters the child samples with
         self.log = get_logger(rank)
         self.budget = RestartBudget(o.max_restarts, o.restart_window_s)
         self.child = self._spawn({}, "overlapped with the rest of start-up")
@@ -389,8 +388,8 @@ class VLLMEngine(VLLMEngineBase):
             try:
                 if self.adapters is not None:  # the base weights are its start's; the adapters go again
                     self.child.wait_ready()
-                    if self.adapter is not None:
-                        self.child.request("loading the LoRA adapters", "adapter", self.adapter)
+                    if self.adapters.current is not None:
+                        self.child.request("loading the LoRA adapters", "adapter", self.adapters.current)
                 elif self.sink.has_weights:
                     self.sink.replay()
                 else:  # before the first sync: the next one gives it the weights
@@ -418,9 +417,8 @@ class VLLMEngine(VLLMEngineBase):
             return
         t0 = time.perf_counter()
         self._request("loading the LoRA adapters", "adapter", version)
-        self.adapter = version
         assert self.adapters is not None
-        self.adapters.drop_previous()
+        self.adapters.loaded(version)
         self.last_sync_s = time.perf_counter() - t0
 
     # ---- generation ---------------------------------------------------------------------------

@@ -185,7 +185,7 @@ class InProcessEngine(VLLMEngineBase, ParamLoader):
         t0 = time.perf_counter()
         with kept_host_rng(self.device):
             self.adapter.load_adapter(version)
-        self.adapters.drop_previous()
+        self.adapters.loaded(version)
         self.last_sync_s = time.perf_counter() - t0
 
     # ---- generation ---------------------------------------------------------------------------

@@ -71,14 +71,15 @@ class AdapterVersion:
 class AdapterFiles:
     """The engine rank's side: the module each sync writes the actor's adapters into (`adopt`, for KeptAdapters),
     and after each sync a new version directory under `root` (PEFT's adapter_config.json and
-    adapter_model.safetensors). The previous version's directory goes once the next one is loaded (`drop_previous`):
-    a restarted vLLM child is given the current one."""
+    adapter_model.safetensors). `loaded` records the version vLLM samples with (`current`: what a restarted vLLM
+    child is given) and removes the one before it."""
 
     def __init__(self, settings: LoraSettings, root: str) -> None:
         self.settings = settings
         self.root = root
         self.module: nn.Module | None = None
         self.version = 0
+        self.current: AdapterVersion | None = None  # the version vLLM samples with (None: the base weights)
 
     def adopt(self, shapes: list[tuple[str, list[int]]]) -> nn.Module:
         self.module = adapter_module(shapes, torch.float32, torch.device("cpu"))
@@ -100,6 +101,9 @@ class AdapterFiles:
         sums = adapter_sums(pairs, self.settings.scaling)
         return AdapterVersion(f"rlrun-policy-v{self.version}", self.version, path, sums)
 
-    def drop_previous(self) -> None:
-        """Remove the version before the current one (vLLM read it when it loaded it; older ones went before)."""
-        shutil.rmtree(os.path.join(self.root, f"v{self.version - 1}"), ignore_errors=True)
+    def loaded(self, version: AdapterVersion) -> None:
+        """vLLM samples with `version` from now on: it becomes `current`, and the one before it (which vLLM read when it
+        loaded it; older ones went before) leaves the disk."""
+        if self.current is not None:
+            shutil.rmtree(self.current.path, ignore_errors=True)
+        self.current = version
