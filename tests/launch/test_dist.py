@@ -1,11 +1,14 @@
-"""Process-group and device set-up that needs no second process: the default group binds no device (an eager
-communicator split on every new_group hangs groups made by only some ranks and fails on gloo, as seen on an H200),
---tf32 sets the GPU's fp32 matmul mode while leaving the CPU alone, and NCCL runs record their last collectives
-(PyTorch's flight recorder) for a timeout to dump."""
+"""Process-group and device set-up: the default group binds no device (an eager communicator split on every new_group
+hangs groups made by only some ranks and fails on gloo, as seen on an H200), --tf32 sets the GPU's fp32 matmul mode
+while leaving the CPU alone, NCCL runs record their last collectives (PyTorch's flight recorder) for a timeout to
+dump, and gloo's worker threads start no OpenMP team of their own (a fresh process)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import torch
 
@@ -17,6 +20,7 @@ from rlrun.launch.env import DistEnv
 def test_the_default_group_binds_no_device(monkeypatch) -> None:
     calls = []
     monkeypatch.setattr(dist.dist, "init_process_group", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(dist, "keep_worker_threads_serial", lambda: False)  # this process's threads stay as they are
     dist.init_distributed(DistEnv(0, 0, 1, 1, "127.0.0.1", 1, "single"), "nccl", 60.0)
     assert len(calls) == 1 and calls[0].get("device_id") is None
 
@@ -72,3 +76,41 @@ def test_cpu_offload_gets_gloo_beside_nccl_and_tensors_go_where_nccl_is() -> Non
     assert dist.resolve_dist_backend("gloo", cuda, cpu_collectives=True) == "gloo"
     assert dist.collective_device("cpu:gloo,cuda:nccl", cuda) == cuda and dist.collective_device("nccl", cuda) == cuda
     assert dist.collective_device("gloo", cuda) == cpu and dist.collective_device("gloo", cpu) == cpu
+
+
+THREADS_PROBE = textwrap.dedent(
+    """
+    import os, sys, threading, torch
+    from rlrun.launch import dist
+    from rlrun.launch.env import DistEnv
+    if sys.argv[1] == "unset":
+        dist.keep_worker_threads_serial = lambda: False
+    dist.init_distributed(DistEnv(0, 0, 1, 1, "127.0.0.1", 1, "single"), "gloo", 60.0)
+    # a thread started by gloo's worker (an OpenMP worker takes its creator's name)
+    gloos = lambda: {t for t in os.listdir("/proc/self/task") if open(f"/proc/self/task/{t}/comm").read().startswith("pt_gloo")}
+    before = gloos()
+    t = torch.zeros(1_000_000)
+    dist.dist.all_gather_into_tensor(torch.empty_like(t), t)
+    other = []
+    threading.Thread(target=lambda: other.append(torch.get_num_threads())).start()
+    print(len(gloos() - before), torch.get_num_threads(), other[0], flush=True)
+    os._exit(0)  # gloo's threads would race the interpreter's finalization
+    """
+)
+
+
+def test_gloos_worker_threads_start_no_openmp_team_of_their_own() -> None:
+    """gloo's worker copies an all_gather's result into place, in parallel above 32k elements: left alone it starts
+    an OpenMP worker of its own (a thread more, named after gloo's), after which libgomp manages more threads than
+    CPUs and every barrier sleeps in the kernel (the slowdown measured in keep_worker_threads_serial). With rlrun's
+    setting the copy runs serially (no such thread), the main thread keeps its 2 threads and another thread runs 1."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    runs = {}
+    for mode in ("set", "unset"):
+        out = subprocess.run(
+            [sys.executable, "-c", THREADS_PROBE, mode], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[mode] = [int(v) for v in out.stdout.split()]
+    assert runs["unset"] == [1, 2, 2]  # the problem, on this torch
+    assert runs["set"] == [0, 2, 1]

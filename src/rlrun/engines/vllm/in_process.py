@@ -42,6 +42,7 @@ from rlrun.engines.receivers import ParamLoader
 from rlrun.engines.vllm.adapter import EngineSpec, ImageRequests, VLLMAdapter, sleeps
 from rlrun.engines.vllm.engine import VLLMEngineBase, VLLMOptions
 from rlrun.engines.vllm.placement import gpu_utilization, whole_world_problem
+from rlrun.launch.dist import keep_worker_threads_serial
 from rlrun.launch.layout import Layout
 from rlrun.runtime.errors import ConfigError
 from rlrun.runtime.log import get_logger
@@ -73,13 +74,15 @@ def kept_host_rng(device: torch.device) -> Iterator[None]:
 @contextlib.contextmanager
 def kept_set_num_threads() -> Iterator[None]:
     """vLLM's CPU worker replaces torch.set_num_threads with a no-op (it guards its own thread binding, which rlrun
-    switches off: VLLM_CPU_OMP_THREADS_BIND=nobind); the trainer keeps the real one."""
+    switches off: VLLM_CPU_OMP_THREADS_BIND=nobind); the trainer keeps the real one, and its threads' counts as
+    launch.dist set them (other threads serial)."""
     real, threads = torch.set_num_threads, torch.get_num_threads()
     try:
         yield
     finally:
         torch.set_num_threads = real
-        torch.set_num_threads(threads)
+        if not keep_worker_threads_serial(threads):
+            torch.set_num_threads(threads)
 
 
 def _torchrun_env(rank: int, world_size: int, device: torch.device) -> None:
