@@ -75,6 +75,10 @@ class TinkerHandler(JsonHandler):
                     self._send_json(HTTPStatus.OK, front.post(route, _json_body(body)))
                 except KeyError:
                     raise HttpError(HTTPStatus.NOT_FOUND, f"rlrun.tinker does not serve POST {path}") from None
+                if route == "telemetry":
+                    # only now: a failing job leaves once the report came, and the SDK waits 30 s for an answer
+                    # that a job gone before sending it never gives
+                    front.futures.reported()
         except BadRequest as exc:  # the client's mistake, said in the job's log too (what the SDK raised, and why)
             get_logger(0).warning_once(f"rlrun.tinker refused POST {path}: {exc}")
             self._error(HTTPStatus.BAD_REQUEST, str(exc))

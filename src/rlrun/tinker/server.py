@@ -618,8 +618,8 @@ class Front:
         }
 
     def telemetry(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Accepted and dropped; its arrival tells a failing job the client has its failure (drain_failures)."""
-        self.futures.reported()
+        """Accepted and dropped. Its arrival tells a failing job the client has its failure (drain_failures): the
+        HTTP front says so with futures.reported() once this answer is sent."""
         return {"status": "accepted"}
 
     def close(self, reason: str) -> None:
