@@ -115,6 +115,9 @@ def test_samplers_sample_the_newest_weights_only() -> None:
     with pytest.raises(BadRequest, match="topk_sample_logprobs, top_k"):
         front.asample({**asked, "sampling_session_id": newest["sampling_session_id"], "topk_sample_logprobs": 2,
                        "sampling_params": {**params, "top_k": 5}})
+    # what a cookbook recipe asks for under its default stable_reinforce loss: refused with the setting to change
+    with pytest.raises(BadRequest, match="record_stability_info .*set loss_fn=importance_sampling"):
+        front.asample({**asked, "sampling_session_id": newest["sampling_session_id"], "record_stability_info": True})
 
 
 def test_compute_logprobs_runs_where_the_trained_model_holds_the_weights() -> None:

@@ -567,7 +567,14 @@ class Front:
             if asked and name not in allowed
         ]
         if unsupported:
-            raise BadRequest(f"rlrun.tinker does not support {', '.join(unsupported)} in sample requests (v1)")
+            why = (
+                ": it records what the stable_reinforce loss trains on, which rlrun.tinker does not compute (a "
+                "cookbook recipe samples so when its loss_fn is stable_reinforce: set loss_fn=importance_sampling, "
+                "ppo or cispo)"
+                if "record_stability_info" in unsupported
+                else ""
+            )
+            raise BadRequest(f"rlrun.tinker does not support {', '.join(unsupported)} in sample requests (v1){why}")
 
     def _sampling_session(self, req: tt.SampleRequest) -> SamplerSession:
         if req.sampling_session_id is not None:

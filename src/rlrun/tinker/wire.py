@@ -23,7 +23,10 @@ M = TypeVar("M", bound=pydantic.BaseModel)
 
 # Losses the SDK names that rlrun does not compute, and why (answered as a user error on the future).
 UNSUPPORTED_LOSSES = {
-    "stable_reinforce": "it needs the sampler's stability records, which rlrun's engines do not keep",
+    "stable_reinforce": (
+        "its objective is not published and it trains on the sampler's stability records, which rlrun's engines do "
+        "not keep: train with loss_fn=importance_sampling, ppo or cispo (the cookbook's loss_fn setting)"
+    ),
     "custom": "server-side custom losses are not supported; forward_backward_custom (client-side) works",
 }
 
