@@ -128,8 +128,9 @@ class Worker:
 
 
 # Sample requests with equal settings run as one call while they keep coming, for at most WAVE_S: a wave is over when
-# none came for WAVE_GAPS times its longest gap so far, within [WAVE_GAP_MIN_S, WAVE_GAP_S]. (A fixed 20 ms was
-# 4-5 % of the SDK bench's wave of 64 requests, whose gaps are 1-4 ms on 2 shared cores.)
+# none came for WAVE_GAP_S after its first request, or later for WAVE_GAPS times its longest gap so far, within
+# [WAVE_GAP_MIN_S, WAVE_GAP_S]. (A fixed 20 ms was 4-5 % of the SDK bench's wave of 64 requests, whose gaps are 1-4 ms
+# on 2 shared cores.)
 WAVE_GAP_MIN_S, WAVE_GAP_S, WAVE_GAPS, WAVE_S = 0.005, 0.02, 4, 0.25
 # How often rank 0, waiting for a request, checks for a stop notice.
 STOP_POLL_S = 0.2
@@ -239,14 +240,15 @@ class Serving:
         # milliseconds: wait while they keep coming, so that they share one engine call rather than the first
         # decoding alone
         last = time.monotonic()
-        deadline, gap = last + WAVE_S, WAVE_GAP_MIN_S
+        deadline, gap, longest = last + WAVE_S, WAVE_GAP_S, 0.0
         while isinstance(first.call, Sample):
             try:
                 more = self.front.work.get(timeout=max(0.0, min(gap, deadline - time.monotonic())))
             except queue.Empty:
                 break
             now = time.monotonic()
-            gap, last = min(WAVE_GAP_S, max(gap, WAVE_GAPS * (now - last))), now
+            longest, last = max(longest, now - last), now
+            gap = min(WAVE_GAP_S, max(WAVE_GAP_MIN_S, WAVE_GAPS * longest))
             if isinstance(more.call, Sample) and more.call.params == first.call.params:
                 taken.append(more)
             else:
