@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
+import pytest
 import torch
 
 from rlrun.cli.parser import parse_args
@@ -114,3 +116,23 @@ def test_gloos_worker_threads_start_no_openmp_team_of_their_own() -> None:
         runs[mode] = [int(v) for v in out.stdout.split()]
     assert runs["unset"] == [1, 2, 2]  # the problem, on this torch
     assert runs["set"] == [0, 2, 1]
+
+
+def test_another_openmp_runtime_than_torchs_leaves_the_threads_as_they_were() -> None:
+    """Were the libgomp found not torch's (a system copy loaded beside it), setting its count would leave this thread
+    on torch's 1: the setting checks torch's count and undoes itself."""
+    system = Path("/usr/lib/x86_64-linux-gnu/libgomp.so.1")
+    if not system.exists():
+        pytest.skip("no system libgomp here to stand for another OpenMP runtime")
+    probe = textwrap.dedent(
+        f"""
+        import torch
+        from rlrun.launch import dist
+        dist._loaded_libraries = lambda: {{"libgomp": "{system}"}}
+        print(dist.keep_worker_threads_serial(), torch.get_num_threads())
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "OMP_NUM_THREADS": "2"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "2"]

@@ -263,6 +263,9 @@ def keep_worker_threads_serial(threads: int | None = None) -> bool:
         return False
     torch.set_num_threads(1)
     ctypes.CDLL(libraries["libgomp"]).omp_set_num_threads(threads)
+    if torch.get_num_threads() != threads:  # another OpenMP runtime than torch's: leave everything as it was
+        torch.set_num_threads(threads)
+        return False
     if "libtorch_cpu" in libraries:
         mkl_local = getattr(ctypes.CDLL(libraries["libtorch_cpu"]), "MKL_Set_Num_Threads_Local", None)
         if mkl_local is not None:  # C's entry, by value (the lower-case spellings are Fortran's, by reference)
