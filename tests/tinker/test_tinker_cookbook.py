@@ -26,7 +26,7 @@ from peer_data import lay_out_hub_cache
 from real_artefacts import IM_END, save_qwen_vocab_model
 from test_tinker_e2e import KEY, datum, tinker_job
 
-from helpers import REPO, subprocess_env
+from helpers import REPO, read_metrics, subprocess_env
 
 tinker = pytest.importorskip("tinker")
 
@@ -36,10 +36,6 @@ pytestmark = pytest.mark.skipif(
     not (COOKBOOK / "tinker_cookbook").is_dir(),
     reason="!!! tinker-cookbook NOT installed in .cookbook/ (bash scripts/install.sh --test): its loops are not run !!!",
 )
-
-
-def metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def test_the_cookbooks_supervised_and_guess_number_loops_train_on_two_ranks(
@@ -81,15 +77,15 @@ def test_the_cookbooks_supervised_and_guess_number_loops_train_on_two_ranks(
     assert out.returncode == 0 and "cookbook loops done" in out.stdout, (out.stdout + out.stderr)[-4000:]
     assert job.returncode == 0, job.output[-4000:]
 
-    nll = [m["train_mean_nll"] for m in metrics(logs / "supervised" / "metrics.jsonl") if "train_mean_nll" in m]
+    nll = [m["train_mean_nll"] for m in read_metrics(logs / "supervised") if "train_mean_nll" in m]
     assert len(nll) == 4 and all(math.isfinite(v) for v in nll), nll
     assert nll[-1] < nll[0] - 0.3, nll  # the same four conversations each step: the loss falls
-    rl = [m for m in metrics(logs / "guess_number" / "metrics.jsonl") if "env/all/reward/total" in m]
+    rl = [m for m in read_metrics(logs / "guess_number") if "env/all/reward/total" in m]
     assert len(rl) == 2, rl
     for step in rl:
         assert step["env/all/turns_per_episode"] > 1 and math.isfinite(step["env/all/reward/total"])
         # the job's sampler and its trainer agree on the sampled tokens' log-probs, across the two ranks
         assert abs(step["optim/kl_sample_train_v1"]) < 1e-3, step
     for loop in ("supervised", "guess_number"):
-        saved = metrics(logs / loop / "checkpoints.jsonl")
+        saved = [json.loads(line) for line in (logs / loop / "checkpoints.jsonl").read_text().splitlines()]
         assert saved and saved[-1]["state_path"].startswith("tinker://"), saved

@@ -76,8 +76,9 @@ class TinkerHandler(JsonHandler):
                 except KeyError:
                     raise HttpError(HTTPStatus.NOT_FOUND, f"rlrun.tinker does not serve POST {path}") from None
                 if route == "telemetry":
-                    # only now: a failing job leaves once the report came, and the SDK waits 30 s for an answer
-                    # that a job gone before sending it never gives
+                    # the SDK's report of a failure it is about to raise, which a failing job waits for
+                    # (Futures.drain_failures): counted only once answered, as the SDK waits 30 s for an answer that
+                    # a job gone before sending it never gives
                     front.futures.reported()
         except BadRequest as exc:  # the client's mistake, said in the job's log too (what the SDK raised, and why)
             get_logger(0).warning_once(f"rlrun.tinker refused POST {path}: {exc}")

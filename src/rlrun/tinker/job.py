@@ -192,11 +192,7 @@ class Serving:
                     self.requests += len(pendings)
                     _resolve(self.front, pendings, result)
         except BaseException as exc:
-            if self.front is not None:
-                self.front.close(f"rlrun.tinker stopped: {one_line(exc)}")
-                # the clients fetch their failed futures before the process leaves (a client whose poll finds the
-                # port closed would retry for minutes): until each is fetched, FAILURE_GRACE_S at most
-                self.front.futures.drain_failures(FAILURE_GRACE_S)
+            self._fail_clients(f"rlrun.tinker stopped: {one_line(exc)}")
             raise
         if self.front is not None:
             self.front.close("rlrun.tinker is shutting down (a stop signal)")
@@ -204,13 +200,18 @@ class Serving:
 
     def last_words(self) -> None:
         """Rank 0, when torchrun stops it because another rank ended (before this rank's collective failed, or while
-        it waited outside Python): the pending requests fail with that, and the clients fetch them before the process
-        goes (a poll finding the port closed would be retried for minutes)."""
+        it waited outside Python): the pending requests fail with that."""
+        self._fail_clients(
+            "rlrun.tinker stopped: another rank of the job ended and torchrun stopped the rest (that rank's log has "
+            "its failure)"
+        )
+
+    def _fail_clients(self, reason: str) -> None:
+        """Rank 0: every pending request fails with `reason`, and the clients fetch their failed futures before the
+        process leaves (a client whose poll finds the port closed would retry for minutes): until each is fetched,
+        FAILURE_GRACE_S at most."""
         if self.front is not None:
-            self.front.close(
-                "rlrun.tinker stopped: another rank of the job ended and torchrun stopped the rest (that rank's log "
-                "has its failure)"
-            )
+            self.front.close(reason)
             self.front.futures.drain_failures(FAILURE_GRACE_S)
 
     def _idle(self, stopping: Callable[[], bool]) -> Call:

@@ -297,7 +297,7 @@ class Front:
             "client/dynamic_config": lambda b: {},
             "create_session": self.create_session,
             "session_heartbeat": lambda b: {"type": "session_heartbeat"},
-            "telemetry": self.telemetry,
+            "telemetry": lambda b: {"status": "accepted"},  # its arrival: rlrun.tinker.http_api says so once answered
             "create_model": self.create_model,
             "get_info": self.get_info,
             "optim_step": self.optim_step,
@@ -623,11 +623,6 @@ class Front:
                 {"model_name": s.model_name, "max_context_length": s.max_len, "trainable": True, "sampleable": True}
             ]
         }
-
-    def telemetry(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Accepted and dropped. Its arrival tells a failing job the client has its failure (drain_failures): the
-        HTTP front says so with futures.reported() once this answer is sent."""
-        return {"status": "accepted"}
 
     def close(self, reason: str) -> None:
         """The job stops: every pending future fails with `reason`, and later requests get a 410 saying it."""
